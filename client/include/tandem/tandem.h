@@ -1,0 +1,222 @@
+/* tandem: fused compute + communication ops served by the per-node daemon tandemd.
+ *
+ * Stable C ABI. Every function returns a tandem_status_t; TANDEM_SUCCESS is 0. Argument structs begin with
+ * `struct_size` (set it to sizeof(the struct)) so fields can be appended without breaking old callers.
+ * tandem_last_error() returns the message of the calling thread's most recent failure: it says what
+ * failed, why, and what to do.
+ *
+ * Threading: a session may be used from several threads; calls are serialised inside. Ops on one
+ * communicator must be submitted in the same order on every rank (as with NCCL).
+ *
+ * Shapes: "rows_of(M, r, n)" is the balanced row split every sharded op uses: rank r owns
+ * M/n + (r < M%n ? 1 : 0) rows, starting at row r*(M/n) + min(r, M%n). All matrices are row-major and
+ * contiguous. GEMMs follow nn.Linear: C = A · Bᵀ with A [M, K] and B [N, K] (both K-major). Accumulation
+ * is fp32 for every dtype; outputs are rounded once to the output dtype.
+ */
+#ifndef TANDEM_TANDEM_H_
+#define TANDEM_TANDEM_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TANDEM_API __attribute__((visibility("default")))
+
+/* Bumped when the wire protocol changes incompatibly. */
+#define TANDEM_PROTOCOL_VERSION 1u
+
+typedef enum tandem_status {
+  TANDEM_SUCCESS = 0,
+  TANDEM_ERROR_INVALID_ARGUMENT = 1, /* a bad argument or descriptor; nothing was written */
+  TANDEM_ERROR_PROTOCOL = 2,         /* malformed frame or message */
+  TANDEM_ERROR_VERSION_MISMATCH = 3, /* client and daemon speak different protocol versions */
+  TANDEM_ERROR_PERMISSION_DENIED = 4,/* uid/gid not allowed by the daemon's config */
+  TANDEM_ERROR_NOT_FOUND = 5,        /* unknown buffer, communicator or op */
+  TANDEM_ERROR_OUT_OF_MEMORY = 6,
+  TANDEM_ERROR_TIMEOUT = 7,          /* a wait or rendezvous ran past its deadline; the op may still finish */
+  TANDEM_ERROR_PEER_LOST = 8,        /* another rank of the communicator died or aborted */
+  TANDEM_ERROR_DAEMON_LOST = 9,      /* the connection to tandemd is gone; the session is dead */
+  TANDEM_ERROR_ABORTED = 10,         /* the communicator was aborted */
+  TANDEM_ERROR_UNSUPPORTED = 11,     /* the backend does not implement this op or dtype */
+  TANDEM_ERROR_UNAVAILABLE = 12,     /* the daemon is not running or not reachable */
+  TANDEM_ERROR_INTERNAL = 13,
+  TANDEM_ERROR_RING_FULL = 14,       /* the submission ring stayed full past the timeout; nothing was lost */
+  TANDEM_IN_PROGRESS = 15            /* tandem_op_status: the op has not completed yet */
+} tandem_status_t;
+
+typedef enum tandem_dtype {
+  TANDEM_DTYPE_INVALID = 0,
+  TANDEM_DTYPE_FP32 = 1,
+  TANDEM_DTYPE_FP16 = 2,
+  TANDEM_DTYPE_BF16 = 3,
+  TANDEM_DTYPE_INT32 = 4 /* index tensors only (MoE top-k expert ids) */
+} tandem_dtype_t;
+
+typedef struct tandem_session* tandem_session_t; /* one connection to tandemd */
+typedef struct tandem_buffer* tandem_buffer_t;   /* memory the daemon knows; owned by one session */
+typedef struct tandem_comm* tandem_comm_t;       /* one rank's membership of a communicator */
+
+/* An in-flight op. Plain value: copy it freely; it stays valid until its session is closed. */
+typedef struct tandem_op {
+  tandem_session_t session;
+  uint64_t seq;
+} tandem_op_t;
+
+/* 128 unguessable bits (getrandom). Every rank passes the same id to tandem_comm_init. */
+typedef struct tandem_unique_id {
+  uint8_t bytes[16];
+} tandem_unique_id_t;
+
+/* A tensor: memory in a tandem buffer at a byte offset. Its extent follows from the op's shape and dtype. */
+typedef struct tandem_tensor {
+  tandem_buffer_t buffer; /* NULL means "absent" where a tensor is optional */
+  uint64_t offset;        /* bytes; must be a multiple of the element size */
+} tandem_tensor_t;
+
+TANDEM_API const char* tandem_strerror(tandem_status_t status);
+/* Message of this thread's last failed call ("" if none). Valid until this thread's next tandem call. */
+TANDEM_API const char* tandem_last_error(void);
+TANDEM_API const char* tandem_version(void);
+TANDEM_API size_t tandem_dtype_size(tandem_dtype_t dtype);
+
+/* ---- sessions ---------------------------------------------------------------------------------------
+ * socket_path NULL: $TANDEM_SOCKET, else /run/tandem/tandemd.sock as root, else
+ * $XDG_RUNTIME_DIR/tandem/tandemd.sock. */
+TANDEM_API tandem_status_t tandem_connect(const char* socket_path, tandem_session_t* out);
+/* Frees every buffer and communicator of the session (the daemon reclaims them too if the process dies). */
+TANDEM_API tandem_status_t tandem_disconnect(tandem_session_t session);
+/* Backend the daemon runs ("cpu" or "cuda"); valid for the session's lifetime. */
+TANDEM_API const char* tandem_session_backend(tandem_session_t session);
+
+/* ---- memory -------------------------------------------------------------------------------------- */
+/* Allocates `bytes` of daemon-owned shared memory, mapped into this process (tandem_buffer_ptr). */
+TANDEM_API tandem_status_t tandem_alloc(tandem_session_t session, uint64_t bytes, tandem_buffer_t* out);
+TANDEM_API tandem_status_t tandem_free(tandem_buffer_t buffer);
+/* The buffer's mapping in this process, and its size in bytes. */
+TANDEM_API void* tandem_buffer_ptr(tandem_buffer_t buffer);
+TANDEM_API uint64_t tandem_buffer_size(tandem_buffer_t buffer);
+/* Registers memory this process already has. CPU backend: `ptr` must lie in a MAP_SHARED mapping of a
+ * memfd (memfd_create) that this process still holds open as `fd`, at byte `fd_offset` of that file.
+ * The daemon maps the same file; the caller keeps ownership of its memory. */
+TANDEM_API tandem_status_t tandem_register(tandem_session_t session, void* ptr, uint64_t bytes, int fd,
+                                           uint64_t fd_offset, tandem_buffer_t* out);
+TANDEM_API tandem_status_t tandem_deregister(tandem_buffer_t buffer);
+
+/* ---- communicators -------------------------------------------------------------------------------- */
+TANDEM_API tandem_status_t tandem_get_unique_id(tandem_unique_id_t* out);
+/* Blocks until all `nranks` ranks (1..64) have joined with the same id, or timeout_ms passes
+ * (TANDEM_ERROR_TIMEOUT; 0 means the daemon's default). */
+TANDEM_API tandem_status_t tandem_comm_init(tandem_session_t session, const tandem_unique_id_t* id,
+                                            uint32_t nranks, uint32_t rank, uint32_t timeout_ms,
+                                            tandem_comm_t* out);
+/* Aborts the communicator: every rank's pending and future ops fail with TANDEM_ERROR_ABORTED. */
+TANDEM_API tandem_status_t tandem_comm_abort(tandem_comm_t comm);
+/* Leaves the communicator and frees the handle. Other ranks' later ops fail with PEER_LOST. */
+TANDEM_API tandem_status_t tandem_comm_destroy(tandem_comm_t comm);
+TANDEM_API uint32_t tandem_comm_rank(tandem_comm_t comm);
+TANDEM_API uint32_t tandem_comm_nranks(tandem_comm_t comm);
+
+/* ---- waiting ------------------------------------------------------------------------------------- */
+/* Waits until `op` completes (its status) or timeout_ms passes (TANDEM_ERROR_TIMEOUT; the op stays
+ * pending). timeout_ms < 0 waits forever, though the daemon's death still ends the wait with
+ * TANDEM_ERROR_DAEMON_LOST. */
+TANDEM_API tandem_status_t tandem_wait(tandem_op_t op, int64_t timeout_ms);
+/* Non-blocking: TANDEM_IN_PROGRESS, or the final status. If `message` is not NULL the op's error text
+ * (empty on success) is copied there, NUL-terminated. */
+TANDEM_API tandem_status_t tandem_op_status(tandem_op_t op, char* message, size_t message_len);
+
+/* ---- fused ops -------------------------------------------------------------------------------------
+ * Every op is collective over its communicator: each rank calls it with the same shape and dtype (per-rank
+ * fields are marked). The call validates locally, writes one descriptor into the session's submission
+ * ring and returns; the daemon checks the descriptor again (ownership, bounds, shapes) and runs the op
+ * once every rank has submitted. Outputs are written only by a successful op. */
+
+/* AllGather + GEMM. A is sharded by rows: rank r holds a = A[rows_of(m, r, n)] as [rows, k].
+ * b is this rank's [n, k]. c = gather(A) · bᵀ, [m, n] on every rank. a_gathered (optional) receives the
+ * gathered A, [m, k]. dtype: bf16, fp16 or fp32 for a, b, c and a_gathered. */
+typedef struct tandem_ag_gemm_args {
+  size_t struct_size;
+  tandem_dtype_t dtype;
+  uint64_t m, n, k; /* global m */
+  tandem_tensor_t a, b, c, a_gathered;
+  void* cuda_stream; /* cuda backend: the caller's cudaStream_t; ignored by the cpu backend */
+} tandem_ag_gemm_args_t;
+TANDEM_API tandem_status_t tandem_ag_gemm(tandem_comm_t comm, const tandem_ag_gemm_args_t* args, tandem_op_t* op);
+
+/* GEMM + ReduceScatter. K is split across ranks: a is [m, k] and b is [n, k] on this rank, where k is this
+ * rank's slice (ranks may differ). C = Σ_r a_r · b_rᵀ; this rank receives c = C[rows_of(m, r, n)], [rows, n]. */
+typedef struct tandem_gemm_rs_args {
+  size_t struct_size;
+  tandem_dtype_t dtype;
+  uint64_t m, n, k; /* k: this rank's slice */
+  tandem_tensor_t a, b, c;
+  void* cuda_stream;
+} tandem_gemm_rs_args_t;
+TANDEM_API tandem_status_t tandem_gemm_rs(tandem_comm_t comm, const tandem_gemm_rs_args_t* args, tandem_op_t* op);
+
+/* GEMM + AllReduce. Inputs as tandem_gemm_rs; every rank receives the full C = Σ_r a_r · b_rᵀ, [m, n]. */
+typedef tandem_gemm_rs_args_t tandem_gemm_ar_args_t;
+TANDEM_API tandem_status_t tandem_gemm_ar(tandem_comm_t comm, const tandem_gemm_ar_args_t* args, tandem_op_t* op);
+
+/* MoE dispatch + grouped GEMM. This rank has `tokens` rows x [tokens, hidden] (ranks may differ), top-k
+ * expert ids topk_ids [tokens, topk] int32 in [0, experts) (no repeats within a row) and weights
+ * topk_weights [tokens, topk] fp32. Experts are spread evenly: rank r owns experts
+ * [r*E/n, (r+1)*E/n) (experts % nranks must be 0) and holds their weights w [E/n, n_out, hidden].
+ * Every (token, slot) is routed to its expert's rank and multiplied there: y = x_t · w_eᵀ, [n_out].
+ * Outputs on the expert's rank, in rows grouped by local expert, then source rank, then token, then slot:
+ *   out [capacity, n_out] (dtype), row_info [capacity, 4] int32 = {src_rank, src_token, slot, expert},
+ *   expert_counts [E/n] int32. If more than `capacity` rows arrive, the op fails naming the rows needed. */
+typedef struct tandem_moe_dispatch_gemm_args {
+  size_t struct_size;
+  tandem_dtype_t dtype;
+  uint64_t tokens, hidden, n_out, experts, topk, capacity;
+  tandem_tensor_t x, topk_ids, topk_weights, w, out, row_info, expert_counts;
+  void* cuda_stream;
+} tandem_moe_dispatch_gemm_args_t;
+TANDEM_API tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const tandem_moe_dispatch_gemm_args_t* args,
+                                                    tandem_op_t* op);
+
+/* MoE dispatch + FFN + combine: the whole layer. Routing as tandem_moe_dispatch_gemm. Each local expert e
+ * holds w1 [E/n, 2*ffn, hidden] (rows [0, ffn) are the gate, [ffn, 2*ffn) the up projection) and
+ * w2 [E/n, hidden, ffn]. For token x: h = silu(x·w1_gateᵀ) * (x·w1_upᵀ) (rounded to dtype), y = h·w2ᵀ.
+ * out [tokens, hidden] on the source rank, in original token order: out_t = Σ_slot weight * y_e(x_t). */
+typedef struct tandem_moe_ffn_args {
+  size_t struct_size;
+  tandem_dtype_t dtype;
+  uint64_t tokens, hidden, ffn, experts, topk;
+  tandem_tensor_t x, topk_ids, topk_weights, w1, w2, out;
+  void* cuda_stream;
+} tandem_moe_ffn_args_t;
+TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, const tandem_moe_ffn_args_t* args,
+                                                           tandem_op_t* op);
+
+/* Ring attention. The sequence is sharded in rank order: this rank holds q, k, v [seq, heads, head_dim] for
+ * its `seq` positions (ranks may differ), starting at the sum of lower ranks' seq. out [seq, heads,
+ * head_dim] = softmax(q·Kᵀ * scale [+ causal mask]) · V over the whole sequence, per head. scale 0 means
+ * 1/sqrt(head_dim). causal: position i attends to positions j <= i (global positions). */
+typedef struct tandem_ring_attention_args {
+  size_t struct_size;
+  tandem_dtype_t dtype;
+  uint64_t seq, heads, head_dim;
+  int causal;
+  float scale;
+  tandem_tensor_t q, k, v, out;
+  void* cuda_stream;
+} tandem_ring_attention_args_t;
+TANDEM_API tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_attention_args_t* args,
+                                                 tandem_op_t* op);
+
+/* Barrier: completes once every rank has submitted it (ops before it on this communicator have completed). */
+TANDEM_API tandem_status_t tandem_barrier(tandem_comm_t comm, tandem_op_t* op);
+
+/* AllGather of raw bytes: recv [nranks * bytes] receives every rank's send [bytes] in rank order. */
+TANDEM_API tandem_status_t tandem_allgather(tandem_comm_t comm, tandem_tensor_t send, tandem_tensor_t recv,
+                                            uint64_t bytes, void* cuda_stream, tandem_op_t* op);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TANDEM_TANDEM_H_ */

@@ -1,0 +1,109 @@
+// Fixed-size, versioned op descriptors and completions: the records that travel through a session's
+// submission and completion rings (common/ring.hpp). Plain data shared by client, daemon and kernels.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace tandem {
+
+inline constexpr uint16_t kDescriptorVersion = 1;
+inline constexpr std::size_t kMaxOpBuffers = 8;
+inline constexpr std::size_t kMaxOpDims = 8;
+inline constexpr uint32_t kMaxRanks = 64;
+
+enum class OpKind : uint16_t {
+  kInvalid = 0,
+  kAgGemm = 1,
+  kGemmRs = 2,
+  kGemmAr = 3,
+  kMoeDispatchGemm = 4,
+  kMoeDispatchFfnCombine = 5,
+  kRingAttention = 6,
+  kAllGather = 7,
+  kNop = 8,  // completes once every rank submitted it; measures the submission path
+};
+inline constexpr uint16_t kOpKindCount = 9;
+
+// Values equal tandem_dtype_t.
+enum class DType : uint16_t { kInvalid = 0, kF32 = 1, kF16 = 2, kBF16 = 3, kI32 = 4 };
+
+std::string_view opKindName(OpKind kind);  // "ag-gemm", ...; "invalid" for unknown values
+std::string_view dtypeName(DType dtype);
+std::size_t dtypeSize(DType dtype);        // 0 for invalid
+
+// A reference to bytes in a session-scoped buffer. Never a raw pointer across the trust boundary.
+struct BufferRef {
+  uint64_t bufferId;  // 0 = absent (only where the op says a tensor is optional)
+  uint64_t offset;    // bytes
+  uint64_t bytes;     // extent the client claims; the daemon recomputes it from the shape and compares
+};
+static_assert(sizeof(BufferRef) == 24);
+
+// Dims and buffer slots per kind (everything else must be zero):
+//   kAgGemm:       dims {m, n, k}                      bufs {a, b, c, a_gathered?}
+//   kGemmRs/Ar:    dims {m, n, k_local}                bufs {a, b, c}
+//   kMoeDispatchGemm: dims {tokens, hidden, n_out, experts, topk, capacity}
+//                                                     bufs {x, topk_ids, topk_weights, w, out, row_info, expert_counts}
+//   kMoeDispatchFfnCombine: dims {tokens, hidden, ffn, experts, topk}
+//                                                     bufs {x, topk_ids, topk_weights, w1, w2, out}
+//   kRingAttention: dims {seq, heads, head_dim}, flags kFlagCausal, scale   bufs {q, k, v, out}
+//   kAllGather:    dims {bytes}                        bufs {send, recv}
+//   kNop:          no dims, no bufs
+namespace dim {
+inline constexpr int kM = 0, kN = 1, kK = 2;
+inline constexpr int kTokens = 0, kHidden = 1, kNOut = 2, kFfn = 2, kExperts = 3, kTopk = 4, kCapacity = 5;
+inline constexpr int kSeq = 0, kHeads = 1, kHeadDim = 2;
+inline constexpr int kBytes = 0;
+}  // namespace dim
+namespace slot {
+inline constexpr int kA = 0, kB = 1, kC = 2, kAGathered = 3;
+inline constexpr int kX = 0, kTopkIds = 1, kTopkWeights = 2, kW = 3, kW1 = 3, kW2 = 4, kMoeOut = 4, kFfnOut = 5,
+                     kRowInfo = 5, kExpertCounts = 6;
+inline constexpr int kQ = 0, kKey = 1, kValue = 2, kAttnOut = 3;
+inline constexpr int kSend = 0, kRecv = 1;
+}  // namespace slot
+
+inline constexpr uint16_t kFlagCausal = 1u << 0;
+
+// One submission. 64-byte aligned and a whole number of cache lines, so ring slots never share a line.
+struct alignas(64) OpDescriptor {
+  uint16_t version;     // kDescriptorVersion
+  OpKind kind;
+  DType dtype;
+  uint16_t flags;       // kFlag*
+  uint32_t rank;        // the submitting rank, checked against the communicator
+  uint32_t nranks;      // checked against the communicator
+  uint64_t seq;         // per-session, monotonic, starting at 1; names the op in the completion ring
+  uint64_t commHandle;  // from JoinCommunicatorReply
+  float scale;          // ring attention; 0 = 1/sqrt(head_dim)
+  uint32_t reserved0;
+  std::array<uint64_t, kMaxOpDims> dims;
+  std::array<BufferRef, kMaxOpBuffers> bufs;
+  std::array<uint8_t, 88> reserved1;  // named padding: room to grow without changing the ring layout
+};
+static_assert(sizeof(OpDescriptor) == 384, "OpDescriptor is part of the ring ABI; bump kDescriptorVersion");
+static_assert(alignof(OpDescriptor) == 64);
+
+// One completion, written by the daemon.
+struct alignas(64) Completion {
+  uint64_t seq;         // the OpDescriptor::seq it completes
+  int32_t status;       // tandem_status_t
+  uint32_t messageLen;  // bytes used in message (not NUL-terminated)
+  char message[176];    // error text; empty on success
+};
+static_assert(sizeof(Completion) == 192, "Completion is part of the ring ABI");
+
+// The balanced row split used by every sharded op: rank r of n owns rowsOf(total, r, n) rows starting
+// at rowOffset(total, r, n).
+constexpr uint64_t rowsOf(uint64_t total, uint32_t rank, uint32_t nranks) {
+  return total / nranks + (rank < total % nranks ? 1 : 0);
+}
+constexpr uint64_t rowOffset(uint64_t total, uint32_t rank, uint32_t nranks) {
+  const uint64_t rem = total % nranks;
+  return rank * (total / nranks) + (rank < rem ? rank : rem);
+}
+
+}  // namespace tandem

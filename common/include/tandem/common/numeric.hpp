@@ -1,0 +1,30 @@
+// Element conversions for the dtypes tandem carries. bf16 and fp16 round to nearest even, as GPUs do.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tandem/common/descriptor.hpp"
+
+namespace tandem {
+
+uint16_t floatToBf16(float value);
+float bf16ToFloat(uint16_t bits);
+uint16_t floatToHalf(float value);
+float halfToFloat(uint16_t bits);
+
+// Element `index` of a dense array of `dtype` at `base`, widened to float (kI32 converts numerically;
+// kInvalid gives NaN). `base` needs no alignment.
+float loadElement(const std::byte* base, DType dtype, std::size_t index);
+// Rounds once to `dtype` and stores element `index` (kI32: nearest integer, saturating, NaN -> 0;
+// kInvalid: stores nothing).
+void storeElement(std::byte* base, DType dtype, std::size_t index, float value);
+// Value after one round trip through dtype (what storing then loading gives).
+float roundTo(DType dtype, float value);
+
+// Bulk forms of loadElement/storeElement for `count` consecutive elements (same conversions, same results).
+// `base` needs no alignment.
+void loadElements(const std::byte* base, DType dtype, std::size_t count, float* out);
+void storeElements(std::byte* base, DType dtype, std::size_t count, const float* in);
+
+}  // namespace tandem

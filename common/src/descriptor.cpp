@@ -1,0 +1,42 @@
+#include "tandem/common/descriptor.hpp"
+
+namespace tandem {
+
+std::string_view opKindName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kAgGemm: return "ag-gemm";
+    case OpKind::kGemmRs: return "gemm-rs";
+    case OpKind::kGemmAr: return "gemm-ar";
+    case OpKind::kMoeDispatchGemm: return "moe-dispatch-gemm";
+    case OpKind::kMoeDispatchFfnCombine: return "moe-dispatch-ffn-combine";
+    case OpKind::kRingAttention: return "ring-attention";
+    case OpKind::kAllGather: return "allgather";
+    case OpKind::kNop: return "nop";
+    case OpKind::kInvalid: break;
+  }
+  return "invalid";
+}
+
+std::string_view dtypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "fp32";
+    case DType::kF16: return "fp16";
+    case DType::kBF16: return "bf16";
+    case DType::kI32: return "int32";
+    case DType::kInvalid: break;
+  }
+  return "invalid";
+}
+
+std::size_t dtypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+    case DType::kI32: return 4;
+    case DType::kF16:
+    case DType::kBF16: return 2;
+    case DType::kInvalid: break;
+  }
+  return 0;
+}
+
+}  // namespace tandem

@@ -1,0 +1,514 @@
+// The double-precision reference of every op, written from tandem.h's contracts with plain loops. It is
+// deliberately naive: no tiling, no online softmax, no shared helpers with daemon/src/cpu_ops.cpp, so the
+// two implementations can only agree by both being right.
+#include "tandem/common/reference.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "tandem/common/error.hpp"
+#include "tandem/common/numeric.hpp"
+
+namespace tandem::reference {
+namespace {
+
+// splitmix64 (Steele, Lea, Flood 2014; the seeding generator of xoshiro): tiny, and good enough for test data.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t state) : state_(state) {}
+  uint64_t next() {
+    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [0, 1) with 53 random bits.
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+  // Uniform in [0, bound); the modulo bias is irrelevant for test data.
+  uint64_t below(uint64_t bound) { return next() % bound; }
+
+ private:
+  uint64_t state_;
+};
+
+SplitMix64 streamFor(uint64_t seed, uint32_t rank, std::size_t slotIndex) {
+  SplitMix64 mixer(seed);
+  const uint64_t a = mixer.next();
+  SplitMix64 mixer2(a ^ (uint64_t{rank} << 32) ^ (uint64_t{slotIndex} + 1));
+  return SplitMix64(mixer2.next());
+}
+
+bool isMoe(OpKind kind) { return kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine; }
+
+// Element type of a slot (kInvalid for the untyped bytes of allgather).
+DType slotType(const OpDescriptor& d, int s) {
+  if (d.kind == OpKind::kAllGather) return DType::kInvalid;
+  if (isMoe(d.kind)) {
+    if (s == slot::kTopkIds) return DType::kI32;
+    if (s == slot::kTopkWeights) return DType::kF32;
+    if (d.kind == OpKind::kMoeDispatchGemm && (s == slot::kRowInfo || s == slot::kExpertCounts)) return DType::kI32;
+  }
+  return d.dtype;
+}
+
+bool isOutput(OpKind kind, int s) {
+  switch (kind) {
+    case OpKind::kAgGemm: return s == slot::kC || s == slot::kAGathered;
+    case OpKind::kGemmRs:
+    case OpKind::kGemmAr: return s == slot::kC;
+    case OpKind::kMoeDispatchGemm: return s == slot::kMoeOut || s == slot::kRowInfo || s == slot::kExpertCounts;
+    case OpKind::kMoeDispatchFfnCombine: return s == slot::kFfnOut;
+    case OpKind::kRingAttention: return s == slot::kAttnOut;
+    case OpKind::kAllGather: return s == slot::kRecv;
+    default: return false;
+  }
+}
+
+bool present(const OpDescriptor& d, int s) {
+  const BufferRef& b = d.bufs[static_cast<std::size_t>(s)];
+  return b.bufferId != 0 || b.bytes != 0;
+}
+
+std::vector<double> load(const std::byte* p, DType t, uint64_t count) {
+  std::vector<double> v(count);
+  for (uint64_t i = 0; i < count; ++i) v[i] = loadElement(p, t, i);
+  return v;
+}
+
+std::vector<int64_t> loadInts(const std::byte* p, uint64_t count) {
+  std::vector<int64_t> v(count);
+  for (uint64_t i = 0; i < count; ++i) {
+    int32_t x;
+    std::memcpy(&x, p + i * 4, 4);
+    v[i] = x;
+  }
+  return v;
+}
+
+// ---- ops --------------------------------------------------------------------------------------------
+
+using In = std::span<const std::array<const std::byte*, kMaxOpBuffers>>;
+
+void agGemm(std::span<const OpDescriptor> descs, In in, Expected& out) {
+  const uint32_t n = static_cast<uint32_t>(descs.size());
+  const uint64_t M = descs[0].dims[dim::kM], N = descs[0].dims[dim::kN], K = descs[0].dims[dim::kK];
+  std::vector<double> a(M * K);
+  for (uint32_t r = 0; r < n; ++r) {
+    const uint64_t rows = rowsOf(M, r, n), first = rowOffset(M, r, n);
+    const std::vector<double> shard = load(in[r][slot::kA], descs[r].dtype, rows * K);
+    std::copy(shard.begin(), shard.end(), a.begin() + static_cast<std::ptrdiff_t>(first * K));
+  }
+  for (uint32_t r = 0; r < n; ++r) {
+    const std::vector<double> b = load(in[r][slot::kB], descs[r].dtype, N * K);
+    std::vector<double> c(M * N);
+    for (uint64_t i = 0; i < M; ++i)
+      for (uint64_t j = 0; j < N; ++j) {
+        double sum = 0;
+        for (uint64_t p = 0; p < K; ++p) sum += a[i * K + p] * b[j * K + p];
+        c[i * N + j] = sum;
+      }
+    out[r][slot::kC] = std::move(c);
+    if (present(descs[r], slot::kAGathered)) out[r][slot::kAGathered] = a;
+  }
+}
+
+void gemmReduce(std::span<const OpDescriptor> descs, In in, Expected& out) {
+  const uint32_t n = static_cast<uint32_t>(descs.size());
+  const uint64_t M = descs[0].dims[dim::kM], N = descs[0].dims[dim::kN];
+  std::vector<double> c(M * N, 0.0);
+  for (uint32_t r = 0; r < n; ++r) {
+    const uint64_t K = descs[r].dims[dim::kK];
+    const std::vector<double> a = load(in[r][slot::kA], descs[r].dtype, M * K);
+    const std::vector<double> b = load(in[r][slot::kB], descs[r].dtype, N * K);
+    for (uint64_t i = 0; i < M; ++i)
+      for (uint64_t j = 0; j < N; ++j)
+        for (uint64_t p = 0; p < K; ++p) c[i * N + j] += a[i * K + p] * b[j * K + p];
+  }
+  for (uint32_t r = 0; r < n; ++r) {
+    if (descs[0].kind == OpKind::kGemmAr) {
+      out[r][slot::kC] = c;
+    } else {
+      const auto first = static_cast<std::ptrdiff_t>(rowOffset(M, r, n) * N);
+      const auto count = static_cast<std::ptrdiff_t>(rowsOf(M, r, n) * N);
+      out[r][slot::kC].assign(c.begin() + first, c.begin() + first + count);
+    }
+  }
+}
+
+// One routed (token, slot) pair.
+struct Route {
+  uint32_t srcRank;
+  uint64_t token;
+  uint64_t slotIndex;
+};
+
+// routes[e] lists the pairs sent to global expert e, in (source rank, token, slot) order.
+std::vector<std::vector<Route>> route(std::span<const OpDescriptor> descs, In in) {
+  const std::string_view kind = opKindName(descs[0].kind);
+  const uint64_t E = descs[0].dims[dim::kExperts], topk = descs[0].dims[dim::kTopk];
+  std::vector<std::vector<Route>> routes(E);
+  for (uint32_t s = 0; s < descs.size(); ++s) {
+    const uint64_t tokens = descs[s].dims[dim::kTokens];
+    const std::vector<int64_t> ids = loadInts(in[s][slot::kTopkIds], tokens * topk);
+    for (uint64_t t = 0; t < tokens; ++t)
+      for (uint64_t j = 0; j < topk; ++j) {
+        const int64_t e = ids[t * topk + j];
+        if (e < 0 || static_cast<uint64_t>(e) >= E) {
+          fail(ErrorCode::kInvalidArgument, "reference {}: rank {} topk_ids[{}][{}] = {} is out of range [0, {})", kind,
+               s, t, j, e, E);
+        }
+        for (uint64_t j2 = 0; j2 < j; ++j2)
+          if (ids[t * topk + j2] == e)
+            fail(ErrorCode::kInvalidArgument, "reference {}: rank {} token {} names expert {} twice", kind, s, t, e);
+        routes[static_cast<uint64_t>(e)].push_back({s, t, j});
+      }
+  }
+  return routes;
+}
+
+void moeGemm(std::span<const OpDescriptor> descs, In in, Expected& out) {
+  const uint32_t n = static_cast<uint32_t>(descs.size());
+  const uint64_t H = descs[0].dims[dim::kHidden], NO = descs[0].dims[dim::kNOut], E = descs[0].dims[dim::kExperts];
+  const uint64_t L = E / n;
+  const std::vector<std::vector<Route>> routes = route(descs, in);
+  std::vector<std::vector<double>> x(n);
+  for (uint32_t s = 0; s < n; ++s) x[s] = load(in[s][slot::kX], descs[s].dtype, descs[s].dims[dim::kTokens] * H);
+  for (uint32_t d = 0; d < n; ++d) {
+    const std::vector<double> w = load(in[d][slot::kW], descs[d].dtype, L * NO * H);
+    std::vector<double> y, info, counts;
+    for (uint64_t le = 0; le < L; ++le) {
+      const uint64_t e = d * L + le;
+      counts.push_back(static_cast<double>(routes[e].size()));
+      for (const Route& rt : routes[e]) {
+        for (uint64_t o = 0; o < NO; ++o) {
+          double sum = 0;
+          for (uint64_t h = 0; h < H; ++h) sum += x[rt.srcRank][rt.token * H + h] * w[(le * NO + o) * H + h];
+          y.push_back(sum);
+        }
+        info.insert(info.end(), {double(rt.srcRank), double(rt.token), double(rt.slotIndex), double(e)});
+      }
+    }
+    const uint64_t rows = info.size() / 4;
+    if (rows > descs[d].dims[dim::kCapacity]) {
+      fail(ErrorCode::kInvalidArgument, "reference moe-dispatch-gemm: rank {} receives {} rows but capacity is {}", d,
+           rows, descs[d].dims[dim::kCapacity]);
+    }
+    out[d][slot::kMoeOut] = std::move(y);
+    out[d][slot::kRowInfo] = std::move(info);
+    out[d][slot::kExpertCounts] = std::move(counts);
+  }
+}
+
+void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out) {
+  const uint32_t n = static_cast<uint32_t>(descs.size());
+  const DType dtype = descs[0].dtype;
+  const uint64_t H = descs[0].dims[dim::kHidden], F = descs[0].dims[dim::kFfn], E = descs[0].dims[dim::kExperts];
+  const uint64_t topk = descs[0].dims[dim::kTopk], L = E / n;
+  const std::vector<std::vector<Route>> routes = route(descs, in);
+  std::vector<std::vector<double>> x(n), weights(n), result(n);
+  for (uint32_t s = 0; s < n; ++s) {
+    const uint64_t tokens = descs[s].dims[dim::kTokens];
+    x[s] = load(in[s][slot::kX], dtype, tokens * H);
+    weights[s] = load(in[s][slot::kTopkWeights], DType::kF32, tokens * topk);
+    result[s].assign(tokens * H, 0.0);
+  }
+  for (uint64_t e = 0; e < E; ++e) {
+    const uint32_t d = static_cast<uint32_t>(e / L);
+    const uint64_t le = e % L;
+    const std::vector<double> w1 = load(in[d][slot::kW1] + le * 2 * F * H * dtypeSize(dtype), dtype, 2 * F * H);
+    const std::vector<double> w2 = load(in[d][slot::kW2] + le * H * F * dtypeSize(dtype), dtype, H * F);
+    for (const Route& rt : routes[e]) {
+      const double* xt = &x[rt.srcRank][rt.token * H];
+      std::vector<double> h(F);
+      for (uint64_t f = 0; f < F; ++f) {
+        double gate = 0, up = 0;
+        for (uint64_t i = 0; i < H; ++i) {
+          gate += xt[i] * w1[f * H + i];
+          up += xt[i] * w1[(F + f) * H + i];
+        }
+        const double silu = gate / (1.0 + std::exp(-gate));
+        h[f] = roundTo(dtype, static_cast<float>(silu * up));  // tandem.h: h is rounded to dtype
+      }
+      const double weight = weights[rt.srcRank][rt.token * topk + rt.slotIndex];
+      for (uint64_t o = 0; o < H; ++o) {
+        double y = 0;
+        for (uint64_t f = 0; f < F; ++f) y += h[f] * w2[o * F + f];
+        result[rt.srcRank][rt.token * H + o] += weight * y;
+      }
+    }
+  }
+  for (uint32_t s = 0; s < n; ++s) out[s][slot::kFfnOut] = std::move(result[s]);
+}
+
+void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out) {
+  const uint32_t n = static_cast<uint32_t>(descs.size());
+  const DType dtype = descs[0].dtype;
+  const uint64_t heads = descs[0].dims[dim::kHeads], D = descs[0].dims[dim::kHeadDim];
+  const bool causal = (descs[0].flags & kFlagCausal) != 0;
+  const double scale = descs[0].scale != 0.0f ? double(descs[0].scale) : 1.0 / std::sqrt(double(D));
+  // The whole sequence, rank after rank.
+  std::vector<double> q, k, v;
+  std::vector<uint64_t> start(n + 1, 0);
+  for (uint32_t r = 0; r < n; ++r) {
+    const uint64_t count = descs[r].dims[dim::kSeq] * heads * D;
+    for (auto [dst, s] : {std::pair{&q, slot::kQ}, std::pair{&k, slot::kKey}, std::pair{&v, slot::kValue}}) {
+      const std::vector<double> part = load(in[r][static_cast<std::size_t>(s)], dtype, count);
+      dst->insert(dst->end(), part.begin(), part.end());
+    }
+    start[r + 1] = start[r] + descs[r].dims[dim::kSeq];
+  }
+  const uint64_t S = start[n];
+  std::vector<double> o(S * heads * D);
+  std::vector<double> p(S);
+  for (uint64_t i = 0; i < S; ++i)
+    for (uint64_t h = 0; h < heads; ++h) {
+      const uint64_t keys = causal ? i + 1 : S;
+      double mx = -std::numeric_limits<double>::infinity();
+      for (uint64_t j = 0; j < keys; ++j) {
+        double dot = 0;
+        for (uint64_t c = 0; c < D; ++c) dot += q[(i * heads + h) * D + c] * k[(j * heads + h) * D + c];
+        p[j] = dot * scale;
+        mx = std::max(mx, p[j]);
+      }
+      double sum = 0;
+      for (uint64_t j = 0; j < keys; ++j) sum += (p[j] = std::exp(p[j] - mx));
+      for (uint64_t c = 0; c < D; ++c) {
+        double acc = 0;
+        for (uint64_t j = 0; j < keys; ++j) acc += p[j] * v[(j * heads + h) * D + c];
+        o[(i * heads + h) * D + c] = acc / sum;
+      }
+    }
+  for (uint32_t r = 0; r < n; ++r) {
+    const auto first = static_cast<std::ptrdiff_t>(start[r] * heads * D);
+    const auto last = static_cast<std::ptrdiff_t>(start[r + 1] * heads * D);
+    out[r][slot::kAttnOut].assign(o.begin() + first, o.begin() + last);
+  }
+}
+
+void allGather(std::span<const OpDescriptor> descs, In in, Expected& out) {
+  const uint64_t bytes = descs[0].dims[dim::kBytes];
+  std::vector<double> all;
+  for (uint32_t r = 0; r < descs.size(); ++r)
+    for (uint64_t i = 0; i < bytes; ++i) all.push_back(static_cast<double>(std::to_integer<uint8_t>(in[r][slot::kSend][i])));
+  for (uint32_t r = 0; r < descs.size(); ++r) out[r][slot::kRecv] = all;
+}
+
+}  // namespace
+
+OpDescriptor makeDescriptor(const OpShape& shape, uint32_t rank, uint32_t nranks) {
+  OpDescriptor d{};
+  d.version = kDescriptorVersion;
+  d.kind = shape.kind;
+  d.dtype = shape.dtype;
+  d.rank = rank;
+  d.nranks = nranks;
+  const uint64_t es = dtypeSize(shape.dtype);
+  auto set = [&d](int s, uint64_t bytes) { d.bufs[static_cast<std::size_t>(s)].bytes = bytes; };
+  switch (shape.kind) {
+    case OpKind::kAgGemm:
+      d.dims[dim::kM] = shape.m;
+      d.dims[dim::kN] = shape.n;
+      d.dims[dim::kK] = shape.k;
+      set(slot::kA, rowsOf(shape.m, rank, nranks) * shape.k * es);
+      set(slot::kB, shape.n * shape.k * es);
+      set(slot::kC, shape.m * shape.n * es);
+      set(slot::kAGathered, shape.m * shape.k * es);
+      break;
+    case OpKind::kGemmRs:
+    case OpKind::kGemmAr: {
+      const uint64_t kLocal = rowsOf(shape.k, rank, nranks);
+      d.dims[dim::kM] = shape.m;
+      d.dims[dim::kN] = shape.n;
+      d.dims[dim::kK] = kLocal;
+      set(slot::kA, shape.m * kLocal * es);
+      set(slot::kB, shape.n * kLocal * es);
+      const uint64_t rows = shape.kind == OpKind::kGemmRs ? rowsOf(shape.m, rank, nranks) : shape.m;
+      set(slot::kC, rows * shape.n * es);
+      break;
+    }
+    case OpKind::kMoeDispatchGemm:
+    case OpKind::kMoeDispatchFfnCombine: {
+      const uint64_t tokens = shape.m, hidden = shape.k, local = shape.experts / nranks;
+      d.dims[dim::kTokens] = tokens;
+      d.dims[dim::kHidden] = hidden;
+      d.dims[dim::kNOut] = shape.n;  // == dim::kFfn
+      d.dims[dim::kExperts] = shape.experts;
+      d.dims[dim::kTopk] = shape.topk;
+      set(slot::kX, tokens * hidden * es);
+      set(slot::kTopkIds, tokens * shape.topk * 4);
+      set(slot::kTopkWeights, tokens * shape.topk * 4);
+      if (shape.kind == OpKind::kMoeDispatchGemm) {
+        const uint64_t capacity = std::max<uint64_t>(1, uint64_t{nranks} * tokens * shape.topk);
+        d.dims[dim::kCapacity] = capacity;
+        set(slot::kW, local * shape.n * hidden * es);
+        set(slot::kMoeOut, capacity * shape.n * es);
+        set(slot::kRowInfo, capacity * 4 * 4);
+        set(slot::kExpertCounts, local * 4);
+      } else {
+        set(slot::kW1, local * 2 * shape.n * hidden * es);
+        set(slot::kW2, local * hidden * shape.n * es);
+        set(slot::kFfnOut, tokens * hidden * es);
+      }
+      break;
+    }
+    case OpKind::kRingAttention: {
+      const uint64_t seq = rowsOf(shape.seq, rank, nranks);
+      d.flags = shape.causal ? kFlagCausal : 0;
+      d.dims[dim::kSeq] = seq;
+      d.dims[dim::kHeads] = shape.heads;
+      d.dims[dim::kHeadDim] = shape.headDim;
+      for (int s : {slot::kQ, slot::kKey, slot::kValue, slot::kAttnOut}) set(s, seq * shape.heads * shape.headDim * es);
+      break;
+    }
+    case OpKind::kAllGather:
+      d.dims[dim::kBytes] = shape.bytes;
+      set(slot::kSend, shape.bytes);
+      set(slot::kRecv, uint64_t{nranks} * shape.bytes);
+      break;
+    case OpKind::kNop:
+    case OpKind::kInvalid: break;
+  }
+  return d;
+}
+
+void fillInputs(const OpDescriptor& desc, std::span<std::byte* const> slots, uint64_t seed) {
+  for (std::size_t s = 0; s < slots.size() && s < kMaxOpBuffers; ++s) {
+    std::byte* p = slots[s];
+    const uint64_t bytes = desc.bufs[s].bytes;
+    if (p == nullptr || bytes == 0) continue;
+    const int si = static_cast<int>(s);
+    if (isOutput(desc.kind, si)) {
+      std::memset(p, 0xFF, bytes);  // NaN in fp32, fp16 and bf16; -1 in int32
+      continue;
+    }
+    SplitMix64 rng = streamFor(seed, desc.rank, s);
+    const DType t = slotType(desc, si);
+    if (t == DType::kInvalid) {
+      for (uint64_t i = 0; i < bytes; ++i) p[i] = static_cast<std::byte>(rng.next() >> 56);
+    } else if (isMoe(desc.kind) && si == slot::kTopkIds) {
+      const uint64_t tokens = desc.dims[dim::kTokens], topk = desc.dims[dim::kTopk], E = desc.dims[dim::kExperts];
+      std::vector<int32_t> chosen;
+      for (uint64_t tk = 0; tk < tokens; ++tk) {
+        chosen.clear();
+        while (chosen.size() < topk) {
+          const auto e = static_cast<int32_t>(rng.below(E));
+          if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+        }
+        std::memcpy(p + tk * topk * 4, chosen.data(), topk * 4);
+      }
+    } else if (isMoe(desc.kind) && si == slot::kTopkWeights) {
+      const uint64_t tokens = desc.dims[dim::kTokens], topk = desc.dims[dim::kTopk];
+      std::vector<double> w(topk);
+      for (uint64_t tk = 0; tk < tokens; ++tk) {
+        double sum = 0;
+        for (double& x : w) sum += (x = 0.1 + 0.9 * rng.uniform());
+        for (uint64_t j = 0; j < topk; ++j) storeElement(p, DType::kF32, tk * topk + j, static_cast<float>(w[j] / sum));
+      }
+    } else {
+      const uint64_t count = bytes / dtypeSize(t);
+      for (uint64_t i = 0; i < count; ++i) storeElement(p, t, i, static_cast<float>(2.0 * rng.uniform() - 1.0));
+    }
+  }
+}
+
+Expected compute(std::span<const OpDescriptor> descs,
+                 std::span<const std::array<const std::byte*, kMaxOpBuffers>> inputs) {
+  Expected out(descs.size());
+  if (descs.empty()) return out;
+  if (inputs.size() != descs.size()) {
+    fail(ErrorCode::kInvalidArgument, "reference: {} descriptors but {} input sets; pass one per rank", descs.size(),
+         inputs.size());
+  }
+  switch (descs[0].kind) {
+    case OpKind::kAgGemm: agGemm(descs, inputs, out); break;
+    case OpKind::kGemmRs:
+    case OpKind::kGemmAr: gemmReduce(descs, inputs, out); break;
+    case OpKind::kMoeDispatchGemm: moeGemm(descs, inputs, out); break;
+    case OpKind::kMoeDispatchFfnCombine: moeFfn(descs, inputs, out); break;
+    case OpKind::kRingAttention: ringAttention(descs, inputs, out); break;
+    case OpKind::kAllGather: allGather(descs, inputs, out); break;
+    case OpKind::kNop:
+    case OpKind::kInvalid: break;
+  }
+  return out;
+}
+
+double tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return 1e-2;
+    case DType::kF16: return 2e-3;
+    case DType::kF32: return 1e-5;
+    default: return 0.0;
+  }
+}
+
+Comparison compareRank(const OpDescriptor& desc, std::span<const std::byte* const> slots,
+                       const std::array<std::vector<double>, kMaxOpBuffers>& expected) {
+  Comparison result;
+  result.tolerance = tolerance(desc.dtype);
+  std::string problems;
+  auto problem = [&problems](const std::string& text) {
+    if (problems.empty()) problems = text;
+  };
+  for (std::size_t s = 0; s < kMaxOpBuffers; ++s) {
+    const std::vector<double>& want = expected[s];
+    if (want.empty()) continue;
+    const int si = static_cast<int>(s);
+    const std::string slotName = fmt::format("rank {} slot {}", desc.rank, s);
+    if (s >= slots.size() || slots[s] == nullptr) {
+      problem(fmt::format("{}: no memory to compare", slotName));
+      continue;
+    }
+    const DType t = slotType(desc, si);
+    const std::size_t es = t == DType::kInvalid ? 1 : dtypeSize(t);
+    if (want.size() * es > desc.bufs[s].bytes) {
+      problem(fmt::format("{}: expected {} elements but the slot holds {} bytes", slotName, want.size(),
+                          desc.bufs[s].bytes));
+      continue;
+    }
+    if (t == DType::kInvalid || t == DType::kI32) {  // exact
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        const double got = t == DType::kInvalid ? static_cast<double>(std::to_integer<uint8_t>(slots[s][i]))
+                                                : static_cast<double>(loadInts(slots[s] + i * 4, 1)[0]);
+        if (got != want[i]) {
+          problem(fmt::format("{}: element {} is {}, expected exactly {}", slotName, i, got, want[i]));
+          break;
+        }
+      }
+      continue;
+    }
+    double errSq = 0, refSq = 0, worst = -1;
+    std::size_t worstAt = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      const double got = loadElement(slots[s], t, i);
+      if (!std::isfinite(got)) {
+        problem(fmt::format("{}: element {} is {} (expected {}); unwritten or overflowed", slotName, i, got, want[i]));
+        errSq = std::numeric_limits<double>::quiet_NaN();
+        break;
+      }
+      const double diff = got - want[i];
+      errSq += diff * diff;
+      refSq += want[i] * want[i];
+      if (std::abs(diff) > worst) {
+        worst = std::abs(diff);
+        worstAt = i;
+      }
+    }
+    // An all-zero reference has no scale: fall back to the absolute error.
+    const double rel = std::sqrt(errSq) / (refSq > 0 ? std::sqrt(refSq) : 1.0);
+    if (std::isnan(rel) || rel > result.relError) result.relError = rel;  // the worst slot; NaN sticks
+    if (!(rel <= result.tolerance)) {
+      problem(fmt::format("{}: relative error {:.3g} > tolerance {:.3g} (worst element {}: got {}, expected {})",
+                          slotName, rel, result.tolerance, worstAt, loadElement(slots[s], t, worstAt), want[worstAt]));
+    }
+  }
+  result.ok = problems.empty();
+  result.detail = std::move(problems);
+  return result;
+}
+
+}  // namespace tandem::reference

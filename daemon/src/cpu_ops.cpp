@@ -1,0 +1,422 @@
+// The CPU backend's ops. Each op first converts every input it needs to fp32 (once), checks the data
+// (expert ids, capacities), and only then writes outputs, so a failing op leaves every output untouched.
+// Every loop has a fixed order and there is no threading, so the same inputs give bitwise the same
+// outputs on every run.
+#include "cpu_ops.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "tandem/common/error.hpp"
+#include "tandem/common/numeric.hpp"
+
+namespace tandem::daemon {
+namespace {
+
+using Floats = std::vector<float>;
+
+Floats load(const std::byte* p, DType dtype, std::size_t count) {
+  Floats v(count);
+  if (count != 0) loadElements(p, dtype, count, v.data());
+  return v;
+}
+
+void store(std::byte* p, DType dtype, const float* values, std::size_t count) {
+  if (count != 0) storeElements(p, dtype, count, values);
+}
+
+// Dot product of two contiguous fp32 rows with eight interleaved partial sums, combined in a fixed tree:
+// deterministic, and independent partial sums let the compiler keep eight lanes in flight.
+inline float dot(const float* x, const float* y, std::size_t k) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::size_t i = 0;
+  for (; i + 8 <= k; i += 8)
+    for (std::size_t l = 0; l < 8; ++l) acc[l] += x[i + l] * y[i + l];
+  float tail = 0;
+  for (; i < k; ++i) tail += x[i] * y[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+}
+
+// c[m, n] = a[m, k] · b[n, k]ᵀ in fp32. Both operands are K-major, so every output is one contiguous dot
+// product. Columns are taken in blocks whose rows of b stay in cache while every row of a passes by.
+void gemmNT(const float* a, const float* b, float* c, std::size_t m, std::size_t n, std::size_t k) {
+  // 96 KiB of b per block: fits L2 comfortably next to a row of a.
+  const std::size_t block = std::max<std::size_t>(1, (96 * 1024 / sizeof(float)) / std::max<std::size_t>(k, 1));
+  for (std::size_t j0 = 0; j0 < n; j0 += block) {
+    const std::size_t j1 = std::min(n, j0 + block);
+    for (std::size_t i = 0; i < m; ++i) {
+      const float* ai = a + i * k;
+      float* ci = c + i * n;
+      for (std::size_t j = j0; j < j1; ++j) ci[j] = dot(ai, b + j * k, k);
+    }
+  }
+}
+
+void requireMemory(std::span<const RankOp> ranks, int s) {
+  for (const RankOp& r : ranks) {
+    const auto i = static_cast<std::size_t>(s);
+    if (r.data[i] == nullptr && r.desc.bufs[i].bytes != 0) {
+      fail(ErrorCode::kInternal, "cpu backend {}: rank {} slot {} ({} bytes) has no mapped memory",
+           opKindName(r.desc.kind), r.desc.rank, s, r.desc.bufs[i].bytes);
+    }
+  }
+}
+
+// ---- ag-gemm ----------------------------------------------------------------------------------------
+
+void agGemm(std::span<const RankOp> ranks) {
+  const auto n = static_cast<uint32_t>(ranks.size());
+  const OpDescriptor& d0 = ranks[0].desc;
+  const DType dtype = d0.dtype;
+  const std::size_t m = d0.dims[dim::kM], nCols = d0.dims[dim::kN], k = d0.dims[dim::kK];
+  const std::size_t es = dtypeSize(dtype);
+  requireMemory(ranks, slot::kA);
+  requireMemory(ranks, slot::kB);
+  requireMemory(ranks, slot::kC);
+
+  // Gather A once, in fp32, before any output is touched.
+  Floats a(m * k);
+  for (uint32_t r = 0; r < n; ++r) {
+    const std::size_t rows = rowsOf(m, r, n);
+    if (rows != 0) loadElements(ranks[r].data[slot::kA], dtype, rows * k, a.data() + rowOffset(m, r, n) * k);
+  }
+  std::vector<Floats> b(n);
+  for (uint32_t r = 0; r < n; ++r) b[r] = load(ranks[r].data[slot::kB], dtype, nCols * k);
+
+  Floats c(m * nCols);
+  for (uint32_t r = 0; r < n; ++r) {
+    gemmNT(a.data(), b[r].data(), c.data(), m, nCols, k);
+    store(ranks[r].data[slot::kC], dtype, c.data(), m * nCols);
+    if (std::byte* gathered = ranks[r].data[slot::kAGathered]; gathered != nullptr) {
+      // The shards are copied bit for bit; they are already in dtype.
+      for (uint32_t src = 0; src < n; ++src) {
+        const std::size_t rows = rowsOf(m, src, n);
+        if (rows != 0) std::memcpy(gathered + rowOffset(m, src, n) * k * es, ranks[src].data[slot::kA], rows * k * es);
+      }
+    }
+  }
+}
+
+// ---- gemm-rs / gemm-ar ------------------------------------------------------------------------------
+
+void gemmReduce(std::span<const RankOp> ranks) {
+  const auto n = static_cast<uint32_t>(ranks.size());
+  const OpDescriptor& d0 = ranks[0].desc;
+  const DType dtype = d0.dtype;
+  const std::size_t m = d0.dims[dim::kM], nCols = d0.dims[dim::kN];
+  requireMemory(ranks, slot::kA);
+  requireMemory(ranks, slot::kB);
+  requireMemory(ranks, slot::kC);
+
+  // C = Σ_r a_r · b_rᵀ: each rank's partial in fp32, summed in rank order (the reduction order is fixed).
+  Floats c(m * nCols, 0.0f), partial(m * nCols);
+  for (uint32_t r = 0; r < n; ++r) {
+    const std::size_t k = ranks[r].desc.dims[dim::kK];
+    const Floats a = load(ranks[r].data[slot::kA], dtype, m * k);
+    const Floats b = load(ranks[r].data[slot::kB], dtype, nCols * k);
+    gemmNT(a.data(), b.data(), partial.data(), m, nCols, k);
+    for (std::size_t i = 0; i < c.size(); ++i) c[i] += partial[i];
+  }
+  for (uint32_t r = 0; r < n; ++r) {
+    if (d0.kind == OpKind::kGemmAr) {
+      store(ranks[r].data[slot::kC], dtype, c.data(), m * nCols);
+    } else {
+      store(ranks[r].data[slot::kC], dtype, c.data() + rowOffset(m, r, n) * nCols, rowsOf(m, r, n) * nCols);
+    }
+  }
+}
+
+// ---- MoE ----------------------------------------------------------------------------------------------
+
+struct Route {
+  uint32_t srcRank;
+  uint32_t slotIndex;
+  uint64_t token;
+};
+
+// Reads every rank's top-k ids, checks them and groups the (token, slot) pairs by global expert, each
+// group in (source rank, token, slot) order: the row order tandem.h specifies.
+std::vector<std::vector<Route>> routeTokens(std::span<const RankOp> ranks) {
+  const OpDescriptor& d0 = ranks[0].desc;
+  const std::string_view kind = opKindName(d0.kind);
+  const uint64_t experts = d0.dims[dim::kExperts], topk = d0.dims[dim::kTopk];
+  std::vector<std::vector<Route>> routes(experts);
+  std::vector<int32_t> ids;
+  for (uint32_t s = 0; s < ranks.size(); ++s) {
+    const uint64_t tokens = ranks[s].desc.dims[dim::kTokens];
+    ids.resize(tokens * topk);
+    if (!ids.empty()) std::memcpy(ids.data(), ranks[s].data[slot::kTopkIds], ids.size() * sizeof(int32_t));
+    for (uint64_t t = 0; t < tokens; ++t) {
+      const int32_t* row = ids.data() + t * topk;
+      for (uint64_t j = 0; j < topk; ++j) {
+        if (row[j] < 0 || static_cast<uint64_t>(row[j]) >= experts) {
+          fail(ErrorCode::kInvalidArgument,
+               "{}: rank {} topk_ids[{}][{}] = {} is out of range [0, {}); pass expert ids in [0, experts)", kind, s,
+               t, j, row[j], experts);
+        }
+        for (uint64_t j2 = 0; j2 < j; ++j2) {
+          if (row[j2] == row[j]) {
+            fail(ErrorCode::kInvalidArgument,
+                 "{}: rank {} token {} names expert {} twice (topk_ids[{}][{}] and [{}][{}]); a token's top-k experts "
+                 "must be distinct",
+                 kind, s, t, row[j], t, j2, t, j);
+          }
+        }
+        routes[static_cast<std::size_t>(row[j])].push_back({s, static_cast<uint32_t>(j), t});
+      }
+    }
+  }
+  return routes;
+}
+
+// The routed rows of one expert, gathered into a dense fp32 matrix [routes.size(), hidden].
+Floats gatherRows(const std::vector<Route>& routes, const std::vector<Floats>& x, std::size_t hidden) {
+  Floats rows(routes.size() * hidden);
+  for (std::size_t i = 0; i < routes.size(); ++i) {
+    const Route& rt = routes[i];
+    std::copy_n(x[rt.srcRank].data() + rt.token * hidden, hidden, rows.data() + i * hidden);
+  }
+  return rows;
+}
+
+std::vector<Floats> loadTokens(std::span<const RankOp> ranks, std::size_t hidden) {
+  std::vector<Floats> x(ranks.size());
+  for (std::size_t s = 0; s < ranks.size(); ++s) {
+    x[s] = load(ranks[s].data[slot::kX], ranks[s].desc.dtype, ranks[s].desc.dims[dim::kTokens] * hidden);
+  }
+  return x;
+}
+
+void moeDispatchGemm(std::span<const RankOp> ranks) {
+  const auto n = static_cast<uint32_t>(ranks.size());
+  const OpDescriptor& d0 = ranks[0].desc;
+  const DType dtype = d0.dtype;
+  const std::size_t hidden = d0.dims[dim::kHidden], nOut = d0.dims[dim::kNOut];
+  const std::size_t local = d0.dims[dim::kExperts] / n;
+  for (int s : {slot::kX, slot::kTopkIds, slot::kW, slot::kMoeOut, slot::kRowInfo, slot::kExpertCounts}) {
+    requireMemory(ranks, s);
+  }
+
+  const std::vector<std::vector<Route>> routes = routeTokens(ranks);
+  for (uint32_t d = 0; d < n; ++d) {
+    std::size_t rows = 0;
+    for (std::size_t le = 0; le < local; ++le) rows += routes[d * local + le].size();
+    const uint64_t capacity = ranks[d].desc.dims[dim::kCapacity];
+    if (rows > capacity) {
+      fail(ErrorCode::kInvalidArgument, "moe-dispatch-gemm: rank {} receives {} rows but capacity is {}; pass capacity >= {}",
+           d, rows, capacity, rows);
+    }
+  }
+
+  const std::vector<Floats> x = loadTokens(ranks, hidden);
+  std::vector<Floats> w(n);
+  for (uint32_t d = 0; d < n; ++d) w[d] = load(ranks[d].data[slot::kW], dtype, local * nOut * hidden);
+
+  // Every check has passed and every input is read: now write.
+  const std::size_t es = dtypeSize(dtype);
+  Floats y;
+  for (uint32_t d = 0; d < n; ++d) {
+    std::size_t row = 0;
+    for (std::size_t le = 0; le < local; ++le) {
+      const std::size_t e = d * local + le;
+      const std::vector<Route>& group = routes[e];
+      const Floats xe = gatherRows(group, x, hidden);
+      y.resize(group.size() * nOut);
+      gemmNT(xe.data(), w[d].data() + le * nOut * hidden, y.data(), group.size(), nOut, hidden);
+      store(ranks[d].data[slot::kMoeOut] + row * nOut * es, dtype, y.data(), y.size());
+      for (std::size_t i = 0; i < group.size(); ++i) {
+        const int32_t info[4] = {static_cast<int32_t>(group[i].srcRank), static_cast<int32_t>(group[i].token),
+                                 static_cast<int32_t>(group[i].slotIndex), static_cast<int32_t>(e)};
+        std::memcpy(ranks[d].data[slot::kRowInfo] + (row + i) * sizeof(info), info, sizeof(info));
+      }
+      const auto count = static_cast<int32_t>(group.size());
+      std::memcpy(ranks[d].data[slot::kExpertCounts] + le * sizeof(int32_t), &count, sizeof(int32_t));
+      row += group.size();
+    }
+  }
+}
+
+void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
+  const auto n = static_cast<uint32_t>(ranks.size());
+  const OpDescriptor& d0 = ranks[0].desc;
+  const DType dtype = d0.dtype;
+  const std::size_t hidden = d0.dims[dim::kHidden], ffn = d0.dims[dim::kFfn], topk = d0.dims[dim::kTopk];
+  const std::size_t local = d0.dims[dim::kExperts] / n;
+  for (int s : {slot::kX, slot::kTopkIds, slot::kTopkWeights, slot::kW1, slot::kW2, slot::kFfnOut}) {
+    requireMemory(ranks, s);
+  }
+
+  const std::vector<std::vector<Route>> routes = routeTokens(ranks);
+  const std::vector<Floats> x = loadTokens(ranks, hidden);
+  std::vector<Floats> weights(n), y(n);
+  for (uint32_t s = 0; s < n; ++s) {
+    const std::size_t tokens = ranks[s].desc.dims[dim::kTokens];
+    weights[s] = load(ranks[s].data[slot::kTopkWeights], DType::kF32, tokens * topk);
+    y[s].assign(tokens * topk * hidden, 0.0f);  // y of every (token, slot), kept in fp32 for the combine
+  }
+
+  // Expert side: gemm1, SwiGLU (h rounded to dtype once, as tandem.h says), gemm2.
+  Floats gateUp, h, ye;
+  for (uint32_t d = 0; d < n; ++d) {
+    const Floats w1 = load(ranks[d].data[slot::kW1], dtype, local * 2 * ffn * hidden);
+    const Floats w2 = load(ranks[d].data[slot::kW2], dtype, local * hidden * ffn);
+    for (std::size_t le = 0; le < local; ++le) {
+      const std::vector<Route>& group = routes[d * local + le];
+      if (group.empty()) continue;
+      const std::size_t rows = group.size();
+      const Floats xe = gatherRows(group, x, hidden);
+      gateUp.resize(rows * 2 * ffn);
+      gemmNT(xe.data(), w1.data() + le * 2 * ffn * hidden, gateUp.data(), rows, 2 * ffn, hidden);
+      h.resize(rows * ffn);
+      for (std::size_t i = 0; i < rows; ++i) {
+        for (std::size_t f = 0; f < ffn; ++f) {
+          const float gate = gateUp[i * 2 * ffn + f], up = gateUp[i * 2 * ffn + ffn + f];
+          const float silu = gate / (1.0f + std::exp(-gate));
+          h[i * ffn + f] = roundTo(dtype, silu * up);
+        }
+      }
+      ye.resize(rows * hidden);
+      gemmNT(h.data(), w2.data() + le * hidden * ffn, ye.data(), rows, hidden, ffn);
+      for (std::size_t i = 0; i < rows; ++i) {
+        const Route& rt = group[i];
+        std::copy_n(ye.data() + i * hidden, hidden, y[rt.srcRank].data() + (rt.token * topk + rt.slotIndex) * hidden);
+      }
+    }
+  }
+
+  // Source side: the weighted combine in slot order, rounded once.
+  Floats out;
+  for (uint32_t s = 0; s < n; ++s) {
+    const std::size_t tokens = ranks[s].desc.dims[dim::kTokens];
+    out.assign(tokens * hidden, 0.0f);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      float* o = out.data() + t * hidden;
+      for (std::size_t j = 0; j < topk; ++j) {
+        const float weight = weights[s][t * topk + j];
+        const float* yj = y[s].data() + (t * topk + j) * hidden;
+        for (std::size_t c = 0; c < hidden; ++c) o[c] += weight * yj[c];
+      }
+    }
+    store(ranks[s].data[slot::kFfnOut], dtype, out.data(), out.size());
+  }
+}
+
+// ---- ring attention -----------------------------------------------------------------------------------
+
+// Mirrors the GPU algorithm: each rank keeps its query blocks and sees the KV chunks in ring order (its
+// own first, then the chunk of rank r-1, r-2, ...), folding each into an online softmax (running max,
+// running sum, rescaled accumulator) as FlashAttention does.
+void ringAttention(std::span<const RankOp> ranks) {
+  const auto n = static_cast<uint32_t>(ranks.size());
+  const OpDescriptor& d0 = ranks[0].desc;
+  const DType dtype = d0.dtype;
+  const std::size_t heads = d0.dims[dim::kHeads], headDim = d0.dims[dim::kHeadDim];
+  const bool causal = (d0.flags & kFlagCausal) != 0;
+  const float scale = d0.scale != 0.0f ? d0.scale : 1.0f / std::sqrt(static_cast<float>(headDim));
+  for (int s : {slot::kQ, slot::kKey, slot::kValue, slot::kAttnOut}) requireMemory(ranks, s);
+
+  std::vector<Floats> q(n), k(n), v(n);
+  std::vector<std::size_t> seq(n), start(n);
+  std::size_t pos = 0;
+  for (uint32_t r = 0; r < n; ++r) {
+    seq[r] = ranks[r].desc.dims[dim::kSeq];
+    start[r] = pos;
+    pos += seq[r];
+    const std::size_t count = seq[r] * heads * headDim;
+    q[r] = load(ranks[r].data[slot::kQ], dtype, count);
+    k[r] = load(ranks[r].data[slot::kKey], dtype, count);
+    v[r] = load(ranks[r].data[slot::kValue], dtype, count);
+  }
+
+  constexpr std::size_t kBlockRows = 16;  // query rows per block, as one CTA tile would hold
+  const std::size_t stride = heads * headDim;
+  Floats out, scores, acc(kBlockRows * headDim);
+  float rowMax[kBlockRows], rowSum[kBlockRows];
+  for (uint32_t r = 0; r < n; ++r) {
+    out.assign(seq[r] * stride, 0.0f);
+    for (std::size_t h = 0; h < heads; ++h) {
+      for (std::size_t i0 = 0; i0 < seq[r]; i0 += kBlockRows) {
+        const std::size_t rows = std::min(kBlockRows, seq[r] - i0);
+        std::fill_n(rowMax, rows, -std::numeric_limits<float>::infinity());
+        std::fill_n(rowSum, rows, 0.0f);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        const std::size_t lastQuery = start[r] + i0 + rows - 1;  // global position of the block's last row
+        for (uint32_t step = 0; step < n; ++step) {
+          const uint32_t src = (r + n - step) % n;
+          if (seq[src] == 0) continue;
+          if (causal && start[src] > lastQuery) continue;  // the whole chunk lies in this block's future
+          scores.resize(seq[src]);
+          for (std::size_t i = 0; i < rows; ++i) {
+            const std::size_t queryPos = start[r] + i0 + i;
+            // Keys of this chunk that row i may see: all, or those at global positions <= queryPos.
+            std::size_t keys = seq[src];
+            if (causal) keys = queryPos < start[src] ? 0 : std::min(keys, queryPos - start[src] + 1);
+            if (keys == 0) continue;
+            const float* qi = q[r].data() + (i0 + i) * stride + h * headDim;
+            float chunkMax = -std::numeric_limits<float>::infinity();
+            for (std::size_t j = 0; j < keys; ++j) {
+              scores[j] = dot(qi, k[src].data() + j * stride + h * headDim, headDim) * scale;
+              chunkMax = std::max(chunkMax, scores[j]);
+            }
+            const float newMax = std::max(rowMax[i], chunkMax);
+            const float correction = std::exp(rowMax[i] - newMax);  // 0 on the first chunk (max was -inf)
+            float* a = acc.data() + i * headDim;
+            rowSum[i] *= correction;
+            for (std::size_t c = 0; c < headDim; ++c) a[c] *= correction;
+            for (std::size_t j = 0; j < keys; ++j) {
+              const float p = std::exp(scores[j] - newMax);
+              rowSum[i] += p;
+              const float* vj = v[src].data() + j * stride + h * headDim;
+              for (std::size_t c = 0; c < headDim; ++c) a[c] += p * vj[c];
+            }
+            rowMax[i] = newMax;
+          }
+        }
+        for (std::size_t i = 0; i < rows; ++i) {
+          // NOTE: rowSum >= 1 here: a causal row sees at least itself, a non-causal row every key.
+          const float inv = 1.0f / rowSum[i];
+          float* o = out.data() + (i0 + i) * stride + h * headDim;
+          for (std::size_t c = 0; c < headDim; ++c) o[c] = acc[i * headDim + c] * inv;
+        }
+      }
+    }
+    // Outputs are written only after all ranks' inputs were read (above), so nothing an op writes can
+    // feed a later rank's computation.
+    store(ranks[r].data[slot::kAttnOut], dtype, out.data(), out.size());
+  }
+}
+
+// ---- allgather ------------------------------------------------------------------------------------------
+
+void allGather(std::span<const RankOp> ranks) {
+  const std::size_t bytes = ranks[0].desc.dims[dim::kBytes];
+  requireMemory(ranks, slot::kSend);
+  requireMemory(ranks, slot::kRecv);
+  for (const RankOp& dst : ranks)
+    for (std::size_t src = 0; src < ranks.size(); ++src)
+      std::memcpy(dst.data[slot::kRecv] + src * bytes, ranks[src].data[slot::kSend], bytes);
+}
+
+}  // namespace
+
+void runCpuOp(std::span<const RankOp> ranks) {
+  if (ranks.empty()) fail(ErrorCode::kInternal, "cpu backend: an op with no ranks");
+  switch (ranks[0].desc.kind) {
+    case OpKind::kAgGemm: agGemm(ranks); return;
+    case OpKind::kGemmRs:
+    case OpKind::kGemmAr: gemmReduce(ranks); return;
+    case OpKind::kMoeDispatchGemm: moeDispatchGemm(ranks); return;
+    case OpKind::kMoeDispatchFfnCombine: moeDispatchFfnCombine(ranks); return;
+    case OpKind::kRingAttention: ringAttention(ranks); return;
+    case OpKind::kAllGather: allGather(ranks); return;
+    case OpKind::kNop: return;
+    case OpKind::kInvalid: break;
+  }
+  fail(ErrorCode::kInternal, "cpu backend: op kind {} reached the executor unvalidated",
+       static_cast<uint16_t>(ranks[0].desc.kind));
+}
+
+}  // namespace tandem::daemon

@@ -1,0 +1,528 @@
+#include "engine.hpp"
+
+#include <poll.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "cpu_ops.hpp"
+#include "tandem/common/validate.hpp"
+
+namespace tandem::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string hexId(const std::array<uint8_t, 16>& id) {
+  std::string s;
+  for (int i = 0; i < 4; ++i) s += fmt::format("{:02x}", id[i]);
+  return s + "…";
+}
+
+int32_t statusOf(ErrorCode code) { return static_cast<int32_t>(wireCode(code)); }
+
+}  // namespace
+
+Engine::Engine(const DaemonConfig& config) : config_(config), pumpEvent_(Fd::eventfd()) {}
+
+Engine::~Engine() { stop(); }
+
+void Engine::start() {
+  running_ = true;
+  unsigned threads = config_.daemon.workerThreads;
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { workerLoop(); });
+  pump_ = std::thread([this] { pumpLoop(); });
+}
+
+void Engine::stop() {
+  if (!running_.exchange(false)) return;
+  signalEventfd(pumpEvent_.get());
+  workCv_.notify_all();
+  if (pump_.joinable()) pump_.join();
+  for (auto& w : workers_) w.join();
+  workers_.clear();
+  std::lock_guard lock(mutex_);
+  for (auto& [handle, entry] : comms_) {
+    failCommLocked(*entry, Communicator::State::kAborted, ErrorCode::kAborted, "tandemd is shutting down");
+  }
+}
+
+// ---- sessions ----------------------------------------------------------------------------------------
+
+std::shared_ptr<SessionChannel> Engine::openSession(uint64_t sessionId, uint32_t pid, uint32_t uid, uint32_t gid) {
+  auto channel = std::make_shared<SessionChannel>(sessionId, config_.rings.capacity);
+  std::lock_guard lock(mutex_);
+  SessionState& s = sessions_[sessionId];
+  s.id = sessionId;
+  s.pid = pid;
+  s.uid = uid;
+  s.gid = gid;
+  s.channel = channel;
+  ++sessionsGeneration_;
+  return channel;
+}
+
+SessionState& Engine::sessionLocked(uint64_t sessionId) {
+  auto it = sessions_.find(sessionId);
+  if (it == sessions_.end()) fail(ErrorCode::kInternal, "session {} is not open", sessionId);
+  return it->second;
+}
+
+void Engine::closeSession(uint64_t sessionId, const std::string& why) {
+  std::lock_guard lock(mutex_);
+  auto it = sessions_.find(sessionId);
+  if (it == sessions_.end()) return;
+  SessionState& s = it->second;
+  s.alive = false;
+  const std::string reason = fmt::format("rank's session {} (pid {}) ended: {}", sessionId, s.pid, why);
+  for (uint64_t handle : std::vector<uint64_t>(s.comms)) {
+    leaveCommLocked(sessionId, handle, Communicator::State::kPeerLost, ErrorCode::kPeerLost, reason);
+  }
+  // Joins still waiting from this session.
+  for (auto& [handle, entry] : comms_) {
+    for (auto j = entry->joins.begin(); j != entry->joins.end();) {
+      if (j->second.sessionId == sessionId) {
+        entry->comm.members[j->first].reset();
+        j = entry->joins.erase(j);
+      } else {
+        ++j;
+      }
+    }
+  }
+  spdlog::info("session {} closed ({}); reclaimed {} buffers, {} bytes", sessionId, why, s.buffers.size(), s.bytes);
+  sessions_.erase(it);
+  ++sessionsGeneration_;
+}
+
+size_t Engine::sessionCount() const {
+  std::lock_guard lock(mutex_);
+  return sessions_.size();
+}
+
+// ---- memory ------------------------------------------------------------------------------------------
+
+std::shared_ptr<Buffer> Engine::allocate(uint64_t sessionId, uint64_t bytes) {
+  if (bytes == 0) fail(ErrorCode::kInvalidArgument, "allocate: size is 0 bytes; pass at least 1 byte");
+  if (bytes > config_.limits.maxBufferBytes) {
+    fail(ErrorCode::kOutOfMemory, "allocate {} bytes: over the per-buffer limit of {} bytes (limits.max_buffer_bytes)",
+         bytes, config_.limits.maxBufferBytes);
+  }
+  {
+    std::lock_guard lock(mutex_);
+    const SessionState& s = sessionLocked(sessionId);
+    if (s.bytes + bytes > config_.limits.maxSessionBytes) {
+      fail(ErrorCode::kOutOfMemory,
+           "allocate {} bytes: the session already holds {} of its {} bytes (limits.max_session_bytes); free buffers "
+           "or raise the limit", bytes, s.bytes, config_.limits.maxSessionBytes);
+    }
+  }
+  auto buffer = std::make_shared<Buffer>();
+  buffer->bytes = bytes;
+  buffer->sessionId = sessionId;
+  buffer->fd = Fd::memfd(fmt::format("tandem-buf-s{}", sessionId), bytes);
+  buffer->mapping = Mapping::shared(buffer->fd.get(), bytes);
+  std::lock_guard lock(mutex_);
+  SessionState& s = sessionLocked(sessionId);
+  buffer->id = nextBufferId_++;
+  s.buffers[buffer->id] = buffer;
+  s.bytes += bytes;
+  return buffer;
+}
+
+std::shared_ptr<Buffer> Engine::registerMemory(uint64_t sessionId, Fd fd, uint64_t offset, uint64_t bytes) {
+  if (bytes == 0) fail(ErrorCode::kInvalidArgument, "register: size is 0 bytes; register at least 1 byte");
+  if (bytes > config_.limits.maxBufferBytes) {
+    fail(ErrorCode::kOutOfMemory, "register {} bytes: over the per-buffer limit of {} bytes (limits.max_buffer_bytes)",
+         bytes, config_.limits.maxBufferBytes);
+  }
+  const uint64_t fileBytes = fileSize(fd.get());
+  if (offset > fileBytes || bytes > fileBytes - offset) {
+    fail(ErrorCode::kInvalidArgument, "register: range [{}, {}) lies outside the {}-byte file passed with it; pass the "
+         "memfd that backs the memory and the offset of the memory in it", offset, offset + bytes, fileBytes);
+  }
+  if (offset % 4096 != 0) {
+    fail(ErrorCode::kInvalidArgument, "register: fd offset {} is not a multiple of the 4096-byte page size", offset);
+  }
+  auto buffer = std::make_shared<Buffer>();
+  buffer->bytes = bytes;
+  buffer->sessionId = sessionId;
+  buffer->registered = true;
+  buffer->mapping = Mapping::shared(fd.get(), bytes, offset);
+  buffer->fd = std::move(fd);
+  std::lock_guard lock(mutex_);
+  SessionState& s = sessionLocked(sessionId);
+  buffer->id = nextBufferId_++;
+  s.buffers[buffer->id] = buffer;
+  s.bytes += bytes;
+  return buffer;
+}
+
+void Engine::release(uint64_t sessionId, uint64_t bufferId, bool registered) {
+  std::lock_guard lock(mutex_);
+  SessionState& s = sessionLocked(sessionId);
+  auto it = s.buffers.find(bufferId);
+  if (it == s.buffers.end()) {
+    fail(ErrorCode::kNotFound, "buffer {} is not a buffer of this session (never allocated here, or already freed)",
+         bufferId);
+  }
+  if (it->second->registered != registered) {
+    fail(ErrorCode::kInvalidArgument, "buffer {} was {}; release it with {}", bufferId,
+         it->second->registered ? "registered" : "allocated",
+         it->second->registered ? "tandem_deregister" : "tandem_free");
+  }
+  s.bytes -= it->second->bytes;
+  s.buffers.erase(it);  // an op in flight still holds the mapping through its shared_ptr
+}
+
+// ---- communicators -----------------------------------------------------------------------------------
+
+void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, uint32_t nranks, uint32_t rank,
+                  JoinDone done) {
+  if (nranks == 0 || nranks > kMaxRanks) {
+    return done(ErrorCode::kInvalidArgument, fmt::format("nranks {} is out of range; pass 1..{}", nranks, kMaxRanks), 0);
+  }
+  if (rank >= nranks) {
+    return done(ErrorCode::kInvalidArgument, fmt::format("rank {} is out of range for nranks {}; pass 0..{}", rank,
+                                                         nranks, nranks - 1), 0);
+  }
+  std::unique_lock lock(mutex_);
+  std::shared_ptr<CommEntry> entry;
+  if (auto it = commByUniqueId_.find(uniqueId); it != commByUniqueId_.end()) {
+    entry = comms_.at(it->second);
+  } else {
+    entry = std::make_shared<CommEntry>();
+    entry->comm.handle = nextCommHandle_++;
+    entry->comm.uniqueId = uniqueId;
+    entry->comm.nranks = nranks;
+    entry->comm.members.resize(nranks);
+    entry->comm.queues.resize(nranks);
+    comms_[entry->comm.handle] = entry;
+    commByUniqueId_[uniqueId] = entry->comm.handle;
+  }
+  Communicator& comm = entry->comm;
+  if (comm.state != Communicator::State::kJoining) {
+    return done(ErrorCode::kInvalidArgument,
+                fmt::format("communicator {} is no longer joinable (state {}: {}); create a new id with "
+                            "tandem_get_unique_id", hexId(uniqueId), commStateName(comm.state), comm.reason), 0);
+  }
+  if (comm.nranks != nranks) {
+    return done(ErrorCode::kInvalidArgument,
+                fmt::format("communicator {} was created with nranks {}, but this rank passed nranks {}; every rank "
+                            "must pass the same nranks", hexId(uniqueId), comm.nranks, nranks), 0);
+  }
+  if (comm.members[rank]) {
+    return done(ErrorCode::kInvalidArgument,
+                fmt::format("rank {} of communicator {} is already taken by another session; give each process a "
+                            "distinct rank", rank, hexId(uniqueId)), 0);
+  }
+  comm.members[rank] = sessionId;
+  entry->joins[rank] = PendingJoin{sessionId, std::move(done)};
+  if (comm.joined() < comm.nranks) return;
+
+  comm.state = Communicator::State::kReady;
+  auto joins = std::move(entry->joins);
+  entry->joins.clear();
+  for (auto& [r, j] : joins) sessionLocked(j.sessionId).comms.push_back(comm.handle);
+  const uint64_t handle = comm.handle;
+  spdlog::info("communicator {} ready: {} ranks (handle {})", hexId(uniqueId), nranks, handle);
+  lock.unlock();
+  for (auto& [r, j] : joins) j.done(ErrorCode::kOk, "", handle);
+}
+
+void Engine::cancelJoin(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, uint32_t rank, uint32_t timeoutMs) {
+  std::unique_lock lock(mutex_);
+  auto it = commByUniqueId_.find(uniqueId);
+  if (it == commByUniqueId_.end()) return;
+  auto entry = comms_.at(it->second);
+  auto j = entry->joins.find(rank);
+  if (j == entry->joins.end() || j->second.sessionId != sessionId) return;
+  JoinDone done = std::move(j->second.done);
+  entry->joins.erase(j);
+  entry->comm.members[rank].reset();
+  const uint32_t joined = entry->comm.joined();
+  const uint32_t nranks = entry->comm.nranks;
+  if (joined == 0) {
+    commByUniqueId_.erase(it);
+    comms_.erase(entry->comm.handle);
+  }
+  lock.unlock();
+  done(ErrorCode::kTimeout,
+       fmt::format("communicator rendezvous timed out after {} ms: {} of {} ranks had joined; start every rank with "
+                   "the same id and nranks, or pass a longer timeout", timeoutMs, joined + 1, nranks), 0);
+}
+
+void Engine::destroyComm(uint64_t sessionId, uint64_t commHandle, bool abort) {
+  std::lock_guard lock(mutex_);
+  SessionState& s = sessionLocked(sessionId);
+  if (std::find(s.comms.begin(), s.comms.end(), commHandle) == s.comms.end()) {
+    fail(ErrorCode::kNotFound, "communicator handle {} is not one this session joined (or it was destroyed)", commHandle);
+  }
+  if (abort) {
+    auto entry = comms_.at(commHandle);
+    failCommLocked(*entry, Communicator::State::kAborted, ErrorCode::kAborted,
+                   fmt::format("communicator aborted by the session {} (tandem_comm_abort)", sessionId));
+    return;
+  }
+  leaveCommLocked(sessionId, commHandle, Communicator::State::kDestroyed, ErrorCode::kPeerLost,
+                  fmt::format("a rank destroyed the communicator (session {})", sessionId));
+}
+
+void Engine::failCommLocked(CommEntry& entry, Communicator::State state, ErrorCode code, const std::string& reason) {
+  Communicator& comm = entry.comm;
+  if (comm.state == Communicator::State::kReady || comm.state == Communicator::State::kJoining) {
+    comm.state = state;
+    comm.reason = reason;
+  }
+  for (auto& queue : comm.queues) {
+    for (PendingOp& op : queue) {
+      --op.channel->queued;
+      op.channel->complete(op.desc.seq, statusOf(code), reason);
+    }
+    queue.clear();
+  }
+}
+
+void Engine::leaveCommLocked(uint64_t sessionId, uint64_t handle, Communicator::State state, ErrorCode code,
+                             const std::string& reason) {
+  auto it = comms_.find(handle);
+  if (it == comms_.end()) return;
+  auto entry = it->second;
+  Communicator& comm = entry->comm;
+  for (auto& m : comm.members) {
+    if (m == sessionId) m.reset();
+  }
+  if (auto s = sessions_.find(sessionId); s != sessions_.end()) std::erase(s->second.comms, handle);
+  failCommLocked(*entry, state, code, reason);
+  if (comm.joined() == 0) {
+    commByUniqueId_.erase(comm.uniqueId);
+    comms_.erase(it);
+  }
+}
+
+// ---- the pump ----------------------------------------------------------------------------------------
+
+void Engine::pumpLoop() {
+  std::vector<std::shared_ptr<SessionChannel>> channels;
+  uint64_t generation = ~uint64_t{0};
+  auto lastWork = Clock::now();
+  const auto pollWindow = std::chrono::microseconds(config_.rings.pollWindowUs);
+  while (running_.load(std::memory_order_relaxed)) {
+    if (generation != sessionsGeneration_.load()) {
+      std::lock_guard lock(mutex_);
+      generation = sessionsGeneration_.load();
+      channels.clear();
+      for (auto& [id, s] : sessions_) channels.push_back(s.channel);
+    }
+    if (pollSessions(channels)) {
+      lastWork = Clock::now();
+      continue;
+    }
+    if (Clock::now() - lastWork < pollWindow) continue;
+    // Sleep: announce it on every ring, re-check, then block on the pump eventfd. Clients ring it only when
+    // they see the flag, so the busy path costs no system call. The timeout bounds the damage a client
+    // could do by clearing its own flag: only its own ops would wait, at most this long.
+    bool mayBlock = true;
+    for (auto& ch : channels) mayBlock = ch->submissions().prepareToSleep() && mayBlock;
+    if (mayBlock && generation == sessionsGeneration_.load()) {
+      pollfd p{pumpEvent_.get(), POLLIN, 0};
+      ::poll(&p, 1, 100);
+      drainEventfd(pumpEvent_.get());
+    }
+    for (auto& ch : channels) ch->submissions().wokeUp();
+    lastWork = Clock::now();
+  }
+}
+
+bool Engine::pollSessions(const std::vector<std::shared_ptr<SessionChannel>>& channels) {
+  bool any = false;
+  for (const auto& ch : channels) {
+    ch->flushPending();
+    if (ch->queued.load(std::memory_order_relaxed) >= ch->capacity()) continue;
+    OpDescriptor desc;
+    // Bounded per pass so one busy session cannot starve the others.
+    for (int i = 0; i < 64; ++i) {
+      const auto r = ch->submissions().tryPop(desc);
+      if (r == SpscRing<OpDescriptor>::Pop::kEmpty) break;
+      if (r == SpscRing<OpDescriptor>::Pop::kCorrupt) {
+        if (onSessionFault_) onSessionFault_(ch->sessionId(), "its submission ring's head index is corrupt");
+        break;
+      }
+      any = true;
+      handleDescriptor(desc, ch);
+    }
+  }
+  return any;
+}
+
+void Engine::handleDescriptor(const OpDescriptor& desc, const std::shared_ptr<SessionChannel>& channel) {
+  std::lock_guard lock(mutex_);
+  auto s = sessions_.find(channel->sessionId());
+  if (s == sessions_.end()) return;
+  SessionState& session = s->second;
+  const std::string kind(opKindName(desc.kind));
+  auto reject = [&](ErrorCode code, const std::string& message) {
+    channel->complete(desc.seq, statusOf(code), message);
+  };
+
+  auto c = comms_.find(desc.commHandle);
+  if (c == comms_.end() ||
+      std::find(session.comms.begin(), session.comms.end(), desc.commHandle) == session.comms.end()) {
+    return reject(ErrorCode::kNotFound, fmt::format("{}: communicator handle {} is not one this session joined (never "
+                                                    "joined, or destroyed); call tandem_comm_init first", kind,
+                                                    desc.commHandle));
+  }
+  auto entry = c->second;
+  Communicator& comm = entry->comm;
+  if (desc.rank >= comm.nranks || comm.members[desc.rank] != session.id) {
+    return reject(ErrorCode::kInvalidArgument,
+                  fmt::format("{}: descriptor says rank {}, but this session is not that rank of communicator {}; "
+                              "submit with the rank this process joined as", kind, desc.rank, desc.commHandle));
+  }
+  if (comm.state == Communicator::State::kAborted) return reject(ErrorCode::kAborted, comm.reason);
+  if (comm.state != Communicator::State::kReady) return reject(ErrorCode::kPeerLost, comm.reason);
+
+  PendingOp op;
+  op.desc = desc;
+  op.channel = channel;
+  try {
+    if (desc.nranks != comm.nranks) {
+      fail(ErrorCode::kInvalidArgument, "{}: nranks {} does not match the communicator's {}", kind, desc.nranks,
+           comm.nranks);
+    }
+    const SlotRules rules = validateDescriptor(desc);
+    for (std::size_t i = 0; i < kMaxOpBuffers; ++i) {
+      const BufferRef& ref = desc.bufs[i];
+      if (rules[i].name.empty() || ref.bufferId == 0) continue;
+      auto b = session.buffers.find(ref.bufferId);
+      if (b == session.buffers.end()) {
+        fail(ErrorCode::kInvalidArgument, "{}: buffer {} ({}) is not a buffer of this session (unknown, freed, or "
+             "another session's); pass a buffer this process allocated or registered", kind, ref.bufferId,
+             rules[i].name);
+      }
+      if (ref.offset > b->second->bytes || ref.bytes > b->second->bytes - ref.offset) {
+        fail(ErrorCode::kInvalidArgument, "{}: {} spans bytes [{}, {}) but buffer {} holds {} bytes; pass a larger "
+             "buffer or a smaller offset", kind, rules[i].name, ref.offset, ref.offset + ref.bytes, ref.bufferId,
+             b->second->bytes);
+      }
+      op.buffers[i] = b->second;
+    }
+  } catch (const Error& e) {
+    op.error = e.what();
+    op.errorCode = statusOf(e.code());
+  }
+  // A rejected descriptor still takes its place in the rank's sequence: the collective it belongs to fails
+  // on every rank, so ranks never pair ops from different positions.
+  ++channel->queued;
+  comm.queues[desc.rank].push_back(std::move(op));
+  tryDispatchLocked(entry);
+}
+
+void Engine::tryDispatchLocked(const std::shared_ptr<CommEntry>& entry) {
+  Communicator& comm = entry->comm;
+  if (entry->busy || comm.state != Communicator::State::kReady) return;
+  for (auto& q : comm.queues) {
+    if (q.empty()) return;
+  }
+  std::vector<PendingOp> ops;
+  for (auto& q : comm.queues) {
+    ops.push_back(std::move(q.front()));
+    q.pop_front();
+    --ops.back().channel->queued;
+  }
+  // Gang checks: one bad rank fails the collective everywhere, and nothing is written.
+  std::string error;
+  int32_t code = 0;
+  for (uint32_t r = 0; r < ops.size() && error.empty(); ++r) {
+    if (!ops[r].error.empty()) {
+      error = ops[r].error;
+      code = ops[r].errorCode;
+    }
+  }
+  if (error.empty()) {
+    std::vector<OpDescriptor> descs;
+    for (auto& op : ops) descs.push_back(op.desc);
+    try {
+      validateCollective(descs);
+    } catch (const Error& e) {
+      error = e.what();
+      code = statusOf(e.code());
+    }
+  }
+  if (!error.empty()) {
+    for (uint32_t r = 0; r < ops.size(); ++r) {
+      ops[r].channel->complete(ops[r].desc.seq, code,
+                               ops[r].error.empty() ? fmt::format("another rank's descriptor was rejected: {}", error)
+                                                    : ops[r].error);
+    }
+    return tryDispatchLocked(entry);
+  }
+  entry->busy = true;
+  enqueueWork([this, entry, ops = std::move(ops)]() mutable { runCollective(entry, std::move(ops)); });
+}
+
+void Engine::runCollective(const std::shared_ptr<CommEntry>& entry, std::vector<PendingOp> ops) {
+  int32_t code = 0;
+  std::string message;
+  try {
+    std::vector<RankOp> ranks(ops.size());
+    for (std::size_t r = 0; r < ops.size(); ++r) {
+      ranks[r].desc = ops[r].desc;
+      for (std::size_t i = 0; i < kMaxOpBuffers; ++i) {
+        if (ops[r].buffers[i]) ranks[r].data[i] = ops[r].buffers[i]->mapping.data() + ops[r].desc.bufs[i].offset;
+      }
+    }
+    runCpuOp(ranks);
+  } catch (const Error& e) {
+    code = statusOf(e.code());
+    message = e.what();
+  } catch (const std::exception& e) {
+    code = statusOf(ErrorCode::kInternal);
+    message = fmt::format("{} failed inside tandemd: {}", opKindName(ops[0].desc.kind), e.what());
+  }
+  for (auto& op : ops) op.channel->complete(op.desc.seq, code, message);
+  std::lock_guard lock(mutex_);
+  entry->busy = false;
+  ++entry->comm.opsCompleted;
+  tryDispatchLocked(entry);
+}
+
+void Engine::enqueueWork(std::function<void()> work) {
+  {
+    std::lock_guard lock(workMutex_);
+    work_.push_back(std::move(work));
+  }
+  workCv_.notify_one();
+}
+
+void Engine::workerLoop() {
+  for (;;) {
+    std::function<void()> work;
+    {
+      std::unique_lock lock(workMutex_);
+      workCv_.wait(lock, [this] { return !work_.empty() || !running_; });
+      if (work_.empty()) return;
+      work = std::move(work_.front());
+      work_.pop_front();
+    }
+    work();
+  }
+}
+
+EngineStatus Engine::status() const {
+  std::lock_guard lock(mutex_);
+  EngineStatus st;
+  for (auto& [id, s] : sessions_) {
+    st.sessions.push_back({id, s.pid, s.uid, static_cast<uint32_t>(s.buffers.size()), s.bytes,
+                           static_cast<uint32_t>(s.comms.size()), s.channel->completed()});
+    st.totalBytes += s.bytes;
+    st.totalBuffers += static_cast<uint32_t>(s.buffers.size());
+  }
+  for (auto& [handle, e] : comms_) {
+    st.comms.push_back({handle, e->comm.nranks, e->comm.joined(), commStateName(e->comm.state), e->comm.opsCompleted});
+  }
+  return st;
+}
+
+}  // namespace tandem::daemon

@@ -1,0 +1,177 @@
+// tandemd: the per-node tandem daemon. argv -> options -> config -> run.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <boost/asio/signal_set.hpp>
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+#include "config.hpp"
+#include "engine.hpp"
+#include "lifecycle.hpp"
+#include "server.hpp"
+#include "tandem/common/error.hpp"
+#include "tandem/tandem.h"
+
+namespace td = tandem::daemon;
+
+namespace {
+
+struct Options {
+  std::string configPath;
+  std::string socketPath;
+  std::string backend;
+  std::string logLevel;
+  bool foreground = false;
+  bool systemd = false;
+  bool printDefaultConfig = false;
+  bool version = false;
+};
+
+td::BackendKind resolveBackend(td::BackendKind requested) {
+  // The CUDA backend arrives with the GPU runtime (issue 4); until then only the CPU backend exists.
+  if (requested == td::BackendKind::kCuda) {
+    throw tandem::Error(tandem::ErrorCode::kUnavailable,
+                        "daemon.backend is cuda, but this tandemd has no CUDA backend yet; set daemon.backend to cpu "
+                        "or auto");
+  }
+  return td::BackendKind::kCpu;
+}
+
+// Forks into the background; the parent returns only when the child reports that it serves (or failed).
+// Returns the write end of the readiness pipe in the child, or exits in the parent.
+int daemonize() {
+  int pipeFds[2];
+  if (::pipe(pipeFds) != 0) throw tandem::Error(tandem::ErrorCode::kSystem, "pipe for daemonizing failed");
+  const pid_t pid = ::fork();
+  if (pid < 0) throw tandem::Error(tandem::ErrorCode::kSystem, "fork failed");
+  if (pid > 0) {
+    ::close(pipeFds[1]);
+    char status = 1;
+    const ssize_t n = ::read(pipeFds[0], &status, 1);
+    if (n == 1 && status == 0) std::_Exit(0);
+    int wstatus = 0;
+    ::waitpid(pid, &wstatus, 0);
+    std::_Exit(WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 1);
+  }
+  ::close(pipeFds[0]);
+  ::setsid();
+  return pipeFds[1];
+}
+
+int run(const Options& options) {
+  td::DaemonConfig config;
+  if (!options.configPath.empty()) config = td::loadConfigFile(options.configPath);
+  // Flags override the file.
+  if (!options.socketPath.empty()) config.daemon.socket = options.socketPath;
+  if (!options.logLevel.empty()) config.daemon.logLevel = options.logLevel;
+  if (!options.backend.empty()) {
+    if (options.backend == "auto") config.daemon.backend = td::BackendKind::kAuto;
+    else if (options.backend == "cpu") config.daemon.backend = td::BackendKind::kCpu;
+    else if (options.backend == "cuda") config.daemon.backend = td::BackendKind::kCuda;
+    else throw tandem::Error(tandem::ErrorCode::kInvalidConfig,
+                             fmt::format("--backend: '{}' is not one of auto, cpu, cuda", options.backend));
+  }
+  td::validateConfig(config);
+  spdlog::set_level(spdlog::level::from_str(config.daemon.logLevel));
+
+  const td::BackendKind backend = resolveBackend(config.daemon.backend);
+  const int readyFd = (options.foreground || options.systemd) ? -1 : daemonize();
+
+  td::Engine engine(config);
+  engine.start();
+  td::Server server(config, engine, td::backendName(backend));
+  spdlog::info("tandemd {} serving {} (backend {}, pid {})", TANDEM_VERSION_STRING, server.socketPath(),
+               td::backendName(backend), ::getpid());
+  if (readyFd >= 0) {
+    std::printf("tandemd %s started (pid %d), socket %s\n", TANDEM_VERSION_STRING, ::getpid(), server.socketPath().c_str());
+    std::fflush(stdout);
+    const char ok = 0;
+    [[maybe_unused]] ssize_t n = ::write(readyFd, &ok, 1);
+    ::close(readyFd);
+  }
+  td::notifySystemd("READY=1\nSTATUS=serving " + server.socketPath());
+
+  // SIGINT/SIGTERM drain and exit: the server closes every session, the engine finishes running ops.
+  std::thread signals([&server] {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    int sig = 0;
+    sigwait(&set, &sig);
+    if (sig != 0) {
+      spdlog::info("received {}, shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+      server.stop();
+    }
+  });
+  server.run();
+  td::notifySystemd("STOPPING=1");
+  engine.stop();
+  // Wake the signal thread if shutdown came from a Shutdown request instead of a signal.
+  ::kill(::getpid(), SIGTERM);
+  signals.join();
+  spdlog::info("tandemd stopped");
+  return td::kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Block the termination signals in every thread; a dedicated thread takes them with sigwait.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+  spdlog::set_default_logger(spdlog::stderr_color_mt("tandemd"));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+
+  Options options;
+  CLI::App app{"tandemd: the per-node tandem daemon. It owns the node's memory, communicators and fused-op "
+               "executors, and serves libtandem clients over a Unix socket."};
+  app.add_option("-c,--config", options.configPath, "YAML config file (see tandemd --print-default-config)");
+  app.add_option("-s,--socket", options.socketPath, "control socket path (overrides daemon.socket)");
+  app.add_option("--backend", options.backend, "auto | cpu | cuda (overrides daemon.backend)");
+  app.add_option("--log-level", options.logLevel, "trace | debug | info | warn | error");
+  app.add_flag("-f,--foreground", options.foreground, "stay in the foreground (default: fork into the background "
+                                                       "once serving)");
+  app.add_flag("--systemd", options.systemd, "run under systemd: foreground, sd_notify READY=1/STOPPING=1");
+  app.add_flag("--print-default-config", options.printDefaultConfig, "print the commented default config and exit");
+  app.add_flag("-V,--version", options.version, "print the version and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : td::kExitConfig;
+  }
+  if (options.version) {
+    std::printf("tandemd %s (protocol %u)\n", TANDEM_VERSION_STRING, TANDEM_PROTOCOL_VERSION);
+    return 0;
+  }
+  if (options.printDefaultConfig) {
+    std::cout << td::defaultConfigYaml();
+    return 0;
+  }
+  try {
+    return run(options);
+  } catch (const tandem::Error& e) {
+    spdlog::error("{}", e.what());
+    switch (e.code()) {
+      case tandem::ErrorCode::kInvalidConfig: return td::kExitConfig;
+      case tandem::ErrorCode::kUnavailable:
+      case tandem::ErrorCode::kCuda:
+      case tandem::ErrorCode::kRdma: return td::kExitUnavailable;
+      default: return td::kExitFailure;
+    }
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+    return td::kExitFailure;
+  }
+}

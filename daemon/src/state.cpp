@@ -1,0 +1,57 @@
+#include "state.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "tandem/common/error.hpp"
+
+namespace tandem::daemon {
+
+SessionChannel::SessionChannel(uint64_t sessionId, uint32_t capacity) : sessionId_(sessionId) {
+  const auto layout = RingRegionLayout::forCapacity(capacity);
+  ringFd_ = Fd::memfd(fmt::format("tandem-rings-{}", sessionId), layout.totalBytes);
+  mapping_ = Mapping::shared(ringFd_.get(), layout.totalBytes);
+  rings_ = SessionRings::format(mapping_.data(), mapping_.size(), capacity);
+  completionEvent_ = Fd::eventfd();
+}
+
+bool SessionChannel::tryPostLocked(const Completion& c) {
+  bool wake = false;
+  if (!rings_.completion.tryPush(c, wake)) return false;
+  ++completed_;
+  if (wake) signalEventfd(completionEvent_.get());
+  return true;
+}
+
+void SessionChannel::complete(uint64_t seq, int32_t status, std::string_view message) {
+  Completion c{};
+  c.seq = seq;
+  c.status = status;
+  c.messageLen = static_cast<uint32_t>(std::min(message.size(), sizeof c.message));
+  std::memcpy(c.message, message.data(), c.messageLen);
+  std::lock_guard lock(mutex_);
+  // Keep completion order: nothing may overtake what is already queued.
+  if (!overflow_.empty() || !tryPostLocked(c)) overflow_.push_back(c);
+}
+
+void SessionChannel::flushPending() {
+  std::lock_guard lock(mutex_);
+  while (!overflow_.empty() && tryPostLocked(overflow_.front())) overflow_.pop_front();
+}
+
+uint32_t Communicator::joined() const {
+  return static_cast<uint32_t>(std::count_if(members.begin(), members.end(), [](auto& m) { return m.has_value(); }));
+}
+
+const char* commStateName(Communicator::State state) {
+  switch (state) {
+    case Communicator::State::kJoining: return "joining";
+    case Communicator::State::kReady: return "ready";
+    case Communicator::State::kAborted: return "aborted";
+    case Communicator::State::kPeerLost: return "peer-lost";
+    case Communicator::State::kDestroyed: return "destroyed";
+  }
+  return "unknown";
+}
+
+}  // namespace tandem::daemon

@@ -1,0 +1,104 @@
+// The daemon's shared state: sessions, their buffers, and communicators. The control thread (Server)
+// creates and destroys these; the Engine's pump resolves descriptors against them. One mutex guards the
+// maps; the memory itself is reference-counted so an op in flight keeps a freed buffer's mapping alive.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "config.hpp"
+#include "tandem/common/descriptor.hpp"
+#include "tandem/common/fd.hpp"
+#include "tandem/common/ring.hpp"
+
+namespace tandem::daemon {
+
+// Memory the daemon has mapped: an allocation it made (memfd) or a client registration.
+struct Buffer {
+  uint64_t id = 0;
+  uint64_t sessionId = 0;
+  uint64_t bytes = 0;
+  bool registered = false;  // tandem_register (client-owned memory) rather than tandem_alloc
+  Fd fd;
+  Mapping mapping;
+};
+
+// A session's ring region and the producer side of its completion ring.
+class SessionChannel {
+ public:
+  SessionChannel(uint64_t sessionId, uint32_t capacity);
+  uint64_t sessionId() const { return sessionId_; }
+  int ringFd() const { return ringFd_.get(); }
+  int completionEventFd() const { return completionEvent_.get(); }
+  uint64_t ringBytes() const { return mapping_.size(); }
+  SpscRing<OpDescriptor>& submissions() { return rings_.submission; }
+
+  // Posts a completion; never blocks and never drops: when the ring is full (the client is not draining),
+  // it queues and flushPending() retries. Thread-safe.
+  void complete(uint64_t seq, int32_t status, std::string_view message);
+  void flushPending();
+  uint64_t completed() const { return completed_; }
+
+  // Descriptors popped from the ring that wait for other ranks. The pump stops popping this session's ring
+  // at the ring's capacity, so a rank that races ahead fills its own ring (back-pressure) instead of the
+  // daemon's memory.
+  std::atomic<uint32_t> queued{0};
+  uint32_t capacity() const { return static_cast<uint32_t>(rings_.submission.capacity()); }
+
+ private:
+  bool tryPostLocked(const Completion& c);
+  uint64_t sessionId_;
+  Fd ringFd_;
+  Mapping mapping_;
+  SessionRings rings_;
+  Fd completionEvent_;
+  std::mutex mutex_;  // one producer at a time on the completion ring
+  std::deque<Completion> overflow_;
+  uint64_t completed_ = 0;
+};
+
+struct SessionState {
+  uint64_t id = 0;
+  uint32_t pid = 0, uid = 0, gid = 0;
+  std::map<uint64_t, std::shared_ptr<Buffer>> buffers;
+  uint64_t bytes = 0;
+  std::shared_ptr<SessionChannel> channel;
+  std::vector<uint64_t> comms;  // handles joined
+  bool alive = true;
+};
+
+// One op submitted by one rank, resolved: buffers pinned by shared_ptr so a concurrent free cannot unmap
+// them under the executor.
+struct PendingOp {
+  OpDescriptor desc{};
+  std::array<std::shared_ptr<Buffer>, kMaxOpBuffers> buffers{};
+  std::shared_ptr<SessionChannel> channel;
+  std::string error;        // non-empty: this rank's descriptor was rejected (the whole collective fails)
+  int32_t errorCode = 0;
+};
+
+struct Communicator {
+  enum class State { kJoining, kReady, kAborted, kPeerLost, kDestroyed };
+  uint64_t handle = 0;
+  std::array<uint8_t, 16> uniqueId{};
+  uint32_t nranks = 0;
+  std::vector<std::optional<uint64_t>> members;  // session id per rank
+  State state = State::kJoining;
+  std::string reason;  // why it is no longer ready
+  std::vector<std::deque<PendingOp>> queues;  // per rank, in submission order
+  uint64_t opsCompleted = 0;
+  uint32_t joined() const;
+};
+const char* commStateName(Communicator::State state);
+
+}  // namespace tandem::daemon

@@ -1,0 +1,571 @@
+#include "transport/verbs_transport.hpp"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+namespace tandem::daemon::transport {
+
+namespace verbs {
+
+void DeviceListDeleter::operator()(ibv_device** list) const noexcept { ibv_free_device_list(list); }
+void ContextDeleter::operator()(ibv_context* ctx) const noexcept {
+  if (int rc = ibv_close_device(ctx); rc != 0) spdlog::error("verbs: ibv_close_device -> {}", std::strerror(rc));
+}
+void PdDeleter::operator()(ibv_pd* pd) const noexcept {
+  if (int rc = ibv_dealloc_pd(pd); rc != 0)
+    spdlog::error("verbs: ibv_dealloc_pd -> {} (an MR or QP still uses it)", std::strerror(rc));
+}
+void MrDeleter::operator()(ibv_mr* mr) const noexcept {
+  if (int rc = ibv_dereg_mr(mr); rc != 0) spdlog::error("verbs: ibv_dereg_mr -> {}", std::strerror(rc));
+}
+void CqDeleter::operator()(ibv_cq* cq) const noexcept {
+  if (int rc = ibv_destroy_cq(cq); rc != 0)
+    spdlog::error("verbs: ibv_destroy_cq -> {} (a QP still uses it)", std::strerror(rc));
+}
+void QpDeleter::operator()(ibv_qp* qp) const noexcept {
+  if (int rc = ibv_destroy_qp(qp); rc != 0) spdlog::error("verbs: ibv_destroy_qp -> {}", std::strerror(rc));
+}
+
+void checkVerbs(int rc, std::string_view what, std::string_view call) {
+  if (rc == 0) return;
+  // Most verbs calls return an errno value; a few return -1 and set errno.
+  const int err = rc < 0 ? errno : rc;
+  fail(err == ENOMEM ? ErrorCode::kOutOfMemory : ErrorCode::kRdma, "{}: {} [{} -> errno {}]", what,
+       std::strerror(err), call, err);
+}
+
+DeviceList getDeviceList() {
+  DeviceList d;
+  errno = 0;
+  int n = 0;
+  d.list.reset(ibv_get_device_list(&n));
+  d.savedErrno = errno;
+  d.count = d.list ? n : 0;
+  return d;
+}
+
+namespace {
+std::string realPath(const std::string& path) {
+  std::array<char, PATH_MAX> buf{};
+  if (::realpath(path.c_str(), buf.data()) == nullptr) return {};
+  return std::string(buf.data());
+}
+int readNumaNode(const std::string& devicePath) {
+  std::ifstream in(devicePath + "/numa_node");
+  int node = -1;
+  if (!(in >> node)) return -1;
+  return node;
+}
+}  // namespace
+
+std::vector<NicDesc> discoverNics() {
+  std::vector<NicDesc> nics;
+  DeviceList devices = getDeviceList();
+  for (int i = 0; i < devices.count; ++i) {
+    ibv_device* dev = devices.list.get()[i];
+    NicDesc nic;
+    nic.pci.name = ibv_get_device_name(dev);
+    const std::string sysfs = "/sys/class/infiniband/" + nic.pci.name + "/device";
+    nic.pci.pciPath = realPath(sysfs);
+    nic.pci.numaNode = readNumaNode(sysfs);
+    nic.active = false;
+    IbvContext ctx(ibv_open_device(dev));
+    if (ctx) {
+      ibv_port_attr attr{};
+      nic.active = ibv_query_port(ctx.get(), nic.port, &attr) == 0 && attr.state == IBV_PORT_ACTIVE;
+    }
+    nics.push_back(std::move(nic));
+  }
+  return nics;
+}
+
+}  // namespace verbs
+
+using verbs::checkVerbs;
+
+VerbsTransport::VerbsTransport(VerbsConfig config) : config_(std::move(config)) {
+  if (config_.nodeCount == 0 || config_.self >= config_.nodeCount)
+    fail(ErrorCode::kInvalidArgument, "verbs transport: node {} of {} nodes", config_.self, config_.nodeCount);
+  if (config_.qpsPerPeer == 0 || config_.qpsPerPeer > 16)
+    fail(ErrorCode::kInvalidConfig, "verbs transport: qps_per_peer {} must be in [1, 16]", config_.qpsPerPeer);
+  // Validates signalEvery against the depth before any hardware is touched.
+  (void)verbs::SendQueueTracker(config_.sendQueueDepth, config_.signalEvery);
+
+  verbs::DeviceList devices = verbs::getDeviceList();
+  if (devices.count == 0)
+    fail(ErrorCode::kUnavailable, "verbs transport: no RDMA device (ibv_get_device_list returned 0 devices{}); run "
+         "on a host with an RDMA NIC, load rdma_rxe, or set transport: tcp",
+         devices.savedErrno ? fmt::format(", errno {}", std::strerror(devices.savedErrno)) : std::string());
+  ibv_device* chosen = nullptr;
+  std::string tried;
+  for (int i = 0; i < devices.count && chosen == nullptr; ++i) {
+    ibv_device* dev = devices.list.get()[i];
+    const std::string name = ibv_get_device_name(dev);
+    if (!config_.device.empty() && name != config_.device) continue;
+    verbs::IbvContext ctx(ibv_open_device(dev));
+    if (!ctx) {
+      tried += fmt::format(" {} (open: {})", name, std::strerror(errno));
+      continue;
+    }
+    ibv_port_attr attr{};
+    if (const int rc = ibv_query_port(ctx.get(), config_.path.port, &attr); rc != 0) {
+      tried += fmt::format(" {} (port {}: {})", name, config_.path.port, std::strerror(rc));
+      continue;
+    }
+    if (attr.state != IBV_PORT_ACTIVE) {
+      tried += fmt::format(" {} (port {} {})", name, config_.path.port, ibv_port_state_str(attr.state));
+      continue;
+    }
+    chosen = dev;
+    deviceName_ = name;
+    portAttr_ = attr;
+    ctx_ = std::move(ctx);
+  }
+  if (chosen == nullptr)
+    fail(ErrorCode::kUnavailable, "verbs transport: no usable RDMA device{}: tried{}; check `ibv_devinfo` and "
+         "transport.verbs.device/port", config_.device.empty() ? "" : " named " + config_.device,
+         tried.empty() ? " none" : tried);
+  config_.path.activeMtu = static_cast<uint8_t>(portAttr_.active_mtu);
+
+  ibv_device_attr devAttr{};
+  checkVerbs(ibv_query_device(ctx_.get(), &devAttr), fmt::format("query {}", deviceName_), "ibv_query_device");
+  if (config_.sendQueueDepth > static_cast<uint32_t>(devAttr.max_qp_wr))
+    fail(ErrorCode::kInvalidConfig, "verbs transport: send queue depth {} exceeds {}'s max_qp_wr {}; lower "
+         "transport.verbs.send_queue_depth", config_.sendQueueDepth, deviceName_, devAttr.max_qp_wr);
+  config_.path.maxRdAtomic = static_cast<uint8_t>(
+      std::clamp<int>(config_.path.maxRdAtomic, 1, std::max(1, devAttr.max_qp_init_rd_atom)));
+  config_.path.maxDestRdAtomic =
+      static_cast<uint8_t>(std::clamp<int>(config_.path.maxDestRdAtomic, 1, std::max(1, devAttr.max_qp_rd_atom)));
+  config_.maxMessageBytes = std::min<uint64_t>(config_.maxMessageBytes, portAttr_.max_msg_sz);
+
+  checkVerbs(ibv_query_gid(ctx_.get(), config_.path.port, config_.path.gidIndex, &gid_),
+             fmt::format("read GID {} of {} port {}; set transport.verbs.gid_index to a populated entry (show_gids)",
+                         config_.path.gidIndex, deviceName_, config_.path.port),
+             "ibv_query_gid");
+
+  pd_.reset(ibv_alloc_pd(ctx_.get()));
+  if (!pd_) checkVerbs(-1, fmt::format("allocate a protection domain on {}", deviceName_), "ibv_alloc_pd");
+
+  flushLandingMr_.reset(ibv_reg_mr(pd_.get(), &flushLanding_, sizeof flushLanding_, IBV_ACCESS_LOCAL_WRITE));
+  if (!flushLandingMr_)
+    checkVerbs(-1, fmt::format("register the flush landing word on {}; set LimitMEMLOCK=infinity in the unit",
+                               deviceName_), "ibv_reg_mr");
+
+  cq_.reset(ibv_create_cq(ctx_.get(), static_cast<int>(config_.cqDepth), nullptr, nullptr, 0));
+  if (!cq_) checkVerbs(-1, fmt::format("create a {}-entry CQ on {}", config_.cqDepth, deviceName_), "ibv_create_cq");
+  flushCq_.reset(ibv_create_cq(ctx_.get(), 16, nullptr, nullptr, 0));
+  if (!flushCq_) checkVerbs(-1, fmt::format("create the flush CQ on {}", deviceName_), "ibv_create_cq");
+
+  peers_.reserve(config_.nodeCount);
+  for (uint32_t i = 0; i < config_.nodeCount; ++i) peers_.push_back(std::make_unique<Peer>());
+  spdlog::info("verbs transport: node {} on {} port {} ({}, MTU {}, GID index {})", config_.self, deviceName_,
+               config_.path.port, portAttr_.link_layer == IBV_LINK_LAYER_ETHERNET ? "RoCE" : "InfiniBand",
+               verbs::mtuBytes(config_.path.activeMtu), config_.path.gidIndex);
+}
+
+VerbsTransport::~VerbsTransport() {
+  // Members go in reverse declaration order: flush QP, peers' QPs, CQs, MRs, PD, context.
+  flushQp_.reset();
+  peers_.clear();
+}
+
+verbs::IbvQp VerbsTransport::createQp(ibv_cq* cq, uint32_t sendDepth) {
+  ibv_qp_init_attr init{};
+  init.send_cq = cq;
+  init.recv_cq = cq;
+  init.cap.max_send_wr = sendDepth;
+  init.cap.max_recv_wr = 1;  // we post no receives (no WRITE_WITH_IMM); some providers reject 0
+  init.cap.max_send_sge = 1;
+  init.cap.max_recv_sge = 1;
+  init.cap.max_inline_data = config_.maxInlineBytes;
+  init.qp_type = IBV_QPT_RC;
+  init.sq_sig_all = 0;  // selective signalling: only WRs with IBV_SEND_SIGNALED complete visibly
+  verbs::IbvQp qp(ibv_create_qp(pd_.get(), &init));
+  if (!qp) checkVerbs(-1, fmt::format("create an RC QP ({} send WRs) on {}", sendDepth, deviceName_), "ibv_create_qp");
+  if (init.cap.max_inline_data < sizeof(uint64_t))
+    fail(ErrorCode::kRdma, "verbs transport: {} gives QPs {} bytes of inline data; flags need 8", deviceName_,
+         init.cap.max_inline_data);
+  const auto t = verbs::buildInitAttr(config_.path, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+                                                        IBV_ACCESS_REMOTE_READ);
+  auto attr = t.attr;
+  checkVerbs(ibv_modify_qp(qp.get(), &attr, t.mask), "move QP to INIT", "ibv_modify_qp");
+  return qp;
+}
+
+verbs::QpInfo VerbsTransport::describeQp(const ibv_qp* qp) const {
+  verbs::QpInfo info;
+  info.lid = portAttr_.lid;
+  info.port = config_.path.port;
+  info.mtu = config_.path.activeMtu;
+  info.linkLayer = portAttr_.link_layer;
+  info.qpn = qp->qp_num;
+  info.psn = verbs::randomPsn();
+  std::copy(std::begin(gid_.raw), std::end(gid_.raw), info.gid.begin());
+  return info;
+}
+
+VerbsTransport::Peer& VerbsTransport::peerRef(NodeIndex peer) const {
+  if (peer >= peers_.size() || peer == config_.self)
+    fail(ErrorCode::kInvalidArgument, "verbs transport: node {} is not a peer of node {} ({} nodes)", peer,
+         config_.self, config_.nodeCount);
+  return *peers_[peer];
+}
+
+std::vector<verbs::QpInfo> VerbsTransport::localQpInfo(NodeIndex peer, LocalRegion control) {
+  RemoteKey controlKey;
+  if (control) controlKey = remoteKey(control);
+  Peer& p = peerRef(peer);
+  std::lock_guard lock(p.mutex);
+  if (p.qps.empty()) {
+    for (uint32_t i = 0; i < config_.qpsPerPeer; ++i) {
+      auto q = std::make_unique<Qp>(Qp{createQp(cq_.get(), config_.sendQueueDepth), {},
+                                       verbs::SendQueueTracker(config_.sendQueueDepth, config_.signalEvery), {}, 0, {}});
+      q->local = describeQp(q->qp.get());
+      {
+        std::lock_guard mapLock(qpMapMutex_);
+        qpOwner_[q->qp->qp_num] = {peer, i};
+      }
+      p.qps.push_back(std::move(q));
+    }
+  }
+  std::vector<verbs::QpInfo> infos;
+  for (const auto& q : p.qps) {
+    verbs::QpInfo info = q->local;
+    info.rkey = controlKey.rkey;
+    info.addr = controlKey.addr;
+    infos.push_back(info);
+  }
+  return infos;
+}
+
+void VerbsTransport::connectPeer(NodeIndex peer, std::span<const verbs::QpInfo> remote) {
+  Peer& p = peerRef(peer);
+  std::lock_guard lock(p.mutex);
+  if (p.qps.empty())
+    fail(ErrorCode::kInvalidArgument, "verbs transport: connectPeer({}) before localQpInfo({})", peer, peer);
+  if (remote.size() != p.qps.size())
+    fail(ErrorCode::kProtocol, "verbs transport: node {} sent {} QPs, this node has {}; set "
+         "transport.verbs.qps_per_peer identically on every node", peer, remote.size(), p.qps.size());
+  for (std::size_t i = 0; i < remote.size(); ++i) {
+    Qp& q = *p.qps[i];
+    auto rtr = verbs::buildRtrAttr(config_.path, q.local, remote[i]);
+    checkVerbs(ibv_modify_qp(q.qp.get(), &rtr.attr, rtr.mask),
+               fmt::format("connect QP {:#x} to node {} QP {:#x} (RTR)", q.local.qpn, peer, remote[i].qpn),
+               "ibv_modify_qp");
+    auto rts = verbs::buildRtsAttr(config_.path, q.local.psn);
+    checkVerbs(ibv_modify_qp(q.qp.get(), &rts.attr, rts.mask),
+               fmt::format("start QP {:#x} to node {} (RTS)", q.local.qpn, peer), "ibv_modify_qp");
+  }
+  p.status = PeerStatus{PeerState::kConnected, {}};
+}
+
+LocalRegion VerbsTransport::registerMemory(const MemoryDesc& desc) {
+  if (desc.addr == nullptr || desc.bytes == 0)
+    fail(ErrorCode::kInvalidArgument, "verbs transport: cannot register an empty or null range");
+  int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+  if (config_.relaxedOrdering) access |= IBV_ACCESS_RELAXED_ORDERING;
+  const double mib = static_cast<double>(desc.bytes) / (1024.0 * 1024.0);
+  verbs::IbvMr mr;
+  if (desc.kind == MemoryKind::kDevice && desc.dmabufFd >= 0) {
+    // iova = the device pointer, so RemoteKey::addr + offset addresses the same bytes as on the GPU.
+    mr.reset(ibv_reg_dmabuf_mr(pd_.get(), desc.dmabufOffset, desc.bytes, reinterpret_cast<uint64_t>(desc.addr),
+                               desc.dmabufFd, access));
+    if (!mr)
+      spdlog::warn("verbs transport: ibv_reg_dmabuf_mr of {:.1f} MiB on {} failed ({}); falling back to ibv_reg_mr, "
+                   "which needs nvidia-peermem", mib, deviceName_, std::strerror(errno));
+  }
+  if (!mr) {
+    mr.reset(ibv_reg_mr(pd_.get(), desc.addr, desc.bytes, access));
+    if (!mr) {
+      const int err = errno;
+      fail(err == ENOMEM ? ErrorCode::kOutOfMemory : ErrorCode::kRdma,
+           "register {:.1f} MiB of {} memory on {} failed: ibv_reg_mr -> {}. {}", mib,
+           desc.kind == MemoryKind::kDevice ? "GPU" : "host", deviceName_, std::strerror(err),
+           desc.kind == MemoryKind::kDevice
+               ? "Pass a dma-buf fd (cuMemGetHandleForAddressRange, CUDA >= 11.7, kernel >= 5.12) or load nvidia-peermem."
+               : "Set LimitMEMLOCK=infinity in the unit (ulimit -l).");
+    }
+  }
+  std::lock_guard lock(regionsMutex_);
+  const uint32_t id = nextRegionId_++;
+  regions_.emplace(id, Region{std::move(mr), desc});
+  return LocalRegion{id};
+}
+
+void VerbsTransport::deregisterMemory(LocalRegion region) {
+  std::lock_guard lock(regionsMutex_);
+  regions_.erase(region.id);
+}
+
+RemoteKey VerbsTransport::remoteKey(LocalRegion region) const {
+  std::lock_guard lock(regionsMutex_);
+  auto it = regions_.find(region.id);
+  if (it == regions_.end()) fail(ErrorCode::kNotFound, "verbs transport: unknown local region {}", region.id);
+  return RemoteKey{TransportKind::kVerbs, config_.self, region.id, it->second.mr->rkey,
+                   reinterpret_cast<uint64_t>(it->second.desc.addr), it->second.desc.bytes};
+}
+
+void VerbsTransport::checkAlive(const Peer& p, NodeIndex peer) const {
+  if (p.status.state == PeerState::kFailed || p.status.state == PeerState::kClosed)
+    fail(ErrorCode::kPeerLost, "verbs transport: node {} lost: {}", peer, p.status.reason);
+  if (p.qps.empty() || p.status.state != PeerState::kConnected)
+    fail(ErrorCode::kUnavailable, "verbs transport: node {} is not connected yet (bootstrap incomplete)", peer);
+}
+
+void VerbsTransport::write(NodeIndex peer, LocalRegion src, uint64_t srcOffset, const RemoteKey& dst,
+                           uint64_t dstOffset, uint64_t bytes, uint64_t cookie, bool signal) {
+  if (dst.transport != TransportKind::kVerbs || dst.owner != peer)
+    fail(ErrorCode::kInvalidArgument, "verbs transport: key of node {} ({}) used for a write to node {}", dst.owner,
+         transportKindName(dst.transport), peer);
+  uint64_t localBase = 0, localBytes = 0;
+  uint32_t lkey = 0;
+  {
+    std::lock_guard lock(regionsMutex_);
+    auto it = regions_.find(src.id);
+    if (it == regions_.end()) fail(ErrorCode::kInvalidArgument, "verbs transport: unknown local region {}", src.id);
+    localBase = reinterpret_cast<uint64_t>(it->second.desc.addr);
+    localBytes = it->second.desc.bytes;
+    lkey = it->second.mr->lkey;
+  }
+  std::vector<verbs::WorkRequestPlan> plans;
+  verbs::planWrite(localBase, localBytes, lkey, srcOffset, dst, dstOffset, bytes, config_.maxMessageBytes, signal,
+                   cookie, plans);
+  Peer& p = peerRef(peer);
+  std::lock_guard lock(p.mutex);
+  checkAlive(p, peer);
+  Qp& q = *p.qps[p.nextQp++ % p.qps.size()];
+  for (const auto& plan : plans) q.pending.push_back(plan);
+  q.enqueued += plans.size();
+}
+
+void VerbsTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t dstOffset, uint64_t value,
+                               uint64_t cookie, bool signal) {
+  if (dst.transport != TransportKind::kVerbs || dst.owner != peer)
+    fail(ErrorCode::kInvalidArgument, "verbs transport: key of node {} ({}) used for a flag to node {}", dst.owner,
+         transportKindName(dst.transport), peer);
+  const verbs::WorkRequestPlan plan = verbs::planFlag(dst, dstOffset, value, signal, cookie);
+  Peer& p = peerRef(peer);
+  std::lock_guard lock(p.mutex);
+  checkAlive(p, peer);
+  DeferredFlag f{plan, std::vector<uint64_t>(p.qps.size(), 0)};
+  // QP 0 carries every flag, so RC order covers QP 0's writes. Other QPs get a signalled marker after their
+  // last queued WR; the flag waits until each has retired everything up to and including that marker.
+  for (std::size_t i = 1; i < p.qps.size(); ++i) {
+    Qp& q = *p.qps[i];
+    if (q.enqueued == q.tracker.retired()) continue;  // nothing outstanding there
+    verbs::WorkRequestPlan marker;
+    marker.kind = verbs::WrKind::kMarker;
+    q.pending.push_back(marker);
+    q.enqueued += 1;
+    f.required[i] = q.enqueued;
+  }
+  p.deferred.push_back(std::move(f));
+}
+
+void VerbsTransport::postPending(Peer& p, NodeIndex peer, std::vector<Completion>& failedOut) {
+  if (p.status.state != PeerState::kConnected) return;
+  // Release deferred flags, in order, whose other-QP requirements are met.
+  while (!p.deferred.empty()) {
+    const DeferredFlag& f = p.deferred.front();
+    bool ready = true;
+    for (std::size_t i = 1; i < p.qps.size(); ++i) ready = ready && p.qps[i]->tracker.retired() >= f.required[i];
+    if (!ready) break;
+    p.qps[0]->pending.push_back(f.plan);
+    p.qps[0]->enqueued += 1;
+    p.deferred.pop_front();
+  }
+  std::vector<verbs::PlannedWr> batch;
+  std::vector<ibv_send_wr> wrs;
+  std::vector<ibv_sge> sges;
+  for (auto& qptr : p.qps) {
+    Qp& q = *qptr;
+    while (!q.pending.empty() && q.tracker.room() > 0) {
+      const std::size_t n = verbs::takeBatch(q.pending, q.tracker, config_.maxWrPerPost, batch);
+      wrs.assign(n, ibv_send_wr{});
+      sges.assign(n, ibv_sge{});
+      for (std::size_t i = 0; i < n; ++i) {
+        verbs::encodeWorkRequest(batch[i].plan, batch[i].seq, batch[i].signaled, wrs[i], sges[i]);
+        if (i > 0) wrs[i - 1].next = &wrs[i];
+        if (batch[i].plan.userSignal) q.userSignals.emplace_back(batch[i].seq, batch[i].plan.cookie);
+      }
+      ibv_send_wr* bad = nullptr;
+      if (const int rc = ibv_post_send(q.qp.get(), wrs.data(), &bad); rc != 0) {
+        failPeerLocked(p, peer,
+                       fmt::format("ibv_post_send on QP {:#x} -> {} (the QP is in an error state)", q.local.qpn,
+                                   std::strerror(rc)),
+                       failedOut);
+        return;
+      }
+    }
+  }
+}
+
+void VerbsTransport::submit() {
+  std::vector<Completion> failed;
+  for (NodeIndex i = 0; i < peers_.size(); ++i) {
+    if (i == config_.self) continue;
+    Peer& p = *peers_[i];
+    std::lock_guard lock(p.mutex);
+    postPending(p, i, failed);
+  }
+  if (!failed.empty()) {
+    std::lock_guard lock(completionsMutex_);
+    extraCompletions_.insert(extraCompletions_.end(), failed.begin(), failed.end());
+  }
+}
+
+void VerbsTransport::failPeerLocked(Peer& p, NodeIndex peer, std::string reason, std::vector<Completion>& failedOut) {
+  if (p.status.state == PeerState::kFailed) return;
+  p.status = PeerStatus{PeerState::kFailed, std::move(reason)};
+  spdlog::error("verbs transport: node {} lost: {}", peer, p.status.reason);
+  // Every caller-signalled op that has not completed fails: posted ones (their CQEs come back flushed and are
+  // dropped in poll) and queued ones that will never be posted.
+  for (auto& q : p.qps) {
+    for (const auto& [seq, cookie] : q->userSignals) failedOut.push_back(Completion{cookie, peer, ErrorCode::kPeerLost});
+    q->userSignals.clear();
+    for (const auto& plan : q->pending) {
+      if (plan.userSignal) failedOut.push_back(Completion{plan.cookie, peer, ErrorCode::kPeerLost});
+    }
+    q->pending.clear();
+  }
+  for (const auto& f : p.deferred) {
+    if (f.plan.userSignal) failedOut.push_back(Completion{f.plan.cookie, peer, ErrorCode::kPeerLost});
+  }
+  p.deferred.clear();
+  std::function<void(NodeIndex, const PeerStatus&)> handler;
+  {
+    std::lock_guard lock(handlerMutex_);
+    handler = failureHandler_;
+  }
+  if (handler) handler(peer, p.status);
+}
+
+std::size_t VerbsTransport::poll(std::span<Completion> out) {
+  std::size_t n = 0;
+  {
+    std::lock_guard lock(completionsMutex_);
+    while (n < out.size() && !extraCompletions_.empty()) {
+      out[n++] = extraCompletions_.front();
+      extraCompletions_.pop_front();
+    }
+  }
+  std::array<ibv_wc, 32> wcs;
+  std::vector<Completion> ready;  // successes and failures, in CQ order
+  while (n < out.size()) {
+    const int got = ibv_poll_cq(cq_.get(), static_cast<int>(wcs.size()), wcs.data());
+    if (got < 0) fail(ErrorCode::kRdma, "verbs transport: ibv_poll_cq on {} failed ({})", deviceName_, got);
+    if (got == 0) break;
+    for (int i = 0; i < got; ++i) {
+      const ibv_wc& wc = wcs[static_cast<std::size_t>(i)];
+      std::pair<NodeIndex, uint32_t> owner;
+      {
+        std::lock_guard lock(qpMapMutex_);
+        auto it = qpOwner_.find(wc.qp_num);
+        if (it == qpOwner_.end()) continue;  // a QP destroyed since; nothing to report
+        owner = it->second;
+      }
+      Peer& p = *peers_[owner.first];
+      std::lock_guard lock(p.mutex);
+      Qp& q = *p.qps[owner.second];
+      if (wc.status != IBV_WC_SUCCESS) {
+        // The first error moves the QP to the error state; the rest come back IBV_WC_WR_FLUSH_ERR and are
+        // ignored because the peer is already failed.
+        failPeerLocked(p, owner.first,
+                       fmt::format("work request {} on QP {:#x} failed: {} (vendor error {:#x}); check the link "
+                                   "(ibv_devinfo) and node {}'s daemon", wc.wr_id, q.local.qpn,
+                                   ibv_wc_status_str(wc.status), wc.vendor_err, owner.first),
+                       ready);
+        continue;
+      }
+      q.tracker.complete(wc.wr_id);
+      while (!q.userSignals.empty() && q.userSignals.front().first <= wc.wr_id) {
+        if (q.userSignals.front().first == wc.wr_id)
+          ready.push_back(Completion{q.userSignals.front().second, owner.first, ErrorCode::kOk});
+        q.userSignals.pop_front();
+      }
+    }
+    for (const Completion& c : ready) {
+      if (n < out.size()) {
+        out[n++] = c;
+      } else {
+        std::lock_guard lock(completionsMutex_);
+        extraCompletions_.push_back(c);
+      }
+    }
+    ready.clear();
+  }
+  // Completions freed send-queue room and may have released deferred flags.
+  submit();
+  return n;
+}
+
+PeerStatus VerbsTransport::peerStatus(NodeIndex peer) const {
+  Peer& p = peerRef(peer);
+  std::lock_guard lock(p.mutex);
+  return p.status;
+}
+
+void VerbsTransport::setPeerFailureHandler(std::function<void(NodeIndex, const PeerStatus&)> handler) {
+  std::lock_guard lock(handlerMutex_);
+  failureHandler_ = std::move(handler);
+}
+
+void VerbsTransport::flush(LocalRegion region, std::chrono::milliseconds timeout) {
+  uint64_t addr = 0, bytes = 0;
+  uint32_t rkey = 0;
+  {
+    std::lock_guard lock(regionsMutex_);
+    auto it = regions_.find(region.id);
+    if (it == regions_.end()) fail(ErrorCode::kNotFound, "verbs transport: flush of unknown region {}", region.id);
+    addr = reinterpret_cast<uint64_t>(it->second.desc.addr);
+    bytes = it->second.desc.bytes;
+    rkey = it->second.mr->rkey;
+  }
+  std::lock_guard lock(flushMutex_);
+  if (!flushQp_) {
+    // A loopback RC QP connected to itself: the READ it issues travels NIC -> PCIe -> GPU memory and back.
+    verbs::IbvQp qp = createQp(flushCq_.get(), 4);
+    const verbs::QpInfo self = describeQp(qp.get());
+    auto rtr = verbs::buildRtrAttr(config_.path, self, self);
+    checkVerbs(ibv_modify_qp(qp.get(), &rtr.attr, rtr.mask), "connect the flush QP to itself (RTR)", "ibv_modify_qp");
+    auto rts = verbs::buildRtsAttr(config_.path, self.psn);
+    checkVerbs(ibv_modify_qp(qp.get(), &rts.attr, rts.mask), "start the flush QP (RTS)", "ibv_modify_qp");
+    flushQp_ = std::move(qp);
+  }
+  verbs::WorkRequestPlan plan;
+  plan.kind = verbs::WrKind::kFlushRead;
+  plan.localAddr = reinterpret_cast<uint64_t>(&flushLanding_);
+  plan.lkey = flushLandingMr_->lkey;
+  plan.length = static_cast<uint32_t>(std::min<uint64_t>(bytes, sizeof flushLanding_));
+  plan.remoteAddr = addr;
+  plan.rkey = rkey;
+  ibv_send_wr wr{};
+  ibv_sge sge{};
+  verbs::encodeWorkRequest(plan, 0, true, wr, sge);
+  ibv_send_wr* bad = nullptr;
+  checkVerbs(ibv_post_send(flushQp_.get(), &wr, &bad), "post the GPUDirect flush READ", "ibv_post_send");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  ibv_wc wc{};
+  for (;;) {
+    const int got = ibv_poll_cq(flushCq_.get(), 1, &wc);
+    if (got < 0) fail(ErrorCode::kRdma, "verbs transport: ibv_poll_cq on the flush CQ failed ({})", got);
+    if (got == 1) break;
+    if (std::chrono::steady_clock::now() > deadline)
+      fail(ErrorCode::kTimeout, "verbs transport: GPUDirect flush of region {} on {} did not complete within {} ms",
+           region.id, deviceName_, timeout.count());
+    std::this_thread::yield();
+  }
+  if (wc.status != IBV_WC_SUCCESS)
+    fail(ErrorCode::kRdma, "verbs transport: GPUDirect flush of region {} failed: {} (vendor error {:#x})", region.id,
+         ibv_wc_status_str(wc.status), wc.vendor_err);
+}
+
+}  // namespace tandem::daemon::transport

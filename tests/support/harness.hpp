@@ -1,0 +1,194 @@
+// Test support: temporary directories, child processes with deadlines, and a real tandemd per test.
+#pragma once
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace tandem::testing {
+
+using Clock = std::chrono::steady_clock;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "tandem-test-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+struct CommandResult {
+  int exitCode = -1;  // -1: killed at the deadline
+  std::string out;
+  std::string err;
+};
+
+// Runs argv to completion (or kills it at the deadline), capturing stdout and stderr.
+inline CommandResult runCommand(const std::vector<std::string>& argv, int timeoutMs = 60000) {
+  int outPipe[2], errPipe[2];
+  if (::pipe2(outPipe, O_CLOEXEC) != 0 || ::pipe2(errPipe, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(outPipe[1], 1);
+    ::dup2(errPipe[1], 2);
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    std::_Exit(127);
+  }
+  ::close(outPipe[1]);
+  ::close(errPipe[1]);
+  CommandResult r;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeoutMs);
+  pollfd fds[2] = {{outPipe[0], POLLIN, 0}, {errPipe[0], POLLIN, 0}};
+  int open = 2;
+  while (open > 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) {
+      ::kill(pid, SIGKILL);
+      break;
+    }
+    ::poll(fds, 2, static_cast<int>(left));
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP))) continue;
+      char buf[4096];
+      const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+      if (n > 0) {
+        (i == 0 ? r.out : r.err).append(buf, static_cast<size_t>(n));
+      } else {
+        ::close(fds[i].fd);
+        fds[i].fd = -1;
+        --open;
+      }
+    }
+  }
+  for (auto& f : fds) {
+    if (f.fd >= 0) ::close(f.fd);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  r.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// Polls `pred` until it holds or the deadline passes. Returns whether it held.
+inline bool eventually(const std::function<bool()>& pred, int timeoutMs = 5000) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeoutMs);
+  while (Clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return pred();
+}
+
+inline bool socketAccepts(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// A real tandemd in the foreground on a private socket; its stderr goes to a log file in the temp dir.
+class Daemon {
+ public:
+  explicit Daemon(const std::string& configYaml = "", std::vector<std::string> extraArgs = {}) {
+    socket_ = (dir_.path() / "tandemd.sock").string();
+    log_ = (dir_.path() / "tandemd.log").string();
+    std::vector<std::string> argv = {TANDEMD_PATH, "--foreground", "--socket", socket_};
+    if (!configYaml.empty()) {
+      const std::string config = (dir_.path() / "tandemd.yaml").string();
+      std::ofstream(config) << configYaml;
+      argv.insert(argv.end(), {"--config", config});
+    }
+    argv.insert(argv.end(), extraArgs.begin(), extraArgs.end());
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 2);
+      ::dup2(fd, 1);
+      std::vector<char*> args;
+      for (auto& a : argv) args.push_back(a.data());
+      args.push_back(nullptr);
+      ::execv(args[0], args.data());
+      std::_Exit(127);
+    }
+    if (!eventually([&] { return socketAccepts(socket_) || exited(); }, 10000) || exited()) {
+      throw std::runtime_error("tandemd did not start serving within 10 s; its log:\n" + log());
+    }
+  }
+  ~Daemon() {
+    if (pid_ > 0 && !reaped_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  const std::string& socket() const { return socket_; }
+  pid_t pid() const { return pid_; }
+  const std::filesystem::path& dir() const { return dir_.path(); }
+  std::string log() const {
+    std::ifstream in(log_);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  void signal(int sig) { ::kill(pid_, sig); }
+  bool exited() {
+    if (reaped_) return true;
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      reaped_ = true;
+      exitCode_ = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+    }
+    return reaped_;
+  }
+  // Exit code (negative signal number if killed), or nullopt-like INT_MIN if it did not exit in time.
+  int waitExit(int timeoutMs) {
+    if (!eventually([&] { return exited(); }, timeoutMs)) return -1000;
+    return exitCode_;
+  }
+  std::string ctl(std::vector<std::string> args, int* exitCode = nullptr, int timeoutMs = 60000) const {
+    std::vector<std::string> argv = {TANDEMCTL_PATH, "--socket", socket_};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const CommandResult r = runCommand(argv, timeoutMs);
+    if (exitCode != nullptr) *exitCode = r.exitCode;
+    return r.out + r.err;
+  }
+
+ private:
+  TempDir dir_;
+  std::string socket_, log_;
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int exitCode_ = 0;
+};
+
+}  // namespace tandem::testing

@@ -1,0 +1,325 @@
+// The CPU backend against the independent double-precision reference, for every op, dtype and a spread
+// of rank counts, with shapes that are multiples of nothing.
+#include "cpu_ops.hpp"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "tandem/common/error.hpp"
+#include "tandem/common/reference.hpp"
+#include "tandem/common/validate.hpp"
+
+namespace {
+
+using tandem::DType;
+using tandem::kMaxOpBuffers;
+using tandem::OpDescriptor;
+using tandem::OpKind;
+using tandem::daemon::RankOp;
+namespace dim = tandem::dim;
+namespace slot = tandem::slot;
+namespace ref = tandem::reference;
+
+// One collective op's descriptors and host memory, one allocation per rank per slot.
+class Harness {
+ public:
+  Harness(std::vector<OpDescriptor> descs, uint64_t seed) : descs_(std::move(descs)), memory_(descs_.size()) {
+    for (std::size_t r = 0; r < descs_.size(); ++r) {
+      OpDescriptor& d = descs_[r];
+      for (std::size_t s = 0; s < kMaxOpBuffers; ++s) {
+        if (d.bufs[s].bytes == 0) continue;
+        d.bufs[s].bufferId = 1 + r * kMaxOpBuffers + s;
+        memory_[r][s].resize(d.bufs[s].bytes);
+      }
+      INFO("rank " << r);
+      REQUIRE_NOTHROW(tandem::validateDescriptor(d));
+      ref::fillInputs(d, pointers(r), seed);
+    }
+    REQUIRE_NOTHROW(tandem::validateCollective(descs_));
+  }
+
+  Harness(const ref::OpShape& shape, uint32_t nranks, uint64_t seed = 1) : Harness(describe(shape, nranks), seed) {}
+
+  static std::vector<OpDescriptor> describe(const ref::OpShape& shape, uint32_t nranks) {
+    std::vector<OpDescriptor> descs;
+    for (uint32_t r = 0; r < nranks; ++r) descs.push_back(ref::makeDescriptor(shape, r, nranks));
+    return descs;
+  }
+
+  std::array<std::byte*, kMaxOpBuffers> pointers(std::size_t r) {
+    std::array<std::byte*, kMaxOpBuffers> p{};
+    for (std::size_t s = 0; s < kMaxOpBuffers; ++s) p[s] = memory_[r][s].empty() ? nullptr : memory_[r][s].data();
+    return p;
+  }
+
+  void run() {
+    std::vector<RankOp> ops(descs_.size());
+    for (std::size_t r = 0; r < descs_.size(); ++r) ops[r] = RankOp{descs_[r], pointers(r)};
+    tandem::daemon::runCpuOp(ops);
+  }
+
+  // Runs the reference and compares every rank; fails the test with the comparison's detail.
+  void checkAgainstReference() {
+    std::vector<std::array<const std::byte*, kMaxOpBuffers>> inputs(descs_.size());
+    for (std::size_t r = 0; r < descs_.size(); ++r) {
+      const auto p = pointers(r);
+      std::copy(p.begin(), p.end(), inputs[r].begin());
+    }
+    const ref::Expected expected = ref::compute(descs_, inputs);
+    REQUIRE(expected.size() == descs_.size());
+    for (std::size_t r = 0; r < descs_.size(); ++r) {
+      const auto p = pointers(r);
+      const std::array<const std::byte*, kMaxOpBuffers> cp{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+      const ref::Comparison c = ref::compareRank(descs_[r], cp, expected[r]);
+      INFO(c.detail);
+      CHECK(c.ok);
+    }
+  }
+
+  // Every byte of every output slot, for determinism and "nothing written" checks.
+  std::vector<std::byte> outputBytes() const {
+    std::vector<std::byte> all;
+    for (std::size_t r = 0; r < descs_.size(); ++r) {
+      const tandem::SlotRules rules = tandem::validateDescriptor(descs_[r]);
+      for (std::size_t s = 0; s < kMaxOpBuffers; ++s)
+        if (rules[s].output) all.insert(all.end(), memory_[r][s].begin(), memory_[r][s].end());
+    }
+    return all;
+  }
+
+  void poisonOutputs() {
+    for (std::size_t r = 0; r < descs_.size(); ++r) {
+      const tandem::SlotRules rules = tandem::validateDescriptor(descs_[r]);
+      for (std::size_t s = 0; s < kMaxOpBuffers; ++s)
+        if (rules[s].output) std::fill(memory_[r][s].begin(), memory_[r][s].end(), std::byte{0xFF});
+    }
+  }
+
+  std::vector<OpDescriptor>& descs() { return descs_; }
+  std::vector<std::byte>& memory(std::size_t r, int s) { return memory_[r][static_cast<std::size_t>(s)]; }
+
+ private:
+  std::vector<OpDescriptor> descs_;
+  std::vector<std::array<std::vector<std::byte>, kMaxOpBuffers>> memory_;
+};
+
+ref::OpShape shapeFor(OpKind kind, DType dtype, uint32_t nranks) {
+  ref::OpShape s;
+  s.kind = kind;
+  s.dtype = dtype;
+  s.m = 37;
+  s.n = 19;
+  s.k = 23;
+  if (kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine) {
+    s.m = 13;  // tokens per rank
+    s.experts = nranks == 3 ? 6 : 8;
+    s.topk = 2;
+  }
+  s.seq = 29;
+  s.heads = 3;
+  s.headDim = 11;
+  s.causal = true;
+  s.bytes = 13;
+  return s;
+}
+
+bool allPoisoned(const std::vector<std::byte>& bytes) {
+  return std::all_of(bytes.begin(), bytes.end(), [](std::byte b) { return b == std::byte{0xFF}; });
+}
+
+int32_t readInt(const std::vector<std::byte>& mem, std::size_t index) {
+  int32_t v;
+  std::memcpy(&v, mem.data() + index * 4, 4);
+  return v;
+}
+
+void writeInt(std::vector<std::byte>& mem, std::size_t index, int32_t v) { std::memcpy(mem.data() + index * 4, &v, 4); }
+
+std::string runExpectingError(Harness& h) {
+  try {
+    h.run();
+  } catch (const tandem::Error& e) {
+    CHECK(e.code() == tandem::ErrorCode::kInvalidArgument);
+    return e.what();
+  }
+  FAIL("runCpuOp accepted bad data");
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("every cpu op matches the reference for every dtype and rank count") {
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kMoeDispatchGemm,
+                      OpKind::kMoeDispatchFfnCombine, OpKind::kRingAttention, OpKind::kAllGather, OpKind::kNop}) {
+    for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+      for (uint32_t nranks : {1u, 2u, 3u, 4u, 8u}) {
+        for (bool causal : {true, false}) {
+          if (!causal && kind != OpKind::kRingAttention) continue;
+          ref::OpShape shape = shapeFor(kind, dtype, nranks);
+          shape.causal = causal;
+          const std::string what = fmt::format("{} {} nranks {}{}", tandem::opKindName(kind), tandem::dtypeName(dtype),
+                                               nranks, causal ? "" : " non-causal");
+          INFO(what);
+          Harness h(shape, nranks, 1000 + nranks);
+          h.run();
+          h.checkAgainstReference();
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cheap ops run at 64 ranks, including ranks that own no rows") {
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kAllGather, OpKind::kNop}) {
+    INFO(tandem::opKindName(kind));
+    ref::OpShape shape = shapeFor(kind, DType::kBF16, 64);
+    shape.n = 5;
+    shape.k = 7;  // ag-gemm: m = 37 < 64, so ranks 37..63 hold an empty shard
+    Harness h(shape, 64, 7);
+    h.run();
+    h.checkAgainstReference();
+  }
+}
+
+TEST_CASE("ag-gemm without a_gathered writes only c") {
+  std::vector<OpDescriptor> descs = Harness::describe(shapeFor(OpKind::kAgGemm, DType::kF16, 3), 3);
+  for (OpDescriptor& d : descs) d.bufs[slot::kAGathered] = {};
+  Harness h(descs, 3);
+  h.run();
+  h.checkAgainstReference();
+}
+
+TEST_CASE("ring attention with ranks of unequal and empty sequence shards") {
+  SUBCASE("fewer positions than ranks") {
+    for (bool causal : {true, false}) {
+      ref::OpShape shape = shapeFor(OpKind::kRingAttention, DType::kF32, 8);
+      shape.causal = causal;
+      shape.seq = 5;  // ranks 5..7 hold no positions
+      Harness h(shape, 8, 11);
+      h.run();
+      h.checkAgainstReference();
+    }
+  }
+  SUBCASE("lengths chosen per rank, with a non-default scale") {
+    std::vector<OpDescriptor> descs = Harness::describe(shapeFor(OpKind::kRingAttention, DType::kBF16, 3), 3);
+    const uint64_t seqs[3] = {17, 0, 40};
+    for (std::size_t r = 0; r < 3; ++r) {
+      descs[r].dims[dim::kSeq] = seqs[r];
+      descs[r].scale = 0.2f;
+      for (int s : {slot::kQ, slot::kKey, slot::kValue, slot::kAttnOut}) {
+        descs[r].bufs[static_cast<std::size_t>(s)].bytes = seqs[r] * 3 * 11 * 2;
+      }
+    }
+    Harness h(descs, 12);
+    h.run();
+    h.checkAgainstReference();
+  }
+}
+
+TEST_CASE("moe ops with a different number of tokens on every rank") {
+  for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine}) {
+    INFO(tandem::opKindName(kind));
+    const uint64_t tokens[4] = {13, 1, 0, 6};
+    std::vector<OpDescriptor> descs;
+    for (uint32_t r = 0; r < 4; ++r) {
+      ref::OpShape shape = shapeFor(kind, DType::kBF16, 4);
+      shape.m = tokens[r];
+      OpDescriptor d = ref::makeDescriptor(shape, r, 4);
+      if (kind == OpKind::kMoeDispatchGemm) {
+        const uint64_t capacity = 20 * 2;  // all 20 tokens' top-2 rows could land on one rank
+        d.dims[dim::kCapacity] = capacity;
+        d.bufs[slot::kMoeOut].bytes = capacity * shape.n * 2;
+        d.bufs[slot::kRowInfo].bytes = capacity * 16;
+      }
+      descs.push_back(d);
+    }
+    Harness h(descs, 21);
+    h.run();
+    h.checkAgainstReference();
+  }
+}
+
+TEST_CASE("moe-dispatch-gemm writes the row layout of tandem.h") {
+  Harness h(shapeFor(OpKind::kMoeDispatchGemm, DType::kF32, 2), 2, 5);
+  h.run();
+  const uint64_t local = 4;
+  for (uint32_t d = 0; d < 2; ++d) {
+    uint64_t rows = 0;
+    for (uint64_t le = 0; le < local; ++le) rows += static_cast<uint64_t>(readInt(h.memory(d, slot::kExpertCounts), le));
+    // Rows are grouped by local expert, then source rank, then token: (expert, src, token) strictly increases.
+    for (uint64_t i = 0; i < rows; ++i) {
+      const auto& info = h.memory(d, slot::kRowInfo);
+      const int32_t e = readInt(info, i * 4 + 3);
+      CHECK(static_cast<uint64_t>(e) / local == d);
+      if (i > 0) {
+        const auto key = [&](uint64_t row) {
+          return std::tuple{readInt(info, row * 4 + 3), readInt(info, row * 4), readInt(info, row * 4 + 1)};
+        };
+        CHECK(key(i - 1) < key(i));
+      }
+    }
+    // Rows past the last routed row are not written.
+    const auto& info = h.memory(d, slot::kRowInfo);
+    CHECK(allPoisoned(std::vector<std::byte>(info.begin() + static_cast<std::ptrdiff_t>(rows * 16), info.end())));
+  }
+}
+
+TEST_CASE("moe-dispatch-gemm with too small a capacity fails before writing anything") {
+  Harness h(shapeFor(OpKind::kMoeDispatchGemm, DType::kBF16, 4), 4, 9);
+  // Count what rank 1 (experts 2 and 3) receives, straight from the ids.
+  int32_t rows = 0;
+  for (std::size_t s = 0; s < 4; ++s)
+    for (std::size_t i = 0; i < 13 * 2; ++i) rows += readInt(h.memory(s, slot::kTopkIds), i) / 2 == 1 ? 1 : 0;
+  REQUIRE(rows > 1);
+  OpDescriptor& d1 = h.descs()[1];
+  d1.dims[dim::kCapacity] = static_cast<uint64_t>(rows - 1);
+  d1.bufs[slot::kMoeOut].bytes = static_cast<uint64_t>(rows - 1) * 19 * 2;
+  d1.bufs[slot::kRowInfo].bytes = static_cast<uint64_t>(rows - 1) * 16;
+  REQUIRE_NOTHROW(tandem::validateDescriptor(d1));
+  const std::string message = runExpectingError(h);
+  CHECK(message == fmt::format("moe-dispatch-gemm: rank 1 receives {} rows but capacity is {}; pass capacity >= {}",
+                               rows, rows - 1, rows));
+  CHECK(allPoisoned(h.outputBytes()));
+}
+
+TEST_CASE("moe ops reject bad expert ids before writing anything") {
+  for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine}) {
+    INFO(tandem::opKindName(kind));
+    {  // an id out of range
+      Harness h(shapeFor(kind, DType::kBF16, 4), 4, 3);
+      writeInt(h.memory(2, slot::kTopkIds), 5 * 2 + 1, 8);
+      CHECK(runExpectingError(h).find("rank 2 topk_ids[5][1] = 8 is out of range [0, 8)") != std::string::npos);
+      CHECK(allPoisoned(h.outputBytes()));
+      writeInt(h.memory(2, slot::kTopkIds), 5 * 2 + 1, -1);
+      CHECK(runExpectingError(h).find("topk_ids[5][1] = -1 is out of range") != std::string::npos);
+      CHECK(allPoisoned(h.outputBytes()));
+    }
+    {  // an id repeated within a token
+      Harness h(shapeFor(kind, DType::kBF16, 4), 4, 3);
+      auto& ids = h.memory(3, slot::kTopkIds);
+      writeInt(ids, 7 * 2 + 1, readInt(ids, 7 * 2));
+      CHECK(runExpectingError(h).find(fmt::format("rank 3 token 7 names expert {} twice", readInt(ids, 14))) !=
+            std::string::npos);
+      CHECK(allPoisoned(h.outputBytes()));
+    }
+  }
+}
+
+TEST_CASE("cpu ops are deterministic: the same inputs give bitwise the same outputs") {
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kMoeDispatchGemm,
+                      OpKind::kMoeDispatchFfnCombine, OpKind::kRingAttention, OpKind::kAllGather}) {
+    INFO(tandem::opKindName(kind));
+    Harness h(shapeFor(kind, DType::kBF16, 3), 3, 17);
+    h.run();
+    const std::vector<std::byte> first = h.outputBytes();
+    CHECK_FALSE(allPoisoned(first));
+    h.poisonOutputs();
+    h.run();
+    CHECK(first == h.outputBytes());
+  }
+}
