@@ -22,43 +22,9 @@ namespace gemm {
 template <class T, int ClusterM, Epilogue Epi>
 __global__ void __launch_bounds__(kThreads, 1) gemmKernel(const __grid_constant__ GemmKernelParams p) {
   extern __shared__ uint8_t smemRaw[];
-  auto& s = *reinterpret_cast<SharedStorage<kStages>*>((reinterpret_cast<uintptr_t>(smemRaw) + 1023) &
-                                                         ~static_cast<uintptr_t>(1023));
-  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
-  const int t = static_cast<int>(threadIdx.x) % 128;
-  const uint32_t ctaRank = ClusterM > 1 ? clusterCtaRank() : 0u;
-  const int32_t clusterId = static_cast<int32_t>(blockIdx.x) / ClusterM;
-  const int32_t numClusters = static_cast<int32_t>(gridDim.x) / ClusterM;
-
-  if (threadIdx.x == 0) {
-    initBarriers<kStages, ClusterM>(s);
-    prefetchTensorMap(&p.tmA);
-    prefetchTensorMap(&p.tmB);
-    if constexpr (Epi == Epilogue::kTmaStore) prefetchTensorMap(&p.tmC);
-  }
-  // Barriers initialised before any thread (or any peer CTA's multicast / remote arrive) uses them.
-  if constexpr (ClusterM > 1) {
-    clusterSyncAligned();
-  } else {
-    __syncthreads();
-  }
-
   const GroupedRaster order{p.unitsM, p.tilesN, p.groupM};
-  switch (roleOf(wg)) {
-    case Role::kProducer:
-      setMaxNRegDec<kProducerRegs>();
-      if (t == 0) runProducer<kStages, ClusterM>(p, s, order, NoRowWait{}, clusterId, numClusters, ctaRank);
-      break;
-    case Role::kConsumer:
-      setMaxNRegInc<kConsumerRegs>();
-      runConsumer<T, kStages, ClusterM, Epi>(p, s, order, clusterId, numClusters, ctaRank, wg - 1, t);
-      break;
-  }
-  if constexpr (ClusterM > 1) {
-    // No CTA may leave while a peer can still multicast into its smem or arrive on its barriers.
-    __syncwarp();
-    clusterSync();
-  }
+  runGemmCta<T, ClusterM, Epi>(p, smemRaw, order, NoRowWait{}, static_cast<int32_t>(blockIdx.x) / ClusterM,
+                               static_cast<int32_t>(gridDim.x) / ClusterM);
 }
 
 namespace {
@@ -214,8 +180,6 @@ LaunchInfo launchInfo(int device, const Variant& v) {
                                  static_cast<int>(gemm::kSmemBytes<kStages>)),
             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
   if (v.clusterM > 1) {
-    checkCuda(cudaFuncSetAttribute(reinterpret_cast<const void*>(v.fn), cudaFuncAttributeNonPortableClusterSizeAllowed, 0),
-              "cudaFuncSetAttribute(NonPortableClusterSizeAllowed)");
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(v.clusterM * (info.numSms / v.clusterM)), 1, 1);
     cfg.blockDim = dim3(kThreads, 1, 1);

@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "tandem/common/error.hpp"
 #include "tandem/common/numeric.hpp"

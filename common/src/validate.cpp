@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <iterator>
 #include <string>
 
 #include "tandem/common/error.hpp"

@@ -128,7 +128,8 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       dispatch(request);
     } catch (const Error& e) {
       sendError(rid, e.code(), e.what());
-      if (e.code() == ErrorCode::kVersionMismatch || e.code() == ErrorCode::kPermissionDenied) {
+      // A peer that fails Hello (wrong version, not allowed, or something else first) gets no session.
+      if (!helloDone_ || e.code() == ErrorCode::kVersionMismatch || e.code() == ErrorCode::kPermissionDenied) {
         server_.closeSession(id_, e.what());
       }
     } catch (const std::exception& e) {
@@ -388,6 +389,7 @@ void Server::closeSession(uint64_t id, const std::string& why) {
   if (it == sessions_.end()) return;
   auto session = it->second;
   sessions_.erase(it);
+  spdlog::debug("connection {} closed: {}", id, why);
   session->close(why);
 }
 

@@ -502,4 +502,51 @@ __device__ __forceinline__ void runConsumer(const GemmKernelParams& p, SharedSto
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// A whole GEMM CTA: call from a __global__ with __launch_bounds__(kThreads, 1), all kThreads threads, dynamic smem of
+// kSmemBytes<kStages>, launched in clusters of ClusterM along x. This CTA is worker `clusterId` of `numClusters`
+// (clusters, not CTAs) and takes work indices clusterId, clusterId + numClusters, ... of `order`. A fused kernel that
+// gives some CTAs other roles passes its compute-CTA numbering here, its own Order, and a RowWait that blocks until the
+// A rows it is asked about have landed (the producer thread calls it; use waitUntil there).
+// ---------------------------------------------------------------------------------------------------------------
+template <class T, int ClusterM, Epilogue Epi, class Order, class RowWait>
+__device__ __forceinline__ void runGemmCta(const GemmKernelParams& p, uint8_t* smemRaw, const Order& order,
+                                           const RowWait& rowWait, int32_t clusterId, int32_t numClusters) {
+  auto& s = *reinterpret_cast<SharedStorage<kStages>*>((reinterpret_cast<uintptr_t>(smemRaw) + 1023) &
+                                                         ~static_cast<uintptr_t>(1023));
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  const int t = static_cast<int>(threadIdx.x) % 128;
+  const uint32_t ctaRank = ClusterM > 1 ? clusterCtaRank() : 0u;
+
+  if (threadIdx.x == 0) {
+    if (blockDim.x != kThreads) __trap();  // geometry: the host launches kThreads (checked there too)
+    initBarriers<kStages, ClusterM>(s);
+    prefetchTensorMap(&p.tmA);
+    prefetchTensorMap(&p.tmB);
+    if constexpr (Epi == Epilogue::kTmaStore) prefetchTensorMap(&p.tmC);
+  }
+  // Barriers initialised before any thread (or any peer CTA's multicast / remote arrive) uses them.
+  if constexpr (ClusterM > 1) {
+    clusterSyncAligned();
+  } else {
+    __syncthreads();
+  }
+
+  switch (roleOf(wg)) {
+    case Role::kProducer:
+      setMaxNRegDec<kProducerRegs>();
+      if (t == 0) runProducer<kStages, ClusterM>(p, s, order, rowWait, clusterId, numClusters, ctaRank);
+      break;
+    case Role::kConsumer:
+      setMaxNRegInc<kConsumerRegs>();
+      runConsumer<T, kStages, ClusterM, Epi>(p, s, order, clusterId, numClusters, ctaRank, wg - 1, t);
+      break;
+  }
+  if constexpr (ClusterM > 1) {
+    // No CTA may leave while a peer can still multicast into its smem or arrive on its barriers.
+    __syncwarp();
+    clusterSync();
+  }
+}
+
 }  // namespace tandem::kernels::gemm

@@ -127,7 +127,7 @@ TEST_CASE("bad allocations get clear errors and change nothing") {
 }
 
 TEST_CASE("garbage, oversized frames, wrong versions and unknown messages do not hurt other clients") {
-  Daemon d("limits:\n  max_frame_bytes: 4096\n");
+  Daemon d("limits:\n  max_frame_bytes: 4096\n", {"--log-level", "debug"});
   tandem::Session bystander(d.socket().c_str());
   tandem::Buffer kept(bystander, 4096);
   std::memset(kept.data(), 0x5a, 4096);
@@ -194,6 +194,7 @@ TEST_CASE("a uid that is not allowed is refused at Hello") {
     return;
   }
   Daemon d("access:\n  socket_mode: 0666\n");
+  std::filesystem::permissions(d.dir(), std::filesystem::perms::others_exec, std::filesystem::perm_options::add);
   int p[2];
   REQUIRE(::pipe(p) == 0);
   const pid_t child = ::fork();
@@ -233,7 +234,7 @@ TEST_CASE("tandemctl shutdown stops the daemon") {
   CHECK(d.waitExit(10000) == 0);
 }
 
-TEST_CASE("config errors exit 78 and name the key; missing hardware exits 69") {
+TEST_CASE("config errors exit 78 and name the key, missing hardware exits 69") {
   TempDir dir;
   const std::string bad = (dir.path() / "bad.yaml").string();
   std::ofstream(bad) << "daemon:\n  backend: cpu\nrings:\n  capacty: 64\n";
@@ -250,7 +251,7 @@ TEST_CASE("config errors exit 78 and name the key; missing hardware exits 69") {
   CHECK(r.err.find("backend") != std::string::npos);
 }
 
-TEST_CASE("tandemctl status --json and version talk to the daemon; TANDEM_SOCKET works") {
+TEST_CASE("tandemctl status --json and version talk to the daemon, and TANDEM_SOCKET works") {
   Daemon d;
   int code = 1;
   const std::string out = d.ctl({"version"}, &code);

@@ -276,8 +276,9 @@ TEST_CASE("a bad descriptor on one rank fails the collective on every rank, and 
   CHECK(e0.message.find("another rank") != std::string::npos);
   CHECK(e1.code == ErrorCode::kInvalidArgument);
   // The next pair of barriers matches up and succeeds.
-  CHECK(r0.session->wait(r0.session->submit(b0), 10000).code == ErrorCode::kOk);
-  CHECK(r1.session->wait(r1.session->submit(b1), 10000).code == ErrorCode::kOk);
+  const uint64_t n0 = r0.session->submit(b0), n1 = r1.session->submit(b1);
+  CHECK(r0.session->wait(n0, 10000).code == ErrorCode::kOk);
+  CHECK(r1.session->wait(n1, 10000).code == ErrorCode::kOk);
 }
 
 TEST_CASE("a full submission ring pushes back with RING_FULL and loses nothing") {

@@ -312,7 +312,7 @@ TEST_SUITE("config") {
     }
   }
 
-  TEST_CASE("validateConfig checks a config built in code, naming the key without a position") {
+  TEST_CASE("validateConfig checks a config built in code and names the key without a position") {
     DaemonConfig c;
     c.rings.capacity = 3;
     CHECK_THROWS_WITH_AS(validateConfig(c), doctest::Contains("rings.capacity: 3 is not a power of two"),

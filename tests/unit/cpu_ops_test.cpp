@@ -186,6 +186,17 @@ TEST_CASE("cheap ops run at 64 ranks, including ranks that own no rows") {
   }
 }
 
+TEST_CASE("gemms with a long K, so the columns run in several cache blocks") {
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs}) {
+    ref::OpShape shape = shapeFor(kind, DType::kF32, 2);
+    shape.m = 5;
+    shape.k = 2 * 2100 + 1;  // a CPU gemm block holds 96 KiB of b: about 11 rows of this K
+    Harness h(shape, 2, 4);
+    h.run();
+    h.checkAgainstReference();
+  }
+}
+
 TEST_CASE("ag-gemm without a_gathered writes only c") {
   std::vector<OpDescriptor> descs = Harness::describe(shapeFor(OpKind::kAgGemm, DType::kF16, 3), 3);
   for (OpDescriptor& d : descs) d.bufs[slot::kAGathered] = {};

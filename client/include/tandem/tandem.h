@@ -168,7 +168,9 @@ TANDEM_API tandem_status_t tandem_gemm_ar(tandem_comm_t comm, const tandem_gemm_
  * Every (token, slot) is routed to its expert's rank and multiplied there: y = x_t · w_eᵀ, [n_out].
  * Outputs on the expert's rank, in rows grouped by local expert, then source rank, then token, then slot:
  *   out [capacity, n_out] (dtype), row_info [capacity, 4] int32 = {src_rank, src_token, slot, expert},
- *   expert_counts [E/n] int32. If more than `capacity` rows arrive, the op fails naming the rows needed. */
+ *   expert_counts [E/n] int32. capacity is this rank's (ranks may differ); rows past sum(expert_counts) are
+ *   left untouched. If more than `capacity` rows arrive, the op fails naming the rows needed. topk_weights
+ *   are not used by this op (they travel for a later combine). tokens may be 0 on a rank. */
 typedef struct tandem_moe_dispatch_gemm_args {
   size_t struct_size;
   tandem_dtype_t dtype;
@@ -182,7 +184,8 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const ta
 /* MoE dispatch + FFN + combine: the whole layer. Routing as tandem_moe_dispatch_gemm. Each local expert e
  * holds w1 [E/n, 2*ffn, hidden] (rows [0, ffn) are the gate, [ffn, 2*ffn) the up projection) and
  * w2 [E/n, hidden, ffn]. For token x: h = silu(x·w1_gateᵀ) * (x·w1_upᵀ) (rounded to dtype), y = h·w2ᵀ.
- * out [tokens, hidden] on the source rank, in original token order: out_t = Σ_slot weight * y_e(x_t). */
+ * out [tokens, hidden] on the source rank, in original token order: out_t = Σ_slot weight * y_e(x_t)
+ * (y is not rounded to dtype; the cpu backend sums the slots in fp32 in slot order). */
 typedef struct tandem_moe_ffn_args {
   size_t struct_size;
   tandem_dtype_t dtype;
@@ -196,7 +199,7 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, c
 /* Ring attention. The sequence is sharded in rank order: this rank holds q, k, v [seq, heads, head_dim] for
  * its `seq` positions (ranks may differ), starting at the sum of lower ranks' seq. out [seq, heads,
  * head_dim] = softmax(q·Kᵀ * scale [+ causal mask]) · V over the whole sequence, per head. scale 0 means
- * 1/sqrt(head_dim). causal: position i attends to positions j <= i (global positions). */
+ * 1/sqrt(head_dim). causal: position i attends to positions j <= i (global positions). seq may be 0 on a rank. */
 typedef struct tandem_ring_attention_args {
   size_t struct_size;
   tandem_dtype_t dtype;

@@ -52,6 +52,16 @@ static_assert(sizeof(BufferRef) == 24);
 //   kRingAttention: dims {seq, heads, head_dim}, flags kFlagCausal, scale   bufs {q, k, v, out}
 //   kAllGather:    dims {bytes}                        bufs {send, recv}
 //   kNop:          no dims, no bufs
+// Rules (validate.hpp enforces them; the messages name the field):
+//   - Every dim is >= 1 except the per-rank row counts, which may be 0 on a rank: tokens (MoE) and seq
+//     (attention); ag-gemm's shard rows_of(m, rank, nranks) is 0 when m < nranks. k_local of gemm-rs/ar is >= 1.
+//   - Every dim is <= 2^32 and every tensor <= 2^40 bytes, so no byte count can overflow.
+//   - A slot whose extent is 0 needs no memory: its bytes must be 0 and any bufferId (0 included) is accepted.
+//   - Per-rank dims (may differ between ranks): k_local, tokens, capacity, seq. All other dims are global.
+//   - allgather and nop carry no typed data: dtype may be any known value (the client sends kInvalid);
+//     allgather offsets need no alignment. Other kinds take kBF16, kF16 or kF32; topk_ids, row_info and
+//     expert_counts are int32 and topk_weights fp32 whatever the op's dtype.
+//   - flags, scale, reserved0 and reserved1 are 0 unless the kind uses them (scale must then be finite).
 namespace dim {
 inline constexpr int kM = 0, kN = 1, kK = 2;
 inline constexpr int kTokens = 0, kHidden = 1, kNOut = 2, kFfn = 2, kExperts = 3, kTopk = 4, kCapacity = 5;

@@ -1,0 +1,1359 @@
+#include "transport/tcp_transport.hpp"
+
+#include <spdlog/spdlog.h>
+#include <sys/random.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <boost/asio/awaitable.hpp>
+#include <boost/asio/bind_executor.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/write.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+
+namespace tandem::daemon::transport {
+
+// ---------------------------------------------------------------------------------------------------------
+// SHA-256 / HMAC (FIPS 180-4, RFC 2104); checked against RFC 4231 vectors in transport_logic_test.cpp
+// ---------------------------------------------------------------------------------------------------------
+namespace detail {
+namespace {
+constexpr std::array<uint32_t, 64> kSha256K = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98, 0x12835b01,
+    0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc,
+    0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147,
+    0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08,
+    0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208,
+    0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+
+class Sha256 {
+ public:
+  void update(std::span<const std::byte> data) {
+    for (std::byte b : data) {
+      block_[fill_++] = static_cast<uint8_t>(b);
+      if (fill_ == 64) {
+        compress();
+        fill_ = 0;
+      }
+    }
+    bits_ += uint64_t{data.size()} * 8;
+  }
+  Sha256Digest finish() {
+    const uint64_t bits = bits_;
+    const std::byte one{0x80}, zero{0};
+    update(std::span(&one, 1));
+    while (fill_ != 56) update(std::span(&zero, 1));
+    std::array<std::byte, 8> len{};
+    for (int i = 0; i < 8; ++i) len[static_cast<std::size_t>(i)] = static_cast<std::byte>(bits >> (56 - 8 * i));
+    update(len);
+    Sha256Digest out{};
+    for (std::size_t i = 0; i < 8; ++i) {
+      for (std::size_t j = 0; j < 4; ++j) out[4 * i + j] = static_cast<uint8_t>(h_[i] >> (24 - 8 * j));
+    }
+    return out;
+  }
+
+ private:
+  void compress() {
+    std::array<uint32_t, 64> w{};
+    for (std::size_t i = 0; i < 16; ++i) {
+      w[i] = uint32_t{block_[4 * i]} << 24 | uint32_t{block_[4 * i + 1]} << 16 | uint32_t{block_[4 * i + 2]} << 8 |
+             uint32_t{block_[4 * i + 3]};
+    }
+    for (std::size_t i = 16; i < 64; ++i) {
+      const uint32_t s0 = std::rotr(w[i - 15], 7) ^ std::rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      const uint32_t s1 = std::rotr(w[i - 2], 17) ^ std::rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = h_[0], b = h_[1], c = h_[2], d = h_[3], e = h_[4], f = h_[5], g = h_[6], h = h_[7];
+    for (std::size_t i = 0; i < 64; ++i) {
+      const uint32_t s1 = std::rotr(e, 6) ^ std::rotr(e, 11) ^ std::rotr(e, 25);
+      const uint32_t ch = (e & f) ^ (~e & g);
+      const uint32_t t1 = h + s1 + ch + kSha256K[i] + w[i];
+      const uint32_t s0 = std::rotr(a, 2) ^ std::rotr(a, 13) ^ std::rotr(a, 22);
+      const uint32_t maj = (a & b) ^ (a & c) ^ (b & c);
+      const uint32_t t2 = s0 + maj;
+      h = g;
+      g = f;
+      f = e;
+      e = d + t1;
+      d = c;
+      c = b;
+      b = a;
+      a = t1 + t2;
+    }
+    h_[0] += a, h_[1] += b, h_[2] += c, h_[3] += d, h_[4] += e, h_[5] += f, h_[6] += g, h_[7] += h;
+  }
+
+  std::array<uint32_t, 8> h_ = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  std::array<uint8_t, 64> block_{};
+  std::size_t fill_ = 0;
+  uint64_t bits_ = 0;
+};
+}  // namespace
+
+Sha256Digest sha256(std::span<const std::byte> data) {
+  Sha256 s;
+  s.update(data);
+  return s.finish();
+}
+
+Sha256Digest hmacSha256(std::span<const std::byte> key, std::span<const std::byte> message) {
+  std::array<std::byte, 64> k{};
+  if (key.size() > k.size()) {
+    const auto d = sha256(key);
+    std::transform(d.begin(), d.end(), k.begin(), [](uint8_t b) { return std::byte{b}; });
+  } else {
+    std::copy(key.begin(), key.end(), k.begin());
+  }
+  std::array<std::byte, 64> pad{};
+  Sha256 inner;
+  for (std::size_t i = 0; i < 64; ++i) pad[i] = k[i] ^ std::byte{0x36};
+  inner.update(pad);
+  inner.update(message);
+  const auto innerDigest = inner.finish();
+  Sha256 outer;
+  for (std::size_t i = 0; i < 64; ++i) pad[i] = k[i] ^ std::byte{0x5c};
+  outer.update(pad);
+  outer.update(std::as_bytes(std::span(innerDigest)));
+  return outer.finish();
+}
+
+bool constantTimeEqual(std::span<const uint8_t> a, std::span<const uint8_t> b) {
+  if (a.size() != b.size()) return false;
+  uint8_t diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) diff = static_cast<uint8_t>(diff | (a[i] ^ b[i]));
+  return diff == 0;
+}
+}  // namespace detail
+
+std::string NodeAddress::toString() const {
+  return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Wire formats
+// ---------------------------------------------------------------------------------------------------------
+namespace {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using boost::system::error_code;
+using Clock = std::chrono::steady_clock;
+using Strand = asio::strand<asio::io_context::executor_type>;
+
+static_assert(std::endian::native == std::endian::little,
+              "the tcp frame header is sent as a little-endian struct; add byte swaps for big-endian hosts");
+
+enum class FrameType : uint8_t { kData = 1, kFlag = 2, kHeartbeat = 3, kGoodbye = 4 };
+
+struct FrameHeader {
+  uint8_t type;
+  uint8_t reserved[3];
+  uint32_t regionId;  // the key: the receiver's LocalRegion id
+  uint64_t offset;
+  uint64_t length;    // payload bytes that follow
+  uint64_t value;     // flag value
+};
+static_assert(sizeof(FrameHeader) == 32 && std::is_trivially_copyable_v<FrameHeader>);
+
+constexpr uint64_t kHandshakeMagic = 0x3150435444464e54ull;  // "TNFDTCP1"
+constexpr std::size_t kHelloBytes = 48;
+constexpr std::size_t kReplyPrefixBytes = 40;  // reply fields covered by the MACs (everything but the MAC)
+constexpr std::size_t kReplyBytes = kReplyPrefixBytes + 32;
+constexpr std::size_t kAuthBytes = 32;
+constexpr std::size_t kResultBytes = 8;
+constexpr uint64_t kMaxFramePayload = uint64_t{64} << 20;  // receivers refuse larger data frames
+constexpr std::size_t kMaxBatchFrames = 256;                // frames per async_write (keeps heartbeats timely)
+constexpr uint64_t kMaxBatchBytes = uint64_t{8} << 20;
+constexpr NodeIndex kNoNode = UINT32_MAX;
+
+enum class HandshakeStatus : uint32_t {
+  kOk = 0,
+  kVersionMismatch = 1,
+  kWrongNode = 2,     // Hello.to is not the acceptor's index
+  kBadNode = 3,       // Hello.from is out of range or the acceptor itself
+  kConnMismatch = 4,  // different connection count, or index out of range
+  kBadSecret = 5,
+  kDuplicate = 6,     // that connection index is already established
+};
+
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+std::array<std::byte, 16> randomNonce() {
+  std::array<std::byte, 16> n{};
+  if (::getrandom(n.data(), n.size(), 0) != static_cast<ssize_t>(n.size())) {
+    std::random_device rd;
+    for (auto& b : n) b = static_cast<std::byte>(rd());
+  }
+  return n;
+}
+
+std::span<const std::byte> bytesOf(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
+
+// MAC over a role label, the Hello and the reply fields: binds both nonces, both node indices, the versions.
+detail::Sha256Digest handshakeMac(std::string_view secret, std::string_view role, std::span<const std::byte> hello,
+                                  std::span<const std::byte> replyPrefix) {
+  std::vector<std::byte> msg;
+  msg.reserve(32 + hello.size() + replyPrefix.size());
+  const std::string label = fmt::format("tandem-tcp {}", role);
+  msg.insert(msg.end(), bytesOf(label).begin(), bytesOf(label).end());
+  msg.insert(msg.end(), hello.begin(), hello.end());
+  msg.insert(msg.end(), replyPrefix.begin(), replyPrefix.end());
+  return detail::hmacSha256(bytesOf(secret), msg);
+}
+
+std::string describe(const error_code& ec) {
+  if (ec == asio::error::eof) return "connection closed (EOF)";
+  if (ec == asio::error::connection_reset) return "connection reset by peer";
+  return ec.message();
+}
+
+template <typename Fn>
+auto logExceptions(std::string what, Fn onDone) {
+  return [what = std::move(what), onDone](std::exception_ptr e) {
+    if (e) {
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& ex) {
+        spdlog::error("tcp transport: {} failed: {}", what, ex.what());
+      }
+    }
+    onDone();
+  };
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------
+// Impl
+// ---------------------------------------------------------------------------------------------------------
+
+struct TcpTransport::Impl {
+  struct Region {
+    MemoryDesc desc;
+  };
+
+  struct OutFrame {
+    FrameHeader header{};
+    const std::byte* payload = nullptr;
+    uint64_t payloadBytes = 0;
+    std::vector<std::byte> owned;  // staged device data or flag counts; payload points into it
+    bool complete = false;         // report a completion with `cookie` once written
+    bool goodbye = false;
+    uint64_t cookie = 0;
+  };
+
+  struct OutConn : std::enable_shared_from_this<OutConn> {
+    OutConn(Impl& i, NodeIndex p, uint32_t idx) : impl(i), peer(p), index(idx), strand(asio::make_strand(i.io)), socket(strand) {}
+    Impl& impl;
+    const NodeIndex peer;
+    const uint32_t index;
+    Strand strand;
+    tcp::socket socket;  // strand only
+    std::mutex mutex;    // guards queue, writing, closed
+    std::deque<OutFrame> queue;
+    bool writing = false;
+    bool closed = false;
+    std::vector<OutFrame> inflight;             // strand only
+    std::vector<asio::const_buffer> buffers;    // strand only
+    std::atomic<int64_t> lastTxNs{0};
+    std::atomic<bool> ready{false};
+
+    // False once the connection is closed (the peer failed); the frame is dropped.
+    bool enqueue(OutFrame&& frame) {
+      std::lock_guard lock(mutex);
+      if (closed) return false;
+      queue.push_back(std::move(frame));
+      return true;
+    }
+    void kick() {
+      {
+        std::lock_guard lock(mutex);
+        if (writing || closed || queue.empty() || !ready.load(std::memory_order_acquire)) return;
+        writing = true;
+      }
+      asio::post(strand, [self = shared_from_this()] { self->startWrite(); });
+    }
+    void startWrite() {
+      inflight.clear();
+      {
+        std::lock_guard lock(mutex);
+        uint64_t bytes = 0;
+        while (!queue.empty() && inflight.size() < kMaxBatchFrames && bytes < kMaxBatchBytes) {
+          bytes += sizeof(FrameHeader) + queue.front().payloadBytes;
+          inflight.push_back(std::move(queue.front()));
+          queue.pop_front();
+        }
+        if (inflight.empty() || closed) {
+          writing = false;
+          return;
+        }
+      }
+      buffers.clear();
+      for (const OutFrame& f : inflight) {
+        buffers.emplace_back(&f.header, sizeof f.header);
+        if (f.payloadBytes > 0) buffers.emplace_back(f.payload, f.payloadBytes);
+      }
+      asio::async_write(socket, buffers,
+                        asio::bind_executor(strand, [self = shared_from_this()](const error_code& ec, std::size_t) {
+                          self->onWritten(ec);
+                        }));
+    }
+    void onWritten(const error_code& ec) {
+      std::vector<Completion> done;
+      int goodbyes = 0;
+      for (const OutFrame& f : inflight) {
+        if (f.complete) done.push_back(Completion{f.cookie, peer, ec ? ErrorCode::kPeerLost : ErrorCode::kOk});
+        if (f.goodbye) ++goodbyes;
+      }
+      inflight.clear();
+      impl.pushCompletions(done);
+      if (goodbyes > 0) impl.goodbyeSent(goodbyes);
+      if (ec) {
+        {
+          std::lock_guard lock(mutex);
+          writing = false;
+        }
+        impl.failPeer(peer, PeerState::kFailed,
+                      fmt::format("write on connection {} failed: {}", index, describe(ec)));
+        return;
+      }
+      lastTxNs.store(nowNs(), std::memory_order_relaxed);
+      startWrite();
+    }
+    // Marks the connection closed, returns completions for queued frames, closes the socket on its strand.
+    void shutdown(std::vector<Completion>& failed) {
+      int goodbyes = 0;
+      {
+        std::lock_guard lock(mutex);
+        closed = true;
+        for (const OutFrame& f : queue) {
+          if (f.complete) failed.push_back(Completion{f.cookie, peer, ErrorCode::kPeerLost});
+          if (f.goodbye) ++goodbyes;
+        }
+        queue.clear();
+      }
+      if (goodbyes > 0) impl.goodbyeSent(goodbyes);
+      asio::post(strand, [self = shared_from_this()] {
+        error_code ignored;
+        self->socket.close(ignored);
+      });
+    }
+  };
+
+  struct InConn : std::enable_shared_from_this<InConn> {
+    explicit InConn(Impl& i) : impl(i), strand(asio::make_strand(i.io)), socket(strand) {}
+    Impl& impl;
+    Strand strand;
+    tcp::socket socket;
+    NodeIndex peer = kNoNode;  // set by the handshake
+    uint32_t index = 0;
+    std::atomic<int64_t> lastRxNs{0};
+    std::atomic<bool> ready{false};
+    std::vector<std::byte> staging;  // device-region payloads
+    FrameHeader goodbye{};
+  };
+
+  struct PendingFlag {
+    std::shared_ptr<Region> region;
+    uint64_t offset;
+    uint64_t value;
+    std::vector<uint64_t> counts;  // data frames per connection that must have landed first
+  };
+
+  struct Peer {
+    NodeIndex node = 0;
+    NodeAddress addr;
+    std::atomic<PeerState> state{PeerState::kConnecting};
+    mutable std::mutex mutex;  // guards everything below except the send side
+    std::string reason;
+    ErrorCode fatalCode = ErrorCode::kOk;  // handshake failure that connect() reports
+    std::string fatal;
+    std::string lastDialError;
+    std::vector<std::shared_ptr<OutConn>> out;  // fixed after connect() builds it
+    std::vector<std::shared_ptr<InConn>> in;    // slots filled by handshakes
+    uint32_t outReady = 0, inReady = 0;
+    std::vector<uint64_t> recvData;             // per inbound connection: data frames fully written
+    std::deque<PendingFlag> pendingFlags;
+    // Send side: serialises striping and the per-connection counts flags carry.
+    std::mutex sendMutex;
+    std::vector<uint64_t> sentData;
+    uint32_t nextConn = 0;
+  };
+
+  explicit Impl(TcpConfig c)
+      : config(std::move(c)),
+        work(asio::make_work_guard(io)),
+        acceptor(io),
+        acceptStrand(asio::make_strand(io)),
+        timerStrand(asio::make_strand(io)) {}
+
+  // ---- members (io first: destroyed last, after every socket) ----
+  TcpConfig config;
+  asio::io_context io;
+  asio::executor_work_guard<asio::io_context::executor_type> work;
+  tcp::acceptor acceptor;
+  Strand acceptStrand;
+  Strand timerStrand;
+  std::vector<std::thread> threads;
+
+  std::vector<NodeAddress> nodes;             // fixed once connect() publishes nodeCount
+  std::vector<std::unique_ptr<Peer>> peers;   // index = node; null for self
+  std::atomic<uint32_t> nodeCount{0};
+  bool connectCalled = false;
+
+  mutable std::shared_mutex regionsMutex;
+  std::unordered_map<uint32_t, std::shared_ptr<Region>> regions;
+  uint32_t nextRegionId = 1;
+
+  std::mutex completionsMutex;
+  std::deque<Completion> completions;
+  std::atomic<bool> anyCompletions{false};
+
+  std::mutex stateMutex;  // with stateCv: connect() and shutdown wait for peer/goodbye changes
+  std::condition_variable stateCv;
+  int goodbyesPending = 0;  // guarded by stateMutex
+
+  std::mutex handlerMutex;
+  std::function<void(NodeIndex, const PeerStatus&)> failureHandler;
+  std::atomic<bool> stopping{false};
+
+  // ---- helpers ----
+  std::string nodeName(NodeIndex n) const {
+    return n < nodes.size() ? fmt::format("{} (node {})", nodes[n].toString(), n) : fmt::format("node {}", n);
+  }
+
+  void notifyState() {
+    std::lock_guard lock(stateMutex);
+    stateCv.notify_all();
+  }
+
+  void goodbyeSent(int n) {
+    std::lock_guard lock(stateMutex);
+    goodbyesPending -= n;
+    stateCv.notify_all();
+  }
+
+  void pushCompletions(const std::vector<Completion>& done) {
+    if (done.empty()) return;
+    std::lock_guard lock(completionsMutex);
+    completions.insert(completions.end(), done.begin(), done.end());
+    anyCompletions.store(true, std::memory_order_release);
+  }
+
+  std::shared_ptr<Region> findRegion(uint32_t id) const {
+    std::shared_lock lock(regionsMutex);
+    auto it = regions.find(id);
+    return it == regions.end() ? nullptr : it->second;
+  }
+
+  Peer& peerRef(NodeIndex node) const {
+    const uint32_t n = nodeCount.load(std::memory_order_acquire);
+    if (n == 0) fail(ErrorCode::kUnavailable, "tcp transport: not connected yet (call connect first)");
+    if (node >= n || node == config.self)
+      fail(ErrorCode::kInvalidArgument, "tcp transport: node {} is not a peer of node {} ({} nodes)", node, config.self, n);
+    return *peers[node];
+  }
+
+  // Throws unless the peer is connected: kPeerLost (with its reason) once failed or closed.
+  void checkConnected(Peer& p) const {
+    const PeerState s = p.state.load(std::memory_order_acquire);
+    if (s == PeerState::kConnected) return;
+    if (s == PeerState::kConnecting)
+      fail(ErrorCode::kUnavailable, "tcp transport: {} is not connected yet", nodeName(p.node));
+    std::lock_guard lock(p.mutex);
+    fail(ErrorCode::kPeerLost, "tcp transport: peer {} lost: {}", nodeName(p.node), p.reason);
+  }
+
+  // Marks a peer failed (or closed), once: closes its connections, fails its queued signalled ops,
+  // wakes connect(), calls the failure handler.
+  void failPeer(NodeIndex node, PeerState newState, std::string reason) {
+    if (node >= peers.size() || !peers[node]) return;
+    Peer& p = *peers[node];
+    std::vector<std::shared_ptr<InConn>> in;
+    {
+      std::lock_guard lock(p.mutex);
+      const PeerState cur = p.state.load(std::memory_order_acquire);
+      if (cur == PeerState::kFailed || cur == PeerState::kClosed) return;
+      p.reason = std::move(reason);
+      p.state.store(newState, std::memory_order_release);
+      in = p.in;
+    }
+    const PeerStatus status{newState, p.reason};  // reason is immutable once the state is terminal
+    if (stopping.load()) {
+      spdlog::debug("tcp transport: peer {} {} during shutdown: {}", nodeName(node), peerStateName(newState), status.reason);
+    } else if (newState == PeerState::kClosed) {
+      spdlog::info("tcp transport: peer {} closed: {}", nodeName(node), status.reason);
+    } else {
+      spdlog::error("tcp transport: peer {} lost: {}", nodeName(node), status.reason);
+    }
+    std::vector<Completion> failed;
+    for (auto& c : p.out) c->shutdown(failed);
+    for (auto& c : in) {
+      if (!c) continue;
+      asio::post(c->strand, [c] {
+        error_code ignored;
+        c->socket.close(ignored);
+      });
+    }
+    pushCompletions(failed);
+    notifyState();
+    if (stopping.load()) return;
+    std::function<void(NodeIndex, const PeerStatus&)> handler;
+    {
+      std::lock_guard lock(handlerMutex);
+      handler = failureHandler;
+    }
+    if (handler) {
+      try {
+        handler(node, status);
+      } catch (const std::exception& e) {
+        spdlog::error("tcp transport: peer failure handler threw: {}", e.what());
+      }
+    }
+  }
+
+  // A handshake problem that connect() must report. Ignored once the peer is connected: a stranger that
+  // claims to be node N must not be able to take down the live node N.
+  void handshakeFailure(NodeIndex node, ErrorCode code, std::string message) {
+    if (node >= peers.size() || !peers[node]) return;
+    Peer& p = *peers[node];
+    {
+      std::lock_guard lock(p.mutex);
+      if (p.state.load() != PeerState::kConnecting) {
+        spdlog::warn("{} (ignored: the peer is already {})", message, peerStateName(p.state.load()));
+        return;
+      }
+      if (p.fatalCode == ErrorCode::kOk) {
+        p.fatalCode = code;
+        p.fatal = message;
+      }
+    }
+    failPeer(node, PeerState::kFailed, std::move(message));
+  }
+
+  void connectionReady(Peer& p, bool outbound) {
+    bool connected = false;
+    {
+      std::lock_guard lock(p.mutex);
+      (outbound ? p.outReady : p.inReady) += 1;
+      if (p.outReady == config.connectionsPerPeer && p.inReady == config.connectionsPerPeer &&
+          p.state.load() == PeerState::kConnecting) {
+        p.state.store(PeerState::kConnected, std::memory_order_release);
+        connected = true;
+      }
+    }
+    if (connected) spdlog::info("tcp transport: node {} connected to {}", config.self, nodeName(p.node));
+    notifyState();
+  }
+
+  // Applies arrived flags in order while their per-connection data counts are met. p.mutex held.
+  void applyFlags(Peer& p) {
+    while (!p.pendingFlags.empty()) {
+      PendingFlag& f = p.pendingFlags.front();
+      for (std::size_t c = 0; c < f.counts.size(); ++c) {
+        if (p.recvData[c] < f.counts[c]) return;
+      }
+      std::byte* target = static_cast<std::byte*>(f.region->desc.addr) + f.offset;
+      if (f.region->desc.kind == MemoryKind::kDevice) {
+        // Synchronous copies: every data copy to the device has completed before this one starts.
+        config.deviceCopier->toDevice(target, &f.value, sizeof f.value);
+      } else {
+        // release: the data bytes of every counted frame were written before (by this thread, or by another
+        // connection's thread that then released p.mutex, which we hold). Pairs with the consumer's
+        // load-acquire of the flag (e.g. std::atomic_ref<uint64_t>(flag).load(acquire) in the tests).
+        std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(target)).store(f.value, std::memory_order_release);
+      }
+      p.pendingFlags.pop_front();
+    }
+  }
+
+  // ---- coroutines ----
+  asio::awaitable<void> acceptLoop();
+  asio::awaitable<void> serveInbound(std::shared_ptr<InConn> c);
+  asio::awaitable<void> inboundLoop(std::shared_ptr<InConn> c);
+  asio::awaitable<void> dial(std::shared_ptr<OutConn> c, Clock::time_point deadline);
+  enum class DialOutcome { kOk, kRetry, kFatal };
+  asio::awaitable<DialOutcome> dialHandshake(std::shared_ptr<OutConn> c);
+  asio::awaitable<void> outboundReadLoop(std::shared_ptr<OutConn> c);
+  asio::awaitable<void> heartbeatLoop();
+
+  void start();
+  void connect(const std::vector<NodeAddress>& list);
+  void shutdown();
+};
+
+namespace {
+constexpr auto kIgnore = [] {};
+}
+
+asio::awaitable<void> TcpTransport::Impl::acceptLoop() {
+  for (;;) {
+    auto conn = std::make_shared<InConn>(*this);
+    error_code ec;
+    co_await acceptor.async_accept(conn->socket, asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) {
+      if (ec == asio::error::operation_aborted || stopping.load() || !acceptor.is_open()) co_return;
+      spdlog::warn("tcp transport: accept failed: {}", ec.message());
+      asio::steady_timer pause(acceptStrand, std::chrono::milliseconds(50));  // e.g. EMFILE: do not spin
+      co_await pause.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+      continue;
+    }
+    asio::co_spawn(conn->strand, serveInbound(conn), logExceptions("inbound connection", kIgnore));
+  }
+}
+
+asio::awaitable<void> TcpTransport::Impl::serveInbound(std::shared_ptr<InConn> c) {
+  error_code ec;
+  c->socket.set_option(tcp::no_delay(true), ec);
+  const auto remoteEp = c->socket.remote_endpoint(ec);
+  const std::string remote = ec ? std::string("unknown") : fmt::format("{}:{}", remoteEp.address().to_string(), remoteEp.port());
+  // A connection that does not finish the handshake in time is closed (strangers, stuck dialers).
+  asio::steady_timer watchdog(c->strand, std::chrono::milliseconds(config.connectTimeoutMs));
+  watchdog.async_wait([c](const error_code& e) {
+    if (!e) {
+      error_code ignored;
+      c->socket.close(ignored);
+    }
+  });
+
+  std::array<std::byte, kHelloBytes> hello{};
+  co_await asio::async_read(c->socket, asio::buffer(hello), asio::redirect_error(asio::use_awaitable, ec));
+  if (ec) {
+    spdlog::debug("tcp transport: connection from {} ended before its handshake: {}", remote, describe(ec));
+    co_return;
+  }
+  detail::WireReader r(hello, "tcp hello");
+  if (r.get<uint64_t>() != kHandshakeMagic) {
+    spdlog::warn("tcp transport: rejected a connection from {}: not a tandem transport handshake", remote);
+    co_return;
+  }
+  const auto version = r.get<uint32_t>();
+  const auto from = r.get<uint32_t>();
+  const auto to = r.get<uint32_t>();
+  const auto connIndex = r.get<uint32_t>();
+  const auto connCount = r.get<uint32_t>();
+  const uint32_t n = nodeCount.load(std::memory_order_acquire);
+  const bool fromValid = from < n && from != config.self;
+
+  HandshakeStatus status = HandshakeStatus::kOk;
+  if (version != config.protocolVersion) {
+    status = HandshakeStatus::kVersionMismatch;
+  } else if (to != config.self) {
+    status = HandshakeStatus::kWrongNode;
+  } else if (!fromValid) {
+    status = HandshakeStatus::kBadNode;
+  } else if (connCount != config.connectionsPerPeer || connIndex >= connCount) {
+    status = HandshakeStatus::kConnMismatch;
+  }
+  std::vector<std::byte> reply;
+  detail::WireWriter w(reply);
+  w.put<uint64_t>(kHandshakeMagic);
+  w.put<uint32_t>(config.protocolVersion);
+  w.put<uint32_t>(static_cast<uint32_t>(status));
+  w.put<uint32_t>(config.self);
+  w.put<uint32_t>(config.connectionsPerPeer);
+  w.putBytes(randomNonce());
+  const auto macA = handshakeMac(config.secret, "acceptor", hello, reply);
+  w.putBytes(std::as_bytes(std::span(macA)));
+  co_await asio::async_write(c->socket, asio::buffer(reply), asio::redirect_error(asio::use_awaitable, ec));
+
+  const std::string who = fromValid ? nodeName(from) : fmt::format("{} (claims node {})", remote, from);
+  switch (status) {
+    case HandshakeStatus::kOk: break;
+    case HandshakeStatus::kVersionMismatch:
+      handshakeFailure(from, ErrorCode::kVersionMismatch,
+                       fmt::format("tcp transport: peer {} speaks protocol version {}, this node speaks {}; run the "
+                                   "same tandem release on every node", who, version, config.protocolVersion));
+      if (!fromValid)
+        spdlog::warn("tcp transport: rejected {}: protocol version {} (this node speaks {})", who, version,
+                     config.protocolVersion);
+      co_return;
+    case HandshakeStatus::kConnMismatch:
+      handshakeFailure(from, ErrorCode::kInvalidConfig,
+                       fmt::format("tcp transport: peer {} uses {} connections per peer, this node {}; set "
+                                   "transport.tcp.connections identically on every node", who, connCount,
+                                   config.connectionsPerPeer));
+      co_return;
+    default:
+      spdlog::warn("tcp transport: rejected {}: it addressed node {} but this is node {} of {}; cluster.nodes must "
+                   "list the same nodes in the same order everywhere", who, to, config.self, n);
+      co_return;
+  }
+  if (ec) co_return;
+
+  std::array<std::byte, kAuthBytes> auth{};
+  co_await asio::async_read(c->socket, asio::buffer(auth), asio::redirect_error(asio::use_awaitable, ec));
+  if (ec) {
+    spdlog::debug("tcp transport: {} hung up during the handshake: {}", who, describe(ec));
+    co_return;
+  }
+  const auto expected = handshakeMac(config.secret, "dialer", hello, std::span(reply).first(kReplyPrefixBytes));
+  std::array<uint8_t, 32> got{};
+  std::transform(auth.begin(), auth.end(), got.begin(), [](std::byte b) { return static_cast<uint8_t>(b); });
+  HandshakeStatus result = HandshakeStatus::kOk;
+  if (!detail::constantTimeEqual(got, expected)) {
+    result = HandshakeStatus::kBadSecret;
+  } else {
+    Peer& p = *peers[from];
+    std::lock_guard lock(p.mutex);
+    if (p.in[connIndex] || p.state.load() != PeerState::kConnecting) {
+      result = HandshakeStatus::kDuplicate;
+    } else {
+      c->peer = from;
+      c->index = connIndex;
+      c->lastRxNs.store(nowNs(), std::memory_order_relaxed);
+      p.in[connIndex] = c;
+    }
+  }
+  std::vector<std::byte> res;
+  detail::WireWriter rw(res);
+  rw.put<uint32_t>(static_cast<uint32_t>(result));
+  rw.put<uint32_t>(0);
+  co_await asio::async_write(c->socket, asio::buffer(res), asio::redirect_error(asio::use_awaitable, ec));
+  if (result == HandshakeStatus::kBadSecret) {
+    handshakeFailure(from, ErrorCode::kPermissionDenied,
+                     fmt::format("tcp transport: peer {} presented a different cluster secret; set cluster.secret "
+                                 "identically on every node", who));
+    co_return;
+  }
+  if (result == HandshakeStatus::kDuplicate) {
+    spdlog::warn("tcp transport: rejected {}: connection {} from it already exists (two daemons configured as node "
+                 "{}?)", who, connIndex, from);
+    co_return;
+  }
+  watchdog.cancel();
+  c->ready.store(true, std::memory_order_release);
+  connectionReady(*peers[from], /*outbound=*/false);
+  if (ec) {
+    failPeer(from, PeerState::kFailed, fmt::format("handshake on inbound connection {} failed: {}", connIndex, describe(ec)));
+    co_return;
+  }
+  co_await inboundLoop(c);
+}
+
+asio::awaitable<void> TcpTransport::Impl::inboundLoop(std::shared_ptr<InConn> c) {
+  Peer& p = *peers[c->peer];
+  const uint32_t conns = config.connectionsPerPeer;
+  auto protocolError = [&](std::string what) {
+    failPeer(c->peer, PeerState::kFailed, fmt::format("sent a malformed frame on connection {}: {}", c->index, what));
+  };
+  error_code ec;
+  FrameHeader h{};
+  std::vector<uint64_t> counts(conns);
+  for (;;) {
+    co_await asio::async_read(c->socket, asio::buffer(&h, sizeof h), asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) break;
+    c->lastRxNs.store(nowNs(), std::memory_order_relaxed);
+    switch (static_cast<FrameType>(h.type)) {
+      case FrameType::kHeartbeat:
+        if (h.length != 0) co_return protocolError("heartbeat with a payload");
+        break;
+      case FrameType::kGoodbye:
+        failPeer(c->peer, PeerState::kClosed, fmt::format("{} shut its transport down", nodeName(c->peer)));
+        co_return;
+      case FrameType::kData: {
+        if (h.length == 0 || h.length > kMaxFramePayload)
+          co_return protocolError(fmt::format("data frame of {} bytes (limit {})", h.length, kMaxFramePayload));
+        std::shared_ptr<Region> region = findRegion(h.regionId);
+        if (!region) co_return protocolError(fmt::format("write to region {} which this node has not registered", h.regionId));
+        if (!detail::inBounds(h.offset, h.length, region->desc.bytes))
+          co_return protocolError(fmt::format("write to [{}, +{}) of region {} which has {} bytes", h.offset, h.length,
+                                              h.regionId, region->desc.bytes));
+        std::byte* target = static_cast<std::byte*>(region->desc.addr) + h.offset;
+        const bool device = region->desc.kind == MemoryKind::kDevice;
+        if (device) c->staging.resize(h.length);
+        std::byte* landing = device ? c->staging.data() : target;
+        co_await asio::async_read(c->socket, asio::buffer(landing, h.length), asio::redirect_error(asio::use_awaitable, ec));
+        if (ec) break;
+        if (device) config.deviceCopier->toDevice(target, landing, h.length);
+        c->lastRxNs.store(nowNs(), std::memory_order_relaxed);
+        std::lock_guard lock(p.mutex);
+        p.recvData[c->index] += 1;
+        applyFlags(p);
+        break;
+      }
+      case FrameType::kFlag: {
+        if (h.length != conns * sizeof(uint64_t))
+          co_return protocolError(fmt::format("flag carries {} bytes of counts, expected {}", h.length, conns * 8));
+        co_await asio::async_read(c->socket, asio::buffer(counts), asio::redirect_error(asio::use_awaitable, ec));
+        if (ec) break;
+        std::shared_ptr<Region> region = findRegion(h.regionId);
+        if (!region) co_return protocolError(fmt::format("flag in region {} which this node has not registered", h.regionId));
+        const auto addr = reinterpret_cast<uintptr_t>(region->desc.addr) + h.offset;
+        if (h.offset % 8 != 0 || addr % 8 != 0 || !detail::inBounds(h.offset, 8, region->desc.bytes))
+          co_return protocolError(fmt::format("flag at offset {} of region {} ({} bytes) is misaligned or out of bounds",
+                                              h.offset, h.regionId, region->desc.bytes));
+        std::lock_guard lock(p.mutex);
+        p.pendingFlags.push_back(PendingFlag{std::move(region), h.offset, h.value, counts});
+        applyFlags(p);
+        break;
+      }
+      default: co_return protocolError(fmt::format("unknown frame type {}", h.type));
+    }
+  }
+  if (!stopping.load()) failPeer(c->peer, PeerState::kFailed, fmt::format("inbound connection {}: {}", c->index, describe(ec)));
+}
+
+asio::awaitable<TcpTransport::Impl::DialOutcome> TcpTransport::Impl::dialHandshake(std::shared_ptr<OutConn> c) {
+  const NodeIndex peer = c->peer;
+  Peer& p = *peers[peer];
+  error_code ec;
+  std::vector<std::byte> hello;
+  detail::WireWriter w(hello);
+  w.put<uint64_t>(kHandshakeMagic);
+  w.put<uint32_t>(config.protocolVersion);
+  w.put<uint32_t>(config.self);
+  w.put<uint32_t>(peer);
+  w.put<uint32_t>(c->index);
+  w.put<uint32_t>(config.connectionsPerPeer);
+  w.put<uint32_t>(0);
+  w.putBytes(randomNonce());
+  auto retry = [&](std::string why) {
+    std::lock_guard lock(p.mutex);
+    p.lastDialError = std::move(why);
+    return DialOutcome::kRetry;
+  };
+  co_await asio::async_write(c->socket, asio::buffer(hello), asio::redirect_error(asio::use_awaitable, ec));
+  if (ec) co_return retry(fmt::format("sending the handshake: {}", describe(ec)));
+  std::array<std::byte, kReplyBytes> reply{};
+  co_await asio::async_read(c->socket, asio::buffer(reply), asio::redirect_error(asio::use_awaitable, ec));
+  if (ec) co_return retry(fmt::format("waiting for the handshake reply: {}", describe(ec)));
+  detail::WireReader r(reply, "tcp hello reply");
+  const std::string who = nodeName(peer);
+  if (r.get<uint64_t>() != kHandshakeMagic) {
+    handshakeFailure(peer, ErrorCode::kProtocol,
+                     fmt::format("tcp transport: {} answered with something other than a tandem transport handshake; "
+                                 "check cluster.nodes[{}]", who, peer));
+    co_return DialOutcome::kFatal;
+  }
+  const auto version = r.get<uint32_t>();
+  const auto status = static_cast<HandshakeStatus>(r.get<uint32_t>());
+  const auto theirNode = r.get<uint32_t>();
+  const auto theirConns = r.get<uint32_t>();
+  if (version != config.protocolVersion) {
+    handshakeFailure(peer, ErrorCode::kVersionMismatch,
+                     fmt::format("tcp transport: peer {} speaks protocol version {}, this node speaks {}; run the same "
+                                 "tandem release on every node", who, version, config.protocolVersion));
+    co_return DialOutcome::kFatal;
+  }
+  switch (status) {
+    case HandshakeStatus::kOk: break;
+    case HandshakeStatus::kConnMismatch:
+      handshakeFailure(peer, ErrorCode::kInvalidConfig,
+                       fmt::format("tcp transport: peer {} uses {} connections per peer, this node {}; set "
+                                   "transport.tcp.connections identically on every node", who, theirConns,
+                                   config.connectionsPerPeer));
+      co_return DialOutcome::kFatal;
+    default:
+      handshakeFailure(peer, ErrorCode::kInvalidConfig,
+                       fmt::format("tcp transport: {} (which says it is node {}) refused node {} (status {}); "
+                                   "cluster.nodes must list the same nodes in the same order everywhere", who,
+                                   theirNode, config.self, static_cast<uint32_t>(status)));
+      co_return DialOutcome::kFatal;
+  }
+  const auto replyPrefix = std::span<const std::byte>(reply).first(kReplyPrefixBytes);
+  const auto expected = handshakeMac(config.secret, "acceptor", hello, replyPrefix);
+  std::array<uint8_t, 32> got{};
+  std::transform(reply.begin() + kReplyPrefixBytes, reply.end(), got.begin(), [](std::byte b) { return static_cast<uint8_t>(b); });
+  const bool secretMatches = detail::constantTimeEqual(got, expected);
+  // Sent even when the acceptor's MAC did not verify, so the acceptor detects the mismatch and reports it too.
+  const auto macD = handshakeMac(config.secret, "dialer", hello, replyPrefix);
+  co_await asio::async_write(c->socket, asio::buffer(macD), asio::redirect_error(asio::use_awaitable, ec));
+  std::array<std::byte, kResultBytes> result{};
+  if (!ec) co_await asio::async_read(c->socket, asio::buffer(result), asio::redirect_error(asio::use_awaitable, ec));
+  detail::WireReader rr(result, "tcp handshake result");
+  const auto resultStatus = static_cast<HandshakeStatus>(rr.get<uint32_t>());
+  if (!secretMatches || (!ec && resultStatus == HandshakeStatus::kBadSecret)) {
+    handshakeFailure(peer, ErrorCode::kPermissionDenied,
+                     fmt::format("tcp transport: peer {} presented a different cluster secret; set cluster.secret "
+                                 "identically on every node", who));
+    co_return DialOutcome::kFatal;
+  }
+  if (ec) co_return retry(fmt::format("waiting for the handshake result: {}", describe(ec)));
+  if (resultStatus == HandshakeStatus::kDuplicate) {
+    handshakeFailure(peer, ErrorCode::kInvalidConfig,
+                     fmt::format("tcp transport: {} already has connection {} from node {}; is another daemon "
+                                 "configured as node {}?", who, c->index, config.self, config.self));
+    co_return DialOutcome::kFatal;
+  }
+  if (resultStatus != HandshakeStatus::kOk)
+    co_return retry(fmt::format("handshake result {}", static_cast<uint32_t>(resultStatus)));
+  co_return DialOutcome::kOk;
+}
+
+asio::awaitable<void> TcpTransport::Impl::dial(std::shared_ptr<OutConn> c, Clock::time_point deadline) {
+  Peer& p = *peers[c->peer];
+  const NodeAddress addr = p.addr;
+  tcp::resolver resolver(c->strand);
+  auto backoff = std::chrono::milliseconds(20);
+  for (;;) {
+    if (stopping.load() || Clock::now() >= deadline) co_return;
+    if (p.state.load() != PeerState::kConnecting) co_return;  // failed elsewhere (fatal handshake, timeout)
+    asio::steady_timer watchdog(c->strand, deadline);
+    watchdog.async_wait([c](const error_code& e) {
+      if (!e) {
+        error_code ignored;
+        c->socket.close(ignored);
+      }
+    });
+    error_code ec;
+    auto endpoints = co_await resolver.async_resolve(addr.host, std::to_string(addr.port),
+                                                     asio::redirect_error(asio::use_awaitable, ec));
+    if (!ec) co_await asio::async_connect(c->socket, endpoints, asio::redirect_error(asio::use_awaitable, ec));
+    DialOutcome outcome = DialOutcome::kRetry;
+    if (ec) {
+      std::lock_guard lock(p.mutex);
+      p.lastDialError = fmt::format("connecting to {}: {}", addr.toString(), describe(ec));
+    } else {
+      c->socket.set_option(tcp::no_delay(true), ec);
+      outcome = co_await dialHandshake(c);
+    }
+    watchdog.cancel();
+    if (outcome == DialOutcome::kOk) {
+      c->lastTxNs.store(nowNs(), std::memory_order_relaxed);
+      c->ready.store(true, std::memory_order_release);
+      connectionReady(p, /*outbound=*/true);
+      asio::co_spawn(c->strand, outboundReadLoop(c), logExceptions("outbound connection", kIgnore));
+      c->kick();  // heartbeats may have queued meanwhile
+      co_return;
+    }
+    if (outcome == DialOutcome::kFatal) co_return;
+    error_code ignored;
+    c->socket.close(ignored);
+    asio::steady_timer pause(c->strand, backoff);
+    co_await pause.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+  }
+}
+
+asio::awaitable<void> TcpTransport::Impl::outboundReadLoop(std::shared_ptr<OutConn> c) {
+  // The acceptor sends nothing after the handshake except a Goodbye; reading detects EOF/reset at once.
+  FrameHeader h{};
+  error_code ec;
+  co_await asio::async_read(c->socket, asio::buffer(&h, sizeof h), asio::redirect_error(asio::use_awaitable, ec));
+  if (stopping.load()) co_return;
+  if (!ec && static_cast<FrameType>(h.type) == FrameType::kGoodbye) {
+    failPeer(c->peer, PeerState::kClosed, fmt::format("{} shut its transport down", nodeName(c->peer)));
+  } else if (!ec) {
+    failPeer(c->peer, PeerState::kFailed,
+             fmt::format("sent an unexpected frame (type {}) on outbound connection {}", h.type, c->index));
+  } else {
+    failPeer(c->peer, PeerState::kFailed, fmt::format("outbound connection {}: {}", c->index, describe(ec)));
+  }
+}
+
+asio::awaitable<void> TcpTransport::Impl::heartbeatLoop() {
+  const auto interval = std::chrono::milliseconds(config.heartbeatIntervalMs);
+  const int64_t intervalNs = std::chrono::duration_cast<std::chrono::nanoseconds>(interval).count();
+  const int64_t deadlineNs = int64_t{config.peerDeadlineMs} * 1'000'000;
+  asio::steady_timer timer(timerStrand);
+  for (;;) {
+    timer.expires_after(interval);
+    error_code ec;
+    co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+    if (ec || stopping.load()) co_return;
+    const int64_t now = nowNs();
+    for (auto& pp : peers) {
+      if (!pp) continue;
+      Peer& p = *pp;
+      const PeerState s = p.state.load();
+      if (s == PeerState::kFailed || s == PeerState::kClosed) continue;
+      for (auto& c : p.out) {
+        if (!c->ready.load(std::memory_order_acquire)) continue;
+        if (now - c->lastTxNs.load(std::memory_order_relaxed) < intervalNs) continue;
+        OutFrame f;
+        f.header.type = static_cast<uint8_t>(FrameType::kHeartbeat);
+        if (c->enqueue(std::move(f))) c->kick();
+      }
+      std::vector<std::shared_ptr<InConn>> in;
+      {
+        std::lock_guard lock(p.mutex);
+        in = p.in;
+      }
+      for (auto& c : in) {
+        if (!c || !c->ready.load(std::memory_order_acquire)) continue;
+        const int64_t silentNs = now - c->lastRxNs.load(std::memory_order_relaxed);
+        if (silentNs > deadlineNs) {
+          failPeer(p.node, PeerState::kFailed,
+                   fmt::format("no frame or heartbeat on connection {} for {} ms (deadline {} ms: "
+                               "transport.tcp.peer_deadline_ms)", c->index, silentNs / 1'000'000, config.peerDeadlineMs));
+          break;
+        }
+      }
+    }
+  }
+}
+
+void TcpTransport::Impl::start() {
+  const TcpConfig& c = config;
+  if (c.secret.empty())
+    fail(ErrorCode::kInvalidConfig, "tcp transport: cluster.secret is empty; set the same non-empty secret on every "
+         "node (e.g. `openssl rand -hex 32`)");
+  if (c.connectionsPerPeer == 0 || c.connectionsPerPeer > 16)
+    fail(ErrorCode::kInvalidConfig, "tcp transport: transport.tcp.connections {} must be in [1, 16]", c.connectionsPerPeer);
+  if (c.ioThreads == 0 || c.ioThreads > 64)
+    fail(ErrorCode::kInvalidConfig, "tcp transport: transport.tcp.io_threads {} must be in [1, 64]", c.ioThreads);
+  if (c.chunkBytes < 4096 || c.chunkBytes > kMaxFramePayload)
+    fail(ErrorCode::kInvalidConfig, "tcp transport: chunk of {} bytes must be in [4096, {}]", c.chunkBytes, kMaxFramePayload);
+  if (c.heartbeatIntervalMs == 0 || c.peerDeadlineMs <= c.heartbeatIntervalMs)
+    fail(ErrorCode::kInvalidConfig, "tcp transport: peer_deadline_ms {} must exceed heartbeat_interval_ms {} (> 0)",
+         c.peerDeadlineMs, c.heartbeatIntervalMs);
+  if (c.connectTimeoutMs == 0) fail(ErrorCode::kInvalidConfig, "tcp transport: connect_timeout_ms must be > 0");
+
+  error_code ec;
+  const auto address = asio::ip::make_address(c.listenHost, ec);
+  if (ec)
+    fail(ErrorCode::kInvalidConfig, "tcp transport: listen address '{}' is not an IP address: {}", c.listenHost,
+         ec.message());
+  const tcp::endpoint ep(address, c.listenPort);
+  acceptor.open(ep.protocol(), ec);
+  if (!ec) acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) acceptor.bind(ep, ec);
+  if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec)
+    fail(ErrorCode::kSystem, "tcp transport: listen on {}:{} failed: {}; pick a free port or stop whatever holds it",
+         c.listenHost, c.listenPort, ec.message());
+  for (uint32_t i = 0; i < c.ioThreads; ++i) {
+    threads.emplace_back([this, i] {
+      const std::string name = fmt::format("tcp-io-{}", i);
+      pthread_setname_np(pthread_self(), name.c_str());
+      for (;;) {
+        try {
+          io.run();
+          return;
+        } catch (const std::exception& e) {
+          spdlog::error("tcp transport: io thread: {}", e.what());
+        }
+      }
+    });
+  }
+}
+
+void TcpTransport::Impl::connect(const std::vector<NodeAddress>& list) {
+  if (connectCalled) fail(ErrorCode::kInvalidArgument, "tcp transport: connect() may be called only once");
+  connectCalled = true;
+  if (list.empty() || config.self >= list.size())
+    fail(ErrorCode::kInvalidConfig, "tcp transport: this node is index {} but cluster.nodes lists {} nodes",
+         config.self, list.size());
+  if (list.size() > 65536)
+    fail(ErrorCode::kInvalidConfig, "tcp transport: {} nodes exceed the 65536 the proxy FIFO can address", list.size());
+  nodes = list;
+  const uint32_t conns = config.connectionsPerPeer;
+  peers.resize(list.size());
+  for (NodeIndex i = 0; i < list.size(); ++i) {
+    if (i == config.self) continue;
+    auto p = std::make_unique<Peer>();
+    p->node = i;
+    p->addr = list[i];
+    for (uint32_t k = 0; k < conns; ++k) p->out.push_back(std::make_shared<OutConn>(*this, i, k));
+    p->in.resize(conns);
+    p->recvData.assign(conns, 0);
+    p->sentData.assign(conns, 0);
+    peers[i] = std::move(p);
+  }
+  // release: peers and nodes are complete before any thread that sees nodeCount uses them.
+  nodeCount.store(static_cast<uint32_t>(list.size()), std::memory_order_release);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(config.connectTimeoutMs);
+  asio::co_spawn(acceptStrand, acceptLoop(), logExceptions("accept loop", kIgnore));
+  asio::co_spawn(timerStrand, heartbeatLoop(), logExceptions("heartbeat loop", kIgnore));
+  for (auto& p : peers) {
+    if (!p) continue;
+    for (auto& c : p->out) asio::co_spawn(c->strand, dial(c, deadline), logExceptions("dial", kIgnore));
+  }
+
+  auto settled = [&] {
+    for (auto& p : peers) {
+      if (!p) continue;
+      const PeerState s = p->state.load();
+      if (s == PeerState::kConnecting) return false;
+    }
+    return true;
+  };
+  {
+    std::unique_lock lock(stateMutex);
+    stateCv.wait_until(lock, deadline, settled);
+  }
+  // Report the first handshake failure (a different secret or version beats a timeout).
+  for (auto& p : peers) {
+    if (!p) continue;
+    std::lock_guard lock(p->mutex);
+    if (p->fatalCode != ErrorCode::kOk) throw Error(p->fatalCode, p->fatal);
+  }
+  std::string missing;
+  for (auto& p : peers) {
+    if (!p) continue;
+    const PeerState s = p->state.load();
+    if (s == PeerState::kConnected) continue;
+    std::lock_guard lock(p->mutex);
+    if (s == PeerState::kConnecting) {
+      missing += fmt::format("; {}: {}/{} outgoing and {}/{} incoming connections{}", nodeName(p->node), p->outReady,
+                             conns, p->inReady, conns,
+                             p->lastDialError.empty() ? std::string() : " (last error: " + p->lastDialError + ")");
+    } else {
+      missing += fmt::format("; {}: {}", nodeName(p->node), p->reason);
+    }
+  }
+  if (missing.empty()) return;
+  const std::string message =
+      fmt::format("tcp transport: node {} could not connect to every peer within {} ms{}. Check that tandemd runs "
+                  "on those nodes with the same cluster.nodes list, and that the ports are reachable",
+                  config.self, config.connectTimeoutMs, missing);
+  for (auto& p : peers) {
+    if (p && p->state.load() == PeerState::kConnecting) failPeer(p->node, PeerState::kFailed, "not connected by the deadline");
+  }
+  throw Error(ErrorCode::kTimeout, message);
+}
+
+void TcpTransport::Impl::shutdown() {
+  stopping.store(true);
+  // Goodbye on every established connection, both directions, so peers mark us closed rather than lost.
+  std::vector<std::shared_ptr<InConn>> inbound;
+  int sent = 0;
+  for (auto& pp : peers) {
+    if (!pp || pp->state.load() != PeerState::kConnected) continue;
+    for (auto& c : pp->out) {
+      OutFrame f;
+      f.header.type = static_cast<uint8_t>(FrameType::kGoodbye);
+      f.goodbye = true;
+      if (c->enqueue(std::move(f))) {
+        ++sent;
+        c->kick();
+      }
+    }
+    std::lock_guard lock(pp->mutex);
+    for (auto& c : pp->in) {
+      if (c) inbound.push_back(c);
+    }
+  }
+  {
+    std::lock_guard lock(stateMutex);
+    goodbyesPending += sent + static_cast<int>(inbound.size());
+  }
+  for (auto& c : inbound) {
+    asio::post(c->strand, [this, c] {
+      c->goodbye.type = static_cast<uint8_t>(FrameType::kGoodbye);
+      asio::async_write(c->socket, asio::buffer(&c->goodbye, sizeof c->goodbye),
+                        asio::bind_executor(c->strand, [this, c](const error_code&, std::size_t) { goodbyeSent(1); }));
+    });
+  }
+  {
+    // Bounded: a dead peer must not delay shutdown.
+    std::unique_lock lock(stateMutex);
+    stateCv.wait_for(lock, std::chrono::milliseconds(250), [&] { return goodbyesPending <= 0; });
+  }
+  asio::post(acceptStrand, [this] {
+    error_code ignored;
+    acceptor.close(ignored);
+  });
+  work.reset();
+  io.stop();
+  for (auto& t : threads) t.join();
+  threads.clear();
+  // Sockets close here, while the io_context (declared first) still exists; suspended coroutines are
+  // destroyed with it.
+  for (auto& p : peers) {
+    if (!p) continue;
+    for (auto& c : p->out) {
+      error_code ignored;
+      c->socket.close(ignored);
+    }
+    for (auto& c : p->in) {
+      if (!c) continue;
+      error_code ignored;
+      c->socket.close(ignored);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// TcpTransport
+// ---------------------------------------------------------------------------------------------------------
+
+TcpTransport::TcpTransport(TcpConfig config) : impl_(std::make_unique<Impl>(std::move(config))) { impl_->start(); }
+
+TcpTransport::~TcpTransport() {
+  try {
+    impl_->shutdown();
+  } catch (const std::exception& e) {
+    spdlog::error("tcp transport: shutdown: {}", e.what());
+  }
+}
+
+uint16_t TcpTransport::listenPort() const {
+  error_code ec;
+  const auto ep = impl_->acceptor.local_endpoint(ec);
+  return ec ? 0 : ep.port();
+}
+
+TransportAddress TcpTransport::address() const {
+  TransportAddress a;
+  a.kind = TransportKind::kTcp;
+  a.node = impl_->config.self;
+  a.protocolVersion = impl_->config.protocolVersion;
+  a.host = impl_->config.listenHost;
+  a.port = listenPort();
+  return a;
+}
+
+void TcpTransport::connect(const std::vector<NodeAddress>& nodes) { impl_->connect(nodes); }
+
+NodeIndex TcpTransport::self() const { return impl_->config.self; }
+uint32_t TcpTransport::nodeCount() const { return impl_->nodeCount.load(std::memory_order_acquire); }
+
+LocalRegion TcpTransport::registerMemory(const MemoryDesc& desc) {
+  if (desc.addr == nullptr || desc.bytes == 0)
+    fail(ErrorCode::kInvalidArgument, "tcp transport: cannot register an empty or null range");
+  if (desc.kind == MemoryKind::kDevice && impl_->config.deviceCopier == nullptr)
+    fail(ErrorCode::kUnsupported, "tcp transport: registering GPU memory needs a device copier for host staging "
+         "(the CUDA backend provides one)");
+  std::unique_lock lock(impl_->regionsMutex);
+  const uint32_t id = impl_->nextRegionId++;
+  impl_->regions.emplace(id, std::make_shared<Impl::Region>(Impl::Region{desc}));
+  return LocalRegion{id};
+}
+
+void TcpTransport::deregisterMemory(LocalRegion region) {
+  std::unique_lock lock(impl_->regionsMutex);
+  impl_->regions.erase(region.id);
+}
+
+RemoteKey TcpTransport::remoteKey(LocalRegion region) const {
+  auto r = impl_->findRegion(region.id);
+  if (!r) fail(ErrorCode::kNotFound, "tcp transport: unknown local region {}", region.id);
+  return RemoteKey{TransportKind::kTcp, impl_->config.self, region.id, 0, 0, r->desc.bytes};
+}
+
+namespace {
+void checkKey(const RemoteKey& dst, NodeIndex peer, std::string_view op) {
+  if (dst.transport != TransportKind::kTcp || dst.owner != peer)
+    fail(ErrorCode::kInvalidArgument, "tcp transport: {} to node {} with a {} key of node {}", op, peer,
+         transportKindName(dst.transport), dst.owner);
+}
+}  // namespace
+
+void TcpTransport::write(NodeIndex peer, LocalRegion src, uint64_t srcOffset, const RemoteKey& dst, uint64_t dstOffset,
+                         uint64_t bytes, uint64_t cookie, bool signal) {
+  Impl& im = *impl_;
+  Impl::Peer& p = im.peerRef(peer);
+  im.checkConnected(p);
+  checkKey(dst, peer, "write");
+  if (bytes == 0) fail(ErrorCode::kInvalidArgument, "tcp transport: write of 0 bytes");
+  if (!detail::inBounds(dstOffset, bytes, dst.bytes))
+    fail(ErrorCode::kInvalidArgument, "tcp transport: write to [{}, +{}) of node {}'s region {} which has {} bytes",
+         dstOffset, bytes, peer, dst.regionId, dst.bytes);
+  auto region = im.findRegion(src.id);
+  if (!region) fail(ErrorCode::kInvalidArgument, "tcp transport: unknown local region {}", src.id);
+  if (!detail::inBounds(srcOffset, bytes, region->desc.bytes))
+    fail(ErrorCode::kInvalidArgument, "tcp transport: write reads [{}, +{}) of local region {} which has {} bytes",
+         srcOffset, bytes, src.id, region->desc.bytes);
+  const auto* base = static_cast<const std::byte*>(region->desc.addr) + srcOffset;
+  const bool device = region->desc.kind == MemoryKind::kDevice;
+  std::lock_guard lock(p.sendMutex);
+  const uint32_t conns = static_cast<uint32_t>(p.out.size());
+  for (uint64_t done = 0; done < bytes;) {
+    const uint64_t n = std::min(im.config.chunkBytes, bytes - done);
+    const uint32_t c = p.nextConn++ % conns;
+    Impl::OutFrame f;
+    f.header.type = static_cast<uint8_t>(FrameType::kData);
+    f.header.regionId = dst.regionId;
+    f.header.offset = dstOffset + done;
+    f.header.length = n;
+    if (device) {
+      f.owned.resize(n);  // host staging: the GPU source is copied now, so it may change after write returns
+      im.config.deviceCopier->toHost(f.owned.data(), base + done, n);
+      f.payload = f.owned.data();
+    } else {
+      f.payload = base + done;  // zero copy: the caller keeps the source unchanged until completion
+    }
+    f.payloadBytes = n;
+    done += n;
+    f.complete = signal && done == bytes;
+    f.cookie = cookie;
+    if (!p.out[c]->enqueue(std::move(f))) im.checkConnected(p);  // throws kPeerLost with the reason
+    p.sentData[c] += 1;
+  }
+}
+
+void TcpTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t dstOffset, uint64_t value, uint64_t cookie,
+                             bool signal) {
+  Impl& im = *impl_;
+  Impl::Peer& p = im.peerRef(peer);
+  im.checkConnected(p);
+  checkKey(dst, peer, "flag");
+  if (dstOffset % 8 != 0 || !detail::inBounds(dstOffset, 8, dst.bytes))
+    fail(ErrorCode::kInvalidArgument, "tcp transport: flag at offset {} of node {}'s region {} ({} bytes) is "
+         "misaligned or out of bounds", dstOffset, peer, dst.regionId, dst.bytes);
+  std::lock_guard lock(p.sendMutex);
+  Impl::OutFrame f;
+  f.header.type = static_cast<uint8_t>(FrameType::kFlag);
+  f.header.regionId = dst.regionId;
+  f.header.offset = dstOffset;
+  f.header.value = value;
+  f.owned.resize(p.sentData.size() * sizeof(uint64_t));
+  std::memcpy(f.owned.data(), p.sentData.data(), f.owned.size());  // little-endian (static_assert above)
+  f.payload = f.owned.data();
+  f.payloadBytes = f.owned.size();
+  f.header.length = f.payloadBytes;
+  f.complete = signal;
+  f.cookie = cookie;
+  if (!p.out[0]->enqueue(std::move(f))) im.checkConnected(p);
+}
+
+void TcpTransport::submit() {
+  Impl& im = *impl_;
+  if (im.nodeCount.load(std::memory_order_acquire) == 0) return;
+  for (auto& p : im.peers) {
+    if (!p || p->state.load(std::memory_order_relaxed) != PeerState::kConnected) continue;
+    for (auto& c : p->out) c->kick();
+  }
+}
+
+std::size_t TcpTransport::poll(std::span<Completion> out) {
+  Impl& im = *impl_;
+  if (!im.anyCompletions.load(std::memory_order_acquire)) return 0;
+  std::lock_guard lock(im.completionsMutex);
+  const std::size_t n = std::min(out.size(), im.completions.size());
+  std::copy_n(im.completions.begin(), n, out.begin());
+  im.completions.erase(im.completions.begin(), im.completions.begin() + static_cast<std::ptrdiff_t>(n));
+  im.anyCompletions.store(!im.completions.empty(), std::memory_order_release);
+  return n;
+}
+
+PeerStatus TcpTransport::peerStatus(NodeIndex peer) const {
+  if (peer == impl_->config.self) return PeerStatus{PeerState::kConnected, {}};
+  Impl::Peer& p = impl_->peerRef(peer);
+  std::lock_guard lock(p.mutex);
+  return PeerStatus{p.state.load(), p.reason};
+}
+
+void TcpTransport::setPeerFailureHandler(std::function<void(NodeIndex, const PeerStatus&)> handler) {
+  std::lock_guard lock(impl_->handlerMutex);
+  impl_->failureHandler = std::move(handler);
+}
+
+}  // namespace tandem::daemon::transport

@@ -1,0 +1,130 @@
+// The `tcp` transport: Boost.Asio over real TCP sockets, for hosts without RDMA NICs and for every test.
+//
+// Connections. Each node dials every other node `connectionsPerPeer` times; a dialled connection carries
+// data one way only (dialer -> acceptor) plus heartbeats, and a Goodbye in either direction at shutdown.
+// So node A's writes to B travel on A's dialled connections, and B's writes to A on B's.
+//
+// Handshake (fixed-size binary messages; their layout never changes, so any two releases can at least
+// tell each other their versions):
+//   dialer   -> Hello      magic, protocol version, from node, to node, connection index/count, nonceD
+//   acceptor -> HelloReply magic, version, status, node, connection count, nonceA,
+//                          macA = HMAC-SHA256(secret, "acceptor" | Hello | reply fields)
+//   dialer   -> Auth       macD = HMAC-SHA256(secret, "dialer" | Hello | reply fields)
+//   acceptor -> Result     status
+// Both sides prove they hold the cluster secret without sending it; the nonces make every handshake fresh;
+// MACs are compared in constant time. A different secret, protocol version or connection count is reported
+// on BOTH sides ("tcp transport: peer 10.0.0.2:7100 (node 1) presented a different cluster secret; set
+// cluster.secret identically on every node") and connect() throws it.
+//
+// Frames after the handshake: a 32-byte header {type, region id (the key), offset, length, value}, then
+// `length` payload bytes. Data frames carry at most `chunkBytes`; a write is cut into chunks striped
+// round-robin over the peer's connections. The receiver reads a data payload straight into the registered
+// region (bounds-checked first), or through a staging buffer and the DeviceCopier for GPU regions.
+//
+// Flag ordering with several connections (the choice, documented): every flag goes on connection 0 and
+// carries, per connection, the number of data frames this node had queued on it before the flag. The
+// receiver counts data frames fully written per connection and applies a flag only when every count has
+// been reached, and flags strictly in the order they arrived (so flag values of one peer never go
+// backwards). The flag store is a release store (std::atomic_ref) made after the data writes, which other
+// receiving threads publish through the peer's mutex; a consumer's load-acquire of the flag sees the data.
+//
+// Liveness. Idle connections send a heartbeat every heartbeatIntervalMs. EOF or a reset on any connection
+// of a peer, a write error, a malformed frame, or no frame at all on one of its connections for
+// peerDeadlineMs marks the peer failed; later ops on it throw Error(kPeerLost) naming it and the reason,
+// and signalled ops still queued complete with kPeerLost. A peer that sends Goodbye is marked closed.
+//
+// Threads: `ioThreads` threads run one io_context; each connection's handlers run on its own strand.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "transport/transport.hpp"
+
+namespace tandem::daemon::transport {
+
+/// Version of the framing and handshake after Hello; bump on any incompatible change.
+inline constexpr uint32_t kTcpProtocolVersion = 1;
+
+struct NodeAddress {
+  std::string host;  ///< IPv4/IPv6 literal or host name
+  uint16_t port = 0;
+  std::string toString() const;  ///< "host:port" ("[v6]:port")
+};
+
+struct TcpConfig {
+  NodeIndex self = 0;
+  std::string listenHost = "127.0.0.1";  ///< address to bind (cluster.nodes[self] in the daemon)
+  uint16_t listenPort = 0;               ///< 0 picks a free port; listenPort() reports it
+  std::string secret;                    ///< cluster.secret, identical on every node; must not be empty
+  uint32_t connectionsPerPeer = 1;       ///< 1..16, identical on every node
+  uint32_t ioThreads = 1;                ///< 1..64
+  uint32_t connectTimeoutMs = 10000;     ///< connect(): dial with retry and handshake until this deadline
+  uint32_t heartbeatIntervalMs = 100;    ///< an idle connection sends a heartbeat this often
+  uint32_t peerDeadlineMs = 2000;        ///< silence on a connection longer than this fails the peer
+  uint64_t chunkBytes = 512 * 1024;      ///< largest data frame; writes are cut and striped at this size
+  uint32_t protocolVersion = kTcpProtocolVersion;  ///< tests only: pretend to be another release
+  DeviceCopier* deviceCopier = nullptr;  ///< required to register MemoryKind::kDevice; not owned
+};
+
+/// TCP transport; see the file comment. Thread-safe as Transport.
+class TcpTransport final : public Transport {
+ public:
+  /// Validates the config, binds and listens, and starts the io threads. Throws Error(kInvalidConfig) for a
+  /// bad config (empty secret, ...), Error(kSystem) when the address cannot be bound.
+  explicit TcpTransport(TcpConfig config);
+  /// Sends Goodbye to connected peers (bounded wait), then stops the io threads.
+  ~TcpTransport() override;
+  TcpTransport(const TcpTransport&) = delete;
+  TcpTransport& operator=(const TcpTransport&) = delete;
+
+  /// The bound port (the chosen one when config.listenPort was 0).
+  uint16_t listenPort() const;
+  /// This node's address for the bootstrap exchange (kind tcp, host, bound port, protocol version).
+  TransportAddress address() const;
+
+  /// Connects to every other node and accepts their connections; blocks until all are established.
+  /// `nodes[i]` is node i's address (the entry for this node is ignored). Call once.
+  /// Throws Error(kPermissionDenied) for a different cluster secret, Error(kVersionMismatch) for a different
+  /// protocol version, Error(kInvalidConfig) for a different connection count, Error(kTimeout) when some peer
+  /// is not connected by connectTimeoutMs (the text lists which and why). Peers not connected are marked failed.
+  void connect(const std::vector<NodeAddress>& nodes);
+
+  TransportKind kind() const override { return TransportKind::kTcp; }
+  NodeIndex self() const override;
+  uint32_t nodeCount() const override;
+  LocalRegion registerMemory(const MemoryDesc& desc) override;
+  void deregisterMemory(LocalRegion region) override;
+  RemoteKey remoteKey(LocalRegion region) const override;
+  void write(NodeIndex peer, LocalRegion src, uint64_t srcOffset, const RemoteKey& dst, uint64_t dstOffset,
+             uint64_t bytes, uint64_t cookie, bool signal) override;
+  void writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t dstOffset, uint64_t value, uint64_t cookie,
+                 bool signal) override;
+  void submit() override;
+  std::size_t poll(std::span<Completion> out) override;
+  PeerStatus peerStatus(NodeIndex peer) const override;
+  void setPeerFailureHandler(std::function<void(NodeIndex, const PeerStatus&)> handler) override;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+namespace detail {
+using Sha256Digest = std::array<uint8_t, 32>;
+/// FIPS 180-4 SHA-256 (self-contained: the transport needs no TLS library).
+Sha256Digest sha256(std::span<const std::byte> data);
+/// RFC 2104 HMAC-SHA256.
+Sha256Digest hmacSha256(std::span<const std::byte> key, std::span<const std::byte> message);
+/// Compares without an early exit, so timing does not reveal the first differing byte.
+bool constantTimeEqual(std::span<const uint8_t> a, std::span<const uint8_t> b);
+}  // namespace detail
+
+}  // namespace tandem::daemon::transport

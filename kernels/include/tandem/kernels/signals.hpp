@@ -1,0 +1,33 @@
+// Plain data shared by host code (g++) and kernels (nvcc): the host-visible error slot every device-side
+// wait reports through, and the flag conventions of every fused op.
+#pragma once
+
+#include <cstdint>
+
+namespace tandem::kernels {
+
+// Flags and counters are monotonic uint64 values that are never reset: op n of a communicator waits for
+// `flag >= epoch(n)`. kAbortValue is larger than every epoch, so writing it releases every waiter (the
+// client library writes it when the daemon dies, the daemon when a peer dies).
+inline constexpr uint64_t kAbortValue = ~uint64_t{0};
+
+enum class WaitError : uint32_t { kNone = 0, kTimeout = 1, kAborted = 2 };
+
+// Roles a CTA can take in a persistent fused kernel (one role table per kernel family).
+enum class Role : uint32_t { kCompute = 0, kIntraComm = 1, kInterSend = 2, kInterReduce = 3, kReduce = 4 };
+
+// Written once by the first wait that fails, in host-mapped memory; the host turns it into an Error
+// "{op} {role} rank {rank}: waited for flag >= {expected}, saw {observed}".
+struct alignas(64) ErrorSlot {
+  uint32_t claimed;   // 0 = empty; the first failing thread sets 1 (atomicCAS) and fills the rest
+  uint32_t code;      // WaitError
+  uint32_t op;        // OpKind
+  uint32_t role;      // Role
+  uint32_t rank;
+  uint32_t chunk;     // which flag (chunk or tile index)
+  uint64_t expected;
+  uint64_t observed;
+};
+static_assert(sizeof(ErrorSlot) == 64);
+
+}  // namespace tandem::kernels

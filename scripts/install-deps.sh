@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs tandem's build and test dependencies from the distribution (Debian 12 / Ubuntu 24.04), only
+# those that are missing. Nothing is downloaded from anywhere else. CUDA (nvcc) is optional: without it the
+# CPU backend builds alone.
+set -euo pipefail
+
+packages=(
+  cmake ninja-build g++ pkg-config
+  libprotobuf-dev protobuf-compiler      # control-plane protocol
+  libboost-dev                           # Boost.Asio
+  libyaml-cpp-dev                        # config
+  doctest-dev                            # tests
+  libfmt-dev libspdlog-dev libcli11-dev nlohmann-json3-dev
+  libibverbs-dev libnuma-dev             # verbs transport, NUMA pinning of proxy threads
+  libsystemd-dev systemd                 # sd_notify; systemd-analyze verifies the units in a test
+  iproute2                               # network namespaces for multi-node tests
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "install-deps: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+  sudo="sudo"
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
