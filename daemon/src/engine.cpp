@@ -458,6 +458,12 @@ void Engine::tryDispatchLocked(const std::shared_ptr<CommEntry>& entry) {
     }
     return tryDispatchLocked(entry);
   }
+  if (ops[0].desc.kind == OpKind::kNop) {
+    // Nothing to execute: complete on the pump thread instead of paying a worker hand-off.
+    for (auto& op : ops) op.channel->complete(op.desc.seq, 0, "");
+    ++comm.opsCompleted;
+    return tryDispatchLocked(entry);
+  }
   entry->busy = true;
   enqueueWork([this, entry, ops = std::move(ops)]() mutable { runCollective(entry, std::move(ops)); });
 }

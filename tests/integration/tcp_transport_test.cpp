@@ -212,5 +212,394 @@ struct Child {
 }  // namespace
 
 TEST_CASE("a flag written after data is observed only with all the data, over one or three connections") {
-  const uint32_t conns = GENERATE_CONNS_PLACEHOLDER;
+  uint32_t conns = 1;
+  SUBCASE("one connection") { conns = 1; }
+  SUBCASE("three connections, data striped in 64 KiB chunks") { conns = 3; }
+  std::vector<TcpConfig> cfgs{config(0, "test-secret", conns), config(1, "test-secret", conns)};
+  for (auto& c : cfgs) c.chunkBytes = 64 * 1024;
+  auto ts = makeCluster(std::move(cfgs));
+  requireConnected(ts);
+  CHECK(ts[0]->peerStatus(1).state == PeerState::kConnected);
+  CHECK(ts[1]->peerStatus(0).state == PeerState::kConnected);
+
+  constexpr std::size_t kBytes = 4 << 20;
+  std::vector<uint8_t> src(kBytes), dst(kBytes, 0);
+  for (std::size_t i = 0; i < kBytes; ++i) src[i] = static_cast<uint8_t>(i * 131 + 7);
+  std::array<uint64_t, 8> flags{};
+  const LocalRegion srcRegion = ts[0]->registerMemory({MemoryKind::kHost, src.data(), kBytes});
+  const RemoteKey dstKey = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, dst.data(), kBytes})));
+  const RemoteKey flagKey = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, flags.data(), sizeof flags})));
+
+  ts[0]->write(1, srcRegion, 0, dstKey, 0, kBytes, /*cookie=*/11, /*signal=*/true);
+  ts[0]->writeFlag(1, flagKey, 8, 1, /*cookie=*/12, /*signal=*/true);
+  ts[0]->submit();
+  REQUIRE_MESSAGE(waitFor([&] { return loadAcquire(flags[1]) == 1; }, 5s), "flag 1 did not arrive within 5 s");
+  CHECK(std::memcmp(dst.data(), src.data(), kBytes) == 0);
+  CHECK(loadAcquire(flags[0]) == 0);
+
+  std::vector<Completion> done;
+  REQUIRE_MESSAGE(waitFor([&] { drainCompletions(*ts[0], done); return done.size() >= 2; }, 5s),
+                  "sender completions did not arrive within 5 s");
+  CHECK(done.size() == 2);
+  for (const auto& c : done) {
+    CHECK(c.code == ErrorCode::kOk);
+    CHECK(c.peer == 1);
+  }
+  CHECK(std::count_if(done.begin(), done.end(), [](auto& c) { return c.cookie == 11; }) == 1);
+}
+
+TEST_CASE("thousands of writes and flags keep their order across three connections") {
+  std::vector<TcpConfig> cfgs{config(0, "test-secret", 3), config(1, "test-secret", 3)};
+  for (auto& c : cfgs) c.chunkBytes = 4096;  // each 8 KiB write spans two connections
+  auto ts = makeCluster(std::move(cfgs));
+  requireConnected(ts);
+
+  constexpr uint64_t kIters = 2000;
+  constexpr std::size_t kWords = 1024;  // 8 KiB per write
+  std::vector<uint64_t> src(kIters * kWords);
+  for (uint64_t k = 0; k < kIters; ++k) std::fill_n(src.begin() + static_cast<std::ptrdiff_t>(k * kWords), kWords, k + 1);
+  std::vector<uint64_t> dst(kWords, 0);
+  uint64_t flag = 0;
+  std::vector<uint8_t> small(64 * 1000, 0), smallSrc(64 * 1000);
+  for (std::size_t i = 0; i < smallSrc.size(); ++i) smallSrc[i] = static_cast<uint8_t>(i % 253);
+  uint64_t smallFlag = 0;
+
+  const LocalRegion srcRegion = ts[0]->registerMemory({MemoryKind::kHost, src.data(), src.size() * 8});
+  const LocalRegion smallSrcRegion = ts[0]->registerMemory({MemoryKind::kHost, smallSrc.data(), smallSrc.size()});
+  const RemoteKey dstKey = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, dst.data(), kWords * 8})));
+  const RemoteKey flagKey = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, &flag, 8})));
+  const RemoteKey smallKey = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, small.data(), small.size()})));
+  const RemoteKey smallFlagKey = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, &smallFlag, 8})));
+
+  // Receiver: whenever it sees flag f, every word of dst must be at least f (iteration f's data landed, and
+  // later iterations only write larger values).
+  std::atomic<uint64_t> violations{0}, observations{0};
+  std::thread receiver([&] {
+    const auto deadline = Clock::now() + 8s;
+    uint64_t f = 0;
+    while (f < kIters && Clock::now() < deadline) {
+      f = loadAcquire(flag);
+      for (std::size_t w = 0; w < kWords; ++w) {
+        if (std::atomic_ref<uint64_t>(dst[w]).load(std::memory_order_relaxed) < f) ++violations;
+      }
+      ++observations;
+    }
+  });
+  for (uint64_t k = 0; k < kIters; ++k) {
+    ts[0]->write(1, srcRegion, k * kWords * 8, dstKey, 0, kWords * 8, k, false);
+    ts[0]->writeFlag(1, flagKey, 0, k + 1, k, k + 1 == kIters);
+    if (k % 16 == 15) ts[0]->submit();
+  }
+  // 1000 small writes to distinct offsets, one flag after them all.
+  for (uint64_t i = 0; i < 1000; ++i) ts[0]->write(1, smallSrcRegion, i * 64, smallKey, i * 64, 64, i, false);
+  ts[0]->writeFlag(1, smallFlagKey, 0, 1, 0, false);
+  ts[0]->submit();
+  receiver.join();
+  CHECK(loadAcquire(flag) == kIters);
+  CHECK(violations.load() == 0);
+  CHECK(observations.load() > 0);
+  REQUIRE_MESSAGE(waitFor([&] { return loadAcquire(smallFlag) == 1; }, 5s), "the small-writes flag did not arrive");
+  CHECK(small == smallSrc);
+  for (uint64_t w : dst) CHECK(w == kIters);
+}
+
+TEST_CASE("three nodes write to each other all-to-all") {
+  auto ts = makeCluster({config(0), config(1), config(2)});
+  requireConnected(ts);
+  constexpr std::size_t kSlot = 256 * 1024;
+  std::vector<std::vector<uint8_t>> src(3, std::vector<uint8_t>(kSlot)), dst(3, std::vector<uint8_t>(3 * kSlot));
+  std::vector<std::array<uint64_t, 3>> flags(3, std::array<uint64_t, 3>{});
+  std::vector<LocalRegion> srcRegions;
+  std::vector<RemoteKey> dstKeys, flagKeys;
+  for (NodeIndex n = 0; n < 3; ++n) {
+    std::fill(src[n].begin(), src[n].end(), static_cast<uint8_t>(0xa0 + n));
+    srcRegions.push_back(ts[n]->registerMemory({MemoryKind::kHost, src[n].data(), kSlot}));
+    dstKeys.push_back(viaWire(ts[n]->remoteKey(ts[n]->registerMemory({MemoryKind::kHost, dst[n].data(), 3 * kSlot}))));
+    flagKeys.push_back(viaWire(ts[n]->remoteKey(ts[n]->registerMemory({MemoryKind::kHost, flags[n].data(), 24}))));
+  }
+  for (NodeIndex from = 0; from < 3; ++from) {
+    for (NodeIndex to = 0; to < 3; ++to) {
+      if (from == to) continue;
+      ts[from]->write(to, srcRegions[from], 0, dstKeys[to], from * kSlot, kSlot, 0, false);
+      ts[from]->writeFlag(to, flagKeys[to], from * 8, 100 + from, 0, false);
+    }
+    ts[from]->submit();
+  }
+  for (NodeIndex to = 0; to < 3; ++to) {
+    for (NodeIndex from = 0; from < 3; ++from) {
+      if (from == to) continue;
+      CAPTURE(from);
+      CAPTURE(to);
+      REQUIRE_MESSAGE(waitFor([&] { return loadAcquire(flags[to][from]) == 100 + from; }, 5s), "flag did not arrive within 5 s");
+      CHECK(std::all_of(dst[to].begin() + from * kSlot, dst[to].begin() + (from + 1) * kSlot,
+                        [&](uint8_t b) { return b == 0xa0 + from; }));
+    }
+  }
+}
+
+TEST_CASE("GPU regions are staged through host memory with the device copier") {
+  // A stand-in copier: "device" memory is host memory; it counts the staging copies.
+  struct CountingCopier : DeviceCopier {
+    std::atomic<int> toHostCalls{0}, toDeviceCalls{0};
+    void toHost(void* h, const void* d, uint64_t n) override { std::memcpy(h, d, n); ++toHostCalls; }
+    void toDevice(void* d, const void* h, uint64_t n) override { std::memcpy(d, h, n); ++toDeviceCalls; }
+  } copier;
+  std::vector<TcpConfig> cfgs{config(0), config(1)};
+  for (auto& c : cfgs) c.deviceCopier = &copier;
+  auto ts = makeCluster(std::move(cfgs));
+  requireConnected(ts);
+  std::vector<uint8_t> gpuSrc(100000, 0x5a), gpuDst(100000, 0);
+  alignas(8) uint64_t gpuFlag = 0;
+  const LocalRegion s = ts[0]->registerMemory({MemoryKind::kDevice, gpuSrc.data(), gpuSrc.size()});
+  const RemoteKey d = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kDevice, gpuDst.data(), gpuDst.size()})));
+  const RemoteKey f = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kDevice, &gpuFlag, 8})));
+  ts[0]->write(1, s, 0, d, 0, gpuSrc.size(), 0, false);
+  ts[0]->writeFlag(1, f, 0, 9, 0, false);
+  ts[0]->submit();
+  REQUIRE_MESSAGE(waitFor([&] { return loadAcquire(gpuFlag) == 9; }, 5s), "staged flag did not arrive within 5 s");
+  CHECK(gpuDst == gpuSrc);
+  CHECK(copier.toHostCalls.load() >= 1);
+  CHECK(copier.toDeviceCalls.load() >= 2);  // data, then the flag
+
+  TcpTransport noCopier(config(2));
+  CHECK_THROWS_AS(noCopier.registerMemory({MemoryKind::kDevice, gpuDst.data(), 8}), Error);
+}
+
+TEST_CASE("bad ops fail fast with a clear error and leave the connection usable") {
+  auto ts = makeCluster({config(0), config(1)});
+  requireConnected(ts);
+  std::vector<uint8_t> buf(4096);
+  uint64_t flag = 0;
+  const LocalRegion r = ts[0]->registerMemory({MemoryKind::kHost, buf.data(), buf.size()});
+  const RemoteKey k = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, buf.data(), buf.size()})));
+  const RemoteKey fk = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, &flag, 8})));
+  auto codeOf = [](auto fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.code();
+    }
+    return ErrorCode::kOk;
+  };
+  CHECK(codeOf([&] { ts[0]->write(1, r, 0, k, 4000, 200, 0, false); }) == ErrorCode::kInvalidArgument);
+  CHECK(codeOf([&] { ts[0]->write(1, r, 4000, k, 0, 200, 0, false); }) == ErrorCode::kInvalidArgument);
+  CHECK(codeOf([&] { ts[0]->write(1, LocalRegion{999}, 0, k, 0, 8, 0, false); }) == ErrorCode::kInvalidArgument);
+  CHECK(codeOf([&] { ts[0]->write(0, r, 0, k, 0, 8, 0, false); }) == ErrorCode::kInvalidArgument);  // self
+  CHECK(codeOf([&] { ts[0]->write(5, r, 0, k, 0, 8, 0, false); }) == ErrorCode::kInvalidArgument);
+  CHECK(codeOf([&] { ts[0]->writeFlag(1, fk, 4, 1, 0, false); }) == ErrorCode::kInvalidArgument);
+  RemoteKey wrongOwner = k;
+  wrongOwner.owner = 0;
+  CHECK(codeOf([&] { ts[0]->write(1, r, 0, wrongOwner, 0, 8, 0, false); }) == ErrorCode::kInvalidArgument);
+  ts[0]->writeFlag(1, fk, 0, 3, 0, false);
+  ts[0]->submit();
+  CHECK_MESSAGE(waitFor([&] { return loadAcquire(flag) == 3; }, 5s), "flag after rejected ops did not arrive");
+  CHECK(ts[0]->peerStatus(1).state == PeerState::kConnected);
+}
+
+TEST_CASE("a wrong cluster secret is refused with a clear error on both sides") {
+  auto ts = makeCluster({config(0, "secret-A"), config(1, "secret-B")});
+  const auto start = Clock::now();
+  const auto errors = connectAll(ts);
+  CHECK(Clock::now() - start < 5s);  // well before the connect deadline: refused, not timed out
+  for (NodeIndex i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    REQUIRE(errors[i].has_value());
+    CHECK(errors[i]->code() == ErrorCode::kPermissionDenied);
+    const std::string expected = fmt::format("tcp transport: peer {}:{} (node {}) presented a different cluster secret; "
+                                             "set cluster.secret identically on every node",
+                                             hostOf(1 - i), ts[1 - i]->listenPort(), 1 - i);
+    CHECK_MESSAGE(std::string(errors[i]->what()) == expected, errors[i]->what());
+    CHECK(ts[i]->peerStatus(1 - i).state == PeerState::kFailed);
+  }
+}
+
+TEST_CASE("a different protocol version is refused with a clear error on both sides") {
+  auto cfg1 = config(1);
+  cfg1.protocolVersion = kTcpProtocolVersion + 1;
+  auto ts = makeCluster({config(0), cfg1});
+  const auto errors = connectAll(ts);
+  for (NodeIndex i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    REQUIRE(errors[i].has_value());
+    CHECK(errors[i]->code() == ErrorCode::kVersionMismatch);
+    CHECK_MESSAGE(std::string(errors[i]->what()).find("protocol version") != std::string::npos, errors[i]->what());
+    CHECK_MESSAGE(std::string(errors[i]->what()).find("same tandem release") != std::string::npos, errors[i]->what());
+  }
+}
+
+TEST_CASE("connect gives up at its deadline and says which peer is missing") {
+  auto cfg0 = config(0);
+  cfg0.connectTimeoutMs = 400;
+  TcpTransport t(cfg0);
+  TcpTransport silent(config(1));  // listens (the kernel accepts) but never runs its side of the handshake
+  const auto start = Clock::now();
+  try {
+    t.connect({{hostOf(0), t.listenPort()}, {hostOf(1), silent.listenPort()}});
+    FAIL("connect succeeded without a peer");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kTimeout);
+    CHECK_MESSAGE(std::string(e.what()).find(fmt::format("{}:{} (node 1)", hostOf(1), silent.listenPort())) != std::string::npos, e.what());
+  }
+  CHECK(Clock::now() - start < 3s);
+  CHECK(t.peerStatus(1).state == PeerState::kFailed);
+}
+
+TEST_CASE("a peer that shuts down cleanly is reported closed, and later ops fail fast") {
+  auto ts = makeCluster({config(0), config(1)});
+  requireConnected(ts);
+  std::vector<uint8_t> buf(64);
+  const LocalRegion r = ts[0]->registerMemory({MemoryKind::kHost, buf.data(), buf.size()});
+  const RemoteKey k = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, buf.data(), buf.size()})));
+  ts[1].reset();
+  REQUIRE_MESSAGE(waitFor([&] { return ts[0]->peerStatus(1).state != PeerState::kConnected; }, 2s),
+                  "node 0 did not notice node 1's shutdown within 2 s");
+  const PeerStatus st = ts[0]->peerStatus(1);
+  CHECK(st.state == PeerState::kClosed);
+  CHECK(st.reason.find("shut its transport down") != std::string::npos);
+  try {
+    ts[0]->write(1, r, 0, k, 0, 8, 0, false);
+    FAIL("write to a closed peer succeeded");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kPeerLost);
+    CHECK(std::string(e.what()).find("(node 1)") != std::string::npos);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Separate processes
+// ---------------------------------------------------------------------------------------------------------
+
+TEST_CASE("two processes exchange data and flags in both directions") {
+  // Bootstrap over pipes: ports, then keys. The child (node 1) receives 1 MiB + flag, checks it, and answers
+  // with its own write + flag into the parent's region.
+  Pipe toParent, toChild;
+  constexpr std::size_t kBytes = 1 << 20;
+  Child child([&] {
+    toParent.fd[0] = (::close(toParent.fd[0]), -1);
+    toChild.fd[1] = (::close(toChild.fd[1]), -1);
+    std::vector<uint8_t> dst(kBytes, 0), answer(4096, 0x77);
+    uint64_t flag = 0;
+    TcpTransport t(config(1));
+    send(toParent.fd[1], t.listenPort());
+    const auto parentPort = receive<uint16_t>(toChild.fd[0], 5s, "parent port");
+    t.connect({{hostOf(0), parentPort}, {hostOf(1), t.listenPort()}});
+    const LocalRegion answerRegion = t.registerMemory({MemoryKind::kHost, answer.data(), answer.size()});
+    send(toParent.fd[1], keyBytes(t.remoteKey(t.registerMemory({MemoryKind::kHost, dst.data(), kBytes}))));
+    send(toParent.fd[1], keyBytes(t.remoteKey(t.registerMemory({MemoryKind::kHost, &flag, 8}))));
+    const auto parentData = RemoteKey::decode(receive<KeyBytes>(toChild.fd[0], 5s, "parent data key"));
+    const auto parentFlag = RemoteKey::decode(receive<KeyBytes>(toChild.fd[0], 5s, "parent flag key"));
+    if (!waitFor([&] { return loadAcquire(flag) == 42; }, 5s)) return 10;
+    for (std::size_t i = 0; i < kBytes; ++i) {
+      if (dst[i] != static_cast<uint8_t>(i ^ (i >> 8))) return 11;
+    }
+    t.write(0, answerRegion, 0, parentData, 0, answer.size(), 0, false);
+    t.writeFlag(0, parentFlag, 0, 43, 0, false);
+    t.submit();
+    // Stay up until the parent has seen the answer (it closes the pipe), then shut down cleanly.
+    char c;
+    (void)readExact(toChild.fd[0], &c, 1, 5s);
+    return 0;
+  });
+  toParent.fd[1] = (::close(toParent.fd[1]), -1);
+  toChild.fd[0] = (::close(toChild.fd[0]), -1);
+
+  std::vector<uint8_t> src(kBytes), back(4096, 0);
+  for (std::size_t i = 0; i < kBytes; ++i) src[i] = static_cast<uint8_t>(i ^ (i >> 8));
+  uint64_t backFlag = 0;
+  TcpTransport t(config(0));
+  const auto childPort = receive<uint16_t>(toParent.fd[0], 5s, "child port");
+  send(toChild.fd[1], t.listenPort());
+  t.connect({{hostOf(0), t.listenPort()}, {hostOf(1), childPort}});
+  const LocalRegion srcRegion = t.registerMemory({MemoryKind::kHost, src.data(), kBytes});
+  send(toChild.fd[1], keyBytes(t.remoteKey(t.registerMemory({MemoryKind::kHost, back.data(), back.size()}))));
+  send(toChild.fd[1], keyBytes(t.remoteKey(t.registerMemory({MemoryKind::kHost, &backFlag, 8}))));
+  const auto dataKey = RemoteKey::decode(receive<KeyBytes>(toParent.fd[0], 5s, "child data key"));
+  const auto flagKey = RemoteKey::decode(receive<KeyBytes>(toParent.fd[0], 5s, "child flag key"));
+  t.write(1, srcRegion, 0, dataKey, 0, kBytes, 0, false);
+  t.writeFlag(1, flagKey, 0, 42, 0, false);
+  t.submit();
+  CHECK_MESSAGE(waitFor([&] { return loadAcquire(backFlag) == 43; }, 5s), "the child's answer did not arrive within 5 s");
+  CHECK(std::all_of(back.begin(), back.end(), [](uint8_t b) { return b == 0x77; }));
+  toChild.closeBoth();  // lets the child exit
+  CHECK(child.wait(5s) == 0);
+  CHECK_MESSAGE(waitFor([&] { return t.peerStatus(1).state == PeerState::kClosed; }, 2s), "child's Goodbye not seen");
+}
+
+namespace {
+// Forks node 1, which connects and then idles until killed. Returns the parent's connected transport.
+std::unique_ptr<TcpTransport> connectToIdleChild(std::unique_ptr<Child>& child, uint32_t peerDeadlineMs) {
+  Pipe toParent, toChild;
+  child = std::make_unique<Child>([&] {
+    ::close(toParent.fd[0]);
+    ::close(toChild.fd[1]);
+    auto cfg = config(1);
+    cfg.peerDeadlineMs = peerDeadlineMs;
+    TcpTransport t(cfg);
+    send(toParent.fd[1], t.listenPort());
+    const auto parentPort = receive<uint16_t>(toChild.fd[0], 5s, "parent port");
+    t.connect({{hostOf(0), parentPort}, {hostOf(1), t.listenPort()}});
+    send(toParent.fd[1], uint8_t{1});
+    char c;
+    (void)readExact(toChild.fd[0], &c, 1, 20s);  // idle: the test kills or stops us long before this
+    return 0;
+  });
+  ::close(toParent.fd[1]);
+  toParent.fd[1] = -1;
+  ::close(toChild.fd[0]);
+  toChild.fd[0] = -1;
+  auto cfg = config(0);
+  cfg.peerDeadlineMs = peerDeadlineMs;
+  auto t = std::make_unique<TcpTransport>(cfg);
+  const auto childPort = receive<uint16_t>(toParent.fd[0], 5s, "child port");
+  send(toChild.fd[1], t->listenPort());
+  t->connect({{hostOf(0), t->listenPort()}, {hostOf(1), childPort}});
+  (void)receive<uint8_t>(toParent.fd[0], 5s, "child connected");
+  return t;
+}
+}  // namespace
+
+TEST_CASE("a peer process that is SIGKILLed is reported lost within the deadline") {
+  std::unique_ptr<Child> child;
+  auto t = connectToIdleChild(child, /*peerDeadlineMs=*/1000);
+  std::atomic<int> handlerCalls{0};
+  t->setPeerFailureHandler([&](NodeIndex n, const PeerStatus& s) {
+    if (n == 1 && s.state == PeerState::kFailed) ++handlerCalls;
+  });
+  std::vector<uint8_t> buf(64);
+  const LocalRegion r = t->registerMemory({MemoryKind::kHost, buf.data(), buf.size()});
+  const RemoteKey fake{TransportKind::kTcp, 1, 1, 0, 0, 64};
+  REQUIRE(t->peerStatus(1).state == PeerState::kConnected);
+
+  ::kill(child->pid, SIGKILL);
+  const auto killedAt = Clock::now();
+  REQUIRE_MESSAGE(waitFor([&] { return t->peerStatus(1).state == PeerState::kFailed; }, 1000ms),
+                  "the SIGKILLed peer was not reported lost within its 1000 ms deadline");
+  const auto detectMs = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - killedAt).count();
+  MESSAGE("SIGKILLed peer detected after ", detectMs, " ms: ", t->peerStatus(1).reason);
+  CHECK(handlerCalls.load() == 1);
+  try {
+    t->write(1, r, 0, fake, 0, 8, 0, true);
+    FAIL("write to a lost peer succeeded");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kPeerLost);
+    CHECK_MESSAGE(std::string(e.what()).find("(node 1) lost") != std::string::npos, e.what());
+  }
+  CHECK(child->wait(2s) == -SIGKILL);
+}
+
+TEST_CASE("a frozen peer process (SIGSTOP) is reported lost by the heartbeat deadline") {
+  std::unique_ptr<Child> child;
+  auto t = connectToIdleChild(child, /*peerDeadlineMs=*/400);
+  ::kill(child->pid, SIGSTOP);
+  const auto stoppedAt = Clock::now();
+  REQUIRE_MESSAGE(waitFor([&] { return t->peerStatus(1).state == PeerState::kFailed; }, 2000ms),
+                  "the frozen peer was not reported lost within 2000 ms (deadline 400 ms)");
+  const auto detectMs = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - stoppedAt).count();
+  MESSAGE("frozen peer detected after ", detectMs, " ms: ", t->peerStatus(1).reason);
+  CHECK(detectMs >= 300);  // it was silence that did it, not an EOF
+  CHECK(detectMs < 400 + 3 * 50 + 500);  // deadline + heartbeat ticks + scheduling slack
+  CHECK(t->peerStatus(1).reason.find("deadline 400 ms") != std::string::npos);
+  ::kill(child->pid, SIGKILL);
+  ::kill(child->pid, SIGCONT);
+  CHECK(child->wait(2s) == -SIGKILL);
 }

@@ -402,7 +402,6 @@ struct TcpTransport::Impl {
     // Send side: serialises striping and the per-connection counts flags carry.
     std::mutex sendMutex;
     std::vector<uint64_t> sentData;
-    uint32_t nextConn = 0;
   };
 
   explicit Impl(TcpConfig c)
@@ -1274,14 +1273,19 @@ void TcpTransport::write(NodeIndex peer, LocalRegion src, uint64_t srcOffset, co
   const auto* base = static_cast<const std::byte*>(region->desc.addr) + srcOffset;
   const bool device = region->desc.kind == MemoryKind::kDevice;
   std::lock_guard lock(p.sendMutex);
-  const uint32_t conns = static_cast<uint32_t>(p.out.size());
+  const uint64_t conns = p.out.size();
+  const uint64_t chunk = im.config.chunkBytes;
   for (uint64_t done = 0; done < bytes;) {
-    const uint64_t n = std::min(im.config.chunkBytes, bytes - done);
-    const uint32_t c = p.nextConn++ % conns;
+    // Chunks are cut at multiples of chunkBytes in the destination region, and each destination chunk always
+    // travels on the same connection: two writes to the same bytes then land in the order they were issued
+    // (as on one RC QP), while large writes still spread over every connection.
+    const uint64_t at = dstOffset + done;
+    const uint64_t n = std::min(chunk - at % chunk, bytes - done);
+    const auto c = static_cast<uint32_t>((dst.regionId + at / chunk) % conns);
     Impl::OutFrame f;
     f.header.type = static_cast<uint8_t>(FrameType::kData);
     f.header.regionId = dst.regionId;
-    f.header.offset = dstOffset + done;
+    f.header.offset = at;
     f.header.length = n;
     if (device) {
       f.owned.resize(n);  // host staging: the GPU source is copied now, so it may change after write returns

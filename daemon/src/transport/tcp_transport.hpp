@@ -17,9 +17,12 @@
 // cluster.secret identically on every node") and connect() throws it.
 //
 // Frames after the handshake: a 32-byte header {type, region id (the key), offset, length, value}, then
-// `length` payload bytes. Data frames carry at most `chunkBytes`; a write is cut into chunks striped
-// round-robin over the peer's connections. The receiver reads a data payload straight into the registered
-// region (bounds-checked first), or through a staging buffer and the DeviceCopier for GPU regions.
+// `length` payload bytes. A write is cut into data frames at multiples of `chunkBytes` in the destination
+// region, and destination chunk i of region r always travels on connection (r + i) % connectionsPerPeer:
+// large writes spread over every connection, yet two writes to the same bytes share a connection and land
+// in the order they were issued (write-after-write order, as on one RC QP). The receiver reads a data
+// payload straight into the registered region (bounds-checked first), or through a staging buffer and the
+// DeviceCopier for GPU regions.
 //
 // Flag ordering with several connections (the choice, documented): every flag goes on connection 0 and
 // carries, per connection, the number of data frames this node had queued on it before the flag. The
