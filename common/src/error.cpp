@@ -41,11 +41,11 @@ ErrorCode wireCode(ErrorCode code) {
   }
 }
 
-long checkErrno(long result, std::string_view what, std::source_location where) {
+long checkErrno(long result, std::string_view what) {
   if (result >= 0) return result;
   const int err = errno;
   throw Error(err == ENOMEM ? ErrorCode::kOutOfMemory : ErrorCode::kSystem,
-              fmt::format("{}: {} [errno {}] ({}:{})", what, std::strerror(err), err, where.file_name(), where.line()));
+              fmt::format("{}: {} [errno {}]", what, std::strerror(err), err));
 }
 
 }  // namespace tandem

@@ -323,16 +323,20 @@ TEST_CASE("QP attributes for INIT, RTR and RTS carry the right fields and masks"
 // Work requests and signalling
 // =========================================================================================================
 
-TEST_CASE("a write is split at the message limit and only its last WR carries the caller's signal") {
+TEST_CASE("a write is split at destination stripe boundaries and only its last WR carries the caller's signal") {
   const RemoteKey dst{TransportKind::kVerbs, 1, 5, 0x77, 0x100000, 1 << 20};
   std::vector<verbs::WorkRequestPlan> wrs;
   verbs::planWrite(0x5000, 1 << 20, 0x99, 16, dst, 64, 2500, 1000, true, 42, wrs);
+  // Cuts at destination offsets 1000 and 2000: [64,1000) [1000,2000) [2000,2564).
   REQUIRE(wrs.size() == 3);
   CHECK(wrs[0].localAddr == 0x5000 + 16);
   CHECK(wrs[0].remoteAddr == 0x100000 + 64);
-  CHECK(wrs[1].localAddr == 0x5000 + 16 + 1000);
-  CHECK(wrs[2].length == 500);
-  CHECK(wrs[2].remoteAddr == 0x100000 + 64 + 2000);
+  CHECK(wrs[0].length == 936);
+  CHECK(wrs[1].localAddr == 0x5000 + 16 + 936);
+  CHECK(wrs[1].remoteAddr == 0x100000 + 1000);
+  CHECK(wrs[1].length == 1000);
+  CHECK(wrs[2].length == 564);
+  CHECK(wrs[2].remoteAddr == 0x100000 + 2000);
   CHECK_FALSE(wrs[0].userSignal);
   CHECK_FALSE(wrs[1].userSignal);
   CHECK(wrs[2].userSignal);
@@ -341,6 +345,12 @@ TEST_CASE("a write is split at the message limit and only its last WR carries th
     CHECK(w.lkey == 0x99);
     CHECK(w.rkey == 0x77);
   }
+  wrs.clear();
+  verbs::planWrite(0, 1 << 20, 1, 0, dst, 0, 3000, 1000, false, 0, wrs);  // aligned: three full WRs
+  CHECK(wrs.size() == 3);
+  wrs.clear();
+  verbs::planWrite(0, 1 << 20, 1, 0, dst, 0, 1 << 20, uint64_t{1} << 40, false, 0, wrs);  // clamp to 2^31
+  CHECK(wrs.size() == 1);
   CHECK(codeOf([&] { verbs::planWrite(0, 100, 1, 90, dst, 0, 20, 1000, false, 0, wrs); }) == ErrorCode::kInvalidArgument);
   CHECK(codeOf([&] { verbs::planWrite(0, 100, 1, 0, dst, (1 << 20) - 4, 8, 1000, false, 0, wrs); }) ==
         ErrorCode::kInvalidArgument);

@@ -200,16 +200,19 @@ void planWrite(uint64_t localBase, uint64_t localBytes, uint32_t lkey, uint64_t 
     fail(ErrorCode::kInvalidArgument, "verbs: write to [{}, +{}) of node {}'s region {} which has {} bytes", dstOffset,
          bytes, dst.owner, dst.regionId, dst.bytes);
   // An RDMA message carries at most 2^31 bytes (ibv_sge::length is 32-bit and ports report max_msg_sz 2^31).
+  // Cuts fall on multiples of maxMsg in the destination region, so a destination stripe is a pure function of
+  // the byte's offset (VerbsTransport pins each stripe to one QP: writes to the same bytes stay ordered).
   const uint64_t maxMsg = std::clamp<uint64_t>(maxMessageBytes, 1, uint64_t{1} << 31);
   uint64_t done = 0;
   while (done < bytes) {
-    const uint64_t n = std::min(maxMsg, bytes - done);
+    const uint64_t at = dstOffset + done;
+    const uint64_t n = std::min(maxMsg - at % maxMsg, bytes - done);
     WorkRequestPlan p;
     p.kind = WrKind::kWrite;
     p.localAddr = localBase + srcOffset + done;
     p.lkey = lkey;
     p.length = static_cast<uint32_t>(n);
-    p.remoteAddr = dst.addr + dstOffset + done;
+    p.remoteAddr = dst.addr + at;
     p.rkey = dst.rkey;
     done += n;
     if (done == bytes) {

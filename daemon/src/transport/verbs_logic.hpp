@@ -121,8 +121,9 @@ struct WorkRequestPlan {
   uint64_t cookie = 0;
 };
 
-/// Splits a write into WRs of at most maxMessageBytes each (the port's max_msg_sz, ≤ 2^31), appending them.
-/// localBase is the iova of the local region's first byte. The last WR carries userSignal and the cookie.
+/// Splits a write into WRs, appending them: cuts fall at multiples of maxMessageBytes (≤ the port's max_msg_sz,
+/// clamped to 2^31) counted from the start of the destination region, so each WR lies in one destination
+/// stripe. localBase is the iova of the local region's first byte. The last WR carries userSignal and cookie.
 /// Throws Error(kInvalidArgument) for ranges outside the regions.
 void planWrite(uint64_t localBase, uint64_t localBytes, uint32_t lkey, uint64_t srcOffset, const RemoteKey& dst,
                uint64_t dstOffset, uint64_t bytes, uint64_t maxMessageBytes, bool signal, uint64_t cookie,

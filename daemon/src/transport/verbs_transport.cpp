@@ -335,15 +335,20 @@ void VerbsTransport::write(NodeIndex peer, LocalRegion src, uint64_t srcOffset, 
     localBytes = it->second.desc.bytes;
     lkey = it->second.mr->lkey;
   }
+  const uint64_t stripe = std::min(config_.stripeBytes, config_.maxMessageBytes);
   std::vector<verbs::WorkRequestPlan> plans;
-  verbs::planWrite(localBase, localBytes, lkey, srcOffset, dst, dstOffset, bytes, config_.maxMessageBytes, signal,
-                   cookie, plans);
+  verbs::planWrite(localBase, localBytes, lkey, srcOffset, dst, dstOffset, bytes, stripe, signal, cookie, plans);
   Peer& p = peerRef(peer);
   std::lock_guard lock(p.mutex);
   checkAlive(p, peer);
-  Qp& q = *p.qps[p.nextQp++ % p.qps.size()];
-  for (const auto& plan : plans) q.pending.push_back(plan);
-  q.enqueued += plans.size();
+  // Destination stripe i of region r always goes on QP (r + i) % qps: writes to the same bytes share a QP and
+  // land in issue order; large writes still spread over all QPs.
+  for (const auto& plan : plans) {
+    const uint64_t stripeIndex = (plan.remoteAddr - dst.addr) / stripe;
+    Qp& q = *p.qps[(dst.regionId + stripeIndex) % p.qps.size()];
+    q.pending.push_back(plan);
+    q.enqueued += 1;
+  }
 }
 
 void VerbsTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t dstOffset, uint64_t value,

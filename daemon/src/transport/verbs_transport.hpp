@@ -7,8 +7,9 @@
 // Memory: host memory with ibv_reg_mr; GPU memory with ibv_reg_dmabuf_mr on a dma-buf fd
 // (cuMemGetHandleForAddressRange), falling back to ibv_reg_mr on the device pointer (nvidia-peermem).
 //
-// Data path: `write` is an RDMA WRITE (split at max_msg_sz), striped per call over the peer's QPs
-// round-robin; `writeFlag` is an 8-byte inline RDMA WRITE. Ordering of a flag after earlier writes:
+// Data path: `write` is RDMA WRITEs cut at multiples of `stripeBytes` of the destination region; destination
+// stripe i of region r always goes on QP (r + i) % qpsPerPeer, so writes to the same bytes stay in issue order
+// and large writes use every QP. `writeFlag` is an 8-byte inline RDMA WRITE. A flag after earlier writes:
 //   - on one QP, RC executes WRITEs in order and the responder places them in order, so the flag (posted
 //     after the data on QP 0) lands after the data;
 //   - with several QPs per peer, the flag is held back until every other QP has retired the WRs posted before
@@ -54,7 +55,8 @@ struct VerbsConfig {
   uint32_t signalEvery = 32;     ///< selective signalling period (≤ sendQueueDepth)
   uint32_t maxWrPerPost = 32;    ///< WRs chained into one ibv_post_send (one doorbell)
   uint32_t cqDepth = 8192;       ///< completion queue entries shared by all QPs
-  uint64_t maxMessageBytes = uint64_t{1} << 30;  ///< split writes above this (≤ the port's max_msg_sz)
+  uint64_t maxMessageBytes = uint64_t{1} << 30;  ///< no WR larger (≤ the port's max_msg_sz)
+  uint64_t stripeBytes = uint64_t{1} << 20;      ///< destination stripe pinned to one QP (see the file comment)
   uint32_t maxInlineBytes = 64;  ///< requested inline size; flags need 8
   bool relaxedOrdering = false;  ///< IBV_ACCESS_RELAXED_ORDERING on MRs: faster on some hosts, needs flush()
 };
@@ -145,8 +147,7 @@ class VerbsTransport final : public Transport {
     mutable std::mutex mutex;        // guards everything below
     std::vector<std::unique_ptr<Qp>> qps;
     std::deque<DeferredFlag> deferred;
-    uint32_t nextQp = 0;
-    PeerStatus status;
+      PeerStatus status;
   };
 
   Peer& peerRef(NodeIndex peer) const;

@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 
 #include <cstdint>
-#include <source_location>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -54,7 +53,8 @@ template <typename... Args>
   throw Error(code, fmt::format(format, std::forward<Args>(args)...));
 }
 
-// Throws Error(kSystem) "<what>: <strerror> [errno N]" when result < 0; returns result otherwise.
-long checkErrno(long result, std::string_view what, std::source_location where = std::source_location::current());
+// Throws Error(kSystem) "<what>: <strerror> [errno N]" (kOutOfMemory for ENOMEM) when result < 0; returns
+// result otherwise. `what` names the operation and its object, so no source location is needed.
+long checkErrno(long result, std::string_view what);
 
 }  // namespace tandem
