@@ -57,6 +57,12 @@ TEST_CASE("ops in fp16 and fp32, non-causal attention, and allgather") {
   runChecked(d, {"barrier", "--ranks", "4", "--iters", "20"});
 }
 
+TEST_CASE("a communicator of 64 ranks forms and runs collectives") {
+  Daemon d;
+  runChecked(d, {"barrier", "--ranks", "64", "--iters", "3"});
+  runChecked(d, {"gemm-ar", "--ranks", "64", "--m", "9", "--n", "5", "--k", "70", "--dtype", "fp32"});
+}
+
 TEST_CASE("the C++ API: two sessions in one process run ag-gemm with the gathered A") {
   Daemon d;
   const tandem_unique_id_t id = tandem::uniqueId();
