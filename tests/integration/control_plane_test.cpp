@@ -2,7 +2,6 @@
 #include <doctest/doctest.h>
 #include <sys/mman.h>
 
-#include <nlohmann/json.hpp>
 
 #include "harness.hpp"
 #include "session.hpp"
@@ -10,16 +9,8 @@
 #include "tandem/tandem.hpp"
 
 using namespace tandem::testing;
-using json = nlohmann::json;
 
 namespace {
-
-json status(const Daemon& d) {
-  int code = 0;
-  const std::string out = d.ctl({"status", "--json"}, &code);
-  REQUIRE_MESSAGE(code == 0, out);
-  return json::parse(out);
-}
 
 // A raw connection that speaks bytes, for malformed input.
 int rawConnect(const std::string& path) {
@@ -72,7 +63,7 @@ TEST_CASE("hello, allocate, register, status and disconnect free everything") {
     tandem_buffer_t reg;
     REQUIRE(tandem_register(s.get(), p, 8192, fd, 0, &reg) == TANDEM_SUCCESS);
 
-    json st = status(d);
+    auto st = daemonStatus(d);
     REQUIRE(st["sessions"].size() == 2);  // ours and tandemctl's
     CHECK(st["total_bytes"] == (1 << 20) + 8192);
     CHECK(st["total_buffers"] == 2);
@@ -81,12 +72,12 @@ TEST_CASE("hello, allocate, register, status and disconnect free everything") {
     CHECK(tandem_free(reg) == TANDEM_ERROR_INVALID_ARGUMENT);  // registered memory is deregistered, not freed
     CHECK(std::string(tandem_last_error()).find("tandem_deregister") != std::string::npos);
     CHECK(tandem_deregister(reg) == TANDEM_SUCCESS);
-    CHECK(status(d)["total_bytes"] == 1 << 20);
+    CHECK(daemonStatus(d)["total_bytes"] == 1 << 20);
     ::munmap(p, 8192);
     ::close(fd);
     // The session ends with `a` still allocated: the daemon must reclaim it.
   }
-  CHECK(eventually([&] { return status(d)["sessions"].size() == 1 && status(d)["total_bytes"] == 0; }));
+  CHECK(eventually([&] { return daemonStatus(d)["sessions"].size() == 1 && daemonStatus(d)["total_bytes"] == 0; }));
 }
 
 TEST_CASE("a client that dies is reaped with its memory") {
@@ -100,10 +91,10 @@ TEST_CASE("a client that dies is reaped with its memory") {
     ::pause();  // killed below
     std::_Exit(0);
   }
-  REQUIRE(eventually([&] { return status(d)["total_bytes"] == 3 << 20; }));
+  REQUIRE(eventually([&] { return daemonStatus(d)["total_bytes"] == 3 << 20; }));
   ::kill(child, SIGKILL);
   ::waitpid(child, nullptr, 0);
-  CHECK(eventually([&] { return status(d)["total_bytes"] == 0 && status(d)["sessions"].size() == 1; }));
+  CHECK(eventually([&] { return daemonStatus(d)["total_bytes"] == 0 && daemonStatus(d)["sessions"].size() == 1; }));
 }
 
 TEST_CASE("bad allocations get clear errors and change nothing") {
@@ -123,7 +114,7 @@ TEST_CASE("bad allocations get clear errors and change nothing") {
   CHECK(tandem_register(s.get(), local, 8192, fd, 0, &b) == TANDEM_ERROR_INVALID_ARGUMENT);
   CHECK(std::string(tandem_last_error()).find("outside") != std::string::npos);
   ::close(fd);
-  CHECK(status(d)["total_bytes"] == 2 << 20);
+  CHECK(daemonStatus(d)["total_bytes"] == 2 << 20);
 }
 
 TEST_CASE("garbage, oversized frames, wrong versions and unknown messages do not hurt other clients") {

@@ -2,7 +2,6 @@
 #include <doctest/doctest.h>
 #include <sys/mman.h>
 
-#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "harness.hpp"
@@ -11,19 +10,11 @@
 #include "tandem/tandem.hpp"
 
 using namespace tandem::testing;
-using json = nlohmann::json;
 using tandem::ErrorCode;
 using tandem::OpDescriptor;
 using tandem::OpKind;
 
 namespace {
-
-json status(const Daemon& d) {
-  int code = 0;
-  const std::string out = d.ctl({"status", "--json"}, &code);
-  REQUIRE_MESSAGE(code == 0, out);
-  return json::parse(out);
-}
 
 // Runs `body` in a forked child; the child's status code is written to the returned pipe as text.
 struct Child {
@@ -130,7 +121,7 @@ TEST_CASE("a rank killed mid-op: every other rank gets PEER_LOST within the dead
   }
   REQUIRE(victim.read(15000).find("joined") != std::string::npos);
   for (auto& s : survivors) REQUIRE(s.read(15000).find("submitted") != std::string::npos);
-  REQUIRE(eventually([&] { return status(d)["total_buffers"] == 12; }));
+  REQUIRE(eventually([&] { return daemonStatus(d)["total_buffers"] == 12; }));
 
   const auto killedAt = Clock::now();
   ::kill(victim.pid, SIGKILL);
@@ -145,7 +136,7 @@ TEST_CASE("a rank killed mid-op: every other rank gets PEER_LOST within the dead
   for (auto& s : survivors) s.reap();
 
   // The dead session's memory is gone (the survivors exited too), and new communicators work.
-  CHECK(eventually([&] { return status(d)["total_bytes"] == 0 && status(d)["communicators"].empty(); }));
+  CHECK(eventually([&] { return daemonStatus(d)["total_bytes"] == 0 && daemonStatus(d)["communicators"].empty(); }));
   int code = 1;
   const std::string out = d.ctl({"run", "ag-gemm", "--ranks", "2", "--m", "8", "--n", "8", "--k", "8", "--check"}, &code);
   INFO(out);

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -190,5 +191,13 @@ class Daemon {
   bool reaped_ = false;
   int exitCode_ = 0;
 };
+
+// `tandemctl status --json` against the daemon, parsed.
+inline nlohmann::json daemonStatus(const Daemon& d) {
+  int code = 0;
+  const std::string out = d.ctl({"status", "--json"}, &code);
+  if (code != 0) throw std::runtime_error("tandemctl status failed: " + out);
+  return nlohmann::json::parse(out);
+}
 
 }  // namespace tandem::testing
