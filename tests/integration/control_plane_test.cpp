@@ -204,6 +204,7 @@ TEST_CASE("a uid that is not allowed is refused at Hello") {
   [[maybe_unused]] ssize_t n = ::read(p[0], buf, sizeof buf - 1);
   ::close(p[0]);
   const std::string msg(buf);
+  INFO("child exit status ", WIFEXITED(status) ? WEXITSTATUS(status) : -1, ", said: ", msg, "\ndaemon log:\n", d.log());
   CHECK(msg.rfind(std::to_string(TANDEM_ERROR_PERMISSION_DENIED) + " ", 0) == 0);
   CHECK(msg.find("access.allowed_uids") != std::string::npos);
   checkStillServes(d);

@@ -566,6 +566,15 @@ TEST_CASE("FIFO index arithmetic holds across 32-bit sequence and 64-bit index w
     }
     CHECK(fifo::initialSeq(3, cap) == fifo::seqOf(3 - cap));
   }
+  // The pre-claim hint tolerates a tail that passed a stale head (others claimed, the consumer caught up).
+  CHECK_FALSE(fifo::lacksRoom(100, 120, 1, 8));
+  CHECK_FALSE(fifo::lacksRoom(100, 100, 8, 8));
+  CHECK(fifo::lacksRoom(100, 100 - 1, 8, 8));
+  CHECK(fifo::lacksRoom(100, 92, 1, 8));
+  CHECK_FALSE(fifo::lacksRoom(100, 93, 1, 8));
+  CHECK_FALSE(fifo::lacksRoom(2, UINT64_MAX - 3, 2, 8));  // used 6 across the 2^64 wrap
+  CHECK(fifo::lacksRoom(2, UINT64_MAX - 3, 3, 8));
+  CHECK_FALSE(fifo::lacksRoom(UINT64_MAX - 3, 2, 1, 8));  // tail ahead across the wrap
   CHECK_FALSE(fifo::looksFull(5, 0, 8));
   CHECK(fifo::looksFull(8, 0, 8));
   CHECK_FALSE(fifo::looksFull(UINT64_MAX, UINT64_MAX - 7, 8));
@@ -610,6 +619,13 @@ TEST_CASE("one producer: commands come out in order through many wrap-arounds, a
       CHECK(cons.pop(out) == 0);
     }
     CHECK(prod.fullWaits() <= 40);  // it re-read tail only when the ring looked full
+    // A batch takes consecutive tickets with one claim, and comes out in order.
+    std::array<ProxyCommand, 5> five{};
+    for (uint64_t i = 0; i < 5; ++i) five[i] = fifo::makeFlag(1, 1, 0, 1000 + i);
+    const uint64_t first = prod.pushBatch(five);
+    CHECK(first == start + next);
+    CHECK(cons.pop(out) == 5);
+    for (uint64_t i = 0; i < 5; ++i) CHECK(fifo::flagValue(out[i]) == 1000 + i);
   }
 }
 
@@ -637,6 +653,10 @@ TEST_CASE("a producer waits while the ring is full until the consumer publishes 
   REQUIRE(cons.pop(rest) == 5);
   CHECK(fifo::flagValue(rest[4]) == 100);
 
+  SUBCASE("a batch larger than the ring is refused") {
+    std::vector<ProxyCommand> many(9, fifo::makeNop());
+    CHECK(codeOf([&] { prod.pushBatch(many); }) == ErrorCode::kInvalidArgument);
+  }
   SUBCASE("stop") {
     for (int i = 0; i < 3; ++i) prod.pushFlag(1, 1, 0, 0);  // fill again: 8 unconsumed
     std::atomic<int> code{-1};
@@ -653,8 +673,9 @@ TEST_CASE("a producer waits while the ring is full until the consumer publishes 
 }
 
 TEST_CASE("four producers and one consumer: every command is seen exactly once, in per-producer order") {
+  // Producers 0 and 2 push one command at a time; 1 and 3 push batches of 1..16 with one fetch_add each.
   constexpr int kProducers = 4;
-  constexpr uint64_t kPerProducer = 50000;
+  constexpr uint64_t kPerProducer = 25000;
   FifoMemory m(64);  // small: forces thousands of wrap-arounds and full waits
   std::vector<std::thread> producers;
   std::atomic<bool> go{false};
@@ -663,8 +684,19 @@ TEST_CASE("four producers and one consumer: every command is seen exactly once, 
       ProxyFifoProducer prod(m.view);
       while (!go.load()) std::this_thread::yield();
       try {
-        for (uint64_t i = 0; i < kPerProducer; ++i)
-          prod.pushWrite(static_cast<uint16_t>(p), static_cast<uint32_t>(p + 1), i, 1, 0, 1);
+        if (p % 2 == 0) {
+          for (uint64_t i = 0; i < kPerProducer; ++i)
+            prod.pushWrite(static_cast<uint16_t>(p), static_cast<uint32_t>(p + 1), i, 1, 0, 1);
+        } else {
+          std::array<ProxyCommand, 16> cmds{};
+          for (uint64_t i = 0; i < kPerProducer;) {
+            const uint64_t n = std::min<uint64_t>(1 + (i * 7) % 16, kPerProducer - i);
+            for (uint64_t j = 0; j < n; ++j)
+              cmds[j] = fifo::makeWrite(static_cast<uint16_t>(p), static_cast<uint32_t>(p + 1), i + j, 1, 0, 1);
+            prod.pushBatch(std::span(cmds).first(n));
+            i += n;
+          }
+        }
       } catch (const Error&) {
         // aborted by the consumer's deadline below; the missing commands fail the test
       }
@@ -672,7 +704,7 @@ TEST_CASE("four producers and one consumer: every command is seen exactly once, 
   }
   ProxyFifoConsumer cons(m.view);
   std::array<uint64_t, kProducers> next{};
-  uint64_t total = 0, outOfOrder = 0;
+  uint64_t total = 0, outOfOrder = 0, idle = 0;
   std::array<ProxyCommand, 32> batch{};
   go = true;
   const auto deadline = std::chrono::steady_clock::now() + 20s;
@@ -687,7 +719,12 @@ TEST_CASE("four producers and one consumer: every command is seen exactly once, 
     }
     total += n;
     cons.publishTail();
-    if (n == 0) std::this_thread::yield();
+    idle = n == 0 ? idle + 1 : 0;
+    if (idle > 64) {
+      std::this_thread::sleep_for(20us);  // backoff while a preempted producer finishes its publish
+    } else if (idle > 0) {
+      std::this_thread::yield();
+    }
   }
   if (total < kProducers * kPerProducer) m.view.requestStop();
   for (auto& t : producers) t.join();
@@ -866,7 +903,7 @@ std::string hex(const detail::Sha256Digest& d) {
 }
 std::vector<std::byte> bytesOf(const std::string& s) {
   std::vector<std::byte> v(s.size());
-  std::memcpy(v.data(), s.data(), s.size());
+  if (!s.empty()) std::memcpy(v.data(), s.data(), s.size());
   return v;
 }
 }  // namespace

@@ -98,29 +98,61 @@ uint64_t ProxyFifoView::errors() const { return ref(control_->errors).load(std::
 
 // ---- ProxyFifoProducer ----
 
-uint64_t ProxyFifoProducer::push(const ProxyCommand& command) {
+namespace {
+// Back off while the ring is full: spin briefly (the consumer is usually a few hundred ns behind), then yield,
+// then sleep. Sleeping matters when threads outnumber cores: sched_yield does not reliably hand the CPU to the
+// thread the consumer is waiting for under CFS.
+void backoff(uint32_t& spins) {
+  ++spins;
+  if (spins < 1024) {
+    cpuRelax();
+  } else if (spins < 1024 + 64) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+}  // namespace
+
+void ProxyFifoProducer::waitForRoom(uint64_t lastTicket, uint32_t& spins) {
   ProxyFifoControl* ctl = fifo_.control();
   const uint64_t cap = fifo_.capacity();
-  // relaxed: the head only hands out unique tickets; the slot's release store below publishes the command.
-  const uint64_t ticket = ref(ctl->head).fetch_add(1, std::memory_order_relaxed);
-  if (fifo::looksFull(ticket, tailCache_, cap)) {
+  while (fifo::looksFull(lastTicket, tailCache_, cap)) {
+    // acquire: pairs with the release store of tail in ProxyFifoConsumer::publishTail (P2): the consumer has
+    // finished reading every slot below tail, so a slot may be overwritten once tail passes its last use.
+    tailCache_ = ref(ctl->tail).load(std::memory_order_acquire);
+    if (!fifo::looksFull(lastTicket, tailCache_, cap)) return;
     ++fullWaits_;
-    uint32_t spins = 0;
-    for (;;) {
-      // acquire: pairs with the release store of tail in ProxyFifoConsumer::publishTail (P2): the consumer
-      // has finished reading every slot below tail, so this slot may be overwritten once tail passes it.
-      tailCache_ = ref(ctl->tail).load(std::memory_order_acquire);
-      if (!fifo::looksFull(ticket, tailCache_, cap)) break;
-      if (fifo_.stopRequested())
-        fail(ErrorCode::kAborted, "proxy fifo: stopped while waiting for a free slot (ticket {})", ticket);
-      if (++spins < 1024) {
-        cpuRelax();
-      } else {
-        std::this_thread::yield();
-      }
-    }
+    if (fifo_.stopRequested())
+      fail(ErrorCode::kAborted, "proxy fifo: stopped while waiting for a free slot (ticket {})", lastTicket);
+    backoff(spins);
   }
-  ProxyCommand& slot = fifo_.slots()[fifo::slotOf(ticket, cap)];
+}
+
+uint64_t ProxyFifoProducer::claim(uint64_t n) {
+  ProxyFifoControl* ctl = fifo_.control();
+  const uint64_t cap = fifo_.capacity();
+  uint32_t spins = 0;
+  // Wait for room before claiming, so that a producer seldom holds claimed, unpublished tickets while it
+  // waits (the consumer stalls at such a ticket, and every other producer with it). Only a hint: producers
+  // race between this check and the fetch_add; waitForRoom after it is the real guard.
+  for (;;) {
+    // relaxed: head is only a ticket counter; a stale value only makes the hint more or less eager.
+    const uint64_t head = ref(ctl->head).load(std::memory_order_relaxed);
+    if (!fifo::lacksRoom(head, tailCache_, n, cap)) break;
+    // acquire: pairs with the release store of tail in ProxyFifoConsumer::publishTail (P2).
+    tailCache_ = ref(ctl->tail).load(std::memory_order_acquire);
+    if (!fifo::lacksRoom(head, tailCache_, n, cap)) break;
+    ++fullWaits_;
+    if (fifo_.stopRequested()) fail(ErrorCode::kAborted, "proxy fifo: stopped while waiting for room");
+    backoff(spins);
+  }
+  // relaxed: the head only hands out unique tickets; each slot's release store publishes its command (P1).
+  return ref(ctl->head).fetch_add(n, std::memory_order_relaxed);
+}
+
+void ProxyFifoProducer::publish(uint64_t ticket, const ProxyCommand& command) {
+  ProxyCommand& slot = fifo_.slots()[fifo::slotOf(ticket, fifo_.capacity())];
   // Plain stores: no reader touches these words until it has seen the release store below (P1), and no
   // other producer holds this slot until the consumer has passed it (P2).
   slot.srcBuffer = command.srcBuffer;
@@ -129,7 +161,29 @@ uint64_t ProxyFifoProducer::push(const ProxyCommand& command) {
   slot.b = command.b;
   // release: publishes words 1..3 of the slot; pairs with the acquire load in ProxyFifoConsumer::pop (P1).
   ref(slot.control).store((command.control & ~uint64_t{0xffffffff}) | fifo::seqOf(ticket), std::memory_order_release);
+}
+
+uint64_t ProxyFifoProducer::push(const ProxyCommand& command) {
+  const uint64_t ticket = claim(1);
+  uint32_t spins = 0;
+  waitForRoom(ticket, spins);
+  publish(ticket, command);
   return ticket;
+}
+
+uint64_t ProxyFifoProducer::pushBatch(std::span<const ProxyCommand> commands) {
+  if (commands.empty()) return ref(fifo_.control()->head).load(std::memory_order_relaxed);
+  if (commands.size() > fifo_.capacity())
+    fail(ErrorCode::kInvalidArgument, "proxy fifo: batch of {} commands exceeds the capacity {}", commands.size(),
+         fifo_.capacity());
+  const uint64_t first = claim(commands.size());
+  uint32_t spins = 0;
+  // Publish in ticket order, each slot as soon as it is free: the consumer can start on the first ones.
+  for (std::size_t i = 0; i < commands.size(); ++i) {
+    waitForRoom(first + i, spins);
+    publish(first + i, commands[i]);
+  }
+  return first;
 }
 
 uint64_t ProxyFifoProducer::pushWrite(uint16_t peer, uint32_t srcBuffer, uint64_t srcOffset, uint32_t dstBuffer,

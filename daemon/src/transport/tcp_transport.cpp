@@ -262,9 +262,8 @@ struct TcpTransport::Impl {
     const std::byte* payload = nullptr;
     uint64_t payloadBytes = 0;
     std::vector<std::byte> owned;  // staged device data or flag counts; payload points into it
-    bool complete = false;         // report a completion with `cookie` once written
+    bool counted = false;          // a data or flag frame: counts towards signalled completions
     bool goodbye = false;
-    uint64_t cookie = 0;
   };
 
   struct OutConn : std::enable_shared_from_this<OutConn> {
@@ -282,6 +281,7 @@ struct TcpTransport::Impl {
     std::vector<asio::const_buffer> buffers;    // strand only
     std::atomic<int64_t> lastTxNs{0};
     std::atomic<bool> ready{false};
+    std::atomic<uint64_t> writtenFrames{0};  // counted frames handed to the kernel, in queue order
 
     // False once the connection is closed (the peer failed); the frame is dropped.
     bool enqueue(OutFrame&& frame) {
@@ -324,15 +324,18 @@ struct TcpTransport::Impl {
                         }));
     }
     void onWritten(const error_code& ec) {
-      std::vector<Completion> done;
+      uint64_t counted = 0;
       int goodbyes = 0;
       for (const OutFrame& f : inflight) {
-        if (f.complete) done.push_back(Completion{f.cookie, peer, ec ? ErrorCode::kPeerLost : ErrorCode::kOk});
-        if (f.goodbye) ++goodbyes;
+        counted += f.counted ? 1 : 0;
+        goodbyes += f.goodbye ? 1 : 0;
       }
       inflight.clear();
-      impl.pushCompletions(done);
       if (goodbyes > 0) impl.goodbyeSent(goodbyes);
+      if (!ec && counted > 0) {
+        writtenFrames.fetch_add(counted, std::memory_order_relaxed);  // published by the peer's completion mutex
+        impl.completeWritten(peer);
+      }
       if (ec) {
         {
           std::lock_guard lock(mutex);
@@ -345,16 +348,13 @@ struct TcpTransport::Impl {
       lastTxNs.store(nowNs(), std::memory_order_relaxed);
       startWrite();
     }
-    // Marks the connection closed, returns completions for queued frames, closes the socket on its strand.
-    void shutdown(std::vector<Completion>& failed) {
+    // Marks the connection closed, drops queued frames, closes the socket on its strand.
+    void shutdown() {
       int goodbyes = 0;
       {
         std::lock_guard lock(mutex);
         closed = true;
-        for (const OutFrame& f : queue) {
-          if (f.complete) failed.push_back(Completion{f.cookie, peer, ErrorCode::kPeerLost});
-          if (f.goodbye) ++goodbyes;
-        }
+        for (const OutFrame& f : queue) goodbyes += f.goodbye ? 1 : 0;
         queue.clear();
       }
       if (goodbyes > 0) impl.goodbyeSent(goodbyes);
@@ -401,7 +401,16 @@ struct TcpTransport::Impl {
     std::deque<PendingFlag> pendingFlags;
     // Send side: serialises striping and the per-connection counts flags carry.
     std::mutex sendMutex;
-    std::vector<uint64_t> sentData;
+    std::vector<uint64_t> sentData;    // per connection: data frames queued (what flags carry)
+    std::vector<uint64_t> sentFrames;  // per connection: data + flag frames queued
+    // Signalled ops in issue order, each with the sentFrames it needs written (guarded by completionMutex;
+    // pushed while sendMutex is held, so the order is the issue order).
+    struct PendingCompletion {
+      uint64_t cookie;
+      std::vector<uint64_t> required;
+    };
+    std::mutex completionMutex;
+    std::deque<PendingCompletion> pendingCompletions;
   };
 
   explicit Impl(TcpConfig c)
@@ -464,6 +473,48 @@ struct TcpTransport::Impl {
     anyCompletions.store(true, std::memory_order_release);
   }
 
+  // A connection of `node` wrote more frames: reports the signalled ops whose frames (and every frame queued
+  // to that peer before them, on every connection) have all been handed to the kernel.
+  void completeWritten(NodeIndex node) {
+    Peer& p = *peers[node];
+    std::vector<Completion> done;
+    {
+      std::lock_guard lock(p.completionMutex);
+      while (!p.pendingCompletions.empty()) {
+        const auto& pc = p.pendingCompletions.front();
+        bool written = true;
+        for (std::size_t c = 0; c < pc.required.size() && written; ++c)
+          written = p.out[c]->writtenFrames.load(std::memory_order_relaxed) >= pc.required[c];
+        if (!written) break;
+        done.push_back(Completion{pc.cookie, node, ErrorCode::kOk});
+        p.pendingCompletions.pop_front();
+      }
+    }
+    pushCompletions(done);
+  }
+
+  // Records a signalled op after its frames were queued. p.sendMutex held.
+  void expectCompletion(Peer& p, uint64_t cookie) {
+    {
+      std::lock_guard lock(p.completionMutex);
+      p.pendingCompletions.push_back(Peer::PendingCompletion{cookie, p.sentFrames});
+    }
+    // The peer may have failed after our frames were queued and after failPeer drained the list (it sets the
+    // state before draining under completionMutex, so seeing the state here covers that case).
+    const PeerState s = p.state.load(std::memory_order_acquire);
+    if (s == PeerState::kFailed || s == PeerState::kClosed) {
+      std::vector<Completion> failed;
+      {
+        std::lock_guard lock(p.completionMutex);
+        for (const auto& pc : p.pendingCompletions) failed.push_back(Completion{pc.cookie, p.node, ErrorCode::kPeerLost});
+        p.pendingCompletions.clear();
+      }
+      pushCompletions(failed);
+      return;
+    }
+    completeWritten(p.node);  // a write chain that was already running may have sent every frame by now
+  }
+
   std::shared_ptr<Region> findRegion(uint32_t id) const {
     std::shared_lock lock(regionsMutex);
     auto it = regions.find(id);
@@ -511,7 +562,12 @@ struct TcpTransport::Impl {
       spdlog::error("tcp transport: peer {} lost: {}", nodeName(node), status.reason);
     }
     std::vector<Completion> failed;
-    for (auto& c : p.out) c->shutdown(failed);
+    for (auto& c : p.out) c->shutdown();
+    {
+      std::lock_guard lock(p.completionMutex);
+      for (const auto& pc : p.pendingCompletions) failed.push_back(Completion{pc.cookie, node, ErrorCode::kPeerLost});
+      p.pendingCompletions.clear();
+    }
     for (auto& c : in) {
       if (!c) continue;
       asio::post(c->strand, [c] {
@@ -768,6 +824,7 @@ asio::awaitable<void> TcpTransport::Impl::inboundLoop(std::shared_ptr<InConn> c)
     co_await asio::async_read(c->socket, asio::buffer(&h, sizeof h), asio::redirect_error(asio::use_awaitable, ec));
     if (ec) break;
     c->lastRxNs.store(nowNs(), std::memory_order_relaxed);
+    if (h.reserved[0] != 0 || h.reserved[1] != 0 || h.reserved[2] != 0) co_return protocolError("reserved header bytes set");
     switch (static_cast<FrameType>(h.type)) {
       case FrameType::kHeartbeat:
         if (h.length != 0) co_return protocolError("heartbeat with a payload");
@@ -1073,6 +1130,7 @@ void TcpTransport::Impl::connect(const std::vector<NodeAddress>& list) {
     p->in.resize(conns);
     p->recvData.assign(conns, 0);
     p->sentData.assign(conns, 0);
+    p->sentFrames.assign(conns, 0);
     peers[i] = std::move(p);
   }
   // release: peers and nodes are complete before any thread that sees nodeCount uses them.
@@ -1295,12 +1353,13 @@ void TcpTransport::write(NodeIndex peer, LocalRegion src, uint64_t srcOffset, co
       f.payload = base + done;  // zero copy: the caller keeps the source unchanged until completion
     }
     f.payloadBytes = n;
+    f.counted = true;
     done += n;
-    f.complete = signal && done == bytes;
-    f.cookie = cookie;
     if (!p.out[c]->enqueue(std::move(f))) im.checkConnected(p);  // throws kPeerLost with the reason
     p.sentData[c] += 1;
+    p.sentFrames[c] += 1;
   }
+  if (signal) im.expectCompletion(p, cookie);
 }
 
 void TcpTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t dstOffset, uint64_t value, uint64_t cookie,
@@ -1323,9 +1382,10 @@ void TcpTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t dstO
   f.payload = f.owned.data();
   f.payloadBytes = f.owned.size();
   f.header.length = f.payloadBytes;
-  f.complete = signal;
-  f.cookie = cookie;
+  f.counted = true;
   if (!p.out[0]->enqueue(std::move(f))) im.checkConnected(p);
+  p.sentFrames[0] += 1;
+  if (signal) im.expectCompletion(p, cookie);
 }
 
 void TcpTransport::submit() {

@@ -31,6 +31,10 @@
 // backwards). The flag store is a release store (std::atomic_ref) made after the data writes, which other
 // receiving threads publish through the peer's mutex; a consumer's load-acquire of the flag sees the data.
 //
+// Completions. A signalled op completes once every frame queued to that peer up to and including its own has
+// been handed to the kernel, on every connection: its source bytes (and those of every earlier op to that
+// peer) may then be reused, as after a signalled WR on one RC QP. Frames carry no per-op completion state.
+//
 // Liveness. Idle connections send a heartbeat every heartbeatIntervalMs. EOF or a reset on any connection
 // of a peer, a write error, a malformed frame, or no frame at all on one of its connections for
 // peerDeadlineMs marks the peer failed; later ops on it throw Error(kPeerLost) naming it and the reason,
@@ -114,9 +118,8 @@ class TcpTransport final : public Transport {
   PeerStatus peerStatus(NodeIndex peer) const override;
   void setPeerFailureHandler(std::function<void(NodeIndex, const PeerStatus&)> handler) override;
 
-  struct Impl;
-
  private:
+  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

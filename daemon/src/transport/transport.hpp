@@ -7,8 +7,10 @@
 // Model, shared by both implementations (it is the RDMA model):
 //  - A node registers memory and gets a `LocalRegion` handle plus a serialisable `RemoteKey` it sends to peers.
 //  - `write` copies bytes from a local region into a peer's region named by its RemoteKey. The source bytes
-//    must stay unchanged until the op completes locally (a signalled completion, or a later signalled op to
-//    the same peer); the transport copies them only where it stages through host memory.
+//    must stay unchanged until the op completes locally. A signalled op's completion means that op and every
+//    op issued to the same peer before it have completed locally (as a signalled WR on one RC QP does), so
+//    one signalled op at the end of a batch covers the whole batch. The transport copies source bytes only
+//    where it stages through host memory.
 //  - `writeFlag` stores a 64-bit value into a peer's region, ordered after every earlier `write` to that peer
 //    by this transport: a receiver that observes the value (load-acquire) also observes all of those bytes.
 //  - Ops are queued by `write`/`writeFlag` and guaranteed to start after `submit()` (one doorbell or one
@@ -164,7 +166,8 @@ class Transport {
                          bool signal) = 0;
   /// Starts every queued op (one doorbell / socket kick per peer connection).
   virtual void submit() = 0;
-  /// Takes up to out.size() completions; returns how many it wrote. Never blocks.
+  /// Takes up to out.size() completions; returns how many it wrote. Never blocks. Completions of one peer
+  /// arrive in issue order; across peers in any order.
   virtual std::size_t poll(std::span<Completion> out) = 0;
 
   virtual PeerStatus peerStatus(NodeIndex peer) const = 0;

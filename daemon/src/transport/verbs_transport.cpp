@@ -227,7 +227,7 @@ std::vector<verbs::QpInfo> VerbsTransport::localQpInfo(NodeIndex peer, LocalRegi
   if (p.qps.empty()) {
     for (uint32_t i = 0; i < config_.qpsPerPeer; ++i) {
       auto q = std::make_unique<Qp>(Qp{createQp(cq_.get(), config_.sendQueueDepth), {},
-                                       verbs::SendQueueTracker(config_.sendQueueDepth, config_.signalEvery), {}, 0, {}});
+                                       verbs::SendQueueTracker(config_.sendQueueDepth, config_.signalEvery), {}, 0});
       q->local = describeQp(q->qp.get());
       {
         std::lock_guard mapLock(qpMapMutex_);
@@ -349,6 +349,47 @@ void VerbsTransport::write(NodeIndex peer, LocalRegion src, uint64_t srcOffset, 
     q.pending.push_back(plan);
     q.enqueued += 1;
   }
+  if (!signal) return;
+  if (p.deferred.empty()) {
+    p.completions.push_back(PendingCompletion{cookie, coverAllLocked(p)});
+  } else {
+    // Flags issued earlier are held back; this completion must cover them, so it waits behind them.
+    Deferred d;
+    d.isFlag = false;
+    d.signal = true;
+    d.cookie = cookie;
+    p.deferred.push_back(std::move(d));
+  }
+}
+
+std::vector<uint64_t> VerbsTransport::coverAllLocked(Peer& p) {
+  std::vector<uint64_t> required(p.qps.size(), 0);
+  for (std::size_t i = 0; i < p.qps.size(); ++i) {
+    Qp& q = *p.qps[i];
+    if (q.enqueued == q.tracker.retired()) continue;
+    const bool lastSignalled =
+        q.pending.empty() ? !q.tracker.hasUnsignaledTail()
+                          : (q.pending.back().userSignal || q.pending.back().kind == verbs::WrKind::kMarker);
+    if (!lastSignalled) {
+      verbs::WorkRequestPlan marker;
+      marker.kind = verbs::WrKind::kMarker;
+      q.pending.push_back(marker);
+      q.enqueued += 1;
+    }
+    required[i] = q.enqueued;
+  }
+  return required;
+}
+
+void VerbsTransport::collectCompletions(Peer& p, NodeIndex peer, std::vector<Completion>& out) {
+  while (!p.completions.empty()) {
+    const PendingCompletion& c = p.completions.front();
+    for (std::size_t i = 0; i < p.qps.size(); ++i) {
+      if (p.qps[i]->tracker.retired() < c.required[i]) return;
+    }
+    out.push_back(Completion{c.cookie, peer, ErrorCode::kOk});
+    p.completions.pop_front();
+  }
 }
 
 void VerbsTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t dstOffset, uint64_t value,
@@ -360,7 +401,11 @@ void VerbsTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t ds
   Peer& p = peerRef(peer);
   std::lock_guard lock(p.mutex);
   checkAlive(p, peer);
-  DeferredFlag f{plan, std::vector<uint64_t>(p.qps.size(), 0)};
+  Deferred f;
+  f.plan = plan;
+  f.required.assign(p.qps.size(), 0);
+  f.signal = signal;
+  f.cookie = cookie;
   // QP 0 carries every flag, so RC order covers QP 0's writes. Other QPs get a signalled marker after their
   // last queued WR; the flag waits until each has retired everything up to and including that marker.
   for (std::size_t i = 1; i < p.qps.size(); ++i) {
@@ -377,14 +422,18 @@ void VerbsTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t ds
 
 void VerbsTransport::postPending(Peer& p, NodeIndex peer, std::vector<Completion>& failedOut) {
   if (p.status.state != PeerState::kConnected) return;
-  // Release deferred flags, in order, whose other-QP requirements are met.
+  // Release deferred entries, in order: flags whose other-QP requirements are met go to QP 0; a signalled
+  // completion waiting behind them gets its requirements now.
   while (!p.deferred.empty()) {
-    const DeferredFlag& f = p.deferred.front();
-    bool ready = true;
-    for (std::size_t i = 1; i < p.qps.size(); ++i) ready = ready && p.qps[i]->tracker.retired() >= f.required[i];
-    if (!ready) break;
-    p.qps[0]->pending.push_back(f.plan);
-    p.qps[0]->enqueued += 1;
+    const Deferred& f = p.deferred.front();
+    if (f.isFlag) {
+      bool ready = true;
+      for (std::size_t i = 1; i < p.qps.size(); ++i) ready = ready && p.qps[i]->tracker.retired() >= f.required[i];
+      if (!ready) break;
+      p.qps[0]->pending.push_back(f.plan);
+      p.qps[0]->enqueued += 1;
+    }
+    if (f.signal) p.completions.push_back(PendingCompletion{f.cookie, coverAllLocked(p)});
     p.deferred.pop_front();
   }
   std::vector<verbs::PlannedWr> batch;
@@ -399,7 +448,6 @@ void VerbsTransport::postPending(Peer& p, NodeIndex peer, std::vector<Completion
       for (std::size_t i = 0; i < n; ++i) {
         verbs::encodeWorkRequest(batch[i].plan, batch[i].seq, batch[i].signaled, wrs[i], sges[i]);
         if (i > 0) wrs[i - 1].next = &wrs[i];
-        if (batch[i].plan.userSignal) q.userSignals.emplace_back(batch[i].seq, batch[i].plan.cookie);
       }
       ibv_send_wr* bad = nullptr;
       if (const int rc = ibv_post_send(q.qp.get(), wrs.data(), &bad); rc != 0) {
@@ -431,20 +479,15 @@ void VerbsTransport::failPeerLocked(Peer& p, NodeIndex peer, std::string reason,
   if (p.status.state == PeerState::kFailed) return;
   p.status = PeerStatus{PeerState::kFailed, std::move(reason)};
   spdlog::error("verbs transport: node {} lost: {}", peer, p.status.reason);
-  // Every caller-signalled op that has not completed fails: posted ones (their CQEs come back flushed and are
-  // dropped in poll) and queued ones that will never be posted.
-  for (auto& q : p.qps) {
-    for (const auto& [seq, cookie] : q->userSignals) failedOut.push_back(Completion{cookie, peer, ErrorCode::kPeerLost});
-    q->userSignals.clear();
-    for (const auto& plan : q->pending) {
-      if (plan.userSignal) failedOut.push_back(Completion{plan.cookie, peer, ErrorCode::kPeerLost});
-    }
-    q->pending.clear();
-  }
+  // Every signalled op that has not completed fails: tracked ones (their CQEs come back flushed and are
+  // dropped in poll) and ones still held back.
+  for (const auto& c : p.completions) failedOut.push_back(Completion{c.cookie, peer, ErrorCode::kPeerLost});
+  p.completions.clear();
   for (const auto& f : p.deferred) {
-    if (f.plan.userSignal) failedOut.push_back(Completion{f.plan.cookie, peer, ErrorCode::kPeerLost});
+    if (f.signal) failedOut.push_back(Completion{f.cookie, peer, ErrorCode::kPeerLost});
   }
   p.deferred.clear();
+  for (auto& q : p.qps) q->pending.clear();
   std::function<void(NodeIndex, const PeerStatus&)> handler;
   {
     std::lock_guard lock(handlerMutex_);
@@ -491,11 +534,7 @@ std::size_t VerbsTransport::poll(std::span<Completion> out) {
         continue;
       }
       q.tracker.complete(wc.wr_id);
-      while (!q.userSignals.empty() && q.userSignals.front().first <= wc.wr_id) {
-        if (q.userSignals.front().first == wc.wr_id)
-          ready.push_back(Completion{q.userSignals.front().second, owner.first, ErrorCode::kOk});
-        q.userSignals.pop_front();
-      }
+      collectCompletions(p, owner.first, ready);
     }
     for (const Completion& c : ready) {
       if (n < out.size()) {
@@ -507,8 +546,22 @@ std::size_t VerbsTransport::poll(std::span<Completion> out) {
     }
     ready.clear();
   }
-  // Completions freed send-queue room and may have released deferred flags.
-  submit();
+  // Completions freed send-queue room and may have released deferred entries; those may complete at once.
+  for (NodeIndex i = 0; i < peers_.size(); ++i) {
+    if (i == config_.self) continue;
+    Peer& p = *peers_[i];
+    std::lock_guard lock(p.mutex);
+    postPending(p, i, ready);
+    collectCompletions(p, i, ready);
+  }
+  for (const Completion& c : ready) {
+    if (n < out.size()) {
+      out[n++] = c;
+    } else {
+      std::lock_guard lock(completionsMutex_);
+      extraCompletions_.push_back(c);
+    }
+  }
   return n;
 }
 

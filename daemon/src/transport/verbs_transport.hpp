@@ -15,7 +15,9 @@
 //   - with several QPs per peer, the flag is held back until every other QP has retired the WRs posted before
 //     it (a signalled zero-length marker WR is appended there), then posted on QP 0.
 // Selective signalling (verbs::SendQueueTracker): every `signalEvery`-th WR and every WR the caller asks to be
-// signalled; the send queue never holds more than `sendQueueDepth` unretired WRs.
+// signalled; the send queue never holds more than `sendQueueDepth` unretired WRs. A signalled op completes
+// when every QP of the peer has retired all WRs queued up to it (markers make that visible), so its
+// completion covers every earlier op to that peer, as on one RC QP.
 //
 // GPUDirect ordering: when data and its flag both land in GPU memory, the NIC's PCIe writes arrive in order as
 // long as the MR is registered without IBV_ACCESS_RELAXED_ORDERING (the default here), so a GPU that polls
@@ -137,23 +139,36 @@ class VerbsTransport final : public Transport {
     verbs::SendQueueTracker tracker;
     std::deque<verbs::WorkRequestPlan> pending;         // queued, not yet posted
     uint64_t enqueued = 0;                              // WRs ever queued (= seq of the next one)
-    std::deque<std::pair<uint64_t, uint64_t>> userSignals;  // (seq, cookie) of caller-signalled WRs in flight
   };
-  struct DeferredFlag {
-    verbs::WorkRequestPlan plan;
+  // Held back until every QP has retired what was queued before it: a flag (then posted on QP 0), or the
+  // completion bookkeeping of a signalled write issued while flags were held back.
+  struct Deferred {
+    bool isFlag = true;
+    verbs::WorkRequestPlan plan;     // the flag (isFlag)
+    std::vector<uint64_t> required;  // per QP: tracker.retired() must reach this (flags)
+    bool signal = false;
+    uint64_t cookie = 0;
+  };
+  struct PendingCompletion {
+    uint64_t cookie;
     std::vector<uint64_t> required;  // per QP: tracker.retired() must reach this
   };
   struct Peer {
     mutable std::mutex mutex;        // guards everything below
     std::vector<std::unique_ptr<Qp>> qps;
-    std::deque<DeferredFlag> deferred;
-      PeerStatus status;
+    std::deque<Deferred> deferred;
+    std::deque<PendingCompletion> completions;  // issue order
+    PeerStatus status;
   };
 
   Peer& peerRef(NodeIndex peer) const;
   void checkAlive(const Peer& p, NodeIndex peer) const;  // throws kPeerLost; p.mutex held
   void failPeerLocked(Peer& p, NodeIndex peer, std::string reason, std::vector<Completion>& failedOut);
   void postPending(Peer& p, NodeIndex peer, std::vector<Completion>& failedOut);  // p.mutex held
+  // Snapshot of every QP's queued WRs, appending a signalled marker where the last one would not complete
+  // visibly: the completion it builds covers everything queued to the peer so far. p.mutex held.
+  std::vector<uint64_t> coverAllLocked(Peer& p);
+  void collectCompletions(Peer& p, NodeIndex peer, std::vector<Completion>& out);  // p.mutex held
   verbs::IbvQp createQp(ibv_cq* cq, uint32_t sendDepth);
   verbs::QpInfo describeQp(const ibv_qp* qp) const;
 
