@@ -6,10 +6,16 @@
 
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "session.hpp"
+#ifdef TANDEM_HAVE_CUDA
+#include "cuda_client.hpp"
+namespace gpu = tandem::client::gpu;
+#endif
 #include "tandem/common/paths.hpp"
 #include "tandem/common/validate.hpp"
 #include "tandem/tandem.h"
@@ -18,8 +24,16 @@ using tandem::Error;
 using tandem::ErrorCode;
 using tandem::fail;
 
+struct tandem_buffer;
+
 struct tandem_session {
   std::unique_ptr<tandem::client::Session> impl;
+  bool cuda = false;  // the daemon runs the cuda backend: buffers are GPU memory, ops are stream-ordered
+#ifdef TANDEM_HAVE_CUDA
+  std::unique_ptr<gpu::SessionWatch> watch;  // aborts every stream's waits when tandemd dies
+#endif
+  std::mutex registrationMutex;
+  std::map<std::pair<uintptr_t, uint64_t>, tandem_buffer*> registrations;  // cuda: (ptr, bytes) -> buffer
 };
 
 struct tandem_buffer {
@@ -27,8 +41,12 @@ struct tandem_buffer {
   uint64_t id;
   uint64_t bytes;
   bool registered;
-  tandem::Mapping mapping;  // allocations: our mapping of the daemon's memfd
+  tandem::Mapping mapping;  // cpu allocations: our mapping of the daemon's memfd
   void* userPtr;            // registrations: the caller's memory
+#ifdef TANDEM_HAVE_CUDA
+  std::unique_ptr<gpu::DeviceMapping> device;  // cuda allocations: the daemon's cuMem memory, mapped here
+#endif
+  int refs = 1;  // cuda registrations of the same range share one buffer
 };
 
 struct tandem_comm {
@@ -36,6 +54,9 @@ struct tandem_comm {
   uint64_t handle;
   uint32_t rank;
   uint32_t nranks;
+#ifdef TANDEM_HAVE_CUDA
+  std::shared_ptr<gpu::CommGpu> gpu;  // cuda: control page, workspaces, epochs
+#endif
 };
 
 namespace {
@@ -65,6 +86,10 @@ tandem_status_t guarded(F&& body) {
 void require(bool ok, const char* what) {
   if (!ok) fail(ErrorCode::kInvalidArgument, "{}", what);
 }
+
+[[maybe_unused]] constexpr const char* kNoCuda =
+    "tandemd runs the cuda backend, but this libtandem was built without CUDA (nvcc was not found when it was "
+    "configured); rebuild libtandem with the CUDA toolkit";
 
 tandem::BufferRef ref(tandem_session_t session, const tandem_tensor_t& t, const tandem::SlotRule& rule) {
   if (t.buffer == nullptr) return {0, 0, rule.bytes};
@@ -96,6 +121,10 @@ tandem_status_t submitOp(tandem_comm_t comm, tandem::OpDescriptor desc, std::ini
       ++i;
     }
     tandem::validateDescriptor(desc);
+    if (comm->session->cuda && desc.kind != tandem::OpKind::kAllGather && desc.kind != tandem::OpKind::kNop) {
+      fail(ErrorCode::kUnsupported, "{}: the cuda backend runs allgather and barriers so far; run this op on a tandemd "
+           "with daemon.backend: cpu", tandem::opKindName(desc.kind));
+    }
     for (std::size_t s = 0; s < i; ++s) {
       const tandem_tensor_t& t = tensors.begin()[s];
       if (t.buffer != nullptr && (t.offset > t.buffer->bytes || desc.bufs[s].bytes > t.buffer->bytes - t.offset)) {
@@ -142,6 +171,10 @@ tandem_status_t tandem_connect(const char* socket_path, tandem_session_t* out) {
     const std::string path = socket_path != nullptr ? socket_path : tandem::defaultSocketPath(true);
     auto session = std::make_unique<tandem_session>();
     session->impl = tandem::client::Session::connect(path);
+    session->cuda = session->impl->backend() == "cuda";
+#ifdef TANDEM_HAVE_CUDA
+    if (session->cuda) session->watch = std::make_unique<gpu::SessionWatch>(session->impl->socketFd());
+#endif
     *out = session.release();
   });
 }
@@ -160,6 +193,15 @@ tandem_status_t tandem_alloc(tandem_session_t session, uint64_t bytes, tandem_bu
     require(session != nullptr && out != nullptr, "session and out must not be NULL");
     tandem::v1::Request request;
     request.mutable_allocate()->set_bytes(bytes);
+    [[maybe_unused]] int device = -1;
+    if (session->cuda) {
+#ifdef TANDEM_HAVE_CUDA
+      device = gpu::currentDevice();
+      request.mutable_allocate()->set_device_uuid(gpu::deviceUuid(device));
+#else
+      fail(ErrorCode::kUnsupported, "tandem_alloc: {}", kNoCuda);
+#endif
+    }
     std::vector<tandem::Fd> fds;
     const auto response = session->impl->call(request, {}, &fds, 1);
     auto buffer = std::make_unique<tandem_buffer>();
@@ -167,8 +209,25 @@ tandem_status_t tandem_alloc(tandem_session_t session, uint64_t bytes, tandem_bu
     buffer->id = response.allocate().buffer_id();
     buffer->bytes = response.allocate().bytes();
     buffer->registered = false;
-    buffer->mapping = tandem::Mapping::shared(fds[0].get(), buffer->bytes);
     buffer->userPtr = nullptr;
+    try {
+#ifdef TANDEM_HAVE_CUDA
+      if (session->cuda) {
+        buffer->device = gpu::DeviceMapping::import(fds[0], response.allocate().mapped_bytes(), device);
+      } else
+#endif
+      {
+        buffer->mapping = tandem::Mapping::shared(fds[0].get(), buffer->bytes);
+      }
+    } catch (...) {
+      tandem::v1::Request undo;
+      undo.mutable_free()->set_buffer_id(buffer->id);
+      try {
+        session->impl->call(undo);
+      } catch (...) {
+      }
+      throw;
+    }
     *out = buffer.release();
   });
 }
@@ -198,12 +257,21 @@ tandem_status_t tandem_deregister(tandem_buffer_t buffer) {
   if (buffer != nullptr && !buffer->registered) {
     return record(ErrorCode::kInvalidArgument, "this buffer was allocated; release it with tandem_free");
   }
+  if (buffer != nullptr && buffer->session->cuda) {
+    std::lock_guard lock(buffer->session->registrationMutex);
+    if (--buffer->refs > 0) return TANDEM_SUCCESS;  // another registration of the same range still holds it
+    std::erase_if(buffer->session->registrations, [&](const auto& kv) { return kv.second == buffer; });
+  }
   return releaseBuffer(buffer, true);
 }
 
 void* tandem_buffer_ptr(tandem_buffer_t buffer) {
   if (buffer == nullptr) return nullptr;
-  return buffer->registered ? buffer->userPtr : buffer->mapping.data();
+  if (buffer->registered) return buffer->userPtr;
+#ifdef TANDEM_HAVE_CUDA
+  if (buffer->device) return buffer->device->ptr();
+#endif
+  return buffer->mapping.data();
 }
 
 uint64_t tandem_buffer_size(tandem_buffer_t buffer) { return buffer != nullptr ? buffer->bytes : 0; }
@@ -212,6 +280,38 @@ tandem_status_t tandem_register(tandem_session_t session, void* ptr, uint64_t by
                                 tandem_buffer_t* out) {
   return guarded([&] {
     require(session != nullptr && out != nullptr && ptr != nullptr, "session, ptr and out must not be NULL");
+    if (session->cuda) {
+#ifdef TANDEM_HAVE_CUDA
+      std::lock_guard lock(session->registrationMutex);
+      const auto key = std::make_pair(reinterpret_cast<uintptr_t>(ptr), bytes);
+      if (auto it = session->registrations.find(key); it != session->registrations.end()) {
+        ++it->second->refs;  // the same range again: the same buffer (and id)
+        *out = it->second;
+        return;
+      }
+      const gpu::RegisterDescription d = gpu::describeForRegister(ptr, bytes, fd, fd_offset);
+      tandem::v1::Request request;
+      auto* reg = request.mutable_register_buffer();
+      reg->set_offset(d.offset);
+      reg->set_bytes(bytes);
+      reg->set_kind(static_cast<tandem::v1::RegisterKind>(d.kind));
+      reg->set_ipc_handle(d.ipcHandle);
+      reg->set_device_uuid(d.deviceUuid);
+      const int fds[] = {fd};
+      const auto response = session->impl->call(request, fd >= 0 ? std::span<const int>(fds) : std::span<const int>());
+      auto buffer = std::make_unique<tandem_buffer>();
+      buffer->session = session;
+      buffer->id = response.register_buffer().buffer_id();
+      buffer->bytes = bytes;
+      buffer->registered = true;
+      buffer->userPtr = ptr;
+      session->registrations[key] = buffer.get();
+      *out = buffer.release();
+      return;
+#else
+      fail(ErrorCode::kUnsupported, "tandem_register: {}", kNoCuda);
+#endif
+    }
     require(fd >= 0, "tandem_register needs the memfd that backs ptr (cpu backend); pass it as fd");
     tandem::v1::Request request;
     request.mutable_register_buffer()->set_offset(fd_offset);
@@ -251,14 +351,52 @@ tandem_status_t tandem_comm_init(tandem_session_t session, const tandem_unique_i
     join->set_nranks(nranks);
     join->set_rank(rank);
     join->set_timeout_ms(timeout_ms);
+    [[maybe_unused]] int device = -1;
+    if (session->cuda) {
+#ifdef TANDEM_HAVE_CUDA
+      device = gpu::currentDevice();
+      join->set_device_uuid(gpu::deviceUuid(device));
+#else
+      fail(ErrorCode::kUnsupported, "tandem_comm_init: {}", kNoCuda);
+#endif
+    }
     // The daemon enforces the rendezvous timeout; our own only guards against a daemon that stops answering.
     const int64_t waitMs = (timeout_ms == 0 ? 300000 : int64_t{timeout_ms}) + 5000;
-    const auto response = session->impl->call(request, {}, nullptr, 0, waitMs);
+    std::vector<tandem::Fd> fds;
+    const auto response = session->impl->call(request, {}, &fds, session->cuda ? 1 : 0, waitMs);
     auto comm = std::make_unique<tandem_comm>();
     comm->session = session;
     comm->handle = response.join_comm().comm_handle();
     comm->rank = rank;
     comm->nranks = nranks;
+#ifdef TANDEM_HAVE_CUDA
+    if (session->cuda) {
+      try {
+        // Map every rank's workspace (ours included) with access for our GPU.
+        std::vector<std::unique_ptr<gpu::DeviceMapping>> workspaces;
+        for (uint32_t r = 0; r < nranks; ++r) {
+          tandem::v1::Request m;
+          m.mutable_comm_mapping()->set_comm_handle(comm->handle);
+          m.mutable_comm_mapping()->set_rank(r);
+          std::vector<tandem::Fd> wsFd;
+          const auto reply = session->impl->call(m, {}, &wsFd, 1);
+          workspaces.push_back(gpu::DeviceMapping::import(wsFd[0], reply.comm_mapping().bytes(), device));
+        }
+        const auto& j = response.join_comm();
+        comm->gpu = std::make_shared<gpu::CommGpu>(device, j.executor() == "daemon", rank, nranks, j.comm_ctas(),
+                                                   std::move(fds[0]), j.control_bytes(), std::move(workspaces));
+        session->watch->add(comm->gpu);
+      } catch (...) {
+        tandem::v1::Request undo;
+        undo.mutable_destroy_comm()->set_comm_handle(comm->handle);
+        try {
+          session->impl->call(undo);
+        } catch (...) {
+        }
+        throw;
+      }
+    }
+#endif
     *out = comm.release();
   });
 }
@@ -363,14 +501,41 @@ tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_atte
 }
 
 tandem_status_t tandem_allgather(tandem_comm_t comm, tandem_tensor_t send, tandem_tensor_t recv, uint64_t bytes,
-                                 void* /*cuda_stream*/, tandem_op_t* op) {
+                                 [[maybe_unused]] void* cuda_stream, tandem_op_t* op) {
   auto desc = descriptor(tandem::OpKind::kAllGather, TANDEM_DTYPE_INVALID);
   desc.dims[0] = bytes;
+#ifdef TANDEM_HAVE_CUDA
+  if (comm != nullptr && comm->gpu) {
+    // Ring order = epoch order = stream order: one submitter at a time on this communicator.
+    std::lock_guard lock(comm->gpu->mutex);
+    const tandem_status_t s = submitOp(comm, desc, {send, recv}, op);
+    if (s != TANDEM_SUCCESS) return s;
+    const uint64_t epoch = ++comm->gpu->epoch;
+    return guarded([&] {
+      const char* sendPtr = static_cast<const char*>(tandem_buffer_ptr(send.buffer)) + send.offset;
+      char* recvPtr = static_cast<char*>(tandem_buffer_ptr(recv.buffer)) + recv.offset;
+      comm->gpu->enqueueAllGather(epoch, sendPtr, recvPtr, bytes, cuda_stream);
+    });
+  }
+#endif
   return submitOp(comm, desc, {send, recv}, op);
 }
 
-tandem_status_t tandem_barrier(tandem_comm_t comm, tandem_op_t* op) {
+tandem_status_t tandem_barrier_stream(tandem_comm_t comm, [[maybe_unused]] void* cuda_stream, tandem_op_t* op) {
+#ifdef TANDEM_HAVE_CUDA
+  if (comm != nullptr && comm->gpu) {
+    std::lock_guard lock(comm->gpu->mutex);
+    const tandem_status_t s = submitOp(comm, descriptor(tandem::OpKind::kNop, TANDEM_DTYPE_INVALID), {}, op);
+    if (s != TANDEM_SUCCESS) return s;
+    const uint64_t epoch = ++comm->gpu->epoch;
+    return guarded([&] { comm->gpu->enqueueBarrier(epoch, cuda_stream); });
+  }
+#endif
   return submitOp(comm, descriptor(tandem::OpKind::kNop, TANDEM_DTYPE_INVALID), {}, op);
+}
+
+tandem_status_t tandem_barrier(tandem_comm_t comm, tandem_op_t* op) {
+  return tandem_barrier_stream(comm, nullptr, op);  // cuda: the legacy default stream
 }
 
 }  // extern "C"

@@ -50,6 +50,7 @@ std::unique_ptr<Session> Session::connect(const std::string& socketPath, uint32_
   const auto& reply = response.hello();
   s->sessionId_ = reply.session_id();
   s->backend_ = reply.backend();
+  s->executor_ = reply.executor();
   s->ringMapping_ = Mapping::shared(fds[0].get(), reply.ring_bytes());
   s->rings_ = SessionRings::attach(s->ringMapping_.data(), s->ringMapping_.size());
   s->pumpEvent_ = std::move(fds[1]);

@@ -45,6 +45,8 @@ class Session {
   OpResult status(uint64_t seq);
 
   const std::string& backend() const { return backend_; }
+  const std::string& executor() const { return executor_; }  // "host", "client" or "daemon"
+  int socketFd() const { return socket_.get(); }
   uint64_t sessionId() const { return sessionId_; }
   bool lost() const { return lost_; }
   int64_t submitTimeoutMs = 10000;
@@ -68,6 +70,7 @@ class Session {
   std::map<uint64_t, OpResult> results_;  // completed ops not yet pruned
   uint64_t sessionId_ = 0;
   std::string backend_;
+  std::string executor_;
   bool lost_ = false;
 };
 

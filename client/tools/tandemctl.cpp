@@ -124,6 +124,11 @@ int runRank(const RunOptions& o, const std::string& socket) {
   try {
     tandem_session_t session;
     checkC(tandem_connect(socket.empty() ? nullptr : socket.c_str(), &session), "connect");
+    if (std::string(tandem_session_backend(session)) != "cpu") {
+      throw std::runtime_error(fmt::format("tandemctl run fills and checks host memory, so it drives the cpu backend; "
+                                           "this tandemd runs the {} backend (use tandem_gpu_tests or allgather_bench "
+                                           "there)", tandem_session_backend(session)));
+    }
     const tandem_unique_id_t id = fromHex(o.idHex);
     tandem_comm_t comm;
     checkC(tandem_comm_init(session, &id, o.ranks, rank, o.timeoutMs, &comm), "comm_init");
@@ -319,12 +324,29 @@ int status(const std::string& socket, bool asJson) {
       j["communicators"].push_back({{"handle", c.comm_handle()}, {"nranks", c.nranks()}, {"joined", c.joined()},
                                     {"state", c.state()}, {"ops_completed", c.ops_completed()}});
     }
+    j["gpus"] = json::array();
+    for (const auto& g : r.gpus()) {
+      json peers = json::array();
+      for (const auto& p : g.peers()) peers.push_back({{"uuid", p.uuid()}, {"nvlinks", p.nvlinks()}, {"p2p", p.p2p()}});
+      j["gpus"].push_back({{"uuid", g.uuid()}, {"name", g.name()}, {"sms", g.sms()}, {"memory_bytes", g.memory_bytes()},
+                           {"pci_bus_id", g.pci_bus_id()}, {"compute_capability", g.compute_capability()},
+                           {"mps", g.mps()}, {"peers", peers}});
+    }
     std::cout << j.dump(2) << std::endl;
     return 0;
   }
   std::printf("tandemd %s  backend %s  executor %s  up %.1f s  socket %s\n", r.daemon_version().c_str(),
               r.backend().c_str(), r.executor().c_str(), static_cast<double>(r.uptime_ms()) / 1000.0,
               r.socket_path().c_str());
+  if (r.gpus_size() > 0) std::printf("gpus: %d\n", r.gpus_size());
+  for (const auto& g : r.gpus()) {
+    std::printf("  %s  %s  %u SMs  %.1f GiB  cc %s  pci %s  MPS %s\n", g.uuid().c_str(), g.name().c_str(), g.sms(),
+                static_cast<double>(g.memory_bytes()) / (1u << 30), g.compute_capability().c_str(),
+                g.pci_bus_id().c_str(), g.mps() ? "yes" : "no");
+    for (const auto& p : g.peers()) {
+      std::printf("    peer %s  NVLink x%u  p2p %s\n", p.uuid().c_str(), p.nvlinks(), p.p2p() ? "on" : "off");
+    }
+  }
   std::printf("sessions: %d (this one included)  buffers: %u  bytes: %lu\n", r.sessions_size(), r.total_buffers(),
               static_cast<unsigned long>(r.total_bytes()));
   for (const auto& s : r.sessions()) {

@@ -24,25 +24,165 @@ int32_t statusOf(ErrorCode code) { return static_cast<int32_t>(wireCode(code)); 
 
 }  // namespace
 
-Engine::Engine(const DaemonConfig& config) : config_(config), pumpEvent_(Fd::eventfd()) {}
+// ---- the cpu backend: host shared memory, ops on worker threads -----------------------------------------
+
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const DaemonConfig& config) : config_(config) {}
+  ~CpuBackend() override { stop(); }
+  const char* name() const override { return "cpu"; }
+  const char* executor() const override { return "host"; }
+
+  void start() override {
+    running_ = true;
+    unsigned threads = config_.daemon.workerThreads;
+    if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { workerLoop(); });
+  }
+  void stop() override {
+    {
+      std::lock_guard lock(workMutex_);
+      running_ = false;
+    }
+    workCv_.notify_all();
+    for (auto& w : workers_) w.join();
+    workers_.clear();
+  }
+
+  std::shared_ptr<Buffer> allocate(uint64_t bytes, const std::string& /*deviceUuid*/) override {
+    auto buffer = std::make_shared<Buffer>();
+    buffer->bytes = bytes;
+    buffer->accountedBytes = bytes;
+    buffer->fd = Fd::memfd("tandem-buf", bytes);
+    buffer->mapping = Mapping::shared(buffer->fd.get(), bytes);
+    return buffer;
+  }
+
+  std::shared_ptr<Buffer> registerMemory(RegisterRequest& request) override {
+    if (request.kind != RegisterRequest::Kind::kMemfd) {
+      fail(ErrorCode::kUnsupported, "register: this tandemd runs the cpu backend, which registers host memory (a "
+           "memfd) only; GPU memory needs daemon.backend: cuda");
+    }
+    if (!request.fd) fail(ErrorCode::kProtocol, "register: the memfd did not arrive with the request");
+    const uint64_t fileBytes = fileSize(request.fd.get());
+    if (request.offset > fileBytes || request.bytes > fileBytes - request.offset) {
+      fail(ErrorCode::kInvalidArgument, "register: range [{}, {}) lies outside the {}-byte file passed with it; pass "
+           "the memfd that backs the memory and the offset of the memory in it", request.offset,
+           request.offset + request.bytes, fileBytes);
+    }
+    if (request.offset % 4096 != 0) {
+      fail(ErrorCode::kInvalidArgument, "register: fd offset {} is not a multiple of the 4096-byte page size",
+           request.offset);
+    }
+    auto buffer = std::make_shared<Buffer>();
+    buffer->bytes = request.bytes;
+    buffer->accountedBytes = request.bytes;
+    buffer->registered = true;
+    buffer->mapping = Mapping::shared(request.fd.get(), request.bytes, request.offset);
+    buffer->fd = std::move(request.fd);
+    return buffer;
+  }
+
+  std::byte* resolve(const Buffer& buffer, uint64_t offset) const override { return buffer.mapping.data() + offset; }
+
+  bool execute(Collective c, std::function<void()> finished) override {
+    if (c.errorCode != 0) {
+      for (auto& op : c.ops) {
+        op.channel->complete(op.desc.seq, c.errorCode,
+                             op.error.empty() ? fmt::format("another rank's descriptor was rejected: {}", c.error)
+                                              : op.error);
+      }
+      return true;
+    }
+    if (c.ops[0].desc.kind == OpKind::kNop) {
+      // Nothing to execute: complete on the pump thread instead of paying a worker hand-off.
+      for (auto& op : c.ops) op.channel->complete(op.desc.seq, 0, "");
+      ++*c.opsCompleted;
+      return true;
+    }
+    enqueueWork([this, c = std::move(c), finished = std::move(finished)]() mutable {
+      run(c);
+      finished();
+    });
+    return false;
+  }
+
+ private:
+  void run(Collective& c) {
+    int32_t code = 0;
+    std::string message;
+    try {
+      std::vector<RankOp> ranks(c.ops.size());
+      for (std::size_t r = 0; r < c.ops.size(); ++r) {
+        ranks[r].desc = c.ops[r].desc;
+        for (std::size_t i = 0; i < kMaxOpBuffers; ++i) {
+          if (c.ops[r].buffers[i]) ranks[r].data[i] = resolve(*c.ops[r].buffers[i], c.ops[r].desc.bufs[i].offset);
+        }
+      }
+      runCpuOp(ranks);
+    } catch (const Error& e) {
+      code = statusOf(e.code());
+      message = e.what();
+    } catch (const std::exception& e) {
+      code = statusOf(ErrorCode::kInternal);
+      message = fmt::format("{} failed inside tandemd: {}", opKindName(c.ops[0].desc.kind), e.what());
+    }
+    for (auto& op : c.ops) op.channel->complete(op.desc.seq, code, message);
+    ++*c.opsCompleted;
+  }
+
+  void enqueueWork(std::function<void()> work) {
+    {
+      std::lock_guard lock(workMutex_);
+      work_.push_back(std::move(work));
+    }
+    workCv_.notify_one();
+  }
+
+  void workerLoop() {
+    for (;;) {
+      std::function<void()> work;
+      {
+        std::unique_lock lock(workMutex_);
+        workCv_.wait(lock, [this] { return !work_.empty() || !running_; });
+        if (work_.empty()) return;
+        work = std::move(work_.front());
+        work_.pop_front();
+      }
+      work();
+    }
+  }
+
+  const DaemonConfig& config_;
+  bool running_ = false;
+  std::vector<std::thread> workers_;
+  std::mutex workMutex_;
+  std::condition_variable workCv_;
+  std::deque<std::function<void()>> work_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> makeCpuBackend(const DaemonConfig& config) { return std::make_unique<CpuBackend>(config); }
+
+Engine::Engine(const DaemonConfig& config, std::unique_ptr<Backend> backend)
+    : config_(config), backend_(backend ? std::move(backend) : makeCpuBackend(config)), pumpEvent_(Fd::eventfd()) {}
 
 Engine::~Engine() { stop(); }
 
 void Engine::start() {
   running_ = true;
-  unsigned threads = config_.daemon.workerThreads;
-  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
-  for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { workerLoop(); });
+  backend_->start();
   pump_ = std::thread([this] { pumpLoop(); });
 }
 
 void Engine::stop() {
   if (!running_.exchange(false)) return;
   signalEventfd(pumpEvent_.get());
-  workCv_.notify_all();
   if (pump_.joinable()) pump_.join();
-  for (auto& w : workers_) w.join();
-  workers_.clear();
+  backend_->stop();  // cpu: running ops finish first
   std::lock_guard lock(mutex_);
   for (auto& [handle, entry] : comms_) {
     failCommLocked(*entry, Communicator::State::kAborted, ErrorCode::kAborted, "tandemd is shutting down");
@@ -91,6 +231,7 @@ void Engine::closeSession(uint64_t sessionId, const std::string& why) {
       }
     }
   }
+  backend_->sessionClosed(sessionId);
   spdlog::info("session {} closed ({}); reclaimed {} buffers, {} bytes", sessionId, why, s.buffers.size(), s.bytes);
   sessions_.erase(it);
   ++sessionsGeneration_;
@@ -103,7 +244,7 @@ size_t Engine::sessionCount() const {
 
 // ---- memory ------------------------------------------------------------------------------------------
 
-std::shared_ptr<Buffer> Engine::allocate(uint64_t sessionId, uint64_t bytes) {
+std::shared_ptr<Buffer> Engine::allocate(uint64_t sessionId, uint64_t bytes, const std::string& deviceUuid) {
   if (bytes == 0) fail(ErrorCode::kInvalidArgument, "allocate: size is 0 bytes; pass at least 1 byte");
   if (bytes > config_.limits.maxBufferBytes) {
     fail(ErrorCode::kOutOfMemory, "allocate {} bytes: over the per-buffer limit of {} bytes (limits.max_buffer_bytes)",
@@ -118,44 +259,39 @@ std::shared_ptr<Buffer> Engine::allocate(uint64_t sessionId, uint64_t bytes) {
            "or raise the limit", bytes, s.bytes, config_.limits.maxSessionBytes);
     }
   }
-  auto buffer = std::make_shared<Buffer>();
-  buffer->bytes = bytes;
-  buffer->sessionId = sessionId;
-  buffer->fd = Fd::memfd(fmt::format("tandem-buf-s{}", sessionId), bytes);
-  buffer->mapping = Mapping::shared(buffer->fd.get(), bytes);
-  std::lock_guard lock(mutex_);
-  SessionState& s = sessionLocked(sessionId);
-  buffer->id = nextBufferId_++;
-  s.buffers[buffer->id] = buffer;
-  s.bytes += bytes;
-  return buffer;
+  return addBuffer(sessionId, backend_->allocate(bytes, deviceUuid));
 }
 
 std::shared_ptr<Buffer> Engine::registerMemory(uint64_t sessionId, Fd fd, uint64_t offset, uint64_t bytes) {
-  if (bytes == 0) fail(ErrorCode::kInvalidArgument, "register: size is 0 bytes; register at least 1 byte");
-  if (bytes > config_.limits.maxBufferBytes) {
+  RegisterRequest request;
+  request.fd = std::move(fd);
+  request.offset = offset;
+  request.bytes = bytes;
+  return registerMemory(sessionId, std::move(request));
+}
+
+std::shared_ptr<Buffer> Engine::registerMemory(uint64_t sessionId, RegisterRequest request) {
+  if (request.bytes == 0) fail(ErrorCode::kInvalidArgument, "register: size is 0 bytes; register at least 1 byte");
+  if (request.bytes > config_.limits.maxBufferBytes) {
     fail(ErrorCode::kOutOfMemory, "register {} bytes: over the per-buffer limit of {} bytes (limits.max_buffer_bytes)",
-         bytes, config_.limits.maxBufferBytes);
+         request.bytes, config_.limits.maxBufferBytes);
   }
-  const uint64_t fileBytes = fileSize(fd.get());
-  if (offset > fileBytes || bytes > fileBytes - offset) {
-    fail(ErrorCode::kInvalidArgument, "register: range [{}, {}) lies outside the {}-byte file passed with it; pass the "
-         "memfd that backs the memory and the offset of the memory in it", offset, offset + bytes, fileBytes);
+  {
+    std::lock_guard lock(mutex_);
+    sessionLocked(sessionId);
   }
-  if (offset % 4096 != 0) {
-    fail(ErrorCode::kInvalidArgument, "register: fd offset {} is not a multiple of the 4096-byte page size", offset);
-  }
-  auto buffer = std::make_shared<Buffer>();
-  buffer->bytes = bytes;
-  buffer->sessionId = sessionId;
+  auto buffer = backend_->registerMemory(request);
   buffer->registered = true;
-  buffer->mapping = Mapping::shared(fd.get(), bytes, offset);
-  buffer->fd = std::move(fd);
+  return addBuffer(sessionId, std::move(buffer));
+}
+
+std::shared_ptr<Buffer> Engine::addBuffer(uint64_t sessionId, std::shared_ptr<Buffer> buffer) {
   std::lock_guard lock(mutex_);
-  SessionState& s = sessionLocked(sessionId);
+  SessionState& s = sessionLocked(sessionId);  // the session may have closed meanwhile: the buffer is dropped
+  buffer->sessionId = sessionId;
   buffer->id = nextBufferId_++;
   s.buffers[buffer->id] = buffer;
-  s.bytes += bytes;
+  s.bytes += buffer->accountedBytes;
   return buffer;
 }
 
@@ -172,20 +308,27 @@ void Engine::release(uint64_t sessionId, uint64_t bufferId, bool registered) {
          it->second->registered ? "registered" : "allocated",
          it->second->registered ? "tandem_deregister" : "tandem_free");
   }
-  s.bytes -= it->second->bytes;
+  s.bytes -= it->second->accountedBytes;
   s.buffers.erase(it);  // an op in flight still holds the mapping through its shared_ptr
 }
 
 // ---- communicators -----------------------------------------------------------------------------------
 
 void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, uint32_t nranks, uint32_t rank,
-                  JoinDone done) {
+                  const std::string& deviceUuid, JoinDone done) {
+  const JoinInfo none;
   if (nranks == 0 || nranks > kMaxRanks) {
-    return done(ErrorCode::kInvalidArgument, fmt::format("nranks {} is out of range; pass 1..{}", nranks, kMaxRanks), 0);
+    return done(ErrorCode::kInvalidArgument, fmt::format("nranks {} is out of range; pass 1..{}", nranks, kMaxRanks), 0,
+                none);
   }
   if (rank >= nranks) {
     return done(ErrorCode::kInvalidArgument, fmt::format("rank {} is out of range for nranks {}; pass 0..{}", rank,
-                                                         nranks, nranks - 1), 0);
+                                                         nranks, nranks - 1), 0, none);
+  }
+  try {
+    backend_->checkJoin(deviceUuid);
+  } catch (const Error& e) {
+    return done(e.code(), e.what(), 0, none);
   }
   std::unique_lock lock(mutex_);
   std::shared_ptr<CommEntry> entry;
@@ -198,6 +341,8 @@ void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, u
     entry->comm.nranks = nranks;
     entry->comm.members.resize(nranks);
     entry->comm.queues.resize(nranks);
+    entry->comm.submitted.resize(nranks, 0);
+    entry->comm.devices.resize(nranks);
     comms_[entry->comm.handle] = entry;
     commByUniqueId_[uniqueId] = entry->comm.handle;
   }
@@ -205,30 +350,74 @@ void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, u
   if (comm.state != Communicator::State::kJoining) {
     return done(ErrorCode::kInvalidArgument,
                 fmt::format("communicator {} is no longer joinable (state {}: {}); create a new id with "
-                            "tandem_get_unique_id", hexId(uniqueId), commStateName(comm.state), comm.reason), 0);
+                            "tandem_get_unique_id", hexId(uniqueId), commStateName(comm.state), comm.reason), 0, none);
   }
   if (comm.nranks != nranks) {
     return done(ErrorCode::kInvalidArgument,
                 fmt::format("communicator {} was created with nranks {}, but this rank passed nranks {}; every rank "
-                            "must pass the same nranks", hexId(uniqueId), comm.nranks, nranks), 0);
+                            "must pass the same nranks", hexId(uniqueId), comm.nranks, nranks), 0, none);
   }
   if (comm.members[rank]) {
     return done(ErrorCode::kInvalidArgument,
                 fmt::format("rank {} of communicator {} is already taken by another session; give each process a "
-                            "distinct rank", rank, hexId(uniqueId)), 0);
+                            "distinct rank", rank, hexId(uniqueId)), 0, none);
   }
   comm.members[rank] = sessionId;
+  comm.devices[rank] = deviceUuid;
   entry->joins[rank] = PendingJoin{sessionId, std::move(done)};
   if (comm.joined() < comm.nranks) return;
 
-  comm.state = Communicator::State::kReady;
   auto joins = std::move(entry->joins);
   entry->joins.clear();
-  for (auto& [r, j] : joins) sessionLocked(j.sessionId).comms.push_back(comm.handle);
+  try {
+    comm.resources = backend_->setupComm(comm);
+  } catch (const Error& e) {
+    // Every joiner gets the error; the id is spent.
+    comm.state = Communicator::State::kAborted;
+    comm.reason = e.what();
+    for (auto& m : comm.members) m.reset();
+    commByUniqueId_.erase(comm.uniqueId);
+    comms_.erase(comm.handle);
+    lock.unlock();
+    spdlog::warn("communicator {}: setup failed: {}", hexId(uniqueId), e.what());
+    for (auto& [r, j] : joins) j.done(e.code(), e.what(), 0, none);
+    return;
+  }
+  comm.state = Communicator::State::kReady;
+  const uint64_t perRank = comm.resources ? backend_->commBytesPerRank(*comm.resources) : 0;
+  for (auto& [r, j] : joins) {
+    SessionState& s = sessionLocked(j.sessionId);
+    s.comms.push_back(comm.handle);
+    if (perRank != 0) {
+      s.commBytes[comm.handle] = perRank;
+      s.bytes += perRank;
+    }
+  }
   const uint64_t handle = comm.handle;
   spdlog::info("communicator {} ready: {} ranks (handle {})", hexId(uniqueId), nranks, handle);
+  std::vector<JoinInfo> infos(nranks);
+  if (comm.resources) {
+    for (uint32_t r = 0; r < nranks; ++r) infos[r] = backend_->joinInfo(*comm.resources, r);
+  }
+  auto keepAlive = comm.resources;  // the control fds in `infos` stay open while the replies go out
   lock.unlock();
-  for (auto& [r, j] : joins) j.done(ErrorCode::kOk, "", handle);
+  for (auto& [r, j] : joins) j.done(ErrorCode::kOk, "", handle, infos[r]);
+}
+
+CommMapping Engine::commMapping(uint64_t sessionId, uint64_t commHandle, uint32_t rank) {
+  std::lock_guard lock(mutex_);
+  SessionState& s = sessionLocked(sessionId);
+  auto c = comms_.find(commHandle);
+  if (c == comms_.end() || std::find(s.comms.begin(), s.comms.end(), commHandle) == s.comms.end()) {
+    fail(ErrorCode::kNotFound, "communicator handle {} is not one this session joined (or it was destroyed)",
+         commHandle);
+  }
+  const Communicator& comm = c->second->comm;
+  if (rank >= comm.nranks) fail(ErrorCode::kInvalidArgument, "rank {} is out of range for nranks {}", rank, comm.nranks);
+  if (!comm.resources) {
+    fail(ErrorCode::kUnsupported, "communicator {} has no GPU workspaces (backend {})", commHandle, backend_->name());
+  }
+  return backend_->mapping(comm.resources, rank);
 }
 
 void Engine::cancelJoin(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, uint32_t rank, uint32_t timeoutMs) {
@@ -250,7 +439,7 @@ void Engine::cancelJoin(uint64_t sessionId, const std::array<uint8_t, 16>& uniqu
   lock.unlock();
   done(ErrorCode::kTimeout,
        fmt::format("communicator rendezvous timed out after {} ms: {} of {} ranks had joined; start every rank with "
-                   "the same id and nranks, or pass a longer timeout", timeoutMs, joined + 1, nranks), 0);
+                   "the same id and nranks, or pass a longer timeout", timeoutMs, joined + 1, nranks), 0, JoinInfo{});
 }
 
 void Engine::destroyComm(uint64_t sessionId, uint64_t commHandle, bool abort) {
@@ -274,6 +463,7 @@ void Engine::failCommLocked(CommEntry& entry, Communicator::State state, ErrorCo
   if (comm.state == Communicator::State::kReady || comm.state == Communicator::State::kJoining) {
     comm.state = state;
     comm.reason = reason;
+    if (comm.resources) backend_->abortComm(*comm.resources, code, reason);
   }
   for (auto& queue : comm.queues) {
     for (PendingOp& op : queue) {
@@ -293,7 +483,13 @@ void Engine::leaveCommLocked(uint64_t sessionId, uint64_t handle, Communicator::
   for (auto& m : comm.members) {
     if (m == sessionId) m.reset();
   }
-  if (auto s = sessions_.find(sessionId); s != sessions_.end()) std::erase(s->second.comms, handle);
+  if (auto s = sessions_.find(sessionId); s != sessions_.end()) {
+    std::erase(s->second.comms, handle);
+    if (auto b = s->second.commBytes.find(handle); b != s->second.commBytes.end()) {
+      s->second.bytes -= b->second;
+      s->second.commBytes.erase(b);
+    }
+  }
   failCommLocked(*entry, state, code, reason);
   if (comm.joined() == 0) {
     commByUniqueId_.erase(comm.uniqueId);
@@ -315,11 +511,27 @@ void Engine::pumpLoop() {
       channels.clear();
       for (auto& [id, s] : sessions_) channels.push_back(s.channel);
     }
-    if (pollSessions(channels)) {
+    bool worked = pollSessions(channels);
+    std::vector<std::pair<uint64_t, std::string>> failed;
+    worked = backend_->poll(failed) || worked;
+    if (!failed.empty()) {
+      std::lock_guard lock(mutex_);
+      for (auto& [handle, reason] : failed) {
+        if (auto c = comms_.find(handle); c != comms_.end()) {
+          failCommLocked(*c->second, Communicator::State::kAborted, ErrorCode::kAborted, reason);
+        }
+      }
+    }
+    if (worked) {
       lastWork = Clock::now();
       continue;
     }
     if (Clock::now() - lastWork < pollWindow) continue;
+    if (backend_->busy()) {
+      // GPU work in flight: its progress shows only in counters, so keep polling, politely.
+      std::this_thread::yield();
+      continue;
+    }
     // Sleep: announce it on every ring, re-check, then block on the pump eventfd. Clients ring it only when
     // they see the flag, so the busy path costs no system call. The timeout bounds the damage a client
     // could do by clearing its own flag: only its own ops would wait, at most this long.
@@ -339,10 +551,10 @@ bool Engine::pollSessions(const std::vector<std::shared_ptr<SessionChannel>>& ch
   bool any = false;
   for (const auto& ch : channels) {
     ch->flushPending();
-    if (ch->queued.load(std::memory_order_relaxed) >= ch->capacity()) continue;
     OpDescriptor desc;
-    // Bounded per pass so one busy session cannot starve the others.
-    for (int i = 0; i < 64; ++i) {
+    // Bounded per pass so one busy session cannot starve the others, and never past the session's
+    // queued-op limit (back-pressure stays in the client's ring).
+    for (int i = 0; i < 64 && ch->queued.load(std::memory_order_relaxed) < ch->capacity(); ++i) {
       const auto r = ch->submissions().tryPop(desc);
       if (r == SpscRing<OpDescriptor>::Pop::kEmpty) break;
       if (r == SpscRing<OpDescriptor>::Pop::kCorrupt) {
@@ -386,6 +598,9 @@ void Engine::handleDescriptor(const OpDescriptor& desc, const std::shared_ptr<Se
   PendingOp op;
   op.desc = desc;
   op.channel = channel;
+  // Every descriptor that reaches the queue takes the rank's next epoch, rejected or not: libtandem counts
+  // the same way, and the epoch names the op in the stream counters and the kernel's flags.
+  op.epoch = ++comm.submitted[desc.rank];
   try {
     if (desc.nranks != comm.nranks) {
       fail(ErrorCode::kInvalidArgument, "{}: nranks {} does not match the communicator's {}", kind, desc.nranks,
@@ -421,99 +636,52 @@ void Engine::handleDescriptor(const OpDescriptor& desc, const std::shared_ptr<Se
 
 void Engine::tryDispatchLocked(const std::shared_ptr<CommEntry>& entry) {
   Communicator& comm = entry->comm;
-  if (entry->busy || comm.state != Communicator::State::kReady) return;
-  for (auto& q : comm.queues) {
-    if (q.empty()) return;
-  }
-  std::vector<PendingOp> ops;
-  for (auto& q : comm.queues) {
-    ops.push_back(std::move(q.front()));
-    q.pop_front();
-    --ops.back().channel->queued;
-  }
-  // Gang checks: one bad rank fails the collective everywhere, and nothing is written.
-  std::string error;
-  int32_t code = 0;
-  for (uint32_t r = 0; r < ops.size() && error.empty(); ++r) {
-    if (!ops[r].error.empty()) {
-      error = ops[r].error;
-      code = ops[r].errorCode;
+  for (;;) {
+    if (entry->busy || comm.state != Communicator::State::kReady) return;
+    for (auto& q : comm.queues) {
+      if (q.empty()) return;
     }
-  }
-  if (error.empty()) {
-    std::vector<OpDescriptor> descs;
-    for (auto& op : ops) descs.push_back(op.desc);
-    try {
-      validateCollective(descs);
-    } catch (const Error& e) {
-      error = e.what();
-      code = statusOf(e.code());
+    Collective c;
+    for (auto& q : comm.queues) {
+      c.ops.push_back(std::move(q.front()));
+      q.pop_front();
+      --c.ops.back().channel->queued;
     }
-  }
-  if (!error.empty()) {
-    for (uint32_t r = 0; r < ops.size(); ++r) {
-      ops[r].channel->complete(ops[r].desc.seq, code,
-                               ops[r].error.empty() ? fmt::format("another rank's descriptor was rejected: {}", error)
-                                                    : ops[r].error);
-    }
-    return tryDispatchLocked(entry);
-  }
-  if (ops[0].desc.kind == OpKind::kNop) {
-    // Nothing to execute: complete on the pump thread instead of paying a worker hand-off.
-    for (auto& op : ops) op.channel->complete(op.desc.seq, 0, "");
-    ++comm.opsCompleted;
-    return tryDispatchLocked(entry);
-  }
-  entry->busy = true;
-  enqueueWork([this, entry, ops = std::move(ops)]() mutable { runCollective(entry, std::move(ops)); });
-}
-
-void Engine::runCollective(const std::shared_ptr<CommEntry>& entry, std::vector<PendingOp> ops) {
-  int32_t code = 0;
-  std::string message;
-  try {
-    std::vector<RankOp> ranks(ops.size());
-    for (std::size_t r = 0; r < ops.size(); ++r) {
-      ranks[r].desc = ops[r].desc;
-      for (std::size_t i = 0; i < kMaxOpBuffers; ++i) {
-        if (ops[r].buffers[i]) ranks[r].data[i] = ops[r].buffers[i]->mapping.data() + ops[r].desc.bufs[i].offset;
+    c.commHandle = comm.handle;
+    c.resources = comm.resources;
+    c.owner = entry;
+    c.opsCompleted = &comm.opsCompleted;
+    // Gang checks: one bad rank fails the collective everywhere, and nothing is written.
+    for (uint32_t r = 0; r < c.ops.size() && c.errorCode == 0; ++r) {
+      if (!c.ops[r].error.empty()) {
+        c.error = c.ops[r].error;
+        c.errorCode = c.ops[r].errorCode;
       }
     }
-    runCpuOp(ranks);
-  } catch (const Error& e) {
-    code = statusOf(e.code());
-    message = e.what();
-  } catch (const std::exception& e) {
-    code = statusOf(ErrorCode::kInternal);
-    message = fmt::format("{} failed inside tandemd: {}", opKindName(ops[0].desc.kind), e.what());
+    if (c.errorCode == 0) {
+      std::vector<OpDescriptor> descs;
+      for (auto& op : c.ops) descs.push_back(op.desc);
+      try {
+        validateCollective(descs);
+      } catch (const Error& e) {
+        c.error = e.what();
+        c.errorCode = statusOf(e.code());
+      }
+    }
+    entry->busy = true;
+    std::weak_ptr<CommEntry> weak = entry;
+    const bool free = backend_->execute(std::move(c), [this, weak] {
+      if (auto e = weak.lock()) collectiveFinished(e);
+    });
+    if (!free) return;
+    entry->busy = false;
   }
-  for (auto& op : ops) op.channel->complete(op.desc.seq, code, message);
+}
+
+void Engine::collectiveFinished(const std::shared_ptr<CommEntry>& entry) {
   std::lock_guard lock(mutex_);
   entry->busy = false;
-  ++entry->comm.opsCompleted;
   tryDispatchLocked(entry);
-}
-
-void Engine::enqueueWork(std::function<void()> work) {
-  {
-    std::lock_guard lock(workMutex_);
-    work_.push_back(std::move(work));
-  }
-  workCv_.notify_one();
-}
-
-void Engine::workerLoop() {
-  for (;;) {
-    std::function<void()> work;
-    {
-      std::unique_lock lock(workMutex_);
-      workCv_.wait(lock, [this] { return !work_.empty() || !running_; });
-      if (work_.empty()) return;
-      work = std::move(work_.front());
-      work_.pop_front();
-    }
-    work();
-  }
 }
 
 EngineStatus Engine::status() const {
@@ -528,6 +696,7 @@ EngineStatus Engine::status() const {
   for (auto& [handle, e] : comms_) {
     st.comms.push_back({handle, e->comm.nranks, e->comm.joined(), commStateName(e->comm.state), e->comm.opsCompleted});
   }
+  st.gpus = backend_->gpus();
   return st;
 }
 

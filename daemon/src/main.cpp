@@ -14,6 +14,9 @@
 
 #include "config.hpp"
 #include "engine.hpp"
+#ifdef TANDEM_HAVE_CUDA
+#include "cuda/cuda_backend.hpp"
+#endif
 #include "lifecycle.hpp"
 #include "server.hpp"
 #include "tandem/common/error.hpp"
@@ -34,14 +37,32 @@ struct Options {
   bool version = false;
 };
 
-td::BackendKind resolveBackend(td::BackendKind requested) {
-  // The CUDA backend arrives with the GPU runtime (issue 4); until then only the CPU backend exists.
-  if (requested == td::BackendKind::kCuda) {
-    throw tandem::Error(tandem::ErrorCode::kUnavailable,
-                        "daemon.backend is cuda, but this tandemd has no CUDA backend yet; set daemon.backend to cpu "
-                        "or auto");
+// Builds the backend the config asks for. Runs after daemonizing: CUDA must not be initialised before a fork.
+// Throws Error(kUnavailable) (exit 69) when the hardware the config demands is missing.
+std::unique_ptr<td::Backend> makeBackend(const td::DaemonConfig& config) {
+#ifdef TANDEM_HAVE_CUDA
+  if (config.daemon.backend != td::BackendKind::kCpu) td::cuda::prepareEnvironment(config);
+#endif
+  switch (config.daemon.backend) {
+    case td::BackendKind::kCpu: return td::makeCpuBackend(config);
+    case td::BackendKind::kCuda:
+#ifdef TANDEM_HAVE_CUDA
+      return td::cuda::makeCudaBackend(config);
+#else
+      throw tandem::Error(tandem::ErrorCode::kUnavailable,
+                          "daemon.backend is cuda, but this tandemd was built without CUDA (nvcc was not found when it "
+                          "was configured); rebuild with the CUDA toolkit, or set daemon.backend to cpu or auto");
+#endif
+    case td::BackendKind::kAuto: {
+#ifdef TANDEM_HAVE_CUDA
+      std::string why;
+      if (td::cuda::visibleDeviceCount(&why) > 0) return td::cuda::makeCudaBackend(config);
+      spdlog::info("daemon.backend is auto and no GPU is usable ({}): using the cpu backend", why);
+#endif
+      return td::makeCpuBackend(config);
+    }
   }
-  return td::BackendKind::kCpu;
+  return td::makeCpuBackend(config);
 }
 
 // Forks into the background; the parent returns only when the child reports that it serves (or failed).
@@ -81,14 +102,14 @@ int run(const Options& options) {
   td::validateConfig(config);
   spdlog::set_level(spdlog::level::from_str(config.daemon.logLevel));
 
-  const td::BackendKind backend = resolveBackend(config.daemon.backend);
   const int readyFd = (options.foreground || options.systemd) ? -1 : daemonize();
 
-  td::Engine engine(config);
+  td::Engine engine(config, makeBackend(config));
   engine.start();
-  td::Server server(config, engine, td::backendName(backend));
-  spdlog::info("tandemd {} serving {} (backend {}, pid {})", TANDEM_VERSION_STRING, server.socketPath(),
-               td::backendName(backend), ::getpid());
+  const std::string backendName = engine.backend().name();
+  td::Server server(config, engine, backendName);
+  spdlog::info("tandemd {} serving {} (backend {}, executor {}, pid {})", TANDEM_VERSION_STRING, server.socketPath(),
+               backendName, engine.backend().executor(), ::getpid());
   if (readyFd >= 0) {
     std::printf("tandemd %s started (pid %d), socket %s\n", TANDEM_VERSION_STRING, ::getpid(), server.socketPath().c_str());
     std::fflush(stdout);

@@ -185,20 +185,37 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
         r->set_ring_capacity(server_.config_.rings.capacity);
         r->set_ring_bytes(channel_->ringBytes());
         r->set_descriptor_version(kDescriptorVersion);
+        r->set_executor(engine.backend().executor());
         const int fds[] = {channel_->ringFd(), engine.pumpEventFd(), channel_->completionEventFd()};
         return reply(rid, response, fds);
       }
       case pb::Request::kAllocate: {
-        auto buffer = engine.allocate(id_, request.allocate().bytes());
-        response.mutable_allocate()->set_buffer_id(buffer->id);
-        response.mutable_allocate()->set_bytes(buffer->bytes);
+        auto buffer = engine.allocate(id_, request.allocate().bytes(), request.allocate().device_uuid());
+        auto* r = response.mutable_allocate();
+        r->set_buffer_id(buffer->id);
+        r->set_bytes(buffer->bytes);
+        r->set_mapped_bytes(buffer->mappedBytes);
+        r->set_device_uuid(buffer->deviceUuid);
         const int fds[] = {buffer->fd.get()};
         return reply(rid, response, fds);
       }
       case pb::Request::kRegisterBuffer: {
-        Fd fd = decoder_.takeFd();
-        auto buffer = engine.registerMemory(id_, std::move(fd), request.register_buffer().offset(),
-                                            request.register_buffer().bytes());
+        const auto& reg = request.register_buffer();
+        RegisterRequest r;
+        switch (reg.kind()) {
+          case pb::REGISTER_KIND_MEMFD: r.kind = RegisterRequest::Kind::kMemfd; break;
+          case pb::REGISTER_KIND_CUDA_IPC: r.kind = RegisterRequest::Kind::kCudaIpc; break;
+          case pb::REGISTER_KIND_CUDA_FD: r.kind = RegisterRequest::Kind::kCudaFd; break;
+          default:
+            fail(ErrorCode::kInvalidArgument, "register: unknown memory kind {}; this tandemd knows memfd, cuda-ipc "
+                 "and cuda-fd", static_cast<int>(reg.kind()));
+        }
+        if (r.kind != RegisterRequest::Kind::kCudaIpc) r.fd = decoder_.takeFd();
+        r.offset = reg.offset();
+        r.bytes = reg.bytes();
+        r.ipcHandle = reg.ipc_handle();
+        r.deviceUuid = reg.device_uuid();
+        auto buffer = engine.registerMemory(id_, std::move(r));
         response.mutable_register_buffer()->set_buffer_id(buffer->id);
         return reply(rid, response);
       }
@@ -215,6 +232,16 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       case pb::Request::kDestroyComm:
         engine.destroyComm(id_, request.destroy_comm().comm_handle(), request.destroy_comm().abort());
         return reply(rid, response);
+      case pb::Request::kCommMapping: {
+        const CommMapping m = engine.commMapping(id_, request.comm_mapping().comm_handle(),
+                                                 request.comm_mapping().rank());
+        auto* r = response.mutable_comm_mapping();
+        r->set_rank(request.comm_mapping().rank());
+        r->set_bytes(m.bytes);
+        r->set_device_uuid(m.deviceUuid);
+        const int fds[] = {m.fd};
+        return reply(rid, response, fds);
+      }
       case pb::Request::kQueryStatus: return reply(rid, statusReply(response));
       case pb::Request::kShutdown:
         if (uid_ != 0 && uid_ != ::geteuid()) {
@@ -237,15 +264,25 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
     auto timer = std::make_shared<asio::steady_timer>(server_.io_, std::chrono::milliseconds(timeoutMs));
     joinTimers_.push_back(timer);
     std::weak_ptr<ControlSession> weak = weak_from_this();
-    server_.engine_.join(id_, uniqueId, join.nranks(), join.rank(),
-                         [weak, rid, timer](ErrorCode code, const std::string& message, uint64_t handle) {
+    server_.engine_.join(id_, uniqueId, join.nranks(), join.rank(), join.device_uuid(),
+                         [weak, rid, timer](ErrorCode code, const std::string& message, uint64_t handle,
+                                            const JoinInfo& info) {
                            timer->cancel();
                            auto self = weak.lock();
                            if (!self) return;
                            // Called on this thread: the last joiner's or a timer's handler.
                            if (code != ErrorCode::kOk) return self->sendError(rid, code, message);
                            pb::Response response;
-                           response.mutable_join_comm()->set_comm_handle(handle);
+                           auto* r = response.mutable_join_comm();
+                           r->set_comm_handle(handle);
+                           r->set_executor(info.executor);
+                           r->set_control_bytes(info.controlBytes);
+                           r->set_workspace_bytes(info.workspaceBytes);
+                           r->set_comm_ctas(info.commCtas);
+                           if (info.controlFd >= 0) {
+                             const int fds[] = {info.controlFd};
+                             return self->reply(rid, response, fds);
+                           }
                            self->reply(rid, response);
                          });
     timer->async_wait([weak, uniqueId, rank = join.rank(), timeoutMs](boost::system::error_code ec) {
@@ -260,7 +297,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
     auto* r = response.mutable_status_reply();
     r->set_daemon_version(TANDEM_VERSION_STRING);
     r->set_backend(server_.backend_);
-    r->set_executor(server_.backend_ == "cpu" ? "host" : executorName(server_.config_.daemon.executor));
+    r->set_executor(server_.engine_.backend().executor());
     r->set_uptime_ms(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
                                                std::chrono::steady_clock::now() - server_.started_)
                                                .count()));
@@ -276,6 +313,22 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       si->set_bytes(s.bytes);
       si->set_communicators(s.comms);
       si->set_ops_completed(s.opsCompleted);
+    }
+    for (const auto& g : st.gpus) {
+      auto* gi = r->add_gpus();
+      gi->set_uuid(g.uuid);
+      gi->set_name(g.name);
+      gi->set_sms(g.sms);
+      gi->set_memory_bytes(g.memoryBytes);
+      gi->set_pci_bus_id(g.pciBusId);
+      gi->set_compute_capability(fmt::format("{}.{}", g.ccMajor, g.ccMinor));
+      gi->set_mps(g.mps);
+      for (const auto& p : g.peers) {
+        auto* pi = gi->add_peers();
+        pi->set_uuid(p.uuid);
+        pi->set_nvlinks(p.nvlinks);
+        pi->set_p2p(p.p2p);
+      }
     }
     for (const auto& c : st.comms) {
       auto* ci = r->add_communicators();

@@ -23,14 +23,32 @@
 
 namespace tandem::daemon {
 
-// Memory the daemon has mapped: an allocation it made (memfd) or a client registration.
+// Memory a backend owns behind a Buffer or a communicator (cuda: a cuMem allocation, or a client's memory
+// imported into the daemon). Destroying it unmaps and releases; whoever still holds the shared_ptr (an op in
+// flight) keeps it alive.
+struct DeviceMemory {
+  virtual ~DeviceMemory() = default;
+  uint64_t address = 0;  // the buffer's first byte in the daemon's (executor's) address space
+  int device = -1;       // the daemon's device ordinal
+};
+
+// Memory the daemon has mapped: an allocation it made (memfd or GPU memory) or a client registration.
 struct Buffer {
   uint64_t id = 0;
   uint64_t sessionId = 0;
   uint64_t bytes = 0;
   bool registered = false;  // tandem_register (client-owned memory) rather than tandem_alloc
-  Fd fd;
-  Mapping mapping;
+  Fd fd;                    // cpu: the memfd; cuda allocations: the cuMem POSIX fd exported to the client
+  Mapping mapping;          // cpu only
+  std::shared_ptr<DeviceMemory> device;  // cuda only
+  uint64_t accountedBytes = 0;  // charged to the session: bytes rounded up to the allocation granularity
+  uint64_t mappedBytes = 0;     // cuda allocations: the size the client maps (granularity-aligned)
+  std::string deviceUuid;       // cuda: the GPU holding the memory
+};
+
+// Per-communicator state a backend attaches once every rank has joined (cuda: workspaces, control pages).
+struct CommResources {
+  virtual ~CommResources() = default;
 };
 
 // A session's ring region and the producer side of its completion ring.
@@ -74,6 +92,7 @@ struct SessionState {
   uint64_t bytes = 0;
   std::shared_ptr<SessionChannel> channel;
   std::vector<uint64_t> comms;  // handles joined
+  std::map<uint64_t, uint64_t> commBytes;  // per communicator handle: workspace bytes charged to this session
   bool alive = true;
 };
 
@@ -85,6 +104,7 @@ struct PendingOp {
   std::shared_ptr<SessionChannel> channel;
   std::string error;        // non-empty: this rank's descriptor was rejected (the whole collective fails)
   int32_t errorCode = 0;
+  uint64_t epoch = 0;       // the rank's n-th descriptor on the communicator (1, 2, ...); equal across a gang
 };
 
 struct Communicator {
@@ -96,7 +116,10 @@ struct Communicator {
   State state = State::kJoining;
   std::string reason;  // why it is no longer ready
   std::vector<std::deque<PendingOp>> queues;  // per rank, in submission order
-  uint64_t opsCompleted = 0;
+  std::vector<uint64_t> submitted;            // per rank: descriptors accepted into the queue (the last epoch)
+  std::vector<std::string> devices;           // per rank: GPU UUID it joined with (cuda backend)
+  std::shared_ptr<CommResources> resources;   // backend state, set when the communicator becomes ready
+  std::atomic<uint64_t> opsCompleted{0};
   uint32_t joined() const;
 };
 const char* commStateName(Communicator::State state);

@@ -45,6 +45,7 @@ enum class Barrier : uint32_t { kCta = 0, kConsumerEpilogue0 = 1, kConsumerEpilo
 enum class Epilogue : uint8_t {
   kTmaStore = 0,  // registers -> swizzled smem (64x64 chunks, double-buffered) -> TMA store; edges clipped by TMA
   kDirect = 1,    // registers -> global, 4-byte stores, masked at the edges
+  kCustom = 2,    // the fused kernel's EpiHook takes the accumulators (see NoEpiHook for the interface)
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -110,6 +111,17 @@ struct GroupedRaster {
 // The range may be empty (a cluster's second CTA past the last row). Fused ops wait on per-chunk ready flags here.
 struct NoRowWait {
   __device__ __forceinline__ void operator()(int32_t /*r0*/, int32_t /*r1*/) const {}
+};
+
+// Epilogue::kCustom hook, called by every thread of a consumer warpgroup (128 threads, t = 0..127, warpgroup wg of 2):
+//   tile(acc, rowBase, n0, wg, t, cbuf): the fp32 accumulators of rows [rowBase, rowBase + 64) x columns [n0, n0 + 256)
+//     (wgmma m64n256 layout; only called when rowBase < M); cbuf is this warpgroup's epilogue smem, 2 x 8 KiB;
+//     synchronise the warpgroup with namedBarSync(wg == 0 ? kConsumerEpilogue0 : kConsumerEpilogue1, 128).
+//   finish(wg, t): once, after the warpgroup's last tile.
+// Fused kernels bring their own (e.g. push partial tiles to a peer, or reduce received partials into the output).
+struct NoEpiHook {
+  __device__ __forceinline__ void tile(float (&)[128], int32_t, int32_t, int, int, uint16_t (&)[2][64 * 64]) {}
+  __device__ __forceinline__ void finish(int, int) {}
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -400,9 +412,10 @@ __device__ __forceinline__ void releaseStage(SharedStorage<Stages>& s, int stage
   }
 }
 
-template <class T, int Stages, int ClusterM, Epilogue Epi, class Order>
+template <class T, int Stages, int ClusterM, Epilogue Epi, class Order, class EpiHook = NoEpiHook>
 __device__ __forceinline__ void runConsumer(const GemmKernelParams& p, SharedStorage<Stages>& s, const Order& order,
-                                            int32_t firstWork, int32_t workStride, uint32_t ctaRank, int wg, int t) {
+                                            int32_t firstWork, int32_t workStride, uint32_t ctaRank, int wg, int t,
+                                            EpiHook epiHook = EpiHook{}) {
   static_assert(ClusterM == 1 || ClusterM == 2);
   float acc[128];
   PipeState<Stages> ps;
@@ -475,6 +488,8 @@ __device__ __forceinline__ void runConsumer(const GemmKernelParams& p, SharedSto
         }
         ++epiChunks;
       }
+    } else if constexpr (Epi == Epilogue::kCustom) {
+      epiHook.tile(acc, rowBase, n0, wg, t, s.c[wg]);
     } else {
       T* const cBase = static_cast<T*>(p.c);
       const int32_t row0 = rowBase + warp * 16 + lane / 4;
@@ -500,6 +515,7 @@ __device__ __forceinline__ void runConsumer(const GemmKernelParams& p, SharedSto
   if constexpr (Epi == Epilogue::kTmaStore) {
     if (t == 0) bulkWait<0>();  // smem must outlive the last stores' reads; global writes complete with the grid
   }
+  if constexpr (Epi == Epilogue::kCustom) epiHook.finish(wg, t);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -509,9 +525,10 @@ __device__ __forceinline__ void runConsumer(const GemmKernelParams& p, SharedSto
 // gives some CTAs other roles passes its compute-CTA numbering here, its own Order, and a RowWait that blocks until the
 // A rows it is asked about have landed (the producer thread calls it; use waitUntil there).
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, int ClusterM, Epilogue Epi, class Order, class RowWait>
+template <class T, int ClusterM, Epilogue Epi, class Order, class RowWait, class EpiHook = NoEpiHook>
 __device__ __forceinline__ void runGemmCta(const GemmKernelParams& p, uint8_t* smemRaw, const Order& order,
-                                           const RowWait& rowWait, int32_t clusterId, int32_t numClusters) {
+                                           const RowWait& rowWait, int32_t clusterId, int32_t numClusters,
+                                           EpiHook epiHook = EpiHook{}) {
   auto& s = *reinterpret_cast<SharedStorage<kStages>*>((reinterpret_cast<uintptr_t>(smemRaw) + 1023) &
                                                          ~static_cast<uintptr_t>(1023));
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
@@ -539,7 +556,7 @@ __device__ __forceinline__ void runGemmCta(const GemmKernelParams& p, uint8_t* s
       break;
     case Role::kConsumer:
       setMaxNRegInc<kConsumerRegs>();
-      runConsumer<T, kStages, ClusterM, Epi>(p, s, order, clusterId, numClusters, ctaRank, wg - 1, t);
+      runConsumer<T, kStages, ClusterM, Epi>(p, s, order, clusterId, numClusters, ctaRank, wg - 1, t, epiHook);
       break;
   }
   if constexpr (ClusterM > 1) {

@@ -49,4 +49,43 @@ __device__ __forceinline__ uint64_t globaltimerNs() {
   return t;
 }
 
+
+// ---- appended for the runtime (allgather, persistent executor) ----
+__device__ __forceinline__ uint32_t ldAcquireSysU32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void stReleaseSysU32(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void stRelaxedSysU32(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Returns the old value; acq_rel: publishes this thread's prior writes and acquires those of earlier adders.
+__device__ __forceinline__ uint64_t fetchAddAcqRelGpu(uint64_t* p, uint64_t v) {
+  uint64_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return old;
+}
+// Sequentially consistent fence: a store before it and a load after it cannot be reordered (Dekker handshakes
+// with the host, which pairs it with a seq_cst fence of its own).
+__device__ __forceinline__ void fenceScSys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+
+
+// ---- appended for gemm_rs / gemm_ar (in-CTA hand-off between consumer warpgroups and copier warps) ----
+// Shared-memory words, CTA scope: the consumer warpgroup publishes "half tile i is written" to the copier warps.
+__device__ __forceinline__ void stReleaseCtaSharedU32(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(v)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t ldAcquireCtaSharedU32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return v;
+}
+// Hint: bring the 128-byte line holding p into L2 ahead of a later read.
+__device__ __forceinline__ void prefetchL2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 }  // namespace tandem::kernels

@@ -123,7 +123,8 @@ class Daemon {
   explicit Daemon(const std::string& configYaml = "", std::vector<std::string> extraArgs = {}) {
     socket_ = (dir_.path() / "tandemd.sock").string();
     log_ = (dir_.path() / "tandemd.log").string();
-    std::vector<std::string> argv = {TANDEMD_PATH, "--foreground", "--socket", socket_};
+    // The CPU backend: these tests exercise the control plane and the reference ops on any host, GPU or not.
+    std::vector<std::string> argv = {TANDEMD_PATH, "--foreground", "--backend", "cpu", "--socket", socket_};
     if (!configYaml.empty()) {
       const std::string config = (dir_.path() / "tandemd.yaml").string();
       std::ofstream(config) << configYaml;

@@ -91,7 +91,11 @@ TANDEM_API tandem_status_t tandem_disconnect(tandem_session_t session);
 /* Backend the daemon runs ("cpu" or "cuda"); valid for the session's lifetime. */
 TANDEM_API const char* tandem_session_backend(tandem_session_t session);
 
-/* ---- memory -------------------------------------------------------------------------------------- */
+/* ---- memory --------------------------------------------------------------------------------------
+ * cuda backend (tandem_session_backend() == "cuda"): buffers are GPU memory. tandem_alloc allocates on the
+ * calling thread's current device (cuMem, exported by tandemd as a POSIX fd) and maps it here with access for
+ * that device: tandem_buffer_ptr returns a DEVICE pointer (use it in kernels and cudaMemcpy, never
+ * dereference it on the host). Free a buffer only after the streams that use it are done. */
 /* Allocates `bytes` of daemon-owned shared memory, mapped into this process (tandem_buffer_ptr). */
 TANDEM_API tandem_status_t tandem_alloc(tandem_session_t session, uint64_t bytes, tandem_buffer_t* out);
 TANDEM_API tandem_status_t tandem_free(tandem_buffer_t buffer);
@@ -100,7 +104,11 @@ TANDEM_API void* tandem_buffer_ptr(tandem_buffer_t buffer);
 TANDEM_API uint64_t tandem_buffer_size(tandem_buffer_t buffer);
 /* Registers memory this process already has. CPU backend: `ptr` must lie in a MAP_SHARED mapping of a
  * memfd (memfd_create) that this process still holds open as `fd`, at byte `fd_offset` of that file.
- * The daemon maps the same file; the caller keeps ownership of its memory. */
+ * The daemon maps the same file; the caller keeps ownership of its memory.
+ * cuda backend: `ptr` is GPU memory. fd -1: cudaMalloc memory (tandemd opens its legacy CUDA IPC handle).
+ * fd >= 0: memory from cuMemCreate with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; fd is its exported handle
+ * and fd_offset the offset of ptr in that allocation. Registering the same (ptr, bytes) again returns the
+ * same buffer; each registration needs its own tandem_deregister, and the last one releases it. */
 TANDEM_API tandem_status_t tandem_register(tandem_session_t session, void* ptr, uint64_t bytes, int fd,
                                            uint64_t fd_offset, tandem_buffer_t* out);
 TANDEM_API tandem_status_t tandem_deregister(tandem_buffer_t buffer);
@@ -212,12 +220,22 @@ typedef struct tandem_ring_attention_args {
 TANDEM_API tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_attention_args_t* args,
                                                  tandem_op_t* op);
 
-/* Barrier: completes once every rank has submitted it (ops before it on this communicator have completed). */
+/* Barrier: completes once every rank has submitted it (ops before it on this communicator have completed).
+ * cuda backend: as tandem_barrier_stream on the legacy default stream. */
 TANDEM_API tandem_status_t tandem_barrier(tandem_comm_t comm, tandem_op_t* op);
 
-/* AllGather of raw bytes: recv [nranks * bytes] receives every rank's send [bytes] in rank order. */
+/* AllGather of raw bytes: recv [nranks * bytes] receives every rank's send [bytes] in rank order.
+ * cuda backend: stream-ordered on cuda_stream (a cudaStream_t; NULL = the legacy default stream): it reads
+ * send after the work enqueued before it and later work sees recv. The call returns at once; tandem_wait (or
+ * the stream) says when it is done. The rank's GPU is the device that was current at tandem_comm_init; ops
+ * on one communicator must be ordered with each other (use one stream per communicator, as with NCCL). If
+ * tandemd or a peer dies, the stream is released and the op fails (DAEMON_LOST, PEER_LOST or ABORTED). */
 TANDEM_API tandem_status_t tandem_allgather(tandem_comm_t comm, tandem_tensor_t send, tandem_tensor_t recv,
                                             uint64_t bytes, void* cuda_stream, tandem_op_t* op);
+
+/* Barrier in stream order (cuda backend): cuda_stream proceeds once every rank's stream has reached it.
+ * On the cpu backend cuda_stream is ignored and this is tandem_barrier. */
+TANDEM_API tandem_status_t tandem_barrier_stream(tandem_comm_t comm, void* cuda_stream, tandem_op_t* op);
 
 #ifdef __cplusplus
 }

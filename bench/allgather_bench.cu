@@ -1,0 +1,396 @@
+// AllGather bus bandwidth: tandem (client or daemon executor, push and pull) against ncclAllGather on the same
+// GPUs, in the same processes, on the same buffers, interleaved per size.
+//
+//   allgather_bench [--ranks N] [--executor client|daemon] [--iters 20] [--warmup 5] [--min 65536]
+//                   [--max 1073741824] [--json FILE] [--socket PATH]
+//
+// One forked process per rank (GPU r). The parent starts its own tandemd (unless --socket) and relays NCCL's
+// unique id. Buffers rotate through a 1 GiB send pool (and n GiB receive pool) so small sizes do not run from L2.
+// Inputs are random; each method is checked bitwise on device after timing (exit 1 on any mismatch).
+// Timing: CUDA events around each op, median of --iters after --warmup. Bus bandwidth = (n-1) * bytes / time.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifdef TANDEM_HAVE_NCCL
+#include <nccl.h>
+#endif
+
+#include "tandem/tandem.h"
+
+namespace {
+
+#define CK(call)                                                                                     \
+  do {                                                                                               \
+    const cudaError_t e_ = (call);                                                                   \
+    if (e_ != cudaSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));     \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+#define TK(call)                                                                                     \
+  do {                                                                                               \
+    const tandem_status_t s_ = (call);                                                               \
+    if (s_ != TANDEM_SUCCESS) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, tandem_last_error());        \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+#ifdef TANDEM_HAVE_NCCL
+#define NK(call)                                                                                     \
+  do {                                                                                               \
+    const ncclResult_t r_ = (call);                                                                  \
+    if (r_ != ncclSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_));     \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+#endif
+
+__device__ __forceinline__ uint32_t hashWord(uint64_t i, uint32_t seed) {
+  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xC2B2AE3D27D4EB4Full;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return static_cast<uint32_t>(x);
+}
+__global__ void fillKernel(uint32_t* p, uint64_t words, uint32_t seed) {
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < words; i += uint64_t{gridDim.x} * blockDim.x)
+    p[i] = hashWord(i, seed);
+}
+// Counts words of recv[q] that differ from rank q's fill (seed q).
+__global__ void checkKernel(const uint32_t* recv, uint64_t wordsPerRank, uint32_t nranks, uint32_t seedBase,
+                            unsigned long long* bad) {
+  unsigned long long local = 0;
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < wordsPerRank * nranks;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    const uint32_t q = static_cast<uint32_t>(i / wordsPerRank);
+    if (recv[i] != hashWord(i % wordsPerRank, seedBase + q)) ++local;
+  }
+  if (local != 0) atomicAdd(bad, local);
+}
+
+struct Options {
+  uint32_t ranks = 2;
+  std::string executor = "client";
+  int iters = 20, warmup = 5;
+  uint64_t minBytes = 64u << 10, maxBytes = uint64_t{1} << 30;
+  std::string json, socket;
+};
+
+struct Method {
+  const char* name;
+  const char* mode;  // TANDEM_AG_MODE
+  const char* ctas;  // TANDEM_AG_CTAS ("" = default)
+  bool nccl;
+};
+const Method kMethods[] = {
+    {"tandem", "push", "", false},        // the library's default configuration
+    {"tandem-pull", "pull", "", false},
+    {"tandem-push64", "push", "64", false},
+    {"tandem-pull64", "pull", "64", false},
+#ifdef TANDEM_HAVE_NCCL
+    {"nccl", "", "", true},
+#endif
+};
+constexpr int kNumMethods = sizeof(kMethods) / sizeof(kMethods[0]);
+
+void writeAll(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, c, n);
+    if (w <= 0) std::exit(3);
+    c += w, n -= static_cast<size_t>(w);
+  }
+}
+void readAll(int fd, void* p, size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t r = ::read(fd, c, n);
+    if (r <= 0) std::exit(3);
+    c += r, n -= static_cast<size_t>(r);
+  }
+}
+
+// One rank. Rank 0 prints the table. Returns the process exit code.
+int rankMain(const Options& o, uint32_t rank, int up, int down, const std::string& socket) {
+  CK(cudaSetDevice(static_cast<int>(rank)));
+  CK(cudaFree(nullptr));
+#ifdef TANDEM_HAVE_NCCL
+  ncclUniqueId ncclId;
+  if (rank == 0) {
+    NK(ncclGetUniqueId(&ncclId));
+    writeAll(up, &ncclId, sizeof ncclId);
+  }
+  readAll(down, &ncclId, sizeof ncclId);
+  ncclComm_t nccl;
+  NK(ncclCommInitRank(&nccl, static_cast<int>(o.ranks), ncclId, static_cast<int>(rank)));
+#endif
+  tandem_unique_id_t tid;
+  if (rank == 0) {
+    TK(tandem_get_unique_id(&tid));
+    writeAll(up, &tid, sizeof tid);
+  }
+  readAll(down, &tid, sizeof tid);
+  tandem_session_t s;
+  TK(tandem_connect(socket.c_str(), &s));
+  tandem_comm_t comm;
+  TK(tandem_comm_init(s, &tid, o.ranks, rank, 60000, &comm));
+  const uint64_t pool = std::max<uint64_t>(o.maxBytes, 1u << 30);
+  tandem_buffer_t send, recv;
+  TK(tandem_alloc(s, pool, &send));
+  TK(tandem_alloc(s, pool * o.ranks, &recv));
+  char* sendPtr = static_cast<char*>(tandem_buffer_ptr(send));
+  char* recvPtr = static_cast<char*>(tandem_buffer_ptr(recv));
+  unsigned long long* bad = nullptr;
+  CK(cudaMalloc(&bad, sizeof *bad));
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int failures = 0;
+  if (rank == 0) {
+    std::printf("allgather_bench: %u ranks, executor %s, median of %d after %d warm-ups; busbw = (n-1)*bytes/time\n",
+                o.ranks, o.executor.c_str(), o.iters, o.warmup);
+    std::printf("%-10s", "bytes");
+    for (const auto& m : kMethods) std::printf(" %14s", m.name);
+    std::printf(" %12s\n", "tandem/nccl");
+  }
+  std::string jsonRows;
+  for (uint64_t S = o.minBytes; S <= o.maxBytes; S *= 2) {
+    const uint64_t stride = (S + 4095) & ~uint64_t{4095};
+    const uint64_t slots = std::max<uint64_t>(1, pool / stride);
+    // Random inputs in every slot the timing loop uses (fill the whole pool once per size).
+    fillKernel<<<1024, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(sendPtr), pool / 4, 1000 + rank);
+    CK(cudaGetLastError());
+    double medianUs[kNumMethods] = {};
+    for (int mi = 0; mi < kNumMethods; ++mi) {
+      // Alternate the order per size so drift hits every method alike.
+      const Method& m = kMethods[(S / o.minBytes) % 2 == 0 ? mi : kNumMethods - 1 - mi];
+      const int slot = static_cast<int>(&m - kMethods);
+      ::setenv("TANDEM_AG_MODE", m.mode, 1);
+      if (*m.ctas != 0) ::setenv("TANDEM_AG_CTAS", m.ctas, 1); else ::unsetenv("TANDEM_AG_CTAS");
+      // Align the ranks before each method.
+      tandem_op_t op;
+      TK(tandem_barrier_stream(comm, stream, &op));
+      // Back to back, as an application enqueues them (nccl-tests style): one event between consecutive ops,
+      // one synchronisation at the end; per-op time = the gap between its two events.
+      const int total = o.warmup + o.iters;
+      std::vector<cudaEvent_t> evs(static_cast<size_t>(total) + 1);
+      for (auto& e : evs) CK(cudaEventCreate(&e));
+      CK(cudaEventRecord(evs[0], stream));
+      for (int it = 0; it < total; ++it) {
+        const uint64_t k = static_cast<uint64_t>(it) % slots;
+        const uint64_t so = k * stride, ro = k * stride * o.ranks;
+        if (m.nccl) {
+#ifdef TANDEM_HAVE_NCCL
+          NK(ncclAllGather(sendPtr + so, recvPtr + ro, S, ncclInt8, nccl, stream));
+#endif
+        } else {
+          TK(tandem_allgather(comm, {send, so}, {recv, ro}, S, stream, &op));
+        }
+        CK(cudaEventRecord(evs[static_cast<size_t>(it) + 1], stream));
+      }
+      CK(cudaStreamSynchronize(stream));
+      if (!m.nccl && tandem_wait(op, 60000) != TANDEM_SUCCESS) {
+        std::fprintf(stderr, "rank %u: %s %lu bytes failed: %s\n", rank, m.name, static_cast<unsigned long>(S),
+                     tandem_last_error());
+        ++failures;
+      }
+      std::vector<float> times;
+      for (int it = o.warmup; it < total; ++it) {
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, evs[static_cast<size_t>(it)], evs[static_cast<size_t>(it) + 1]));
+        times.push_back(ms * 1000.0f);
+      }
+      for (auto& e : evs) CK(cudaEventDestroy(e));
+      std::sort(times.begin(), times.end());
+      medianUs[slot] = times[times.size() / 2];
+    }
+    if (rank == 0) {
+      std::printf("%-10lu", static_cast<unsigned long>(S));
+      for (int mi = 0; mi < kNumMethods; ++mi) {
+        const double busbw = (o.ranks - 1) * static_cast<double>(S) / (medianUs[mi] * 1e3);
+        std::printf(" %7.1fus %4.0f", medianUs[mi], o.ranks > 1 ? busbw : static_cast<double>(S) / (medianUs[mi] * 1e3));
+      }
+#ifdef TANDEM_HAVE_NCCL
+      std::printf(" %12.3f\n", medianUs[kNumMethods - 1] / medianUs[0]);
+#else
+      std::printf("\n");
+#endif
+      std::fflush(stdout);
+      jsonRows += (jsonRows.empty() ? "" : ",\n") + std::string("    {\"bytes\": ") + std::to_string(S);
+      for (int mi = 0; mi < kNumMethods; ++mi) {
+        jsonRows += std::string(", \"") + kMethods[mi].name + "_us\": " + std::to_string(medianUs[mi]);
+      }
+      jsonRows += "}";
+    }
+  }
+  // Exact check, default configuration and NCCL: a dedicated op per size class on freshly seeded data.
+  for (uint64_t S : {uint64_t{65536}, uint64_t{1} << 20, uint64_t{64} << 20, o.maxBytes}) {
+    if (S > o.maxBytes || S % 4 != 0) continue;
+    for (int mi = 0; mi < kNumMethods; ++mi) {
+      const Method& m = kMethods[mi];
+      ::setenv("TANDEM_AG_MODE", m.mode, 1);
+      if (*m.ctas != 0) ::setenv("TANDEM_AG_CTAS", m.ctas, 1); else ::unsetenv("TANDEM_AG_CTAS");
+      fillKernel<<<1024, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(sendPtr), S / 4, 7000 + rank);
+      CK(cudaMemsetAsync(recvPtr, 0xEE, S * o.ranks, stream));
+      tandem_op_t op;
+      if (m.nccl) {
+#ifdef TANDEM_HAVE_NCCL
+        NK(ncclAllGather(sendPtr, recvPtr, S, ncclInt8, nccl, stream));
+#endif
+      } else {
+        TK(tandem_allgather(comm, {send, 0}, {recv, 0}, S, stream, &op));
+      }
+      CK(cudaMemsetAsync(bad, 0, sizeof *bad, stream));
+      checkKernel<<<1024, 256, 0, stream>>>(reinterpret_cast<const uint32_t*>(recvPtr), S / 4, o.ranks, 7000, bad);
+      unsigned long long nbad = 0;
+      CK(cudaMemcpyAsync(&nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost, stream));
+      CK(cudaStreamSynchronize(stream));
+      if (!m.nccl && tandem_wait(op, 60000) != TANDEM_SUCCESS) {
+        std::fprintf(stderr, "rank %u: %s %lu bytes: %s\n", rank, m.name, static_cast<unsigned long>(S),
+                     tandem_last_error());
+        ++failures;
+      }
+      if (nbad != 0) {
+        std::fprintf(stderr, "rank %u: %s %lu bytes: %llu words differ\n", rank, m.name, static_cast<unsigned long>(S),
+                     nbad);
+        ++failures;
+      }
+    }
+  }
+  if (rank == 0) {
+    std::printf("correctness (bitwise, every method, 64 KiB / 1 MiB / 64 MiB / max): %s\n",
+                failures == 0 ? "PASS" : "FAIL");
+    if (!o.json.empty()) {
+      std::ofstream(o.json) << "{\n  \"ranks\": " << o.ranks << ", \"executor\": \"" << o.executor
+                            << "\", \"iters\": " << o.iters << ",\n  \"rows\": [\n" << jsonRows << "\n  ]\n}\n";
+    }
+  }
+#ifdef TANDEM_HAVE_NCCL
+  ncclCommDestroy(nccl);
+#endif
+  tandem_free(send);
+  tandem_free(recv);
+  tandem_comm_destroy(comm);
+  tandem_disconnect(s);
+  return failures == 0 ? 0 : 1;
+}
+
+bool socketAccepts(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  ::close(fd);
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
+    if (a == "--ranks") o.ranks = static_cast<uint32_t>(std::stoul(next()));
+    else if (a == "--executor") o.executor = next();
+    else if (a == "--iters") o.iters = std::stoi(next());
+    else if (a == "--warmup") o.warmup = std::stoi(next());
+    else if (a == "--min") o.minBytes = std::stoull(next());
+    else if (a == "--max") o.maxBytes = std::stoull(next());
+    else if (a == "--json") o.json = next();
+    else if (a == "--socket") o.socket = next();
+    else {
+      std::fprintf(stderr, "usage: allgather_bench [--ranks N] [--executor client|daemon] [--iters N] [--warmup N] "
+                           "[--min BYTES] [--max BYTES] [--json FILE] [--socket PATH]\n");
+      return 2;
+    }
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+  std::string socket = o.socket;
+  pid_t daemon = -1;
+  std::filesystem::path dir;
+  if (socket.empty()) {
+    char tmpl[] = "/tmp/tandem-agbench-XXXXXX";
+    dir = ::mkdtemp(tmpl);
+    socket = (dir / "tandemd.sock").string();
+    std::ofstream(dir / "tandemd.yaml") << "daemon:\n  backend: cuda\n  executor: " << o.executor << "\n";
+    daemon = ::fork();
+    if (daemon == 0) {
+      const int log = ::open((dir / "tandemd.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(log, 2);
+      ::dup2(log, 1);
+      const std::string cfg = (dir / "tandemd.yaml").string();
+      ::execl(TANDEMD_PATH, TANDEMD_PATH, "--foreground", "--socket", socket.c_str(), "--config", cfg.c_str(), nullptr);
+      std::_Exit(127);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!socketAccepts(socket)) {
+      int st = 0;
+      if (::waitpid(daemon, &st, WNOHANG) == daemon || std::chrono::steady_clock::now() > deadline) {
+        std::ifstream in(dir / "tandemd.log");
+        std::fprintf(stderr, "tandemd did not start:\n%s\n", std::string(std::istreambuf_iterator<char>(in), {}).c_str());
+        return 2;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  std::vector<pid_t> pids;
+  std::vector<int> ups, downs;
+  for (uint32_t r = 0; r < o.ranks; ++r) {
+    int up[2], down[2];
+    if (::pipe(up) != 0 || ::pipe(down) != 0) return 2;
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(up[0]);
+      ::close(down[1]);
+      std::_Exit(rankMain(o, r, up[1], down[0], socket));
+    }
+    ::close(up[1]);
+    ::close(down[0]);
+    pids.push_back(pid);
+    ups.push_back(up[0]);
+    downs.push_back(down[1]);
+  }
+  // Relay rank 0's ids (NCCL's, then tandem's) to every rank.
+  auto relay = [&](size_t bytes) {
+    std::vector<char> buf(bytes);
+    readAll(ups[0], buf.data(), bytes);
+    for (int fd : downs) writeAll(fd, buf.data(), bytes);
+  };
+#ifdef TANDEM_HAVE_NCCL
+  relay(sizeof(ncclUniqueId));
+#endif
+  relay(sizeof(tandem_unique_id_t));
+  int rc = 0;
+  for (pid_t p : pids) {
+    int st = 0;
+    ::waitpid(p, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) rc = 1;
+  }
+  if (daemon > 0) {
+    ::kill(daemon, SIGTERM);
+    ::waitpid(daemon, nullptr, 0);
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+  return rc;
+}

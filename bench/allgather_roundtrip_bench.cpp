@@ -1,0 +1,188 @@
+// Round trip of an empty op on the cuda backend: tandem_barrier_stream on the rank's stream, from the submit
+// call until cudaStreamSynchronize returns (the client's stream completed it), p50 and p99, per executor.
+//
+//   roundtrip_bench [--executor client|daemon] [--ranks 1|2] [--iters 5000] [--warmup 500] [--socket PATH]
+//
+// Forks one process per rank (GPU r) and starts its own tandemd with the executor (unless --socket). Rank 0
+// reports. For scale it also times the same loop with no tandem op (a bare cudaStreamSynchronize after a
+// cudaEventRecord), which is the floor any stream-ordered op pays.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tandem/tandem.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+#define CK(call)                                                                                 \
+  do {                                                                                           \
+    const cudaError_t e_ = (call);                                                               \
+    if (e_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));                           \
+      std::exit(2);                                                                              \
+    }                                                                                            \
+  } while (0)
+#define TK(call)                                                                                 \
+  do {                                                                                           \
+    if ((call) != TANDEM_SUCCESS) {                                                              \
+      std::fprintf(stderr, "%s: %s\n", #call, tandem_last_error());                              \
+      std::exit(2);                                                                              \
+    }                                                                                            \
+  } while (0)
+
+struct Options {
+  std::string executor = "client";
+  uint32_t ranks = 1;
+  int iters = 5000, warmup = 500;
+  std::string socket;
+};
+
+double percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
+}
+
+int rankMain(const Options& o, uint32_t rank, int idFd, const std::string& socket) {
+  CK(cudaSetDevice(static_cast<int>(rank)));
+  CK(cudaFree(nullptr));
+  tandem_unique_id_t id;
+  if (::read(idFd, &id, sizeof id) != sizeof id) return 3;
+  tandem_session_t s;
+  TK(tandem_connect(socket.c_str(), &s));
+  tandem_comm_t comm;
+  TK(tandem_comm_init(s, &id, o.ranks, rank, 60000, &comm));
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t ev;
+  CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  std::vector<double> us, floorUs;
+  tandem_op_t op;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    const auto t0 = Clock::now();
+    TK(tandem_barrier_stream(comm, stream, &op));
+    CK(cudaStreamSynchronize(stream));
+    const auto t1 = Clock::now();
+    if (i >= o.warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    // The floor: an empty stream round trip.
+    const auto f0 = Clock::now();
+    CK(cudaEventRecord(ev, stream));
+    CK(cudaStreamSynchronize(stream));
+    if (i >= o.warmup) floorUs.push_back(std::chrono::duration<double, std::micro>(Clock::now() - f0).count());
+  }
+  if (tandem_wait(op, 10000) != TANDEM_SUCCESS) {
+    std::fprintf(stderr, "rank %u: last op failed: %s\n", rank, tandem_last_error());
+    return 1;
+  }
+  if (rank == 0) {
+    std::printf("roundtrip_bench: executor %s, %u rank(s), %d iterations: empty op submit -> stream done  p50 %.2f us  "
+                "p99 %.2f us  (bare stream sync p50 %.2f us, p99 %.2f us)\n",
+                o.executor.c_str(), o.ranks, o.iters, percentile(us, 0.5), percentile(us, 0.99),
+                percentile(floorUs, 0.5), percentile(floorUs, 0.99));
+  }
+  tandem_comm_destroy(comm);
+  tandem_disconnect(s);
+  return 0;
+}
+
+bool socketAccepts(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  ::close(fd);
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
+    if (a == "--executor") o.executor = next();
+    else if (a == "--ranks") o.ranks = static_cast<uint32_t>(std::stoul(next()));
+    else if (a == "--iters") o.iters = std::stoi(next());
+    else if (a == "--warmup") o.warmup = std::stoi(next());
+    else if (a == "--socket") o.socket = next();
+    else {
+      std::fprintf(stderr, "usage: roundtrip_bench [--executor client|daemon] [--ranks N] [--iters N] [--warmup N] "
+                           "[--socket PATH]\n");
+      return 2;
+    }
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+  std::string socket = o.socket;
+  pid_t daemon = -1;
+  std::filesystem::path dir;
+  if (socket.empty()) {
+    char tmpl[] = "/tmp/tandem-rtbench-XXXXXX";
+    dir = ::mkdtemp(tmpl);
+    socket = (dir / "tandemd.sock").string();
+    std::ofstream(dir / "tandemd.yaml") << "daemon:\n  backend: cuda\n  executor: " << o.executor << "\n";
+    daemon = ::fork();
+    if (daemon == 0) {
+      const int log = ::open((dir / "tandemd.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(log, 2);
+      ::dup2(log, 1);
+      const std::string cfg = (dir / "tandemd.yaml").string();
+      ::execl(TANDEMD_PATH, TANDEMD_PATH, "--foreground", "--socket", socket.c_str(), "--config", cfg.c_str(), nullptr);
+      std::_Exit(127);
+    }
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
+    while (!socketAccepts(socket)) {
+      int st = 0;
+      if (::waitpid(daemon, &st, WNOHANG) == daemon || Clock::now() > deadline) {
+        std::ifstream in(dir / "tandemd.log");
+        std::fprintf(stderr, "tandemd did not start:\n%s\n", std::string(std::istreambuf_iterator<char>(in), {}).c_str());
+        return 2;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  tandem_unique_id_t id;
+  if (tandem_get_unique_id(&id) != TANDEM_SUCCESS) return 2;
+  std::vector<pid_t> pids;
+  for (uint32_t r = 0; r < o.ranks; ++r) {
+    int p[2];
+    if (::pipe(p) != 0) return 2;
+    [[maybe_unused]] ssize_t w = ::write(p[1], &id, sizeof id);
+    const pid_t pid = ::fork();
+    if (pid == 0) std::_Exit(rankMain(o, r, p[0], socket));
+    ::close(p[0]);
+    ::close(p[1]);
+    pids.push_back(pid);
+  }
+  int rc = 0;
+  for (pid_t p : pids) {
+    int st = 0;
+    ::waitpid(p, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) rc = 1;
+  }
+  if (daemon > 0) {
+    ::kill(daemon, SIGTERM);
+    ::waitpid(daemon, nullptr, 0);
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+  return rc;
+}

@@ -1,0 +1,103 @@
+// libtandem's GPU side (backend cuda): importing the daemon's cuMem allocations, describing client memory
+// for registration, each communicator rank's control page and workspaces, the stream-ordered enqueue of ops,
+// and the watcher that unblocks every stream when tandemd dies. Compiled only with TANDEM_HAVE_CUDA.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tandem/common/fd.hpp"
+
+namespace tandem::kernels {
+struct CommControl;
+}
+
+namespace tandem::client::gpu {
+
+// The calling thread's current device, and its UUID ("GPU-...").
+int currentDevice();
+std::string deviceUuid(int ordinal);
+
+// A cuMem allocation imported from its POSIX fd and mapped with read-write access for `accessDevice`.
+class DeviceMapping {
+ public:
+  static std::unique_ptr<DeviceMapping> import(const Fd& fd, uint64_t bytes, int accessDevice);
+  ~DeviceMapping();
+  DeviceMapping(const DeviceMapping&) = delete;
+  DeviceMapping& operator=(const DeviceMapping&) = delete;
+  void* ptr() const { return reinterpret_cast<void*>(va_); }
+  uint64_t size() const { return size_; }
+
+ private:
+  DeviceMapping() = default;
+  unsigned long long va_ = 0;
+  uint64_t size_ = 0;
+};
+
+// How tandem_register describes `ptr` to the daemon.
+struct RegisterDescription {
+  int kind = 0;            // tandem.v1.RegisterKind: 1 CUDA_IPC, 2 CUDA_FD
+  std::string ipcHandle;   // CUDA_IPC
+  uint64_t offset = 0;     // of ptr from the allocation's base (IPC) or fd_offset (CUDA_FD)
+  std::string deviceUuid;  // the GPU holding the memory
+};
+// fd >= 0: a cuMem allocation's POSIX fd, ptr at fdOffset in it. fd < 0: cudaMalloc memory (legacy IPC handle).
+// Throws Error(kInvalidArgument) with what to do for host memory, VMM memory without an fd, or a bad range.
+RegisterDescription describeForRegister(void* ptr, uint64_t bytes, int fd, uint64_t fdOffset);
+
+// One communicator rank's GPU state. `mutex` serialises submission, so epochs follow ring order.
+class CommGpu {
+ public:
+  CommGpu(int device, bool daemonExecutor, uint32_t rank, uint32_t nranks, uint32_t maxCtas, Fd control,
+          uint64_t controlBytes, std::vector<std::unique_ptr<DeviceMapping>> workspaces);
+  ~CommGpu();
+  CommGpu(const CommGpu&) = delete;
+  CommGpu& operator=(const CommGpu&) = delete;
+
+  int device() const { return device_; }
+  bool daemonExecutor() const { return daemonExecutor_; }
+  // Stream work for op `epoch` (already submitted). Throws Error(kCuda) if the stream refused it.
+  void enqueueAllGather(uint64_t epoch, const void* send, void* recv, uint64_t bytes, void* stream);
+  void enqueueBarrier(uint64_t epoch, void* stream);
+  // tandemd is gone: releases every wait of this rank's streams and kernels.
+  void abortLocal();
+
+  std::mutex mutex;
+  uint64_t epoch = 0;  // ops submitted on this communicator by this rank
+
+ private:
+  int device_;
+  bool daemonExecutor_;
+  uint32_t rank_, nranks_, maxCtas_;
+  Fd controlFd_;
+  void* controlMap_ = nullptr;
+  uint64_t controlBytes_ = 0;
+  kernels::CommControl* ctl_ = nullptr;      // host view
+  kernels::CommControl* ctlDev_ = nullptr;   // device view of the same pages
+  bool registered_ = false;
+  std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
+  uint64_t timeoutNs_;
+};
+
+// Watches the session's socket: when tandemd hangs up, aborts every communicator's streams.
+class SessionWatch {
+ public:
+  explicit SessionWatch(int socketFd);
+  ~SessionWatch();
+  void add(const std::shared_ptr<CommGpu>& comm);
+
+ private:
+  void run();
+  int socketFd_;
+  Fd stop_;
+  std::mutex mutex_;
+  std::vector<std::weak_ptr<CommGpu>> comms_;
+  bool lost_ = false;
+  std::thread thread_;
+};
+
+}  // namespace tandem::client::gpu

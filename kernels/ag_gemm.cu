@@ -1,0 +1,374 @@
+// Fused AllGather + GEMM (issue 5): the persistent fused kernel (comm CTAs + compute CTAs from one role table), the
+// all-gather kernel of the decomposed plan, and the host launcher. Device pieces: device/ag_gemm_sm90.cuh (which
+// reuses the GEMM core of device/gemm_sm90.cuh).
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled: fetched through the runtime, libcuda is never linked
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "device/ag_gemm_sm90.cuh"
+#include "tandem/kernels/ag_gemm.hpp"
+#include "tandem/kernels/gemm.hpp"
+
+namespace tandem::kernels {
+namespace ag {
+
+__device__ __forceinline__ uint8_t* align1024(uint8_t* p) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(p) + 1023) & ~static_cast<uintptr_t>(1023));
+}
+
+// Fused: CTAs [0, commCtas) push this rank's shard to the peers and then take the tail of the tile order; the
+// others run the head of the GEMM's tile order (one CTA per SM, all co-resident).
+template <class T, CommMode kMode>
+__global__ void __launch_bounds__(gemm::kThreads, 1) agGemmFusedKernel(const __grid_constant__ AgGemmKernelParams kp) {
+  extern __shared__ __align__(16) uint8_t smemRaw[];
+  const uint64_t startNs = globaltimerNs();
+  const AgGemmRoleLayout layout{kp.commCtas, static_cast<int32_t>(gridDim.x) - kp.commCtas};
+  const int32_t cta = static_cast<int32_t>(blockIdx.x);
+  const int32_t numWork = kp.tilesM * kp.g.tilesN;
+  switch (layout.roleOf(cta)) {
+    case Role::kIntraComm: {
+      uint8_t* base = align1024(smemRaw);
+      uint32_t* bcast = reinterpret_cast<uint32_t*>(base + kTmaStages * kTmaBufBytes + 128);
+      runComm<kMode>(kp, layout.indexInRole(cta), layout.commCtas, bcast, base, startNs);
+      if (kp.tailTiles > 0) {
+        runCompute<T>(kp, smemRaw, SegmentedOrder{&kp, numWork - kp.tailTiles, kp.tailTiles}, layout.indexInRole(cta),
+                      layout.commCtas, startNs);
+      }
+      break;
+    }
+    case Role::kCompute:
+      runCompute<T>(kp, smemRaw, SegmentedOrder{&kp, 0, numWork - kp.tailTiles}, layout.indexInRole(cta),
+                    layout.computeCtas, startNs);
+      break;
+    default:
+      break;
+  }
+}
+
+// Decomposed plan's GEMM: the core (runGemmCta, grouped raster, no waits) on the gathered buffer, instantiated here so
+// that it is loaded together with the all-gather kernel (a lazily loaded kernel can block the launching thread while
+// the all-gather kernel waits on a peer that thread has not launched yet).
+template <class T>
+__global__ void __launch_bounds__(gemm::kThreads, 1) agPlainGemmKernel(const __grid_constant__ AgGemmKernelParams kp) {
+  extern __shared__ __align__(16) uint8_t smemRaw[];
+  const gemm::GroupedRaster order{kp.g.unitsM, kp.g.tilesN, kp.g.groupM};
+  gemm::runGemmCta<T, 1, gemm::Epilogue::kTmaStore>(kp.g, smemRaw, order, gemm::NoRowWait{},
+                                                     static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(gridDim.x));
+}
+
+inline constexpr int kGatherThreads = 384;
+
+// Decomposed: push + wait for every incoming chunk; the GEMM core runs after it in stream order.
+__global__ void __launch_bounds__(kGatherThreads) agGatherKernel(const __grid_constant__ AgGemmKernelParams kp) {
+  __shared__ uint32_t bcast;
+  const uint64_t startNs = globaltimerNs();
+  runComm<CommMode::kLsu>(kp, static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(gridDim.x), &bcast, nullptr,
+                          startNs);
+  waitIncoming(kp, static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(gridDim.x), startNs);
+}
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) { throw std::runtime_error("tandem ag_gemm: " + msg); }
+
+void checkCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+using EncodeTiledFn = PFN_cuTensorMapEncodeTiled_v12000;
+
+EncodeTiledFn encodeTiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || f == nullptr) {
+      fail(std::string("cuTensorMapEncodeTiled is not available from the driver (") + cudaGetErrorName(e) + ")");
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// Packed row-major [rows, cols] matrix of 2-byte elements in boxes of boxRows x boxCols, 128-byte swizzle.
+CUtensorMap encodeMap(const void* ptr, int64_t rows, int64_t cols, uint32_t boxRows, uint32_t boxCols, GemmDtype dt) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  const cuuint32_t box[2] = {boxCols, boxRows};
+  const cuuint32_t elemStrides[2] = {1, 1};
+  const CUtensorMapDataType t = dt == GemmDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = encodeTiled()(&map, t, 2, const_cast<void*>(ptr), dims, strides, box, elemStrides,
+                                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    fail("cuTensorMapEncodeTiled failed (CUresult " + std::to_string(static_cast<int>(r)) + ") for a " +
+         std::to_string(rows) + "x" + std::to_string(cols) + " matrix");
+  }
+  return map;
+}
+
+// Per device: the fused kernels' opt-in shared memory is set once; the SM count is read once.
+struct DeviceInfo {
+  int numSms = 0;
+  bool ready = false;
+};
+
+DeviceInfo deviceInfo(int device) {
+  static std::mutex mu;
+  static DeviceInfo table[64];
+  if (device < 0 || device >= 64) fail("device ordinal out of range");
+  std::lock_guard<std::mutex> lock(mu);
+  DeviceInfo& d = table[device];
+  if (d.ready) return d;
+  checkCuda(cudaDeviceGetAttribute(&d.numSms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  int major = 0, minor = 0;
+  checkCuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  checkCuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+  if (major != 9 || minor != 0) fail("needs an sm_90 (Hopper) GPU");
+  const int smem = static_cast<int>(gemm::kSmemBytes<gemm::kStages>);
+  // Setting the attribute also loads each kernel now, not lazily in the middle of a multi-GPU op.
+  const void* big[] = {reinterpret_cast<const void*>(&agGemmFusedKernel<__nv_bfloat16, CommMode::kLsu>),
+                       reinterpret_cast<const void*>(&agGemmFusedKernel<__nv_bfloat16, CommMode::kTma>),
+                       reinterpret_cast<const void*>(&agGemmFusedKernel<__half, CommMode::kLsu>),
+                       reinterpret_cast<const void*>(&agGemmFusedKernel<__half, CommMode::kTma>),
+                       reinterpret_cast<const void*>(&agPlainGemmKernel<__nv_bfloat16>),
+                       reinterpret_cast<const void*>(&agPlainGemmKernel<__half>)};
+  for (const void* f : big) {
+    checkCuda(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+              "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  }
+  cudaFuncAttributes fa{};
+  checkCuda(cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(&agGatherKernel)), "cudaFuncGetAttributes");
+  int perSm = 0;
+  checkCuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, big[0], gemm::kThreads, smem),
+            "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (perSm < 1) fail("the fused kernel does not fit on an SM");
+  d.ready = true;
+  return d;
+}
+
+int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void validate(const AgGemmParams& p) {
+  const auto str = [](int64_t v) { return std::to_string(v); };
+  if (p.nranks < 1 || p.nranks > kAgGemmMaxRanks) fail("nranks must be in [1, 8], got " + str(p.nranks));
+  if (p.rank < 0 || p.rank >= p.nranks) fail("rank " + str(p.rank) + " out of range for nranks " + str(p.nranks));
+  if (p.dtype != GemmDtype::kBf16 && p.dtype != GemmDtype::kFp16) fail("unknown dtype");
+  if (p.m < 0 || p.n < 0 || p.k < 0) fail("negative size");
+  if (p.m > 0x7fffffff || p.n > 0x7fffffff || p.k > 0x7fffffff) fail("m, n and k must each be below 2^31");
+  if (p.k % 8 != 0) fail("k must be a multiple of 8 (16-byte rows), got " + str(p.k));
+  if (p.n % 8 != 0) fail("n must be a multiple of 8 (16-byte rows of C), got " + str(p.n));
+  if (p.plan < 0 || p.plan > 2) fail("plan must be 0 (auto), 1 (fused) or 2 (decomposed)");
+  if (p.commSms < 0 || p.groupM < 0) fail("commSms and groupM must be >= 0");
+  if (p.commMode < 0 || p.commMode > 2) fail("commMode must be 0 (auto), 1 (LSU copy) or 2 (TMA bulk copy)");
+  if (p.m == 0 || p.n == 0) return;
+  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  if (p.c == nullptr || !aligned(p.c)) fail("c must be non-null and 16-byte aligned");
+  if (p.k == 0) return;
+  const int64_t rows = agRowsOf(p.m, p.rank, p.nranks);
+  if (p.b == nullptr || !aligned(p.b)) fail("b must be non-null and 16-byte aligned");
+  if (rows > 0 && (p.a == nullptr || !aligned(p.a))) fail("a must be non-null and 16-byte aligned");
+  if (p.aGathered != nullptr && !aligned(p.aGathered)) fail("aGathered must be 16-byte aligned");
+  if (p.nranks == 1) return;
+  if (p.aGathered == nullptr) fail("aGathered is required for nranks > 1 (peers push into it)");
+  if (p.flags == nullptr) fail("flags is null");
+  if (p.flagWords < agGemmFlagWords(p.m, p.nranks)) {
+    fail("flag arrays hold " + str(p.flagWords) + " words, this shape needs " + str(agGemmFlagWords(p.m, p.nranks)));
+  }
+  for (int q = 0; q < p.nranks; ++q) {
+    if (q == p.rank) continue;
+    if (p.peerGathered[q] == nullptr || !aligned(p.peerGathered[q])) fail("peerGathered[" + str(q) + "] null or misaligned");
+    if (p.peerFlags[q] == nullptr) fail("peerFlags[" + str(q) + "] is null");
+  }
+  if (p.epoch == 0 || p.epoch == kAbortValue) fail("epoch must be in [1, 2^64 - 2]");
+}
+
+}  // namespace
+}  // namespace ag
+
+AgGemmPlanChoice resolveAgGemmPlan(const AgGemmParams& p) {
+  if (p.nranks <= 1) return {AgGemmPlan::kLocal, 0, 0};
+  const AgGemmPlanChoice chosen = chooseAgGemmPlan(p.m, p.n, p.k, p.nranks);
+  AgGemmPlanChoice r = chosen;
+  if (p.plan == 1 && chosen.plan != AgGemmPlan::kFused) r = {AgGemmPlan::kFused, 4, 2};
+  if (p.plan == 2 && chosen.plan != AgGemmPlan::kDecomposed) r = {AgGemmPlan::kDecomposed, 132, 1};
+  if (p.commSms > 0) r.commSms = p.commSms;
+  if (r.plan == AgGemmPlan::kFused && p.commMode > 0) r.commMode = p.commMode;
+  if (r.plan == AgGemmPlan::kDecomposed) r.commMode = 1;
+  return r;
+}
+
+AgGemmPlanChoice launchAgGemm(const AgGemmParams& p, cudaStream_t stream) {
+  using namespace ag;
+  validate(p);
+  AgGemmPlanChoice choice = resolveAgGemmPlan(p);
+  if (p.m == 0 || p.n == 0) return choice;
+  const int64_t rows = agRowsOf(p.m, p.rank, p.nranks);
+  const int64_t row0 = agRowOffset(p.m, p.rank, p.nranks);
+
+  if (p.k == 0) {  // C = 0; the gathered matrix is empty; no rank waits on another
+    checkCuda(cudaMemsetAsync(p.c, 0, static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * 2, stream), "cudaMemsetAsync");
+    return choice;
+  }
+
+  if (choice.plan == AgGemmPlan::kLocal) {
+    if (p.aGathered != nullptr && p.aGathered != p.a) {
+      checkCuda(cudaMemcpyAsync(p.aGathered, p.a, static_cast<size_t>(p.m) * static_cast<size_t>(p.k) * 2,
+                                cudaMemcpyDeviceToDevice, stream),
+                "cudaMemcpyAsync (gathered copy)");
+    }
+    GemmParams g{};
+    g.a = p.a;
+    g.b = p.b;
+    g.c = p.c;
+    g.m = p.m;
+    g.n = p.n;
+    g.k = p.k;
+    g.lda = p.k;
+    g.ldb = p.k;
+    g.ldc = p.n;
+    g.dtype = p.dtype;
+    launchGemm(g, stream);
+    return choice;
+  }
+
+  int device = 0;
+  checkCuda(cudaGetDevice(&device), "cudaGetDevice");
+  const DeviceInfo info = deviceInfo(device);
+
+  AgGemmKernelParams kp;
+  std::memset(&kp, 0, sizeof(kp));
+  const int64_t tilesM = ceilDiv(p.m, gemm::kBlockM);
+  const int64_t tilesN = ceilDiv(p.n, gemm::kBlockN);
+  if (tilesM * tilesN > 0x7fffffff) fail("too many tiles");
+  kp.g.tmA = encodeMap(p.aGathered, p.m, p.k, gemm::kBlockM, gemm::kBlockK, p.dtype);
+  kp.g.tmB = encodeMap(p.b, p.n, p.k, gemm::kBlockN, gemm::kBlockK, p.dtype);
+  kp.g.tmC = encodeMap(p.c, p.m, p.n, gemm::kRowsPerConsumer, gemm::kEpiCols, p.dtype);
+  kp.tmALocal = rows > 0 ? encodeMap(p.a, rows, p.k, gemm::kBlockM, gemm::kBlockK, p.dtype) : kp.g.tmA;
+  kp.g.c = p.c;
+  kp.g.ldc = p.n;
+  kp.g.m = static_cast<int32_t>(p.m);
+  kp.g.n = static_cast<int32_t>(p.n);
+  kp.g.k = static_cast<int32_t>(p.k);
+  kp.g.numKBlocks = static_cast<int32_t>(ceilDiv(p.k, gemm::kBlockK));
+  kp.g.unitsM = static_cast<int32_t>(tilesM);
+  kp.g.tilesN = static_cast<int32_t>(tilesN);
+  kp.g.groupM = p.groupM > 0 ? p.groupM : 8;
+  kp.shard = static_cast<const uint4*>(p.a);
+  for (int q = 0; q < p.nranks; ++q) {
+    kp.gathered[q] = static_cast<uint4*>(q == p.rank ? p.aGathered : p.peerGathered[q]);
+    kp.flags[q] = q == p.rank ? p.flags : p.peerFlags[q];
+  }
+  kp.abortWord = p.abortWord;
+  kp.errorSlot = p.errorSlot;
+  kp.epoch = p.epoch;
+  kp.timeoutNs = p.timeoutNs > 0 ? p.timeoutNs : 10ull * 1000 * 1000 * 1000;
+  kp.rowWords = p.k / 8;
+  kp.rank = p.rank;
+  kp.nranks = p.nranks;
+  kp.localRow0 = static_cast<int32_t>(row0);
+  kp.localRow1 = static_cast<int32_t>(row0 + rows);
+  kp.maxChunks = static_cast<int32_t>(agGemmMaxChunks(p.m, p.nranks));
+  {
+    const int pushCtas = choice.plan == AgGemmPlan::kFused ? agGemmRoleLayout(info.numSms, choice.commSms).commCtas
+                                                           : std::max(1, std::min(choice.commSms, info.numSms));
+    kp.chunkRows = static_cast<int32_t>(agGemmChunkRows(p.m, p.nranks, pushCtas));
+  }
+
+  // Tile order: start at the first tile row wholly at or after this rank's first row; segment d ends after the last
+  // tile row (in that rotated order) whose rows all come from ranks rank .. rank + d.
+  const int n = p.nranks;
+  const auto rankOfRow = [&](int64_t row) {
+    for (int s = 0; s < n; ++s) {
+      if (row < agRowOffset(p.m, s, n) + agRowsOf(p.m, s, n)) return s;
+    }
+    return n - 1;
+  };
+  kp.tilesM = static_cast<int32_t>(tilesM);
+  kp.startTile = static_cast<int32_t>(ceilDiv(row0, gemm::kBlockM) % tilesM);
+  kp.groupM = kp.g.groupM;
+  kp.nseg = n;
+  {
+    int32_t counts[kAgGemmMaxRanks] = {};
+    int prevStep = 0;
+    bool monotone = true;
+    for (int64_t v = 0; v < tilesM; ++v) {
+      const int64_t t = (kp.startTile + v) % tilesM;
+      const int64_t a0 = t * gemm::kBlockM;
+      const int64_t a1 = std::min<int64_t>(a0 + gemm::kBlockM, p.m) - 1;
+      int step = 0;
+      for (int s = rankOfRow(a0); s <= rankOfRow(a1); ++s) {
+        if (agRowsOf(p.m, s, n) == 0) continue;
+        step = std::max(step, (s - p.rank + n) % n);
+      }
+      if (step < prevStep) monotone = false;
+      prevStep = step;
+      ++counts[step];
+    }
+    if (monotone) {
+      int32_t acc = 0;
+      for (int d = 0; d < n; ++d) {
+        acc += counts[d];
+        kp.segEnd[d] = acc;
+      }
+    } else {  // cannot happen with the balanced split; stay correct anyway (every tile still waits on its flags)
+      kp.startTile = 0;
+      kp.nseg = 1;
+      kp.segEnd[0] = static_cast<int32_t>(tilesM);
+    }
+  }
+
+  const size_t smem = gemm::kSmemBytes<gemm::kStages>;
+  const int64_t numWork = tilesM * tilesN;
+  if (choice.plan == AgGemmPlan::kFused) {
+    const AgGemmRoleLayout layout = agGemmRoleLayout(info.numSms, choice.commSms);
+    choice.commSms = layout.commCtas;
+    kp.commCtas = layout.commCtas;
+    // Compute CTAs beyond the tile count would only idle: trim them (all CTAs must be co-resident: one per SM).
+    const int32_t compute = static_cast<int32_t>(std::min<int64_t>(layout.computeCtas, numWork));
+    // Tail: with every SM computing, the GEMM takes ceil(work / SMs) waves. When the compute CTAs alone would need
+    // more, the comm CTAs (done pushing within the first part of the kernel) take the excess from the end of the
+    // order, at most 60% of a full run each so that they finish in time.
+    const int64_t waves = ceilDiv(numWork, info.numSms);
+    const int64_t excess = numWork - static_cast<int64_t>(compute) * waves;
+    const int64_t cap = static_cast<int64_t>(layout.commCtas) * (waves * 6 / 10);
+    kp.tailTiles = p.commTail == 0 ? static_cast<int32_t>(std::clamp<int64_t>(excess, 0, cap))
+                                   : (p.commTail < 0 ? 0 : static_cast<int32_t>(std::min<int64_t>(p.commTail, numWork)));
+    choice.tailTiles = kp.tailTiles;
+    const dim3 grid(static_cast<unsigned>(layout.commCtas + compute));
+    const bool tma = choice.commMode == 2;
+    if (p.dtype == GemmDtype::kBf16) {
+      if (tma) agGemmFusedKernel<__nv_bfloat16, CommMode::kTma><<<grid, gemm::kThreads, smem, stream>>>(kp);
+      else agGemmFusedKernel<__nv_bfloat16, CommMode::kLsu><<<grid, gemm::kThreads, smem, stream>>>(kp);
+    } else {
+      if (tma) agGemmFusedKernel<__half, CommMode::kTma><<<grid, gemm::kThreads, smem, stream>>>(kp);
+      else agGemmFusedKernel<__half, CommMode::kLsu><<<grid, gemm::kThreads, smem, stream>>>(kp);
+    }
+    checkCuda(cudaGetLastError(), "launching the fused AllGather+GEMM kernel");
+    return choice;
+  }
+
+  // Decomposed: all-gather kernel (waits for every incoming chunk), then the GEMM core on the gathered buffer.
+  const int ctas = std::max(1, std::min(choice.commSms, info.numSms));
+  choice.commSms = ctas;
+  agGatherKernel<<<ctas, kGatherThreads, 0, stream>>>(kp);
+  checkCuda(cudaGetLastError(), "launching the all-gather kernel");
+  kp.g.groupM = p.groupM > 0 ? p.groupM : 16;  // the core's default raster
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(info.numSms, numWork)));
+  if (p.dtype == GemmDtype::kBf16) {
+    agPlainGemmKernel<__nv_bfloat16><<<grid, gemm::kThreads, smem, stream>>>(kp);
+  } else {
+    agPlainGemmKernel<__half><<<grid, gemm::kThreads, smem, stream>>>(kp);
+  }
+  checkCuda(cudaGetLastError(), "launching the GEMM kernel (decomposed plan)");
+  return choice;
+}
+
+}  // namespace tandem::kernels

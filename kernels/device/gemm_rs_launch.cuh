@@ -1,0 +1,323 @@
+// Host side shared by kernels/gemm_rs.cu and kernels/gemm_ar.cu: workspace layout, validation, kernel parameters
+// (TMA maps of this rank's slice, the role table, the phase order, every rank's staging / flag / output pointers) and
+// the launch of a resolved plan. Each .cu passes its own kernel instantiations (one kernel family per .cu).
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled: fetched through the runtime, libcuda is never linked
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "device/gemm_rs_sm90.cuh"
+#include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_rs.hpp"
+
+namespace tandem::kernels::rs {
+
+using FusedFn = void (*)(FusedKernelParams);
+
+// The kernels one .cu instantiates: fused[dtype][partial] (dtype 0 bf16 / 1 fp16; partial 0 fp32 / 1 input dtype),
+// reduce[dtype] (decomposed plan).
+struct KernelTable {
+  FusedFn fused[2][2];
+  FusedFn reduce[2];
+};
+
+[[noreturn]] inline void fail(const char* op, const std::string& msg) {
+  throw std::runtime_error(std::string("tandem ") + op + ": " + msg);
+}
+inline void checkCuda(const char* op, cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(op, std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+struct Layout {
+  int64_t capM, capN, maxHalf;
+  size_t readyOff, inFlagsOff, outFlagsOff, finFlagsOff, stagingOff, matBytes, total;
+};
+inline Layout layoutFor(int64_t maxM, int64_t maxN, int nranks) {
+  Layout l{};
+  l.capM = (std::max<int64_t>(maxM, 1) + kBlockM - 1) / kBlockM * kBlockM;
+  l.capN = (std::max<int64_t>(maxN, 1) + kBlockN - 1) / kBlockN * kBlockN;
+  l.maxHalf = (l.capM / kHalfRows) * (l.capN / kBlockN);
+  const size_t words = static_cast<size_t>(l.maxHalf);
+  l.readyOff = 0;
+  l.inFlagsOff = 256;
+  l.outFlagsOff = l.inFlagsOff + kMaxRanks * words * 8;
+  l.finFlagsOff = l.outFlagsOff + words * 8;
+  const size_t flagsEnd = l.finFlagsOff + kMaxRanks * words * 8;
+  l.stagingOff = (flagsEnd + 65535) / 65536 * 65536;
+  l.matBytes = static_cast<size_t>(l.capM) * static_cast<size_t>(l.capN) * 4;
+  l.total = l.stagingOff + static_cast<size_t>(2 * nranks + 2) * l.matBytes;
+  return l;
+}
+
+inline std::string planName(const GemmRsPlan& p, bool allReduce) {
+  if (p.kind == GemmRsPlanKind::kAuto) return "auto";
+  if (p.kind == GemmRsPlanKind::kDecomposed) {
+    return std::string("decomposed/") + (allReduce ? (p.oneShot ? "1shot/" : "2shot/") : "") + "r" +
+           std::to_string(p.numReduce);
+  }
+  std::string s = "fused/";
+  if (allReduce) s += p.oneShot ? "1shot/" : "2shot/";
+  s += p.transport == GemmRsTransport::kPush   ? "push"
+       : p.transport == GemmRsTransport::kSend ? "send"
+       : p.transport == GemmRsTransport::kPull ? "pull"
+                                               : "copy";
+  s += p.partial == GemmRsPartial::kFp32 ? "/fp32" : "/bf16";
+  s += p.epiReduce ? "/epi" : "/r" + std::to_string(p.numReduce);
+  if (p.numSend > 0) s += "/s" + std::to_string(p.numSend);
+  if (p.numCompute > 0) s += "/c" + std::to_string(p.numCompute);
+  return s;
+}
+
+inline int smCount(const char* op) {
+  int device = 0;
+  checkCuda(op, cudaGetDevice(&device), "cudaGetDevice");
+  int sms = 0;
+  checkCuda(op, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  int major = 0;
+  checkCuda(op, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  if (major != 9) fail(op, "needs an sm_90 (Hopper) GPU; device " + std::to_string(device) + " is sm_" + std::to_string(major) + "x");
+  return sms;
+}
+
+// The opt-in shared memory of a fused kernel, set once per (device, kernel).
+inline void prepareFused(const char* op, FusedFn fn) {
+  static std::mutex mu;
+  static std::pair<int, FusedFn> done[64];
+  static int used = 0;
+  int device = 0;
+  checkCuda(op, cudaGetDevice(&device), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mu);
+  for (int i = 0; i < used; ++i) {
+    if (done[i].first == device && done[i].second == fn) return;
+  }
+  checkCuda(op, cudaFuncSetAttribute(reinterpret_cast<const void*>(fn), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(gemm::kSmemBytes<gemm::kStages> + kExtraSmem)),
+            "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  if (used < 64) done[used++] = {device, fn};
+}
+
+inline CUtensorMap encodeMap(const char* op, const void* ptr, int64_t rows, int64_t cols, int64_t ld, uint32_t boxRows,
+                             GemmDtype dt) {
+  using EncodeTiledFn = PFN_cuTensorMapEncodeTiled_v12000;
+  static const EncodeTiledFn fn = [op] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || f == nullptr) {
+      fail(op, "cuTensorMapEncodeTiled is not available from the driver");
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(gemm::kBlockK), boxRows};
+  const cuuint32_t elemStrides[2] = {1, 1};
+  const CUresult r = fn(&map, dt == GemmDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                        2, const_cast<void*>(ptr), dims, strides, box, elemStrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) fail(op, "cuTensorMapEncodeTiled failed (CUresult " + std::to_string(static_cast<int>(r)) + ")");
+  return map;
+}
+
+inline void validate(const char* op, const GemmRsParams& p, bool allReduce) {
+  const auto str = [](int64_t v) { return std::to_string(v); };
+  if (p.nranks < 1 || p.nranks > kMaxRanks) fail(op, "nranks must be in [1, " + str(kMaxRanks) + "], got " + str(p.nranks));
+  if (p.rank < 0 || p.rank >= p.nranks) fail(op, "rank " + str(p.rank) + " out of [0, " + str(p.nranks) + ")");
+  if (p.dtype != GemmDtype::kBf16 && p.dtype != GemmDtype::kFp16) fail(op, "dtype must be bf16 or fp16");
+  if (p.m < 1 || p.n < 1 || p.k < 1) fail(op, "m, n, k must be >= 1, got m=" + str(p.m) + " n=" + str(p.n) + " k=" + str(p.k));
+  if (p.m > 0x7fffffff || p.n > 0x7fffffff || p.k > 0x7fffffff) fail(op, "m, n and k must each be below 2^31");
+  if (p.k % 8 != 0) fail(op, "this rank's k slice must be a multiple of 8 (16-byte TMA strides), got " + str(p.k));
+  if (p.n % 8 != 0) fail(op, "n must be a multiple of 8, got " + str(p.n));
+  if (p.a == nullptr || p.b == nullptr || p.out == nullptr) fail(op, "a, b or out is null");
+  const auto misaligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 != 0; };
+  if (misaligned(p.a) || misaligned(p.b) || misaligned(p.out)) fail(op, "a, b and out must be 16-byte aligned");
+  if (p.lda < p.k || p.lda % 8 != 0) fail(op, "lda must be >= k and a multiple of 8, got " + str(p.lda));
+  if (p.ldb < p.k || p.ldb % 8 != 0) fail(op, "ldb must be >= k and a multiple of 8, got " + str(p.ldb));
+  if (p.ldOut < p.n || p.ldOut % 8 != 0) fail(op, "ldOut must be >= n and a multiple of 8, got " + str(p.ldOut));
+  if (p.m > p.wsMaxM || p.n > p.wsMaxN) {
+    fail(op, "the workspace was sized for m <= " + str(p.wsMaxM) + ", n <= " + str(p.wsMaxN) + "; got m=" + str(p.m) +
+                 " n=" + str(p.n) + " (see gemmRsWorkspaceBytes)");
+  }
+  for (int q = 0; q < p.nranks; ++q) {
+    if (p.workspace[q] == nullptr) fail(op, "workspace of rank " + str(q) + " is null");
+    if (q != p.rank && p.nranks > 1 && p.peerOut[q] == nullptr) fail(op, "peerOut of rank " + str(q) + " is null");
+  }
+  if (p.epoch == 0 || p.epoch == kAbortValue) fail(op, "epoch must be in [1, 2^64 - 2]");
+  (void)allReduce;
+}
+
+// Plan with defaults filled in and checked against the role rules (throws on an inconsistent plan).
+inline GemmRsPlan finishPlan(const char* op, GemmRsPlan plan, bool allReduce, int nranks, int numSms) {
+  const auto str = [](int64_t v) { return std::to_string(v); };
+  if (plan.kind == GemmRsPlanKind::kDecomposed) {
+    if (plan.numReduce <= 0) plan.numReduce = static_cast<int16_t>(numSms);
+    if (!allReduce) plan.oneShot = 0;
+    return plan;
+  }
+  if (plan.kind != GemmRsPlanKind::kFused) fail(op, "unknown plan kind");
+  if (!allReduce) plan.oneShot = 0;
+  if (plan.oneShot) {
+    plan.transport = GemmRsTransport::kPull;
+    if (plan.epiReduce) fail(op, "a one-shot plan reduces in reduce CTAs (epiReduce would deadlock)");
+  }
+  if (plan.transport != GemmRsTransport::kSend) plan.numSend = 0;
+  if (plan.transport == GemmRsTransport::kCopy && !plan.epiReduce) {
+    fail(op, "transport copy reduces the own rows in the epilogue: set epiReduce");
+  }
+  if (plan.epiReduce) plan.numReduce = 0;
+  if (!plan.epiReduce && plan.numReduce < 1) fail(op, "a plan without epiReduce needs reduce CTAs");
+  if (plan.transport == GemmRsTransport::kSend && nranks > 1 && plan.numSend < 1) fail(op, "transport send needs send CTAs");
+  if (plan.numCompute <= 0) plan.numCompute = static_cast<int16_t>(numSms - plan.numReduce - plan.numSend);
+  if (plan.numCompute < 1 || plan.numCompute + plan.numReduce + plan.numSend > numSms) {
+    fail(op, "role table does not fit: " + str(plan.numReduce) + " reduce + " + str(plan.numSend) + " send + " +
+                 str(plan.numCompute) + " compute CTAs on " + str(numSms) + " SMs (all must be co-resident)");
+  }
+  return plan;
+}
+
+inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, const GemmRsPlan& plan, bool allReduce) {
+  FusedKernelParams kp;
+  std::memset(&kp, 0, sizeof(kp));
+  const Layout l = layoutFor(p.wsMaxM, p.wsMaxN, p.nranks);
+  const int64_t tilesM = (p.m + kBlockM - 1) / kBlockM;
+  const int64_t tilesN = (p.n + kBlockN - 1) / kBlockN;
+  if (tilesM * tilesN > 0x7fffffff / 2) fail(op, "too many tiles");
+  const bool decomposed = plan.kind == GemmRsPlanKind::kDecomposed;
+  const size_t psize = (!decomposed && plan.partial == GemmRsPartial::kFp32) ? 4 : 2;
+
+  kp.g.tmA = encodeMap(op, p.a, p.m, p.k, p.lda, kBlockM, p.dtype);
+  kp.g.tmB = encodeMap(op, p.b, p.n, p.k, p.ldb, kBlockN, p.dtype);
+  kp.g.c = p.out;
+  kp.g.ldc = p.ldOut;
+  kp.g.m = static_cast<int32_t>(p.m);
+  kp.g.n = static_cast<int32_t>(p.n);
+  kp.g.k = static_cast<int32_t>(p.k);
+  kp.g.numKBlocks = static_cast<int32_t>((p.k + gemm::kBlockK - 1) / gemm::kBlockK);
+  kp.g.unitsM = static_cast<int32_t>(tilesM);
+  kp.g.tilesN = static_cast<int32_t>(tilesN);
+  kp.g.groupM = p.groupM > 0 ? p.groupM : 16;
+
+  kp.rank = p.rank;
+  kp.nranks = p.nranks;
+  kp.tilesM = static_cast<int32_t>(tilesM);
+  kp.tilesN = static_cast<int32_t>(tilesN);
+  kp.allReduce = allReduce ? 1 : 0;
+  kp.oneShot = (allReduce && plan.oneShot) ? 1 : 0;
+  kp.transport = decomposed ? static_cast<int32_t>(GemmRsTransport::kPull) : static_cast<int32_t>(plan.transport);
+  kp.epiReduce = (!decomposed && plan.epiReduce) ? 1 : 0;
+  kp.numReduce = plan.numReduce;
+  kp.numSend = decomposed ? 0 : plan.numSend;
+  kp.numCompute = decomposed ? 0 : plan.numCompute;
+  // Stores that crossed NVLink are published one tile later, when the fence finds them long completed.
+  kp.deferRelease = (!decomposed && !kp.oneShot && plan.transport == GemmRsTransport::kPush) ? 1 : 0;
+  kp.groupM = kp.g.groupM;
+
+  // Tile rows reduced by each rank: the owner of a tile row's first row (monotone, so contiguous ranges).
+  {
+    const int64_t q = p.m / p.nranks, rem = p.m % p.nranks, big = rem * (q + 1);
+    for (int d = 0; d < kMaxRanks; ++d) kp.redTr0[d] = kp.redTr1[d] = -1;
+    for (int64_t tr = 0; tr < tilesM; ++tr) {
+      const int64_t row = tr * kBlockM;
+      const int d = static_cast<int>(row < big ? row / (q + 1) : rem + (row - big) / q);
+      if (kp.redTr0[d] < 0) kp.redTr0[d] = static_cast<int32_t>(tr);
+      kp.redTr1[d] = static_cast<int32_t>(tr + 1);
+    }
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (kp.redTr0[d] < 0) kp.redTr0[d] = kp.redTr1[d] = 0;  // reduces nothing
+    }
+  }
+  if (kp.oneShot) {
+    kp.numPhases = 1;
+    kp.phaseTr0[0] = 0;
+    kp.phaseTr1[0] = static_cast<int32_t>(tilesM);
+    kp.ownWork0 = 0;
+  } else {
+    kp.numPhases = p.nranks;
+    int32_t start = 0;
+    for (int ph = 0; ph < p.nranks; ++ph) {
+      const int d = (p.rank + 1 + ph) % p.nranks;  // own rows (d == rank) last
+      kp.phaseTr0[ph] = kp.redTr0[d];
+      kp.phaseTr1[ph] = kp.redTr1[d];
+      if (ph == p.nranks - 1) kp.ownWork0 = start;
+      start += (kp.redTr1[d] - kp.redTr0[d]) * static_cast<int32_t>(tilesN);
+    }
+  }
+  kp.numWork = static_cast<int32_t>(tilesM * tilesN);
+
+  kp.ldP = tilesN * kBlockN;
+  kp.ldOut = p.ldOut;
+  kp.srcStride = static_cast<int64_t>(l.matBytes / psize);
+  kp.flagStride = l.maxHalf;
+  kp.epoch = p.epoch;
+  kp.timeoutNs = p.timeoutNs ? p.timeoutNs : 10ull * 1000 * 1000 * 1000;
+  const size_t parity = p.epoch & 1;
+  for (int q = 0; q < p.nranks; ++q) {
+    char* const base = static_cast<char*>(p.workspace[q]);
+    kp.ready[q] = reinterpret_cast<uint64_t*>(base + l.readyOff);
+    kp.inFlags[q] = reinterpret_cast<uint64_t*>(base + l.inFlagsOff);
+    kp.outFlags[q] = reinterpret_cast<uint64_t*>(base + l.outFlagsOff);
+    kp.finFlags[q] = reinterpret_cast<uint64_t*>(base + l.finFlagsOff);
+    kp.inbox[q] = base + l.stagingOff + parity * static_cast<size_t>(p.nranks) * l.matBytes;
+    kp.outbox[q] = base + l.stagingOff + static_cast<size_t>(2 * p.nranks) * l.matBytes + parity * l.matBytes;
+    kp.out[q] = q == p.rank ? p.out : p.peerOut[q];
+  }
+  kp.abortWord = p.abortWord;
+  kp.errorSlot = p.errorSlot;
+  kp.trace = decomposed ? nullptr : p.trace;
+  kp.traceTiles = p.traceTiles;
+  kp.finViaCopier = (!decomposed && allReduce && !kp.oneShot && plan.transport == GemmRsTransport::kCopy) ? 1 : 0;
+  return kp;
+}
+
+// Enqueues a resolved plan (finishPlan) on `stream`.
+inline void launchPlan(const char* op, const KernelTable& kt, const GemmRsParams& p, const GemmRsPlan& plan,
+                       bool allReduce, cudaStream_t stream) {
+  const int dt = p.dtype == GemmDtype::kBf16 ? 0 : 1;
+  if (plan.kind == GemmRsPlanKind::kDecomposed) {
+    GemmParams g{};
+    g.a = p.a;
+    g.b = p.b;
+    g.m = p.m;
+    g.n = p.n;
+    g.k = p.k;
+    g.lda = p.lda;
+    g.ldb = p.ldb;
+    g.dtype = p.dtype;
+    if (p.nranks == 1) {  // nothing to reduce: the GEMM writes the output
+      g.c = p.out;
+      g.ldc = p.ldOut;
+      launchGemm(g, stream);
+      return;
+    }
+    const FusedKernelParams kp = buildParams(op, p, plan, allReduce);
+    g.c = kp.outbox[p.rank];
+    g.ldc = kp.ldP;
+    launchGemm(g, stream);
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(plan.numReduce), 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    checkCuda(op, cudaLaunchKernelEx(&cfg, kt.reduce[dt], kp), "launching the reduction kernel");
+    return;
+  }
+  const FusedKernelParams kp = buildParams(op, p, plan, allReduce);
+  const FusedFn fn = kt.fused[dt][plan.partial == GemmRsPartial::kFp32 ? 0 : 1];
+  prepareFused(op, fn);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(plan.numReduce + plan.numSend + plan.numCompute), 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = gemm::kSmemBytes<gemm::kStages> + kExtraSmem;
+  cfg.stream = stream;
+  checkCuda(op, cudaLaunchKernelEx(&cfg, fn, kp), "launching the fused kernel");
+}
+
+}  // namespace tandem::kernels::rs

@@ -1,0 +1,151 @@
+// Fused AllGather + GEMM over NVLink (issue 5). n ranks, one GPU each. Rank r holds the row shard
+// A[rowOffset(m, r, n) .. + rowsOf(m, r, n)) as [rows, k]; every rank has its own B [n_cols, k]; every rank gets
+// C = gather(A) · Bᵀ, [m, n_cols], and the gathered A [m, k] in its gathered buffer (workspace and output).
+//
+// Transport: PUSH. Each rank's communication CTAs read its own shard (local HBM) and write it, chunk by chunk, into
+// every peer's gathered buffer over NVLink (and once into its own), then publish a per-chunk epoch flag in the
+// destination's flag array (stReleaseSys after the data). The destination's compute CTAs start on tiles whose rows lie
+// wholly in the local shard (read straight from the shard, no wait), then take the peers' rows in arrival order, each
+// tile waiting on the chunk flags of its rows (waitGeq: abort word + deadline), then fence.proxy.async, then TMA.
+// Before pushing into a peer, a rank waits for that peer's "arrived at epoch e" flag, which the peer writes into every
+// rank's flag array when its kernel for epoch e starts: its previous op's reads of its gathered buffer are then over.
+//
+// Host-only header (g++ and nvcc). The launcher takes plain pointers, so either executor can call it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/signals.hpp"
+
+#if defined(__CUDACC__)
+#define TANDEM_AG_HD __host__ __device__
+#else
+#define TANDEM_AG_HD
+#endif
+
+namespace tandem::kernels {
+
+inline constexpr int kAgGemmMaxRanks = 8;
+// Rows of one pushed chunk (one flag each): 128, halved down to 16 while a shard has fewer than 2 chunks per pushing
+// CTA (each chunk is pushed by one CTA, at ~20 GB/s per SM over NVLink: small shards need more, smaller chunks).
+inline constexpr int64_t kAgGemmMaxChunkRows = 128;
+inline constexpr int64_t kAgGemmMinChunkRows = 16;
+constexpr int64_t agGemmChunkRows(int64_t m, int nranks, int pushCtas) {
+  const int64_t rows = m / nranks + (m % nranks != 0 ? 1 : 0);
+  int64_t c = kAgGemmMaxChunkRows;
+  while (c > kAgGemmMinChunkRows && (rows + c - 1) / c < 2 * static_cast<int64_t>(pushCtas)) c /= 2;
+  return c;
+}
+
+// The balanced row split of tandem.h: rank r of n owns m/n + (r < m%n) rows starting at r*(m/n) + min(r, m%n).
+constexpr int64_t agRowsOf(int64_t m, int r, int n) { return m / n + (r < m % n ? 1 : 0); }
+constexpr int64_t agRowOffset(int64_t m, int r, int n) { return r * (m / n) + (r < m % n ? r : m % n); }
+
+// Flag array of one rank (uint64 words, zeroed ONCE at allocation, never reset; values are epochs):
+//   [0, kAgGemmMaxRanks)                       arrive[src]: rank src's op of epoch e has started (src writes it here)
+//   [kAgGemmMaxRanks + src * maxChunks + c]    chunk c of src's shard has landed in this rank's gathered buffer
+constexpr int64_t agGemmMaxChunks(int64_t m, int nranks) {
+  return (agRowsOf(m, 0, nranks) + kAgGemmMinChunkRows - 1) / kAgGemmMinChunkRows;
+}
+constexpr int64_t agGemmFlagWords(int64_t m, int nranks) {
+  return kAgGemmMaxRanks + static_cast<int64_t>(nranks) * agGemmMaxChunks(m, nranks);
+}
+
+// ---- role table of the fused kernel: CTAs [0, commCtas) communicate, the rest compute (one CTA per SM).
+struct AgGemmRoleLayout {
+  int32_t commCtas;
+  int32_t computeCtas;
+  TANDEM_AG_HD constexpr int32_t total() const { return commCtas + computeCtas; }
+  TANDEM_AG_HD constexpr Role roleOf(int32_t cta) const { return cta < commCtas ? Role::kIntraComm : Role::kCompute; }
+  TANDEM_AG_HD constexpr int32_t indexInRole(int32_t cta) const { return cta < commCtas ? cta : cta - commCtas; }
+};
+// numSms SMs, commSms of them communicating (clamped to [1, numSms - 1]).
+constexpr AgGemmRoleLayout agGemmRoleLayout(int numSms, int commSms) {
+  const int c = commSms < 1 ? 1 : (commSms > numSms - 1 ? numSms - 1 : commSms);
+  return {c, numSms - c};
+}
+
+// ---- plan choice
+enum class AgGemmPlan : uint8_t {
+  kFused = 0,       // one persistent kernel: comm CTAs push chunks while compute CTAs run the GEMM
+  kDecomposed = 1,  // SM-driven all-gather kernel (push + flags, waits for all incoming chunks), then the GEMM core
+  kLocal = 2,       // nranks == 1: the GEMM on the shard (plus a copy into the gathered buffer if one is given)
+};
+struct AgGemmPlanChoice {
+  AgGemmPlan plan;
+  int32_t commSms;    // fused: communication CTAs; decomposed: CTAs of the all-gather kernel
+  int32_t commMode;   // 1: LSU copy loop (all threads), 2: TMA bulk copies (one thread, smem staging)
+  int32_t tailTiles;  // fused (as launched): tiles the comm CTAs compute after pushing
+};
+constexpr const char* agGemmPlanName(AgGemmPlan p) {
+  return p == AgGemmPlan::kFused ? "fused" : (p == AgGemmPlan::kDecomposed ? "decomposed" : "local");
+}
+
+// Cost model, fitted to measurements on nvidia-h200-x2 (bench/ag_gemm_bench.cu; bench/RESULTS.md "Fused
+// AllGather+GEMM"): the GEMM core runs ~700 TF/s per GPU at the 700 W cap; one comm CTA pushes ~20 GB/s over NVLink
+// (LSU loop and TMA bulk copies alike; the per-SM rate, not NVLink, is the limit). The compute CTAs spend the first
+// 1/nranks of the GEMM on the local shard, then take peer rows one raster group (8 tile rows) at a time. The fused
+// plan with c comm SMs hides the transfer when (a) the first peer group has landed by the end of the local part and
+// (b) the whole transfer fits in 90% of the GEMM. The fewest comm SMs that satisfy both are taken: 4 leave 128 compute
+// CTAs, a whole number of 128x256-tile waves for N = 8192 and M = 1024 .. 16384 (and the comm CTAs compute the tail
+// where the 132-CTA GEMM needs fewer waves, see launchAgGemm). Measured: fused beat decomposed at every benchmark
+// shape (M 1024 .. 16384); decomposed is kept for shapes where even 16 comm SMs cannot keep ahead of the GEMM.
+constexpr AgGemmPlanChoice chooseAgGemmPlan(int64_t m, int64_t n, int64_t k, int nranks) {
+  if (nranks <= 1) return {AgGemmPlan::kLocal, 0, 0, 0};
+  const double rows = static_cast<double>(agRowsOf(m, 0, nranks));
+  const double gemmUs = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / 700e6;
+  const double localUs = gemmUs / nranks;
+  const double peerBytes = rows * static_cast<double>(k) * 2.0 * (nranks - 1);
+  const double groupBytes = (rows < 1024.0 ? rows : 1024.0) * static_cast<double>(k) * 2.0;
+  constexpr double kPushBytesPerUsPerSm = 20e3;  // 20 GB/s
+  for (int c = 4; c <= 16; c *= 2) {
+    const double rate = c * kPushBytesPerUsPerSm;
+    if (rate * localUs >= groupBytes && rate * gemmUs * 0.9 >= peerBytes) return {AgGemmPlan::kFused, c, 1, 0};
+  }
+  return {AgGemmPlan::kDecomposed, 132, 1, 0};
+}
+
+// ---- parameters (POD; zero-initialise and fill)
+struct AgGemmParams {
+  int32_t rank, nranks;
+  int64_t m, n, k;  // global m (gathered rows), n = columns of C, k
+  GemmDtype dtype;
+  const void* a;    // this rank's shard [agRowsOf(m, rank, nranks), k], packed; 16-byte aligned
+  const void* b;    // [n, k], packed
+  void* c;          // [m, n], packed; n % 8 == 0
+  void* aGathered;  // [m, k] this rank's gathered buffer: required for nranks > 1 (peers push into it); nranks == 1:
+                    // optional (null, or == a, skips the copy)
+  void* peerGathered[kAgGemmMaxRanks];  // rank q's aGathered, mapped into this process (entry [rank] unused)
+  uint64_t* flags;                      // this rank's flag array (>= agGemmFlagWords(m, nranks) words)
+  uint64_t* peerFlags[kAgGemmMaxRanks];  // rank q's flag array, mapped here (entry [rank] unused)
+  int64_t flagWords;                     // capacity of every rank's flag array, in words (checked)
+  uint64_t epoch;              // the same on every rank for one op; larger than every epoch used before on these flags
+  const uint64_t* abortWord;   // optional; non-zero aborts every wait
+  ErrorSlot* errorSlot;        // optional, host-mapped: the first failed wait reports here
+  uint64_t timeoutNs;          // per-wait deadline from the kernel's start; 0 = 10 s
+  // Plan: 0 = chooseAgGemmPlan, 1 = fused, 2 = decomposed. commSms 0 = the chooser's value for that plan.
+  int32_t plan;
+  int32_t commSms;
+  int32_t groupM;    // raster group height in tiles (0 = 8 fused, 16 decomposed)
+  int32_t commMode;  // fused: 0 = the chooser's, 1 = LSU copy loop, 2 = TMA bulk copies
+  int32_t commTail;  // fused: 0 = auto (see launchAgGemm), < 0 = none, > 0 = that many tiles for the comm CTAs
+};
+
+// Enqueues the op on `stream` (the current device must own stream and every local pointer). Throws
+// std::runtime_error with the reason on bad arguments or a CUDA failure. Every rank must call it with the same
+// m, n, k, nranks, epoch and tuning fields (plan, commSms, commMode, commTail, groupM). Returns the plan enqueued.
+// The fused kernel launches one CTA per SM and its CTAs wait on each other and on the peers' kernels: nothing else may
+// hold SMs of this GPU for the duration (no concurrent persistent kernels; under MPS the whole GPU must be provisioned).
+// A process that drives several GPUs from one thread must not let a lazily loaded kernel block it between the ranks'
+// launches: launchAgGemm loads its own kernels on its first call per device; set CUDA_MODULE_LOADING=EAGER for others.
+// On a failed wait (abort word set, or no progress within timeoutNs) the kernels unwind without trapping, C is
+// garbage and errorSlot says which flag and which role.
+AgGemmPlanChoice launchAgGemm(const AgGemmParams& params, cudaStream_t stream);
+
+// What launchAgGemm would run for these params (resolving plan 0 and commSms 0), without launching.
+AgGemmPlanChoice resolveAgGemmPlan(const AgGemmParams& params);
+
+}  // namespace tandem::kernels

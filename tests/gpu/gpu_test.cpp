@@ -1,0 +1,647 @@
+// The cuda backend end to end: discovery, memory, registration, AllGather in both executors, and failures.
+// Every rank is a forked child (this process never initialises CUDA); the daemon is a real tandemd.
+// Under MPS (an MPS control pipe is present) the daemon-executor cases run and the kill cases are skipped:
+// killing an MPS client mid-kernel poisons the MPS server for every process on that GPU.
+#include <doctest/doctest.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <utility>
+
+#include "harness.hpp"
+#include "session.hpp"
+#include "tandem/kernels/allgather.hpp"
+#include "tandem/tandem.h"
+
+using namespace tandem::testing;
+using json = nlohmann::json;
+
+namespace {
+
+int gpuCount() { return std::atoi(std::getenv("TANDEM_TEST_GPU_COUNT")); }
+
+bool mpsRunning() {
+  const char* env = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
+  const std::string dir = (env != nullptr && *env != '\0') ? env : "/tmp/nvidia-mps";
+  struct stat st{};
+  return ::stat((dir + "/control").c_str(), &st) == 0;
+}
+
+std::string config(const std::string& executor) {
+  return "daemon:\n  backend: cuda\n  executor: " + executor + "\ncuda:\n  daemon_linger_ms: 500\n";
+}
+
+json status(const Daemon& d) {
+  int code = 0;
+  const std::string out = d.ctl({"status", "--json"}, &code);
+  REQUIRE_MESSAGE(code == 0, out);
+  return json::parse(out);
+}
+
+// A forked rank: reads lines from the parent (`tell`) and writes its report lines back (`read`). Killed and
+// reaped when it goes out of scope (a failed REQUIRE must not leave a rank holding the GPU or ctest's pipes).
+struct Rank {
+  Rank() = default;
+  Rank(Rank&& o) noexcept
+      : pid(std::exchange(o.pid, -1)), fromChild(std::exchange(o.fromChild, -1)), toChild(std::exchange(o.toChild, -1)),
+        buffered(std::move(o.buffered)) {}
+  Rank& operator=(Rank&&) = delete;
+  ~Rank() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      reap();
+    }
+  }
+  pid_t pid = -1;
+  int fromChild = -1, toChild = -1;
+  std::string buffered;
+  std::string read(int timeoutMs) {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeoutMs);
+    while (buffered.find('\n') == std::string::npos && Clock::now() < deadline) {
+      pollfd p{fromChild, POLLIN, 0};
+      if (::poll(&p, 1, 20) <= 0) continue;
+      char buf[4096];
+      const ssize_t n = ::read(fromChild, buf, sizeof buf);
+      if (n <= 0) break;
+      buffered.append(buf, static_cast<size_t>(n));
+    }
+    const auto nl = buffered.find('\n');
+    if (nl == std::string::npos) return "(no report: " + buffered + ")";
+    std::string line = buffered.substr(0, nl);
+    buffered.erase(0, nl + 1);
+    return line;
+  }
+  void tell(const std::string& s) { [[maybe_unused]] ssize_t n = ::write(toChild, (s + "\n").data(), s.size() + 1); }
+  void kill() { ::kill(pid, SIGKILL); }
+  int reap() {
+    if (pid <= 0) return 0;
+    ::close(fromChild);
+    ::close(toChild);
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    pid = -1;
+    return st;
+  }
+};
+
+struct Io {
+  int in, out;
+  void say(const std::string& s) const { [[maybe_unused]] ssize_t n = ::write(out, (s + "\n").data(), s.size() + 1); }
+  std::string hear() const {
+    std::string line;
+    char c;
+    while (::read(in, &c, 1) == 1 && c != '\n') line += c;
+    return line;
+  }
+};
+
+Rank spawn(const std::function<std::string(const Io&)>& body) {
+  int up[2], down[2];
+  REQUIRE(::pipe(up) == 0);
+  REQUIRE(::pipe(down) == 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test process
+    ::close(up[0]);
+    ::close(down[1]);
+    Io io{down[0], up[1]};
+    std::string result;
+    try {
+      result = body(io);
+    } catch (const std::exception& e) {
+      result = std::string("FAIL exception: ") + e.what();
+    }
+    io.say(result);
+    std::_Exit(0);
+  }
+  ::close(up[1]);
+  ::close(down[0]);
+  Rank r;
+  r.pid = pid;
+  r.fromChild = up[0];
+  r.toChild = down[1];
+  return r;
+}
+
+#define CK(call)                                                                                 \
+  do {                                                                                           \
+    const cudaError_t e_ = (call);                                                               \
+    if (e_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+#define TK(call)                                                                                                 \
+  do {                                                                                                           \
+    const tandem_status_t s_ = (call);                                                                           \
+    if (s_ != TANDEM_SUCCESS) throw std::runtime_error(std::string(#call) + ": " + tandem_last_error());         \
+  } while (0)
+
+// Waits for the stream with a deadline. Returns "synced", "error <text>" or "hung".
+std::string syncWithin(cudaStream_t s, int ms) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(ms);
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) return "synced";
+    if (e != cudaErrorNotReady) return std::string("error ") + cudaGetErrorString(e);
+    if (Clock::now() > deadline) return "hung";
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+// Deterministic bytes for (rank, size, iteration).
+void fill(std::vector<unsigned char>& out, uint64_t bytes, uint32_t rank, uint32_t iter) {
+  out.resize(bytes);
+  uint64_t x = 0x9E3779B97F4A7C15ull ^ (bytes * 1315423911ull) ^ (uint64_t{rank} << 40) ^ (uint64_t{iter} << 56);
+  uint64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    std::memcpy(&out[i], &x, 8);
+  }
+  for (; i < bytes; ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    out[i] = static_cast<unsigned char>(x);
+  }
+}
+
+
+// One rank of a series of AllGathers; verifies every byte of recv. Buffers: tandem_alloc, or cudaMalloc
+// registered with tandem_register (useRegister), at misaligned offsets on odd iterations.
+std::string allgatherRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
+                          int device, const std::vector<uint64_t>& sizes, bool useRegister) {
+  CK(cudaSetDevice(device));
+  tandem_session_t s;
+  TK(tandem_connect(socket.c_str(), &s));
+  tandem_comm_t comm;
+  TK(tandem_comm_init(s, &id, nranks, rank, 60000, &comm));
+  const uint64_t maxS = *std::max_element(sizes.begin(), sizes.end());
+  const uint64_t sendBytes = maxS + 64, recvBytes = nranks * maxS + 64;
+  tandem_buffer_t send, recv;
+  void* rawSend = nullptr;
+  void* rawRecv = nullptr;
+  if (useRegister) {
+    CK(cudaMalloc(&rawSend, sendBytes));
+    CK(cudaMalloc(&rawRecv, recvBytes));
+    TK(tandem_register(s, rawSend, sendBytes, -1, 0, &send));
+    TK(tandem_register(s, rawRecv, recvBytes, -1, 0, &recv));
+  } else {
+    TK(tandem_alloc(s, sendBytes, &send));
+    TK(tandem_alloc(s, recvBytes, &recv));
+  }
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<unsigned char> data, expect, got;
+  for (uint64_t S : sizes) {
+    const uint32_t iters = S >= (512u << 20) ? 1 : 2;
+    for (uint32_t it = 0; it < iters; ++it) {
+      const uint64_t sendOff = it == 1 ? 3 : 0, recvOff = it == 1 ? 5 : 0;
+      fill(data, S, rank, it);
+      auto* sp = static_cast<char*>(tandem_buffer_ptr(send));
+      auto* rp = static_cast<char*>(tandem_buffer_ptr(recv));
+      CK(cudaMemcpy(sp + sendOff, data.data(), S, cudaMemcpyHostToDevice));
+      CK(cudaMemset(rp, 0xCD, recvBytes));
+      tandem_op_t op;
+      TK(tandem_allgather(comm, {send, sendOff}, {recv, recvOff}, S, stream, &op));
+      const std::string synced = syncWithin(stream, 60000);
+      if (synced != "synced") return fmt::format("FAIL size {} iter {}: stream {}", S, it, synced);
+      if (tandem_wait(op, 60000) != TANDEM_SUCCESS) {
+        return fmt::format("FAIL size {} iter {}: op failed: {}", S, it, tandem_last_error());
+      }
+      got.resize(nranks * S);
+      CK(cudaMemcpy(got.data(), rp + recvOff, nranks * S, cudaMemcpyDeviceToHost));
+      for (uint32_t q = 0; q < nranks; ++q) {
+        fill(expect, S, q, it);
+        if (std::memcmp(got.data() + q * S, expect.data(), S) != 0) {
+          uint64_t first = 0;
+          while (got[q * S + first] == expect[first]) ++first;
+          return fmt::format("FAIL size {} iter {}: rank {}'s shard differs first at byte {} (got {:#x}, want {:#x})", S,
+                             it, q, first, got[q * S + first], expect[first]);
+        }
+      }
+      // Nothing outside [recvOff, recvOff + n*S) was written.
+      unsigned char edge[2];
+      CK(cudaMemcpy(edge, rp + recvOff + nranks * S, 1, cudaMemcpyDeviceToHost));
+      if (recvOff > 0) CK(cudaMemcpy(edge + 1, rp + recvOff - 1, 1, cudaMemcpyDeviceToHost));
+      if (edge[0] != 0xCD || (recvOff > 0 && edge[1] != 0xCD)) {
+        return fmt::format("FAIL size {} iter {}: bytes outside recv were written", S, it);
+      }
+    }
+  }
+  if (useRegister) {
+    TK(tandem_deregister(send));
+    TK(tandem_deregister(recv));
+    CK(cudaFree(rawSend));
+    CK(cudaFree(rawRecv));
+  } else {
+    TK(tandem_free(send));
+    TK(tandem_free(recv));
+  }
+  TK(tandem_comm_destroy(comm));
+  tandem_disconnect(s);
+  return "OK";
+}
+
+// TANDEM_GPU_TEST_MAX_BYTES caps the sizes (a quick run); the default reaches 1 GiB.
+std::vector<uint64_t> testSizes() {
+  std::mt19937_64 rng(20261129);
+  std::vector<uint64_t> sizes = {1, 5, 4096, 65536 + 7, 1u << 20};
+  sizes.push_back(1 + rng() % (64u << 20));
+  sizes.push_back((256u << 20) + 13);
+  sizes.push_back(uint64_t{1} << 30);
+  const char* cap = std::getenv("TANDEM_GPU_TEST_MAX_BYTES");
+  if (cap != nullptr && *cap != '\0') {
+    const uint64_t c = std::strtoull(cap, nullptr, 0);
+    std::erase_if(sizes, [&](uint64_t s) { return s > c; });
+  }
+  return sizes;
+}
+
+void runAllGather(const Daemon& d, uint32_t nranks, bool useRegister, const std::vector<uint64_t>& sizes) {
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  std::vector<Rank> ranks;
+  for (uint32_t r = 0; r < nranks; ++r) {
+    const int device = static_cast<int>(r % static_cast<uint32_t>(gpuCount()));
+    ranks.push_back(spawn([&, r, device](const Io&) {
+      return allgatherRank(d.socket(), id, nranks, r, device, sizes, useRegister);
+    }));
+  }
+  for (uint32_t r = 0; r < nranks; ++r) {
+    const std::string result = ranks[r].read(300000);
+    INFO("rank " << r << ": " << result);
+    INFO(d.log());
+    CHECK(result == "OK");
+  }
+  for (auto& r : ranks) r.reap();
+}
+
+}  // namespace
+
+TEST_CASE("discovery: status lists every GPU by UUID with SMs, memory and NVLink peers") {
+  Daemon d(config("client"));
+  const json st = status(d);
+  INFO(st.dump(2));
+  CHECK(st["backend"] == "cuda");
+  CHECK(st["executor"] == "client");
+  REQUIRE(st["gpus"].size() == static_cast<size_t>(gpuCount()));
+  for (const auto& g : st["gpus"]) {
+    CHECK(g["uuid"].get<std::string>().rfind("GPU-", 0) == 0);
+    CHECK(g["sms"].get<int>() > 0);
+    CHECK(g["memory_bytes"].get<uint64_t>() > (uint64_t{1} << 30));
+    CHECK(g["peers"].size() == static_cast<size_t>(gpuCount() - 1));
+    for (const auto& p : g["peers"]) CHECK(p["p2p"] == true);
+  }
+  MESSAGE("tandemctl status:\n" << d.ctl({"status"}));
+
+  // cuda.devices restricts the set to the UUIDs listed.
+  const std::string first = st["gpus"][0]["uuid"];
+  Daemon one("daemon:\n  backend: cuda\n  executor: client\ncuda:\n  devices: [\"" + first + "\"]\n");
+  const json st1 = status(one);
+  REQUIRE(st1["gpus"].size() == 1);
+  CHECK(st1["gpus"][0]["uuid"] == first);
+}
+
+TEST_CASE("backend cuda without a usable GPU exits 69 and says why") {
+  TempDir dir;
+  const std::string sock = (dir.path() / "t.sock").string();
+  CommandResult r = runCommand({"/usr/bin/env", "CUDA_VISIBLE_DEVICES=", TANDEMD_PATH, "--foreground", "--backend",
+                                "cuda", "--socket", sock}, 30000);
+  INFO(r.out << r.err);
+  CHECK(r.exitCode == 69);
+  CHECK((r.err + r.out).find("no CUDA device is usable") != std::string::npos);
+
+  const std::string cfg = (dir.path() / "c.yaml").string();
+  std::ofstream(cfg) << "daemon:\n  backend: cuda\ncuda:\n  devices: [\"GPU-00000000-0000-0000-0000-000000000000\"]\n";
+  r = runCommand({TANDEMD_PATH, "--foreground", "--config", cfg, "--socket", sock}, 30000);
+  INFO(r.out << r.err);
+  CHECK(r.exitCode == 69);
+  CHECK((r.err + r.out).find("is not visible") != std::string::npos);
+}
+
+TEST_CASE("executor daemon needs MPS: refused with how to start it") {
+  if (mpsRunning()) {
+    MESSAGE("MPS is running: the refusal is checked in the run without MPS");
+    return;
+  }
+  TempDir dir;
+  const std::string cfg = (dir.path() / "c.yaml").string();
+  std::ofstream(cfg) << config("daemon");
+  const CommandResult r =
+      runCommand({TANDEMD_PATH, "--foreground", "--config", cfg, "--socket", (dir.path() / "t.sock").string()}, 30000);
+  INFO(r.out << r.err);
+  CHECK(r.exitCode == 69);
+  CHECK((r.err + r.out).find("nvidia-cuda-mps-control -d") != std::string::npos);
+}
+
+TEST_CASE("memory: device allocations, registrations cached and released, every byte accounted") {
+  Daemon d(config("client"));
+  Rank rank = spawn([&](const Io& io) -> std::string {
+    CK(cudaSetDevice(0));
+    tandem_session_t s;
+    TK(tandem_connect(d.socket().c_str(), &s));
+    if (std::string(tandem_session_backend(s)) != "cuda") return "FAIL backend is not cuda";
+    tandem_buffer_t b;
+    TK(tandem_alloc(s, 3'000'000, &b));
+    cudaPointerAttributes attr{};
+    CK(cudaPointerGetAttributes(&attr, tandem_buffer_ptr(b)));
+    if (attr.type != cudaMemoryTypeDevice) return "FAIL tandem_buffer_ptr is not device memory";
+    std::vector<int> in(750'000), out(750'000);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<int>(i * 7 + 1);
+    CK(cudaMemcpy(tandem_buffer_ptr(b), in.data(), 3'000'000, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(out.data(), tandem_buffer_ptr(b), 3'000'000, cudaMemcpyDeviceToHost));
+    if (in != out) return "FAIL round trip through the buffer";
+    void* raw = nullptr;
+    CK(cudaMalloc(&raw, 1u << 20));
+    tandem_buffer_t r1, r2, r3;
+    TK(tandem_register(s, raw, 1u << 20, -1, 0, &r1));
+    TK(tandem_register(s, raw, 1u << 20, -1, 0, &r2));
+    TK(tandem_register(s, static_cast<char*>(raw) + 4096, 4096, -1, 0, &r3));
+    if (r1 != r2) return "FAIL the same range registered twice gave two buffers";
+    if (r3 == r1) return "FAIL a different range gave the same buffer";
+    io.say("allocated");
+    if (io.hear() != "next") return "FAIL parent";
+    TK(tandem_deregister(r1));
+    TK(tandem_deregister(r2));
+    TK(tandem_deregister(r3));
+    // Host memory is refused with a message.
+    std::vector<char> host(4096);
+    tandem_buffer_t bad;
+    if (tandem_register(s, host.data(), host.size(), -1, 0, &bad) != TANDEM_ERROR_INVALID_ARGUMENT) {
+      return "FAIL host memory was accepted";
+    }
+    io.say("deregistered");
+    if (io.hear() != "next") return "FAIL parent";
+    TK(tandem_free(b));
+    CK(cudaFree(raw));
+    tandem_disconnect(s);
+    return "OK";
+  });
+  REQUIRE(rank.read(60000) == "allocated");
+  json st = status(d);
+  // 3 MB rounds up to the 2 MiB granularity (4 MiB); the registrations are 1 MiB + 4 KiB.
+  CHECK(st["total_buffers"] == 3);
+  CHECK(st["total_bytes"] == (4u << 20) + (1u << 20) + 4096);
+  rank.tell("next");
+  REQUIRE(rank.read(60000) == "deregistered");
+  CHECK(status(d)["total_buffers"] == 1);
+  rank.tell("next");
+  CHECK(rank.read(60000) == "OK");
+  rank.reap();
+  CHECK(eventually([&] { return status(d)["total_bytes"] == 0; }));
+}
+
+TEST_CASE("bad buffer handles are refused and change nothing") {
+  Daemon d(config("client"));
+  Rank rank = spawn([&](const Io&) -> std::string {
+    CK(cudaSetDevice(0));
+    auto session = tandem::client::Session::connect(d.socket());
+    // A garbage legacy IPC handle.
+    tandem::v1::Request reg;
+    reg.mutable_register_buffer()->set_kind(tandem::v1::REGISTER_KIND_CUDA_IPC);
+    reg.mutable_register_buffer()->set_bytes(4096);
+    reg.mutable_register_buffer()->set_ipc_handle(std::string(64, '\x5a'));
+    cudaDeviceProp prop{};
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const auto* u = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
+    const std::string uuid = fmt::format(
+        "GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}", u[0],
+        u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    reg.mutable_register_buffer()->set_device_uuid(uuid);
+    try {
+      session->call(reg);
+      return "FAIL a garbage IPC handle was accepted";
+    } catch (const tandem::Error& e) {
+      if (e.code() != tandem::ErrorCode::kInvalidArgument) return std::string("FAIL ipc: ") + e.what();
+    }
+    // A memfd passed as a cuMem fd.
+    tandem::Fd memfd = tandem::Fd::memfd("not-cumem", 1u << 21);
+    tandem::v1::Request reg2;
+    reg2.mutable_register_buffer()->set_kind(tandem::v1::REGISTER_KIND_CUDA_FD);
+    reg2.mutable_register_buffer()->set_bytes(4096);
+    const int fds[] = {memfd.get()};
+    try {
+      session->call(reg2, fds);
+      return "FAIL a memfd was accepted as cuMem memory";
+    } catch (const tandem::Error& e) {
+      if (e.code() != tandem::ErrorCode::kInvalidArgument) return std::string("FAIL fd: ") + e.what();
+    }
+    // A descriptor naming a buffer this session does not own: rejected, and the stream gate opens with a
+    // "skip" verdict (the client executor's kernel would not run).
+    tandem_unique_id_t id;
+    tandem_get_unique_id(&id);
+    tandem::v1::Request join;
+    join.mutable_join_comm()->set_unique_id(std::string(reinterpret_cast<const char*>(id.bytes), 16));
+    join.mutable_join_comm()->set_nranks(1);
+    join.mutable_join_comm()->set_rank(0);
+    join.mutable_join_comm()->set_device_uuid(uuid);
+    std::vector<tandem::Fd> ctlFd;
+    const auto joined = session->call(join, {}, &ctlFd, 1);
+    tandem::OpDescriptor desc{};
+    desc.version = tandem::kDescriptorVersion;
+    desc.kind = tandem::OpKind::kAllGather;
+    desc.nranks = 1;
+    desc.commHandle = joined.join_comm().comm_handle();
+    desc.dims[0] = 4096;
+    desc.bufs[0] = {12345, 0, 4096};
+    desc.bufs[1] = {12346, 0, 4096};
+    const auto result = session->wait(session->submit(desc), 10000);
+    if (result.code != tandem::ErrorCode::kInvalidArgument) return "FAIL bad buffer id: " + result.message;
+    tandem::Mapping ctl = tandem::Mapping::shared(ctlFd[0].get(), tandem::kernels::kControlBytes);
+    const auto* c = reinterpret_cast<const tandem::kernels::CommControl*>(ctl.data());
+    // The completion is posted just before the gate opens: give the daemon a moment.
+    eventually([&] { return std::atomic_ref<const uint32_t>(c->go.value).load() == 1; }, 2000);
+    if (c->go.value != 1 || c->verdict[1] != (1 | tandem::kernels::kVerdictRejected)) {
+      return fmt::format("FAIL go {} verdict {:#x}", c->go.value, c->verdict[1]);
+    }
+    return "OK " + result.message;
+  });
+  const std::string out = rank.read(60000);
+  INFO(out);
+  CHECK(out.rfind("OK", 0) == 0);
+  rank.reap();
+  CHECK(eventually([&] { return status(d)["total_bytes"] == 0; }));
+}
+
+TEST_CASE("allgather, client executor: bitwise exact at 1 and 2 ranks, 1 B .. 1 GiB") {
+  Daemon d(config("client"));
+  const auto sizes = testSizes();
+  MESSAGE("MPS " << (mpsRunning() ? "on" : "off") << "; sizes: " << [&] {
+    std::ostringstream o;
+    for (auto s : sizes) o << s << " ";
+    return o.str();
+  }());
+  SUBCASE("1 rank, tandem_alloc buffers") { runAllGather(d, 1, false, sizes); }
+  SUBCASE("2 ranks, tandem_alloc buffers") { runAllGather(d, 2, false, sizes); }
+  SUBCASE("2 ranks, registered cudaMalloc buffers") {
+    runAllGather(d, 2, true, {1, 4096 + 3, 3u << 20, (64u << 20) + 1});
+  }
+  CHECK(eventually([&] { return status(d)["total_bytes"] == 0; }));
+}
+
+TEST_CASE("allgather, daemon executor (MPS): bitwise exact at 1 and 2 ranks, 1 B .. 1 GiB") {
+  if (!mpsRunning()) {
+    MESSAGE("skipped: MPS is not running (scripts/gpu-check.sh runs this suite again under MPS)");
+    return;
+  }
+  Daemon d(config("daemon"));
+  REQUIRE(status(d)["executor"] == "daemon");
+  const auto sizes = testSizes();
+  SUBCASE("1 rank") { runAllGather(d, 1, false, sizes); }
+  SUBCASE("2 ranks") { runAllGather(d, 2, false, sizes); }
+  SUBCASE("2 ranks, registered cudaMalloc buffers") { runAllGather(d, 2, true, {7, 1u << 20, (32u << 20) + 5}); }
+  // After the linger the kernel has exited; the next op relaunches it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  SUBCASE("after the persistent kernel exited") { runAllGather(d, 2, false, {4096, 8u << 20}); }
+}
+
+// Rank for the failure cases: joins, allocates, optionally gates its stream on a host flag, submits one
+// AllGather of 64 MiB, reports "submitted", then follows the parent's orders.
+std::string gatedRank(const Io& io, const std::string& socket, const tandem_unique_id_t& id, uint32_t rank,
+                      bool gate) {
+  CK(cudaSetDevice(static_cast<int>(rank % static_cast<uint32_t>(gpuCount()))));
+  tandem_session_t s;
+  TK(tandem_connect(socket.c_str(), &s));
+  tandem_comm_t comm;
+  TK(tandem_comm_init(s, &id, 2, rank, 60000, &comm));
+  const uint64_t S = 64u << 20;
+  tandem_buffer_t send, recv;
+  TK(tandem_alloc(s, S, &send));
+  TK(tandem_alloc(s, 2 * S, &recv));
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  uint32_t* flag = nullptr;
+  if (gate) {
+    CK(cudaHostAlloc(reinterpret_cast<void**>(&flag), 4096, cudaHostAllocMapped | cudaHostAllocPortable));
+    *flag = 0;
+    const CUresult r = tandem::kernels::driver().streamWaitValue32(
+        stream, reinterpret_cast<CUdeviceptr>(flag), 1, CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS) return "FAIL gate";
+  }
+  tandem_op_t op;
+  TK(tandem_allgather(comm, {send, 0}, {recv, 0}, S, stream, &op));
+  io.say("submitted");
+  for (;;) {
+    const std::string order = io.hear();
+    if (order == "release") {
+      std::atomic_ref<uint32_t>(*flag).store(1);
+    } else if (order == "sync") {
+      const std::string synced = syncWithin(stream, 10000);
+      const tandem_status_t st = tandem_wait(op, 10000);
+      return fmt::format("{} {} {}", synced, static_cast<int>(st), tandem_last_error());
+    } else {
+      return "FAIL order '" + order + "'";
+    }
+  }
+}
+
+TEST_CASE("a client SIGKILLed mid-op (client executor, no MPS) leaves the daemon healthy") {
+  if (gpuCount() < 2 || mpsRunning()) {
+    MESSAGE("skipped: needs 2 GPUs and no MPS (a kill under MPS poisons the MPS server)");
+    return;
+  }
+  Daemon d(config("client"));
+  tandem_unique_id_t id;
+  tandem_get_unique_id(&id);
+  // The survivor's stream is gated, so the victim's kernel runs, waiting for the survivor's chunks.
+  Rank survivor = spawn([&](const Io& io) { return gatedRank(io, d.socket(), id, 0, true); });
+  Rank victim = spawn([&](const Io& io) { return gatedRank(io, d.socket(), id, 1, false); });
+  REQUIRE(survivor.read(60000) == "submitted");
+  REQUIRE(victim.read(60000) == "submitted");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  victim.kill();
+  victim.reap();
+  survivor.tell("release");
+  survivor.tell("sync");
+  const std::string result = survivor.read(30000);
+  INFO(result);
+  INFO(d.log());
+  CHECK(result.rfind("synced ", 0) == 0);
+  CHECK((result.find(" " + std::to_string(TANDEM_ERROR_PEER_LOST) + " ") != std::string::npos ||
+         result.find(" " + std::to_string(TANDEM_ERROR_ABORTED) + " ") != std::string::npos));
+  survivor.reap();
+  // Healthy: status answers, everything was reclaimed, and a new communicator works on both GPUs.
+  CHECK(eventually([&] { return status(d)["total_bytes"] == 0 && status(d)["communicators"].empty(); }, 10000));
+  runAllGather(d, 2, false, {4096, 16u << 20});
+}
+
+TEST_CASE("a killed daemon leaves no client stream hanging") {
+  if (gpuCount() < 2 || mpsRunning()) {
+    MESSAGE("skipped: needs 2 GPUs and no MPS");
+    return;
+  }
+  auto d = std::make_unique<Daemon>(config("client"));
+  tandem_unique_id_t id;
+  tandem_get_unique_id(&id);
+  // Rank 1's stream is gated: rank 0's kernel runs and waits for rank 1's chunks when the daemon dies.
+  Rank running = spawn([&](const Io& io) { return gatedRank(io, d->socket(), id, 0, false); });
+  Rank gated = spawn([&](const Io& io) { return gatedRank(io, d->socket(), id, 1, true); });
+  REQUIRE(running.read(60000) == "submitted");
+  REQUIRE(gated.read(60000) == "submitted");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto killedAt = Clock::now();
+  d->signal(SIGKILL);
+  running.tell("sync");
+  const std::string r0 = running.read(15000);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - killedAt).count();
+  INFO(r0);
+  CHECK(r0.rfind("synced ", 0) == 0);
+  CHECK(r0.find(" " + std::to_string(TANDEM_ERROR_DAEMON_LOST) + " ") != std::string::npos);
+  CHECK(ms < 5000);
+  // The gated rank's kernel starts after the daemon died: it sees the abort and its stream drains too.
+  gated.tell("release");
+  gated.tell("sync");
+  const std::string r1 = gated.read(15000);
+  INFO(r1);
+  CHECK(r1.rfind("synced ", 0) == 0);
+  running.reap();
+  gated.reap();
+}
+
+TEST_CASE("barrier in stream order, both executors where available") {
+  std::vector<std::string> executors = {"client"};
+  if (mpsRunning()) executors.push_back("daemon");
+  for (const auto& ex : executors) {
+    CAPTURE(ex);
+    Daemon d(config(ex));
+    tandem_unique_id_t id;
+    tandem_get_unique_id(&id);
+    std::vector<Rank> ranks;
+    const uint32_t n = gpuCount() >= 2 ? 2 : 1;
+    for (uint32_t r = 0; r < n; ++r) {
+      ranks.push_back(spawn([&, r](const Io&) -> std::string {
+        CK(cudaSetDevice(static_cast<int>(r)));
+        tandem_session_t s;
+        TK(tandem_connect(d.socket().c_str(), &s));
+        tandem_comm_t comm;
+        TK(tandem_comm_init(s, &id, n, r, 60000, &comm));
+        cudaStream_t stream;
+        CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        tandem_op_t op{};
+        for (int i = 0; i < 200; ++i) TK(tandem_barrier_stream(comm, stream, &op));
+        const std::string synced = syncWithin(stream, 30000);
+        if (synced != "synced") return "FAIL stream " + synced;
+        if (tandem_wait(op, 10000) != TANDEM_SUCCESS) return std::string("FAIL ") + tandem_last_error();
+        TK(tandem_barrier(comm, &op));  // the legacy default stream
+        CK(cudaDeviceSynchronize());
+        if (tandem_wait(op, 10000) != TANDEM_SUCCESS) return std::string("FAIL ") + tandem_last_error();
+        tandem_comm_destroy(comm);
+        tandem_disconnect(s);
+        return "OK";
+      }));
+    }
+    for (auto& r : ranks) {
+      const std::string out = r.read(60000);
+      INFO(out);
+      INFO(d.log());
+      CHECK(out == "OK");
+      r.reap();
+    }
+  }
+}
