@@ -96,6 +96,7 @@ int rankMain(const Options& o, uint32_t rank, int idFd, const std::string& socke
                 "p99 %.2f us  (bare stream sync p50 %.2f us, p99 %.2f us)\n",
                 o.executor.c_str(), o.ranks, o.iters, percentile(us, 0.5), percentile(us, 0.99),
                 percentile(floorUs, 0.5), percentile(floorUs, 0.99));
+    std::fflush(stdout);  // the rank process leaves with _Exit, which does not flush
   }
   tandem_comm_destroy(comm);
   tandem_disconnect(s);

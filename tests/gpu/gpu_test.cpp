@@ -285,7 +285,7 @@ void runAllGather(const Daemon& d, uint32_t nranks, bool useRegister, const std:
 }  // namespace
 
 TEST_CASE("discovery: status lists every GPU by UUID with SMs, memory and NVLink peers") {
-  Daemon d(config("client"));
+  Daemon d(config("client"), {}, "");
   const json st = status(d);
   INFO(st.dump(2));
   CHECK(st["backend"] == "cuda");
@@ -302,7 +302,7 @@ TEST_CASE("discovery: status lists every GPU by UUID with SMs, memory and NVLink
 
   // cuda.devices restricts the set to the UUIDs listed.
   const std::string first = st["gpus"][0]["uuid"];
-  Daemon one("daemon:\n  backend: cuda\n  executor: client\ncuda:\n  devices: [\"" + first + "\"]\n");
+  Daemon one("daemon:\n  backend: cuda\n  executor: client\ncuda:\n  devices: [\"" + first + "\"]\n", {}, "");
   const json st1 = status(one);
   REQUIRE(st1["gpus"].size() == 1);
   CHECK(st1["gpus"][0]["uuid"] == first);
@@ -341,7 +341,7 @@ TEST_CASE("executor daemon needs MPS: refused with how to start it") {
 }
 
 TEST_CASE("memory: device allocations, registrations cached and released, every byte accounted") {
-  Daemon d(config("client"));
+  Daemon d(config("client"), {}, "");
   Rank rank = spawn([&](const Io& io) -> std::string {
     CK(cudaSetDevice(0));
     tandem_session_t s;
@@ -398,7 +398,7 @@ TEST_CASE("memory: device allocations, registrations cached and released, every 
 }
 
 TEST_CASE("bad buffer handles are refused and change nothing") {
-  Daemon d(config("client"));
+  Daemon d(config("client"), {}, "");
   Rank rank = spawn([&](const Io&) -> std::string {
     CK(cudaSetDevice(0));
     auto session = tandem::client::Session::connect(d.socket());
@@ -470,7 +470,7 @@ TEST_CASE("bad buffer handles are refused and change nothing") {
 }
 
 TEST_CASE("allgather, client executor: bitwise exact at 1 and 2 ranks, 1 B .. 1 GiB") {
-  Daemon d(config("client"));
+  Daemon d(config("client"), {}, "");
   const auto sizes = testSizes();
   MESSAGE("MPS " << (mpsRunning() ? "on" : "off") << "; sizes: " << [&] {
     std::ostringstream o;
@@ -490,7 +490,7 @@ TEST_CASE("allgather, daemon executor (MPS): bitwise exact at 1 and 2 ranks, 1 B
     MESSAGE("skipped: MPS is not running (scripts/gpu-check.sh runs this suite again under MPS)");
     return;
   }
-  Daemon d(config("daemon"));
+  Daemon d(config("daemon"), {}, "");
   REQUIRE(status(d)["executor"] == "daemon");
   const auto sizes = testSizes();
   SUBCASE("1 rank") { runAllGather(d, 1, false, sizes); }
@@ -546,7 +546,7 @@ TEST_CASE("a client SIGKILLed mid-op (client executor, no MPS) leaves the daemon
     MESSAGE("skipped: needs 2 GPUs and no MPS (a kill under MPS poisons the MPS server)");
     return;
   }
-  Daemon d(config("client"));
+  Daemon d(config("client"), {}, "");
   tandem_unique_id_t id;
   tandem_get_unique_id(&id);
   // The survivor's stream is gated, so the victim's kernel runs, waiting for the survivor's chunks.
@@ -609,7 +609,7 @@ TEST_CASE("barrier in stream order, both executors where available") {
   if (mpsRunning()) executors.push_back("daemon");
   for (const auto& ex : executors) {
     CAPTURE(ex);
-    Daemon d(config(ex));
+    Daemon d(config(ex), {}, "");
     tandem_unique_id_t id;
     tandem_get_unique_id(&id);
     std::vector<Rank> ranks;

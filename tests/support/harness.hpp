@@ -120,11 +120,14 @@ inline bool socketAccepts(const std::string& path) {
 // A real tandemd in the foreground on a private socket; its stderr goes to a log file in the temp dir.
 class Daemon {
  public:
-  explicit Daemon(const std::string& configYaml = "", std::vector<std::string> extraArgs = {}) {
+  // backend: passed as --backend (the CPU backend by default, so these tests run the same on any host); empty
+  // leaves the choice to the config (the GPU tests set daemon.backend: cuda there).
+  explicit Daemon(const std::string& configYaml = "", std::vector<std::string> extraArgs = {},
+                  const std::string& backend = "cpu") {
     socket_ = (dir_.path() / "tandemd.sock").string();
     log_ = (dir_.path() / "tandemd.log").string();
-    // The CPU backend: these tests exercise the control plane and the reference ops on any host, GPU or not.
-    std::vector<std::string> argv = {TANDEMD_PATH, "--foreground", "--backend", "cpu", "--socket", socket_};
+    std::vector<std::string> argv = {TANDEMD_PATH, "--foreground", "--socket", socket_};
+    if (!backend.empty()) argv.insert(argv.end(), {"--backend", backend});
     if (!configYaml.empty()) {
       const std::string config = (dir_.path() / "tandemd.yaml").string();
       std::ofstream(config) << configYaml;
