@@ -1,6 +1,7 @@
 #include "server.hpp"
 
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 
@@ -59,6 +61,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       gid_ = cred.gid;
     }
     spdlog::debug("connection {} from pid {} uid {}", id_, pid_, uid_);
+    watchProcess();
     waitRead();
   }
 
@@ -68,12 +71,33 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
     for (auto& t : joinTimers_) t->cancel();
     boost::system::error_code ec;
     socket_.close(ec);
+    processExit_.close(ec);
     if (helloDone_) server_.engine_.closeSession(id_, why);
   }
 
   uint64_t id() const { return id_; }
 
  private:
+  // A process that dies while another process still holds its connection (a child that inherited the fd
+  // through fork) never hangs the socket up. Its pidfd becomes readable when it exits, so its ranks are
+  // reported lost at once instead of never.
+  void watchProcess() {
+    const int fd = pid_ != 0 ? static_cast<int>(::syscall(SYS_pidfd_open, pid_, 0)) : -1;
+    if (fd < 0) {
+      spdlog::debug("connection {}: no pidfd for pid {} ({}); relying on the socket alone", id_, pid_,
+                    std::strerror(errno));
+      return;
+    }
+    processExit_.assign(fd);
+    processExit_.async_wait(asio::posix::stream_descriptor::wait_read,
+                            [self = shared_from_this()](boost::system::error_code ec) {
+                              if (ec || self->closed_) return;
+                              self->server_.closeSession(
+                                  self->id_, fmt::format("process {} exited (its connection was still open, held by "
+                                                         "another process)", self->pid_));
+                            });
+  }
+
   void waitRead() {
     socket_.async_wait(stream_protocol::socket::wait_read, [self = shared_from_this()](boost::system::error_code ec) {
       if (ec || self->closed_) return;
@@ -343,6 +367,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
 
   Server& server_;
   stream_protocol::socket socket_;
+  asio::posix::stream_descriptor processExit_{socket_.get_executor()};
   uint64_t id_;
   FrameDecoder decoder_;
   uint32_t pid_ = 0, uid_ = ~0u, gid_ = ~0u;

@@ -143,6 +143,49 @@ TEST_CASE("a rank killed mid-op: every other rank gets PEER_LOST within the dead
   CHECK(code == 0);
 }
 
+TEST_CASE("a rank whose connection outlives it (inherited by a forked child) is still reported lost") {
+  Daemon d;
+  const tandem_unique_id_t id = tandem::uniqueId();
+  // The victim joins, then forks a child that inherits (and keeps) its connection, and reports the child's pid.
+  Child victim = spawn([&](int fd) {
+    tandem_session_t s;
+    tandem_comm_t comm;
+    if (tandem_connect(d.socket().c_str(), &s) != TANDEM_SUCCESS) return std::string("connect-failed");
+    if (tandem_comm_init(s, &id, 2, 0, 10000, &comm) != TANDEM_SUCCESS) return std::string("join-failed");
+    const pid_t holder = ::fork();
+    if (holder == 0) {
+      ::pause();
+      std::_Exit(0);
+    }
+    say(fd, "joined " + std::to_string(holder));
+    ::pause();
+    return std::string("unreachable");
+  });
+  Child survivor = spawn([&](int fd) {
+    tandem_session_t s;
+    tandem_comm_t comm;
+    if (tandem_connect(d.socket().c_str(), &s) != TANDEM_SUCCESS) return std::string("connect-failed");
+    if (tandem_comm_init(s, &id, 2, 1, 10000, &comm) != TANDEM_SUCCESS) return std::string("join-failed");
+    tandem_op_t op;
+    if (tandem_barrier(comm, &op) != TANDEM_SUCCESS) return std::string("submit-failed");
+    say(fd, "submitted");
+    return fmt::format("{} {}", static_cast<int>(tandem_wait(op, 30000)), tandem_last_error());
+  });
+  const std::string joined = victim.read(15000);
+  REQUIRE(joined.rfind("joined ", 0) == 0);
+  const pid_t holder = static_cast<pid_t>(std::stol(joined.substr(7)));
+  REQUIRE(survivor.read(15000).find("submitted") != std::string::npos);
+  const auto killedAt = Clock::now();
+  ::kill(victim.pid, SIGKILL);
+  const std::string result = survivor.read(5000);
+  INFO(result);
+  CHECK(result.rfind(std::to_string(TANDEM_ERROR_PEER_LOST) + " ", 0) == 0);
+  CHECK(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - killedAt).count() < 2000);
+  ::kill(holder, SIGKILL);
+  victim.reap();
+  survivor.reap();
+}
+
 TEST_CASE("a daemon killed with SIGKILL: waits and calls return DAEMON_LOST promptly") {
   auto d = std::make_unique<Daemon>();
   const tandem_unique_id_t id = tandem::uniqueId();
