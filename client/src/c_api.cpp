@@ -138,6 +138,15 @@ tandem_status_t submitOp(tandem_comm_t comm, tandem::OpDescriptor desc, std::ini
   });
 }
 
+// Rolls back a half-finished call (the daemon already created something the client could not set up). The
+// original error is what the caller needs to see, so a failure of the rollback itself is dropped.
+void undoQuietly(tandem_session_t session, tandem::v1::Request& undo) {
+  try {
+    session->impl->call(undo);
+  } catch (...) {
+  }
+}
+
 tandem::OpDescriptor descriptor(tandem::OpKind kind, tandem_dtype_t dtype) {
   tandem::OpDescriptor desc{};
   desc.kind = kind;
@@ -222,10 +231,7 @@ tandem_status_t tandem_alloc(tandem_session_t session, uint64_t bytes, tandem_bu
     } catch (...) {
       tandem::v1::Request undo;
       undo.mutable_free()->set_buffer_id(buffer->id);
-      try {
-        session->impl->call(undo);
-      } catch (...) {
-      }
+      undoQuietly(session, undo);
       throw;
     }
     *out = buffer.release();
@@ -389,10 +395,7 @@ tandem_status_t tandem_comm_init(tandem_session_t session, const tandem_unique_i
       } catch (...) {
         tandem::v1::Request undo;
         undo.mutable_destroy_comm()->set_comm_handle(comm->handle);
-        try {
-          session->impl->call(undo);
-        } catch (...) {
-        }
+        undoQuietly(session, undo);
         throw;
       }
     }
