@@ -628,6 +628,8 @@ TEST_CASE("a peer process that is SIGKILLed is reported lost within the deadline
                   "the SIGKILLed peer was not reported lost within its 1000 ms deadline");
   const auto detectMs = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - killedAt).count();
   MESSAGE("SIGKILLed peer detected after ", detectMs, " ms: ", t->peerStatus(1).reason);
+  // The handler runs on the transport's thread just after the state changes: wait for it, then check it ran once.
+  CHECK(waitFor([&] { return handlerCalls.load() >= 1; }, 1000ms));
   CHECK(handlerCalls.load() == 1);
   try {
     t->write(1, r, 0, fake, 0, 8, 0, true);
