@@ -2,7 +2,6 @@
 // all-gather kernel of the decomposed plan, and the host launcher. Device pieces: device/ag_gemm_sm90.cuh (which
 // reuses the GEMM core of device/gemm_sm90.cuh).
 #include <cuda.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled: fetched through the runtime, libcuda is never linked
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "driver_api.hpp"
 #include "device/ag_gemm_sm90.cuh"
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/gemm.hpp"
@@ -81,20 +81,6 @@ void checkCuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
-using EncodeTiledFn = PFN_cuTensorMapEncodeTiled_v12000;
-
-EncodeTiledFn encodeTiled() {
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || f == nullptr) {
-      fail(std::string("cuTensorMapEncodeTiled is not available from the driver (") + cudaGetErrorName(e) + ")");
-    }
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
 
 // Packed row-major [rows, cols] matrix of 2-byte elements in boxes of boxRows x boxCols, 128-byte swizzle.
 CUtensorMap encodeMap(const void* ptr, int64_t rows, int64_t cols, uint32_t boxRows, uint32_t boxCols, GemmDtype dt) {
@@ -104,7 +90,7 @@ CUtensorMap encodeMap(const void* ptr, int64_t rows, int64_t cols, uint32_t boxR
   const cuuint32_t box[2] = {boxCols, boxRows};
   const cuuint32_t elemStrides[2] = {1, 1};
   const CUtensorMapDataType t = dt == GemmDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult r = encodeTiled()(&map, t, 2, const_cast<void*>(ptr), dims, strides, box, elemStrides,
+  const CUresult r = tensorMapEncodeTiled()(&map, t, 2, const_cast<void*>(ptr), dims, strides, box, elemStrides,
                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {

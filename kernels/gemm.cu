@@ -1,7 +1,6 @@
 // Hopper GEMM core: the persistent warp-specialised kernel and its host launcher (validation, TMA descriptors,
 // launch geometry). Device building blocks live in device/gemm_sm90.cuh.
 #include <cuda.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled: fetched through the runtime, libcuda is never linked
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "driver_api.hpp"
 #include "device/gemm_sm90.cuh"
 #include "tandem/kernels/gemm.hpp"
 
@@ -35,20 +35,6 @@ void checkCuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
-using EncodeTiledFn = PFN_cuTensorMapEncodeTiled_v12000;
-
-EncodeTiledFn encodeTiled() {
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || f == nullptr) {
-      fail(std::string("cuTensorMapEncodeTiled is not available from the driver (") + cudaGetErrorName(e) + ")");
-    }
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
 
 // Row-major [rows, cols] matrix of 2-byte elements, tiled in boxes of boxRows x boxCols, 128-byte swizzle.
 struct MapKey {
@@ -70,7 +56,7 @@ CUtensorMap encodeMap(const MapKey& k) {
   const cuuint32_t elemStrides[2] = {1, 1};
   const CUtensorMapDataType dt =
       k.dtype == GemmDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult r = encodeTiled()(&map, dt, 2, const_cast<void*>(k.ptr), dims, strides, box, elemStrides,
+  const CUresult r = tensorMapEncodeTiled()(&map, dt, 2, const_cast<void*>(k.ptr), dims, strides, box, elemStrides,
                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cuda.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled: fetched through the runtime, libcuda is never linked
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,6 +13,7 @@
 #include <string>
 
 #include "device/gemm_rs_sm90.cuh"
+#include "driver_api.hpp"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
 
@@ -105,16 +105,7 @@ inline void prepareFused(const char* op, FusedFn fn) {
 
 inline CUtensorMap encodeMap(const char* op, const void* ptr, int64_t rows, int64_t cols, int64_t ld, uint32_t boxRows,
                              GemmDtype dt) {
-  using EncodeTiledFn = PFN_cuTensorMapEncodeTiled_v12000;
-  static const EncodeTiledFn fn = [op] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || f == nullptr) {
-      fail(op, "cuTensorMapEncodeTiled is not available from the driver");
-    }
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
+  const auto fn = tensorMapEncodeTiled();
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
