@@ -22,10 +22,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "private_daemon.hpp"
 #include "tandem/tandem.h"
 
 namespace {
@@ -103,16 +105,6 @@ int rankMain(const Options& o, uint32_t rank, int idFd, const std::string& socke
   return 0;
 }
 
-bool socketAccepts(const std::string& path) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-  ::close(fd);
-  return ok;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -132,34 +124,17 @@ int main(int argc, char** argv) {
     }
   }
   ::signal(SIGPIPE, SIG_IGN);
-  std::string socket = o.socket;
-  pid_t daemon = -1;
-  std::filesystem::path dir;
-  if (socket.empty()) {
-    char tmpl[] = "/tmp/tandem-rtbench-XXXXXX";
-    dir = ::mkdtemp(tmpl);
-    socket = (dir / "tandemd.sock").string();
-    std::ofstream(dir / "tandemd.yaml") << "daemon:\n  backend: cuda\n  executor: " << o.executor << "\n";
-    daemon = ::fork();
-    if (daemon == 0) {
-      const int log = ::open((dir / "tandemd.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      ::dup2(log, 2);
-      ::dup2(log, 1);
-      const std::string cfg = (dir / "tandemd.yaml").string();
-      ::execl(TANDEMD_PATH, TANDEMD_PATH, "--foreground", "--socket", socket.c_str(), "--config", cfg.c_str(), nullptr);
-      std::_Exit(127);
-    }
-    const auto deadline = Clock::now() + std::chrono::seconds(30);
-    while (!socketAccepts(socket)) {
-      int st = 0;
-      if (::waitpid(daemon, &st, WNOHANG) == daemon || Clock::now() > deadline) {
-        std::ifstream in(dir / "tandemd.log");
-        std::fprintf(stderr, "tandemd did not start:\n%s\n", std::string(std::istreambuf_iterator<char>(in), {}).c_str());
-        return 2;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::unique_ptr<tandem::bench::PrivateDaemon> daemon;
+  if (o.socket.empty()) {
+    try {
+      daemon = std::make_unique<tandem::bench::PrivateDaemon>(
+          TANDEMD_PATH, "daemon:\n  backend: cuda\n  executor: " + o.executor + "\n");
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 2;
     }
   }
+  const std::string socket = daemon ? daemon->socket() : o.socket;
   tandem_unique_id_t id;
   if (tandem_get_unique_id(&id) != TANDEM_SUCCESS) return 2;
   std::vector<pid_t> pids;
@@ -178,12 +153,6 @@ int main(int argc, char** argv) {
     int st = 0;
     ::waitpid(p, &st, 0);
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) rc = 1;
-  }
-  if (daemon > 0) {
-    ::kill(daemon, SIGTERM);
-    ::waitpid(daemon, nullptr, 0);
-    std::error_code ec;
-    std::filesystem::remove_all(dir, ec);
   }
   return rc;
 }

@@ -15,11 +15,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "private_daemon.hpp"
 #include "tandem/tandem.hpp"
 
 namespace {
@@ -122,19 +123,11 @@ int main(int argc, char** argv) {
   app.add_option("--ops", ops, "ops per client (sleeping mode runs ops/20)");
   CLI11_PARSE(app, argc, argv);
 
-  pid_t daemon = -1;
-  std::filesystem::path dir;
+  // The CPU backend: this measures the control plane and the rings, whatever hardware the host has.
+  std::unique_ptr<tandem::bench::PrivateDaemon> daemon;
   if (socket.empty()) {
-    dir = std::filesystem::temp_directory_path() / ("ring-bench-" + std::to_string(::getpid()));
-    std::filesystem::create_directories(dir);
-    socket = (dir / "tandemd.sock").string();
-    daemon = ::fork();
-    if (daemon == 0) {
-      ::execl(tandemd.c_str(), tandemd.c_str(), "--foreground", "--socket", socket.c_str(), "--log-level", "warn",
-              nullptr);
-      std::_Exit(127);
-    }
-    for (int i = 0; i < 500 && !std::filesystem::exists(socket); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    daemon = std::make_unique<tandem::bench::PrivateDaemon>(tandemd, "daemon:\n  backend: cpu\n  log_level: warn\n");
+    socket = daemon->socket();
   }
   std::printf("%-10s %-8s %-8s %-10s %-10s %-12s\n", "mode", "clients", "ops", "p50_us", "p99_us", "ops/s");
   int rc = 0;
@@ -150,11 +143,6 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ring_bench: %s\n", e.what());
     rc = 1;
-  }
-  if (daemon > 0) {
-    ::kill(daemon, SIGTERM);
-    ::waitpid(daemon, nullptr, 0);
-    std::filesystem::remove_all(dir);
   }
   return rc;
 }
