@@ -1,7 +1,9 @@
 // tandemctl: inspect and exercise a running tandemd.
 //   tandemctl status [--json]       sessions, buffers, bytes, communicators, backend
 //   tandemctl version
-//   tandemctl run OP --ranks N ...  spawn N rank processes and run a fused op end to end (--check verifies)
+//   tandemctl run OP --ranks N ...  spawn N rank processes and run a fused op end to end (--check verifies);
+//                                   with --id and --local-ranks, only some of them (the rest run on other nodes)
+//   tandemctl new-id                a fresh communicator id for --id
 //   tandemctl shutdown
 #include <fcntl.h>
 #include <poll.h>
@@ -11,6 +13,8 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -56,9 +60,15 @@ struct RunOptions {
   uint32_t iters = 1;
   uint64_t seed = 1;
   uint32_t timeoutMs = 60000;
+  std::string idHex;  // the communicator id every node shares (parent: --id or random; child: always given)
+  std::vector<uint32_t> localRanks;  // parent: the ranks this tandemctl spawns
   // child-only
   int rank = -1;
-  std::string idHex;
+};
+
+// A mistake on the command line: printed with a hint and exit code 2 (like CLI11's own parse errors).
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 std::string toHex(const tandem_unique_id_t& id) {
@@ -68,10 +78,83 @@ std::string toHex(const tandem_unique_id_t& id) {
 }
 
 tandem_unique_id_t fromHex(const std::string& hex) {
+  const auto bad = std::find_if_not(hex.begin(), hex.end(), [](unsigned char c) { return std::isxdigit(c) != 0; });
+  if (hex.size() != 32 || bad != hex.end()) {
+    throw UsageError(fmt::format(
+        "--id '{}' is not a communicator id: it must be exactly 32 hex digits ({}); make one with `tandemctl new-id` "
+        "and pass the same id to every node's tandemctl run",
+        hex, bad != hex.end() ? fmt::format("'{}' is not a hex digit", *bad) : fmt::format("got {}", hex.size())));
+  }
   tandem_unique_id_t id{};
-  if (hex.size() != 32) throw std::runtime_error("--id must be 32 hex digits");
   for (int i = 0; i < 16; ++i) id.bytes[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
   return id;
+}
+
+// "0,2-3" -> {0, 2, 3}: the ranks this tandemctl runs. Sorted; every rank in 0..nranks-1, none twice, not empty.
+std::vector<uint32_t> parseRankList(const std::string& spec, uint32_t nranks) {
+  const std::string how = fmt::format("list the ranks this node runs, separated by commas, as ranks or ranges within "
+                                      "0..{} (--ranks {}), e.g. --local-ranks 0,1 or 2-3 or 0,2-3",
+                                      nranks - 1, nranks);
+  auto fail = [&](const std::string& what) -> void {
+    throw UsageError(fmt::format("--local-ranks '{}': {}; {}", spec, what, how));
+  };
+  auto trim = [](std::string t) {
+    const auto b = t.find_first_not_of(" \t"), e = t.find_last_not_of(" \t");
+    return b == std::string::npos ? std::string() : t.substr(b, e - b + 1);
+  };
+  auto number = [&](const std::string& t, const std::string& token) -> uint32_t {
+    uint32_t v = 0;
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+    if (t.empty() || ec != std::errc() || end != t.data() + t.size()) {
+      fail(fmt::format("'{}' is not a rank or a range", token));
+    }
+    if (v >= nranks) fail(fmt::format("rank {} is out of range (the communicator has ranks 0..{})", v, nranks - 1));
+    return v;
+  };
+  if (trim(spec).empty()) fail("the list is empty");
+  std::vector<bool> seen(nranks, false);
+  std::vector<uint32_t> ranks;
+  std::size_t pos = 0;
+  while (pos <= spec.size()) {
+    const std::size_t comma = std::min(spec.find(',', pos), spec.size());
+    const std::string token = trim(spec.substr(pos, comma - pos));
+    pos = comma + 1;
+    if (token.empty()) fail("it has an empty entry (two commas in a row, or one at an end)");
+    const std::size_t dash = token.find('-', 1);
+    const uint32_t lo = number(trim(token.substr(0, dash)), token);
+    const uint32_t hi = dash == std::string::npos ? lo : number(trim(token.substr(dash + 1)), token);
+    if (hi < lo) fail(fmt::format("the range {} runs backwards (write {}-{})", token, hi, lo));
+    for (uint32_t r = lo; r <= hi; ++r) {
+      if (seen[r]) fail(fmt::format("rank {} is listed twice", r));
+      seen[r] = true;
+      ranks.push_back(r);
+    }
+  }
+  std::sort(ranks.begin(), ranks.end());
+  return ranks;
+}
+
+// {0,1,2,3,5,7,8} -> "0-3,5,7,8": runs of three or more as ranges.
+std::string formatRankList(const std::vector<uint32_t>& ranks) {
+  std::string s;
+  for (std::size_t i = 0; i < ranks.size();) {
+    std::size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!s.empty()) s += ',';
+    if (j - i >= 2) {
+      s += fmt::format("{}-{}", ranks[i], ranks[j]);
+    } else {
+      for (std::size_t k = i; k <= j; ++k) s += fmt::format("{}{}", k > i ? "," : "", ranks[k]);
+    }
+    i = j + 1;
+  }
+  return s;
+}
+
+// "4 ranks, 2 here (2,3)"
+std::string placement(const RunOptions& o) {
+  return fmt::format("{} rank{}, {} here ({})", o.ranks, o.ranks == 1 ? "" : "s", o.localRanks.size(),
+                     formatRankList(o.localRanks));
 }
 
 [[noreturn]] void die(tandem_status_t status, const std::string& what) {
@@ -161,7 +244,8 @@ int runRank(const RunOptions& o, const std::string& socket) {
     result["ok"] = true;
 
     if (o.check) {
-      // Every rank's inputs are a pure function of (seed, rank): rebuild them all and compute the reference.
+      // Every rank's inputs are a pure function of (seed, rank, ranks): rebuild them all (also those of ranks that run
+      // on other nodes) and compute the reference.
       std::vector<tandem::OpDescriptor> descs;
       std::vector<std::vector<std::vector<std::byte>>> storage(o.ranks);
       std::vector<std::array<const std::byte*, tandem::kMaxOpBuffers>> inputs(o.ranks);
@@ -208,10 +292,8 @@ std::vector<std::string> shapeArgs(const RunOptions& o) {
           s.causal ? "--causal" : "--no-causal"};
 }
 
-// Parent: spawns the ranks, shows progress, gathers their JSON lines, summarises.
+// Parent: spawns this node's ranks, shows progress, gathers their JSON lines, summarises.
 int runParent(const RunOptions& o, const std::string& socket) {
-  tandem_unique_id_t id;
-  checkC(tandem_get_unique_id(&id), "unique id");
   struct Child {
     pid_t pid;
     int fd;
@@ -223,12 +305,12 @@ int runParent(const RunOptions& o, const std::string& socket) {
   const ssize_t len = ::readlink("/proc/self/exe", self, sizeof self - 1);
   if (len <= 0) throw std::runtime_error("cannot find /proc/self/exe");
   self[len] = '\0';
-  for (uint32_t r = 0; r < o.ranks; ++r) {
+  for (uint32_t r : o.localRanks) {
     int p[2];
     if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
     std::vector<std::string> args = {self};
     if (!socket.empty()) args.insert(args.end(), {"--socket", socket});
-    args.insert(args.end(), {"run", o.op, "--rank", std::to_string(r), "--id", toHex(id)});
+    args.insert(args.end(), {"run", o.op, "--rank", std::to_string(r), "--id", o.idHex});
     for (auto& a : shapeArgs(o)) args.push_back(a);
     if (o.check) args.push_back("--check");
     const pid_t pid = ::fork();
@@ -246,8 +328,15 @@ int runParent(const RunOptions& o, const std::string& socket) {
   const auto start = Clock::now();
   auto lastProgress = start;
   size_t finished = 0;
-  if (!o.json) std::printf("tandemctl run %s: %u ranks, dtype %s, %u iteration(s)%s\n", o.op.c_str(), o.ranks,
-                           o.dtype.c_str(), o.iters, o.check ? ", checking against the fp64 reference" : "");
+  const bool allHere = o.localRanks.size() == o.ranks;
+  if (!o.json) {
+    std::printf("tandemctl run %s: %s, dtype %s, %u iteration(s)%s\n", o.op.c_str(), placement(o).c_str(),
+                o.dtype.c_str(), o.iters, o.check ? ", checking against the fp64 reference" : "");
+    if (!allHere) {
+      std::printf("  communicator %s; the other ranks join through other nodes' tandemctl run with the same --id\n",
+                  o.idHex.c_str());
+    }
+  }
   while (finished < children.size()) {
     std::vector<pollfd> fds;
     for (auto& c : children) fds.push_back({c.done ? -1 : c.fd, POLLIN, 0});
@@ -263,7 +352,7 @@ int runParent(const RunOptions& o, const std::string& socket) {
       }
       c.done = true;
       ++finished;
-      if (!o.json) std::printf("  rank %zu finished (%zu/%zu)\n", i, finished, children.size());
+      if (!o.json) std::printf("  rank %u finished (%zu/%zu)\n", o.localRanks[i], finished, children.size());
     }
     if (Clock::now() - lastProgress > std::chrono::seconds(2) && finished < children.size()) {
       lastProgress = Clock::now();
@@ -275,7 +364,8 @@ int runParent(const RunOptions& o, const std::string& socket) {
     std::fflush(stdout);
   }
   bool allOk = true;
-  json summary{{"op", o.op}, {"ranks", o.ranks}, {"dtype", o.dtype}, {"check", o.check}, {"results", json::array()}};
+  json summary{{"op", o.op},       {"ranks", o.ranks},           {"local_ranks", o.localRanks}, {"id", o.idHex},
+               {"dtype", o.dtype}, {"check", o.check}, {"results", json::array()}};
   for (std::size_t i = 0; i < children.size(); ++i) {
     int status = 0;
     ::waitpid(children[i].pid, &status, 0);
@@ -284,8 +374,10 @@ int runParent(const RunOptions& o, const std::string& socket) {
     try {
       r = json::parse(children[i].out);
     } catch (...) {
-      r = {{"rank", i}, {"ok", false}, {"message", fmt::format("rank process exited with status {} without a result",
-                                                                WIFEXITED(status) ? WEXITSTATUS(status) : -1)}};
+      r = {{"rank", o.localRanks[i]},
+           {"ok", false},
+           {"message", fmt::format("rank process exited with status {} without a result",
+                                   WIFEXITED(status) ? WEXITSTATUS(status) : -1)}};
     }
     allOk = allOk && r.value("ok", false);
     summary["results"].push_back(r);
@@ -300,8 +392,9 @@ int runParent(const RunOptions& o, const std::string& socket) {
                   r.value("rel_error", 0.0), r.value("tolerance", 0.0), r.value("p50_us", 0.0),
                   r.value("message", std::string()).c_str());
     }
-    std::printf("%s: %s on %u ranks %s\n", allOk ? "PASS" : "FAIL", o.op.c_str(), o.ranks,
-                o.check ? (allOk ? "matches the reference" : "did not match or failed") : "ran (no --check)");
+    std::printf("%s: %s on %s: %s%s\n", allOk ? "PASS" : "FAIL", o.op.c_str(), placement(o).c_str(),
+                o.check ? (allOk ? "matches the reference" : "did not match or failed") : "ran (no --check)",
+                allHere ? "" : " (each node checks its own ranks)");
   }
   return allOk ? 0 : 1;
 }
@@ -322,7 +415,18 @@ int status(const std::string& socket, bool asJson) {
     }
     for (const auto& c : r.communicators()) {
       j["communicators"].push_back({{"handle", c.comm_handle()}, {"nranks", c.nranks()}, {"joined", c.joined()},
-                                    {"state", c.state()}, {"ops_completed", c.ops_completed()}});
+                                    {"state", c.state()}, {"ops_completed", c.ops_completed()},
+                                    {"local_ranks", c.local_ranks()}, {"nodes", c.nodes()}, {"reason", c.reason()}});
+    }
+    if (r.has_cluster()) {
+      const auto& cl = r.cluster();
+      json nodes = json::array();
+      for (const auto& n : cl.nodes()) {
+        nodes.push_back({{"index", n.index()}, {"address", n.address()}, {"state", n.state()}, {"reason", n.reason()},
+                         {"hostname", n.hostname()}, {"daemon_version", n.daemon_version()}});
+      }
+      j["cluster"] = {{"self", cl.self()}, {"transport", cl.transport()}, {"staging_bytes", cl.staging_bytes()},
+                      {"nodes", nodes}};
     }
     j["gpus"] = json::array();
     for (const auto& g : r.gpus()) {
@@ -354,10 +458,23 @@ int status(const std::string& socket, bool asJson) {
                 static_cast<unsigned long>(s.session_id()), s.pid(), s.uid(), s.buffers(),
                 static_cast<unsigned long>(s.bytes()), s.communicators(), static_cast<unsigned long>(s.ops_completed()));
   }
+  if (r.has_cluster()) {
+    const auto& cl = r.cluster();
+    std::printf("cluster: this is node %u of %d (transport %s, staging %lu bytes per peer)\n", cl.self(),
+                cl.nodes_size(), cl.transport().c_str(), static_cast<unsigned long>(cl.staging_bytes()));
+    for (const auto& n : cl.nodes()) {
+      std::printf("  node %-3u %-24s %-12s %s%s%s\n", n.index(), n.address().c_str(), n.state().c_str(),
+                  n.hostname().c_str(), n.reason().empty() ? "" : "  ", n.reason().c_str());
+    }
+  }
   std::printf("communicators: %d\n", r.communicators_size());
   for (const auto& c : r.communicators()) {
-    std::printf("  comm %-4lu ranks %u/%u  state %-10s ops %lu\n", static_cast<unsigned long>(c.comm_handle()),
-                c.joined(), c.nranks(), c.state().c_str(), static_cast<unsigned long>(c.ops_completed()));
+    std::string nodes;
+    for (uint32_t n : c.nodes()) nodes += fmt::format("{}{}", nodes.empty() ? "  nodes " : ",", n);
+    std::printf("  comm %-4lu ranks %u/%u (%u here)  state %-10s ops %lu%s%s%s\n",
+                static_cast<unsigned long>(c.comm_handle()), c.joined(), c.nranks(), c.local_ranks(),
+                c.state().c_str(), static_cast<unsigned long>(c.ops_completed()), nodes.c_str(),
+                c.reason().empty() ? "" : "  ", c.reason().c_str());
   }
   return 0;
 }
@@ -375,12 +492,21 @@ int main(int argc, char** argv) {
   statusCmd->add_flag("--json", statusJson, "machine-readable output");
   auto* versionCmd = app.add_subcommand("version", "print tandemctl's and tandemd's versions");
   auto* shutdownCmd = app.add_subcommand("shutdown", "ask tandemd to drain and exit");
+  auto* newIdCmd = app.add_subcommand("new-id", "print a fresh random communicator id (32 hex digits) to pass as "
+                                                "`run --id` to every node's tandemctl");
 
   RunOptions o;
   std::string opList;
   for (auto& [name, kind] : kOps) opList += (opList.empty() ? "" : ", ") + name;
-  auto* run = app.add_subcommand("run", "spawn N rank processes and run a fused op end to end with random inputs.\n"
-                                        "OPs: " + opList);
+  auto* run = app.add_subcommand(
+      "run",
+      "spawn N rank processes and run a fused op end to end with random inputs.\n"
+      "OPs: " + opList + "\n"
+      "Across nodes: each node runs its own tandemctl against its own tandemd, with the same op, shape options,\n"
+      "--ranks, --seed and --id, and --local-ranks naming the ranks it runs; each checks its own ranks. E.g.:\n"
+      "  id=$(tandemctl new-id)                                  # once; copy it to every node\n"
+      "  node A: tandemctl run gemm-ar --ranks 4 --id $id --local-ranks 0,1 --check\n"
+      "  node B: tandemctl run gemm-ar --ranks 4 --id $id --local-ranks 2-3 --check");
   run->add_option("op", o.op, "the op: " + opList)->required()->check(CLI::IsMember(kOps));
   run->add_option("-r,--ranks", o.ranks, "number of rank processes (1..64)")->check(CLI::Range(1, 64));
   run->add_option("--m", o.shape.m, "GEMM rows M (ag-gemm, gemm-rs, gemm-ar); tokens per rank (moe-*)");
@@ -400,8 +526,13 @@ int main(int argc, char** argv) {
   run->add_option("--timeout-ms", o.timeoutMs, "per-wait and rendezvous timeout");
   bool runJson = false;
   run->add_flag("--json", runJson, "print the summary as JSON");
+  run->add_option("--id", o.idHex, "communicator id, 32 hex digits (`tandemctl new-id`), the same on every node; "
+                                   "default: a fresh random one (single node)");
+  std::string localRanks;
+  auto* localRanksOpt = run->add_option("--local-ranks", localRanks,
+                                        "the ranks this tandemctl spawns, e.g. 0,1 or 2-3 or 0,2-3 (default: all); "
+                                        "the others run on other nodes; needs --id");
   run->add_option("--rank", o.rank, "internal: run as this rank")->group("");
-  run->add_option("--id", o.idHex, "internal: communicator id")->group("");
 
   CLI11_PARSE(app, argc, argv);
   ::signal(SIGPIPE, SIG_IGN);
@@ -416,6 +547,12 @@ int main(int argc, char** argv) {
                   session->backend().c_str());
       return 0;
     }
+    if (*newIdCmd) {
+      tandem_unique_id_t id;
+      checkC(tandem_get_unique_id(&id), "unique id");
+      std::printf("%s\n", toHex(id).c_str());
+      return 0;
+    }
     if (*shutdownCmd) {
       auto session = tandem::client::Session::connect(socket.empty() ? tandem::defaultSocketPath(true) : socket);
       tandem::v1::Request request;
@@ -428,7 +565,25 @@ int main(int argc, char** argv) {
     o.shape.kind = kOps.at(o.op);
     o.shape.dtype = kDtypes.at(o.dtype);
     if (o.rank >= 0) return runRank(o, socket);
+    if (localRanksOpt->count() > 0) {
+      if (o.idHex.empty()) {
+        throw UsageError("--local-ranks needs --id: the nodes' tandemctl runs join one communicator only if they all "
+                         "pass the same id; make one with `tandemctl new-id` and pass it as --id on every node");
+      }
+      o.localRanks = parseRankList(localRanks, o.ranks);
+    } else {
+      for (uint32_t r = 0; r < o.ranks; ++r) o.localRanks.push_back(r);
+    }
+    if (o.idHex.empty()) {
+      tandem_unique_id_t id;
+      checkC(tandem_get_unique_id(&id), "unique id");
+      o.idHex = toHex(id);
+    }
+    fromHex(o.idHex);  // validates a given --id before any rank starts
     return runParent(o, socket);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "tandemctl run: %s\nRun with --help for more information.\n", e.what());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tandemctl: %s\n", e.what());
     return 1;

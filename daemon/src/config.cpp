@@ -12,6 +12,7 @@
 
 #include "config.hpp"
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
@@ -56,6 +57,12 @@ constexpr uint64_t kMaxFrameBytes = 64 * kMiB;
 // Below this, ordinary scheduling jitter on a loaded host would declare live ranks lost.
 constexpr uint32_t kMinPeerLostDeadlineMs = 100;
 constexpr uint32_t kMaxSocketMode = 0777;
+// cluster: the tcp transport's own limits, and what keeps heartbeats from flooding or starving the deadline.
+constexpr uint32_t kMaxConnectionsPerPeer = 16;
+constexpr uint32_t kMinHeartbeatIntervalMs = 10;
+constexpr uint64_t kMinStagingBytes = 4 * kKiB;
+constexpr uint64_t kMaxStagingBytes = 16 * kGiB;
+constexpr std::size_t kMaxSecretLineBytes = 64 * 1024;  // a longer first line is not a secret file
 
 constexpr std::array<std::string_view, 5> kLogLevels{"trace", "debug", "info", "warn", "error"};
 
@@ -69,8 +76,12 @@ constexpr std::array<EnumName<BackendKind>, 3> kBackendNames{
 constexpr std::array<EnumName<ExecutorKind>, 3> kExecutorNames{
     {{ExecutorKind::kAuto, "auto"}, {ExecutorKind::kDaemon, "daemon"}, {ExecutorKind::kClient, "client"}}};
 
+constexpr std::array<EnumName<ClusterTransport>, 2> kClusterTransportNames{
+    {{ClusterTransport::kTcp, "tcp"}, {ClusterTransport::kVerbs, "verbs"}}};
+
 constexpr std::span<const EnumName<BackendKind>> namesOf(BackendKind) { return kBackendNames; }
 constexpr std::span<const EnumName<ExecutorKind>> namesOf(ExecutorKind) { return kExecutorNames; }
+constexpr std::span<const EnumName<ClusterTransport>> namesOf(ClusterTransport) { return kClusterTransportNames; }
 
 // ---- the schema: one table per section ----
 
@@ -81,8 +92,9 @@ struct OctalMember {
 };
 
 template <typename S>
-using Member = std::variant<std::string S::*, uint32_t S::*, uint64_t S::*, std::vector<uint32_t> S::*,
-                            std::vector<std::string> S::*, BackendKind S::*, ExecutorKind S::*, OctalMember<S>>;
+using Member = std::variant<std::string S::*, uint32_t S::*, uint64_t S::*, int32_t S::*, std::vector<uint32_t> S::*,
+                            std::vector<std::string> S::*, BackendKind S::*, ExecutorKind S::*,
+                            ClusterTransport S::*, OctalMember<S>>;
 
 template <typename S>
 struct Field {
@@ -96,13 +108,19 @@ struct SectionHelp {
   std::string_view help;
 };
 
-constexpr std::array<SectionHelp, 6> kSections{{
+constexpr std::array<SectionHelp, 7> kSections{{
     {"daemon", "The daemon process: where it listens, which backend runs ops, how much it logs."},
     {"access", "Who may connect. Clients are identified by SO_PEERCRED on the socket."},
     {"limits", "Caps on what one client may ask for; a request beyond them fails with an error naming the cap."},
     {"rings", "The shared-memory submission ring of each session."},
     {"communicators", "Communicators: the groups of ranks that run fused ops together."},
     {"cuda", "The cuda backend (the cpu backend ignores this section)."},
+    {"cluster",
+     "Multi-node: the tandemd of every node connects to the others (authenticated with a shared secret) and\n"
+     "communicators span nodes. Leave nodes empty on a single node. Two nodes, the same file on both:\n"
+     "  nodes: [\"10.0.0.1:7100\", \"10.0.0.2:7100\"]\n"
+     "  secret_file: /etc/tandem/cluster.secret\n"
+     "and tandemd --node-index 0 on the first node, --node-index 1 on the second."},
 }};
 
 constexpr auto kDaemonFields = std::to_array<Field<DaemonSection>>({
@@ -163,6 +181,49 @@ constexpr auto kCudaFields = std::to_array<Field<CudaSection>>({
     {"daemon_linger_ms", "With executor daemon, the persistent kernel exits after idling this long.",
      &CudaSection::daemonLingerMs},
     {"comm_sms", "SMs given to the communication roles of fused kernels; 0 = chosen per shape.", &CudaSection::commSms},
+});
+
+constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
+    {"nodes",
+     "Every node's tandemd as \"host:port\" (IPv4 address, host name, or \"[v6]:port\"), the same list in the\n"
+     "same order on every node: a node's position in it is its identity. The port is the one tandemd\n"
+     "listens on for the other daemons; open it between the nodes. Empty or one entry: a single node.",
+     &ClusterSection::nodes},
+    {"node_index",
+     "This node's 0-based position in nodes. Keep one shared file and pass --node-index N (or set\n"
+     "TANDEM_NODE_INDEX) on each node instead of editing it per node.",
+     &ClusterSection::nodeIndex},
+    {"secret_file",
+     "File whose first line is the cluster secret (at least 16 bytes; trailing whitespace ignored), the same\n"
+     "on every node. Needed with two or more nodes unless secret is set. Create it once and copy it to every\n"
+     "node, readable only by tandemd's user: (umask 077; openssl rand -hex 32 > /etc/tandem/cluster.secret).\n"
+     "Give an absolute path: a relative one is read from tandemd's working directory.",
+     &ClusterSection::secretFile},
+    {"secret",
+     "The cluster secret inline, instead of secret_file (set only one). Prefer secret_file: config files are\n"
+     "often world-readable, and whoever knows the secret can join the cluster.",
+     &ClusterSection::secret},
+    {"transport",
+     "How op data travels between nodes: tcp (any network) or verbs (RDMA NICs). The daemons' control\n"
+     "traffic always uses tcp.",
+     &ClusterSection::transport},
+    {"connections_per_peer",
+     "TCP connections from this node to each other node, 1 to 16; large transfers are striped over them.\n"
+     "Must be the same on every node.",
+     &ClusterSection::connectionsPerPeer},
+    {"connect_timeout_ms",
+     "At startup, how long the daemons wait for every node in nodes to come up and connect; start\n"
+     "tandemd on all nodes within this window.",
+     &ClusterSection::connectTimeoutMs},
+    {"heartbeat_interval_ms",
+     "An idle connection sends a heartbeat this often, so a dead node is noticed within\n"
+     "communicators.peer_lost_deadline_ms. At least 10, and with two or more nodes below half of\n"
+     "peer_lost_deadline_ms.",
+     &ClusterSection::heartbeatIntervalMs},
+    {"staging_bytes",
+     "Size of the inbox and of the outbox a multi-node communicator keeps for each peer node, 4096 (4 KiB)\n"
+     "to 17179869184 (16 GiB); memory grows with communicators x peer nodes.",
+     &ClusterSection::stagingBytes},
 });
 
 // ---- small text helpers ----
@@ -265,6 +326,215 @@ std::string joinPath(std::string_view parent, std::string_view key) {
 // Returns the "source:line:col: " prefix for the first of `paths` that the file set, "" when there is none.
 using Locate = std::function<std::string(std::initializer_list<std::string_view> paths)>;
 
+const Locate kNoLocation = [](std::initializer_list<std::string_view>) { return std::string(); };
+
+// An IPv4 literal, or a host name: dot-separated labels of letters, digits, '-' and '_', not starting or ending
+// with '-'. All digits and dots must be a valid IPv4 address (10.0.0.256 is a typo, not a name).
+bool validHost(std::string_view host) {
+  if (host.size() > 253) return false;
+  if (std::all_of(host.begin(), host.end(), [](char c) { return (c >= '0' && c <= '9') || c == '.'; })) {
+    in_addr a4{};
+    return ::inet_pton(AF_INET, std::string(host).c_str(), &a4) == 1;
+  }
+  std::size_t start = 0;
+  while (start <= host.size()) {
+    const std::size_t dot = std::min(host.find('.', start), host.size());
+    const std::string_view label = host.substr(start, dot - start);
+    if (label.empty() || label.size() > 63 || label.front() == '-' || label.back() == '-') return false;
+    if (!std::all_of(label.begin(), label.end(), [](char c) {
+          return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '-' || c == '_';
+        }))
+      return false;
+    start = dot + 1;
+  }
+  return true;
+}
+
+// What is wrong with one cluster.nodes entry, as a sentence and its fix ("" when nothing); fills `out` when fine.
+std::string endpointProblem(std::string_view text, NodeEndpoint& out) {
+  constexpr std::string_view kForms = "such as 10.0.0.1:7100, node1.example.com:7100 or [fd00::1]:7100";
+  if (text.empty()) return fmt::format("is empty. Write host:port, {}.", kForms);
+  std::string_view host;
+  std::string_view port;
+  if (text.front() == '[') {
+    const std::size_t close = text.find(']');
+    if (close == std::string_view::npos)
+      return fmt::format("'{}' opens '[' without a closing ']'. Write an IPv6 address as [fd00::1]:7100.", text);
+    host = text.substr(1, close - 1);
+    in6_addr a6{};
+    if (::inet_pton(AF_INET6, std::string(host).c_str(), &a6) != 1)
+      return fmt::format("'{}': '{}' is not an IPv6 address. Brackets hold IPv6 addresses only; write other hosts "
+                         "without them, {}.", text, host, kForms);
+    const std::string_view rest = text.substr(close + 1);
+    if (rest.empty() || rest.front() != ':')
+      return fmt::format("'{}' has no ':port' after ']'. Add the port tandemd listens on for the cluster, such as "
+                         "[{}]:7100.", text, host);
+    port = rest.substr(1);
+  } else {
+    const std::size_t colon = text.rfind(':');
+    if (colon == std::string_view::npos)
+      return fmt::format("'{}' has no port. Add the port tandemd listens on for the cluster, such as {}:7100.", text,
+                         text);
+    if (text.find(':') != colon)
+      return fmt::format("'{}' has more than one ':'. Write an IPv6 address in brackets, such as [fd00::1]:7100.",
+                         text);
+    host = text.substr(0, colon);
+    port = text.substr(colon + 1);
+    if (host.empty()) return fmt::format("'{}' has no host before ':'. Write host:port, {}.", text, kForms);
+    if (!validHost(host))
+      return fmt::format("'{}': '{}' is neither an IPv4 address nor a host name (letters, digits, '-', '.'). Write "
+                         "host:port, {}.", text, host, kForms);
+  }
+  unsigned number = 0;
+  const auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), number);
+  if (port.empty() || ec != std::errc() || end != port.data() + port.size() || number == 0 || number > 65535)
+    return fmt::format("'{}': port '{}' is not a number from 1 to 65535. Use the fixed port tandemd listens on for "
+                       "the cluster, such as 7100.", text, port);
+  out = NodeEndpoint{std::string(host), static_cast<uint16_t>(number)};
+  return {};
+}
+
+// The first line of a secret file, trailing whitespace stripped; errors name the key, the path and the fix, never
+// the secret.
+std::string readSecretFile(const std::string& path, const std::string& where) {
+  const auto failRead = [&](int err) {
+    const std::string remedy =
+        err == ENOENT
+            ? fmt::format("Create it once, readable only by tandemd's user, and copy the same file to every node "
+                          "((umask 077; openssl rand -hex 32 > {})), or fix cluster.secret_file.", path)
+        : err == EACCES ? std::string("Make it readable by the user tandemd runs as (chown it to them, chmod 600).")
+        : err == EISDIR ? std::string("Point cluster.secret_file at a file, not a directory.")
+                        : std::string("Check the path and its permissions.");
+    fail(ErrorCode::kInvalidConfig, "{}cluster.secret_file: cannot read the cluster secret from {}: {}. {}", where,
+         path, std::strerror(err), remedy);
+  };
+  const std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (!file) failRead(errno);
+  std::string line;
+  for (int c = std::fgetc(file.get()); c != EOF && c != '\n'; c = std::fgetc(file.get())) {
+    if (line.size() == kMaxSecretLineBytes) {
+      fail(ErrorCode::kInvalidConfig,
+           "{}cluster.secret_file: the first line of {} is longer than {} bytes, so it is not a secret file. Put the "
+           "secret alone on the first line ((umask 077; openssl rand -hex 32 > {})).",
+           where, path, kMaxSecretLineBytes, path);
+    }
+    line += static_cast<char>(c);
+  }
+  if (std::ferror(file.get()) != 0) failRead(errno != 0 ? errno : EIO);
+  while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back())) != 0) line.pop_back();
+  if (line.size() < kMinClusterSecretBytes) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster.secret_file: the secret on the first line of {} is {} bytes; at least {} are needed. Put a long "
+         "random secret there ((umask 077; openssl rand -hex 32 > {})) and copy the file to every node.",
+         where, path, line.size(), kMinClusterSecretBytes, path);
+  }
+  return line;
+}
+
+// The checks of secret and secret_file that need no file: not both, and an inline secret long enough.
+void checkSecretShape(const ClusterSection& c, const Locate& at) {
+  if (!c.secret.empty() && !c.secretFile.empty()) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster.secret and cluster.secret_file are both set. Keep only one: preferably secret_file (config files "
+         "are often world-readable), so remove cluster.secret.",
+         at({"cluster.secret", "cluster.secret_file"}));
+  }
+  if (!c.secret.empty() && c.secret.size() < kMinClusterSecretBytes) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster.secret: the secret is {} bytes; at least {} are needed. Use a long random secret, the same on "
+         "every node, such as the output of `openssl rand -hex 32` (better: put it in a file and set "
+         "cluster.secret_file).",
+         at({"cluster.secret"}), c.secret.size(), kMinClusterSecretBytes);
+  }
+}
+
+std::string resolveSecret(const ClusterSection& c, const Locate& at) {
+  checkSecretShape(c, at);
+  if (!c.secretFile.empty()) return readSecretFile(c.secretFile, at({"cluster.secret_file"}));
+  if (c.secret.empty()) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster: no cluster secret is set, and the daemons of a cluster authenticate each other with it. Create "
+         "one and copy it to every node ((umask 077; openssl rand -hex 32 > /etc/tandem/cluster.secret)), then set "
+         "cluster.secret_file to that path.",
+         at({"cluster.nodes"}));
+  }
+  return c.secret;
+}
+
+void checkCluster(const DaemonConfig& config, const Locate& at) {
+  const ClusterSection& k = config.cluster;
+  std::vector<std::pair<NodeEndpoint, std::size_t>> seen;
+  for (std::size_t i = 0; i < k.nodes.size(); ++i) {
+    const std::string path = fmt::format("cluster.nodes[{}]", i);
+    NodeEndpoint endpoint;
+    if (const std::string problem = endpointProblem(k.nodes[i], endpoint); !problem.empty())
+      fail(ErrorCode::kInvalidConfig, "{}{}: {}", at({path}), path, problem);
+    std::transform(endpoint.host.begin(), endpoint.host.end(), endpoint.host.begin(),
+                   [](char ch) { return static_cast<char>(std::tolower(static_cast<unsigned char>(ch))); });
+    for (const auto& [other, j] : seen) {
+      if (other == endpoint) {
+        fail(ErrorCode::kInvalidConfig,
+             "{}{}: '{}' is listed twice (also cluster.nodes[{}]). List each node once; two daemons on one host "
+             "need different ports.",
+             at({path}), path, k.nodes[i], j);
+      }
+    }
+    seen.emplace_back(std::move(endpoint), i);
+  }
+  if (k.nodeIndex < 0) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster.node_index: {} is negative. Set cluster.node_index (or --node-index / TANDEM_NODE_INDEX) to this "
+         "node's 0-based position in cluster.nodes.",
+         at({"cluster.node_index"}), k.nodeIndex);
+  }
+  if (isMultiNode(k) && static_cast<std::size_t>(k.nodeIndex) >= k.nodes.size()) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster.node_index: {} is not a position in cluster.nodes, which lists {} nodes (0 to {}). Set "
+         "cluster.node_index (or --node-index / TANDEM_NODE_INDEX) to this node's 0-based position in that list.",
+         at({"cluster.node_index", "cluster.nodes"}), k.nodeIndex, k.nodes.size(), k.nodes.size() - 1);
+  }
+  if (k.connectionsPerPeer == 0 || k.connectionsPerPeer > kMaxConnectionsPerPeer) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster.connections_per_peer: {} is outside 1 to {}. Set cluster.connections_per_peer within that range "
+         "(default {}), the same on every node.",
+         at({"cluster.connections_per_peer"}), k.connectionsPerPeer, kMaxConnectionsPerPeer,
+         ClusterSection{}.connectionsPerPeer);
+  }
+  if (k.connectTimeoutMs == 0) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster.connect_timeout_ms: 0 would give up before any node connects. Set it to how long the daemons may "
+         "wait for every node to start (default {}).",
+         at({"cluster.connect_timeout_ms"}), ClusterSection{}.connectTimeoutMs);
+  }
+  const uint32_t deadline = config.communicators.peerLostDeadlineMs;
+  if (k.heartbeatIntervalMs < kMinHeartbeatIntervalMs) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster.heartbeat_interval_ms: {} is below the minimum of {} ms. Set cluster.heartbeat_interval_ms to {} "
+         "or more (default {}).",
+         at({"cluster.heartbeat_interval_ms"}), k.heartbeatIntervalMs, kMinHeartbeatIntervalMs,
+         kMinHeartbeatIntervalMs, ClusterSection{}.heartbeatIntervalMs);
+  }
+  // Only a cluster sends heartbeats: a single node may keep the short peer-lost deadlines it always could.
+  if (isMultiNode(k) && uint64_t{k.heartbeatIntervalMs} * 2 >= deadline) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster.heartbeat_interval_ms: {} is not below half of communicators.peer_lost_deadline_ms ({}), so one "
+         "late heartbeat would report a live node lost. Set cluster.heartbeat_interval_ms to at most {} or raise "
+         "communicators.peer_lost_deadline_ms.",
+         at({"cluster.heartbeat_interval_ms", "communicators.peer_lost_deadline_ms"}), k.heartbeatIntervalMs,
+         deadline, (deadline - 1) / 2);
+  }
+  if (k.stagingBytes < kMinStagingBytes || k.stagingBytes > kMaxStagingBytes) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}cluster.staging_bytes: {} is outside {} ({}) to {} ({}). Set cluster.staging_bytes within that range; the "
+         "default is {} ({}).",
+         at({"cluster.staging_bytes"}), k.stagingBytes, kMinStagingBytes, humanBytes(kMinStagingBytes),
+         kMaxStagingBytes, humanBytes(kMaxStagingBytes), ClusterSection{}.stagingBytes,
+         humanBytes(ClusterSection{}.stagingBytes));
+  }
+  checkSecretShape(k, at);
+  if (isMultiNode(k)) (void)resolveSecret(k, at);  // read secret_file now: a missing file fails the load, not the join
+}
+
 void checkConfig(const DaemonConfig& config, const Locate& at) {
   const DaemonSection& d = config.daemon;
   if (std::find(kLogLevels.begin(), kLogLevels.end(), d.logLevel) == kLogLevels.end()) {
@@ -333,6 +603,8 @@ void checkConfig(const DaemonConfig& config, const Locate& at) {
            path, g.devices[i]);
     }
   }
+
+  checkCluster(config, at);
 }
 
 // ---- the parser ----
@@ -374,6 +646,7 @@ class Parser {
                    if (key == "rings") config.rings = parseRings(value, path);
                    if (key == "communicators") config.communicators = parseCommunicators(value, path);
                    if (key == "cuda") config.cuda = parseCuda(value, path);
+                   if (key == "cluster") config.cluster = parseSection(value, path, kClusterFields);
                  });
     checkConfig(config, [this](std::initializer_list<std::string_view> paths) {
       for (const auto path : paths) {
@@ -484,6 +757,11 @@ class Parser {
     section.*member = parseUnsigned(value, path, mark, std::numeric_limits<uint64_t>::max());
   }
   template <typename S>
+  void parseValue(S& section, int32_t S::*member, const YAML::Node& value, const std::string& path,
+                  const YAML::Mark& mark) {
+    section.*member = parseInt32(value, path, mark);
+  }
+  template <typename S>
   void parseValue(S& section, std::vector<uint32_t> S::*member, const YAML::Node& value, const std::string& path,
                   const YAML::Mark& mark) {
     section.*member = parseList<uint32_t>(
@@ -574,6 +852,31 @@ class Parser {
     if (ec != std::errc() || number > max) {
       fail(ErrorCode::kInvalidConfig, "{}{}: {} is too large. Set {} to at most {}.", where(mark), path, text, path,
            max);
+    }
+    return number;
+  }
+
+  // Decimal digits with an optional leading '-'.
+  int32_t parseInt32(const YAML::Node& value, const std::string& path, const YAML::Mark& mark) {
+    if (value.IsNull()) {
+      fail(ErrorCode::kInvalidConfig, "{}{}: has no value. Set {} to an integer, or remove the key to use the default.",
+           where(mark), path, path);
+    }
+    if (!value.IsScalar()) {
+      fail(ErrorCode::kInvalidConfig, "{}{}: expected an integer, got {}. Set {} to a single number.", where(mark),
+           path, describe(value), path);
+    }
+    const std::string& text = value.Scalar();
+    const std::string_view digits = std::string_view(text).substr(text.starts_with('-') ? 1 : 0);
+    if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      fail(ErrorCode::kInvalidConfig, "{}{}: '{}' is not an integer. Set {} to a number in decimal digits.",
+           where(mark), path, text, path);
+    }
+    int32_t number = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), number);
+    if (ec != std::errc() || end != text.data() + text.size()) {
+      fail(ErrorCode::kInvalidConfig, "{}{}: {} is out of range. Set {} to a number from {} to {}.", where(mark), path,
+           text, path, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max());
     }
     return number;
   }
@@ -757,6 +1060,7 @@ std::string configYaml(const DaemonConfig& config) {
   appendSection(out, "rings", config.rings, kRingsFields);
   appendSection(out, "communicators", config.communicators, kCommunicatorsFields);
   appendSection(out, "cuda", config.cuda, kCudaFields);
+  appendSection(out, "cluster", config.cluster, kClusterFields);
   return out;
 }
 
@@ -775,5 +1079,21 @@ const char* executorName(ExecutorKind kind) {
   }
   return "unknown";
 }
+
+const char* clusterTransportName(ClusterTransport kind) {
+  for (const auto& entry : kClusterTransportNames) {
+    if (entry.value == kind) return entry.name.data();
+  }
+  return "unknown";
+}
+
+NodeEndpoint parseNodeEndpoint(const std::string& text) {
+  NodeEndpoint endpoint;
+  if (const std::string problem = endpointProblem(text, endpoint); !problem.empty())
+    fail(ErrorCode::kInvalidConfig, "cluster node address {}", problem);
+  return endpoint;
+}
+
+std::string clusterSecret(const ClusterSection& c) { return resolveSecret(c, kNoLocation); }
 
 }  // namespace tandem::daemon

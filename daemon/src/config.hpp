@@ -2,6 +2,7 @@
 // (config/tandemd.yaml), then overridden by command-line flags. Precedence: defaults < file < flags.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -61,6 +62,25 @@ struct CudaSection {
   bool operator==(const CudaSection&) const = default;
 };
 
+// How op data travels between nodes (named so as not to clash with transport::TransportKind).
+enum class ClusterTransport { kTcp, kVerbs };
+
+// Multi-node: the tandemd daemons of a cluster connect to each other. Single node when nodes has 0 or 1 entries.
+struct ClusterSection {
+  std::vector<std::string> nodes;     // "host:port" of every node's tandemd, the same list and order on every node
+  int32_t nodeIndex = 0;              // this node's index in nodes (--node-index / TANDEM_NODE_INDEX override it)
+  std::string secretFile;             // file whose first line is the shared cluster secret (>= 16 bytes)
+  std::string secret;                 // the secret inline (secret_file is preferred: configs are often world-readable)
+  ClusterTransport transport = ClusterTransport::kTcp;  // data transport between nodes: tcp | verbs
+  uint32_t connectionsPerPeer = 2;    // tcp connections per peer node, 1..16
+  uint32_t connectTimeoutMs = 60000;  // how long the daemons wait for every node to come up
+  uint32_t heartbeatIntervalMs = 100; // >= 10, and (multi-node) less than communicators.peer_lost_deadline_ms / 2
+  uint64_t stagingBytes = uint64_t{64} << 20;  // per multi-node communicator and peer node: inbox and outbox size,
+                                               // 4 KiB .. 16 GiB
+
+  bool operator==(const ClusterSection&) const = default;
+};
+
 struct DaemonConfig {
   DaemonSection daemon;
   AccessSection access;
@@ -68,6 +88,7 @@ struct DaemonConfig {
   RingsSection rings;
   CommunicatorsSection communicators;
   CudaSection cuda;
+  ClusterSection cluster;
 
   bool operator==(const DaemonConfig&) const = default;
 };
@@ -85,10 +106,33 @@ void validateConfig(const DaemonConfig& config);
 // config/tandemd.yaml holds it. Equals configYaml(DaemonConfig{}).
 std::string defaultConfigYaml();
 // Any configuration as commented YAML that parseConfig reads back to an equal DaemonConfig (e.g. to
-// log the effective configuration after flags were applied).
+// log the effective configuration after flags were applied). It includes an inline cluster.secret verbatim:
+// blank it before logging.
 std::string configYaml(const DaemonConfig& config);
 
 const char* backendName(BackendKind kind);
 const char* executorName(ExecutorKind kind);
+const char* clusterTransportName(ClusterTransport kind);  // "tcp" | "verbs", as in the YAML
+
+// One entry of cluster.nodes.
+struct NodeEndpoint {
+  std::string host;  // IPv4 literal, host name, or IPv6 literal without the brackets
+  uint16_t port = 0;
+  bool operator==(const NodeEndpoint&) const = default;
+};
+// Parses "host:port", "name:port" or "[v6]:port" (port 1..65535). Throws Error(kInvalidConfig) saying what is
+// wrong with `text` and how to write it.
+NodeEndpoint parseNodeEndpoint(const std::string& text);
+
+// Two or more nodes: this daemon is part of a multi-node cluster.
+inline bool isMultiNode(const ClusterSection& c) { return c.nodes.size() >= 2; }
+
+// The cluster secret: the first line of cluster.secret_file (trailing newline and whitespace stripped), else
+// cluster.secret. Throws Error(kInvalidConfig) naming the key (and the path) with the fix when both or neither are
+// set, when the file is missing or unreadable, or when the secret is shorter than kMinClusterSecretBytes. Reads
+// the file on every call; validateConfig/parseConfig call it for a multi-node config, so a loaded config's file
+// was readable at load time.
+inline constexpr std::size_t kMinClusterSecretBytes = 16;
+std::string clusterSecret(const ClusterSection& c);
 
 }  // namespace tandem::daemon

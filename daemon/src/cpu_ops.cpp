@@ -41,6 +41,8 @@ inline float dot(const float* x, const float* y, std::size_t k) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
 }
 
+}  // namespace
+
 // c[m, n] = a[m, k] · b[n, k]ᵀ in fp32. Both operands are K-major, so every output is one contiguous dot
 // product. Columns are taken in blocks whose rows of b stay in cache while every row of a passes by.
 void gemmNT(const float* a, const float* b, float* c, std::size_t m, std::size_t n, std::size_t k) {
@@ -55,6 +57,8 @@ void gemmNT(const float* a, const float* b, float* c, std::size_t m, std::size_t
     }
   }
 }
+
+namespace {
 
 void requireMemory(std::span<const RankOp> ranks, int s) {
   for (const RankOp& r : ranks) {

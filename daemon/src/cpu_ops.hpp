@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <span>
+#include <cstdint>
 
 #include "tandem/common/descriptor.hpp"
 
@@ -21,5 +22,16 @@ struct RankOp {
 // (an expert id out of range, moe capacity too small) throw Error(kInvalidArgument) before any output is
 // written. Safe to call from several threads on different ops.
 void runCpuOp(std::span<const RankOp> ranks);
+
+// c[m, n] = a[m, k] · b[n, k]ᵀ in fp32, deterministic (fixed summation order). Shared with cpu_multinode.cpp.
+void gemmNT(const float* a, const float* b, float* c, std::size_t m, std::size_t n, std::size_t k);
+
+class CommLink;
+// Runs one collective whose ranks live on several nodes (cpu_multinode.cpp). ranks[r].desc is every rank's
+// descriptor; only ranks on this node (nodeOfRank[r] == link.self()) have data. Supports ag-gemm, gemm-rs,
+// gemm-ar, allgather and barriers; other kinds throw Error(kUnsupported). Every node of the communicator calls
+// it for the same collective with the same epoch.
+void runCpuOpAcrossNodes(std::span<const RankOp> ranks, std::span<const uint32_t> nodeOfRank, CommLink& link,
+                         uint64_t epoch);
 
 }  // namespace tandem::daemon

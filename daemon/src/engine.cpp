@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
+#include "cluster.hpp"
 #include "cpu_ops.hpp"
 #include "tandem/common/validate.hpp"
 
@@ -21,6 +23,21 @@ std::string hexId(const std::array<uint8_t, 16>& id) {
 }
 
 int32_t statusOf(ErrorCode code) { return static_cast<int32_t>(wireCode(code)); }
+
+v1::PeerMessage leaveMessage(const std::array<uint8_t, 16>& uniqueId, uint32_t rank) {
+  v1::PeerMessage m;
+  auto* l = m.mutable_leave();
+  l->set_unique_id(uniqueId.data(), uniqueId.size());
+  l->set_rank(rank);
+  return m;
+}
+
+std::array<uint8_t, 16> uniqueIdOf(const std::string& bytes) {
+  std::array<uint8_t, 16> id{};
+  if (bytes.size() != id.size()) fail(ErrorCode::kProtocol, "a peer sent a communicator id of {} bytes", bytes.size());
+  std::memcpy(id.data(), bytes.data(), id.size());
+  return id;
+}
 
 }  // namespace
 
@@ -90,11 +107,21 @@ class CpuBackend final : public Backend {
   bool execute(Collective c, std::function<void()> finished) override {
     if (c.errorCode != 0) {
       for (auto& op : c.ops) {
+        if (!op.local()) continue;
         op.channel->complete(op.desc.seq, c.errorCode,
                              op.error.empty() ? fmt::format("another rank's descriptor was rejected: {}", c.error)
                                               : op.error);
       }
       return true;
+    }
+    if (c.link) {
+      // Across nodes: on the communicator's own thread, which blocks on its peers.
+      auto link = c.link;
+      link->post([this, c = std::move(c), finished = std::move(finished)]() mutable {
+        run(c);
+        finished();
+      });
+      return false;
     }
     if (c.ops[0].desc.kind == OpKind::kNop) {
       // Nothing to execute: complete on the pump thread instead of paying a worker hand-off.
@@ -121,7 +148,11 @@ class CpuBackend final : public Backend {
           if (c.ops[r].buffers[i]) ranks[r].data[i] = resolve(*c.ops[r].buffers[i], c.ops[r].desc.bufs[i].offset);
         }
       }
-      runCpuOp(ranks);
+      if (c.link) {
+        runCpuOpAcrossNodes(ranks, c.nodeOfRank, *c.link, c.epoch);
+      } else {
+        runCpuOp(ranks);
+      }
     } catch (const Error& e) {
       code = statusOf(e.code());
       message = e.what();
@@ -129,7 +160,9 @@ class CpuBackend final : public Backend {
       code = statusOf(ErrorCode::kInternal);
       message = fmt::format("{} failed inside tandemd: {}", opKindName(c.ops[0].desc.kind), e.what());
     }
-    for (auto& op : c.ops) op.channel->complete(op.desc.seq, code, message);
+    for (auto& op : c.ops) {
+      if (op.local()) op.channel->complete(op.desc.seq, code, message);
+    }
     ++*c.opsCompleted;
   }
 
@@ -225,6 +258,7 @@ void Engine::closeSession(uint64_t sessionId, const std::string& why) {
     for (auto j = entry->joins.begin(); j != entry->joins.end();) {
       if (j->second.sessionId == sessionId) {
         entry->comm.members[j->first].reset();
+        tellPeersLocked(entry->comm, leaveMessage(entry->comm.uniqueId, j->first));
         j = entry->joins.erase(j);
       } else {
         ++j;
@@ -331,21 +365,7 @@ void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, u
     return done(e.code(), e.what(), 0, none);
   }
   std::unique_lock lock(mutex_);
-  std::shared_ptr<CommEntry> entry;
-  if (auto it = commByUniqueId_.find(uniqueId); it != commByUniqueId_.end()) {
-    entry = comms_.at(it->second);
-  } else {
-    entry = std::make_shared<CommEntry>();
-    entry->comm.handle = nextCommHandle_++;
-    entry->comm.uniqueId = uniqueId;
-    entry->comm.nranks = nranks;
-    entry->comm.members.resize(nranks);
-    entry->comm.queues.resize(nranks);
-    entry->comm.submitted.resize(nranks, 0);
-    entry->comm.devices.resize(nranks);
-    comms_[entry->comm.handle] = entry;
-    commByUniqueId_[uniqueId] = entry->comm.handle;
-  }
+  std::shared_ptr<CommEntry> entry = entryForLocked(uniqueId, nranks);
   Communicator& comm = entry->comm;
   if (comm.state != Communicator::State::kJoining) {
     return done(ErrorCode::kInvalidArgument,
@@ -362,27 +382,122 @@ void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, u
                 fmt::format("rank {} of communicator {} is already taken by another session; give each process a "
                             "distinct rank", rank, hexId(uniqueId)), 0, none);
   }
+  if (comm.remote[rank]) {
+    return done(ErrorCode::kInvalidArgument,
+                fmt::format("rank {} of communicator {} already joined on node {}; give each process of the job a "
+                            "distinct rank", rank, hexId(uniqueId), *comm.remote[rank]), 0, none);
+  }
   comm.members[rank] = sessionId;
   comm.devices[rank] = deviceUuid;
   entry->joins[rank] = PendingJoin{sessionId, std::move(done)};
+  if (cluster_) {
+    // Every node learns where every rank lives; the nodes that complete the set form the communicator.
+    v1::PeerMessage m;
+    auto* j = m.mutable_join();
+    j->set_unique_id(uniqueId.data(), uniqueId.size());
+    j->set_nranks(nranks);
+    j->set_rank(rank);
+    tellPeersLocked(comm, m);
+  }
   if (comm.joined() < comm.nranks) return;
+  completeJoin(entry, lock);
+}
 
+std::shared_ptr<Engine::CommEntry> Engine::entryForLocked(const std::array<uint8_t, 16>& uniqueId, uint32_t nranks) {
+  if (auto it = commByUniqueId_.find(uniqueId); it != commByUniqueId_.end()) return comms_.at(it->second);
+  auto entry = std::make_shared<CommEntry>();
+  entry->comm.handle = nextCommHandle_++;
+  entry->comm.uniqueId = uniqueId;
+  entry->comm.nranks = nranks;
+  entry->comm.members.resize(nranks);
+  entry->comm.remote.resize(nranks);
+  entry->comm.queues.resize(nranks);
+  entry->comm.submitted.resize(nranks, 0);
+  entry->comm.devices.resize(nranks);
+  comms_[entry->comm.handle] = entry;
+  commByUniqueId_[uniqueId] = entry->comm.handle;
+  return entry;
+}
+
+void Engine::eraseEntryLocked(const Communicator& comm) {
+  const uint64_t handle = comm.handle;
+  if (auto it = commByUniqueId_.find(comm.uniqueId); it != commByUniqueId_.end() && it->second == handle) {
+    commByUniqueId_.erase(it);
+  }
+  comms_.erase(handle);
+}
+
+void Engine::tellPeersLocked(const Communicator& comm, const v1::PeerMessage& message) {
+  if (!cluster_) return;
+  // Joins and leaves go to every node, since any node may hold ranks of the communicator; everything else to
+  // the nodes its known ranks live on.
+  if (message.has_join() || message.has_leave()) return cluster_->broadcast(message);
+  for (uint32_t n : comm.nodes(cluster_->self())) {
+    if (n != cluster_->self()) cluster_->send(n, message);
+  }
+}
+
+void Engine::failJoin(const std::shared_ptr<CommEntry>& entry, ErrorCode code, const std::string& reason,
+                      std::unique_lock<std::mutex>& lock) {
+  Communicator& comm = entry->comm;
   auto joins = std::move(entry->joins);
   entry->joins.clear();
-  try {
-    comm.resources = backend_->setupComm(comm);
-  } catch (const Error& e) {
-    // Every joiner gets the error; the id is spent.
-    comm.state = Communicator::State::kAborted;
-    comm.reason = e.what();
-    for (auto& m : comm.members) m.reset();
-    commByUniqueId_.erase(comm.uniqueId);
-    comms_.erase(comm.handle);
-    lock.unlock();
-    spdlog::warn("communicator {}: setup failed: {}", hexId(uniqueId), e.what());
-    for (auto& [r, j] : joins) j.done(e.code(), e.what(), 0, none);
+  comm.state = Communicator::State::kAborted;
+  comm.reason = reason;
+  for (auto& m : comm.members) m.reset();
+  eraseEntryLocked(comm);
+  lock.unlock();
+  if (!joins.empty()) spdlog::warn("communicator {}: {}", hexId(comm.uniqueId), reason);
+  for (auto& [r, j] : joins) j.done(code, reason, 0, JoinInfo{});
+}
+
+void Engine::completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_lock<std::mutex>& lock) {
+  Communicator& comm = entry->comm;
+  const std::array<uint8_t, 16> uniqueId = comm.uniqueId;
+  const uint32_t nranks = comm.nranks;
+  if (comm.localRanks() == 0) {
+    // Every rank is on other nodes: this node only listened in.
+    eraseEntryLocked(comm);
     return;
   }
+  try {
+    if (comm.spansNodes()) {
+      if (std::string(backend_->name()) != "cpu") {
+        fail(ErrorCode::kUnsupported, "communicator {} spans nodes, which the {} backend does not run yet; run "
+             "multi-node communicators on daemon.backend: cpu", hexId(uniqueId), backend_->name());
+      }
+      const auto nodes = comm.nodes(cluster_->self());
+      for (uint32_t n : nodes) {
+        if (std::string problem = cluster_->nodeProblem(n); !problem.empty()) {
+          fail(ErrorCode::kPeerLost, "communicator {} has ranks on {}", hexId(uniqueId), problem);
+        }
+      }
+      entry->link = cluster_->createLink(nodes);
+      v1::PeerMessage m;
+      auto* k = m.mutable_keys();
+      k->set_unique_id(uniqueId.data(), uniqueId.size());
+      const auto key = cluster_->linkKey(*entry->link);
+      k->set_staging_key(key.data(), key.size());
+      tellPeersLocked(comm, m);
+      for (auto& [node, bytes] : entry->earlyKeys) {
+        cluster_->setPeerKey(*entry->link, node, std::as_bytes(std::span(bytes.data(), bytes.size())));
+      }
+      entry->earlyKeys.clear();
+    }
+    comm.resources = backend_->setupComm(comm);
+  } catch (const Error& e) {
+    // Every joiner gets the error; the id is spent, on every node.
+    v1::PeerMessage m;
+    auto* f = m.mutable_fail();
+    f->set_unique_id(uniqueId.data(), uniqueId.size());
+    f->set_code(static_cast<v1::StatusCode>(wireCode(e.code())));
+    f->set_reason(e.what());
+    tellPeersLocked(comm, m);
+    entry->link.reset();
+    return failJoin(entry, e.code(), fmt::format("setup failed: {}", e.what()), lock);
+  }
+  auto joins = std::move(entry->joins);
+  entry->joins.clear();
   comm.state = Communicator::State::kReady;
   const uint64_t perRank = comm.resources ? backend_->commBytesPerRank(*comm.resources) : 0;
   for (auto& [r, j] : joins) {
@@ -394,7 +509,14 @@ void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, u
     }
   }
   const uint64_t handle = comm.handle;
-  spdlog::info("communicator {} ready: {} ranks (handle {})", hexId(uniqueId), nranks, handle);
+  if (comm.spansNodes()) {
+    std::string where;
+    for (uint32_t n : comm.nodes(cluster_->self())) where += fmt::format("{}{}", where.empty() ? "" : ",", n);
+    spdlog::info("communicator {} ready: {} ranks, {} here, on nodes {} (handle {})", hexId(uniqueId), nranks,
+                 comm.localRanks(), where, handle);
+  } else {
+    spdlog::info("communicator {} ready: {} ranks (handle {})", hexId(uniqueId), nranks, handle);
+  }
   std::vector<JoinInfo> infos(nranks);
   if (comm.resources) {
     for (uint32_t r = 0; r < nranks; ++r) infos[r] = backend_->joinInfo(*comm.resources, r);
@@ -430,12 +552,10 @@ void Engine::cancelJoin(uint64_t sessionId, const std::array<uint8_t, 16>& uniqu
   JoinDone done = std::move(j->second.done);
   entry->joins.erase(j);
   entry->comm.members[rank].reset();
+  tellPeersLocked(entry->comm, leaveMessage(uniqueId, rank));
   const uint32_t joined = entry->comm.joined();
   const uint32_t nranks = entry->comm.nranks;
-  if (joined == 0) {
-    commByUniqueId_.erase(it);
-    comms_.erase(entry->comm.handle);
-  }
+  if (joined == 0) eraseEntryLocked(entry->comm);
   lock.unlock();
   done(ErrorCode::kTimeout,
        fmt::format("communicator rendezvous timed out after {} ms: {} of {} ranks had joined; start every rank with "
@@ -458,15 +578,27 @@ void Engine::destroyComm(uint64_t sessionId, uint64_t commHandle, bool abort) {
                   fmt::format("a rank destroyed the communicator (session {})", sessionId));
 }
 
-void Engine::failCommLocked(CommEntry& entry, Communicator::State state, ErrorCode code, const std::string& reason) {
+void Engine::failCommLocked(CommEntry& entry, Communicator::State state, ErrorCode code, const std::string& reason,
+                            bool tellPeers) {
   Communicator& comm = entry.comm;
   if (comm.state == Communicator::State::kReady || comm.state == Communicator::State::kJoining) {
     comm.state = state;
     comm.reason = reason;
     if (comm.resources) backend_->abortComm(*comm.resources, code, reason);
+    if (entry.link) entry.link->abort(code, reason);
+    if (tellPeers && comm.spansNodes()) {
+      v1::PeerMessage m;
+      auto* f = m.mutable_fail();
+      f->set_unique_id(comm.uniqueId.data(), comm.uniqueId.size());
+      f->set_code(static_cast<v1::StatusCode>(wireCode(code)));
+      f->set_reason(reason);
+      f->set_completed_epoch(entry.link ? entry.link->completedEpoch() : 0);
+      tellPeersLocked(comm, m);
+    }
   }
   for (auto& queue : comm.queues) {
     for (PendingOp& op : queue) {
+      if (!op.local()) continue;
       --op.channel->queued;
       op.channel->complete(op.desc.seq, statusOf(code), reason);
     }
@@ -491,9 +623,146 @@ void Engine::leaveCommLocked(uint64_t sessionId, uint64_t handle, Communicator::
     }
   }
   failCommLocked(*entry, state, code, reason);
-  if (comm.joined() == 0) {
-    commByUniqueId_.erase(comm.uniqueId);
-    comms_.erase(it);
+  if (comm.localRanks() == 0) eraseEntryLocked(comm);
+}
+
+// ---- multi-node: messages from the other nodes' daemons ---------------------------------------------
+
+void Engine::onPeerMessage(uint32_t from, const v1::PeerMessage& m) {
+  std::unique_lock lock(mutex_);
+  switch (m.body_case()) {
+    case v1::PeerMessage::kJoin: {
+      const auto& j = m.join();
+      const auto uniqueId = uniqueIdOf(j.unique_id());
+      if (j.nranks() == 0 || j.nranks() > kMaxRanks || j.rank() >= j.nranks()) {
+        spdlog::warn("cluster: node {} sent a join with rank {} of {}; ignored", from, j.rank(), j.nranks());
+        return;
+      }
+      auto entry = entryForLocked(uniqueId, j.nranks());
+      Communicator& comm = entry->comm;
+      if (comm.state != Communicator::State::kJoining) {
+        spdlog::warn("communicator {}: node {} joined rank {} after it formed; ignored", hexId(uniqueId), from,
+                      j.rank());
+        return;
+      }
+      std::string problem;
+      if (comm.nranks != j.nranks()) {
+        problem = fmt::format("rank {} on node {} passed nranks {}, but ranks here passed {}; every rank must pass the "
+                              "same nranks", j.rank(), from, j.nranks(), comm.nranks);
+      } else if (comm.members[j.rank()] || (comm.remote[j.rank()] && *comm.remote[j.rank()] != from)) {
+        problem = fmt::format("rank {} joined on node {} and on node {}; give each process of the job a distinct rank",
+                              j.rank(), comm.members[j.rank()] ? cluster_->self() : *comm.remote[j.rank()], from);
+      }
+      if (!problem.empty()) {
+        v1::PeerMessage f;
+        f.mutable_fail()->set_unique_id(j.unique_id());
+        f.mutable_fail()->set_code(v1::STATUS_CODE_INVALID_ARGUMENT);
+        f.mutable_fail()->set_reason(problem);
+        cluster_->send(from, f);
+        return failJoin(entry, ErrorCode::kInvalidArgument, problem, lock);
+      }
+      comm.remote[j.rank()] = from;
+      if (comm.joined() == comm.nranks) completeJoin(entry, lock);
+      return;
+    }
+    case v1::PeerMessage::kLeave: {
+      auto it = commByUniqueId_.find(uniqueIdOf(m.leave().unique_id()));
+      if (it == commByUniqueId_.end()) return;
+      auto entry = comms_.at(it->second);
+      Communicator& comm = entry->comm;
+      if (comm.state != Communicator::State::kJoining || m.leave().rank() >= comm.nranks) return;
+      if (comm.remote[m.leave().rank()] == from) comm.remote[m.leave().rank()].reset();
+      if (comm.joined() == 0) eraseEntryLocked(comm);
+      return;
+    }
+    case v1::PeerMessage::kKeys: {
+      auto it = commByUniqueId_.find(uniqueIdOf(m.keys().unique_id()));
+      if (it == commByUniqueId_.end()) return;
+      auto entry = comms_.at(it->second);
+      const std::string& key = m.keys().staging_key();
+      if (!entry->link) {
+        entry->earlyKeys[from] = key;  // this node has not heard every join yet
+        return;
+      }
+      try {
+        cluster_->setPeerKey(*entry->link, from, std::as_bytes(std::span(key.data(), key.size())));
+      } catch (const Error& e) {
+        failCommLocked(*entry, Communicator::State::kAborted, e.code(), e.what());
+      }
+      return;
+    }
+    case v1::PeerMessage::kFail: {
+      auto it = commByUniqueId_.find(uniqueIdOf(m.fail().unique_id()));
+      if (it == commByUniqueId_.end()) return;
+      auto entry = comms_.at(it->second);
+      const auto code = static_cast<ErrorCode>(m.fail().code());
+      const std::string reason = fmt::format("on node {}: {}", from, m.fail().reason());
+      if (entry->comm.state == Communicator::State::kJoining) return failJoin(entry, code, reason, lock);
+      if (entry->comm.state != Communicator::State::kReady) return;
+      // Collectives the sender finished still finish here; the communicator fails after them.
+      const uint64_t after = m.fail().completed_epoch();
+      if (after < entry->failAfter) {
+        entry->failAfter = after;
+        entry->failCode = code == ErrorCode::kAborted ? ErrorCode::kAborted : ErrorCode::kPeerLost;
+        entry->failReason = reason;
+      }
+      if (entry->link) entry->link->abort(entry->failCode, entry->failReason, entry->failAfter);
+      tryDispatchLocked(entry);
+      return;
+    }
+    case v1::PeerMessage::kPost: {
+      const auto& p = m.post();
+      auto it = commByUniqueId_.find(uniqueIdOf(p.unique_id()));
+      if (it == commByUniqueId_.end()) return;
+      auto entry = comms_.at(it->second);
+      Communicator& comm = entry->comm;
+      // A node that formed the communicator first may post before the last join reaches this one (joining).
+      if (comm.state != Communicator::State::kReady && comm.state != Communicator::State::kJoining) return;
+      std::string problem;
+      PendingOp op;
+      if (p.rank() >= comm.nranks || comm.remote[p.rank()] != from) {
+        problem = fmt::format("node {} posted an op for rank {}, which does not live there", from, p.rank());
+      } else if (p.op_descriptor().size() != sizeof(OpDescriptor)) {
+        problem = fmt::format("node {} posted a {}-byte descriptor ({} expected); run the same tandem release on every "
+                              "node", from, p.op_descriptor().size(), sizeof(OpDescriptor));
+      } else if (p.epoch() != comm.submitted[p.rank()] + 1) {
+        problem = fmt::format("node {} posted op {} of rank {} after op {}", from, p.epoch(), p.rank(),
+                              comm.submitted[p.rank()]);
+      }
+      if (!problem.empty()) {
+        failCommLocked(*entry, Communicator::State::kAborted, ErrorCode::kProtocol, problem);
+        return;
+      }
+      std::memcpy(&op.desc, p.op_descriptor().data(), sizeof op.desc);
+      op.epoch = ++comm.submitted[p.rank()];
+      op.errorCode = static_cast<int32_t>(p.error_code());
+      op.error = p.error();
+      comm.queues[p.rank()].push_back(std::move(op));
+      tryDispatchLocked(entry);
+      return;
+    }
+    case v1::PeerMessage::kHello:
+    case v1::PeerMessage::BODY_NOT_SET: return;
+  }
+}
+
+void Engine::onNodeLost(uint32_t node, const std::string& reason) {
+  std::unique_lock lock(mutex_);
+  std::vector<std::shared_ptr<CommEntry>> joining;
+  for (auto& [handle, entry] : comms_) {
+    Communicator& comm = entry->comm;
+    const bool there = std::any_of(comm.remote.begin(), comm.remote.end(), [&](auto& n) { return n == node; });
+    if (!there) continue;
+    if (comm.state == Communicator::State::kJoining) {
+      joining.push_back(entry);
+    } else {
+      failCommLocked(*entry, Communicator::State::kPeerLost, ErrorCode::kPeerLost,
+                     fmt::format("ranks of this communicator were on {}", reason), false);
+    }
+  }
+  for (auto& entry : joining) {
+    if (!lock.owns_lock()) lock.lock();
+    failJoin(entry, ErrorCode::kPeerLost, fmt::format("ranks of this communicator were on {}", reason), lock);
   }
 }
 
@@ -629,6 +898,18 @@ void Engine::handleDescriptor(const OpDescriptor& desc, const std::shared_ptr<Se
   }
   // A rejected descriptor still takes its place in the rank's sequence: the collective it belongs to fails
   // on every rank, so ranks never pair ops from different positions.
+  if (comm.spansNodes()) {
+    // The other nodes queue the descriptor too, so every node sees the same collective and judges it the same.
+    v1::PeerMessage m;
+    auto* p = m.mutable_post();
+    p->set_unique_id(comm.uniqueId.data(), comm.uniqueId.size());
+    p->set_rank(desc.rank);
+    p->set_epoch(op.epoch);
+    p->set_op_descriptor(&desc, sizeof desc);
+    p->set_error_code(static_cast<v1::StatusCode>(op.errorCode));
+    p->set_error(op.error);
+    tellPeersLocked(comm, m);
+  }
   ++channel->queued;
   comm.queues[desc.rank].push_back(std::move(op));
   tryDispatchLocked(entry);
@@ -638,6 +919,12 @@ void Engine::tryDispatchLocked(const std::shared_ptr<CommEntry>& entry) {
   Communicator& comm = entry->comm;
   for (;;) {
     if (entry->busy || comm.state != Communicator::State::kReady) return;
+    if (entry->lastDispatched >= entry->failAfter) {
+      failCommLocked(*entry, entry->failCode == ErrorCode::kAborted ? Communicator::State::kAborted
+                                                                     : Communicator::State::kPeerLost,
+                     entry->failCode, entry->failReason, false);
+      return;
+    }
     for (auto& q : comm.queues) {
       if (q.empty()) return;
     }
@@ -645,9 +932,17 @@ void Engine::tryDispatchLocked(const std::shared_ptr<CommEntry>& entry) {
     for (auto& q : comm.queues) {
       c.ops.push_back(std::move(q.front()));
       q.pop_front();
-      --c.ops.back().channel->queued;
+      if (c.ops.back().local()) --c.ops.back().channel->queued;
     }
     c.commHandle = comm.handle;
+    c.epoch = c.ops[0].epoch;
+    entry->lastDispatched = c.epoch;
+    if (entry->link) {
+      c.link = entry->link;
+      for (uint32_t r = 0; r < comm.nranks; ++r) {
+        c.nodeOfRank.push_back(comm.remote[r] ? *comm.remote[r] : cluster_->self());
+      }
+    }
     c.resources = comm.resources;
     c.owner = entry;
     c.opsCompleted = &comm.opsCompleted;
@@ -694,9 +989,13 @@ EngineStatus Engine::status() const {
     st.totalBuffers += static_cast<uint32_t>(s.buffers.size());
   }
   for (auto& [handle, e] : comms_) {
-    st.comms.push_back({handle, e->comm.nranks, e->comm.joined(), commStateName(e->comm.state), e->comm.opsCompleted});
+    const Communicator& c = e->comm;
+    if (c.localRanks() == 0) continue;  // a multi-node communicator this node only hears about
+    st.comms.push_back({handle, c.nranks, c.joined(), commStateName(c.state), c.opsCompleted, c.localRanks(),
+                        c.spansNodes() ? c.nodes(cluster_->self()) : std::vector<uint32_t>{}, c.reason});
   }
   st.gpus = backend_->gpus();
+  if (cluster_) cluster_->fillStatus(st.cluster.emplace());
   return st;
 }
 

@@ -13,15 +13,20 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "config.hpp"
 #include "state.hpp"
+#include "tandem/v1/cluster.pb.h"
 #include "tandem/common/error.hpp"
 
 namespace tandem::daemon {
+
+class Cluster;
+class CommLink;
 
 struct GpuPeerInfo {
   std::string uuid;
@@ -70,13 +75,16 @@ struct CommMapping {
 // One collective: an op from every rank (ops[r] is rank r), checked together. `errorCode` != 0: rejected;
 // every rank completes with `error` and nothing runs.
 struct Collective {
-  std::vector<PendingOp> ops;
+  std::vector<PendingOp> ops;               // every rank's; remote ranks' ops carry only their descriptor
   uint64_t commHandle = 0;
   std::shared_ptr<CommResources> resources;
   std::shared_ptr<void> owner;              // keeps the communicator (and opsCompleted) alive
   std::atomic<uint64_t>* opsCompleted = nullptr;
   int32_t errorCode = 0;
   std::string error;
+  std::shared_ptr<CommLink> link;           // multi-node communicators: staging and executor thread
+  std::vector<uint32_t> nodeOfRank;         // multi-node: node index of every rank
+  uint64_t epoch = 0;                       // the collective's position on the communicator (1, 2, ...)
 };
 
 // Where ops run. The engine owns sessions, buffers, communicators and the pump; a backend allocates and
@@ -132,10 +140,14 @@ struct EngineStatus {
     uint32_t nranks, joined;
     std::string state;
     uint64_t opsCompleted;
+    uint32_t localRanks;
+    std::vector<uint32_t> nodes;  // multi-node only
+    std::string reason;
   };
   std::vector<Session> sessions;
   std::vector<Comm> comms;
   std::vector<GpuInfo> gpus;
+  std::optional<v1::ClusterInfo> cluster;  // multi-node daemons only
   uint64_t totalBytes = 0;
   uint32_t totalBuffers = 0;
 };
@@ -178,6 +190,12 @@ class Engine {
   void destroyComm(uint64_t sessionId, uint64_t commHandle, bool abort);
 
   EngineStatus status() const;
+
+  // Multi-node (cluster.nodes). Set before start(); the cluster must outlive the engine's communicators.
+  // The two handlers run on the control thread, like every public method.
+  void attachCluster(Cluster* cluster) { cluster_ = cluster; }
+  void onPeerMessage(uint32_t from, const v1::PeerMessage& message);
+  void onNodeLost(uint32_t node, const std::string& reason);
   // Called (from the pump) when a session corrupts its ring; the Server closes it.
   void setSessionFaultHandler(std::function<void(uint64_t sessionId, std::string why)> handler) {
     onSessionFault_ = std::move(handler);
@@ -193,14 +211,33 @@ class Engine {
     Communicator comm;
     std::map<uint32_t, PendingJoin> joins;  // rank -> waiting joiner
     bool busy = false;                      // one collective at a time per communicator (stream order)
+    std::shared_ptr<CommLink> link;         // multi-node, once every rank is known
+    std::map<uint32_t, std::string> earlyKeys;  // peers' staging keys that came before the link existed
+    uint64_t lastDispatched = 0;            // epoch of the last collective handed to the backend
+    // Multi-node: another node failed the communicator after finishing collectives up to failAfter; those
+    // still finish here (their data is on its way), then it fails with failCode/failReason.
+    uint64_t failAfter = ~uint64_t{0};
+    ErrorCode failCode = ErrorCode::kOk;
+    std::string failReason;
   };
 
   void pumpLoop();
   bool pollSessions(const std::vector<std::shared_ptr<SessionChannel>>& channels);
   void handleDescriptor(const OpDescriptor& desc, const std::shared_ptr<SessionChannel>& channel);
   void tryDispatchLocked(const std::shared_ptr<CommEntry>& entry);
+  std::shared_ptr<CommEntry> entryForLocked(const std::array<uint8_t, 16>& uniqueId, uint32_t nranks);
+  // Every rank is known: set the communicator up and answer the local joiners. Unlocks `lock`.
+  void completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_lock<std::mutex>& lock);
+  // A joining communicator cannot form: every local joiner gets the error and the id is spent. Unlocks.
+  void failJoin(const std::shared_ptr<CommEntry>& entry, ErrorCode code, const std::string& reason,
+                std::unique_lock<std::mutex>& lock);
+  void eraseEntryLocked(const Communicator& comm);
+  // Multi-node: tell the communicator's other nodes (all of them while it is joining).
+  void tellPeersLocked(const Communicator& comm, const v1::PeerMessage& message);
   void collectiveFinished(const std::shared_ptr<CommEntry>& entry);
-  void failCommLocked(CommEntry& entry, Communicator::State state, ErrorCode code, const std::string& reason);
+  // `tellPeers`: the failure started on this node, so the communicator's other nodes are told (CommFail).
+  void failCommLocked(CommEntry& entry, Communicator::State state, ErrorCode code, const std::string& reason,
+                      bool tellPeers = true);
   void leaveCommLocked(uint64_t sessionId, uint64_t handle, Communicator::State state, ErrorCode code,
                        const std::string& reason);
   SessionState& sessionLocked(uint64_t sessionId);
@@ -220,6 +257,7 @@ class Engine {
   std::atomic<bool> running_{false};
   std::thread pump_;
   std::function<void(uint64_t, std::string)> onSessionFault_;
+  Cluster* cluster_ = nullptr;
 };
 
 }  // namespace tandem::daemon

@@ -8,10 +8,15 @@
 #include <spdlog/spdlog.h>
 
 #include <boost/asio/signal_set.hpp>
+#include <charconv>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
+#include <optional>
+#include <string>
 #include <thread>
 
+#include "cluster.hpp"
 #include "config.hpp"
 #include "engine.hpp"
 #ifdef TANDEM_HAVE_CUDA
@@ -31,6 +36,8 @@ struct Options {
   std::string socketPath;
   std::string backend;
   std::string logLevel;
+  std::string nodeIndex;  // --node-index, as typed
+  bool nodeIndexGiven = false;
   bool foreground = false;
   bool systemd = false;
   bool printDefaultConfig = false;
@@ -86,6 +93,29 @@ int daemonize() {
   return pipeFds[1];
 }
 
+// The node index from --node-index, else from $TANDEM_NODE_INDEX (when set and not empty), else none. Throws
+// Error(kInvalidConfig) naming where the text came from when it is not a number.
+std::optional<int32_t> nodeIndexOverride(const Options& options, std::string* source) {
+  std::string text;
+  if (options.nodeIndexGiven) {
+    text = options.nodeIndex;
+    *source = "--node-index";
+  } else if (const char* env = std::getenv("TANDEM_NODE_INDEX"); env != nullptr && *env != '\0') {
+    text = env;
+    *source = "TANDEM_NODE_INDEX";
+  } else {
+    return std::nullopt;
+  }
+  int32_t index = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), index);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size() || index < 0) {
+    throw tandem::Error(tandem::ErrorCode::kInvalidConfig,
+                        fmt::format("{}: '{}' is not a node index. Pass this node's 0-based position in cluster.nodes "
+                                    "(0 on the first node, 1 on the second, ...).", *source, text));
+  }
+  return index;
+}
+
 int run(const Options& options) {
   td::DaemonConfig config;
   if (!options.configPath.empty()) config = td::loadConfigFile(options.configPath);
@@ -99,15 +129,39 @@ int run(const Options& options) {
     else throw tandem::Error(tandem::ErrorCode::kInvalidConfig,
                              fmt::format("--backend: '{}' is not one of auto, cpu, cuda", options.backend));
   }
-  td::validateConfig(config);
+  std::string nodeIndexSource;
+  if (const auto index = nodeIndexOverride(options, &nodeIndexSource)) config.cluster.nodeIndex = *index;
+  try {
+    td::validateConfig(config);
+  } catch (const tandem::Error& e) {
+    const std::string what = e.what();
+    if (nodeIndexSource.empty() || what.find("cluster.node_index") == std::string::npos) throw;
+    throw tandem::Error(e.code(), fmt::format("{} (cluster.node_index {} came from {})", what,
+                                              config.cluster.nodeIndex, nodeIndexSource));
+  }
   spdlog::set_level(spdlog::level::from_str(config.daemon.logLevel));
 
   const int readyFd = (options.foreground || options.systemd) ? -1 : daemonize();
 
-  td::Engine engine(config, makeBackend(config));
+  auto backend = makeBackend(config);
+  // Multi-node: declared before the engine, so it outlives the engine's communicators and their staging.
+  std::unique_ptr<td::Cluster> cluster;
+  if (td::isMultiNode(config.cluster)) cluster = std::make_unique<td::Cluster>(config, backend->name(), backend->gpus());
+  td::Engine engine(config, std::move(backend));
+  engine.attachCluster(cluster.get());
   engine.start();
   const std::string backendName = engine.backend().name();
   td::Server server(config, engine, backendName);
+  if (cluster) {
+    // Peer events reach the engine on the control thread, like every client request.
+    cluster->start(
+        [&server, &engine](uint32_t from, const tandem::v1::PeerMessage& m) {
+          server.post([&engine, from, m] { engine.onPeerMessage(from, m); });
+        },
+        [&server, &engine](uint32_t node, const std::string& reason) {
+          server.post([&engine, node, reason] { engine.onNodeLost(node, reason); });
+        });
+  }
   spdlog::info("tandemd {} serving {} (backend {}, executor {}, pid {})", TANDEM_VERSION_STRING, server.socketPath(),
                backendName, engine.backend().executor(), ::getpid());
   if (readyFd >= 0) {
@@ -135,6 +189,7 @@ int run(const Options& options) {
   server.run();
   td::notifySystemd("STOPPING=1");
   engine.stop();
+  if (cluster) cluster->stop();  // before the server goes: its callbacks post to the server
   // Wake the signal thread if shutdown came from a Shutdown request instead of a signal.
   ::kill(::getpid(), SIGTERM);
   signals.join();
@@ -162,6 +217,10 @@ int main(int argc, char** argv) {
   app.add_option("-s,--socket", options.socketPath, "control socket path (overrides daemon.socket)");
   app.add_option("--backend", options.backend, "auto | cpu | cuda (overrides daemon.backend)");
   app.add_option("--log-level", options.logLevel, "trace | debug | info | warn | error");
+  CLI::Option* nodeIndexOption = app.add_option("--node-index", options.nodeIndex,
+                 "this node's 0-based position in cluster.nodes (overrides cluster.node_index; without the flag, "
+                 "$TANDEM_NODE_INDEX is used when set). Lets every node share one config file")
+      ->type_name("N");
   app.add_flag("-f,--foreground", options.foreground, "stay in the foreground (default: fork into the background "
                                                        "once serving)");
   app.add_flag("--systemd", options.systemd, "run under systemd: foreground, sd_notify READY=1/STOPPING=1");
@@ -172,6 +231,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : td::kExitConfig;
   }
+  options.nodeIndexGiven = nodeIndexOption->count() > 0;
   if (options.version) {
     std::printf("tandemd %s (protocol %u)\n", TANDEM_VERSION_STRING, TANDEM_PROTOCOL_VERSION);
     return 0;

@@ -361,7 +361,11 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       ci->set_joined(c.joined);
       ci->set_state(c.state);
       ci->set_ops_completed(c.opsCompleted);
+      ci->set_local_ranks(c.localRanks);
+      for (uint32_t n : c.nodes) ci->add_nodes(n);
+      ci->set_reason(c.reason);
     }
+    if (st.cluster) *r->mutable_cluster() = *st.cluster;
     return response;
   }
 

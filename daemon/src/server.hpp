@@ -8,6 +8,7 @@
 
 #include <boost/asio.hpp>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -27,6 +28,8 @@ class Server {
 
   void run();   // serves until stop(); returns after every session is closed
   void stop();  // thread-safe
+  // Runs `work` on the control thread (where every Engine call is made). Thread-safe.
+  void post(std::function<void()> work) { boost::asio::post(io_, std::move(work)); }
   const std::string& socketPath() const { return socketPath_; }
 
  private:

@@ -40,7 +40,26 @@ void SessionChannel::flushPending() {
 }
 
 uint32_t Communicator::joined() const {
+  uint32_t n = 0;
+  for (uint32_t r = 0; r < nranks; ++r) n += (members[r] || remote[r]) ? 1 : 0;
+  return n;
+}
+
+uint32_t Communicator::localRanks() const {
   return static_cast<uint32_t>(std::count_if(members.begin(), members.end(), [](auto& m) { return m.has_value(); }));
+}
+
+bool Communicator::spansNodes() const {
+  return std::any_of(remote.begin(), remote.end(), [](auto& n) { return n.has_value(); });
+}
+
+std::vector<uint32_t> Communicator::nodes(uint32_t self) const {
+  std::vector<uint32_t> out{self};
+  for (auto& n : remote) {
+    if (n && std::find(out.begin(), out.end(), *n) == out.end()) out.push_back(*n);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 const char* commStateName(Communicator::State state) {

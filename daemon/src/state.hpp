@@ -97,11 +97,13 @@ struct SessionState {
 };
 
 // One op submitted by one rank, resolved: buffers pinned by shared_ptr so a concurrent free cannot unmap
-// them under the executor.
+// them under the executor. A rank on another node (multi-node communicator) is represented by its
+// descriptor alone: no buffers and no channel; its own node completes it.
 struct PendingOp {
   OpDescriptor desc{};
   std::array<std::shared_ptr<Buffer>, kMaxOpBuffers> buffers{};
-  std::shared_ptr<SessionChannel> channel;
+  std::shared_ptr<SessionChannel> channel;  // null for a remote rank
+  bool local() const { return channel != nullptr; }
   std::string error;        // non-empty: this rank's descriptor was rejected (the whole collective fails)
   int32_t errorCode = 0;
   uint64_t epoch = 0;       // the rank's n-th descriptor on the communicator (1, 2, ...); equal across a gang
@@ -112,7 +114,8 @@ struct Communicator {
   uint64_t handle = 0;
   std::array<uint8_t, 16> uniqueId{};
   uint32_t nranks = 0;
-  std::vector<std::optional<uint64_t>> members;  // session id per rank
+  std::vector<std::optional<uint64_t>> members;  // session id per rank on this node
+  std::vector<std::optional<uint32_t>> remote;   // node index per rank on another node (multi-node)
   State state = State::kJoining;
   std::string reason;  // why it is no longer ready
   std::vector<std::deque<PendingOp>> queues;  // per rank, in submission order
@@ -120,7 +123,10 @@ struct Communicator {
   std::vector<std::string> devices;           // per rank: GPU UUID it joined with (cuda backend)
   std::shared_ptr<CommResources> resources;   // backend state, set when the communicator becomes ready
   std::atomic<uint64_t> opsCompleted{0};
-  uint32_t joined() const;
+  uint32_t joined() const;       // ranks known, local and remote
+  uint32_t localRanks() const;   // ranks whose sessions are on this node
+  bool spansNodes() const;       // some rank lives on another node
+  std::vector<uint32_t> nodes(uint32_t self) const;  // ascending node indices of every rank (self included)
 };
 const char* commStateName(Communicator::State state);
 

@@ -2,11 +2,16 @@
 // one process, and nodes in separate processes (fork). Data + flag ordering, many writes over several
 // connections, all-to-all among three nodes, a wrong secret or protocol version refused on both sides, a
 // SIGKILLed or frozen peer reported lost within its deadline, a clean shutdown seen as closed, and a connect
-// deadline. Every wait has a deadline and says what it waited for.
+// deadline. Control messages: order and bytes from 0 bytes to the limit, handled only after the data written
+// before them, argument checks, a lost peer, and an oversized message frame from a raw socket failing the peer.
+// Every wait has a deadline and says what it waited for.
+#include <arpa/inet.h>
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,6 +24,8 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -209,6 +216,44 @@ struct Child {
     }
   }
 };
+
+// Control messages a transport received, in the order its handler saw them.
+struct Inbox {
+  struct Message {
+    NodeIndex from;
+    std::vector<std::byte> bytes;
+  };
+  std::mutex mutex;
+  std::vector<Message> messages;
+  void install(TcpTransport& t) {
+    t.setMessageHandler([this](NodeIndex from, std::span<const std::byte> payload) {
+      std::lock_guard lock(mutex);
+      messages.push_back({from, std::vector<std::byte>(payload.begin(), payload.end())});
+    });
+  }
+  std::size_t size() {
+    std::lock_guard lock(mutex);
+    return messages.size();
+  }
+};
+
+// Message i of a test: `bytes` bytes of a pattern that differs per message and per position.
+std::vector<std::byte> messageBytes(std::size_t i, std::size_t bytes) {
+  std::vector<std::byte> m(bytes);
+  for (std::size_t k = 0; k < bytes; ++k) m[k] = static_cast<std::byte>((k * 7 + i * 31 + (k >> 10)) & 0xff);
+  return m;
+}
+
+std::span<const std::byte> asBytes(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
+
+ErrorCode codeOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return ErrorCode::kOk;
+}
 
 }  // namespace
 
@@ -426,14 +471,6 @@ TEST_CASE("bad ops fail fast with a clear error and leave the connection usable"
   const LocalRegion r = ts[0]->registerMemory({MemoryKind::kHost, buf.data(), buf.size()});
   const RemoteKey k = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, buf.data(), buf.size()})));
   const RemoteKey fk = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, &flag, 8})));
-  auto codeOf = [](auto fn) {
-    try {
-      fn();
-    } catch (const Error& e) {
-      return e.code();
-    }
-    return ErrorCode::kOk;
-  };
   CHECK(codeOf([&] { ts[0]->write(1, r, 0, k, 4000, 200, 0, false); }) == ErrorCode::kInvalidArgument);
   CHECK(codeOf([&] { ts[0]->write(1, r, 4000, k, 0, 200, 0, false); }) == ErrorCode::kInvalidArgument);
   CHECK(codeOf([&] { ts[0]->write(1, LocalRegion{999}, 0, k, 0, 8, 0, false); }) == ErrorCode::kInvalidArgument);
@@ -516,6 +553,206 @@ TEST_CASE("a peer that shuts down cleanly is reported closed, and later ops fail
     CHECK(e.code() == ErrorCode::kPeerLost);
     CHECK(std::string(e.what()).find("(node 1)") != std::string::npos);
   }
+  CHECK(codeOf([&] { ts[0]->sendMessage(1, asBytes("late")); }) == ErrorCode::kPeerLost);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Control messages
+// ---------------------------------------------------------------------------------------------------------
+
+TEST_CASE("control messages arrive in order with their bytes intact, from 0 bytes to kMaxMessageBytes") {
+  std::vector<TcpConfig> cfgs{config(0, "test-secret", 2), config(1, "test-secret", 2)};
+  for (auto& c : cfgs) c.ioThreads = 2;
+  auto ts = makeCluster(std::move(cfgs));
+  Inbox inbox0, inbox1;
+  inbox0.install(*ts[0]);
+  // Node 1 records each message and answers it from inside the handler (sendMessage only queues).
+  ts[1]->setMessageHandler([&](NodeIndex from, std::span<const std::byte> payload) {
+    {
+      std::lock_guard lock(inbox1.mutex);
+      inbox1.messages.push_back({from, std::vector<std::byte>(payload.begin(), payload.end())});
+    }
+    const std::string ack = fmt::format("ack {}", payload.size());
+    ts[1]->sendMessage(from, asBytes(ack));
+  });
+  requireConnected(ts);
+
+  const std::vector<std::size_t> sizes{0, 1, 1 << 20, TcpTransport::kMaxMessageBytes, 3, 0, 4096};
+  for (std::size_t i = 0; i < sizes.size(); ++i) ts[0]->sendMessage(1, messageBytes(i, sizes[i]));
+  REQUIRE_MESSAGE(waitFor([&] { return inbox1.size() >= sizes.size(); }, 10s),
+                  "node 1 handled ", inbox1.size(), " of ", sizes.size(), " messages within 10 s");
+  REQUIRE_MESSAGE(waitFor([&] { return inbox0.size() >= sizes.size(); }, 5s),
+                  "node 0 got ", inbox0.size(), " of ", sizes.size(), " answers within 5 s");
+  std::lock_guard lock1(inbox1.mutex);
+  std::lock_guard lock0(inbox0.mutex);
+  CHECK(inbox1.messages.size() == sizes.size());
+  CHECK(inbox0.messages.size() == sizes.size());
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    CAPTURE(i);
+    CAPTURE(sizes[i]);
+    CHECK(inbox1.messages[i].from == 0);
+    CHECK(inbox1.messages[i].bytes.size() == sizes[i]);
+    CHECK(inbox1.messages[i].bytes == messageBytes(i, sizes[i]));
+    const std::string ack = fmt::format("ack {}", sizes[i]);
+    CHECK(inbox0.messages[i].from == 1);
+    const auto& answer = inbox0.messages[i].bytes;
+    CHECK(std::string(reinterpret_cast<const char*>(answer.data()), answer.size()) == ack);
+  }
+  CHECK(ts[0]->peerStatus(1).state == PeerState::kConnected);
+  CHECK(ts[1]->peerStatus(0).state == PeerState::kConnected);
+  // Messages are not signalled ops: no completions.
+  std::vector<Completion> done;
+  drainCompletions(*ts[0], done);
+  CHECK(done.empty());
+}
+
+TEST_CASE("a control message is handled only after the bytes and flags written before it are visible") {
+  // Three connections and 64 KiB chunks: the 8 MiB write travels mostly on connections 1 and 2 while the message
+  // goes on connection 0, so it usually arrives first and must wait. No submit(): sendMessage starts everything.
+  // Odd rounds also store a flag between the write and the message; even rounds do not, so there the message's
+  // own data counts must hold it back (a flag in front of it would hold it anyway).
+  // Two io threads: data completing on one connection's thread may release a message read on another's.
+  std::vector<TcpConfig> cfgs{config(0, "test-secret", 3), config(1, "test-secret", 3)};
+  for (auto& c : cfgs) {
+    c.chunkBytes = 64 * 1024;
+    c.ioThreads = 2;
+  }
+  auto ts = makeCluster(std::move(cfgs));
+  constexpr std::size_t kBytes = 8 << 20;
+  constexpr int kRounds = 6;
+  std::vector<std::vector<uint8_t>> src(kRounds, std::vector<uint8_t>(kBytes));
+  for (int r = 0; r < kRounds; ++r) {
+    auto& s = src[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < kBytes; ++i) s[i] = static_cast<uint8_t>(i * 13 + static_cast<std::size_t>(r) * 101 + (i >> 16));
+  }
+  std::vector<uint8_t> dst(kBytes, 0);
+  uint64_t flag = 0;
+  std::atomic<int> handled{0}, dataSeen{0}, flagSeen{0};
+  // On an io thread: it counts what it saw and the test thread checks the counts. `handled` last: the test thread
+  // then starts the next round, which overwrites dst.
+  ts[1]->setMessageHandler([&](NodeIndex, std::span<const std::byte> payload) {
+    int round = -1;
+    if (payload.size() == sizeof round) std::memcpy(&round, payload.data(), sizeof round);
+    if (round >= 0 && round < kRounds) {
+      if (std::memcmp(dst.data(), src[static_cast<std::size_t>(round)].data(), kBytes) == 0) ++dataSeen;
+      if (round % 2 == 1 && loadAcquire(flag) == static_cast<uint64_t>(round + 1)) ++flagSeen;
+    }
+    ++handled;
+  });
+  requireConnected(ts);
+  std::vector<LocalRegion> srcRegions;
+  for (auto& s : src) srcRegions.push_back(ts[0]->registerMemory({MemoryKind::kHost, s.data(), kBytes}));
+  const RemoteKey dstKey = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, dst.data(), kBytes})));
+  const RemoteKey flagKey = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, &flag, 8})));
+  for (int r = 0; r < kRounds; ++r) {
+    CAPTURE(r);
+    ts[0]->write(1, srcRegions[static_cast<std::size_t>(r)], 0, dstKey, 0, kBytes, 0, false);
+    if (r % 2 == 1) ts[0]->writeFlag(1, flagKey, 0, static_cast<uint64_t>(r + 1), 0, false);
+    ts[0]->sendMessage(1, std::as_bytes(std::span(&r, 1)));
+    // The next round overwrites dst: wait until this round's message was handled.
+    REQUIRE_MESSAGE(waitFor([&] { return handled.load() == r + 1; }, 5s), "message of round ", r,
+                    " not handled within 5 s");
+  }
+  CHECK(dataSeen.load() == kRounds);
+  CHECK(flagSeen.load() == kRounds / 2);
+}
+
+TEST_CASE("sendMessage checks its arguments and leaves the connection usable") {
+  auto ts = makeCluster({config(0), config(1)});
+  Inbox inbox;
+  inbox.install(*ts[1]);
+  const std::vector<std::byte> small(8);
+  CHECK(codeOf([&] { ts[0]->sendMessage(1, small); }) == ErrorCode::kUnavailable);  // before connect()
+  requireConnected(ts);
+  const std::vector<std::byte> oversized(TcpTransport::kMaxMessageBytes + 1);
+  try {
+    ts[0]->sendMessage(1, oversized);
+    FAIL("an oversized message was accepted");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kInvalidArgument);
+    CHECK_MESSAGE(std::string(e.what()).find("exceeds the 16777216-byte limit") != std::string::npos, e.what());
+  }
+  CHECK(codeOf([&] { ts[0]->sendMessage(0, small); }) == ErrorCode::kInvalidArgument);  // self
+  CHECK(codeOf([&] { ts[0]->sendMessage(2, small); }) == ErrorCode::kInvalidArgument);
+  ts[0]->sendMessage(1, messageBytes(1, 100));
+  REQUIRE_MESSAGE(waitFor([&] { return inbox.size() == 1; }, 5s), "the message after the rejected ones did not arrive");
+  std::lock_guard lock(inbox.mutex);
+  CHECK(inbox.messages[0].bytes == messageBytes(1, 100));
+  CHECK(ts[0]->peerStatus(1).state == PeerState::kConnected);
+}
+
+namespace {
+// A socket that runs the dialer's side of the handshake by hand as `from` -> `to`, so a test can then send frames
+// a TcpTransport never would. Returns the connected fd, or -1 when the acceptor refused the handshake.
+int rawDial(const std::string& host, uint16_t port, NodeIndex from, NodeIndex to, const std::string& secret) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  REQUIRE(::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1);
+  REQUIRE(::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0);
+  // Hello: magic, version, from, to, connection index, connection count, reserved, nonce (little-endian).
+  std::array<std::byte, 48> hello{};
+  const uint64_t magic = 0x3150435444464e54ull;
+  const std::array<uint32_t, 6> fields{kTcpProtocolVersion, from, to, 0, 1, 0};
+  std::memcpy(hello.data(), &magic, 8);
+  std::memcpy(hello.data() + 8, fields.data(), sizeof fields);
+  REQUIRE(writeAll(fd, hello.data(), hello.size()));
+  std::array<std::byte, 72> reply{};
+  REQUIRE(readExact(fd, reply.data(), reply.size(), 5s));
+  uint32_t status = 0;
+  std::memcpy(&status, reply.data() + 12, 4);
+  if (status != 0) {
+    ::close(fd);
+    return -1;
+  }
+  std::vector<std::byte> macInput;
+  const std::string label = "tandem-tcp dialer";
+  for (char c : label) macInput.push_back(static_cast<std::byte>(c));
+  macInput.insert(macInput.end(), hello.begin(), hello.end());
+  macInput.insert(macInput.end(), reply.begin(), reply.begin() + 40);
+  const auto mac = detail::hmacSha256(asBytes(secret), macInput);
+  REQUIRE(writeAll(fd, mac.data(), mac.size()));
+  std::array<std::byte, 8> result{};
+  REQUIRE(readExact(fd, result.data(), result.size(), 5s));
+  std::memcpy(&status, result.data(), 4);
+  REQUIRE(status == 0);
+  return fd;
+}
+}  // namespace
+
+TEST_CASE("a control message frame longer than kMaxMessageBytes is a malformed frame that fails the peer") {
+  TcpTransport t(config(0));
+  // Node 1's listed address accepts TCP connections (the kernel does) but never answers: only our raw dialer
+  // speaks for node 1.
+  TcpTransport silent(config(1));
+  std::optional<Error> connectError;
+  std::thread connecting([&] {
+    try {
+      t.connect({{hostOf(0), t.listenPort()}, {hostOf(1), silent.listenPort()}});
+    } catch (const Error& e) {
+      connectError = e;
+    }
+  });
+  REQUIRE(waitFor([&] { return t.nodeCount() == 2; }, 2s));
+  const int fd = rawDial(hostOf(0), t.listenPort(), 1, 0, "test-secret");
+  REQUIRE(fd >= 0);
+  struct Header {
+    uint8_t type, reserved[3];
+    uint32_t regionId;
+    uint64_t offset, length, value;
+  } h{5, {0, 0, 0}, 0, 0, 8 + TcpTransport::kMaxMessageBytes + 1, TcpTransport::kMaxMessageBytes + 1};
+  static_assert(sizeof h == 32);
+  REQUIRE(writeAll(fd, &h, sizeof h));
+  const bool failed = waitFor([&] { return t.peerStatus(1).state == PeerState::kFailed; }, 3s);
+  connecting.join();
+  ::close(fd);
+  REQUIRE_MESSAGE(failed, "the peer that sent an oversized message frame was not failed within 3 s");
+  const std::string reason = t.peerStatus(1).reason;
+  CHECK_MESSAGE(reason.find("malformed frame") != std::string::npos, reason);
+  CHECK_MESSAGE(reason.find("control message of 16777217 bytes (limit 16777216)") != std::string::npos, reason);
+  CHECK(connectError.has_value());  // connect() reports the peer it could not bring up
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -637,6 +874,14 @@ TEST_CASE("a peer process that is SIGKILLed is reported lost within the deadline
   } catch (const Error& e) {
     CHECK(e.code() == ErrorCode::kPeerLost);
     CHECK_MESSAGE(std::string(e.what()).find("(node 1) lost") != std::string::npos, e.what());
+  }
+  try {
+    t->sendMessage(1, asBytes("are you there?"));
+    FAIL("sendMessage to a lost peer succeeded");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kPeerLost);
+    CHECK_MESSAGE(std::string(e.what()).find("(node 1) lost") != std::string::npos, e.what());
+    CHECK_MESSAGE(std::string(e.what()).find(t->peerStatus(1).reason) != std::string::npos, e.what());
   }
   CHECK(child->wait(2s) == -SIGKILL);
 }

@@ -122,8 +122,10 @@ class Daemon {
  public:
   // backend: passed as --backend (the CPU backend by default, so these tests run the same on any host); empty
   // leaves the choice to the config (the GPU tests set daemon.backend: cuda there).
+  // prefix: an argv that runs tandemd, e.g. SimulatedNodes::prefix(i) = {"/usr/sbin/ip", "netns", "exec", NAME} to
+  // run it inside a network namespace (the prefix must exec in place, so that pid() stays tandemd's pid).
   explicit Daemon(const std::string& configYaml = "", std::vector<std::string> extraArgs = {},
-                  const std::string& backend = "cpu") {
+                  const std::string& backend = "cpu", std::vector<std::string> prefix = {}) {
     socket_ = (dir_.path() / "tandemd.sock").string();
     log_ = (dir_.path() / "tandemd.log").string();
     std::vector<std::string> argv = {TANDEMD_PATH, "--foreground", "--socket", socket_};
@@ -134,6 +136,7 @@ class Daemon {
       argv.insert(argv.end(), {"--config", config});
     }
     argv.insert(argv.end(), extraArgs.begin(), extraArgs.end());
+    argv.insert(argv.begin(), prefix.begin(), prefix.end());
     pid_ = ::fork();
     if (pid_ == 0) {
       const int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -142,7 +145,7 @@ class Daemon {
       std::vector<char*> args;
       for (auto& a : argv) args.push_back(a.data());
       args.push_back(nullptr);
-      ::execv(args[0], args.data());
+      ::execvp(args[0], args.data());  // the same as execv for an absolute path; a prefix may name a tool by name
       std::_Exit(127);
     }
     if (!eventually([&] { return socketAccepts(socket_) || exited(); }, 10000) || exited()) {

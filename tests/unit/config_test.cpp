@@ -1,4 +1,5 @@
 // tandemd's config loader: defaults, the shipped config/tandemd.yaml, good files, and the text of every error.
+// The cluster section: node addresses, the node index, the secret (inline or from a file), ranges.
 #include "config.hpp"
 
 #include <doctest/doctest.h>
@@ -40,6 +41,27 @@ void checkError(const std::string& yaml, std::initializer_list<std::string_view>
   }
 }
 
+// The message `fn` throws as Error(kInvalidConfig); fails the test if it does not throw.
+template <typename Fn>
+std::string invalidConfigError(Fn&& fn) {
+  try {
+    fn();
+  } catch (const tandem::Error& e) {
+    CHECK(e.code() == ErrorCode::kInvalidConfig);
+    return e.what();
+  }
+  FAIL("no error was thrown");
+  return {};
+}
+
+// Two nodes and an inline secret: the smallest valid multi-node cluster section, followed by `extra` lines.
+std::string twoNodes(const std::string& extra = "") {
+  return "cluster:\n"
+         "  nodes: [\"10.0.0.1:7100\", \"10.0.0.2:7100\"]\n"
+         "  secret: 0123456789abcdef0123\n" +
+         extra;
+}
+
 std::string readFile(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   std::ostringstream text;
@@ -63,6 +85,11 @@ class TempFile {
   TempFile& operator=(const TempFile&) = delete;
   std::filesystem::path dir() const { return dir_; }
   std::filesystem::path path() const { return dir_ / "tandemd.yaml"; }
+  // Another file next to it, removed with the object.
+  std::string sibling(const std::string& name, const std::string& text) const {
+    std::ofstream(dir_ / name, std::ios::binary) << text;
+    return (dir_ / name).string();
+  }
 
  private:
   std::filesystem::path dir_;
@@ -191,7 +218,7 @@ TEST_SUITE("config") {
     SUBCASE("at the top level") {
       checkError("daemon:\n  backend: cpu\ndeamon: {}\n",
                  {"tandemd.yaml:3:1: deamon: unknown key. Valid top-level keys: daemon, access, limits, rings, "
-                  "communicators, cuda."});
+                  "communicators, cuda, cluster."});
     }
     SUBCASE("inside a section, with a suggestion for a typo") {
       checkError("rings:\n  capacity: 64\n\n\n\n\n  capacty: 3\n",
@@ -353,6 +380,267 @@ TEST_SUITE("config") {
       const TempFile file("");
       CHECK_THROWS_WITH_AS(loadConfigFile(file.dir().string()), doctest::Contains("--config"), tandem::Error);
     }
+  }
+
+  TEST_CASE("a cluster section parses into its values and prints back losslessly") {
+    const std::string yaml =
+        "communicators:\n"
+        "  peer_lost_deadline_ms: 5000\n"
+        "cluster:\n"
+        "  nodes:\n"
+        "    - 10.0.0.1:7100\n"
+        "    - node-b.example.com:7100\n"
+        "    - \"[fd00::3]:7200\"\n"
+        "  node_index: 2\n"
+        "  secret: \"a secret: with # odd chars\"\n"
+        "  transport: verbs\n"
+        "  connections_per_peer: 4\n"
+        "  connect_timeout_ms: 1000\n"
+        "  heartbeat_interval_ms: 2499\n"
+        "  staging_bytes: 4096\n";
+    const DaemonConfig c = parseConfig(yaml, "cluster.yaml");
+    CHECK(c.cluster.nodes == std::vector<std::string>{"10.0.0.1:7100", "node-b.example.com:7100", "[fd00::3]:7200"});
+    CHECK(c.cluster.nodeIndex == 2);
+    CHECK(c.cluster.secret == "a secret: with # odd chars");
+    CHECK(c.cluster.secretFile.empty());
+    CHECK(c.cluster.transport == ClusterTransport::kVerbs);
+    CHECK(c.cluster.connectionsPerPeer == 4);
+    CHECK(c.cluster.connectTimeoutMs == 1000);
+    CHECK(c.cluster.heartbeatIntervalMs == 2499);
+    CHECK(c.cluster.stagingBytes == 4096);
+    CHECK(isMultiNode(c.cluster));
+    CHECK(clusterSecret(c.cluster) == "a secret: with # odd chars");
+    CHECK(parseConfig(configYaml(c), "printed.yaml") == c);
+
+    // The defaults: a single node, tcp, and values the daemon can use as they are.
+    const ClusterSection defaults;
+    CHECK(defaults.nodes.empty());
+    CHECK_FALSE(isMultiNode(defaults));
+    CHECK(defaults.nodeIndex == 0);
+    CHECK(defaults.transport == ClusterTransport::kTcp);
+    CHECK(defaults.connectionsPerPeer == 2);
+    CHECK(defaults.connectTimeoutMs == 60000);
+    CHECK(defaults.heartbeatIntervalMs == 100);
+    CHECK(defaults.stagingBytes == uint64_t{64} << 20);
+    CHECK(std::string_view(clusterTransportName(ClusterTransport::kTcp)) == "tcp");
+    CHECK(std::string_view(clusterTransportName(ClusterTransport::kVerbs)) == "verbs");
+
+    // One entry is a single node; it needs no secret.
+    const DaemonConfig one = parseConfig("cluster:\n  nodes: [\"127.0.0.1:7100\"]\n", "one.yaml");
+    CHECK_FALSE(isMultiNode(one.cluster));
+  }
+
+  TEST_CASE("a cluster config with a secret file prints back losslessly") {
+    const TempFile file("");
+    const std::string secretPath = file.sibling("cluster.secret", "0123456789abcdef-secret\n");
+    const DaemonConfig c = parseConfig(
+        "cluster:\n  nodes: [a:1, b:1]\n  node_index: 1\n  secret_file: " + secretPath + "\n", "file.yaml");
+    CHECK(c.cluster.secretFile == secretPath);
+    CHECK(c.cluster.secret.empty());  // the file's text is not copied into the config
+    CHECK(clusterSecret(c.cluster) == "0123456789abcdef-secret");
+    CHECK(parseConfig(configYaml(c), "printed.yaml") == c);
+  }
+
+  TEST_CASE("parseNodeEndpoint reads IPv4, names and bracketed IPv6") {
+    CHECK(parseNodeEndpoint("10.0.0.1:7100") == NodeEndpoint{"10.0.0.1", 7100});
+    CHECK(parseNodeEndpoint("node-1.example.com:1") == NodeEndpoint{"node-1.example.com", 1});
+    CHECK(parseNodeEndpoint("gpu_node7:65535") == NodeEndpoint{"gpu_node7", 65535});
+    CHECK(parseNodeEndpoint("[fd00::1]:7100") == NodeEndpoint{"fd00::1", 7100});
+    CHECK(parseNodeEndpoint("[::1]:80") == NodeEndpoint{"::1", 80});
+  }
+
+  TEST_CASE("parseNodeEndpoint says what is wrong and how to write it") {
+    struct Case {
+      std::string text;
+      std::vector<std::string_view> fragments;
+    };
+    const std::vector<Case> cases{
+        {"", {"is empty", "host:port"}},
+        {"10.0.0.1", {"'10.0.0.1' has no port", "such as 10.0.0.1:7100"}},
+        {"fd00::1:7100", {"more than one ':'", "[fd00::1]:7100"}},
+        {"[fd00::1", {"without a closing ']'", "[fd00::1]:7100"}},
+        {"[fd00::1]7100", {"no ':port' after ']'", "[fd00::1]:7100"}},
+        {"[fd00::1]", {"no ':port' after ']'"}},
+        {"[node1]:7100", {"'node1' is not an IPv6 address", "without them"}},
+        {":7100", {"no host before ':'"}},
+        {"10.0.0.256:7100", {"'10.0.0.256' is neither an IPv4 address nor a host name"}},
+        {"bad host:7100", {"'bad host' is neither"}},
+        {"-node:7100", {"'-node' is neither"}},
+        {"node..a:7100", {"'node..a' is neither"}},
+        {"node:0", {"port '0' is not a number from 1 to 65535", "such as 7100"}},
+        {"node:65536", {"port '65536'"}},
+        {"node:http", {"port 'http'"}},
+        {"node:", {"port ''"}},
+        {"node:+80", {"port '+80'"}},
+    };
+    for (const auto& c : cases) {
+      CAPTURE(c.text);
+      const std::string message = invalidConfigError([&] { parseNodeEndpoint(c.text); });
+      INFO("error: " << message);
+      for (const auto fragment : c.fragments)
+        CHECK_MESSAGE(message.find(fragment) != std::string::npos, "missing: " << fragment);
+    }
+  }
+
+  TEST_CASE("cluster.nodes entries are checked at their position") {
+    checkError("cluster:\n  nodes:\n    - 10.0.0.1:7100\n    - 10.0.0.2\n",
+               {"tandemd.yaml:4:7: cluster.nodes[1]: '10.0.0.2' has no port.", "such as 10.0.0.2:7100"});
+    checkError("cluster:\n  nodes: [\"fd00::1:7100\"]\n",
+               {"tandemd.yaml:2:11: cluster.nodes[0]: 'fd00::1:7100' has more than one ':'.", "[fd00::1]:7100"});
+    checkError("cluster:\n  nodes: [a:7100, b:7100, A:7100]\n",
+               {"tandemd.yaml:2:27: cluster.nodes[2]: 'A:7100' is listed twice (also cluster.nodes[0]).",
+                "need different ports"});
+    checkError("cluster:\n  nodes: a:7100\n", {"tandemd.yaml:2:10: cluster.nodes: expected a list, got 'a:7100'."});
+    // The same host on two ports is two nodes.
+    CHECK_NOTHROW(parseConfig(twoNodes() + "  node_index: 1\n", "ok.yaml"));
+    CHECK_NOTHROW(parseConfig("cluster:\n  nodes: [h:1, h:2]\n  secret: 0123456789abcdef\n", "ports.yaml"));
+  }
+
+  TEST_CASE("cluster.node_index must be a position in cluster.nodes") {
+    checkError(twoNodes("  node_index: 2\n"),
+               {"tandemd.yaml:4:15: cluster.node_index: 2 is not a position in cluster.nodes, which lists 2 nodes (0 "
+                "to 1).",
+                "--node-index / TANDEM_NODE_INDEX"});
+    checkError(twoNodes("  node_index: -1\n"), {"tandemd.yaml:4:15: cluster.node_index: -1 is negative."});
+    checkError("cluster:\n  node_index: -1\n", {"tandemd.yaml:2:15: cluster.node_index: -1 is negative."});
+    checkError("cluster:\n  node_index: one\n",
+               {"tandemd.yaml:2:15: cluster.node_index: 'one' is not an integer."});
+    checkError("cluster:\n  node_index: 2147483648\n",
+               {"tandemd.yaml:2:15: cluster.node_index: 2147483648 is out of range."});
+    checkError("cluster:\n  node_index:\n", {"tandemd.yaml:2:3: cluster.node_index: has no value."});
+    // Built in code, after --node-index overrode it: the same check without a position.
+    DaemonConfig c = parseConfig(twoNodes(), "two.yaml");
+    c.cluster.nodeIndex = 7;
+    CHECK_THROWS_WITH_AS(validateConfig(c), doctest::Contains("cluster.node_index: 7 is not a position"),
+                         tandem::Error);
+  }
+
+  TEST_CASE("two or more nodes need exactly one of cluster.secret and cluster.secret_file") {
+    SUBCASE("neither") {
+      checkError("cluster:\n  nodes: [a:1, b:1]\n",
+                 {"tandemd.yaml:2:10: cluster: no cluster secret is set", "openssl rand -hex 32",
+                  "set cluster.secret_file to that path"});
+    }
+    SUBCASE("both") {
+      checkError(twoNodes("  secret_file: /etc/tandem/cluster.secret\n"),
+                 {"tandemd.yaml:3:11: cluster.secret and cluster.secret_file are both set. Keep only one",
+                  "remove cluster.secret"});
+    }
+    SUBCASE("both, even on a single node") {
+      checkError("cluster:\n  secret: 0123456789abcdef\n  secret_file: /x\n", {"are both set"});
+    }
+    SUBCASE("an inline secret shorter than 16 bytes") {
+      checkError("cluster:\n  nodes: [a:1, b:1]\n  secret: short\n",
+                 {"tandemd.yaml:3:11: cluster.secret: the secret is 5 bytes; at least 16 are needed.",
+                  "openssl rand -hex 32"});
+      // Never echoes the secret itself.
+      CHECK(configError("cluster:\n  secret: hunter2\n").find("hunter2") == std::string::npos);
+    }
+    SUBCASE("a single node needs no secret, and does not read secret_file") {
+      CHECK_NOTHROW(parseConfig("cluster:\n  secret_file: /nonexistent/tandem/secret\n", "single.yaml"));
+    }
+  }
+
+  TEST_CASE("cluster.secret_file is read at load time: first line, trailing whitespace stripped") {
+    const TempFile file("");
+    const std::string secret = "4f1c9e0b7a6d5c3e2b1a09f8e7d6c5b4";
+    SUBCASE("with a newline and more lines") {
+      const std::string path = file.sibling("s1", secret + "\nsecond line is ignored\n");
+      ClusterSection c;
+      c.secretFile = path;
+      CHECK(clusterSecret(c) == secret);
+    }
+    SUBCASE("with CRLF and trailing blanks") {
+      const std::string path = file.sibling("s2", secret + " \t\r\n");
+      ClusterSection c;
+      c.secretFile = path;
+      CHECK(clusterSecret(c) == secret);
+    }
+    SUBCASE("without a newline") {
+      const std::string path = file.sibling("s3", secret);
+      ClusterSection c;
+      c.secretFile = path;
+      CHECK(clusterSecret(c) == secret);
+    }
+    SUBCASE("inline") {
+      ClusterSection c;
+      c.secret = secret;
+      CHECK(clusterSecret(c) == secret);
+    }
+    SUBCASE("a missing file fails the load, naming the key, the path and the fix") {
+      const std::string path = (file.dir() / "absent.secret").string();
+      checkError(twoNodes().substr(0, twoNodes().find("  secret:")) + "  secret_file: " + path + "\n",
+                 {"tandemd.yaml:3:16: cluster.secret_file: cannot read the cluster secret from " + path,
+                  "No such file or directory", "openssl rand -hex 32 > " + path});
+      ClusterSection c;
+      c.secretFile = path;
+      const std::string message = invalidConfigError([&] { clusterSecret(c); });
+      CHECK_MESSAGE(message.find("cluster.secret_file: cannot read the cluster secret from " + path) !=
+                        std::string::npos,
+                    message);
+    }
+    SUBCASE("a secret shorter than 16 bytes") {
+      const std::string path = file.sibling("short", "tooshort   \n0123456789abcdef0123456789\n");
+      ClusterSection c;
+      c.secretFile = path;
+      const std::string message = invalidConfigError([&] { clusterSecret(c); });
+      CHECK_MESSAGE(message.find("the secret on the first line of " + path + " is 8 bytes; at least 16") !=
+                        std::string::npos,
+                    message);
+      CHECK(message.find("tooshort") == std::string::npos);
+    }
+    SUBCASE("an empty file") {
+      ClusterSection c;
+      c.secretFile = file.sibling("empty", "");
+      CHECK_THROWS_WITH_AS(clusterSecret(c), doctest::Contains("is 0 bytes; at least 16"), tandem::Error);
+    }
+    SUBCASE("a directory") {
+      ClusterSection c;
+      c.secretFile = file.dir().string();
+      CHECK_THROWS_WITH_AS(clusterSecret(c), doctest::Contains("not a directory"), tandem::Error);
+    }
+    SUBCASE("neither set") {
+      CHECK_THROWS_WITH_AS(clusterSecret(ClusterSection{}), doctest::Contains("no cluster secret is set"),
+                           tandem::Error);
+    }
+    SUBCASE("loadConfigFile with a good secret file") {
+      const std::string path = file.sibling("good", secret + "\n");
+      const TempFile config("cluster:\n  nodes: [a:1, b:1]\n  secret_file: " + path + "\n");
+      CHECK(loadConfigFile(config.path().string()).cluster.secretFile == path);
+    }
+  }
+
+  TEST_CASE("cluster ranges are checked with the fix") {
+    checkError("cluster:\n  connections_per_peer: 0\n",
+               {"tandemd.yaml:2:25: cluster.connections_per_peer: 0 is outside 1 to 16.", "the same on every node"});
+    checkError("cluster:\n  connections_per_peer: 17\n", {"cluster.connections_per_peer: 17 is outside 1 to 16."});
+    checkError("cluster:\n  connect_timeout_ms: 0\n",
+               {"tandemd.yaml:2:23: cluster.connect_timeout_ms: 0 would give up", "(default 60000)"});
+    checkError("cluster:\n  heartbeat_interval_ms: 9\n",
+               {"tandemd.yaml:2:26: cluster.heartbeat_interval_ms: 9 is below the minimum of 10 ms."});
+    checkError(twoNodes("  heartbeat_interval_ms: 1000\n"),
+               {"tandemd.yaml:4:26: cluster.heartbeat_interval_ms: 1000 is not below half of "
+                "communicators.peer_lost_deadline_ms (2000)",
+                "Set cluster.heartbeat_interval_ms to at most 999 or raise communicators.peer_lost_deadline_ms."});
+    CHECK_NOTHROW(parseConfig(twoNodes("  heartbeat_interval_ms: 999\n"), "ok.yaml"));
+    CHECK_NOTHROW(parseConfig(twoNodes("  heartbeat_interval_ms: 10\n"), "ok.yaml"));
+    // Lowering the deadline alone can break the default heartbeat of a cluster: the error points at the key the
+    // file set.
+    checkError("communicators:\n  peer_lost_deadline_ms: 200\n" + twoNodes(),
+               {"tandemd.yaml:2:26: cluster.heartbeat_interval_ms: 100 is not below half", "at most 99"});
+    // A single node sends no heartbeats: the shortest deadline stays valid with the default interval.
+    CHECK_NOTHROW(parseConfig("communicators:\n  peer_lost_deadline_ms: 100\n", "single.yaml"));
+    checkError("cluster:\n  staging_bytes: 4095\n",
+               {"tandemd.yaml:2:18: cluster.staging_bytes: 4095 is outside 4096 (4 KiB) to 17179869184 (16 GiB).",
+                "the default is 67108864 (64 MiB)"});
+    checkError("cluster:\n  staging_bytes: 17179869185\n", {"cluster.staging_bytes: 17179869185 is outside"});
+    CHECK_NOTHROW(parseConfig("cluster:\n  staging_bytes: 17179869184\n", "ok.yaml"));
+    checkError("cluster:\n  transport: ib\n",
+               {"tandemd.yaml:2:14: cluster.transport: 'ib' is not one of tcp, verbs. Set cluster.transport to tcp or "
+                "verbs."});
+    checkError("cluster:\n  node_idx: 1\n",
+               {"tandemd.yaml:2:3: cluster.node_idx: unknown key. Valid keys in cluster: nodes, node_index,",
+                "Did you mean 'node_index'?"});
   }
 
   TEST_CASE("backend and executor names match the YAML spellings") {

@@ -399,13 +399,15 @@ void Proxy::publishWatermarks() {
 }
 
 std::size_t Proxy::runOnce() {
+  const uint64_t first = consumer_.index();
+  const std::size_t n = consumer_.pop(batch_);
+  // Pick up a new table after popping, not before: a producer that set the table and then pushed published
+  // both with the slot's release store, so a command popped here is always judged by a table at least as new.
   if (tableChanged_.load(std::memory_order_acquire)) {
     std::lock_guard lock(tableMutex_);
     table_ = pendingTable_;
     tableChanged_.store(false, std::memory_order_relaxed);
   }
-  const uint64_t first = consumer_.index();
-  const std::size_t n = consumer_.pop(batch_);
   if (n > 0) {
     const NodeIndex self = transport_.self();
     const uint32_t nodes = transport_.nodeCount();

@@ -166,7 +166,7 @@ using Strand = asio::strand<asio::io_context::executor_type>;
 static_assert(std::endian::native == std::endian::little,
               "the tcp frame header is sent as a little-endian struct; add byte swaps for big-endian hosts");
 
-enum class FrameType : uint8_t { kData = 1, kFlag = 2, kHeartbeat = 3, kGoodbye = 4 };
+enum class FrameType : uint8_t { kData = 1, kFlag = 2, kHeartbeat = 3, kGoodbye = 4, kMessage = 5 };
 
 struct FrameHeader {
   uint8_t type;
@@ -174,7 +174,7 @@ struct FrameHeader {
   uint32_t regionId;  // the key: the receiver's LocalRegion id
   uint64_t offset;
   uint64_t length;    // payload bytes that follow
-  uint64_t value;     // flag value
+  uint64_t value;     // flag value; message: message payload bytes (length - data counts)
 };
 static_assert(sizeof(FrameHeader) == 32 && std::is_trivially_copyable_v<FrameHeader>);
 
@@ -378,11 +378,14 @@ struct TcpTransport::Impl {
     FrameHeader goodbye{};
   };
 
-  struct PendingFlag {
-    std::shared_ptr<Region> region;
-    uint64_t offset;
-    uint64_t value;
+  // An arrived flag or message, applied (handled) in arrival order once its data counts are reached.
+  struct PendingItem {
     std::vector<uint64_t> counts;  // data frames per connection that must have landed first
+    bool message = false;
+    std::shared_ptr<Region> region;  // flag: where to store `value`
+    uint64_t offset = 0;
+    uint64_t value = 0;
+    std::vector<std::byte> payload;  // message
   };
 
   struct Peer {
@@ -398,7 +401,8 @@ struct TcpTransport::Impl {
     std::vector<std::shared_ptr<InConn>> in;    // slots filled by handshakes
     uint32_t outReady = 0, inReady = 0;
     std::vector<uint64_t> recvData;             // per inbound connection: data frames fully written
-    std::deque<PendingFlag> pendingFlags;
+    std::deque<PendingItem> pending;            // flags and messages in arrival order
+    bool delivering = false;                    // a thread runs the message handler for pending.front()
     // Send side: serialises striping and the per-connection counts flags carry.
     std::mutex sendMutex;
     std::vector<uint64_t> sentData;    // per connection: data frames queued (what flags carry)
@@ -448,6 +452,9 @@ struct TcpTransport::Impl {
 
   std::mutex handlerMutex;
   std::function<void(NodeIndex, const PeerStatus&)> failureHandler;
+  using MessageHandler = std::function<void(NodeIndex, std::span<const std::byte>)>;
+  std::shared_ptr<const MessageHandler> messageHandler;  // guarded by handlerMutex; copied per delivery
+  std::atomic<bool> warnedNoMessageHandler{false};
   std::atomic<bool> stopping{false};
 
   // ---- helpers ----
@@ -626,12 +633,25 @@ struct TcpTransport::Impl {
     notifyState();
   }
 
-  // Applies arrived flags in order while their per-connection data counts are met. p.mutex held.
-  void applyFlags(Peer& p) {
-    while (!p.pendingFlags.empty()) {
-      PendingFlag& f = p.pendingFlags.front();
+  // Applies arrived flags and hands arrived messages to the handler, strictly in arrival order, while their
+  // per-connection data counts are met. `lock` holds p.mutex; it is released while the message handler runs, and
+  // one thread at a time runs it (p.delivering): a thread that finds it running leaves the rest to that thread,
+  // which looks at the queue again when the handler returns.
+  void applyPending(Peer& p, std::unique_lock<std::mutex>& lock) {
+    while (!p.pending.empty() && !p.delivering) {
+      PendingItem& f = p.pending.front();
       for (std::size_t c = 0; c < f.counts.size(); ++c) {
         if (p.recvData[c] < f.counts[c]) return;
+      }
+      if (f.message) {
+        p.delivering = true;
+        std::vector<std::byte> payload = std::move(f.payload);
+        lock.unlock();
+        deliverMessage(p.node, payload);
+        lock.lock();
+        p.delivering = false;
+        p.pending.pop_front();  // still the front: others only push_back while delivering is set
+        continue;
       }
       std::byte* target = static_cast<std::byte*>(f.region->desc.addr) + f.offset;
       if (f.region->desc.kind == MemoryKind::kDevice) {
@@ -643,7 +663,33 @@ struct TcpTransport::Impl {
         // load-acquire of the flag (e.g. std::atomic_ref<uint64_t>(flag).load(acquire) in the tests).
         std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(target)).store(f.value, std::memory_order_release);
       }
-      p.pendingFlags.pop_front();
+      p.pending.pop_front();
+    }
+  }
+
+  // Calls the message handler (no transport lock held). The data the message waited for was written by threads
+  // that released p.mutex before the caller acquired it, so the handler sees it.
+  void deliverMessage(NodeIndex from, std::span<const std::byte> payload) {
+    if (stopping.load()) return;  // the owner is tearing down; the handler's state may be going away
+    std::shared_ptr<const MessageHandler> handler;
+    {
+      std::lock_guard lock(handlerMutex);
+      handler = messageHandler;
+    }
+    if (!handler || !*handler) {
+      if (!warnedNoMessageHandler.exchange(true))
+        spdlog::warn("tcp transport: dropped a {}-byte control message from {}: no message handler is set",
+                     payload.size(), nodeName(from));
+      return;
+    }
+    try {
+      (*handler)(from, payload);
+    } catch (const std::exception& e) {
+      spdlog::error("tcp transport: message handler threw on a {}-byte message from {}: {}", payload.size(),
+                    nodeName(from), e.what());
+    } catch (...) {
+      spdlog::error("tcp transport: message handler threw a non-std exception on a {}-byte message from {}",
+                    payload.size(), nodeName(from));
     }
   }
 
@@ -751,7 +797,7 @@ asio::awaitable<void> TcpTransport::Impl::serveInbound(std::shared_ptr<InConn> c
     case HandshakeStatus::kConnMismatch:
       handshakeFailure(from, ErrorCode::kInvalidConfig,
                        fmt::format("tcp transport: peer {} uses {} connections per peer, this node {}; set "
-                                   "transport.tcp.connections identically on every node", who, connCount,
+                                   "cluster.connections_per_peer identically on every node", who, connCount,
                                    config.connectionsPerPeer));
       co_return;
     default:
@@ -848,9 +894,9 @@ asio::awaitable<void> TcpTransport::Impl::inboundLoop(std::shared_ptr<InConn> c)
         if (ec) break;
         if (device) config.deviceCopier->toDevice(target, landing, h.length);
         c->lastRxNs.store(nowNs(), std::memory_order_relaxed);
-        std::lock_guard lock(p.mutex);
+        std::unique_lock lock(p.mutex);
         p.recvData[c->index] += 1;
-        applyFlags(p);
+        applyPending(p, lock);
         break;
       }
       case FrameType::kFlag: {
@@ -864,9 +910,38 @@ asio::awaitable<void> TcpTransport::Impl::inboundLoop(std::shared_ptr<InConn> c)
         if (h.offset % 8 != 0 || addr % 8 != 0 || !detail::inBounds(h.offset, 8, region->desc.bytes))
           co_return protocolError(fmt::format("flag at offset {} of region {} ({} bytes) is misaligned or out of bounds",
                                               h.offset, h.regionId, region->desc.bytes));
-        std::lock_guard lock(p.mutex);
-        p.pendingFlags.push_back(PendingFlag{std::move(region), h.offset, h.value, counts});
-        applyFlags(p);
+        std::unique_lock lock(p.mutex);
+        PendingItem item;
+        item.counts = counts;
+        item.region = std::move(region);
+        item.offset = h.offset;
+        item.value = h.value;
+        p.pending.push_back(std::move(item));
+        applyPending(p, lock);
+        break;
+      }
+      case FrameType::kMessage: {
+        // value: the message's bytes, checked against the limit before anything is allocated; length: the data
+        // counts (as a flag carries them) plus those bytes.
+        if (c->index != 0) co_return protocolError(fmt::format("control message on connection {} (not 0)", c->index));
+        if (h.regionId != 0 || h.offset != 0) co_return protocolError("control message with a region or offset");
+        if (h.value > TcpTransport::kMaxMessageBytes)
+          co_return protocolError(fmt::format("control message of {} bytes (limit {})", h.value,
+                                              TcpTransport::kMaxMessageBytes));
+        if (h.length != conns * sizeof(uint64_t) + h.value)
+          co_return protocolError(fmt::format("control message frame of {} bytes carries {} message bytes and {} "
+                                              "connections' counts", h.length, h.value, conns));
+        PendingItem item;
+        item.message = true;
+        item.counts.resize(conns);
+        item.payload.resize(h.value);
+        const std::array<asio::mutable_buffer, 2> bufs{asio::buffer(item.counts), asio::buffer(item.payload)};
+        co_await asio::async_read(c->socket, bufs, asio::redirect_error(asio::use_awaitable, ec));
+        if (ec) break;
+        c->lastRxNs.store(nowNs(), std::memory_order_relaxed);
+        std::unique_lock lock(p.mutex);
+        p.pending.push_back(std::move(item));
+        applyPending(p, lock);
         break;
       }
       default: co_return protocolError(fmt::format("unknown frame type {}", h.type));
@@ -922,7 +997,7 @@ asio::awaitable<TcpTransport::Impl::DialOutcome> TcpTransport::Impl::dialHandsha
     case HandshakeStatus::kConnMismatch:
       handshakeFailure(peer, ErrorCode::kInvalidConfig,
                        fmt::format("tcp transport: peer {} uses {} connections per peer, this node {}; set "
-                                   "transport.tcp.connections identically on every node", who, theirConns,
+                                   "cluster.connections_per_peer identically on every node", who, theirConns,
                                    config.connectionsPerPeer));
       co_return DialOutcome::kFatal;
     default:
@@ -1057,7 +1132,8 @@ asio::awaitable<void> TcpTransport::Impl::heartbeatLoop() {
         if (silentNs > deadlineNs) {
           failPeer(p.node, PeerState::kFailed,
                    fmt::format("no frame or heartbeat on connection {} for {} ms (deadline {} ms: "
-                               "transport.tcp.peer_deadline_ms)", c->index, silentNs / 1'000'000, config.peerDeadlineMs));
+                               "communicators.peer_lost_deadline_ms)", c->index, silentNs / 1'000'000,
+                               config.peerDeadlineMs));
           break;
         }
       }
@@ -1071,15 +1147,17 @@ void TcpTransport::Impl::start() {
     fail(ErrorCode::kInvalidConfig, "tcp transport: cluster.secret is empty; set the same non-empty secret on every "
          "node (e.g. `openssl rand -hex 32`)");
   if (c.connectionsPerPeer == 0 || c.connectionsPerPeer > 16)
-    fail(ErrorCode::kInvalidConfig, "tcp transport: transport.tcp.connections {} must be in [1, 16]", c.connectionsPerPeer);
+    fail(ErrorCode::kInvalidConfig, "tcp transport: cluster.connections_per_peer {} must be in [1, 16]",
+         c.connectionsPerPeer);
   if (c.ioThreads == 0 || c.ioThreads > 64)
-    fail(ErrorCode::kInvalidConfig, "tcp transport: transport.tcp.io_threads {} must be in [1, 64]", c.ioThreads);
+    fail(ErrorCode::kInvalidConfig, "tcp transport: {} io threads must be in [1, 64]", c.ioThreads);
   if (c.chunkBytes < 4096 || c.chunkBytes > kMaxFramePayload)
     fail(ErrorCode::kInvalidConfig, "tcp transport: chunk of {} bytes must be in [4096, {}]", c.chunkBytes, kMaxFramePayload);
   if (c.heartbeatIntervalMs == 0 || c.peerDeadlineMs <= c.heartbeatIntervalMs)
-    fail(ErrorCode::kInvalidConfig, "tcp transport: peer_deadline_ms {} must exceed heartbeat_interval_ms {} (> 0)",
-         c.peerDeadlineMs, c.heartbeatIntervalMs);
-  if (c.connectTimeoutMs == 0) fail(ErrorCode::kInvalidConfig, "tcp transport: connect_timeout_ms must be > 0");
+    fail(ErrorCode::kInvalidConfig, "tcp transport: the peer deadline {} ms (communicators.peer_lost_deadline_ms) "
+         "must exceed cluster.heartbeat_interval_ms {} (> 0)", c.peerDeadlineMs, c.heartbeatIntervalMs);
+  if (c.connectTimeoutMs == 0)
+    fail(ErrorCode::kInvalidConfig, "tcp transport: cluster.connect_timeout_ms must be > 0");
 
   error_code ec;
   const auto address = asio::ip::make_address(c.listenHost, ec);
@@ -1418,6 +1496,40 @@ PeerStatus TcpTransport::peerStatus(NodeIndex peer) const {
 void TcpTransport::setPeerFailureHandler(std::function<void(NodeIndex, const PeerStatus&)> handler) {
   std::lock_guard lock(impl_->handlerMutex);
   impl_->failureHandler = std::move(handler);
+}
+
+void TcpTransport::setMessageHandler(std::function<void(NodeIndex from, std::span<const std::byte> payload)> handler) {
+  auto h = handler ? std::make_shared<const Impl::MessageHandler>(std::move(handler)) : nullptr;
+  std::lock_guard lock(impl_->handlerMutex);
+  impl_->messageHandler = std::move(h);
+}
+
+void TcpTransport::sendMessage(NodeIndex peer, std::span<const std::byte> payload) {
+  Impl& im = *impl_;
+  if (payload.size() > kMaxMessageBytes)
+    fail(ErrorCode::kInvalidArgument, "tcp transport: control message of {} bytes to node {} exceeds the {}-byte "
+         "limit (TcpTransport::kMaxMessageBytes); send large data with write()", payload.size(), peer,
+         kMaxMessageBytes);
+  Impl::Peer& p = im.peerRef(peer);
+  im.checkConnected(p);
+  {
+    std::lock_guard lock(p.sendMutex);
+    Impl::OutFrame f;
+    f.header.type = static_cast<uint8_t>(FrameType::kMessage);
+    const std::size_t countBytes = p.sentData.size() * sizeof(uint64_t);
+    f.owned.resize(countBytes + payload.size());
+    // The data frames queued before it, per connection, exactly as a flag carries them (little-endian).
+    std::memcpy(f.owned.data(), p.sentData.data(), countBytes);
+    if (!payload.empty()) std::memcpy(f.owned.data() + countBytes, payload.data(), payload.size());
+    f.payload = f.owned.data();
+    f.payloadBytes = f.owned.size();
+    f.header.length = f.payloadBytes;
+    f.header.value = payload.size();
+    // Not counted: a message is no signalled op, and the caller's bytes were copied, so no completion waits on it.
+    if (!p.out[0]->enqueue(std::move(f))) im.checkConnected(p);  // throws kPeerLost with the reason
+  }
+  // Start it now, and the writes queued before it, which it waits for on the receiver.
+  for (auto& c : p.out) c->kick();
 }
 
 }  // namespace tandem::daemon::transport

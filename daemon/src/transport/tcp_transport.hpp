@@ -17,12 +17,12 @@
 // cluster.secret identically on every node") and connect() throws it.
 //
 // Frames after the handshake: a 32-byte header {type, region id (the key), offset, length, value}, then
-// `length` payload bytes. A write is cut into data frames at multiples of `chunkBytes` in the destination
-// region, and destination chunk i of region r always travels on connection (r + i) % connectionsPerPeer:
-// large writes spread over every connection, yet two writes to the same bytes share a connection and land
-// in the order they were issued (write-after-write order, as on one RC QP). The receiver reads a data
-// payload straight into the registered region (bounds-checked first), or through a staging buffer and the
-// DeviceCopier for GPU regions.
+// `length` payload bytes; the types are data, flag, message, heartbeat and goodbye. A write is cut into data
+// frames at multiples of `chunkBytes` in the destination region, and destination chunk i of region r always
+// travels on connection (r + i) % connectionsPerPeer: large writes spread over every connection, yet two
+// writes to the same bytes share a connection and land in the order they were issued (write-after-write
+// order, as on one RC QP). The receiver reads a data payload straight into the registered region
+// (bounds-checked first), or through a staging buffer and the DeviceCopier for GPU regions.
 //
 // Flag ordering with several connections (the choice, documented): every flag goes on connection 0 and
 // carries, per connection, the number of data frames this node had queued on it before the flag. The
@@ -30,6 +30,18 @@
 // been reached, and flags strictly in the order they arrived (so flag values of one peer never go
 // backwards). The flag store is a release store (std::atomic_ref) made after the data writes, which other
 // receiving threads publish through the peer's mutex; a consumer's load-acquire of the flag sees the data.
+//
+// Control messages (sendMessage / setMessageHandler): the daemons' bootstrap channel, next to the data path as
+// NCCL keeps sockets next to IB. A message is a kMessage frame on connection 0: the header (length = counts +
+// payload bytes, value = payload bytes), then the per-connection data-frame counts exactly as a flag carries them,
+// then the payload (at most kMaxMessageBytes; a larger one is a malformed frame that fails the peer). The
+// receiver queues messages with the flags, in arrival order, and hands one to the message handler only when its
+// counts have been reached and every flag and message before it was applied or handled: a handler sees every
+// byte written and every flag stored before the message was sent. The handler runs on an io thread without
+// transport locks held, one message at a time per peer (later flags and messages of that peer wait for it to
+// return). sendMessage copies the payload and starts that peer's connections at once (no submit() needed);
+// messages are not signalled ops and produce no completions. A message still waiting for its data when its
+// peer fails or the transport shuts down is dropped.
 //
 // Completions. A signalled op completes once every frame queued to that peer up to and including its own has
 // been handed to the kernel, on every connection: its source bytes (and those of every earlier op to that
@@ -57,7 +69,7 @@
 namespace tandem::daemon::transport {
 
 /// Version of the framing and handshake after Hello; bump on any incompatible change.
-inline constexpr uint32_t kTcpProtocolVersion = 1;
+inline constexpr uint32_t kTcpProtocolVersion = 2;  // 2: control messages (kMessage frames)
 
 struct NodeAddress {
   std::string host;  ///< IPv4/IPv6 literal or host name
@@ -102,6 +114,21 @@ class TcpTransport final : public Transport {
   /// protocol version, Error(kInvalidConfig) for a different connection count, Error(kTimeout) when some peer
   /// is not connected by connectTimeoutMs (the text lists which and why). Peers not connected are marked failed.
   void connect(const std::vector<NodeAddress>& nodes);
+
+  /// Largest control message payload.
+  static constexpr std::size_t kMaxMessageBytes = 16u << 20;
+  /// Sends a control message to `peer` on its dialled connection 0. Messages to one peer arrive in the order sent,
+  /// and after every write/writeFlag issued to that peer before (same ordering as flags). Queued and started at once
+  /// (no submit() needed; it also starts that peer's earlier queued writes). The payload is copied; it may be
+  /// reused when this returns. Throws Error(kPeerLost) naming the peer and reason if it failed,
+  /// Error(kInvalidArgument) for an oversized payload or a bad peer index (self included), Error(kUnavailable)
+  /// before connect().
+  void sendMessage(NodeIndex peer, std::span<const std::byte> payload);
+  /// Called for every message received, on a transport io thread, in order per peer. Must not block for long and must
+  /// not call back into the transport's blocking paths (sendMessage is allowed: it only queues). Set before connect().
+  /// The payload span is valid only during the call. An exception it throws is logged and the message dropped.
+  /// Without a handler, messages are dropped (with a warning).
+  void setMessageHandler(std::function<void(NodeIndex from, std::span<const std::byte> payload)> handler);
 
   TransportKind kind() const override { return TransportKind::kTcp; }
   NodeIndex self() const override;
