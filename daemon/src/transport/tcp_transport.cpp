@@ -1160,10 +1160,18 @@ void TcpTransport::Impl::start() {
     fail(ErrorCode::kInvalidConfig, "tcp transport: cluster.connect_timeout_ms must be > 0");
 
   error_code ec;
-  const auto address = asio::ip::make_address(c.listenHost, ec);
-  if (ec)
-    fail(ErrorCode::kInvalidConfig, "tcp transport: listen address '{}' is not an IP address: {}", c.listenHost,
-         ec.message());
+  auto address = asio::ip::make_address(c.listenHost, ec);
+  if (ec) {
+    // A host name (cluster.nodes may use names): bind the first address it resolves to.
+    asio::io_context resolveContext;
+    tcp::resolver resolver(resolveContext);
+    const auto results = resolver.resolve(c.listenHost, std::to_string(c.listenPort), ec);
+    if (ec || results.empty())
+      fail(ErrorCode::kInvalidConfig, "tcp transport: listen address '{}' is neither an IP address nor a name that "
+           "resolves ({}); use this node's IP address in cluster.nodes", c.listenHost,
+           ec ? ec.message() : "no addresses");
+    address = results.begin()->endpoint().address();
+  }
   const tcp::endpoint ep(address, c.listenPort);
   acceptor.open(ep.protocol(), ec);
   if (!ec) acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
