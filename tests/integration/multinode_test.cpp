@@ -69,10 +69,11 @@ std::string newId(const Daemon& d) {
   return id;
 }
 
-// Runs `tandemctl run` on nodes 0..localRanks.size()-1 at once, node i running localRanks[i]; returns each
-// node's result. `waitMs` bounds the rendezvous and every wait.
-std::vector<CommandResult> runEverywhere(Cluster& c, const std::vector<std::string>& args,
-                                         const std::vector<std::string>& localRanks, int waitMs = 20000) {
+// Starts `tandemctl run` on nodes 0..localRanks.size()-1 at once, node i running localRanks[i], all in one
+// communicator. `waitMs` bounds the rendezvous and every wait.
+std::vector<std::future<CommandResult>> startEverywhere(Cluster& c, const std::vector<std::string>& args,
+                                                        const std::vector<std::string>& localRanks,
+                                                        int waitMs = 20000) {
   const std::string id = newId(*c.daemons[0]);
   std::vector<std::future<CommandResult>> futures;
   for (size_t i = 0; i < localRanks.size(); ++i) {
@@ -81,9 +82,22 @@ std::vector<CommandResult> runEverywhere(Cluster& c, const std::vector<std::stri
     argv.insert(argv.end(), {"--id", id, "--local-ranks", localRanks[i], "--timeout-ms", std::to_string(waitMs)});
     futures.push_back(std::async(std::launch::async, [argv, waitMs] { return runCommand(argv, waitMs + 40000); }));
   }
+  return futures;
+}
+
+std::vector<CommandResult> runEverywhere(Cluster& c, const std::vector<std::string>& args,
+                                         const std::vector<std::string>& localRanks, int waitMs = 20000) {
   std::vector<CommandResult> results;
-  for (auto& f : futures) results.push_back(f.get());
+  for (auto& f : startEverywhere(c, args, localRanks, waitMs)) results.push_back(f.get());
   return results;
+}
+
+// Waits until node 0's communicator has completed more than `ops` collectives.
+void waitForOps(Cluster& c, uint64_t ops) {
+  REQUIRE(eventually([&] {
+    const auto st = daemonStatus(*c.daemons[0]);
+    return !st["communicators"].empty() && st["communicators"][0]["ops_completed"].get<uint64_t>() > ops;
+  }, 20000));
 }
 
 }  // namespace
@@ -120,19 +134,10 @@ TEST_CASE("three nodes run ag-gemm, gemm-rs, gemm-ar, allgather and barriers acr
 TEST_CASE("a daemon killed mid-op: every surviving rank gets PEER_LOST within the deadline") {
   Cluster c(3);
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
-  const std::string id = newId(*c.daemons[0]);
-  std::vector<std::future<CommandResult>> futures;
-  for (int i = 0; i < 3; ++i) {
-    std::vector<std::string> argv = {TANDEMCTL_PATH, "--socket", c.daemons[i]->socket(), "run", "gemm-ar",
-                                     "--ranks", "3", "--m", "64", "--n", "64", "--k", "96", "--iters", "1000000",
-                                     "--id", id, "--local-ranks", std::to_string(i), "--timeout-ms", "20000"};
-    futures.push_back(std::async(std::launch::async, [argv] { return runCommand(argv, 60000); }));
-  }
+  auto futures = startEverywhere(c, {"gemm-ar", "--ranks", "3", "--m", "64", "--n", "64", "--k", "96", "--iters",
+                                     "1000000"}, {"0", "1", "2"});
   // Let the ranks run ops for a while, then kill node 2's daemon.
-  REQUIRE(eventually([&] {
-    const auto st = daemonStatus(*c.daemons[0]);
-    return !st["communicators"].empty() && st["communicators"][0]["ops_completed"].get<uint64_t>() > 20;
-  }, 20000));
+  waitForOps(c, 20);
   const auto killedAt = Clock::now();
   c.daemons[2]->signal(SIGKILL);
   for (int i = 0; i < 2; ++i) {
@@ -154,18 +159,9 @@ TEST_CASE("a daemon killed mid-op: every surviving rank gets PEER_LOST within th
 TEST_CASE("a cut link (or a hung node) fails every surviving rank within the deadline, and nothing hangs") {
   Cluster c(2);
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
-  const std::string id = newId(*c.daemons[0]);
-  std::vector<std::future<CommandResult>> futures;
-  for (int i = 0; i < 2; ++i) {
-    std::vector<std::string> argv = {TANDEMCTL_PATH, "--socket", c.daemons[i]->socket(), "run", "ag-gemm",
-                                     "--ranks", "4", "--m", "32", "--n", "32", "--k", "32", "--iters", "1000000",
-                                     "--id", id, "--local-ranks", i == 0 ? "0,1" : "2,3", "--timeout-ms", "20000"};
-    futures.push_back(std::async(std::launch::async, [argv] { return runCommand(argv, 60000); }));
-  }
-  REQUIRE(eventually([&] {
-    const auto st = daemonStatus(*c.daemons[0]);
-    return !st["communicators"].empty() && st["communicators"][0]["ops_completed"].get<uint64_t>() > 20;
-  }, 20000));
+  auto futures = startEverywhere(c, {"ag-gemm", "--ranks", "4", "--m", "32", "--n", "32", "--k", "32", "--iters",
+                                     "1000000"}, {"0,1", "2,3"});
+  waitForOps(c, 20);
   const auto cutAt = Clock::now();
   if (c.nodes.namespaces()) {
     c.nodes.cutLink(1);
