@@ -1,6 +1,8 @@
 // Fused AllGather + GEMM (issue 5): the persistent fused kernel (comm CTAs + compute CTAs from one role table), the
 // all-gather kernel of the decomposed plan, and the host launcher. Device pieces: device/ag_gemm_sm90.cuh (which
 // reuses the GEMM core of device/gemm_sm90.cuh).
+#include "device/preload_on.cuh"
+#include "tandem/kernels/preload.hpp"
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -190,6 +192,8 @@ AgGemmPlanChoice resolveAgGemmPlan(const AgGemmParams& p) {
   if (r.plan == AgGemmPlan::kDecomposed) r.commMode = 1;
   return r;
 }
+
+void preloadAgGemmKernels(int device) { ag::deviceInfo(device); }  // sets up (and so loads) every ag kernel
 
 AgGemmPlanChoice launchAgGemm(const AgGemmParams& p, cudaStream_t stream) {
   using namespace ag;

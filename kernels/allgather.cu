@@ -11,6 +11,8 @@
 // (or the same step's produce), so any CTA count on any rank makes progress. kAgSlots is a multiple of the
 // CTA count, so a slot belongs to one CTA within an op. Flags are epoch-tagged and never reset; lastFill
 // carries each slot's last value into the next op on the same GPU (kernel boundaries order it).
+#include "device/preload_on.cuh"
+#include "tandem/kernels/preload.hpp"
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -109,7 +111,8 @@ __device__ __forceinline__ void copyMulti(char* const (&dst)[kMaxDst], int nd, c
 __device__ void mirrorError(const WorkspaceHeader* hdr, CommControl* ctl) {
   fenceAcqRelGpu();  // acquire: the claimer's fields (written before its fence in reportWaitError)
   const ErrorSlot& d = hdr->errorClaim;
-  if (d.claimed == 0 || ctl == nullptr) return;
+  // Still being written by another CTA: that CTA's thread 0 made the claim and mirrors it when it unwinds.
+  if (d.claimed != kErrorSlotReady || ctl == nullptr) return;
   ErrorSlot& h = ctl->error;
   h.code = d.code;
   h.op = d.op;
@@ -118,7 +121,7 @@ __device__ void mirrorError(const WorkspaceHeader* hdr, CommControl* ctl) {
   h.chunk = d.chunk;
   h.expected = d.expected;
   h.observed = d.observed;
-  stReleaseSysU32(&h.claimed, 1);  // release: publishes the fields; pairs with the daemon's acquire load
+  stReleaseSysU32(&h.claimed, kErrorSlotReady);  // release: publishes the fields; pairs with the daemon's acquire load
 }
 
 // One CTA's share of one AllGather. Returns false if a wait failed (already reported through ctx).
@@ -414,6 +417,11 @@ AgTuning allgatherTuning(uint64_t bytes, uint32_t maxCtas) {
   if (envChunk != 0) chunk = envChunk > kAgChunkMax ? kAgChunkMax : ((envChunk + 15) & ~uint64_t{15});
   t.chunkBytes = static_cast<uint32_t>(chunk);
   return t;
+}
+
+void preloadRuntimeKernels(int device) {
+  const void* fns[] = {reinterpret_cast<const void*>(&allgatherKernel), reinterpret_cast<const void*>(&persistentKernel)};
+  preloadOn(device, fns, "runtime kernels");
 }
 
 void launchAllGather(const AllGatherParams& p, cudaStream_t stream) {

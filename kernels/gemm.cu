@@ -1,5 +1,7 @@
 // Hopper GEMM core: the persistent warp-specialised kernel and its host launcher (validation, TMA descriptors,
 // launch geometry). Device building blocks live in device/gemm_sm90.cuh.
+#include "device/preload_on.cuh"
+#include "tandem/kernels/preload.hpp"
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -241,6 +243,34 @@ const char* gemmConfigName(const GemmParams& params) {
   name = "cluster" + std::to_string(r.clusterM) + (r.epi == gemm::Epilogue::kTmaStore ? "/tma" : "/direct") +
          "/group" + std::to_string(r.groupM);
   return name.c_str();
+}
+
+// Every variant pickVariant can return, so that none is loaded lazily mid-op (preload.hpp).
+void preloadGemmKernels(int device) {
+  for (GemmDtype dt : {GemmDtype::kBf16, GemmDtype::kFp16}) {
+    for (int clusterM : {1, 2}) {
+      for (gemm::Epilogue epi : {gemm::Epilogue::kTmaStore, gemm::Epilogue::kDirect}) {
+        gemm::launchInfo(device, gemm::pickVariant(dt, clusterM, epi));
+      }
+    }
+  }
+}
+
+void preloadAgGemmKernels(int device);  // ag_gemm.cu
+void preloadGemmRsKernels(int device);  // gemm_rs.cu
+void preloadGemmArKernels(int device);  // gemm_ar.cu
+
+void preloadKernels(int device) {
+  static std::mutex mu;
+  static bool done[64] = {};
+  std::lock_guard<std::mutex> lock(mu);
+  if (device >= 0 && device < 64 && done[device]) return;
+  preloadRuntimeKernels(device);
+  preloadGemmKernels(device);
+  preloadAgGemmKernels(device);
+  preloadGemmRsKernels(device);
+  preloadGemmArKernels(device);
+  if (device >= 0 && device < 64) done[device] = true;
 }
 
 void launchGemm(const GemmParams& g, cudaStream_t stream, int numSms) {

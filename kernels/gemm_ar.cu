@@ -1,6 +1,8 @@
 // Fused GEMM + AllReduce over NVLink: the kernels (fused persistent kernel: two-shot or one-shot; decomposed reduction
 // kernel), the plan choice and the launcher. Device code is shared with GEMM + ReduceScatter
 // (device/gemm_rs_sm90.cuh, device/gemm_rs_launch.cuh); design: tandem/kernels/gemm_ar.hpp.
+#include "device/preload_on.cuh"
+#include "tandem/kernels/preload.hpp"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -52,6 +54,12 @@ GemmRsPlan chooseGemmArPlan(int64_t m, int64_t n, int64_t k, int nranks, GemmDty
   p.partial = GemmRsPartial::kInput;
   p.epiReduce = 1;
   return p;
+}
+
+void preloadGemmArKernels(int device) {
+  const rs::KernelTable& kt = rs::kernels();
+  const rs::FusedFn fns[] = {kt.fused[0][0], kt.fused[0][1], kt.fused[1][0], kt.fused[1][1], kt.reduce[0], kt.reduce[1]};
+  preloadOn(device, fns, "gemm_ar");
 }
 
 GemmRsPlan launchGemmAr(const GemmRsParams& params, cudaStream_t stream) {

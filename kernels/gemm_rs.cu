@@ -1,6 +1,8 @@
 // Fused GEMM + ReduceScatter over NVLink: the kernels (fused persistent kernel, decomposed reduction kernel), the plan
 // choice and the launcher. Device code: device/gemm_rs_sm90.cuh; host glue shared with gemm_ar.cu:
 // device/gemm_rs_launch.cuh; design: tandem/kernels/gemm_rs.hpp.
+#include "device/preload_on.cuh"
+#include "tandem/kernels/preload.hpp"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -41,6 +43,7 @@ constexpr const char* kOp = "gemm_rs";
 }  // namespace rs
 
 size_t gemmRsWorkspaceBytes(int64_t maxM, int64_t maxN, int nranks) { return rs::layoutFor(maxM, maxN, nranks).total; }
+size_t gemmRsFixedWorkspaceBytes(int64_t matBytes, int nranks) { return rs::layoutFixed(matBytes, nranks).total; }
 
 const char* gemmRsPlanName(const GemmRsPlan& plan, bool allReduce) {
   thread_local std::string name;
@@ -64,6 +67,12 @@ GemmRsPlan chooseGemmRsPlan(int64_t m, int64_t n, int64_t k, int nranks, GemmDty
   p.partial = GemmRsPartial::kInput;
   p.epiReduce = 1;
   return p;
+}
+
+void preloadGemmRsKernels(int device) {
+  const rs::KernelTable& kt = rs::kernels();
+  const rs::FusedFn fns[] = {kt.fused[0][0], kt.fused[0][1], kt.fused[1][0], kt.fused[1][1], kt.reduce[0], kt.reduce[1]};
+  preloadOn(device, fns, "gemm_rs");
 }
 
 GemmRsPlan launchGemmRs(const GemmRsParams& params, cudaStream_t stream) {

@@ -22,6 +22,8 @@
 #                           rather than an outer `timeout`, whose signal bash defers while a step runs
 #   TANDEM_GPU_TEST_MAX_BYTES  cap the AllGather test sizes (default: up to 1 GiB)
 #   TANDEM_OP_TIMEOUT_MS    every kernel wait's deadline (default here 15000)
+#   TANDEM_LOG              libtandem's log level (default here debug: each rank prints the plan a fused GEMM ran,
+#                           once per op and shape, "tandem: rank R: gemm-ar bf16 m=... : plan ...")
 # Exit status: non-zero if the build, a test run or a benchmark failed.
 set -uo pipefail
 
@@ -37,6 +39,7 @@ START=$SECONDS
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # A wedged kernel reports through its deadline instead of holding the machine (the library's default is 60 s).
 export TANDEM_OP_TIMEOUT_MS=${TANDEM_OP_TIMEOUT_MS:-15000}
+export TANDEM_LOG=${TANDEM_LOG:-debug}
 status=0
 MPS_DIR=/tmp/tandem-gpu-check-mps
 

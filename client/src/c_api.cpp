@@ -100,9 +100,20 @@ tandem::BufferRef ref(tandem_session_t session, const tandem_tensor_t& t, const 
   return {t.buffer->id, t.offset, rule.bytes};
 }
 
-// Fills every slot's BufferRef from the tensors, validates the descriptor as the daemon will, and submits.
+// Rolls back a half-finished call (the daemon already created something the client could not set up). The
+// original error is what the caller needs to see, so a failure of the rollback itself is dropped.
+void undoQuietly(tandem_session_t session, tandem::v1::Request& undo) {
+  try {
+    session->impl->call(undo);
+  } catch (...) {
+  }
+}
+
+// Fills every slot's BufferRef from the tensors, validates the descriptor as the daemon will, and submits. cuda
+// backend: also checks that this rank's GPU can run the op (before submitting: a refused op changes nothing), then
+// enqueues its stream work on `stream` (a cudaStream_t; null = the legacy default stream).
 tandem_status_t submitOp(tandem_comm_t comm, tandem::OpDescriptor desc, std::initializer_list<tandem_tensor_t> tensors,
-                         tandem_op_t* op) {
+                         tandem_op_t* op, [[maybe_unused]] void* stream = nullptr) {
   return guarded([&] {
     require(comm != nullptr && op != nullptr, "comm and op must not be NULL");
     desc.version = tandem::kDescriptorVersion;
@@ -121,10 +132,6 @@ tandem_status_t submitOp(tandem_comm_t comm, tandem::OpDescriptor desc, std::ini
       ++i;
     }
     tandem::validateDescriptor(desc);
-    if (comm->session->cuda && desc.kind != tandem::OpKind::kAllGather && desc.kind != tandem::OpKind::kNop) {
-      fail(ErrorCode::kUnsupported, "{}: the cuda backend runs allgather and barriers so far; run this op on a tandemd "
-           "with daemon.backend: cpu", tandem::opKindName(desc.kind));
-    }
     for (std::size_t s = 0; s < i; ++s) {
       const tandem_tensor_t& t = tensors.begin()[s];
       if (t.buffer != nullptr && (t.offset > t.buffer->bytes || desc.bufs[s].bytes > t.buffer->bytes - t.offset)) {
@@ -133,18 +140,36 @@ tandem_status_t submitOp(tandem_comm_t comm, tandem::OpDescriptor desc, std::ini
              t.offset + desc.bufs[s].bytes, t.buffer->bytes);
       }
     }
+#ifdef TANDEM_HAVE_CUDA
+    if (comm->gpu) {
+      gpu::DevicePointers ptrs{};
+      for (std::size_t s = 0; s < i; ++s) {
+        const tandem_tensor_t& t = tensors.begin()[s];
+        if (t.buffer != nullptr) ptrs[s] = static_cast<char*>(tandem_buffer_ptr(t.buffer)) + t.offset;
+      }
+      comm->gpu->check(desc, ptrs);
+      // Ring order = epoch order = stream order: one submitter at a time on this communicator.
+      std::lock_guard lock(comm->gpu->mutex);
+      op->session = comm->session;
+      op->seq = comm->session->impl->submit(desc);
+      const uint64_t epoch = ++comm->gpu->epoch;
+      try {
+        comm->gpu->enqueue(desc, ptrs, epoch, stream);
+      } catch (...) {
+        // The op is submitted but this rank's stream will not run it: abort the communicator, or the peers' kernels
+        // would wait for ours until their deadline. The CUDA error is what the caller needs to see.
+        tandem::v1::Request abort;
+        abort.mutable_destroy_comm()->set_comm_handle(comm->handle);
+        abort.mutable_destroy_comm()->set_abort(true);
+        undoQuietly(comm->session, abort);
+        throw;
+      }
+      return;
+    }
+#endif
     op->session = comm->session;
     op->seq = comm->session->impl->submit(desc);
   });
-}
-
-// Rolls back a half-finished call (the daemon already created something the client could not set up). The
-// original error is what the caller needs to see, so a failure of the rollback itself is dropped.
-void undoQuietly(tandem_session_t session, tandem::v1::Request& undo) {
-  try {
-    session->impl->call(undo);
-  } catch (...) {
-  }
 }
 
 tandem::OpDescriptor descriptor(tandem::OpKind kind, tandem_dtype_t dtype) {
@@ -458,7 +483,7 @@ tandem_status_t tandem_ag_gemm(tandem_comm_t comm, const tandem_ag_gemm_args_t* 
   TANDEM_CHECK_ARGS(args, tandem_ag_gemm_args_t)
   auto desc = descriptor(tandem::OpKind::kAgGemm, args->dtype);
   desc.dims[0] = args->m, desc.dims[1] = args->n, desc.dims[2] = args->k;
-  return submitOp(comm, desc, {args->a, args->b, args->c, args->a_gathered}, op);
+  return submitOp(comm, desc, {args->a, args->b, args->c, args->a_gathered}, op, args->cuda_stream);
 }
 
 static tandem_status_t gemmReduce(tandem::OpKind kind, tandem_comm_t comm, const tandem_gemm_rs_args_t* args,
@@ -466,7 +491,7 @@ static tandem_status_t gemmReduce(tandem::OpKind kind, tandem_comm_t comm, const
   TANDEM_CHECK_ARGS(args, tandem_gemm_rs_args_t)
   auto desc = descriptor(kind, args->dtype);
   desc.dims[0] = args->m, desc.dims[1] = args->n, desc.dims[2] = args->k;
-  return submitOp(comm, desc, {args->a, args->b, args->c}, op);
+  return submitOp(comm, desc, {args->a, args->b, args->c}, op, args->cuda_stream);
 }
 
 tandem_status_t tandem_gemm_rs(tandem_comm_t comm, const tandem_gemm_rs_args_t* args, tandem_op_t* op) {
@@ -484,14 +509,15 @@ tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const tandem_moe_di
   desc.dims = {args->tokens, args->hidden, args->n_out, args->experts, args->topk, args->capacity, 0, 0};
   return submitOp(comm, desc,
                   {args->x, args->topk_ids, args->topk_weights, args->w, args->out, args->row_info, args->expert_counts},
-                  op);
+                  op, args->cuda_stream);
 }
 
 tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, const tandem_moe_ffn_args_t* args, tandem_op_t* op) {
   TANDEM_CHECK_ARGS(args, tandem_moe_ffn_args_t)
   auto desc = descriptor(tandem::OpKind::kMoeDispatchFfnCombine, args->dtype);
   desc.dims = {args->tokens, args->hidden, args->ffn, args->experts, args->topk, 0, 0, 0};
-  return submitOp(comm, desc, {args->x, args->topk_ids, args->topk_weights, args->w1, args->w2, args->out}, op);
+  return submitOp(comm, desc, {args->x, args->topk_ids, args->topk_weights, args->w1, args->w2, args->out}, op,
+                  args->cuda_stream);
 }
 
 tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_attention_args_t* args, tandem_op_t* op) {
@@ -500,41 +526,18 @@ tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_atte
   desc.dims[0] = args->seq, desc.dims[1] = args->heads, desc.dims[2] = args->head_dim;
   desc.flags = args->causal ? tandem::kFlagCausal : 0;
   desc.scale = args->scale;
-  return submitOp(comm, desc, {args->q, args->k, args->v, args->out}, op);
+  return submitOp(comm, desc, {args->q, args->k, args->v, args->out}, op, args->cuda_stream);
 }
 
 tandem_status_t tandem_allgather(tandem_comm_t comm, tandem_tensor_t send, tandem_tensor_t recv, uint64_t bytes,
-                                 [[maybe_unused]] void* cuda_stream, tandem_op_t* op) {
+                                 void* cuda_stream, tandem_op_t* op) {
   auto desc = descriptor(tandem::OpKind::kAllGather, TANDEM_DTYPE_INVALID);
   desc.dims[0] = bytes;
-#ifdef TANDEM_HAVE_CUDA
-  if (comm != nullptr && comm->gpu) {
-    // Ring order = epoch order = stream order: one submitter at a time on this communicator.
-    std::lock_guard lock(comm->gpu->mutex);
-    const tandem_status_t s = submitOp(comm, desc, {send, recv}, op);
-    if (s != TANDEM_SUCCESS) return s;
-    const uint64_t epoch = ++comm->gpu->epoch;
-    return guarded([&] {
-      const char* sendPtr = static_cast<const char*>(tandem_buffer_ptr(send.buffer)) + send.offset;
-      char* recvPtr = static_cast<char*>(tandem_buffer_ptr(recv.buffer)) + recv.offset;
-      comm->gpu->enqueueAllGather(epoch, sendPtr, recvPtr, bytes, cuda_stream);
-    });
-  }
-#endif
-  return submitOp(comm, desc, {send, recv}, op);
+  return submitOp(comm, desc, {send, recv}, op, cuda_stream);
 }
 
-tandem_status_t tandem_barrier_stream(tandem_comm_t comm, [[maybe_unused]] void* cuda_stream, tandem_op_t* op) {
-#ifdef TANDEM_HAVE_CUDA
-  if (comm != nullptr && comm->gpu) {
-    std::lock_guard lock(comm->gpu->mutex);
-    const tandem_status_t s = submitOp(comm, descriptor(tandem::OpKind::kNop, TANDEM_DTYPE_INVALID), {}, op);
-    if (s != TANDEM_SUCCESS) return s;
-    const uint64_t epoch = ++comm->gpu->epoch;
-    return guarded([&] { comm->gpu->enqueueBarrier(epoch, cuda_stream); });
-  }
-#endif
-  return submitOp(comm, descriptor(tandem::OpKind::kNop, TANDEM_DTYPE_INVALID), {}, op);
+tandem_status_t tandem_barrier_stream(tandem_comm_t comm, void* cuda_stream, tandem_op_t* op) {
+  return submitOp(comm, descriptor(tandem::OpKind::kNop, TANDEM_DTYPE_INVALID), {}, op, cuda_stream);
 }
 
 tandem_status_t tandem_barrier(tandem_comm_t comm, tandem_op_t* op) {

@@ -7,11 +7,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 
 #include "tandem/common/error.hpp"
+#include "tandem/kernels/preload.hpp"
+#include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/allgather.hpp"
+#include "tandem/kernels/gemm_ar.hpp"
+#include "tandem/kernels/gemm_rs.hpp"
 
 namespace tandem::client::gpu {
 namespace {
@@ -52,7 +58,83 @@ uint64_t opTimeoutNs() {
 
 CUdeviceptr devptr(const void* p) { return reinterpret_cast<CUdeviceptr>(p); }
 
+uint64_t roundUp(uint64_t x, uint64_t unit) { return (x + unit - 1) / unit * unit; }
+
+constexpr uint64_t kMatUnit = 64u << 10;     // the gemm-rs/ar fixed layout takes matrices in whole 64 KiB
+constexpr uint64_t kGranularity = 2u << 20;  // tandemd rounds each workspace up to the cuMem granularity (2 MiB here)
+
+// ag-gemm flag words of a layout whose matrices hold matBytes: 1/512 of them (1.6% more bytes), enough for the chunk
+// flags of any gathered A that fills the two data matrices with k >= 32.
+uint64_t agFlagWordsFor(uint64_t matBytes) { return matBytes / 512; }
+
+// Bytes after the AllGather region of a layout whose matrices hold matBytes.
+uint64_t gemmAreaBytes(uint64_t matBytes, uint32_t nranks) {
+  return roundUp(agFlagWordsFor(matBytes) * 8, kMatUnit) +
+         k::gemmRsFixedWorkspaceBytes(static_cast<int64_t>(matBytes), static_cast<int>(nranks)) + 2 * matBytes;
+}
+
+k::GemmDtype gemmDtype(DType t) { return t == DType::kF16 ? k::GemmDtype::kFp16 : k::GemmDtype::kBf16; }
+
+// The plan gemm-rs/ar runs for this shape: chosen here once, used both to size the workspace and to launch.
+k::GemmRsPlan gemmReducePlan(const OpDescriptor& d) {
+  const auto m = static_cast<int64_t>(d.dims[dim::kM]), n = static_cast<int64_t>(d.dims[dim::kN]);
+  const auto k = static_cast<int64_t>(d.dims[dim::kK]);
+  const int ranks = static_cast<int>(d.nranks);
+  return d.kind == OpKind::kGemmAr ? k::chooseGemmArPlan(m, n, k, ranks, gemmDtype(d.dtype))
+                                   : k::chooseGemmRsPlan(m, n, k, ranks, gemmDtype(d.dtype));
+}
+
+// A reduce-scatter in which some rank owns no rows runs with ranks kept in step by the daemon (gang-ready: op e starts
+// only once every rank's stream reached it), because its kernels alone do not (gemm_rs.hpp: gemmRsRanksInStep).
+// NOTE: the daemon applies the same rule (cuda_backend.cpp, needsGang); both must agree.
+bool needsGang(const OpDescriptor& d) {
+  return d.kind == OpKind::kNop ||
+         (d.kind == OpKind::kGemmRs &&
+          !k::gemmRsRanksInStep(static_cast<int64_t>(d.dims[dim::kM]), static_cast<int>(d.nranks), false));
+}
+
+// Which plan ran, once per (op, shape) and process, on stderr when TANDEM_LOG=debug (libtandem has no logger and must
+// not write to an application's stderr otherwise).
+void logPlanOnce(const OpDescriptor& d, const std::string& plan) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TANDEM_LOG");
+    return v != nullptr && std::strcmp(v, "debug") == 0;
+  }();
+  if (!enabled) return;
+  static std::mutex mu;
+  static std::set<std::string> seen;
+  const std::string shape = fmt::format("{} {} m={} n={} k={} on {} ranks", opKindName(d.kind), dtypeName(d.dtype),
+                                        d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], d.nranks);
+  std::lock_guard lock(mu);
+  if (seen.insert(shape).second) std::fprintf(stderr, "tandem: rank %u: %s: plan %s\n", d.rank, shape.c_str(), plan.c_str());
+}
+
 }  // namespace
+
+// ---- workspace layout ---------------------------------------------------------------------------------------
+
+WorkspaceLayout WorkspaceLayout::fit(uint64_t bytes, uint32_t nranks) {
+  const uint64_t base = k::workspaceBytes(nranks);
+  const uint64_t room = bytes > base ? bytes - base : 0;
+  // The largest matrix size whose area fits; the area grows with it, so bisect over 64 KiB units (lo fits, hi not).
+  uint64_t lo = 0, hi = room / 2 / kMatUnit + 1;
+  while (hi - lo > 1) {
+    const uint64_t mid = (lo + hi) / 2;
+    (gemmAreaBytes(mid * kMatUnit, nranks) <= room ? lo : hi) = mid;
+  }
+  WorkspaceLayout l;
+  l.rsMatBytes = lo * kMatUnit;
+  l.agFlagsOff = base;
+  l.agFlagWords = agFlagWordsFor(l.rsMatBytes);
+  l.rsOff = base + roundUp(l.agFlagWords * 8, kMatUnit);
+  l.dataOff = l.rsOff + k::gemmRsFixedWorkspaceBytes(static_cast<int64_t>(l.rsMatBytes), static_cast<int>(nranks));
+  l.dataBytes = 2 * l.rsMatBytes;
+  return l;
+}
+
+uint64_t WorkspaceLayout::bytesFor(uint64_t matBytes, uint32_t nranks) {
+  return roundUp(k::workspaceBytes(nranks) + gemmAreaBytes(roundUp(matBytes, kMatUnit), nranks), kGranularity);
+}
 
 int currentDevice() {
   int d = 0;
@@ -156,6 +238,9 @@ CommGpu::CommGpu(int device, bool daemonExecutor, uint32_t rank, uint32_t nranks
     : device_(device), daemonExecutor_(daemonExecutor), rank_(rank), nranks_(nranks), maxCtas_(maxCtas),
       controlFd_(std::move(control)), controlBytes_(controlBytes), workspaces_(std::move(workspaces)),
       timeoutNs_(opTimeoutNs()) {
+  workspaceBytes_ = workspaces_.empty() ? 0 : workspaces_[0]->size();
+  for (const auto& w : workspaces_) workspaceBytes_ = std::min(workspaceBytes_, w->size());
+  layout_ = WorkspaceLayout::fit(workspaceBytes_, nranks_);
   if (controlBytes_ < sizeof(k::CommControl)) {
     fail(ErrorCode::kProtocol, "tandemd sent a {}-byte control page; this libtandem needs {}", controlBytes_,
          sizeof(k::CommControl));
@@ -167,6 +252,12 @@ CommGpu::CommGpu(int device, bool daemonExecutor, uint32_t rank, uint32_t nranks
   }
   ctl_ = static_cast<k::CommControl*>(controlMap_);
   DeviceScope scope(device_);
+  // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp).
+  try {
+    k::preloadKernels(device_);
+  } catch (const std::exception& e) {
+    fail(ErrorCode::kCuda, "communicator init on device {}: {}", device_, e.what());
+  }
   checkRt(cudaHostRegister(controlMap_, controlBytes_, cudaHostRegisterPortable | cudaHostRegisterMapped),
           "cudaHostRegister(control page)");
   registered_ = true;
@@ -183,60 +274,237 @@ CommGpu::~CommGpu() {
   if (controlMap_ != nullptr) ::munmap(controlMap_, controlBytes_);
 }
 
-void CommGpu::enqueueAllGather(uint64_t e, const void* send, void* recv, uint64_t bytes, void* stream) {
-  const auto& d = k::driver();
-  auto s = static_cast<CUstream>(stream);
-  const auto e32 = static_cast<uint32_t>(e);
+char* CommGpu::workspace(uint32_t r, uint64_t offset) const {
+  return static_cast<char*>(workspaces_[r]->ptr()) + offset;
+}
+
+uint64_t CommGpu::matBytesNeeded(const OpDescriptor& d) const {
+  if (nranks_ == 1) return 0;  // one rank exchanges nothing: its kernels touch no workspace
+  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], kk = d.dims[dim::kK];
+  if (d.kind == OpKind::kAgGemm) {
+    // Gathered A [m, k] in the two data matrices; its chunk flags in the flag words (1/512 of a matrix).
+    const auto words = static_cast<uint64_t>(k::agGemmFlagWords(static_cast<int64_t>(m), static_cast<int>(nranks_)));
+    return std::max(m * kk, 512 * words);
+  }
+  const bool allReduce = d.kind == OpKind::kGemmAr;
+  uint64_t need = static_cast<uint64_t>(
+      k::gemmRsMatBytesNeeded(static_cast<int64_t>(m), static_cast<int64_t>(n), gemmReducePlan(d)));
+  if (k::gemmRsWritesPeerOutputs(static_cast<int64_t>(m), static_cast<int>(nranks_), allReduce)) {
+    // The output [rows, n] (16-bit) in the two data matrices; rank 0's rows, the most, so that every rank decides alike.
+    need = std::max(need, (allReduce ? m : rowsOf(m, 0, nranks_)) * n);
+  }
+  return need;
+}
+
+void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs) const {
+  const std::string_view op = opKindName(d.kind);
+  switch (d.kind) {
+    case OpKind::kNop:
+    case OpKind::kAllGather: return;
+    case OpKind::kAgGemm:
+    case OpKind::kGemmRs:
+    case OpKind::kGemmAr: break;
+    default:
+      fail(ErrorCode::kUnsupported, "{}: the cuda backend does not run this op yet (it runs ag-gemm, gemm-rs, gemm-ar, "
+           "allgather and barriers); run it on a tandemd with daemon.backend: cpu", op);
+  }
   if (daemonExecutor_) {
-    // The daemon's kernel runs the op once every rank's stream got here (gang-ready), then writes done.
-    checkDrv(d.streamWriteValue32(s, devptr(&ctlDev_->ready.value), e32, CU_STREAM_WRITE_VALUE_DEFAULT),
-             "cuStreamWriteValue32(ready)");
-    checkDrv(d.streamWaitValue32(s, devptr(&ctlDev_->done.value), e32, CU_STREAM_WAIT_VALUE_GEQ),
-             "cuStreamWaitValue32(done)");
+    fail(ErrorCode::kUnsupported, "{}: tandemd runs executor daemon, whose persistent kernel cannot run the fused GEMM "
+         "kernels (each needs every SM of the GPU, one co-resident CTA per SM, while the persistent kernel keeps SMs "
+         "of its own and runs work items inside its own small grid); set daemon.executor: client in tandemd's config",
+         op);
+  }
+  if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
+    fail(ErrorCode::kUnsupported, "{}: the cuda backend's GEMM kernels take bf16 or fp16, not {}; convert the "
+         "tensors, or run {} on a tandemd with daemon.backend: cpu", op, dtypeName(d.dtype), dtypeName(d.dtype));
+  }
+  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], kk = d.dims[dim::kK];
+  if (n % 8 != 0) {
+    fail(ErrorCode::kInvalidArgument, "{}: n = {} is not a multiple of 8; the cuda backend's kernels move whole "
+         "16-byte rows (tensor memory accelerator), so pad n to a multiple of 8", op, n);
+  }
+  if (kk % 8 != 0) {
+    fail(ErrorCode::kInvalidArgument, "{}: {} = {} is not a multiple of 8; the cuda backend's kernels move whole "
+         "16-byte rows, so pad K with zeros{}", op, d.kind == OpKind::kAgGemm ? "k" : "this rank's k slice", kk,
+         d.kind == OpKind::kAgGemm ? "" : " (and split it so that every rank's slice is a multiple of 8)");
+  }
+  constexpr uint64_t kMaxDim = uint64_t{1} << 31;  // the kernels index rows and columns with int32
+  if (m >= kMaxDim || n >= kMaxDim || kk >= kMaxDim) {
+    fail(ErrorCode::kInvalidArgument, "{}: m = {}, n = {} and k = {} must each be below 2^31 on the cuda backend", op, m,
+         n, kk);
+  }
+  static constexpr const char* kSlotNames[] = {"a", "b", "c", "a_gathered"};
+  for (std::size_t s = 0; s < std::size(kSlotNames); ++s) {
+    if (ptrs[s] != nullptr && reinterpret_cast<uintptr_t>(ptrs[s]) % 16 != 0) {
+      fail(ErrorCode::kInvalidArgument, "{}: tensor {} starts at {}, which is not 16-byte aligned; the cuda backend's "
+           "kernels read and write 16 bytes at a time: use an offset that is a multiple of 16", op, kSlotNames[s],
+           ptrs[s]);
+    }
+  }
+  const uint64_t need = roundUp(matBytesNeeded(d), kMatUnit);
+  if (need > layout_.rsMatBytes) {
+    const uint64_t bytes = WorkspaceLayout::bytesFor(need, nranks_);
+    fail(ErrorCode::kInvalidArgument, "{}: m = {}, n = {}, k = {} on {} ranks needs a workspace of {} bytes ({} MiB) "
+         "per rank, but this communicator's is {} bytes; raise tandemd's per-communicator budget (start tandemd with "
+         "TANDEM_CUDA_WORKSPACE_BYTES={} or more in its environment; default 512 MiB) or split the op", op, m, n, kk,
+         nranks_, bytes, (bytes + (1u << 20) - 1) >> 20, workspaceBytes_, bytes);
+  }
+}
+
+void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
+  const auto& drv = k::driver();
+  const auto s = static_cast<CUstream>(stream);
+  const auto e32 = static_cast<uint32_t>(e);
+  DeviceScope scope(device_);
+  const auto write = [&](k::StreamWord& w, const char* what) {
+    checkDrv(drv.streamWriteValue32(s, devptr(&w.value), e32, CU_STREAM_WRITE_VALUE_DEFAULT), what);
+  };
+  const auto waitFor = [&](k::StreamWord& w, const char* what) {
+    checkDrv(drv.streamWaitValue32(s, devptr(&w.value), e32, CU_STREAM_WAIT_VALUE_GEQ), what);
+  };
+  if (daemonExecutor_) {
+    // The daemon's kernel runs the op once every rank's stream got here (gang-ready), then writes done. check()
+    // let only allgather and barriers through.
+    write(ctlDev_->ready, "cuStreamWriteValue32(ready)");
+    waitFor(ctlDev_->done, "cuStreamWaitValue32(done)");
     return;
   }
-  DeviceScope scope(device_);
-  checkDrv(d.streamWaitValue32(s, devptr(&ctlDev_->go.value), e32, CU_STREAM_WAIT_VALUE_GEQ),
-           "cuStreamWaitValue32(go)");
+  // Client executor: the daemon opens go once every rank submitted the op (for a gang, once every rank's stream
+  // reached it and wrote ready); the kernels run; done tells the daemon the op finished on this rank.
+  if (needsGang(d)) write(ctlDev_->ready, "cuStreamWriteValue32(ready)");
+  waitFor(ctlDev_->go, "cuStreamWaitValue32(go)");
+  try {
+    switch (d.kind) {
+      case OpKind::kNop: break;
+      case OpKind::kAllGather: launchAllGather(d, ptrs, e, stream); break;
+      case OpKind::kAgGemm: logPlanOnce(d, launchAgGemm(d, ptrs, e, stream)); break;
+      case OpKind::kGemmRs:
+      case OpKind::kGemmAr: logPlanOnce(d, launchGemmReduce(d, ptrs, e, stream)); break;
+      default: fail(ErrorCode::kInternal, "{} reached the cuda enqueue unchecked", opKindName(d.kind));
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& ex) {  // the launchers throw std::runtime_error
+    fail(ErrorCode::kCuda, "{}: {}", opKindName(d.kind), ex.what());
+  }
+  write(ctlDev_->done, "cuStreamWriteValue32(done)");
+}
+
+void CommGpu::launchAllGather(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
   k::AllGatherParams p{};
-  p.send = send;
-  p.recv = recv;
-  p.bytes = bytes;
+  p.send = ptrs[slot::kSend];
+  p.recv = ptrs[slot::kRecv];
+  p.bytes = d.dims[dim::kBytes];
   p.epoch = e;
   p.timeoutNs = timeoutNs_;
   for (uint32_t r = 0; r < nranks_; ++r) p.workspaces[r] = workspaces_[r]->ptr();
   p.ctl = ctlDev_;
   p.rank = rank_;
   p.nranks = nranks_;
-  const k::AgTuning t = k::allgatherTuning(bytes, maxCtas_);
+  const k::AgTuning t = k::allgatherTuning(p.bytes, maxCtas_);
   p.chunkBytes = t.chunkBytes;
   p.numCtas = t.numCtas;
   p.mode = t.mode;
-  p.checkVerdict = 1;
-  try {
-    k::launchAllGather(p, static_cast<cudaStream_t>(stream));
-  } catch (const std::exception& ex) {
-    fail(ErrorCode::kCuda, "tandem_allgather: {}", ex.what());
-  }
-  checkDrv(d.streamWriteValue32(s, devptr(&ctlDev_->done.value), e32, CU_STREAM_WRITE_VALUE_DEFAULT),
-           "cuStreamWriteValue32(done)");
+  p.checkVerdict = 1;  // a rejected op is skipped inside the kernel
+  k::launchAllGather(p, static_cast<cudaStream_t>(stream));
 }
 
-void CommGpu::enqueueBarrier(uint64_t e, void* stream) {
-  const auto& d = k::driver();
-  auto s = static_cast<CUstream>(stream);
-  const auto e32 = static_cast<uint32_t>(e);
-  checkDrv(d.streamWriteValue32(s, devptr(&ctlDev_->ready.value), e32, CU_STREAM_WRITE_VALUE_DEFAULT),
-           "cuStreamWriteValue32(ready)");
-  if (daemonExecutor_) {
-    checkDrv(d.streamWaitValue32(s, devptr(&ctlDev_->done.value), e32, CU_STREAM_WAIT_VALUE_GEQ),
-             "cuStreamWaitValue32(done)");
-    return;
+// The fused GEMMs cannot skip an op the daemon rejected (nothing in them reads the verdict): the daemon aborts the
+// communicator instead, so they find the abort word set and unwind (cuda_backend.cpp, release). Every wait reports
+// into this rank's control page (errorSlot) and polls its abort word, as AllGather's do.
+std::string CommGpu::launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  k::AgGemmParams p{};
+  p.rank = static_cast<int32_t>(rank_);
+  p.nranks = static_cast<int32_t>(nranks_);
+  p.m = static_cast<int64_t>(d.dims[dim::kM]);
+  p.n = static_cast<int64_t>(d.dims[dim::kN]);
+  p.k = static_cast<int64_t>(d.dims[dim::kK]);
+  p.dtype = gemmDtype(d.dtype);
+  p.a = ptrs[slot::kA];
+  p.b = ptrs[slot::kB];
+  p.c = ptrs[slot::kC];
+  void* const userGathered = ptrs[slot::kAGathered];
+  if (nranks_ == 1) {
+    p.aGathered = userGathered;  // the local plan copies the shard there (or skips it when absent)
+  } else {
+    // Peers push their shards into our gathered buffer, so it lives in the workspace (the caller's buffers are
+    // mapped in this process only).
+    p.aGathered = workspace(rank_, layout_.dataOff);
+    p.flags = reinterpret_cast<uint64_t*>(workspace(rank_, layout_.agFlagsOff));
+    p.flagWords = static_cast<int64_t>(layout_.agFlagWords);
+    for (uint32_t q = 0; q < nranks_; ++q) {
+      p.peerGathered[q] = workspace(q, layout_.dataOff);
+      p.peerFlags[q] = reinterpret_cast<uint64_t*>(workspace(q, layout_.agFlagsOff));
+    }
   }
-  checkDrv(d.streamWaitValue32(s, devptr(&ctlDev_->go.value), e32, CU_STREAM_WAIT_VALUE_GEQ),
-           "cuStreamWaitValue32(go)");
-  checkDrv(d.streamWriteValue32(s, devptr(&ctlDev_->done.value), e32, CU_STREAM_WRITE_VALUE_DEFAULT),
-           "cuStreamWriteValue32(done)");
+  p.epoch = e;
+  p.abortWord = &ctlDev_->abort;
+  p.errorSlot = &ctlDev_->error;
+  p.timeoutNs = timeoutNs_;
+  const k::AgGemmPlanChoice plan = k::launchAgGemm(p, s);  // plan 0: the launcher chooses
+  std::string name = k::agGemmPlanName(plan.plan);
+  if (plan.plan == k::AgGemmPlan::kFused) {
+    name += fmt::format(" ({} comm SMs, {} copies, {} tail tiles)", plan.commSms, plan.commMode == 2 ? "TMA" : "LSU",
+                        plan.tailTiles);
+  } else if (plan.plan == k::AgGemmPlan::kDecomposed) {
+    name += fmt::format(" ({} all-gather CTAs, then the GEMM)", plan.commSms);
+  }
+  if (nranks_ > 1 && userGathered != nullptr) {
+    // Cost: m * k * 2 bytes read and written once more, after the GEMM (the gathered A exists only in the workspace).
+    checkRt(cudaMemcpyAsync(userGathered, p.aGathered, static_cast<size_t>(p.m * p.k * 2), cudaMemcpyDeviceToDevice, s),
+            "cudaMemcpyAsync(gathered A into a_gathered)");
+    name += ", a_gathered copied out of the workspace";
+  }
+  return name;
+}
+
+std::string CommGpu::launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  const bool allReduce = d.kind == OpKind::kGemmAr;
+  k::GemmRsParams p{};
+  p.rank = static_cast<int32_t>(rank_);
+  p.nranks = static_cast<int32_t>(nranks_);
+  p.m = static_cast<int64_t>(d.dims[dim::kM]);
+  p.n = static_cast<int64_t>(d.dims[dim::kN]);
+  p.k = static_cast<int64_t>(d.dims[dim::kK]);
+  p.dtype = gemmDtype(d.dtype);
+  p.a = ptrs[slot::kA];
+  p.b = ptrs[slot::kB];
+  p.lda = p.k;
+  p.ldb = p.k;
+  p.ldOut = p.n;
+  // Reduced rows that go into another rank's output must land in memory that rank's peers have mapped: its workspace.
+  // Cost (gemm-ar on 2+ ranks, gemm-rs where a tile row spans two ranks): this rank's output is read and written once
+  // more after the kernel, rows * n * 2 bytes (about 0.1 ms for 8192 x 8192 bf16 at ~3 TB/s, next to a ~1 ms op).
+  const bool staged = k::gemmRsWritesPeerOutputs(p.m, p.nranks, allReduce);
+  void* const userOut = ptrs[slot::kC];
+  p.out = staged ? workspace(rank_, layout_.dataOff) : userOut;
+  for (uint32_t q = 0; q < nranks_; ++q) {
+    p.workspace[q] = workspace(q, layout_.rsOff);
+    if (q != rank_) p.peerOut[q] = workspace(q, layout_.dataOff);  // written only when staged
+  }
+  p.wsMatBytes = static_cast<int64_t>(layout_.rsMatBytes);
+  // Read only when wsMatBytes is 0 (a workspace too small for any exchange), which check() allows for one rank alone,
+  // whose kernel stages nothing.
+  p.wsMaxM = p.m;
+  p.wsMaxN = p.n;
+  p.epoch = e;
+  p.abortWord = &ctlDev_->abort;
+  p.errorSlot = &ctlDev_->error;
+  p.timeoutNs = timeoutNs_;
+  p.plan = gemmReducePlan(d);  // the plan check() sized the workspace for
+  const k::GemmRsPlan ran = allReduce ? k::launchGemmAr(p, s) : k::launchGemmRs(p, s);
+  std::string name = k::gemmRsPlanName(ran, allReduce);
+  if (staged) {
+    const uint64_t rows = allReduce ? d.dims[dim::kM] : rowsOf(d.dims[dim::kM], rank_, nranks_);
+    if (rows > 0) {
+      checkRt(cudaMemcpyAsync(userOut, p.out, rows * d.dims[dim::kN] * 2, cudaMemcpyDeviceToDevice, s),
+              "cudaMemcpyAsync(output out of the workspace)");
+    }
+    name += ", output staged in the workspace and copied out";
+  }
+  return name;
 }
 
 void CommGpu::abortLocal() {

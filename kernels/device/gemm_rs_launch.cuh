@@ -20,6 +20,7 @@
 namespace tandem::kernels::rs {
 
 using FusedFn = void (*)(FusedKernelParams);
+static_assert(kBlockM == kGemmRsTileM && kBlockN == kGemmRsTileN, "gemm_rs.hpp's public tile size is the core's");
 
 // The kernels one .cu instantiates: fused[dtype][partial] (dtype 0 bf16 / 1 fp16; partial 0 fp32 / 1 input dtype),
 // reduce[dtype] (decomposed plan).
@@ -36,14 +37,12 @@ inline void checkCuda(const char* op, cudaError_t e, const char* what) {
 }
 
 struct Layout {
-  int64_t capM, capN, maxHalf;
+  int64_t maxHalf;  // half tiles per flag row
   size_t readyOff, inFlagsOff, outFlagsOff, finFlagsOff, stagingOff, matBytes, total;
 };
-inline Layout layoutFor(int64_t maxM, int64_t maxN, int nranks) {
+inline Layout layoutWith(int64_t maxHalf, size_t matBytes, int nranks) {
   Layout l{};
-  l.capM = (std::max<int64_t>(maxM, 1) + kBlockM - 1) / kBlockM * kBlockM;
-  l.capN = (std::max<int64_t>(maxN, 1) + kBlockN - 1) / kBlockN * kBlockN;
-  l.maxHalf = (l.capM / kHalfRows) * (l.capN / kBlockN);
+  l.maxHalf = maxHalf;
   const size_t words = static_cast<size_t>(l.maxHalf);
   l.readyOff = 0;
   l.inFlagsOff = 256;
@@ -51,9 +50,24 @@ inline Layout layoutFor(int64_t maxM, int64_t maxN, int nranks) {
   l.finFlagsOff = l.outFlagsOff + words * 8;
   const size_t flagsEnd = l.finFlagsOff + kMaxRanks * words * 8;
   l.stagingOff = (flagsEnd + 65535) / 65536 * 65536;
-  l.matBytes = static_cast<size_t>(l.capM) * static_cast<size_t>(l.capN) * 4;
+  l.matBytes = matBytes;
   l.total = l.stagingOff + static_cast<size_t>(2 * nranks + 2) * l.matBytes;
   return l;
+}
+// Sized for a maximum shape: fp32 matrices of ceil(maxM / 128) * 128 x ceil(maxN / 256) * 256.
+inline Layout layoutFor(int64_t maxM, int64_t maxN, int nranks) {
+  const int64_t capM = (std::max<int64_t>(maxM, 1) + kBlockM - 1) / kBlockM * kBlockM;
+  const int64_t capN = (std::max<int64_t>(maxN, 1) + kBlockN - 1) / kBlockN * kBlockN;
+  return layoutWith((capM / kHalfRows) * (capN / kBlockN), static_cast<size_t>(capM) * static_cast<size_t>(capN) * 4,
+                    nranks);
+}
+// Fixed matrix size: flags for as many half tiles as matrices of 16-bit partials can hold (fp32 partials fit half as
+// many, so the flags always cover an op whose partials fit).
+inline Layout layoutFixed(int64_t matBytes, int nranks) {
+  return layoutWith(matBytes / (kHalfRows * kBlockN * 2), static_cast<size_t>(matBytes), nranks);
+}
+inline Layout layoutOf(const GemmRsParams& p) {
+  return p.wsMatBytes > 0 ? layoutFixed(p.wsMatBytes, p.nranks) : layoutFor(p.wsMaxM, p.wsMaxN, p.nranks);
 }
 
 inline std::string planName(const GemmRsPlan& p, bool allReduce) {
@@ -133,7 +147,10 @@ inline void validate(const char* op, const GemmRsParams& p, bool allReduce) {
   if (p.lda < p.k || p.lda % 8 != 0) fail(op, "lda must be >= k and a multiple of 8, got " + str(p.lda));
   if (p.ldb < p.k || p.ldb % 8 != 0) fail(op, "ldb must be >= k and a multiple of 8, got " + str(p.ldb));
   if (p.ldOut < p.n || p.ldOut % 8 != 0) fail(op, "ldOut must be >= n and a multiple of 8, got " + str(p.ldOut));
-  if (p.m > p.wsMaxM || p.n > p.wsMaxN) {
+  if (p.wsMatBytes < 0 || p.wsMatBytes % 65536 != 0) {
+    fail(op, "wsMatBytes must be 0 or a multiple of 64 KiB, got " + str(p.wsMatBytes));
+  }
+  if (p.wsMatBytes == 0 && (p.m > p.wsMaxM || p.n > p.wsMaxN)) {
     fail(op, "the workspace was sized for m <= " + str(p.wsMaxM) + ", n <= " + str(p.wsMaxN) + "; got m=" + str(p.m) +
                  " n=" + str(p.n) + " (see gemmRsWorkspaceBytes)");
   }
@@ -177,12 +194,18 @@ inline GemmRsPlan finishPlan(const char* op, GemmRsPlan plan, bool allReduce, in
 inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, const GemmRsPlan& plan, bool allReduce) {
   FusedKernelParams kp;
   std::memset(&kp, 0, sizeof(kp));
-  const Layout l = layoutFor(p.wsMaxM, p.wsMaxN, p.nranks);
+  const Layout l = layoutOf(p);
   const int64_t tilesM = (p.m + kBlockM - 1) / kBlockM;
   const int64_t tilesN = (p.n + kBlockN - 1) / kBlockN;
   if (tilesM * tilesN > 0x7fffffff / 2) fail(op, "too many tiles");
   const bool decomposed = plan.kind == GemmRsPlanKind::kDecomposed;
   const size_t psize = (!decomposed && plan.partial == GemmRsPartial::kFp32) ? 4 : 2;
+  // One rank stages nothing (its partials stay in registers), so only the fixed layout of a real exchange must fit.
+  if (p.wsMatBytes > 0 && p.nranks > 1 && gemmRsMatBytesNeeded(p.m, p.n, plan) > p.wsMatBytes) {
+    fail(op, "the workspace's staging matrices hold " + std::to_string(p.wsMatBytes) + " bytes; m=" + std::to_string(p.m) +
+                 " n=" + std::to_string(p.n) + " with this plan needs " +
+                 std::to_string(gemmRsMatBytesNeeded(p.m, p.n, plan)) + " (see gemmRsFixedWorkspaceBytes)");
+  }
 
   kp.g.tmA = encodeMap(op, p.a, p.m, p.k, p.lda, kBlockM, p.dtype);
   kp.g.tmB = encodeMap(op, p.b, p.n, p.k, p.ldb, kBlockN, p.dtype);

@@ -17,10 +17,12 @@ struct WaitCtx {
   uint32_t op, role, rank;
 };
 
+// Claims the slot with kErrorSlotWriting, fills it, then publishes kErrorSlotReady: a host that polls a host-mapped slot
+// reads the fields only once they are all written.
 __device__ __forceinline__ void reportWaitError(WaitCtx& ctx, WaitError code, uint32_t chunk, uint64_t expected,
                                                 uint64_t observed) {
   if (ctx.errorSlot == nullptr) return;
-  if (atomicCAS(&ctx.errorSlot->claimed, 0u, 1u) == 0u) {
+  if (atomicCAS(&ctx.errorSlot->claimed, 0u, kErrorSlotWriting) == 0u) {
     ctx.errorSlot->code = static_cast<uint32_t>(code);
     ctx.errorSlot->op = ctx.op;
     ctx.errorSlot->role = ctx.role;
@@ -28,7 +30,8 @@ __device__ __forceinline__ void reportWaitError(WaitCtx& ctx, WaitError code, ui
     ctx.errorSlot->chunk = chunk;
     ctx.errorSlot->expected = expected;
     ctx.errorSlot->observed = observed;
-    fenceAcqRelSys();  // release: publishes the slot to the host poller
+    // release: publishes the fields; pairs with the host poller's acquire load of `claimed` (== kErrorSlotReady).
+    stReleaseSysU32(&ctx.errorSlot->claimed, kErrorSlotReady);
   }
 }
 

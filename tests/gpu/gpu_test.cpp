@@ -2,159 +2,16 @@
 // Every rank is a forked child (this process never initialises CUDA); the daemon is a real tandemd.
 // Under MPS (an MPS control pipe is present) the daemon-executor cases run and the kill cases are skipped:
 // killing an MPS client mid-kernel poisons the MPS server for every process on that GPU.
-#include <doctest/doctest.h>
-#include <poll.h>
-#include <sys/mman.h>
-#include <sys/prctl.h>
-#include <sys/stat.h>
-
-#include <cuda_runtime_api.h>
-
 #include <algorithm>
-#include <cstring>
-#include <functional>
-#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
-#include <utility>
 
-#include "harness.hpp"
+#include "gpu_harness.hpp"
 #include "session.hpp"
-#include "tandem/kernels/allgather.hpp"
-#include "tandem/tandem.h"
 
-using namespace tandem::testing;
-using json = nlohmann::json;
+using namespace tandem::gputest;
 
 namespace {
-
-int gpuCount() { return std::atoi(std::getenv("TANDEM_TEST_GPU_COUNT")); }
-
-bool mpsRunning() {
-  const char* env = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
-  const std::string dir = (env != nullptr && *env != '\0') ? env : "/tmp/nvidia-mps";
-  struct stat st{};
-  return ::stat((dir + "/control").c_str(), &st) == 0;
-}
-
-std::string config(const std::string& executor) {
-  return "daemon:\n  backend: cuda\n  executor: " + executor + "\ncuda:\n  daemon_linger_ms: 500\n";
-}
-
-json status(const Daemon& d) {
-  int code = 0;
-  const std::string out = d.ctl({"status", "--json"}, &code);
-  REQUIRE_MESSAGE(code == 0, out);
-  return json::parse(out);
-}
-
-// A forked rank: reads lines from the parent (`tell`) and writes its report lines back (`read`). Killed and
-// reaped when it goes out of scope (a failed REQUIRE must not leave a rank holding the GPU or ctest's pipes).
-struct Rank {
-  Rank() = default;
-  Rank(Rank&& o) noexcept
-      : pid(std::exchange(o.pid, -1)), fromChild(std::exchange(o.fromChild, -1)), toChild(std::exchange(o.toChild, -1)),
-        buffered(std::move(o.buffered)) {}
-  Rank& operator=(Rank&&) = delete;
-  ~Rank() {
-    if (pid > 0) {
-      ::kill(pid, SIGKILL);
-      reap();
-    }
-  }
-  pid_t pid = -1;
-  int fromChild = -1, toChild = -1;
-  std::string buffered;
-  std::string read(int timeoutMs) {
-    const auto deadline = Clock::now() + std::chrono::milliseconds(timeoutMs);
-    while (buffered.find('\n') == std::string::npos && Clock::now() < deadline) {
-      pollfd p{fromChild, POLLIN, 0};
-      if (::poll(&p, 1, 20) <= 0) continue;
-      char buf[4096];
-      const ssize_t n = ::read(fromChild, buf, sizeof buf);
-      if (n <= 0) break;
-      buffered.append(buf, static_cast<size_t>(n));
-    }
-    const auto nl = buffered.find('\n');
-    if (nl == std::string::npos) return "(no report: " + buffered + ")";
-    std::string line = buffered.substr(0, nl);
-    buffered.erase(0, nl + 1);
-    return line;
-  }
-  void tell(const std::string& s) { [[maybe_unused]] ssize_t n = ::write(toChild, (s + "\n").data(), s.size() + 1); }
-  void kill() { ::kill(pid, SIGKILL); }
-  int reap() {
-    if (pid <= 0) return 0;
-    ::close(fromChild);
-    ::close(toChild);
-    int st = 0;
-    ::waitpid(pid, &st, 0);
-    pid = -1;
-    return st;
-  }
-};
-
-struct Io {
-  int in, out;
-  void say(const std::string& s) const { [[maybe_unused]] ssize_t n = ::write(out, (s + "\n").data(), s.size() + 1); }
-  std::string hear() const {
-    std::string line;
-    char c;
-    while (::read(in, &c, 1) == 1 && c != '\n') line += c;
-    return line;
-  }
-};
-
-Rank spawn(const std::function<std::string(const Io&)>& body) {
-  int up[2], down[2];
-  REQUIRE(::pipe(up) == 0);
-  REQUIRE(::pipe(down) == 0);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test process
-    ::close(up[0]);
-    ::close(down[1]);
-    Io io{down[0], up[1]};
-    std::string result;
-    try {
-      result = body(io);
-    } catch (const std::exception& e) {
-      result = std::string("FAIL exception: ") + e.what();
-    }
-    io.say(result);
-    std::_Exit(0);
-  }
-  ::close(up[1]);
-  ::close(down[0]);
-  Rank r;
-  r.pid = pid;
-  r.fromChild = up[0];
-  r.toChild = down[1];
-  return r;
-}
-
-#define CK(call)                                                                                 \
-  do {                                                                                           \
-    const cudaError_t e_ = (call);                                                               \
-    if (e_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
-  } while (0)
-#define TK(call)                                                                                                 \
-  do {                                                                                                           \
-    const tandem_status_t s_ = (call);                                                                           \
-    if (s_ != TANDEM_SUCCESS) throw std::runtime_error(std::string(#call) + ": " + tandem_last_error());         \
-  } while (0)
-
-// Waits for the stream with a deadline. Returns "synced", "error <text>" or "hung".
-std::string syncWithin(cudaStream_t s, int ms) {
-  const auto deadline = Clock::now() + std::chrono::milliseconds(ms);
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(s);
-    if (e == cudaSuccess) return "synced";
-    if (e != cudaErrorNotReady) return std::string("error ") + cudaGetErrorString(e);
-    if (Clock::now() > deadline) return "hung";
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-}
 
 // Deterministic bytes for (rank, size, iteration).
 void fill(std::vector<unsigned char>& out, uint64_t bytes, uint32_t rank, uint32_t iter) {
@@ -501,46 +358,6 @@ TEST_CASE("allgather, daemon executor (MPS): bitwise exact at 1 and 2 ranks, 1 B
   SUBCASE("after the persistent kernel exited") { runAllGather(d, 2, false, {4096, 8u << 20}); }
 }
 
-// Rank for the failure cases: joins, allocates, optionally gates its stream on a host flag, submits one
-// AllGather of 64 MiB, reports "submitted", then follows the parent's orders.
-std::string gatedRank(const Io& io, const std::string& socket, const tandem_unique_id_t& id, uint32_t rank,
-                      bool gate) {
-  CK(cudaSetDevice(static_cast<int>(rank % static_cast<uint32_t>(gpuCount()))));
-  tandem_session_t s;
-  TK(tandem_connect(socket.c_str(), &s));
-  tandem_comm_t comm;
-  TK(tandem_comm_init(s, &id, 2, rank, 60000, &comm));
-  const uint64_t S = 64u << 20;
-  tandem_buffer_t send, recv;
-  TK(tandem_alloc(s, S, &send));
-  TK(tandem_alloc(s, 2 * S, &recv));
-  cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  uint32_t* flag = nullptr;
-  if (gate) {
-    CK(cudaHostAlloc(reinterpret_cast<void**>(&flag), 4096, cudaHostAllocMapped | cudaHostAllocPortable));
-    *flag = 0;
-    const CUresult r = tandem::kernels::driver().streamWaitValue32(
-        stream, reinterpret_cast<CUdeviceptr>(flag), 1, CU_STREAM_WAIT_VALUE_GEQ);
-    if (r != CUDA_SUCCESS) return "FAIL gate";
-  }
-  tandem_op_t op;
-  TK(tandem_allgather(comm, {send, 0}, {recv, 0}, S, stream, &op));
-  io.say("submitted");
-  for (;;) {
-    const std::string order = io.hear();
-    if (order == "release") {
-      std::atomic_ref<uint32_t>(*flag).store(1);
-    } else if (order == "sync") {
-      const std::string synced = syncWithin(stream, 10000);
-      const tandem_status_t st = tandem_wait(op, 10000);
-      return fmt::format("{} {} {}", synced, static_cast<int>(st), tandem_last_error());
-    } else {
-      return "FAIL order '" + order + "'";
-    }
-  }
-}
-
 TEST_CASE("a client SIGKILLed mid-op (client executor, no MPS) leaves the daemon healthy") {
   if (gpuCount() < 2 || mpsRunning()) {
     MESSAGE("skipped: needs 2 GPUs and no MPS (a kill under MPS poisons the MPS server)");
@@ -591,6 +408,7 @@ TEST_CASE("a killed daemon leaves no client stream hanging") {
   const std::string r0 = running.read(15000);
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - killedAt).count();
   INFO(r0);
+  INFO(d->log());
   CHECK(r0.rfind("synced ", 0) == 0);
   CHECK(r0.find(" " + std::to_string(TANDEM_ERROR_DAEMON_LOST) + " ") != std::string::npos);
   CHECK(ms < 5000);

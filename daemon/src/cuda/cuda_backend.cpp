@@ -17,6 +17,7 @@
 #include "lifecycle.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/allgather.hpp"
+#include "tandem/kernels/gemm_rs.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
@@ -45,6 +46,49 @@ uint32_t pow2Floor(uint32_t x) {
   uint32_t p = 1;
   while (p * 2 <= x) p *= 2;
   return p;
+}
+
+// Per-rank workspace of a communicator: AllGather's slots, and the fused GEMMs' flags, staging and gathered rows
+// (libtandem lays them out, client/src/cuda_client.hpp: WorkspaceLayout). An op whose shape needs more fails in the
+// client with the bytes it needs. TODO: read cuda.workspace_bytes from the config instead of the environment.
+constexpr uint64_t kDefaultWorkspaceBytes = uint64_t{512} << 20;
+uint64_t workspaceBudget() {
+  const char* v = std::getenv("TANDEM_CUDA_WORKSPACE_BYTES");
+  if (v == nullptr || *v == '\0') return kDefaultWorkspaceBytes;
+  char* end = nullptr;
+  const uint64_t bytes = std::strtoull(v, &end, 0);
+  if (end == v || *end != '\0') {
+    fail(ErrorCode::kInvalidConfig, "TANDEM_CUDA_WORKSPACE_BYTES='{}' is not a byte count; set it to e.g. {}", v,
+         kDefaultWorkspaceBytes);
+  }
+  return bytes;
+}
+
+bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind::kGemmRs || kind == OpKind::kGemmAr; }
+
+// Client executor: ops whose release waits until every rank's stream reached them (the stream writes ready first):
+// barriers, and reduce-scatters whose kernels alone do not keep the ranks in step (some rank owns no rows; see
+// gemm_rs.hpp, gemmRsRanksInStep). NOTE: libtandem applies the same rule (cuda_client.cpp, needsGang).
+bool needsGang(const OpDescriptor& d) {
+  return d.kind == OpKind::kNop ||
+         (d.kind == OpKind::kGemmRs &&
+          !kernels::gemmRsRanksInStep(static_cast<int64_t>(d.dims[dim::kM]), static_cast<int>(d.nranks), false));
+}
+
+// The epoch of the op whose wait failed: AllGather's flags carry it in the high half, the fused GEMMs' are epochs.
+uint64_t failedEpoch(const kernels::ErrorSlot& e) {
+  return static_cast<OpKind>(e.op) == OpKind::kAllGather ? e.expected >> 32 : e.expected;
+}
+
+const char* roleName(uint32_t role) {
+  switch (static_cast<kernels::Role>(role)) {
+    case kernels::Role::kCompute: return "compute";
+    case kernels::Role::kIntraComm: return "communication";
+    case kernels::Role::kInterSend: return "inter-node send";
+    case kernels::Role::kInterReduce: return "inter-node reduce";
+    case kernels::Role::kReduce: return "reduce";
+  }
+  return "unknown";
 }
 
 struct Gang {
@@ -78,6 +122,7 @@ struct CudaComm final : CommResources {
   std::deque<std::shared_ptr<Gang>> pending;  // in epoch order; the head waits for its release condition
   bool failed = false;
   bool failureReported = false;
+  std::string failureToReport;  // set when the backend itself aborted the communicator; poll() tells the engine
   std::vector<uint32_t> lead;  // after an abort: the go/done value every rank's streams must keep seeing
   ErrorCode failCode = ErrorCode::kAborted;
   std::string reason;
@@ -94,7 +139,8 @@ struct CudaComm final : CommResources {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const DaemonConfig& config, std::vector<GpuInfo> gpus, bool daemonExecutor)
-      : config_(config), gpus_(std::move(gpus)), daemonExecutor_(daemonExecutor), timeoutNs_(opTimeoutNs()) {
+      : config_(config), gpus_(std::move(gpus)), daemonExecutor_(daemonExecutor), timeoutNs_(opTimeoutNs()),
+        workspaceBytes_(workspaceBudget()) {
     for (const auto& g : gpus_) {
       useDevice(g.ordinal);
       cudaStream_t s = nullptr;
@@ -222,15 +268,17 @@ class CudaBackend final : public Backend {
         }
       }
     }
-    const uint64_t wsBytes = k::workspaceBytes(comm.nranks);
+    // AllGather's region at least, whatever the budget (the fused GEMMs then refuse every shape, saying why).
+    const uint64_t wsBytes = std::max(workspaceBytes_, k::workspaceBytes(comm.nranks));
     for (auto& rr : cc->ranks) {
       rr.workspace = createExportable(rr.device, wsBytes, accessFor(rr.device), &rr.workspaceFd);
-      // Flags start at 0: zero the header (the slots need no initialisation).
+      // Every flag starts at 0 and is never reset. The ops' flag arrays sit where libtandem's layout puts them, so
+      // zero all of it, once (about 0.2 ms per 512 MiB).
       useDevice(rr.device);
       cudaStream_t s = setupStreams_.at(rr.device);
-      checkRuntime(cudaMemsetAsync(reinterpret_cast<void*>(rr.workspace->va), 0, k::kWorkspaceHeaderBytes, s),
-                   "cudaMemsetAsync(workspace header)");
-      checkRuntime(cudaStreamSynchronize(s), "cudaStreamSynchronize(workspace header)");
+      checkRuntime(cudaMemsetAsync(reinterpret_cast<void*>(rr.workspace->va), 0, rr.workspace->size, s),
+                   "cudaMemsetAsync(workspace)");
+      checkRuntime(cudaStreamSynchronize(s), "cudaStreamSynchronize(workspace)");
       rr.controlFd = Fd::memfd(fmt::format("tandem-ctl-c{}", comm.handle), k::kControlBytes);
       rr.control = Mapping::shared(rr.controlFd.get(), k::kControlBytes);
       rr.ctl = reinterpret_cast<k::CommControl*>(rr.control.data());
@@ -276,28 +324,7 @@ class CudaBackend final : public Backend {
 
   void abortComm(CommResources& res, ErrorCode code, const std::string& reason) override {
     std::lock_guard lock(mutex_);
-    auto& cc = static_cast<CudaComm&>(res);
-    if (cc.failed) return;
-    cc.failed = true;
-    cc.failCode = code;
-    cc.reason = reason;
-    for (auto& rr : cc.ranks) {
-      // Kernels: every wait polls the abort word. Streams: go and done jump far ahead (cyclically) of every
-      // epoch this rank can have enqueued, so each WaitValue passes; the kernels behind them skip.
-      store64(rr.ctl->abort, k::kAbortValue);
-      uint64_t last = rr.decided;
-      for (auto& g : cc.pending) last = std::max(last, g->epoch);
-      const auto lead = static_cast<uint32_t>(last + k::kStreamAbortLead);
-      store32(rr.ctl->go.value, lead);
-      store32(rr.ctl->done.value, lead);
-      cc.lead.push_back(lead);
-    }
-    for (auto& g : cc.pending) failGang(*g, code, reason);
-    cc.pending.clear();
-    for (uint32_t r = 0; r < cc.nranks; ++r) {
-      for (auto& g : cc.ranks[r].inflight) completeRank(*g, r, statusOf(code), reason);
-      cc.ranks[r].inflight.clear();
-    }
+    abortLocked(static_cast<CudaComm&>(res), code, reason);
   }
 
   // ---- execution ----
@@ -317,10 +344,16 @@ class CudaBackend final : public Backend {
                               g->epoch, op.epoch);
       }
     }
-    if (c.errorCode == 0 && g->kind != OpKind::kAllGather && g->kind != OpKind::kNop) {
+    // libtandem refuses these before submitting; this guards against another client.
+    if (c.errorCode == 0 && daemonExecutor_ && isFusedGemm(g->kind)) {
       c.errorCode = statusOf(ErrorCode::kUnsupported);
-      c.error = fmt::format("{}: the cuda backend runs allgather and barriers so far; run this op on the cpu backend "
-                            "(daemon.backend: cpu)", opKindName(g->kind));
+      c.error = fmt::format("{}: executor daemon cannot run the fused GEMM kernels (they need every SM, one co-resident "
+                            "CTA per SM); set daemon.executor: client", opKindName(g->kind));
+    }
+    if (c.errorCode == 0 && g->kind != OpKind::kAllGather && g->kind != OpKind::kNop && !isFusedGemm(g->kind)) {
+      c.errorCode = statusOf(ErrorCode::kUnsupported);
+      c.error = fmt::format("{}: the cuda backend does not run this op yet (it runs ag-gemm, gemm-rs, gemm-ar, allgather "
+                            "and barriers); run it on the cpu backend (daemon.backend: cpu)", opKindName(g->kind));
     }
     g->c = std::move(c);
     if (!cc || cc->failed) {
@@ -350,6 +383,11 @@ class CudaBackend final : public Backend {
         continue;
       }
       ++it;
+      if (!cc->failureToReport.empty() && !cc->failureReported) {
+        // The backend aborted the communicator itself (release): the engine marks it aborted too.
+        cc->failureReported = true;
+        failed.emplace_back(cc->handle, cc->failureToReport);
+      }
       if (cc->failed) {
         // A kernel or stream that finished just after the abort may have written an older done: keep the lead.
         for (uint32_t r = 0; r < cc->nranks && r < cc->lead.size(); ++r) {
@@ -369,7 +407,7 @@ class CudaBackend final : public Backend {
           worked = true;
         }
         const k::ErrorSlot& e = rr.ctl->error;
-        if (!cc->failureReported && load32(e.claimed) != 0) {
+        if (!cc->failureReported && load32(e.claimed) == k::kErrorSlotReady) {
           cc->failureReported = true;
           failed.emplace_back(cc->handle, errorText(*cc, r));
         }
@@ -406,6 +444,32 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Fails every pending and in-flight op of the communicator and releases every wait of its ranks' streams and
+  // kernels, for good (mutex_ held).
+  void abortLocked(CudaComm& cc, ErrorCode code, const std::string& reason) {
+    if (cc.failed) return;
+    cc.failed = true;
+    cc.failCode = code;
+    cc.reason = reason;
+    for (auto& rr : cc.ranks) {
+      // Kernels: every wait polls the abort word. Streams: go and done jump far ahead (cyclically) of every
+      // epoch this rank can have enqueued, so each WaitValue passes; the kernels behind them skip.
+      store64(rr.ctl->abort, k::kAbortValue);
+      uint64_t last = rr.decided;
+      for (auto& g : cc.pending) last = std::max(last, g->epoch);
+      const auto lead = static_cast<uint32_t>(last + k::kStreamAbortLead);
+      store32(rr.ctl->go.value, lead);
+      store32(rr.ctl->done.value, lead);
+      cc.lead.push_back(lead);
+    }
+    for (auto& g : cc.pending) failGang(*g, code, reason);
+    cc.pending.clear();
+    for (uint32_t r = 0; r < cc.nranks; ++r) {
+      for (auto& g : cc.ranks[r].inflight) completeRank(*g, r, statusOf(code), reason);
+      cc.ranks[r].inflight.clear();
+    }
+  }
+
   const GpuInfo& gpu(const std::string& uuid, const char* what) const {
     for (const auto& g : gpus_) {
       if (sameUuid(g.uuid, uuid)) return g;
@@ -450,18 +514,22 @@ class CudaBackend final : public Backend {
 
   std::string errorText(const CudaComm& cc, uint32_t r) const {
     const k::ErrorSlot& e = cc.ranks[r].ctl->error;
-    const char* what = e.code == static_cast<uint32_t>(k::WaitError::kTimeout) ? "timed out" : "was aborted";
-    return fmt::format("{} on rank {} (GPU {}) {}: op epoch {}, chunk {}: waited for flag >= {:#x}, saw {:#x}{}",
-                       opKindName(static_cast<OpKind>(e.op)), e.rank, cc.ranks[r].uuid, what, e.expected >> 32,
-                       e.chunk, e.expected, e.observed,
-                       e.code == static_cast<uint32_t>(k::WaitError::kTimeout)
-                           ? fmt::format(" (deadline {} ms; TANDEM_OP_TIMEOUT_MS)", timeoutNs_ / 1'000'000)
-                           : std::string());
+    const bool timedOut = e.code == static_cast<uint32_t>(k::WaitError::kTimeout);
+    const auto kind = static_cast<OpKind>(e.op);
+    // AllGather's flags count chunks; the fused GEMMs' name a flag (chunk or half tile) waited on by one role.
+    const std::string where = kind == OpKind::kAllGather
+                                  ? fmt::format("chunk {}", e.chunk)
+                                  : fmt::format("{} role, flag {}", roleName(e.role), e.chunk);
+    return fmt::format("{} on rank {} (GPU {}) {}: op epoch {}, {}: waited for flag >= {:#x}, saw {:#x}{}",
+                       opKindName(kind), e.rank, cc.ranks[r].uuid, timedOut ? "timed out" : "was aborted",
+                       failedEpoch(e), where, e.expected, e.observed,
+                       timedOut ? fmt::format(" (deadline {} ms; TANDEM_OP_TIMEOUT_MS)", timeoutNs_ / 1'000'000)
+                                : std::string());
   }
 
   void completeFromKernel(const CudaComm& cc, Gang& g, uint32_t r) {
     const k::ErrorSlot& e = cc.ranks[r].ctl->error;
-    if (load32(e.claimed) != 0 && (e.expected >> 32) <= g.epoch) {
+    if (load32(e.claimed) == k::kErrorSlotReady && failedEpoch(e) <= g.epoch) {
       const ErrorCode code =
           e.code == static_cast<uint32_t>(k::WaitError::kTimeout) ? ErrorCode::kTimeout : ErrorCode::kAborted;
       return completeRank(g, r, statusOf(code), errorText(cc, r));
@@ -481,11 +549,22 @@ class CudaBackend final : public Backend {
         if (ahead > 0) rr.doneEpoch += static_cast<uint64_t>(ahead);
         if (g->epoch > rr.doneEpoch + k::kVerdictRing / 2) return any;
       }
-      const bool needReady = !g->rejected && (daemonExecutor_ || g->kind == OpKind::kNop);
+      const bool needReady = !g->rejected && (daemonExecutor_ || needsGang(g->c.ops[0].desc));
       if (needReady) {
         for (auto& rr : cc.ranks) {
           if (!cyclicGeq(load32(rr.ctl->ready.value), g->epoch)) return any;  // gang-ready: every stream got here
         }
+      }
+      if (!daemonExecutor_ && g->rejected && isFusedGemm(g->kind)) {
+        // Unlike AllGather's kernel, the fused GEMMs read no verdict: once go opens they run, and ranks that disagree
+        // on the shape would wait on each other's flags until their deadline. Abort the communicator before go opens
+        // (the abort word set first, so the kernels unwind at once); every rank already has the rejection's error.
+        const std::string reason = fmt::format("{} (op epoch {}) was rejected: {}; a fused GEMM cannot be skipped once "
+                                               "its stream reaches it, so the communicator was aborted",
+                                               opKindName(g->kind), g->epoch, g->c.error);
+        abortLocked(cc, ErrorCode::kAborted, reason);  // clears pending (g with it)
+        cc.failureToReport = reason;
+        return true;
       }
       if (!daemonExecutor_) {
         const uint64_t verdict = g->rejected ? (g->epoch | k::kVerdictRejected) : g->epoch;
@@ -546,6 +625,7 @@ class CudaBackend final : public Backend {
   std::vector<GpuInfo> gpus_;
   bool daemonExecutor_;
   uint64_t timeoutNs_;
+  uint64_t workspaceBytes_;  // per communicator rank (TANDEM_CUDA_WORKSPACE_BYTES)
   uint32_t executorCtas_ = 32;
   std::map<int, cudaStream_t> setupStreams_;
   std::map<int, std::unique_ptr<GpuExecutor>> executors_;

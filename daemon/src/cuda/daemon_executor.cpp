@@ -1,3 +1,4 @@
+#include "tandem/kernels/preload.hpp"
 #include "cuda/daemon_executor.hpp"
 
 #include <spdlog/spdlog.h>
@@ -24,6 +25,7 @@ void storeSc(uint64_t& word, uint64_t v) { std::atomic_ref<uint64_t>(word).store
 GpuExecutor::GpuExecutor(int device, uint32_t numCtas, uint64_t lingerNs)
     : device_(device), numCtas_(numCtas), lingerNs_(lingerNs) {
   useDevice(device_);
+  kernels::preloadRuntimeKernels(device_);  // never loaded lazily behind a waiting stream (preload.hpp)
   checkRuntime(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   void* q = nullptr;
   checkRuntime(cudaHostAlloc(&q, sizeof(kernels::WorkQueue), cudaHostAllocMapped | cudaHostAllocPortable),

@@ -42,6 +42,7 @@
 namespace tandem::kernels {
 
 inline constexpr int kGemmRsMaxRanks = 8;
+inline constexpr int64_t kGemmRsTileM = 128, kGemmRsTileN = 256;  // the GEMM core's output tile
 
 // The balanced row split of tandem.h: rank r of n owns m/n + (r < m%n) rows starting at r*(m/n) + min(r, m%n).
 constexpr int64_t rsRowsOf(int64_t m, int r, int n) { return m / n + (r < m % n ? 1 : 0); }
@@ -96,6 +97,37 @@ struct GemmRsRoleLayout {
 // staging matrix ceil(maxM / 128) * 128 rows x ceil(maxN / 256) * 256 columns of fp32 (bf16 partials use half).
 size_t gemmRsWorkspaceBytes(int64_t maxM, int64_t maxN, int nranks);
 
+// The same layout with a fixed matrix size (GemmRsParams::wsMatBytes, a multiple of 64 KiB) instead of a maximum
+// shape: for a runtime that runs ops of many shapes on one workspace. The flags then never move, which matters because
+// they are never reset: a layout that moved with the shape could put a flag on bytes that held an earlier op's data.
+size_t gemmRsFixedWorkspaceBytes(int64_t matBytes, int nranks);
+// Bytes of one staging matrix that an op of this shape and plan needs under the fixed layout (its partials padded to
+// whole 128 x 256 tiles: fp32 for fused plans with fp32 partials, else the 16-bit input dtype).
+constexpr int64_t gemmRsMatBytesNeeded(int64_t m, int64_t n, const GemmRsPlan& plan) {
+  const int64_t psize = (plan.kind != GemmRsPlanKind::kDecomposed && plan.partial == GemmRsPartial::kFp32) ? 4 : 2;
+  return (m + kGemmRsTileM - 1) / kGemmRsTileM * kGemmRsTileM * ((n + kGemmRsTileN - 1) / kGemmRsTileN * kGemmRsTileN) *
+         psize;
+}
+
+// Whether the kernels write reduced rows into other ranks' outputs (GemmRsParams::peerOut), which must then be mapped
+// here: always for an all-reduce of 2+ ranks; for a reduce-scatter only where a tile row spans two ranks' rows (its
+// reducer, the owner of its first row, writes the rest into their owner's output), i.e. unless every rank's first
+// row starts a tile row.
+constexpr bool gemmRsWritesPeerOutputs(int64_t m, int nranks, bool allReduce) {
+  if (nranks <= 1) return false;
+  if (allReduce) return true;
+  for (int r = 1; r < nranks; ++r) {
+    if (rsRowOffset(m, r, nranks) % kGemmRsTileM != 0) return true;
+  }
+  return false;
+}
+
+// Whether every rank's kernel waits, within one op, for data that every other rank produces in that op. The staging is
+// double-buffered by epoch parity on that assumption: no rank gets more than one op ahead of a peer. It fails for a
+// reduce-scatter in which some rank owns no rows (m < nranks): that rank only sends and may run ahead, so a runtime
+// must keep such ops in step across ranks by other means (e.g. start op e only once every rank finished op e - 1).
+constexpr bool gemmRsRanksInStep(int64_t m, int nranks, bool allReduce) { return allReduce || m >= nranks; }
+
 // ---- parameters (POD; zero-initialise and fill). Shared with launchGemmAr (gemm_ar.hpp).
 struct GemmRsParams {
   int32_t rank, nranks;
@@ -120,6 +152,9 @@ struct GemmRsParams {
   // trace[((cta * 2 + wg) * (traceTiles + 1) + 1 + j) * 4 + f], header trace[((cta * 2 + wg) * (traceTiles + 1)) * 4].
   uint64_t* trace;
   int32_t traceTiles;
+  // Workspace layout: 0 = sized for wsMaxM x wsMaxN (gemmRsWorkspaceBytes); > 0 = the fixed layout of
+  // gemmRsFixedWorkspaceBytes(wsMatBytes, nranks), wsMaxM and wsMaxN unused. The same on every rank.
+  int64_t wsMatBytes;
 };
 
 // The plan tandem runs for this shape (measured on nvidia-h200-x2, bench/gemm_rs_bench.cu, bench/RESULTS.md).

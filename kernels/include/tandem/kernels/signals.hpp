@@ -18,8 +18,11 @@ enum class Role : uint32_t { kCompute = 0, kIntraComm = 1, kInterSend = 2, kInte
 
 // Written once by the first wait that fails, in host-mapped memory; the host turns it into an Error
 // "{op} {role} rank {rank}: waited for flag >= {expected}, saw {observed}".
+inline constexpr uint32_t kErrorSlotWriting = 2;  // claimed, fields being written
+inline constexpr uint32_t kErrorSlotReady = 1;    // every field written (release); read the slot only then
 struct alignas(64) ErrorSlot {
-  uint32_t claimed;   // 0 = empty; the first failing thread sets 1 (atomicCAS) and fills the rest
+  uint32_t claimed;   // 0 = empty; the first failing thread sets kErrorSlotWriting (atomicCAS), fills the rest, then
+                      // stores kErrorSlotReady with release
   uint32_t code;      // WaitError
   uint32_t op;        // OpKind
   uint32_t role;      // Role

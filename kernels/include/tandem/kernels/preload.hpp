@@ -1,0 +1,17 @@
+// Loading tandem's kernels up front (host-only header).
+//
+// Under CUDA's lazy module loading (the default since CUDA 12.2) a kernel is loaded at its first launch, and loading
+// may wait for the whole context to go idle. A stream of that context blocked on one of tandem's waits (a peer's flag,
+// the daemon's done counter, a fused kernel spinning on a peer) then never goes idle, and the launch hangs forever.
+// So every process that launches tandem kernels loads all of them on each device it uses before its first op:
+// communicator setup calls these. They are idempotent and cheap after the first call per device.
+#pragma once
+
+namespace tandem::kernels {
+
+// The runtime's kernels (allgather, the daemon executor's persistent kernel): in tandem_runtime_kernels.
+void preloadRuntimeKernels(int device);
+// The fused GEMM families (gemm, ag_gemm, gemm_rs, gemm_ar) and the runtime's: in tandem_kernels.
+void preloadKernels(int device);
+
+}  // namespace tandem::kernels

@@ -1,0 +1,471 @@
+// The fused GEMMs (ag-gemm, gemm-rs, gemm-ar) on the cuda backend end to end: real rank processes run them through
+// libtandem and check every output against the fp64 reference (common/reference.hpp); gemm-rs and gemm-ar must also
+// repeat bitwise. Then what must be refused before anything is submitted, the daemon executor's refusal, and a peer
+// that dies or never shows up in the middle of a fused GEMM.
+#include <array>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include "gpu_harness.hpp"
+#include "tandem/common/reference.hpp"
+
+using namespace tandem::gputest;
+using tandem::DType;
+using tandem::OpDescriptor;
+using tandem::OpKind;
+namespace dim = tandem::dim;
+namespace slot = tandem::slot;
+namespace ref = tandem::reference;
+
+namespace {
+
+// One op: kind, dtype, global m and n, and k (ag-gemm: k[0]; gemm-rs/ar: each rank's slice, k[r % k.size()]).
+struct GemmCase {
+  OpKind kind;
+  DType dtype;
+  uint64_t m, n;
+  std::vector<uint64_t> k;
+  bool gathered = true;  // ag-gemm: ask for a_gathered
+};
+
+std::string describe(const GemmCase& c) {
+  std::string ks;
+  for (uint64_t k : c.k) ks += (ks.empty() ? "" : "/") + std::to_string(k);
+  return fmt::format("{} {} m={} n={} k={}{}", tandem::opKindName(c.kind), tandem::dtypeName(c.dtype), c.m, c.n, ks,
+                     c.kind == OpKind::kAgGemm && !c.gathered ? " (no a_gathered)" : "");
+}
+
+// Rank r's descriptor (slot extents only; ids and offsets stay 0, as the reference wants them).
+OpDescriptor descriptorOf(const GemmCase& c, uint32_t r, uint32_t n) {
+  ref::OpShape shape;
+  shape.kind = c.kind;
+  shape.dtype = c.dtype;
+  shape.m = c.m;
+  shape.n = c.n;
+  shape.k = c.k[0];
+  OpDescriptor d = ref::makeDescriptor(shape, r, n);
+  const uint64_t es = tandem::dtypeSize(c.dtype);
+  if (c.kind == OpKind::kAgGemm) {
+    if (!c.gathered) d.bufs[slot::kAGathered].bytes = 0;
+  } else {
+    const uint64_t k = c.k[r % c.k.size()];
+    d.dims[dim::kK] = k;
+    d.bufs[slot::kA].bytes = c.m * k * es;
+    d.bufs[slot::kB].bytes = c.n * k * es;
+  }
+  return d;
+}
+
+// One op as one rank runs it: every rank's inputs (rebuilt from the seed: each rank needs them all for the
+// reference), the expected outputs, and this rank's device buffers.
+struct RankOp {
+  std::vector<OpDescriptor> descs;                                      // every rank's
+  std::vector<std::array<std::vector<std::byte>, tandem::kMaxOpBuffers>> host;  // every rank's slots
+  std::array<std::vector<double>, tandem::kMaxOpBuffers> want;          // this rank's expected outputs
+  std::array<tandem_buffer_t, tandem::kMaxOpBuffers> buf{};             // this rank's device buffers
+  uint32_t rank = 0;
+
+  RankOp(tandem_session_t s, const GemmCase& c, uint32_t r, uint32_t n, uint64_t seed) : rank(r) {
+    std::vector<std::array<const std::byte*, tandem::kMaxOpBuffers>> inputs(n);
+    host.resize(n);
+    for (uint32_t q = 0; q < n; ++q) {
+      descs.push_back(descriptorOf(c, q, n));
+      std::array<std::byte*, tandem::kMaxOpBuffers> slots{};
+      for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
+        host[q][i].resize(descs[q].bufs[i].bytes);
+        slots[i] = host[q][i].empty() ? nullptr : host[q][i].data();
+        inputs[q][i] = slots[i];
+      }
+      ref::fillInputs(descs[q], slots, seed);  // inputs uniform in [-1, 1]; outputs poisoned with NaN
+    }
+    want = ref::compute(descs, inputs)[r];
+    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
+      if (host[r][i].empty()) continue;
+      TK(tandem_alloc(s, host[r][i].size(), &buf[i]));
+      CK(cudaMemcpy(tandem_buffer_ptr(buf[i]), host[r][i].data(), host[r][i].size(), cudaMemcpyHostToDevice));
+    }
+  }
+  ~RankOp() {
+    for (tandem_buffer_t b : buf) {
+      if (b != nullptr) tandem_free(b);
+    }
+  }
+  RankOp(const RankOp&) = delete;
+  RankOp& operator=(const RankOp&) = delete;
+
+  const OpDescriptor& desc() const { return descs[rank]; }
+  tandem_tensor_t tensor(int s) const { return {buf[static_cast<std::size_t>(s)], 0}; }
+  void* ptr(int s) const { return tandem_buffer_ptr(buf[static_cast<std::size_t>(s)]); }
+  bool isOutput(int s) const { return !want[static_cast<std::size_t>(s)].empty(); }
+
+  tandem_status_t submit(tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) const {
+    const OpDescriptor& d = desc();
+    const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
+    if (d.kind == OpKind::kAgGemm) {
+      const tandem_ag_gemm_args_t args{sizeof args,         dtype,         d.dims[dim::kM], d.dims[dim::kN],
+                                       d.dims[dim::kK],     tensor(slot::kA), tensor(slot::kB), tensor(slot::kC),
+                                       tensor(slot::kAGathered), stream};
+      return tandem_ag_gemm(comm, &args, op);
+    }
+    const tandem_gemm_rs_args_t args{sizeof args,      dtype,           d.dims[dim::kM], d.dims[dim::kN],
+                                     d.dims[dim::kK],  tensor(slot::kA), tensor(slot::kB), tensor(slot::kC), stream};
+    return d.kind == OpKind::kGemmRs ? tandem_gemm_rs(comm, &args, op) : tandem_gemm_ar(comm, &args, op);
+  }
+
+  // Outputs back into host[rank] (replacing the poison).
+  void download() {
+    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
+      if (!isOutput(static_cast<int>(i))) continue;
+      CK(cudaMemcpy(host[rank][i].data(), ptr(static_cast<int>(i)), host[rank][i].size(), cudaMemcpyDeviceToHost));
+    }
+  }
+  // Every output byte 0xFF (NaN in bf16 and fp16): an element the op fails to write cannot pass.
+  void poison(cudaStream_t stream) const {
+    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
+      if (isOutput(static_cast<int>(i))) CK(cudaMemsetAsync(ptr(static_cast<int>(i)), 0xFF, host[rank][i].size(), stream));
+    }
+  }
+  // "" or what differs from the fp64 reference (relative error over 1e-2 in bf16, 2e-3 in fp16, or any NaN).
+  std::string compare() const {
+    std::array<const std::byte*, tandem::kMaxOpBuffers> slots{};
+    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) slots[i] = host[rank][i].empty() ? nullptr : host[rank][i].data();
+    const ref::Comparison cmp = ref::compareRank(desc(), slots, want);
+    return cmp.ok ? std::string() : fmt::format("{} (relative error {:.3g})", cmp.detail, cmp.relError);
+  }
+};
+
+// Waits for the stream and the op; "" or what went wrong.
+std::string finish(cudaStream_t stream, const tandem_op_t& op) {
+  const std::string synced = syncWithin(stream, 60000);
+  if (synced != "synced") return "stream " + synced;
+  if (tandem_wait(op, 60000) != TANDEM_SUCCESS) return std::string("op failed: ") + tandem_last_error();
+  return "";
+}
+
+struct RunOptions {
+  int repeats = 1;           // gemm-rs/ar: runs after the first that must reproduce it bit for bit
+  bool backToBack = false;   // enqueue every case before waiting for any (ops of different kinds overlap)
+};
+
+// One rank: joins and runs every case, each checked against the reference.
+std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
+                     const std::vector<GemmCase>& cases, const RunOptions& opt) {
+  CK(cudaSetDevice(static_cast<int>(rank % static_cast<uint32_t>(gpuCount()))));
+  tandem_session_t s;
+  TK(tandem_connect(socket.c_str(), &s));
+  tandem_comm_t comm;
+  TK(tandem_comm_init(s, &id, nranks, rank, 60000, &comm));
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<std::unique_ptr<RankOp>> ops;
+  for (std::size_t i = 0; i < cases.size(); ++i) ops.push_back(std::make_unique<RankOp>(s, cases[i], rank, nranks, 1000 + i));
+  std::vector<tandem_op_t> handles(cases.size());
+  const auto run = [&](std::size_t i) -> std::string {
+    if (ops[i]->submit(comm, stream, &handles[i]) != TANDEM_SUCCESS) return std::string("submit: ") + tandem_last_error();
+    return "";
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const std::string what = describe(cases[i]);
+    if (opt.backToBack) {
+      if (std::string e = run(i); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
+      continue;
+    }
+    if (std::string e = run(i); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
+    if (std::string e = finish(stream, handles[i]); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
+    ops[i]->download();
+    if (std::string e = ops[i]->compare(); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
+    if (cases[i].kind == OpKind::kAgGemm) continue;
+    const std::vector<std::byte> first = ops[i]->host[rank][slot::kC];
+    for (int rep = 1; rep < opt.repeats; ++rep) {
+      ops[i]->poison(stream);
+      if (std::string e = run(i); !e.empty()) return fmt::format("FAIL {} run {}: {}", what, rep, e);
+      if (std::string e = finish(stream, handles[i]); !e.empty()) return fmt::format("FAIL {} run {}: {}", what, rep, e);
+      ops[i]->download();
+      if (ops[i]->host[rank][slot::kC] != first) {
+        return fmt::format("FAIL {}: run {} differs from run 0 (the reduction must be bitwise reproducible)", what, rep);
+      }
+    }
+  }
+  if (opt.backToBack) {
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      if (std::string e = finish(stream, handles[i]); !e.empty()) return fmt::format("FAIL {}: {}", describe(cases[i]), e);
+    }
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      ops[i]->download();
+      if (std::string e = ops[i]->compare(); !e.empty()) return fmt::format("FAIL {}: {}", describe(cases[i]), e);
+    }
+  }
+  ops.clear();
+  TK(tandem_comm_destroy(comm));
+  tandem_disconnect(s);
+  return "OK";
+}
+
+void runRanks(const Daemon& d, uint32_t nranks, const std::vector<GemmCase>& cases, const RunOptions& opt = {}) {
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  std::vector<Rank> ranks;
+  for (uint32_t r = 0; r < nranks; ++r) {
+    ranks.push_back(spawn([&, r](const Io&) { return gemmRank(d.socket(), id, nranks, r, cases, opt); }));
+  }
+  for (uint32_t r = 0; r < nranks; ++r) {
+    const std::string result = ranks[r].read(240000);
+    INFO("rank " << r << " of " << nranks << ": " << result);
+    INFO(d.log());
+    CHECK(result == "OK");
+  }
+  for (auto& r : ranks) r.reap();
+}
+
+// Shapes for one op: the edges (one row; a rank without rows; M, N and K off the 128 x 256 x 64 tiles; a reduce-
+// scatter split on tile rows, which writes no peer output, and one that is not), fp16, one shape of many tiles, and
+// random ones (n and k multiples of 8, as the kernels require).
+std::vector<GemmCase> casesFor(OpKind kind, uint32_t nranks, uint64_t seed) {
+  std::vector<GemmCase> v;
+  const DType bf16 = DType::kBF16;
+  if (kind == OpKind::kAgGemm) {
+    v.push_back({kind, bf16, 1, 8, {8}});
+    v.push_back({kind, bf16, 777, 520, {264}, false});
+    v.push_back({kind, DType::kF16, 300, 264, {72}});
+    v.push_back({kind, bf16, 1536, 1024, {1024}});
+  } else {
+    v.push_back({kind, bf16, 1, 8, {8, 16}});
+    v.push_back({kind, bf16, 256, 512, {64}});
+    v.push_back({kind, bf16, 300, 520, {136, 72}});
+    v.push_back({kind, DType::kF16, 777, 264, {40}});
+    v.push_back({kind, bf16, 1536, 1024, {512}});
+  }
+  std::mt19937_64 rng(seed + static_cast<uint64_t>(kind) * 7919 + nranks);
+  for (int i = 0; i < 2; ++i) {
+    GemmCase c{kind, bf16, 1 + rng() % 1000, 8 * (1 + rng() % 100), {}, rng() % 2 == 0};
+    for (uint32_t r = 0; r < (kind == OpKind::kAgGemm ? 1u : nranks); ++r) c.k.push_back(8 * (1 + rng() % 80));
+    v.push_back(c);
+  }
+  return v;
+}
+
+std::string listCases(const std::vector<GemmCase>& cases) {
+  std::ostringstream o;
+  for (const auto& c : cases) o << "\n  " << describe(c);
+  return o.str();
+}
+
+void runOp(OpKind kind) {
+  Daemon d(config("client"), {}, "");
+  for (uint32_t n : {1u, 2u}) {
+    if (n > static_cast<uint32_t>(gpuCount())) {
+      MESSAGE(n << " ranks skipped: needs " << n << " GPUs");
+      continue;
+    }
+    const auto cases = casesFor(kind, n, 20261129);
+    MESSAGE(n << " rank(s), MPS " << (mpsRunning() ? "on" : "off") << ":" << listCases(cases));
+    runRanks(d, n, cases, {kind == OpKind::kAgGemm ? 1 : 20, false});
+  }
+  CHECK(eventually([&] { return status(d)["total_bytes"] == 0; }));
+}
+
+}  // namespace
+
+TEST_CASE("ag-gemm, client executor: matches the fp64 reference at 1 and 2 ranks") { runOp(OpKind::kAgGemm); }
+
+TEST_CASE("gemm-rs, client executor: matches the fp64 reference at 1 and 2 ranks, 20 runs bitwise identical") {
+  runOp(OpKind::kGemmRs);
+}
+
+TEST_CASE("gemm-ar, client executor: matches the fp64 reference at 1 and 2 ranks, 20 runs bitwise identical") {
+  runOp(OpKind::kGemmAr);
+}
+
+TEST_CASE("fused GEMMs, client executor: different ops back to back on one stream share the workspace safely") {
+  // Enqueued without waiting in between, so that a rank may start op e + 1 while its peer still runs op e: every
+  // pair of kinds follows every other at least once.
+  const uint32_t n = gpuCount() >= 2 ? 2 : 1;
+  const DType bf16 = DType::kBF16;
+  const std::vector<GemmCase> cases = {
+      {OpKind::kAgGemm, bf16, 1024, 1024, {512}},   {OpKind::kGemmRs, bf16, 1000, 1024, {256, 264}},
+      {OpKind::kGemmRs, bf16, 1, 512, {64}},        {OpKind::kGemmAr, bf16, 1024, 768, {512}},
+      {OpKind::kAgGemm, bf16, 777, 512, {256}},     {OpKind::kGemmAr, bf16, 640, 1024, {128, 136}},
+      {OpKind::kGemmRs, bf16, 1024, 1024, {512}},   {OpKind::kGemmRs, bf16, 512, 256, {64}},
+      {OpKind::kAgGemm, bf16, 2048, 512, {256}, false}, {OpKind::kGemmAr, bf16, 300, 264, {64}},
+  };
+  Daemon d(config("client"), {}, "");
+  MESSAGE(n << " rank(s):" << listCases(cases));
+  runRanks(d, n, cases, {1, true});
+}
+
+TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submission, and the communicator lives on") {
+  // 48 MiB per rank: AllGather's 2 x 16 MiB and about 2 MiB matrices for the GEMMs.
+  ScopedEnv budget("TANDEM_CUDA_WORKSPACE_BYTES", std::to_string(48u << 20));
+  Daemon d(config("client"), {}, "");
+  const uint32_t n = gpuCount() >= 2 ? 2 : 1;
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  std::vector<Rank> ranks;
+  for (uint32_t r = 0; r < n; ++r) {
+    ranks.push_back(spawn([&, r](const Io&) -> std::string {
+      CK(cudaSetDevice(static_cast<int>(r)));
+      tandem_session_t s;
+      TK(tandem_connect(d.socket().c_str(), &s));
+      tandem_comm_t comm;
+      TK(tandem_comm_init(s, &id, n, r, 60000, &comm));
+      tandem_buffer_t a, b, c;
+      TK(tandem_alloc(s, 16u << 20, &a));
+      TK(tandem_alloc(s, 16u << 20, &b));
+      TK(tandem_alloc(s, 16u << 20, &c));
+      cudaStream_t stream;
+      CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      std::string report;
+      // Every rank makes the same calls: each refusal happens before submission, so the ranks stay in step.
+      const auto expect = [&](const char* what, tandem_status_t got, tandem_status_t want, const char* needle) {
+        const std::string msg = tandem_last_error();
+        if (got != want || msg.find(needle) == std::string::npos) {
+          report += fmt::format("\n{}: status {} (want {}), message '{}' (want '{}' in it)", what, static_cast<int>(got),
+                                static_cast<int>(want), msg, needle);
+        }
+      };
+      tandem_op_t op;
+      tandem_gemm_rs_args_t rs{sizeof rs, TANDEM_DTYPE_BF16, 256, 12, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+      expect("n not a multiple of 8", tandem_gemm_rs(comm, &rs, &op), TANDEM_ERROR_INVALID_ARGUMENT, "multiple of 8");
+      rs = {sizeof rs, TANDEM_DTYPE_BF16, 256, 256, 60, {a, 0}, {b, 0}, {c, 0}, stream};
+      expect("k not a multiple of 8", tandem_gemm_ar(comm, &rs, &op), TANDEM_ERROR_INVALID_ARGUMENT, "multiple of 8");
+      rs = {sizeof rs, TANDEM_DTYPE_FP32, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+      expect("fp32", tandem_gemm_ar(comm, &rs, &op), TANDEM_ERROR_UNSUPPORTED, "bf16 or fp16");
+      rs = {sizeof rs, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 8}, {b, 0}, {c, 0}, stream};
+      expect("a misaligned", tandem_gemm_ar(comm, &rs, &op), TANDEM_ERROR_INVALID_ARGUMENT, "16-byte aligned");
+      if (n > 1) {
+        rs = {sizeof rs, TANDEM_DTYPE_BF16, 2048, 2048, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+        expect("past the workspace", tandem_gemm_ar(comm, &rs, &op), TANDEM_ERROR_INVALID_ARGUMENT,
+               "TANDEM_CUDA_WORKSPACE_BYTES=");
+        const tandem_ag_gemm_args_t ag{sizeof ag, TANDEM_DTYPE_BF16, 4096, 256, 1024, {a, 0}, {b, 0}, {c, 0}, {}, stream};
+        expect("ag-gemm past the workspace", tandem_ag_gemm(comm, &ag, &op), TANDEM_ERROR_INVALID_ARGUMENT,
+               "TANDEM_CUDA_WORKSPACE_BYTES=");
+      }
+      const tandem_moe_dispatch_gemm_args_t moe{sizeof moe, TANDEM_DTYPE_BF16, 8, 64, 64, 2 * n, 1, 16,
+                                                {a, 0}, {b, 0}, {c, 0}, {a, 1u << 20}, {b, 1u << 20}, {c, 1u << 20},
+                                                {a, 2u << 20}, stream};
+      expect("moe-dispatch-gemm", tandem_moe_dispatch_gemm(comm, &moe, &op), TANDEM_ERROR_UNSUPPORTED, "daemon.backend: cpu");
+      // Nothing was submitted: the communicator still runs ops.
+      rs = {sizeof rs, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+      if (tandem_gemm_ar(comm, &rs, &op) != TANDEM_SUCCESS) report += std::string("\nvalid gemm-ar: ") + tandem_last_error();
+      else if (std::string e = finish(stream, op); !e.empty()) report += "\nvalid gemm-ar: " + e;
+      TK(tandem_free(a));
+      TK(tandem_free(b));
+      TK(tandem_free(c));
+      TK(tandem_comm_destroy(comm));
+      tandem_disconnect(s);
+      return report.empty() ? "OK" : "FAIL" + report;
+    }));
+  }
+  for (auto& r : ranks) {
+    const std::string out = r.read(120000);
+    INFO(out);
+    INFO(d.log());
+    CHECK(out == "OK");
+    r.reap();
+  }
+}
+
+TEST_CASE("fused GEMMs, daemon executor (MPS): refused with the remedy, the communicator lives on") {
+  if (!mpsRunning()) {
+    MESSAGE("skipped: MPS is not running (scripts/gpu-check.sh runs this suite again under MPS)");
+    return;
+  }
+  Daemon d(config("daemon"), {}, "");
+  REQUIRE(status(d)["executor"] == "daemon");
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  Rank rank = spawn([&](const Io&) -> std::string {
+    CK(cudaSetDevice(0));
+    tandem_session_t s;
+    TK(tandem_connect(d.socket().c_str(), &s));
+    tandem_comm_t comm;
+    TK(tandem_comm_init(s, &id, 1, 0, 60000, &comm));
+    tandem_buffer_t a, b, c;
+    TK(tandem_alloc(s, 1u << 20, &a));
+    TK(tandem_alloc(s, 1u << 20, &b));
+    TK(tandem_alloc(s, 1u << 20, &c));
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    tandem_op_t op;
+    const tandem_gemm_rs_args_t rs{sizeof rs, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+    const tandem_status_t st = tandem_gemm_ar(comm, &rs, &op);
+    const std::string msg = tandem_last_error();
+    if (st != TANDEM_ERROR_UNSUPPORTED || msg.find("daemon.executor: client") == std::string::npos) {
+      return fmt::format("FAIL gemm-ar gave {} '{}'", static_cast<int>(st), msg);
+    }
+    TK(tandem_allgather(comm, {a, 0}, {b, 0}, 4096, stream, &op));
+    if (std::string e = finish(stream, op); !e.empty()) return "FAIL allgather after the refusal: " + e;
+    TK(tandem_comm_destroy(comm));
+    tandem_disconnect(s);
+    return "OK " + msg;
+  });
+  const std::string out = rank.read(60000);
+  INFO(out);
+  CHECK(out.rfind("OK", 0) == 0);
+  rank.reap();
+}
+
+TEST_CASE("fused GEMMs, client executor: a rank SIGKILLed mid-op releases its peer's stream") {
+  if (gpuCount() < 2 || mpsRunning()) {
+    MESSAGE("skipped: needs 2 GPUs and no MPS (a kill under MPS poisons the MPS server)");
+    return;
+  }
+  for (GatedOp what : {GatedOp::kAgGemm, GatedOp::kGemmAr}) {
+    CAPTURE(static_cast<int>(what));
+    Daemon d(config("client"), {}, "");
+    tandem_unique_id_t id;
+    tandem_get_unique_id(&id);
+    // The survivor's stream is gated, so the victim's kernel runs, waiting for the survivor's.
+    Rank survivor = spawn([&](const Io& io) { return gatedRank(io, d.socket(), id, 0, true, what); });
+    Rank victim = spawn([&](const Io& io) { return gatedRank(io, d.socket(), id, 1, false, what); });
+    REQUIRE(survivor.read(60000) == "submitted");
+    REQUIRE(victim.read(60000) == "submitted");
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    victim.kill();
+    victim.reap();
+    survivor.tell("release");
+    survivor.tell("sync");
+    const std::string result = survivor.read(30000);
+    INFO(result);
+    INFO(d.log());
+    CHECK(result.rfind("synced ", 0) == 0);
+    CHECK((result.find(" " + std::to_string(TANDEM_ERROR_PEER_LOST) + " ") != std::string::npos ||
+           result.find(" " + std::to_string(TANDEM_ERROR_ABORTED) + " ") != std::string::npos));
+    survivor.reap();
+    CHECK(eventually([&] { return status(d)["total_bytes"] == 0 && status(d)["communicators"].empty(); }, 10000));
+  }
+}
+
+TEST_CASE("fused GEMMs, client executor: a wait past its deadline fails the op and releases both streams") {
+  if (gpuCount() < 2) {
+    MESSAGE("skipped: needs 2 GPUs");
+    return;
+  }
+  // Rank 1's stream stays gated, so rank 0's kernel waits for a peer that never starts, until its 3 s deadline.
+  ScopedEnv deadline("TANDEM_OP_TIMEOUT_MS", "3000");
+  Daemon d(config("client"), {}, "");
+  tandem_unique_id_t id;
+  tandem_get_unique_id(&id);
+  Rank waiting = spawn([&](const Io& io) { return gatedRank(io, d.socket(), id, 0, false, GatedOp::kGemmAr); });
+  Rank gated = spawn([&](const Io& io) { return gatedRank(io, d.socket(), id, 1, true, GatedOp::kGemmAr); });
+  REQUIRE(waiting.read(60000) == "submitted");
+  REQUIRE(gated.read(60000) == "submitted");
+  waiting.tell("sync");
+  const std::string r0 = waiting.read(30000);
+  INFO(r0);
+  INFO(d.log());
+  CHECK(r0.rfind("synced ", 0) == 0);
+  CHECK((r0.find(" " + std::to_string(TANDEM_ERROR_TIMEOUT) + " ") != std::string::npos ||
+         r0.find(" " + std::to_string(TANDEM_ERROR_ABORTED) + " ") != std::string::npos));
+  CHECK(r0.find("timed out") != std::string::npos);
+  // The gated rank's kernel starts after the communicator was aborted: it sees the abort and its stream drains.
+  gated.tell("release");
+  gated.tell("sync");
+  const std::string r1 = gated.read(30000);
+  INFO(r1);
+  CHECK(r1.rfind("synced ", 0) == 0);
+  waiting.reap();
+  gated.reap();
+}
