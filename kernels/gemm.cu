@@ -256,23 +256,6 @@ void preloadGemmKernels(int device) {
   }
 }
 
-void preloadAgGemmKernels(int device);  // ag_gemm.cu
-void preloadGemmRsKernels(int device);  // gemm_rs.cu
-void preloadGemmArKernels(int device);  // gemm_ar.cu
-
-void preloadKernels(int device) {
-  static std::mutex mu;
-  static bool done[64] = {};
-  std::lock_guard<std::mutex> lock(mu);
-  if (device >= 0 && device < 64 && done[device]) return;
-  preloadRuntimeKernels(device);
-  preloadGemmKernels(device);
-  preloadAgGemmKernels(device);
-  preloadGemmRsKernels(device);
-  preloadGemmArKernels(device);
-  if (device >= 0 && device < 64) done[device] = true;
-}
-
 void launchGemm(const GemmParams& g, cudaStream_t stream, int numSms) {
   using namespace gemm;
   validate(g);

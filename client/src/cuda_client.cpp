@@ -233,6 +233,22 @@ RegisterDescription describeForRegister(void* ptr, uint64_t bytes, int fd, uint6
 
 // ---- communicators ----------------------------------------------------------------------------------------
 
+namespace {
+// Every kernel libtandem may launch, once per device.
+void preloadEverything(int device) {
+  static std::mutex mu;
+  static std::set<int> done;
+  std::lock_guard lock(mu);
+  if (done.contains(device)) return;
+  k::preloadRuntimeKernels(device);
+  k::preloadGemmKernels(device);
+  k::preloadAgGemmKernels(device);
+  k::preloadGemmRsKernels(device);
+  k::preloadGemmArKernels(device);
+  done.insert(device);
+}
+}  // namespace
+
 CommGpu::CommGpu(int device, bool daemonExecutor, uint32_t rank, uint32_t nranks, uint32_t maxCtas, Fd control,
                  uint64_t controlBytes, std::vector<std::unique_ptr<DeviceMapping>> workspaces)
     : device_(device), daemonExecutor_(daemonExecutor), rank_(rank), nranks_(nranks), maxCtas_(maxCtas),
@@ -254,7 +270,7 @@ CommGpu::CommGpu(int device, bool daemonExecutor, uint32_t rank, uint32_t nranks
   DeviceScope scope(device_);
   // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp).
   try {
-    k::preloadKernels(device_);
+    preloadEverything(device_);
   } catch (const std::exception& e) {
     fail(ErrorCode::kCuda, "communicator init on device {}: {}", device_, e.what());
   }

@@ -393,7 +393,7 @@ TEST_CASE("a killed daemon leaves no client stream hanging") {
     MESSAGE("skipped: needs 2 GPUs and no MPS");
     return;
   }
-  auto d = std::make_unique<Daemon>(config("client"));
+  auto d = std::make_unique<Daemon>(config("client"), std::vector<std::string>{}, "");
   tandem_unique_id_t id;
   tandem_get_unique_id(&id);
   // Rank 1's stream is gated: rank 0's kernel runs and waits for rank 1's chunks when the daemon dies.

@@ -11,7 +11,10 @@ namespace tandem::kernels {
 
 // The runtime's kernels (allgather, the daemon executor's persistent kernel): in tandem_runtime_kernels.
 void preloadRuntimeKernels(int device);
-// The fused GEMM families (gemm, ag_gemm, gemm_rs, gemm_ar) and the runtime's: in tandem_kernels.
-void preloadKernels(int device);
+// Each fused GEMM family: in tandem_kernels.
+void preloadGemmKernels(int device);
+void preloadAgGemmKernels(int device);
+void preloadGemmRsKernels(int device);
+void preloadGemmArKernels(int device);
 
 }  // namespace tandem::kernels
