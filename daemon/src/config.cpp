@@ -181,6 +181,10 @@ constexpr auto kCudaFields = std::to_array<Field<CudaSection>>({
     {"daemon_linger_ms", "With executor daemon, the persistent kernel exits after idling this long.",
      &CudaSection::daemonLingerMs},
     {"comm_sms", "SMs given to the communication roles of fused kernels; 0 = chosen per shape.", &CudaSection::commSms},
+    {"workspace_bytes",
+     "GPU memory per communicator rank that peers write into (gathered A, reduce-scatter staging, flags), at\n"
+     "least 64 MiB. It bounds the largest fused op: one that needs more fails with the size to set here.",
+     &CudaSection::workspaceBytes},
 });
 
 constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
@@ -536,6 +540,13 @@ void checkCluster(const DaemonConfig& config, const Locate& at) {
 }
 
 void checkConfig(const DaemonConfig& config, const Locate& at) {
+  constexpr uint64_t kMinWorkspaceBytes = uint64_t{64} << 20;  // the AllGather region and the fused ops' flags
+  if (config.cuda.workspaceBytes < kMinWorkspaceBytes) {
+    fail(ErrorCode::kInvalidConfig, "{}cuda.workspace_bytes: {} is below the minimum {} ({}). Set at least {}; the "
+         "default is {} ({}).", at({"cuda.workspace_bytes"}), config.cuda.workspaceBytes, kMinWorkspaceBytes,
+         humanBytes(kMinWorkspaceBytes), kMinWorkspaceBytes, CudaSection{}.workspaceBytes,
+         humanBytes(CudaSection{}.workspaceBytes));
+  }
   const DaemonSection& d = config.daemon;
   if (std::find(kLogLevels.begin(), kLogLevels.end(), d.logLevel) == kLogLevels.end()) {
     fail(ErrorCode::kInvalidConfig, "{}daemon.log_level: '{}' is not one of {}. Set daemon.log_level to {}.",

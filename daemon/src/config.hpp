@@ -58,6 +58,7 @@ struct CudaSection {
   std::vector<std::string> devices;   // GPU UUIDs ("GPU-...") to own; empty = every visible GPU
   uint32_t daemonLingerMs = 1000;     // persistent kernel exits after idling this long
   uint32_t commSms = 0;               // SMs for communication roles; 0 = chosen per shape
+  uint64_t workspaceBytes = uint64_t{512} << 20;  // GPU memory per communicator rank for fused ops' peer-visible staging
 
   bool operator==(const CudaSection&) const = default;
 };

@@ -635,6 +635,10 @@ TEST_SUITE("config") {
                 "the default is 67108864 (64 MiB)"});
     checkError("cluster:\n  staging_bytes: 17179869185\n", {"cluster.staging_bytes: 17179869185 is outside"});
     CHECK_NOTHROW(parseConfig("cluster:\n  staging_bytes: 17179869184\n", "ok.yaml"));
+    checkError("cuda:\n  workspace_bytes: 1048576\n",
+               {"tandemd.yaml:2:20: cuda.workspace_bytes: 1048576 is below the minimum 67108864 (64 MiB).",
+                "the default is 536870912 (512 MiB)"});
+    CHECK(parseConfig("cuda:\n  workspace_bytes: 1073741824\n", "ok.yaml").cuda.workspaceBytes == (uint64_t{1} << 30));
     checkError("cluster:\n  transport: ib\n",
                {"tandemd.yaml:2:14: cluster.transport: 'ib' is not one of tcp, verbs. Set cluster.transport to tcp or "
                 "verbs."});
