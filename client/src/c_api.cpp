@@ -403,9 +403,12 @@ tandem_status_t tandem_comm_init(tandem_session_t session, const tandem_unique_i
 #ifdef TANDEM_HAVE_CUDA
     if (session->cuda) {
       try {
-        // Map every rank's workspace (ours included) with access for our GPU.
+        const auto& j = response.join_comm();
+        const gpu::CommGpu::Mode mode = gpu::CommGpu::modeOf(j.executor());
+        // Map every rank's workspace (ours included) with access for our GPU; a communicator that spans nodes (host
+        // mode) has none.
         std::vector<std::unique_ptr<gpu::DeviceMapping>> workspaces;
-        for (uint32_t r = 0; r < nranks; ++r) {
+        for (uint32_t r = 0; mode != gpu::CommGpu::Mode::kHost && r < nranks; ++r) {
           tandem::v1::Request m;
           m.mutable_comm_mapping()->set_comm_handle(comm->handle);
           m.mutable_comm_mapping()->set_rank(r);
@@ -413,8 +416,7 @@ tandem_status_t tandem_comm_init(tandem_session_t session, const tandem_unique_i
           const auto reply = session->impl->call(m, {}, &wsFd, 1);
           workspaces.push_back(gpu::DeviceMapping::import(wsFd[0], reply.comm_mapping().bytes(), device));
         }
-        const auto& j = response.join_comm();
-        comm->gpu = std::make_shared<gpu::CommGpu>(device, j.executor() == "daemon", rank, nranks, j.comm_ctas(),
+        comm->gpu = std::make_shared<gpu::CommGpu>(device, mode, rank, nranks, j.comm_ctas(),
                                                    std::move(fds[0]), j.control_bytes(), std::move(workspaces));
         session->watch->add(comm->gpu);
       } catch (...) {

@@ -88,7 +88,7 @@ k::GemmRsPlan gemmReducePlan(const OpDescriptor& d) {
 // only once every rank's stream reached it), because its kernels alone do not (gemm_rs.hpp: gemmRsRanksInStep).
 // NOTE: the daemon applies the same rule (cuda_backend.cpp, needsGang); both must agree.
 bool needsGang(const OpDescriptor& d) {
-  return d.kind == OpKind::kNop ||
+  return (d.kind == OpKind::kNop && d.nranks > 1) ||
          (d.kind == OpKind::kGemmRs &&
           !k::gemmRsRanksInStep(static_cast<int64_t>(d.dims[dim::kM]), static_cast<int>(d.nranks), false));
 }
@@ -249,14 +249,21 @@ void preloadEverything(int device) {
 }
 }  // namespace
 
-CommGpu::CommGpu(int device, bool daemonExecutor, uint32_t rank, uint32_t nranks, uint32_t maxCtas, Fd control,
+CommGpu::Mode CommGpu::modeOf(const std::string& executor) {
+  if (executor == "client") return Mode::kClient;
+  if (executor == "daemon") return Mode::kDaemon;
+  if (executor == "host") return Mode::kHost;
+  fail(ErrorCode::kProtocol, "tandemd answered the join with executor '{}', which this libtandem does not know "
+       "(client, daemon, host); use the libtandem of tandemd's release", executor);
+}
+
+CommGpu::CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t maxCtas, Fd control,
                  uint64_t controlBytes, std::vector<std::unique_ptr<DeviceMapping>> workspaces)
-    : device_(device), daemonExecutor_(daemonExecutor), rank_(rank), nranks_(nranks), maxCtas_(maxCtas),
-      controlFd_(std::move(control)), controlBytes_(controlBytes), workspaces_(std::move(workspaces)),
-      timeoutNs_(opTimeoutNs()) {
+    : device_(device), mode_(mode), rank_(rank), nranks_(nranks), maxCtas_(maxCtas), controlFd_(std::move(control)),
+      controlBytes_(controlBytes), workspaces_(std::move(workspaces)), timeoutNs_(opTimeoutNs()) {
   workspaceBytes_ = workspaces_.empty() ? 0 : workspaces_[0]->size();
   for (const auto& w : workspaces_) workspaceBytes_ = std::min(workspaceBytes_, w->size());
-  layout_ = WorkspaceLayout::fit(workspaceBytes_, nranks_);
+  if (mode_ != Mode::kHost) layout_ = WorkspaceLayout::fit(workspaceBytes_, nranks_);
   if (controlBytes_ < sizeof(k::CommControl)) {
     fail(ErrorCode::kProtocol, "tandemd sent a {}-byte control page; this libtandem needs {}", controlBytes_,
          sizeof(k::CommControl));
@@ -268,9 +275,10 @@ CommGpu::CommGpu(int device, bool daemonExecutor, uint32_t rank, uint32_t nranks
   }
   ctl_ = static_cast<k::CommControl*>(controlMap_);
   DeviceScope scope(device_);
-  // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp).
+  // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp). In host mode
+  // libtandem launches no kernel.
   try {
-    preloadEverything(device_);
+    if (mode_ != Mode::kHost) preloadEverything(device_);
   } catch (const std::exception& e) {
     fail(ErrorCode::kCuda, "communicator init on device {}: {}", device_, e.what());
   }
@@ -314,6 +322,21 @@ uint64_t CommGpu::matBytesNeeded(const OpDescriptor& d) const {
 
 void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs) const {
   const std::string_view op = opKindName(d.kind);
+  if (mode_ == Mode::kHost) {
+    // tandemd stages the op through host memory and runs it with the cpu backend's code: any dtype, any alignment,
+    // no workspace.
+    switch (d.kind) {
+      case OpKind::kNop:
+      case OpKind::kAllGather:
+      case OpKind::kAgGemm:
+      case OpKind::kGemmRs:
+      case OpKind::kGemmAr: return;
+      default:
+        fail(ErrorCode::kUnsupported, "{}: this communicator's ranks live on several nodes, and across nodes tandem "
+             "runs ag-gemm, gemm-rs, gemm-ar, allgather and barriers only; run {} on a communicator whose ranks are all "
+             "on one node", op, op);
+    }
+  }
   switch (d.kind) {
     case OpKind::kNop:
     case OpKind::kAllGather: return;
@@ -324,7 +347,7 @@ void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs) const {
       fail(ErrorCode::kUnsupported, "{}: the cuda backend does not run this op yet (it runs ag-gemm, gemm-rs, gemm-ar, "
            "allgather and barriers); run it on a tandemd with daemon.backend: cpu", op);
   }
-  if (daemonExecutor_) {
+  if (mode_ == Mode::kDaemon) {
     fail(ErrorCode::kUnsupported, "{}: tandemd runs executor daemon, whose persistent kernel cannot run the fused GEMM "
          "kernels (each needs every SM of the GPU, one co-resident CTA per SM, while the persistent kernel keeps SMs "
          "of its own and runs work items inside its own small grid); set daemon.executor: client in tandemd's config",
@@ -361,8 +384,8 @@ void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs) const {
   if (need > layout_.rsMatBytes) {
     const uint64_t bytes = WorkspaceLayout::bytesFor(need, nranks_);
     fail(ErrorCode::kInvalidArgument, "{}: m = {}, n = {}, k = {} on {} ranks needs a workspace of {} bytes ({} MiB) "
-         "per rank, but this communicator's is {} bytes; raise tandemd's per-communicator budget (start tandemd with "
-         "TANDEM_CUDA_WORKSPACE_BYTES={} or more in its environment; default 512 MiB) or split the op", op, m, n, kk,
+         "per rank, but this communicator's is {} bytes; set cuda.workspace_bytes: {} (or more) in tandemd's config "
+         "(default 512 MiB) and restart it, or split the op", op, m, n, kk,
          nranks_, bytes, (bytes + (1u << 20) - 1) >> 20, workspaceBytes_, bytes);
   }
 }
@@ -378,15 +401,21 @@ void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_
   const auto waitFor = [&](k::StreamWord& w, const char* what) {
     checkDrv(drv.streamWaitValue32(s, devptr(&w.value), e32, CU_STREAM_WAIT_VALUE_GEQ), what);
   };
-  if (daemonExecutor_) {
-    // The daemon's kernel runs the op once every rank's stream got here (gang-ready), then writes done. check()
-    // let only allgather and barriers through.
+  if (mode_ != Mode::kClient) {
+    // kDaemon: the daemon's kernel runs the op once every rank's stream got here (gang-ready), then writes done;
+    // check() let only allgather and barriers through. kHost: tandemd runs the op once every local rank's stream got
+    // here (the inputs are final), staged through host memory, then writes done.
     write(ctlDev_->ready, "cuStreamWriteValue32(ready)");
     waitFor(ctlDev_->done, "cuStreamWaitValue32(done)");
     return;
   }
   // Client executor: the daemon opens go once every rank submitted the op (for a gang, once every rank's stream
   // reached it and wrote ready); the kernels run; done tells the daemon the op finished on this rank.
+  if (d.kind == OpKind::kNop && nranks_ == 1) {
+    // Nothing to meet: the stream need not wait for the daemon's go (the daemon still validates and completes it).
+    write(ctlDev_->done, "cuStreamWriteValue32(done)");
+    return;
+  }
   if (needsGang(d)) write(ctlDev_->ready, "cuStreamWriteValue32(ready)");
   waitFor(ctlDev_->go, "cuStreamWaitValue32(go)");
   try {

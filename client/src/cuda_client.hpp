@@ -78,14 +78,24 @@ struct WorkspaceLayout {
 // One communicator rank's GPU state. `mutex` serialises submission, so epochs follow ring order.
 class CommGpu {
  public:
-  CommGpu(int device, bool daemonExecutor, uint32_t rank, uint32_t nranks, uint32_t maxCtas, Fd control,
-          uint64_t controlBytes, std::vector<std::unique_ptr<DeviceMapping>> workspaces);
+  // Where the op runs (tandemd's JoinInfo.executor):
+  //   kClient  libtandem launches the kernels into the caller's stream (gated by go, reporting done);
+  //   kDaemon  tandemd's persistent kernel runs it (the stream writes ready, waits for done); MPS;
+  //   kHost    the communicator spans nodes: tandemd runs the op itself, staged through host memory (the stream
+  //            writes ready, waits for done, exactly as kDaemon); no workspaces.
+  enum class Mode { kClient, kDaemon, kHost };
+  // JoinInfo.executor ("client", "daemon", "host") as a Mode; throws Error(kProtocol) for anything else.
+  static Mode modeOf(const std::string& executor);
+
+  // `workspaces`: every rank's, in rank order (none in kHost mode).
+  CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t maxCtas, Fd control, uint64_t controlBytes,
+          std::vector<std::unique_ptr<DeviceMapping>> workspaces);
   ~CommGpu();
   CommGpu(const CommGpu&) = delete;
   CommGpu& operator=(const CommGpu&) = delete;
 
   int device() const { return device_; }
-  bool daemonExecutor() const { return daemonExecutor_; }
+  Mode mode() const { return mode_; }
   // Throws Error (kUnsupported, kInvalidArgument) with the remedy when this rank cannot run `desc` (already checked by
   // validateDescriptor) here: the kind, dtype or executor, the kernels' shape and alignment rules, or the workspace.
   // Called before the op is submitted, so a refused op changes nothing. Depends only on what every rank checks alike
@@ -111,7 +121,7 @@ class CommGpu {
   std::string launchGemmReduce(const OpDescriptor& desc, const DevicePointers& ptrs, uint64_t epoch, void* stream);
 
   int device_;
-  bool daemonExecutor_;
+  Mode mode_;
   uint32_t rank_, nranks_, maxCtas_;
   Fd controlFd_;
   void* controlMap_ = nullptr;

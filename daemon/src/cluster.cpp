@@ -31,27 +31,28 @@ uint64_t loadAcquire(const uint64_t* word) {
 
 CommLink::CommLink(Cluster& cluster, std::vector<NodeIndex> nodes, uint64_t slotBytes, uint32_t bufferId)
     : cluster_(cluster), self_(cluster.self()), nodes_(std::move(nodes)), slotBytes_(slotBytes), bufferId_(bufferId) {
-  worker_ = std::thread([this] {
+  worker_ = std::thread([q = queue_] {  // touches only the queue: `this` may be gone after any job
     for (;;) {
-      std::function<void()> work;
+      std::function<void()> job;
       {
-        std::unique_lock lock(mutex_);
-        workCv_.wait(lock, [this] { return stopWorker_ || !work_.empty(); });
-        if (work_.empty()) return;
-        work = std::move(work_.front());
-        work_.pop_front();
+        std::unique_lock lock(q->mutex);
+        q->cv.wait(lock, [&] { return q->stop || !q->jobs.empty(); });
+        if (q->jobs.empty()) return;
+        job = std::move(q->jobs.front());
+        q->jobs.pop_front();
       }
-      work();
+      job();
+      job = nullptr;  // may destroy the link (its last reference), which sets stop
     }
   });
 }
 
 CommLink::~CommLink() {
   {
-    std::lock_guard lock(mutex_);
-    stopWorker_ = true;
+    std::lock_guard lock(queue_->mutex);
+    queue_->stop = true;
   }
-  workCv_.notify_all();
+  queue_->cv.notify_all();
   // The last reference may be dropped by the work the thread itself ran.
   if (worker_.get_id() == std::this_thread::get_id()) {
     worker_.detach();
@@ -63,10 +64,10 @@ CommLink::~CommLink() {
 
 void CommLink::post(std::function<void()> work) {
   {
-    std::lock_guard lock(mutex_);
-    work_.push_back(std::move(work));
+    std::lock_guard lock(queue_->mutex);
+    queue_->jobs.push_back(std::move(work));
   }
-  workCv_.notify_one();
+  queue_->cv.notify_one();
 }
 
 void CommLink::abort(ErrorCode code, const std::string& reason, uint64_t afterEpoch) {

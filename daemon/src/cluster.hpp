@@ -128,9 +128,15 @@ class CommLink {
   std::string abortReason_;
   uint32_t keysPublished_ = 0;  // peers whose key the proxy's table holds
 
-  std::deque<std::function<void()>> work_;  // guarded by mutex_
-  std::condition_variable workCv_;
-  bool stopWorker_ = false;
+  // The executor thread's queue lives apart from the link: the thread shares it, so when a job drops the last
+  // reference to the link (its destructor then runs on this thread), the thread still has a queue to look at.
+  struct WorkQueue {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> jobs;
+    bool stop = false;
+  };
+  std::shared_ptr<WorkQueue> queue_ = std::make_shared<WorkQueue>();
   std::thread worker_;
 };
 

@@ -183,7 +183,7 @@ constexpr auto kCudaFields = std::to_array<Field<CudaSection>>({
     {"comm_sms", "SMs given to the communication roles of fused kernels; 0 = chosen per shape.", &CudaSection::commSms},
     {"workspace_bytes",
      "GPU memory per communicator rank that peers write into (gathered A, reduce-scatter staging, flags), at\n"
-     "least 64 MiB. It bounds the largest fused op: one that needs more fails with the size to set here.",
+     "least 16 MiB. It bounds the largest fused op: one that needs more fails with the size to set here.",
      &CudaSection::workspaceBytes},
 });
 
@@ -540,7 +540,8 @@ void checkCluster(const DaemonConfig& config, const Locate& at) {
 }
 
 void checkConfig(const DaemonConfig& config, const Locate& at) {
-  constexpr uint64_t kMinWorkspaceBytes = uint64_t{64} << 20;  // the AllGather region and the fused ops' flags
+  // Below this nothing useful fits; a communicator always gets at least AllGather's region for its rank count.
+  constexpr uint64_t kMinWorkspaceBytes = uint64_t{16} << 20;
   if (config.cuda.workspaceBytes < kMinWorkspaceBytes) {
     fail(ErrorCode::kInvalidConfig, "{}cuda.workspace_bytes: {} is below the minimum {} ({}). Set at least {}; the "
          "default is {} ({}).", at({"cuda.workspace_bytes"}), config.cuda.workspaceBytes, kMinWorkspaceBytes,

@@ -297,8 +297,7 @@ TEST_CASE("fused GEMMs, client executor: different ops back to back on one strea
 
 TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submission, and the communicator lives on") {
   // 48 MiB per rank: AllGather's 2 x 16 MiB and about 2 MiB matrices for the GEMMs.
-  ScopedEnv budget("TANDEM_CUDA_WORKSPACE_BYTES", std::to_string(48u << 20));
-  Daemon d(config("client"), {}, "");
+  Daemon d(config("client") + "  workspace_bytes: " + std::to_string(48u << 20) + "\n", {}, "");
   const uint32_t n = gpuCount() >= 2 ? 2 : 1;
   tandem_unique_id_t id;
   REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
@@ -337,10 +336,10 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
       if (n > 1) {
         rs = {sizeof rs, TANDEM_DTYPE_BF16, 2048, 2048, 64, {a, 0}, {b, 0}, {c, 0}, stream};
         expect("past the workspace", tandem_gemm_ar(comm, &rs, &op), TANDEM_ERROR_INVALID_ARGUMENT,
-               "TANDEM_CUDA_WORKSPACE_BYTES=");
+               "cuda.workspace_bytes: ");
         const tandem_ag_gemm_args_t ag{sizeof ag, TANDEM_DTYPE_BF16, 4096, 256, 1024, {a, 0}, {b, 0}, {c, 0}, {}, stream};
         expect("ag-gemm past the workspace", tandem_ag_gemm(comm, &ag, &op), TANDEM_ERROR_INVALID_ARGUMENT,
-               "TANDEM_CUDA_WORKSPACE_BYTES=");
+               "cuda.workspace_bytes: ");
       }
       const tandem_moe_dispatch_gemm_args_t moe{sizeof moe, TANDEM_DTYPE_BF16, 8, 64, 64, 2 * n, 1, 16,
                                                 {a, 0}, {b, 0}, {c, 0}, {a, 1u << 20}, {b, 1u << 20}, {c, 1u << 20},

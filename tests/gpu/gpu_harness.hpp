@@ -182,7 +182,7 @@ class ScopedEnv {
 
 // What the gated rank of the failure cases submits: an AllGather of 64 MiB, or a fused GEMM of 2048 x 2048 x 2048
 // (gemm-ar: 1024 of K on each rank), enough work that a peer killed or gated mid-op finds its kernel running.
-enum class GatedOp { kAllGather, kAgGemm, kGemmAr };
+enum class GatedOp { kAllGather, kAgGemm, kGemmAr, kBarrier };
 
 // Rank of 2 for the failure cases: joins, allocates, optionally gates its stream on a host flag, submits one op,
 // reports "submitted", then follows the parent's orders ("release" the gate; "sync": report "<stream> <status>
@@ -224,6 +224,7 @@ inline std::string gatedRank(const Io& io, const std::string& socket, const tand
       TK(tandem_ag_gemm(comm, &args, &op));
       break;
     }
+    case GatedOp::kBarrier: TK(tandem_barrier_stream(comm, stream, &op)); break;
     case GatedOp::kGemmAr: {
       const tandem_gemm_ar_args_t args{sizeof args, TANDEM_DTYPE_BF16, M, N, K / 2, {a, 0}, {b, 0}, {c, 0}, stream};
       TK(tandem_gemm_ar(comm, &args, &op));
@@ -235,6 +236,8 @@ inline std::string gatedRank(const Io& io, const std::string& socket, const tand
     const std::string order = io.hear();
     if (order == "release") {
       std::atomic_ref<uint32_t>(*flag).store(1);
+    } else if (order == "poll") {
+      io.say(cudaStreamQuery(stream) == cudaErrorNotReady ? "running" : "finished");
     } else if (order == "sync") {
       const std::string synced = syncWithin(stream, 10000);
       const tandem_status_t st = tandem_wait(op, 10000);

@@ -422,6 +422,33 @@ TEST_CASE("a killed daemon leaves no client stream hanging") {
   gated.reap();
 }
 
+TEST_CASE("a barrier holds a stream until every rank's stream reaches it (client executor)") {
+  if (gpuCount() < 2) {
+    MESSAGE("skipped: needs 2 GPUs");
+    return;
+  }
+  Daemon d(config("client"), {}, "");
+  tandem_unique_id_t id;
+  tandem_get_unique_id(&id);
+  Rank early = spawn([&](const Io& io) { return gatedRank(io, d.socket(), id, 0, false, GatedOp::kBarrier); });
+  Rank late = spawn([&](const Io& io) { return gatedRank(io, d.socket(), id, 1, true, GatedOp::kBarrier); });
+  REQUIRE(early.read(60000) == "submitted");
+  REQUIRE(late.read(60000) == "submitted");
+  // Rank 1's stream has not reached the barrier: rank 0's must still be inside it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  early.tell("poll");
+  CHECK(early.read(10000) == "running");
+  late.tell("release");
+  late.tell("sync");
+  early.tell("sync");
+  const std::string r1 = late.read(30000), r0 = early.read(30000);
+  INFO(r0 << " / " << r1 << "\n" << d.log());
+  CHECK(r0.rfind("synced 0", 0) == 0);
+  CHECK(r1.rfind("synced 0", 0) == 0);
+  early.reap();
+  late.reap();
+}
+
 TEST_CASE("barrier in stream order, both executors where available") {
   std::vector<std::string> executors = {"client"};
   if (mpsRunning()) executors.push_back("daemon");

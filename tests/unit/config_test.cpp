@@ -636,7 +636,7 @@ TEST_SUITE("config") {
     checkError("cluster:\n  staging_bytes: 17179869185\n", {"cluster.staging_bytes: 17179869185 is outside"});
     CHECK_NOTHROW(parseConfig("cluster:\n  staging_bytes: 17179869184\n", "ok.yaml"));
     checkError("cuda:\n  workspace_bytes: 1048576\n",
-               {"tandemd.yaml:2:20: cuda.workspace_bytes: 1048576 is below the minimum 67108864 (64 MiB).",
+               {"tandemd.yaml:2:20: cuda.workspace_bytes: 1048576 is below the minimum 16777216 (16 MiB).",
                 "the default is 536870912 (512 MiB)"});
     CHECK(parseConfig("cuda:\n  workspace_bytes: 1073741824\n", "ok.yaml").cuda.workspaceBytes == (uint64_t{1} << 30));
     checkError("cluster:\n  transport: ib\n",

@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 
+#include "cuda/cuda_multinode.hpp"
 #include "cuda/daemon_executor.hpp"
 #include "cuda/gpu.hpp"
 #include "lifecycle.hpp"
@@ -48,29 +49,17 @@ uint32_t pow2Floor(uint32_t x) {
   return p;
 }
 
-// Per-rank workspace of a communicator: AllGather's slots, and the fused GEMMs' flags, staging and gathered rows
-// (libtandem lays them out, client/src/cuda_client.hpp: WorkspaceLayout). An op whose shape needs more fails in the
-// client with the bytes it needs. TODO: read cuda.workspace_bytes from the config instead of the environment.
-constexpr uint64_t kDefaultWorkspaceBytes = uint64_t{512} << 20;
-uint64_t workspaceBudget() {
-  const char* v = std::getenv("TANDEM_CUDA_WORKSPACE_BYTES");
-  if (v == nullptr || *v == '\0') return kDefaultWorkspaceBytes;
-  char* end = nullptr;
-  const uint64_t bytes = std::strtoull(v, &end, 0);
-  if (end == v || *end != '\0') {
-    fail(ErrorCode::kInvalidConfig, "TANDEM_CUDA_WORKSPACE_BYTES='{}' is not a byte count; set it to e.g. {}", v,
-         kDefaultWorkspaceBytes);
-  }
-  return bytes;
-}
 
 bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind::kGemmRs || kind == OpKind::kGemmAr; }
 
 // Client executor: ops whose release waits until every rank's stream reached them (the stream writes ready first):
-// barriers, and reduce-scatters whose kernels alone do not keep the ranks in step (some rank owns no rows; see
-// gemm_rs.hpp, gemmRsRanksInStep). NOTE: libtandem applies the same rule (cuda_client.cpp, needsGang).
+// barriers of two or more ranks (a one-rank barrier's stream does not wait for the daemon at all), and
+// reduce-scatters whose kernels alone do not keep the ranks in step (some rank owns no rows; see gemm_rs.hpp,
+// gemmRsRanksInStep). NOTE: libtandem applies the same rule (cuda_client.cpp, needsGang).
+// Measured on nvidia-h200-x2 (bench/RESULTS.md): a GPU-to-GPU barrier kernel over the workspaces was slower than
+// this host gate at 2 ranks (16.6 vs 13.4 us p50 round trip), so barriers stay gated by the daemon.
 bool needsGang(const OpDescriptor& d) {
-  return d.kind == OpKind::kNop ||
+  return (d.kind == OpKind::kNop && d.nranks > 1) ||
          (d.kind == OpKind::kGemmRs &&
           !kernels::gemmRsRanksInStep(static_cast<int64_t>(d.dims[dim::kM]), static_cast<int>(d.nranks), false));
 }
@@ -126,6 +115,9 @@ struct CudaComm final : CommResources {
   std::vector<uint32_t> lead;  // after an abort: the go/done value every rank's streams must keep seeing
   ErrorCode failCode = ErrorCode::kAborted;
   std::string reason;
+  // Multi-node (cuda_multinode.hpp): ops staged through host memory. Only local ranks have a control page (ctl);
+  // nobody has a workspace. Declared last: destroyed before the control pages it points into.
+  std::unique_ptr<HostStaging> staging;
   ~CudaComm() override {
     for (auto& r : ranks) {
       if (r.hostRegistered) {
@@ -140,7 +132,7 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend(const DaemonConfig& config, std::vector<GpuInfo> gpus, bool daemonExecutor)
       : config_(config), gpus_(std::move(gpus)), daemonExecutor_(daemonExecutor), timeoutNs_(opTimeoutNs()),
-        workspaceBytes_(workspaceBudget()) {
+        workspaceBytes_(config.cuda.workspaceBytes) {
     for (const auto& g : gpus_) {
       useDevice(g.ordinal);
       cudaStream_t s = nullptr;
@@ -174,7 +166,9 @@ class CudaBackend final : public Backend {
       std::lock_guard lock(mutex_);
       for (auto& w : comms_) {
         if (auto cc = w.lock()) {
-          for (auto& rr : cc->ranks) store64(rr.ctl->abort, k::kAbortValue);
+          for (auto& rr : cc->ranks) {
+            if (rr.ctl != nullptr) store64(rr.ctl->abort, k::kAbortValue);
+          }
         }
       }
     }
@@ -246,6 +240,7 @@ class CudaBackend final : public Backend {
   }
 
   std::shared_ptr<CommResources> setupComm(const Communicator& comm) override {
+    if (comm.spansNodes()) return setupStaged(comm);
     if (comm.nranks > k::kMaxLocalRanks) {
       fail(ErrorCode::kUnsupported, "the cuda backend runs communicators of up to {} GPUs of one node ({} ranks asked); "
            "use fewer ranks", k::kMaxLocalRanks, comm.nranks);
@@ -298,22 +293,27 @@ class CudaBackend final : public Backend {
 
   uint64_t commBytesPerRank(const CommResources& res) const override {
     const auto& cc = static_cast<const CudaComm&>(res);
+    if (cc.staging) return k::kControlBytes;
     return cc.ranks.empty() ? 0 : cc.ranks[0].workspace->size + k::kControlBytes;
   }
 
   JoinInfo joinInfo(const CommResources& res, uint32_t rank) const override {
     const auto& cc = static_cast<const CudaComm&>(res);
     JoinInfo info;
-    info.executor = executor();
+    info.executor = cc.staging ? "host" : executor();  // host: the stream writes ready and waits for done
     info.controlFd = cc.ranks[rank].controlFd.get();
     info.controlBytes = k::kControlBytes;
-    info.workspaceBytes = cc.ranks[rank].workspace->size;
+    info.workspaceBytes = cc.staging ? 0 : cc.ranks[rank].workspace->size;
     info.commCtas = config_.cuda.commSms;
     return info;
   }
 
   CommMapping mapping(const std::shared_ptr<CommResources>& res, uint32_t rank) const override {
     const auto& cc = static_cast<const CudaComm&>(*res);
+    if (cc.staging) {
+      fail(ErrorCode::kUnsupported, "communicator {} spans nodes: tandemd stages its ops through host memory, and its "
+           "ranks have no GPU workspaces to map", cc.handle);
+    }
     CommMapping m;
     m.fd = cc.ranks[rank].workspaceFd.get();
     m.bytes = cc.ranks[rank].workspace->size;
@@ -329,9 +329,10 @@ class CudaBackend final : public Backend {
 
   // ---- execution ----
 
-  bool execute(Collective c, std::function<void()> /*finished*/) override {
+  bool execute(Collective c, std::function<void()> finished) override {
     std::lock_guard lock(mutex_);
     auto cc = std::static_pointer_cast<CudaComm>(c.resources);
+    if (cc && cc->staging) return cc->staging->execute(std::move(c), std::move(finished));  // across nodes
     auto g = std::make_shared<Gang>();
     g->epoch = c.ops[0].epoch;
     g->kind = c.ops[0].desc.kind;
@@ -391,8 +392,13 @@ class CudaBackend final : public Backend {
       if (cc->failed) {
         // A kernel or stream that finished just after the abort may have written an older done: keep the lead.
         for (uint32_t r = 0; r < cc->nranks && r < cc->lead.size(); ++r) {
+          if (cc->ranks[r].ctl == nullptr) continue;  // a rank on another node
           if (load32(cc->ranks[r].ctl->done.value) != cc->lead[r]) store32(cc->ranks[r].ctl->done.value, cc->lead[r]);
         }
+        continue;
+      }
+      if (cc->staging) {
+        worked = cc->staging->poll(cc->handle, failed) || worked;
         continue;
       }
       for (uint32_t r = 0; r < cc->nranks; ++r) {
@@ -435,6 +441,7 @@ class CudaBackend final : public Backend {
     for (const auto& w : comms_) {
       auto cc = w.lock();
       if (!cc || cc->failed) continue;
+      if (cc->staging && cc->staging->waiting()) return true;  // polling the local streams' ready words
       if (!cc->pending.empty()) return true;
       for (const auto& rr : cc->ranks) {
         if (!rr.inflight.empty()) return true;
@@ -444,6 +451,31 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // A communicator with ranks on other nodes (cuda_multinode.hpp): a control page per local rank, no workspaces; the
+  // ops are staged through host memory. The engine admits it with the client executor only.
+  std::shared_ptr<CommResources> setupStaged(const Communicator& comm) {
+    auto cc = std::make_shared<CudaComm>();
+    cc->handle = comm.handle;
+    cc->nranks = comm.nranks;
+    cc->ranks.resize(comm.nranks);
+    std::vector<HostStaging::LocalRank> local;
+    for (uint32_t r = 0; r < comm.nranks; ++r) {
+      if (!comm.members[r]) continue;  // on another node
+      const GpuInfo& g = gpu(comm.devices[r], "join");
+      RankRes& rr = cc->ranks[r];
+      rr.device = g.ordinal;
+      rr.uuid = g.uuid;
+      rr.controlFd = Fd::memfd(fmt::format("tandem-ctl-c{}", comm.handle), k::kControlBytes);
+      rr.control = Mapping::shared(rr.controlFd.get(), k::kControlBytes);
+      rr.ctl = reinterpret_cast<k::CommControl*>(rr.control.data());
+      local.push_back({r, g.ordinal, rr.ctl});
+    }
+    cc->staging = std::make_unique<HostStaging>(std::move(local));
+    std::lock_guard lock(mutex_);
+    comms_.push_back(cc);
+    return cc;
+  }
+
   // Fails every pending and in-flight op of the communicator and releases every wait of its ranks' streams and
   // kernels, for good (mutex_ held).
   void abortLocked(CudaComm& cc, ErrorCode code, const std::string& reason) {
@@ -451,11 +483,17 @@ class CudaBackend final : public Backend {
     cc.failed = true;
     cc.failCode = code;
     cc.reason = reason;
+    if (cc.staging) cc.staging->abort(code, reason);  // first: it writes done no more
     for (auto& rr : cc.ranks) {
+      if (rr.ctl == nullptr) {  // a rank on another node
+        cc.lead.push_back(0);
+        continue;
+      }
       // Kernels: every wait polls the abort word. Streams: go and done jump far ahead (cyclically) of every
       // epoch this rank can have enqueued, so each WaitValue passes; the kernels behind them skip.
       store64(rr.ctl->abort, k::kAbortValue);
       uint64_t last = rr.decided;
+      if (cc.staging) last = std::max(last, cc.staging->lastEpoch());
       for (auto& g : cc.pending) last = std::max(last, g->epoch);
       const auto lead = static_cast<uint32_t>(last + k::kStreamAbortLead);
       store32(rr.ctl->go.value, lead);
@@ -625,7 +663,10 @@ class CudaBackend final : public Backend {
   std::vector<GpuInfo> gpus_;
   bool daemonExecutor_;
   uint64_t timeoutNs_;
-  uint64_t workspaceBytes_;  // per communicator rank (TANDEM_CUDA_WORKSPACE_BYTES)
+  // Per-rank workspace of a communicator (cuda.workspace_bytes): AllGather's slots, and the fused GEMMs' flags, staging
+  // and gathered rows (libtandem lays them out, client/src/cuda_client.hpp: WorkspaceLayout). An op whose shape needs
+  // more fails in the client with the bytes it needs.
+  uint64_t workspaceBytes_;
   uint32_t executorCtas_ = 32;
   std::map<int, cudaStream_t> setupStreams_;
   std::map<int, std::unique_ptr<GpuExecutor>> executors_;

@@ -3,6 +3,7 @@
 //   client: libtandem launches kernels into the caller's stream; the daemon validates each collective and
 //           writes the verdict and `go` into every rank's control page, then learns completion from `done`;
 //   daemon: gang-ready dispatch into each GPU's persistent kernel (daemon_executor.hpp); needs MPS.
+// Communicators whose ranks span nodes (client executor only) run staged through host memory (cuda_multinode.hpp).
 // CUDA-only: compiled when TANDEM_HAVE_CUDA.
 #pragma once
 
