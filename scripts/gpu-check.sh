@@ -122,6 +122,7 @@ bench roundtrip_bench 120 --executor client --ranks 2
 bench gemm_bench 600 --json "$OUT/gemm.json"
 bench ag_gemm_bench 600
 bench gemm_rs_bench 600
+bench fused_e2e_bench 300 --json "$OUT/fused-e2e.json"
 
 if [ "${GPU_CHECK_MPS:-1}" = 1 ] && in_time "MPS phase" && mps_start; then
   if [ "${GPU_CHECK_SKIP_TESTS:-0}" != 1 ] && [ -x "$BUILD/tests/gpu/tandem_gpu_tests" ]; then

@@ -1,0 +1,754 @@
+// The three fused GEMMs as an application runs them: through libtandem (tandem_ag_gemm, tandem_gemm_rs,
+// tandem_gemm_ar) on a tandemd of the benchmark's own (backend cuda, executor client), one process per rank and GPU,
+// against NCCL + cuBLASLt in the same processes, on the same input buffers, interleaved per iteration.
+//
+//   fused_e2e_bench [--iters 20] [--warmup 3] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--ranks 2]
+//                   [--gathered] [--workspace BYTES] [--json FILE] [--socket PATH]
+//
+// Shapes M x K x N (K is the full K; bf16 in and out, fp32 accumulation, C = A·Bᵀ with A [M,K] and B [N,K]):
+//   ag-gemm (A sharded by rows): 8192x8192x8192, 4096x8192x8192, 16384x8192x14336, 1024x8192x8192, 2048x8192x8192
+//     baseline: ncclAllGather of the shard, then cuBLASLt on the gathered A [M, K]
+//   gemm-rs / gemm-ar (K split, k = K / ranks per rank): 8192x8192x8192, 4096x8192x8192, 16384x8192x14336,
+//     1024x8192x8192; baseline: cuBLASLt on the local K slice into a bf16 [M, N] partial, then ncclReduceScatter /
+//     ncclAllReduce (as bench/gemm_rs_bench.cu)
+// --shape I runs shape I of each selected op; --gathered makes ag-gemm also write the gathered A (the baseline has it
+// anyway); --workspace overrides the per-rank workspace given to tandemd (default: computed from the shapes, with room).
+//
+// Timing: every iteration runs both methods, in alternating order; each op is preceded by a cross-rank barrier (an
+// NCCL all-reduce of one float on the same stream) and bracketed by CUDA events on the rank's stream. Everything is
+// enqueued ahead (as a training loop does) and synchronised once per shape. Per iteration the max over ranks, then
+// the median over --iters after --warmup. TFLOP/s are per GPU: ag-gemm 2·M·N·K (every rank computes all of C),
+// gemm-rs/ar 2·M·N·K/ranks (each rank its K slice).
+// Correctness, once per shape before timing: both outputs NaN-poisoned, one op each, tandem's C against the
+// baseline's C: ‖tandem − baseline‖ / ‖baseline‖ < 1e-2 and no non-finite value on any rank, else a FAIL line.
+// Exit status: 0, 1 if a check failed, 2 on a fatal error.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "private_daemon.hpp"
+#include "tandem/tandem.h"
+
+namespace {
+
+#define CK(call)                                                                                     \
+  do {                                                                                               \
+    const cudaError_t e_ = (call);                                                                   \
+    if (e_ != cudaSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));     \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+#define TK(call)                                                                                     \
+  do {                                                                                               \
+    const tandem_status_t s_ = (call);                                                               \
+    if (s_ != TANDEM_SUCCESS) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, tandem_last_error());        \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+#define NK(call)                                                                                     \
+  do {                                                                                               \
+    const ncclResult_t r_ = (call);                                                                  \
+    if (r_ != ncclSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_));     \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+#define BK(call)                                                                                     \
+  do {                                                                                               \
+    const cublasStatus_t b_ = (call);                                                                \
+    if (b_ != CUBLAS_STATUS_SUCCESS) {                                                               \
+      std::fprintf(stderr, "%s:%d %s: cuBLAS status %d\n", __FILE__, __LINE__, #call, static_cast<int>(b_)); \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+
+// ---- shapes ---------------------------------------------------------------------------------------------------
+enum class Op { kAgGemm, kGemmRs, kGemmAr };
+const char* opName(Op op) { return op == Op::kAgGemm ? "ag-gemm" : op == Op::kGemmRs ? "gemm-rs" : "gemm-ar"; }
+
+struct Shape {
+  uint64_t m, k, n;  // K is the full K (gemm-rs/ar: split over the ranks)
+};
+const Shape kAgShapes[] = {{8192, 8192, 8192}, {4096, 8192, 8192}, {16384, 8192, 14336}, {1024, 8192, 8192},
+                           {2048, 8192, 8192}};
+const Shape kReduceShapes[] = {{8192, 8192, 8192}, {4096, 8192, 8192}, {16384, 8192, 14336}, {1024, 8192, 8192}};
+
+struct Case {
+  Op op;
+  Shape s;
+  int index;  // within the op's list
+};
+
+struct Options {
+  uint32_t ranks = 2;
+  int iters = 20, warmup = 3;
+  int shape = -1;  // -1: all
+  std::string op;  // "": all three
+  bool gathered = false;
+  uint64_t workspace = 0;  // 0: computed
+  std::string json, socket;
+};
+
+std::vector<Case> casesOf(const Options& o) {
+  std::vector<Case> v;
+  for (Op op : {Op::kAgGemm, Op::kGemmRs, Op::kGemmAr}) {
+    if (!o.op.empty() && o.op != opName(op)) continue;
+    const Shape* list = op == Op::kAgGemm ? kAgShapes : kReduceShapes;
+    const int count = op == Op::kAgGemm ? static_cast<int>(std::size(kAgShapes)) : static_cast<int>(std::size(kReduceShapes));
+    for (int i = 0; i < count; ++i) {
+      if (o.shape < 0 || o.shape == i) v.push_back({op, list[i], i});
+    }
+  }
+  return v;
+}
+
+uint64_t roundUp(uint64_t x, uint64_t unit) { return (x + unit - 1) / unit * unit; }
+
+// Per-rank workspace that every case fits in, with room. libtandem (client/src/cuda_client.cpp, WorkspaceLayout) lays
+// out ~33 MiB of AllGather slots, flags of 1/64 of a matrix, a gemm-rs staging area of (2·ranks + 2) matrices and two
+// data matrices, where a matrix holds the gathered A (ag-gemm: m·k bytes per matrix) or the bf16 partials padded to
+// 128 x 256 tiles (gemm-rs/ar), or the output. Counted here as 64 MiB + (2·ranks + 5) matrices, a matrix taken at
+// twice ag-gemm's need and at the largest of the reduce ops' needs.
+uint64_t workspaceFor(const std::vector<Case>& cases, uint32_t ranks) {
+  uint64_t mat = 0;
+  for (const Case& c : cases) {
+    if (c.op == Op::kAgGemm) {
+      mat = std::max(mat, c.s.m * c.s.k * 2);
+    } else {
+      mat = std::max(mat, roundUp(c.s.m, 128) * roundUp(c.s.n, 256) * 2);
+      mat = std::max(mat, c.s.m * c.s.n * 2);
+    }
+  }
+  return roundUp((uint64_t{64} << 20) + (2 * uint64_t{ranks} + 5) * mat, uint64_t{64} << 20);
+}
+
+// ---- device helpers -----------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t hashWord(uint64_t i, uint32_t seed) {
+  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xC2B2AE3D27D4EB4Full;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return static_cast<uint32_t>(x);
+}
+// Uniform in [-1, 1).
+__global__ void fillKernel(__nv_bfloat16* p, uint64_t n, uint32_t seed) {
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < n; i += uint64_t{gridDim.x} * blockDim.x) {
+    p[i] = __float2bfloat16(static_cast<float>(hashWord(i, seed) >> 8) * (2.0f / 16777216.0f) - 1.0f);
+  }
+}
+// sums[0] += Σ (t − b)², sums[1] += Σ b² over the finite pairs; *bad += pairs with a non-finite value.
+__global__ void compareKernel(const __nv_bfloat16* t, const __nv_bfloat16* b, uint64_t n, double* sums,
+                              unsigned long long* bad) {
+  double d2 = 0, r2 = 0;
+  unsigned long long nb = 0;
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < n; i += uint64_t{gridDim.x} * blockDim.x) {
+    const float x = __bfloat162float(t[i]), y = __bfloat162float(b[i]);
+    if (!isfinite(x) || !isfinite(y)) {
+      ++nb;
+      continue;
+    }
+    const double d = static_cast<double>(x) - static_cast<double>(y);
+    d2 += d * d;
+    r2 += static_cast<double>(y) * static_cast<double>(y);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    d2 += __shfl_down_sync(0xFFFFFFFFu, d2, o);
+    r2 += __shfl_down_sync(0xFFFFFFFFu, r2, o);
+    nb += __shfl_down_sync(0xFFFFFFFFu, nb, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicAdd(&sums[0], d2);
+    atomicAdd(&sums[1], r2);
+    if (nb != 0) atomicAdd(bad, nb);
+  }
+}
+
+// cuBLASLt C = A·Bᵀ with row-major A [m,k], B [n,k], C [m,n] ("TN" in column-major terms), bf16 in/out, fp32
+// compute, heuristic algorithm (as bench/gemm_rs_bench.cu).
+struct LtGemm {
+  cublasLtHandle_t handle{};
+  cublasLtMatmulDesc_t op{};
+  cublasLtMatrixLayout_t la{}, lb{}, lc{};
+  cublasLtMatmulAlgo_t algo{};
+  void* ws = nullptr;
+  size_t wsSize = 0;
+  LtGemm(cublasLtHandle_t h, uint64_t m, uint64_t n, uint64_t k, void* workspace, size_t workspaceSize)
+      : handle(h), ws(workspace), wsSize(workspaceSize) {
+    BK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    BK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    BK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    BK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, k, n, static_cast<int64_t>(k)));
+    BK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, k, m, static_cast<int64_t>(k)));
+    BK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, n, m, static_cast<int64_t>(n)));
+    cublasLtMatmulPreference_t pref;
+    BK(cublasLtMatmulPreferenceCreate(&pref));
+    BK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsSize, sizeof(wsSize)));
+    cublasLtMatmulHeuristicResult_t res{};
+    int found = 0;
+    BK(cublasLtMatmulAlgoGetHeuristic(handle, op, la, lb, lc, lc, pref, 1, &res, &found));
+    if (found == 0) {
+      std::fprintf(stderr, "cuBLASLt found no algorithm for %llux%llux%llu\n", static_cast<unsigned long long>(m),
+                   static_cast<unsigned long long>(k), static_cast<unsigned long long>(n));
+      std::exit(2);
+    }
+    algo = res.algo;
+    cublasLtMatmulPreferenceDestroy(pref);
+  }
+  ~LtGemm() {
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatmulDescDestroy(op);
+  }
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
+  void run(const void* a, const void* b, void* c, cudaStream_t s) const {
+    const float alpha = 1.0f, beta = 0.0f;
+    BK(cublasLtMatmul(handle, op, &alpha, b, la, a, lb, &beta, c, lc, c, lc, &algo, ws, wsSize, s));
+  }
+};
+
+// ---- host helpers --------------------------------------------------------------------------------------------
+void writeAll(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, c, n);
+    if (w <= 0) std::exit(3);
+    c += w, n -= static_cast<size_t>(w);
+  }
+}
+void readAll(int fd, void* p, size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t r = ::read(fd, c, n);
+    if (r <= 0) std::exit(3);
+    c += r, n -= static_cast<size_t>(r);
+  }
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 == 1 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// Everything one rank holds.
+struct RankState {
+  uint32_t rank = 0, nranks = 0;
+  cudaStream_t stream{};
+  ncclComm_t nccl{};
+  tandem_session_t session{};
+  tandem_comm_t comm{};
+  cublasLtHandle_t lt{};
+  void* ltWs = nullptr;
+  float* scratch = nullptr;  // barrier word, then the floats maxOverRanks exchanges
+  size_t scratchFloats = 0;
+  double* sums = nullptr;
+  unsigned long long* bad = nullptr;
+  tandem_buffer_t a{}, b{}, c{}, gathered{};  // tandem buffers: inputs shared by both methods, tandem's outputs
+  void* baseC = nullptr;                       // baseline's output
+  void* baseAux = nullptr;                     // baseline's gathered A (ag-gemm) or bf16 partial (gemm-rs/ar)
+
+  void barrier() { NK(ncclAllReduce(scratch, scratch, 1, ncclFloat, ncclSum, nccl, stream)); }
+  // Elementwise max over the ranks, in place (synchronous).
+  void maxOverRanks(std::vector<float>& v) {
+    if (v.empty()) return;
+    if (v.size() + 1 > scratchFloats) {
+      std::fprintf(stderr, "rank %u: %zu floats to exchange, room for %zu\n", rank, v.size(), scratchFloats - 1);
+      std::exit(2);
+    }
+    CK(cudaMemcpyAsync(scratch + 1, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+    NK(ncclAllReduce(scratch + 1, scratch + 1, v.size(), ncclFloat, ncclMax, nccl, stream));
+    CK(cudaMemcpyAsync(v.data(), scratch + 1, v.size() * sizeof(float), cudaMemcpyDeviceToHost, stream));
+    CK(cudaStreamSynchronize(stream));
+  }
+};
+
+// The extents of one case on one rank, in elements.
+struct Extents {
+  uint64_t rows;     // ag-gemm: this rank's rows of A; gemm-rs: this rank's rows of C
+  uint64_t kLocal;   // K of this rank's A and B
+  uint64_t aElems, bElems, cElems, baseAuxElems;
+};
+Extents extentsOf(const Case& c, uint32_t nranks) {
+  Extents e{};
+  const Shape& s = c.s;
+  if (c.op == Op::kAgGemm) {
+    e.rows = s.m / nranks;
+    e.kLocal = s.k;
+    e.aElems = e.rows * s.k;
+    e.bElems = s.n * s.k;
+    e.cElems = s.m * s.n;
+    e.baseAuxElems = s.m * s.k;  // gathered A
+  } else {
+    e.rows = c.op == Op::kGemmRs ? s.m / nranks : s.m;
+    e.kLocal = s.k / nranks;
+    e.aElems = s.m * e.kLocal;
+    e.bElems = s.n * e.kLocal;
+    e.cElems = e.rows * s.n;
+    e.baseAuxElems = s.m * s.n;  // partial
+  }
+  return e;
+}
+
+struct Result {
+  double tandemMs = 0, baselineMs = 0, tandemMinMs = 0, baselineMinMs = 0;
+  float relErr = 0, nonFinite = 0;
+  std::string failure;  // "" = ok
+};
+
+// One case on one rank. Every rank makes the same calls in the same order; failures detected by every rank alike
+// (a refused submission) skip the timing on every rank.
+Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
+  Result res;
+  const Shape& s = c.s;
+  const Extents e = extentsOf(c, st.nranks);
+  const cudaStream_t stream = st.stream;
+  fillKernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(tandem_buffer_ptr(st.a)), e.aElems, seed * 64 + st.rank);
+  fillKernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(tandem_buffer_ptr(st.b)), e.bElems,
+                                       seed * 64 + 32 + st.rank);
+  CK(cudaGetLastError());
+  const LtGemm gemm(st.lt, s.m, s.n, e.kLocal, st.ltWs, 64u << 20);
+  const size_t es = sizeof(__nv_bfloat16);
+  void* aPtr = tandem_buffer_ptr(st.a);
+  void* bPtr = tandem_buffer_ptr(st.b);
+
+  const auto submitTandem = [&](tandem_op_t* op) -> tandem_status_t {
+    if (c.op == Op::kAgGemm) {
+      const tandem_ag_gemm_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, s.k, {st.a, 0}, {st.b, 0},
+                                       {st.c, 0}, {o.gathered ? st.gathered : nullptr, 0}, stream};
+      return tandem_ag_gemm(st.comm, &args, op);
+    }
+    const tandem_gemm_rs_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, e.kLocal, {st.a, 0}, {st.b, 0},
+                                     {st.c, 0}, stream};
+    return c.op == Op::kGemmRs ? tandem_gemm_rs(st.comm, &args, op) : tandem_gemm_ar(st.comm, &args, op);
+  };
+  const auto runBaseline = [&] {
+    if (c.op == Op::kAgGemm) {
+      NK(ncclAllGather(aPtr, st.baseAux, e.aElems, ncclBfloat16, st.nccl, stream));
+      gemm.run(st.baseAux, bPtr, st.baseC, stream);
+    } else {
+      gemm.run(aPtr, bPtr, st.baseAux, stream);
+      if (c.op == Op::kGemmRs) {
+        NK(ncclReduceScatter(st.baseAux, st.baseC, e.cElems, ncclBfloat16, ncclSum, st.nccl, stream));
+      } else {
+        NK(ncclAllReduce(st.baseAux, st.baseC, e.cElems, ncclBfloat16, ncclSum, st.nccl, stream));
+      }
+    }
+  };
+  // Agrees across ranks: 1 if any rank saw a failure.
+  const auto anyRank = [&](bool failed) {
+    std::vector<float> v{failed ? 1.0f : 0.0f};
+    st.maxOverRanks(v);
+    return v[0] != 0.0f;
+  };
+
+  // ---- correctness: one op each on poisoned outputs, tandem's C against the baseline's.
+  void* cPtr = tandem_buffer_ptr(st.c);
+  CK(cudaMemsetAsync(cPtr, 0xFF, e.cElems * es, stream));
+  CK(cudaMemsetAsync(st.baseC, 0xFF, e.cElems * es, stream));
+  // The baseline first, on its own: its first launches (cuBLASLt's kernel for this shape, lazily loaded) then never
+  // wait behind a fused kernel that waits for a peer.
+  st.barrier();
+  runBaseline();
+  CK(cudaStreamSynchronize(stream));
+  st.barrier();
+  tandem_op_t op{};
+  std::string failure;
+  if (submitTandem(&op) != TANDEM_SUCCESS) failure = std::string("submit: ") + tandem_last_error();
+  CK(cudaStreamSynchronize(stream));
+  if (failure.empty() && tandem_wait(op, 120000) != TANDEM_SUCCESS) failure = std::string("op: ") + tandem_last_error();
+  if (anyRank(!failure.empty())) {
+    res.failure = failure.empty() ? "failed on another rank (see its stderr)" : failure;
+    std::fprintf(stderr, "rank %u: %s %llux%llux%llu: %s\n", st.rank, opName(c.op), static_cast<unsigned long long>(s.m),
+                 static_cast<unsigned long long>(s.k), static_cast<unsigned long long>(s.n), res.failure.c_str());
+    return res;
+  }
+  CK(cudaMemsetAsync(st.sums, 0, 2 * sizeof(double), stream));
+  CK(cudaMemsetAsync(st.bad, 0, sizeof(unsigned long long), stream));
+  compareKernel<<<1024, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(cPtr),
+                                          static_cast<const __nv_bfloat16*>(st.baseC), e.cElems, st.sums, st.bad);
+  CK(cudaGetLastError());
+  double sums[2] = {};
+  unsigned long long bad = 0;
+  CK(cudaMemcpyAsync(sums, st.sums, sizeof sums, cudaMemcpyDeviceToHost, stream));
+  CK(cudaMemcpyAsync(&bad, st.bad, sizeof bad, cudaMemcpyDeviceToHost, stream));
+  CK(cudaStreamSynchronize(stream));
+  {
+    std::vector<float> v{static_cast<float>(sums[1] > 0 ? std::sqrt(sums[0] / sums[1]) : (sums[0] > 0 ? 1.0 : 0.0)),
+                         static_cast<float>(bad)};
+    st.maxOverRanks(v);
+    res.relErr = v[0];
+    res.nonFinite = v[1];
+  }
+  if (!(res.relErr < 1e-2f) || res.nonFinite != 0) {
+    char msg[160];
+    std::snprintf(msg, sizeof msg, "tandem vs baseline: relative error %.3g (limit 1e-2), %.0f non-finite values",
+                  static_cast<double>(res.relErr), static_cast<double>(res.nonFinite));
+    res.failure = msg;
+  }
+
+  // ---- timing: both methods every iteration, alternating order, a barrier before each op.
+  const int total = o.warmup + o.iters;
+  std::vector<cudaEvent_t> ev(static_cast<size_t>(total) * 4);  // [it][method][start, stop]
+  for (auto& x : ev) CK(cudaEventCreate(&x));
+  std::vector<tandem_op_t> ops;
+  ops.reserve(static_cast<size_t>(total));
+  failure.clear();
+  for (int it = 0; it < total; ++it) {
+    for (int j = 0; j < 2; ++j) {
+      const int method = (it % 2 == 0) ? j : 1 - j;  // 0 tandem, 1 baseline
+      cudaEvent_t* pair = &ev[(static_cast<size_t>(it) * 2 + static_cast<size_t>(method)) * 2];
+      st.barrier();
+      CK(cudaEventRecord(pair[0], stream));
+      if (method == 0) {
+        // After a refused submission this rank skips its tandem ops but keeps the NCCL calls in step with its peers
+        // (whose fused kernels then fail at their deadline instead of hanging NCCL).
+        if (failure.empty()) {
+          if (submitTandem(&op) == TANDEM_SUCCESS) ops.push_back(op);
+          else failure = std::string("timed submit: ") + tandem_last_error();
+        }
+      } else {
+        runBaseline();
+      }
+      CK(cudaEventRecord(pair[1], stream));
+    }
+  }
+  CK(cudaStreamSynchronize(stream));
+  for (const tandem_op_t& x : ops) {
+    if (failure.empty() && tandem_wait(x, 120000) != TANDEM_SUCCESS) failure = std::string("timed op: ") + tandem_last_error();
+  }
+  if (anyRank(!failure.empty())) {
+    res.failure = failure.empty() ? "timing failed on another rank (see its stderr)" : failure;
+    std::fprintf(stderr, "rank %u: %s: %s\n", st.rank, opName(c.op), res.failure.c_str());
+  } else {
+    std::vector<float> ms(static_cast<size_t>(o.iters) * 2);
+    for (int it = o.warmup; it < total; ++it) {
+      for (int method = 0; method < 2; ++method) {
+        const cudaEvent_t* pair = &ev[(static_cast<size_t>(it) * 2 + static_cast<size_t>(method)) * 2];
+        CK(cudaEventElapsedTime(&ms[static_cast<size_t>(it - o.warmup) * 2 + static_cast<size_t>(method)], pair[0],
+                                pair[1]));
+      }
+    }
+    st.maxOverRanks(ms);  // per iteration and method: the slowest rank
+    std::vector<double> t, b;
+    for (int i = 0; i < o.iters; ++i) {
+      t.push_back(ms[static_cast<size_t>(i) * 2]);
+      b.push_back(ms[static_cast<size_t>(i) * 2 + 1]);
+    }
+    res.tandemMs = median(t);
+    res.baselineMs = median(b);
+    res.tandemMinMs = *std::min_element(t.begin(), t.end());
+    res.baselineMinMs = *std::min_element(b.begin(), b.end());
+  }
+  for (auto& x : ev) CK(cudaEventDestroy(x));
+  return res;
+}
+
+// One rank. Rank 0 prints the table. Returns the process exit code.
+int rankMain(const Options& o, uint32_t rank, int up, int down, const std::string& socket, uint64_t workspace) {
+  int devices = 0;
+  CK(cudaGetDeviceCount(&devices));
+  if (static_cast<uint32_t>(devices) < o.ranks) {
+    std::fprintf(stderr, "rank %u: %u ranks need %u GPUs, this host has %d\n", rank, o.ranks, o.ranks, devices);
+    return 2;
+  }
+  CK(cudaSetDevice(static_cast<int>(rank)));
+  CK(cudaFree(nullptr));
+  RankState st;
+  st.rank = rank;
+  st.nranks = o.ranks;
+  ncclUniqueId ncclId;
+  if (rank == 0) {
+    NK(ncclGetUniqueId(&ncclId));
+    writeAll(up, &ncclId, sizeof ncclId);
+  }
+  readAll(down, &ncclId, sizeof ncclId);
+  NK(ncclCommInitRank(&st.nccl, static_cast<int>(o.ranks), ncclId, static_cast<int>(rank)));
+  tandem_unique_id_t tid;
+  if (rank == 0) {
+    TK(tandem_get_unique_id(&tid));
+    writeAll(up, &tid, sizeof tid);
+  }
+  readAll(down, &tid, sizeof tid);
+  TK(tandem_connect(socket.c_str(), &st.session));
+  if (std::strcmp(tandem_session_backend(st.session), "cuda") != 0) {
+    std::fprintf(stderr, "rank %u: tandemd runs backend %s; this benchmark needs cuda\n", rank,
+                 tandem_session_backend(st.session));
+    return 2;
+  }
+  TK(tandem_comm_init(st.session, &tid, o.ranks, rank, 120000, &st.comm));
+  CK(cudaStreamCreateWithFlags(&st.stream, cudaStreamNonBlocking));
+  BK(cublasLtCreate(&st.lt));
+  CK(cudaMalloc(&st.ltWs, 64u << 20));
+  st.scratchFloats = 1 + 2 * static_cast<size_t>(o.iters) + 64;
+  CK(cudaMalloc(&st.scratch, st.scratchFloats * sizeof(float)));
+  CK(cudaMemset(st.scratch, 0, st.scratchFloats * sizeof(float)));
+  CK(cudaMalloc(&st.sums, 2 * sizeof(double)));
+  CK(cudaMalloc(&st.bad, sizeof(unsigned long long)));
+
+  // Buffers once, at the largest extent of any case (every tensor at offset 0).
+  const std::vector<Case> cases = casesOf(o);
+  Extents maxE{};
+  uint64_t maxGathered = 0;
+  for (const Case& c : cases) {
+    const Extents e = extentsOf(c, o.ranks);
+    maxE.aElems = std::max(maxE.aElems, e.aElems);
+    maxE.bElems = std::max(maxE.bElems, e.bElems);
+    maxE.cElems = std::max(maxE.cElems, e.cElems);
+    maxE.baseAuxElems = std::max(maxE.baseAuxElems, e.baseAuxElems);
+    if (c.op == Op::kAgGemm) maxGathered = std::max(maxGathered, c.s.m * c.s.k);
+  }
+  const uint64_t es = sizeof(__nv_bfloat16);
+  TK(tandem_alloc(st.session, maxE.aElems * es, &st.a));
+  TK(tandem_alloc(st.session, maxE.bElems * es, &st.b));
+  TK(tandem_alloc(st.session, maxE.cElems * es, &st.c));
+  if (o.gathered && maxGathered > 0) TK(tandem_alloc(st.session, maxGathered * es, &st.gathered));
+  CK(cudaMalloc(&st.baseC, maxE.cElems * es));
+  CK(cudaMalloc(&st.baseAux, maxE.baseAuxElems * es));
+
+  if (rank == 0) {
+    if (o.socket.empty()) {
+      std::printf("fused_e2e_bench: %u ranks (one process and GPU each), private tandemd: backend cuda, executor "
+                  "client, cuda.workspace_bytes %llu MiB\n", o.ranks, static_cast<unsigned long long>(workspace >> 20));
+    } else {
+      std::printf("fused_e2e_bench: %u ranks (one process and GPU each), tandemd at %s (its config; executor client "
+                  "needed), workspace needed about %llu MiB\n", o.ranks, socket.c_str(),
+                  static_cast<unsigned long long>(workspace >> 20));
+    }
+    std::printf("baseline: NCCL (AllGather / ReduceScatter / AllReduce, bf16) + cuBLASLt (bf16 in/out, fp32 "
+                "accumulate), same processes, same inputs; ag-gemm %s\n",
+                o.gathered ? "also writes the gathered A" : "without a_gathered");
+    std::printf("median over %d iterations (after %d warm-ups) of the per-iteration max over ranks; methods "
+                "alternate; NCCL 1-float all-reduce barrier before each op\n",
+                o.iters, o.warmup);
+    std::printf("%-8s %-19s %10s %11s %10s %10s %10s %9s %s\n", "op", "M x K x N", "tandem ms", "baseline ms",
+                "base/tand", "tand TF/s", "base TF/s", "rel.err", "check");
+    std::fflush(stdout);
+  }
+  int failures = 0;
+  std::string jsonRows;
+  std::vector<std::string> failLines;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const Result r = runCase(st, o, c, static_cast<uint32_t>(i + 1));
+    if (!r.failure.empty()) ++failures;
+    if (rank != 0) continue;
+    const double flops = c.op == Op::kAgGemm ? 2.0 * static_cast<double>(c.s.m) * c.s.n * c.s.k
+                                             : 2.0 * static_cast<double>(c.s.m) * c.s.n * c.s.k / o.ranks;
+    const auto tflops = [&](double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0; };
+    char shape[48];
+    std::snprintf(shape, sizeof shape, "%llux%llux%llu", static_cast<unsigned long long>(c.s.m),
+                  static_cast<unsigned long long>(c.s.k), static_cast<unsigned long long>(c.s.n));
+    const double ratio = r.tandemMs > 0 ? r.baselineMs / r.tandemMs : 0.0;
+    std::printf("%-8s %-19s %10.4f %11.4f %10.3f %10.0f %10.0f %9.2e %s\n", opName(c.op), shape, r.tandemMs,
+                r.baselineMs, ratio, tflops(r.tandemMs), tflops(r.baselineMs), static_cast<double>(r.relErr),
+                r.failure.empty() ? "ok" : "FAIL");
+    std::fflush(stdout);
+    if (!r.failure.empty()) failLines.push_back(std::string("FAIL ") + opName(c.op) + " " + shape + ": " + r.failure);
+    char row[768];
+    std::snprintf(row, sizeof row,
+                  "    {\"op\": \"%s\", \"m\": %llu, \"k\": %llu, \"n\": %llu, \"tandem_ms\": %.5f, \"baseline_ms\": %.5f, "
+                  "\"baseline_over_tandem\": %.4f, \"tandem_min_ms\": %.5f, \"baseline_min_ms\": %.5f, "
+                  "\"tandem_tflops_per_gpu\": %.1f, \"baseline_tflops_per_gpu\": %.1f, \"rel_err\": %.3e, \"ok\": %s}",
+                  opName(c.op), static_cast<unsigned long long>(c.s.m), static_cast<unsigned long long>(c.s.k),
+                  static_cast<unsigned long long>(c.s.n), r.tandemMs, r.baselineMs, ratio, r.tandemMinMs,
+                  r.baselineMinMs, tflops(r.tandemMs), tflops(r.baselineMs), static_cast<double>(r.relErr),
+                  r.failure.empty() ? "true" : "false");
+    jsonRows += (jsonRows.empty() ? "" : ",\n") + std::string(row);
+  }
+  if (rank == 0) {
+    for (const auto& l : failLines) std::printf("%s\n", l.c_str());
+    std::printf("correctness (tandem vs baseline, rel. error < 1e-2, no non-finite value, every rank): %s\n",
+                failures == 0 ? "PASS" : "FAIL");
+    std::fflush(stdout);
+    if (!o.json.empty()) {
+      std::ofstream(o.json) << "{\n  \"bench\": \"fused_e2e_bench\", \"ranks\": " << o.ranks
+                            << ", \"executor\": \"client\", \"iters\": " << o.iters << ", \"warmup\": " << o.warmup
+                            << ", \"workspace_bytes\": " << workspace << ", \"gathered\": "
+                            << (o.gathered ? "true" : "false") << ",\n  \"rows\": [\n" << jsonRows << "\n  ]\n}\n";
+    }
+  }
+  CK(cudaStreamSynchronize(st.stream));
+  CK(cudaFree(st.baseC));
+  CK(cudaFree(st.baseAux));
+  CK(cudaFree(st.ltWs));
+  CK(cudaFree(st.scratch));
+  CK(cudaFree(st.sums));
+  CK(cudaFree(st.bad));
+  cublasLtDestroy(st.lt);
+  tandem_free(st.a);
+  tandem_free(st.b);
+  tandem_free(st.c);
+  if (st.gathered != nullptr) tandem_free(st.gathered);
+  ncclCommDestroy(st.nccl);
+  tandem_comm_destroy(st.comm);
+  tandem_disconnect(st.session);
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  const char* usage =
+      "usage: fused_e2e_bench [--iters N] [--warmup N] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--ranks N] "
+      "[--gathered] [--workspace BYTES] [--json FILE] [--socket PATH]\n";
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto next = [&] {
+        if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+        return std::string(argv[++i]);
+      };
+      if (a == "--iters") o.iters = std::stoi(next());
+      else if (a == "--warmup") o.warmup = std::stoi(next());
+      else if (a == "--op") o.op = next();
+      else if (a == "--shape") o.shape = std::stoi(next());
+      else if (a == "--ranks") o.ranks = static_cast<uint32_t>(std::stoul(next()));
+      else if (a == "--gathered") o.gathered = true;
+      else if (a == "--workspace") o.workspace = std::stoull(next());
+      else if (a == "--json") o.json = next();
+      else if (a == "--socket") o.socket = next();
+      else throw std::invalid_argument("unknown argument " + a);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n%s", e.what(), usage);
+    return 2;
+  }
+  if (!o.op.empty() && o.op != "ag-gemm" && o.op != "gemm-rs" && o.op != "gemm-ar") {
+    std::fprintf(stderr, "--op %s: expected ag-gemm, gemm-rs or gemm-ar\n%s", o.op.c_str(), usage);
+    return 2;
+  }
+  if (o.iters < 1 || o.warmup < 0 || o.ranks < 1) {
+    std::fprintf(stderr, "--iters must be >= 1, --warmup >= 0, --ranks >= 1\n%s", usage);
+    return 2;
+  }
+  const std::vector<Case> cases = casesOf(o);
+  if (cases.empty()) {
+    std::fprintf(stderr, "no shape selected (--shape %d: ag-gemm has %zu shapes, gemm-rs/ar %zu)\n", o.shape,
+                 std::size(kAgShapes), std::size(kReduceShapes));
+    return 2;
+  }
+  for (const Case& c : cases) {  // NCCL's collectives need equal shards; the kernels need k slices % 8 == 0
+    if (c.s.m % o.ranks != 0 || (c.op != Op::kAgGemm && (c.s.k % o.ranks != 0 || (c.s.k / o.ranks) % 8 != 0))) {
+      std::fprintf(stderr, "%s %llux%llux%llu does not split evenly over %u ranks\n", opName(c.op),
+                   static_cast<unsigned long long>(c.s.m), static_cast<unsigned long long>(c.s.k),
+                   static_cast<unsigned long long>(c.s.n), o.ranks);
+      return 2;
+    }
+  }
+  // NVLink multicast stays off on these machines (NVLS); gpu-check.sh exports the same.
+  ::setenv("NCCL_NVLS_ENABLE", "0", 0);
+  ::signal(SIGPIPE, SIG_IGN);
+  const uint64_t workspace = o.workspace != 0 ? o.workspace : workspaceFor(cases, o.ranks);
+  std::unique_ptr<tandem::bench::PrivateDaemon> daemon;
+  if (o.socket.empty()) {
+    try {
+      daemon = std::make_unique<tandem::bench::PrivateDaemon>(
+          TANDEMD_PATH, "daemon:\n  backend: cuda\n  executor: client\ncuda:\n  workspace_bytes: " +
+                            std::to_string(workspace) + "\n");
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 2;
+    }
+  }
+  const std::string socket = daemon ? daemon->socket() : o.socket;
+  std::vector<pid_t> pids;
+  std::vector<int> ups, downs;
+  for (uint32_t r = 0; r < o.ranks; ++r) {
+    int up[2], down[2];
+    if (::pipe(up) != 0 || ::pipe(down) != 0) return 2;
+    const pid_t pid = ::fork();
+    if (pid < 0) return 2;
+    if (pid == 0) {
+      ::close(up[0]);
+      ::close(down[1]);
+      const int code = rankMain(o, r, up[1], down[0], socket, workspace);
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(code);
+    }
+    ::close(up[1]);
+    ::close(down[0]);
+    pids.push_back(pid);
+    ups.push_back(up[0]);
+    downs.push_back(down[1]);
+  }
+  // Rank exits: a check failure (1) lets the others finish; anything else stops the ranks still running, which would
+  // otherwise wait in NCCL (no deadline) or in a fused kernel. Only the rank pids are waited for (tandemd is a child
+  // too, reaped by PrivateDaemon).
+  int rc = 0;
+  std::vector<pid_t> alive = pids;
+  const auto reapExited = [&] {
+    for (size_t i = 0; i < alive.size();) {
+      int status = 0;
+      const pid_t w = ::waitpid(alive[i], &status, WNOHANG);
+      if (w == 0) {
+        ++i;
+        continue;
+      }
+      const pid_t p = alive[i];
+      alive.erase(alive.begin() + static_cast<std::ptrdiff_t>(i));
+      const int code = w < 0 ? 2 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (code == 0) continue;
+      rc = std::max(rc, code == 1 ? 1 : 2);
+      if (code != 1) {
+        std::fprintf(stderr, "fused_e2e_bench: rank process %d exited with %d; stopping the other ranks\n",
+                     static_cast<int>(p), code);
+        for (pid_t q : alive) ::kill(q, SIGKILL);
+      }
+    }
+  };
+  // Relay rank 0's ids (NCCL's, then tandem's) to every rank, watching for ranks that die meanwhile.
+  const auto relay = [&](size_t bytes) {
+    std::vector<char> buf(bytes);
+    size_t got = 0;
+    while (got < bytes) {
+      pollfd pfd{ups[0], POLLIN, 0};
+      if (::poll(&pfd, 1, 100) <= 0) {
+        reapExited();
+        if (rc == 2) return false;
+        continue;
+      }
+      const ssize_t n = ::read(ups[0], buf.data() + got, bytes - got);
+      if (n <= 0) return false;
+      got += static_cast<size_t>(n);
+    }
+    for (int fd : downs) writeAll(fd, buf.data(), bytes);
+    return true;
+  };
+  const bool relayed = relay(sizeof(ncclUniqueId)) && relay(sizeof(tandem_unique_id_t));
+  if (!relayed) {
+    for (pid_t q : alive) ::kill(q, SIGKILL);
+  }
+  while (!alive.empty()) {
+    reapExited();
+    if (!alive.empty()) ::usleep(20000);
+  }
+  if (!relayed && rc == 0) rc = 2;
+  if (rc == 2 && daemon) std::fprintf(stderr, "---- tandemd log ----\n%s\n", daemon->log().c_str());
+  return rc;
+}
