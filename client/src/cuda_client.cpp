@@ -454,20 +454,26 @@ void CommGpu::launchAllGather(const OpDescriptor& d, const DevicePointers& ptrs,
   k::launchAllGather(p, static_cast<cudaStream_t>(stream));
 }
 
-// The fused GEMMs cannot skip an op the daemon rejected (nothing in them reads the verdict): the daemon aborts the
-// communicator instead, so they find the abort word set and unwind (cuda_backend.cpp, release). Every wait reports
-// into this rank's control page (errorSlot) and polls its abort word, as AllGather's do.
-std::string CommGpu::launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  k::AgGemmParams p{};
-  p.rank = static_cast<int32_t>(rank_);
-  p.nranks = static_cast<int32_t>(nranks_);
+// The fields AgGemmParams and GemmRsParams share: this rank, the shape, the dtype and the operands.
+template <class Params>
+void fillGemmCommon(Params& p, const OpDescriptor& d, const DevicePointers& ptrs, uint32_t rank, uint32_t nranks) {
+  p.rank = static_cast<int32_t>(rank);
+  p.nranks = static_cast<int32_t>(nranks);
   p.m = static_cast<int64_t>(d.dims[dim::kM]);
   p.n = static_cast<int64_t>(d.dims[dim::kN]);
   p.k = static_cast<int64_t>(d.dims[dim::kK]);
   p.dtype = gemmDtype(d.dtype);
   p.a = ptrs[slot::kA];
   p.b = ptrs[slot::kB];
+}
+
+// The fused GEMMs cannot skip an op the daemon rejected (nothing in them reads the verdict): the daemon aborts the
+// communicator instead, so they find the abort word set and unwind (cuda_backend.cpp, release). Every wait reports
+// into this rank's control page (errorSlot) and polls its abort word, as AllGather's do.
+std::string CommGpu::launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  k::AgGemmParams p{};
+  fillGemmCommon(p, d, ptrs, rank_, nranks_);
   p.c = ptrs[slot::kC];
   void* const userGathered = ptrs[slot::kAGathered];
   if (nranks_ == 1) {
@@ -508,14 +514,7 @@ std::string CommGpu::launchGemmReduce(const OpDescriptor& d, const DevicePointer
   const auto s = static_cast<cudaStream_t>(stream);
   const bool allReduce = d.kind == OpKind::kGemmAr;
   k::GemmRsParams p{};
-  p.rank = static_cast<int32_t>(rank_);
-  p.nranks = static_cast<int32_t>(nranks_);
-  p.m = static_cast<int64_t>(d.dims[dim::kM]);
-  p.n = static_cast<int64_t>(d.dims[dim::kN]);
-  p.k = static_cast<int64_t>(d.dims[dim::kK]);
-  p.dtype = gemmDtype(d.dtype);
-  p.a = ptrs[slot::kA];
-  p.b = ptrs[slot::kB];
+  fillGemmCommon(p, d, ptrs, rank_, nranks_);
   p.lda = p.k;
   p.ldb = p.k;
   p.ldOut = p.n;

@@ -248,4 +248,24 @@ inline std::string gatedRank(const Io& io, const std::string& socket, const tand
   }
 }
 
+// Both ranks of a failure case have submitted; the victim is SIGKILLed 300 ms later. The survivor's stream must come
+// back (synced) with PEER_LOST or ABORTED. `releaseSurvivor`: its stream was gated, so it is released after the kill.
+inline void expectStreamReleasedAfterKill(Rank& survivor, Rank& victim, bool releaseSurvivor,
+                                          const std::function<std::string()>& logs) {
+  REQUIRE(survivor.read(60000) == "submitted");
+  REQUIRE(victim.read(60000) == "submitted");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  victim.kill();
+  victim.reap();
+  if (releaseSurvivor) survivor.tell("release");
+  survivor.tell("sync");
+  const std::string result = survivor.read(30000);
+  INFO(result);
+  INFO(logs());
+  CHECK(result.rfind("synced ", 0) == 0);
+  CHECK((result.find(" " + std::to_string(TANDEM_ERROR_PEER_LOST) + " ") != std::string::npos ||
+         result.find(" " + std::to_string(TANDEM_ERROR_ABORTED) + " ") != std::string::npos));
+  survivor.reap();
+}
+
 }  // namespace tandem::gputest
