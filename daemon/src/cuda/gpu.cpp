@@ -56,6 +56,10 @@ class Nvml {
     linkState_ = reinterpret_cast<int (*)(NvmlDevice, unsigned, int*)>(::dlsym(lib_, "nvmlDeviceGetNvLinkState"));
     remotePci_ = reinterpret_cast<int (*)(NvmlDevice, unsigned, NvmlPciInfo*)>(
         ::dlsym(lib_, "nvmlDeviceGetNvLinkRemotePciInfo_v2"));
+    // Optional (older drivers lack them): without them links through an NVSwitch are not attributed to peers.
+    remoteType_ = reinterpret_cast<int (*)(NvmlDevice, unsigned, int*)>(
+        ::dlsym(lib_, "nvmlDeviceGetNvLinkRemoteDeviceType"));
+    p2pStatus_ = reinterpret_cast<int (*)(NvmlDevice, NvmlDevice, int, int*)>(::dlsym(lib_, "nvmlDeviceGetP2PStatus"));
     ok_ = init_ && shutdown_ && byUuid_ && linkState_ && remotePci_ && init_() == 0;
   }
   ~Nvml() {
@@ -63,19 +67,36 @@ class Nvml {
     if (lib_ != nullptr) ::dlclose(lib_);
   }
   bool ok() const { return ok_; }
-  // Active links from `uuid` to each PCI (domain, bus, device) it reaches.
-  std::map<std::tuple<unsigned, unsigned, unsigned>, uint32_t> links(const std::string& uuid) const {
-    std::map<std::tuple<unsigned, unsigned, unsigned>, uint32_t> out;
+  // Where a GPU's NVLinks go: to other GPUs directly (counted per PCI (domain, bus, device)), or to NVSwitches (HGX
+  // boards: every link goes to a switch, and the GPU reaches every NVLink peer through all of them).
+  struct Links {
+    std::map<std::tuple<unsigned, unsigned, unsigned>, uint32_t> direct;
+    uint32_t toSwitches = 0;
+  };
+  Links links(const std::string& uuid) const {
+    Links out;
     NvmlDevice dev = nullptr;
     if (!ok_ || byUuid_(uuid.c_str(), &dev) != 0) return out;
     for (unsigned link = 0; link < 18; ++link) {
       int active = 0;
       if (linkState_(dev, link, &active) != 0 || active == 0) continue;
+      int type = -1;
+      if (remoteType_ != nullptr && remoteType_(dev, link, &type) == 0 && type == kNvLinkDeviceSwitch) {
+        ++out.toSwitches;
+        continue;
+      }
       NvmlPciInfo pci{};
       if (remotePci_(dev, link, &pci) != 0) continue;
-      ++out[{pci.domain, pci.bus, pci.device}];
+      ++out.direct[{pci.domain, pci.bus, pci.device}];
     }
     return out;
+  }
+  // Whether NVML says the two GPUs talk peer to peer over NVLink (directly or through switches).
+  bool nvlinkPeers(const std::string& a, const std::string& b) const {
+    NvmlDevice da = nullptr, db = nullptr;
+    if (!ok_ || p2pStatus_ == nullptr || byUuid_(a.c_str(), &da) != 0 || byUuid_(b.c_str(), &db) != 0) return false;
+    int status = -1;
+    return p2pStatus_(da, db, kP2pCapsNvlink, &status) == 0 && status == kP2pStatusOk;
   }
 
  private:
@@ -86,6 +107,11 @@ class Nvml {
   int (*byUuid_)(const char*, NvmlDevice*) = nullptr;
   int (*linkState_)(NvmlDevice, unsigned, int*) = nullptr;
   int (*remotePci_)(NvmlDevice, unsigned, NvmlPciInfo*) = nullptr;
+  int (*remoteType_)(NvmlDevice, unsigned, int*) = nullptr;
+  int (*p2pStatus_)(NvmlDevice, NvmlDevice, int, int*) = nullptr;
+  static constexpr int kNvLinkDeviceSwitch = 2;  // NVML_NVLINK_DEVICE_TYPE_SWITCH
+  static constexpr int kP2pCapsNvlink = 2;       // NVML_P2P_CAPS_INDEX_NVLINK
+  static constexpr int kP2pStatusOk = 0;         // NVML_P2P_STATUS_OK
 };
 
 std::tuple<unsigned, unsigned, unsigned> parseBusId(const std::string& id) {
@@ -227,7 +253,11 @@ std::vector<GpuInfo> discoverGpus(const std::vector<std::string>& only) {
         p.p2p = pe == cudaSuccess || pe == cudaErrorPeerAccessAlreadyEnabled;
         cudaGetLastError();
       }
-      if (auto it = links.find(parseBusId(peer.pciBusId)); it != links.end()) p.nvlinks = it->second;
+      if (auto it = links.direct.find(parseBusId(peer.pciBusId)); it != links.direct.end()) {
+        p.nvlinks = it->second;
+      } else if (links.toSwitches != 0 && nvml.nvlinkPeers(g.uuid, peer.uuid)) {
+        p.nvlinks = links.toSwitches;  // through the NVSwitches: every switch link carries traffic to this peer
+      }
       g.peers.push_back(p);
     }
   }
