@@ -246,6 +246,7 @@ void Cluster::start(MessageHandler onMessage, NodeLostHandler onNodeLost) {
   transport_->setPeerFailureHandler([this](NodeIndex node, const transport::PeerStatus& st) {
     nodeLost(node, st.state == transport::PeerState::kClosed ? NodeState::kClosed : NodeState::kFailed, st.reason);
   });
+  transport_->setPeerRejoinHandler([this](NodeIndex node) { nodeRejoined(node); });
   proxy_->start();
   spdlog::info("cluster: node {} of {} listening on {}; connecting to the others (up to {} ms)", self_, nodes_.size(),
                addresses_[self_].toString(), config_.cluster.connectTimeoutMs);
@@ -267,13 +268,7 @@ void Cluster::stop() {
   retired_.clear();
 }
 
-void Cluster::connectThread() {
-  try {
-    transport_->connect(addresses_);
-    spdlog::info("cluster: connected to every node");
-  } catch (const Error& e) {
-    spdlog::error("cluster: {}", e.what());  // nodes not connected were reported lost by the transport
-  }
+std::string Cluster::helloBytes() const {
   v1::PeerMessage hello;
   auto* h = hello.mutable_hello();
   h->set_protocol_version(kClusterProtocolVersion);
@@ -290,19 +285,53 @@ void Cluster::connectThread() {
     gi->set_memory_bytes(g.memoryBytes);
     gi->set_pci_bus_id(g.pciBusId);
   }
-  const std::string helloBytes = hello.SerializeAsString();
+  return hello.SerializeAsString();
+}
+
+void Cluster::connectThread() {
+  try {
+    transport_->connect(addresses_);
+    spdlog::info("cluster: connected to every node");
+  } catch (const Error& e) {
+    // Nodes not connected were reported lost by the transport, which keeps re-dialing them: they rejoin
+    // (nodeRejoined) when they come up.
+    spdlog::error("cluster: {}", e.what());
+  }
+  const std::string hello = helloBytes();
   std::lock_guard send(sendMutex_);
   for (NodeIndex n = 0; n < nodes_.size(); ++n) {
-    if (n == self_ || transport_->peerStatus(n).state != transport::PeerState::kConnected) continue;
+    if (n == self_ || linkUp_[n] || transport_->peerStatus(n).state != transport::PeerState::kConnected) continue;
     {
       std::lock_guard lock(mutex_);
       if (nodes_[n].state == NodeState::kConnecting) nodes_[n].state = NodeState::kConnected;
     }
-    sendNow(n, helloBytes);
+    sendNow(n, hello);
     for (const std::string& m : queued_[n]) sendNow(n, m);
     queued_[n].clear();
     linkUp_[n] = true;
   }
+}
+
+void Cluster::nodeRejoined(NodeIndex node) {
+  if (stopping_.load() || node >= nodes_.size() || node == self_) return;
+  // Under sendMutex_, so that the hello is the first message of the new incarnation: until linkUp_ is set, send()
+  // drops messages for the node (they were meant for its previous run).
+  std::lock_guard send(sendMutex_);
+  {
+    std::lock_guard lock(mutex_);
+    Node& n = nodes_[node];
+    // Its hello may already have come (and found it incompatible): that verdict stands.
+    if (n.state == NodeState::kFailed || n.state == NodeState::kClosed || n.state == NodeState::kConnecting) {
+      n.state = NodeState::kConnected;
+      n.reason.clear();
+    }
+  }
+  spdlog::info("cluster: {} rejoined (transport generation {}); communicators that failed with it stay failed",
+               nodeName(node), transport_->peerGeneration(node));
+  sendNow(node, helloBytes());
+  for (const std::string& m : queued_[node]) sendNow(node, m);
+  queued_[node].clear();
+  linkUp_[node] = true;
 }
 
 void Cluster::sendNow(NodeIndex node, const std::string& bytes) {
@@ -419,6 +448,24 @@ void Cluster::handleHello(NodeIndex from, const v1::NodeHello& h) {
 }
 
 void Cluster::nodeLost(NodeIndex node, NodeState state, const std::string& reason) {
+  if (state != NodeState::kIncompatible) {
+    // The transport lost the node (this incarnation of it): nothing more goes to it until it rejoins and gets
+    // our hello again, and its next run must send its own hello first. Runs on a transport thread holding no
+    // transport lock; sendNow under sendMutex_ only queues, so this cannot deadlock.
+    {
+      std::lock_guard send(sendMutex_);
+      linkUp_[node] = false;
+      queued_[node].clear();
+    }
+    std::lock_guard lock(mutex_);
+    Node& n = nodes_[node];
+    n.helloReceived = false;
+    if (n.state == NodeState::kIncompatible) {  // already reported to the engine; now it is gone as well
+      n.state = state;
+      n.reason = reason;
+      return;
+    }
+  }
   {
     std::lock_guard lock(mutex_);
     Node& n = nodes_[node];

@@ -24,6 +24,12 @@
 // Failure. A peer node that dies, hangs up, misses heartbeats for communicators.peer_lost_deadline_ms or
 // sends garbage is lost: every communicator with a rank there fails on this node (the engine does that from
 // the NodeLost callback), and waits in exchange() end at once with that reason.
+//
+// Rejoin. The transport keeps re-dialing a lost node and accepts its fresh handshakes; a restarted daemon
+// therefore rejoins by itself. When the transport reports the node connected again (a new incarnation), its
+// state goes back to connected, this node sends it our NodeHello first (it sends its own), and messages flow
+// again. Communicators that failed with it stay failed; new ones across it work. Messages sent to a lost node
+// are dropped (not queued): they belonged to its previous run.
 #pragma once
 
 #include <array>
@@ -191,6 +197,8 @@ class Cluster {
   };
 
   void connectThread();
+  std::string helloBytes() const;      // this node's NodeHello, serialised
+  void nodeRejoined(NodeIndex node);  // the transport reconnected a lost node (a new incarnation of it)
   void onMessage(NodeIndex from, std::span<const std::byte> bytes);
   void handleHello(NodeIndex from, const v1::NodeHello& hello);
   void nodeLost(NodeIndex node, NodeState state, const std::string& reason);

@@ -2,6 +2,7 @@
 // test may create network namespaces each node lives in its own, linked through a bridge, so a link can be
 // cut; otherwise the nodes use distinct loopback addresses and a hung node (SIGSTOP) stands in for a cut link.
 // Clients are tandemctl processes on every node, each running its share of one communicator's ranks.
+// A daemon that is killed and started again with the same config rejoins by itself.
 #include <doctest/doctest.h>
 
 #include <fmt/format.h>
@@ -20,6 +21,7 @@ constexpr int kPeerDeadlineMs = 1000;
 // A cluster of n daemons. Ports derive from the pid so parallel test processes on loopback do not collide.
 struct Cluster {
   SimulatedNodes nodes;
+  std::vector<std::string> configs;
   std::vector<std::unique_ptr<Daemon>> daemons;
 
   explicit Cluster(int n, const std::function<std::string(int)>& secretOf = {})
@@ -35,8 +37,15 @@ struct Cluster {
           "cluster:\n  nodes: [{}]\n  node_index: {}\n  secret: \"{}\"\n  connect_timeout_ms: 15000\n"
           "  heartbeat_interval_ms: 50\n  staging_bytes: 4194304\n",
           kPeerDeadlineMs, list, i, secret);
+      configs.push_back(config);
       daemons.push_back(std::make_unique<Daemon>(config, std::vector<std::string>{}, "cpu", nodes.prefix(i)));
     }
+  }
+
+  // Starts node i's daemon again (after it died) with the same config: the same address and port.
+  void restart(int i) {
+    daemons[i].reset();  // reaps it (SIGKILL first if it still runs)
+    daemons[i] = std::make_unique<Daemon>(configs[i], std::vector<std::string>{}, "cpu", nodes.prefix(i));
   }
 
   // Waits until every daemon sees every other node in `state` (e.g. "connected").
@@ -201,5 +210,34 @@ TEST_CASE("a node with a different cluster secret is refused, with the reason on
   for (const auto& r : results) {
     INFO(r.out << r.err);
     CHECK(r.exitCode != 0);
+  }
+}
+
+TEST_CASE("a daemon killed and restarted with the same config rejoins by itself, and new communicators span it") {
+  Cluster c(2);
+  REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
+  const std::vector<std::string> gemmRs = {"gemm-rs", "--ranks", "4", "--m", "37", "--n", "19", "--k", "48", "--check"};
+  for (const auto& r : runEverywhere(c, gemmRs, {"0,1", "2,3"})) {
+    INFO(r.out << r.err);
+    REQUIRE(r.exitCode == 0);
+  }
+  c.daemons[1]->signal(SIGKILL);
+  REQUIRE_MESSAGE(eventually([&] { return daemonStatus(*c.daemons[0])["cluster"]["nodes"][1]["state"] == "failed"; },
+                             5000), c.logs());
+  const auto restartedAt = Clock::now();
+  c.restart(1);  // systemd's Restart=on-failure, in short
+  REQUIRE_MESSAGE(c.allNodes("connected", 15000), c.logs());
+  MESSAGE("both nodes connected again ",
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - restartedAt).count(),
+          " ms after the restart began");
+  CHECK(daemonStatus(*c.daemons[0])["cluster"]["nodes"][1]["reason"] == "");
+  // Communicators across the rejoined node work, in both splits of the ranks.
+  for (const auto& split : std::vector<std::vector<std::string>>{{"0,1", "2,3"}, {"0", "1-3"}}) {
+    const auto results = runEverywhere(c, gemmRs, split);
+    for (size_t i = 0; i < results.size(); ++i) {
+      INFO("node " << i << " ranks " << split[i] << ":\n" << results[i].out << results[i].err);
+      CHECK(results[i].exitCode == 0);
+      if (results[i].exitCode != 0) MESSAGE(c.logs());
+    }
   }
 }

@@ -4,6 +4,7 @@
 // SIGKILLed or frozen peer reported lost within its deadline, a clean shutdown seen as closed, and a connect
 // deadline. Control messages: order and bytes from 0 bytes to the limit, handled only after the data written
 // before them, argument checks, a lost peer, and an oversized message frame from a raw socket failing the peer.
+// Rejoin: a SIGKILLed peer process restarted on the same port comes back as a new generation, in both directions.
 // Every wait has a deadline and says what it waited for.
 #include <arpa/inet.h>
 #include <doctest/doctest.h>
@@ -901,4 +902,131 @@ TEST_CASE("a frozen peer process (SIGSTOP) is reported lost by the heartbeat dea
   ::kill(child->pid, SIGKILL);
   ::kill(child->pid, SIGCONT);
   CHECK(child->wait(2s) == -SIGKILL);
+}
+
+namespace {
+// Node 1 of the rejoin test, one incarnation: binds `port` (0: any), connects to the parent, exchanges keys,
+// waits for the parent's data + flag `v`, answers with its own data + flag `v` and a message, then idles until
+// the parent closes the pipe (or kills it).
+int rejoinChild(int in, int out, uint64_t v) {
+  // The port to bind (0 for any), then the parent's port.
+  const auto port = receive<uint16_t>(in, 20s, "port to bind");
+  auto cfg = config(1, "test-secret", 3);  // three connections: every one of them must come back
+  cfg.listenPort = port;
+  TcpTransport t(cfg);
+  send(out, t.listenPort());
+  const auto parentPort = receive<uint16_t>(in, 5s, "parent port");
+  t.connect({{hostOf(0), parentPort}, {hostOf(1), t.listenPort()}});
+  std::vector<uint8_t> dst(4096, 0), answer(4096, static_cast<uint8_t>(0x50 + v));
+  uint64_t flag = 0;
+  const LocalRegion answerRegion = t.registerMemory({MemoryKind::kHost, answer.data(), answer.size()});
+  send(out, keyBytes(t.remoteKey(t.registerMemory({MemoryKind::kHost, dst.data(), dst.size()}))));
+  send(out, keyBytes(t.remoteKey(t.registerMemory({MemoryKind::kHost, &flag, 8}))));
+  const auto parentData = RemoteKey::decode(receive<KeyBytes>(in, 5s, "parent data key"));
+  const auto parentFlag = RemoteKey::decode(receive<KeyBytes>(in, 5s, "parent flag key"));
+  if (!waitFor([&] { return loadAcquire(flag) == v; }, 5s)) return 10;
+  if (!std::all_of(dst.begin(), dst.end(), [&](uint8_t b) { return b == static_cast<uint8_t>(0x30 + v); })) return 11;
+  t.write(0, answerRegion, 0, parentData, 0, answer.size(), 0, false);
+  t.writeFlag(0, parentFlag, 0, v, 0, false);
+  const std::string text = fmt::format("incarnation {}", v);
+  t.sendMessage(0, asBytes(text));
+  t.submit();
+  char c;
+  (void)readExact(in, &c, 1, 20s);
+  return 0;
+}
+}  // namespace
+
+TEST_CASE("a SIGKILLed peer process that restarts on the same port rejoins as a new generation") {
+  // Both incarnations of node 1 are forked before this process starts any transport thread; the second one
+  // waits for its port.
+  Pipe toParentA, toChildA, toParentB, toChildB;
+  Child first([&] {
+    ::close(toParentA.fd[0]);
+    ::close(toChildA.fd[1]);
+    return rejoinChild(toChildA.fd[0], toParentA.fd[1], 1);
+  });
+  Child second([&] {
+    ::close(toParentB.fd[0]);
+    ::close(toChildB.fd[1]);
+    return rejoinChild(toChildB.fd[0], toParentB.fd[1], 2);
+  });
+  for (Pipe* p : {&toParentA, &toParentB}) p->fd[1] = (::close(p->fd[1]), -1);
+  for (Pipe* p : {&toChildA, &toChildB}) p->fd[0] = (::close(p->fd[0]), -1);
+
+  std::vector<uint8_t> src(4096), back(4096, 0);
+  uint64_t backFlag = 0;
+  TcpTransport t(config(0, "test-secret", 3));
+  Inbox inbox;
+  inbox.install(t);
+  std::atomic<int> rejoins{0}, failures{0};
+  t.setPeerRejoinHandler([&](NodeIndex n) {
+    if (n == 1) ++rejoins;
+  });
+  t.setPeerFailureHandler([&](NodeIndex n, const PeerStatus&) {
+    if (n == 1) ++failures;
+  });
+  const LocalRegion srcRegion = t.registerMemory({MemoryKind::kHost, src.data(), src.size()});
+  const KeyBytes backKey = keyBytes(t.remoteKey(t.registerMemory({MemoryKind::kHost, back.data(), back.size()})));
+  const KeyBytes backFlagKey = keyBytes(t.remoteKey(t.registerMemory({MemoryKind::kHost, &backFlag, 8})));
+  uint16_t childPort = 0;
+
+  // One round with incarnation v: keys both ways, our data + flag v, its data + flag v + a message.
+  auto round = [&](Pipe& toChild, Pipe& toParent, uint64_t v) {
+    const auto dataKey = RemoteKey::decode(receive<KeyBytes>(toParent.fd[0], 10s, "child data key"));
+    const auto flagKey = RemoteKey::decode(receive<KeyBytes>(toParent.fd[0], 5s, "child flag key"));
+    send(toChild.fd[1], backKey);
+    send(toChild.fd[1], backFlagKey);
+    std::fill(src.begin(), src.end(), static_cast<uint8_t>(0x30 + v));
+    t.write(1, srcRegion, 0, dataKey, 0, src.size(), 0, false);
+    t.writeFlag(1, flagKey, 0, v, 0, false);
+    t.submit();
+    CHECK_MESSAGE(waitFor([&] { return loadAcquire(backFlag) == v; }, 5s), "incarnation ", v, "'s answer did not arrive");
+    CHECK(std::all_of(back.begin(), back.end(), [&](uint8_t b) { return b == static_cast<uint8_t>(0x50 + v); }));
+    CHECK_MESSAGE(waitFor([&] { return inbox.size() >= v; }, 5s), "incarnation ", v, "'s message did not arrive");
+  };
+
+  // Incarnation 1.
+  send(toChildA.fd[1], uint16_t{0});
+  childPort = receive<uint16_t>(toParentA.fd[0], 5s, "child port");
+  send(toChildA.fd[1], t.listenPort());
+  t.connect({{hostOf(0), t.listenPort()}, {hostOf(1), childPort}});
+  CHECK(t.peerGeneration(1) == 1);
+  round(toChildA, toParentA, 1);
+
+  // Kill it: lost, ops fail fast, and nothing queued for it survives.
+  ::kill(first.pid, SIGKILL);
+  REQUIRE_MESSAGE(waitFor([&] { return t.peerStatus(1).state == PeerState::kFailed; }, 2s), "the kill was not noticed");
+  CHECK(first.wait(2s) == -SIGKILL);
+  CHECK(codeOf([&] { t.sendMessage(1, asBytes("lost")); }) == ErrorCode::kPeerLost);
+  CHECK(t.peerGeneration(1) == 1);
+  CHECK(rejoins.load() == 0);
+
+  // Incarnation 2 on the same port: it rejoins by itself (our transport re-dials it and accepts its handshakes).
+  const auto restartedAt = Clock::now();
+  send(toChildB.fd[1], childPort);
+  REQUIRE(receive<uint16_t>(toParentB.fd[0], 5s, "restarted child port") == childPort);
+  send(toChildB.fd[1], t.listenPort());
+  REQUIRE_MESSAGE(waitFor([&] { return t.peerStatus(1).state == PeerState::kConnected; }, 5s),
+                  "the restarted peer did not rejoin within 5 s: ", t.peerStatus(1).reason);
+  MESSAGE("rejoined after ", std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - restartedAt).count(),
+          " ms");
+  CHECK(t.peerGeneration(1) == 2);
+  CHECK(t.peerStatus(1).reason.empty());
+  CHECK(waitFor([&] { return rejoins.load() == 1; }, 1s));
+  round(toChildB, toParentB, 2);
+  {
+    std::lock_guard lock(inbox.mutex);
+    REQUIRE(inbox.messages.size() == 2);
+    for (uint64_t v = 1; v <= 2; ++v) {
+      const std::string text = fmt::format("incarnation {}", v);
+      const auto& m = inbox.messages[v - 1];
+      CHECK(m.from == 1);
+      CHECK(std::string(reinterpret_cast<const char*>(m.bytes.data()), m.bytes.size()) == text);
+    }
+  }
+  CHECK(failures.load() == 1);
+  toChildB.closeBoth();  // lets it exit cleanly
+  CHECK(second.wait(5s) == 0);
+  CHECK(waitFor([&] { return t.peerStatus(1).state == PeerState::kClosed; }, 2s));
 }

@@ -246,6 +246,8 @@ auto logExceptions(std::string what, Fn onDone) {
   };
 }
 
+constexpr auto kIgnore = [] {};
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------
@@ -267,10 +269,12 @@ struct TcpTransport::Impl {
   };
 
   struct OutConn : std::enable_shared_from_this<OutConn> {
-    OutConn(Impl& i, NodeIndex p, uint32_t idx) : impl(i), peer(p), index(idx), strand(asio::make_strand(i.io)), socket(strand) {}
+    OutConn(Impl& i, NodeIndex p, uint32_t idx, uint64_t att)
+        : impl(i), peer(p), index(idx), attempt(att), strand(asio::make_strand(i.io)), socket(strand) {}
     Impl& impl;
     const NodeIndex peer;
     const uint32_t index;
+    const uint64_t attempt;  // the peer's connection attempt this connection belongs to (Peer::attempt)
     Strand strand;
     tcp::socket socket;  // strand only
     std::mutex mutex;    // guards queue, writing, closed
@@ -342,7 +346,7 @@ struct TcpTransport::Impl {
           writing = false;
         }
         impl.failPeer(peer, PeerState::kFailed,
-                      fmt::format("write on connection {} failed: {}", index, describe(ec)));
+                      fmt::format("write on connection {} failed: {}", index, describe(ec)), attempt);
         return;
       }
       lastTxNs.store(nowNs(), std::memory_order_relaxed);
@@ -372,6 +376,7 @@ struct TcpTransport::Impl {
     tcp::socket socket;
     NodeIndex peer = kNoNode;  // set by the handshake
     uint32_t index = 0;
+    uint64_t attempt = 0;      // set by the handshake: the peer's Peer::attempt it was accepted into
     std::atomic<int64_t> lastRxNs{0};
     std::atomic<bool> ready{false};
     std::vector<std::byte> staging;  // device-region payloads
@@ -397,8 +402,15 @@ struct TcpTransport::Impl {
     ErrorCode fatalCode = ErrorCode::kOk;  // handshake failure that connect() reports
     std::string fatal;
     std::string lastDialError;
-    std::vector<std::shared_ptr<OutConn>> out;  // fixed after connect() builds it
+    // The current attempt's connections. `out` is replaced (a new attempt) only with sendMutex, completionMutex and
+    // mutex all held, so any one of them makes it safe to read.
+    std::vector<std::shared_ptr<OutConn>> out;
     std::vector<std::shared_ptr<InConn>> in;    // slots filled by handshakes
+    // Connection attempt: 0 for connect(), +1 each time the peer fails (or a rejoin attempt breaks). Connections
+    // carry the attempt they belong to; anything a connection of an older attempt reports is ignored.
+    uint64_t attempt = 0;
+    bool rejoining = false;                 // a failed/closed peer: handshakes from it are accepted again
+    std::atomic<uint64_t> generation{0};    // incarnations: +1 each time the peer becomes connected
     uint32_t outReady = 0, inReady = 0;
     std::vector<uint64_t> recvData;             // per inbound connection: data frames fully written
     std::deque<PendingItem> pending;            // flags and messages in arrival order
@@ -452,6 +464,7 @@ struct TcpTransport::Impl {
 
   std::mutex handlerMutex;
   std::function<void(NodeIndex, const PeerStatus&)> failureHandler;
+  std::function<void(NodeIndex)> rejoinHandler;
   using MessageHandler = std::function<void(NodeIndex, std::span<const std::byte>)>;
   std::shared_ptr<const MessageHandler> messageHandler;  // guarded by handlerMutex; copied per delivery
   std::atomic<bool> warnedNoMessageHandler{false};
@@ -546,30 +559,47 @@ struct TcpTransport::Impl {
     fail(ErrorCode::kPeerLost, "tcp transport: peer {} lost: {}", nodeName(p.node), p.reason);
   }
 
-  // Marks a peer failed (or closed), once: closes its connections, fails its queued signalled ops,
-  // wakes connect(), calls the failure handler.
-  void failPeer(NodeIndex node, PeerState newState, std::string reason) {
+  static constexpr uint64_t kAnyAttempt = ~uint64_t{0};
+
+  // Marks a peer failed (or closed), once per incarnation: closes its connections, fails its queued signalled ops,
+  // drops its pending flags and messages, wakes connect(), calls the failure handler, then starts re-dialing it
+  // (a new attempt) so that it can rejoin. `attempt` is the attempt of the connection that saw the problem:
+  // reports from an older attempt are ignored, and a report from the current attempt of a peer that is already
+  // failed (a half-built rejoin broke) quietly starts another attempt.
+  void failPeer(NodeIndex node, PeerState newState, std::string reason, uint64_t attempt = kAnyAttempt) {
     if (node >= peers.size() || !peers[node]) return;
     Peer& p = *peers[node];
     std::vector<std::shared_ptr<InConn>> in;
+    std::vector<std::shared_ptr<OutConn>> out;
+    bool firstFailure = true;
+    uint64_t newAttempt = 0;
     {
       std::lock_guard lock(p.mutex);
+      if (attempt != kAnyAttempt && attempt != p.attempt) return;  // a connection of an older attempt
       const PeerState cur = p.state.load(std::memory_order_acquire);
-      if (cur == PeerState::kFailed || cur == PeerState::kClosed) return;
-      p.reason = std::move(reason);
-      p.state.store(newState, std::memory_order_release);
+      if (cur == PeerState::kFailed || cur == PeerState::kClosed) {
+        if (attempt == kAnyAttempt || !p.rejoining) return;
+        firstFailure = false;  // a connection of the rejoin attempt broke: start over
+        p.lastDialError = std::move(reason);
+      } else {
+        p.reason = std::move(reason);
+        p.state.store(newState, std::memory_order_release);
+      }
       in = p.in;
-    }
-    const PeerStatus status{newState, p.reason};  // reason is immutable once the state is terminal
-    if (stopping.load()) {
-      spdlog::debug("tcp transport: peer {} {} during shutdown: {}", nodeName(node), peerStateName(newState), status.reason);
-    } else if (newState == PeerState::kClosed) {
-      spdlog::info("tcp transport: peer {} closed: {}", nodeName(node), status.reason);
-    } else {
-      spdlog::error("tcp transport: peer {} lost: {}", nodeName(node), status.reason);
+      out = p.out;
+      // Nothing of this attempt may reach the next one: inbound connections still running find the attempt
+      // changed and stop; pending flags and messages are dropped.
+      p.attempt += 1;
+      newAttempt = p.attempt;
+      p.rejoining = false;
+      p.in.assign(p.in.size(), nullptr);
+      p.outReady = 0;
+      p.inReady = 0;
+      p.recvData.assign(p.recvData.size(), 0);
+      p.pending.clear();  // a thread delivering the front message notices the attempt change (applyPending)
     }
     std::vector<Completion> failed;
-    for (auto& c : p.out) c->shutdown();
+    for (auto& c : out) c->shutdown();
     {
       std::lock_guard lock(p.completionMutex);
       for (const auto& pc : p.pendingCompletions) failed.push_back(Completion{pc.cookie, node, ErrorCode::kPeerLost});
@@ -583,20 +613,65 @@ struct TcpTransport::Impl {
       });
     }
     pushCompletions(failed);
-    notifyState();
-    if (stopping.load()) return;
-    std::function<void(NodeIndex, const PeerStatus&)> handler;
-    {
-      std::lock_guard lock(handlerMutex);
-      handler = failureHandler;
-    }
-    if (handler) {
-      try {
-        handler(node, status);
-      } catch (const std::exception& e) {
-        spdlog::error("tcp transport: peer failure handler threw: {}", e.what());
+    if (firstFailure) {
+      const PeerStatus status{newState, peerStatusReason(p)};
+      if (stopping.load()) {
+        spdlog::debug("tcp transport: peer {} {} during shutdown: {}", nodeName(node), peerStateName(newState),
+                      status.reason);
+      } else if (newState == PeerState::kClosed) {
+        spdlog::info("tcp transport: peer {} closed: {}", nodeName(node), status.reason);
+      } else {
+        spdlog::error("tcp transport: peer {} lost: {}", nodeName(node), status.reason);
+      }
+      notifyState();
+      if (stopping.load()) return;
+      std::function<void(NodeIndex, const PeerStatus&)> handler;
+      {
+        std::lock_guard lock(handlerMutex);
+        handler = failureHandler;
+      }
+      if (handler) {
+        try {
+          handler(node, status);
+        } catch (const std::exception& e) {
+          spdlog::error("tcp transport: peer failure handler threw: {}", e.what());
+        }
       }
     }
+    startRejoin(p, newAttempt);
+  }
+
+  std::string peerStatusReason(Peer& p) const {
+    std::lock_guard lock(p.mutex);
+    return p.reason;
+  }
+
+  // Installs fresh outbound connections for `attempt` and dials them until they connect or the attempt is
+  // superseded; inbound handshakes from the peer are accepted again. Quiet: the reason of each try is kept in
+  // lastDialError only.
+  void startRejoin(Peer& p, uint64_t attempt) {
+    if (stopping.load()) return;
+    std::vector<std::shared_ptr<OutConn>> conns;
+    for (uint32_t k = 0; k < config.connectionsPerPeer; ++k)
+      conns.push_back(std::make_shared<OutConn>(*this, p.node, k, attempt));
+    std::vector<Completion> failed;
+    {
+      std::scoped_lock lock(p.sendMutex, p.completionMutex, p.mutex);
+      if (p.attempt != attempt || stopping.load()) return;  // superseded meanwhile
+      p.out = conns;
+      p.sentData.assign(p.sentData.size(), 0);
+      p.sentFrames.assign(p.sentFrames.size(), 0);
+      for (const auto& pc : p.pendingCompletions) failed.push_back(Completion{pc.cookie, p.node, ErrorCode::kPeerLost});
+      p.pendingCompletions.clear();
+      p.rejoining = true;
+    }
+    pushCompletions(failed);
+    for (auto& c : conns) asio::co_spawn(c->strand, dial(c, Clock::time_point::max(), true), logExceptions("re-dial", kIgnore));
+  }
+
+  uint64_t currentAttempt(Peer& p) const {
+    std::lock_guard lock(p.mutex);
+    return p.attempt;
   }
 
   // A handshake problem that connect() must report. Ignored once the peer is connected: a stranger that
@@ -607,7 +682,12 @@ struct TcpTransport::Impl {
     {
       std::lock_guard lock(p.mutex);
       if (p.state.load() != PeerState::kConnecting) {
-        spdlog::warn("{} (ignored: the peer is already {})", message, peerStateName(p.state.load()));
+        if (p.rejoining) {  // a re-dial or a rejoin handshake: retried quietly
+          spdlog::debug("{} (while rejoining)", message);
+          p.lastDialError = std::move(message);
+        } else {
+          spdlog::warn("{} (ignored: the peer is already {})", message, peerStateName(p.state.load()));
+        }
         return;
       }
       if (p.fatalCode == ErrorCode::kOk) {
@@ -618,19 +698,53 @@ struct TcpTransport::Impl {
     failPeer(node, PeerState::kFailed, std::move(message));
   }
 
-  void connectionReady(Peer& p, bool outbound) {
-    bool connected = false;
+  // A connection of `attempt` finished its handshake. False when the attempt was superseded (the caller closes it).
+  // The last one of an attempt makes the peer connected: a new incarnation (generation + 1); when the peer had
+  // failed before, the rejoin handler is called.
+  bool connectionReady(Peer& p, bool outbound, uint64_t attempt) {
+    bool connected = false, rejoined = false;
+    uint64_t generation = 0;
     {
       std::lock_guard lock(p.mutex);
+      if (attempt != p.attempt) return false;
       (outbound ? p.outReady : p.inReady) += 1;
-      if (p.outReady == config.connectionsPerPeer && p.inReady == config.connectionsPerPeer &&
-          p.state.load() == PeerState::kConnecting) {
+      const PeerState s = p.state.load();
+      const bool eligible = s == PeerState::kConnecting ||
+                            (p.rejoining && (s == PeerState::kFailed || s == PeerState::kClosed));
+      if (p.outReady == config.connectionsPerPeer && p.inReady == config.connectionsPerPeer && eligible) {
+        rejoined = s != PeerState::kConnecting;
+        if (rejoined) {
+          p.reason.clear();
+          p.fatalCode = ErrorCode::kOk;
+          p.fatal.clear();
+          p.lastDialError.clear();
+          p.rejoining = false;
+        }
+        generation = p.generation.fetch_add(1) + 1;
         p.state.store(PeerState::kConnected, std::memory_order_release);
         connected = true;
       }
     }
-    if (connected) spdlog::info("tcp transport: node {} connected to {}", config.self, nodeName(p.node));
+    if (connected) {
+      spdlog::info("tcp transport: node {} {} {} (generation {})", config.self, rejoined ? "reconnected to" : "connected to",
+                   nodeName(p.node), generation);
+    }
     notifyState();
+    if (rejoined && !stopping.load()) {
+      std::function<void(NodeIndex)> handler;
+      {
+        std::lock_guard lock(handlerMutex);
+        handler = rejoinHandler;
+      }
+      if (handler) {
+        try {
+          handler(p.node);
+        } catch (const std::exception& e) {
+          spdlog::error("tcp transport: peer rejoin handler threw: {}", e.what());
+        }
+      }
+    }
+    return true;
   }
 
   // Applies arrived flags and hands arrived messages to the handler, strictly in arrival order, while their
@@ -645,12 +759,15 @@ struct TcpTransport::Impl {
       }
       if (f.message) {
         p.delivering = true;
+        const uint64_t attempt = p.attempt;
         std::vector<std::byte> payload = std::move(f.payload);
         lock.unlock();
         deliverMessage(p.node, payload);
         lock.lock();
         p.delivering = false;
-        p.pending.pop_front();  // still the front: others only push_back while delivering is set
+        // Still the front, unless the peer failed meanwhile (failPeer cleared the queue; what is there now
+        // belongs to the next attempt and is looked at by this loop).
+        if (p.attempt == attempt) p.pending.pop_front();
         continue;
       }
       std::byte* target = static_cast<std::byte*>(f.region->desc.addr) + f.offset;
@@ -697,9 +814,9 @@ struct TcpTransport::Impl {
   asio::awaitable<void> acceptLoop();
   asio::awaitable<void> serveInbound(std::shared_ptr<InConn> c);
   asio::awaitable<void> inboundLoop(std::shared_ptr<InConn> c);
-  asio::awaitable<void> dial(std::shared_ptr<OutConn> c, Clock::time_point deadline);
+  asio::awaitable<void> dial(std::shared_ptr<OutConn> c, Clock::time_point deadline, bool rejoin);
   enum class DialOutcome { kOk, kRetry, kFatal };
-  asio::awaitable<DialOutcome> dialHandshake(std::shared_ptr<OutConn> c);
+  asio::awaitable<DialOutcome> dialHandshake(std::shared_ptr<OutConn> c, bool rejoin);
   asio::awaitable<void> outboundReadLoop(std::shared_ptr<OutConn> c);
   asio::awaitable<void> heartbeatLoop();
 
@@ -708,9 +825,6 @@ struct TcpTransport::Impl {
   void shutdown();
 };
 
-namespace {
-constexpr auto kIgnore = [] {};
-}
 
 asio::awaitable<void> TcpTransport::Impl::acceptLoop() {
   for (;;) {
@@ -822,11 +936,16 @@ asio::awaitable<void> TcpTransport::Impl::serveInbound(std::shared_ptr<InConn> c
   } else {
     Peer& p = *peers[from];
     std::lock_guard lock(p.mutex);
-    if (p.in[connIndex] || p.state.load() != PeerState::kConnecting) {
+    const PeerState s = p.state.load();
+    // Accepted while connect() runs, and again once the peer failed or closed (it restarted and rejoins).
+    const bool open = s == PeerState::kConnecting ||
+                      (p.rejoining && (s == PeerState::kFailed || s == PeerState::kClosed));
+    if (p.in[connIndex] || !open) {
       result = HandshakeStatus::kDuplicate;
     } else {
       c->peer = from;
       c->index = connIndex;
+      c->attempt = p.attempt;
       c->lastRxNs.store(nowNs(), std::memory_order_relaxed);
       p.in[connIndex] = c;
     }
@@ -844,14 +963,19 @@ asio::awaitable<void> TcpTransport::Impl::serveInbound(std::shared_ptr<InConn> c
   }
   if (result == HandshakeStatus::kDuplicate) {
     spdlog::warn("tcp transport: rejected {}: connection {} from it already exists (two daemons configured as node "
-                 "{}?)", who, connIndex, from);
+                 "{}, or a restarted node whose previous run this node has not seen end yet?)", who, connIndex, from);
     co_return;
   }
   watchdog.cancel();
   c->ready.store(true, std::memory_order_release);
-  connectionReady(*peers[from], /*outbound=*/false);
+  if (!connectionReady(*peers[from], /*outbound=*/false, c->attempt)) {
+    error_code ignored;
+    c->socket.close(ignored);
+    co_return;
+  }
   if (ec) {
-    failPeer(from, PeerState::kFailed, fmt::format("handshake on inbound connection {} failed: {}", connIndex, describe(ec)));
+    failPeer(from, PeerState::kFailed, fmt::format("handshake on inbound connection {} failed: {}", connIndex, describe(ec)),
+             c->attempt);
     co_return;
   }
   co_await inboundLoop(c);
@@ -861,7 +985,8 @@ asio::awaitable<void> TcpTransport::Impl::inboundLoop(std::shared_ptr<InConn> c)
   Peer& p = *peers[c->peer];
   const uint32_t conns = config.connectionsPerPeer;
   auto protocolError = [&](std::string what) {
-    failPeer(c->peer, PeerState::kFailed, fmt::format("sent a malformed frame on connection {}: {}", c->index, what));
+    failPeer(c->peer, PeerState::kFailed, fmt::format("sent a malformed frame on connection {}: {}", c->index, what),
+             c->attempt);
   };
   error_code ec;
   FrameHeader h{};
@@ -876,7 +1001,7 @@ asio::awaitable<void> TcpTransport::Impl::inboundLoop(std::shared_ptr<InConn> c)
         if (h.length != 0) co_return protocolError("heartbeat with a payload");
         break;
       case FrameType::kGoodbye:
-        failPeer(c->peer, PeerState::kClosed, fmt::format("{} shut its transport down", nodeName(c->peer)));
+        failPeer(c->peer, PeerState::kClosed, fmt::format("{} shut its transport down", nodeName(c->peer)), c->attempt);
         co_return;
       case FrameType::kData: {
         if (h.length == 0 || h.length > kMaxFramePayload)
@@ -895,6 +1020,7 @@ asio::awaitable<void> TcpTransport::Impl::inboundLoop(std::shared_ptr<InConn> c)
         if (device) config.deviceCopier->toDevice(target, landing, h.length);
         c->lastRxNs.store(nowNs(), std::memory_order_relaxed);
         std::unique_lock lock(p.mutex);
+        if (p.attempt != c->attempt) co_return;  // the peer failed meanwhile: nothing of it reaches the next attempt
         p.recvData[c->index] += 1;
         applyPending(p, lock);
         break;
@@ -911,6 +1037,7 @@ asio::awaitable<void> TcpTransport::Impl::inboundLoop(std::shared_ptr<InConn> c)
           co_return protocolError(fmt::format("flag at offset {} of region {} ({} bytes) is misaligned or out of bounds",
                                               h.offset, h.regionId, region->desc.bytes));
         std::unique_lock lock(p.mutex);
+        if (p.attempt != c->attempt) co_return;
         PendingItem item;
         item.counts = counts;
         item.region = std::move(region);
@@ -940,6 +1067,7 @@ asio::awaitable<void> TcpTransport::Impl::inboundLoop(std::shared_ptr<InConn> c)
         if (ec) break;
         c->lastRxNs.store(nowNs(), std::memory_order_relaxed);
         std::unique_lock lock(p.mutex);
+        if (p.attempt != c->attempt) co_return;
         p.pending.push_back(std::move(item));
         applyPending(p, lock);
         break;
@@ -947,10 +1075,11 @@ asio::awaitable<void> TcpTransport::Impl::inboundLoop(std::shared_ptr<InConn> c)
       default: co_return protocolError(fmt::format("unknown frame type {}", h.type));
     }
   }
-  if (!stopping.load()) failPeer(c->peer, PeerState::kFailed, fmt::format("inbound connection {}: {}", c->index, describe(ec)));
+  if (!stopping.load())
+    failPeer(c->peer, PeerState::kFailed, fmt::format("inbound connection {}: {}", c->index, describe(ec)), c->attempt);
 }
 
-asio::awaitable<TcpTransport::Impl::DialOutcome> TcpTransport::Impl::dialHandshake(std::shared_ptr<OutConn> c) {
+asio::awaitable<TcpTransport::Impl::DialOutcome> TcpTransport::Impl::dialHandshake(std::shared_ptr<OutConn> c, bool rejoin) {
   const NodeIndex peer = c->peer;
   Peer& p = *peers[peer];
   error_code ec;
@@ -1026,6 +1155,10 @@ asio::awaitable<TcpTransport::Impl::DialOutcome> TcpTransport::Impl::dialHandsha
     co_return DialOutcome::kFatal;
   }
   if (ec) co_return retry(fmt::format("waiting for the handshake result: {}", describe(ec)));
+  if (resultStatus == HandshakeStatus::kDuplicate && rejoin) {
+    // The peer has not seen this node's previous connections end yet (or is another daemon with our index).
+    co_return retry(fmt::format("{} still has connection {} from node {}", who, c->index, config.self));
+  }
   if (resultStatus == HandshakeStatus::kDuplicate) {
     handshakeFailure(peer, ErrorCode::kInvalidConfig,
                      fmt::format("tcp transport: {} already has connection {} from node {}; is another daemon "
@@ -1037,15 +1170,20 @@ asio::awaitable<TcpTransport::Impl::DialOutcome> TcpTransport::Impl::dialHandsha
   co_return DialOutcome::kOk;
 }
 
-asio::awaitable<void> TcpTransport::Impl::dial(std::shared_ptr<OutConn> c, Clock::time_point deadline) {
+// `rejoin`: a re-dial of a failed peer, until it connects or the attempt is superseded; fatal handshake
+// outcomes are retried too (less often), since the peer may be restarted with a fixed configuration.
+asio::awaitable<void> TcpTransport::Impl::dial(std::shared_ptr<OutConn> c, Clock::time_point deadline, bool rejoin) {
   Peer& p = *peers[c->peer];
   const NodeAddress addr = p.addr;
   tcp::resolver resolver(c->strand);
   auto backoff = std::chrono::milliseconds(20);
+  constexpr auto kMaxBackoff = std::chrono::milliseconds(500);
   for (;;) {
     if (stopping.load() || Clock::now() >= deadline) co_return;
-    if (p.state.load() != PeerState::kConnecting) co_return;  // failed elsewhere (fatal handshake, timeout)
-    asio::steady_timer watchdog(c->strand, deadline);
+    if (currentAttempt(p) != c->attempt) co_return;  // failed elsewhere (fatal handshake, timeout), or superseded
+    // One try (connect + handshake) never outlasts connectTimeoutMs: a frozen peer must not stall a re-dial.
+    const auto tryDeadline = Clock::now() + std::chrono::milliseconds(config.connectTimeoutMs);
+    asio::steady_timer watchdog(c->strand, std::min(deadline, tryDeadline));
     watchdog.async_wait([c](const error_code& e) {
       if (!e) {
         error_code ignored;
@@ -1062,23 +1200,28 @@ asio::awaitable<void> TcpTransport::Impl::dial(std::shared_ptr<OutConn> c, Clock
       p.lastDialError = fmt::format("connecting to {}: {}", addr.toString(), describe(ec));
     } else {
       c->socket.set_option(tcp::no_delay(true), ec);
-      outcome = co_await dialHandshake(c);
+      outcome = co_await dialHandshake(c, rejoin);
     }
     watchdog.cancel();
     if (outcome == DialOutcome::kOk) {
       c->lastTxNs.store(nowNs(), std::memory_order_relaxed);
       c->ready.store(true, std::memory_order_release);
-      connectionReady(p, /*outbound=*/true);
+      if (!connectionReady(p, /*outbound=*/true, c->attempt)) {
+        error_code ignored;
+        c->socket.close(ignored);
+        co_return;
+      }
       asio::co_spawn(c->strand, outboundReadLoop(c), logExceptions("outbound connection", kIgnore));
       c->kick();  // heartbeats may have queued meanwhile
       co_return;
     }
-    if (outcome == DialOutcome::kFatal) co_return;
+    if (outcome == DialOutcome::kFatal && !rejoin) co_return;
     error_code ignored;
     c->socket.close(ignored);
-    asio::steady_timer pause(c->strand, backoff);
+    const auto wait = outcome == DialOutcome::kFatal ? 10 * kMaxBackoff : backoff;
+    asio::steady_timer pause(c->strand, wait);
     co_await pause.async_wait(asio::redirect_error(asio::use_awaitable, ec));
-    backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+    backoff = std::min(backoff * 2, kMaxBackoff);
   }
 }
 
@@ -1089,12 +1232,12 @@ asio::awaitable<void> TcpTransport::Impl::outboundReadLoop(std::shared_ptr<OutCo
   co_await asio::async_read(c->socket, asio::buffer(&h, sizeof h), asio::redirect_error(asio::use_awaitable, ec));
   if (stopping.load()) co_return;
   if (!ec && static_cast<FrameType>(h.type) == FrameType::kGoodbye) {
-    failPeer(c->peer, PeerState::kClosed, fmt::format("{} shut its transport down", nodeName(c->peer)));
+    failPeer(c->peer, PeerState::kClosed, fmt::format("{} shut its transport down", nodeName(c->peer)), c->attempt);
   } else if (!ec) {
     failPeer(c->peer, PeerState::kFailed,
-             fmt::format("sent an unexpected frame (type {}) on outbound connection {}", h.type, c->index));
+             fmt::format("sent an unexpected frame (type {}) on outbound connection {}", h.type, c->index), c->attempt);
   } else {
-    failPeer(c->peer, PeerState::kFailed, fmt::format("outbound connection {}: {}", c->index, describe(ec)));
+    failPeer(c->peer, PeerState::kFailed, fmt::format("outbound connection {}: {}", c->index, describe(ec)), c->attempt);
   }
 }
 
@@ -1112,19 +1255,20 @@ asio::awaitable<void> TcpTransport::Impl::heartbeatLoop() {
     for (auto& pp : peers) {
       if (!pp) continue;
       Peer& p = *pp;
-      const PeerState s = p.state.load();
-      if (s == PeerState::kFailed || s == PeerState::kClosed) continue;
-      for (auto& c : p.out) {
+      // The current attempt's connections, also while a failed peer rejoins (its side may already count on them).
+      std::vector<std::shared_ptr<OutConn>> out;
+      std::vector<std::shared_ptr<InConn>> in;
+      {
+        std::lock_guard lock(p.mutex);
+        out = p.out;
+        in = p.in;
+      }
+      for (auto& c : out) {
         if (!c->ready.load(std::memory_order_acquire)) continue;
         if (now - c->lastTxNs.load(std::memory_order_relaxed) < intervalNs) continue;
         OutFrame f;
         f.header.type = static_cast<uint8_t>(FrameType::kHeartbeat);
         if (c->enqueue(std::move(f))) c->kick();
-      }
-      std::vector<std::shared_ptr<InConn>> in;
-      {
-        std::lock_guard lock(p.mutex);
-        in = p.in;
       }
       for (auto& c : in) {
         if (!c || !c->ready.load(std::memory_order_acquire)) continue;
@@ -1133,7 +1277,7 @@ asio::awaitable<void> TcpTransport::Impl::heartbeatLoop() {
           failPeer(p.node, PeerState::kFailed,
                    fmt::format("no frame or heartbeat on connection {} for {} ms (deadline {} ms: "
                                "communicators.peer_lost_deadline_ms)", c->index, silentNs / 1'000'000,
-                               config.peerDeadlineMs));
+                               config.peerDeadlineMs), c->attempt);
           break;
         }
       }
@@ -1212,7 +1356,7 @@ void TcpTransport::Impl::connect(const std::vector<NodeAddress>& list) {
     auto p = std::make_unique<Peer>();
     p->node = i;
     p->addr = list[i];
-    for (uint32_t k = 0; k < conns; ++k) p->out.push_back(std::make_shared<OutConn>(*this, i, k));
+    for (uint32_t k = 0; k < conns; ++k) p->out.push_back(std::make_shared<OutConn>(*this, i, k, 0));
     p->in.resize(conns);
     p->recvData.assign(conns, 0);
     p->sentData.assign(conns, 0);
@@ -1226,7 +1370,7 @@ void TcpTransport::Impl::connect(const std::vector<NodeAddress>& list) {
   asio::co_spawn(timerStrand, heartbeatLoop(), logExceptions("heartbeat loop", kIgnore));
   for (auto& p : peers) {
     if (!p) continue;
-    for (auto& c : p->out) asio::co_spawn(c->strand, dial(c, deadline), logExceptions("dial", kIgnore));
+    for (auto& c : p->out) asio::co_spawn(c->strand, dial(c, deadline, false), logExceptions("dial", kIgnore));
   }
 
   auto settled = [&] {
@@ -1279,7 +1423,12 @@ void TcpTransport::Impl::shutdown() {
   int sent = 0;
   for (auto& pp : peers) {
     if (!pp || pp->state.load() != PeerState::kConnected) continue;
-    for (auto& c : pp->out) {
+    std::vector<std::shared_ptr<OutConn>> out;
+    {
+      std::lock_guard lock(pp->mutex);
+      out = pp->out;
+    }
+    for (auto& c : out) {
       OutFrame f;
       f.header.type = static_cast<uint8_t>(FrameType::kGoodbye);
       f.goodbye = true;
@@ -1417,6 +1566,7 @@ void TcpTransport::write(NodeIndex peer, LocalRegion src, uint64_t srcOffset, co
   const auto* base = static_cast<const std::byte*>(region->desc.addr) + srcOffset;
   const bool device = region->desc.kind == MemoryKind::kDevice;
   std::lock_guard lock(p.sendMutex);
+  im.checkConnected(p);  // again, under sendMutex: p.out is this incarnation's (a rejoin swaps it under sendMutex)
   const uint64_t conns = p.out.size();
   const uint64_t chunk = im.config.chunkBytes;
   for (uint64_t done = 0; done < bytes;) {
@@ -1458,6 +1608,7 @@ void TcpTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t dstO
     fail(ErrorCode::kInvalidArgument, "tcp transport: flag at offset {} of node {}'s region {} ({} bytes) is "
          "misaligned or out of bounds", dstOffset, peer, dst.regionId, dst.bytes);
   std::lock_guard lock(p.sendMutex);
+  im.checkConnected(p);
   Impl::OutFrame f;
   f.header.type = static_cast<uint8_t>(FrameType::kFlag);
   f.header.regionId = dst.regionId;
@@ -1479,6 +1630,7 @@ void TcpTransport::submit() {
   if (im.nodeCount.load(std::memory_order_acquire) == 0) return;
   for (auto& p : im.peers) {
     if (!p || p->state.load(std::memory_order_relaxed) != PeerState::kConnected) continue;
+    std::lock_guard lock(p->sendMutex);
     for (auto& c : p->out) c->kick();
   }
 }
@@ -1522,6 +1674,7 @@ void TcpTransport::sendMessage(NodeIndex peer, std::span<const std::byte> payloa
   im.checkConnected(p);
   {
     std::lock_guard lock(p.sendMutex);
+    im.checkConnected(p);
     Impl::OutFrame f;
     f.header.type = static_cast<uint8_t>(FrameType::kMessage);
     const std::size_t countBytes = p.sentData.size() * sizeof(uint64_t);
@@ -1535,9 +1688,19 @@ void TcpTransport::sendMessage(NodeIndex peer, std::span<const std::byte> payloa
     f.header.value = payload.size();
     // Not counted: a message is no signalled op, and the caller's bytes were copied, so no completion waits on it.
     if (!p.out[0]->enqueue(std::move(f))) im.checkConnected(p);  // throws kPeerLost with the reason
+    // Start it now, and the writes queued before it, which it waits for on the receiver.
+    for (auto& c : p.out) c->kick();
   }
-  // Start it now, and the writes queued before it, which it waits for on the receiver.
-  for (auto& c : p.out) c->kick();
+}
+
+uint64_t TcpTransport::peerGeneration(NodeIndex peer) const {
+  if (peer == impl_->config.self) return 0;
+  return impl_->peerRef(peer).generation.load(std::memory_order_acquire);
+}
+
+void TcpTransport::setPeerRejoinHandler(std::function<void(NodeIndex)> handler) {
+  std::lock_guard lock(impl_->handlerMutex);
+  impl_->rejoinHandler = std::move(handler);
 }
 
 }  // namespace tandem::daemon::transport

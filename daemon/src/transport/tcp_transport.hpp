@@ -52,6 +52,23 @@
 // peerDeadlineMs marks the peer failed; later ops on it throw Error(kPeerLost) naming it and the reason,
 // and signalled ops still queued complete with kPeerLost. A peer that sends Goodbye is marked closed.
 //
+// Rejoin. A failed or closed peer is not given up: right after the failure (and its handler) the transport
+// starts a new connection attempt for it. It re-dials the peer's address quietly with back-off (20 ms doubling
+// to 500 ms; 5 s after a handshake refusal such as a different secret, which stays the reported reason), and
+// its acceptor takes a fresh, fully authenticated handshake from that node index again (new nonces, the same
+// secret, version and connection-count checks). While the attempt runs the peer stays failed/closed with its
+// reason and every op on it throws kPeerLost. Once all connections of the attempt are up in both directions the
+// peer is kConnected again as a new incarnation: peerGeneration() (1 after the first connect) goes up by one,
+// and the rejoin handler (setPeerRejoinHandler) is called on an io thread without transport locks held, like
+// the message handler. Messages of the new incarnation may reach the message handler a moment before the rejoin
+// handler runs (its inbound side can be up first). Nothing of the old incarnation reaches the new one: its
+// queued frames, pending completions (kPeerLost), pending flags and messages and data counts are dropped with
+// the failure, and every connection carries the attempt it belongs to, so a late report or frame from an old
+// connection is ignored. Remote keys carry no incarnation: a caller must not use keys of a peer's previous
+// incarnation (its regions are gone; a restarted peer registers new ones and hands out new keys).
+// A restarted node that dials a survivor which has not yet noticed its previous run ended is refused as a
+// duplicate and keeps retrying until the survivor's heartbeat deadline fails the old incarnation.
+//
 // Threads: `ioThreads` threads run one io_context; each connection's handlers run on its own strand.
 #pragma once
 
@@ -112,8 +129,15 @@ class TcpTransport final : public Transport {
   /// `nodes[i]` is node i's address (the entry for this node is ignored). Call once.
   /// Throws Error(kPermissionDenied) for a different cluster secret, Error(kVersionMismatch) for a different
   /// protocol version, Error(kInvalidConfig) for a different connection count, Error(kTimeout) when some peer
-  /// is not connected by connectTimeoutMs (the text lists which and why). Peers not connected are marked failed.
+  /// is not connected by connectTimeoutMs (the text lists which and why). Peers not connected are marked failed
+  /// (and then re-dialed in the background like any failed peer: they join when they come up).
   void connect(const std::vector<NodeAddress>& nodes);
+
+  /// How many times `peer` became connected: 0 before, 1 after connect(), +1 per rejoin (see the file comment).
+  uint64_t peerGeneration(NodeIndex peer) const;
+  /// Called when a failed or closed peer is connected again (a new incarnation), on an io thread without transport
+  /// locks held; it may call sendMessage. Not called for the first connect. Set before connect().
+  void setPeerRejoinHandler(std::function<void(NodeIndex)> handler);
 
   /// Largest control message payload.
   static constexpr std::size_t kMaxMessageBytes = 16u << 20;
