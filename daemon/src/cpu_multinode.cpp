@@ -9,6 +9,9 @@
 //                       node only the rows that node's ranks own; the owner sums node partials in node order.
 //   gemm-ar             as gemm-rs, with every row going to every node (one shot: fine for the reference).
 //   barrier             an exchange of empty payloads.
+//   moe-*, ring-attention  replicated: every node sends every other node its ranks' inputs, then runs the whole op
+//                       (the single-node reference, cpu_ops.cpp), keeping its own ranks' outputs. Correct, and it
+//                       moves every input to every node: a reference path, not a fast one.
 // Reductions add node partials in ascending node order on every node, so every rank of gemm-ar gets bitwise
 // the same output, and repeated runs give bitwise the same results.
 #include <algorithm>
@@ -19,6 +22,7 @@
 #include "cpu_ops.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/common/numeric.hpp"
+#include "tandem/common/validate.hpp"
 
 namespace tandem::daemon {
 namespace {
@@ -40,12 +44,33 @@ struct Layout {
   }
 };
 
+// The input slots of a rank's op (those the op reads), with their extents.
+std::vector<std::pair<int, uint64_t>> inputSlots(const OpDescriptor& d) {
+  const SlotRules rules = expectedSlots(d);
+  std::vector<std::pair<int, uint64_t>> out;
+  for (int s = 0; s < static_cast<int>(kMaxOpBuffers); ++s) {
+    const auto i = static_cast<std::size_t>(s);
+    if (!rules[i].name.empty() && !rules[i].output && d.bufs[i].bytes != 0) out.emplace_back(s, d.bufs[i].bytes);
+  }
+  return out;
+}
+
+bool replicated(OpKind kind) {
+  return kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine || kind == OpKind::kRingAttention;
+}
+
 // Bytes node `from` sends node `to` in this op. The same function on every node, so all nodes agree
 // whether the op fits the staging before any of them starts.
 uint64_t payloadBytes(const Layout& l, uint32_t from, uint32_t to) {
   const OpDescriptor& d = l.ranks[0].desc;
   const uint64_t n = l.nranks();
   uint64_t bytes = 0;
+  if (replicated(d.kind)) {
+    for (uint32_t r : l.ranksOn(from)) {
+      for (auto& [s, b] : inputSlots(l.ranks[r].desc)) bytes += b;
+    }
+    return bytes;
+  }
   switch (d.kind) {
     case OpKind::kAgGemm:
       for (uint32_t r : l.ranksOn(from)) bytes += rowsOf(d.dims[dim::kM], r, n) * d.dims[dim::kK] * dtypeSize(d.dtype);
@@ -212,6 +237,49 @@ void gemmReduce(const Layout& l, CommLink& link, uint64_t epoch) {
   }
 }
 
+// moe-*, ring-attention: gather every rank's inputs everywhere, then run the single-node op on all ranks. Remote
+// ranks' outputs land in scratch and are dropped; every node computes them identically, so nothing needs sending back.
+void replicatedOp(const Layout& l, CommLink& link, uint64_t epoch) {
+  std::vector<RankOp> all(l.ranks.begin(), l.ranks.end());
+  std::vector<std::vector<std::byte>> scratch;
+  for (uint32_t r = 0; r < l.nranks(); ++r) {
+    if (l.local(r)) continue;
+    const SlotRules rules = expectedSlots(all[r].desc);
+    for (std::size_t s = 0; s < kMaxOpBuffers; ++s) {
+      const uint64_t bytes = all[r].desc.bufs[s].bytes;
+      if (rules[s].name.empty() || bytes == 0 || (rules[s].output && rules[s].optional)) continue;
+      all[r].data[s] = scratch.emplace_back(bytes).data();
+    }
+  }
+  const std::vector<uint32_t> mine = l.ranksOn(l.self);
+  link.exchange(
+      epoch,
+      [&](uint32_t, std::span<std::byte> out) {
+        uint64_t off = 0;
+        for (uint32_t r : mine) {
+          for (auto& [s, bytes] : inputSlots(all[r].desc)) {
+            std::memcpy(out.data() + off, all[r].data[static_cast<std::size_t>(s)], bytes);
+            off += bytes;
+          }
+        }
+        return off;
+      },
+      [&](uint32_t node, std::span<const std::byte> in) {
+        uint64_t off = 0;
+        for (uint32_t r : l.ranksOn(node)) {
+          for (auto& [s, bytes] : inputSlots(all[r].desc)) {
+            if (off + bytes > in.size()) {
+              fail(ErrorCode::kProtocol, "{}: node {} sent a short payload", opKindName(all[r].desc.kind), node);
+            }
+            std::memcpy(all[r].data[static_cast<std::size_t>(s)], in.data() + off, bytes);
+            off += bytes;
+          }
+        }
+      },
+      kExchangeTimeoutMs);
+  runCpuOp(all);
+}
+
 }  // namespace
 
 void runCpuOpAcrossNodes(std::span<const RankOp> ranks, std::span<const uint32_t> nodeOfRank, CommLink& link,
@@ -223,10 +291,11 @@ void runCpuOpAcrossNodes(std::span<const RankOp> ranks, std::span<const uint32_t
     case OpKind::kGemmRs:
     case OpKind::kGemmAr:
     case OpKind::kAllGather:
-    case OpKind::kNop: break;
-    default:
-      fail(ErrorCode::kUnsupported, "{} across nodes is not supported yet (ag-gemm, gemm-rs, gemm-ar, allgather and "
-           "barriers are); keep this communicator's ranks on one node", opKindName(kind));
+    case OpKind::kNop:
+    case OpKind::kMoeDispatchGemm:
+    case OpKind::kMoeDispatchFfnCombine:
+    case OpKind::kRingAttention: break;
+    default: fail(ErrorCode::kUnsupported, "{} is not an op tandem runs", opKindName(kind));
   }
   for (uint32_t from : link.nodes()) {
     for (uint32_t to : link.nodes()) {
@@ -244,6 +313,9 @@ void runCpuOpAcrossNodes(std::span<const RankOp> ranks, std::span<const uint32_t
     case OpKind::kAllGather: return allGather(l, link, epoch);
     case OpKind::kGemmRs:
     case OpKind::kGemmAr: return gemmReduce(l, link, epoch);
+    case OpKind::kMoeDispatchGemm:
+    case OpKind::kMoeDispatchFfnCombine:
+    case OpKind::kRingAttention: return replicatedOp(l, link, epoch);
     default:
       link.exchange(epoch, [](uint32_t, std::span<std::byte>) { return uint64_t{0}; },
                     [](uint32_t, std::span<const std::byte>) {}, kExchangeTimeoutMs);

@@ -28,9 +28,10 @@ void gemmNT(const float* a, const float* b, float* c, std::size_t m, std::size_t
 
 class CommLink;
 // Runs one collective whose ranks live on several nodes (cpu_multinode.cpp). ranks[r].desc is every rank's
-// descriptor; only ranks on this node (nodeOfRank[r] == link.self()) have data. Supports ag-gemm, gemm-rs,
-// gemm-ar, allgather and barriers; other kinds throw Error(kUnsupported). Every node of the communicator calls
-// it for the same collective with the same epoch.
+// descriptor; only ranks on this node (nodeOfRank[r] == link.self()) have data. Every op kind: ag-gemm, gemm-rs,
+// gemm-ar, allgather and barriers hierarchically (one aggregated payload per node pair), MoE and ring attention by
+// replicating the inputs to every node. Every node of the communicator calls it for the same collective with the
+// same epoch.
 void runCpuOpAcrossNodes(std::span<const RankOp> ranks, std::span<const uint32_t> nodeOfRank, CommLink& link,
                          uint64_t epoch);
 

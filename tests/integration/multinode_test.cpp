@@ -111,7 +111,7 @@ void waitForOps(Cluster& c, uint64_t ops) {
 
 }  // namespace
 
-TEST_CASE("three nodes run ag-gemm, gemm-rs, gemm-ar, allgather and barriers across nodes, matching the reference") {
+TEST_CASE("three nodes run every op across nodes (ag-gemm, gemm-rs, gemm-ar, allgather, barrier, MoE, ring attention), matching the reference") {
   Cluster c(3);
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   // Two ranks per node, then an uneven split (1 + 3 + 2) with odd shapes.
@@ -122,6 +122,9 @@ TEST_CASE("three nodes run ag-gemm, gemm-rs, gemm-ar, allgather and barriers acr
       {"gemm-ar", "--ranks", "6", "--m", "29", "--n", "16", "--k", "48", "--dtype", "fp16"},
       {"allgather", "--ranks", "6", "--bytes", "1001"},
       {"barrier", "--ranks", "6"},
+      {"moe-dispatch-gemm", "--ranks", "6", "--m", "5", "--k", "16", "--n", "12", "--experts", "12", "--topk", "2"},
+      {"moe-dispatch-ffn-combine", "--ranks", "6", "--m", "4", "--k", "16", "--n", "24", "--experts", "6", "--topk", "2"},
+      {"ring-attention", "--ranks", "6", "--seq", "29", "--heads", "2", "--head-dim", "8"},
   };
   for (const auto& split : splits) {
     for (auto op : ops) {
