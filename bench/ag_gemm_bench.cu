@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "cublaslt_gemm.hpp"
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/gemm.hpp"
 
@@ -152,48 +153,7 @@ __global__ void compareExact(const uint16_t* out, const uint16_t* ref, int64_t t
   if ((threadIdx.x & 31) == 0 && nb) atomicAdd(bad, nb);
 }
 
-// cuBLASLt C = A * B^T with row-major A [m, k], B [n, k], C [m, n]: column-major C^T = op_T(B) * A^T ("TN").
-struct LtGemm {
-  cublasLtHandle_t handle{};
-  cublasLtMatmulDesc_t op{};
-  cublasLtMatrixLayout_t la{}, lb{}, lc{};
-  cublasLtMatmulAlgo_t algo{};
-  void* ws = nullptr;
-  size_t wsSize = 0;
-  LtGemm(cublasLtHandle_t h, int64_t m, int64_t n, int64_t k, void* workspace, size_t workspaceSize)
-      : handle(h), ws(workspace), wsSize(workspaceSize) {
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, uint64_t(k), uint64_t(n), k));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, uint64_t(k), uint64_t(m), k));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, uint64_t(n), uint64_t(m), n));
-    cublasLtMatmulPreference_t pref;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsSize,
-                                                      sizeof(wsSize)));
-    cublasLtMatmulHeuristicResult_t res{};
-    int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, op, la, lb, lc, lc, pref, 1, &res, &found));
-    if (found == 0) {
-      std::fprintf(stderr, "cuBLASLt found no algorithm\n");
-      std::exit(2);
-    }
-    algo = res.algo;
-    cublasLtMatmulPreferenceDestroy(pref);
-  }
-  ~LtGemm() {
-    cublasLtMatrixLayoutDestroy(la);
-    cublasLtMatrixLayoutDestroy(lb);
-    cublasLtMatrixLayoutDestroy(lc);
-    cublasLtMatmulDescDestroy(op);
-  }
-  void run(const void* a, const void* b, void* c, cudaStream_t s) const {
-    const float alpha = 1.0f, beta = 0.0f;
-    CUBLAS_CHECK(cublasLtMatmul(handle, op, &alpha, b, la, a, lb, &beta, c, lc, c, lc, &algo, ws, wsSize, s));
-  }
-};
+using tandem::bench::LtGemm;
 
 constexpr int kMaxGpus = 2;
 constexpr int64_t kFlagWords = 4096;

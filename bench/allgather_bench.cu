@@ -34,36 +34,13 @@
 #include <nccl.h>
 #endif
 
+#include "checks.hpp"
 #include "private_daemon.hpp"
 #include "tandem/tandem.h"
 
 namespace {
 
-#define CK(call)                                                                                     \
-  do {                                                                                               \
-    const cudaError_t e_ = (call);                                                                   \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));     \
-      std::exit(2);                                                                                  \
-    }                                                                                                \
-  } while (0)
-#define TK(call)                                                                                     \
-  do {                                                                                               \
-    const tandem_status_t s_ = (call);                                                               \
-    if (s_ != TANDEM_SUCCESS) {                                                                      \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, tandem_last_error());        \
-      std::exit(2);                                                                                  \
-    }                                                                                                \
-  } while (0)
 #ifdef TANDEM_HAVE_NCCL
-#define NK(call)                                                                                     \
-  do {                                                                                               \
-    const ncclResult_t r_ = (call);                                                                  \
-    if (r_ != ncclSuccess) {                                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_));     \
-      std::exit(2);                                                                                  \
-    }                                                                                                \
-  } while (0)
 #endif
 
 __device__ __forceinline__ uint32_t hashWord(uint64_t i, uint32_t seed) {

@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "checks.hpp"
 #include "private_daemon.hpp"
 #include "tandem/tandem.h"
 
@@ -34,21 +35,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-#define CK(call)                                                                                 \
-  do {                                                                                           \
-    const cudaError_t e_ = (call);                                                               \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));                           \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
-#define TK(call)                                                                                 \
-  do {                                                                                           \
-    if ((call) != TANDEM_SUCCESS) {                                                              \
-      std::fprintf(stderr, "%s: %s\n", #call, tandem_last_error());                              \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 struct Options {
   std::string executor = "client";

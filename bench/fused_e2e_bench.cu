@@ -45,35 +45,13 @@
 #include <string>
 #include <vector>
 
+#include "checks.hpp"
+#include "cublaslt_gemm.hpp"
 #include "private_daemon.hpp"
 #include "tandem/tandem.h"
 
 namespace {
 
-#define CK(call)                                                                                     \
-  do {                                                                                               \
-    const cudaError_t e_ = (call);                                                                   \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));     \
-      std::exit(2);                                                                                  \
-    }                                                                                                \
-  } while (0)
-#define TK(call)                                                                                     \
-  do {                                                                                               \
-    const tandem_status_t s_ = (call);                                                               \
-    if (s_ != TANDEM_SUCCESS) {                                                                      \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, tandem_last_error());        \
-      std::exit(2);                                                                                  \
-    }                                                                                                \
-  } while (0)
-#define NK(call)                                                                                     \
-  do {                                                                                               \
-    const ncclResult_t r_ = (call);                                                                  \
-    if (r_ != ncclSuccess) {                                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_));     \
-      std::exit(2);                                                                                  \
-    }                                                                                                \
-  } while (0)
 #define BK(call)                                                                                     \
   do {                                                                                               \
     const cublasStatus_t b_ = (call);                                                                \
@@ -184,51 +162,7 @@ __global__ void compareKernel(const __nv_bfloat16* t, const __nv_bfloat16* b, ui
   }
 }
 
-// cuBLASLt C = A·Bᵀ with row-major A [m,k], B [n,k], C [m,n] ("TN" in column-major terms), bf16 in/out, fp32
-// compute, heuristic algorithm (as bench/gemm_rs_bench.cu).
-struct LtGemm {
-  cublasLtHandle_t handle{};
-  cublasLtMatmulDesc_t op{};
-  cublasLtMatrixLayout_t la{}, lb{}, lc{};
-  cublasLtMatmulAlgo_t algo{};
-  void* ws = nullptr;
-  size_t wsSize = 0;
-  LtGemm(cublasLtHandle_t h, uint64_t m, uint64_t n, uint64_t k, void* workspace, size_t workspaceSize)
-      : handle(h), ws(workspace), wsSize(workspaceSize) {
-    BK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    BK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-    BK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-    BK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, k, n, static_cast<int64_t>(k)));
-    BK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, k, m, static_cast<int64_t>(k)));
-    BK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, n, m, static_cast<int64_t>(n)));
-    cublasLtMatmulPreference_t pref;
-    BK(cublasLtMatmulPreferenceCreate(&pref));
-    BK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsSize, sizeof(wsSize)));
-    cublasLtMatmulHeuristicResult_t res{};
-    int found = 0;
-    BK(cublasLtMatmulAlgoGetHeuristic(handle, op, la, lb, lc, lc, pref, 1, &res, &found));
-    if (found == 0) {
-      std::fprintf(stderr, "cuBLASLt found no algorithm for %llux%llux%llu\n", static_cast<unsigned long long>(m),
-                   static_cast<unsigned long long>(k), static_cast<unsigned long long>(n));
-      std::exit(2);
-    }
-    algo = res.algo;
-    cublasLtMatmulPreferenceDestroy(pref);
-  }
-  ~LtGemm() {
-    cublasLtMatrixLayoutDestroy(la);
-    cublasLtMatrixLayoutDestroy(lb);
-    cublasLtMatrixLayoutDestroy(lc);
-    cublasLtMatmulDescDestroy(op);
-  }
-  LtGemm(const LtGemm&) = delete;
-  LtGemm& operator=(const LtGemm&) = delete;
-  void run(const void* a, const void* b, void* c, cudaStream_t s) const {
-    const float alpha = 1.0f, beta = 0.0f;
-    BK(cublasLtMatmul(handle, op, &alpha, b, la, a, lb, &beta, c, lc, c, lc, &algo, ws, wsSize, s));
-  }
-};
+using tandem::bench::LtGemm;
 
 // ---- host helpers --------------------------------------------------------------------------------------------
 void writeAll(int fd, const void* p, size_t n) {

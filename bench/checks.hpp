@@ -1,0 +1,37 @@
+// Failure checks shared by the CUDA benchmarks: a failed call prints where and why, then the benchmark exits 2.
+// NK (NCCL) exists only where nccl.h was included first.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "tandem/tandem.h"
+
+#define CK(call)                                                                                     \
+  do {                                                                                               \
+    const cudaError_t e_ = (call);                                                                   \
+    if (e_ != cudaSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));     \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+#define TK(call)                                                                                     \
+  do {                                                                                               \
+    const tandem_status_t s_ = (call);                                                               \
+    if (s_ != TANDEM_SUCCESS) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, tandem_last_error());        \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+#ifdef NCCL_MAJOR
+#define NK(call)                                                                                     \
+  do {                                                                                               \
+    const ncclResult_t r_ = (call);                                                                  \
+    if (r_ != ncclSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_));     \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+#endif
