@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cublaslt_gemm.hpp"
+#include "ref_gemm.cuh"
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/gemm.hpp"
 
@@ -78,42 +79,7 @@ __global__ void fillRandom(__nv_bfloat16* p, size_t n, uint64_t seed) {
   }
 }
 
-// fp32 reference: C[m][n] = sum_k A[m][k] * B[n][k]; 64x64 tiles, 16x16 threads, 4x4 outputs each.
-__global__ void refGemm(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c, int m, int n, int k) {
-  __shared__ float as[16][65];
-  __shared__ float bs[16][65];
-  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 16 + tx;
-  const int m0 = blockIdx.y * 64, n0 = blockIdx.x * 64;
-  float acc[4][4] = {};
-  for (int k0 = 0; k0 < k; k0 += 16) {
-    for (int i = tid; i < 64 * 16; i += 256) {
-      const int r = i / 16, kk = i % 16;
-      as[kk][r] = (m0 + r < m && k0 + kk < k) ? __bfloat162float(a[int64_t(m0 + r) * k + k0 + kk]) : 0.0f;
-      bs[kk][r] = (n0 + r < n && k0 + kk < k) ? __bfloat162float(b[int64_t(n0 + r) * k + k0 + kk]) : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < 16; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = as[kk][ty + 16 * i];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bv[j] = bs[kk][tx + 16 * j];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = m0 + ty + 16 * i, col = n0 + tx + 16 * j;
-      if (r < m && col < n) c[int64_t(r) * n + col] = acc[i][j];
-    }
-}
+using tandem::bench::refGemm;
 
 // sums[0] += (out - ref)^2, sums[1] += ref^2; bad += non-finite outputs (left-over poison shows up here).
 __global__ void compareKernel(const __nv_bfloat16* out, const float* ref, int64_t total, double* sums,
@@ -284,9 +250,9 @@ Problem makeProblem(int64_t m, int64_t n, int64_t k, int nranks, int sets, uint6
                                      size_t(P.rows(q)) * k * 2, gGpu[r].s));
     }
     dim3 grid(unsigned((n + 63) / 64), unsigned((m + 63) / 64));
-    refGemm<<<grid, dim3(16, 16), 0, gGpu[r].s>>>(static_cast<const __nv_bfloat16*>(P.refGathered[r]),
-                                                   static_cast<const __nv_bfloat16*>(P.b[r][0]), P.refC[r], int(m),
-                                                   int(n), int(k));
+    refGemm<__nv_bfloat16><<<grid, dim3(16, 16), 0, gGpu[r].s>>>(
+        static_cast<const __nv_bfloat16*>(P.refGathered[r]), static_cast<const __nv_bfloat16*>(P.b[r][0]), P.refC[r],
+        int(m), int(n), int(k), k, k, 0);
     CUDA_CHECK(cudaGetLastError());
   }
   syncAll(nranks, "reference", 120);

@@ -91,22 +91,8 @@ const Method kMethods[] = {
 };
 constexpr int kNumMethods = sizeof(kMethods) / sizeof(kMethods[0]);
 
-void writeAll(int fd, const void* p, size_t n) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, c, n);
-    if (w <= 0) std::exit(3);
-    c += w, n -= static_cast<size_t>(w);
-  }
-}
-void readAll(int fd, void* p, size_t n) {
-  char* c = static_cast<char*>(p);
-  while (n > 0) {
-    const ssize_t r = ::read(fd, c, n);
-    if (r <= 0) std::exit(3);
-    c += r, n -= static_cast<size_t>(r);
-  }
-}
+using tandem::bench::readAll;
+using tandem::bench::writeAll;
 
 // One rank. Rank 0 prints the table. Returns the process exit code.
 int rankMain(const Options& o, uint32_t rank, int up, int down, const std::string& socket) {
@@ -295,16 +281,9 @@ int main(int argc, char** argv) {
   }
   ::signal(SIGPIPE, SIG_IGN);
   std::unique_ptr<tandem::bench::PrivateDaemon> daemon;
-  if (o.socket.empty()) {
-    try {
-      daemon = std::make_unique<tandem::bench::PrivateDaemon>(
-          TANDEMD_PATH, "daemon:\n  backend: cuda\n  executor: " + o.executor + "\n");
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s\n", e.what());
-      return 2;
-    }
-  }
-  const std::string socket = daemon ? daemon->socket() : o.socket;
+  const std::string socket = tandem::bench::useDaemon(
+      o.socket, TANDEMD_PATH, "daemon:\n  backend: cuda\n  executor: " + o.executor + "\n", daemon);
+  if (socket.empty()) return 2;
   std::vector<pid_t> pids;
   std::vector<int> ups, downs;
   for (uint32_t r = 0; r < o.ranks; ++r) {

@@ -111,16 +111,9 @@ int main(int argc, char** argv) {
   }
   ::signal(SIGPIPE, SIG_IGN);
   std::unique_ptr<tandem::bench::PrivateDaemon> daemon;
-  if (o.socket.empty()) {
-    try {
-      daemon = std::make_unique<tandem::bench::PrivateDaemon>(
-          TANDEMD_PATH, "daemon:\n  backend: cuda\n  executor: " + o.executor + "\n");
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s\n", e.what());
-      return 2;
-    }
-  }
-  const std::string socket = daemon ? daemon->socket() : o.socket;
+  const std::string socket = tandem::bench::useDaemon(
+      o.socket, TANDEMD_PATH, "daemon:\n  backend: cuda\n  executor: " + o.executor + "\n", daemon);
+  if (socket.empty()) return 2;
   tandem_unique_id_t id;
   if (tandem_get_unique_id(&id) != TANDEM_SUCCESS) return 2;
   std::vector<pid_t> pids;

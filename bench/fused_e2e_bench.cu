@@ -165,22 +165,8 @@ __global__ void compareKernel(const __nv_bfloat16* t, const __nv_bfloat16* b, ui
 using tandem::bench::LtGemm;
 
 // ---- host helpers --------------------------------------------------------------------------------------------
-void writeAll(int fd, const void* p, size_t n) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, c, n);
-    if (w <= 0) std::exit(3);
-    c += w, n -= static_cast<size_t>(w);
-  }
-}
-void readAll(int fd, void* p, size_t n) {
-  char* c = static_cast<char*>(p);
-  while (n > 0) {
-    const ssize_t r = ::read(fd, c, n);
-    if (r <= 0) std::exit(3);
-    c += r, n -= static_cast<size_t>(r);
-  }
-}
+using tandem::bench::readAll;
+using tandem::bench::writeAll;
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -599,17 +585,10 @@ int main(int argc, char** argv) {
   ::signal(SIGPIPE, SIG_IGN);
   const uint64_t workspace = o.workspace != 0 ? o.workspace : workspaceFor(cases, o.ranks);
   std::unique_ptr<tandem::bench::PrivateDaemon> daemon;
-  if (o.socket.empty()) {
-    try {
-      daemon = std::make_unique<tandem::bench::PrivateDaemon>(
-          TANDEMD_PATH, "daemon:\n  backend: cuda\n  executor: client\ncuda:\n  workspace_bytes: " +
-                            std::to_string(workspace) + "\n");
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s\n", e.what());
-      return 2;
-    }
-  }
-  const std::string socket = daemon ? daemon->socket() : o.socket;
+  const std::string config =
+      "daemon:\n  backend: cuda\n  executor: client\ncuda:\n  workspace_bytes: " + std::to_string(workspace) + "\n";
+  const std::string socket = tandem::bench::useDaemon(o.socket, TANDEMD_PATH, config, daemon);
+  if (socket.empty()) return 2;
   std::vector<pid_t> pids;
   std::vector<int> ups, downs;
   for (uint32_t r = 0; r < o.ranks; ++r) {

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cublaslt_gemm.hpp"
+#include "ref_gemm.cuh"
 #include "device/ordering.cuh"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/gemm_ar.hpp"
@@ -129,46 +130,7 @@ __global__ void fillRandom(__nv_bfloat16* p, size_t n, uint64_t seed) {
   }
 }
 
-// fp32 reference: C[m][n] (+)= sum_k A[m][k] * B[n][k]; 64x64 tiles, 16x16 threads, 4x4 outputs each.
-__global__ void refGemm(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c, int m, int n, int k, int64_t lda,
-                        int64_t ldb, int accumulate) {
-  __shared__ float as[16][65];
-  __shared__ float bs[16][65];
-  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 16 + tx;
-  const int m0 = blockIdx.y * 64, n0 = blockIdx.x * 64;
-  float acc[4][4] = {};
-  for (int k0 = 0; k0 < k; k0 += 16) {
-    for (int i = tid; i < 64 * 16; i += 256) {
-      const int r = i / 16, kk = i % 16;
-      as[kk][r] = (m0 + r < m && k0 + kk < k) ? __bfloat162float(a[int64_t(m0 + r) * lda + k0 + kk]) : 0.0f;
-      bs[kk][r] = (n0 + r < n && k0 + kk < k) ? __bfloat162float(b[int64_t(n0 + r) * ldb + k0 + kk]) : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < 16; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = as[kk][ty + 16 * i];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bv[j] = bs[kk][tx + 16 * j];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = m0 + ty + 16 * i, col = n0 + tx + 16 * j;
-      if (r < m && col < n) {
-        float* const dst = c + int64_t(r) * n + col;
-        *dst = accumulate ? *dst + acc[i][j] : acc[i][j];
-      }
-    }
-}
+using tandem::bench::refGemm;
 
 __global__ void addInto(float* dst, const float* src, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -309,7 +271,7 @@ void allocShape(ShapeBufs& sb, const Shape& sh, int nranks, int sets) {
   for (int r = 0; r < nranks; ++r) {
     CUDA_CHECK(cudaSetDevice(r));
     dim3 grid(unsigned((sh.n + 63) / 64), unsigned((sh.m + 63) / 64));
-    refGemm<<<grid, dim3(16, 16), 0, gStream[r]>>>(static_cast<const __nv_bfloat16*>(sb.a[r][0]),
+    refGemm<__nv_bfloat16><<<grid, dim3(16, 16), 0, gStream[r]>>>(static_cast<const __nv_bfloat16*>(sb.a[r][0]),
                                                     static_cast<const __nv_bfloat16*>(sb.b[r][0]), sb.ref[r], int(sh.m),
                                                     int(sh.n), int(sb.kr), sb.kr, sb.kr, 0);
     CUDA_CHECK(cudaGetLastError());

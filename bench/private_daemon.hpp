@@ -1,6 +1,7 @@
 // A tandemd of the benchmark's own: started on a socket in a fresh temporary directory with the given config,
 // waited for until it serves, stopped (SIGTERM) and cleaned up when the object goes away. Benchmarks that are
-// given --socket use that daemon instead and never construct one of these.
+// given --socket use that daemon instead and never construct one of these (useDaemon). Also the pipe helpers the
+// multi-process benchmarks pass ids and results through.
 #pragma once
 
 #include <fcntl.h>
@@ -11,11 +12,13 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -90,5 +93,37 @@ class PrivateDaemon {
   std::string socket_;
   pid_t pid_ = -1;
 };
+
+// The socket the benchmark talks to: `socket` when given (--socket), else that of a private tandemd started with
+// `configYaml` and kept in `holder`. Empty, with the reason printed, when the daemon does not start.
+inline std::string useDaemon(const std::string& socket, const std::string& tandemd, const std::string& configYaml,
+                             std::unique_ptr<PrivateDaemon>& holder) {
+  if (!socket.empty()) return socket;
+  try {
+    holder = std::make_unique<PrivateDaemon>(tandemd, configYaml);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return {};
+  }
+  return holder->socket();
+}
+
+// Whole-buffer pipe transfers between the parent and its rank processes; a broken pipe ends the process (exit 3).
+inline void writeAll(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, c, n);
+    if (w <= 0) std::exit(3);
+    c += w, n -= static_cast<size_t>(w);
+  }
+}
+inline void readAll(int fd, void* p, size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t r = ::read(fd, c, n);
+    if (r <= 0) std::exit(3);
+    c += r, n -= static_cast<size_t>(r);
+  }
+}
 
 }  // namespace tandem::bench

@@ -1,8 +1,6 @@
 // Fused AllGather + GEMM (issue 5): the persistent fused kernel (comm CTAs + compute CTAs from one role table), the
 // all-gather kernel of the decomposed plan, and the host launcher. Device pieces: device/ag_gemm_sm90.cuh (which
 // reuses the GEMM core of device/gemm_sm90.cuh).
-#include "device/preload_on.cuh"
-#include "tandem/kernels/preload.hpp"
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -14,8 +12,10 @@
 
 #include "driver_api.hpp"
 #include "device/ag_gemm_sm90.cuh"
+#include "device/preload_on.cuh"
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/preload.hpp"
 
 namespace tandem::kernels {
 namespace ag {

@@ -11,8 +11,6 @@
 // (or the same step's produce), so any CTA count on any rank makes progress. kAgSlots is a multiple of the
 // CTA count, so a slot belongs to one CTA within an op. Flags are epoch-tagged and never reset; lastFill
 // carries each slot's last value into the next op on the same GPU (kernel boundaries order it).
-#include "device/preload_on.cuh"
-#include "tandem/kernels/preload.hpp"
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -24,7 +22,9 @@
 
 #include "device/ordering.cuh"
 #include "device/wait.cuh"
+#include "device/preload_on.cuh"
 #include "tandem/kernels/allgather.hpp"
+#include "tandem/kernels/preload.hpp"
 
 namespace tandem::kernels {
 namespace {

@@ -1,7 +1,5 @@
 // Hopper GEMM core: the persistent warp-specialised kernel and its host launcher (validation, TMA descriptors,
 // launch geometry). Device building blocks live in device/gemm_sm90.cuh.
-#include "device/preload_on.cuh"
-#include "tandem/kernels/preload.hpp"
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -15,7 +13,9 @@
 
 #include "driver_api.hpp"
 #include "device/gemm_sm90.cuh"
+#include "device/preload_on.cuh"
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/preload.hpp"
 
 namespace tandem::kernels {
 namespace gemm {

@@ -1,14 +1,13 @@
 // Fused GEMM + AllReduce over NVLink: the kernels (fused persistent kernel: two-shot or one-shot; decomposed reduction
 // kernel), the plan choice and the launcher. Device code is shared with GEMM + ReduceScatter
 // (device/gemm_rs_sm90.cuh, device/gemm_rs_launch.cuh); design: tandem/kernels/gemm_ar.hpp.
-#include "device/preload_on.cuh"
-#include "tandem/kernels/preload.hpp"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "device/gemm_rs_launch.cuh"
 #include "device/gemm_rs_sm90.cuh"
 #include "tandem/kernels/gemm_ar.hpp"
+#include "tandem/kernels/preload.hpp"
 
 namespace tandem::kernels {
 namespace rs {
@@ -48,29 +47,14 @@ GemmRsPlan chooseGemmArPlan(int64_t m, int64_t n, int64_t k, int nranks, GemmDty
   (void)k;
   (void)dtype;
   (void)nranks;
-  GemmRsPlan p{};
-  p.kind = GemmRsPlanKind::kFused;
-  p.transport = GemmRsTransport::kCopy;
-  p.partial = GemmRsPartial::kInput;
-  p.epiReduce = 1;
-  return p;
+  return rs::fusedCopyPlan();
 }
 
-void preloadGemmArKernels(int device) {
-  const rs::KernelTable& kt = rs::kernels();
-  const rs::FusedFn fns[] = {kt.fused[0][0], kt.fused[0][1], kt.fused[1][0], kt.fused[1][1], kt.reduce[0], kt.reduce[1]};
-  preloadOn(device, fns, "gemm_ar");
-}
+void preloadGemmArKernels(int device) { rs::preloadTable(device, rs::kernels(), rs::kOp); }
 
 GemmRsPlan launchGemmAr(const GemmRsParams& params, cudaStream_t stream) {
-  rs::validate(rs::kOp, params, true);
-  const int sms = rs::smCount(rs::kOp);
-  GemmRsPlan plan = params.plan.kind == GemmRsPlanKind::kAuto
-                        ? chooseGemmArPlan(params.m, params.n, params.k, params.nranks, params.dtype)
-                        : params.plan;
-  plan = rs::finishPlan(rs::kOp, plan, true, params.nranks, sms);
-  rs::launchPlan(rs::kOp, rs::kernels(), params, plan, true, stream);
-  return plan;
+  return rs::launchFamily(rs::kOp, rs::kernels(), params,
+                          chooseGemmArPlan(params.m, params.n, params.k, params.nranks, params.dtype), true, stream);
 }
 
 }  // namespace tandem::kernels

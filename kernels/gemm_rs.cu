@@ -1,8 +1,6 @@
 // Fused GEMM + ReduceScatter over NVLink: the kernels (fused persistent kernel, decomposed reduction kernel), the plan
 // choice and the launcher. Device code: device/gemm_rs_sm90.cuh; host glue shared with gemm_ar.cu:
 // device/gemm_rs_launch.cuh; design: tandem/kernels/gemm_rs.hpp.
-#include "device/preload_on.cuh"
-#include "tandem/kernels/preload.hpp"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -11,6 +9,7 @@
 #include "device/gemm_rs_launch.cuh"
 #include "device/gemm_rs_sm90.cuh"
 #include "tandem/kernels/gemm_rs.hpp"
+#include "tandem/kernels/preload.hpp"
 
 namespace tandem::kernels {
 namespace rs {
@@ -61,29 +60,14 @@ GemmRsPlan chooseGemmRsPlan(int64_t m, int64_t n, int64_t k, int nranks, GemmDty
   (void)k;
   (void)dtype;
   (void)nranks;
-  GemmRsPlan p{};
-  p.kind = GemmRsPlanKind::kFused;
-  p.transport = GemmRsTransport::kCopy;
-  p.partial = GemmRsPartial::kInput;
-  p.epiReduce = 1;
-  return p;
+  return rs::fusedCopyPlan();
 }
 
-void preloadGemmRsKernels(int device) {
-  const rs::KernelTable& kt = rs::kernels();
-  const rs::FusedFn fns[] = {kt.fused[0][0], kt.fused[0][1], kt.fused[1][0], kt.fused[1][1], kt.reduce[0], kt.reduce[1]};
-  preloadOn(device, fns, "gemm_rs");
-}
+void preloadGemmRsKernels(int device) { rs::preloadTable(device, rs::kernels(), rs::kOp); }
 
 GemmRsPlan launchGemmRs(const GemmRsParams& params, cudaStream_t stream) {
-  rs::validate(rs::kOp, params, false);
-  const int sms = rs::smCount(rs::kOp);
-  GemmRsPlan plan = params.plan.kind == GemmRsPlanKind::kAuto
-                        ? chooseGemmRsPlan(params.m, params.n, params.k, params.nranks, params.dtype)
-                        : params.plan;
-  plan = rs::finishPlan(rs::kOp, plan, false, params.nranks, sms);
-  rs::launchPlan(rs::kOp, rs::kernels(), params, plan, false, stream);
-  return plan;
+  return rs::launchFamily(rs::kOp, rs::kernels(), params,
+                          chooseGemmRsPlan(params.m, params.n, params.k, params.nranks, params.dtype), false, stream);
 }
 
 }  // namespace tandem::kernels

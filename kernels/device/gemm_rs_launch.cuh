@@ -13,6 +13,7 @@
 #include <string>
 
 #include "device/gemm_rs_sm90.cuh"
+#include "device/preload_on.cuh"
 #include "driver_api.hpp"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
@@ -332,6 +333,34 @@ inline void launchPlan(const char* op, const KernelTable& kt, const GemmRsParams
   cfg.dynamicSmemBytes = gemm::kSmemBytes<gemm::kStages> + kExtraSmem;
   cfg.stream = stream;
   checkCuda(op, cudaLaunchKernelEx(&cfg, fn, kp), "launching the fused kernel");
+}
+
+// The plan measured fastest for both ops at every benchmark shape (the choosers in gemm_rs.cu and gemm_ar.cu say
+// where): one fused kernel on every SM, partials copied in the input dtype, reduced in the epilogue.
+inline GemmRsPlan fusedCopyPlan() {
+  GemmRsPlan p{};
+  p.kind = GemmRsPlanKind::kFused;
+  p.transport = GemmRsTransport::kCopy;
+  p.partial = GemmRsPartial::kInput;
+  p.epiReduce = 1;
+  return p;
+}
+
+// Loads every kernel of a family now (tandem/kernels/preload.hpp says why).
+inline void preloadTable(int device, const KernelTable& kt, const char* op) {
+  const FusedFn fns[] = {kt.fused[0][0], kt.fused[0][1], kt.fused[1][0], kt.fused[1][1], kt.reduce[0], kt.reduce[1]};
+  preloadOn(device, fns, op);
+}
+
+// Validates, resolves the plan (`chosen` stands in for kAuto) and enqueues it. Returns the plan enqueued.
+inline GemmRsPlan launchFamily(const char* op, const KernelTable& kt, const GemmRsParams& params,
+                               const GemmRsPlan& chosen, bool allReduce, cudaStream_t stream) {
+  validate(op, params, allReduce);
+  const int sms = smCount(op);
+  GemmRsPlan plan = params.plan.kind == GemmRsPlanKind::kAuto ? chosen : params.plan;
+  plan = finishPlan(op, plan, allReduce, params.nranks, sms);
+  launchPlan(op, kt, params, plan, allReduce, stream);
+  return plan;
 }
 
 }  // namespace tandem::kernels::rs
