@@ -305,10 +305,7 @@ void Cluster::connectThread() {
       std::lock_guard lock(mutex_);
       if (nodes_[n].state == NodeState::kConnecting) nodes_[n].state = NodeState::kConnected;
     }
-    sendNow(n, hello);
-    for (const std::string& m : queued_[n]) sendNow(n, m);
-    queued_[n].clear();
-    linkUp_[n] = true;
+    linkUpLocked(n, hello);
   }
 }
 
@@ -328,7 +325,11 @@ void Cluster::nodeRejoined(NodeIndex node) {
   }
   spdlog::info("cluster: {} rejoined (transport generation {}); communicators that failed with it stay failed",
                nodeName(node), transport_->peerGeneration(node));
-  sendNow(node, helloBytes());
+  linkUpLocked(node, helloBytes());
+}
+
+void Cluster::linkUpLocked(NodeIndex node, const std::string& hello) {
+  sendNow(node, hello);  // first, so the peer knows who sends what follows
   for (const std::string& m : queued_[node]) sendNow(node, m);
   queued_[node].clear();
   linkUp_[node] = true;
@@ -486,7 +487,7 @@ std::shared_ptr<CommLink> Cluster::createLink(std::vector<NodeIndex> nodes) {
   const uint64_t slot = config_.cluster.stagingBytes;
   const uint64_t bytes = CommLink::kHeaderBytes + 2 * slot * (uint64_t{nodes.back()} + 1);
   std::lock_guard lock(mutex_);
-  retireRegionsLocked(false);
+  retireExpiredLocked();
   uint32_t id;
   if (!freeIds_.empty()) {
     id = freeIds_.back();
@@ -545,13 +546,13 @@ void Cluster::releaseLink(CommLink& link) {
   // The id returns to use with the region: commands the link pushed may still sit in the FIFO until then.
   retired_.push_back(Retired{link.region_, link.bufferId_, std::move(link.fd_), std::move(link.mapping_),
                              Clock::now() + grace});
-  retireRegionsLocked(false);
+  retireExpiredLocked();
 }
 
-void Cluster::retireRegionsLocked(bool all) {
+void Cluster::retireExpiredLocked() {
   const auto now = Clock::now();
   std::erase_if(retired_, [&](Retired& r) {
-    if (!all && r.until > now) return false;
+    if (r.until > now) return false;
     if (transport_) transport_->deregisterMemory(r.region);
     freeIds_.push_back(r.bufferId);
     return true;

@@ -165,7 +165,6 @@ class Cluster {
   void stop();
 
   NodeIndex self() const { return self_; }
-  uint32_t nodeCount() const { return static_cast<uint32_t>(nodes_.size()); }
   std::string nodeName(NodeIndex node) const;  // "node 1 (10.0.0.2:7100)"
 
   /// Sends to one node (queued until its link is up). A lost node drops the message: its loss is reported
@@ -183,7 +182,6 @@ class Cluster {
   void setPeerKey(CommLink& link, NodeIndex peer, std::span<const std::byte> key);
 
   void fillStatus(v1::ClusterInfo& out) const;
-  uint64_t stagingBytes() const { return config_.cluster.stagingBytes; }
 
  private:
   friend class CommLink;
@@ -203,9 +201,11 @@ class Cluster {
   void handleHello(NodeIndex from, const v1::NodeHello& hello);
   void nodeLost(NodeIndex node, NodeState state, const std::string& reason);
   void sendNow(NodeIndex node, const std::string& bytes);  // mutex_ not held
+  // The link to `node` carries messages again: hello, then what waited in queued_. sendMutex_ held.
+  void linkUpLocked(NodeIndex node, const std::string& hello);
   void releaseLink(CommLink& link);                        // from ~CommLink
   void publishTableLocked();
-  void retireRegionsLocked(bool all);
+  void retireExpiredLocked();  // deregisters retired regions whose grace has passed
 
   const DaemonConfig& config_;
   std::string backend_;

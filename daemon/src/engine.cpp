@@ -32,6 +32,19 @@ v1::PeerMessage leaveMessage(const std::array<uint8_t, 16>& uniqueId, uint32_t r
   return m;
 }
 
+// The communicator failed on this node: the others fail it too, after the collectives this node finished
+// (up to completedEpoch).
+v1::PeerMessage failMessage(const std::array<uint8_t, 16>& uniqueId, ErrorCode code, const std::string& reason,
+                            uint64_t completedEpoch) {
+  v1::PeerMessage m;
+  auto* f = m.mutable_fail();
+  f->set_unique_id(uniqueId.data(), uniqueId.size());
+  f->set_code(static_cast<v1::StatusCode>(wireCode(code)));
+  f->set_reason(reason);
+  f->set_completed_epoch(completedEpoch);
+  return m;
+}
+
 std::array<uint8_t, 16> uniqueIdOf(const std::string& bytes) {
   std::array<uint8_t, 16> id{};
   if (bytes.size() != id.size()) fail(ErrorCode::kProtocol, "a peer sent a communicator id of {} bytes", bytes.size());
@@ -496,12 +509,7 @@ void Engine::completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_l
     comm.resources = backend_->setupComm(comm);
   } catch (const Error& e) {
     // Every joiner gets the error; the id is spent, on every node.
-    v1::PeerMessage m;
-    auto* f = m.mutable_fail();
-    f->set_unique_id(uniqueId.data(), uniqueId.size());
-    f->set_code(static_cast<v1::StatusCode>(wireCode(e.code())));
-    f->set_reason(e.what());
-    tellPeersLocked(comm, m);
+    tellPeersLocked(comm, failMessage(uniqueId, e.code(), e.what(), 0));
     entry->link.reset();
     return failJoin(entry, e.code(), fmt::format("setup failed: {}", e.what()), lock);
   }
@@ -596,13 +604,7 @@ void Engine::failCommLocked(CommEntry& entry, Communicator::State state, ErrorCo
     if (comm.resources) backend_->abortComm(*comm.resources, code, reason);
     if (entry.link) entry.link->abort(code, reason);
     if (tellPeers && comm.spansNodes()) {
-      v1::PeerMessage m;
-      auto* f = m.mutable_fail();
-      f->set_unique_id(comm.uniqueId.data(), comm.uniqueId.size());
-      f->set_code(static_cast<v1::StatusCode>(wireCode(code)));
-      f->set_reason(reason);
-      f->set_completed_epoch(entry.link ? entry.link->completedEpoch() : 0);
-      tellPeersLocked(comm, m);
+      tellPeersLocked(comm, failMessage(comm.uniqueId, code, reason, entry.link ? entry.link->completedEpoch() : 0));
     }
   }
   for (auto& queue : comm.queues) {
@@ -663,11 +665,7 @@ void Engine::onPeerMessage(uint32_t from, const v1::PeerMessage& m) {
                               j.rank(), comm.members[j.rank()] ? cluster_->self() : *comm.remote[j.rank()], from);
       }
       if (!problem.empty()) {
-        v1::PeerMessage f;
-        f.mutable_fail()->set_unique_id(j.unique_id());
-        f.mutable_fail()->set_code(v1::STATUS_CODE_INVALID_ARGUMENT);
-        f.mutable_fail()->set_reason(problem);
-        cluster_->send(from, f);
+        cluster_->send(from, failMessage(uniqueId, ErrorCode::kInvalidArgument, problem, 0));
         return failJoin(entry, ErrorCode::kInvalidArgument, problem, lock);
       }
       comm.remote[j.rank()] = from;
