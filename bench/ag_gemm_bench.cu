@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "checks.hpp"  // after <cublasLt.h> and <nccl.h>: it defines BK/NK for those it finds
 #include "cublaslt_gemm.hpp"
 #include "ref_gemm.cuh"
 #include "tandem/kernels/ag_gemm.hpp"
@@ -36,30 +37,6 @@ using namespace tandem::kernels;
 
 namespace {
 
-#define CUDA_CHECK(x)                                                                                       \
-  do {                                                                                                      \
-    cudaError_t e_ = (x);                                                                                   \
-    if (e_ != cudaSuccess) {                                                                                \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, #x);   \
-      std::exit(2);                                                                                         \
-    }                                                                                                       \
-  } while (0)
-#define CUBLAS_CHECK(x)                                                                                     \
-  do {                                                                                                      \
-    cublasStatus_t s_ = (x);                                                                                \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                      \
-      std::fprintf(stderr, "cuBLAS error %d at %s:%d: %s\n", static_cast<int>(s_), __FILE__, __LINE__, #x); \
-      std::exit(2);                                                                                         \
-    }                                                                                                       \
-  } while (0)
-#define NCCL_CHECK(x)                                                                                       \
-  do {                                                                                                      \
-    ncclResult_t r_ = (x);                                                                                  \
-    if (r_ != ncclSuccess) {                                                                                \
-      std::fprintf(stderr, "NCCL error %s at %s:%d: %s\n", ncclGetErrorString(r_), __FILE__, __LINE__, #x); \
-      std::exit(2);                                                                                         \
-    }                                                                                                       \
-  } while (0)
 
 __device__ __forceinline__ uint64_t mix(uint64_t x) {
   x ^= x >> 33;
@@ -149,7 +126,7 @@ bool gFailed = false;
 void syncAll(int nranks, const std::string& what, double seconds = 60) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     for (;;) {
       const cudaError_t e = cudaStreamQuery(gGpu[r].s);
       if (e == cudaSuccess) break;
@@ -182,13 +159,13 @@ void syncAll(int nranks, const std::string& what, double seconds = 60) {
 // Cross-GPU barrier in stream order: each stream waits until every other stream reached this point.
 void streamBarrier(int nranks) {
   for (int r = 0; r < nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
-    CUDA_CHECK(cudaEventRecord(gGpu[r].barrier, gGpu[r].s));
+    CK(cudaSetDevice(r));
+    CK(cudaEventRecord(gGpu[r].barrier, gGpu[r].s));
   }
   for (int r = 0; r < nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     for (int q = 0; q < nranks; ++q) {
-      if (q != r) CUDA_CHECK(cudaStreamWaitEvent(gGpu[r].s, gGpu[q].barrier, 0));
+      if (q != r) CK(cudaStreamWaitEvent(gGpu[r].s, gGpu[q].barrier, 0));
     }
   }
 }
@@ -210,7 +187,7 @@ struct Problem {
 
 void* dmalloc(size_t bytes) {
   void* p = nullptr;
-  if (bytes > 0) CUDA_CHECK(cudaMalloc(&p, bytes));
+  if (bytes > 0) CK(cudaMalloc(&p, bytes));
   return p;
 }
 
@@ -222,14 +199,14 @@ Problem makeProblem(int64_t m, int64_t n, int64_t k, int nranks, int sets, uint6
   P.nranks = nranks;
   P.sets = sets;
   for (int r = 0; r < nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     const cudaStream_t s = gGpu[r].s;
     for (int i = 0; i < sets; ++i) {
       void* a = dmalloc(size_t(P.rows(r)) * k * 2);
       void* b = dmalloc(size_t(n) * k * 2);
       if (a) fillRandom<<<1024, 256, 0, s>>>(static_cast<__nv_bfloat16*>(a), size_t(P.rows(r)) * k, seed + 100 * r + 2 * i);
       fillRandom<<<1024, 256, 0, s>>>(static_cast<__nv_bfloat16*>(b), size_t(n) * k, seed + 100 * r + 2 * i + 1);
-      CUDA_CHECK(cudaGetLastError());
+      CK(cudaGetLastError());
       P.a[r].push_back(a);
       P.b[r].push_back(b);
     }
@@ -243,17 +220,17 @@ Problem makeProblem(int64_t m, int64_t n, int64_t k, int nranks, int sets, uint6
   syncAll(nranks, "fill");
   // Reference gathered A (set 0) on every rank by plain peer copies, then the fp32 reference C with that rank's B.
   for (int r = 0; r < nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     for (int q = 0; q < nranks; ++q) {
       if (P.rows(q) == 0) continue;
-      CUDA_CHECK(cudaMemcpyPeerAsync(static_cast<char*>(P.refGathered[r]) + size_t(P.off(q)) * k * 2, r, P.a[q][0], q,
+      CK(cudaMemcpyPeerAsync(static_cast<char*>(P.refGathered[r]) + size_t(P.off(q)) * k * 2, r, P.a[q][0], q,
                                      size_t(P.rows(q)) * k * 2, gGpu[r].s));
     }
     dim3 grid(unsigned((n + 63) / 64), unsigned((m + 63) / 64));
     refGemm<__nv_bfloat16><<<grid, dim3(16, 16), 0, gGpu[r].s>>>(
         static_cast<const __nv_bfloat16*>(P.refGathered[r]), static_cast<const __nv_bfloat16*>(P.b[r][0]), P.refC[r],
         int(m), int(n), int(k), k, k, 0);
-    CUDA_CHECK(cudaGetLastError());
+    CK(cudaGetLastError());
   }
   syncAll(nranks, "reference", 120);
   return P;
@@ -261,7 +238,7 @@ Problem makeProblem(int64_t m, int64_t n, int64_t k, int nranks, int sets, uint6
 
 void freeProblem(Problem& P) {
   for (int r = 0; r < P.nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     for (void* p : P.a[r]) cudaFree(p);
     for (void* p : P.b[r]) cudaFree(p);
     for (void* p : {P.gathered[r], P.gatheredNccl[r], P.c[r], P.cBlas[r], P.refGathered[r], static_cast<void*>(P.refC[r])}) {
@@ -307,7 +284,7 @@ AgGemmPlanChoice runOurs(const Problem& P, int set, int plan, int commSms, int m
   ++gEpoch;
   AgGemmPlanChoice choice{};
   for (int r = 0; r < P.nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     const AgGemmPlanChoice c = launchAgGemm(makeParams(P, r, set, plan, commSms, mode, tail, groupM), gGpu[r].s);
     if (r == 0) choice = c;
   }
@@ -321,33 +298,33 @@ struct Check {
 };
 
 Check checkRank(const Problem& P, int r, const void* cOut, const void* gOut) {
-  CUDA_CHECK(cudaSetDevice(r));
+  CK(cudaSetDevice(r));
   Gpu& g = gGpu[r];
-  CUDA_CHECK(cudaMemsetAsync(g.dSums, 0, 2 * sizeof(double), g.s));
-  CUDA_CHECK(cudaMemsetAsync(g.dBad, 0, sizeof(unsigned long long), g.s));
+  CK(cudaMemsetAsync(g.dSums, 0, 2 * sizeof(double), g.s));
+  CK(cudaMemsetAsync(g.dBad, 0, sizeof(unsigned long long), g.s));
   compareKernel<<<1024, 256, 0, g.s>>>(static_cast<const __nv_bfloat16*>(cOut), P.refC[r], P.m * P.n, g.dSums, g.dBad);
-  CUDA_CHECK(cudaGetLastError());
+  CK(cudaGetLastError());
   double h[2];
   Check c;
-  CUDA_CHECK(cudaMemcpyAsync(h, g.dSums, sizeof(h), cudaMemcpyDeviceToHost, g.s));
-  CUDA_CHECK(cudaMemcpyAsync(&c.bad, g.dBad, sizeof(c.bad), cudaMemcpyDeviceToHost, g.s));
+  CK(cudaMemcpyAsync(h, g.dSums, sizeof(h), cudaMemcpyDeviceToHost, g.s));
+  CK(cudaMemcpyAsync(&c.bad, g.dBad, sizeof(c.bad), cudaMemcpyDeviceToHost, g.s));
   if (gOut != nullptr) {
-    CUDA_CHECK(cudaMemsetAsync(g.dBad, 0, sizeof(unsigned long long), g.s));
+    CK(cudaMemsetAsync(g.dBad, 0, sizeof(unsigned long long), g.s));
     compareExact<<<1024, 256, 0, g.s>>>(static_cast<const uint16_t*>(gOut), static_cast<const uint16_t*>(P.refGathered[r]),
                                         P.m * P.k, g.dBad);
-    CUDA_CHECK(cudaGetLastError());
-    CUDA_CHECK(cudaMemcpyAsync(&c.gatherBad, g.dBad, sizeof(c.gatherBad), cudaMemcpyDeviceToHost, g.s));
+    CK(cudaGetLastError());
+    CK(cudaMemcpyAsync(&c.gatherBad, g.dBad, sizeof(c.gatherBad), cudaMemcpyDeviceToHost, g.s));
   }
-  CUDA_CHECK(cudaStreamSynchronize(g.s));
+  CK(cudaStreamSynchronize(g.s));
   c.rel = std::sqrt(h[0] / std::max(h[1], 1e-300));
   return c;
 }
 
 void poison(const Problem& P) {
   for (int r = 0; r < P.nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
-    CUDA_CHECK(cudaMemsetAsync(P.c[r], 0xFF, size_t(P.m) * P.n * 2, gGpu[r].s));  // NaN
-    CUDA_CHECK(cudaMemsetAsync(P.gathered[r], 0xFF, size_t(P.m) * P.k * 2, gGpu[r].s));
+    CK(cudaSetDevice(r));
+    CK(cudaMemsetAsync(P.c[r], 0xFF, size_t(P.m) * P.n * 2, gGpu[r].s));  // NaN
+    CK(cudaMemsetAsync(P.gathered[r], 0xFF, size_t(P.m) * P.k * 2, gGpu[r].s));
   }
 }
 
@@ -426,45 +403,45 @@ int main(int argc, char** argv) {
   // Every kernel loaded at start: a lazily loaded kernel can block this (only) host thread in the middle of a
   // two-GPU op while the other GPU's half of it waits (ARCHITECTURE.md: CUDA_MODULE_LOADING=EAGER).
   setenv("CUDA_MODULE_LOADING", "EAGER", 1);
-  CUDA_CHECK(cudaGetDeviceCount(&gNumGpus));
+  CK(cudaGetDeviceCount(&gNumGpus));
   gNumGpus = std::min(gNumGpus, kMaxGpus);
   for (int r = 0; r < gNumGpus; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     cudaDeviceProp prop{};
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, r));
+    CK(cudaGetDeviceProperties(&prop, r));
     std::printf("GPU %d: %s, %d SMs\n", r, prop.name, prop.multiProcessorCount);
     Gpu& g = gGpu[r];
     g.dev = r;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&g.s, cudaStreamNonBlocking));
-    CUBLAS_CHECK(cublasLtCreate(&g.lt));
+    CK(cudaStreamCreateWithFlags(&g.s, cudaStreamNonBlocking));
+    BK(cublasLtCreate(&g.lt));
     g.ws = dmalloc(g.wsSize);
     g.flags = static_cast<uint64_t*>(dmalloc(kFlagWords * 8));
-    CUDA_CHECK(cudaMemset(g.flags, 0, kFlagWords * 8));  // once; epochs are monotonic
+    CK(cudaMemset(g.flags, 0, kFlagWords * 8));  // once; epochs are monotonic
     g.abortWord = static_cast<uint64_t*>(dmalloc(8));
-    CUDA_CHECK(cudaMemset(g.abortWord, 0, 8));
-    CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&g.err), sizeof(ErrorSlot), cudaHostAllocMapped | cudaHostAllocPortable));
+    CK(cudaMemset(g.abortWord, 0, 8));
+    CK(cudaHostAlloc(reinterpret_cast<void**>(&g.err), sizeof(ErrorSlot), cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(g.err, 0, sizeof(ErrorSlot));
     g.dSums = static_cast<double*>(dmalloc(2 * sizeof(double)));
     g.dBad = static_cast<unsigned long long*>(dmalloc(sizeof(unsigned long long)));
-    CUDA_CHECK(cudaEventCreateWithFlags(&g.barrier, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&g.barrier, cudaEventDisableTiming));
   }
   if (gNumGpus >= 2) {
     for (int r = 0; r < gNumGpus; ++r) {
-      CUDA_CHECK(cudaSetDevice(r));
+      CK(cudaSetDevice(r));
       for (int q = 0; q < gNumGpus; ++q) {
         if (q == r) continue;
         int can = 0;
-        CUDA_CHECK(cudaDeviceCanAccessPeer(&can, r, q));
+        CK(cudaDeviceCanAccessPeer(&can, r, q));
         if (!can) {
           std::printf("GPU %d cannot access GPU %d: 2-rank parts need peer access\n", r, q);
           return 2;
         }
-        CUDA_CHECK(cudaDeviceEnablePeerAccess(q, 0));
+        CK(cudaDeviceEnablePeerAccess(q, 0));
       }
     }
     ncclComm_t comms[kMaxGpus];
     int devs[kMaxGpus] = {0, 1};
-    NCCL_CHECK(ncclCommInitAll(comms, gNumGpus, devs));
+    NK(ncclCommInitAll(comms, gNumGpus, devs));
     for (int r = 0; r < gNumGpus; ++r) gGpu[r].comm = comms[r];
   }
   const int maxRanks = gNumGpus;
@@ -528,25 +505,25 @@ int main(int argc, char** argv) {
       Problem P = makeProblem(ts.m, ts.n, ts.k, nr, 2, 42 + si, true);
       LtGemm* lt[kMaxGpus];
       for (int r = 0; r < nr; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
+        CK(cudaSetDevice(r));
         lt[r] = new LtGemm(gGpu[r].lt, P.m, P.n, P.k, gGpu[r].ws, gGpu[r].wsSize);
       }
       const size_t shardElems = size_t(P.rows(0)) * P.k;
       auto ncclGather = [&](int set) {
-        NCCL_CHECK(ncclGroupStart());
+        NK(ncclGroupStart());
         for (int r = 0; r < nr; ++r) {
-          NCCL_CHECK(ncclAllGather(P.a[r][set], P.gatheredNccl[r], shardElems, ncclBfloat16, gGpu[r].comm, gGpu[r].s));
+          NK(ncclAllGather(P.a[r][set], P.gatheredNccl[r], shardElems, ncclBfloat16, gGpu[r].comm, gGpu[r].s));
         }
-        NCCL_CHECK(ncclGroupEnd());
+        NK(ncclGroupEnd());
       };
       // Baseline correctness (and it leaves gatheredNccl filled for the GEMM-alone variants).
       for (int r = 0; r < nr; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
-        CUDA_CHECK(cudaMemsetAsync(P.cBlas[r], 0xFF, size_t(P.m) * P.n * 2, gGpu[r].s));
+        CK(cudaSetDevice(r));
+        CK(cudaMemsetAsync(P.cBlas[r], 0xFF, size_t(P.m) * P.n * 2, gGpu[r].s));
       }
       ncclGather(0);
       for (int r = 0; r < nr; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
+        CK(cudaSetDevice(r));
         lt[r]->run(P.gatheredNccl[r], P.b[r][0], P.cBlas[r], gGpu[r].s);
       }
       syncAll(nr, "baseline");
@@ -560,20 +537,20 @@ int main(int argc, char** argv) {
       vs.push_back({"baseline", [&](int set) {
                       ncclGather(set);
                       for (int r = 0; r < nr; ++r) {
-                        CUDA_CHECK(cudaSetDevice(r));
+                        CK(cudaSetDevice(r));
                         lt[r]->run(P.gatheredNccl[r], P.b[r][set], P.cBlas[r], gGpu[r].s);
                       }
                     }, ""});
       vs.push_back({"nccl-allgather-alone", [&](int set) { ncclGather(set); }, ""});
       vs.push_back({"cublas-alone", [&](int set) {
                       for (int r = 0; r < nr; ++r) {
-                        CUDA_CHECK(cudaSetDevice(r));
+                        CK(cudaSetDevice(r));
                         lt[r]->run(P.gatheredNccl[r], P.b[r][set], P.cBlas[r], gGpu[r].s);
                       }
                     }, ""});
       vs.push_back({"ours-gemm-alone", [&](int set) {
                       for (int r = 0; r < nr; ++r) {
-                        CUDA_CHECK(cudaSetDevice(r));
+                        CK(cudaSetDevice(r));
                         GemmParams g{};
                         g.a = P.gatheredNccl[r];
                         g.b = P.b[r][set];
@@ -613,22 +590,22 @@ int main(int argc, char** argv) {
       const size_t nv = vs.size();
       std::vector<cudaEvent_t> ev[kMaxGpus];
       for (int r = 0; r < nr; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
+        CK(cudaSetDevice(r));
         ev[r].resize(nv * iters * 2);
-        for (auto& e : ev[r]) CUDA_CHECK(cudaEventCreate(&e));
+        for (auto& e : ev[r]) CK(cudaEventCreate(&e));
       }
       for (int it = 0; it < iters; ++it) {
         for (size_t vi = 0; vi < nv; ++vi) {
           const size_t slot = (size_t(it) * nv + vi) * 2;
           streamBarrier(nr);
           for (int r = 0; r < nr; ++r) {
-            CUDA_CHECK(cudaSetDevice(r));
-            CUDA_CHECK(cudaEventRecord(ev[r][slot], gGpu[r].s));
+            CK(cudaSetDevice(r));
+            CK(cudaEventRecord(ev[r][slot], gGpu[r].s));
           }
           vs[vi].run(it % P.sets);
           for (int r = 0; r < nr; ++r) {
-            CUDA_CHECK(cudaSetDevice(r));
-            CUDA_CHECK(cudaEventRecord(ev[r][slot + 1], gGpu[r].s));
+            CK(cudaSetDevice(r));
+            CK(cudaEventRecord(ev[r][slot + 1], gGpu[r].s));
           }
         }
         if (it % 5 == 4) syncAll(nr, "timing", 120);  // keep the queues short
@@ -641,7 +618,7 @@ int main(int argc, char** argv) {
           float worst = 0;
           for (int r = 0; r < nr; ++r) {
             float ms = 0;
-            CUDA_CHECK(cudaEventElapsedTime(&ms, ev[r][(size_t(it) * nv + vi) * 2], ev[r][(size_t(it) * nv + vi) * 2 + 1]));
+            CK(cudaEventElapsedTime(&ms, ev[r][(size_t(it) * nv + vi) * 2], ev[r][(size_t(it) * nv + vi) * 2 + 1]));
             worst = std::max(worst, ms);
           }
           t[it] = worst;
@@ -658,7 +635,7 @@ int main(int argc, char** argv) {
         res.rel = c.rel;
       }
       for (int r = 0; r < nr; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
+        CK(cudaSetDevice(r));
         for (auto& e : ev[r]) cudaEventDestroy(e);
         delete lt[r];
       }

@@ -27,9 +27,10 @@
 #include <thread>
 #include <vector>
 
-#include "checks.hpp"
 #include "private_daemon.hpp"
 #include "tandem/tandem.h"
+
+#include "checks.hpp"  // after the library headers: it defines TK/NK/BK for those it finds
 
 namespace {
 

@@ -1,13 +1,12 @@
 // Failure checks shared by the CUDA benchmarks: a failed call prints where and why, then the benchmark exits 2.
-// NK (NCCL) exists only where nccl.h was included first.
+// Include after the libraries' headers: TK (libtandem), NK (NCCL) and BK (cuBLAS) exist only where tandem/tandem.h,
+// nccl.h and cublasLt.h came first.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
 #include <cstdlib>
-
-#include "tandem/tandem.h"
 
 #define CK(call)                                                                                     \
   do {                                                                                               \
@@ -17,6 +16,7 @@
       std::exit(2);                                                                                  \
     }                                                                                                \
   } while (0)
+#ifdef TANDEM_TANDEM_H_
 #define TK(call)                                                                                     \
   do {                                                                                               \
     const tandem_status_t s_ = (call);                                                               \
@@ -25,12 +25,23 @@
       std::exit(2);                                                                                  \
     }                                                                                                \
   } while (0)
+#endif
 #ifdef NCCL_MAJOR
 #define NK(call)                                                                                     \
   do {                                                                                               \
     const ncclResult_t r_ = (call);                                                                  \
     if (r_ != ncclSuccess) {                                                                         \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_));     \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+#endif
+#ifdef CUBLAS_API_H_
+#define BK(call)                                                                                     \
+  do {                                                                                               \
+    const cublasStatus_t b_ = (call);                                                                \
+    if (b_ != CUBLAS_STATUS_SUCCESS) {                                                               \
+      std::fprintf(stderr, "%s:%d %s: cuBLAS status %d\n", __FILE__, __LINE__, #call, static_cast<int>(b_)); \
       std::exit(2);                                                                                  \
     }                                                                                                \
   } while (0)

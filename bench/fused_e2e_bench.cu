@@ -45,21 +45,14 @@
 #include <string>
 #include <vector>
 
-#include "checks.hpp"
 #include "cublaslt_gemm.hpp"
 #include "private_daemon.hpp"
 #include "tandem/tandem.h"
 
+#include "checks.hpp"  // after the library headers: it defines TK/NK/BK for those it finds
+
 namespace {
 
-#define BK(call)                                                                                     \
-  do {                                                                                               \
-    const cublasStatus_t b_ = (call);                                                                \
-    if (b_ != CUBLAS_STATUS_SUCCESS) {                                                               \
-      std::fprintf(stderr, "%s:%d %s: cuBLAS status %d\n", __FILE__, __LINE__, #call, static_cast<int>(b_)); \
-      std::exit(2);                                                                                  \
-    }                                                                                                \
-  } while (0)
 
 // ---- shapes ---------------------------------------------------------------------------------------------------
 enum class Op { kAgGemm, kGemmRs, kGemmAr };

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "checks.hpp"  // after <cublasLt.h> and <nccl.h>: it defines BK/NK for those it finds
 #include "cublaslt_gemm.hpp"
 #include "ref_gemm.cuh"
 #include "tandem/kernels/gemm.hpp"
@@ -30,22 +31,6 @@ using tandem::kernels::launchGemm;
 
 namespace {
 
-#define CUDA_CHECK(x)                                                                                  \
-  do {                                                                                                 \
-    cudaError_t e_ = (x);                                                                              \
-    if (e_ != cudaSuccess) {                                                                           \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, #x); \
-      std::exit(2);                                                                                    \
-    }                                                                                                  \
-  } while (0)
-#define CUBLAS_CHECK(x)                                                                            \
-  do {                                                                                             \
-    cublasStatus_t s_ = (x);                                                                       \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                             \
-      std::fprintf(stderr, "cuBLAS error %d at %s:%d: %s\n", static_cast<int>(s_), __FILE__, __LINE__, #x); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
 
 // A hung kernel must not eat the whole device lease: give up after `seconds`.
 void syncOrDie(cudaStream_t s, double seconds, const std::string& what) {
@@ -138,14 +123,14 @@ struct ErrResult {
 template <class T>
 ErrResult compare(const T* out, int64_t ldc, const float* ref, int64_t m, int64_t n, cudaStream_t s, double* dSums,
                   unsigned long long* dBad) {
-  CUDA_CHECK(cudaMemsetAsync(dSums, 0, 2 * sizeof(double), s));
-  CUDA_CHECK(cudaMemsetAsync(dBad, 0, sizeof(unsigned long long), s));
+  CK(cudaMemsetAsync(dSums, 0, 2 * sizeof(double), s));
+  CK(cudaMemsetAsync(dBad, 0, sizeof(unsigned long long), s));
   compareKernel<T><<<1024, 256, 0, s>>>(out, ldc, ref, int(m), int(n), dSums, dBad);
-  CUDA_CHECK(cudaGetLastError());
+  CK(cudaGetLastError());
   double h[2];
   unsigned long long b;
-  CUDA_CHECK(cudaMemcpyAsync(h, dSums, sizeof(h), cudaMemcpyDeviceToHost, s));
-  CUDA_CHECK(cudaMemcpyAsync(&b, dBad, sizeof(b), cudaMemcpyDeviceToHost, s));
+  CK(cudaMemcpyAsync(h, dSums, sizeof(h), cudaMemcpyDeviceToHost, s));
+  CK(cudaMemcpyAsync(&b, dBad, sizeof(b), cudaMemcpyDeviceToHost, s));
   syncOrDie(s, 60, "compare");
   return {std::sqrt(h[0] / std::max(h[1], 1e-300)), b};
 }
@@ -189,23 +174,23 @@ Buffers allocFill(const Shape& sh, int sets, cudaStream_t s, uint64_t seed) {
   for (int i = 0; i < sets; ++i) {
     void *a, *b, *c, *cb;
     const size_t na = size_t(sh.m) * buf.lda, nb = size_t(sh.n) * buf.ldb, nc = size_t(sh.m) * buf.ldc;
-    CUDA_CHECK(cudaMalloc(&a, na * 2));
-    CUDA_CHECK(cudaMalloc(&b, nb * 2));
-    CUDA_CHECK(cudaMalloc(&c, nc * 2));
-    CUDA_CHECK(cudaMalloc(&cb, nc * 2));
+    CK(cudaMalloc(&a, na * 2));
+    CK(cudaMalloc(&b, nb * 2));
+    CK(cudaMalloc(&c, nc * 2));
+    CK(cudaMalloc(&cb, nc * 2));
     fillRandom<T><<<2048, 256, 0, s>>>(static_cast<T*>(a), na, seed + 2 * i);
     fillRandom<T><<<2048, 256, 0, s>>>(static_cast<T*>(b), nb, seed + 2 * i + 1);
-    CUDA_CHECK(cudaGetLastError());
+    CK(cudaGetLastError());
     buf.a.push_back(a);
     buf.b.push_back(b);
     buf.c.push_back(c);
     buf.cBlas.push_back(cb);
   }
-  CUDA_CHECK(cudaMalloc(&buf.ref, size_t(sh.m) * sh.n * sizeof(float)));
+  CK(cudaMalloc(&buf.ref, size_t(sh.m) * sh.n * sizeof(float)));
   dim3 grid(unsigned((sh.n + 63) / 64), unsigned((sh.m + 63) / 64));
   refGemm<T><<<grid, dim3(16, 16), 0, s>>>(static_cast<const T*>(buf.a[0]), static_cast<const T*>(buf.b[0]), buf.ref,
                                            int(sh.m), int(sh.n), int(sh.k), buf.lda, buf.ldb, 0);
-  CUDA_CHECK(cudaGetLastError());
+  CK(cudaGetLastError());
   syncOrDie(s, 120, "fill + reference");
   return buf;
 }
@@ -239,7 +224,7 @@ GemmParams makeParams(const Shape& sh, const Buffers& buf, int set, GemmDtype dt
 template <class T>
 bool checkOurs(const Shape& sh, const Buffers& buf, GemmDtype dt, const Config& cfg, cudaStream_t s, double* dSums,
                unsigned long long* dBad, const char* label) {
-  CUDA_CHECK(cudaMemsetAsync(buf.c[0], 0xFF, size_t(sh.m) * buf.ldc * 2, s));  // NaN poison
+  CK(cudaMemsetAsync(buf.c[0], 0xFF, size_t(sh.m) * buf.ldc * 2, s));  // NaN poison
   const GemmParams p = makeParams(sh, buf, 0, dt, cfg, false);
   try {
     launchGemm(p, s);
@@ -307,27 +292,27 @@ int main(int argc, char** argv) {
   }
   kCheckConfigs = onlyCluster(kCheckConfigs, forceCluster);
   cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB, smem/block opt-in %zu KB\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize >> 20, prop.sharedMemPerBlockOptin >> 10);
   cudaStream_t s;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   double* dSums;
   unsigned long long* dBad;
-  CUDA_CHECK(cudaMalloc(&dSums, 2 * sizeof(double)));
-  CUDA_CHECK(cudaMalloc(&dBad, sizeof(unsigned long long)));
+  CK(cudaMalloc(&dSums, 2 * sizeof(double)));
+  CK(cudaMalloc(&dBad, sizeof(unsigned long long)));
   cublasLtHandle_t lt;
-  CUBLAS_CHECK(cublasLtCreate(&lt));
+  BK(cublasLtCreate(&lt));
   const size_t wsSize = 64u << 20;
   void* ws;
-  CUDA_CHECK(cudaMalloc(&ws, wsSize));
+  CK(cudaMalloc(&ws, wsSize));
 
   // ---- argument checks
   std::printf("\n== argument validation\n");
   {
     GemmParams p{};
     static __nv_bfloat16* dummy = nullptr;
-    if (!dummy) CUDA_CHECK(cudaMalloc(&dummy, 1 << 20));
+    if (!dummy) CK(cudaMalloc(&dummy, 1 << 20));
     p.a = dummy;
     p.b = dummy;
     p.c = dummy;
@@ -379,7 +364,7 @@ int main(int argc, char** argv) {
       const Shape sh{256, 256, 64};
       Buffers buf = allocFill<__nv_bfloat16>(sh, 1, s, 99);
       void* bigC;
-      CUDA_CHECK(cudaMalloc(&bigC, size_t(256) * 256 * 2 + 256 * 16));
+      CK(cudaMalloc(&bigC, size_t(256) * 256 * 2 + 256 * 16));
       GemmParams p = makeParams(sh, buf, 0, GemmDtype::kBf16, {0, 0, 0}, false);
       for (int i = 0; i < 10; ++i) launchGemm(p, s);
       syncOrDie(s, 30, "warm");
@@ -421,7 +406,7 @@ int main(int argc, char** argv) {
   if (only != "odd") {
     std::vector<float> t(iters), tb(iters);
     std::vector<cudaEvent_t> ev(3 * iters);
-    for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
+    for (auto& e : ev) CK(cudaEventCreate(&e));
     for (size_t si = 0; si < big.size(); ++si) {
       const Shape& sh = big[si];
       if (onlyShape >= 0 && size_t(onlyShape) != si) continue;
@@ -440,7 +425,7 @@ int main(int argc, char** argv) {
       Buffers buf = allocFill<__nv_bfloat16>(sh, sets, s, 42);
       for (const Config& c : kCheckConfigs) checkOurs<__nv_bfloat16>(sh, buf, GemmDtype::kBf16, c, s, dSums, dBad, "bf16");
       LtGemm blas(lt, sh.m, sh.n, sh.k, buf.lda, buf.ldb, buf.ldc, ws, wsSize);
-      CUDA_CHECK(cudaMemsetAsync(buf.cBlas[0], 0xFF, size_t(sh.m) * buf.ldc * 2, s));
+      CK(cudaMemsetAsync(buf.cBlas[0], 0xFF, size_t(sh.m) * buf.ldc * 2, s));
       blas.run(buf.a[0], buf.b[0], buf.cBlas[0], s);
       syncOrDie(s, 30, "cublas");
       const ErrResult rb = compare(static_cast<const __nv_bfloat16*>(buf.cBlas[0]), buf.ldc, buf.ref, sh.m, sh.n, s,
@@ -457,14 +442,14 @@ int main(int argc, char** argv) {
                                                         forceCluster);
         const int sweepIters = 20;
         std::vector<cudaEvent_t> sev(configs.size() * sweepIters * 2);
-        for (auto& e : sev) CUDA_CHECK(cudaEventCreate(&e));
+        for (auto& e : sev) CK(cudaEventCreate(&e));
         for (const Config& c : configs) launchGemm(makeParams(sh, buf, 0, GemmDtype::kBf16, c, false), s);
         for (int i = 0; i < sweepIters; ++i) {
           for (size_t ci = 0; ci < configs.size(); ++ci) {
             const size_t slot = (size_t(i) * configs.size() + ci) * 2;
-            CUDA_CHECK(cudaEventRecord(sev[slot], s));
+            CK(cudaEventRecord(sev[slot], s));
             launchGemm(makeParams(sh, buf, int(i % sets), GemmDtype::kBf16, configs[ci], false), s);
-            CUDA_CHECK(cudaEventRecord(sev[slot + 1], s));
+            CK(cudaEventRecord(sev[slot + 1], s));
           }
         }
         syncOrDie(s, 120, "sweep");
@@ -472,7 +457,7 @@ int main(int argc, char** argv) {
           std::vector<float> ts(sweepIters);
           for (int i = 0; i < sweepIters; ++i) {
             const size_t slot = (size_t(i) * configs.size() + ci) * 2;
-            CUDA_CHECK(cudaEventElapsedTime(&ts[i], sev[slot], sev[slot + 1]));
+            CK(cudaEventElapsedTime(&ts[i], sev[slot], sev[slot + 1]));
           }
           const double ms = median(ts);
           char line[256];
@@ -494,19 +479,19 @@ int main(int argc, char** argv) {
       for (int i = 0; i < iters; ++i) {
         const int set = i % sets;
         const bool oursFirst = i % 2 == 0;
-        CUDA_CHECK(cudaEventRecord(ev[3 * i], s));
+        CK(cudaEventRecord(ev[3 * i], s));
         if (oursFirst) launchGemm(makeParams(sh, buf, set, GemmDtype::kBf16, def, false), s);
         else blas.run(buf.a[set], buf.b[set], buf.cBlas[set], s);
-        CUDA_CHECK(cudaEventRecord(ev[3 * i + 1], s));
+        CK(cudaEventRecord(ev[3 * i + 1], s));
         if (oursFirst) blas.run(buf.a[set], buf.b[set], buf.cBlas[set], s);
         else launchGemm(makeParams(sh, buf, set, GemmDtype::kBf16, def, false), s);
-        CUDA_CHECK(cudaEventRecord(ev[3 * i + 2], s));
+        CK(cudaEventRecord(ev[3 * i + 2], s));
       }
       syncOrDie(s, 120, "timing");
       for (int i = 0; i < iters; ++i) {
         const bool oursFirst = i % 2 == 0;
-        CUDA_CHECK(cudaEventElapsedTime(oursFirst ? &t[i] : &tb[i], ev[3 * i], ev[3 * i + 1]));
-        CUDA_CHECK(cudaEventElapsedTime(oursFirst ? &tb[i] : &t[i], ev[3 * i + 1], ev[3 * i + 2]));
+        CK(cudaEventElapsedTime(oursFirst ? &t[i] : &tb[i], ev[3 * i], ev[3 * i + 1]));
+        CK(cudaEventElapsedTime(oursFirst ? &tb[i] : &t[i], ev[3 * i + 1], ev[3 * i + 2]));
       }
       // Re-check the default configuration's output of the timed runs (set 0, written by the last iteration on it).
       const ErrResult rd = compare(static_cast<const __nv_bfloat16*>(buf.c[0]), buf.ldc, buf.ref, sh.m, sh.n, s, dSums, dBad);

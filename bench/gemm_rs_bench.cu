@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "checks.hpp"  // after <cublasLt.h> and <nccl.h>: it defines BK/NK for those it finds
 #include "cublaslt_gemm.hpp"
 #include "ref_gemm.cuh"
 #include "device/ordering.cuh"
@@ -39,31 +40,6 @@ using namespace tandem::kernels;
 
 namespace {
 
-#define CUDA_CHECK(x)                                                                                     \
-  do {                                                                                                    \
-    cudaError_t e_ = (x);                                                                                 \
-    if (e_ != cudaSuccess) {                                                                              \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, #x); \
-      std::fflush(stdout);                                                                                \
-      std::_Exit(2);                                                                                      \
-    }                                                                                                     \
-  } while (0)
-#define CUBLAS_CHECK(x)                                                                                    \
-  do {                                                                                                     \
-    cublasStatus_t s_ = (x);                                                                               \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                     \
-      std::fprintf(stderr, "cuBLAS error %d at %s:%d: %s\n", static_cast<int>(s_), __FILE__, __LINE__, #x); \
-      std::_Exit(2);                                                                                       \
-    }                                                                                                      \
-  } while (0)
-#define NCCL_CHECK(x)                                                                                       \
-  do {                                                                                                      \
-    ncclResult_t r_ = (x);                                                                                  \
-    if (r_ != ncclSuccess) {                                                                                \
-      std::fprintf(stderr, "NCCL error %s at %s:%d: %s\n", ncclGetErrorString(r_), __FILE__, __LINE__, #x); \
-      std::_Exit(2);                                                                                        \
-    }                                                                                                       \
-  } while (0)
 
 constexpr int kMaxDev = 8;
 int gRanks = 2;
@@ -94,7 +70,7 @@ void syncAll(double seconds, const std::string& what) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < gRanks; ++r) {
     for (;;) {
-      CUDA_CHECK(cudaSetDevice(r));
+      CK(cudaSetDevice(r));
       const cudaError_t e = cudaStreamQuery(gStream[r]);
       if (e == cudaSuccess) break;
       if (e != cudaErrorNotReady) {
@@ -246,55 +222,55 @@ void allocShape(ShapeBufs& sb, const Shape& sh, int nranks, int sets) {
   sb.sets = sets;
   const size_t mn = size_t(sh.m) * sh.n;
   for (int r = 0; r < nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     for (int s = 0; s < sets; ++s) {
       void *a, *b;
-      CUDA_CHECK(cudaMalloc(&a, size_t(sh.m) * sb.kr * 2));
-      CUDA_CHECK(cudaMalloc(&b, size_t(sh.n) * sb.kr * 2));
+      CK(cudaMalloc(&a, size_t(sh.m) * sb.kr * 2));
+      CK(cudaMalloc(&b, size_t(sh.n) * sb.kr * 2));
       fillRandom<<<2048, 256, 0, gStream[r]>>>(static_cast<__nv_bfloat16*>(a), size_t(sh.m) * sb.kr,
                                                0x1000 + 97 * r + 13 * s + sh.m * 7 + sh.n * 3);
       fillRandom<<<2048, 256, 0, gStream[r]>>>(static_cast<__nv_bfloat16*>(b), size_t(sh.n) * sb.kr,
                                                0x5000 + 89 * r + 17 * s + sh.m * 5 + sh.n * 11);
-      CUDA_CHECK(cudaGetLastError());
+      CK(cudaGetLastError());
       sb.a[r].push_back(a);
       sb.b[r].push_back(b);
     }
-    CUDA_CHECK(cudaMalloc(&sb.outRs[r], mn * 2));
-    CUDA_CHECK(cudaMalloc(&sb.outAr[r], mn * 2));
-    CUDA_CHECK(cudaMalloc(&sb.cPart[r], mn * 2));
-    CUDA_CHECK(cudaMalloc(&sb.ncRs[r], mn * 2));
-    CUDA_CHECK(cudaMalloc(&sb.ncAr[r], mn * 2));
-    CUDA_CHECK(cudaMalloc(&sb.det[r], mn * 2));
-    CUDA_CHECK(cudaMalloc(&sb.ref[r], mn * 4));
+    CK(cudaMalloc(&sb.outRs[r], mn * 2));
+    CK(cudaMalloc(&sb.outAr[r], mn * 2));
+    CK(cudaMalloc(&sb.cPart[r], mn * 2));
+    CK(cudaMalloc(&sb.ncRs[r], mn * 2));
+    CK(cudaMalloc(&sb.ncAr[r], mn * 2));
+    CK(cudaMalloc(&sb.det[r], mn * 2));
+    CK(cudaMalloc(&sb.ref[r], mn * 4));
   }
   // Reference: each rank's fp32 partial of set 0, summed on rank 0, copied to every rank.
   for (int r = 0; r < nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     dim3 grid(unsigned((sh.n + 63) / 64), unsigned((sh.m + 63) / 64));
     refGemm<__nv_bfloat16><<<grid, dim3(16, 16), 0, gStream[r]>>>(static_cast<const __nv_bfloat16*>(sb.a[r][0]),
                                                     static_cast<const __nv_bfloat16*>(sb.b[r][0]), sb.ref[r], int(sh.m),
                                                     int(sh.n), int(sb.kr), sb.kr, sb.kr, 0);
-    CUDA_CHECK(cudaGetLastError());
+    CK(cudaGetLastError());
   }
   syncAll(300, "reference");
   if (nranks > 1) {
-    CUDA_CHECK(cudaSetDevice(0));
+    CK(cudaSetDevice(0));
     float* tmp = nullptr;
-    CUDA_CHECK(cudaMalloc(&tmp, mn * 4));
+    CK(cudaMalloc(&tmp, mn * 4));
     for (int r = 1; r < nranks; ++r) {
-      CUDA_CHECK(cudaMemcpyPeerAsync(tmp, 0, sb.ref[r], r, mn * 4, gStream[0]));
+      CK(cudaMemcpyPeerAsync(tmp, 0, sb.ref[r], r, mn * 4, gStream[0]));
       addInto<<<2048, 256, 0, gStream[0]>>>(sb.ref[0], tmp, mn);
-      CUDA_CHECK(cudaGetLastError());
+      CK(cudaGetLastError());
     }
-    for (int r = 1; r < nranks; ++r) CUDA_CHECK(cudaMemcpyPeerAsync(sb.ref[r], r, sb.ref[0], 0, mn * 4, gStream[0]));
+    for (int r = 1; r < nranks; ++r) CK(cudaMemcpyPeerAsync(sb.ref[r], r, sb.ref[0], 0, mn * 4, gStream[0]));
     syncAll(60, "reference sum");
-    CUDA_CHECK(cudaFree(tmp));
+    CK(cudaFree(tmp));
   }
 }
 
 void freeShape(ShapeBufs& sb) {
   for (int r = 0; r < sb.nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     for (auto* p : sb.a[r]) cudaFree(p);
     for (auto* p : sb.b[r]) cudaFree(p);
     sb.a[r].clear();
@@ -414,30 +390,30 @@ void enqueue(Cand& c, const ShapeBufs& sb, int set) {
   switch (c.type) {
     case CandType::kBaseline:
       for (int r = 0; r < sb.nranks; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
+        CK(cudaSetDevice(r));
         gLt[r]->run(sb.a[r][set], sb.b[r][set], sb.cPart[r], gStream[r]);
       }
-      NCCL_CHECK(ncclGroupStart());
+      NK(ncclGroupStart());
       for (int r = 0; r < sb.nranks; ++r) {
         if (c.op == Op::kRs) {
-          NCCL_CHECK(ncclReduceScatter(sb.cPart[r], sb.ncRs[r], rowsPer * sb.n, ncclBfloat16, ncclSum, gComm[r],
+          NK(ncclReduceScatter(sb.cPart[r], sb.ncRs[r], rowsPer * sb.n, ncclBfloat16, ncclSum, gComm[r],
                                        gStream[r]));
         } else {
-          NCCL_CHECK(ncclAllReduce(sb.cPart[r], sb.ncAr[r], size_t(sb.m) * sb.n, ncclBfloat16, ncclSum, gComm[r],
+          NK(ncclAllReduce(sb.cPart[r], sb.ncAr[r], size_t(sb.m) * sb.n, ncclBfloat16, ncclSum, gComm[r],
                                    gStream[r]));
         }
       }
-      NCCL_CHECK(ncclGroupEnd());
+      NK(ncclGroupEnd());
       break;
     case CandType::kGemmLt:
       for (int r = 0; r < sb.nranks; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
+        CK(cudaSetDevice(r));
         gLt[r]->run(sb.a[r][set], sb.b[r][set], sb.cPart[r], gStream[r]);
       }
       break;
     case CandType::kGemmOurs:
       for (int r = 0; r < sb.nranks; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
+        CK(cudaSetDevice(r));
         GemmParams g{};
         g.a = sb.a[r][set];
         g.b = sb.b[r][set];
@@ -455,7 +431,7 @@ void enqueue(Cand& c, const ShapeBufs& sb, int set) {
     case CandType::kOurs: {
       ++gEpoch;
       for (int r = 0; r < sb.nranks; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
+        CK(cudaSetDevice(r));
         const GemmRsParams p = makeParams(sb, r, set, c.op, c.plan, gEpoch);
         try {
           const GemmRsPlan ran = c.op == Op::kRs ? launchGemmRs(p, gStream[r]) : launchGemmAr(p, gStream[r]);
@@ -475,8 +451,8 @@ void enqueue(Cand& c, const ShapeBufs& sb, int set) {
 double checkCand(Cand& c, const ShapeBufs& sb, bool* ok) {
   const size_t mn = size_t(sb.m) * sb.n;
   for (int r = 0; r < sb.nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
-    for (void* p : {sb.outRs[r], sb.outAr[r], sb.ncRs[r], sb.ncAr[r]}) CUDA_CHECK(cudaMemsetAsync(p, 0xFF, mn * 2, gStream[r]));
+    CK(cudaSetDevice(r));
+    for (void* p : {sb.outRs[r], sb.outAr[r], sb.ncRs[r], sb.ncAr[r]}) CK(cudaMemsetAsync(p, 0xFF, mn * 2, gStream[r]));
   }
   gSlotTripped = false;
   enqueue(c, sb, 0);
@@ -484,23 +460,23 @@ double checkCand(Cand& c, const ShapeBufs& sb, bool* ok) {
   double worst = 0;
   *ok = !gSlotTripped;
   for (int r = 0; r < sb.nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     const bool rsOut = c.op == Op::kRs;
     const int64_t rows = rsOut ? rsRowsOf(sb.m, r, sb.nranks) : sb.m;
     const int64_t off = rsOut ? rsRowOffset(sb.m, r, sb.nranks) : 0;
     const void* out = c.type == CandType::kBaseline ? (rsOut ? sb.ncRs[r] : sb.ncAr[r]) : (rsOut ? sb.outRs[r] : sb.outAr[r]);
-    CUDA_CHECK(cudaMemsetAsync(gR[r].sums, 0, 2 * sizeof(double), gStream[r]));
-    CUDA_CHECK(cudaMemsetAsync(gR[r].bad, 0, sizeof(unsigned long long), gStream[r]));
+    CK(cudaMemsetAsync(gR[r].sums, 0, 2 * sizeof(double), gStream[r]));
+    CK(cudaMemsetAsync(gR[r].bad, 0, sizeof(unsigned long long), gStream[r]));
     if (rows > 0) {
       compareKernel<<<1024, 256, 0, gStream[r]>>>(static_cast<const __nv_bfloat16*>(out), sb.n, sb.ref[r] + off * sb.n,
                                                   int(rows), int(sb.n), gR[r].sums, gR[r].bad);
-      CUDA_CHECK(cudaGetLastError());
+      CK(cudaGetLastError());
     }
     double h[2];
     unsigned long long b;
-    CUDA_CHECK(cudaMemcpyAsync(h, gR[r].sums, sizeof(h), cudaMemcpyDeviceToHost, gStream[r]));
-    CUDA_CHECK(cudaMemcpyAsync(&b, gR[r].bad, sizeof(b), cudaMemcpyDeviceToHost, gStream[r]));
-    CUDA_CHECK(cudaStreamSynchronize(gStream[r]));
+    CK(cudaMemcpyAsync(h, gR[r].sums, sizeof(h), cudaMemcpyDeviceToHost, gStream[r]));
+    CK(cudaMemcpyAsync(&b, gR[r].bad, sizeof(b), cudaMemcpyDeviceToHost, gStream[r]));
+    CK(cudaStreamSynchronize(gStream[r]));
     const double rel = rows > 0 ? std::sqrt(h[0] / std::max(h[1], 1e-300)) : 0.0;
     if (b != 0 || !std::isfinite(rel) || rel >= 1e-2) *ok = false;
     worst = std::max(worst, b != 0 ? INFINITY : rel);
@@ -513,24 +489,24 @@ unsigned long long checkDeterminism(Cand& c, const ShapeBufs& sb, int reps) {
   const size_t mn = size_t(sb.m) * sb.n;
   enqueue(c, sb, 0);
   for (int r = 0; r < sb.nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
-    CUDA_CHECK(cudaMemcpyAsync(sb.det[r], c.op == Op::kRs ? sb.outRs[r] : sb.outAr[r], mn * 2, cudaMemcpyDeviceToDevice,
+    CK(cudaSetDevice(r));
+    CK(cudaMemcpyAsync(sb.det[r], c.op == Op::kRs ? sb.outRs[r] : sb.outAr[r], mn * 2, cudaMemcpyDeviceToDevice,
                                gStream[r]));
-    CUDA_CHECK(cudaMemsetAsync(gR[r].bad, 0, sizeof(unsigned long long), gStream[r]));
+    CK(cudaMemsetAsync(gR[r].bad, 0, sizeof(unsigned long long), gStream[r]));
   }
   for (int i = 1; i < reps; ++i) {
     for (int r = 0; r < sb.nranks; ++r) {
-      CUDA_CHECK(cudaSetDevice(r));
-      CUDA_CHECK(cudaMemsetAsync(c.op == Op::kRs ? sb.outRs[r] : sb.outAr[r], 0xFF, mn * 2, gStream[r]));
+      CK(cudaSetDevice(r));
+      CK(cudaMemsetAsync(c.op == Op::kRs ? sb.outRs[r] : sb.outAr[r], 0xFF, mn * 2, gStream[r]));
     }
     enqueue(c, sb, 0);
     for (int r = 0; r < sb.nranks; ++r) {
-      CUDA_CHECK(cudaSetDevice(r));
+      CK(cudaSetDevice(r));
       const int rows = int(c.op == Op::kRs ? rsRowsOf(sb.m, r, sb.nranks) : sb.m);
       if (rows > 0) {
         diffBits<<<512, 256, 0, gStream[r]>>>(static_cast<const uint16_t*>(c.op == Op::kRs ? sb.outRs[r] : sb.outAr[r]),
                                               static_cast<const uint16_t*>(sb.det[r]), sb.n, rows, int(sb.n), gR[r].bad);
-        CUDA_CHECK(cudaGetLastError());
+        CK(cudaGetLastError());
       }
     }
     if (i % 20 == 0) syncAll(60, "determinism " + c.name);
@@ -538,9 +514,9 @@ unsigned long long checkDeterminism(Cand& c, const ShapeBufs& sb, int reps) {
   syncAll(60, "determinism " + c.name);
   unsigned long long total = 0;
   for (int r = 0; r < sb.nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     unsigned long long b = 0;
-    CUDA_CHECK(cudaMemcpy(&b, gR[r].bad, sizeof(b), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(&b, gR[r].bad, sizeof(b), cudaMemcpyDeviceToHost));
     total += b;
   }
   return total;
@@ -560,14 +536,14 @@ std::vector<double> timeCands(std::vector<Cand>& cands, const ShapeBufs& sb, int
       const int set = it % sb.sets;
       ++gBarEpoch;
       for (int r = 0; r < sb.nranks; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
+        CK(cudaSetDevice(r));
         crossBarrier<<<1, 32, 0, gStream[r]>>>(gBar, r, sb.nranks, gBarEpoch);
-        if (it >= warm) CUDA_CHECK(cudaEventRecord(ev(int(c), it - warm, r, 0), gStream[r]));
+        if (it >= warm) CK(cudaEventRecord(ev(int(c), it - warm, r, 0), gStream[r]));
       }
       enqueue(cands[c], sb, set);
       for (int r = 0; r < sb.nranks; ++r) {
-        CUDA_CHECK(cudaSetDevice(r));
-        if (it >= warm) CUDA_CHECK(cudaEventRecord(ev(int(c), it - warm, r, 1), gStream[r]));
+        CK(cudaSetDevice(r));
+        if (it >= warm) CK(cudaEventRecord(ev(int(c), it - warm, r, 1), gStream[r]));
       }
     }
     syncAll(60, "timing round");
@@ -579,7 +555,7 @@ std::vector<double> timeCands(std::vector<Cand>& cands, const ShapeBufs& sb, int
       double mx = 0;
       for (int r = 0; r < sb.nranks; ++r) {
         float ms = 0;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, ev(int(c), it, r, 0), ev(int(c), it, r, 1)));
+        CK(cudaEventElapsedTime(&ms, ev(int(c), it, r, 0), ev(int(c), it, r, 1)));
         mx = std::max(mx, double(ms));
       }
       v.push_back(mx);
@@ -631,14 +607,14 @@ void correctnessShape(const Shape& sh, int nranks, int detReps) {
 void traceCand(Cand c, const ShapeBufs& sb) {
   std::vector<uint64_t*> dev(sb.nranks);
   for (int r = 0; r < sb.nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
-    CUDA_CHECK(cudaMalloc(&dev[r], kTraceWords * 8));
-    CUDA_CHECK(cudaMemset(dev[r], 0, kTraceWords * 8));
+    CK(cudaSetDevice(r));
+    CK(cudaMalloc(&dev[r], kTraceWords * 8));
+    CK(cudaMemset(dev[r], 0, kTraceWords * 8));
     gTrace[r] = dev[r];
   }
   ++gBarEpoch;
   for (int r = 0; r < sb.nranks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     crossBarrier<<<1, 32, 0, gStream[r]>>>(gBar, r, sb.nranks, gBarEpoch);
   }
   enqueue(c, sb, 0);
@@ -646,9 +622,9 @@ void traceCand(Cand c, const ShapeBufs& sb) {
   for (int r = 0; r < sb.nranks; ++r) gTrace[r] = nullptr;
   for (int r = 0; r < sb.nranks; ++r) {
     std::vector<uint64_t> h(kTraceWords);
-    CUDA_CHECK(cudaSetDevice(r));
-    CUDA_CHECK(cudaMemcpy(h.data(), dev[r], kTraceWords * 8, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaFree(dev[r]));
+    CK(cudaSetDevice(r));
+    CK(cudaMemcpy(h.data(), dev[r], kTraceWords * 8, cudaMemcpyDeviceToHost));
+    CK(cudaFree(dev[r]));
     double sum[2][3] = {};
     long cnt[2] = {};
     uint64_t t0 = ~0ull, tEnd = 0;
@@ -693,7 +669,7 @@ void benchShape(const Shape& sh, int iters, int detReps) {
   ShapeBufs sb;
   allocShape(sb, sh, gRanks, 2);
   for (int r = 0; r < gRanks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     gLt[r] = new LtGemm(gR[r].lt, sh.m, sh.n, sb.kr, gR[r].ltWs, 64u << 20);
   }
   for (Op op : {Op::kRs, Op::kAr}) {
@@ -790,7 +766,7 @@ void benchShape(const Shape& sh, int iters, int detReps) {
     std::fflush(stdout);
   }
   for (int r = 0; r < gRanks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     delete gLt[r];
     gLt[r] = nullptr;
   }
@@ -817,43 +793,43 @@ int main(int argc, char** argv) {
     }
   }
   int ndev = 0;
-  CUDA_CHECK(cudaGetDeviceCount(&ndev));
+  CK(cudaGetDeviceCount(&ndev));
   if (ndev < 2) {
     std::printf("needs 2 GPUs, found %d\n", ndev);
     return 77;
   }
   gRanks = 2;
   cudaDeviceProp prop{};
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  CK(cudaGetDeviceProperties(&prop, 0));
   gSms = prop.multiProcessorCount;
   std::printf("devices: %d x %s, %d SMs; NCCL %d\n", ndev, prop.name, gSms, NCCL_VERSION_CODE);
   if (jsonPath) gJson = std::fopen(jsonPath, "w");
   gWsBytes = gemmRsWorkspaceBytes(kWsMaxM, kWsMaxN, gRanks);
   for (int r = 0; r < gRanks; ++r) {
-    CUDA_CHECK(cudaSetDevice(r));
+    CK(cudaSetDevice(r));
     for (int q = 0; q < gRanks; ++q) {
       if (q != r) {
         int can = 0;
-        CUDA_CHECK(cudaDeviceCanAccessPeer(&can, r, q));
+        CK(cudaDeviceCanAccessPeer(&can, r, q));
         if (!can) {
           std::printf("no peer access %d -> %d\n", r, q);
           return 2;
         }
-        CUDA_CHECK(cudaDeviceEnablePeerAccess(q, 0));
+        CK(cudaDeviceEnablePeerAccess(q, 0));
       }
     }
-    CUDA_CHECK(cudaStreamCreateWithFlags(&gStream[r], cudaStreamNonBlocking));
-    CUBLAS_CHECK(cublasLtCreate(&gR[r].lt));
-    CUDA_CHECK(cudaMalloc(&gR[r].ltWs, 64u << 20));
-    CUDA_CHECK(cudaMalloc(&gR[r].workspace, gWsBytes));
-    CUDA_CHECK(cudaMemset(gR[r].workspace, 0, gWsBytes));  // flags start at 0 once; epochs only grow
-    CUDA_CHECK(cudaMalloc(&gR[r].barSlots, 64 * sizeof(uint64_t)));
-    CUDA_CHECK(cudaMemset(gR[r].barSlots, 0, 64 * sizeof(uint64_t)));
-    CUDA_CHECK(cudaMalloc(&gR[r].sums, 2 * sizeof(double)));
-    CUDA_CHECK(cudaMalloc(&gR[r].bad, sizeof(unsigned long long)));
-    CUDA_CHECK(cudaHostAlloc(&gSlotHost[r], sizeof(ErrorSlot), cudaHostAllocMapped | cudaHostAllocPortable));
+    CK(cudaStreamCreateWithFlags(&gStream[r], cudaStreamNonBlocking));
+    BK(cublasLtCreate(&gR[r].lt));
+    CK(cudaMalloc(&gR[r].ltWs, 64u << 20));
+    CK(cudaMalloc(&gR[r].workspace, gWsBytes));
+    CK(cudaMemset(gR[r].workspace, 0, gWsBytes));  // flags start at 0 once; epochs only grow
+    CK(cudaMalloc(&gR[r].barSlots, 64 * sizeof(uint64_t)));
+    CK(cudaMemset(gR[r].barSlots, 0, 64 * sizeof(uint64_t)));
+    CK(cudaMalloc(&gR[r].sums, 2 * sizeof(double)));
+    CK(cudaMalloc(&gR[r].bad, sizeof(unsigned long long)));
+    CK(cudaHostAlloc(&gSlotHost[r], sizeof(ErrorSlot), cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(gSlotHost[r], 0, sizeof(ErrorSlot));
-    CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&gSlotDev[r]), gSlotHost[r], 0));
+    CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&gSlotDev[r]), gSlotHost[r], 0));
     gBar.slots[r] = gR[r].barSlots;
     gEvents.resize(size_t(kMaxCands) * kMaxIters * kMaxDev * 2);
   }
@@ -861,13 +837,13 @@ int main(int argc, char** argv) {
     for (int it = 0; it < kMaxIters; ++it)
       for (int r = 0; r < gRanks; ++r)
         for (int w = 0; w < 2; ++w) {
-          CUDA_CHECK(cudaSetDevice(r));
-          CUDA_CHECK(cudaEventCreate(&ev(c, it, r, w)));
+          CK(cudaSetDevice(r));
+          CK(cudaEventCreate(&ev(c, it, r, w)));
         }
   std::printf("workspace per rank: %.2f GB\n", double(gWsBytes) / 1e9);
   int devs[kMaxDev];
   for (int r = 0; r < gRanks; ++r) devs[r] = r;
-  NCCL_CHECK(ncclCommInitAll(gComm, gRanks, devs));
+  NK(ncclCommInitAll(gComm, gRanks, devs));
 
   // ---- argument validation
   {
@@ -890,7 +866,7 @@ int main(int argc, char** argv) {
         std::printf("  ok   reject %-34s: %s\n", what, e.what());
       }
     };
-    CUDA_CHECK(cudaSetDevice(0));
+    CK(cudaSetDevice(0));
     expectReject("n not a multiple of 8", [](GemmRsParams& p) { p.n = 250; });
     expectReject("k slice not a multiple of 8", [](GemmRsParams& p) { p.k = 30; p.lda = 32; p.ldb = 32; });
     expectReject("m past the workspace", [](GemmRsParams& p) { p.m = kWsMaxM + 1; });
