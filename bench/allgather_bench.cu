@@ -26,6 +26,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -75,22 +76,34 @@ struct Options {
   std::string json, socket;
 };
 
+// A method: tandem with its tuning overrides (allgather.hpp: allgatherTuning; every TANDEM_AG_* variable not named is
+// unset), or NCCL. The overrides are read by whoever launches the kernel: this process with the client executor (with
+// the daemon executor they change nothing, and every tandem row runs tandemd's default).
 struct Method {
   const char* name;
-  const char* mode;  // TANDEM_AG_MODE
-  const char* ctas;  // TANDEM_AG_CTAS ("" = default)
+  const char* env;  // "NAME=value NAME=value"
   bool nccl;
 };
 const Method kMethods[] = {
-    {"tandem", "push", "", false},        // the library's default configuration
-    {"tandem-pull", "pull", "", false},
-    {"tandem-push64", "push", "64", false},
-    {"tandem-pull64", "pull", "64", false},
+    {"tandem", "", false},  // the library's default configuration
+    {"tandem-noLL", "TANDEM_AG_LL_MAX=0", false},
+    {"tandem-push64x64K", "TANDEM_AG_LL_MAX=0 TANDEM_AG_CTAS=64 TANDEM_AG_CHUNK=65536", false},
+    {"tandem-push64x16K", "TANDEM_AG_LL_MAX=0 TANDEM_AG_CTAS=64 TANDEM_AG_CHUNK=16384", false},
+    {"tandem-pull64", "TANDEM_AG_LL_MAX=0 TANDEM_AG_MODE=pull TANDEM_AG_CTAS=64", false},
 #ifdef TANDEM_HAVE_NCCL
-    {"nccl", "", "", true},
+    {"nccl", "", true},
 #endif
 };
 constexpr int kNumMethods = sizeof(kMethods) / sizeof(kMethods[0]);
+
+void applyTuning(const Method& m) {
+  for (const char* v : {"TANDEM_AG_MODE", "TANDEM_AG_CTAS", "TANDEM_AG_CHUNK", "TANDEM_AG_LL_MAX"}) ::unsetenv(v);
+  std::istringstream in(m.env);
+  for (std::string kv; in >> kv;) {
+    const auto eq = kv.find('=');
+    ::setenv(kv.substr(0, eq).c_str(), kv.substr(eq + 1).c_str(), 1);
+  }
+}
 
 using tandem::bench::readAll;
 using tandem::bench::writeAll;
@@ -134,8 +147,8 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
     std::printf("allgather_bench: %u ranks, executor %s, median of %d after %d warm-ups; busbw = (n-1)*bytes/time\n",
                 o.ranks, o.executor.c_str(), o.iters, o.warmup);
     std::printf("%-10s", "bytes");
-    for (const auto& m : kMethods) std::printf(" %14s", m.name);
-    std::printf(" %12s\n", "tandem/nccl");
+    for (const auto& m : kMethods) std::printf(" %18s", m.name);
+    std::printf(" %12s\n", "nccl/tandem");  // time ratio: above 1, tandem's default is faster
   }
   std::string jsonRows;
   for (uint64_t S = o.minBytes; S <= o.maxBytes; S *= 2) {
@@ -149,8 +162,7 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
       // Alternate the order per size so drift hits every method alike.
       const Method& m = kMethods[(S / o.minBytes) % 2 == 0 ? mi : kNumMethods - 1 - mi];
       const int slot = static_cast<int>(&m - kMethods);
-      ::setenv("TANDEM_AG_MODE", m.mode, 1);
-      if (*m.ctas != 0) ::setenv("TANDEM_AG_CTAS", m.ctas, 1); else ::unsetenv("TANDEM_AG_CTAS");
+      applyTuning(m);
       // Align the ranks before each method.
       tandem_op_t op;
       TK(tandem_barrier_stream(comm, stream, &op));
@@ -192,7 +204,7 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
       std::printf("%-10lu", static_cast<unsigned long>(S));
       for (int mi = 0; mi < kNumMethods; ++mi) {
         const double busbw = (o.ranks - 1) * static_cast<double>(S) / (medianUs[mi] * 1e3);
-        std::printf(" %7.1fus %4.0f", medianUs[mi], o.ranks > 1 ? busbw : static_cast<double>(S) / (medianUs[mi] * 1e3));
+        std::printf("     %7.1fus %4.0f", medianUs[mi], o.ranks > 1 ? busbw : static_cast<double>(S) / (medianUs[mi] * 1e3));
       }
 #ifdef TANDEM_HAVE_NCCL
       std::printf(" %12.3f\n", medianUs[kNumMethods - 1] / medianUs[0]);
@@ -212,8 +224,7 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
     if (S > o.maxBytes || S % 4 != 0) continue;
     for (int mi = 0; mi < kNumMethods; ++mi) {
       const Method& m = kMethods[mi];
-      ::setenv("TANDEM_AG_MODE", m.mode, 1);
-      if (*m.ctas != 0) ::setenv("TANDEM_AG_CTAS", m.ctas, 1); else ::unsetenv("TANDEM_AG_CTAS");
+      applyTuning(m);
       fillKernel<<<1024, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(sendPtr), S / 4, 7000 + rank);
       CK(cudaMemsetAsync(recvPtr, 0xEE, S * o.ranks, stream));
       tandem_op_t op;

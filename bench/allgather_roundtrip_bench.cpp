@@ -5,7 +5,8 @@
 //
 // Forks one process per rank (GPU r) and starts its own tandemd with the executor (unless --socket). Rank 0
 // reports. For scale it also times the same loop with no tandem op (a bare cudaStreamSynchronize after a
-// cudaEventRecord), which is the floor any stream-ordered op pays.
+// cudaEventRecord), which is the floor any stream-ordered op pays. With TANDEM_TRACE_OPS=1 (inherited by the private
+// tandemd) it also prints the daemon's breakdown of each op's time (arrival -> release -> done seen).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -133,6 +135,12 @@ int main(int argc, char** argv) {
     int st = 0;
     ::waitpid(p, &st, 0);
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) rc = 1;
+  }
+  if (daemon && std::getenv("TANDEM_TRACE_OPS") != nullptr) {  // the private tandemd's trace lines (cuda_backend.cpp)
+    std::istringstream log(daemon->log());
+    for (std::string line; std::getline(log, line);) {
+      if (line.find("trace:") != std::string::npos) std::printf("tandemd %s\n", line.c_str());
+    }
   }
   return rc;
 }

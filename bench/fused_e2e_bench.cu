@@ -1,9 +1,10 @@
 // The three fused GEMMs as an application runs them: through libtandem (tandem_ag_gemm, tandem_gemm_rs,
-// tandem_gemm_ar) on a tandemd of the benchmark's own (backend cuda, executor client), one process per rank and GPU,
+// tandem_gemm_ar) on a tandemd of the benchmark's own (backend cuda, --executor client (default) or daemon, which needs
+// MPS running), one process per rank and GPU,
 // against NCCL + cuBLASLt in the same processes, on the same input buffers, interleaved per iteration.
 //
 //   fused_e2e_bench [--iters 20] [--warmup 3] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--ranks 2]
-//                   [--gathered] [--workspace BYTES] [--json FILE] [--socket PATH]
+//                   [--executor client|daemon] [--gathered] [--workspace BYTES] [--json FILE] [--socket PATH]
 //
 // Shapes M x K x N (K is the full K; bf16 in and out, fp32 accumulation, C = A·Bᵀ with A [M,K] and B [N,K]):
 //   ag-gemm (A sharded by rows): 8192x8192x8192, 4096x8192x8192, 16384x8192x14336, 1024x8192x8192, 2048x8192x8192
@@ -79,6 +80,7 @@ struct Options {
   bool gathered = false;
   uint64_t workspace = 0;  // 0: computed
   std::string json, socket;
+  std::string executor = "client";
 };
 
 std::vector<Case> casesOf(const Options& o) {
@@ -445,10 +447,11 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
   if (rank == 0) {
     if (o.socket.empty()) {
       std::printf("fused_e2e_bench: %u ranks (one process and GPU each), private tandemd: backend cuda, executor "
-                  "client, cuda.workspace_bytes %llu MiB\n", o.ranks, static_cast<unsigned long long>(workspace >> 20));
+                  "%s, cuda.workspace_bytes %llu MiB\n", o.ranks, o.executor.c_str(),
+                  static_cast<unsigned long long>(workspace >> 20));
     } else {
-      std::printf("fused_e2e_bench: %u ranks (one process and GPU each), tandemd at %s (its config; executor client "
-                  "needed), workspace needed about %llu MiB\n", o.ranks, socket.c_str(),
+      std::printf("fused_e2e_bench: %u ranks (one process and GPU each), tandemd at %s (its config and executor), "
+                  "workspace needed about %llu MiB\n", o.ranks, socket.c_str(),
                   static_cast<unsigned long long>(workspace >> 20));
     }
     std::printf("baseline: NCCL (AllGather / ReduceScatter / AllReduce, bf16) + cuBLASLt (bf16 in/out, fp32 "
@@ -499,7 +502,7 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
     std::fflush(stdout);
     if (!o.json.empty()) {
       std::ofstream(o.json) << "{\n  \"bench\": \"fused_e2e_bench\", \"ranks\": " << o.ranks
-                            << ", \"executor\": \"client\", \"iters\": " << o.iters << ", \"warmup\": " << o.warmup
+                            << ", \"executor\": \"" << o.executor << "\", \"iters\": " << o.iters << ", \"warmup\": " << o.warmup
                             << ", \"workspace_bytes\": " << workspace << ", \"gathered\": "
                             << (o.gathered ? "true" : "false") << ",\n  \"rows\": [\n" << jsonRows << "\n  ]\n}\n";
     }
@@ -528,7 +531,7 @@ int main(int argc, char** argv) {
   Options o;
   const char* usage =
       "usage: fused_e2e_bench [--iters N] [--warmup N] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--ranks N] "
-      "[--gathered] [--workspace BYTES] [--json FILE] [--socket PATH]\n";
+      "[--executor client|daemon] [--gathered] [--workspace BYTES] [--json FILE] [--socket PATH]\n";
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -542,6 +545,7 @@ int main(int argc, char** argv) {
       else if (a == "--shape") o.shape = std::stoi(next());
       else if (a == "--ranks") o.ranks = static_cast<uint32_t>(std::stoul(next()));
       else if (a == "--gathered") o.gathered = true;
+      else if (a == "--executor") o.executor = next();
       else if (a == "--workspace") o.workspace = std::stoull(next());
       else if (a == "--json") o.json = next();
       else if (a == "--socket") o.socket = next();
@@ -553,6 +557,11 @@ int main(int argc, char** argv) {
   }
   if (!o.op.empty() && o.op != "ag-gemm" && o.op != "gemm-rs" && o.op != "gemm-ar") {
     std::fprintf(stderr, "--op %s: expected ag-gemm, gemm-rs or gemm-ar\n%s", o.op.c_str(), usage);
+    return 2;
+  }
+  if (o.executor != "client" && o.executor != "daemon") {
+    std::fprintf(stderr, "--executor %s: expected client or daemon (daemon needs MPS running)\n%s", o.executor.c_str(),
+                 usage);
     return 2;
   }
   if (o.iters < 1 || o.warmup < 0 || o.ranks < 1) {
@@ -579,7 +588,7 @@ int main(int argc, char** argv) {
   const uint64_t workspace = o.workspace != 0 ? o.workspace : workspaceFor(cases, o.ranks);
   std::unique_ptr<tandem::bench::PrivateDaemon> daemon;
   const std::string config =
-      "daemon:\n  backend: cuda\n  executor: client\ncuda:\n  workspace_bytes: " + std::to_string(workspace) + "\n";
+      "daemon:\n  backend: cuda\n  executor: " + o.executor + "\ncuda:\n  workspace_bytes: " + std::to_string(workspace) + "\n";
   const std::string socket = tandem::bench::useDaemon(o.socket, TANDEMD_PATH, config, daemon);
   if (socket.empty()) return 2;
   std::vector<pid_t> pids;

@@ -276,7 +276,22 @@ __global__ void __launch_bounds__(kAgThreads) persistentKernel(const __grid_cons
           }
           const uint64_t tail = ldAcquireSys(&q->tail);  // acquire: pairs with the host's release after the item
           if (tail > next) {
-            if (solo && ldRelaxedSys(reinterpret_cast<const uint64_t*>(&q->items[next % kWorkQueueCapacity])) >> 32 != 0) {
+            const uint64_t head = ldRelaxedSys(reinterpret_cast<const uint64_t*>(&q->items[next % kWorkQueueCapacity]));
+            if (static_cast<WorkKind>(head & 0xffffffffu) == WorkKind::kYield) {
+              // Leave for a kernel that needs every SM: the others first, once the previous item is done everywhere.
+              if (!solo) {
+                while (ldAcquireGpu(&st->ctaDone) < uint64_t{grid} * executed) {
+                }
+                stReleaseGpu(&st->exitAll, 1);
+              }
+              stRelaxedSys(&q->consumed, next + 1);
+              stRelaxedSys(&q->finished, next + 1);
+              // release: consumed and finished before the state; the host launches the next kernel after this one
+              // in stream order anyway, so nothing waits for it.
+              stReleaseSys(&q->phase, phaseWord(pp.generation, KernelState::kExited));
+              break;
+            }
+            if (solo && head >> 32 != 0) {
               break;  // needsGrid (high half of the first word): the host launched a full grid; leave it the item
             }
             cmd = 0;

@@ -58,41 +58,6 @@ uint64_t opTimeoutNs() {
 
 CUdeviceptr devptr(const void* p) { return reinterpret_cast<CUdeviceptr>(p); }
 
-uint64_t roundUp(uint64_t x, uint64_t unit) { return (x + unit - 1) / unit * unit; }
-
-constexpr uint64_t kMatUnit = 64u << 10;     // the gemm-rs/ar fixed layout takes matrices in whole 64 KiB
-constexpr uint64_t kGranularity = 2u << 20;  // tandemd rounds each workspace up to the cuMem granularity (2 MiB here)
-
-// ag-gemm flag words of a layout whose matrices hold matBytes: 1/512 of them (1.6% more bytes), enough for the chunk
-// flags of any gathered A that fills the two data matrices with k >= 32.
-uint64_t agFlagWordsFor(uint64_t matBytes) { return matBytes / 512; }
-
-// Bytes after the AllGather region of a layout whose matrices hold matBytes.
-uint64_t gemmAreaBytes(uint64_t matBytes, uint32_t nranks) {
-  return roundUp(agFlagWordsFor(matBytes) * 8, kMatUnit) +
-         k::gemmRsFixedWorkspaceBytes(static_cast<int64_t>(matBytes), static_cast<int>(nranks)) + 2 * matBytes;
-}
-
-k::GemmDtype gemmDtype(DType t) { return t == DType::kF16 ? k::GemmDtype::kFp16 : k::GemmDtype::kBf16; }
-
-// The plan gemm-rs/ar runs for this shape: chosen here once, used both to size the workspace and to launch.
-k::GemmRsPlan gemmReducePlan(const OpDescriptor& d) {
-  const auto m = static_cast<int64_t>(d.dims[dim::kM]), n = static_cast<int64_t>(d.dims[dim::kN]);
-  const auto k = static_cast<int64_t>(d.dims[dim::kK]);
-  const int ranks = static_cast<int>(d.nranks);
-  return d.kind == OpKind::kGemmAr ? k::chooseGemmArPlan(m, n, k, ranks, gemmDtype(d.dtype))
-                                   : k::chooseGemmRsPlan(m, n, k, ranks, gemmDtype(d.dtype));
-}
-
-// A reduce-scatter in which some rank owns no rows runs with ranks kept in step by the daemon (gang-ready: op e starts
-// only once every rank's stream reached it), because its kernels alone do not (gemm_rs.hpp: gemmRsRanksInStep).
-// NOTE: the daemon applies the same rule (cuda_backend.cpp, needsGang); both must agree.
-bool needsGang(const OpDescriptor& d) {
-  return (d.kind == OpKind::kNop && d.nranks > 1) ||
-         (d.kind == OpKind::kGemmRs &&
-          !k::gemmRsRanksInStep(static_cast<int64_t>(d.dims[dim::kM]), static_cast<int>(d.nranks), false));
-}
-
 // Which plan ran, once per (op, shape) and process, on stderr when TANDEM_LOG=debug (libtandem has no logger and must
 // not write to an application's stderr otherwise).
 void logPlanOnce(const OpDescriptor& d, const std::string& plan) {
@@ -110,31 +75,6 @@ void logPlanOnce(const OpDescriptor& d, const std::string& plan) {
 }
 
 }  // namespace
-
-// ---- workspace layout ---------------------------------------------------------------------------------------
-
-WorkspaceLayout WorkspaceLayout::fit(uint64_t bytes, uint32_t nranks) {
-  const uint64_t base = k::workspaceBytes(nranks);
-  const uint64_t room = bytes > base ? bytes - base : 0;
-  // The largest matrix size whose area fits; the area grows with it, so bisect over 64 KiB units (lo fits, hi not).
-  uint64_t lo = 0, hi = room / 2 / kMatUnit + 1;
-  while (hi - lo > 1) {
-    const uint64_t mid = (lo + hi) / 2;
-    (gemmAreaBytes(mid * kMatUnit, nranks) <= room ? lo : hi) = mid;
-  }
-  WorkspaceLayout l;
-  l.rsMatBytes = lo * kMatUnit;
-  l.agFlagsOff = base;
-  l.agFlagWords = agFlagWordsFor(l.rsMatBytes);
-  l.rsOff = base + roundUp(l.agFlagWords * 8, kMatUnit);
-  l.dataOff = l.rsOff + k::gemmRsFixedWorkspaceBytes(static_cast<int64_t>(l.rsMatBytes), static_cast<int>(nranks));
-  l.dataBytes = 2 * l.rsMatBytes;
-  return l;
-}
-
-uint64_t WorkspaceLayout::bytesFor(uint64_t matBytes, uint32_t nranks) {
-  return roundUp(k::workspaceBytes(nranks) + gemmAreaBytes(roundUp(matBytes, kMatUnit), nranks), kGranularity);
-}
 
 int currentDevice() {
   int d = 0;
@@ -233,22 +173,6 @@ RegisterDescription describeForRegister(void* ptr, uint64_t bytes, int fd, uint6
 
 // ---- communicators ----------------------------------------------------------------------------------------
 
-namespace {
-// Every kernel libtandem may launch, once per device.
-void preloadEverything(int device) {
-  static std::mutex mu;
-  static std::set<int> done;
-  std::lock_guard lock(mu);
-  if (done.contains(device)) return;
-  k::preloadRuntimeKernels(device);
-  k::preloadGemmKernels(device);
-  k::preloadAgGemmKernels(device);
-  k::preloadGemmRsKernels(device);
-  k::preloadGemmArKernels(device);
-  done.insert(device);
-}
-}  // namespace
-
 CommGpu::Mode CommGpu::modeOf(const std::string& executor) {
   if (executor == "client") return Mode::kClient;
   if (executor == "daemon") return Mode::kDaemon;
@@ -260,10 +184,16 @@ CommGpu::Mode CommGpu::modeOf(const std::string& executor) {
 CommGpu::CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t maxCtas, Fd control,
                  uint64_t controlBytes, std::vector<std::unique_ptr<DeviceMapping>> workspaces)
     : device_(device), mode_(mode), rank_(rank), nranks_(nranks), maxCtas_(maxCtas), controlFd_(std::move(control)),
-      controlBytes_(controlBytes), workspaces_(std::move(workspaces)), timeoutNs_(opTimeoutNs()) {
-  workspaceBytes_ = workspaces_.empty() ? 0 : workspaces_[0]->size();
-  for (const auto& w : workspaces_) workspaceBytes_ = std::min(workspaceBytes_, w->size());
-  if (mode_ != Mode::kHost) layout_ = WorkspaceLayout::fit(workspaceBytes_, nranks_);
+      controlBytes_(controlBytes), workspaces_(std::move(workspaces)) {
+  env_.rank = rank_;
+  env_.nranks = nranks_;
+  env_.timeoutNs = opTimeoutNs();
+  env_.workspaceBytes = workspaces_.empty() ? 0 : workspaces_[0]->size();
+  for (uint32_t r = 0; r < workspaces_.size() && r < env_.workspaces.size(); ++r) {
+    env_.workspaces[r] = static_cast<char*>(workspaces_[r]->ptr());
+    env_.workspaceBytes = std::min(env_.workspaceBytes, workspaces_[r]->size());
+  }
+  if (mode_ != Mode::kHost) env_.layout = k::WorkspaceLayout::fit(env_.workspaceBytes, nranks_);
   if (controlBytes_ < sizeof(k::CommControl)) {
     fail(ErrorCode::kProtocol, "tandemd sent a {}-byte control page; this libtandem needs {}", controlBytes_,
          sizeof(k::CommControl));
@@ -275,10 +205,13 @@ CommGpu::CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t
   }
   ctl_ = static_cast<k::CommControl*>(controlMap_);
   DeviceScope scope(device_);
-  // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp). In host mode
-  // libtandem launches no kernel.
+  // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp). Only the
+  // client executor launches kernels from libtandem.
   try {
-    if (mode_ != Mode::kHost) preloadEverything(device_);
+    if (mode_ == Mode::kClient) {
+      k::preloadRuntimeKernels(device_);
+      k::preloadFusedGemmKernels(device_);
+    }
   } catch (const std::exception& e) {
     fail(ErrorCode::kCuda, "communicator init on device {}: {}", device_, e.what());
   }
@@ -288,6 +221,7 @@ CommGpu::CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t
   void* dev = nullptr;
   checkRt(cudaHostGetDevicePointer(&dev, controlMap_, 0), "cudaHostGetDevicePointer(control page)");
   ctlDev_ = static_cast<k::CommControl*>(dev);
+  env_.ctl = ctlDev_;
 }
 
 CommGpu::~CommGpu() {
@@ -296,28 +230,6 @@ CommGpu::~CommGpu() {
     cudaGetLastError();
   }
   if (controlMap_ != nullptr) ::munmap(controlMap_, controlBytes_);
-}
-
-char* CommGpu::workspace(uint32_t r, uint64_t offset) const {
-  return static_cast<char*>(workspaces_[r]->ptr()) + offset;
-}
-
-uint64_t CommGpu::matBytesNeeded(const OpDescriptor& d) const {
-  if (nranks_ == 1) return 0;  // one rank exchanges nothing: its kernels touch no workspace
-  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], kk = d.dims[dim::kK];
-  if (d.kind == OpKind::kAgGemm) {
-    // Gathered A [m, k] in the two data matrices; its chunk flags in the flag words (1/512 of a matrix).
-    const auto words = static_cast<uint64_t>(k::agGemmFlagWords(static_cast<int64_t>(m), static_cast<int>(nranks_)));
-    return std::max(m * kk, 512 * words);
-  }
-  const bool allReduce = d.kind == OpKind::kGemmAr;
-  uint64_t need = static_cast<uint64_t>(
-      k::gemmRsMatBytesNeeded(static_cast<int64_t>(m), static_cast<int64_t>(n), gemmReducePlan(d)));
-  if (k::gemmRsWritesPeerOutputs(static_cast<int64_t>(m), static_cast<int>(nranks_), allReduce)) {
-    // The output [rows, n] (16-bit) in the two data matrices; rank 0's rows, the most, so that every rank decides alike.
-    need = std::max(need, (allReduce ? m : rowsOf(m, 0, nranks_)) * n);
-  }
-  return need;
 }
 
 void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs) const {
@@ -347,47 +259,7 @@ void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs) const {
       fail(ErrorCode::kUnsupported, "{}: the cuda backend does not run this op yet (it runs ag-gemm, gemm-rs, gemm-ar, "
            "allgather and barriers); run it on a tandemd with daemon.backend: cpu", op);
   }
-  if (mode_ == Mode::kDaemon) {
-    fail(ErrorCode::kUnsupported, "{}: tandemd runs executor daemon, whose persistent kernel cannot run the fused GEMM "
-         "kernels (each needs every SM of the GPU, one co-resident CTA per SM, while the persistent kernel keeps SMs "
-         "of its own and runs work items inside its own small grid); set daemon.executor: client in tandemd's config",
-         op);
-  }
-  if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
-    fail(ErrorCode::kUnsupported, "{}: the cuda backend's GEMM kernels take bf16 or fp16, not {}; convert the "
-         "tensors, or run {} on a tandemd with daemon.backend: cpu", op, dtypeName(d.dtype), dtypeName(d.dtype));
-  }
-  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], kk = d.dims[dim::kK];
-  if (n % 8 != 0) {
-    fail(ErrorCode::kInvalidArgument, "{}: n = {} is not a multiple of 8; the cuda backend's kernels move whole "
-         "16-byte rows (tensor memory accelerator), so pad n to a multiple of 8", op, n);
-  }
-  if (kk % 8 != 0) {
-    fail(ErrorCode::kInvalidArgument, "{}: {} = {} is not a multiple of 8; the cuda backend's kernels move whole "
-         "16-byte rows, so pad K with zeros{}", op, d.kind == OpKind::kAgGemm ? "k" : "this rank's k slice", kk,
-         d.kind == OpKind::kAgGemm ? "" : " (and split it so that every rank's slice is a multiple of 8)");
-  }
-  constexpr uint64_t kMaxDim = uint64_t{1} << 31;  // the kernels index rows and columns with int32
-  if (m >= kMaxDim || n >= kMaxDim || kk >= kMaxDim) {
-    fail(ErrorCode::kInvalidArgument, "{}: m = {}, n = {} and k = {} must each be below 2^31 on the cuda backend", op, m,
-         n, kk);
-  }
-  static constexpr const char* kSlotNames[] = {"a", "b", "c", "a_gathered"};
-  for (std::size_t s = 0; s < std::size(kSlotNames); ++s) {
-    if (ptrs[s] != nullptr && reinterpret_cast<uintptr_t>(ptrs[s]) % 16 != 0) {
-      fail(ErrorCode::kInvalidArgument, "{}: tensor {} starts at {}, which is not 16-byte aligned; the cuda backend's "
-           "kernels read and write 16 bytes at a time: use an offset that is a multiple of 16", op, kSlotNames[s],
-           ptrs[s]);
-    }
-  }
-  const uint64_t need = roundUp(matBytesNeeded(d), kMatUnit);
-  if (need > layout_.rsMatBytes) {
-    const uint64_t bytes = WorkspaceLayout::bytesFor(need, nranks_);
-    fail(ErrorCode::kInvalidArgument, "{}: m = {}, n = {}, k = {} on {} ranks needs a workspace of {} bytes ({} MiB) "
-         "per rank, but this communicator's is {} bytes; set cuda.workspace_bytes: {} (or more) in tandemd's config "
-         "(default 512 MiB) and restart it, or split the op", op, m, n, kk,
-         nranks_, bytes, (bytes + (1u << 20) - 1) >> 20, workspaceBytes_, bytes);
-  }
+  k::checkFusedGemm(d, ptrs, env_);
 }
 
 void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
@@ -402,9 +274,9 @@ void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_
     checkDrv(drv.streamWaitValue32(s, devptr(&w.value), e32, CU_STREAM_WAIT_VALUE_GEQ), what);
   };
   if (mode_ != Mode::kClient) {
-    // kDaemon: the daemon's kernel runs the op once every rank's stream got here (gang-ready), then writes done;
-    // check() let only allgather and barriers through. kHost: tandemd runs the op once every local rank's stream got
-    // here (the inputs are final), staged through host memory, then writes done.
+    // kDaemon: tandemd runs the op once every rank's stream got here (gang-ready), then done is written (by its
+    // persistent kernel, or by its own stream after the fused GEMM's kernels). kHost: tandemd runs the op once every
+    // local rank's stream got here (the inputs are final), staged through host memory, then writes done.
     write(ctlDev_->ready, "cuStreamWriteValue32(ready)");
     waitFor(ctlDev_->done, "cuStreamWaitValue32(done)");
     return;
@@ -416,15 +288,15 @@ void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_
     write(ctlDev_->done, "cuStreamWriteValue32(done)");
     return;
   }
-  if (needsGang(d)) write(ctlDev_->ready, "cuStreamWriteValue32(ready)");
+  if (k::needsGang(d)) write(ctlDev_->ready, "cuStreamWriteValue32(ready)");
   waitFor(ctlDev_->go, "cuStreamWaitValue32(go)");
   try {
     switch (d.kind) {
       case OpKind::kNop: break;
       case OpKind::kAllGather: launchAllGather(d, ptrs, e, stream); break;
-      case OpKind::kAgGemm: logPlanOnce(d, launchAgGemm(d, ptrs, e, stream)); break;
+      case OpKind::kAgGemm:
       case OpKind::kGemmRs:
-      case OpKind::kGemmAr: logPlanOnce(d, launchGemmReduce(d, ptrs, e, stream)); break;
+      case OpKind::kGemmAr: logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, static_cast<cudaStream_t>(stream))); break;
       default: fail(ErrorCode::kInternal, "{} reached the cuda enqueue unchecked", opKindName(d.kind));
     }
   } catch (const Error&) {
@@ -441,7 +313,7 @@ void CommGpu::launchAllGather(const OpDescriptor& d, const DevicePointers& ptrs,
   p.recv = ptrs[slot::kRecv];
   p.bytes = d.dims[dim::kBytes];
   p.epoch = e;
-  p.timeoutNs = timeoutNs_;
+  p.timeoutNs = env_.timeoutNs;
   for (uint32_t r = 0; r < nranks_; ++r) p.workspaces[r] = workspaces_[r]->ptr();
   p.ctl = ctlDev_;
   p.rank = rank_;
@@ -452,103 +324,6 @@ void CommGpu::launchAllGather(const OpDescriptor& d, const DevicePointers& ptrs,
   p.mode = t.mode;
   p.checkVerdict = 1;  // a rejected op is skipped inside the kernel
   k::launchAllGather(p, static_cast<cudaStream_t>(stream));
-}
-
-// The fields AgGemmParams and GemmRsParams share: this rank, the shape, the dtype and the operands.
-template <class Params>
-void fillGemmCommon(Params& p, const OpDescriptor& d, const DevicePointers& ptrs, uint32_t rank, uint32_t nranks) {
-  p.rank = static_cast<int32_t>(rank);
-  p.nranks = static_cast<int32_t>(nranks);
-  p.m = static_cast<int64_t>(d.dims[dim::kM]);
-  p.n = static_cast<int64_t>(d.dims[dim::kN]);
-  p.k = static_cast<int64_t>(d.dims[dim::kK]);
-  p.dtype = gemmDtype(d.dtype);
-  p.a = ptrs[slot::kA];
-  p.b = ptrs[slot::kB];
-}
-
-// The fused GEMMs cannot skip an op the daemon rejected (nothing in them reads the verdict): the daemon aborts the
-// communicator instead, so they find the abort word set and unwind (cuda_backend.cpp, release). Every wait reports
-// into this rank's control page (errorSlot) and polls its abort word, as AllGather's do.
-std::string CommGpu::launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  k::AgGemmParams p{};
-  fillGemmCommon(p, d, ptrs, rank_, nranks_);
-  p.c = ptrs[slot::kC];
-  void* const userGathered = ptrs[slot::kAGathered];
-  if (nranks_ == 1) {
-    p.aGathered = userGathered;  // the local plan copies the shard there (or skips it when absent)
-  } else {
-    // Peers push their shards into our gathered buffer, so it lives in the workspace (the caller's buffers are
-    // mapped in this process only).
-    p.aGathered = workspace(rank_, layout_.dataOff);
-    p.flags = reinterpret_cast<uint64_t*>(workspace(rank_, layout_.agFlagsOff));
-    p.flagWords = static_cast<int64_t>(layout_.agFlagWords);
-    for (uint32_t q = 0; q < nranks_; ++q) {
-      p.peerGathered[q] = workspace(q, layout_.dataOff);
-      p.peerFlags[q] = reinterpret_cast<uint64_t*>(workspace(q, layout_.agFlagsOff));
-    }
-  }
-  p.epoch = e;
-  p.abortWord = &ctlDev_->abort;
-  p.errorSlot = &ctlDev_->error;
-  p.timeoutNs = timeoutNs_;
-  const k::AgGemmPlanChoice plan = k::launchAgGemm(p, s);  // plan 0: the launcher chooses
-  std::string name = k::agGemmPlanName(plan.plan);
-  if (plan.plan == k::AgGemmPlan::kFused) {
-    name += fmt::format(" ({} comm SMs, {} copies, {} tail tiles)", plan.commSms, plan.commMode == 2 ? "TMA" : "LSU",
-                        plan.tailTiles);
-  } else if (plan.plan == k::AgGemmPlan::kDecomposed) {
-    name += fmt::format(" ({} all-gather CTAs, then the GEMM)", plan.commSms);
-  }
-  if (nranks_ > 1 && userGathered != nullptr) {
-    // Cost: m * k * 2 bytes read and written once more, after the GEMM (the gathered A exists only in the workspace).
-    checkRt(cudaMemcpyAsync(userGathered, p.aGathered, static_cast<size_t>(p.m * p.k * 2), cudaMemcpyDeviceToDevice, s),
-            "cudaMemcpyAsync(gathered A into a_gathered)");
-    name += ", a_gathered copied out of the workspace";
-  }
-  return name;
-}
-
-std::string CommGpu::launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  const bool allReduce = d.kind == OpKind::kGemmAr;
-  k::GemmRsParams p{};
-  fillGemmCommon(p, d, ptrs, rank_, nranks_);
-  p.lda = p.k;
-  p.ldb = p.k;
-  p.ldOut = p.n;
-  // Reduced rows that go into another rank's output must land in memory that rank's peers have mapped: its workspace.
-  // Cost (gemm-ar on 2+ ranks, gemm-rs where a tile row spans two ranks): this rank's output is read and written once
-  // more after the kernel, rows * n * 2 bytes (about 0.1 ms for 8192 x 8192 bf16 at ~3 TB/s, next to a ~1 ms op).
-  const bool staged = k::gemmRsWritesPeerOutputs(p.m, p.nranks, allReduce);
-  void* const userOut = ptrs[slot::kC];
-  p.out = staged ? workspace(rank_, layout_.dataOff) : userOut;
-  for (uint32_t q = 0; q < nranks_; ++q) {
-    p.workspace[q] = workspace(q, layout_.rsOff);
-    if (q != rank_) p.peerOut[q] = workspace(q, layout_.dataOff);  // written only when staged
-  }
-  p.wsMatBytes = static_cast<int64_t>(layout_.rsMatBytes);
-  // Read only when wsMatBytes is 0 (a workspace too small for any exchange), which check() allows for one rank alone,
-  // whose kernel stages nothing.
-  p.wsMaxM = p.m;
-  p.wsMaxN = p.n;
-  p.epoch = e;
-  p.abortWord = &ctlDev_->abort;
-  p.errorSlot = &ctlDev_->error;
-  p.timeoutNs = timeoutNs_;
-  p.plan = gemmReducePlan(d);  // the plan check() sized the workspace for
-  const k::GemmRsPlan ran = allReduce ? k::launchGemmAr(p, s) : k::launchGemmRs(p, s);
-  std::string name = k::gemmRsPlanName(ran, allReduce);
-  if (staged) {
-    const uint64_t rows = allReduce ? d.dims[dim::kM] : rowsOf(d.dims[dim::kM], rank_, nranks_);
-    if (rows > 0) {
-      checkRt(cudaMemcpyAsync(userOut, p.out, rows * d.dims[dim::kN] * 2, cudaMemcpyDeviceToDevice, s),
-              "cudaMemcpyAsync(output out of the workspace)");
-    }
-    name += ", output staged in the workspace and copied out";
-  }
-  return name;
 }
 
 void CommGpu::abortLocal() {

@@ -13,10 +13,7 @@
 
 #include "tandem/common/descriptor.hpp"
 #include "tandem/common/fd.hpp"
-
-namespace tandem::kernels {
-struct CommControl;
-}
+#include "tandem/kernels/fused_ops.hpp"
 
 namespace tandem::client::gpu {
 
@@ -52,35 +49,15 @@ struct RegisterDescription {
 RegisterDescription describeForRegister(void* ptr, uint64_t bytes, int fd, uint64_t fdOffset);
 
 // Each slot's device address in this process (buffer mapping + offset), in descriptor slot order; null = absent.
-using DevicePointers = std::array<void*, kMaxOpBuffers>;
-
-// Where the ops keep, in every rank's workspace, what peers write or read. The same on every rank and fixed for the
-// communicator's life: tandemd zeroes the workspace once and flags are never reset, so no op's data may ever land
-// where another op keeps flags. Computed from the workspace size (tandemd's per-rank byte budget).
-//   [0, allgather)  AllGather: header and chunk slots (kernels::workspaceBytes)
-//   ag-gemm flags   arrive and chunk flags (agFlagWords uint64)
-//   gemm-rs/ar      the kernels' fixed layout (gemmRsFixedWorkspaceBytes): flags, then inbox and outbox, each
-//                   double-buffered by epoch parity, matrices of rsMatBytes
-//   data            2 * rsMatBytes: ag-gemm's gathered A, or gemm-rs/ar's output staging
-// The gemm-rs/ar inbox receives peers' partials of op e + 1 while this rank may still run op e, so it shares no byte
-// with the other ops. Gathered A and the output staging share: peers write them only once this rank has started the
-// op (ag-gemm pushes after the destination's arrive flag; a reduced tile needs the destination's own partial first).
-struct WorkspaceLayout {
-  uint64_t agFlagsOff = 0, agFlagWords = 0;
-  uint64_t rsOff = 0, rsMatBytes = 0;
-  uint64_t dataOff = 0, dataBytes = 0;
-  // The largest layout that fits `bytes` per rank.
-  static WorkspaceLayout fit(uint64_t bytes, uint32_t nranks);
-  // Workspace bytes per rank whose layout holds `matBytes` matrices (rounded up to tandemd's 2 MiB granularity).
-  static uint64_t bytesFor(uint64_t matBytes, uint32_t nranks);
-};
+using DevicePointers = kernels::DevicePointers;
 
 // One communicator rank's GPU state. `mutex` serialises submission, so epochs follow ring order.
 class CommGpu {
  public:
   // Where the op runs (tandemd's JoinInfo.executor):
   //   kClient  libtandem launches the kernels into the caller's stream (gated by go, reporting done);
-  //   kDaemon  tandemd's persistent kernel runs it (the stream writes ready, waits for done); MPS;
+  //   kDaemon  tandemd runs it (the stream writes ready, waits for done): its persistent kernel, or the fused GEMMs'
+  //            kernels on its own stream; MPS;
   //   kHost    the communicator spans nodes: tandemd runs the op itself, staged through host memory (the stream
   //            writes ready, waits for done, exactly as kDaemon); no workspaces.
   enum class Mode { kClient, kDaemon, kHost };
@@ -111,14 +88,8 @@ class CommGpu {
   uint64_t epoch = 0;  // ops submitted on this communicator by this rank
 
  private:
-  // Rank r's workspace, `offset` bytes in, as mapped here.
-  char* workspace(uint32_t r, uint64_t offset) const;
-  // Bytes the layout's matrices must hold for `desc` (0: the op needs no workspace).
-  uint64_t matBytesNeeded(const OpDescriptor& desc) const;
-  // The op's kernels (and copies) on `stream`, between the stream words that order it; each returns the plan it ran.
+  // AllGather's kernel on `stream`, between the stream words that order it.
   void launchAllGather(const OpDescriptor& desc, const DevicePointers& ptrs, uint64_t epoch, void* stream);
-  std::string launchAgGemm(const OpDescriptor& desc, const DevicePointers& ptrs, uint64_t epoch, void* stream);
-  std::string launchGemmReduce(const OpDescriptor& desc, const DevicePointers& ptrs, uint64_t epoch, void* stream);
 
   int device_;
   Mode mode_;
@@ -130,9 +101,7 @@ class CommGpu {
   kernels::CommControl* ctlDev_ = nullptr;   // device view of the same pages
   bool registered_ = false;
   std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
-  uint64_t workspaceBytes_ = 0;  // the smallest rank's workspace: the layout must be the same on every rank
-  WorkspaceLayout layout_;
-  uint64_t timeoutNs_;
+  kernels::FusedEnv env_;  // the workspaces, their layout, the control page and the deadline, for the fused GEMMs
 };
 
 // Watches the session's socket: when tandemd hangs up, aborts every communicator's streams.

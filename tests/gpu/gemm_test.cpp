@@ -1,7 +1,7 @@
 // The fused GEMMs (ag-gemm, gemm-rs, gemm-ar) on the cuda backend end to end: real rank processes run them through
 // libtandem and check every output against the fp64 reference (common/reference.hpp); gemm-rs and gemm-ar must also
-// repeat bitwise. Then what must be refused before anything is submitted, the daemon executor's refusal, and a peer
-// that dies or never shows up in the middle of a fused GEMM.
+// repeat bitwise, with both executors (the daemon executor under MPS). Then what must be refused before anything is
+// submitted, and a peer that dies or never shows up in the middle of a fused GEMM.
 #include <array>
 #include <memory>
 #include <random>
@@ -149,6 +149,8 @@ std::string finish(cudaStream_t stream, const tandem_op_t& op) {
 struct RunOptions {
   int repeats = 1;           // gemm-rs/ar: runs after the first that must reproduce it bit for bit
   bool backToBack = false;   // enqueue every case before waiting for any (ops of different kinds overlap)
+  bool allgathers = false;   // an AllGather before every case on the same stream (executor daemon: its persistent
+                             // kernel runs those, and yields to each fused GEMM)
 };
 
 // One rank: joins and runs every case, each checked against the reference.
@@ -164,7 +166,19 @@ std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, ui
   std::vector<std::unique_ptr<RankOp>> ops;
   for (std::size_t i = 0; i < cases.size(); ++i) ops.push_back(std::make_unique<RankOp>(s, cases[i], rank, nranks, 1000 + i));
   std::vector<tandem_op_t> handles(cases.size());
+  tandem_buffer_t agSend = nullptr, agRecv = nullptr;
+  constexpr uint64_t kAgBytes = 64u << 10;
+  if (opt.allgathers) {
+    TK(tandem_alloc(s, kAgBytes, &agSend));
+    TK(tandem_alloc(s, kAgBytes * nranks, &agRecv));
+  }
   const auto run = [&](std::size_t i) -> std::string {
+    if (opt.allgathers) {
+      tandem_op_t ag;
+      if (tandem_allgather(comm, {agSend, 0}, {agRecv, 0}, kAgBytes, stream, &ag) != TANDEM_SUCCESS) {
+        return std::string("allgather before it: ") + tandem_last_error();
+      }
+    }
     if (ops[i]->submit(comm, stream, &handles[i]) != TANDEM_SUCCESS) return std::string("submit: ") + tandem_last_error();
     return "";
   };
@@ -200,6 +214,10 @@ std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, ui
     }
   }
   ops.clear();
+  if (agSend != nullptr) {
+    TK(tandem_free(agSend));
+    TK(tandem_free(agRecv));
+  }
   TK(tandem_comm_destroy(comm));
   tandem_disconnect(s);
   return "OK";
@@ -254,47 +272,81 @@ std::string listCases(const std::vector<GemmCase>& cases) {
   return o.str();
 }
 
-void runOp(OpKind kind) {
-  Daemon d(config("client"), {}, "");
+// Every case of `kind` at 1 and 2 ranks on a tandemd with `executor`; gemm-rs/ar repeated `repeats` times bitwise.
+void runOp(OpKind kind, const std::string& executor, int repeats) {
+  Daemon d(config(executor), {}, "");
+  REQUIRE(status(d)["executor"] == executor);
   for (uint32_t n : {1u, 2u}) {
     if (n > static_cast<uint32_t>(gpuCount())) {
       MESSAGE(n << " ranks skipped: needs " << n << " GPUs");
       continue;
     }
     const auto cases = casesFor(kind, n, 20261129);
-    MESSAGE(n << " rank(s), MPS " << (mpsRunning() ? "on" : "off") << ":" << listCases(cases));
-    runRanks(d, n, cases, {kind == OpKind::kAgGemm ? 1 : 20, false});
+    MESSAGE(n << " rank(s), executor " << executor << ", MPS " << (mpsRunning() ? "on" : "off") << ":"
+              << listCases(cases));
+    runRanks(d, n, cases, {kind == OpKind::kAgGemm ? 1 : repeats, false});
   }
   CHECK(eventually([&] { return status(d)["total_bytes"] == 0; }));
 }
 
-}  // namespace
-
-TEST_CASE("ag-gemm, client executor: matches the fp64 reference at 1 and 2 ranks") { runOp(OpKind::kAgGemm); }
-
-TEST_CASE("gemm-rs, client executor: matches the fp64 reference at 1 and 2 ranks, 20 runs bitwise identical") {
-  runOp(OpKind::kGemmRs);
-}
-
-TEST_CASE("gemm-ar, client executor: matches the fp64 reference at 1 and 2 ranks, 20 runs bitwise identical") {
-  runOp(OpKind::kGemmAr);
-}
-
-TEST_CASE("fused GEMMs, client executor: different ops back to back on one stream share the workspace safely") {
-  // Enqueued without waiting in between, so that a rank may start op e + 1 while its peer still runs op e: every
-  // pair of kinds follows every other at least once.
-  const uint32_t n = gpuCount() >= 2 ? 2 : 1;
+// Ten fused GEMMs enqueued without waiting in between, so that a rank may start op e + 1 while its peer still runs
+// op e: every pair of kinds follows every other at least once.
+std::vector<GemmCase> mixedCases() {
   const DType bf16 = DType::kBF16;
-  const std::vector<GemmCase> cases = {
+  return {
       {OpKind::kAgGemm, bf16, 1024, 1024, {512}},   {OpKind::kGemmRs, bf16, 1000, 1024, {256, 264}},
       {OpKind::kGemmRs, bf16, 1, 512, {64}},        {OpKind::kGemmAr, bf16, 1024, 768, {512}},
       {OpKind::kAgGemm, bf16, 777, 512, {256}},     {OpKind::kGemmAr, bf16, 640, 1024, {128, 136}},
       {OpKind::kGemmRs, bf16, 1024, 1024, {512}},   {OpKind::kGemmRs, bf16, 512, 256, {64}},
       {OpKind::kAgGemm, bf16, 2048, 512, {256}, false}, {OpKind::kGemmAr, bf16, 300, 264, {64}},
   };
+}
+
+bool needsMps() {
+  if (mpsRunning()) return false;
+  MESSAGE("skipped: MPS is not running (the daemon executor needs it; scripts/gpu-check.sh runs this suite again "
+          "under MPS)");
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("ag-gemm, client executor: matches the fp64 reference at 1 and 2 ranks") {
+  runOp(OpKind::kAgGemm, "client", 1);
+}
+
+TEST_CASE("gemm-rs, client executor: matches the fp64 reference at 1 and 2 ranks, 100 runs bitwise identical") {
+  runOp(OpKind::kGemmRs, "client", 100);
+}
+
+TEST_CASE("gemm-ar, client executor: matches the fp64 reference at 1 and 2 ranks, 100 runs bitwise identical") {
+  runOp(OpKind::kGemmAr, "client", 100);
+}
+
+TEST_CASE("fused GEMMs, client executor: different ops back to back on one stream share the workspace safely") {
+  const uint32_t n = gpuCount() >= 2 ? 2 : 1;
   Daemon d(config("client"), {}, "");
-  MESSAGE(n << " rank(s):" << listCases(cases));
-  runRanks(d, n, cases, {1, true});
+  MESSAGE(n << " rank(s):" << listCases(mixedCases()));
+  runRanks(d, n, mixedCases(), {1, true});
+}
+
+TEST_CASE("fused GEMMs, daemon executor (MPS): every op matches the fp64 reference at 1 and 2 ranks, repeats bitwise") {
+  if (needsMps()) return;
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    CAPTURE(tandem::opKindName(kind));
+    runOp(kind, "daemon", 10);
+  }
+}
+
+TEST_CASE("fused GEMMs, daemon executor (MPS): back to back with AllGathers, the persistent kernel yields each time") {
+  if (needsMps()) return;
+  const uint32_t n = gpuCount() >= 2 ? 2 : 1;
+  Daemon d(config("daemon"), {}, "");
+  REQUIRE(status(d)["executor"] == "daemon");
+  MESSAGE(n << " rank(s), an AllGather before each:" << listCases(mixedCases()));
+  runRanks(d, n, mixedCases(), {1, true, true});
+  // One by one too: the persistent kernel lingers between ops, and each fused GEMM makes it leave.
+  runRanks(d, n, mixedCases(), {1, false, true});
 }
 
 TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submission, and the communicator lives on") {
@@ -366,46 +418,6 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
     CHECK(out == "OK");
     r.reap();
   }
-}
-
-TEST_CASE("fused GEMMs, daemon executor (MPS): refused with the remedy, the communicator lives on") {
-  if (!mpsRunning()) {
-    MESSAGE("skipped: MPS is not running (scripts/gpu-check.sh runs this suite again under MPS)");
-    return;
-  }
-  Daemon d(config("daemon"), {}, "");
-  REQUIRE(status(d)["executor"] == "daemon");
-  tandem_unique_id_t id;
-  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-  Rank rank = spawn([&](const Io&) -> std::string {
-    CK(cudaSetDevice(0));
-    tandem_session_t s;
-    TK(tandem_connect(d.socket().c_str(), &s));
-    tandem_comm_t comm;
-    TK(tandem_comm_init(s, &id, 1, 0, 60000, &comm));
-    tandem_buffer_t a, b, c;
-    TK(tandem_alloc(s, 1u << 20, &a));
-    TK(tandem_alloc(s, 1u << 20, &b));
-    TK(tandem_alloc(s, 1u << 20, &c));
-    cudaStream_t stream;
-    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    tandem_op_t op;
-    const tandem_gemm_rs_args_t rs{sizeof rs, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
-    const tandem_status_t st = tandem_gemm_ar(comm, &rs, &op);
-    const std::string msg = tandem_last_error();
-    if (st != TANDEM_ERROR_UNSUPPORTED || msg.find("daemon.executor: client") == std::string::npos) {
-      return fmt::format("FAIL gemm-ar gave {} '{}'", static_cast<int>(st), msg);
-    }
-    TK(tandem_allgather(comm, {a, 0}, {b, 0}, 4096, stream, &op));
-    if (std::string e = finish(stream, op); !e.empty()) return "FAIL allgather after the refusal: " + e;
-    TK(tandem_comm_destroy(comm));
-    tandem_disconnect(s);
-    return "OK " + msg;
-  });
-  const std::string out = rank.read(60000);
-  INFO(out);
-  CHECK(out.rfind("OK", 0) == 0);
-  rank.reap();
 }
 
 TEST_CASE("fused GEMMs, client executor: a rank SIGKILLed mid-op releases its peer's stream") {

@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 
 #include "cuda/cuda_multinode.hpp"
 #include "cuda/daemon_executor.hpp"
@@ -18,7 +19,7 @@
 #include "lifecycle.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/allgather.hpp"
-#include "tandem/kernels/gemm_rs.hpp"
+#include "tandem/kernels/fused_ops.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
@@ -50,19 +51,11 @@ uint32_t pow2Floor(uint32_t x) {
 }
 
 
-bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind::kGemmRs || kind == OpKind::kGemmAr; }
-
-// Client executor: ops whose release waits until every rank's stream reached them (the stream writes ready first):
-// barriers of two or more ranks (a one-rank barrier's stream does not wait for the daemon at all), and
-// reduce-scatters whose kernels alone do not keep the ranks in step (some rank owns no rows; see gemm_rs.hpp,
-// gemmRsRanksInStep). NOTE: libtandem applies the same rule (cuda_client.cpp, needsGang).
+using k::isFusedGemm;
+// Client executor: ops released only once every rank's stream reached them (k::needsGang, shared with libtandem).
 // Measured on nvidia-h200-x2 (bench/RESULTS.md): a GPU-to-GPU barrier kernel over the workspaces was slower than
 // this host gate at 2 ranks (16.6 vs 13.4 us p50 round trip), so barriers stay gated by the daemon.
-bool needsGang(const OpDescriptor& d) {
-  return (d.kind == OpKind::kNop && d.nranks > 1) ||
-         (d.kind == OpKind::kGemmRs &&
-          !kernels::gemmRsRanksInStep(static_cast<int64_t>(d.dims[dim::kM]), static_cast<int>(d.nranks), false));
-}
+using k::needsGang;
 
 // The epoch of the op whose wait failed: AllGather's flags carry it in the high half, the fused GEMMs' are epochs.
 uint64_t failedEpoch(const kernels::ErrorSlot& e) {
@@ -82,6 +75,7 @@ const char* roleName(uint32_t role) {
 
 struct Gang {
   Collective c;
+  Clock::time_point arrived, released;  // the collective reached the backend; released to the GPUs (go or pushed)
   uint64_t epoch = 0;
   OpKind kind = OpKind::kInvalid;
   bool rejected = false;
@@ -334,6 +328,7 @@ class CudaBackend final : public Backend {
     auto cc = std::static_pointer_cast<CudaComm>(c.resources);
     if (cc && cc->staging) return cc->staging->execute(std::move(c), std::move(finished));  // across nodes
     auto g = std::make_shared<Gang>();
+    g->arrived = Clock::now();
     g->epoch = c.ops[0].epoch;
     g->kind = c.ops[0].desc.kind;
     g->remaining = static_cast<uint32_t>(c.ops.size());
@@ -345,11 +340,17 @@ class CudaBackend final : public Backend {
                               g->epoch, op.epoch);
       }
     }
-    // libtandem refuses these before submitting; this guards against another client.
-    if (c.errorCode == 0 && daemonExecutor_ && isFusedGemm(g->kind)) {
-      c.errorCode = statusOf(ErrorCode::kUnsupported);
-      c.error = fmt::format("{}: executor daemon cannot run the fused GEMM kernels (they need every SM, one co-resident "
-                            "CTA per SM); set daemon.executor: client", opKindName(g->kind));
+    if (c.errorCode == 0 && daemonExecutor_ && isFusedGemm(g->kind) && cc && !cc->failed) {
+      // libtandem checked the same before submitting; the kernels run in tandemd's context here, so a client that did
+      // not must not get them to write past a workspace.
+      for (uint32_t r = 0; r < c.ops.size() && c.errorCode == 0; ++r) {
+        try {
+          k::checkFusedGemm(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(*cc, r));
+        } catch (const Error& e) {
+          c.errorCode = statusOf(e.code());
+          c.error = fmt::format("rank {}: {}", r, e.what());
+        }
+      }
     }
     if (c.errorCode == 0 && g->kind != OpKind::kAllGather && g->kind != OpKind::kNop && !isFusedGemm(g->kind)) {
       c.errorCode = statusOf(ErrorCode::kUnsupported);
@@ -409,6 +410,7 @@ class CudaBackend final : public Backend {
         while (!rr.inflight.empty() && rr.inflight.front()->epoch <= rr.doneEpoch) {
           auto g = rr.inflight.front();
           rr.inflight.pop_front();
+          if (trace_ && r == 0) trace(*g);
           completeFromKernel(*cc, *g, r);
           worked = true;
         }
@@ -612,12 +614,17 @@ class CudaBackend final : public Backend {
           store32(rr.ctl->go.value, static_cast<uint32_t>(g->epoch));
         }
       } else {
-        // The streams wait for done, which only the GPU's queue writes (in order): a rejected op goes in as a nop.
+        // The streams wait for done, which only the GPU's stream writes (in order): a rejected op goes in as a nop.
         for (auto& rr : cc.ranks) {
           if (executors_.at(rr.device)->freeSlots() == 0) return any;
         }
-        for (uint32_t r = 0; r < cc.nranks; ++r) pushItem(cc, *g, r, g);
+        if (isFusedGemm(g->kind) && !g->rejected) {
+          if (!launchFused(cc, g)) return true;  // the communicator was aborted (pending cleared)
+        } else {
+          for (uint32_t r = 0; r < cc.nranks; ++r) pushItem(cc, *g, r, g);
+        }
       }
+      g->released = Clock::now();
       for (uint32_t r = 0; r < cc.nranks; ++r) {
         cc.ranks[r].decided = g->epoch;
         if (!g->rejected) cc.ranks[r].inflight.push_back(g);
@@ -626,6 +633,91 @@ class CudaBackend final : public Backend {
       any = true;
     }
     return any;
+  }
+
+  // TANDEM_TRACE_OPS=1: where an op's time goes between its arrival and its rank 0's done, logged every 1000 ops
+  // (p50 and p99): waiting for release (client executor: every rank's submission, gangs: every rank's stream at ready;
+  // daemon executor: every rank's stream at ready, then a free queue slot), then the GPU until done was seen here.
+  void trace(const Gang& g) {
+    const Clock::time_point now = Clock::now();
+    traceRelease_.push_back(std::chrono::duration<double, std::micro>(g.released - g.arrived).count());
+    traceGpu_.push_back(std::chrono::duration<double, std::micro>(now - g.released).count());
+    if (traceRelease_.size() < 1000) return;
+    const auto pct = [](std::vector<double>& v, double p) {
+      std::sort(v.begin(), v.end());
+      return v[std::min(v.size() - 1, static_cast<std::size_t>(p * static_cast<double>(v.size())))];
+    };
+    spdlog::info("trace: last {} ops (executor {}): arrival -> release p50 {:.2f} us p99 {:.2f} us; release -> done "
+                 "seen p50 {:.2f} us p99 {:.2f} us", traceRelease_.size(), executor(), pct(traceRelease_, 0.5),
+                 pct(traceRelease_, 0.99), pct(traceGpu_, 0.5), pct(traceGpu_, 0.99));
+    traceRelease_.clear();
+    traceGpu_.clear();
+  }
+
+  // Each slot's address in tandemd's context.
+  k::DevicePointers devicePointers(const PendingOp& op) const {
+    k::DevicePointers ptrs{};
+    for (std::size_t s = 0; s < kMaxOpBuffers; ++s) {
+      if (op.buffers[s]) ptrs[s] = resolve(*op.buffers[s], op.desc.bufs[s].offset);
+    }
+    return ptrs;
+  }
+
+  // Rank r's communicator as the daemon executor's kernels see it: tandemd's own mappings.
+  k::FusedEnv fusedEnv(const CudaComm& cc, uint32_t r) const {
+    k::FusedEnv env;
+    env.rank = r;
+    env.nranks = cc.nranks;
+    env.timeoutNs = timeoutNs_;
+    env.ctl = cc.ranks[r].ctlDevice;
+    env.workspaceBytes = cc.ranks[0].workspace->size;
+    for (uint32_t q = 0; q < cc.nranks; ++q) {
+      env.workspaces[q] = reinterpret_cast<char*>(cc.ranks[q].workspace->va);
+      env.workspaceBytes = std::min<uint64_t>(env.workspaceBytes, cc.ranks[q].workspace->size);
+    }
+    env.layout = k::WorkspaceLayout::fit(env.workspaceBytes, cc.nranks);
+    return env;
+  }
+
+  // Executor daemon, a fused GEMM released to every rank: on each rank's GPU the persistent kernel yields, the op's
+  // kernels follow on the executor's stream, then the stream writes done. The ranks' kernels wait on each other's
+  // flags, so every rank's launch goes in here, in one pass, in the same order on every GPU as every other item.
+  // False if CUDA refused a launch: the communicator is aborted (its streams released) and the error reported.
+  bool launchFused(CudaComm& cc, const std::shared_ptr<Gang>& g) {
+    for (uint32_t r = 0; r < cc.nranks; ++r) {
+      RankRes& rr = cc.ranks[r];
+      const PendingOp& op = g->c.ops[r];
+      try {
+        const k::FusedEnv env = fusedEnv(cc, r);
+        const k::DevicePointers ptrs = devicePointers(op);
+        std::string plan;
+        executors_.at(rr.device)->runExclusive(
+            [&](cudaStream_t s) {
+              plan = k::launchFusedGemm(op.desc, ptrs, g->epoch, env, s);
+              const CUresult w = k::driver().streamWriteValue32(
+                  s, reinterpret_cast<CUdeviceptr>(&rr.ctlDevice->done.value), static_cast<uint32_t>(g->epoch),
+                  CU_STREAM_WRITE_VALUE_DEFAULT);
+              if (w != CUDA_SUCCESS) fail(ErrorCode::kCuda, "cuStreamWriteValue32(done): {}", k::driverErrorName(w));
+            },
+            g);
+        logPlanOnce(op.desc, plan);
+      } catch (const std::exception& e) {
+        const std::string reason = fmt::format("{} (op epoch {}) could not be launched on rank {} (GPU {}): {}",
+                                               opKindName(g->kind), g->epoch, r, rr.uuid, e.what());
+        spdlog::error("communicator {:#x}: {}", cc.handle, reason);
+        abortLocked(cc, ErrorCode::kCuda, reason);
+        cc.failureToReport = reason;
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // Which plan a fused GEMM ran, once per (op, shape), at debug level.
+  void logPlanOnce(const OpDescriptor& d, const std::string& plan) {
+    const std::string shape = fmt::format("{} {} m={} n={} k={} on {} ranks", opKindName(d.kind), dtypeName(d.dtype),
+                                          d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], d.nranks);
+    if (plansLogged_.insert(shape).second) spdlog::debug("rank {}: {}: plan {}", d.rank, shape, plan);
   }
 
   void pushItem(CudaComm& cc, Gang& g, uint32_t r, const std::shared_ptr<Gang>& keepAlive) {
@@ -673,6 +765,9 @@ class CudaBackend final : public Backend {
   mutable std::mutex mutex_;
   std::vector<std::weak_ptr<CudaComm>> comms_;
   Clock::time_point lastHealthCheck_ = Clock::now();
+  std::set<std::string> plansLogged_;
+  const bool trace_ = std::getenv("TANDEM_TRACE_OPS") != nullptr && *std::getenv("TANDEM_TRACE_OPS") == '1';
+  std::vector<double> traceRelease_, traceGpu_;
 };
 
 }  // namespace

@@ -1,4 +1,3 @@
-#include "tandem/kernels/preload.hpp"
 #include "cuda/daemon_executor.hpp"
 
 #include <spdlog/spdlog.h>
@@ -9,6 +8,8 @@
 
 #include "cuda/gpu.hpp"
 #include "tandem/common/error.hpp"
+#include "tandem/kernels/fused_ops.hpp"
+#include "tandem/kernels/preload.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
@@ -26,6 +27,7 @@ GpuExecutor::GpuExecutor(int device, uint32_t numCtas, uint64_t lingerNs)
     : device_(device), numCtas_(numCtas), lingerNs_(lingerNs) {
   useDevice(device_);
   kernels::preloadRuntimeKernels(device_);  // never loaded lazily behind a waiting stream (preload.hpp)
+  kernels::preloadFusedGemmKernels(device_);
   checkRuntime(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   void* q = nullptr;
   checkRuntime(cudaHostAlloc(&q, sizeof(kernels::WorkQueue), cudaHostAllocMapped | cudaHostAllocPortable),
@@ -79,6 +81,11 @@ void GpuExecutor::push(const kernels::WorkItem& item, std::shared_ptr<void> keep
   // release (seq_cst): publishes the item; the kernel's ldAcquireSys of tail pairs with it. seq_cst also orders
   // this store before the phase load below (Dekker with the kernel's fence.sc between its phase store and tail load).
   storeSc(queue_->tail, tail_);
+  if (relaunch_) {  // the last kernel left for an exclusive run: a fresh one, stream-ordered after that run
+    relaunch_ = false;
+    launch();
+    return;
+  }
   for (;;) {
     const uint64_t phase = loadSc(queue_->phase);
     const uint64_t gen = phase >> 8;
@@ -96,7 +103,30 @@ void GpuExecutor::push(const kernels::WorkItem& item, std::shared_ptr<void> keep
   }
 }
 
+void GpuExecutor::runExclusive(const std::function<void(cudaStream_t)>& enqueue, std::shared_ptr<void> keepAlive) {
+  if (generation_ != 0 && !relaunch_) {
+    kernels::WorkItem y{};
+    y.kind = kernels::WorkKind::kYield;
+    push(y, nullptr);
+  }
+  relaunch_ = true;
+  useDevice(device_);
+  enqueue(stream_);
+  cudaEvent_t ev = nullptr;
+  checkRuntime(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  const cudaError_t e = cudaEventRecord(ev, stream_);
+  if (e != cudaSuccess) {
+    cudaEventDestroy(ev);
+    checkRuntime(e, "cudaEventRecord");
+  }
+  exclusive_.emplace_back(ev, std::move(keepAlive));
+}
+
 void GpuExecutor::poll() {
+  while (!exclusive_.empty() && cudaEventQuery(exclusive_.front().first) == cudaSuccess) {
+    cudaEventDestroy(exclusive_.front().first);
+    exclusive_.pop_front();
+  }
   if (live_.empty()) return;
   const uint64_t finished = std::atomic_ref<const uint64_t>(queue_->finished).load(std::memory_order_acquire);
   while (!live_.empty() && live_.front().first < finished) live_.pop_front();
@@ -120,6 +150,8 @@ void GpuExecutor::stop() {
   if (e != cudaSuccess) spdlog::warn("GPU {}: the persistent kernel ended with {}", device_, cudaGetErrorString(e));
   cudaGetLastError();
   live_.clear();
+  for (auto& [ev, keep] : exclusive_) cudaEventDestroy(ev);
+  exclusive_.clear();
 }
 
 }  // namespace tandem::daemon::cuda

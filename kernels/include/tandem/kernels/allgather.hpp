@@ -96,7 +96,9 @@ AgTuning allgatherTuning(uint64_t bytes, uint32_t maxCtas /*0 = default*/);
 void launchAllGather(const AllGatherParams& params, cudaStream_t stream);
 
 // ---- the daemon executor's device work queue (host-mapped, written by the daemon's host thread) -----------
-enum class WorkKind : uint32_t { kNop = 0, kAllGather = 1 };
+// kYield: the kernel leaves (every CTA, after the items before it), so that the daemon can run a kernel that needs
+// every SM (a fused GEMM) next on the same stream; the daemon launches a fresh persistent kernel after it.
+enum class WorkKind : uint32_t { kNop = 0, kAllGather = 1, kYield = 2 };
 struct alignas(64) WorkItem {
   WorkKind kind;
   uint32_t needsGrid;   // 1: a lone lingering CTA must not run it (the host launches a full grid)

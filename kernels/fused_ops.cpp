@@ -1,0 +1,253 @@
+#include "tandem/kernels/fused_ops.hpp"
+
+#include <algorithm>
+
+#include "tandem/common/error.hpp"
+#include "tandem/kernels/ag_gemm.hpp"
+#include "tandem/kernels/gemm_ar.hpp"
+#include "tandem/kernels/gemm_rs.hpp"
+#include "tandem/kernels/preload.hpp"
+
+namespace tandem::kernels {
+namespace {
+
+uint64_t roundUp(uint64_t x, uint64_t unit) { return (x + unit - 1) / unit * unit; }
+
+constexpr uint64_t kMatUnit = 64u << 10;     // the gemm-rs/ar fixed layout takes matrices in whole 64 KiB
+constexpr uint64_t kGranularity = 2u << 20;  // tandemd rounds each workspace up to the cuMem granularity (2 MiB here)
+
+// ag-gemm flag words of a layout whose matrices hold matBytes: 1/512 of them (1.6% more bytes), enough for the chunk
+// flags of any gathered A that fills the two data matrices with k >= 32.
+uint64_t agFlagWordsFor(uint64_t matBytes) { return matBytes / 512; }
+
+// Bytes after the AllGather region of a layout whose matrices hold matBytes.
+uint64_t gemmAreaBytes(uint64_t matBytes, uint32_t nranks) {
+  return roundUp(agFlagWordsFor(matBytes) * 8, kMatUnit) +
+         gemmRsFixedWorkspaceBytes(static_cast<int64_t>(matBytes), static_cast<int>(nranks)) + 2 * matBytes;
+}
+
+GemmDtype gemmDtype(DType t) { return t == DType::kF16 ? GemmDtype::kFp16 : GemmDtype::kBf16; }
+
+// The plan gemm-rs/ar runs for this shape: chosen once per op, used both to size the workspace and to launch.
+GemmRsPlan gemmReducePlan(const OpDescriptor& d) {
+  const auto m = static_cast<int64_t>(d.dims[dim::kM]), n = static_cast<int64_t>(d.dims[dim::kN]);
+  const auto k = static_cast<int64_t>(d.dims[dim::kK]);
+  const int ranks = static_cast<int>(d.nranks);
+  return d.kind == OpKind::kGemmAr ? chooseGemmArPlan(m, n, k, ranks, gemmDtype(d.dtype))
+                                   : chooseGemmRsPlan(m, n, k, ranks, gemmDtype(d.dtype));
+}
+
+// Bytes the layout's matrices must hold for `d` (0: the op needs no workspace).
+uint64_t matBytesNeeded(const OpDescriptor& d, uint32_t nranks) {
+  if (nranks == 1) return 0;  // one rank exchanges nothing: its kernels touch no workspace
+  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], kk = d.dims[dim::kK];
+  if (d.kind == OpKind::kAgGemm) {
+    // Gathered A [m, k] in the two data matrices; its chunk flags in the flag words (1/512 of a matrix).
+    const auto words = static_cast<uint64_t>(agGemmFlagWords(static_cast<int64_t>(m), static_cast<int>(nranks)));
+    return std::max(m * kk, 512 * words);
+  }
+  const bool allReduce = d.kind == OpKind::kGemmAr;
+  uint64_t need = static_cast<uint64_t>(
+      gemmRsMatBytesNeeded(static_cast<int64_t>(m), static_cast<int64_t>(n), gemmReducePlan(d)));
+  if (gemmRsWritesPeerOutputs(static_cast<int64_t>(m), static_cast<int>(nranks), allReduce)) {
+    // The output [rows, n] (16-bit) in the two data matrices; rank 0's rows, the most, so that every rank decides alike.
+    need = std::max(need, (allReduce ? m : rowsOf(m, 0, nranks)) * n);
+  }
+  return need;
+}
+
+void checkCuda(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  cudaGetLastError();
+  fail(ErrorCode::kCuda, "{}: {} ({})", what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+char* workspaceAt(const FusedEnv& env, uint32_t r, uint64_t offset) { return env.workspaces[r] + offset; }
+
+// The fields AgGemmParams and GemmRsParams share: this rank, the shape, the dtype and the operands.
+template <class Params>
+void fillGemmCommon(Params& p, const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, const FusedEnv& env) {
+  p.rank = static_cast<int32_t>(env.rank);
+  p.nranks = static_cast<int32_t>(env.nranks);
+  p.m = static_cast<int64_t>(d.dims[dim::kM]);
+  p.n = static_cast<int64_t>(d.dims[dim::kN]);
+  p.k = static_cast<int64_t>(d.dims[dim::kK]);
+  p.dtype = gemmDtype(d.dtype);
+  p.a = ptrs[slot::kA];
+  p.b = ptrs[slot::kB];
+  // The fused GEMMs cannot skip an op the daemon rejected (nothing in them reads the verdict): the daemon aborts the
+  // communicator instead, so they find the abort word set and unwind. Every wait reports into this rank's control
+  // page and polls its abort word, as AllGather's do.
+  p.epoch = epoch;
+  p.abortWord = &env.ctl->abort;
+  p.errorSlot = &env.ctl->error;
+  p.timeoutNs = env.timeoutNs;
+}
+
+std::string launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, const FusedEnv& env,
+                         cudaStream_t s) {
+  AgGemmParams p{};
+  fillGemmCommon(p, d, ptrs, e, env);
+  p.c = ptrs[slot::kC];
+  void* const userGathered = ptrs[slot::kAGathered];
+  if (env.nranks == 1) {
+    p.aGathered = userGathered;  // the local plan copies the shard there (or skips it when absent)
+  } else {
+    // Peers push their shards into our gathered buffer, so it lives in the workspace (the caller's buffers are
+    // mapped in the launching process only).
+    p.aGathered = workspaceAt(env, env.rank, env.layout.dataOff);
+    p.flags = reinterpret_cast<uint64_t*>(workspaceAt(env, env.rank, env.layout.agFlagsOff));
+    p.flagWords = static_cast<int64_t>(env.layout.agFlagWords);
+    for (uint32_t q = 0; q < env.nranks; ++q) {
+      p.peerGathered[q] = workspaceAt(env, q, env.layout.dataOff);
+      p.peerFlags[q] = reinterpret_cast<uint64_t*>(workspaceAt(env, q, env.layout.agFlagsOff));
+    }
+  }
+  const AgGemmPlanChoice plan = kernels::launchAgGemm(p, s);  // plan 0: the launcher chooses
+  std::string name = agGemmPlanName(plan.plan);
+  if (plan.plan == AgGemmPlan::kFused) {
+    name += fmt::format(" ({} comm SMs, {} copies, {} tail tiles)", plan.commSms, plan.commMode == 2 ? "TMA" : "LSU",
+                        plan.tailTiles);
+  } else if (plan.plan == AgGemmPlan::kDecomposed) {
+    name += fmt::format(" ({} all-gather CTAs, then the GEMM)", plan.commSms);
+  }
+  if (env.nranks > 1 && userGathered != nullptr) {
+    // Cost: m * k * 2 bytes read and written once more, after the GEMM (the gathered A exists only in the workspace).
+    checkCuda(cudaMemcpyAsync(userGathered, p.aGathered, static_cast<size_t>(p.m * p.k * 2), cudaMemcpyDeviceToDevice, s),
+              "cudaMemcpyAsync(gathered A into a_gathered)");
+    name += ", a_gathered copied out of the workspace";
+  }
+  return name;
+}
+
+std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, const FusedEnv& env,
+                             cudaStream_t s) {
+  const bool allReduce = d.kind == OpKind::kGemmAr;
+  GemmRsParams p{};
+  fillGemmCommon(p, d, ptrs, e, env);
+  p.lda = p.k;
+  p.ldb = p.k;
+  p.ldOut = p.n;
+  // Reduced rows that go into another rank's output must land in memory that rank's peers have mapped: its workspace.
+  // Cost (gemm-ar on 2+ ranks, gemm-rs where a tile row spans two ranks): this rank's output is read and written once
+  // more after the kernel, rows * n * 2 bytes (about 0.1 ms for 8192 x 8192 bf16 at ~3 TB/s, next to a ~1 ms op).
+  const bool staged = gemmRsWritesPeerOutputs(p.m, p.nranks, allReduce);
+  void* const userOut = ptrs[slot::kC];
+  p.out = staged ? workspaceAt(env, env.rank, env.layout.dataOff) : userOut;
+  for (uint32_t q = 0; q < env.nranks; ++q) {
+    p.workspace[q] = workspaceAt(env, q, env.layout.rsOff);
+    if (q != env.rank) p.peerOut[q] = workspaceAt(env, q, env.layout.dataOff);  // written only when staged
+  }
+  p.wsMatBytes = static_cast<int64_t>(env.layout.rsMatBytes);
+  // Read only when wsMatBytes is 0 (a workspace too small for any exchange), which checkFusedGemm allows for one rank
+  // alone, whose kernel stages nothing.
+  p.wsMaxM = p.m;
+  p.wsMaxN = p.n;
+  p.plan = gemmReducePlan(d);  // the plan checkFusedGemm sized the workspace for
+  const GemmRsPlan ran = allReduce ? launchGemmAr(p, s) : launchGemmRs(p, s);
+  std::string name = gemmRsPlanName(ran, allReduce);
+  if (staged) {
+    const uint64_t rows = allReduce ? d.dims[dim::kM] : rowsOf(d.dims[dim::kM], env.rank, env.nranks);
+    if (rows > 0) {
+      checkCuda(cudaMemcpyAsync(userOut, p.out, rows * d.dims[dim::kN] * 2, cudaMemcpyDeviceToDevice, s),
+                "cudaMemcpyAsync(output out of the workspace)");
+    }
+    name += ", output staged in the workspace and copied out";
+  }
+  return name;
+}
+
+}  // namespace
+
+WorkspaceLayout WorkspaceLayout::fit(uint64_t bytes, uint32_t nranks) {
+  const uint64_t base = workspaceBytes(nranks);
+  const uint64_t room = bytes > base ? bytes - base : 0;
+  // The largest matrix size whose area fits; the area grows with it, so bisect over 64 KiB units (lo fits, hi not).
+  uint64_t lo = 0, hi = room / 2 / kMatUnit + 1;
+  while (hi - lo > 1) {
+    const uint64_t mid = (lo + hi) / 2;
+    (gemmAreaBytes(mid * kMatUnit, nranks) <= room ? lo : hi) = mid;
+  }
+  WorkspaceLayout l;
+  l.rsMatBytes = lo * kMatUnit;
+  l.agFlagsOff = base;
+  l.agFlagWords = agFlagWordsFor(l.rsMatBytes);
+  l.rsOff = base + roundUp(l.agFlagWords * 8, kMatUnit);
+  l.dataOff = l.rsOff + gemmRsFixedWorkspaceBytes(static_cast<int64_t>(l.rsMatBytes), static_cast<int>(nranks));
+  l.dataBytes = 2 * l.rsMatBytes;
+  return l;
+}
+
+uint64_t WorkspaceLayout::bytesFor(uint64_t matBytes, uint32_t nranks) {
+  return roundUp(workspaceBytes(nranks) + gemmAreaBytes(roundUp(matBytes, kMatUnit), nranks), kGranularity);
+}
+
+void preloadFusedGemmKernels(int device) {
+  preloadGemmKernels(device);
+  preloadAgGemmKernels(device);
+  preloadGemmRsKernels(device);
+  preloadGemmArKernels(device);
+}
+
+bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind::kGemmRs || kind == OpKind::kGemmAr; }
+
+bool needsGang(const OpDescriptor& d) {
+  return (d.kind == OpKind::kNop && d.nranks > 1) ||
+         (d.kind == OpKind::kGemmRs &&
+          !gemmRsRanksInStep(static_cast<int64_t>(d.dims[dim::kM]), static_cast<int>(d.nranks), false));
+}
+
+void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env) {
+  const std::string_view op = opKindName(d.kind);
+  if (!isFusedGemm(d.kind)) fail(ErrorCode::kInternal, "{} is not a fused GEMM", op);
+  if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
+    fail(ErrorCode::kUnsupported, "{}: the cuda backend's GEMM kernels take bf16 or fp16, not {}; convert the "
+         "tensors, or run {} on a tandemd with daemon.backend: cpu", op, dtypeName(d.dtype), dtypeName(d.dtype));
+  }
+  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], kk = d.dims[dim::kK];
+  if (n % 8 != 0) {
+    fail(ErrorCode::kInvalidArgument, "{}: n = {} is not a multiple of 8; the cuda backend's kernels move whole "
+         "16-byte rows (tensor memory accelerator), so pad n to a multiple of 8", op, n);
+  }
+  if (kk % 8 != 0) {
+    fail(ErrorCode::kInvalidArgument, "{}: {} = {} is not a multiple of 8; the cuda backend's kernels move whole "
+         "16-byte rows, so pad K with zeros{}", op, d.kind == OpKind::kAgGemm ? "k" : "this rank's k slice", kk,
+         d.kind == OpKind::kAgGemm ? "" : " (and split it so that every rank's slice is a multiple of 8)");
+  }
+  constexpr uint64_t kMaxDim = uint64_t{1} << 31;  // the kernels index rows and columns with int32
+  if (m >= kMaxDim || n >= kMaxDim || kk >= kMaxDim) {
+    fail(ErrorCode::kInvalidArgument, "{}: m = {}, n = {} and k = {} must each be below 2^31 on the cuda backend", op, m,
+         n, kk);
+  }
+  static constexpr const char* kSlotNames[] = {"a", "b", "c", "a_gathered"};
+  for (std::size_t s = 0; s < std::size(kSlotNames); ++s) {
+    if (ptrs[s] != nullptr && reinterpret_cast<uintptr_t>(ptrs[s]) % 16 != 0) {
+      fail(ErrorCode::kInvalidArgument, "{}: tensor {} starts at {}, which is not 16-byte aligned; the cuda backend's "
+           "kernels read and write 16 bytes at a time: use an offset that is a multiple of 16", op, kSlotNames[s],
+           ptrs[s]);
+    }
+  }
+  const uint64_t need = roundUp(matBytesNeeded(d, env.nranks), kMatUnit);
+  if (need > env.layout.rsMatBytes) {
+    const uint64_t bytes = WorkspaceLayout::bytesFor(need, env.nranks);
+    fail(ErrorCode::kInvalidArgument, "{}: m = {}, n = {}, k = {} on {} ranks needs a workspace of {} bytes ({} MiB) "
+         "per rank, but this communicator's is {} bytes; set cuda.workspace_bytes: {} (or more) in tandemd's config "
+         "(default 512 MiB) and restart it, or split the op", op, m, n, kk,
+         env.nranks, bytes, (bytes + (1u << 20) - 1) >> 20, env.workspaceBytes, bytes);
+  }
+}
+
+std::string launchFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, const FusedEnv& env,
+                            cudaStream_t stream) {
+  try {
+    if (d.kind == OpKind::kAgGemm) return launchAgGemm(d, ptrs, epoch, env, stream);
+    if (d.kind == OpKind::kGemmRs || d.kind == OpKind::kGemmAr) return launchGemmReduce(d, ptrs, epoch, env, stream);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& ex) {  // the kernel launchers throw std::runtime_error
+    fail(ErrorCode::kCuda, "{}: {}", opKindName(d.kind), ex.what());
+  }
+  fail(ErrorCode::kInternal, "{} is not a fused GEMM", opKindName(d.kind));
+}
+
+}  // namespace tandem::kernels

@@ -1,0 +1,74 @@
+// The fused GEMMs (ag-gemm, gemm-rs, gemm-ar) of one communicator rank, from an op descriptor to kernels on a
+// stream: the workspace layout every rank shares, the shape and alignment rules, the plan, and the launch. One copy
+// for both launchers: libtandem (executor client, the caller's stream) and tandemd (executor daemon, its own stream
+// between persistent kernels). Host code; throws tandem::Error with the remedy.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "tandem/common/descriptor.hpp"
+#include "tandem/kernels/allgather.hpp"
+
+namespace tandem::kernels {
+
+// Each slot's device address in the launching process (buffer mapping + offset), in descriptor slot order; null =
+// absent.
+using DevicePointers = std::array<void*, kMaxOpBuffers>;
+
+// Where the ops keep, in every rank's workspace, what peers write or read. The same on every rank and fixed for the
+// communicator's life: tandemd zeroes the workspace once and flags are never reset, so no op's data may ever land
+// where another op keeps flags. Computed from the workspace size (tandemd's per-rank byte budget).
+//   [0, allgather)  AllGather: header and chunk slots (kernels::workspaceBytes)
+//   ag-gemm flags   arrive and chunk flags (agFlagWords uint64)
+//   gemm-rs/ar      the kernels' fixed layout (gemmRsFixedWorkspaceBytes): flags, then inbox and outbox, each
+//                   double-buffered by epoch parity, matrices of rsMatBytes
+//   data            2 * rsMatBytes: ag-gemm's gathered A, or gemm-rs/ar's output staging
+// The gemm-rs/ar inbox receives peers' partials of op e + 1 while this rank may still run op e, so it shares no byte
+// with the other ops. Gathered A and the output staging share: peers write them only once this rank has started the
+// op (ag-gemm pushes after the destination's arrive flag; a reduced tile needs the destination's own partial first).
+struct WorkspaceLayout {
+  uint64_t agFlagsOff = 0, agFlagWords = 0;
+  uint64_t rsOff = 0, rsMatBytes = 0;
+  uint64_t dataOff = 0, dataBytes = 0;
+  // The largest layout that fits `bytes` per rank.
+  static WorkspaceLayout fit(uint64_t bytes, uint32_t nranks);
+  // Workspace bytes per rank whose layout holds `matBytes` matrices (rounded up to tandemd's 2 MiB granularity).
+  static uint64_t bytesFor(uint64_t matBytes, uint32_t nranks);
+};
+
+// One rank's view of its communicator, as mapped in the process that launches the kernels.
+struct FusedEnv {
+  uint32_t rank = 0, nranks = 0;
+  std::array<char*, kMaxLocalRanks> workspaces{};  // every rank's workspace base
+  uint64_t workspaceBytes = 0;                     // the smallest rank's: the layout is the same on every rank
+  WorkspaceLayout layout;                          // WorkspaceLayout::fit(workspaceBytes, nranks)
+  CommControl* ctl = nullptr;                      // this rank's control page (abort word, error slot), device view
+  uint64_t timeoutNs = 0;                          // every kernel wait's deadline
+};
+
+bool isFusedGemm(OpKind kind);
+
+// Loads every fused GEMM kernel on `device` (preload.hpp says why); cheap after the first call per device.
+void preloadFusedGemmKernels(int device);
+
+// Ops whose release waits until every rank's stream reached them (the stream writes ready first): barriers of two or
+// more ranks, and reduce-scatters whose kernels alone do not keep the ranks in step (some rank owns no rows;
+// gemm_rs.hpp, gemmRsRanksInStep). tandemd and libtandem both apply it.
+bool needsGang(const OpDescriptor& d);
+
+// Throws Error (kUnsupported, kInvalidArgument) with the remedy when `env`'s rank cannot run the fused GEMM `d`
+// (already checked by validateDescriptor): the dtype, the kernels' shape and alignment rules, or the workspace.
+// Depends only on what every rank checks alike (global dims, the workspace size), except this rank's own k slice and
+// pointers.
+void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env);
+
+// Enqueues op `epoch` (checked) on `stream`: the kernels, and the copy out of the workspace where the output or the
+// gathered A is staged there. Returns the plan it ran, for the log. Throws Error(kCuda) if CUDA refused part of it.
+std::string launchFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, const FusedEnv& env,
+                            cudaStream_t stream);
+
+}  // namespace tandem::kernels
