@@ -135,6 +135,7 @@ if [ "${GPU_CHECK_MPS:-1}" = 1 ] && in_time "MPS phase" && mps_start; then
   if [ "${GPU_CHECK_DAEMON_AG:-1}" = 1 ]; then
     bench allgather_bench 300 --ranks 2 --executor daemon --json "$OUT/allgather-daemon-mps.json"
   fi
+  bench fused_e2e_bench 300 --executor daemon --json "$OUT/fused-e2e-daemon.json"
   mps_stop
 fi
 
