@@ -15,8 +15,9 @@
 // --shape I runs shape I of each selected op; --gathered makes ag-gemm also write the gathered A (the baseline has it
 // anyway); --workspace overrides the per-rank workspace given to tandemd (default: computed from the shapes, with room).
 //
-// Timing: every iteration runs both methods, in alternating order; each op is preceded by a cross-rank barrier (an
-// NCCL all-reduce of one float on the same stream) and bracketed by CUDA events on the rank's stream. Everything is
+// Timing: every iteration runs tandem, the baseline and the baseline's GEMM alone, in rotating order; each op is
+// preceded by a cross-rank barrier (an NCCL all-reduce of one float on the same stream) and bracketed by CUDA events on
+// the rank's stream. GEMM alone is the limit of a perfect overlap; tand/gemm says how close tandem gets. Everything is
 // enqueued ahead (as a training loop does) and synchronised once per shape. Per iteration the max over ranks, then
 // the median over --iters after --warmup. TFLOP/s are per GPU: ag-gemm 2·M·N·K (every rank computes all of C),
 // gemm-rs/ar 2·M·N·K/ranks (each rank its K slice).
@@ -230,6 +231,7 @@ Extents extentsOf(const Case& c, uint32_t nranks) {
 
 struct Result {
   double tandemMs = 0, baselineMs = 0, tandemMinMs = 0, baselineMinMs = 0;
+  double gemmMs = 0;  // the baseline's cuBLASLt GEMM alone: the time a perfectly overlapped fused op would take
   float relErr = 0, nonFinite = 0;
   std::string failure;  // "" = ok
 };
@@ -259,6 +261,11 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
     const tandem_gemm_rs_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, e.kLocal, {st.a, 0}, {st.b, 0},
                                      {st.c, 0}, stream};
     return c.op == Op::kGemmRs ? tandem_gemm_rs(st.comm, &args, op) : tandem_gemm_ar(st.comm, &args, op);
+  };
+  // The baseline's GEMM alone (for ag-gemm on the A the baseline gathered last time).
+  const auto runGemmAlone = [&] {
+    if (c.op == Op::kAgGemm) gemm.run(st.baseAux, bPtr, st.baseC, stream);
+    else gemm.run(aPtr, bPtr, st.baseAux, stream);
   };
   const auto runBaseline = [&] {
     if (c.op == Op::kAgGemm) {
@@ -325,17 +332,19 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
     res.failure = msg;
   }
 
-  // ---- timing: both methods every iteration, alternating order, a barrier before each op.
+  // ---- timing: every method every iteration (tandem, baseline, the baseline's GEMM alone), rotating the order, a
+  // barrier before each op.
+  constexpr int kMethods = 3;
   const int total = o.warmup + o.iters;
-  std::vector<cudaEvent_t> ev(static_cast<size_t>(total) * 4);  // [it][method][start, stop]
+  std::vector<cudaEvent_t> ev(static_cast<size_t>(total) * kMethods * 2);  // [it][method][start, stop]
   for (auto& x : ev) CK(cudaEventCreate(&x));
   std::vector<tandem_op_t> ops;
   ops.reserve(static_cast<size_t>(total));
   failure.clear();
   for (int it = 0; it < total; ++it) {
-    for (int j = 0; j < 2; ++j) {
-      const int method = (it % 2 == 0) ? j : 1 - j;  // 0 tandem, 1 baseline
-      cudaEvent_t* pair = &ev[(static_cast<size_t>(it) * 2 + static_cast<size_t>(method)) * 2];
+    for (int j = 0; j < kMethods; ++j) {
+      const int method = (it + j) % kMethods;  // 0 tandem, 1 baseline, 2 GEMM alone
+      cudaEvent_t* pair = &ev[(static_cast<size_t>(it) * kMethods + static_cast<size_t>(method)) * 2];
       st.barrier();
       CK(cudaEventRecord(pair[0], stream));
       if (method == 0) {
@@ -345,8 +354,10 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
           if (submitTandem(&op) == TANDEM_SUCCESS) ops.push_back(op);
           else failure = std::string("timed submit: ") + tandem_last_error();
         }
-      } else {
+      } else if (method == 1) {
         runBaseline();
+      } else {
+        runGemmAlone();
       }
       CK(cudaEventRecord(pair[1], stream));
     }
@@ -359,22 +370,24 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
     res.failure = failure.empty() ? "timing failed on another rank (see its stderr)" : failure;
     std::fprintf(stderr, "rank %u: %s: %s\n", st.rank, opName(c.op), res.failure.c_str());
   } else {
-    std::vector<float> ms(static_cast<size_t>(o.iters) * 2);
+    std::vector<float> ms(static_cast<size_t>(o.iters) * kMethods);
     for (int it = o.warmup; it < total; ++it) {
-      for (int method = 0; method < 2; ++method) {
-        const cudaEvent_t* pair = &ev[(static_cast<size_t>(it) * 2 + static_cast<size_t>(method)) * 2];
-        CK(cudaEventElapsedTime(&ms[static_cast<size_t>(it - o.warmup) * 2 + static_cast<size_t>(method)], pair[0],
-                                pair[1]));
+      for (int method = 0; method < kMethods; ++method) {
+        const cudaEvent_t* pair = &ev[(static_cast<size_t>(it) * kMethods + static_cast<size_t>(method)) * 2];
+        CK(cudaEventElapsedTime(&ms[static_cast<size_t>(it - o.warmup) * kMethods + static_cast<size_t>(method)],
+                                pair[0], pair[1]));
       }
     }
     st.maxOverRanks(ms);  // per iteration and method: the slowest rank
-    std::vector<double> t, b;
+    std::vector<double> t, b, g;
     for (int i = 0; i < o.iters; ++i) {
-      t.push_back(ms[static_cast<size_t>(i) * 2]);
-      b.push_back(ms[static_cast<size_t>(i) * 2 + 1]);
+      t.push_back(ms[static_cast<size_t>(i) * kMethods]);
+      b.push_back(ms[static_cast<size_t>(i) * kMethods + 1]);
+      g.push_back(ms[static_cast<size_t>(i) * kMethods + 2]);
     }
     res.tandemMs = median(t);
     res.baselineMs = median(b);
+    res.gemmMs = median(g);
     res.tandemMinMs = *std::min_element(t.begin(), t.end());
     res.baselineMinMs = *std::min_element(b.begin(), b.end());
   }
@@ -458,10 +471,11 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
                 "accumulate), same processes, same inputs; ag-gemm %s\n",
                 o.gathered ? "also writes the gathered A" : "without a_gathered");
     std::printf("median over %d iterations (after %d warm-ups) of the per-iteration max over ranks; methods "
-                "alternate; NCCL 1-float all-reduce barrier before each op\n",
+                "rotate; NCCL 1-float all-reduce barrier before each op; gemm ms = the baseline's cuBLASLt GEMM alone, "
+                "tand/gemm = tandem's time as a fraction of it (1.0 = communication fully hidden)\n",
                 o.iters, o.warmup);
-    std::printf("%-8s %-19s %10s %11s %10s %10s %10s %9s %s\n", "op", "M x K x N", "tandem ms", "baseline ms",
-                "base/tand", "tand TF/s", "base TF/s", "rel.err", "check");
+    std::printf("%-8s %-19s %10s %11s %10s %10s %10s %9s %9s %9s %s\n", "op", "M x K x N", "tandem ms", "baseline ms",
+                "base/tand", "tand TF/s", "base TF/s", "gemm ms", "tand/gemm", "rel.err", "check");
     std::fflush(stdout);
   }
   int failures = 0;
@@ -479,20 +493,22 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
     std::snprintf(shape, sizeof shape, "%llux%llux%llu", static_cast<unsigned long long>(c.s.m),
                   static_cast<unsigned long long>(c.s.k), static_cast<unsigned long long>(c.s.n));
     const double ratio = r.tandemMs > 0 ? r.baselineMs / r.tandemMs : 0.0;
-    std::printf("%-8s %-19s %10.4f %11.4f %10.3f %10.0f %10.0f %9.2e %s\n", opName(c.op), shape, r.tandemMs,
-                r.baselineMs, ratio, tflops(r.tandemMs), tflops(r.baselineMs), static_cast<double>(r.relErr),
-                r.failure.empty() ? "ok" : "FAIL");
+    const double ofGemm = r.gemmMs > 0 ? r.tandemMs / r.gemmMs : 0.0;
+    std::printf("%-8s %-19s %10.4f %11.4f %10.3f %10.0f %10.0f %9.4f %9.3f %9.2e %s\n", opName(c.op), shape, r.tandemMs,
+                r.baselineMs, ratio, tflops(r.tandemMs), tflops(r.baselineMs), r.gemmMs, ofGemm,
+                static_cast<double>(r.relErr), r.failure.empty() ? "ok" : "FAIL");
     std::fflush(stdout);
     if (!r.failure.empty()) failLines.push_back(std::string("FAIL ") + opName(c.op) + " " + shape + ": " + r.failure);
     char row[768];
     std::snprintf(row, sizeof row,
                   "    {\"op\": \"%s\", \"m\": %llu, \"k\": %llu, \"n\": %llu, \"tandem_ms\": %.5f, \"baseline_ms\": %.5f, "
                   "\"baseline_over_tandem\": %.4f, \"tandem_min_ms\": %.5f, \"baseline_min_ms\": %.5f, "
-                  "\"tandem_tflops_per_gpu\": %.1f, \"baseline_tflops_per_gpu\": %.1f, \"rel_err\": %.3e, \"ok\": %s}",
+                  "\"tandem_tflops_per_gpu\": %.1f, \"baseline_tflops_per_gpu\": %.1f, \"gemm_alone_ms\": %.5f, "
+                  "\"tandem_over_gemm_alone\": %.4f, \"rel_err\": %.3e, \"ok\": %s}",
                   opName(c.op), static_cast<unsigned long long>(c.s.m), static_cast<unsigned long long>(c.s.k),
                   static_cast<unsigned long long>(c.s.n), r.tandemMs, r.baselineMs, ratio, r.tandemMinMs,
-                  r.baselineMinMs, tflops(r.tandemMs), tflops(r.baselineMs), static_cast<double>(r.relErr),
-                  r.failure.empty() ? "true" : "false");
+                  r.baselineMinMs, tflops(r.tandemMs), tflops(r.baselineMs), r.gemmMs, ofGemm,
+                  static_cast<double>(r.relErr), r.failure.empty() ? "true" : "false");
     jsonRows += (jsonRows.empty() ? "" : ",\n") + std::string(row);
   }
   if (rank == 0) {
