@@ -255,6 +255,7 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
   if (rank == 0) {
     std::printf("correctness (bitwise, every method, 64 KiB / 1 MiB / 64 MiB / max): %s\n",
                 failures == 0 ? "PASS" : "FAIL");
+    std::fflush(stdout);  // the rank process leaves with _Exit, which does not flush
     if (!o.json.empty()) {
       std::ofstream(o.json) << "{\n  \"ranks\": " << o.ranks << ", \"executor\": \"" << o.executor
                             << "\", \"iters\": " << o.iters << ",\n  \"rows\": [\n" << jsonRows << "\n  ]\n}\n";

@@ -350,7 +350,8 @@ TEST_CASE("fused GEMMs, daemon executor (MPS): back to back with AllGathers, the
 }
 
 TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submission, and the communicator lives on") {
-  // 48 MiB per rank: AllGather's 2 x 16 MiB and about 2 MiB matrices for the GEMMs.
+  // 48 MiB per rank: AllGather's 2 x 16 MiB chunk slots and 2 x 2 MiB LL buffers; the rest (about 12 MiB) holds the
+  // GEMMs' flags, staging and matrices.
   Daemon d(config("client") + "  workspace_bytes: " + std::to_string(48u << 20) + "\n", {}, "");
   const uint32_t n = gpuCount() >= 2 ? 2 : 1;
   tandem_unique_id_t id;
