@@ -89,7 +89,7 @@ const Method kMethods[] = {
     {"tandem-noLL", "TANDEM_AG_LL_MAX=0", false},
     {"tandem-push64x64K", "TANDEM_AG_LL_MAX=0 TANDEM_AG_CTAS=64 TANDEM_AG_CHUNK=65536", false},
     {"tandem-push64x16K", "TANDEM_AG_LL_MAX=0 TANDEM_AG_CTAS=64 TANDEM_AG_CHUNK=16384", false},
-    {"tandem-pull64", "TANDEM_AG_LL_MAX=0 TANDEM_AG_MODE=pull TANDEM_AG_CTAS=64", false},
+    {"tandem-push64", "TANDEM_AG_CTAS=64", false},
 #ifdef TANDEM_HAVE_NCCL
     {"nccl", "", true},
 #endif
