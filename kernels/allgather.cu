@@ -246,13 +246,15 @@ __device__ int opGate(const AllGatherParams& p, uint32_t cta, uint32_t ncta, Wai
   WorkspaceHeader* mine = header(p.workspaces[p.rank]);
   int run = 1;
   if (cta == 0) {
+    // Both reads in flight at once (one PCIe round trip, not two): the relaxed load may still be pending when the
+    // acquire load issues, and nothing before the branch depends on either.
     const uint64_t abortWord = ldRelaxedSys(&p.ctl->abort);
+    // acquire: the daemon writes verdict before go; the stream waited for go >= epoch before launching us.
+    const uint64_t verdict = p.checkVerdict != 0 ? ldAcquireSys(&p.ctl->verdict[p.epoch % kVerdictRing]) : p.epoch;
     if (abortWord != 0) {
       reportWaitError(ctx, WaitError::kAborted, ~0u, p.epoch << 32, abortWord);
       run = -1;
-    } else if (p.checkVerdict != 0) {
-      // acquire: the daemon writes verdict before go; the stream waited for go >= epoch before launching us.
-      const uint64_t verdict = ldAcquireSys(&p.ctl->verdict[p.epoch % kVerdictRing]);
+    } else {
       run = verdict == p.epoch ? 1 : 0;
     }
     // release: publishes the outcome (and orders the reads above) for the op's other CTAs.
@@ -641,10 +643,10 @@ __global__ void __launch_bounds__(kAgThreads) persistentKernel(const __grid_cons
       }
       if (last) {
         fenceAcqRelSys();  // every CTA's recv writes are visible system-wide before done
-        // After an abort the daemon owns done (it wrote a lead past every epoch); an older value must not follow.
-        if (sItem.ag.ctl == nullptr || ldRelaxedSys(&sItem.ag.ctl->abort) == 0) {
-          stReleaseSysU32(sItem.doneWord, static_cast<uint32_t>(sItem.epoch));  // pairs with the stream's WaitValue
-        }
+        // After an abort the daemon owns done (it wrote a lead past every epoch). An older value written here would
+        // only hold back waits the lead had released, and the daemon writes the lead again when it sees one (its poll
+        // of an aborted communicator), so no read of the host-mapped abort word (a PCIe round trip) precedes it.
+        stReleaseSysU32(sItem.doneWord, static_cast<uint32_t>(sItem.epoch));  // pairs with the stream's WaitValue
         stRelaxedSys(&q->finished, sItemIndex + 1);  // ordered after done by the release above; host frees memory
       }
     }
