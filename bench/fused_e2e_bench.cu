@@ -4,7 +4,8 @@
 // against NCCL + cuBLASLt in the same processes, on the same input buffers, interleaved per iteration.
 //
 //   fused_e2e_bench [--iters 20] [--warmup 3] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--ranks 2]
-//                   [--executor client|daemon] [--gathered] [--workspace BYTES] [--json FILE] [--socket PATH]
+//                   [--executor client|daemon] [--alloc tandem|cudamalloc] [--gathered] [--workspace BYTES]
+//                   [--json FILE] [--socket PATH]
 //
 // Shapes M x K x N (K is the full K; bf16 in and out, fp32 accumulation, C = A·Bᵀ with A [M,K] and B [N,K]):
 //   ag-gemm (A sharded by rows): 8192x8192x8192, 4096x8192x8192, 16384x8192x14336, 1024x8192x8192, 2048x8192x8192
@@ -12,7 +13,8 @@
 //   gemm-rs / gemm-ar (K split, k = K / ranks per rank): 8192x8192x8192, 4096x8192x8192, 16384x8192x14336,
 //     1024x8192x8192; baseline: cuBLASLt on the local K slice into a bf16 [M, N] partial, then ncclReduceScatter /
 //     ncclAllReduce (as bench/gemm_rs_bench.cu)
-// --shape I runs shape I of each selected op; --gathered makes ag-gemm also write the gathered A (the baseline has it
+// --alloc cudamalloc gives every tensor cudaMalloc memory registered with tandem_register (default: tandem_alloc,
+// tandemd's cuMem memory); --shape I runs shape I of each selected op; --gathered makes ag-gemm also write the gathered A (the baseline has it
 // anyway); --workspace overrides the per-rank workspace given to tandemd (default: computed from the shapes, with room).
 //
 // Timing: every iteration runs tandem, the baseline and the baseline's GEMM alone, in rotating order; each op is
@@ -82,6 +84,8 @@ struct Options {
   uint64_t workspace = 0;  // 0: computed
   std::string json, socket;
   std::string executor = "client";
+  bool registered = false;  // --alloc cudamalloc: tensors from cudaMalloc, registered (tandem_register) instead of
+                            // tandem_alloc'd (tandemd's cuMem pool)
 };
 
 std::vector<Case> casesOf(const Options& o) {
@@ -450,10 +454,21 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
     if (c.op == Op::kAgGemm) maxGathered = std::max(maxGathered, c.s.m * c.s.k);
   }
   const uint64_t es = sizeof(__nv_bfloat16);
-  TK(tandem_alloc(st.session, maxE.aElems * es, &st.a));
-  TK(tandem_alloc(st.session, maxE.bElems * es, &st.b));
-  TK(tandem_alloc(st.session, maxE.cElems * es, &st.c));
-  if (o.gathered && maxGathered > 0) TK(tandem_alloc(st.session, maxGathered * es, &st.gathered));
+  std::vector<void*> ownMemory;  // --alloc cudamalloc
+  const auto buffer = [&](uint64_t bytes, tandem_buffer_t* out) {
+    if (!o.registered) {
+      TK(tandem_alloc(st.session, bytes, out));
+      return;
+    }
+    void* p = nullptr;
+    CK(cudaMalloc(&p, bytes));
+    ownMemory.push_back(p);
+    TK(tandem_register(st.session, p, bytes, -1, 0, out));
+  };
+  buffer(maxE.aElems * es, &st.a);
+  buffer(maxE.bElems * es, &st.b);
+  buffer(maxE.cElems * es, &st.c);
+  if (o.gathered && maxGathered > 0) buffer(maxGathered * es, &st.gathered);
   CK(cudaMalloc(&st.baseC, maxE.cElems * es));
   CK(cudaMalloc(&st.baseAux, maxE.baseAuxElems * es));
 
@@ -531,10 +546,10 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
   CK(cudaFree(st.sums));
   CK(cudaFree(st.bad));
   cublasLtDestroy(st.lt);
-  tandem_free(st.a);
-  tandem_free(st.b);
-  tandem_free(st.c);
-  if (st.gathered != nullptr) tandem_free(st.gathered);
+  for (tandem_buffer_t b : {st.a, st.b, st.c, st.gathered}) {
+    if (b != nullptr) o.registered ? tandem_deregister(b) : tandem_free(b);
+  }
+  for (void* p : ownMemory) CK(cudaFree(p));
   ncclCommDestroy(st.nccl);
   tandem_comm_destroy(st.comm);
   tandem_disconnect(st.session);
@@ -547,7 +562,8 @@ int main(int argc, char** argv) {
   Options o;
   const char* usage =
       "usage: fused_e2e_bench [--iters N] [--warmup N] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--ranks N] "
-      "[--executor client|daemon] [--gathered] [--workspace BYTES] [--json FILE] [--socket PATH]\n";
+      "[--executor client|daemon] [--alloc tandem|cudamalloc] [--gathered] [--workspace BYTES] [--json FILE] "
+      "[--socket PATH]\n";
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -562,6 +578,11 @@ int main(int argc, char** argv) {
       else if (a == "--ranks") o.ranks = static_cast<uint32_t>(std::stoul(next()));
       else if (a == "--gathered") o.gathered = true;
       else if (a == "--executor") o.executor = next();
+      else if (a == "--alloc") {
+        const std::string v = next();
+        if (v != "tandem" && v != "cudamalloc") throw std::invalid_argument("--alloc takes tandem or cudamalloc");
+        o.registered = v == "cudamalloc";
+      }
       else if (a == "--workspace") o.workspace = std::stoull(next());
       else if (a == "--json") o.json = next();
       else if (a == "--socket") o.socket = next();
