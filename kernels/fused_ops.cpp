@@ -89,6 +89,7 @@ std::string launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint
   AgGemmParams p{};
   fillGemmCommon(p, d, ptrs, e, env);
   p.c = ptrs[slot::kC];
+  p.commSms = static_cast<int32_t>(env.commSms);  // 0: the launcher chooses per shape
   void* const userGathered = ptrs[slot::kAGathered];
   if (env.nranks == 1) {
     p.aGathered = userGathered;  // the local plan copies the shard there (or skips it when absent)

@@ -188,6 +188,7 @@ CommGpu::CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t
   env_.rank = rank_;
   env_.nranks = nranks_;
   env_.timeoutNs = opTimeoutNs();
+  env_.commSms = maxCtas_;
   env_.workspaceBytes = workspaces_.empty() ? 0 : workspaces_[0]->size();
   for (uint32_t r = 0; r < workspaces_.size() && r < env_.workspaces.size(); ++r) {
     env_.workspaces[r] = static_cast<char*>(workspaces_[r]->ptr());

@@ -180,7 +180,9 @@ constexpr auto kCudaFields = std::to_array<Field<CudaSection>>({
      &CudaSection::devices},
     {"daemon_linger_ms", "With executor daemon, the persistent kernel exits after idling this long.",
      &CudaSection::daemonLingerMs},
-    {"comm_sms", "SMs given to the communication roles of fused kernels; 0 = chosen per shape.", &CudaSection::commSms},
+    {"comm_sms", "SMs given to communication: AllGather's CTA cap and ag-gemm's communication CTAs (gemm-rs and\n"
+     "gemm-ar choose their own plan); 0 = chosen per shape, which measured best (bench/RESULTS.md).",
+     &CudaSection::commSms},
     {"workspace_bytes",
      "GPU memory per communicator rank that peers write into (gathered A, reduce-scatter staging, flags), at\n"
      "least 16 MiB. It bounds the largest fused op: one that needs more fails with the size to set here.",

@@ -669,6 +669,7 @@ class CudaBackend final : public Backend {
     env.rank = r;
     env.nranks = cc.nranks;
     env.timeoutNs = timeoutNs_;
+    env.commSms = config_.cuda.commSms;
     env.ctl = cc.ranks[r].ctlDevice;
     env.workspaceBytes = cc.ranks[0].workspace->size;
     for (uint32_t q = 0; q < cc.nranks; ++q) {

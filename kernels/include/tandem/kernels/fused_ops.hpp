@@ -48,6 +48,7 @@ struct FusedEnv {
   WorkspaceLayout layout;                          // WorkspaceLayout::fit(workspaceBytes, nranks)
   CommControl* ctl = nullptr;                      // this rank's control page (abort word, error slot), device view
   uint64_t timeoutNs = 0;                          // every kernel wait's deadline
+  uint32_t commSms = 0;  // cuda.comm_sms: ag-gemm's communication SMs (0: chosen per shape); gemm-rs/ar choose their own
 };
 
 bool isFusedGemm(OpKind kind);
