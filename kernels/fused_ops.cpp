@@ -129,15 +129,21 @@ std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, 
   p.lda = p.k;
   p.ldb = p.k;
   p.ldOut = p.n;
-  // Reduced rows that go into another rank's output must land in memory that rank's peers have mapped: its workspace.
-  // Cost (gemm-ar on 2+ ranks, gemm-rs where a tile row spans two ranks): this rank's output is read and written once
-  // more after the kernel, rows * n * 2 bytes (about 0.1 ms for 8192 x 8192 bf16 at ~3 TB/s, next to a ~1 ms op).
-  const bool staged = gemmRsWritesPeerOutputs(p.m, p.nranks, allReduce);
+  // Reduced rows that go into another rank's output must land in memory mapped here. With every rank's output mapped
+  // (env.outputs, executor daemon) they go straight there. Otherwise (executor client: only this rank's own tensors are
+  // mapped in its process) they are staged in the destination's workspace. Cost of staging (gemm-ar on 2+ ranks,
+  // gemm-rs where a tile row spans two ranks): this rank's output is read and written once more after the kernel,
+  // rows * n * 2 bytes (about 0.1 ms for 8192 x 8192 bf16 at ~3 TB/s, next to a ~1 ms op). Either way each rank's
+  // kernel waits for the rows others write into its output before it ends.
+  const bool peerWrites = gemmRsWritesPeerOutputs(p.m, p.nranks, allReduce);
+  bool direct = peerWrites;  // and every output mapped (a rank that owns no rows may have none: stage then)
+  for (uint32_t q = 0; q < env.nranks; ++q) direct = direct && env.outputs[q] != nullptr;
+  const bool staged = peerWrites && !direct;
   void* const userOut = ptrs[slot::kC];
   p.out = staged ? workspaceAt(env, env.rank, env.layout.dataOff) : userOut;
   for (uint32_t q = 0; q < env.nranks; ++q) {
     p.workspace[q] = workspaceAt(env, q, env.layout.rsOff);
-    if (q != env.rank) p.peerOut[q] = workspaceAt(env, q, env.layout.dataOff);  // written only when staged
+    if (q != env.rank) p.peerOut[q] = direct ? env.outputs[q] : workspaceAt(env, q, env.layout.dataOff);
   }
   p.wsMatBytes = static_cast<int64_t>(env.layout.rsMatBytes);
   // Read only when wsMatBytes is 0 (a workspace too small for any exchange), which checkFusedGemm allows for one rank

@@ -689,8 +689,10 @@ class CudaBackend final : public Backend {
       RankRes& rr = cc.ranks[r];
       const PendingOp& op = g->c.ops[r];
       try {
-        const k::FusedEnv env = fusedEnv(cc, r);
+        k::FusedEnv env = fusedEnv(cc, r);
         const k::DevicePointers ptrs = devicePointers(op);
+        // Every rank's C is mapped here: the reductions write peers' rows straight into them.
+        for (uint32_t q = 0; q < cc.nranks; ++q) env.outputs[q] = devicePointers(g->c.ops[q])[slot::kC];
         std::string plan;
         executors_.at(rr.device)->runExclusive(
             [&](cudaStream_t s) {

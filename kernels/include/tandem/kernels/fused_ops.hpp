@@ -49,6 +49,9 @@ struct FusedEnv {
   CommControl* ctl = nullptr;                      // this rank's control page (abort word, error slot), device view
   uint64_t timeoutNs = 0;                          // every kernel wait's deadline
   uint32_t commSms = 0;  // cuda.comm_sms: ag-gemm's communication SMs (0: chosen per shape); gemm-rs/ar choose their own
+  // Every rank's output C, mapped here, when the launcher has them all (tandemd, executor daemon): gemm-rs/ar then write
+  // reduced rows straight into the peers' outputs instead of staging them in the workspace and copying them out.
+  std::array<void*, kMaxLocalRanks> outputs{};
 };
 
 bool isFusedGemm(OpKind kind);
