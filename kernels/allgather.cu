@@ -246,16 +246,29 @@ __device__ int opGate(const AllGatherParams& p, uint32_t cta, uint32_t ncta, Wai
   WorkspaceHeader* mine = header(p.workspaces[p.rank]);
   int run = 1;
   if (cta == 0) {
-    // Both reads in flight at once (one PCIe round trip, not two): the relaxed load may still be pending when the
-    // acquire load issues, and nothing before the branch depends on either.
-    const uint64_t abortWord = ldRelaxedSys(&p.ctl->abort);
-    // acquire: the daemon writes verdict before go; the stream waited for go >= epoch before launching us.
-    const uint64_t verdict = p.checkVerdict != 0 ? ldAcquireSys(&p.ctl->verdict[p.epoch % kVerdictRing]) : p.epoch;
-    if (abortWord != 0) {
-      reportWaitError(ctx, WaitError::kAborted, ~0u, p.epoch << 32, abortWord);
-      run = -1;
-    } else {
-      run = verdict == p.epoch ? 1 : 0;
+    // The client executor's stream does not wait for go before an AllGather (one stream memop less per op): the kernel
+    // polls the verdict until the daemon has decided op e (every rank submitted it). The daemon keeps its decisions
+    // within half the verdict ring of this rank's done, so slot e % ring holds e's verdict or an older op's, never a
+    // newer one's. Both reads are in flight at once (one PCIe round trip, not two): the relaxed load may still be
+    // pending when the acquire load issues, and nothing before the branch depends on either.
+    for (uint32_t polls = 1;; ++polls) {
+      const uint64_t abortWord = ldRelaxedSys(&p.ctl->abort);
+      // acquire: pairs with the daemon's release of the verdict.
+      const uint64_t verdict = p.checkVerdict != 0 ? ldAcquireSys(&p.ctl->verdict[p.epoch % kVerdictRing]) : p.epoch;
+      if (abortWord != 0) {
+        reportWaitError(ctx, WaitError::kAborted, ~0u, p.epoch << 32, abortWord);
+        run = -1;
+        break;
+      }
+      if ((verdict & ~kVerdictRejected) == p.epoch) {
+        run = verdict == p.epoch ? 1 : 0;
+        break;
+      }
+      if (polls % 64 == 0 && ctx.deadlineNs != 0 && globaltimerNs() > ctx.deadlineNs) {
+        reportWaitError(ctx, WaitError::kTimeout, ~0u, p.epoch << 32, verdict);
+        run = -1;
+        break;
+      }
     }
     // release: publishes the outcome (and orders the reads above) for the op's other CTAs.
     if (ncta > 1) stReleaseGpu(&mine->gate, (p.epoch << 2) | static_cast<uint64_t>(run + 1));

@@ -6,8 +6,10 @@
 //
 // Stream order (ARCHITECTURE.md decision 4), per communicator rank, with epoch e = the rank's n-th op on the
 // communicator (1, 2, ...; equal on every rank for the same collective):
-//   client executor: stream: [WriteValue32(ready, e) (barrier only)] WaitValue32(go >= e) kernel WriteValue32(done, e)
-//   daemon executor: stream: WriteValue32(ready, e) WaitValue32(done >= e); the daemon's persistent kernel writes done.
+//   client executor: stream: [WriteValue32(ready, e) (gangs only)] WaitValue32(go >= e) kernel WriteValue32(done, e);
+//                    AllGather without the WaitValue32(go): its kernel polls verdict[e] until the daemon decided e;
+//   daemon executor: stream: WriteValue32(ready, e) WaitValue32(done >= e); the daemon's persistent kernel writes done
+//                    (or, for a fused GEMM, tandemd's own stream after the op's kernels).
 // Stream words are 32-bit and compared cyclically by the hardware ((int32_t)(x - e) >= 0), so an abort writes
 // e_last + kStreamAbortLead, which is "greater" than every pending epoch; kernels check the 64-bit abort word.
 #pragma once
