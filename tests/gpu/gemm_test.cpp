@@ -282,7 +282,7 @@ void runOp(OpKind kind, const std::string& executor, int repeats) {
       continue;
     }
     const auto cases = casesFor(kind, n, 20261129);
-    MESSAGE(n << " rank(s), executor " << executor << ", MPS " << (mpsRunning() ? "on" : "off") << ":"
+    MESSAGE(n << " rank(s), executor " << executor << ", MPS " << std::string(mpsRunning() ? "on" : "off") << ":"
               << listCases(cases));
     runRanks(d, n, cases, {kind == OpKind::kAgGemm ? 1 : repeats, false});
   }

@@ -331,7 +331,7 @@ TEST_CASE("bad buffer handles are refused and change nothing") {
 TEST_CASE("allgather, client executor: bitwise exact at 1 and 2 ranks, 1 B .. 1 GiB") {
   Daemon d(config("client"), {}, "");
   const auto sizes = testSizes();
-  MESSAGE("MPS " << (mpsRunning() ? "on" : "off") << "; sizes: " << [&] {
+  MESSAGE("MPS " << std::string(mpsRunning() ? "on" : "off") << "; sizes: " << [&] {
     std::ostringstream o;
     for (auto s : sizes) o << s << " ";
     return o.str();
