@@ -1,0 +1,142 @@
+// The fused GEMMs' host side (kernels/fused_ops.cpp), which both executors share: the workspace layout every rank must
+// compute alike, and the checks that refuse an op before any kernel could write past a workspace. Host arithmetic
+// only, so it runs (and guards the layout) on machines without a GPU; built where nvcc is.
+#include <doctest/doctest.h>
+
+#include <regex>
+#include <string>
+
+#include "tandem/common/error.hpp"
+#include "tandem/common/reference.hpp"
+#include "tandem/kernels/fused_ops.hpp"
+#include "tandem/kernels/gemm_rs.hpp"
+
+namespace k = tandem::kernels;
+using tandem::DType;
+using tandem::ErrorCode;
+using tandem::OpDescriptor;
+using tandem::OpKind;
+
+namespace {
+
+// Rank `rank`'s descriptor of a fused GEMM of the given global shape on `nranks` ranks.
+OpDescriptor gemmDesc(OpKind kind, uint64_t m, uint64_t n, uint64_t kk, uint32_t nranks, DType dtype = DType::kBF16) {
+  tandem::reference::OpShape shape;
+  shape.kind = kind;
+  shape.dtype = dtype;
+  shape.m = m;
+  shape.n = n;
+  shape.k = kk;
+  return tandem::reference::makeDescriptor(shape, 0, nranks);
+}
+
+k::FusedEnv envWith(uint64_t workspaceBytes, uint32_t nranks) {
+  k::FusedEnv env;
+  env.rank = 0;
+  env.nranks = nranks;
+  env.workspaceBytes = workspaceBytes;
+  env.layout = k::WorkspaceLayout::fit(workspaceBytes, nranks);
+  return env;
+}
+
+// Aligned stand-ins for the tensors: the checks read the addresses' alignment, never the memory.
+k::DevicePointers alignedPointers() {
+  k::DevicePointers p{};
+  for (std::size_t s = 0; s < 4; ++s) p[s] = reinterpret_cast<void*>(uintptr_t{1} << 20 << s);
+  return p;
+}
+
+// The error checkFusedGemm throws ("" when it accepts the op).
+std::string refusal(const OpDescriptor& d, const k::DevicePointers& ptrs, const k::FusedEnv& env, ErrorCode* code) {
+  try {
+    k::checkFusedGemm(d, ptrs, env);
+    return "";
+  } catch (const tandem::Error& e) {
+    if (code != nullptr) *code = e.code();
+    return e.what();
+  }
+}
+
+}  // namespace
+
+TEST_CASE("fused ops: the workspace layout keeps every region apart and inside the budget, for 1 to 8 ranks") {
+  for (uint32_t n = 1; n <= 8; ++n) {
+    uint64_t lastMat = 0;
+    for (uint64_t bytes : {uint64_t{16} << 20, uint64_t{48} << 20, uint64_t{512} << 20, uint64_t{4} << 30}) {
+      CAPTURE(n);
+      CAPTURE(bytes);
+      const k::WorkspaceLayout l = k::WorkspaceLayout::fit(bytes, n);
+      CHECK(l.agFlagsOff == k::workspaceBytes(n));  // AllGather's region first, untouched
+      CHECK(l.agFlagsOff + l.agFlagWords * 8 <= l.rsOff);
+      CHECK(l.rsOff + k::gemmRsFixedWorkspaceBytes(static_cast<int64_t>(l.rsMatBytes), static_cast<int>(n)) ==
+            l.dataOff);
+      CHECK(l.dataBytes == 2 * l.rsMatBytes);
+      CHECK(l.rsMatBytes % (64u << 10) == 0);
+      if (bytes >= k::workspaceBytes(n)) CHECK(l.dataOff + l.dataBytes <= bytes);
+      CHECK(l.rsMatBytes >= lastMat);  // a larger budget never holds less
+      lastMat = l.rsMatBytes;
+    }
+    // bytesFor is the inverse: the budget it names holds matrices of at least that size.
+    for (uint64_t mat : {uint64_t{1}, uint64_t{3} << 20, uint64_t{128} << 20}) {
+      CAPTURE(mat);
+      const uint64_t bytes = k::WorkspaceLayout::bytesFor(mat, n);
+      CHECK(bytes % (2u << 20) == 0);
+      CHECK(k::WorkspaceLayout::fit(bytes, n).rsMatBytes >= mat);
+    }
+  }
+}
+
+TEST_CASE("fused ops: what the kernels cannot run is refused with the remedy, the rest accepted") {
+  const k::FusedEnv env = envWith(512u << 20, 2);
+  const k::DevicePointers ptrs = alignedPointers();
+  ErrorCode code = ErrorCode::kOk;
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    CAPTURE(tandem::opKindName(kind));
+    CHECK(refusal(gemmDesc(kind, 1000, 1024, 512, 2), ptrs, env, nullptr).empty());
+
+    CHECK(refusal(gemmDesc(kind, 256, 256, 64, 2, DType::kF32), ptrs, env, &code).find("bf16 or fp16") !=
+          std::string::npos);
+    CHECK(code == ErrorCode::kUnsupported);
+
+    CHECK(refusal(gemmDesc(kind, 256, 12, 64, 2), ptrs, env, &code).find("n = 12 is not a multiple of 8") !=
+          std::string::npos);
+    CHECK(code == ErrorCode::kInvalidArgument);
+
+    k::DevicePointers misaligned = ptrs;
+    misaligned[tandem::slot::kB] = static_cast<char*>(misaligned[tandem::slot::kB]) + 8;
+    CHECK(refusal(gemmDesc(kind, 256, 256, 64, 2), misaligned, env, &code).find("tensor b") != std::string::npos);
+    CHECK(code == ErrorCode::kInvalidArgument);
+  }
+  // k: ag-gemm's whole K, gemm-rs/ar this rank's slice (K 120 over 2 ranks: slices of 60).
+  CHECK(refusal(gemmDesc(OpKind::kAgGemm, 256, 256, 60, 2), ptrs, env, nullptr).find("k = 60") != std::string::npos);
+  CHECK(refusal(gemmDesc(OpKind::kGemmRs, 256, 256, 120, 2), ptrs, env, nullptr).find("slice") != std::string::npos);
+}
+
+TEST_CASE("fused ops: an op too large for the workspace names the cuda.workspace_bytes that fits it") {
+  const k::DevicePointers ptrs = alignedPointers();
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    CAPTURE(tandem::opKindName(kind));
+    const OpDescriptor big = gemmDesc(kind, 8192, 8192, 8192, 2);
+    ErrorCode code = ErrorCode::kOk;
+    const std::string why = refusal(big, ptrs, envWith(48u << 20, 2), &code);
+    CHECK(code == ErrorCode::kInvalidArgument);
+    std::smatch match;
+    REQUIRE(std::regex_search(why, match, std::regex("cuda\\.workspace_bytes: ([0-9]+)")));
+    const uint64_t suggested = std::stoull(match[1].str());
+    CHECK(refusal(big, ptrs, envWith(suggested, 2), nullptr).empty());  // the remedy works
+  }
+  // One rank exchanges nothing: any workspace will do.
+  CHECK(refusal(gemmDesc(OpKind::kGemmAr, 8192, 8192, 8192, 1), ptrs, envWith(16u << 20, 1), nullptr).empty());
+}
+
+TEST_CASE("fused ops: which ops wait for every rank's stream (gang) before they are released") {
+  OpDescriptor barrier{};
+  barrier.kind = OpKind::kNop;
+  barrier.nranks = 2;
+  CHECK(k::needsGang(barrier));
+  barrier.nranks = 1;
+  CHECK_FALSE(k::needsGang(barrier));  // a one-rank barrier meets nobody
+  CHECK_FALSE(k::needsGang(gemmDesc(OpKind::kAgGemm, 1024, 1024, 512, 2)));
+  CHECK_FALSE(k::needsGang(gemmDesc(OpKind::kGemmRs, 1024, 1024, 512, 2)));  // every rank owns rows: kernels keep step
+  CHECK(k::needsGang(gemmDesc(OpKind::kGemmRs, 1, 1024, 512, 2)));           // rank 1 owns no row
+}
