@@ -13,6 +13,7 @@
 #include <set>
 
 #include "tandem/common/error.hpp"
+#include "tandem/common/gpu_uuid.hpp"
 #include "tandem/kernels/preload.hpp"
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/allgather.hpp"
@@ -85,10 +86,7 @@ int currentDevice() {
 std::string deviceUuid(int ordinal) {
   cudaDeviceProp prop{};
   checkRt(cudaGetDeviceProperties(&prop, ordinal), "cudaGetDeviceProperties");
-  const auto* b = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
-  return fmt::format("GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
-                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
-                     b[15]);
+  return formatGpuUuid(prop.uuid.bytes);
 }
 
 // ---- cuMem import -----------------------------------------------------------------------------------------

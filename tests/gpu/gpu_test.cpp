@@ -8,6 +8,7 @@
 
 #include "gpu_harness.hpp"
 #include "session.hpp"
+#include "tandem/common/gpu_uuid.hpp"
 
 using namespace tandem::gputest;
 
@@ -268,10 +269,7 @@ TEST_CASE("bad buffer handles are refused and change nothing") {
     reg.mutable_register_buffer()->set_ipc_handle(std::string(64, '\x5a'));
     cudaDeviceProp prop{};
     CK(cudaGetDeviceProperties(&prop, 0));
-    const auto* u = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
-    const std::string uuid = fmt::format(
-        "GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}", u[0],
-        u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    const std::string uuid = tandem::formatGpuUuid(prop.uuid.bytes);
     reg.mutable_register_buffer()->set_device_uuid(uuid);
     try {
       session->call(reg);

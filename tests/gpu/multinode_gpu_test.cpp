@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gpu_harness.hpp"
+#include "tandem/common/gpu_uuid.hpp"
 #include "tandem/common/reference.hpp"
 
 using namespace tandem::gputest;
@@ -25,10 +26,7 @@ std::string gpuUuid(int ordinal) {
   Rank child = spawn([ordinal](const Io&) -> std::string {
     cudaDeviceProp prop{};
     CK(cudaGetDeviceProperties(&prop, ordinal));
-    const auto* u = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
-    return fmt::format("GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}"
-                       "{:02x}", u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-                       u[14], u[15]);
+    return tandem::formatGpuUuid(prop.uuid.bytes);
   });
   std::string uuid = child.read(30000);
   child.reap();

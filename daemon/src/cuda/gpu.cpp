@@ -180,12 +180,6 @@ void checkRuntime(int e, const char* what) {
 
 void useDevice(int ordinal) { checkRuntime(cudaSetDevice(ordinal), "cudaSetDevice"); }
 
-std::string formatUuid(const unsigned char b[16]) {
-  return fmt::format("GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
-                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
-                     b[15]);
-}
-
 bool sameUuid(const std::string& a, const std::string& b) { return stripPrefix(a) == stripPrefix(b); }
 
 bool mpsControlReachable(std::string* pipeDir) {
@@ -212,7 +206,7 @@ std::vector<GpuInfo> discoverGpus(const std::vector<std::string>& only) {
     checkRuntime(cudaGetDeviceProperties(&prop, i), "cudaGetDeviceProperties");
     GpuInfo g;
     g.ordinal = i;
-    g.uuid = formatUuid(reinterpret_cast<const unsigned char*>(prop.uuid.bytes));
+    g.uuid = formatGpuUuid(prop.uuid.bytes);
     g.name = prop.name;
     g.sms = static_cast<uint32_t>(prop.multiProcessorCount);
     g.memoryBytes = prop.totalGlobalMem;

@@ -11,11 +11,10 @@
 
 #include "engine.hpp"
 #include "tandem/common/fd.hpp"
+#include "tandem/common/gpu_uuid.hpp"
 
 namespace tandem::daemon::cuda {
 
-// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" in lower case, as nvidia-smi -L prints it.
-std::string formatUuid(const unsigned char bytes[16]);
 // Case-insensitive, with or without the "GPU-" prefix.
 bool sameUuid(const std::string& a, const std::string& b);
 
