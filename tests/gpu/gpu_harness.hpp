@@ -43,12 +43,7 @@ inline std::string config(const std::string& executor) {
   return "daemon:\n  backend: cuda\n  executor: " + executor + "\ncuda:\n  daemon_linger_ms: 500\n";
 }
 
-inline json status(const Daemon& d) {
-  int code = 0;
-  const std::string out = d.ctl({"status", "--json"}, &code);
-  REQUIRE_MESSAGE(code == 0, out);
-  return json::parse(out);
-}
+inline json status(const Daemon& d) { return daemonStatus(d); }
 
 // A forked rank: reads lines from the parent (`tell`) and writes its report lines back (`read`). Killed and
 // reaped when it goes out of scope (a failed REQUIRE must not leave a rank holding the GPU or ctest's pipes).

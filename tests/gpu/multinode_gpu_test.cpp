@@ -53,25 +53,8 @@ struct TwoNodes {
       daemons.push_back(std::make_unique<Daemon>(config, std::vector<std::string>{}, ""));
     }
   }
-  bool connected(int timeoutMs = 20000) const {
-    return eventually(
-        [&] {
-          for (const auto& d : daemons) {
-            const json st = status(*d);
-            if (!st.contains("cluster")) return false;
-            for (const auto& node : st["cluster"]["nodes"]) {
-              if (node["state"] != "self" && node["state"] != "connected") return false;
-            }
-          }
-          return true;
-        },
-        timeoutMs);
-  }
-  std::string logs() const {
-    std::string out;
-    for (size_t i = 0; i < daemons.size(); ++i) out += fmt::format("---- node {} log:\n{}\n", i, daemons[i]->log());
-    return out;
-  }
+  bool connected(int timeoutMs = 20000) const { return clusterNodesIn(daemons, "connected", timeoutMs); }
+  std::string logs() const { return clusterLogs(daemons); }
 };
 
 ref::OpShape shapeOf(OpKind kind, DType dtype, uint64_t m, uint64_t n, uint64_t k) {

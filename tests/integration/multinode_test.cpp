@@ -49,25 +49,10 @@ struct Cluster {
   }
 
   // Waits until every daemon sees every other node in `state` (e.g. "connected").
-  bool allNodes(const std::string& state, int timeoutMs = 15000) {
-    return eventually(
-        [&] {
-          for (auto& d : daemons) {
-            const auto st = daemonStatus(*d);
-            if (!st.contains("cluster")) return false;
-            for (const auto& node : st["cluster"]["nodes"]) {
-              if (node["state"] != "self" && node["state"] != state) return false;
-            }
-          }
-          return true;
-        },
-        timeoutMs);
+  bool allNodes(const std::string& state, int timeoutMs = 15000) const {
+    return clusterNodesIn(daemons, state, timeoutMs);
   }
-  std::string logs() const {
-    std::string out;
-    for (size_t i = 0; i < daemons.size(); ++i) out += fmt::format("---- node {} log:\n{}\n", i, daemons[i]->log());
-    return out;
-  }
+  std::string logs() const { return clusterLogs(daemons); }
 };
 
 std::string newId(const Daemon& d) {

@@ -9,12 +9,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
@@ -205,6 +208,30 @@ inline nlohmann::json daemonStatus(const Daemon& d) {
   const std::string out = d.ctl({"status", "--json"}, &code);
   if (code != 0) throw std::runtime_error("tandemctl status failed: " + out);
   return nlohmann::json::parse(out);
+}
+
+// Multi-node: whether, within timeoutMs, every daemon sees every other node in `state` ("connected", "failed").
+inline bool clusterNodesIn(const std::vector<std::unique_ptr<Daemon>>& daemons, const std::string& state,
+                           int timeoutMs) {
+  return eventually(
+      [&] {
+        for (const auto& d : daemons) {
+          const auto st = daemonStatus(*d);
+          if (!st.contains("cluster")) return false;
+          for (const auto& node : st["cluster"]["nodes"]) {
+            if (node["state"] != "self" && node["state"] != state) return false;
+          }
+        }
+        return true;
+      },
+      timeoutMs);
+}
+
+// Every daemon's log, headed by its node index.
+inline std::string clusterLogs(const std::vector<std::unique_ptr<Daemon>>& daemons) {
+  std::string out;
+  for (size_t i = 0; i < daemons.size(); ++i) out += fmt::format("---- node {} log:\n{}\n", i, daemons[i]->log());
+  return out;
 }
 
 }  // namespace tandem::testing
