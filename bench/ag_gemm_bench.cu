@@ -37,54 +37,9 @@ using namespace tandem::kernels;
 
 namespace {
 
-
-__device__ __forceinline__ uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-
-// Uniform in [-1, 1).
-__global__ void fillRandom(__nv_bfloat16* p, size_t n, uint64_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const uint64_t h = mix(i * 0x9E3779B97F4A7C15ULL + seed);
-    const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
-    p[i] = __float2bfloat16_rn(2.0f * u - 1.0f);
-  }
-}
-
 using tandem::bench::refGemm;
-
-// sums[0] += (out - ref)^2, sums[1] += ref^2; bad += non-finite outputs (left-over poison shows up here).
-__global__ void compareKernel(const __nv_bfloat16* out, const float* ref, int64_t total, double* sums,
-                              unsigned long long* bad) {
-  double e = 0, r = 0;
-  unsigned long long nb = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const float o = __bfloat162float(out[i]);
-    const float f = ref[i];
-    if (!isfinite(o)) {
-      ++nb;
-      continue;
-    }
-    const double d = double(o) - double(f);
-    e += d * d;
-    r += double(f) * double(f);
-  }
-  for (int off = 16; off > 0; off /= 2) {
-    e += __shfl_down_sync(0xffffffffu, e, off);
-    r += __shfl_down_sync(0xffffffffu, r, off);
-    nb += __shfl_down_sync(0xffffffffu, nb, off);
-  }
-  if ((threadIdx.x & 31) == 0) {
-    atomicAdd(&sums[0], e);
-    atomicAdd(&sums[1], r);
-    if (nb) atomicAdd(bad, nb);
-  }
-}
+using tandem::bench::fillUniform;
+using tandem::bench::relErrorKernel;
 
 // bad += elements that differ bit for bit (the gathered A must be an exact copy).
 __global__ void compareExact(const uint16_t* out, const uint16_t* ref, int64_t total, unsigned long long* bad) {
@@ -204,8 +159,8 @@ Problem makeProblem(int64_t m, int64_t n, int64_t k, int nranks, int sets, uint6
     for (int i = 0; i < sets; ++i) {
       void* a = dmalloc(size_t(P.rows(r)) * k * 2);
       void* b = dmalloc(size_t(n) * k * 2);
-      if (a) fillRandom<<<1024, 256, 0, s>>>(static_cast<__nv_bfloat16*>(a), size_t(P.rows(r)) * k, seed + 100 * r + 2 * i);
-      fillRandom<<<1024, 256, 0, s>>>(static_cast<__nv_bfloat16*>(b), size_t(n) * k, seed + 100 * r + 2 * i + 1);
+      if (a) fillUniform<__nv_bfloat16><<<1024, 256, 0, s>>>(static_cast<__nv_bfloat16*>(a), size_t(P.rows(r)) * k, seed + 100 * r + 2 * i);
+      fillUniform<__nv_bfloat16><<<1024, 256, 0, s>>>(static_cast<__nv_bfloat16*>(b), size_t(n) * k, seed + 100 * r + 2 * i + 1);
       CK(cudaGetLastError());
       P.a[r].push_back(a);
       P.b[r].push_back(b);
@@ -302,7 +257,8 @@ Check checkRank(const Problem& P, int r, const void* cOut, const void* gOut) {
   Gpu& g = gGpu[r];
   CK(cudaMemsetAsync(g.dSums, 0, 2 * sizeof(double), g.s));
   CK(cudaMemsetAsync(g.dBad, 0, sizeof(unsigned long long), g.s));
-  compareKernel<<<1024, 256, 0, g.s>>>(static_cast<const __nv_bfloat16*>(cOut), P.refC[r], P.m * P.n, g.dSums, g.dBad);
+  relErrorKernel<<<1024, 256, 0, g.s>>>(static_cast<const __nv_bfloat16*>(cOut), int64_t(P.n), P.refC[r], int64_t(P.m),
+                                        int64_t(P.n), g.dSums, g.dBad);
   CK(cudaGetLastError());
   double h[2];
   Check c;

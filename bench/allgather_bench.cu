@@ -9,11 +9,9 @@
 // Inputs are random; each method is checked bitwise on device after timing (exit 1 on any mismatch).
 // Timing: CUDA events around each op, median of --iters after --warmup. Bus bandwidth = (n-1) * bytes / time.
 #include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cuda_runtime.h>
@@ -35,6 +33,7 @@
 #include <nccl.h>
 #endif
 
+#include "bench_kernels.cuh"
 #include "private_daemon.hpp"
 #include "tandem/tandem.h"
 
@@ -42,15 +41,9 @@
 
 namespace {
 
-#ifdef TANDEM_HAVE_NCCL
-#endif
-
+// A different word for every (index, seed): what each rank sends, and what the check expects to have arrived.
 __device__ __forceinline__ uint32_t hashWord(uint64_t i, uint32_t seed) {
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xC2B2AE3D27D4EB4Full;
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  return static_cast<uint32_t>(x);
+  return static_cast<uint32_t>(tandem::bench::mix(i * 0x9E3779B97F4A7C15ull + seed));
 }
 __global__ void fillKernel(uint32_t* p, uint64_t words, uint32_t seed) {
   for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < words; i += uint64_t{gridDim.x} * blockDim.x)
@@ -297,38 +290,14 @@ int main(int argc, char** argv) {
   const std::string socket = tandem::bench::useDaemon(
       o.socket, TANDEMD_PATH, "daemon:\n  backend: cuda\n  executor: " + o.executor + "\n", daemon);
   if (socket.empty()) return 2;
-  std::vector<pid_t> pids;
-  std::vector<int> ups, downs;
-  for (uint32_t r = 0; r < o.ranks; ++r) {
-    int up[2], down[2];
-    if (::pipe(up) != 0 || ::pipe(down) != 0) return 2;
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      ::close(up[0]);
-      ::close(down[1]);
-      std::_Exit(rankMain(o, r, up[1], down[0], socket));
-    }
-    ::close(up[1]);
-    ::close(down[0]);
-    pids.push_back(pid);
-    ups.push_back(up[0]);
-    downs.push_back(down[1]);
-  }
-  // Relay rank 0's ids (NCCL's, then tandem's) to every rank.
-  auto relay = [&](size_t bytes) {
-    std::vector<char> buf(bytes);
-    readAll(ups[0], buf.data(), bytes);
-    for (int fd : downs) writeAll(fd, buf.data(), bytes);
-  };
+  tandem::bench::RankProcesses ranks(o.ranks, [&](uint32_t r, int up, int down) {
+    return rankMain(o, r, up, down, socket);
+  });
+  // Rank 0's ids (NCCL's, then tandem's) to every rank.
+  bool relayed = ranks.started();
 #ifdef TANDEM_HAVE_NCCL
-  relay(sizeof(ncclUniqueId));
+  relayed = relayed && ranks.relay(sizeof(ncclUniqueId));
 #endif
-  relay(sizeof(tandem_unique_id_t));
-  int rc = 0;
-  for (pid_t p : pids) {
-    int st = 0;
-    ::waitpid(p, &st, 0);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) rc = 1;
-  }
-  return rc;
+  if (relayed) ranks.relay(sizeof(tandem_unique_id_t));
+  return ranks.wait();
 }

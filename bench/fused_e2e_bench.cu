@@ -27,9 +27,7 @@
 // baseline's C: ‖tandem − baseline‖ / ‖baseline‖ < 1e-2 and no non-finite value on any rank, else a FAIL line.
 // Exit status: 0, 1 if a check failed, 2 on a fatal error.
 #include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cublasLt.h>
@@ -49,6 +47,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_kernels.cuh"
 #include "cublaslt_gemm.hpp"
 #include "private_daemon.hpp"
 #include "tandem/tandem.h"
@@ -121,48 +120,9 @@ uint64_t workspaceFor(const std::vector<Case>& cases, uint32_t ranks) {
   return roundUp((uint64_t{64} << 20) + (2 * uint64_t{ranks} + 5) * mat, uint64_t{64} << 20);
 }
 
-// ---- device helpers -----------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t hashWord(uint64_t i, uint32_t seed) {
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xC2B2AE3D27D4EB4Full;
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  return static_cast<uint32_t>(x);
-}
-// Uniform in [-1, 1).
-__global__ void fillKernel(__nv_bfloat16* p, uint64_t n, uint32_t seed) {
-  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < n; i += uint64_t{gridDim.x} * blockDim.x) {
-    p[i] = __float2bfloat16(static_cast<float>(hashWord(i, seed) >> 8) * (2.0f / 16777216.0f) - 1.0f);
-  }
-}
-// sums[0] += Σ (t − b)², sums[1] += Σ b² over the finite pairs; *bad += pairs with a non-finite value.
-__global__ void compareKernel(const __nv_bfloat16* t, const __nv_bfloat16* b, uint64_t n, double* sums,
-                              unsigned long long* bad) {
-  double d2 = 0, r2 = 0;
-  unsigned long long nb = 0;
-  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < n; i += uint64_t{gridDim.x} * blockDim.x) {
-    const float x = __bfloat162float(t[i]), y = __bfloat162float(b[i]);
-    if (!isfinite(x) || !isfinite(y)) {
-      ++nb;
-      continue;
-    }
-    const double d = static_cast<double>(x) - static_cast<double>(y);
-    d2 += d * d;
-    r2 += static_cast<double>(y) * static_cast<double>(y);
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    d2 += __shfl_down_sync(0xFFFFFFFFu, d2, o);
-    r2 += __shfl_down_sync(0xFFFFFFFFu, r2, o);
-    nb += __shfl_down_sync(0xFFFFFFFFu, nb, o);
-  }
-  if ((threadIdx.x & 31) == 0) {
-    atomicAdd(&sums[0], d2);
-    atomicAdd(&sums[1], r2);
-    if (nb != 0) atomicAdd(bad, nb);
-  }
-}
-
+using tandem::bench::fillUniform;
 using tandem::bench::LtGemm;
+using tandem::bench::relErrorKernel;
 
 // ---- host helpers --------------------------------------------------------------------------------------------
 using tandem::bench::readAll;
@@ -247,9 +207,10 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
   const Shape& s = c.s;
   const Extents e = extentsOf(c, st.nranks);
   const cudaStream_t stream = st.stream;
-  fillKernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(tandem_buffer_ptr(st.a)), e.aElems, seed * 64 + st.rank);
-  fillKernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(tandem_buffer_ptr(st.b)), e.bElems,
-                                       seed * 64 + 32 + st.rank);
+  fillUniform<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(tandem_buffer_ptr(st.a)), e.aElems,
+                                        uint64_t{seed} * 64 + st.rank);
+  fillUniform<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(tandem_buffer_ptr(st.b)), e.bElems,
+                                        uint64_t{seed} * 64 + 32 + st.rank);
   CK(cudaGetLastError());
   const LtGemm gemm(st.lt, s.m, s.n, e.kLocal, st.ltWs, 64u << 20);
   const size_t es = sizeof(__nv_bfloat16);
@@ -314,8 +275,9 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
   }
   CK(cudaMemsetAsync(st.sums, 0, 2 * sizeof(double), stream));
   CK(cudaMemsetAsync(st.bad, 0, sizeof(unsigned long long), stream));
-  compareKernel<<<1024, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(cPtr),
-                                          static_cast<const __nv_bfloat16*>(st.baseC), e.cElems, st.sums, st.bad);
+  relErrorKernel<<<1024, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(cPtr), int64_t(s.n),
+                                           static_cast<const __nv_bfloat16*>(st.baseC), int64_t(e.cElems / s.n),
+                                           int64_t(s.n), st.sums, st.bad);
   CK(cudaGetLastError());
   double sums[2] = {};
   unsigned long long bad = 0;
@@ -628,79 +590,12 @@ int main(int argc, char** argv) {
       "daemon:\n  backend: cuda\n  executor: " + o.executor + "\ncuda:\n  workspace_bytes: " + std::to_string(workspace) + "\n";
   const std::string socket = tandem::bench::useDaemon(o.socket, TANDEMD_PATH, config, daemon);
   if (socket.empty()) return 2;
-  std::vector<pid_t> pids;
-  std::vector<int> ups, downs;
-  for (uint32_t r = 0; r < o.ranks; ++r) {
-    int up[2], down[2];
-    if (::pipe(up) != 0 || ::pipe(down) != 0) return 2;
-    const pid_t pid = ::fork();
-    if (pid < 0) return 2;
-    if (pid == 0) {
-      ::close(up[0]);
-      ::close(down[1]);
-      const int code = rankMain(o, r, up[1], down[0], socket, workspace);
-      std::fflush(stdout);
-      std::fflush(stderr);
-      std::_Exit(code);
-    }
-    ::close(up[1]);
-    ::close(down[0]);
-    pids.push_back(pid);
-    ups.push_back(up[0]);
-    downs.push_back(down[1]);
-  }
-  // Rank exits: a check failure (1) lets the others finish; anything else stops the ranks still running, which would
-  // otherwise wait in NCCL (no deadline) or in a fused kernel. Only the rank pids are waited for (tandemd is a child
-  // too, reaped by PrivateDaemon).
-  int rc = 0;
-  std::vector<pid_t> alive = pids;
-  const auto reapExited = [&] {
-    for (size_t i = 0; i < alive.size();) {
-      int status = 0;
-      const pid_t w = ::waitpid(alive[i], &status, WNOHANG);
-      if (w == 0) {
-        ++i;
-        continue;
-      }
-      const pid_t p = alive[i];
-      alive.erase(alive.begin() + static_cast<std::ptrdiff_t>(i));
-      const int code = w < 0 ? 2 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      if (code == 0) continue;
-      rc = std::max(rc, code == 1 ? 1 : 2);
-      if (code != 1) {
-        std::fprintf(stderr, "fused_e2e_bench: rank process %d exited with %d; stopping the other ranks\n",
-                     static_cast<int>(p), code);
-        for (pid_t q : alive) ::kill(q, SIGKILL);
-      }
-    }
-  };
-  // Relay rank 0's ids (NCCL's, then tandem's) to every rank, watching for ranks that die meanwhile.
-  const auto relay = [&](size_t bytes) {
-    std::vector<char> buf(bytes);
-    size_t got = 0;
-    while (got < bytes) {
-      pollfd pfd{ups[0], POLLIN, 0};
-      if (::poll(&pfd, 1, 100) <= 0) {
-        reapExited();
-        if (rc == 2) return false;
-        continue;
-      }
-      const ssize_t n = ::read(ups[0], buf.data() + got, bytes - got);
-      if (n <= 0) return false;
-      got += static_cast<size_t>(n);
-    }
-    for (int fd : downs) writeAll(fd, buf.data(), bytes);
-    return true;
-  };
-  const bool relayed = relay(sizeof(ncclUniqueId)) && relay(sizeof(tandem_unique_id_t));
-  if (!relayed) {
-    for (pid_t q : alive) ::kill(q, SIGKILL);
-  }
-  while (!alive.empty()) {
-    reapExited();
-    if (!alive.empty()) ::usleep(20000);
-  }
-  if (!relayed && rc == 0) rc = 2;
+  tandem::bench::RankProcesses ranks(o.ranks, [&](uint32_t r, int up, int down) {
+    return rankMain(o, r, up, down, socket, workspace);
+  });
+  // Rank 0's ids (NCCL's, then tandem's) to every rank.
+  if (ranks.started() && ranks.relay(sizeof(ncclUniqueId))) ranks.relay(sizeof(tandem_unique_id_t));
+  const int rc = ranks.wait();
   if (rc == 2 && daemon) std::fprintf(stderr, "---- tandemd log ----\n%s\n", daemon->log().c_str());
   return rc;
 }

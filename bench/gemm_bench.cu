@@ -52,67 +52,12 @@ void syncOrDie(cudaStream_t s, double seconds, const std::string& what) {
   }
 }
 
-template <class T>
-__device__ __forceinline__ T fromFloat(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half fromFloat<__half>(float v) { return __float2half_rn(v); }
 
-__device__ __forceinline__ float toFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float toFloat(__half v) { return __half2float(v); }
 
-__device__ __forceinline__ uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-
-// Uniform in [-1, 1), never all zeros; the padding columns of a strided matrix get values too.
-template <class T>
-__global__ void fillRandom(T* p, size_t n, uint64_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const uint64_t h = mix(i * 0x9E3779B97F4A7C15ULL + seed);
-    const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
-    p[i] = fromFloat<T>(2.0f * u - 1.0f);
-  }
-}
-
+using tandem::bench::fillUniform;
 using tandem::bench::refGemm;
+using tandem::bench::relErrorKernel;
 
-// sums[0] += (out - ref)^2, sums[1] += ref^2, bad += non-finite outputs (poison left behind shows up here).
-template <class T>
-__global__ void compareKernel(const T* out, int64_t ldc, const float* ref, int m, int n, double* sums,
-                              unsigned long long* bad) {
-  double e = 0, r = 0;
-  unsigned long long nb = 0;
-  const int64_t total = int64_t(m) * n;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / n, col = i % n;
-    const float o = toFloat(out[row * ldc + col]);
-    const float f = ref[i];
-    if (!isfinite(o)) {
-      ++nb;
-      continue;
-    }
-    const double d = double(o) - double(f);
-    e += d * d;
-    r += double(f) * double(f);
-  }
-  for (int off = 16; off > 0; off /= 2) {
-    e += __shfl_down_sync(0xffffffffu, e, off);
-    r += __shfl_down_sync(0xffffffffu, r, off);
-    nb += __shfl_down_sync(0xffffffffu, nb, off);
-  }
-  if ((threadIdx.x & 31) == 0) {
-    atomicAdd(&sums[0], e);
-    atomicAdd(&sums[1], r);
-    if (nb) atomicAdd(bad, nb);
-  }
-}
 
 struct ErrResult {
   double rel;
@@ -125,7 +70,7 @@ ErrResult compare(const T* out, int64_t ldc, const float* ref, int64_t m, int64_
                   unsigned long long* dBad) {
   CK(cudaMemsetAsync(dSums, 0, 2 * sizeof(double), s));
   CK(cudaMemsetAsync(dBad, 0, sizeof(unsigned long long), s));
-  compareKernel<T><<<1024, 256, 0, s>>>(out, ldc, ref, int(m), int(n), dSums, dBad);
+  relErrorKernel<T, float><<<1024, 256, 0, s>>>(out, ldc, ref, int64_t(m), int64_t(n), dSums, dBad);
   CK(cudaGetLastError());
   double h[2];
   unsigned long long b;
@@ -178,8 +123,8 @@ Buffers allocFill(const Shape& sh, int sets, cudaStream_t s, uint64_t seed) {
     CK(cudaMalloc(&b, nb * 2));
     CK(cudaMalloc(&c, nc * 2));
     CK(cudaMalloc(&cb, nc * 2));
-    fillRandom<T><<<2048, 256, 0, s>>>(static_cast<T*>(a), na, seed + 2 * i);
-    fillRandom<T><<<2048, 256, 0, s>>>(static_cast<T*>(b), nb, seed + 2 * i + 1);
+    fillUniform<T><<<2048, 256, 0, s>>>(static_cast<T*>(a), na, seed + 2 * i);
+    fillUniform<T><<<2048, 256, 0, s>>>(static_cast<T*>(b), nb, seed + 2 * i + 1);
     CK(cudaGetLastError());
     buf.a.push_back(a);
     buf.b.push_back(b);

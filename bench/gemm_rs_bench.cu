@@ -90,23 +90,9 @@ void syncAll(double seconds, const std::string& what) {
   checkSlots(what);
 }
 
-__device__ __forceinline__ uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-__global__ void fillRandom(__nv_bfloat16* p, size_t n, uint64_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const uint64_t h = mix(i * 0x9E3779B97F4A7C15ULL + seed);
-    const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
-    p[i] = __float2bfloat16_rn(2.0f * u - 1.0f);
-  }
-}
-
 using tandem::bench::refGemm;
+using tandem::bench::fillUniform;
+using tandem::bench::relErrorKernel;
 
 __global__ void addInto(float* dst, const float* src, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -114,35 +100,6 @@ __global__ void addInto(float* dst, const float* src, size_t n) {
   }
 }
 
-// sums[0] += (out - ref)^2, sums[1] += ref^2, bad += non-finite outputs.
-__global__ void compareKernel(const __nv_bfloat16* out, int64_t ldo, const float* ref, int m, int n, double* sums,
-                              unsigned long long* bad) {
-  double e = 0, r = 0;
-  unsigned long long nb = 0;
-  const int64_t total = int64_t(m) * n;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / n, col = i % n;
-    const float o = __bfloat162float(out[row * ldo + col]);
-    const float f = ref[i];
-    if (!isfinite(o)) {
-      ++nb;
-      continue;
-    }
-    const double d = double(o) - double(f);
-    e += d * d;
-    r += double(f) * double(f);
-  }
-  for (int off = 16; off > 0; off /= 2) {
-    e += __shfl_down_sync(0xffffffffu, e, off);
-    r += __shfl_down_sync(0xffffffffu, r, off);
-    nb += __shfl_down_sync(0xffffffffu, nb, off);
-  }
-  if ((threadIdx.x & 31) == 0) {
-    atomicAdd(&sums[0], e);
-    atomicAdd(&sums[1], r);
-    if (nb) atomicAdd(bad, nb);
-  }
-}
 
 // Counts 16-bit words that differ between a and b ([rows, n], row stride ld).
 __global__ void diffBits(const uint16_t* a, const uint16_t* b, int64_t ld, int rows, int n, unsigned long long* diff) {
@@ -227,9 +184,9 @@ void allocShape(ShapeBufs& sb, const Shape& sh, int nranks, int sets) {
       void *a, *b;
       CK(cudaMalloc(&a, size_t(sh.m) * sb.kr * 2));
       CK(cudaMalloc(&b, size_t(sh.n) * sb.kr * 2));
-      fillRandom<<<2048, 256, 0, gStream[r]>>>(static_cast<__nv_bfloat16*>(a), size_t(sh.m) * sb.kr,
+      fillUniform<__nv_bfloat16><<<2048, 256, 0, gStream[r]>>>(static_cast<__nv_bfloat16*>(a), size_t(sh.m) * sb.kr,
                                                0x1000 + 97 * r + 13 * s + sh.m * 7 + sh.n * 3);
-      fillRandom<<<2048, 256, 0, gStream[r]>>>(static_cast<__nv_bfloat16*>(b), size_t(sh.n) * sb.kr,
+      fillUniform<__nv_bfloat16><<<2048, 256, 0, gStream[r]>>>(static_cast<__nv_bfloat16*>(b), size_t(sh.n) * sb.kr,
                                                0x5000 + 89 * r + 17 * s + sh.m * 5 + sh.n * 11);
       CK(cudaGetLastError());
       sb.a[r].push_back(a);
@@ -468,8 +425,9 @@ double checkCand(Cand& c, const ShapeBufs& sb, bool* ok) {
     CK(cudaMemsetAsync(gR[r].sums, 0, 2 * sizeof(double), gStream[r]));
     CK(cudaMemsetAsync(gR[r].bad, 0, sizeof(unsigned long long), gStream[r]));
     if (rows > 0) {
-      compareKernel<<<1024, 256, 0, gStream[r]>>>(static_cast<const __nv_bfloat16*>(out), sb.n, sb.ref[r] + off * sb.n,
-                                                  int(rows), int(sb.n), gR[r].sums, gR[r].bad);
+      relErrorKernel<<<1024, 256, 0, gStream[r]>>>(static_cast<const __nv_bfloat16*>(out), int64_t(sb.n),
+                                                   sb.ref[r] + off * sb.n, int64_t(rows), int64_t(sb.n), gR[r].sums,
+                                                   gR[r].bad);
       CK(cudaGetLastError());
     }
     double h[2];

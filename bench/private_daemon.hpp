@@ -1,27 +1,31 @@
 // A tandemd of the benchmark's own: started on a socket in a fresh temporary directory with the given config,
 // waited for until it serves, stopped (SIGTERM) and cleaned up when the object goes away. Benchmarks that are
-// given --socket use that daemon instead and never construct one of these (useDaemon). Also the pipe helpers the
-// multi-process benchmarks pass ids and results through.
+// given --socket use that daemon instead and never construct one of these (useDaemon). Also the rank processes of
+// the multi-process benchmarks and the pipes they pass ids and results through.
 #pragma once
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace tandem::bench {
 
@@ -125,5 +129,104 @@ inline void readAll(int fd, void* p, size_t n) {
     c += r, n -= static_cast<size_t>(r);
   }
 }
+
+// One forked process per rank, each with a pipe to the parent (`up`) and one from it (`down`), and the parent's side of
+// them: relaying ids from rank 0 to every rank, and waiting for every rank without hanging on one that died.
+class RankProcesses {
+ public:
+  // rankMain(rank, up, down) is the child's whole life; its return value is its exit code (0 ok, 1 a check failed).
+  RankProcesses(uint32_t n, const std::function<int(uint32_t, int, int)>& rankMain) {
+    for (uint32_t r = 0; r < n; ++r) {
+      int up[2], down[2];
+      if (::pipe(up) != 0 || ::pipe(down) != 0) return;
+      const pid_t pid = ::fork();
+      if (pid < 0) return;
+      if (pid == 0) {
+        ::close(up[0]);
+        ::close(down[1]);
+        const int code = rankMain(r, up[1], down[0]);
+        std::fflush(stdout);
+        std::fflush(stderr);
+        std::_Exit(code);
+      }
+      ::close(up[1]);
+      ::close(down[0]);
+      pids_.push_back(pid);
+      ups_.push_back(up[0]);
+      downs_.push_back(down[1]);
+    }
+    alive_ = pids_;
+    started_ = true;
+  }
+  bool started() const { return started_; }
+
+  // Reads `bytes` (an id) from rank 0 and writes them to every rank, watching for ranks that die meanwhile. False (the
+  // ranks still running killed) if one died or rank 0 hung up first.
+  bool relay(size_t bytes) {
+    std::vector<char> buf(bytes);
+    size_t got = 0;
+    while (got < bytes) {
+      pollfd pfd{ups_[0], POLLIN, 0};
+      if (::poll(&pfd, 1, 100) <= 0) {
+        reapExited();
+        if (rc_ == 2) return false;
+        continue;
+      }
+      const ssize_t n = ::read(ups_[0], buf.data() + got, bytes - got);
+      if (n <= 0) {
+        stopAll();
+        return false;
+      }
+      got += static_cast<size_t>(n);
+    }
+    for (int fd : downs_) writeAll(fd, buf.data(), bytes);
+    return true;
+  }
+
+  // Waits for every rank: 0 if all exited 0, 1 if a check failed (a rank exited 1; the others finish), 2 otherwise (a
+  // rank that exits with anything else stops the ranks still running, which would wait in NCCL, which has no
+  // deadline, or in a fused kernel). Only the rank pids are waited for (a private tandemd is reaped by its object).
+  int wait() {
+    if (!started_) {
+      stopAll();
+      return 2;
+    }
+    while (!alive_.empty()) {
+      reapExited();
+      if (!alive_.empty()) ::usleep(20000);
+    }
+    return rc_;
+  }
+
+ private:
+  void stopAll() {
+    for (pid_t q : alive_) ::kill(q, SIGKILL);
+    rc_ = 2;
+  }
+  void reapExited() {
+    for (size_t i = 0; i < alive_.size();) {
+      int status = 0;
+      const pid_t w = ::waitpid(alive_[i], &status, WNOHANG);
+      if (w == 0) {
+        ++i;
+        continue;
+      }
+      const pid_t p = alive_[i];
+      alive_.erase(alive_.begin() + static_cast<std::ptrdiff_t>(i));
+      const int code = w < 0 ? 2 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (code == 0) continue;
+      rc_ = std::max(rc_, code == 1 ? 1 : 2);
+      if (code != 1) {
+        std::fprintf(stderr, "rank process %d exited with %d; stopping the other ranks\n", static_cast<int>(p), code);
+        for (pid_t q : alive_) ::kill(q, SIGKILL);
+      }
+    }
+  }
+
+  std::vector<pid_t> pids_, alive_;
+  std::vector<int> ups_, downs_;
+  bool started_ = false;
+  int rc_ = 0;
+};
 
 }  // namespace tandem::bench

@@ -3,15 +3,11 @@
 // ((n + 63) / 64, (m + 63) / 64) and block (16, 16). `accumulate`: add to C instead of overwriting it.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
 
-namespace tandem::bench {
+#include "bench_kernels.cuh"
 
-__device__ __forceinline__ float refLoad(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float refLoad(__half v) { return __half2float(v); }
+namespace tandem::bench {
 
 template <class T>
 __global__ void refGemm(const T* a, const T* b, float* c, int m, int n, int k, int64_t lda, int64_t ldb,
@@ -24,8 +20,8 @@ __global__ void refGemm(const T* a, const T* b, float* c, int m, int n, int k, i
   for (int k0 = 0; k0 < k; k0 += 16) {
     for (int i = tid; i < 64 * 16; i += 256) {
       const int r = i / 16, kk = i % 16;
-      as[kk][r] = (m0 + r < m && k0 + kk < k) ? refLoad(a[int64_t(m0 + r) * lda + k0 + kk]) : 0.0f;
-      bs[kk][r] = (n0 + r < n && k0 + kk < k) ? refLoad(b[int64_t(n0 + r) * ldb + k0 + kk]) : 0.0f;
+      as[kk][r] = (m0 + r < m && k0 + kk < k) ? toFloat(a[int64_t(m0 + r) * lda + k0 + kk]) : 0.0f;
+      bs[kk][r] = (n0 + r < n && k0 + kk < k) ? toFloat(b[int64_t(n0 + r) * ldb + k0 + kk]) : 0.0f;
     }
     __syncthreads();
 #pragma unroll
