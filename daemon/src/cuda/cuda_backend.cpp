@@ -102,6 +102,8 @@ struct CudaComm final : CommResources {
   uint64_t handle = 0;
   uint32_t nranks = 0;
   std::vector<RankRes> ranks;
+  uint64_t workspaceBytes = 0;      // the smallest rank's workspace
+  k::WorkspaceLayout layout;        // the fused GEMMs' regions in it (libtandem computes the same from the same size)
   std::deque<std::shared_ptr<Gang>> pending;  // in epoch order; the head waits for its release condition
   bool failed = false;
   bool failureReported = false;
@@ -280,6 +282,9 @@ class CudaBackend final : public Backend {
         rr.ctlDevice = static_cast<k::CommControl*>(dev);
       }
     }
+    cc->workspaceBytes = cc->ranks[0].workspace->size;
+    for (const auto& rr : cc->ranks) cc->workspaceBytes = std::min<uint64_t>(cc->workspaceBytes, rr.workspace->size);
+    cc->layout = k::WorkspaceLayout::fit(cc->workspaceBytes, cc->nranks);
     std::lock_guard lock(mutex_);
     comms_.push_back(cc);
     return cc;
@@ -671,12 +676,9 @@ class CudaBackend final : public Backend {
     env.timeoutNs = timeoutNs_;
     env.commSms = config_.cuda.commSms;
     env.ctl = cc.ranks[r].ctlDevice;
-    env.workspaceBytes = cc.ranks[0].workspace->size;
-    for (uint32_t q = 0; q < cc.nranks; ++q) {
-      env.workspaces[q] = reinterpret_cast<char*>(cc.ranks[q].workspace->va);
-      env.workspaceBytes = std::min<uint64_t>(env.workspaceBytes, cc.ranks[q].workspace->size);
-    }
-    env.layout = k::WorkspaceLayout::fit(env.workspaceBytes, cc.nranks);
+    env.workspaceBytes = cc.workspaceBytes;
+    env.layout = cc.layout;
+    for (uint32_t q = 0; q < cc.nranks; ++q) env.workspaces[q] = reinterpret_cast<char*>(cc.ranks[q].workspace->va);
     return env;
   }
 
@@ -685,39 +687,42 @@ class CudaBackend final : public Backend {
   // flags, so every rank's launch goes in here, in one pass, in the same order on every GPU as every other item.
   // False if CUDA refused a launch: the communicator is aborted (its streams released) and the error reported.
   bool launchFused(CudaComm& cc, const std::shared_ptr<Gang>& g) {
-    for (uint32_t r = 0; r < cc.nranks; ++r) {
-      RankRes& rr = cc.ranks[r];
-      const PendingOp& op = g->c.ops[r];
-      try {
+    uint32_t r = 0;
+    try {
+      std::vector<k::DevicePointers> ptrs;
+      for (const PendingOp& op : g->c.ops) ptrs.push_back(devicePointers(op));
+      for (; r < cc.nranks; ++r) {
+        RankRes& rr = cc.ranks[r];
+        const OpDescriptor& desc = g->c.ops[r].desc;
         k::FusedEnv env = fusedEnv(cc, r);
-        const k::DevicePointers ptrs = devicePointers(op);
         // Every rank's C is mapped here: the reductions write peers' rows straight into them.
-        for (uint32_t q = 0; q < cc.nranks; ++q) env.outputs[q] = devicePointers(g->c.ops[q])[slot::kC];
+        for (uint32_t q = 0; q < cc.nranks; ++q) env.outputs[q] = ptrs[q][slot::kC];
         std::string plan;
         executors_.at(rr.device)->runExclusive(
             [&](cudaStream_t s) {
-              plan = k::launchFusedGemm(op.desc, ptrs, g->epoch, env, s);
+              plan = k::launchFusedGemm(desc, ptrs[r], g->epoch, env, s);
               const CUresult w = k::driver().streamWriteValue32(
                   s, reinterpret_cast<CUdeviceptr>(&rr.ctlDevice->done.value), static_cast<uint32_t>(g->epoch),
                   CU_STREAM_WRITE_VALUE_DEFAULT);
               if (w != CUDA_SUCCESS) fail(ErrorCode::kCuda, "cuStreamWriteValue32(done): {}", k::driverErrorName(w));
             },
             g);
-        logPlanOnce(op.desc, plan);
-      } catch (const std::exception& e) {
-        const std::string reason = fmt::format("{} (op epoch {}) could not be launched on rank {} (GPU {}): {}",
-                                               opKindName(g->kind), g->epoch, r, rr.uuid, e.what());
-        spdlog::error("communicator {:#x}: {}", cc.handle, reason);
-        abortLocked(cc, ErrorCode::kCuda, reason);
-        cc.failureToReport = reason;
-        return false;
+        logPlanOnce(desc, plan);
       }
+    } catch (const std::exception& e) {
+      const std::string reason = fmt::format("{} (op epoch {}) could not be launched on rank {} (GPU {}): {}",
+                                             opKindName(g->kind), g->epoch, r, cc.ranks[r].uuid, e.what());
+      spdlog::error("communicator {:#x}: {}", cc.handle, reason);
+      abortLocked(cc, ErrorCode::kCuda, reason);
+      cc.failureToReport = reason;
+      return false;
     }
     return true;
   }
 
   // Which plan a fused GEMM ran, once per (op, shape), at debug level.
   void logPlanOnce(const OpDescriptor& d, const std::string& plan) {
+    if (!spdlog::should_log(spdlog::level::debug)) return;  // no formatting on every op otherwise
     const std::string shape = fmt::format("{} {} m={} n={} k={} on {} ranks", opKindName(d.kind), dtypeName(d.dtype),
                                           d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], d.nranks);
     if (plansLogged_.insert(shape).second) spdlog::debug("rank {}: {}: plan {}", d.rank, shape, plan);
