@@ -314,13 +314,11 @@ __device__ __forceinline__ void stVolatileLine(uint4* p, uint4 v) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
-// Buffer [src][parity] of the LL region of workspace `ws` (agLLOffset, which is host-only, spelled out).
+// Buffer [src][parity] of the LL region of workspace `ws`.
 __device__ __forceinline__ uint4* llBuffer(void* ws, uint32_t nranks, uint32_t src, uint32_t parity) {
-  return reinterpret_cast<uint4*>(static_cast<char*>(ws) + kWorkspaceHeaderBytes +
-                                  uint64_t{nranks} * kAgSlots * kAgChunkMax +
+  return reinterpret_cast<uint4*>(static_cast<char*>(ws) + agLLOffset(nranks) +
                                   (uint64_t{src} * 2 + parity) * kAgLLBufBytes);
 }
-static_assert(agLLOffset(3) == kWorkspaceHeaderBytes + 3 * uint64_t{kAgSlots} * kAgChunkMax);
 
 // Up to 8 bytes at p (len 1..8; 0 reads nothing), little-endian into a word; any alignment.
 __device__ __forceinline__ uint64_t loadPayload(const char* p, uint64_t len) {
@@ -571,7 +569,8 @@ __global__ void __launch_bounds__(kAgThreads) persistentKernel(const __grid_cons
       if (sCmd != 0) return;
       // One word per thread, all in flight at once; thread 0's acquire of tail and the barrier order these after the
       // host's writes of the item.
-      if (tid < kItemWords) sWords[tid] = ldRelaxedSys(reinterpret_cast<const uint64_t*>(&q->items[sItemIndex % kWorkQueueCapacity]) + tid);
+      const auto* item = reinterpret_cast<const uint64_t*>(&q->items[sItemIndex % kWorkQueueCapacity]);
+      if (tid < kItemWords) sWords[tid] = ldRelaxedSys(item + tid);
       __syncthreads();
       if (tid == 0) {
         int cmd = 0;

@@ -78,7 +78,8 @@ static_assert(sizeof(WorkspaceHeader) <= kWorkspaceHeaderBytes);
 // LL ("low latency") lines: 16 bytes {data0, flag, data1, flag} (uint32 each) carry 8 payload bytes; flag = (uint32_t)e.
 inline constexpr uint64_t kAgLLMaxBytes = 512u << 10;   // largest shard the LL path carries (its buffers' capacity)
 inline constexpr uint64_t kAgLLBufBytes = kAgLLMaxBytes * 2;  // one parity buffer: kAgLLMaxBytes / 8 lines of 16 bytes
-inline constexpr uint64_t agLLOffset(uint32_t nranks) {
+// Host and device: the kernels address the LL region with it too.
+__host__ __device__ inline constexpr uint64_t agLLOffset(uint32_t nranks) {
   return kWorkspaceHeaderBytes + uint64_t{nranks} * kAgSlots * kAgChunkMax;
 }
 inline constexpr uint64_t workspaceBytes(uint32_t nranks) {
@@ -150,7 +151,6 @@ struct alignas(128) WorkQueue {
   WorkItem items[kWorkQueueCapacity];
 };
 struct PersistentDeviceState {  // device memory, zeroed before every launch
-  uint64_t start;       // first item index of this launch
   uint64_t goIndex;     // CTA 0 publishes item n + 1 when the whole grid may run item n
   uint64_t ctaDone;     // CTAs finished, summed over items
   uint64_t exitAll;     // CTA 0 tells the others to leave (the grid shrinks to CTA 0)
