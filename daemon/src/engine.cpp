@@ -64,6 +64,8 @@ class CpuBackend final : public Backend {
   ~CpuBackend() override { stop(); }
   const char* name() const override { return "cpu"; }
   const char* executor() const override { return "host"; }
+  OpSet ops(const CommResources* /*comm*/) const override { return OpSet::all(); }
+  bool hostMemory() const override { return true; }
 
   void start() override {
     running_ = true;

@@ -154,6 +154,9 @@ class CudaBackend final : public Backend {
 
   const char* name() const override { return "cuda"; }
   const char* executor() const override { return daemonExecutor_ ? "daemon" : "client"; }
+  OpSet ops(const CommResources* /*comm*/) const override {
+    return {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kAllGather, OpKind::kNop};
+  }
   std::vector<GpuInfo> gpus() const override { return gpus_; }
 
   void stop() override {
