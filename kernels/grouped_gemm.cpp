@@ -1,0 +1,326 @@
+// Grouped GEMM host launcher: the shape and pointer rules, the tensor maps, the persistent grid. The kernels are in
+// grouped_gemm.cu (nvcc cannot compile fmt, which tandem::Error's helpers use, so the host side lives here).
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "driver_api.hpp"
+#include "grouped_gemm_desc.hpp"
+#include "tandem/common/error.hpp"
+#include "tandem/kernels/grouped_gemm.hpp"
+
+namespace tandem::kernels {
+namespace grouped {
+namespace {
+
+constexpr int kBoxK = 64;            // gemm::kBlockK
+constexpr int kEpiBox = 64;          // gemm::kEpiCols and gemm::kRowsPerConsumer
+constexpr int32_t kDefaultGroupM = 16;
+constexpr int64_t kMax32 = 0x7fffffff;
+
+void checkCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    fail(ErrorCode::kCuda, "grouped gemm: {} failed [-> {}: {}]", what, cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+}
+
+int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t outCols(const GroupedGemmParams& g) { return g.epilogue == GroupedGemmEpilogue::kSwiGlu ? g.n / 2 : g.n; }
+int64_t tileCols(const GroupedGemmParams& g) {
+  return g.epilogue == GroupedGemmEpilogue::kSwiGlu ? kSwiGluTileCols : kStoreTileCols;
+}
+int64_t ldxOf(const GroupedGemmParams& g) { return g.ldx == 0 ? g.k : g.ldx; }
+int64_t ldOutOf(const GroupedGemmParams& g) { return g.ldOut == 0 ? outCols(g) : g.ldOut; }
+
+bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// Byte ranges [a, a + na) and [b, b + nb) intersect.
+bool overlaps(const void* a, uint64_t na, const void* b, uint64_t nb) {
+  if (a == nullptr || b == nullptr || na == 0 || nb == 0) return false;
+  const auto pa = reinterpret_cast<uintptr_t>(a);
+  const auto pb = reinterpret_cast<uintptr_t>(b);
+  return pa < pb + nb && pb < pa + na;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor maps: row-major tensors of 2-byte elements, 128-byte swizzle, up to 4 dims (innermost first).
+// ---------------------------------------------------------------------------------------------------------------
+struct MapKey {
+  const void* ptr;
+  uint32_t rank;
+  std::array<uint64_t, 4> dims;
+  std::array<uint64_t, 3> strides;  // bytes, of dims 1..rank-1
+  std::array<uint32_t, 4> box;
+  GemmDtype dtype;
+  bool operator==(const MapKey& o) const {
+    return ptr == o.ptr && rank == o.rank && dims == o.dims && strides == o.strides && box == o.box &&
+           dtype == o.dtype;
+  }
+};
+
+CUtensorMap encodeMap(const MapKey& k) {
+  CUtensorMap map;
+  std::array<cuuint64_t, 4> dims{};
+  std::array<cuuint64_t, 3> strides{};
+  std::array<cuuint32_t, 4> box{};
+  const std::array<cuuint32_t, 4> elemStrides{1, 1, 1, 1};
+  for (uint32_t i = 0; i < k.rank; ++i) {
+    dims[i] = k.dims[i];
+    box[i] = k.box[i];
+    if (i + 1 < k.rank) strides[i] = k.strides[i];
+  }
+  const CUtensorMapDataType dt =
+      k.dtype == GemmDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  try {
+    encode = tensorMapEncodeTiled();
+  } catch (const std::runtime_error& e) {
+    fail(ErrorCode::kCuda, "grouped gemm: {}", e.what());
+  }
+  const CUresult r = encode(&map, dt, k.rank, const_cast<void*>(k.ptr), dims.data(), strides.data(), box.data(),
+                            elemStrides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    fail(ErrorCode::kCuda, "grouped gemm: cuTensorMapEncodeTiled failed for a {}-d tensor of {}x{}x{}x{} [-> CUresult {}]",
+         k.rank, k.dims[0], k.dims[1], k.dims[2], k.dims[3], static_cast<int>(r));
+  }
+  return map;
+}
+
+// Encoding costs about a microsecond of host time; a hit costs a short scan. Round-robin eviction.
+class MapCache {
+ public:
+  CUtensorMap get(const MapKey& k) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i < size_; ++i) {
+        if (entries_[i].key == k) return entries_[i].map;
+      }
+    }
+    const CUtensorMap map = encodeMap(k);  // outside the lock
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry& e = size_ < entries_.size() ? entries_[size_++] : entries_[next_++ % entries_.size()];
+    e.key = k;
+    e.map = map;
+    return map;
+  }
+
+ private:
+  struct Entry {
+    MapKey key;
+    CUtensorMap map;
+  };
+  std::mutex mu_;
+  std::array<Entry, 64> entries_{};
+  size_t size_ = 0;
+  size_t next_ = 0;
+};
+
+CUtensorMap tensorMap(const MapKey& k) {
+  static MapCache cache;
+  return cache.get(k);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Per (device, variant): sm_90 checked, smem limit raised and the kernel loaded once; the SM count read once.
+// ---------------------------------------------------------------------------------------------------------------
+struct DeviceInfo {
+  int device = -1;
+  uint32_t variant = 0;
+  int numSms = 0;
+};
+
+int prepare(int device, GemmDtype dtype, GroupedGemmEpilogue epi) {
+  static std::mutex mu;
+  static std::array<DeviceInfo, 64> table{};
+  static size_t used = 0;
+  const uint32_t variant = static_cast<uint32_t>(dtype) * 2 + static_cast<uint32_t>(epi);
+  std::lock_guard<std::mutex> lock(mu);
+  for (size_t i = 0; i < used; ++i) {
+    if (table[i].device == device && table[i].variant == variant) return table[i].numSms;
+  }
+  DeviceInfo info;
+  info.device = device;
+  info.variant = variant;
+  checkCuda(cudaDeviceGetAttribute(&info.numSms, cudaDevAttrMultiProcessorCount, device),
+            "cudaDeviceGetAttribute(MultiProcessorCount)");
+  int major = 0;
+  int minor = 0;
+  checkCuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  checkCuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+  if (major != 9 || minor != 0) {
+    fail(ErrorCode::kCuda,
+         "grouped gemm: needs an sm_90 (Hopper) GPU: the kernels use wgmma and TMA; device {} is sm_{}{}. Run on an "
+         "H100/H200",
+         device, major, minor);
+  }
+  checkCuda(groupedGemmPrepare(dtype, epi), "loading the grouped GEMM kernel (cudaFuncSetAttribute)");
+  if (used < table.size()) table[used++] = info;
+  return info.numSms;
+}
+
+}  // namespace
+}  // namespace grouped
+
+int64_t groupedGemmMaxRowTiles(int64_t mTotal, int64_t numExperts) {
+  return grouped::ceilDiv(std::max<int64_t>(mTotal, 0), grouped::kTileRows) + std::max<int64_t>(numExperts, 0);
+}
+
+void validateGroupedGemm(const GroupedGemmParams& g) {
+  using namespace grouped;
+  constexpr ErrorCode kBad = ErrorCode::kInvalidArgument;
+  if (g.dtype != GemmDtype::kBf16 && g.dtype != GemmDtype::kFp16) {
+    fail(kBad, "grouped gemm: dtype must be bf16 or fp16 (GemmDtype), got {}", static_cast<int>(g.dtype));
+  }
+  const bool swiglu = g.epilogue == GroupedGemmEpilogue::kSwiGlu;
+  if (g.epilogue != GroupedGemmEpilogue::kStore && !swiglu) {
+    fail(kBad, "grouped gemm: epilogue must be kStore or kSwiGlu, got {}", static_cast<int>(g.epilogue));
+  }
+  if (g.mTotal < 0 || g.n < 0 || g.k < 0 || g.numExperts < 0) {
+    fail(kBad, "grouped gemm: sizes must be >= 0, got mTotal={} n={} k={} numExperts={}", g.mTotal, g.n, g.k,
+         g.numExperts);
+  }
+  if (g.mTotal > kMax32 || g.n > kMax32 || g.k > kMax32 || g.numExperts > kMax32) {
+    fail(kBad, "grouped gemm: mTotal, n, k and numExperts must each be below 2^31, got mTotal={} n={} k={} numExperts={}",
+         g.mTotal, g.n, g.k, g.numExperts);
+  }
+  if (g.k == 0 || g.k % 8 != 0) {
+    fail(kBad, "grouped gemm: k must be a positive multiple of 8 (16-byte TMA row strides), got k={}; pad K with zeros",
+         g.k);
+  }
+  if (!swiglu && g.n % 8 != 0) {
+    fail(kBad, "grouped gemm: n must be a multiple of 8 (16-byte rows of out), got n={}; pad n with zero rows of w",
+         g.n);
+  }
+  if (swiglu && g.n % 16 != 0) {
+    fail(kBad,
+         "grouped gemm: with the SwiGLU epilogue n = 2f must be a multiple of 16 (f a multiple of 8, 16-byte rows of "
+         "h), got n={}; pad f",
+         g.n);
+  }
+  if (g.groupM < 0) fail(kBad, "grouped gemm: groupM must be >= 0 (0 = default), got {}", g.groupM);
+  const int64_t nOut = outCols(g);
+  if (g.ldx != 0 && (g.ldx < g.k || g.ldx % 8 != 0 || g.ldx > kMax32)) {
+    fail(kBad, "grouped gemm: ldx must be 0 (dense) or a multiple of 8 that is >= k and below 2^31, got ldx={} k={}",
+         g.ldx, g.k);
+  }
+  if (g.ldOut != 0 && (g.ldOut < nOut || g.ldOut % 8 != 0 || g.ldOut > kMax32)) {
+    fail(kBad,
+         "grouped gemm: ldOut must be 0 (dense) or a multiple of 8 that is >= the output columns ({}) and below 2^31, "
+         "got ldOut={}",
+         nOut, g.ldOut);
+  }
+  if (g.mTotal == 0 || g.n == 0 || g.numExperts == 0) return;  // nothing to compute, nothing is read
+
+  const int64_t tiles = groupedGemmMaxRowTiles(g.mTotal, g.numExperts) * ceilDiv(nOut, tileCols(g));
+  if (2 * tiles > kMax32) {  // the device scan's work indices reach up to about twice the tile count
+    fail(kBad, "grouped gemm: too many tiles ({}, at most 2^31 - 1): split the experts over several launches", tiles);
+  }
+  if (g.x == nullptr || g.w == nullptr || g.out == nullptr) {
+    fail(kBad, "grouped gemm: x, w and out must be non-null (x={} w={} out={})", g.x, g.w, static_cast<void*>(g.out));
+  }
+  if (!aligned(g.x, 16) || !aligned(g.w, 16) || !aligned(g.out, 16)) {
+    fail(kBad, "grouped gemm: x, w and out must be 16-byte aligned (TMA), got x={} w={} out={}", g.x, g.w,
+         static_cast<void*>(g.out));
+  }
+  if (g.groupOffsets == nullptr || !aligned(g.groupOffsets, 4)) {
+    fail(kBad, "grouped gemm: groupOffsets must point to numExperts + 1 = {} int32 in device memory (4-byte aligned)",
+         g.numExperts + 1);
+  }
+  if (g.rowScale != nullptr && !aligned(g.rowScale, 4)) {
+    fail(kBad, "grouped gemm: rowScale must be 4-byte aligned (fp32), got {}", static_cast<const void*>(g.rowScale));
+  }
+  if (g.rowTileReady != nullptr && !aligned(g.rowTileReady, 8)) {
+    fail(kBad, "grouped gemm: rowTileReady must be 8-byte aligned (uint64 counters), got {}",
+         static_cast<const void*>(g.rowTileReady));
+  }
+  if (g.abortWord != nullptr && !aligned(g.abortWord, 8)) {
+    fail(kBad, "grouped gemm: abortWord must be 8-byte aligned, got {}", static_cast<const void*>(g.abortWord));
+  }
+  const uint64_t xBytes = static_cast<uint64_t>((g.mTotal - 1) * ldxOf(g) + g.k) * 2;
+  const uint64_t wBytes = static_cast<uint64_t>(g.numExperts) * static_cast<uint64_t>(g.n * g.k) * 2;
+  const uint64_t outBytes = static_cast<uint64_t>((g.mTotal - 1) * ldOutOf(g) + nOut) * 2;
+  if (overlaps(g.out, outBytes, g.x, xBytes) || overlaps(g.out, outBytes, g.w, wBytes) ||
+      overlaps(g.out, outBytes, g.groupOffsets, static_cast<uint64_t>(g.numExperts + 1) * 4) ||
+      overlaps(g.out, outBytes, g.rowScale, static_cast<uint64_t>(g.mTotal) * 4)) {
+    fail(kBad, "grouped gemm: out must not overlap x, w, groupOffsets or rowScale (the kernel reads them while "
+               "writing out); give out its own buffer");
+  }
+}
+
+void launchGroupedGemm(const GroupedGemmParams& g, cudaStream_t stream, int numSms) {
+  using namespace grouped;
+  validateGroupedGemm(g);
+  if (g.mTotal == 0 || g.n == 0 || g.numExperts == 0) return;
+  int device = 0;
+  checkCuda(cudaGetDevice(&device), "cudaGetDevice");
+  const int sms = prepare(device, g.dtype, g.epilogue);
+  const bool swiglu = g.epilogue == GroupedGemmEpilogue::kSwiGlu;
+  const int64_t nOut = outCols(g);
+  const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
+
+  GroupedGemmKernelParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.tmX = tensorMap({g.x, 2, {u64(g.k), u64(g.mTotal), 1, 1}, {u64(ldxOf(g)) * 2, 0, 0},
+                     {kBoxK, kTileRows, 1, 1}, g.dtype});
+  if (swiglu) {
+    const int64_t f = g.n / 2;
+    p.tmW = tensorMap({g.w, 4, {u64(g.k), u64(f), 2, u64(g.numExperts)},
+                       {u64(g.k) * 2, u64(f * g.k) * 2, u64(g.n * g.k) * 2}, {kBoxK, kSwiGluTileCols, 1, 1}, g.dtype});
+  } else {
+    p.tmW = tensorMap({g.w, 3, {u64(g.k), u64(g.n), u64(g.numExperts), 1}, {u64(g.k) * 2, u64(g.n * g.k) * 2, 0},
+                       {kBoxK, kStoreTileCols, 1, 1}, g.dtype});
+  }
+  p.tmOut = tensorMap({g.out, 2, {u64(nOut), u64(g.mTotal), 1, 1}, {u64(ldOutOf(g)) * 2, 0, 0},
+                       {kEpiBox, kEpiBox, 1, 1}, g.dtype});
+  p.out = g.out;
+  p.ldOut = ldOutOf(g);
+  p.groupOffsets = g.groupOffsets;
+  p.rowScale = g.rowScale;
+  p.rowTileReady = g.rowTileReady;
+  p.readyValue = g.readyValue;
+  p.abortWord = g.abortWord;
+  p.errorSlot = g.errorSlot;
+  p.timeoutNs = g.timeoutNs;
+  p.mTotal = static_cast<int32_t>(g.mTotal);
+  p.nOut = static_cast<int32_t>(nOut);
+  p.k = static_cast<int32_t>(g.k);
+  p.numKBlocks = static_cast<int32_t>(ceilDiv(g.k, kBoxK));
+  p.numExperts = static_cast<int32_t>(g.numExperts);
+  p.tilesN = static_cast<int32_t>(ceilDiv(nOut, tileCols(g)));
+  p.groupM = g.groupM == 0 ? kDefaultGroupM : g.groupM;
+
+  // Persistent: one CTA per SM, fewer when even the most tiles any grouping can have would not fill them.
+  const int64_t maxTiles = groupedGemmMaxRowTiles(g.mTotal, g.numExperts) * p.tilesN;
+  const int64_t cap = numSms > 0 ? std::min(numSms, sms) : sms;
+  const int ctas = static_cast<int>(std::max<int64_t>(1, std::min(cap, maxTiles)));
+  checkCuda(groupedGemmLaunchKernel(p, g.dtype, g.epilogue, ctas, stream), "launching the grouped GEMM kernel");
+}
+
+void preloadGroupedGemmKernels(int device) {
+  using namespace grouped;
+  int previous = 0;
+  checkCuda(cudaGetDevice(&previous), "cudaGetDevice");
+  checkCuda(cudaSetDevice(device), "cudaSetDevice");
+  try {
+    for (GemmDtype dt : {GemmDtype::kBf16, GemmDtype::kFp16}) {
+      for (GroupedGemmEpilogue epi : {GroupedGemmEpilogue::kStore, GroupedGemmEpilogue::kSwiGlu}) {
+        prepare(device, dt, epi);
+      }
+    }
+  } catch (...) {
+    cudaSetDevice(previous);
+    throw;
+  }
+  checkCuda(cudaSetDevice(previous), "cudaSetDevice");
+}
+
+}  // namespace tandem::kernels

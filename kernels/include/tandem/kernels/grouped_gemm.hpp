@@ -1,0 +1,74 @@
+// Grouped GEMM on the Hopper GEMM core (sm_90a): the expert GEMMs of an MoE layer in one persistent kernel.
+//
+// Rows of x [mTotal, k] are grouped by expert: group e is rows [offsets[e], offsets[e + 1]) of x and of out, and is
+// multiplied by expert e's weight w[e] [n, k] (nn.Linear layout, K-major): out_g = x_g · w[e]ᵀ. bf16 or fp16 in,
+// fp32 accumulation, out in the input type. The offsets live in device memory and are read by the kernel, so a
+// launch needs no host synchronisation (it can be captured in a CUDA graph, and the offsets can come from a routing
+// kernel earlier in the stream).
+//
+// Epilogues:
+//   kStore   out [mTotal, n] = x · wᵀ.
+//   kSwiGlu  w [E, 2f, k] holds the gate (rows [0, f)) and the up projection (rows [f, 2f)); out is
+//            h [mTotal, f] = silu(x · gateᵀ) * (x · upᵀ), computed in fp32 and rounded once to the dtype.
+//   Either can scale each output row by rowScale[row] (fp32, e.g. the routing weight) before the rounding.
+//
+// Scheduling: a persistent grid walks the tiles of every (expert, row tile, column tile) in expert order; an empty
+// expert has no tiles, and tiles of one large expert are spread over all SMs like any others.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "tandem/kernels/gemm.hpp"     // GemmDtype
+#include "tandem/kernels/signals.hpp"  // ErrorSlot
+
+namespace tandem::kernels {
+
+enum class GroupedGemmEpilogue : uint8_t { kStore = 0, kSwiGlu = 1 };
+
+/// POD; zero-initialise (GroupedGemmParams p{}) and fill.
+struct GroupedGemmParams {
+  const void* x;                 ///< [mTotal, k], row stride ldx elements; 16-byte aligned
+  const void* w;                 ///< [numExperts, n, k], dense; 16-byte aligned
+  void* out;                     ///< [mTotal, nOut], row stride ldOut; nOut = n (kStore) or n / 2 (kSwiGlu);
+                                 ///< 16-byte aligned; must not overlap any input
+  const int32_t* groupOffsets;   ///< device memory, numExperts + 1 non-decreasing row offsets in [0, mTotal].
+                                 ///< Rows outside [offsets[0], offsets[numExperts]) are neither read for any group's
+                                 ///< result nor written. Offsets out of order give unspecified values in out but
+                                 ///< never an access outside x or out (they are clamped to [0, mTotal]).
+  const float* rowScale;         ///< optional, device [mTotal]: out row r is multiplied by rowScale[r]
+  /// Optional arrival counters, one uint64 per (expert, row tile) in expert order: the row tiles of expert e are
+  /// numbered from sum over e' < e of ceil(rows(e') / 128). Before loading the rows of a tile the kernel waits until
+  /// its counter is >= readyValue (acquire, system scope: pair it with a release store or reduction, after the
+  /// rows are written). Null: every row is ready. Size the array with groupedGemmMaxRowTiles().
+  const uint64_t* rowTileReady;
+  uint64_t readyValue;
+  const uint64_t* abortWord;     ///< optional: a non-zero value ends every wait (reported in errorSlot)
+  ErrorSlot* errorSlot;          ///< optional: the first failed wait is reported here (timeout or abort)
+  uint64_t timeoutNs;            ///< per launch; 0 = wait forever
+  int64_t mTotal, n, k, numExperts;
+  int64_t ldx, ldOut;            ///< elements; 0 = dense (k, nOut); otherwise multiples of 8, ldx >= k, ldOut >= nOut
+  GemmDtype dtype;
+  GroupedGemmEpilogue epilogue;
+  int32_t groupM;                ///< tuning: raster group height in row tiles within an expert (0 = default 16)
+};
+
+/// Checks `params` against every rule the kernel needs, without touching the GPU.
+/// @throws tandem::Error (kInvalidArgument) naming the rule broken and how to satisfy it.
+void validateGroupedGemm(const GroupedGemmParams& params);
+
+/// Enqueues the grouped GEMM on `stream`. numSms > 0 caps the persistent grid (0: every SM). mTotal, n or
+/// numExperts == 0 enqueues nothing. Thread-safe; tensor maps are cached per (pointer, shape, stride).
+/// @throws tandem::Error kInvalidArgument (validateGroupedGemm's rules), kCuda (a CUDA call failed, or the device
+///         is not sm_90).
+void launchGroupedGemm(const GroupedGemmParams& params, cudaStream_t stream, int numSms = 0);
+
+/// The most row tiles (and so arrival counters) any grouping of mTotal rows into numExperts groups has:
+/// ceil(mTotal / 128) + numExperts.
+int64_t groupedGemmMaxRowTiles(int64_t mTotal, int64_t numExperts);
+
+/// Loads every grouped-GEMM kernel on `device` now (see preload.hpp for why). @throws tandem::Error (kCuda).
+void preloadGroupedGemmKernels(int device);
+
+}  // namespace tandem::kernels
