@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""PyTorch baselines for the grouped GEMM (bench/grouped_gemm_bench.cu), on one GPU, same shapes and group sizes.
+
+1. torch._grouped_mm alone on DeepSeek-V3's expert GEMMs (32 experts, hidden 7168, ffn 2048):
+   gemm1 x [M, 7168] by w1 [32, 4096, 7168] and gemm2 h [M, 2048] by w2 [32, 7168, 2048], with 256 / 512 / 1024 /
+   2048 rows on every expert and the "skew" grouping (16384 rows, 80% on expert 0) of the tandem bench. The weights
+   are tried in both layouts: "k-major" (nn.Linear's [E, n, k], passed transposed, as tandem reads them) and
+   "n-major" ([E, k, n] contiguous); the faster is the baseline.
+2. PyTorch's unfused MoE expert layer: random top-8 routing of tokens = rows * 32 / 8; route (argsort + bincount),
+   permute by gather, grouped GEMM, SwiGLU, grouped GEMM, weighted index_add_ back (fp32). Timed whole, and its two
+   GEMMs alone on the same routing.
+
+Timing: CUDA events around each call, all calls enqueued back to back and synchronised once, 3 warm-up calls, median
+of --iters (>= 20), two input sets rotated so L2 does not flatter. TFLOP/s count 2 * rows * n * k per GEMM.
+
+  python3 bench/grouped_mm_baseline.py [--iters 30] [--json FILE] [--counts-out FILE]
+
+--counts-out writes the random routings' group sizes as lines "name c0 ... c31", for grouped_gemm_bench --counts.
+"""
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+E, HIDDEN, FFN, TOPK = 32, 7168, 2048, 8
+SETS = 2
+WARM = 3
+
+
+def equal_counts(rows):
+    return [rows] * E
+
+
+def skew_counts():
+    # 16384 rows, 80% on expert 0, every count a multiple of 16: 13104 + 19 x 112 + 12 x 96 (as grouped_gemm_bench).
+    counts = [96] * E
+    counts[0] = 13104
+    for e in range(1, 20):
+        counts[e] = 112
+    return counts
+
+
+def time_calls(fns, iters):
+    """Median ms over iters calls of fns[i % len(fns)], each between its own pair of events."""
+    total = iters + WARM
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(total)]
+    for i in range(total):
+        ev[i][0].record()
+        fns[i % len(fns)]()
+        ev[i][1].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev[WARM:])
+
+
+def tflops(rows, n, k, ms):
+    return 2.0 * rows * n * k / (ms * 1e-3) / 1e12
+
+
+def grouped_mm_cases(iters, dtype, results):
+    cases = [(f"equal{r}", equal_counts(r)) for r in (256, 512, 1024, 2048)] + [("skew", skew_counts())]
+    max_rows = max(sum(c) for _, c in cases)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def rnd(*shape):
+        return (torch.rand(*shape, device="cuda", generator=gen, dtype=torch.float32) * 2 - 1).to(dtype)
+
+    x = [rnd(max_rows, HIDDEN) for _ in range(SETS)]
+    h = [rnd(max_rows, FFN) for _ in range(SETS)]
+    w1 = [rnd(E, 2 * FFN, HIDDEN) for _ in range(SETS)]  # k-major (nn.Linear)
+    w2 = [rnd(E, HIDDEN, FFN) for _ in range(SETS)]
+    layouts = {
+        "k-major": ([w.transpose(-2, -1) for w in w1], [w.transpose(-2, -1) for w in w2]),
+        "n-major": ([w.transpose(-2, -1).contiguous() for w in w1], [w.transpose(-2, -1).contiguous() for w in w2]),
+    }
+    # Correctness of the baseline itself: one group against a plain matmul.
+    offs = torch.tensor(equal_counts(256), device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    got = torch._grouped_mm(x[0][:8192], layouts["k-major"][0][0], offs=offs)
+    want = x[0][256:512].float() @ w1[0][1].float().t()
+    rel = ((got[256:512].float() - want).norm() / want.norm()).item()
+    print(f"torch._grouped_mm self-check (group 1 vs fp32 matmul): rel_err {rel:.3e}")
+    if not rel < 1e-2:
+        print("FAIL: torch._grouped_mm disagrees with matmul")
+        sys.exit(1)
+
+    print(f"\ntorch._grouped_mm (median of {iters}, {SETS} rotated input sets):")
+    print(f"{'case':<10} {'rows':>7}  {'op':<6} {'layout':<8} {'ms':>9} {'TFLOP/s':>9}")
+    for name, counts in cases:
+        rows = sum(counts)
+        offs = torch.tensor(counts, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        for op, n, k in (("gemm1", 2 * FFN, HIDDEN), ("gemm2", HIDDEN, FFN)):
+            best = None
+            for layout, (l1, l2) in layouts.items():
+                a = x if op == "gemm1" else h
+                b = l1 if op == "gemm1" else l2
+                try:
+                    fns = [lambda i=i: torch._grouped_mm(a[i][:rows], b[i], offs=offs) for i in range(SETS)]
+                    ms = time_calls(fns, iters)
+                except RuntimeError as e:  # a layout this build refuses
+                    print(f"{name:<10} {rows:>7}  {op:<6} {layout:<8} refused: {str(e).splitlines()[0]}")
+                    continue
+                tf = tflops(rows, n, k, ms)
+                print(f"{name:<10} {rows:>7}  {op:<6} {layout:<8} {ms:9.4f} {tf:9.1f}")
+                if best is None or ms < best[0]:
+                    best = (ms, layout)
+            if best is not None:
+                results["grouped_mm"].append({"case": name, "rows": rows, "op": op, "ms": best[0],
+                                              "tflops": tflops(rows, n, k, best[0]), "layout": best[1]})
+        sys.stdout.flush()
+    del x, h, w1, w2, layouts
+    torch.cuda.empty_cache()
+
+
+def moe_layer_cases(iters, dtype, results, counts_out):
+    gen = torch.Generator(device="cuda").manual_seed(2)
+
+    def rnd(*shape, scale=1.0):
+        return ((torch.rand(*shape, device="cuda", generator=gen) * 2 - 1) * scale).to(dtype)
+
+    w1 = [rnd(E, 2 * FFN, HIDDEN, scale=HIDDEN ** -0.5) for _ in range(SETS)]
+    w2 = [rnd(E, HIDDEN, FFN, scale=FFN ** -0.5) for _ in range(SETS)]
+    w1t = [w.transpose(-2, -1) for w in w1]
+    w2t = [w.transpose(-2, -1) for w in w2]
+    lines = []
+    print(f"\nPyTorch unfused MoE layer, random top-{TOPK} routing over {E} experts (median of {iters}):")
+    print(f"{'rows/exp':>8} {'tokens':>7} {'layer ms':>9} {'TFLOP/s':>8} {'gemm1 ms':>9} {'gemm2 ms':>9} "
+          f"{'2 GEMMs ms':>10} {'outside GEMMs':>13}")
+    for rows_per_expert in (256, 512, 1024, 2048):
+        tokens = rows_per_expert * E // TOPK
+        xs, ids, wts = [], [], []
+        for _ in range(SETS):
+            xs.append(rnd(tokens, HIDDEN))
+            ids.append(torch.rand(tokens, E, device="cuda", generator=gen).topk(TOPK, dim=1).indices.to(torch.int32))
+            wts.append(torch.softmax(torch.rand(tokens, TOPK, device="cuda", generator=gen), dim=1))
+
+        def layer(i):
+            flat = ids[i].reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=E)
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            tok = order // TOPK
+            xp = xs[i].index_select(0, tok)  # permute by gather
+            gu = torch._grouped_mm(xp, w1t[i], offs=offs)
+            hh = F.silu(gu[:, :FFN]) * gu[:, FFN:]
+            y = torch._grouped_mm(hh, w2t[i], offs=offs)
+            out = torch.zeros(tokens, HIDDEN, device="cuda", dtype=torch.float32)
+            out.index_add_(0, tok, y.float() * wts[i].reshape(-1)[order].unsqueeze(1))
+            return out
+
+        rows = tokens * TOPK
+        layer_ms = time_calls([lambda i=i: layer(i) for i in range(SETS)], iters)
+        # The two GEMMs alone on the same routings (inputs permuted once, outside the timing).
+        pre = []
+        for i in range(SETS):
+            flat = ids[i].reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=E)
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            xp = xs[i].index_select(0, order // TOPK)
+            hh = rnd(rows, FFN)
+            pre.append((xp, hh, offs))
+            lines.append(f"random{rows_per_expert}_{i} " + " ".join(str(int(c)) for c in counts.tolist()))
+        g1 = time_calls([lambda i=i: torch._grouped_mm(pre[i][0], w1t[i], offs=pre[i][2]) for i in range(SETS)], iters)
+        g2 = time_calls([lambda i=i: torch._grouped_mm(pre[i][1], w2t[i], offs=pre[i][2]) for i in range(SETS)], iters)
+        flops = 2.0 * rows * HIDDEN * 2 * FFN + 2.0 * rows * FFN * HIDDEN
+        outside = 1.0 - (g1 + g2) / layer_ms
+        print(f"{rows_per_expert:>8} {tokens:>7} {layer_ms:9.3f} {flops / (layer_ms * 1e-3) / 1e12:8.1f} {g1:9.3f} "
+              f"{g2:9.3f} {g1 + g2:10.3f} {outside * 100:12.1f}%")
+        results["moe_layer"].append({"rows_per_expert": rows_per_expert, "tokens": tokens, "layer_ms": layer_ms,
+                                     "gemm1_ms": g1, "gemm2_ms": g2,
+                                     "gemm1_tflops": tflops(rows, 2 * FFN, HIDDEN, g1),
+                                     "gemm2_tflops": tflops(rows, HIDDEN, FFN, g2)})
+        sys.stdout.flush()
+    if counts_out:
+        with open(counts_out, "w") as f:
+            # One routing per size (set 0) keeps the tandem bench short.
+            f.write("\n".join(line for line in lines if line.split()[0].endswith("_0")) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--counts-out", default="")
+    ap.add_argument("--skip-layer", action="store_true")
+    args = ap.parse_args()
+    if args.iters < 20:
+        ap.error("--iters must be >= 20 (median of at least 20)")
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        sys.exit(77)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16")
+    results = {"grouped_mm": [], "moe_layer": []}
+    grouped_mm_cases(args.iters, torch.bfloat16, results)
+    if not args.skip_layer:
+        moe_layer_cases(args.iters, torch.bfloat16, results, args.counts_out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,482 @@
+// The grouped GEMM kernels (tandem/kernels/grouped_gemm.hpp) against an fp64 reference on the host: uneven, empty and
+// skewed groups, rows outside every group left untouched, n and k that are multiples of 8 but not of the tile, the
+// SwiGLU and row-scale epilogues, bf16 and fp16, a grid small enough that every CTA runs many tiles, the arrival
+// counters (ready, released by the host after the launch, abort, deadline), bitwise repeats, and the shape rules.
+// This process initialises CUDA itself (no forked ranks), so it is its own executable (tandem_grouped_gemm_tests).
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tandem/common/error.hpp"
+#include "tandem/common/numeric.hpp"
+#include "tandem/kernels/grouped_gemm.hpp"
+
+using tandem::kernels::ErrorSlot;
+using tandem::kernels::GemmDtype;
+using tandem::kernels::GroupedGemmEpilogue;
+using tandem::kernels::GroupedGemmParams;
+using tandem::kernels::launchGroupedGemm;
+using tandem::kernels::validateGroupedGemm;
+using tandem::kernels::WaitError;
+
+namespace {
+
+constexpr uint16_t kPoison = 0xFFFF;  // NaN in bf16 and in fp16
+
+void ck(cudaError_t e, const char* what) {
+  REQUIRE_MESSAGE(e == cudaSuccess, what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")");
+}
+
+// Waits for the stream with a deadline: a kernel that hangs fails the test instead of the whole run.
+void syncWithin(cudaStream_t s, double seconds) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) return;
+    REQUIRE_MESSAGE(e == cudaErrorNotReady, "grouped GEMM stream failed: " << cudaGetErrorString(e));
+    REQUIRE_MESSAGE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds,
+                    "grouped GEMM still running after " << seconds << " s (hang?)");
+    std::this_thread::yield();
+  }
+}
+
+struct DeviceMem {
+  void* p = nullptr;
+  explicit DeviceMem(size_t bytes) { ck(cudaMalloc(&p, bytes == 0 ? 16 : bytes), "cudaMalloc"); }
+  ~DeviceMem() { cudaFree(p); }
+  DeviceMem(const DeviceMem&) = delete;
+  DeviceMem& operator=(const DeviceMem&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"); }
+  ~Stream() { cudaStreamDestroy(s); }
+};
+
+float toF(GemmDtype dt, uint16_t v) { return dt == GemmDtype::kBf16 ? tandem::bf16ToFloat(v) : tandem::halfToFloat(v); }
+uint16_t fromF(GemmDtype dt, float v) { return dt == GemmDtype::kBf16 ? tandem::floatToBf16(v) : tandem::floatToHalf(v); }
+
+struct Case {
+  GemmDtype dtype = GemmDtype::kBf16;
+  GroupedGemmEpilogue epi = GroupedGemmEpilogue::kStore;
+  int64_t n = 0, k = 0;
+  std::vector<int32_t> counts;  // rows per expert
+  int32_t lead = 0, tail = 0;   // rows before the first and after the last group (must stay untouched)
+  bool scale = false;
+  int numSms = 0;
+  uint64_t seed = 1;
+};
+
+// Host copies of one case's inputs, and its device buffers.
+struct Problem {
+  Case c;
+  int64_t mTotal = 0, nOut = 0;
+  std::vector<int32_t> offsets;
+  std::vector<uint16_t> x, w;
+  std::vector<float> scale;
+  DeviceMem dx, dw, dout, doff, dscale;
+
+  explicit Problem(const Case& cs)
+      : c(cs),
+        mTotal(total(cs)),
+        nOut(cs.epi == GroupedGemmEpilogue::kSwiGlu ? cs.n / 2 : cs.n),
+        dx(size_t(mTotal * cs.k) * 2),
+        dw(cs.counts.size() * size_t(cs.n * cs.k) * 2),
+        dout(size_t(mTotal * nOut) * 2),
+        doff((cs.counts.size() + 1) * 4),
+        dscale(size_t(mTotal) * 4) {
+    std::mt19937_64 rng(cs.seed);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    offsets.push_back(cs.lead);
+    for (int32_t n : cs.counts) offsets.push_back(offsets.back() + n);
+    x.resize(size_t(mTotal * cs.k));
+    for (auto& v : x) v = fromF(cs.dtype, u(rng));
+    w.resize(cs.counts.size() * size_t(cs.n * cs.k));
+    for (auto& v : w) v = fromF(cs.dtype, u(rng));
+    scale.resize(size_t(mTotal));
+    for (auto& v : scale) v = 0.25f + 0.75f * (u(rng) + 1.0f) / 2.0f;
+    ck(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), "copy x");
+    ck(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice), "copy w");
+    ck(cudaMemcpy(doff.p, offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice), "copy offsets");
+    ck(cudaMemcpy(dscale.p, scale.data(), scale.size() * 4, cudaMemcpyHostToDevice), "copy scale");
+  }
+
+  static int64_t total(const Case& cs) {
+    int64_t m = cs.lead + cs.tail;
+    for (int32_t n : cs.counts) m += n;
+    return m;
+  }
+
+  GroupedGemmParams params() const {
+    GroupedGemmParams p{};
+    p.x = dx.p;
+    p.w = dw.p;
+    p.out = dout.p;
+    p.groupOffsets = doff.as<int32_t>();
+    p.rowScale = c.scale ? dscale.as<float>() : nullptr;
+    p.mTotal = mTotal;
+    p.n = c.n;
+    p.k = c.k;
+    p.numExperts = static_cast<int64_t>(c.counts.size());
+    p.dtype = c.dtype;
+    p.epilogue = c.epi;
+    return p;
+  }
+
+  void poison(cudaStream_t s) const {
+    ck(cudaMemsetAsync(dout.p, 0xFF, size_t(mTotal * nOut) * 2, s), "poison out");
+  }
+
+  std::vector<uint16_t> fetch(cudaStream_t s) const {
+    std::vector<uint16_t> out(size_t(mTotal * nOut));
+    ck(cudaMemcpyAsync(out.data(), dout.p, out.size() * 2, cudaMemcpyDeviceToHost, s), "copy out");
+    ck(cudaStreamSynchronize(s), "sync");
+    return out;
+  }
+
+  // Every group row against fp64; every other row still poison.
+  void check(const std::vector<uint16_t>& out) const {
+    const bool bf = c.dtype == GemmDtype::kBf16;
+    const double relTol = bf ? 1.0 / 128 : 1.0 / 1024;  // a few units of the output's last place
+    std::vector<double> ref(size_t(mTotal * nOut), 0.0);
+    std::vector<bool> inGroup(size_t(mTotal), false);
+    double sumSq = 0;
+    size_t count = 0;
+    for (size_t e = 0; e < c.counts.size(); ++e) {
+      const uint16_t* we = w.data() + e * size_t(c.n * c.k);
+      for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
+        inGroup[size_t(r)] = true;
+        const uint16_t* xr = x.data() + r * c.k;
+        const auto dot = [&](int64_t col) {
+          double acc = 0;
+          for (int64_t kk = 0; kk < c.k; ++kk) acc += double(toF(c.dtype, xr[kk])) * toF(c.dtype, we[col * c.k + kk]);
+          return acc;
+        };
+        for (int64_t col = 0; col < nOut; ++col) {
+          double v;
+          if (c.epi == GroupedGemmEpilogue::kSwiGlu) {
+            const double g = dot(col), up = dot(col + nOut);
+            v = g / (1.0 + std::exp(-g)) * up;
+          } else {
+            v = dot(col);
+          }
+          if (c.scale) v *= scale[size_t(r)];
+          ref[size_t(r * nOut + col)] = v;
+          sumSq += v * v;
+          ++count;
+        }
+      }
+    }
+    const double rms = count > 0 ? std::sqrt(sumSq / double(count)) : 0.0;
+    double errSq = 0;
+    size_t bad = 0, touched = 0, nonFinite = 0;
+    std::string first;
+    for (int64_t r = 0; r < mTotal; ++r) {
+      for (int64_t col = 0; col < nOut; ++col) {
+        const uint16_t bits = out[size_t(r * nOut + col)];
+        if (!inGroup[size_t(r)]) {
+          if (bits != kPoison) ++touched;
+          continue;
+        }
+        const double o = toF(c.dtype, bits), want = ref[size_t(r * nOut + col)];
+        if (!std::isfinite(o)) {
+          ++nonFinite;
+          continue;
+        }
+        errSq += (o - want) * (o - want);
+        if (std::fabs(o - want) > relTol * std::fabs(want) + 1e-2 * rms) {
+          if (bad++ == 0) first = "row " + std::to_string(r) + " col " + std::to_string(col) + ": got " +
+                                  std::to_string(o) + ", want " + std::to_string(want);
+        }
+      }
+    }
+    CHECK_MESSAGE(touched == 0, touched << " elements of rows outside every group were written");
+    CHECK_MESSAGE(nonFinite == 0, nonFinite << " group elements are NaN/inf (unwritten or overflow)");
+    CHECK_MESSAGE(bad == 0, bad << " elements off the fp64 reference; first: " << first);
+    if (count > 0) {
+      const double rel = std::sqrt(errSq / sumSq);
+      CHECK_MESSAGE(rel < (bf ? 1e-2 : 2e-3), "relative error " << rel);
+    }
+  }
+};
+
+std::vector<uint16_t> runOnce(const Problem& pr, cudaStream_t s, int numSms) {
+  pr.poison(s);
+  launchGroupedGemm(pr.params(), s, numSms);
+  ck(cudaGetLastError(), "launch");
+  syncWithin(s, 20);
+  return pr.fetch(s);
+}
+
+void runAndCheck(const Case& c) {
+  Problem pr(c);
+  Stream st;
+  const std::vector<uint16_t> out = runOnce(pr, st.s, c.numSms);
+  pr.check(out);
+  // Same inputs, same result, to the bit (one owner per output element, fixed K order).
+  const std::vector<uint16_t> again = runOnce(pr, st.s, c.numSms);
+  CHECK_MESSAGE(std::memcmp(out.data(), again.data(), out.size() * 2) == 0, "second run differs bitwise");
+}
+
+// 8 experts: empty ones, a 1-row group, groups ending just before and after a 64-row epilogue chunk and a 128-row
+// tile, rows before and after the groups.
+const std::vector<int32_t> kUneven = {0, 1, 127, 129, 0, 300, 64, 65};
+
+const char* dtypeName(GemmDtype d) { return d == GemmDtype::kBf16 ? "bf16" : "fp16"; }
+
+}  // namespace
+
+TEST_CASE("grouped gemm: plain store matches fp64 with uneven and empty groups, n and k off the tile") {
+  for (GemmDtype dt : {GemmDtype::kBf16, GemmDtype::kFp16}) {
+    for (int sms : {0, 3}) {
+      CAPTURE(dtypeName(dt));
+      CAPTURE(sms);
+      Case c;
+      c.dtype = dt;
+      c.n = 264;  // two column tiles, the second 8 columns wide
+      c.k = 136;  // three k-blocks, the last 8 deep
+      c.counts = kUneven;
+      c.lead = 3;
+      c.tail = 5;
+      c.numSms = sms;  // 3 CTAs: each runs many tiles, the ring wraps across tiles
+      c.seed = 11 + static_cast<uint64_t>(sms);
+      runAndCheck(c);
+    }
+  }
+}
+
+TEST_CASE("grouped gemm: SwiGLU epilogue matches silu(x·gateᵀ)·(x·upᵀ) in fp64, with and without the row scale") {
+  for (GemmDtype dt : {GemmDtype::kBf16, GemmDtype::kFp16}) {
+    for (bool scale : {false, true}) {
+      CAPTURE(dtypeName(dt));
+      CAPTURE(scale);
+      Case c;
+      c.dtype = dt;
+      c.epi = GroupedGemmEpilogue::kSwiGlu;
+      c.n = 2 * 136;  // f = 136: two column tiles of h, the second 8 wide
+      c.k = 200;
+      c.counts = kUneven;
+      c.lead = 2;
+      c.tail = 7;
+      c.scale = scale;
+      c.numSms = scale ? 2 : 0;
+      c.seed = 21 + (scale ? 1u : 0u);
+      runAndCheck(c);
+    }
+  }
+}
+
+TEST_CASE("grouped gemm: the per-row scale multiplies every output row by its weight") {
+  Case c;
+  c.n = 136;
+  c.k = 64;
+  c.counts = kUneven;
+  c.tail = 1;
+  c.scale = true;
+  c.seed = 31;
+  runAndCheck(c);
+}
+
+TEST_CASE("grouped gemm: skewed routing (80% of the rows on one expert) and a deep K") {
+  SUBCASE("skewed") {
+    Case c;
+    c.counts.assign(16, 32);
+    c.counts[3] = 1920;  // 1920 of 2400 rows
+    c.n = 136;
+    c.k = 72;
+    c.seed = 41;
+    runAndCheck(c);
+  }
+  SUBCASE("deep K: 17 k-blocks, 4 stages") {
+    Case c;
+    c.counts = {130, 0, 70};
+    c.n = 256;
+    c.k = 1032;
+    c.numSms = 2;
+    c.seed = 42;
+    runAndCheck(c);
+  }
+}
+
+TEST_CASE("grouped gemm: many experts (the scheduler's scan crosses several 32-expert steps)") {
+  Case c;
+  for (int e = 0; e < 70; ++e) c.counts.push_back((e * 37) % 50);  // includes empty experts (e = 0, 50)
+  c.n = 40;
+  c.k = 64;
+  c.lead = 1;
+  c.numSms = 5;
+  c.seed = 51;
+  runAndCheck(c);
+}
+
+TEST_CASE("grouped gemm: every expert empty writes nothing") {
+  Case c;
+  c.counts.assign(6, 0);
+  c.n = 64;
+  c.k = 64;
+  c.lead = 10;
+  c.tail = 10;
+  runAndCheck(c);
+}
+
+TEST_CASE("grouped gemm: arrival counters gate the tiles") {
+  Case c;
+  c.n = 264;
+  c.k = 136;
+  c.counts = kUneven;
+  c.lead = 3;
+  c.seed = 61;
+  Problem pr(c);
+  Stream st;
+  const int64_t tiles = tandem::kernels::groupedGemmMaxRowTiles(pr.mTotal, int64_t(c.counts.size()));
+  int64_t rowTiles = 0;  // the tiles this grouping really has
+  for (int32_t n : c.counts) rowTiles += (n + 127) / 128;
+  REQUIRE(rowTiles <= tiles);
+  constexpr uint64_t kReady = 7;
+
+  uint64_t* host = nullptr;  // host-mapped: counters, abort word, error slot
+  const size_t bytes = size_t(tiles + 1) * 8 + sizeof(ErrorSlot);
+  ck(cudaHostAlloc(reinterpret_cast<void**>(&host), bytes + 64, cudaHostAllocMapped), "cudaHostAlloc");
+  std::memset(host, 0, bytes + 64);
+  uint64_t* dev = nullptr;
+  ck(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0), "cudaHostGetDevicePointer");
+  uint64_t* counters = host;
+  uint64_t* abortWord = host + tiles;
+  auto* slot = reinterpret_cast<ErrorSlot*>(reinterpret_cast<uintptr_t>(host + tiles + 1 + 7) & ~uintptr_t(63));
+  auto* devSlot = reinterpret_cast<ErrorSlot*>(reinterpret_cast<uintptr_t>(dev) +
+                                               (reinterpret_cast<uintptr_t>(slot) - reinterpret_cast<uintptr_t>(host)));
+  GroupedGemmParams p = pr.params();
+  p.rowTileReady = dev;
+  p.readyValue = kReady;
+  p.abortWord = dev + tiles;
+  p.errorSlot = devSlot;
+
+  SUBCASE("every counter ready: the result is right") {
+    for (int64_t i = 0; i < tiles; ++i) counters[i] = kReady;
+    pr.poison(st.s);
+    launchGroupedGemm(p, st.s, 4);
+    syncWithin(st.s, 20);
+    pr.check(pr.fetch(st.s));
+    CHECK(slot->claimed == 0);
+  }
+  SUBCASE("counters released by the host after the launch: the result is right") {
+    p.timeoutNs = 5'000'000'000;  // a kernel that never sees them fails with a timeout instead of hanging
+    pr.poison(st.s);
+    launchGroupedGemm(p, st.s, 4);
+    for (int64_t i = rowTiles - 1; i >= 0; --i) {
+      // release: publishes nothing but readiness (x was copied before the launch); pairs with the kernel's acquire.
+      std::atomic_ref<uint64_t>(counters[i]).store(kReady, std::memory_order_release);
+    }
+    syncWithin(st.s, 20);
+    pr.check(pr.fetch(st.s));
+    CHECK_MESSAGE(slot->claimed == 0, "wait failed: code " << slot->code << " chunk " << slot->chunk);
+  }
+  SUBCASE("abort while waiting: the kernel ends and reports the tile it waited for") {
+    counters[0] = kReady;  // the first row tile is there; the others never come
+    std::atomic_ref<uint64_t>(*abortWord).store(1, std::memory_order_release);
+    pr.poison(st.s);
+    launchGroupedGemm(p, st.s, 4);
+    syncWithin(st.s, 20);
+    REQUIRE(std::atomic_ref<uint32_t>(slot->claimed).load(std::memory_order_acquire) == tandem::kernels::kErrorSlotReady);
+    CHECK(slot->code == static_cast<uint32_t>(WaitError::kAborted));
+    CHECK(slot->chunk >= 1);
+    CHECK(slot->chunk < rowTiles);
+    CHECK(slot->expected == kReady);
+    CHECK(slot->observed == 0);
+  }
+  SUBCASE("a counter that never arrives: the wait times out and the kernel ends") {
+    for (int64_t i = 0; i < rowTiles; ++i) counters[i] = kReady;
+    counters[rowTiles - 1] = kReady - 1;  // one stale counter (an older epoch)
+    p.timeoutNs = 2'000'000;              // 2 ms
+    pr.poison(st.s);
+    launchGroupedGemm(p, st.s, 4);
+    syncWithin(st.s, 20);
+    REQUIRE(std::atomic_ref<uint32_t>(slot->claimed).load(std::memory_order_acquire) == tandem::kernels::kErrorSlotReady);
+    CHECK(slot->code == static_cast<uint32_t>(WaitError::kTimeout));
+    CHECK(slot->chunk == rowTiles - 1);
+    CHECK(slot->observed == kReady - 1);
+  }
+  cudaFreeHost(host);
+}
+
+TEST_CASE("grouped gemm: shapes and pointers the kernel cannot take are refused with the rule named") {
+  Case c;
+  c.n = 64;
+  c.k = 64;
+  c.counts = {10, 20};
+  Problem pr(c);
+  const GroupedGemmParams good = pr.params();
+  CHECK_NOTHROW(validateGroupedGemm(good));
+
+  struct Bad {
+    const char* what;
+    void (*mutate)(GroupedGemmParams&);
+  };
+  const Bad bad[] = {
+      {"dtype must be bf16 or fp16", [](GroupedGemmParams& p) { p.dtype = static_cast<GemmDtype>(7); }},
+      {"epilogue must be", [](GroupedGemmParams& p) { p.epilogue = static_cast<GroupedGemmEpilogue>(9); }},
+      {"sizes must be >= 0", [](GroupedGemmParams& p) { p.mTotal = -1; }},
+      {"below 2^31", [](GroupedGemmParams& p) { p.n = int64_t(1) << 32; }},
+      {"k must be a positive multiple of 8", [](GroupedGemmParams& p) { p.k = 0; }},
+      {"k must be a positive multiple of 8", [](GroupedGemmParams& p) { p.k = 12; }},
+      {"n must be a multiple of 8", [](GroupedGemmParams& p) { p.n = 60; }},
+      {"n = 2f must be a multiple of 16", [](GroupedGemmParams& p) {
+         p.epilogue = GroupedGemmEpilogue::kSwiGlu;
+         p.n = 56;
+       }},
+      {"ldx must be 0 (dense) or a multiple of 8 that is >= k", [](GroupedGemmParams& p) { p.ldx = 32; }},
+      {"ldOut must be 0 (dense) or a multiple of 8", [](GroupedGemmParams& p) { p.ldOut = 68; }},
+      {"groupM must be >= 0", [](GroupedGemmParams& p) { p.groupM = -2; }},
+      {"x, w and out must be non-null", [](GroupedGemmParams& p) { p.x = nullptr; }},
+      {"16-byte aligned", [](GroupedGemmParams& p) { p.out = static_cast<char*>(p.out) + 2; }},
+      {"groupOffsets must point to", [](GroupedGemmParams& p) { p.groupOffsets = nullptr; }},
+      {"rowScale must be 4-byte aligned", [](GroupedGemmParams& p) {
+         p.rowScale = reinterpret_cast<const float*>(reinterpret_cast<uintptr_t>(p.x) + 2);
+       }},
+      {"rowTileReady must be 8-byte aligned", [](GroupedGemmParams& p) {
+         p.rowTileReady = reinterpret_cast<const uint64_t*>(reinterpret_cast<uintptr_t>(p.x) + 4);
+       }},
+      {"out must not overlap", [](GroupedGemmParams& p) { p.out = const_cast<void*>(p.x); }},
+  };
+  Stream st;
+  for (const Bad& b : bad) {
+    CAPTURE(b.what);
+    GroupedGemmParams p = good;
+    b.mutate(p);
+    for (int viaLaunch = 0; viaLaunch < 2; ++viaLaunch) {
+      try {
+        if (viaLaunch != 0) {
+          launchGroupedGemm(p, st.s);
+        } else {
+          validateGroupedGemm(p);
+        }
+        FAIL("accepted");
+      } catch (const tandem::Error& e) {
+        CHECK(e.code() == tandem::ErrorCode::kInvalidArgument);
+        CHECK_MESSAGE(std::string(e.what()).find(b.what) != std::string::npos, e.what());
+      }
+    }
+  }
+  // Nothing to compute: accepted without pointers, and nothing is launched.
+  GroupedGemmParams empty{};
+  empty.n = 64;
+  empty.k = 64;
+  empty.numExperts = 4;
+  CHECK_NOTHROW(launchGroupedGemm(empty, st.s));
+  ck(cudaStreamSynchronize(st.s), "sync");
+}
