@@ -21,4 +21,4 @@ timeout 150 python3 bench/grouped_mm_baseline.py --iters 30 --json "$out/torch.j
   tee "$out/torch.log"
 counts=()
 [ -s "$out/counts.txt" ] && counts=(--counts "$out/counts.txt")
-timeout 150 build-gpu-gg/bench/grouped_gemm_bench --iters 30 "${counts[@]}" 2>&1 | tee "$out/bench.log"
+timeout 150 build-gpu-gg/bench/grouped_gemm_bench --iters 30 --sweep "${counts[@]}" 2>&1 | tee "$out/bench.log"

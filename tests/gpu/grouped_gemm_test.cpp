@@ -153,18 +153,21 @@ struct Problem {
   void check(const std::vector<uint16_t>& out) const {
     const bool bf = c.dtype == GemmDtype::kBf16;
     const double relTol = bf ? 1.0 / 128 : 1.0 / 1024;  // a few units of the output's last place
+    std::vector<float> xf(x.size()), wf(w.size());
+    for (size_t i = 0; i < x.size(); ++i) xf[i] = toF(c.dtype, x[i]);
+    for (size_t i = 0; i < w.size(); ++i) wf[i] = toF(c.dtype, w[i]);
     std::vector<double> ref(size_t(mTotal * nOut), 0.0);
     std::vector<bool> inGroup(size_t(mTotal), false);
     double sumSq = 0;
     size_t count = 0;
     for (size_t e = 0; e < c.counts.size(); ++e) {
-      const uint16_t* we = w.data() + e * size_t(c.n * c.k);
+      const float* we = wf.data() + e * size_t(c.n * c.k);
       for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
         inGroup[size_t(r)] = true;
-        const uint16_t* xr = x.data() + r * c.k;
+        const float* xr = xf.data() + r * c.k;
         const auto dot = [&](int64_t col) {
           double acc = 0;
-          for (int64_t kk = 0; kk < c.k; ++kk) acc += double(toF(c.dtype, xr[kk])) * toF(c.dtype, we[col * c.k + kk]);
+          for (int64_t kk = 0; kk < c.k; ++kk) acc += double(xr[kk]) * double(we[col * c.k + kk]);
           return acc;
         };
         for (int64_t col = 0; col < nOut; ++col) {
