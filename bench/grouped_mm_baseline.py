@@ -132,7 +132,7 @@ def moe_layer_cases(iters, dtype, results, counts_out):
         xs, ids, wts = [], [], []
         for _ in range(SETS):
             xs.append(rnd(tokens, HIDDEN))
-            ids.append(torch.rand(tokens, E, device="cuda", generator=gen).topk(TOPK, dim=1).indices.to(torch.int32))
+            ids.append(torch.rand(tokens, E, device="cuda", generator=gen).topk(TOPK, dim=1).indices)
             wts.append(torch.softmax(torch.rand(tokens, TOPK, device="cuda", generator=gen), dim=1))
 
         def layer(i):
