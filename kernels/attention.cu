@@ -1,0 +1,185 @@
+// Attention forward core: the persistent warp-specialised kernels and their launcher (TMA descriptors, variant
+// choice, launch geometry). Device building blocks: device/attention_sm90.cuh. Shape rules: attention_host.cpp.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "device/attention_sm90.cuh"
+#include "device/preload_on.cuh"
+#include "driver_api.hpp"
+#include "tandem/kernels/attention.hpp"
+
+namespace tandem::kernels {
+namespace attn_detail {
+[[noreturn]] void failCuda(const std::string& what);
+[[noreturn]] void failUnsupported(const std::string& what);
+struct Resolved {
+  int blockN;
+  bool pingPong;
+};
+Resolved resolveAttention(const AttentionParams& p);
+}  // namespace attn_detail
+
+namespace attn {
+
+template <class T, int HD, int BN, bool Causal>
+__global__ void __launch_bounds__(kThreads, 1) attentionKernel(const __grid_constant__ AttnKernelParams p) {
+  extern __shared__ uint8_t smemRaw[];
+  runAttentionCta<T, HD, BN, Causal>(p, smemRaw);
+}
+
+namespace {
+
+void checkCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    attn_detail::failCuda(std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+  }
+}
+
+using KernelFn = void (*)(AttnKernelParams);
+
+struct Variant {
+  KernelFn fn;
+  size_t smemBytes;
+};
+
+template <class T, int HD, int BN, bool Causal>
+Variant variant() {
+  return {&attentionKernel<T, HD, BN, Causal>, kSmemBytes<HD, BN>};
+}
+
+template <class T>
+Variant pickTyped(int hd, int bn, bool causal) {
+  if (hd == 64) return causal ? variant<T, 64, 128, true>() : variant<T, 64, 128, false>();
+  if (bn == 176) return variant<T, 128, 176, false>();
+  return causal ? variant<T, 128, 128, true>() : variant<T, 128, 128, false>();
+}
+
+Variant pickVariant(AttentionDtype dt, int hd, int bn, bool causal) {
+  return dt == AttentionDtype::kBf16 ? pickTyped<__nv_bfloat16>(hd, bn, causal) : pickTyped<__half>(hd, bn, causal);
+}
+
+// Per (device, kernel): the opt-in shared-memory limit is raised once and the SM count read once.
+struct LaunchInfo {
+  int device = -1;
+  KernelFn fn = nullptr;
+  int numSms = 0;
+};
+
+LaunchInfo launchInfo(int device, const Variant& v) {
+  static std::mutex mu;
+  static std::array<LaunchInfo, 64> table{};
+  static size_t used = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  for (size_t i = 0; i < used; ++i) {
+    if (table[i].device == device && table[i].fn == v.fn) return table[i];
+  }
+  LaunchInfo info;
+  info.device = device;
+  info.fn = v.fn;
+  checkCuda(cudaDeviceGetAttribute(&info.numSms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  int major = 0, minor = 0;
+  checkCuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  checkCuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+  if (major != 9 || minor != 0) {
+    attn_detail::failUnsupported("the kernels are built for sm_90a (H100/H200); device " + std::to_string(device) +
+                                 " is sm_" + std::to_string(major) + std::to_string(minor) +
+                                 ". Run on a Hopper GPU or use the cpu backend");
+  }
+  checkCuda(cudaFuncSetAttribute(reinterpret_cast<const void*>(v.fn), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(v.smemBytes)),
+            "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  if (used < table.size()) table[used++] = info;
+  return info;
+}
+
+// Row-major [rows, heads * hd] matrix of 2-byte elements in boxes of boxRows x 64 columns, 128-byte swizzle. Rows
+// past `rows` read as zeros (the kernel masks or drops them).
+CUtensorMap encodeMap(const void* base, int64_t rows, int64_t cols, uint32_t boxRows, AttentionDtype dt) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kSwizzleCols), boxRows};
+  const cuuint32_t elemStrides[2] = {1, 1};
+  const CUtensorMapDataType type =
+      dt == AttentionDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = tensorMapEncodeTiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, elemStrides,
+                                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    attn_detail::failCuda("cuTensorMapEncodeTiled -> CUresult " + std::to_string(static_cast<int>(r)) + " for a " +
+                          std::to_string(rows) + " x " + std::to_string(cols) + " tensor at " +
+                          std::to_string(reinterpret_cast<uintptr_t>(base)));
+  }
+  return map;
+}
+
+}  // namespace
+}  // namespace attn
+
+void preloadAttentionKernels(int device) {
+  using namespace attn;
+  const KernelFn fns[] = {
+      &attentionKernel<__nv_bfloat16, 64, 128, false>,  &attentionKernel<__nv_bfloat16, 64, 128, true>,
+      &attentionKernel<__nv_bfloat16, 128, 128, false>, &attentionKernel<__nv_bfloat16, 128, 128, true>,
+      &attentionKernel<__nv_bfloat16, 128, 176, false>, &attentionKernel<__half, 64, 128, false>,
+      &attentionKernel<__half, 64, 128, true>,          &attentionKernel<__half, 128, 128, false>,
+      &attentionKernel<__half, 128, 128, true>,         &attentionKernel<__half, 128, 176, false>,
+  };
+  preloadOn(device, fns, "preloadAttentionKernels");
+}
+
+void launchAttention(const AttentionParams& g, cudaStream_t stream) {
+  using namespace attn;
+  validateAttention(g);
+  if (g.sq == 0) return;
+  const attn_detail::Resolved r = attn_detail::resolveAttention(g);
+  int device = 0;
+  checkCuda(cudaGetDevice(&device), "cudaGetDevice");
+  const Variant v = pickVariant(g.dtype, g.headDim, r.blockN, g.causal);
+  const LaunchInfo info = launchInfo(device, v);
+
+  AttnKernelParams p;
+  std::memset(&p, 0, sizeof(p));
+  const int64_t cols = static_cast<int64_t>(g.heads) * g.headDim;
+  p.tmQ = encodeMap(g.q, g.sq, cols, kBlockM, g.dtype);
+  int segs = 0;
+  for (int i = 0; i < g.numKv; ++i) {
+    const AttentionKvSegment& s = g.kv[i];
+    if (s.length == 0) continue;  // nothing to see: leave it out of the walk
+    p.tmK[segs] = encodeMap(s.k, s.length, cols, static_cast<uint32_t>(r.blockN), g.dtype);
+    p.tmV[segs] = encodeMap(s.v, s.length, cols, static_cast<uint32_t>(r.blockN), g.dtype);
+    p.kvStart[segs] = s.start;
+    p.kvLen[segs] = static_cast<int32_t>(s.length);
+    ++segs;
+  }
+  p.numSegments = segs;
+  p.out = g.out;
+  p.lse = g.lse;
+  p.qStart = g.qStart;
+  p.sq = static_cast<int32_t>(g.sq);
+  p.heads = g.heads;
+  p.numQTiles = static_cast<int32_t>((g.sq + kBlockM - 1) / kBlockM);
+  const int64_t work = static_cast<int64_t>(p.numQTiles) * g.heads;
+  if (work > 0x7fffffff) attn_detail::failUnsupported("more than 2^31 - 1 query tiles x heads; split the launch");
+  p.numWork = static_cast<int32_t>(work);
+  const float scale = g.scale == 0.0f ? 1.0f / std::sqrt(static_cast<float>(g.headDim)) : g.scale;
+  p.scaleLog2 = scale * 1.4426950408889634f;
+  p.pingPong = r.pingPong ? 1 : 0;
+
+  const int sms = g.numSms > 0 && g.numSms < info.numSms ? g.numSms : info.numSms;
+  const int64_t grid = work < sms ? work : sms;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = v.smemBytes;
+  cfg.stream = stream;
+  checkCuda(cudaLaunchKernelEx(&cfg, v.fn, p), "launching the attention kernel");
+}
+
+}  // namespace tandem::kernels

@@ -1,0 +1,130 @@
+// Attention core, host side that needs no CUDA compiler: the shape rules (validateAttention), the configuration name,
+// and the tandem::Error throwers attention.cu calls (fmt, which error.hpp uses, does not compile under nvcc).
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "tandem/common/error.hpp"
+#include "tandem/kernels/attention.hpp"
+
+namespace tandem::kernels {
+namespace attn_detail {
+
+// Called from attention.cu.
+[[noreturn]] void failCuda(const std::string& what) { throw Error(ErrorCode::kCuda, "attention: " + what); }
+[[noreturn]] void failUnsupported(const std::string& what) {
+  throw Error(ErrorCode::kUnsupported, "attention: " + what);
+}
+
+// Resolved tuning (defaults filled in); attention.cu uses the same function so that name and launch agree.
+struct Resolved {
+  int blockN;
+  bool pingPong;
+};
+Resolved resolveAttention(const AttentionParams& p) {
+  return {p.blockN == 0 ? 128 : p.blockN, p.pingPong != 2};
+}
+
+}  // namespace attn_detail
+
+namespace {
+
+template <typename... Args>
+[[noreturn]] void rule(std::string_view name, fmt::format_string<Args...> format, Args&&... args) {
+  throw Error(ErrorCode::kInvalidArgument,
+              fmt::format("attention: rule {}: {}", name, fmt::format(format, std::forward<Args>(args)...)));
+}
+
+constexpr int64_t kMaxRows = 0x7fffffff;          // TMA coordinates and the kernel's row indices are int32
+constexpr int64_t kMaxPosition = int64_t{1} << 62;  // global positions plus lengths must not overflow int64
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+struct Range {
+  uintptr_t lo, hi;  // [lo, hi)
+};
+bool overlaps(Range a, Range b) { return a.lo < b.hi && b.lo < a.hi; }
+
+}  // namespace
+
+void validateAttention(const AttentionParams& p) {
+  if (p.dtype != AttentionDtype::kBf16 && p.dtype != AttentionDtype::kFp16) {
+    rule("dtype", "dtype must be AttentionDtype::kBf16 or kFp16, got {}", static_cast<int>(p.dtype));
+  }
+  if (p.headDim != 64 && p.headDim != 128) {
+    rule("head_dim", "headDim must be 64 or 128, got {}; pad the head dimension to one of them", p.headDim);
+  }
+  if (p.heads < 1 || p.heads > (1 << 20)) rule("heads", "heads must be in [1, 2^20], got {}", p.heads);
+  if (p.sq < 0 || p.sq > kMaxRows) rule("sq", "sq must be in [0, 2^31 - 1], got {}; split the queries", p.sq);
+  if (p.qStart < -kMaxPosition || p.qStart > kMaxPosition) {
+    rule("q_start", "qStart must be within +-2^62, got {}", p.qStart);
+  }
+  if (p.numKv < 0 || p.numKv > kMaxAttentionKvSegments) {
+    rule("num_kv", "numKv must be in [0, {}], got {}; merge segments or launch per group of segments",
+         kMaxAttentionKvSegments, p.numKv);
+  }
+  if (!std::isfinite(p.scale) || p.scale < 0.0f) {
+    rule("scale", "scale must be finite and >= 0 (0 means 1/sqrt(headDim)), got {}", p.scale);
+  }
+  if (p.blockN != 0 && p.blockN != 128 && p.blockN != 176) {
+    rule("block_n", "blockN must be 0 (default), 128 or 176, got {}", p.blockN);
+  }
+  if (p.blockN == 176 && (p.headDim != 128 || p.causal)) {
+    rule("block_n", "blockN 176 exists for headDim 128 without causal masking only; leave blockN at 0");
+  }
+  if (p.numSms < 0) rule("num_sms", "numSms must be >= 0 (0: every SM), got {}", p.numSms);
+  if (p.pingPong < 0 || p.pingPong > 2) {
+    rule("ping_pong", "pingPong must be 0 (default), 1 (on) or 2 (off), got {}", p.pingPong);
+  }
+
+  const uint64_t rowBytes = static_cast<uint64_t>(p.heads) * static_cast<uint64_t>(p.headDim) * 2;
+  const auto span = [&](const void* base, int64_t rows) {
+    const auto lo = reinterpret_cast<uintptr_t>(base);
+    return Range{lo, lo + static_cast<uintptr_t>(rows) * rowBytes};
+  };
+  if (p.sq > 0) {
+    if (p.q == nullptr || p.out == nullptr) rule("pointers", "q and out must be non-null when sq > 0");
+    if (!aligned16(p.q) || !aligned16(p.out)) rule("alignment", "q and out must be 16-byte aligned (TMA)");
+    if (p.lse != nullptr && reinterpret_cast<uintptr_t>(p.lse) % 4 != 0) {
+      rule("alignment", "lse must be 4-byte aligned");
+    }
+    if (overlaps(span(p.out, p.sq), span(p.q, p.sq))) rule("aliasing", "out must not overlap q");
+    if (p.lse != nullptr) {
+      const auto lo = reinterpret_cast<uintptr_t>(p.lse);
+      const Range lse{lo, lo + static_cast<uintptr_t>(p.sq) * static_cast<uintptr_t>(p.heads) * 4};
+      if (overlaps(lse, span(p.out, p.sq))) rule("aliasing", "lse must not overlap out");
+    }
+  }
+  for (int i = 0; i < p.numKv && i < kMaxAttentionKvSegments; ++i) {
+    const AttentionKvSegment& s = p.kv[i];
+    if (s.length < 0 || s.length > kMaxRows) {
+      rule("kv_length", "kv[{}].length must be in [0, 2^31 - 1], got {}; split the segment", i, s.length);
+    }
+    if (s.start < -kMaxPosition || s.start > kMaxPosition) {
+      rule("kv_start", "kv[{}].start must be within +-2^62, got {}", i, s.start);
+    }
+    if (s.arrival != nullptr) {
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("attention: kv[{}].arrival: waiting on arrival flags is not implemented yet; pass "
+                              "arrival = nullptr once the segment's k and v are in place",
+                              i));
+    }
+    if (s.length == 0) continue;
+    if (s.k == nullptr || s.v == nullptr) rule("pointers", "kv[{}].k and .v must be non-null when length > 0", i);
+    if (!aligned16(s.k) || !aligned16(s.v)) rule("alignment", "kv[{}].k and .v must be 16-byte aligned (TMA)", i);
+    if (p.sq > 0 && (overlaps(span(p.out, p.sq), span(s.k, s.length)) ||
+                     overlaps(span(p.out, p.sq), span(s.v, s.length)))) {
+      rule("aliasing", "out must not overlap kv[{}].k or .v", i);
+    }
+  }
+}
+
+const char* attentionConfigName(const AttentionParams& p) {
+  const attn_detail::Resolved r = attn_detail::resolveAttention(p);
+  thread_local std::string name;
+  name = fmt::format("{}/hd{}/bn{}/{}/{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim, r.blockN,
+                     p.causal ? "causal" : "full", r.pingPong ? "pingpong" : "free");
+  return name.c_str();
+}
+
+}  // namespace tandem::kernels

@@ -1,0 +1,644 @@
+// Hopper (sm_90a) attention forward building blocks: shared-memory layout, tile order, the KV block walk over
+// segments, the wgmma shapes attention needs, online softmax in registers, and the producer / consumer bodies of a
+// warp-specialised persistent kernel. No __global__ here: attention.cu wires these into kernels.
+//
+// out[i] = softmax(scale * q[i] K^T [+ causal mask]) V per head, fp32 accumulation. Layout as tandem stores it:
+// q / out [sq, heads, headDim], each KV segment's k / v [len, heads, headDim], all row-major.
+//
+// CTA: 3 warpgroups. Warpgroup 0 produces (one thread issues every TMA load); warpgroups 1 and 2 consume, each
+// owning 64 of the tile's 128 query rows. Per KV block of BN keys a consumer warpgroup runs
+//   S = Q K^T      wgmma m64nBNk16, A = Q and B = K from shared memory (both K-major, 128-byte swizzle)
+//   P = softmax(S) online, in registers (row max across the 4 threads of a quad, exp2 with the scale folded in)
+//   O += P V       wgmma m64nHDk16, A = P from registers (the S accumulator layout is the A fragment layout once
+//                  packed to 16 bits), B = V from shared memory read N-major (transposed), no copy of V.
+// Inside a warpgroup the next block's QK^T is issued before this block's softmax (so the tensor cores have work
+// while the warpgroup does exp2), and across the two warpgroups a pair of named barriers makes them take turns
+// issuing (ping-pong): one warpgroup's softmax runs under the other's GEMMs.
+// Causal: KV blocks wholly in a tile's future are never loaded; masking runs only on blocks that straddle the
+// diagonal or end a segment. Rows that see no key come out as 0 with lse -inf.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (types only; nothing links libcuda)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "gemm_sm90.cuh"  // mbarrier, TMA, wgmma fence/commit/wait, setmaxnreg, packPair, PipeState
+
+namespace tandem::kernels::attn {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Geometry (shared with the host launcher in attention.cu).
+// ---------------------------------------------------------------------------------------------------------------
+inline constexpr int kBlockM = 128;  // query rows per CTA tile
+inline constexpr int kConsumerWarpgroups = 2;
+inline constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64 = wgmma M
+inline constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+inline constexpr int kMaxSegments = 4;
+inline constexpr int kStages = 2;  // K and V rings, each this deep
+inline constexpr int kSwizzleCols = 64;  // 64 x 16-bit = 128 bytes: one 128B-swizzle row; wider heads come in halves
+inline constexpr uint32_t kProducerRegs = 32;
+inline constexpr uint32_t kConsumerRegs = 240;
+static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512, "register file: 64K regs / 128 threads");
+
+enum class Role : uint8_t { kProducer = 0, kConsumer = 1 };
+__host__ __device__ constexpr Role roleOf(int wg) { return wg == 0 ? Role::kProducer : Role::kConsumer; }
+
+// Named barriers (bar.sync ids). 0 is __syncthreads. kSchedule0/1: consumer warpgroup 0/1 may issue its GEMMs.
+enum class Barrier : uint32_t { kCta = 0, kSchedule0 = 1, kSchedule1 = 2 };
+
+// ---------------------------------------------------------------------------------------------------------------
+// Kernel parameters (POD, passed as const __grid_constant__ so the tensor maps live in param space).
+// ---------------------------------------------------------------------------------------------------------------
+struct AttnKernelParams {
+  CUtensorMap tmQ;                // q [sq, heads * hd]: dims {heads * hd, sq}, box {64, kBlockM}, 128B swizzle
+  CUtensorMap tmK[kMaxSegments];  // segment s's k [len, heads * hd]: box {64, BN}
+  CUtensorMap tmV[kMaxSegments];  // segment s's v, same
+  void* out;                      // [sq, heads, hd]
+  float* lse;                     // [heads, sq] or null
+  int64_t qStart;                 // global position of q row 0
+  int64_t kvStart[kMaxSegments];  // global position of each segment's row 0
+  int32_t kvLen[kMaxSegments];    // rows per segment (0: skipped)
+  int32_t numSegments;
+  int32_t sq;
+  int32_t heads;
+  int32_t numQTiles;  // ceil(sq / kBlockM)
+  int32_t numWork;    // numQTiles * heads
+  float scaleLog2;    // scale * log2(e): softmax runs in exp2
+  int32_t pingPong;   // 1: consumer warpgroups take turns issuing GEMMs
+  int32_t pad0;
+};
+static_assert(sizeof(AttnKernelParams) % 64 == 0);
+static_assert(sizeof(AttnKernelParams) <= 4096, "kernel parameter space");
+
+// ---------------------------------------------------------------------------------------------------------------
+// Shared memory. Tiles are stored in 64-column halves ([rows][128 bytes] each, 128B swizzled as TMA writes them);
+// every half starts on 1024 bytes (the swizzle atom is 8 rows x 128 bytes).
+// ---------------------------------------------------------------------------------------------------------------
+template <int HD, int BN>
+struct SharedStorage {
+  alignas(1024) uint16_t q[kBlockM * HD];
+  alignas(1024) uint16_t k[kStages][BN * HD];
+  alignas(1024) uint16_t v[kStages][BN * HD];
+  alignas(8) uint64_t fullQ;   // Q bytes landed (producer's expect_tx)
+  uint64_t emptyQ;             // both consumer warpgroups finished their last QK^T of the tile
+  uint64_t fullK[kStages];
+  uint64_t emptyK[kStages];
+  uint64_t fullV[kStages];
+  uint64_t emptyV[kStages];
+};
+template <int HD, int BN>
+inline constexpr size_t kSmemBytes = sizeof(SharedStorage<HD, BN>) + 1024;  // + slack to align the base to 1024
+static_assert(kSmemBytes<128, 176> <= 227 * 1024, "H100/H200 opt-in shared memory per block");
+static_assert((128 * 176 * 2) % 1024 == 0 && (176 * 128) % 1024 == 0, "halves stay 1024-aligned");
+
+// ---------------------------------------------------------------------------------------------------------------
+// PTX wrappers attention needs beyond gemm_sm90.cuh.
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void namedBarSync(Barrier id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void namedBarArrive(Barrier id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(threads) : "memory");
+}
+__device__ __forceinline__ float exp2Approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float log2Approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+template <int R>
+__device__ __forceinline__ void fenceRegs(uint32_t (&r)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// wgmma descriptor of an N-major (transposed) B operand, 128-byte swizzle: 64-element chunks along N lie
+// `chunkStrideBytes` apart (LBO), 8-row groups along K 1024 bytes apart (SBO). That is a V tile as TMA writes it
+// ([keys][64 dims] halves), read as B[K = keys, N = dims] for O += P V.
+__device__ __forceinline__ uint64_t makeSmemDescNMajor(uint32_t addr, uint32_t chunkStrideBytes) {
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>((chunkStrideBytes >> 4) & 0x3FFF) << 16;  // leading byte offset
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;                          // stride byte offset
+  d |= static_cast<uint64_t>(1) << 62;                                  // 128-byte swizzle
+  return d;
+}
+
+// S GEMM: D[64 x N] (+)= A[64 x 16] B[N x 16]^T, both K-major in shared memory. PV GEMM: D[64 x N] (+)= A[64 x 16]
+// (registers, 4 x 32 bits per thread) B[16 x N] (N-major in shared memory, imm-trans-b = 1).
+// scaleD == 0 overwrites D.
+// clang-format off
+#define TANDEM_ATTN_WGMMA_RS_N64(TY)                                                                  \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(descB), "r"(scaleD))
+
+#define TANDEM_ATTN_WGMMA_SS_N128(TY)                                                                  \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
+      : "l"(descA), "l"(descB), "r"(scaleD))
+
+#define TANDEM_ATTN_WGMMA_RS_N128(TY)                                                                  \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(descB), "r"(scaleD))
+
+#define TANDEM_ATTN_WGMMA_SS_N176(TY)                                                                  \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n176k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1, 0, 0;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),  \
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),  \
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),  \
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])  \
+      : "l"(descA), "l"(descB), "r"(scaleD))
+// clang-format on
+
+template <class T, int N>
+struct WgmmaSS;
+template <class T, int N>
+struct WgmmaRS;
+
+#define TANDEM_ATTN_DEFINE(KIND, N, T, TY, ...)                                                              \
+  template <>                                                                                               \
+  struct Wgmma##KIND<T, N> {                                                                                \
+    __device__ __forceinline__ static void run(float (&d)[N / 2], __VA_ARGS__, uint32_t scaleD) {           \
+      TANDEM_ATTN_WGMMA_##KIND##_N##N(TY);                                                                  \
+    }                                                                                                       \
+  };
+TANDEM_ATTN_DEFINE(SS, 128, __nv_bfloat16, "bf16", uint64_t descA, uint64_t descB)
+TANDEM_ATTN_DEFINE(SS, 128, __half, "f16", uint64_t descA, uint64_t descB)
+TANDEM_ATTN_DEFINE(SS, 176, __nv_bfloat16, "bf16", uint64_t descA, uint64_t descB)
+TANDEM_ATTN_DEFINE(SS, 176, __half, "f16", uint64_t descA, uint64_t descB)
+TANDEM_ATTN_DEFINE(RS, 64, __nv_bfloat16, "bf16", uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t descB)
+TANDEM_ATTN_DEFINE(RS, 64, __half, "f16", uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t descB)
+TANDEM_ATTN_DEFINE(RS, 128, __nv_bfloat16, "bf16", uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t descB)
+TANDEM_ATTN_DEFINE(RS, 128, __half, "f16", uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t descB)
+#undef TANDEM_ATTN_DEFINE
+#undef TANDEM_ATTN_WGMMA_SS_N128
+#undef TANDEM_ATTN_WGMMA_SS_N176
+#undef TANDEM_ATTN_WGMMA_RS_N64
+#undef TANDEM_ATTN_WGMMA_RS_N128
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tile order and the KV block walk. Producer and consumers walk the same sequence, so their ring positions agree.
+// ---------------------------------------------------------------------------------------------------------------
+struct TileCoord {
+  int32_t qTile;
+  int32_t head;
+};
+
+// Each CTA takes work indices blockIdx.x, + gridDim.x, ... Non-causal: a head's query tiles are adjacent, so the
+// CTAs running at once read the same K/V (L2 hits). Causal: the longest tiles (last query rows) first, heads
+// fastest, so the short tiles fill in the tail of the persistent schedule.
+template <bool Causal>
+__device__ __forceinline__ TileCoord tileOf(const AttnKernelParams& p, int32_t w) {
+  if constexpr (Causal) {
+    return {p.numQTiles - 1 - w / p.heads, w % p.heads};
+  } else {
+    return {w % p.numQTiles, w / p.numQTiles};
+  }
+}
+
+// KV blocks of segment s that a tile whose last query sits at global position maxQPos must see.
+template <int BN, bool Causal>
+__device__ __forceinline__ int32_t blocksIn(const AttnKernelParams& p, int s, int64_t maxQPos) {
+  int64_t visible = p.kvLen[s];
+  if constexpr (Causal) {
+    const int64_t upTo = maxQPos - p.kvStart[s] + 1;  // keys at positions <= maxQPos
+    visible = upTo < 0 ? 0 : (upTo < visible ? upTo : visible);
+  }
+  return static_cast<int32_t>((visible + BN - 1) / BN);
+}
+
+template <int BN, bool Causal>
+__device__ __forceinline__ int32_t countBlocks(const AttnKernelParams& p, int64_t maxQPos) {
+  int32_t n = 0;
+#pragma unroll
+  for (int s = 0; s < kMaxSegments; ++s) {
+    if (s < p.numSegments) n += blocksIn<BN, Causal>(p, s, maxQPos);
+  }
+  return n;
+}
+
+// Position in the walk: block `blk` of segment `seg` (local segments come first in the params, so first here).
+struct BlockCursor {
+  int32_t seg;
+  int32_t blk;
+  int32_t nblk;
+};
+
+template <int BN, bool Causal>
+__device__ __forceinline__ void seekBlock(const AttnKernelParams& p, BlockCursor& c, int64_t maxQPos) {
+  while (c.blk >= c.nblk && c.seg + 1 < p.numSegments) {
+    ++c.seg;
+    c.blk = 0;
+    c.nblk = blocksIn<BN, Causal>(p, c.seg, maxQPos);
+  }
+}
+template <int BN, bool Causal>
+__device__ __forceinline__ BlockCursor firstBlock(const AttnKernelParams& p, int64_t maxQPos) {
+  BlockCursor c{-1, 0, 0};
+  seekBlock<BN, Causal>(p, c, maxQPos);
+  return c;
+}
+template <int BN, bool Causal>
+__device__ __forceinline__ void nextBlock(const AttnKernelParams& p, BlockCursor& c, int64_t maxQPos) {
+  ++c.blk;
+  seekBlock<BN, Causal>(p, c, maxQPos);
+}
+
+// Global position of the last query row of the tile (rows past sq do not widen the causal window).
+__device__ __forceinline__ int64_t tileMaxQPos(const AttnKernelParams& p, int32_t q0) {
+  const int32_t last = (q0 + kBlockM < p.sq ? q0 + kBlockM : p.sq) - 1;
+  return p.qStart + last;
+}
+
+// Called once by thread 0 before the roles start; the CTA must sync afterwards.
+template <int HD, int BN>
+__device__ __forceinline__ void initBarriers(SharedStorage<HD, BN>& s) {
+  gemm::mbarInit(&s.fullQ, 1);
+  gemm::mbarInit(&s.emptyQ, kConsumerWarpgroups);
+#pragma unroll
+  for (int i = 0; i < kStages; ++i) {
+    gemm::mbarInit(&s.fullK[i], 1);
+    gemm::mbarInit(&s.emptyK[i], kConsumerWarpgroups);
+    gemm::mbarInit(&s.fullV[i], 1);
+    gemm::mbarInit(&s.emptyV[i], kConsumerWarpgroups);
+  }
+  gemm::fenceBarrierInit();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Producer: ONE thread. Per tile: Q once, then K_0, (K_j, V_{j-1}) for j = 1..n-1, V_{n-1}: the order in which the
+// consumers use them, so neither side can wait on a load the other has not issued.
+// ---------------------------------------------------------------------------------------------------------------
+template <int HD, int BN>
+__device__ __forceinline__ void loadKvTile(const CUtensorMap* map, uint16_t (&dst)[kStages][BN * HD], uint64_t* full,
+                                           uint64_t* empty, gemm::PipeState<kStages>& ps, int32_t col, int32_t row) {
+  // Parity trick: the first pass waits on parity 1, which a fresh barrier reports as complete. Pairs with the
+  // consumers' release (mbarArrive on empty after their wgmma reading this stage completed).
+  gemm::mbarWait(&empty[ps.stage], ps.phase ^ 1);
+  gemm::mbarArriveExpectTx(&full[ps.stage], BN * HD * 2);  // full boxes: TMA counts zero-filled rows too
+#pragma unroll
+  for (int h = 0; h < HD / kSwizzleCols; ++h) {
+    gemm::tmaLoad2d(map, dst[ps.stage] + h * BN * kSwizzleCols, &full[ps.stage], col + h * kSwizzleCols, row);
+  }
+  ps.advance();
+}
+
+template <int HD, int BN, bool Causal>
+__device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedStorage<HD, BN>& s) {
+  gemm::PipeState<kStages> ks, vs;
+  uint32_t qPhase = 0;
+  for (int32_t w = static_cast<int32_t>(blockIdx.x); w < p.numWork; w += static_cast<int32_t>(gridDim.x)) {
+    const TileCoord tc = tileOf<Causal>(p, w);
+    const int32_t q0 = tc.qTile * kBlockM;
+    const int64_t maxQ = tileMaxQPos(p, q0);
+    const int32_t n = countBlocks<BN, Causal>(p, maxQ);
+    if (n == 0) continue;  // the consumers write zeros without waiting on anything
+    const int32_t col = tc.head * HD;
+    gemm::mbarWait(&s.emptyQ, qPhase ^ 1);  // pairs with the consumers' arrive after their last QK^T
+    gemm::mbarArriveExpectTx(&s.fullQ, kBlockM * HD * 2);
+#pragma unroll
+    for (int h = 0; h < HD / kSwizzleCols; ++h) {
+      gemm::tmaLoad2d(&p.tmQ, s.q + h * kBlockM * kSwizzleCols, &s.fullQ, col + h * kSwizzleCols, q0);
+    }
+    qPhase ^= 1;
+    BlockCursor ck = firstBlock<BN, Causal>(p, maxQ);
+    BlockCursor cv = ck;
+    loadKvTile<HD, BN>(&p.tmK[ck.seg], s.k, s.fullK, s.emptyK, ks, col, ck.blk * BN);
+    nextBlock<BN, Causal>(p, ck, maxQ);
+    for (int32_t i = 1; i < n; ++i) {
+      loadKvTile<HD, BN>(&p.tmK[ck.seg], s.k, s.fullK, s.emptyK, ks, col, ck.blk * BN);
+      nextBlock<BN, Causal>(p, ck, maxQ);
+      loadKvTile<HD, BN>(&p.tmV[cv.seg], s.v, s.fullV, s.emptyV, vs, col, cv.blk * BN);
+      nextBlock<BN, Causal>(p, cv, maxQ);
+    }
+    loadKvTile<HD, BN>(&p.tmV[cv.seg], s.v, s.fullV, s.emptyV, vs, col, cv.blk * BN);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Consumer pieces. Thread t of a warpgroup (warp t / 32, lane t % 32) holds, of every 64 x N accumulator, rows
+// r = 16 (t / 32) + (t % 32) / 4 and r + 8, columns 8 j + 2 (t % 4) + {0, 1}: acc[4 j + {0, 1}] is row r,
+// acc[4 j + {2, 3}] row r + 8.
+// ---------------------------------------------------------------------------------------------------------------
+template <class T, int HD, int BN>
+__device__ __forceinline__ void issueS(float (&sacc)[BN / 2], uint32_t qAddr, uint32_t kAddr) {
+  gemm::wgmmaFence();
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    // k-step kk: half kk / 4 of the head dim, 32 bytes further into the 128-byte row per step inside a half.
+    const uint32_t off = static_cast<uint32_t>(kk % 4) * 32;
+    const uint64_t descA = gemm::makeSmemDesc(qAddr + (kk / 4) * (kBlockM * 128) + off);
+    const uint64_t descB = gemm::makeSmemDesc(kAddr + (kk / 4) * (BN * 128) + off);
+    WgmmaSS<T, BN>::run(sacc, descA, descB, kk > 0 ? 1u : 0u);
+  }
+  gemm::wgmmaCommit();
+}
+
+// Always accumulates (O starts at zero): a run-time scale-d predicate on the first wgmma lets ptxas hoist the
+// following wgmma.wait_group above the softmax (it protects the predicate register), which was seen in SASS.
+template <class T, int HD, int BN>
+__device__ __forceinline__ void issuePV(float (&oacc)[HD / 2], const uint32_t (&pfrag)[BN / 4], uint32_t vAddr) {
+  gemm::wgmmaFence();
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    // Keys 16 kk .. 16 kk + 15: two 8-row swizzle groups, 2048 bytes into each half.
+    const uint64_t descB = makeSmemDescNMajor(vAddr + static_cast<uint32_t>(kk) * 2048, BN * 128);
+    WgmmaRS<T, HD>::run(oacc, pfrag[4 * kk], pfrag[4 * kk + 1], pfrag[4 * kk + 2], pfrag[4 * kk + 3], descB, 1u);
+  }
+  gemm::wgmmaCommit();
+}
+
+// Masks keys this thread's two rows must not see: past the segment's end (validCols) and, causal, in the row's
+// future. lim[h] = columns [0, lim) stay.
+template <int BN>
+__device__ __forceinline__ void applyMask(float (&sacc)[BN / 2], const int32_t (&lim)[2], int lane) {
+  const int c0 = 2 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (8 * j + c0 + (e & 1) >= lim[e >> 1]) sacc[4 * j + e] = -INFINITY;
+    }
+  }
+}
+
+// Online softmax over one block. rowMax is in scaled log2 units (max(s) * scale * log2 e); rowSum holds this
+// thread's partial row sums (the quad adds them up once, at the end). alpha: what the previous O and sums scale by.
+// A row with no visible key so far keeps rowMax = -inf; the guard keeps exp2 away from (-inf) - (-inf).
+template <int BN>
+__device__ __forceinline__ void onlineSoftmax(float (&sacc)[BN / 2], float (&rowMax)[2], float (&rowSum)[2],
+                                              float (&alpha)[2], float scaleLog2) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    mx[0] = fmaxf(mx[0], fmaxf(sacc[4 * j + 0], sacc[4 * j + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(sacc[4 * j + 2], sacc[4 * j + 3]));
+  }
+  float mUse[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    const float mNew = fmaxf(rowMax[h], mx[h] * scaleLog2);
+    mUse[h] = mNew == -INFINITY ? 0.0f : mNew;
+    alpha[h] = exp2Approx(rowMax[h] - mUse[h]);
+    rowMax[h] = mNew;
+  }
+  float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float v = exp2Approx(fmaf(sacc[4 * j + e], scaleLog2, -mUse[e >> 1]));
+      sacc[4 * j + e] = v;
+      sum[e >> 1] += v;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) rowSum[h] = rowSum[h] * alpha[h] + sum[h];
+}
+
+template <int HD>
+__device__ __forceinline__ void rescaleO(float (&oacc)[HD / 2], const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) oacc[4 * j + e] *= alpha[e >> 1];
+  }
+}
+
+// P (fp32, S accumulator layout) -> A fragments for O += P V: k-step kk is accumulator columns 16 kk .. 16 kk + 15.
+template <class T, int BN>
+__device__ __forceinline__ void packP(uint32_t (&pfrag)[BN / 4], const float (&sacc)[BN / 2]) {
+#pragma unroll
+  for (int i = 0; i < BN / 4; ++i) pfrag[i] = gemm::packPair<T>(sacc[2 * i], sacc[2 * i + 1]);
+}
+
+// Rows [rowBase, rowBase + 64) of head `head`: out = O / l, lse = ln(sum exp(scale s)). Rows past sq are dropped.
+template <class T, int HD>
+__device__ __forceinline__ void storeRows(const AttnKernelParams& p, const float (&oacc)[HD / 2],
+                                          const float (&rowMax)[2], float (&rowSum)[2], int32_t rowBase,
+                                          int32_t head, int t) {
+  const int lane = t % 32;
+  const int32_t r0 = rowBase + (t / 32) * 16 + lane / 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    rowSum[h] += __shfl_xor_sync(0xffffffffu, rowSum[h], 1);
+    rowSum[h] += __shfl_xor_sync(0xffffffffu, rowSum[h], 2);
+  }
+  T* const out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int32_t row = r0 + 8 * h;
+    if (row >= p.sq) continue;
+    const float l = rowSum[h];
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // no visible key: l == 0, out 0
+    uint32_t* const dst = reinterpret_cast<uint32_t*>(out + (static_cast<int64_t>(row) * p.heads + head) * HD +
+                                                      2 * (lane & 3));
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) {
+      dst[4 * j] = gemm::packPair<T>(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv);
+    }
+    if (p.lse != nullptr && (lane & 3) == 0) {
+      p.lse[static_cast<int64_t>(head) * p.sq + row] =
+          l > 0.0f ? (rowMax[h] + log2Approx(l)) * 0.69314718055994531f : -INFINITY;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Consumer warpgroup wg (0 or 1): rows [64 wg, 64 wg + 64) of each tile; t = thread index within the warpgroup.
+// ---------------------------------------------------------------------------------------------------------------
+template <class T, int HD, int BN, bool Causal>
+__device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int wg, int t) {
+  float sacc[BN / 2];
+  float oacc[HD / 2];
+  uint32_t pfrag[BN / 4];
+  float rowMax[2], rowSum[2], alpha[2];
+  gemm::PipeState<kStages> ks, vs;
+  uint32_t qPhase = 0;
+  const int lane = t % 32;
+  const int32_t rowInWg = (t / 32) * 16 + lane / 4;
+  const bool pingPong = p.pingPong != 0;
+  const Barrier myTurn = wg == 0 ? Barrier::kSchedule0 : Barrier::kSchedule1;
+  const Barrier otherTurn = wg == 0 ? Barrier::kSchedule1 : Barrier::kSchedule0;
+  // Both warpgroups issue the same number of GEMM batches per tile (n + 1), so the turns stay paired across tiles.
+  // Warpgroup 0 goes first; the last arrive of the kernel is left unmatched, which is harmless at exit.
+  const auto waitTurn = [&] {
+    if (pingPong) namedBarSync(myTurn, 2 * 128);
+  };
+  const auto passTurn = [&] {
+    if (pingPong) namedBarArrive(otherTurn, 2 * 128);
+  };
+  if (pingPong && wg == 1) namedBarArrive(Barrier::kSchedule0, 2 * 128);
+  const uint32_t qAddr = gemm::smemAddr(s.q) + static_cast<uint32_t>(wg) * kRowsPerConsumer * 128;
+
+  for (int32_t w = static_cast<int32_t>(blockIdx.x); w < p.numWork; w += static_cast<int32_t>(gridDim.x)) {
+    const TileCoord tc = tileOf<Causal>(p, w);
+    const int32_t q0 = tc.qTile * kBlockM;
+    const int64_t maxQ = tileMaxQPos(p, q0);
+    const int32_t n = countBlocks<BN, Causal>(p, maxQ);
+    const int32_t rowBase = q0 + wg * kRowsPerConsumer;
+    rowMax[0] = rowMax[1] = -INFINITY;
+    rowSum[0] = rowSum[1] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i) oacc[i] = 0.0f;
+    if (n == 0) {  // no key visible to the whole tile: zeros and lse -inf, nothing loaded
+      storeRows<T, HD>(p, oacc, rowMax, rowSum, rowBase, tc.head, t);
+      continue;
+    }
+    const int64_t qPos0 = p.qStart + rowBase + rowInWg;  // this thread's first row; the second is 8 further
+    const int64_t wgMinQ = p.qStart + rowBase;
+    // Masking, when the block needs it: columns [0, lim[h]) of row h stay.
+    const auto maskBlock = [&](const BlockCursor& c) {
+      const int32_t validCols = min(BN, p.kvLen[c.seg] - c.blk * BN);
+      const int64_t kvBase = p.kvStart[c.seg] + static_cast<int64_t>(c.blk) * BN;
+      const bool diagonal = Causal && kvBase + BN - 1 > wgMinQ;
+      if (validCols >= BN && !diagonal) return;  // warpgroup-uniform
+      int32_t lim[2] = {validCols, validCols};
+      if constexpr (Causal) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t upTo = qPos0 + 8 * h - kvBase + 1;  // keys kvBase .. qPos are visible
+          const int32_t u = upTo < 0 ? 0 : (upTo > BN ? BN : static_cast<int32_t>(upTo));
+          lim[h] = min(lim[h], u);
+        }
+      }
+      applyMask<BN>(sacc, lim, lane);
+    };
+
+    gemm::mbarWait(&s.fullQ, qPhase);  // acquire: Q landed
+    qPhase ^= 1;
+    BlockCursor c = firstBlock<BN, Causal>(p, maxQ);
+
+    // Block 0: S_0 and its softmax.
+    gemm::mbarWait(&s.fullK[ks.stage], ks.phase);
+    waitTurn();
+    issueS<T, HD, BN>(sacc, qAddr, gemm::smemAddr(s.k[ks.stage]));
+    passTurn();
+    gemm::wgmmaWait<0>();
+    gemm::fenceAccumulators(sacc);
+    // release: K stage read by this warpgroup's wgmma (completed above); pairs with the producer's empty wait.
+    if (t == 0) gemm::mbarArrive(&s.emptyK[ks.stage]);
+    ks.advance();
+    if (n == 1 && t == 0) gemm::mbarArrive(&s.emptyQ);  // last read of Q in this tile done
+    maskBlock(c);
+    onlineSoftmax<BN>(sacc, rowMax, rowSum, alpha, p.scaleLog2);
+    packP<T, BN>(pfrag, sacc);
+    nextBlock<BN, Causal>(p, c, maxQ);
+
+    // Blocks 1 .. n-1: S_i is issued, then O += P_{i-1} V_{i-1}; the softmax of S_i runs while PV is in flight.
+    for (int32_t i = 1; i < n; ++i) {
+      gemm::mbarWait(&s.fullK[ks.stage], ks.phase);
+      waitTurn();
+      issueS<T, HD, BN>(sacc, qAddr, gemm::smemAddr(s.k[ks.stage]));
+      rescaleO<HD>(oacc, alpha);  // O so far was relative to the max before block i-1 (alpha is finite, in [0, 1])
+      gemm::mbarWait(&s.fullV[vs.stage], vs.phase);
+      issuePV<T, HD, BN>(oacc, pfrag, gemm::smemAddr(s.v[vs.stage]));
+      passTurn();
+      gemm::wgmmaWait<1>();  // S_i done (groups complete in order)
+      gemm::fenceAccumulators(sacc);
+      if (t == 0) gemm::mbarArrive(&s.emptyK[ks.stage]);  // release: K stage (pairs with producer's empty wait)
+      ks.advance();
+      if (i == n - 1 && t == 0) gemm::mbarArrive(&s.emptyQ);
+      maskBlock(c);
+      onlineSoftmax<BN>(sacc, rowMax, rowSum, alpha, p.scaleLog2);
+      // Pin the softmax above the wait: left alone, the compiler sinks it below wgmma.wait_group 0 (seen in SASS),
+      // and the exp2 work no longer overlaps PV_{i-1}.
+      gemm::fenceAccumulators(sacc);
+      gemm::fenceAccumulators(rowSum);
+      gemm::fenceAccumulators(alpha);
+      gemm::wgmmaWait<0>();  // PV_{i-1} done: O final for now, P registers free, V stage read
+      gemm::fenceAccumulators(oacc);
+      fenceRegs(pfrag);
+      if (t == 0) gemm::mbarArrive(&s.emptyV[vs.stage]);  // release: V stage
+      vs.advance();
+      packP<T, BN>(pfrag, sacc);
+      nextBlock<BN, Causal>(p, c, maxQ);
+    }
+
+    // Last PV.
+    rescaleO<HD>(oacc, alpha);
+    gemm::mbarWait(&s.fullV[vs.stage], vs.phase);
+    waitTurn();
+    issuePV<T, HD, BN>(oacc, pfrag, gemm::smemAddr(s.v[vs.stage]));
+    passTurn();
+    gemm::wgmmaWait<0>();
+    gemm::fenceAccumulators(oacc);
+    if (t == 0) gemm::mbarArrive(&s.emptyV[vs.stage]);
+    vs.advance();
+    storeRows<T, HD>(p, oacc, rowMax, rowSum, rowBase, tc.head, t);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// A whole attention CTA: call from a __global__ with __launch_bounds__(kThreads, 1), kThreads threads and
+// kSmemBytes<HD, BN> of dynamic shared memory.
+// ---------------------------------------------------------------------------------------------------------------
+template <class T, int HD, int BN, bool Causal>
+__device__ __forceinline__ void runAttentionCta(const AttnKernelParams& p, uint8_t* smemRaw) {
+  static_assert(HD == 64 || HD == 128, "head dim");
+  static_assert(BN % 16 == 0 && BN <= 256, "KV block: wgmma N and k-steps");
+  auto& s = *reinterpret_cast<SharedStorage<HD, BN>*>((reinterpret_cast<uintptr_t>(smemRaw) + 1023) &
+                                                       ~static_cast<uintptr_t>(1023));
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  const int t = static_cast<int>(threadIdx.x) % 128;
+  if (threadIdx.x == 0) {
+    if (blockDim.x != kThreads) __trap();  // geometry: the host launches kThreads (checked there too)
+    initBarriers<HD, BN>(s);
+    gemm::prefetchTensorMap(&p.tmQ);
+  }
+  __syncthreads();  // barriers initialised before any thread uses them
+  switch (roleOf(wg)) {
+    case Role::kProducer:
+      gemm::setMaxNRegDec<kProducerRegs>();
+      if (t == 0) runProducer<HD, BN, Causal>(p, s);
+      break;
+    case Role::kConsumer:
+      gemm::setMaxNRegInc<kConsumerRegs>();
+      runConsumer<T, HD, BN, Causal>(p, s, wg - 1, t);
+      break;
+  }
+}
+
+}  // namespace tandem::kernels::attn

@@ -1,0 +1,67 @@
+// Attention forward core on one Hopper GPU (sm_90a): out = softmax(scale * q K^T [+ causal mask]) V per head, fp32
+// accumulation, bf16 or fp16 in and out, optional fp32 log-sum-exp. The KV side is a short list of segments, each
+// with its own pointers, length and global start position, consumed in order (local first), so that the same kernel
+// serves the steps of ring attention. See kernels/device/attention_sm90.cuh for the design.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace tandem::kernels {
+
+enum class AttentionDtype : uint8_t { kBf16 = 0, kFp16 = 1 };
+
+/// Most KV segments one launch takes.
+inline constexpr int kMaxAttentionKvSegments = 4;
+
+/// One run of consecutive key positions. k and v are [length, heads, headDim], row-major (position, then head,
+/// then dim), 16-byte aligned, in the launch's dtype; they must stay valid until the launch completes.
+struct AttentionKvSegment {
+  const void* k;
+  const void* v;
+  int64_t length;  // rows; 0 = an empty segment (skipped; k and v may be null)
+  int64_t start;   // global position of row 0: causal masking lets query i see key j iff start + j <= qStart + i
+  // Reserved for KV that arrives while the kernel runs (ring attention): one uint64 flag per arrivalRows rows, the
+  // block is present once its flag >= arrivalValue. Only nullptr (already present) is supported today.
+  const uint64_t* arrival;
+  uint64_t arrivalValue;
+  int64_t arrivalRows;
+};
+
+/// POD; zero-initialise (AttentionParams p{}) and fill. Tuning fields left at 0 take the measured defaults.
+struct AttentionParams {
+  const void* q;  // [sq, heads, headDim], 16-byte aligned
+  void* out;      // [sq, heads, headDim], 16-byte aligned; must not overlap q or any k / v
+  float* lse;     // optional [heads, sq] fp32: ln sum_j exp(scale * s_ij); -inf for a row that sees no key
+  int64_t sq;     // query rows (0: nothing is launched)
+  int32_t heads;
+  int32_t headDim;  // 64 or 128
+  int64_t qStart;   // global position of q row 0 (causal)
+  AttentionKvSegment kv[kMaxAttentionKvSegments];
+  int32_t numKv;    // segments used, 0 .. kMaxAttentionKvSegments (0: every row sees no key)
+  AttentionDtype dtype;
+  bool causal;
+  float scale;      // 0: 1 / sqrt(headDim); otherwise finite and > 0
+  // Tuning (0 = default).
+  int32_t blockN;    // keys per KV block: 128, or 176 (headDim 128, non-causal)
+  int32_t numSms;    // cap on the persistent grid (CTAs); 0 = every SM
+  int32_t pingPong;  // 1: the two consumer warpgroups take turns issuing GEMMs, 2: free-running
+};
+
+/// Throws tandem::Error(kInvalidArgument) naming the broken rule ("rule head_dim: ..."), or kUnsupported for
+/// arrival flags. Host only; launchAttention calls it first.
+void validateAttention(const AttentionParams& params);
+
+/// Enqueues the attention forward on `stream`. sq == 0 enqueues nothing. Throws tandem::Error: kInvalidArgument /
+/// kUnsupported from validateAttention, kUnsupported on
+/// a GPU that is not sm_90, kCuda when a CUDA call fails (the call and its error named). Thread-safe.
+void launchAttention(const AttentionParams& params, cudaStream_t stream);
+
+/// The configuration launchAttention resolves for these params, e.g. "bf16/hd128/bn128/causal/pingpong".
+const char* attentionConfigName(const AttentionParams& params);
+
+/// Loads every attention kernel on `device` now (see tandem/kernels/preload.hpp for why). Idempotent.
+void preloadAttentionKernels(int device);
+
+}  // namespace tandem::kernels
