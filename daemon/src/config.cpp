@@ -13,6 +13,7 @@
 #include "config.hpp"
 
 #include <arpa/inet.h>
+#include <sys/un.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
@@ -30,6 +31,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <span>
 #include <string_view>
@@ -62,7 +64,58 @@ constexpr uint32_t kMaxConnectionsPerPeer = 16;
 constexpr uint32_t kMinHeartbeatIntervalMs = 10;
 constexpr uint64_t kMinStagingBytes = 4 * kKiB;
 constexpr uint64_t kMaxStagingBytes = 16 * kGiB;
+// A socket path must fit sockaddr_un::sun_path with its terminating NUL.
+constexpr std::size_t kSunPathBytes = sizeof(sockaddr_un{}.sun_path);
+constexpr std::size_t kFrameHeaderBytes = 4;  // the length prefix of every control frame (common/framing.hpp)
 constexpr std::size_t kMaxSecretLineBytes = 64 * 1024;  // a longer first line is not a secret file
+
+// ---- ranges of the numeric keys (each key's Range in its table below names which it uses) ----
+constexpr uint64_t kTiB = 1024 * kGiB;
+// Beyond the hardware threads of any current host (the largest have a few hundred), more cpu workers only add
+// context switches; 100000 made thread creation fail with EAGAIN.
+constexpr uint64_t kMaxWorkerThreads = 1024;
+// (uid_t)-1 and (gid_t)-1 name no user or group: the kernel reads them as "unchanged" in chown.
+constexpr uint64_t kMaxId = 4294967294;
+// One page, the granularity of every mapping: a smaller buffer cap refuses every allocation.
+constexpr uint64_t kMinBufferBytes = 4 * kKiB;
+// Beyond the memory of any single node (host or GPU); a larger cap is no cap.
+constexpr uint64_t kMaxMemoryBytes = 16 * kTiB;
+// Sessions and connections: the fds they hold (limits.max_fds_per_session each) must fit in the daemon's
+// RLIMIT_NOFILE, and the kernel's fs.nr_open defaults to 1048576.
+constexpr uint64_t kMaxSessions = 65536;
+// A session always holds its socket, its pidfd, its ring memfd and its eventfds; 16 leaves room for a few buffers.
+constexpr uint64_t kMinFdsPerSession = 16;
+constexpr uint64_t kMaxFdsPerSession = 65536;
+// Queued completions cost a few dozen bytes each: 2^20 of them are tens of MiB for one session that never drains.
+constexpr uint64_t kMinPendingCompletions = 16;
+constexpr uint64_t kMaxPendingCompletions = uint64_t{1} << 20;
+constexpr uint64_t kMaxJoiningComms = 4096;
+// Below 1 MiB even test-sized cpu ops would be refused.
+constexpr uint64_t kMinScratchBytes = kMiB;
+// Control-plane deadlines: below 50 ms an honest client on a loaded host misses them; above 10 minutes a
+// silent connection holds its fds and buffer for nothing.
+constexpr uint64_t kMinControlDeadlineMs = 50;
+constexpr uint64_t kMaxControlDeadlineMs = 600000;
+// A reply backlog under 64 KiB would disconnect clients that pipeline a handful of requests.
+constexpr uint64_t kMinReplyBacklogBytes = 64 * kKiB;
+constexpr uint64_t kMaxReplyBacklogBytes = kGiB;
+// Past 10 ms of busy polling a core burns for latency no client sees: a sleeping pump wakes in microseconds.
+constexpr uint64_t kMaxPollWindowUs = 10000;
+// Joins: below 100 ms ranks started together cannot meet; a rendezvous pending for over an hour is a dead job
+// whose half-joined communicator only costs memory.
+constexpr uint64_t kMinJoinTimeoutMs = 100;
+constexpr uint64_t kMaxJoinTimeoutMs = 3600000;
+// A dead rank that goes unnoticed for more than 10 minutes is never noticed in practice.
+constexpr uint64_t kMaxPeerLostDeadlineMs = 600000;
+constexpr uint64_t kMaxLingerMs = 3600000;
+// More SMs than any GPU has (an H200 has 132).
+constexpr uint64_t kMaxCommSms = 256;
+constexpr uint64_t kMinWorkspaceBytes = 16 * kMiB;  // below this nothing useful fits
+constexpr uint64_t kMaxWorkspaceBytes = kTiB;       // more than any GPU's memory
+constexpr uint64_t kMaxNodeIndex = 65535;
+constexpr uint64_t kMaxConnectTimeoutMs = 86400000;  // a day: nodes are started by hand at worst
+// Heartbeats further apart than a minute cannot meet any useful peer-lost deadline.
+constexpr uint64_t kMaxHeartbeatIntervalMs = 60000;
 
 constexpr std::array<std::string_view, 5> kLogLevels{"trace", "debug", "info", "warn", "error"};
 
@@ -96,11 +149,20 @@ using Member = std::variant<std::string S::*, uint32_t S::*, uint64_t S::*, int3
                             std::vector<std::string> S::*, BackendKind S::*, ExecutorKind S::*,
                             ClusterTransport S::*, OctalMember<S>>;
 
+// The values a numeric key (or each item of a numeric list) may take. The printed config states it under the
+// key's help, and checkConfig enforces it, so the two cannot disagree.
+struct Range {
+  uint64_t min = 0;
+  uint64_t max = 0;
+  bool empty() const { return min == 0 && max == 0; }
+};
+
 template <typename S>
 struct Field {
   std::string_view key;   // snake_case, units in the name
   std::string_view help;  // comment lines printed above the key, '\n'-separated
   Member<S> member;
+  Range range = {};       // numeric keys only; empty for the others
 };
 
 struct SectionHelp {
@@ -138,14 +200,14 @@ constexpr auto kDaemonFields = std::to_array<Field<DaemonSection>>({
      &DaemonSection::executor},
     {"log_level", "Log verbosity: trace, debug, info, warn or error.", &DaemonSection::logLevel},
     {"worker_threads", "Threads the cpu backend runs ops on; 0 = one per hardware thread.",
-     &DaemonSection::workerThreads},
+     &DaemonSection::workerThreads, {0, kMaxWorkerThreads}},
 });
 
 constexpr auto kAccessFields = std::to_array<Field<AccessSection>>({
     {"allowed_uids", "User ids that may connect, besides root and the daemon's own user, which always may.",
-     &AccessSection::allowedUids},
+     &AccessSection::allowedUids, {0, kMaxId}},
     {"allowed_gids", "Group ids that may connect: a client whose primary group is listed may.",
-     &AccessSection::allowedGids},
+     &AccessSection::allowedGids, {0, kMaxId}},
     {"socket_mode",
      "Permission bits of the socket, always read as octal (like chmod): 0660 lets the owner and\n"
      "the socket's group connect.",
@@ -153,40 +215,88 @@ constexpr auto kAccessFields = std::to_array<Field<AccessSection>>({
 });
 
 constexpr auto kLimitsFields = std::to_array<Field<LimitsSection>>({
-    {"max_frame_bytes", "Largest control-plane message, 4096 to 67108864 bytes.", &LimitsSection::maxFrameBytes},
+    {"max_frame_bytes", "Largest control-plane message.", &LimitsSection::maxFrameBytes,
+     {kMinFrameBytes, kMaxFrameBytes}},
     {"max_buffer_bytes", "Largest single buffer allocation or registration; at most max_session_bytes.",
-     &LimitsSection::maxBufferBytes},
-    {"max_session_bytes", "Total bytes of all buffers one session may hold.", &LimitsSection::maxSessionBytes},
-    {"max_sessions", "Most client sessions connected at once.", &LimitsSection::maxSessions},
+     &LimitsSection::maxBufferBytes, {kMinBufferBytes, kMaxMemoryBytes}},
+    {"max_session_bytes", "Total bytes of all buffers one session may hold, registrations included.",
+     &LimitsSection::maxSessionBytes, {kMinBufferBytes, kMaxMemoryBytes}},
+    {"max_sessions",
+     "Most client sessions connected at once. Connections that have not said Hello yet count too, so a\n"
+     "flood of silent connections cannot crowd out clients. The daemon needs about\n"
+     "max_sessions x max_fds_per_session open files plus headroom: the shipped systemd unit sets\n"
+     "LimitNOFILE=65536 for the defaults (256 x 128 = 32768, plus as much again for connections,\n"
+     "communicators and the backend); raise LimitNOFILE with either key.",
+     &LimitsSection::maxSessions, {1, kMaxSessions}},
+    {"max_sessions_per_uid",
+     "Most sessions (and connections not yet past Hello) of one user id, so that one user cannot take\n"
+     "every slot of max_sessions.",
+     &LimitsSection::maxSessionsPerUid, {1, kMaxSessions}},
+    {"max_fds_per_session",
+     "File descriptors the daemon holds for one session: one per buffer it allocated or registered, plus\n"
+     "its fixed ones (socket, pidfd, ring, eventfds). An allocation beyond it fails naming this key.",
+     &LimitsSection::maxFdsPerSession, {kMinFdsPerSession, kMaxFdsPerSession}},
+    {"max_pending_completions",
+     "Completions the daemon queues for a session beyond its completion ring when the client does not\n"
+     "drain the ring; past it the session is closed as unresponsive.",
+     &LimitsSection::maxPendingCompletions, {kMinPendingCompletions, kMaxPendingCompletions}},
+    {"max_joining_comms_per_session",
+     "Communicators one session may have joined that are still waiting for their other ranks.",
+     &LimitsSection::maxJoiningCommsPerSession, {1, kMaxJoiningComms}},
+    {"max_scratch_bytes",
+     "Host scratch memory one cpu-backend op may allocate, computed from its shape; an op that would\n"
+     "need more is refused naming this key.",
+     &LimitsSection::maxScratchBytes, {kMinScratchBytes, kMaxMemoryBytes}},
+    {"max_cpu_workers_per_session",
+     "Cpu workers (daemon.worker_threads) one session's ops may occupy at once, so one tenant's large\n"
+     "ops cannot hold all of them; 0 = half of the workers, at least 1.",
+     &LimitsSection::maxCpuWorkersPerSession, {0, kMaxWorkerThreads}},
+    {"hello_timeout_ms", "A new connection that has not sent Hello within this is dropped.",
+     &LimitsSection::helloTimeoutMs, {kMinControlDeadlineMs, kMaxControlDeadlineMs}},
+    {"frame_timeout_ms",
+     "A control message, once its first byte arrived, must arrive whole within this, or the connection\n"
+     "is dropped (a client that trickles bytes or leaves a frame half-sent holds memory for nothing).",
+     &LimitsSection::frameTimeoutMs, {kMinControlDeadlineMs, kMaxControlDeadlineMs}},
+    {"max_reply_backlog_bytes",
+     "Replies queued for a client that does not read them; past it the client is disconnected. At\n"
+     "least max_frame_bytes + 4, so that any single reply fits.",
+     &LimitsSection::maxReplyBacklogBytes, {kMinReplyBacklogBytes, kMaxReplyBacklogBytes}},
 });
 
 constexpr auto kRingsFields = std::to_array<Field<RingsSection>>({
-    {"capacity", "Descriptors per submission ring; a power of two from 8 to 65536.", &RingsSection::capacity},
+    {"capacity", "Descriptors per submission ring; a power of two.", &RingsSection::capacity,
+     {kMinRingCapacity, kMaxRingCapacity}},
     {"poll_window_us",
      "After the last descriptor the pump busy-polls this long before sleeping; longer lowers\n"
      "latency for bursty clients, shorter frees the CPU sooner.",
-     &RingsSection::pollWindowUs},
+     &RingsSection::pollWindowUs, {0, kMaxPollWindowUs}},
 });
 
 constexpr auto kCommunicatorsFields = std::to_array<Field<CommunicatorsSection>>({
-    {"join_timeout_ms", "Rendezvous timeout used when a client joins a communicator with timeout 0.",
-     &CommunicatorsSection::joinTimeoutMs},
-    {"peer_lost_deadline_ms", "A dead rank's peers get TANDEM_ERROR_PEER_LOST within this; at least 100.",
-     &CommunicatorsSection::peerLostDeadlineMs},
+    {"join_timeout_ms",
+     "Rendezvous timeout used when a client joins a communicator with timeout 0; at most\n"
+     "max_join_timeout_ms.",
+     &CommunicatorsSection::joinTimeoutMs, {kMinJoinTimeoutMs, kMaxJoinTimeoutMs}},
+    {"peer_lost_deadline_ms", "A dead rank's peers get TANDEM_ERROR_PEER_LOST within this.",
+     &CommunicatorsSection::peerLostDeadlineMs, {kMinPeerLostDeadlineMs, kMaxPeerLostDeadlineMs}},
+    {"max_join_timeout_ms",
+     "The longest timeout a client may pass to tandem_comm_init; a longer one is refused naming this\n"
+     "key. A communicator waiting for its ranks holds memory until then.",
+     &CommunicatorsSection::maxJoinTimeoutMs, {kMinJoinTimeoutMs, kMaxJoinTimeoutMs}},
 });
 
 constexpr auto kCudaFields = std::to_array<Field<CudaSection>>({
     {"devices", "GPUs to own, by UUID as `nvidia-smi -L` prints them (\"GPU-...\"); empty = every visible GPU.",
      &CudaSection::devices},
     {"daemon_linger_ms", "With executor daemon, the persistent kernel exits after idling this long.",
-     &CudaSection::daemonLingerMs},
+     &CudaSection::daemonLingerMs, {0, kMaxLingerMs}},
     {"comm_sms", "SMs given to communication: AllGather's CTA cap and ag-gemm's communication CTAs (gemm-rs and\n"
      "gemm-ar choose their own plan); 0 = chosen per shape, which measured best (bench/RESULTS.md).",
-     &CudaSection::commSms},
+     &CudaSection::commSms, {0, kMaxCommSms}},
     {"workspace_bytes",
-     "GPU memory per communicator rank that peers write into (gathered A, reduce-scatter staging, flags), at\n"
-     "least 16 MiB. It bounds the largest fused op: one that needs more fails with the size to set here.",
-     &CudaSection::workspaceBytes},
+     "GPU memory per communicator rank that peers write into (gathered A, reduce-scatter staging, flags).\n"
+     "It bounds the largest fused op: one that needs more fails with the size to set here.",
+     &CudaSection::workspaceBytes, {kMinWorkspaceBytes, kMaxWorkspaceBytes}},
 });
 
 constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
@@ -198,7 +308,7 @@ constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
     {"node_index",
      "This node's 0-based position in nodes. Keep one shared file and pass --node-index N (or set\n"
      "TANDEM_NODE_INDEX) on each node instead of editing it per node.",
-     &ClusterSection::nodeIndex},
+     &ClusterSection::nodeIndex, {0, kMaxNodeIndex}},
     {"secret_file",
      "File whose first line is the cluster secret (at least 16 bytes; trailing whitespace ignored), the same\n"
      "on every node. Needed with two or more nodes unless secret is set. Create it once and copy it to every\n"
@@ -214,22 +324,21 @@ constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
      "traffic always uses tcp.",
      &ClusterSection::transport},
     {"connections_per_peer",
-     "TCP connections from this node to each other node, 1 to 16; large transfers are striped over them.\n"
+     "TCP connections from this node to each other node; large transfers are striped over them.\n"
      "Must be the same on every node.",
-     &ClusterSection::connectionsPerPeer},
+     &ClusterSection::connectionsPerPeer, {1, kMaxConnectionsPerPeer}},
     {"connect_timeout_ms",
      "At startup, how long the daemons wait for every node in nodes to come up and connect; start\n"
      "tandemd on all nodes within this window.",
-     &ClusterSection::connectTimeoutMs},
+     &ClusterSection::connectTimeoutMs, {1, kMaxConnectTimeoutMs}},
     {"heartbeat_interval_ms",
      "An idle connection sends a heartbeat this often, so a dead node is noticed within\n"
-     "communicators.peer_lost_deadline_ms. At least 10, and with two or more nodes below half of\n"
-     "peer_lost_deadline_ms.",
-     &ClusterSection::heartbeatIntervalMs},
+     "communicators.peer_lost_deadline_ms. With two or more nodes, below half of peer_lost_deadline_ms.",
+     &ClusterSection::heartbeatIntervalMs, {kMinHeartbeatIntervalMs, kMaxHeartbeatIntervalMs}},
     {"staging_bytes",
-     "Size of the inbox and of the outbox a multi-node communicator keeps for each peer node, 4096 (4 KiB)\n"
-     "to 17179869184 (16 GiB); memory grows with communicators x peer nodes.",
-     &ClusterSection::stagingBytes},
+     "Size of the inbox and of the outbox a multi-node communicator keeps for each peer node; memory\n"
+     "grows with communicators x peer nodes.",
+     &ClusterSection::stagingBytes, {kMinStagingBytes, kMaxStagingBytes}},
 });
 
 // ---- small text helpers ----
@@ -314,9 +423,10 @@ std::string describe(const YAML::Node& node) {
   }
 }
 
-// "16 GiB" for whole binary multiples, else "".
+// "16 GiB" (or TiB, MiB, KiB) for whole binary multiples, else "".
 std::string humanBytes(uint64_t bytes) {
   if (bytes == 0) return {};
+  if (bytes % kTiB == 0) return fmt::format("{} TiB", bytes / kTiB);
   if (bytes % kGiB == 0) return fmt::format("{} GiB", bytes / kGiB);
   if (bytes % kMiB == 0) return fmt::format("{} MiB", bytes / kMiB);
   if (bytes % kKiB == 0) return fmt::format("{} KiB", bytes / kKiB);
@@ -541,9 +651,51 @@ void checkCluster(const DaemonConfig& config, const Locate& at) {
   if (isMultiNode(k)) (void)resolveSecret(k, at);  // read secret_file now: a missing file fails the load, not the join
 }
 
+// "4096 (4 KiB)" for byte keys with a whole binary multiple, else the plain number.
+std::string describeValue(std::string_view key, uint64_t value) {
+  const std::string human = key.ends_with("_bytes") ? humanBytes(value) : std::string();
+  return human.empty() ? fmt::format("{}", value) : fmt::format("{} ({})", value, human);
+}
+
+// Every key of one section with a Range: its value (each item, for a list) lies within it.
+template <typename S, std::size_t N>
+void checkRanges(std::string_view sectionKey, const S& section, const std::array<Field<S>, N>& fields,
+                 const Locate& at) {
+  const S defaults{};
+  for (const auto& field : fields) {
+    if (field.range.empty()) continue;
+    const std::string path = joinPath(sectionKey, field.key);
+    // `shown` is the value as written (a negative int32 has no uint64_t form); `value` is nullopt when negative.
+    const auto check = [&](const std::string& itemPath, std::optional<uint64_t> value, const std::string& shown,
+                           const std::string& defaultText) {
+      if (value && *value >= field.range.min && *value <= field.range.max) return;
+      fail(ErrorCode::kInvalidConfig, "{}{}: {} is outside the range {} to {}. Set {} within that range (default {}).",
+           at({itemPath, path}), itemPath, shown, describeValue(field.key, field.range.min),
+           describeValue(field.key, field.range.max), path, defaultText);
+    };
+    std::visit(
+        [&](auto member) {
+          using M = decltype(member);
+          if constexpr (std::is_same_v<M, uint32_t S::*> || std::is_same_v<M, uint64_t S::*>) {
+            const uint64_t value = section.*member;
+            check(path, value, describeValue(field.key, value), describeValue(field.key, defaults.*member));
+          } else if constexpr (std::is_same_v<M, int32_t S::*>) {
+            const int32_t value = section.*member;
+            check(path, value < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(value)),
+                  fmt::format("{}", value), fmt::format("{}", defaults.*member));
+          } else if constexpr (std::is_same_v<M, std::vector<uint32_t> S::*>) {
+            const auto& items = section.*member;
+            for (std::size_t i = 0; i < items.size(); ++i) {
+              check(fmt::format("{}[{}]", path, i), items[i], fmt::format("{}", items[i]), "[]");
+            }
+          }
+        },
+        field.member);
+  }
+}
+
 void checkConfig(const DaemonConfig& config, const Locate& at) {
-  // Below this nothing useful fits; a communicator always gets at least AllGather's region for its rank count.
-  constexpr uint64_t kMinWorkspaceBytes = uint64_t{16} << 20;
+  // kMinWorkspaceBytes: a communicator always gets at least AllGather's region for its rank count.
   if (config.cuda.workspaceBytes < kMinWorkspaceBytes) {
     fail(ErrorCode::kInvalidConfig, "{}cuda.workspace_bytes: {} is below the minimum {} ({}). Set at least {}; the "
          "default is {} ({}).", at({"cuda.workspace_bytes"}), config.cuda.workspaceBytes, kMinWorkspaceBytes,
@@ -551,6 +703,12 @@ void checkConfig(const DaemonConfig& config, const Locate& at) {
          humanBytes(CudaSection{}.workspaceBytes));
   }
   const DaemonSection& d = config.daemon;
+  if (d.socket.size() >= kSunPathBytes) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}daemon.socket: the path is {} bytes, but a Unix socket address holds at most {} (sun_path). Set "
+         "daemon.socket (or --socket) to a shorter path, such as one under /run/tandem or $XDG_RUNTIME_DIR.",
+         at({"daemon.socket"}), d.socket.size(), kSunPathBytes - 1);
+  }
   if (std::find(kLogLevels.begin(), kLogLevels.end(), d.logLevel) == kLogLevels.end()) {
     fail(ErrorCode::kInvalidConfig, "{}daemon.log_level: '{}' is not one of {}. Set daemon.log_level to {}.",
          at({"daemon.log_level"}), d.logLevel, joinComma(kLogLevels), joinOr(kLogLevels));
@@ -619,6 +777,32 @@ void checkConfig(const DaemonConfig& config, const Locate& at) {
   }
 
   checkCluster(config, at);
+
+  // The specific checks above explain the common mistakes; these bound every numeric key.
+  checkRanges("daemon", config.daemon, kDaemonFields, at);
+  checkRanges("access", config.access, kAccessFields, at);
+  checkRanges("limits", config.limits, kLimitsFields, at);
+  checkRanges("rings", config.rings, kRingsFields, at);
+  checkRanges("communicators", config.communicators, kCommunicatorsFields, at);
+  checkRanges("cuda", config.cuda, kCudaFields, at);
+  checkRanges("cluster", config.cluster, kClusterFields, at);
+
+  // Cross-key rules over the keys added with the ranges.
+  if (l.maxReplyBacklogBytes < l.maxFrameBytes + kFrameHeaderBytes) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}limits.max_reply_backlog_bytes: {} is less than one largest reply (limits.max_frame_bytes {} + {} bytes "
+         "of header), so a client could be disconnected for a single reply. Raise limits.max_reply_backlog_bytes to "
+         "at least {} or lower limits.max_frame_bytes.",
+         at({"limits.max_reply_backlog_bytes", "limits.max_frame_bytes"}), l.maxReplyBacklogBytes, l.maxFrameBytes,
+         kFrameHeaderBytes, l.maxFrameBytes + kFrameHeaderBytes);
+  }
+  if (c.joinTimeoutMs > c.maxJoinTimeoutMs) {
+    fail(ErrorCode::kInvalidConfig,
+         "{}communicators.join_timeout_ms: {} is above communicators.max_join_timeout_ms ({}), so a default join "
+         "would be refused. Lower communicators.join_timeout_ms or raise communicators.max_join_timeout_ms.",
+         at({"communicators.join_timeout_ms", "communicators.max_join_timeout_ms"}), c.joinTimeoutMs,
+         c.maxJoinTimeoutMs);
+  }
 }
 
 // ---- the parser ----
@@ -1000,6 +1184,11 @@ void appendSection(std::string& out, std::string_view key, const S& section, con
   out += fmt::format("{}:\n", key);
   for (const auto& field : fields) {
     appendComment(out, "  ", field.help);
+    if (!field.range.empty()) {
+      const bool list = std::holds_alternative<std::vector<uint32_t> S::*>(field.member);
+      out += fmt::format("  # {}: {} to {}.\n", list ? "Each item" : "Range", describeValue(field.key, field.range.min),
+                         describeValue(field.key, field.range.max));
+    }
     const std::string value = std::visit([&](auto member) { return formatValue(section, member); }, field.member);
     std::string note;
     if (field.key.ends_with("_bytes")) {

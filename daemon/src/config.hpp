@@ -36,6 +36,15 @@ struct LimitsSection {
   uint64_t maxBufferBytes = uint64_t{16} << 30;      // one allocation or registration
   uint64_t maxSessionBytes = uint64_t{64} << 30;     // all buffers of one session
   uint32_t maxSessions = 256;
+  uint32_t maxSessionsPerUid = 64;                   // sessions (and connections not yet past Hello) of one uid
+  uint32_t maxFdsPerSession = 128;                   // fds the daemon holds for one session: buffers + fixed fds
+  uint32_t maxPendingCompletions = 4096;             // completions queued beyond a session's undrained ring
+  uint32_t maxJoiningCommsPerSession = 16;           // communicators a session has joined that are not yet complete
+  uint64_t maxScratchBytes = uint64_t{1} << 30;      // host scratch one cpu-backend op may allocate
+  uint32_t maxCpuWorkersPerSession = 0;              // 0 = half of daemon.worker_threads, at least 1
+  uint32_t helloTimeoutMs = 5000;                    // a connection must send Hello within this
+  uint32_t frameTimeoutMs = 10000;                   // a frame once started must arrive whole within this
+  uint64_t maxReplyBacklogBytes = uint64_t{4} << 20; // replies queued for a client that does not read them
 
   bool operator==(const LimitsSection&) const = default;
 };
@@ -50,6 +59,7 @@ struct RingsSection {
 struct CommunicatorsSection {
   uint32_t joinTimeoutMs = 30000;       // default rendezvous timeout when the client passes 0
   uint32_t peerLostDeadlineMs = 2000;   // a dead rank's peers see PEER_LOST within this
+  uint32_t maxJoinTimeoutMs = 600000;   // the largest timeout a client may ask tandem_comm_init for
 
   bool operator==(const CommunicatorsSection&) const = default;
 };
@@ -93,6 +103,13 @@ struct DaemonConfig {
 
   bool operator==(const DaemonConfig&) const = default;
 };
+
+// The cpu workers one session's ops may occupy at once, of the daemon's `workers` threads:
+// limits.max_cpu_workers_per_session, or half of them (at least 1) when that is 0; never more than `workers`.
+inline uint32_t cpuWorkerShare(const LimitsSection& limits, uint32_t workers) {
+  const uint32_t share = limits.maxCpuWorkersPerSession != 0 ? limits.maxCpuWorkersPerSession : workers / 2;
+  return share < 1 ? 1 : (share > workers && workers > 0 ? workers : share);
+}
 
 // Parses YAML text. `sourceName` appears in errors ("tandemd.yaml:12:3: daemon.backend: ...").
 // Throws Error(kInvalidConfig) naming the key path and line:column; unknown keys list the valid ones.

@@ -3,8 +3,10 @@
 #include "config.hpp"
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -645,6 +647,171 @@ TEST_SUITE("config") {
     checkError("cluster:\n  node_idx: 1\n",
                {"tandemd.yaml:2:3: cluster.node_idx: unknown key. Valid keys in cluster: nodes, node_index,",
                 "Did you mean 'node_index'?"});
+  }
+
+  TEST_CASE("every numeric key prints its range, and the shipped file documents the LimitNOFILE rule") {
+    // A number after "key:" is a numeric key (socket_mode is octal and has its own check); each must carry a
+    // "# Range:" (or "# Each item:" for lists of numbers) comment right above it.
+    std::istringstream lines(defaultConfigYaml());
+    std::string line, previous;
+    int numericKeys = 0;
+    while (std::getline(lines, line)) {
+      const std::size_t colon = line.find(": ");
+      const bool key = line.starts_with("  ") && !line.starts_with("  #") && colon != std::string::npos;
+      if (key) {
+        const std::string value = line.substr(colon + 2);
+        const bool number = !value.empty() && std::isdigit(static_cast<unsigned char>(value[0])) != 0 &&
+                            line.find("socket_mode") == std::string::npos;
+        const bool numberList = value == "[]" && (line.find("_uids") != std::string::npos ||
+                                                  line.find("_gids") != std::string::npos);
+        if (number || numberList) {
+          ++numericKeys;
+          CHECK_MESSAGE((previous.starts_with("  # Range: ") || previous.starts_with("  # Each item: ")),
+                        "no range comment above: " << line);
+        }
+      }
+      previous = line;
+    }
+    CHECK(numericKeys >= 29);  // all of them today; a key whose default is not printed as a number is not counted
+    CHECK(defaultConfigYaml().find("LimitNOFILE=65536") != std::string::npos);
+    const DaemonConfig d;
+    CHECK(uint64_t{d.limits.maxSessions} * d.limits.maxFdsPerSession * 2 <= 65536);
+  }
+
+  TEST_CASE("the hostile-client limits have their documented defaults") {
+    const LimitsSection l;
+    CHECK(l.maxSessionsPerUid == 64);
+    CHECK(l.maxFdsPerSession == 128);
+    CHECK(l.maxPendingCompletions == 4096);
+    CHECK(l.maxJoiningCommsPerSession == 16);
+    CHECK(l.maxScratchBytes == (uint64_t{1} << 30));
+    CHECK(l.maxCpuWorkersPerSession == 0);
+    CHECK(l.helloTimeoutMs == 5000);
+    CHECK(l.frameTimeoutMs == 10000);
+    CHECK(l.maxReplyBacklogBytes == (uint64_t{4} << 20));
+    CHECK(CommunicatorsSection{}.maxJoinTimeoutMs == 600000);
+    const DaemonConfig parsed = parseConfig(
+        "limits:\n  max_sessions_per_uid: 2\n  max_fds_per_session: 16\n  max_pending_completions: 16\n"
+        "  max_joining_comms_per_session: 1\n  max_scratch_bytes: 1048576\n  max_cpu_workers_per_session: 3\n"
+        "  hello_timeout_ms: 50\n  frame_timeout_ms: 600000\n  max_reply_backlog_bytes: 1073741824\n"
+        "communicators:\n  max_join_timeout_ms: 3600000\n",
+        "ok.yaml");
+    CHECK(parsed.limits.maxSessionsPerUid == 2);
+    CHECK(parsed.limits.maxFdsPerSession == 16);
+    CHECK(parsed.limits.maxPendingCompletions == 16);
+    CHECK(parsed.limits.maxJoiningCommsPerSession == 1);
+    CHECK(parsed.limits.maxScratchBytes == (uint64_t{1} << 20));
+    CHECK(parsed.limits.maxCpuWorkersPerSession == 3);
+    CHECK(parsed.limits.helloTimeoutMs == 50);
+    CHECK(parsed.limits.frameTimeoutMs == 600000);
+    CHECK(parsed.limits.maxReplyBacklogBytes == (uint64_t{1} << 30));
+    CHECK(parsed.communicators.maxJoinTimeoutMs == 3600000);
+  }
+
+  TEST_CASE("the cpu worker share: the key, else half of the workers, at least 1, at most all") {
+    LimitsSection l;
+    CHECK(cpuWorkerShare(l, 8) == 4);
+    CHECK(cpuWorkerShare(l, 3) == 1);
+    CHECK(cpuWorkerShare(l, 1) == 1);
+    l.maxCpuWorkersPerSession = 2;
+    CHECK(cpuWorkerShare(l, 8) == 2);
+    l.maxCpuWorkersPerSession = 100;
+    CHECK(cpuWorkerShare(l, 8) == 8);
+  }
+
+  TEST_CASE("values outside a key's range exit as config errors naming the key, the range and line:column") {
+    // The values the daemon used to accept and then misbehave with.
+    checkError("daemon:\n  worker_threads: 100000\n",
+               {"tandemd.yaml:2:19: daemon.worker_threads: 100000 is outside the range 0 to 1024.",
+                "Set daemon.worker_threads within that range (default 0)."});
+    checkError("rings:\n  poll_window_us: 4294967295\n",
+               {"tandemd.yaml:2:19: rings.poll_window_us: 4294967295 is outside the range 0 to 10000."});
+    checkError("communicators:\n  join_timeout_ms: 0\n",
+               {"tandemd.yaml:2:20: communicators.join_timeout_ms: 0 is outside the range 100 to 3600000.",
+                "(default 30000)"});
+    checkError("limits:\n  max_buffer_bytes: 0\n",
+               {"tandemd.yaml:2:21: limits.max_buffer_bytes: 0 is outside the range 4096 (4 KiB) to 17592186044416 "
+                "(16 TiB).", "(default 17179869184 (16 GiB))"});
+    checkError("access:\n  allowed_uids: [1000, 4294967295]\n",
+               {"tandemd.yaml:2:24: access.allowed_uids[1]: 4294967295 is outside the range 0 to 4294967294."});
+    checkError("cuda:\n  comm_sms: 257\n", {"tandemd.yaml:2:13: cuda.comm_sms: 257 is outside the range 0 to 256."});
+    checkError("cluster:\n  node_index: 65536\n",
+               {"tandemd.yaml:2:15: cluster.node_index: 65536 is outside the range 0 to 65535."});
+  }
+
+  TEST_CASE("each limit refuses the value just outside its range and accepts its bounds") {
+    struct Case {
+      const char* section;
+      const char* key;
+      uint64_t min, max;
+    };
+    const Case cases[] = {
+        {"daemon", "worker_threads", 0, 1024},
+        {"limits", "max_sessions", 1, 65536},
+        {"limits", "max_sessions_per_uid", 1, 65536},
+        {"limits", "max_fds_per_session", 16, 65536},
+        {"limits", "max_pending_completions", 16, 1u << 20},
+        {"limits", "max_joining_comms_per_session", 1, 4096},
+        {"limits", "max_scratch_bytes", 1u << 20, uint64_t{16} << 40},
+        {"limits", "max_cpu_workers_per_session", 0, 1024},
+        {"limits", "hello_timeout_ms", 50, 600000},
+        {"limits", "frame_timeout_ms", 50, 600000},
+        {"limits", "max_reply_backlog_bytes", 1u << 21, 1u << 30},  // min: max_frame_bytes below is 2 MiB - 4
+        {"rings", "poll_window_us", 0, 10000},
+        {"communicators", "peer_lost_deadline_ms", 100, 600000},
+        {"communicators", "max_join_timeout_ms", 30000, 3600000},  // min: join_timeout_ms defaults to 30000
+        {"cuda", "daemon_linger_ms", 0, 3600000},
+        {"cuda", "comm_sms", 0, 256},
+        {"cuda", "workspace_bytes", 16u << 20, uint64_t{1} << 40},
+        {"cluster", "connect_timeout_ms", 1, 86400000},
+        {"cluster", "heartbeat_interval_ms", 10, 60000},
+    };
+    // max_reply_backlog_bytes is checked against a 2 MiB - 4 frame cap so that its lower bound is the cross-key rule.
+    const std::string extra = "limits:\n  max_frame_bytes: 2097148\n";
+    for (const Case& c : cases) {
+      const std::string key = fmt::format("{}.{}", c.section, c.key);
+      const auto file = [&](uint64_t value) {
+        std::string text = fmt::format("{}:\n  {}: {}\n", c.section, c.key, value);
+        if (std::string_view(c.section) == "limits") return text + fmt::format("  max_frame_bytes: 2097148\n");
+        return text + extra;
+      };
+      INFO("key: " << key);
+      CHECK_NOTHROW(parseConfig(file(c.min), "min.yaml"));
+      CHECK_NOTHROW(parseConfig(file(c.max), "max.yaml"));
+      CHECK(configError(file(c.max + 1)).find(key + ": ") != std::string::npos);
+      if (c.min > 0) CHECK(configError(file(c.min - 1)).find(key) != std::string::npos);
+    }
+  }
+
+  TEST_CASE("validateConfig checks ranges too, so a flag cannot bring in an absurd value") {
+    DaemonConfig config;
+    config.daemon.workerThreads = 100000;
+    CHECK(invalidConfigError([&] { validateConfig(config); }).find("daemon.worker_threads: 100000 is outside") !=
+          std::string::npos);
+    config = DaemonConfig{};
+    config.limits.helloTimeoutMs = 0;
+    CHECK(invalidConfigError([&] { validateConfig(config); }).find("limits.hello_timeout_ms") != std::string::npos);
+  }
+
+  TEST_CASE("the reply backlog must hold one largest reply, and the default join timeout must be allowed") {
+    checkError("limits:\n  max_frame_bytes: 1048576\n  max_reply_backlog_bytes: 1048579\n",
+               {"tandemd.yaml:3:28: limits.max_reply_backlog_bytes: 1048579 is less than one largest reply",
+                "at least 1048580"});
+    CHECK_NOTHROW(parseConfig("limits:\n  max_frame_bytes: 1048576\n  max_reply_backlog_bytes: 1048580\n", "ok"));
+    checkError("communicators:\n  join_timeout_ms: 60000\n  max_join_timeout_ms: 59999\n",
+               {"tandemd.yaml:2:20: communicators.join_timeout_ms: 60000 is above communicators.max_join_timeout_ms "
+                "(59999)"});
+  }
+
+  TEST_CASE("a socket path longer than sun_path is a config error, not a bind failure") {
+    const std::string fits = "/tmp/" + std::string(102, 's');  // 107 bytes: the most sun_path holds
+    CHECK(parseConfig("daemon:\n  socket: " + fits + "\n", "ok.yaml").daemon.socket == fits);
+    checkError("daemon:\n  socket: " + fits + "x\n",
+               {"tandemd.yaml:2:11: daemon.socket: the path is 108 bytes, but a Unix socket address holds at most 107",
+                "Set daemon.socket (or --socket) to a shorter path"});
+    DaemonConfig config;
+    config.daemon.socket = fits + "x";
+    CHECK(invalidConfigError([&] { validateConfig(config); }).find("daemon.socket") != std::string::npos);
   }
 
   TEST_CASE("backend and executor names match the YAML spellings") {
