@@ -38,9 +38,14 @@ inline constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 inline constexpr int kMaxSegments = 4;
 inline constexpr int kStages = 2;  // K and V rings, each this deep
 inline constexpr int kSwizzleCols = 64;  // 64 x 16-bit = 128 bytes: one 128B-swizzle row; wider heads come in halves
-inline constexpr uint32_t kProducerRegs = 32;
+// setmaxnreg moves registers inside a per-CTA pool: the CTA's launch allocation, 168 per thread under
+// __launch_bounds__(384, 1) (64K / 384, rounded down to 8), not the whole 64K register file. Asking for more than the
+// pool holds makes setmaxnreg.inc wait forever (seen: 32 + 2 x 240 hung every launch).
+inline constexpr uint32_t kLaunchRegs = 168;
+inline constexpr uint32_t kProducerRegs = 24;
 inline constexpr uint32_t kConsumerRegs = 240;
-static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512, "register file: 64K regs / 128 threads");
+static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= kLaunchRegs * (1 + kConsumerWarpgroups),
+              "setmaxnreg pool: the CTA's launch allocation");
 
 enum class Role : uint8_t { kProducer = 0, kConsumer = 1 };
 __host__ __device__ constexpr Role roleOf(int wg) { return wg == 0 ? Role::kProducer : Role::kConsumer; }
