@@ -12,6 +12,7 @@ packages=(
   doctest-dev                            # tests
   libfmt-dev libspdlog-dev libcli11-dev nlohmann-json3-dev
   libibverbs-dev libnuma-dev             # verbs transport, NUMA pinning of proxy threads
+  libssl-dev                             # libcrypto: HMAC-SHA256 of the tcp transport handshake
   libsystemd-dev systemd                 # sd_notify; systemd-analyze verifies the units in a test
   iproute2                               # network namespaces for multi-node tests
 )

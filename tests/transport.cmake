@@ -1,5 +1,5 @@
 # Transport-layer tests, included from tests/CMakeLists.txt (after include(doctest)).
-#   tandem_transport_tests  unit: verbs logic, wire formats, FIFO arithmetic and stress, validation, HMAC
+#   tandem_transport_tests  unit: verbs logic, wire formats, FIFO arithmetic and stress, validation, tcp logic
 #   tandem_tcp_tests        integration: real sockets on 127.0.0.x, several transports and forked nodes
 #   tandem_rdma_tests       rdma: needs an RDMA device; exits 77 (skipped) without one
 # Inert until daemon/CMakeLists.txt has add_subdirectory(src/transport).
@@ -9,6 +9,7 @@ endif()
 
 add_executable(tandem_transport_tests
   unit/main.cpp
+  unit/tcp_logic_test.cpp
   unit/transport_logic_test.cpp)
 target_link_libraries(tandem_transport_tests PRIVATE tandem_transport doctest::doctest tandem_warnings)
 doctest_discover_tests(tandem_transport_tests ADD_LABELS 1 PROPERTIES LABELS unit TIMEOUT 60)

@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/tcp_handshake.hpp"
 #include "transport/tcp_transport.hpp"
 
 using namespace tandem;

@@ -1,7 +1,6 @@
 #include "transport/tcp_transport.hpp"
 
 #include <spdlog/spdlog.h>
-#include <sys/random.h>
 
 #include <algorithm>
 #include <atomic>
@@ -25,128 +24,13 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <random>
 #include <shared_mutex>
 #include <thread>
 #include <unordered_map>
 
+#include "transport/tcp_handshake.hpp"
+
 namespace tandem::daemon::transport {
-
-// ---------------------------------------------------------------------------------------------------------
-// SHA-256 / HMAC (FIPS 180-4, RFC 2104); checked against RFC 4231 vectors in transport_logic_test.cpp
-// ---------------------------------------------------------------------------------------------------------
-namespace detail {
-namespace {
-constexpr std::array<uint32_t, 64> kSha256K = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98, 0x12835b01,
-    0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc,
-    0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147,
-    0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08,
-    0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208,
-    0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
-
-class Sha256 {
- public:
-  void update(std::span<const std::byte> data) {
-    for (std::byte b : data) {
-      block_[fill_++] = static_cast<uint8_t>(b);
-      if (fill_ == 64) {
-        compress();
-        fill_ = 0;
-      }
-    }
-    bits_ += uint64_t{data.size()} * 8;
-  }
-  Sha256Digest finish() {
-    const uint64_t bits = bits_;
-    const std::byte one{0x80}, zero{0};
-    update(std::span(&one, 1));
-    while (fill_ != 56) update(std::span(&zero, 1));
-    std::array<std::byte, 8> len{};
-    for (int i = 0; i < 8; ++i) len[static_cast<std::size_t>(i)] = static_cast<std::byte>(bits >> (56 - 8 * i));
-    update(len);
-    Sha256Digest out{};
-    for (std::size_t i = 0; i < 8; ++i) {
-      for (std::size_t j = 0; j < 4; ++j) out[4 * i + j] = static_cast<uint8_t>(h_[i] >> (24 - 8 * j));
-    }
-    return out;
-  }
-
- private:
-  void compress() {
-    std::array<uint32_t, 64> w{};
-    for (std::size_t i = 0; i < 16; ++i) {
-      w[i] = uint32_t{block_[4 * i]} << 24 | uint32_t{block_[4 * i + 1]} << 16 | uint32_t{block_[4 * i + 2]} << 8 |
-             uint32_t{block_[4 * i + 3]};
-    }
-    for (std::size_t i = 16; i < 64; ++i) {
-      const uint32_t s0 = std::rotr(w[i - 15], 7) ^ std::rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-      const uint32_t s1 = std::rotr(w[i - 2], 17) ^ std::rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-    }
-    uint32_t a = h_[0], b = h_[1], c = h_[2], d = h_[3], e = h_[4], f = h_[5], g = h_[6], h = h_[7];
-    for (std::size_t i = 0; i < 64; ++i) {
-      const uint32_t s1 = std::rotr(e, 6) ^ std::rotr(e, 11) ^ std::rotr(e, 25);
-      const uint32_t ch = (e & f) ^ (~e & g);
-      const uint32_t t1 = h + s1 + ch + kSha256K[i] + w[i];
-      const uint32_t s0 = std::rotr(a, 2) ^ std::rotr(a, 13) ^ std::rotr(a, 22);
-      const uint32_t maj = (a & b) ^ (a & c) ^ (b & c);
-      const uint32_t t2 = s0 + maj;
-      h = g;
-      g = f;
-      f = e;
-      e = d + t1;
-      d = c;
-      c = b;
-      b = a;
-      a = t1 + t2;
-    }
-    h_[0] += a, h_[1] += b, h_[2] += c, h_[3] += d, h_[4] += e, h_[5] += f, h_[6] += g, h_[7] += h;
-  }
-
-  std::array<uint32_t, 8> h_ = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                                0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  std::array<uint8_t, 64> block_{};
-  std::size_t fill_ = 0;
-  uint64_t bits_ = 0;
-};
-}  // namespace
-
-Sha256Digest sha256(std::span<const std::byte> data) {
-  Sha256 s;
-  s.update(data);
-  return s.finish();
-}
-
-Sha256Digest hmacSha256(std::span<const std::byte> key, std::span<const std::byte> message) {
-  std::array<std::byte, 64> k{};
-  if (key.size() > k.size()) {
-    const auto d = sha256(key);
-    std::transform(d.begin(), d.end(), k.begin(), [](uint8_t b) { return std::byte{b}; });
-  } else {
-    std::copy(key.begin(), key.end(), k.begin());
-  }
-  std::array<std::byte, 64> pad{};
-  Sha256 inner;
-  for (std::size_t i = 0; i < 64; ++i) pad[i] = k[i] ^ std::byte{0x36};
-  inner.update(pad);
-  inner.update(message);
-  const auto innerDigest = inner.finish();
-  Sha256 outer;
-  for (std::size_t i = 0; i < 64; ++i) pad[i] = k[i] ^ std::byte{0x5c};
-  outer.update(pad);
-  outer.update(std::as_bytes(std::span(innerDigest)));
-  return outer.finish();
-}
-
-bool constantTimeEqual(std::span<const uint8_t> a, std::span<const uint8_t> b) {
-  if (a.size() != b.size()) return false;
-  uint8_t diff = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) diff = static_cast<uint8_t>(diff | (a[i] ^ b[i]));
-  return diff == 0;
-}
-}  // namespace detail
 
 std::string NodeAddress::toString() const {
   return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
@@ -201,15 +85,6 @@ enum class HandshakeStatus : uint32_t {
 
 int64_t nowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
-
-std::array<std::byte, 16> randomNonce() {
-  std::array<std::byte, 16> n{};
-  if (::getrandom(n.data(), n.size(), 0) != static_cast<ssize_t>(n.size())) {
-    std::random_device rd;
-    for (auto& b : n) b = static_cast<std::byte>(rd());
-  }
-  return n;
 }
 
 std::span<const std::byte> bytesOf(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
@@ -892,7 +767,7 @@ asio::awaitable<void> TcpTransport::Impl::serveInbound(std::shared_ptr<InConn> c
   w.put<uint32_t>(static_cast<uint32_t>(status));
   w.put<uint32_t>(config.self);
   w.put<uint32_t>(config.connectionsPerPeer);
-  w.putBytes(randomNonce());
+  w.putBytes(detail::randomNonce());
   const auto macA = handshakeMac(config.secret, "acceptor", hello, reply);
   w.putBytes(std::as_bytes(std::span(macA)));
   co_await asio::async_write(c->socket, asio::buffer(reply), asio::redirect_error(asio::use_awaitable, ec));
@@ -928,10 +803,8 @@ asio::awaitable<void> TcpTransport::Impl::serveInbound(std::shared_ptr<InConn> c
     co_return;
   }
   const auto expected = handshakeMac(config.secret, "dialer", hello, std::span(reply).first(kReplyPrefixBytes));
-  std::array<uint8_t, 32> got{};
-  std::transform(auth.begin(), auth.end(), got.begin(), [](std::byte b) { return static_cast<uint8_t>(b); });
   HandshakeStatus result = HandshakeStatus::kOk;
-  if (!detail::constantTimeEqual(got, expected)) {
+  if (!detail::macEqual(auth, std::as_bytes(std::span(expected)))) {
     result = HandshakeStatus::kBadSecret;
   } else {
     Peer& p = *peers[from];
@@ -1092,7 +965,7 @@ asio::awaitable<TcpTransport::Impl::DialOutcome> TcpTransport::Impl::dialHandsha
   w.put<uint32_t>(c->index);
   w.put<uint32_t>(config.connectionsPerPeer);
   w.put<uint32_t>(0);
-  w.putBytes(randomNonce());
+  w.putBytes(detail::randomNonce());
   auto retry = [&](std::string why) {
     std::lock_guard lock(p.mutex);
     p.lastDialError = std::move(why);
@@ -1138,9 +1011,8 @@ asio::awaitable<TcpTransport::Impl::DialOutcome> TcpTransport::Impl::dialHandsha
   }
   const auto replyPrefix = std::span<const std::byte>(reply).first(kReplyPrefixBytes);
   const auto expected = handshakeMac(config.secret, "acceptor", hello, replyPrefix);
-  std::array<uint8_t, 32> got{};
-  std::transform(reply.begin() + kReplyPrefixBytes, reply.end(), got.begin(), [](std::byte b) { return static_cast<uint8_t>(b); });
-  const bool secretMatches = detail::constantTimeEqual(got, expected);
+  const bool secretMatches =
+      detail::macEqual(std::span<const std::byte>(reply).subspan(kReplyPrefixBytes), std::as_bytes(std::span(expected)));
   // Sent even when the acceptor's MAC did not verify, so the acceptor detects the mismatch and reports it too.
   const auto macD = handshakeMac(config.secret, "dialer", hello, replyPrefix);
   co_await asio::async_write(c->socket, asio::buffer(macD), asio::redirect_error(asio::use_awaitable, ec));

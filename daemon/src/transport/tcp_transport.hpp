@@ -72,7 +72,6 @@
 // Threads: `ioThreads` threads run one io_context; each connection's handlers run on its own strand.
 #pragma once
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -173,15 +172,5 @@ class TcpTransport final : public Transport {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
-
-namespace detail {
-using Sha256Digest = std::array<uint8_t, 32>;
-/// FIPS 180-4 SHA-256 (self-contained: the transport needs no TLS library).
-Sha256Digest sha256(std::span<const std::byte> data);
-/// RFC 2104 HMAC-SHA256.
-Sha256Digest hmacSha256(std::span<const std::byte> key, std::span<const std::byte> message);
-/// Compares without an early exit, so timing does not reveal the first differing byte.
-bool constantTimeEqual(std::span<const uint8_t> a, std::span<const uint8_t> b);
-}  // namespace detail
 
 }  // namespace tandem::daemon::transport
