@@ -308,6 +308,9 @@ TEST_CASE("attention core: persistent CTAs, tuning variants") {
   SUBCASE("free-running consumer warpgroups (ping-pong off)") {
     checkCase({.name = "pingpong off causal", .sq = 300, .causal = true, .kv = {{300, 0}}, .pingPong = 2}, 13);
   }
+  SUBCASE("blockN 128 without causal masking (the default there is 176)") {
+    checkCase({.name = "bn128 full", .sq = 200, .kv = {{333, 0}}, .blockN = 128}, 16);
+  }
   SUBCASE("blockN 176, kv not a multiple of 176") {
     checkCase({.name = "bn176", .sq = 200, .kv = {{500, 0}}, .blockN = 176}, 14);
   }

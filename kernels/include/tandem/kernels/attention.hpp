@@ -44,9 +44,9 @@ struct AttentionParams {
   bool causal;
   float scale;      // 0: 1 / sqrt(headDim); otherwise finite and > 0
   // Tuning (0 = default).
-  int32_t blockN;    // keys per KV block: 128, or 176 (headDim 128, non-causal)
+  int32_t blockN;    // keys per KV block: 128, or 176 (headDim 128, non-causal; the default there, else 128)
   int32_t numSms;    // cap on the persistent grid (CTAs); 0 = every SM
-  int32_t pingPong;  // 1: the two consumer warpgroups take turns issuing GEMMs, 2: free-running
+  int32_t pingPong;  // 1 (default): the two consumer warpgroups take turns issuing GEMMs, 2: free-running
 };
 
 /// Throws tandem::Error(kInvalidArgument) naming the broken rule ("rule head_dim: ..."), or kUnsupported for
