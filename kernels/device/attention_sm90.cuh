@@ -14,6 +14,9 @@
 // Inside a warpgroup the next block's QK^T is issued before this block's softmax (so the tensor cores have work
 // while the warpgroup does exp2), and across the two warpgroups a pair of named barriers makes them take turns
 // issuing (ping-pong): one warpgroup's softmax runs under the other's GEMMs.
+// NOTE: in the SASS, ptxas moves the wait for O += P V above the softmax (packing the new P overwrites the registers
+// that the PV in flight still reads), so inside a warpgroup the softmax does not overlap its own PV; the overlap comes
+// from ping-pong. Two P register buffers would restore it (at 128-key blocks: +32 registers per thread).
 // Causal: KV blocks wholly in a tile's future are never loaded; masking runs only on blocks that straddle the
 // diagonal or end a segment. Rows that see no key come out as 0 with lse -inf.
 #pragma once
