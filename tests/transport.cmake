@@ -25,3 +25,6 @@ target_link_libraries(tandem_rdma_tests PRIVATE tandem_transport doctest::doctes
 # One CTest entry: the executable probes for a device before doctest runs and exits 77 without one.
 add_test(NAME tandem_rdma_tests COMMAND tandem_rdma_tests)
 set_tests_properties(tandem_rdma_tests PROPERTIES LABELS rdma SKIP_RETURN_CODE 77 TIMEOUT 120)
+
+# tandemd refuses a cluster transport without a control channel (a daemon process; needs tandemd).
+target_sources(tandem_integration_tests PRIVATE integration/cluster_transport_test.cpp)

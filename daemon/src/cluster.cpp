@@ -6,7 +6,8 @@
 #include <algorithm>
 #include <atomic>
 
-#include "engine.hpp"
+#include "backend.hpp"
+#include "transport/factory.hpp"
 
 namespace tandem::daemon {
 namespace {
@@ -185,8 +186,10 @@ Cluster::Cluster(const DaemonConfig& config, std::string backend, std::vector<Gp
   const ClusterSection& c = config.cluster;
   if (!isMultiNode(c)) fail(ErrorCode::kInvalidConfig, "cluster.nodes lists fewer than two nodes");
   if (c.transport != ClusterTransport::kTcp) {
-    fail(ErrorCode::kInvalidConfig, "cluster.transport: verbs is built and unit-tested but tandemd does not drive it "
-         "yet; set cluster.transport: tcp");
+    fail(ErrorCode::kInvalidConfig, "cluster.transport: verbs is built and unit-tested but tandemd cannot run a "
+         "cluster on it yet: the verbs transport has no control channel for the daemons' messages (its queue pairs "
+         "carry RDMA writes only), and nothing exchanges its queue-pair addresses at startup; set "
+         "cluster.transport: tcp");
   }
   self_ = static_cast<NodeIndex>(c.nodeIndex);
   nodes_.resize(c.nodes.size());
@@ -201,24 +204,29 @@ Cluster::Cluster(const DaemonConfig& config, std::string backend, std::vector<Gp
   linkUp_.assign(nodes_.size(), false);
   queued_.resize(nodes_.size());
 
-  transport::TcpConfig tc;
-  tc.self = self_;
-  tc.listenHost = addresses_[self_].host;
-  tc.listenPort = addresses_[self_].port;
-  tc.secret = clusterSecret(c);
-  tc.connectionsPerPeer = c.connectionsPerPeer;
-  tc.ioThreads = 2;
-  tc.connectTimeoutMs = c.connectTimeoutMs;
-  tc.heartbeatIntervalMs = c.heartbeatIntervalMs;
-  tc.peerDeadlineMs = config.communicators.peerLostDeadlineMs;
-  transport_ = std::make_unique<transport::TcpTransport>(std::move(tc));
+  transport::TransportOptions to;
+  to.kind = transport::TransportKind::kTcp;
+  to.self = self_;
+  to.listen = addresses_[self_];
+  to.secret = clusterSecret(c);
+  to.connectionsPerPeer = c.connectionsPerPeer;
+  to.ioThreads = 2;
+  to.connectTimeoutMs = c.connectTimeoutMs;
+  to.heartbeatIntervalMs = c.heartbeatIntervalMs;
+  to.peerDeadlineMs = config.communicators.peerLostDeadlineMs;
+  transport_ = transport::createTransport(to);
+  control_ = transport_->controlChannel();
+  if (control_ == nullptr) {
+    fail(ErrorCode::kInvalidConfig, "cluster.transport: the {} transport has no control channel for the daemons' "
+         "messages; set cluster.transport: tcp", transport::transportKindName(transport_->kind()));
+  }
 
   const uint64_t fifoBytes = transport::ProxyFifoLayout::bytesFor(kFifoCapacity);
   fifoFd_ = Fd::memfd("tandem-proxy-fifo", fifoBytes);
   fifoMapping_ = Mapping::shared(fifoFd_.get(), fifoBytes);
   fifo_ = transport::ProxyFifoView::format(fifoMapping_.data(), fifoBytes, kFifoCapacity);
   transport::ProxyOptions po;
-  po.name = "proxy tcp";
+  po.name = fmt::format("proxy {}", transport::transportKindName(transport_->kind()));
   proxy_ = std::make_unique<transport::Proxy>(fifo_, *transport_, po);
   proxy_->setErrorHandler([this](const transport::ProxyCommandError& e) {
     // A command the proxy refused or could not post: the link it belongs to cannot finish its op.
@@ -241,12 +249,12 @@ void Cluster::start(MessageHandler onMessage, NodeLostHandler onNodeLost) {
   onMessage_ = std::move(onMessage);
   onNodeLost_ = std::move(onNodeLost);
   eventThread_ = std::thread([this] { eventLoop(); });
-  transport_->setMessageHandler(
+  control_->setMessageHandler(
       [this](NodeIndex from, std::span<const std::byte> bytes) { this->onMessage(from, bytes); });
   transport_->setPeerFailureHandler([this](NodeIndex node, const transport::PeerStatus& st) {
     nodeLost(node, st.state == transport::PeerState::kClosed ? NodeState::kClosed : NodeState::kFailed, st.reason);
   });
-  transport_->setPeerRejoinHandler([this](NodeIndex node) { nodeRejoined(node); });
+  control_->setPeerRejoinHandler([this](NodeIndex node) { nodeRejoined(node); });
   proxy_->start();
   spdlog::info("cluster: node {} of {} listening on {}; connecting to the others (up to {} ms)", self_, nodes_.size(),
                addresses_[self_].toString(), config_.cluster.connectTimeoutMs);
@@ -264,6 +272,7 @@ void Cluster::stop() {
   eventCv_.notify_all();
   if (eventThread_.joinable()) eventThread_.join();
   transport_.reset();  // says goodbye to the peers
+  control_ = nullptr;
   std::lock_guard lock(mutex_);
   retired_.clear();
 }
@@ -290,7 +299,7 @@ std::string Cluster::helloBytes() const {
 
 void Cluster::connectThread() {
   try {
-    transport_->connect(addresses_);
+    control_->connect(addresses_);
     spdlog::info("cluster: connected to every node");
   } catch (const Error& e) {
     // Nodes not connected were reported lost by the transport, which keeps re-dialing them: they rejoin
@@ -324,7 +333,7 @@ void Cluster::nodeRejoined(NodeIndex node) {
     }
   }
   spdlog::info("cluster: {} rejoined (transport generation {}); communicators that failed with it stay failed",
-               nodeName(node), transport_->peerGeneration(node));
+               nodeName(node), control_->peerGeneration(node));
   linkUpLocked(node, helloBytes());
 }
 
@@ -337,7 +346,7 @@ void Cluster::linkUpLocked(NodeIndex node, const std::string& hello) {
 
 void Cluster::sendNow(NodeIndex node, const std::string& bytes) {
   try {
-    transport_->sendMessage(node, std::as_bytes(std::span(bytes.data(), bytes.size())));
+    control_->sendMessage(node, std::as_bytes(std::span(bytes.data(), bytes.size())));
   } catch (const Error& e) {
     // kPeerLost: the failure handler reports the node; nothing else to do here.
     spdlog::debug("cluster: message to {} dropped: {}", nodeName(node), e.what());
@@ -563,7 +572,7 @@ void Cluster::fillStatus(v1::ClusterInfo& out) const {
   static constexpr const char* kStateNames[] = {"self", "connecting", "connected", "failed", "closed", "incompatible"};
   std::lock_guard lock(mutex_);
   out.set_self(self_);
-  out.set_transport("tcp");
+  out.set_transport(transport_ ? std::string(transport::transportKindName(transport_->kind())) : "tcp");
   out.set_staging_bytes(config_.cluster.stagingBytes);
   for (NodeIndex i = 0; i < nodes_.size(); ++i) {
     auto* n = out.add_nodes();

@@ -1,9 +1,9 @@
 // Multi-node: this daemon's links to the other nodes' daemons (ARCHITECTURE.md decision 6, issue 7).
 //
-// Control. The daemons of a cluster (cluster.nodes, the same list on every node) connect with the tcp
-// transport, which authenticates both ends with the cluster secret and reports a different secret or
-// protocol version on both sides. Control messages (proto/tandem/v1/cluster.proto) ride its connections in
-// order per peer. The first message each way is a NodeHello; a node whose hello does not match (cluster
+// Control. The daemons of a cluster (cluster.nodes, the same list on every node) connect through the transport's
+// control channel (transport::ControlChannel; the tcp transport authenticates both ends with the cluster secret
+// and reports a different secret or protocol version on both sides). Control messages
+// (proto/tandem/v1/cluster.proto) ride it in order per peer, each after the data sent to that peer before it. The first message each way is a NodeHello; a node whose hello does not match (cluster
 // protocol, backend, staging size) is marked incompatible on both sides, and the reason is in the log and
 // in `tandemctl status`. Messages sent before a node is connected wait in a queue and go out after its hello.
 //
@@ -51,7 +51,7 @@
 #include "tandem/common/fd.hpp"
 #include "tandem/v1/cluster.pb.h"
 #include "transport/proxy_fifo.hpp"
-#include "transport/tcp_transport.hpp"
+#include "transport/transport.hpp"
 
 namespace tandem::daemon {
 
@@ -212,7 +212,8 @@ class Cluster {
   std::vector<GpuInfo> gpus_;
   NodeIndex self_;
   std::vector<transport::NodeAddress> addresses_;
-  std::unique_ptr<transport::TcpTransport> transport_;
+  std::unique_ptr<transport::Transport> transport_;
+  transport::ControlChannel* control_ = nullptr;  // transport_'s control channel (owned by it)
   MessageHandler onMessage_;
   NodeLostHandler onNodeLost_;
   std::thread connector_;

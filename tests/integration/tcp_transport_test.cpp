@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/factory.hpp"
 #include "transport/tcp_handshake.hpp"
 #include "transport/tcp_transport.hpp"
 
@@ -681,6 +682,72 @@ TEST_CASE("sendMessage checks its arguments and leaves the connection usable") {
   std::lock_guard lock(inbox.mutex);
   CHECK(inbox.messages[0].bytes == messageBytes(1, 100));
   CHECK(ts[0]->peerStatus(1).state == PeerState::kConnected);
+}
+
+TEST_CASE("through the Transport interface alone: the factory's tcp transport carries a control channel, "
+          "ordered after data; null and verbs have none") {
+  // What the daemon's Cluster does: create by options, then use only Transport and ControlChannel.
+  std::vector<std::unique_ptr<Transport>> ts;
+  for (NodeIndex i = 0; i < 2; ++i) {
+    TransportOptions o;
+    o.kind = TransportKind::kTcp;
+    o.self = i;
+    o.listen = {hostOf(i), 0};
+    o.secret = "test-secret";
+    o.connectionsPerPeer = 2;
+    o.connectTimeoutMs = 5000;
+    o.heartbeatIntervalMs = 50;
+    o.peerDeadlineMs = 1000;
+    ts.push_back(createTransport(o));
+  }
+  std::vector<NodeAddress> nodes;
+  for (NodeIndex i = 0; i < 2; ++i) {
+    REQUIRE(ts[i]->kind() == TransportKind::kTcp);
+    REQUIRE(ts[i]->controlChannel() != nullptr);
+    nodes.push_back({hostOf(i), dynamic_cast<TcpTransport&>(*ts[i]).listenPort()});  // the test picks free ports
+  }
+  std::vector<uint8_t> dst(1 << 20), src(1 << 20);
+  for (std::size_t k = 0; k < src.size(); ++k) src[k] = static_cast<uint8_t>(k * 13 + 1);
+  std::atomic<bool> sawAllData{false}, handled{false};
+  ts[1]->controlChannel()->setMessageHandler([&](NodeIndex from, std::span<const std::byte> payload) {
+    sawAllData = from == 0 && payload.size() == 5 && dst == src;
+    handled = true;
+  });
+  std::vector<std::thread> connecting;
+  std::vector<std::optional<Error>> errors(2);
+  for (NodeIndex i = 0; i < 2; ++i) {
+    connecting.emplace_back([&, i] {
+      try {
+        ts[i]->controlChannel()->connect(nodes);
+      } catch (const Error& e) {
+        errors[i] = e;
+      }
+    });
+  }
+  for (auto& t : connecting) t.join();
+  for (auto& e : errors) REQUIRE_MESSAGE(!e, e->what());
+  CHECK(ts[0]->controlChannel()->peerGeneration(1) == 1);
+  const LocalRegion s = ts[0]->registerMemory({MemoryKind::kHost, src.data(), src.size()});
+  const RemoteKey d = viaWire(ts[1]->remoteKey(ts[1]->registerMemory({MemoryKind::kHost, dst.data(), dst.size()})));
+  ts[0]->write(1, s, 0, d, 0, src.size(), 0, false);
+  ts[0]->controlChannel()->sendMessage(1, asBytes("hello"));  // starts the write too: no submit()
+  REQUIRE_MESSAGE(waitFor([&] { return handled.load(); }, 5s), "the message was not handled within 5 s");
+  CHECK_MESSAGE(sawAllData.load(), "the handler ran before every byte written before the message was visible");
+
+  NullTransport null(0, 2);
+  CHECK(null.controlChannel() == nullptr);
+  TransportOptions verbs;
+  verbs.kind = TransportKind::kVerbs;
+  try {
+    createTransport(verbs);
+    FAIL("createTransport made a verbs transport from cluster options");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::kUnsupported);
+    CHECK_MESSAGE(std::string(e.what()).find("no control channel") != std::string::npos, e.what());
+  }
+  TransportOptions nullKind;
+  nullKind.kind = TransportKind::kNull;
+  CHECK_THROWS_AS(createTransport(nullKind), Error);
 }
 
 namespace {

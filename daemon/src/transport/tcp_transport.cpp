@@ -32,10 +32,6 @@
 
 namespace tandem::daemon::transport {
 
-std::string NodeAddress::toString() const {
-  return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // Wire formats
 // ---------------------------------------------------------------------------------------------------------
@@ -1530,7 +1526,7 @@ void TcpTransport::setPeerFailureHandler(std::function<void(NodeIndex, const Pee
   impl_->failureHandler = std::move(handler);
 }
 
-void TcpTransport::setMessageHandler(std::function<void(NodeIndex from, std::span<const std::byte> payload)> handler) {
+void TcpTransport::setMessageHandler(MessageHandler handler) {
   auto h = handler ? std::make_shared<const Impl::MessageHandler>(std::move(handler)) : nullptr;
   std::lock_guard lock(impl_->handlerMutex);
   impl_->messageHandler = std::move(h);

@@ -87,12 +87,6 @@ namespace tandem::daemon::transport {
 /// Version of the framing and handshake after Hello; bump on any incompatible change.
 inline constexpr uint32_t kTcpProtocolVersion = 2;  // 2: control messages (kMessage frames)
 
-struct NodeAddress {
-  std::string host;  ///< IPv4/IPv6 literal or host name
-  uint16_t port = 0;
-  std::string toString() const;  ///< "host:port" ("[v6]:port")
-};
-
 struct TcpConfig {
   NodeIndex self = 0;
   std::string listenHost = "127.0.0.1";  ///< address to bind (cluster.nodes[self] in the daemon)
@@ -108,8 +102,9 @@ struct TcpConfig {
   DeviceCopier* deviceCopier = nullptr;  ///< required to register MemoryKind::kDevice; not owned
 };
 
-/// TCP transport; see the file comment. Thread-safe as Transport.
-class TcpTransport final : public Transport {
+/// TCP transport; see the file comment. Thread-safe as Transport. Carries a control channel (controlChannel()
+/// returns this).
+class TcpTransport final : public Transport, public ControlChannel {
  public:
   /// Validates the config, binds and listens, and starts the io threads. Throws Error(kInvalidConfig) for a
   /// bad config (empty secret, ...), Error(kSystem) when the address cannot be bound.
@@ -124,35 +119,24 @@ class TcpTransport final : public Transport {
   /// This node's address for the bootstrap exchange (kind tcp, host, bound port, protocol version).
   TransportAddress address() const;
 
+  // ---- ControlChannel ----
   /// Connects to every other node and accepts their connections; blocks until all are established.
   /// `nodes[i]` is node i's address (the entry for this node is ignored). Call once.
   /// Throws Error(kPermissionDenied) for a different cluster secret, Error(kVersionMismatch) for a different
   /// protocol version, Error(kInvalidConfig) for a different connection count, Error(kTimeout) when some peer
   /// is not connected by connectTimeoutMs (the text lists which and why). Peers not connected are marked failed
   /// (and then re-dialed in the background like any failed peer: they join when they come up).
-  void connect(const std::vector<NodeAddress>& nodes);
+  void connect(const std::vector<NodeAddress>& nodes) override;
+  /// As ControlChannel; see the file comment for the rejoin.
+  uint64_t peerGeneration(NodeIndex peer) const override;
+  void setPeerRejoinHandler(std::function<void(NodeIndex)> handler) override;
+  /// Sends a control message to `peer` on its dialled connection 0, as a kMessage frame carrying the data-frame
+  /// counts a flag carries (see the file comment); throws as ControlChannel::sendMessage.
+  void sendMessage(NodeIndex peer, std::span<const std::byte> payload) override;
+  /// As ControlChannel: handlers run on a transport io thread.
+  void setMessageHandler(MessageHandler handler) override;
 
-  /// How many times `peer` became connected: 0 before, 1 after connect(), +1 per rejoin (see the file comment).
-  uint64_t peerGeneration(NodeIndex peer) const;
-  /// Called when a failed or closed peer is connected again (a new incarnation), on an io thread without transport
-  /// locks held; it may call sendMessage. Not called for the first connect. Set before connect().
-  void setPeerRejoinHandler(std::function<void(NodeIndex)> handler);
-
-  /// Largest control message payload.
-  static constexpr std::size_t kMaxMessageBytes = 16u << 20;
-  /// Sends a control message to `peer` on its dialled connection 0. Messages to one peer arrive in the order sent,
-  /// and after every write/writeFlag issued to that peer before (same ordering as flags). Queued and started at once
-  /// (no submit() needed; it also starts that peer's earlier queued writes). The payload is copied; it may be
-  /// reused when this returns. Throws Error(kPeerLost) naming the peer and reason if it failed,
-  /// Error(kInvalidArgument) for an oversized payload or a bad peer index (self included), Error(kUnavailable)
-  /// before connect().
-  void sendMessage(NodeIndex peer, std::span<const std::byte> payload);
-  /// Called for every message received, on a transport io thread, in order per peer. Must not block for long and must
-  /// not call back into the transport's blocking paths (sendMessage is allowed: it only queues). Set before connect().
-  /// The payload span is valid only during the call. An exception it throws is logged and the message dropped.
-  /// Without a handler, messages are dropped (with a warning).
-  void setMessageHandler(std::function<void(NodeIndex from, std::span<const std::byte> payload)> handler);
-
+  // ---- Transport ----
   TransportKind kind() const override { return TransportKind::kTcp; }
   NodeIndex self() const override;
   uint32_t nodeCount() const override;
@@ -167,6 +151,7 @@ class TcpTransport final : public Transport {
   std::size_t poll(std::span<Completion> out) override;
   PeerStatus peerStatus(NodeIndex peer) const override;
   void setPeerFailureHandler(std::function<void(NodeIndex, const PeerStatus&)> handler) override;
+  ControlChannel* controlChannel() override { return this; }
 
  private:
   struct Impl;

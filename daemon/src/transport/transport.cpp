@@ -23,6 +23,10 @@ std::string_view peerStateName(PeerState state) {
   return "unknown";
 }
 
+std::string NodeAddress::toString() const {
+  return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
+}
+
 namespace {
 bool knownKind(uint8_t k) { return k <= static_cast<uint8_t>(TransportKind::kVerbs); }
 }  // namespace

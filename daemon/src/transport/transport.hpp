@@ -22,6 +22,9 @@
 //
 // Thread-safety: every method may be called from any thread. Ops to one peer issued from one thread keep
 // their order; ops issued concurrently from several threads are ordered as the transport serialises them.
+//
+// Control channel: a transport may also carry the daemons' control messages, ordered after the data sent before
+// them (ControlChannel, returned by controlChannel()). tcp does; verbs and null do not yet.
 #pragma once
 
 #include <algorithm>
@@ -138,6 +141,54 @@ struct TransportAddress {
   friend bool operator==(const TransportAddress&, const TransportAddress&) = default;
 };
 
+/// A node's listen address, as cluster.nodes lists it, for transports that dial their peers (tcp).
+struct NodeAddress {
+  std::string host;  ///< IPv4/IPv6 literal or host name
+  uint16_t port = 0;
+  std::string toString() const;  ///< "host:port" ("[v6]:port")
+};
+
+/// The daemons' control channel (proto/tandem/v1/cluster.proto messages), carried next to the data path the way
+/// NCCL keeps its bootstrap sockets next to IB: messages to one peer arrive in the order sent, and each arrives
+/// only after every write and writeFlag issued to that peer before it has landed and is visible. The channel also
+/// owns the peers' life cycle beyond the first failure: it connects them, and a peer that failed or closed is
+/// brought back as a new incarnation (peerGeneration + 1), reported through the rejoin handler.
+///
+/// A transport that carries one returns it from Transport::controlChannel(); it lives as long as the transport.
+/// Thread-safety: as Transport.
+class ControlChannel {
+ public:
+  virtual ~ControlChannel() = default;
+
+  /// Largest message payload.
+  static constexpr std::size_t kMaxMessageBytes = 16u << 20;
+  using MessageHandler = std::function<void(NodeIndex from, std::span<const std::byte> payload)>;
+
+  /// Connects to every other node and accepts their connections; blocks until all are established or the
+  /// transport's connect deadline passes. `nodes[i]` is node i's address (this node's entry is ignored). Call once,
+  /// after setting the handlers. Throws Error(kPermissionDenied) for a different cluster secret,
+  /// Error(kVersionMismatch) for a different protocol version, Error(kInvalidConfig) for a configuration the peers
+  /// disagree on, Error(kTimeout) naming the peers not connected by the deadline. Peers not connected are marked
+  /// failed and keep being retried in the background: they join (as a rejoin) when they come up.
+  virtual void connect(const std::vector<NodeAddress>& nodes) = 0;
+  /// Sends a message to `peer`, ordered after every write/writeFlag issued to it before (see the class comment).
+  /// Starts at once (no submit() needed). The payload is copied; it may be reused when this returns. Messages are no
+  /// signalled ops: they produce no completions. Throws Error(kPeerLost) naming the peer and why if it failed,
+  /// Error(kInvalidArgument) for a payload over kMaxMessageBytes or a bad peer index (self included),
+  /// Error(kUnavailable) before connect().
+  virtual void sendMessage(NodeIndex peer, std::span<const std::byte> payload) = 0;
+  /// Called for every message received, on a transport thread without transport locks held, in order per peer, one
+  /// at a time per peer. It must not block for long; it may call sendMessage. The payload is valid only during the
+  /// call; an exception it throws is logged and the message dropped. Without a handler messages are dropped (with a
+  /// warning). Set before connect().
+  virtual void setMessageHandler(MessageHandler handler) = 0;
+  /// Called when a failed or closed peer is connected again (a new incarnation), on a transport thread without
+  /// transport locks held; it may call sendMessage. Not called for the first connect. Set before connect().
+  virtual void setPeerRejoinHandler(std::function<void(NodeIndex)> handler) = 0;
+  /// How many times `peer` became connected: 0 before, 1 after connect(), +1 per rejoin. 0 for this node.
+  virtual uint64_t peerGeneration(NodeIndex peer) const = 0;
+};
+
 /// The interface the proxy threads use. See the file comment for the model.
 class Transport {
  public:
@@ -175,6 +226,10 @@ class Transport {
   /// the failure) with transport locks held: it must not call back into the transport. Set it before
   /// connecting.
   virtual void setPeerFailureHandler(std::function<void(NodeIndex, const PeerStatus&)> handler) = 0;
+
+  /// The control channel this transport carries, or null when it has none: the null transport, and the verbs
+  /// transport, whose queue pairs carry RDMA writes only (no SEND/RECV path yet).
+  virtual ControlChannel* controlChannel() { return nullptr; }
 };
 
 /// Discards transfers and completes signalled ops immediately. It measures the proxy loop without a wire

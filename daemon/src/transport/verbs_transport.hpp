@@ -26,6 +26,10 @@
 // through a loopback QP, which completes only after the NIC's earlier writes into that GPU memory are visible
 // (NCCL's gpuFlush, net_ib.cc).
 //
+// Control channel: none yet (controlChannel() is null). The QPs carry RDMA WRITEs only; the daemons' messages
+// would need SEND/RECV on QP 0 with posted receive buffers, ordered after the WRITEs posted before them, and the
+// QpInfo exchange above must run over some other channel first. So tandemd refuses cluster.transport: verbs.
+//
 // Thread-safety: as Transport. Internally one mutex per peer (QP queues), one for the registry, one for flush.
 #pragma once
 

@@ -1,0 +1,32 @@
+// Creates the transport a daemon's cluster runs on, from options that name no concrete transport type, so that
+// the daemon's cluster code depends on the Transport interface alone.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "transport/transport.hpp"
+
+namespace tandem::daemon::transport {
+
+/// What a daemon knows about its cluster when it creates the transport (the cluster section of tandemd.yaml).
+struct TransportOptions {
+  TransportKind kind = TransportKind::kTcp;
+  NodeIndex self = 0;
+  NodeAddress listen;                ///< this node's entry of cluster.nodes
+  std::string secret;                ///< cluster.secret, identical on every node; must not be empty
+  uint32_t connectionsPerPeer = 1;   ///< cluster.connections_per_peer
+  uint32_t ioThreads = 1;
+  uint32_t connectTimeoutMs = 10000;     ///< cluster.connect_timeout_ms
+  uint32_t heartbeatIntervalMs = 100;    ///< cluster.heartbeat_interval_ms
+  uint32_t peerDeadlineMs = 2000;        ///< communicators.peer_lost_deadline_ms
+};
+
+/// Creates (and, for tcp, binds) the transport of `options.kind`. Throws what that transport's constructor throws
+/// (Error(kInvalidConfig) for bad options, Error(kSystem) when the address cannot be bound), and
+/// Error(kUnsupported) for a kind these options cannot create: verbs needs an RDMA device and an exchange of
+/// queue-pair addresses that nothing runs yet (and has no control channel); null is for benchmarks.
+std::unique_ptr<Transport> createTransport(const TransportOptions& options);
+
+}  // namespace tandem::daemon::transport
