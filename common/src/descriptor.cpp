@@ -1,21 +1,10 @@
 #include "tandem/common/descriptor.hpp"
 
+#include "tandem/common/op_spec.hpp"
+
 namespace tandem {
 
-std::string_view opKindName(OpKind kind) {
-  switch (kind) {
-    case OpKind::kAgGemm: return "ag-gemm";
-    case OpKind::kGemmRs: return "gemm-rs";
-    case OpKind::kGemmAr: return "gemm-ar";
-    case OpKind::kMoeDispatchGemm: return "moe-dispatch-gemm";
-    case OpKind::kMoeDispatchFfnCombine: return "moe-dispatch-ffn-combine";
-    case OpKind::kRingAttention: return "ring-attention";
-    case OpKind::kAllGather: return "allgather";
-    case OpKind::kNop: return "nop";
-    case OpKind::kInvalid: break;
-  }
-  return "invalid";
-}
+std::string_view opKindName(OpKind kind) { return knownOp(kind) ? opSpec(kind).name : "invalid"; }
 
 std::string_view dtypeName(DType dtype) {
   switch (dtype) {

@@ -1,8 +1,10 @@
 #include "tandem/common/fd.hpp"
 
 #include <fcntl.h>
+#include <cerrno>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -49,14 +51,27 @@ uint64_t fileSize(int fd) {
   return static_cast<uint64_t>(st.st_size);
 }
 
+WakeupPair WakeupPair::create() {
+  int fds[2];
+  checkErrno(::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, fds), "socketpair (wakeup channel)");
+  return {Fd(fds[0]), Fd(fds[1])};
+}
+
 void signalEventfd(int fd) noexcept {
   const uint64_t one = 1;
-  [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof one);
+  if (::send(fd, &one, sizeof one, MSG_DONTWAIT | MSG_NOSIGNAL) >= 0 || errno != ENOTSOCK) return;
+  [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof one);  // an eventfd
 }
 
 void drainEventfd(int fd) noexcept {
   uint64_t value = 0;
-  [[maybe_unused]] ssize_t n = ::read(fd, &value, sizeof value);
+  // A socket queues one datagram per signal; an eventfd reads 0 (EAGAIN) once drained. Bounded, so a peer that
+  // signals as fast as we read cannot keep us here.
+  for (int i = 0; i < 1024; ++i) {
+    ssize_t n = ::recv(fd, &value, sizeof value, MSG_DONTWAIT);
+    if (n < 0 && errno == ENOTSOCK) n = ::read(fd, &value, sizeof value);
+    if (n <= 0) return;
+  }
 }
 
 }  // namespace tandem

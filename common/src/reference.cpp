@@ -14,6 +14,7 @@
 
 #include "tandem/common/error.hpp"
 #include "tandem/common/numeric.hpp"
+#include "tandem/common/op_spec.hpp"
 
 namespace tandem::reference {
 namespace {
@@ -44,31 +45,19 @@ SplitMix64 streamFor(uint64_t seed, uint32_t rank, std::size_t slotIndex) {
   return SplitMix64(mixer2.next());
 }
 
-bool isMoe(OpKind kind) { return kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine; }
-
-// Element type of a slot (kInvalid for the untyped bytes of allgather).
+// Element type of a slot, from the op table (kInvalid for the untyped bytes of allgather).
 DType slotType(const OpDescriptor& d, int s) {
-  if (d.kind == OpKind::kAllGather) return DType::kInvalid;
-  if (isMoe(d.kind)) {
-    if (s == slot::kTopkIds) return DType::kI32;
-    if (s == slot::kTopkWeights) return DType::kF32;
-    if (d.kind == OpKind::kMoeDispatchGemm && (s == slot::kRowInfo || s == slot::kExpertCounts)) return DType::kI32;
+  switch (opSpec(d.kind).slots[static_cast<std::size_t>(s)].type) {
+    case ElementType::kOpDtype: return d.dtype;
+    case ElementType::kI32: return DType::kI32;
+    case ElementType::kF32: return DType::kF32;
+    case ElementType::kRaw: break;
   }
-  return d.dtype;
+  return DType::kInvalid;
 }
 
-bool isOutput(OpKind kind, int s) {
-  switch (kind) {
-    case OpKind::kAgGemm: return s == slot::kC || s == slot::kAGathered;
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr: return s == slot::kC;
-    case OpKind::kMoeDispatchGemm: return s == slot::kMoeOut || s == slot::kRowInfo || s == slot::kExpertCounts;
-    case OpKind::kMoeDispatchFfnCombine: return s == slot::kFfnOut;
-    case OpKind::kRingAttention: return s == slot::kAttnOut;
-    case OpKind::kAllGather: return s == slot::kRecv;
-    default: return false;
-  }
-}
+bool isOutput(OpKind kind, int s) { return opSpec(kind).slots[static_cast<std::size_t>(s)].output; }
+std::string_view slotName(OpKind kind, int s) { return opSpec(kind).slots[static_cast<std::size_t>(s)].name; }
 
 bool present(const OpDescriptor& d, int s) {
   const BufferRef& b = d.bufs[static_cast<std::size_t>(s)];
@@ -299,80 +288,70 @@ void allGather(std::span<const OpDescriptor> descs, In in, Expected& out) {
   for (uint32_t r = 0; r < descs.size(); ++r) out[r][slot::kRecv] = all;
 }
 
+void barrier(std::span<const OpDescriptor>, In, Expected&) {}  // no outputs
+
+using Implementation = void (*)(std::span<const OpDescriptor>, In, Expected&);
+// One reference per op in the table (a test checks that none is missing).
+Implementation implementation(OpKind kind) {
+  switch (kind) {
+    case OpKind::kAgGemm: return agGemm;
+    case OpKind::kGemmRs:
+    case OpKind::kGemmAr: return gemmReduce;
+    case OpKind::kMoeDispatchGemm: return moeGemm;
+    case OpKind::kMoeDispatchFfnCombine: return moeFfn;
+    case OpKind::kRingAttention: return ringAttention;
+    case OpKind::kAllGather: return allGather;
+    case OpKind::kNop: return barrier;
+    case OpKind::kInvalid: break;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
+bool hasReference(OpKind kind) { return implementation(kind) != nullptr; }
+
+uint64_t OpShape::value(std::string_view option) const {
+  if (option == "m") return m;
+  if (option == "n") return n;
+  if (option == "k") return k;
+  if (option == "experts") return experts;
+  if (option == "topk") return topk;
+  if (option == "seq") return seq;
+  if (option == "heads") return heads;
+  if (option == "head-dim") return headDim;
+  if (option == "bytes") return bytes;
+  fail(ErrorCode::kInternal, "OpShape has no size named --{}; add it to OpShape (reference.hpp)", option);
+}
+
 OpDescriptor makeDescriptor(const OpShape& shape, uint32_t rank, uint32_t nranks) {
+  const OpSpec& op = opSpec(shape.kind);
   OpDescriptor d{};
   d.version = kDescriptorVersion;
   d.kind = shape.kind;
   d.dtype = shape.dtype;
   d.rank = rank;
   d.nranks = nranks;
-  const uint64_t es = dtypeSize(shape.dtype);
-  auto set = [&d](int s, uint64_t bytes) { d.bufs[static_cast<std::size_t>(s)].bytes = bytes; };
-  switch (shape.kind) {
-    case OpKind::kAgGemm:
-      d.dims[dim::kM] = shape.m;
-      d.dims[dim::kN] = shape.n;
-      d.dims[dim::kK] = shape.k;
-      set(slot::kA, rowsOf(shape.m, rank, nranks) * shape.k * es);
-      set(slot::kB, shape.n * shape.k * es);
-      set(slot::kC, shape.m * shape.n * es);
-      set(slot::kAGathered, shape.m * shape.k * es);
-      break;
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr: {
-      const uint64_t kLocal = rowsOf(shape.k, rank, nranks);
-      d.dims[dim::kM] = shape.m;
-      d.dims[dim::kN] = shape.n;
-      d.dims[dim::kK] = kLocal;
-      set(slot::kA, shape.m * kLocal * es);
-      set(slot::kB, shape.n * kLocal * es);
-      const uint64_t rows = shape.kind == OpKind::kGemmRs ? rowsOf(shape.m, rank, nranks) : shape.m;
-      set(slot::kC, rows * shape.n * es);
-      break;
+  if ((op.flags & kFlagCausal) != 0 && shape.causal) d.flags = kFlagCausal;
+  auto dimNamed = [&](std::string_view name) {
+    for (int i = 0; i < op.dimCount; ++i) {
+      if (op.dims[static_cast<std::size_t>(i)].name == name) return d.dims[static_cast<std::size_t>(i)];
     }
-    case OpKind::kMoeDispatchGemm:
-    case OpKind::kMoeDispatchFfnCombine: {
-      const uint64_t tokens = shape.m, hidden = shape.k, local = shape.experts / nranks;
-      d.dims[dim::kTokens] = tokens;
-      d.dims[dim::kHidden] = hidden;
-      d.dims[dim::kNOut] = shape.n;  // == dim::kFfn
-      d.dims[dim::kExperts] = shape.experts;
-      d.dims[dim::kTopk] = shape.topk;
-      set(slot::kX, tokens * hidden * es);
-      set(slot::kTopkIds, tokens * shape.topk * 4);
-      set(slot::kTopkWeights, tokens * shape.topk * 4);
-      if (shape.kind == OpKind::kMoeDispatchGemm) {
-        const uint64_t capacity = std::max<uint64_t>(1, uint64_t{nranks} * tokens * shape.topk);
-        d.dims[dim::kCapacity] = capacity;
-        set(slot::kW, local * shape.n * hidden * es);
-        set(slot::kMoeOut, capacity * shape.n * es);
-        set(slot::kRowInfo, capacity * 4 * 4);
-        set(slot::kExpertCounts, local * 4);
-      } else {
-        set(slot::kW1, local * 2 * shape.n * hidden * es);
-        set(slot::kW2, local * hidden * shape.n * es);
-        set(slot::kFfnOut, tokens * hidden * es);
-      }
-      break;
+    fail(ErrorCode::kInternal, "{} has no dim {}", op.name, name);
+  };
+  for (int i = 0; i < op.dimCount; ++i) {
+    const DimSpec& ds = op.dims[static_cast<std::size_t>(i)];
+    uint64_t& v = d.dims[static_cast<std::size_t>(i)];
+    switch (ds.split) {
+      case DimSplit::kGlobal:
+      case DimSplit::kPerRank: v = shape.value(ds.cli); break;
+      case DimSplit::kSplit: v = rowsOf(shape.value(ds.cli), rank, nranks); break;
+      case DimSplit::kCapacity: v = std::max<uint64_t>(1, uint64_t{nranks} * dimNamed("tokens") * dimNamed("topk")); break;
     }
-    case OpKind::kRingAttention: {
-      const uint64_t seq = rowsOf(shape.seq, rank, nranks);
-      d.flags = shape.causal ? kFlagCausal : 0;
-      d.dims[dim::kSeq] = seq;
-      d.dims[dim::kHeads] = shape.heads;
-      d.dims[dim::kHeadDim] = shape.headDim;
-      for (int s : {slot::kQ, slot::kKey, slot::kValue, slot::kAttnOut}) set(s, seq * shape.heads * shape.headDim * es);
-      break;
-    }
-    case OpKind::kAllGather:
-      d.dims[dim::kBytes] = shape.bytes;
-      set(slot::kSend, shape.bytes);
-      set(slot::kRecv, uint64_t{nranks} * shape.bytes);
-      break;
-    case OpKind::kNop:
-    case OpKind::kInvalid: break;
+  }
+  for (int s = 0; s < op.slotCount; ++s) {
+    const SlotSpec& sl = op.slots[static_cast<std::size_t>(s)];
+    d.bufs[static_cast<std::size_t>(s)].bytes = slotElements(op, s, d, nullptr) * elementSize(sl.type, d.dtype);
   }
   return d;
 }
@@ -391,7 +370,7 @@ void fillInputs(const OpDescriptor& desc, std::span<std::byte* const> slots, uin
     const DType t = slotType(desc, si);
     if (t == DType::kInvalid) {
       for (uint64_t i = 0; i < bytes; ++i) p[i] = static_cast<std::byte>(rng.next() >> 56);
-    } else if (isMoe(desc.kind) && si == slot::kTopkIds) {
+    } else if (slotName(desc.kind, si) == "topk_ids") {
       const uint64_t tokens = desc.dims[dim::kTokens], topk = desc.dims[dim::kTopk], E = desc.dims[dim::kExperts];
       std::vector<int32_t> chosen;
       for (uint64_t tk = 0; tk < tokens; ++tk) {
@@ -402,7 +381,7 @@ void fillInputs(const OpDescriptor& desc, std::span<std::byte* const> slots, uin
         }
         std::memcpy(p + tk * topk * 4, chosen.data(), topk * 4);
       }
-    } else if (isMoe(desc.kind) && si == slot::kTopkWeights) {
+    } else if (slotName(desc.kind, si) == "topk_weights") {
       const uint64_t tokens = desc.dims[dim::kTokens], topk = desc.dims[dim::kTopk];
       std::vector<double> w(topk);
       for (uint64_t tk = 0; tk < tokens; ++tk) {
@@ -425,17 +404,9 @@ Expected compute(std::span<const OpDescriptor> descs,
     fail(ErrorCode::kInvalidArgument, "reference: {} descriptors but {} input sets; pass one per rank", descs.size(),
          inputs.size());
   }
-  switch (descs[0].kind) {
-    case OpKind::kAgGemm: agGemm(descs, inputs, out); break;
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr: gemmReduce(descs, inputs, out); break;
-    case OpKind::kMoeDispatchGemm: moeGemm(descs, inputs, out); break;
-    case OpKind::kMoeDispatchFfnCombine: moeFfn(descs, inputs, out); break;
-    case OpKind::kRingAttention: ringAttention(descs, inputs, out); break;
-    case OpKind::kAllGather: allGather(descs, inputs, out); break;
-    case OpKind::kNop:
-    case OpKind::kInvalid: break;
-  }
+  const auto fn = implementation(descs[0].kind);
+  if (fn == nullptr) fail(ErrorCode::kUnsupported, "reference: no implementation of {}", opKindName(descs[0].kind));
+  fn(descs, inputs, out);
   return out;
 }
 

@@ -7,8 +7,10 @@
 #include <initializer_list>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "tandem/common/error.hpp"
+#include "tandem/common/op_spec.hpp"
 
 namespace tandem {
 namespace {
@@ -19,182 +21,62 @@ namespace {
 constexpr uint64_t kMaxDim = uint64_t{1} << 32;
 constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 40;
 
-constexpr uint16_t kKnownFlags = kFlagCausal;
+bool knownDtype(DType dtype) { return static_cast<uint16_t>(dtype) <= static_cast<uint16_t>(DType::kI32); }
 
+// A slot's terms as the error messages name them, with their values for this descriptor.
 struct Factor {
-  std::string_view label;
+  std::string label;
   uint64_t value = 0;
+  bool literal = false;  // a constant factor ("4" in [capacity, 4]): not worth listing as name=value
 };
 
-// How one slot's extent follows from the dims.
-struct SlotSpec {
-  std::string_view name;  // empty: unused by this kind
-  DType dtype = DType::kInvalid;
-  std::array<Factor, 4> factors{};
-  int factorCount = 0;
-  std::string_view shape;  // as tandem.h writes it, for the remedy
-  bool optional = false;
-  bool output = false;
-  bool raw = false;  // untyped bytes (allgather): element size 1
-};
-
-struct DimSpec {
-  std::string_view name;
-  bool mayBeZero = false;  // a per-rank row count: a rank may own no rows
-  bool global = true;      // must match on every rank
-};
-
-struct KindSpec {
-  std::array<DimSpec, kMaxOpDims> dims{};
-  int dimCount = 0;
-  bool typed = true;  // false: carries no typed data, so any known dtype value (0 included) is accepted
-  uint16_t flags = 0;
-};
-
-bool knownKind(OpKind kind) {
-  const auto v = static_cast<uint16_t>(kind);
-  return v >= 1 && v < kOpKindCount;
-}
-
-bool knownDtype(DType dtype) {
-  const auto v = static_cast<uint16_t>(dtype);
-  return v <= static_cast<uint16_t>(DType::kI32);
-}
-
-KindSpec kindSpec(OpKind kind) {
-  KindSpec s;
-  auto dims = [&s](std::initializer_list<DimSpec> list) {
-    for (const DimSpec& d : list) s.dims[static_cast<std::size_t>(s.dimCount++)] = d;
-  };
-  switch (kind) {
-    case OpKind::kAgGemm: dims({{"m"}, {"n"}, {"k"}}); break;
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr: dims({{"m"}, {"n"}, {"k", false, false}}); break;
-    case OpKind::kMoeDispatchGemm:
-      // capacity is per rank: each rank sizes its own receive buffers.
-      dims({{"tokens", true, false}, {"hidden"}, {"n_out"}, {"experts"}, {"topk"}, {"capacity", false, false}});
-      break;
-    case OpKind::kMoeDispatchFfnCombine:
-      dims({{"tokens", true, false}, {"hidden"}, {"ffn"}, {"experts"}, {"topk"}});
-      break;
-    case OpKind::kRingAttention:
-      dims({{"seq", true, false}, {"heads"}, {"head_dim"}});
-      s.flags = kFlagCausal;
-      break;
-    case OpKind::kAllGather:
-      dims({{"bytes"}});
-      s.typed = false;
-      break;
-    case OpKind::kNop: s.typed = false; break;
-    case OpKind::kInvalid: break;
+std::vector<Factor> factorsOf(const OpSpec& op, const SlotSpec& s, const OpDescriptor& d) {
+  std::vector<Factor> out;
+  for (int i = 0; i < s.termCount; ++i) {
+    const ExtentTerm& t = s.terms[static_cast<std::size_t>(i)];
+    const std::string_view dimName = op.dims[t.dim].name;
+    switch (t.kind) {
+      case ExtentTerm::Kind::kDim: out.push_back({std::string(dimName), d.dims[t.dim]}); break;
+      case ExtentTerm::Kind::kShard: out.push_back({"rows", rowsOf(d.dims[t.dim], d.rank, d.nranks)}); break;
+      case ExtentTerm::Kind::kPerRank: out.push_back({fmt::format("{}/nranks", dimName), d.dims[t.dim] / d.nranks}); break;
+      case ExtentTerm::Kind::kNranks: out.push_back({"nranks", d.nranks}); break;
+      case ExtentTerm::Kind::kConst: out.push_back({fmt::format("{}", t.value), t.value, true}); break;
+    }
   }
-  return s;
-}
-
-SlotSpec spec(std::string_view name, DType dtype, std::initializer_list<Factor> factors, std::string_view shape,
-              bool output = false, bool optional = false) {
-  SlotSpec s;
-  s.name = name;
-  s.dtype = dtype;
-  for (const Factor& f : factors) s.factors[static_cast<std::size_t>(s.factorCount++)] = f;
-  s.shape = shape;
-  s.output = output;
-  s.optional = optional;
-  return s;
-}
-
-// Slot layouts, straight from tandem.h. Dims are already checked (non-zero where required, <= 2^32).
-std::array<SlotSpec, kMaxOpBuffers> slotSpecs(const OpDescriptor& d) {
-  std::array<SlotSpec, kMaxOpBuffers> s{};
-  const DType t = d.dtype;
-  const auto& x = d.dims;
-  switch (d.kind) {
-    case OpKind::kAgGemm: {
-      const uint64_t rows = rowsOf(x[dim::kM], d.rank, d.nranks);
-      s[slot::kA] = spec("a", t, {{"rows", rows}, {"k", x[dim::kK]}}, "this rank's shard [rows_of(m, rank, nranks), k]");
-      s[slot::kB] = spec("b", t, {{"n", x[dim::kN]}, {"k", x[dim::kK]}}, "[n, k]");
-      s[slot::kC] = spec("c", t, {{"m", x[dim::kM]}, {"n", x[dim::kN]}}, "[m, n]", true);
-      s[slot::kAGathered] = spec("a_gathered", t, {{"m", x[dim::kM]}, {"k", x[dim::kK]}}, "[m, k]", true, true);
-      break;
-    }
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr: {
-      s[slot::kA] = spec("a", t, {{"m", x[dim::kM]}, {"k", x[dim::kK]}}, "[m, k] (k: this rank's slice)");
-      s[slot::kB] = spec("b", t, {{"n", x[dim::kN]}, {"k", x[dim::kK]}}, "[n, k] (k: this rank's slice)");
-      if (d.kind == OpKind::kGemmRs) {
-        const uint64_t rows = rowsOf(x[dim::kM], d.rank, d.nranks);
-        s[slot::kC] = spec("c", t, {{"rows", rows}, {"n", x[dim::kN]}}, "this rank's rows [rows_of(m, rank, nranks), n]",
-                           true);
-      } else {
-        s[slot::kC] = spec("c", t, {{"m", x[dim::kM]}, {"n", x[dim::kN]}}, "[m, n]", true);
-      }
-      break;
-    }
-    case OpKind::kMoeDispatchGemm:
-    case OpKind::kMoeDispatchFfnCombine: {
-      const Factor tokens{"tokens", x[dim::kTokens]};
-      const Factor hidden{"hidden", x[dim::kHidden]};
-      const Factor topk{"topk", x[dim::kTopk]};
-      const Factor local{"experts/nranks", x[dim::kExperts] / d.nranks};
-      s[slot::kX] = spec("x", t, {tokens, hidden}, "[tokens, hidden]");
-      s[slot::kTopkIds] = spec("topk_ids", DType::kI32, {tokens, topk}, "[tokens, topk] int32");
-      s[slot::kTopkWeights] = spec("topk_weights", DType::kF32, {tokens, topk}, "[tokens, topk] fp32");
-      if (d.kind == OpKind::kMoeDispatchGemm) {
-        const Factor nOut{"n_out", x[dim::kNOut]};
-        const Factor capacity{"capacity", x[dim::kCapacity]};
-        s[slot::kW] = spec("w", t, {local, nOut, hidden}, "[experts/nranks, n_out, hidden]");
-        s[slot::kMoeOut] = spec("out", t, {capacity, nOut}, "[capacity, n_out]", true);
-        s[slot::kRowInfo] = spec("row_info", DType::kI32, {capacity, {"4", 4}}, "[capacity, 4] int32", true);
-        s[slot::kExpertCounts] = spec("expert_counts", DType::kI32, {local}, "[experts/nranks] int32", true);
-      } else {
-        const Factor ffn{"ffn", x[dim::kFfn]};
-        s[slot::kW1] = spec("w1", t, {local, {"2", 2}, ffn, hidden}, "[experts/nranks, 2*ffn, hidden]");
-        s[slot::kW2] = spec("w2", t, {local, hidden, ffn}, "[experts/nranks, hidden, ffn]");
-        s[slot::kFfnOut] = spec("out", t, {tokens, hidden}, "[tokens, hidden]", true);
-      }
-      break;
-    }
-    case OpKind::kRingAttention: {
-      const std::initializer_list<Factor> f{
-          {"seq", x[dim::kSeq]}, {"heads", x[dim::kHeads]}, {"head_dim", x[dim::kHeadDim]}};
-      s[slot::kQ] = spec("q", t, f, "[seq, heads, head_dim]");
-      s[slot::kKey] = spec("k", t, f, "[seq, heads, head_dim]");
-      s[slot::kValue] = spec("v", t, f, "[seq, heads, head_dim]");
-      s[slot::kAttnOut] = spec("out", t, f, "[seq, heads, head_dim]", true);
-      break;
-    }
-    case OpKind::kAllGather:
-      s[slot::kSend] = spec("send", t, {{"bytes", x[dim::kBytes]}}, "[bytes]");
-      s[slot::kRecv] = spec("recv", t, {{"nranks", d.nranks}, {"bytes", x[dim::kBytes]}}, "[nranks * bytes]", true);
-      s[slot::kSend].raw = true;
-      s[slot::kRecv].raw = true;
-      break;
-    case OpKind::kNop:
-    case OpKind::kInvalid: break;
-  }
-  return s;
-}
-
-std::string factorExpr(const SlotSpec& s, std::size_t elementSize) {
-  std::string out;
-  for (int i = 0; i < s.factorCount; ++i) fmt::format_to(std::back_inserter(out), "{}*", s.factors[static_cast<std::size_t>(i)].label);
-  fmt::format_to(std::back_inserter(out), "{}", elementSize);
   return out;
 }
 
-std::string factorValues(const SlotSpec& s) {
+std::string factorExpr(const std::vector<Factor>& factors, std::size_t elementBytes) {
   std::string out;
-  for (int i = 0; i < s.factorCount; ++i) {
-    const Factor& f = s.factors[static_cast<std::size_t>(i)];
-    if (f.label == "2" || f.label == "4") continue;  // literal factors
+  for (const Factor& f : factors) fmt::format_to(std::back_inserter(out), "{}*", f.label);
+  fmt::format_to(std::back_inserter(out), "{}", elementBytes);
+  return out;
+}
+
+std::string factorValues(const std::vector<Factor>& factors) {
+  std::string out;
+  for (const Factor& f : factors) {
+    if (f.literal) continue;
     fmt::format_to(std::back_inserter(out), "{}{}={}", out.empty() ? "" : ", ", f.label, f.value);
   }
   return out;
 }
 
-std::string_view elementText(const SlotSpec& s) { return s.raw ? std::string_view("raw bytes") : dtypeName(s.dtype); }
+DType slotDtype(const SlotSpec& s, DType opDtype) {
+  switch (s.type) {
+    case ElementType::kOpDtype: return opDtype;
+    case ElementType::kI32: return DType::kI32;
+    case ElementType::kF32: return DType::kF32;
+    case ElementType::kRaw: break;
+  }
+  return DType::kInvalid;
+}
 
-void checkHeader(const OpDescriptor& d, std::string_view kind, const KindSpec& ks) {
+std::string_view elementText(const SlotSpec& s, DType opDtype) {
+  return s.type == ElementType::kRaw ? std::string_view("raw bytes") : dtypeName(slotDtype(s, opDtype));
+}
+
+void checkHeader(const OpDescriptor& d, std::string_view kind, const OpSpec& ks) {
   if (!knownDtype(d.dtype)) {
     fail(ErrorCode::kInvalidArgument, "{}: dtype {} is unknown; use bf16 ({}), fp16 ({}) or fp32 ({})", kind,
          static_cast<uint16_t>(d.dtype), static_cast<uint16_t>(DType::kBF16), static_cast<uint16_t>(DType::kF16),
@@ -217,7 +99,7 @@ void checkHeader(const OpDescriptor& d, std::string_view kind, const KindSpec& k
     fail(ErrorCode::kInvalidArgument, "{}: rank {} is not below nranks {}; pass the rank tandem_comm_init gave", kind,
          d.rank, d.nranks);
   }
-  if (d.kind == OpKind::kRingAttention) {
+  if (ks.scale) {
     if (!std::isfinite(d.scale)) {
       fail(ErrorCode::kInvalidArgument, "{}: scale {} is not finite; pass a finite scale or 0 for 1/sqrt(head_dim)",
            kind, d.scale);
@@ -236,10 +118,10 @@ void checkHeader(const OpDescriptor& d, std::string_view kind, const KindSpec& k
   }
 }
 
-void checkDims(const OpDescriptor& d, std::string_view kind, const KindSpec& ks) {
+void checkDims(const OpDescriptor& d, std::string_view kind, const OpSpec& ks) {
   for (std::size_t i = 0; i < kMaxOpDims; ++i) {
     const uint64_t v = d.dims[i];
-    if (static_cast<int>(i) >= ks.dimCount) {
+    if (i >= ks.dimCount) {
       if (v != 0) {
         fail(ErrorCode::kInvalidArgument, "{}: dims[{}] is {} but {} uses {} dims; zero it", kind, i, v, kind,
              ks.dimCount);
@@ -256,55 +138,39 @@ void checkDims(const OpDescriptor& d, std::string_view kind, const KindSpec& ks)
            name, v);
     }
   }
-  if (d.kind == OpKind::kMoeDispatchGemm || d.kind == OpKind::kMoeDispatchFfnCombine) {
-    const uint64_t experts = d.dims[dim::kExperts];
-    const uint64_t topk = d.dims[dim::kTopk];
-    if (experts % d.nranks != 0) {
-      fail(ErrorCode::kInvalidArgument,
-           "{}: experts {} is not divisible by nranks {}; experts are spread evenly over ranks", kind, experts,
-           d.nranks);
-    }
-    if (topk > experts) {
-      fail(ErrorCode::kInvalidArgument,
-           "{}: topk {} exceeds experts {}; a token picks topk distinct experts, so pass topk <= experts", kind, topk,
-           experts);
-    }
-  }
+  if (ks.checkDims != nullptr) ks.checkDims(d);
 }
 
-std::size_t slotElementSize(const SlotSpec& s) { return s.raw ? 1 : dtypeSize(s.dtype); }
-
 // The rules the dims imply, with every extent checked against the 2^40-byte cap.
-SlotRules computeRules(const std::array<SlotSpec, kMaxOpBuffers>& specs, std::string_view kind) {
+SlotRules computeRules(const OpSpec& op, const OpDescriptor& d) {
   SlotRules rules{};
   for (std::size_t i = 0; i < kMaxOpBuffers; ++i) {
-    const SlotSpec& s = specs[i];
-    if (s.name.empty()) {
+    if (i >= op.slotCount) {
       rules[i] = SlotRule{{}, DType::kInvalid, 0, false, false};
       continue;
     }
-    uint64_t bytes = slotElementSize(s);
+    const SlotSpec& s = op.slots[i];
     bool overflow = false;
-    for (int f = 0; f < s.factorCount; ++f) {
-      overflow |= __builtin_mul_overflow(bytes, s.factors[static_cast<std::size_t>(f)].value, &bytes);
-    }
+    const uint64_t elements = slotElements(op, static_cast<int>(i), d, &overflow);
+    uint64_t bytes = 0;
+    overflow |= __builtin_mul_overflow(elements, elementSize(s.type, d.dtype), &bytes);
     if (overflow || bytes > kMaxTensorBytes) {
       fail(ErrorCode::kInvalidArgument,
            "{}: buffer {} would need {} bytes [{}], above 2^40; each tensor is capped at 2^40 bytes (1 TiB), so "
            "pass a smaller shape",
-           kind, s.name, overflow ? std::string("more than 2^64") : fmt::format("{}", bytes), factorValues(s));
+           op.name, s.name, overflow ? std::string("more than 2^64") : fmt::format("{}", bytes),
+           factorValues(factorsOf(op, s, d)));
     }
-    rules[i] = SlotRule{s.name, s.dtype, bytes, s.optional, s.output};
+    rules[i] = SlotRule{s.name, slotDtype(s, d.dtype), bytes, s.optional, s.output};
   }
   return rules;
 }
 
-void checkBuffers(const OpDescriptor& d, const std::array<SlotSpec, kMaxOpBuffers>& specs, const SlotRules& rules,
-                  std::string_view kind) {
+void checkBuffers(const OpDescriptor& d, const OpSpec& op, const SlotRules& rules) {
+  const std::string_view kind = op.name;
   for (std::size_t i = 0; i < kMaxOpBuffers; ++i) {
-    const SlotSpec& s = specs[i];
     const BufferRef& b = d.bufs[i];
-    if (s.name.empty()) {
+    if (i >= op.slotCount) {
       if (b.bufferId != 0 || b.offset != 0 || b.bytes != 0) {
         fail(ErrorCode::kInvalidArgument,
              "{}: buffer slot {} is unused by {} but set (bufferId {}, offset {}, bytes {}); zero it", kind, i, kind,
@@ -312,8 +178,9 @@ void checkBuffers(const OpDescriptor& d, const std::array<SlotSpec, kMaxOpBuffer
       }
       continue;
     }
+    const SlotSpec& s = op.slots[i];
     const uint64_t bytes = rules[i].bytes;
-    const std::size_t elementSize = slotElementSize(s);
+    const std::size_t elementBytes = elementSize(s.type, d.dtype);
     if (b.bufferId == 0) {
       if (s.optional) {
         if (b.offset != 0 || b.bytes != 0) {
@@ -331,13 +198,15 @@ void checkBuffers(const OpDescriptor& d, const std::array<SlotSpec, kMaxOpBuffer
       // An empty extent (a rank that owns no rows) needs no memory; any bufferId, 0 included, is fine.
     }
     if (b.bytes != bytes) {
+      const std::vector<Factor> factors = factorsOf(op, s, d);
       fail(ErrorCode::kInvalidArgument, "{}: buffer {} claims {} bytes but {} = {} for {} [{}]; pass the tensor of {}",
-           kind, s.name, b.bytes, factorExpr(s, elementSize), bytes, elementText(s), factorValues(s), s.shape);
+           kind, s.name, b.bytes, factorExpr(factors, elementBytes), bytes, elementText(s, d.dtype),
+           factorValues(factors), s.shape);
     }
-    if (b.offset % elementSize != 0) {
+    if (b.offset % elementBytes != 0) {
       fail(ErrorCode::kInvalidArgument,
            "{}: buffer {} offset {} is not a multiple of the {} element size {}; align the tensor to {} bytes", kind,
-           s.name, b.offset, dtypeName(s.dtype), elementSize, elementSize);
+           s.name, b.offset, dtypeName(slotDtype(s, d.dtype)), elementBytes, elementBytes);
     }
     if (b.offset > UINT64_MAX - b.bytes) {
       fail(ErrorCode::kInvalidArgument, "{}: buffer {} offset {} + bytes {} overflows; pass an offset inside the buffer",
@@ -346,36 +215,27 @@ void checkBuffers(const OpDescriptor& d, const std::array<SlotSpec, kMaxOpBuffer
   }
 }
 
-// Everything but the BufferRefs: version, kind, header fields and dims.
-void checkShape(const OpDescriptor& desc) {
+// Everything but the BufferRefs: version, kind, header fields and dims. Returns the op's table entry.
+const OpSpec& checkShape(const OpDescriptor& desc) {
   if (desc.version != kDescriptorVersion) {
     fail(ErrorCode::kInvalidArgument,
          "descriptor: version {} is not supported (this side speaks {}); build client and daemon from the same tandem",
          desc.version, kDescriptorVersion);
   }
-  if (!knownKind(desc.kind)) {
-    fail(ErrorCode::kInvalidArgument, "descriptor: op kind {} is unknown; valid kinds are 1..{} (ag-gemm..nop)",
-         static_cast<uint16_t>(desc.kind), kOpKindCount - 1);
-  }
-  const std::string_view kind = opKindName(desc.kind);
-  const KindSpec ks = kindSpec(desc.kind);
-  checkHeader(desc, kind, ks);
-  checkDims(desc, kind, ks);
+  const OpSpec& op = opSpec(desc.kind);  // throws for an unknown kind
+  checkHeader(desc, op.name, op);
+  checkDims(desc, op.name, op);
+  return op;
 }
 
 }  // namespace
 
-SlotRules expectedSlots(const OpDescriptor& desc) {
-  checkShape(desc);
-  return computeRules(slotSpecs(desc), opKindName(desc.kind));
-}
+SlotRules expectedSlots(const OpDescriptor& desc) { return computeRules(checkShape(desc), desc); }
 
 SlotRules validateDescriptor(const OpDescriptor& desc) {
-  checkShape(desc);
-  const std::string_view kind = opKindName(desc.kind);
-  const std::array<SlotSpec, kMaxOpBuffers> specs = slotSpecs(desc);
-  const SlotRules rules = computeRules(specs, kind);
-  checkBuffers(desc, specs, rules, kind);
+  const OpSpec& op = checkShape(desc);
+  const SlotRules rules = computeRules(op, desc);
+  checkBuffers(desc, op, rules);
   return rules;
 }
 
@@ -388,7 +248,7 @@ void validateCollective(std::span<const OpDescriptor> descs) {
          "{}: {} descriptors for a communicator of nranks {} (rank 0's); every rank must submit exactly once", kind,
          descs.size(), d0.nranks);
   }
-  const KindSpec ks = kindSpec(d0.kind);
+  const OpSpec& ks = opSpec(d0.kind);
   for (std::size_t r = 0; r < descs.size(); ++r) {
     const OpDescriptor& d = descs[r];
     if (d.rank != r) {
@@ -425,9 +285,9 @@ void validateCollective(std::span<const OpDescriptor> descs) {
            kind, r, d.scale, d0.scale);
     }
     for (std::size_t i = 0; i < kMaxOpDims; ++i) {
-      const bool global = static_cast<int>(i) >= ks.dimCount || ks.dims[i].global;
+      const bool global = i >= ks.dimCount || !ks.dims[i].perRank();
       if (!global || d.dims[i] == d0.dims[i]) continue;
-      const std::string_view name = static_cast<int>(i) < ks.dimCount ? ks.dims[i].name : std::string_view("unused");
+      const std::string_view name = i < ks.dimCount ? ks.dims[i].name : std::string_view("unused");
       fail(ErrorCode::kInvalidArgument,
            "{}: rank {} has dims[{}] ({}) = {} but rank 0 has {}; {} is global and must match on every rank", kind, r,
            i, name, d.dims[i], d0.dims[i], name);

@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "cluster.hpp"
-#include "cpu_ops.hpp"
+#include "cpu/cpu_backend.hpp"
 #include "tandem/common/validate.hpp"
 
 namespace tandem::daemon {
@@ -54,166 +54,7 @@ std::array<uint8_t, 16> uniqueIdOf(const std::string& bytes) {
 
 }  // namespace
 
-// ---- the cpu backend: host shared memory, ops on worker threads -----------------------------------------
 
-namespace {
-
-class CpuBackend final : public Backend {
- public:
-  explicit CpuBackend(const DaemonConfig& config) : config_(config) {}
-  ~CpuBackend() override { stop(); }
-  const char* name() const override { return "cpu"; }
-  const char* executor() const override { return "host"; }
-  OpSet ops(const CommResources* /*comm*/) const override { return OpSet::all(); }
-  bool hostMemory() const override { return true; }
-
-  void start() override {
-    running_ = true;
-    unsigned threads = config_.daemon.workerThreads;
-    if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
-    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { workerLoop(); });
-  }
-  void stop() override {
-    {
-      std::lock_guard lock(workMutex_);
-      running_ = false;
-    }
-    workCv_.notify_all();
-    for (auto& w : workers_) w.join();
-    workers_.clear();
-  }
-
-  std::shared_ptr<Buffer> allocate(uint64_t bytes, const std::string& /*deviceUuid*/) override {
-    auto buffer = std::make_shared<Buffer>();
-    buffer->bytes = bytes;
-    buffer->accountedBytes = bytes;
-    buffer->fd = Fd::memfd("tandem-buf", bytes);
-    buffer->mapping = Mapping::shared(buffer->fd.get(), bytes);
-    return buffer;
-  }
-
-  std::shared_ptr<Buffer> registerMemory(RegisterRequest& request) override {
-    if (request.kind != RegisterRequest::Kind::kMemfd) {
-      fail(ErrorCode::kUnsupported, "register: this tandemd runs the cpu backend, which registers host memory (a "
-           "memfd) only; GPU memory needs daemon.backend: cuda");
-    }
-    if (!request.fd) fail(ErrorCode::kProtocol, "register: the memfd did not arrive with the request");
-    const uint64_t fileBytes = fileSize(request.fd.get());
-    if (request.offset > fileBytes || request.bytes > fileBytes - request.offset) {
-      fail(ErrorCode::kInvalidArgument, "register: range [{}, {}) lies outside the {}-byte file passed with it; pass "
-           "the memfd that backs the memory and the offset of the memory in it", request.offset,
-           request.offset + request.bytes, fileBytes);
-    }
-    if (request.offset % 4096 != 0) {
-      fail(ErrorCode::kInvalidArgument, "register: fd offset {} is not a multiple of the 4096-byte page size",
-           request.offset);
-    }
-    auto buffer = std::make_shared<Buffer>();
-    buffer->bytes = request.bytes;
-    buffer->accountedBytes = request.bytes;
-    buffer->registered = true;
-    buffer->mapping = Mapping::shared(request.fd.get(), request.bytes, request.offset);
-    buffer->fd = std::move(request.fd);
-    return buffer;
-  }
-
-  std::byte* resolve(const Buffer& buffer, uint64_t offset) const override { return buffer.mapping.data() + offset; }
-
-  bool execute(Collective c, std::function<void()> finished) override {
-    if (c.errorCode != 0) {
-      for (auto& op : c.ops) {
-        if (!op.local()) continue;
-        op.channel->complete(op.desc.seq, c.errorCode,
-                             op.error.empty() ? fmt::format("another rank's descriptor was rejected: {}", c.error)
-                                              : op.error);
-      }
-      return true;
-    }
-    if (c.link) {
-      // Across nodes: on the communicator's own thread, which blocks on its peers.
-      auto link = c.link;
-      link->post([this, c = std::move(c), finished = std::move(finished)]() mutable {
-        run(c);
-        finished();
-      });
-      return false;
-    }
-    if (c.ops[0].desc.kind == OpKind::kNop) {
-      // Nothing to execute: complete on the pump thread instead of paying a worker hand-off.
-      for (auto& op : c.ops) op.channel->complete(op.desc.seq, 0, "");
-      ++*c.opsCompleted;
-      return true;
-    }
-    enqueueWork([this, c = std::move(c), finished = std::move(finished)]() mutable {
-      run(c);
-      finished();
-    });
-    return false;
-  }
-
- private:
-  void run(Collective& c) {
-    int32_t code = 0;
-    std::string message;
-    try {
-      std::vector<RankOp> ranks(c.ops.size());
-      for (std::size_t r = 0; r < c.ops.size(); ++r) {
-        ranks[r].desc = c.ops[r].desc;
-        for (std::size_t i = 0; i < kMaxOpBuffers; ++i) {
-          if (c.ops[r].buffers[i]) ranks[r].data[i] = resolve(*c.ops[r].buffers[i], c.ops[r].desc.bufs[i].offset);
-        }
-      }
-      if (c.link) {
-        runCpuOpAcrossNodes(ranks, c.nodeOfRank, *c.link, c.epoch);
-      } else {
-        runCpuOp(ranks);
-      }
-    } catch (const Error& e) {
-      code = statusOf(e.code());
-      message = e.what();
-    } catch (const std::exception& e) {
-      code = statusOf(ErrorCode::kInternal);
-      message = fmt::format("{} failed inside tandemd: {}", opKindName(c.ops[0].desc.kind), e.what());
-    }
-    for (auto& op : c.ops) {
-      if (op.local()) op.channel->complete(op.desc.seq, code, message);
-    }
-    ++*c.opsCompleted;
-  }
-
-  void enqueueWork(std::function<void()> work) {
-    {
-      std::lock_guard lock(workMutex_);
-      work_.push_back(std::move(work));
-    }
-    workCv_.notify_one();
-  }
-
-  void workerLoop() {
-    for (;;) {
-      std::function<void()> work;
-      {
-        std::unique_lock lock(workMutex_);
-        workCv_.wait(lock, [this] { return !work_.empty() || !running_; });
-        if (work_.empty()) return;
-        work = std::move(work_.front());
-        work_.pop_front();
-      }
-      work();
-    }
-  }
-
-  const DaemonConfig& config_;
-  bool running_ = false;
-  std::vector<std::thread> workers_;
-  std::mutex workMutex_;
-  std::condition_variable workCv_;
-  std::deque<std::function<void()>> work_;
-};
-
-}  // namespace
-
-std::unique_ptr<Backend> makeCpuBackend(const DaemonConfig& config) { return std::make_unique<CpuBackend>(config); }
 
 Engine::Engine(const DaemonConfig& config, std::unique_ptr<Backend> backend)
     : config_(config), backend_(backend ? std::move(backend) : makeCpuBackend(config)), pumpEvent_(Fd::eventfd()) {}
@@ -240,7 +81,8 @@ void Engine::stop() {
 // ---- sessions ----------------------------------------------------------------------------------------
 
 std::shared_ptr<SessionChannel> Engine::openSession(uint64_t sessionId, uint32_t pid, uint32_t uid, uint32_t gid) {
-  auto channel = std::make_shared<SessionChannel>(sessionId, config_.rings.capacity);
+  auto channel =
+      std::make_shared<SessionChannel>(sessionId, config_.rings.capacity, config_.limits.maxPendingCompletions);
   std::lock_guard lock(mutex_);
   SessionState& s = sessions_[sessionId];
   s.id = sessionId;
@@ -249,6 +91,7 @@ std::shared_ptr<SessionChannel> Engine::openSession(uint64_t sessionId, uint32_t
   s.gid = gid;
   s.channel = channel;
   ++sessionsGeneration_;
+  signalEventfd(pumpEvent_.get());  // a sleeping pump must start watching the new ring now, not after its timeout
   return channel;
 }
 
@@ -293,6 +136,25 @@ size_t Engine::sessionCount() const {
 
 // ---- memory ------------------------------------------------------------------------------------------
 
+// The session's limits, checked before the backend allocates or maps anything and again (under the lock that adds
+// the buffer) after: registrations count against max_session_bytes like allocations, and every buffer holding an
+// fd counts against max_fds_per_session, so one session cannot exhaust the daemon's memory or descriptors.
+void Engine::checkSessionRoomLocked(const SessionState& s, std::string_view what, uint64_t bytes, bool holdsFd) const {
+  const LimitsSection& l = config_.limits;
+  if (s.bytes + bytes > l.maxSessionBytes) {
+    fail(ErrorCode::kOutOfMemory,
+         "{} {} bytes: the session already holds {} of its {} bytes (limits.max_session_bytes, allocations and "
+         "registrations together); free buffers or raise the limit", what, bytes, s.bytes, l.maxSessionBytes);
+  }
+  const uint64_t fds = kFdsPerSession + s.bufferFds;
+  if (holdsFd && fds + 1 > l.maxFdsPerSession) {
+    fail(ErrorCode::kOutOfMemory,
+         "{}: the session already holds {} buffers with file descriptors, {} fds with its own {}, the most "
+         "limits.max_fds_per_session ({}) allows; free buffers (or allocate fewer, larger ones) or raise the limit",
+         what, s.bufferFds, fds, kFdsPerSession, l.maxFdsPerSession);
+  }
+}
+
 std::shared_ptr<Buffer> Engine::allocate(uint64_t sessionId, uint64_t bytes, const std::string& deviceUuid) {
   if (bytes == 0) fail(ErrorCode::kInvalidArgument, "allocate: size is 0 bytes; pass at least 1 byte");
   if (bytes > config_.limits.maxBufferBytes) {
@@ -301,14 +163,9 @@ std::shared_ptr<Buffer> Engine::allocate(uint64_t sessionId, uint64_t bytes, con
   }
   {
     std::lock_guard lock(mutex_);
-    const SessionState& s = sessionLocked(sessionId);
-    if (s.bytes + bytes > config_.limits.maxSessionBytes) {
-      fail(ErrorCode::kOutOfMemory,
-           "allocate {} bytes: the session already holds {} of its {} bytes (limits.max_session_bytes); free buffers "
-           "or raise the limit", bytes, s.bytes, config_.limits.maxSessionBytes);
-    }
+    checkSessionRoomLocked(sessionLocked(sessionId), "allocate", bytes, true);
   }
-  return addBuffer(sessionId, backend_->allocate(bytes, deviceUuid));
+  return addBuffer(sessionId, backend_->allocate(bytes, deviceUuid), "allocate");
 }
 
 std::shared_ptr<Buffer> Engine::registerMemory(uint64_t sessionId, Fd fd, uint64_t offset, uint64_t bytes) {
@@ -327,20 +184,24 @@ std::shared_ptr<Buffer> Engine::registerMemory(uint64_t sessionId, RegisterReque
   }
   {
     std::lock_guard lock(mutex_);
-    sessionLocked(sessionId);
+    checkSessionRoomLocked(sessionLocked(sessionId), "register", request.bytes, static_cast<bool>(request.fd));
   }
   auto buffer = backend_->registerMemory(request);
   buffer->registered = true;
-  return addBuffer(sessionId, std::move(buffer));
+  return addBuffer(sessionId, std::move(buffer), "register");
 }
 
-std::shared_ptr<Buffer> Engine::addBuffer(uint64_t sessionId, std::shared_ptr<Buffer> buffer) {
+std::shared_ptr<Buffer> Engine::addBuffer(uint64_t sessionId, std::shared_ptr<Buffer> buffer, std::string_view what) {
   std::lock_guard lock(mutex_);
   SessionState& s = sessionLocked(sessionId);  // the session may have closed meanwhile: the buffer is dropped
+  const bool holdsFd = static_cast<bool>(buffer->fd);
+  // Again under this lock: concurrent requests of one session must not overshoot together.
+  checkSessionRoomLocked(s, what, buffer->accountedBytes, holdsFd);
   buffer->sessionId = sessionId;
   buffer->id = nextBufferId_++;
   s.buffers[buffer->id] = buffer;
   s.bytes += buffer->accountedBytes;
+  s.bufferFds += holdsFd ? 1 : 0;
   return buffer;
 }
 
@@ -358,6 +219,7 @@ void Engine::release(uint64_t sessionId, uint64_t bufferId, bool registered) {
          it->second->registered ? "tandem_deregister" : "tandem_free");
   }
   s.bytes -= it->second->accountedBytes;
+  s.bufferFds -= it->second->fd ? 1 : 0;
   s.buffers.erase(it);  // an op in flight still holds the mapping through its shared_ptr
 }
 
@@ -779,6 +641,7 @@ void Engine::onNodeLost(uint32_t node, const std::string& reason) {
 
 void Engine::pumpLoop() {
   std::vector<std::shared_ptr<SessionChannel>> channels;
+  std::vector<pollfd> waitFds;
   uint64_t generation = ~uint64_t{0};
   auto lastWork = Clock::now();
   const auto pollWindow = std::chrono::microseconds(config_.rings.pollWindowUs);
@@ -810,15 +673,19 @@ void Engine::pumpLoop() {
       std::this_thread::yield();
       continue;
     }
-    // Sleep: announce it on every ring, re-check, then block on the pump eventfd. Clients ring it only when
-    // they see the flag, so the busy path costs no system call. The timeout bounds the damage a client
-    // could do by clearing its own flag: only its own ops would wait, at most this long.
+    // Sleep: announce it on every ring, re-check, then block on every session's own wakeup socket and the pump's
+    // eventfd (stop, new sessions). Clients ring only when they see the flag, so the busy path costs no system
+    // call; each rings only its own socket, so none can steal or block another's wakeups. The timeout bounds the
+    // damage a client could do by clearing its own flag: only its own ops would wait, at most this long.
     bool mayBlock = true;
     for (auto& ch : channels) mayBlock = ch->submissions().prepareToSleep() && mayBlock;
     if (mayBlock && generation == sessionsGeneration_.load()) {
-      pollfd p{pumpEvent_.get(), POLLIN, 0};
-      ::poll(&p, 1, 100);
-      drainEventfd(pumpEvent_.get());
+      waitFds.assign(1, pollfd{pumpEvent_.get(), POLLIN, 0});
+      for (auto& ch : channels) waitFds.push_back(pollfd{ch->pumpWakeFd(), POLLIN, 0});
+      ::poll(waitFds.data(), waitFds.size(), 100);
+      for (const pollfd& p : waitFds) {
+        if ((p.revents & POLLIN) != 0) drainEventfd(p.fd);
+      }
     }
     for (auto& ch : channels) ch->submissions().wokeUp();
     lastWork = Clock::now();
@@ -829,6 +696,17 @@ bool Engine::pollSessions(const std::vector<std::shared_ptr<SessionChannel>>& ch
   bool any = false;
   for (const auto& ch : channels) {
     ch->flushPending();
+    if (ch->faultReported.load(std::memory_order_relaxed)) continue;  // closing
+    if (ch->overflowed()) {
+      ch->faultReported = true;
+      if (onSessionFault_) {
+        onSessionFault_(ch->sessionId(), fmt::format("it left more than limits.max_pending_completions ({}) "
+                                                     "completions undrained; drain the completion ring "
+                                                     "(tandem_wait / tandem_op_status)",
+                                                     config_.limits.maxPendingCompletions));
+      }
+      continue;
+    }
     OpDescriptor desc;
     // Bounded per pass so one busy session cannot starve the others, and never past the session's
     // queued-op limit (back-pressure stays in the client's ring).
@@ -836,6 +714,7 @@ bool Engine::pollSessions(const std::vector<std::shared_ptr<SessionChannel>>& ch
       const auto r = ch->submissions().tryPop(desc);
       if (r == SpscRing<OpDescriptor>::Pop::kEmpty) break;
       if (r == SpscRing<OpDescriptor>::Pop::kCorrupt) {
+        ch->faultReported = true;
         if (onSessionFault_) onSessionFault_(ch->sessionId(), "its submission ring's head index is corrupt");
         break;
       }
@@ -885,6 +764,10 @@ void Engine::handleDescriptor(const OpDescriptor& desc, const std::shared_ptr<Se
            comm.nranks);
     }
     const SlotRules rules = validateDescriptor(desc);
+    // What the backend runs is answered here, at admission, so an op it lacks fails before any gang forms.
+    if (const OpSet runs = backend_->ops(comm.resources.get()); !runs.contains(desc.kind)) {
+      throw Error(ErrorCode::kUnsupported, unsupportedOpMessage(backend_->name(), runs, desc.kind));
+    }
     for (std::size_t i = 0; i < kMaxOpBuffers; ++i) {
       const BufferRef& ref = desc.bufs[i];
       if (rules[i].name.empty() || ref.bufferId == 0) continue;

@@ -26,8 +26,6 @@
 
 namespace tandem::daemon {
 
-std::unique_ptr<Backend> makeCpuBackend(const DaemonConfig& config);
-
 struct EngineStatus {
   struct Session {
     uint64_t id;
@@ -102,7 +100,6 @@ class Engine {
   void setSessionFaultHandler(std::function<void(uint64_t sessionId, std::string why)> handler) {
     onSessionFault_ = std::move(handler);
   }
-  int pumpEventFd() const { return pumpEvent_.get(); }
 
  private:
   struct PendingJoin {
@@ -143,7 +140,8 @@ class Engine {
   void leaveCommLocked(uint64_t sessionId, uint64_t handle, Communicator::State state, ErrorCode code,
                        const std::string& reason);
   SessionState& sessionLocked(uint64_t sessionId);
-  std::shared_ptr<Buffer> addBuffer(uint64_t sessionId, std::shared_ptr<Buffer> buffer);
+  std::shared_ptr<Buffer> addBuffer(uint64_t sessionId, std::shared_ptr<Buffer> buffer, std::string_view what);
+  void checkSessionRoomLocked(const SessionState& s, std::string_view what, uint64_t bytes, bool holdsFd) const;
 
   const DaemonConfig& config_;
   std::unique_ptr<Backend> backend_;
@@ -155,7 +153,7 @@ class Engine {
   uint64_t nextCommHandle_ = 1;
   std::atomic<uint64_t> sessionsGeneration_{0};
 
-  Fd pumpEvent_;
+  Fd pumpEvent_;  // the pump's own wakeups (stop, a new session); never shared with a client
   std::atomic<bool> running_{false};
   std::thread pump_;
   std::function<void(uint64_t, std::string)> onSessionFault_;

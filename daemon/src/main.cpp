@@ -18,6 +18,7 @@
 
 #include "cluster.hpp"
 #include "config.hpp"
+#include "cpu/cpu_backend.hpp"
 #include "engine.hpp"
 #ifdef TANDEM_HAVE_CUDA
 #include "cuda/cuda_backend.hpp"

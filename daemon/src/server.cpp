@@ -210,7 +210,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
         r->set_ring_bytes(channel_->ringBytes());
         r->set_descriptor_version(kDescriptorVersion);
         r->set_executor(engine.backend().executor());
-        const int fds[] = {channel_->ringFd(), engine.pumpEventFd(), channel_->completionEventFd()};
+        const int fds[] = {channel_->ringFd(), channel_->submitEventFd(), channel_->completionEventFd()};
         return reply(rid, response, fds);
       }
       case pb::Request::kAllocate: {

@@ -7,19 +7,21 @@
 
 namespace tandem::daemon {
 
-SessionChannel::SessionChannel(uint64_t sessionId, uint32_t capacity) : sessionId_(sessionId) {
+SessionChannel::SessionChannel(uint64_t sessionId, uint32_t capacity, uint32_t maxPending)
+    : sessionId_(sessionId), maxPending_(maxPending) {
   const auto layout = RingRegionLayout::forCapacity(capacity);
   ringFd_ = Fd::memfd(fmt::format("tandem-rings-{}", sessionId), layout.totalBytes);
   mapping_ = Mapping::shared(ringFd_.get(), layout.totalBytes);
   rings_ = SessionRings::format(mapping_.data(), mapping_.size(), capacity);
-  completionEvent_ = Fd::eventfd();
+  completionWake_ = WakeupPair::create();
+  submitWake_ = WakeupPair::create();
 }
 
 bool SessionChannel::tryPostLocked(const Completion& c) {
   bool wake = false;
   if (!rings_.completion.tryPush(c, wake)) return false;
   ++completed_;
-  if (wake) signalEventfd(completionEvent_.get());
+  if (wake) signalEventfd(completionWake_.daemonEnd.get());
   return true;
 }
 
@@ -31,7 +33,12 @@ void SessionChannel::complete(uint64_t seq, int32_t status, std::string_view mes
   std::memcpy(c.message, message.data(), c.messageLen);
   std::lock_guard lock(mutex_);
   // Keep completion order: nothing may overtake what is already queued.
-  if (!overflow_.empty() || !tryPostLocked(c)) overflow_.push_back(c);
+  if (overflow_.empty() && tryPostLocked(c)) return;
+  if (overflow_.size() >= maxPending_) {
+    overflowed_.store(true, std::memory_order_relaxed);
+    return;
+  }
+  overflow_.push_back(c);
 }
 
 void SessionChannel::flushPending() {

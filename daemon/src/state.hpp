@@ -51,45 +51,65 @@ struct CommResources {
   virtual ~CommResources() = default;
 };
 
-// A session's ring region and the producer side of its completion ring.
+// A session's ring region, the producer side of its completion ring, and its two wakeup channels (WakeupPair):
+// completions (the daemon rings the client) and submissions (the client rings the pump). Each session has its own
+// pair of each, so no client can steal, block or delay another's wakeups.
 class SessionChannel {
  public:
-  SessionChannel(uint64_t sessionId, uint32_t capacity);
+  // maxPending: completions queued beyond the ring (limits.max_pending_completions); past it the session is
+  // marked overflowed and the pump closes it.
+  SessionChannel(uint64_t sessionId, uint32_t capacity, uint32_t maxPending);
   uint64_t sessionId() const { return sessionId_; }
   int ringFd() const { return ringFd_.get(); }
-  int completionEventFd() const { return completionEvent_.get(); }
+  // The client's ends, sent to it in the session's first reply.
+  int completionEventFd() const { return completionWake_.clientEnd.get(); }
+  int submitEventFd() const { return submitWake_.clientEnd.get(); }
+  // The pump's end of the submission wakeups.
+  int pumpWakeFd() const { return submitWake_.daemonEnd.get(); }
   uint64_t ringBytes() const { return mapping_.size(); }
   SpscRing<OpDescriptor>& submissions() { return rings_.submission; }
 
-  // Posts a completion; never blocks and never drops: when the ring is full (the client is not draining),
-  // it queues and flushPending() retries. Thread-safe.
+  // Posts a completion; never blocks. When the ring is full (the client is not draining), it queues and
+  // flushPending() retries; past maxPending queued completions it drops the new one and marks the session
+  // overflowed (the pump then closes it: a client that never drains cannot grow the daemon). Thread-safe.
   void complete(uint64_t seq, int32_t status, std::string_view message);
   void flushPending();
+  bool overflowed() const { return overflowed_.load(std::memory_order_relaxed); }
   uint64_t completed() const { return completed_; }
 
   // Descriptors popped from the ring that wait for other ranks. The pump stops popping this session's ring
   // at the ring's capacity, so a rank that races ahead fills its own ring (back-pressure) instead of the
   // daemon's memory.
   std::atomic<uint32_t> queued{0};
+  // Set by the pump when it reports the session's fault (overflow, corrupt ring) so it reports it once.
+  std::atomic<bool> faultReported{false};
   uint32_t capacity() const { return static_cast<uint32_t>(rings_.submission.capacity()); }
 
  private:
   bool tryPostLocked(const Completion& c);
   uint64_t sessionId_;
+  uint32_t maxPending_;
   Fd ringFd_;
   Mapping mapping_;
   SessionRings rings_;
-  Fd completionEvent_;
+  WakeupPair completionWake_;
+  WakeupPair submitWake_;
   std::mutex mutex_;  // one producer at a time on the completion ring
   std::deque<Completion> overflow_;
+  std::atomic<bool> overflowed_{false};
   uint64_t completed_ = 0;
 };
+
+// Descriptors the daemon holds for every session besides its buffers': the control socket, the ring memfd and the
+// two wakeup socket pairs (both ends of each until the client has its ends).
+inline constexpr uint64_t kFdsPerSession = 6;
 
 struct SessionState {
   uint64_t id = 0;
   uint32_t pid = 0, uid = 0, gid = 0;
   std::map<uint64_t, std::shared_ptr<Buffer>> buffers;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;      // allocations and registrations, against limits.max_session_bytes
+  uint32_t bufferFds = 0;  // buffers that hold an fd, against limits.max_fds_per_session
   std::shared_ptr<SessionChannel> channel;
   std::vector<uint64_t> comms;  // handles joined
   std::map<uint64_t, uint64_t> commBytes;  // per communicator handle: workspace bytes charged to this session

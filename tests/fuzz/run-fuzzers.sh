@@ -6,7 +6,7 @@ src="$1"; out="$2"; runs="${3:-200000}"
 command -v clang++ >/dev/null || { echo "SKIPPED fuzzers: clang++ not found; install clang to run them"; exit 77; }
 mkdir -p "$out"
 flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -I"$src/common/include" -I"$src/client/include")
-common=("$src/common/src/error.cpp" "$src/common/src/descriptor.cpp")
+common=("$src/common/src/error.cpp" "$src/common/src/descriptor.cpp" "$src/common/src/op_spec.cpp")
 if ! clang++ "${flags[@]}" "$src/tests/fuzz/frame_fuzzer.cpp" "$src/common/src/framing.cpp" "$src/common/src/fd.cpp" \
       "${common[@]}" -lfmt -o "$out/frame_fuzzer" 2>"$out/build.log"; then
   if grep -q "libclang_rt.fuzzer" "$out/build.log"; then echo "SKIPPED fuzzers: libFuzzer runtime missing"; exit 77; fi

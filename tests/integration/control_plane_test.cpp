@@ -1,5 +1,6 @@
 // The control plane end to end: a real tandemd, real clients, real sockets.
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 
 
@@ -57,8 +58,9 @@ TEST_CASE("hello, allocate, register, status and disconnect free everything") {
     std::memset(a.data(), 0xab, a.size());
 
     // Register memory the client already has: a memfd mapping.
-    const int fd = ::memfd_create("client-mem", MFD_CLOEXEC);
+    const int fd = ::memfd_create("client-mem", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     REQUIRE(::ftruncate(fd, 8192) == 0);
+    REQUIRE(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
     void* p = ::mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     tandem_buffer_t reg;
     REQUIRE(tandem_register(s.get(), p, 8192, fd, 0, &reg) == TANDEM_SUCCESS);
@@ -104,17 +106,69 @@ TEST_CASE("bad allocations get clear errors and change nothing") {
   CHECK(tandem_alloc(s.get(), 0, &b) == TANDEM_ERROR_INVALID_ARGUMENT);
   CHECK(tandem_alloc(s.get(), (1 << 20) + 1, &b) == TANDEM_ERROR_OUT_OF_MEMORY);
   CHECK(std::string(tandem_last_error()).find("limits.max_buffer_bytes") != std::string::npos);
-  tandem::Buffer one(s, 1 << 20), two(s, 1 << 20);
-  CHECK(tandem_alloc(s.get(), 1, &b) == TANDEM_ERROR_OUT_OF_MEMORY);
-  CHECK(std::string(tandem_last_error()).find("limits.max_session_bytes") != std::string::npos);
   // Registering a range outside the fd's file.
-  const int fd = ::memfd_create("small", MFD_CLOEXEC);
+  const int fd = ::memfd_create("small", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   REQUIRE(::ftruncate(fd, 4096) == 0);
+  REQUIRE(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
   char local[16];
   CHECK(tandem_register(s.get(), local, 8192, fd, 0, &b) == TANDEM_ERROR_INVALID_ARGUMENT);
   CHECK(std::string(tandem_last_error()).find("outside") != std::string::npos);
+  tandem::Buffer one(s, 1 << 20), two(s, 1 << 20);
+  CHECK(tandem_alloc(s.get(), 1, &b) == TANDEM_ERROR_OUT_OF_MEMORY);
+  CHECK(std::string(tandem_last_error()).find("limits.max_session_bytes") != std::string::npos);
+  // Registrations count against the same cap (they used to be free: 20 x 16 GiB passed a 64 GiB cap).
+  CHECK(tandem_register(s.get(), local, 4096, fd, 0, &b) == TANDEM_ERROR_OUT_OF_MEMORY);
+  CHECK(std::string(tandem_last_error()).find("limits.max_session_bytes") != std::string::npos);
   ::close(fd);
   CHECK(daemonStatus(d)["total_bytes"] == 2 << 20);
+}
+
+TEST_CASE("registered memory cannot be pulled out from under the daemon") {
+  Daemon d;
+  tandem::Session s(d.socket().c_str());
+  char local[64];
+  tandem_buffer_t b;
+  SUBCASE("an unsealed memfd is refused, naming the seal to add") {
+    const int fd = ::memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    REQUIRE(::ftruncate(fd, 4096) == 0);
+    CHECK(tandem_register(s.get(), local, 4096, fd, 0, &b) == TANDEM_ERROR_INVALID_ARGUMENT);
+    CHECK(std::string(tandem_last_error()).find("F_SEAL_SHRINK") != std::string::npos);
+    ::close(fd);
+  }
+  SUBCASE("a regular file is refused") {
+    FILE* f = std::tmpfile();
+    REQUIRE(f != nullptr);
+    REQUIRE(::ftruncate(::fileno(f), 4096) == 0);
+    CHECK(tandem_register(s.get(), local, 4096, ::fileno(f), 0, &b) == TANDEM_ERROR_INVALID_ARGUMENT);
+    CHECK(std::string(tandem_last_error()).find("not a memfd") != std::string::npos);
+    std::fclose(f);
+  }
+  SUBCASE("a sealed memfd cannot be shrunk after registration, and ops on it still run") {
+    const int fd = ::memfd_create("sealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    REQUIRE(::ftruncate(fd, 8192) == 0);
+    REQUIRE(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+    void* p = ::mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    REQUIRE(p != MAP_FAILED);
+    REQUIRE(tandem_register(s.get(), p, 8192, fd, 0, &b) == TANDEM_SUCCESS);
+    CHECK(::ftruncate(fd, 0) == -1);  // the attack that used to SIGBUS tandemd
+    CHECK(errno == EPERM);
+    tandem_unique_id_t id;
+    REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+    tandem_comm_t comm;
+    REQUIRE(tandem_comm_init(s.get(), &id, 1, 0, 0, &comm) == TANDEM_SUCCESS);
+    tandem_tensor_t send{b, 0}, recv{b, 4096};
+    tandem_op_t op;
+    std::memset(p, 0x3c, 4096);
+    const tandem_allgather_args_t args{sizeof args, send, recv, 4096, nullptr};
+    REQUIRE(tandem_allgather(comm, &args, &op) == TANDEM_SUCCESS);
+    CHECK(tandem_wait(op, 10000) == TANDEM_SUCCESS);
+    CHECK(static_cast<unsigned char*>(p)[4096 + 100] == 0x3c);
+    CHECK(tandem_comm_destroy(comm) == TANDEM_SUCCESS);
+    CHECK(tandem_deregister(b) == TANDEM_SUCCESS);
+    ::munmap(p, 8192);
+    ::close(fd);
+  }
+  CHECK(daemonStatus(d)["backend"] == "cpu");  // alive
 }
 
 TEST_CASE("garbage, oversized frames, wrong versions and unknown messages do not hurt other clients") {

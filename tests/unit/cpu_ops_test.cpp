@@ -1,6 +1,6 @@
 // The CPU backend against the independent double-precision reference, for every op, dtype and a spread
 // of rank counts, with shapes that are multiples of nothing.
-#include "cpu_ops.hpp"
+#include "cpu/cpu_ops.hpp"
 
 #include <doctest/doctest.h>
 

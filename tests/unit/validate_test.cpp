@@ -292,7 +292,7 @@ TEST_CASE("validateDescriptor rejects bad dims, naming the dim and the limit") {
     rejects(d, {"ag-gemm: dims[5] is 1 but ag-gemm uses 3 dims; zero it"});
     OpDescriptor nop = good(OpKind::kNop);
     nop.dims[0] = 3;
-    rejects(nop, {"nop: dims[0] is 3"});
+    rejects(nop, {"barrier: dims[0] is 3"});
   }
 }
 
@@ -326,7 +326,7 @@ TEST_CASE("validateDescriptor rejects bad buffer slots, naming the buffer and th
     rejects(d, {"ring-attention: buffer slot 6 is unused by ring-attention but set"});
     OpDescriptor nop = good(OpKind::kNop);
     nop.bufs[0].bytes = 8;
-    rejects(nop, {"nop: buffer slot 0 is unused"});
+    rejects(nop, {"barrier: buffer slot 0 is unused"});
   }
   SUBCASE("an offset not a multiple of the element size") {
     OpDescriptor d = good(OpKind::kAgGemm);

@@ -8,7 +8,7 @@
 #include <exception>
 
 #include "cluster.hpp"
-#include "cpu_ops.hpp"
+#include "cpu/cpu_ops.hpp"
 #include "cuda/gpu.hpp"
 #include "tandem/common/validate.hpp"
 #include "tandem/kernels/allgather.hpp"

@@ -69,9 +69,21 @@ class Mapping {
 // Size of the file behind fd (fstat).
 uint64_t fileSize(int fd);
 
-// Rings an eventfd (adds 1); EAGAIN (counter saturated) is fine: the reader is already due to wake.
+// A wakeup channel between the daemon and one client: a connected pair of AF_UNIX datagram sockets, both ends
+// non-blocking and CLOEXEC. Each side holds its own end, so each end's file status flags are its holder's alone:
+// a client that clears O_NONBLOCK on its end, or fills the channel, can never make the daemon's side block
+// (which an eventfd shared by fd cannot promise: both holders share one open file description).
+struct WakeupPair {
+  Fd daemonEnd;
+  Fd clientEnd;
+  static WakeupPair create();
+};
+
+// Rings a wakeup: a datagram on a WakeupPair end (MSG_DONTWAIT, whatever the fd's flags), or 1 added to an
+// eventfd. A full channel (EAGAIN) is fine: the reader is already due to wake. Never blocks on a socket.
 void signalEventfd(int fd) noexcept;
-// Drains an eventfd's counter without blocking.
+// Drains every pending wakeup of a WakeupPair end or an eventfd, without blocking (the fd must be non-blocking or a
+// socket: sockets are read with MSG_DONTWAIT).
 void drainEventfd(int fd) noexcept;
 
 }  // namespace tandem

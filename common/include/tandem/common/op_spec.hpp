@@ -16,6 +16,94 @@
 
 namespace tandem {
 
+// What a slot's elements are.
+enum class ElementType : uint8_t {
+  kOpDtype,  // the descriptor's dtype (bf16, fp16 or fp32)
+  kI32,      // int32 whatever the op's dtype (expert ids, row info)
+  kF32,      // fp32 whatever the op's dtype (routing weights)
+  kRaw,      // untyped bytes (allgather): element size 1, no alignment
+};
+
+// One factor of a slot's extent, as a function of the descriptor.
+struct ExtentTerm {
+  enum class Kind : uint8_t {
+    kDim,        // dims[dim]
+    kShard,      // rowsOf(dims[dim], rank, nranks): this rank's share of a sharded dim
+    kPerRank,    // dims[dim] / nranks: this rank's share of a dim spread evenly (MoE experts)
+    kNranks,     // nranks
+    kConst,      // value
+  };
+  Kind kind = Kind::kConst;
+  uint8_t dim = 0;
+  uint32_t value = 1;
+};
+
+// One tensor of an op.
+struct SlotSpec {
+  std::string_view name;       // as tandem.h names the field ("a", "topk_ids", ...)
+  ElementType type = ElementType::kOpDtype;
+  std::array<ExtentTerm, 4> terms{};  // elements = product of the first termCount terms
+  uint8_t termCount = 0;
+  std::string_view shape;      // as tandem.h writes it, for error messages ("[rows_of(m, rank, nranks), k]")
+  bool output = false;         // written by the op
+  bool optional = false;       // bufferId 0 allowed: the op then skips that output
+};
+
+// How `tandemctl run` (and the tests' shape helper) turn a user's global size into each rank's dim.
+enum class DimSplit : uint8_t {
+  kGlobal,    // every rank passes the same value
+  kSplit,     // each rank passes rowsOf(total, rank, nranks) (gemm-rs k, attention seq)
+  kPerRank,   // each rank passes the value as given (MoE tokens per rank)
+  kCapacity,  // MoE receive capacity: the worst case nranks * tokens * topk, at least 1
+};
+
+struct DimSpec {
+  std::string_view name;     // "m", "tokens", ... as in tandem.h
+  std::string_view cli;      // the `tandemctl run` option that supplies it ("m" for --m), empty: derived
+  DimSplit split = DimSplit::kGlobal;
+  bool mayBeZero = false;    // a per-rank row count: a rank may own no rows
+  bool perRank() const { return split != DimSplit::kGlobal; }  // may differ between ranks
+};
+
+// What an op moves between nodes; the cpu backend's cross-node path (and the staging size check) follow it.
+enum class CrossNode : uint8_t {
+  kNone,           // nothing (barrier): one empty exchange orders the nodes
+  kGather,         // every node sends its ranks' `crossSlot` to every other node (ag-gemm's A, allgather's send)
+  kReduceScatter,  // every node sends each other node fp32 partial sums of that node's ranks' `crossSlot`
+  kAllReduce,      // every node sends every other node its fp32 partial sum of `crossSlot`
+  kReplicate,      // every node sends its ranks' inputs to every other node, which run the op whole (reference path)
+};
+
+struct OpSpec {
+  OpKind kind = OpKind::kInvalid;
+  std::string_view name;        // "ag-gemm": descriptors, messages, `tandemctl run OP`
+  std::string_view cFunction;   // its entry point in tandem.h
+  std::string_view summary;     // one line for --help
+  std::array<DimSpec, kMaxOpDims> dims{};
+  uint8_t dimCount = 0;
+  std::array<SlotSpec, kMaxOpBuffers> slots{};
+  uint8_t slotCount = 0;
+  bool typed = true;            // false: carries no typed data, so any known dtype value (0 included) is accepted
+  uint16_t flags = 0;           // the kFlag* bits it takes
+  bool scale = false;           // uses OpDescriptor::scale
+  CrossNode crossNode = CrossNode::kNone;
+  int8_t crossSlot = -1;
+  // Rules across dims that the table cannot say (MoE: experts % nranks, topk <= experts). Throws
+  // Error(kInvalidArgument). Null: none.
+  void (*checkDims)(const OpDescriptor&) = nullptr;
+};
+
+// Every op, in OpKind order (kAgGemm first). ops()[i].kind == OpKind(i + 1).
+std::span<const OpSpec> ops();
+// The entry of a known kind; throws Error(kInvalidArgument) for kInvalid or an unknown value.
+const OpSpec& opSpec(OpKind kind);
+// The entry named `name` ("barrier" is also accepted for nop), or null.
+const OpSpec* findOp(std::string_view name);
+bool knownOp(OpKind kind);
+// Elements of slot `s` of `d` (the slot's terms evaluated), with overflow reported through `overflow`.
+uint64_t slotElements(const OpSpec& spec, int s, const OpDescriptor& d, bool* overflow);
+std::size_t elementSize(ElementType type, DType dtype);
+
 // A set of op kinds (a backend's or an executor's capabilities).
 class OpSet {
  public:

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tandem/common/descriptor.hpp"
@@ -27,11 +28,14 @@ struct OpShape {
   uint64_t headDim = 64;
   bool causal = true;
   uint64_t bytes = 1 << 20;  // allgather: bytes per rank
+
+  // The size a `tandemctl run --<option>` sets, by the option's name ("m", "head-dim"; OpSpec's DimSpec::cli).
+  uint64_t value(std::string_view option) const;
 };
 
-// Rank r's descriptor for `shape`: kind, dtype, flags, rank, nranks, dims, and every slot's `bytes`
-// (bufferId and offset left 0 for the caller to fill; optional a_gathered is requested). For
-// moe-dispatch-gemm the capacity is the worst case, nranks * tokens * topk.
+// Rank r's descriptor for `shape`, derived from the op table: kind, dtype, flags, rank, nranks, dims (each split as
+// its DimSpec says), and every slot's `bytes` (bufferId and offset left 0 for the caller to fill; optional slots
+// such as a_gathered are requested). For moe-dispatch-gemm the capacity is the worst case, nranks * tokens * topk.
 OpDescriptor makeDescriptor(const OpShape& shape, uint32_t rank, uint32_t nranks);
 
 // Fills rank r's input slots with values drawn from (seed, rank, slot): uniform in [-1, 1] for floats,
@@ -44,6 +48,9 @@ void fillInputs(const OpDescriptor& desc, std::span<std::byte* const> slots, uin
 // the first sum(expert_counts) rows of out/row_info are defined.
 using Expected = std::vector<std::array<std::vector<double>, kMaxOpBuffers>>;
 Expected compute(std::span<const OpDescriptor> descs, std::span<const std::array<const std::byte*, kMaxOpBuffers>> inputs);
+
+// True when `kind` has a reference implementation (every op of the table must).
+bool hasReference(OpKind kind);
 
 struct Comparison {
   bool ok = false;

@@ -23,6 +23,13 @@ struct RankOp {
 // written. Safe to call from several threads on different ops.
 void runCpuOp(std::span<const RankOp> ranks);
 
+// True when the cpu backend implements `kind` (it must implement every op of the table).
+bool cpuRuns(OpKind kind);
+
+// An upper bound of the host scratch runCpuOp allocates for this collective (descs[r] is rank r's descriptor);
+// UINT64_MAX when it would not even fit 64 bits. The backend refuses ops above limits.max_scratch_bytes.
+uint64_t cpuScratchBytes(std::span<const OpDescriptor> descs);
+
 // c[m, n] = a[m, k] · b[n, k]ᵀ in fp32, deterministic (fixed summation order). Shared with cpu_multinode.cpp.
 void gemmNT(const float* a, const float* b, float* c, std::size_t m, std::size_t n, std::size_t k);
 

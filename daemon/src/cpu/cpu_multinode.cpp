@@ -19,9 +19,10 @@
 #include <vector>
 
 #include "cluster.hpp"
-#include "cpu_ops.hpp"
+#include "cpu/cpu_ops.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/common/numeric.hpp"
+#include "tandem/common/op_spec.hpp"
 #include "tandem/common/validate.hpp"
 
 namespace tandem::daemon {
@@ -55,33 +56,32 @@ std::vector<std::pair<int, uint64_t>> inputSlots(const OpDescriptor& d) {
   return out;
 }
 
-bool replicated(OpKind kind) {
-  return kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine || kind == OpKind::kRingAttention;
-}
-
-// Bytes node `from` sends node `to` in this op. The same function on every node, so all nodes agree
-// whether the op fits the staging before any of them starts.
+// Bytes node `from` sends node `to` in this op, by the op table's CrossNode rule. The same function on every
+// node, so all nodes agree whether the op fits the staging before any of them starts.
 uint64_t payloadBytes(const Layout& l, uint32_t from, uint32_t to) {
   const OpDescriptor& d = l.ranks[0].desc;
-  const uint64_t n = l.nranks();
+  const OpSpec& op = opSpec(d.kind);
   uint64_t bytes = 0;
-  if (replicated(d.kind)) {
-    for (uint32_t r : l.ranksOn(from)) {
-      for (auto& [s, b] : inputSlots(l.ranks[r].desc)) bytes += b;
-    }
-    return bytes;
-  }
-  switch (d.kind) {
-    case OpKind::kAgGemm:
-      for (uint32_t r : l.ranksOn(from)) bytes += rowsOf(d.dims[dim::kM], r, n) * d.dims[dim::kK] * dtypeSize(d.dtype);
+  auto slotBytes = [&](uint32_t r) { return l.ranks[r].desc.bufs[static_cast<std::size_t>(op.crossSlot)].bytes; };
+  auto slotFloats = [&](uint32_t r) {
+    return slotElements(op, op.crossSlot, l.ranks[r].desc, nullptr) * sizeof(float);
+  };
+  switch (op.crossNode) {
+    case CrossNode::kReplicate:
+      for (uint32_t r : l.ranksOn(from)) {
+        for (auto& [s, b] : inputSlots(l.ranks[r].desc)) bytes += b;
+      }
       return bytes;
-    case OpKind::kAllGather: return l.ranksOn(from).size() * d.dims[dim::kBytes];
-    case OpKind::kGemmRs:
-      for (uint32_t r : l.ranksOn(to)) bytes += rowsOf(d.dims[dim::kM], r, n) * d.dims[dim::kN] * sizeof(float);
+    case CrossNode::kGather:
+      for (uint32_t r : l.ranksOn(from)) bytes += slotBytes(r);
       return bytes;
-    case OpKind::kGemmAr: return d.dims[dim::kM] * d.dims[dim::kN] * sizeof(float);
-    default: return 0;
+    case CrossNode::kReduceScatter:
+      for (uint32_t r : l.ranksOn(to)) bytes += slotFloats(r);  // fp32 partials of the rows `to`'s ranks own
+      return bytes;
+    case CrossNode::kAllReduce: return slotFloats(l.ranksOn(from).front());
+    case CrossNode::kNone: return 0;
   }
+  return 0;
 }
 
 std::vector<float> loadFloats(const std::byte* p, DType dtype, std::size_t count) {
@@ -156,7 +156,7 @@ void allGather(const Layout& l, CommLink& link, uint64_t epoch) {
 
 void gemmReduce(const Layout& l, CommLink& link, uint64_t epoch) {
   const OpDescriptor& d = l.ranks[0].desc;
-  const bool allReduce = d.kind == OpKind::kGemmAr;
+  const bool allReduce = opSpec(d.kind).crossNode == CrossNode::kAllReduce;
   const uint32_t n = l.nranks();
   const std::size_t m = d.dims[dim::kM], cols = d.dims[dim::kN];
   std::vector<uint32_t> mine = l.ranksOn(l.self);
@@ -286,17 +286,7 @@ void runCpuOpAcrossNodes(std::span<const RankOp> ranks, std::span<const uint32_t
                          uint64_t epoch) {
   const Layout l{ranks, nodeOfRank, link.self()};
   const OpKind kind = ranks[0].desc.kind;
-  switch (kind) {
-    case OpKind::kAgGemm:
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr:
-    case OpKind::kAllGather:
-    case OpKind::kNop:
-    case OpKind::kMoeDispatchGemm:
-    case OpKind::kMoeDispatchFfnCombine:
-    case OpKind::kRingAttention: break;
-    default: fail(ErrorCode::kUnsupported, "{} is not an op tandem runs", opKindName(kind));
-  }
+  const OpSpec& op = opSpec(kind);
   for (uint32_t from : link.nodes()) {
     for (uint32_t to : link.nodes()) {
       if (from == to) continue;
@@ -308,17 +298,15 @@ void runCpuOpAcrossNodes(std::span<const RankOp> ranks, std::span<const uint32_t
       }
     }
   }
-  switch (kind) {
-    case OpKind::kAgGemm: return agGemm(l, link, epoch);
-    case OpKind::kAllGather: return allGather(l, link, epoch);
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr: return gemmReduce(l, link, epoch);
-    case OpKind::kMoeDispatchGemm:
-    case OpKind::kMoeDispatchFfnCombine:
-    case OpKind::kRingAttention: return replicatedOp(l, link, epoch);
-    default:
+  switch (op.crossNode) {
+    case CrossNode::kGather: return kind == OpKind::kAgGemm ? agGemm(l, link, epoch) : allGather(l, link, epoch);
+    case CrossNode::kReduceScatter:
+    case CrossNode::kAllReduce: return gemmReduce(l, link, epoch);
+    case CrossNode::kReplicate: return replicatedOp(l, link, epoch);
+    case CrossNode::kNone:
       link.exchange(epoch, [](uint32_t, std::span<std::byte>) { return uint64_t{0}; },
                     [](uint32_t, std::span<const std::byte>) {}, kExchangeTimeoutMs);
+      return;
   }
 }
 

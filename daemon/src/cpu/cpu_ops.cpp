@@ -2,7 +2,9 @@
 // (expert ids, capacities), and only then writes outputs, so a failing op leaves every output untouched.
 // Every loop has a fixed order and there is no threading, so the same inputs give bitwise the same
 // outputs on every run.
-#include "cpu_ops.hpp"
+#include "cpu/cpu_ops.hpp"
+
+#include "tandem/common/op_spec.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -405,23 +407,63 @@ void allGather(std::span<const RankOp> ranks) {
       std::memcpy(dst.data[slot::kRecv] + src * bytes, ranks[src].data[slot::kSend], bytes);
 }
 
+void barrier(std::span<const RankOp>) {}
+
+// The cpu backend's implementation of every op in the table, by kind (a test checks that none is missing).
+using Implementation = void (*)(std::span<const RankOp>);
+Implementation implementation(OpKind kind) {
+  switch (kind) {
+    case OpKind::kAgGemm: return agGemm;
+    case OpKind::kGemmRs:
+    case OpKind::kGemmAr: return gemmReduce;
+    case OpKind::kMoeDispatchGemm: return moeDispatchGemm;
+    case OpKind::kMoeDispatchFfnCombine: return moeDispatchFfnCombine;
+    case OpKind::kRingAttention: return ringAttention;
+    case OpKind::kAllGather: return allGather;
+    case OpKind::kNop: return barrier;
+    case OpKind::kInvalid: break;
+  }
+  return nullptr;
+}
+
 }  // namespace
+
+bool cpuRuns(OpKind kind) { return implementation(kind) != nullptr; }
+
+uint64_t cpuScratchBytes(std::span<const OpDescriptor> descs) {
+  if (descs.empty()) return 0;
+  const OpSpec& op = opSpec(descs[0].kind);
+  // Every implementation works on fp32 copies of its tensors, and at most one more of the same size (partials,
+  // activations); 2 x 4 bytes per element of every slot of every rank bounds that. Saturating: a sum past 2^64
+  // is "too much" all the same.
+  uint64_t elements = 0;
+  for (const OpDescriptor& d : descs) {
+    for (int s = 0; s < op.slotCount; ++s) {
+      bool overflow = false;
+      const uint64_t n = slotElements(op, s, d, &overflow);
+      if (overflow || __builtin_add_overflow(elements, n, &elements)) return UINT64_MAX;
+    }
+  }
+  uint64_t bytes = 0;
+  if (__builtin_mul_overflow(elements, uint64_t{8}, &bytes)) return UINT64_MAX;
+  if (descs[0].kind == OpKind::kRingAttention) {
+    // The query block's accumulator and one row of scores over the longest chunk: per block, not per element,
+    // so they are the only scratch that does not shrink with the tensors (head_dim 2^26 with seq 0).
+    uint64_t longest = 0;
+    for (const OpDescriptor& d : descs) longest = std::max(longest, d.dims[dim::kSeq]);
+    bytes += (16 * descs[0].dims[dim::kHeadDim] + longest) * sizeof(float);
+  }
+  return bytes;
+}
 
 void runCpuOp(std::span<const RankOp> ranks) {
   if (ranks.empty()) fail(ErrorCode::kInternal, "cpu backend: an op with no ranks");
-  switch (ranks[0].desc.kind) {
-    case OpKind::kAgGemm: agGemm(ranks); return;
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr: gemmReduce(ranks); return;
-    case OpKind::kMoeDispatchGemm: moeDispatchGemm(ranks); return;
-    case OpKind::kMoeDispatchFfnCombine: moeDispatchFfnCombine(ranks); return;
-    case OpKind::kRingAttention: ringAttention(ranks); return;
-    case OpKind::kAllGather: allGather(ranks); return;
-    case OpKind::kNop: return;
-    case OpKind::kInvalid: break;
+  const auto fn = implementation(ranks[0].desc.kind);
+  if (fn == nullptr) {
+    fail(ErrorCode::kInternal, "cpu backend: op kind {} reached the executor unvalidated",
+         static_cast<uint16_t>(ranks[0].desc.kind));
   }
-  fail(ErrorCode::kInternal, "cpu backend: op kind {} reached the executor unvalidated",
-       static_cast<uint16_t>(ranks[0].desc.kind));
+  fn(ranks);
 }
 
 }  // namespace tandem::daemon
