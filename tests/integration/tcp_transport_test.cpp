@@ -781,7 +781,7 @@ int rawDial(const std::string& host, uint16_t port, NodeIndex from, NodeIndex to
   for (char c : label) macInput.push_back(static_cast<std::byte>(c));
   macInput.insert(macInput.end(), hello.begin(), hello.end());
   macInput.insert(macInput.end(), reply.begin(), reply.begin() + 40);
-  const auto mac = detail::hmacSha256(asBytes(secret), macInput);
+  const auto mac = tcp::hmacSha256(asBytes(secret), macInput);
   REQUIRE(writeAll(fd, mac.data(), mac.size()));
   std::array<std::byte, 8> result{};
   REQUIRE(readExact(fd, result.data(), result.size(), 5s));

@@ -4,19 +4,13 @@
 // data one way only (dialer -> acceptor) plus heartbeats, and a Goodbye in either direction at shutdown.
 // So node A's writes to B travel on A's dialled connections, and B's writes to A on B's.
 //
-// Handshake (fixed-size binary messages; their layout never changes, so any two releases can at least
-// tell each other their versions):
-//   dialer   -> Hello      magic, protocol version, from node, to node, connection index/count, nonceD
-//   acceptor -> HelloReply magic, version, status, node, connection count, nonceA,
-//                          macA = HMAC-SHA256(secret, "acceptor" | Hello | reply fields)
-//   dialer   -> Auth       macD = HMAC-SHA256(secret, "dialer" | Hello | reply fields)
-//   acceptor -> Result     status
-// Both sides prove they hold the cluster secret without sending it; the nonces make every handshake fresh;
-// MACs are compared in constant time. A different secret, protocol version or connection count is reported
-// on BOTH sides ("tcp transport: peer 10.0.0.2:7100 (node 1) presented a different cluster secret; set
-// cluster.secret identically on every node") and connect() throws it.
+// Handshake (tcp_handshake.hpp has the messages): Hello, HelloReply, Auth, Result, fixed-size binary messages.
+// Both sides prove they hold the cluster secret without sending it (HMAC-SHA256 over both nonces, through
+// OpenSSL); the nonces make every handshake fresh; MACs are compared in constant time. A different secret,
+// protocol version or connection count is reported on BOTH sides ("tcp transport: peer 10.0.0.2:7100 (node 1)
+// presented a different cluster secret; set cluster.secret identically on every node") and connect() throws it.
 //
-// Frames after the handshake: a 32-byte header {type, region id (the key), offset, length, value}, then
+// Frames after the handshake (tcp_wire.hpp): a 32-byte header {type, region id (the key), offset, length, value}, then
 // `length` payload bytes; the types are data, flag, message, heartbeat and goodbye. A write is cut into data
 // frames at multiples of `chunkBytes` in the destination region, and destination chunk i of region r always
 // travels on connection (r + i) % connectionsPerPeer: large writes spread over every connection, yet two
@@ -70,6 +64,11 @@
 // duplicate and keeps retrying until the survivor's heartbeat deadline fails the old incarnation.
 //
 // Threads: `ioThreads` threads run one io_context; each connection's handlers run on its own strand.
+//
+// Code: tcp_handshake.* (handshake messages, MACs, checks), tcp_wire.* (frames, striping, frame checks) and
+// tcp_peer.* (peer life cycle, arrival order, completion tracking) are pure logic, unit-tested without sockets;
+// tcp_connections.cpp runs the connections on Boost.Asio; this file's class and tcp_transport.cpp tie them
+// together (private state in tcp_transport_impl.hpp).
 #pragma once
 
 #include <cstddef>
