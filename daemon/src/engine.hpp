@@ -20,6 +20,7 @@
 
 #include "backend.hpp"
 #include "config.hpp"
+#include "pump.hpp"
 #include "state.hpp"
 #include "tandem/v1/cluster.pb.h"
 #include "tandem/common/error.hpp"
@@ -100,6 +101,9 @@ class Engine {
   void setSessionFaultHandler(std::function<void(uint64_t sessionId, std::string why)> handler) {
     onSessionFault_ = std::move(handler);
   }
+  // Called (from the pump) when the backend failed beyond repair (FatalBackendError): every communicator has
+  // failed; the handler makes the daemon exit non-zero. Without one, the daemon keeps serving refusals.
+  void setFatalHandler(std::function<void(std::string why)> handler) { onFatal_ = std::move(handler); }
 
  private:
   struct PendingJoin {
@@ -120,8 +124,9 @@ class Engine {
     std::string failReason;
   };
 
-  void pumpLoop();
-  bool pollSessions(const std::vector<std::shared_ptr<SessionChannel>>& channels);
+  std::vector<std::shared_ptr<SessionChannel>> sessionChannels() const;
+  bool progressBackend();
+  void backendFailed(std::string why);
   void handleDescriptor(const OpDescriptor& desc, const std::shared_ptr<SessionChannel>& channel);
   void tryDispatchLocked(const std::shared_ptr<CommEntry>& entry);
   std::shared_ptr<CommEntry> entryForLocked(const std::array<uint8_t, 16>& uniqueId, uint32_t nranks);
@@ -151,12 +156,11 @@ class Engine {
   std::map<std::array<uint8_t, 16>, uint64_t> commByUniqueId_;
   uint64_t nextBufferId_ = 1;
   uint64_t nextCommHandle_ = 1;
-  std::atomic<uint64_t> sessionsGeneration_{0};
 
-  Fd pumpEvent_;  // the pump's own wakeups (stop, a new session); never shared with a client
   std::atomic<bool> running_{false};
-  std::thread pump_;
   std::function<void(uint64_t, std::string)> onSessionFault_;
+  std::function<void(std::string)> onFatal_;
+  Pump pump_;  // last: its thread stops before the state above goes
   Cluster* cluster_ = nullptr;
 };
 

@@ -211,7 +211,9 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
         r->set_descriptor_version(kDescriptorVersion);
         r->set_executor(engine.backend().executor());
         const int fds[] = {channel_->ringFd(), channel_->submitEventFd(), channel_->completionEventFd()};
-        return reply(rid, response, fds);
+        reply(rid, response, fds);  // sent, or queued with copies of the fds
+        channel_->releaseClientFds();
+        return;
       }
       case pb::Request::kAllocate: {
         auto buffer = engine.allocate(id_, request.allocate().bytes(), request.allocate().device_uuid());

@@ -64,6 +64,13 @@ class SessionChannel {
   // The client's ends, sent to it in the session's first reply.
   int completionEventFd() const { return completionWake_.clientEnd.get(); }
   int submitEventFd() const { return submitWake_.clientEnd.get(); }
+  // Once the client has them (the reply that carried them is sent or holds copies), the daemon keeps only its own
+  // ends and the ring's mapping: three fds fewer per session.
+  void releaseClientFds() {
+    ringFd_.reset();
+    completionWake_.clientEnd.reset();
+    submitWake_.clientEnd.reset();
+  }
   // The pump's end of the submission wakeups.
   int pumpWakeFd() const { return submitWake_.daemonEnd.get(); }
   uint64_t ringBytes() const { return mapping_.size(); }
@@ -100,9 +107,9 @@ class SessionChannel {
   uint64_t completed_ = 0;
 };
 
-// Descriptors the daemon holds for every session besides its buffers': the control socket, the ring memfd and the
-// two wakeup socket pairs (both ends of each until the client has its ends).
-inline constexpr uint64_t kFdsPerSession = 6;
+// Descriptors the daemon holds for every session besides its buffers': the control socket and its ends of the two
+// wakeup socket pairs (the ring memfd and the client's ends are closed once sent: SessionChannel::releaseClientFds).
+inline constexpr uint64_t kFdsPerSession = 3;
 
 struct SessionState {
   uint64_t id = 0;

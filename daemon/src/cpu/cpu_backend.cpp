@@ -131,18 +131,19 @@ class CpuBackend final : public Backend {
       return true;
     }
     const uint64_t session = c.ops[0].channel->sessionId();
-    enqueueWork(session, [this, c = std::move(c), finished = std::move(finished)]() mutable {
-      run(c);
-      finished();
-    });
+    enqueueWork(session, std::move(c), std::move(finished));
     return false;
   }
 
   void sessionClosed(uint64_t sessionId) override {
-    // Its queued ops will never be waited for: drop them unstarted (their collectives fail with the session gone;
-    // the engine has already failed the communicators).
+    // Ops of a session that is gone are cancelled where they have not started: a worker completes them with the
+    // reason instead of running them (the other ranks learn it too, and the communicator has failed already).
     std::lock_guard lock(workMutex_);
-    std::erase_if(work_, [&](const Work& w) { return w.session == sessionId; });
+    for (Work& w : work_) {
+      for (const PendingOp& op : w.c.ops) {
+        if (op.local() && op.channel->sessionId() == sessionId) w.cancelled = true;
+      }
+    }
   }
 
  private:
@@ -191,16 +192,29 @@ class CpuBackend final : public Backend {
   // One queue, but a session may hold at most maxPerSession_ workers: one tenant's large ops leave the others
   // workers for theirs.
   struct Work {
-    uint64_t session;
-    std::function<void()> run;
+    uint64_t session = 0;  // rank 0's, for the worker share
+    Collective c;
+    std::function<void()> finished;
+    bool cancelled = false;  // a session of the op closed before it started
   };
 
-  void enqueueWork(uint64_t session, std::function<void()> work) {
+  void enqueueWork(uint64_t session, Collective c, std::function<void()> finished) {
     {
       std::lock_guard lock(workMutex_);
-      work_.push_back({session, std::move(work)});
+      work_.push_back({session, std::move(c), std::move(finished), false});
     }
     workCv_.notify_all();
+  }
+
+  void cancel(Work& w) {
+    for (auto& op : w.c.ops) {
+      if (op.local()) {
+        op.channel->complete(op.desc.seq, statusOf(ErrorCode::kPeerLost),
+                             fmt::format("{}: cancelled before it started: a rank's session ended",
+                                         opKindName(op.desc.kind)));
+      }
+    }
+    ++*w.c.opsCompleted;
   }
 
   // The first queued work whose session is under its share, or end().
@@ -224,7 +238,12 @@ class CpuBackend final : public Backend {
         work_.erase(it);
         ++active_[work.session];
       }
-      work.run();
+      if (work.cancelled) {
+        cancel(work);
+      } else {
+        run(work.c);
+      }
+      work.finished();
       {
         std::lock_guard lock(workMutex_);
         if (--active_[work.session] == 0) active_.erase(work.session);
