@@ -6,6 +6,9 @@
 // The pure logic they drive is in tcp_handshake.hpp, tcp_wire.hpp and tcp_peer.hpp.
 #pragma once
 
+// First: Boost 1.74's awaitable.hpp uses std::exchange without including <utility>.
+#include <utility>
+
 #include <atomic>
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/executor_work_guard.hpp>
