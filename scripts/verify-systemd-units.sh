@@ -61,6 +61,15 @@ for directive in PrivateDevices ProtectClock DevicePolicy DeviceAllow PrivateTmp
   fi
 done
 
+# Without LimitNOFILE= the daemon gets systemd's soft limit of 1024 fds, below what the default
+# limits.max_sessions x limits.max_fds_per_session need (config/tandemd.yaml states the rule).
+nofile=$(sed -n 's/^LimitNOFILE=\([0-9]*\)$/\1/p' "$service_in" | head -1)
+if [[ -z $nofile ]]; then
+  fail "$service_in sets no numeric LimitNOFILE=; set it to at least 2 x limits.max_sessions x limits.max_fds_per_session"
+elif ((nofile < 65536)); then
+  fail "$service_in: LimitNOFILE=$nofile is below 65536, what the default limits need (2 x 256 sessions x 128 fds)"
+fi
+
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/tandem-units.XXXXXX")
 # The units must keep their names: tandemd.socket activates the service of the same name.
 sed "s|^ExecStart=[^[:space:]]*|ExecStart=${binary}|" "$service_in" >"$tmp/tandemd.service"

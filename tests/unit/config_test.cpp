@@ -678,6 +678,15 @@ TEST_SUITE("config") {
     CHECK(uint64_t{d.limits.maxSessions} * d.limits.maxFdsPerSession * 2 <= 65536);
   }
 
+  TEST_CASE("the systemd unit's LimitNOFILE fits the default sessions times fds per session, twice over") {
+    const std::string unit = readFile(std::filesystem::path(TANDEM_SOURCE_DIR) / "systemd" / "tandemd.service.in");
+    const std::size_t at = unit.find("\nLimitNOFILE=");
+    REQUIRE_MESSAGE(at != std::string::npos, "systemd/tandemd.service.in sets no LimitNOFILE=");
+    const uint64_t nofile = std::stoull(unit.substr(at + 13));
+    const LimitsSection l;
+    CHECK(nofile >= 2 * uint64_t{l.maxSessions} * l.maxFdsPerSession);
+  }
+
   TEST_CASE("the hostile-client limits have their documented defaults") {
     const LimitsSection l;
     CHECK(l.maxSessionsPerUid == 64);
