@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <boost/asio/signal_set.hpp>
+#include <atomic>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
@@ -153,6 +154,15 @@ int run(const Options& options) {
   engine.start();
   const std::string backendName = engine.backend().name();
   td::Server server(config, engine, backendName);
+  // A backend that failed beyond repair (a sticky CUDA error, a poisoned MPS server): every communicator has already
+  // failed with the reason; stop serving and exit non-zero, so that systemd's Restart=on-failure brings up a fresh
+  // daemon on a fresh context.
+  std::atomic<bool> backendFailed{false};
+  engine.setFatalHandler([&server, &backendFailed](const std::string& why) {
+    td::notifySystemd("STATUS=backend failed: " + why);
+    backendFailed = true;
+    server.stop();
+  });
   if (cluster) {
     // Peer events reach the engine on the control thread, like every client request.
     cluster->start(
@@ -194,6 +204,11 @@ int run(const Options& options) {
   // Wake the signal thread if shutdown came from a Shutdown request instead of a signal.
   ::kill(::getpid(), SIGTERM);
   signals.join();
+  if (backendFailed) {
+    spdlog::critical("tandemd stopped: its backend failed (see above); exit {} so that systemd restarts it",
+                     td::kExitFailure);
+    return td::kExitFailure;
+  }
   spdlog::info("tandemd stopped");
   return td::kExitOk;
 }
