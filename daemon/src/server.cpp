@@ -46,6 +46,9 @@ constexpr int kRefusalsPerRetry = 64;
 // long, so that its Hello, sent before it reads, never meets a closed socket; at most kMaxLingering at once.
 constexpr auto kRefusalLinger = std::chrono::milliseconds(1000);
 constexpr std::size_t kMaxLingering = 64;
+// Out of fds, connections that have been silent (no Hello) this long are dropped to make room: an honest client
+// says Hello within microseconds of connecting.
+constexpr auto kPreHelloEvictAge = std::chrono::milliseconds(100);
 // Client warnings: at most this many lines of one kind per window, then one line with the count left out.
 constexpr auto kWarnWindow = std::chrono::seconds(10);
 constexpr uint32_t kWarnsPerWindow = 10;
@@ -222,6 +225,12 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
 
   uint64_t id() const { return id_; }
   uint32_t uid() const { return uid_; }
+  // Connected this long ago without saying Hello (nullopt once it has).
+  std::optional<Clock::duration> silentFor() const {
+    if (helloDone_) return std::nullopt;
+    return Clock::now() - acceptedAt_;
+  }
+  void evict(const std::string& reason) { drop(Server::WarnKind::kAccept, reason); }
 
  private:
   // An outgoing frame; its fds (duplicates, owned here) travel with its first byte.
@@ -530,7 +539,19 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
           fail(ErrorCode::kUnavailable, "tandemd already serves {} sessions (limits.max_sessions); close idle "
                "clients or raise the limit", server_.config_.limits.maxSessions);
         }
-        channel_ = engine.openSession(id_, pid_, uid_, gid_);
+        try {
+          channel_ = engine.openSession(id_, pid_, uid_, gid_);
+        } catch (const Error& e) {
+          // The session's ring and wakeups need fds: say whose limit ran out and what raises it.
+          const std::string what = e.what();
+          if (what.find(std::strerror(EMFILE)) == std::string::npos &&
+              what.find(std::strerror(ENFILE)) == std::string::npos) {
+            throw;
+          }
+          fail(ErrorCode::kUnavailable, "tandemd cannot open a session: it has run out of file descriptors ({}). "
+               "Retry later; its administrator can raise LimitNOFILE in tandemd.service or lower limits.max_sessions "
+               "or limits.max_fds_per_session", what);
+        }
         helloDone_ = true;
         helloTimer_.cancel();
         auto* r = response.mutable_hello();
@@ -724,6 +745,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
   asio::steady_timer helloTimer_{socket_.get_executor()};
   asio::steady_timer frameTimer_{socket_.get_executor()};
   uint64_t id_;
+  Clock::time_point acceptedAt_ = Clock::now();
   FrameReader reader_;
   std::vector<Fd>* frameFds_ = nullptr;  // the fds of the request being dispatched
   uint64_t frameGeneration_ = 0;         // names the frame deadline in force; older timers do nothing
@@ -791,6 +813,9 @@ class RefusedConnection : public std::enable_shared_from_this<RefusedConnection>
 
 Server::Server(const DaemonConfig& config, Engine& engine, std::string backendName)
     : config_(config), engine_(engine), backend_(std::move(backendName)), acceptor_(io_) {
+  // Before the socket listens, so that the daemon's idle fds are fixed once a client can connect.
+  raiseOpenFileLimit();
+  reserveFd_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   if (int fd = inheritedSocket(); fd >= 0) {
     acceptor_.assign(stream_protocol(), fd);
     ownsSocketFile_ = false;
@@ -837,8 +862,6 @@ Server::Server(const DaemonConfig& config, Engine& engine, std::string backendNa
   }
   boost::system::error_code ec;
   acceptor_.non_blocking(true, ec);  // the refusal path below calls accept4 on it directly
-  raiseOpenFileLimit();
-  reserveFd_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   engine_.setSessionFaultHandler([this](uint64_t id, std::string why) {
     asio::post(io_, [this, id, why = std::move(why)] {
       spdlog::warn("closing session {}: {}", id, why);
@@ -894,7 +917,12 @@ void Server::accept() {
     if (!acceptor_.is_open() || ec == asio::error::operation_aborted) return;
     if (ec) return onAcceptError(ec);
     acceptBackoff_ = std::chrono::milliseconds(0);
-    onAccepted(std::move(socket));
+    try {
+      onAccepted(std::move(socket));
+    } catch (const std::exception& e) {
+      // Out of memory or fds while setting a connection up: that connection goes, the listener stays.
+      warnLimited(WarnKind::kAccept, fmt::format("setting up a new connection failed: {}", e.what()));
+    }
     accept();
   });
 }
@@ -949,7 +977,24 @@ void Server::onAcceptError(const boost::system::error_code& ec) {
   const int err = ec.category() == boost::system::system_category() ? ec.value() : 0;
   const bool outOfFds = err == EMFILE || err == ENFILE;
   acceptBackoff_ = acceptBackoff_.count() == 0 ? kAcceptBackoffMin : std::min(acceptBackoff_ * 2, kAcceptBackoffMax);
+  // Silent connections are the likely cause, and dropping them lets honest clients in rather than refusing them.
+  std::size_t evicted = 0, silentYoung = 0;
   if (outOfFds) {
+    for (auto& [id, s] : std::map(sessions_)) {
+      const auto silent = s->silentFor();
+      if (!silent) continue;
+      if (*silent < kPreHelloEvictAge) {
+        ++silentYoung;
+        continue;
+      }
+      s->evict(fmt::format("was dropped without having said Hello for {} ms: tandemd ran out of file descriptors",
+                           std::chrono::duration_cast<std::chrono::milliseconds>(*silent).count()));
+      ++evicted;
+    }
+    // Retry soon: either room was made, or it will be once the young silent ones are old enough to drop.
+    if (evicted > 0 || silentYoung > 0) acceptBackoff_ = kAcceptBackoffMin;
+  }
+  if (outOfFds && evicted == 0 && silentYoung == 0) {
     warnLimited(WarnKind::kAccept,
                 fmt::format("accept failed: {} [accept -> {}] with {} connections open; waiting connections are told "
                             "so, and accepting resumes in {} ms. Raise LimitNOFILE in tandemd.service (or ulimit -n), "
@@ -967,6 +1012,11 @@ void Server::onAcceptError(const boost::system::error_code& ec) {
       refuse(fd, ErrorCode::kUnavailable, message);
     }
     reserveFd_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  } else if (outOfFds) {
+    warnLimited(WarnKind::kAccept, fmt::format("accept failed: {}: dropped {} connections that had not said Hello "
+                                               "(and {} more will go unless they do); retrying in {} ms. Raise "
+                                               "LimitNOFILE in tandemd.service if honest load needs more fds",
+                                               ec.message(), evicted, silentYoung, acceptBackoff_.count()));
   } else {
     warnLimited(WarnKind::kAccept, fmt::format("accept failed: {}; retrying in {} ms", ec.message(),
                                                acceptBackoff_.count()));
