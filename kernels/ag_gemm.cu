@@ -10,9 +10,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "driver_api.hpp"
 #include "device/ag_gemm_sm90.cuh"
 #include "device/preload_on.cuh"
+#include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/preload.hpp"

@@ -4,6 +4,7 @@
 
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/ag_gemm.hpp"
+#include "tandem/kernels/cuda_raii.hpp"
 #include "tandem/kernels/gemm_ar.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
 #include "tandem/kernels/preload.hpp"
@@ -54,12 +55,6 @@ uint64_t matBytesNeeded(const OpDescriptor& d, uint32_t nranks) {
     need = std::max(need, (allReduce ? m : rowsOf(m, 0, nranks)) * n);
   }
   return need;
-}
-
-void checkCuda(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  cudaGetLastError();
-  fail(ErrorCode::kCuda, "{}: {} ({})", what, cudaGetErrorName(e), cudaGetErrorString(e));
 }
 
 char* workspaceAt(const FusedEnv& env, uint32_t r, uint64_t offset) { return env.workspaces[r] + offset; }

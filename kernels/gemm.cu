@@ -11,9 +11,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "driver_api.hpp"
 #include "device/gemm_sm90.cuh"
 #include "device/preload_on.cuh"
+#include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/preload.hpp"
 

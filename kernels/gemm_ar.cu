@@ -1,10 +1,10 @@
 // Fused GEMM + AllReduce over NVLink: the kernels (fused persistent kernel: two-shot or one-shot; decomposed reduction
 // kernel), the plan choice and the launcher. Device code is shared with GEMM + ReduceScatter
-// (device/gemm_rs_sm90.cuh, device/gemm_rs_launch.cuh); design: tandem/kernels/gemm_ar.hpp.
+// (device/gemm_rs_sm90.cuh, gemm_rs_launch.cuh); design: tandem/kernels/gemm_ar.hpp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "device/gemm_rs_launch.cuh"
+#include "gemm_rs_launch.cuh"
 #include "device/gemm_rs_sm90.cuh"
 #include "tandem/kernels/gemm_ar.hpp"
 #include "tandem/kernels/preload.hpp"

@@ -1,12 +1,12 @@
 // Fused GEMM + ReduceScatter over NVLink: the kernels (fused persistent kernel, decomposed reduction kernel), the plan
 // choice and the launcher. Device code: device/gemm_rs_sm90.cuh; host glue shared with gemm_ar.cu:
-// device/gemm_rs_launch.cuh; design: tandem/kernels/gemm_rs.hpp.
+// gemm_rs_launch.cuh; design: tandem/kernels/gemm_rs.hpp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <string>
 
-#include "device/gemm_rs_launch.cuh"
+#include "gemm_rs_launch.cuh"
 #include "device/gemm_rs_sm90.cuh"
 #include "tandem/kernels/gemm_rs.hpp"
 #include "tandem/kernels/preload.hpp"

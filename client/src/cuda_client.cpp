@@ -3,53 +3,26 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <poll.h>
-#include <sys/mman.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <set>
 
 #include "tandem/common/error.hpp"
 #include "tandem/common/gpu_uuid.hpp"
-#include "tandem/kernels/preload.hpp"
-#include "tandem/kernels/ag_gemm.hpp"
+#include "tandem/common/op_spec.hpp"
 #include "tandem/kernels/allgather.hpp"
-#include "tandem/kernels/gemm_ar.hpp"
-#include "tandem/kernels/gemm_rs.hpp"
+#include "tandem/kernels/driver.hpp"
+#include "tandem/kernels/preload.hpp"
 
 namespace tandem::client::gpu {
 namespace {
 
 namespace k = tandem::kernels;
-
-void checkRt(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  cudaGetLastError();
-  fail(ErrorCode::kCuda, "{}: {} ({})", what, cudaGetErrorName(e), cudaGetErrorString(e));
-}
-void checkDrv(CUresult r, const char* what) {
-  if (r == CUDA_SUCCESS) return;
-  fail(ErrorCode::kCuda, "{}: {}", what, k::driverErrorName(r));
-}
-
-// Runs a scope on `device`, restoring the caller's current device afterwards.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    checkRt(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) checkRt(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceScope() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-};
+using k::checkCuda;
 
 uint64_t opTimeoutNs() {
   const char* v = std::getenv("TANDEM_OP_TIMEOUT_MS");
@@ -79,13 +52,13 @@ void logPlanOnce(const OpDescriptor& d, const std::string& plan) {
 
 int currentDevice() {
   int d = 0;
-  checkRt(cudaGetDevice(&d), "cudaGetDevice (is a CUDA device visible to this process?)");
+  checkCuda(cudaGetDevice(&d), "cudaGetDevice (is a CUDA device visible to this process?)");
   return d;
 }
 
 std::string deviceUuid(int ordinal) {
   cudaDeviceProp prop{};
-  checkRt(cudaGetDeviceProperties(&prop, ordinal), "cudaGetDeviceProperties");
+  checkCuda(cudaGetDeviceProperties(&prop, ordinal), "cudaGetDeviceProperties({})", ordinal);
   return formatGpuUuid(prop.uuid.bytes);
 }
 
@@ -93,12 +66,12 @@ std::string deviceUuid(int ordinal) {
 
 std::unique_ptr<DeviceMapping> DeviceMapping::import(const Fd& fd, uint64_t bytes, int accessDevice) {
   const auto& d = k::driver();
-  DeviceScope scope(accessDevice);
-  checkRt(cudaFree(nullptr), "CUDA context initialisation");
+  k::CudaDeviceGuard guard(accessDevice);
+  checkCuda(cudaFree(nullptr), "CUDA context initialisation");
   CUmemGenericAllocationHandle h = 0;
-  checkDrv(d.memImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd.get())),
-                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-           "cuMemImportFromShareableHandle (tandemd's allocation)");
+  checkCuda(d.memImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd.get())),
+                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            "cuMemImportFromShareableHandle (tandemd's allocation)");
   std::unique_ptr<DeviceMapping> m(new DeviceMapping());
   m->size_ = bytes;
   CUdeviceptr va = 0;
@@ -108,7 +81,7 @@ std::unique_ptr<DeviceMapping> DeviceMapping::import(const Fd& fd, uint64_t byte
     if (r != CUDA_SUCCESS) d.memAddressFree(va, bytes);
   }
   d.memRelease(h);  // the mapping holds the allocation from here on
-  checkDrv(r, "cuMemMap (tandemd's allocation)");
+  checkCuda(r, "cuMemMap (tandemd's allocation)");
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = accessDevice;
@@ -117,7 +90,7 @@ std::unique_ptr<DeviceMapping> DeviceMapping::import(const Fd& fd, uint64_t byte
   if (r != CUDA_SUCCESS) {
     d.memUnmap(va, bytes);
     d.memAddressFree(va, bytes);
-    checkDrv(r, "cuMemSetAccess (is peer access possible between this GPU and the memory's?)");
+    checkCuda(r, "cuMemSetAccess (is peer access possible between this GPU and the memory's?)");
   }
   m->va_ = va;
   return m;
@@ -149,7 +122,7 @@ RegisterDescription describeForRegister(void* ptr, uint64_t bytes, int fd, uint6
   }
   CUdeviceptr base = 0;
   size_t size = 0;
-  checkDrv(k::driver().memGetAddressRange(&base, &size, devptr(ptr)), "cuMemGetAddressRange");
+  checkCuda(k::driver().memGetAddressRange(&base, &size, devptr(ptr)), "cuMemGetAddressRange");
   const uint64_t offset = devptr(ptr) - base;
   if (bytes > size - offset) {
     fail(ErrorCode::kInvalidArgument, "tandem_register: [{}, +{}) runs past the end of its {}-byte allocation", ptr,
@@ -169,169 +142,241 @@ RegisterDescription describeForRegister(void* ptr, uint64_t bytes, int fd, uint6
   return out;
 }
 
-// ---- communicators ----------------------------------------------------------------------------------------
+// ---- communicators: one strategy per executor -----------------------------------------------------------------
+
+namespace {
+
+// The ops a strategy runs, for a message: "ag-gemm, gemm-rs, gemm-ar, allgather and barriers".
+std::string opList(const OpSet& ops) {
+  std::vector<std::string> names;
+  for (uint16_t i = 1; i < kOpKindCount; ++i) {
+    const auto kind = static_cast<OpKind>(i);
+    if (ops.contains(kind)) names.emplace_back(kind == OpKind::kNop ? "barriers" : std::string(opKindName(kind)));
+  }
+  std::string out;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+  }
+  return out.empty() ? "nothing" : out;
+}
+
+// The fused GEMMs' view of this rank's communicator, as this process maps it.
+k::FusedEnv fusedEnvOf(uint32_t rank, uint32_t nranks, uint32_t commSms,
+                       const std::vector<std::unique_ptr<DeviceMapping>>& workspaces, k::CommControl* ctlDevice) {
+  k::FusedEnv env;
+  env.rank = rank;
+  env.nranks = nranks;
+  env.timeoutNs = opTimeoutNs();
+  env.commSms = commSms;
+  env.workspaceBytes = workspaces.empty() ? 0 : workspaces[0]->size();
+  for (uint32_t r = 0; r < workspaces.size() && r < env.workspaces.size(); ++r) {
+    env.workspaces[r] = static_cast<char*>(workspaces[r]->ptr());
+    env.workspaceBytes = std::min(env.workspaceBytes, workspaces[r]->size());
+  }
+  env.layout = k::WorkspaceLayout::fit(env.workspaceBytes, nranks);
+  env.ctl = ctlDevice;
+  return env;
+}
+
+void writeWord(CUstream s, k::StreamWord& w, uint64_t epoch, const char* what) {
+  checkCuda(k::driver().streamWriteValue32(s, devptr(&w.value), static_cast<uint32_t>(epoch),
+                                           CU_STREAM_WRITE_VALUE_DEFAULT),
+            "{}", what);
+}
+void waitWord(CUstream s, k::StreamWord& w, uint64_t epoch, const char* what) {
+  checkCuda(k::driver().streamWaitValue32(s, devptr(&w.value), static_cast<uint32_t>(epoch), CU_STREAM_WAIT_VALUE_GEQ),
+            "{}", what);
+}
+
+// tandemd runs the op once this rank's stream got here (ready), then writes done: the stream waits for it.
+void enqueueReadyThenWaitDone(k::CommControl* ctlDev, uint64_t e, CUstream s) {
+  writeWord(s, ctlDev->ready, e, "cuStreamWriteValue32(ready)");
+  waitWord(s, ctlDev->done, e, "cuStreamWaitValue32(done)");
+}
+
+}  // namespace
+
+class CommStrategy {
+ public:
+  virtual ~CommStrategy() = default;
+  virtual void check(const OpDescriptor& d, const DevicePointers& ptrs) const = 0;
+  // On the communicator's device (current already).
+  virtual void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, CUstream s) = 0;
+};
+
+namespace {
+
+// Refuses what neither single-node strategy runs, then checks the fused GEMMs' shape, alignment and workspace rules.
+void checkOnNode(k::Executor executor, const OpDescriptor& d, const DevicePointers& ptrs, const k::FusedEnv& env) {
+  const OpSet ops = k::executorOps(executor);
+  if (!ops.contains(d.kind)) fail(ErrorCode::kUnsupported, "{}", unsupportedOpMessage("cuda", ops, d.kind));
+  if (k::isFusedGemm(d.kind)) k::checkFusedGemm(d, ptrs, env);
+}
+
+// executor client: the kernels go into the caller's stream, behind tandemd's gate.
+class ClientGateStrategy final : public CommStrategy {
+ public:
+  ClientGateStrategy(int device, uint32_t rank, uint32_t nranks, uint32_t maxCtas,
+                     std::vector<std::unique_ptr<DeviceMapping>> workspaces, k::CommControl* ctlDev)
+      : rank_(rank), nranks_(nranks), maxCtas_(maxCtas), workspaces_(std::move(workspaces)), ctlDev_(ctlDev),
+        env_(fusedEnvOf(rank, nranks, maxCtas, workspaces_, ctlDev)) {
+    // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp). Only this
+    // strategy launches kernels from libtandem.
+    try {
+      k::preloadRuntimeKernels(device);
+      k::preloadFusedGemmKernels(device);
+    } catch (const std::exception& e) {
+      fail(ErrorCode::kCuda, "communicator init on device {}: {}", device, e.what());
+    }
+  }
+
+  void check(const OpDescriptor& d, const DevicePointers& ptrs) const override {
+    checkOnNode(k::Executor::kClient, d, ptrs, env_);
+  }
+
+  // tandemd opens go once every rank submitted the op (for a gang, once every rank's stream reached it and wrote
+  // ready); the kernels run; done tells tandemd the op finished on this rank.
+  void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, CUstream s) override {
+    if (d.kind == OpKind::kNop && nranks_ == 1) {
+      // Nothing to meet: the stream need not wait for tandemd's go (tandemd still validates and completes it).
+      writeWord(s, ctlDev_->done, e, "cuStreamWriteValue32(done)");
+      return;
+    }
+    if (k::needsGang(d)) writeWord(s, ctlDev_->ready, e, "cuStreamWriteValue32(ready)");
+    // AllGather's kernel waits for tandemd's verdict itself (device/allgather.cuh, opGate): one stream memop less.
+    if (d.kind != OpKind::kAllGather) waitWord(s, ctlDev_->go, e, "cuStreamWaitValue32(go)");
+    const auto stream = reinterpret_cast<cudaStream_t>(s);
+    try {
+      switch (d.kind) {
+        case OpKind::kNop: break;
+        case OpKind::kAllGather: launchAllGather(d, ptrs, e, stream); break;
+        case OpKind::kAgGemm:
+        case OpKind::kGemmRs:
+        case OpKind::kGemmAr: logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, stream)); break;
+        default: fail(ErrorCode::kInternal, "{} reached the cuda enqueue unchecked", opKindName(d.kind));
+      }
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& ex) {  // the launchers throw std::runtime_error
+      fail(ErrorCode::kCuda, "{}: {}", opKindName(d.kind), ex.what());
+    }
+    writeWord(s, ctlDev_->done, e, "cuStreamWriteValue32(done)");
+  }
+
+ private:
+  // AllGather's kernel on `stream`, between the stream words that order it.
+  void launchAllGather(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, cudaStream_t stream) {
+    k::AllGatherParams p{};
+    p.send = ptrs[slot::kSend];
+    p.recv = ptrs[slot::kRecv];
+    p.bytes = d.dims[dim::kBytes];
+    p.epoch = e;
+    p.timeoutNs = env_.timeoutNs;
+    for (uint32_t r = 0; r < nranks_; ++r) p.workspaces[r] = workspaces_[r]->ptr();
+    p.ctl = ctlDev_;
+    p.rank = rank_;
+    p.nranks = nranks_;
+    const k::AgTuning t = k::allgatherTuning(p.bytes, maxCtas_);
+    p.chunkBytes = t.chunkBytes;
+    p.numCtas = t.numCtas;
+    p.mode = t.mode;
+    p.checkVerdict = 1;  // a rejected op is skipped inside the kernel
+    k::launchAllGather(p, stream);
+  }
+
+  uint32_t rank_, nranks_, maxCtas_;
+  std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
+  k::CommControl* ctlDev_;
+  k::FusedEnv env_;  // the workspaces, their layout, the control page and the deadline, for the fused GEMMs
+};
+
+// executor daemon: tandemd runs the op (its persistent kernel, or the fused GEMMs' kernels on its own stream) once
+// every rank's stream got here (gang-ready), then done is written. The workspaces are mapped for the fused GEMMs'
+// checks, which need their layout.
+class PersistentStrategy final : public CommStrategy {
+ public:
+  PersistentStrategy(uint32_t rank, uint32_t nranks, uint32_t maxCtas,
+                     std::vector<std::unique_ptr<DeviceMapping>> workspaces, k::CommControl* ctlDev)
+      : workspaces_(std::move(workspaces)), ctlDev_(ctlDev),
+        env_(fusedEnvOf(rank, nranks, maxCtas, workspaces_, ctlDev)) {}
+
+  void check(const OpDescriptor& d, const DevicePointers& ptrs) const override {
+    checkOnNode(k::Executor::kDaemon, d, ptrs, env_);
+  }
+  void enqueue(const OpDescriptor& /*d*/, const DevicePointers& /*ptrs*/, uint64_t e, CUstream s) override {
+    enqueueReadyThenWaitDone(ctlDev_, e, s);
+  }
+
+ private:
+  std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
+  k::CommControl* ctlDev_;
+  k::FusedEnv env_;
+};
+
+// The communicator spans nodes: tandemd runs the op once every local rank's stream got here (the inputs are final),
+// staged through host memory, then writes done. No workspaces.
+class HostStagedStrategy final : public CommStrategy {
+ public:
+  explicit HostStagedStrategy(k::CommControl* ctlDev) : ctlDev_(ctlDev) {}
+
+  // tandemd stages the op through host memory and runs it with the cpu backend's code: any dtype, any alignment, no
+  // workspace.
+  void check(const OpDescriptor& d, const DevicePointers& /*ptrs*/) const override {
+    const OpSet ops = k::executorOps(k::Executor::kHost);
+    if (ops.contains(d.kind)) return;
+    const std::string_view op = opKindName(d.kind);
+    fail(ErrorCode::kUnsupported, "{}: this communicator's ranks live on several nodes, and across nodes tandem runs "
+         "{} only; run {} on a communicator whose ranks are all on one node", op, opList(ops), op);
+  }
+  void enqueue(const OpDescriptor& /*d*/, const DevicePointers& /*ptrs*/, uint64_t e, CUstream s) override {
+    enqueueReadyThenWaitDone(ctlDev_, e, s);
+  }
+
+ private:
+  k::CommControl* ctlDev_;
+};
+
+}  // namespace
 
 CommGpu::Mode CommGpu::modeOf(const std::string& executor) {
-  if (executor == "client") return Mode::kClient;
-  if (executor == "daemon") return Mode::kDaemon;
-  if (executor == "host") return Mode::kHost;
+  if (const auto e = k::executorFromName(executor)) return *e;
   fail(ErrorCode::kProtocol, "tandemd answered the join with executor '{}', which this libtandem does not know "
        "(client, daemon, host); use the libtandem of tandemd's release", executor);
 }
 
 CommGpu::CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t maxCtas, Fd control,
                  uint64_t controlBytes, std::vector<std::unique_ptr<DeviceMapping>> workspaces)
-    : device_(device), mode_(mode), rank_(rank), nranks_(nranks), maxCtas_(maxCtas), controlFd_(std::move(control)),
-      controlBytes_(controlBytes), workspaces_(std::move(workspaces)) {
-  env_.rank = rank_;
-  env_.nranks = nranks_;
-  env_.timeoutNs = opTimeoutNs();
-  env_.commSms = maxCtas_;
-  env_.workspaceBytes = workspaces_.empty() ? 0 : workspaces_[0]->size();
-  for (uint32_t r = 0; r < workspaces_.size() && r < env_.workspaces.size(); ++r) {
-    env_.workspaces[r] = static_cast<char*>(workspaces_[r]->ptr());
-    env_.workspaceBytes = std::min(env_.workspaceBytes, workspaces_[r]->size());
+    : device_(device), page_(k::ControlPage::open(std::move(control), controlBytes)) {
+  k::CudaDeviceGuard guard(device_);
+  registration_ = k::HostRegistration::create(page_.memory(), page_.bytes(), "control page");
+  auto* ctlDev = static_cast<k::CommControl*>(registration_.devicePtr());
+  switch (mode) {
+    case Mode::kClient:
+      strategy_ = std::make_unique<ClientGateStrategy>(device_, rank, nranks, maxCtas, std::move(workspaces), ctlDev);
+      break;
+    case Mode::kDaemon:
+      strategy_ = std::make_unique<PersistentStrategy>(rank, nranks, maxCtas, std::move(workspaces), ctlDev);
+      break;
+    case Mode::kHost: strategy_ = std::make_unique<HostStagedStrategy>(ctlDev); break;
   }
-  if (mode_ != Mode::kHost) env_.layout = k::WorkspaceLayout::fit(env_.workspaceBytes, nranks_);
-  if (controlBytes_ < sizeof(k::CommControl)) {
-    fail(ErrorCode::kProtocol, "tandemd sent a {}-byte control page; this libtandem needs {}", controlBytes_,
-         sizeof(k::CommControl));
-  }
-  controlMap_ = ::mmap(nullptr, controlBytes_, PROT_READ | PROT_WRITE, MAP_SHARED, controlFd_.get(), 0);
-  if (controlMap_ == MAP_FAILED) {
-    controlMap_ = nullptr;
-    checkErrno(-1, "mmap(control page)");
-  }
-  ctl_ = static_cast<k::CommControl*>(controlMap_);
-  DeviceScope scope(device_);
-  // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp). Only the
-  // client executor launches kernels from libtandem.
-  try {
-    if (mode_ == Mode::kClient) {
-      k::preloadRuntimeKernels(device_);
-      k::preloadFusedGemmKernels(device_);
-    }
-  } catch (const std::exception& e) {
-    fail(ErrorCode::kCuda, "communicator init on device {}: {}", device_, e.what());
-  }
-  checkRt(cudaHostRegister(controlMap_, controlBytes_, cudaHostRegisterPortable | cudaHostRegisterMapped),
-          "cudaHostRegister(control page)");
-  registered_ = true;
-  void* dev = nullptr;
-  checkRt(cudaHostGetDevicePointer(&dev, controlMap_, 0), "cudaHostGetDevicePointer(control page)");
-  ctlDev_ = static_cast<k::CommControl*>(dev);
-  env_.ctl = ctlDev_;
 }
 
-CommGpu::~CommGpu() {
-  if (registered_) {
-    cudaHostUnregister(controlMap_);
-    cudaGetLastError();
-  }
-  if (controlMap_ != nullptr) ::munmap(controlMap_, controlBytes_);
-}
+CommGpu::~CommGpu() = default;
 
-void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs) const {
-  const std::string_view op = opKindName(d.kind);
-  if (mode_ == Mode::kHost) {
-    // tandemd stages the op through host memory and runs it with the cpu backend's code: any dtype, any alignment,
-    // no workspace.
-    switch (d.kind) {
-      case OpKind::kNop:
-      case OpKind::kAllGather:
-      case OpKind::kAgGemm:
-      case OpKind::kGemmRs:
-      case OpKind::kGemmAr: return;
-      default:
-        fail(ErrorCode::kUnsupported, "{}: this communicator's ranks live on several nodes, and across nodes tandem "
-             "runs ag-gemm, gemm-rs, gemm-ar, allgather and barriers only; run {} on a communicator whose ranks are all "
-             "on one node", op, op);
-    }
-  }
-  switch (d.kind) {
-    case OpKind::kNop:
-    case OpKind::kAllGather: return;
-    case OpKind::kAgGemm:
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr: break;
-    default:
-      fail(ErrorCode::kUnsupported, "{}: the cuda backend does not run this op yet (it runs ag-gemm, gemm-rs, gemm-ar, "
-           "allgather and barriers); run it on a tandemd with daemon.backend: cpu", op);
-  }
-  k::checkFusedGemm(d, ptrs, env_);
-}
+void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs) const { strategy_->check(d, ptrs); }
 
 void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
-  const auto& drv = k::driver();
-  const auto s = static_cast<CUstream>(stream);
-  const auto e32 = static_cast<uint32_t>(e);
-  DeviceScope scope(device_);
-  const auto write = [&](k::StreamWord& w, const char* what) {
-    checkDrv(drv.streamWriteValue32(s, devptr(&w.value), e32, CU_STREAM_WRITE_VALUE_DEFAULT), what);
-  };
-  const auto waitFor = [&](k::StreamWord& w, const char* what) {
-    checkDrv(drv.streamWaitValue32(s, devptr(&w.value), e32, CU_STREAM_WAIT_VALUE_GEQ), what);
-  };
-  if (mode_ != Mode::kClient) {
-    // kDaemon: tandemd runs the op once every rank's stream got here (gang-ready), then done is written (by its
-    // persistent kernel, or by its own stream after the fused GEMM's kernels). kHost: tandemd runs the op once every
-    // local rank's stream got here (the inputs are final), staged through host memory, then writes done.
-    write(ctlDev_->ready, "cuStreamWriteValue32(ready)");
-    waitFor(ctlDev_->done, "cuStreamWaitValue32(done)");
-    return;
-  }
-  // Client executor: the daemon opens go once every rank submitted the op (for a gang, once every rank's stream
-  // reached it and wrote ready); the kernels run; done tells the daemon the op finished on this rank.
-  if (d.kind == OpKind::kNop && nranks_ == 1) {
-    // Nothing to meet: the stream need not wait for the daemon's go (the daemon still validates and completes it).
-    write(ctlDev_->done, "cuStreamWriteValue32(done)");
-    return;
-  }
-  if (k::needsGang(d)) write(ctlDev_->ready, "cuStreamWriteValue32(ready)");
-  // AllGather's kernel waits for the daemon's verdict itself (allgather.cu, opGate): one stream memop less per op.
-  if (d.kind != OpKind::kAllGather) waitFor(ctlDev_->go, "cuStreamWaitValue32(go)");
-  try {
-    switch (d.kind) {
-      case OpKind::kNop: break;
-      case OpKind::kAllGather: launchAllGather(d, ptrs, e, stream); break;
-      case OpKind::kAgGemm:
-      case OpKind::kGemmRs:
-      case OpKind::kGemmAr: logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, static_cast<cudaStream_t>(stream))); break;
-      default: fail(ErrorCode::kInternal, "{} reached the cuda enqueue unchecked", opKindName(d.kind));
-    }
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& ex) {  // the launchers throw std::runtime_error
-    fail(ErrorCode::kCuda, "{}: {}", opKindName(d.kind), ex.what());
-  }
-  write(ctlDev_->done, "cuStreamWriteValue32(done)");
-}
-
-void CommGpu::launchAllGather(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
-  k::AllGatherParams p{};
-  p.send = ptrs[slot::kSend];
-  p.recv = ptrs[slot::kRecv];
-  p.bytes = d.dims[dim::kBytes];
-  p.epoch = e;
-  p.timeoutNs = env_.timeoutNs;
-  for (uint32_t r = 0; r < nranks_; ++r) p.workspaces[r] = workspaces_[r]->ptr();
-  p.ctl = ctlDev_;
-  p.rank = rank_;
-  p.nranks = nranks_;
-  const k::AgTuning t = k::allgatherTuning(p.bytes, maxCtas_);
-  p.chunkBytes = t.chunkBytes;
-  p.numCtas = t.numCtas;
-  p.mode = t.mode;
-  p.checkVerdict = 1;  // a rejected op is skipped inside the kernel
-  k::launchAllGather(p, static_cast<cudaStream_t>(stream));
+  // The caller's stream is on the communicator's device nearly always: switch (and restore) only when it is not.
+  int current = -1;
+  checkCuda(cudaGetDevice(&current), "cudaGetDevice");
+  std::optional<k::CudaDeviceGuard> guard;
+  if (current != device_) guard.emplace(device_);
+  strategy_->enqueue(d, ptrs, e, static_cast<CUstream>(stream));
 }
 
 void CommGpu::abortLocal() {
   // Kernels poll the abort word; stream waits compare cyclically, so go and done jump far past every epoch.
-  std::atomic_ref<uint64_t>(ctl_->abort).store(k::kAbortValue, std::memory_order_release);
-  const auto lead = static_cast<uint32_t>(epoch + k::kStreamAbortLead);
-  std::atomic_ref<uint32_t>(ctl_->go.value).store(lead, std::memory_order_release);
-  std::atomic_ref<uint32_t>(ctl_->done.value).store(lead, std::memory_order_release);
+  page_.abort(epoch);
 }
 
 // ---- the daemon watcher -----------------------------------------------------------------------------------

@@ -13,6 +13,9 @@
 
 #include "tandem/common/descriptor.hpp"
 #include "tandem/common/fd.hpp"
+#include "tandem/kernels/control_page.hpp"
+#include "tandem/kernels/cuda_raii.hpp"
+#include "tandem/kernels/executor.hpp"
 #include "tandem/kernels/fused_ops.hpp"
 
 namespace tandem::client::gpu {
@@ -51,20 +54,26 @@ RegisterDescription describeForRegister(void* ptr, uint64_t bytes, int fd, uint6
 // Each slot's device address in this process (buffer mapping + offset), in descriptor slot order; null = absent.
 using DevicePointers = kernels::DevicePointers;
 
-// One communicator rank's GPU state. `mutex` serialises submission, so epochs follow ring order.
+// libtandem's side of one communicator's executor strategy (tandem/kernels/executor.hpp): what this rank checks
+// before it submits an op, and what it enqueues on the caller's stream. One implementation per strategy, in
+// cuda_client.cpp.
+class CommStrategy;
+
+// One communicator rank's GPU state: its control page (mapped and registered for the GPU), and the strategy tandemd
+// chose for the communicator. `mutex` serialises submission, so epochs follow ring order.
 class CommGpu {
  public:
-  // Where the op runs (tandemd's JoinInfo.executor):
+  // Where the op runs, as tandemd's JoinInfo.executor names it:
   //   kClient  libtandem launches the kernels into the caller's stream (gated by go, reporting done);
   //   kDaemon  tandemd runs it (the stream writes ready, waits for done): its persistent kernel, or the fused GEMMs'
   //            kernels on its own stream; MPS;
   //   kHost    the communicator spans nodes: tandemd runs the op itself, staged through host memory (the stream
   //            writes ready, waits for done, exactly as kDaemon); no workspaces.
-  enum class Mode { kClient, kDaemon, kHost };
+  using Mode = kernels::Executor;
   // JoinInfo.executor ("client", "daemon", "host") as a Mode; throws Error(kProtocol) for anything else.
   static Mode modeOf(const std::string& executor);
 
-  // `workspaces`: every rank's, in rank order (none in kHost mode).
+  // `workspaces`: every rank's, in rank order (none in kHost mode). Throws Error (kProtocol, kSystem, kCuda).
   CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t maxCtas, Fd control, uint64_t controlBytes,
           std::vector<std::unique_ptr<DeviceMapping>> workspaces);
   ~CommGpu();
@@ -72,7 +81,6 @@ class CommGpu {
   CommGpu& operator=(const CommGpu&) = delete;
 
   int device() const { return device_; }
-  Mode mode() const { return mode_; }
   // Throws Error (kUnsupported, kInvalidArgument) with the remedy when this rank cannot run `desc` (already checked by
   // validateDescriptor) here: the kind, dtype or executor, the kernels' shape and alignment rules, or the workspace.
   // Called before the op is submitted, so a refused op changes nothing. Depends only on what every rank checks alike
@@ -88,20 +96,11 @@ class CommGpu {
   uint64_t epoch = 0;  // ops submitted on this communicator by this rank
 
  private:
-  // AllGather's kernel on `stream`, between the stream words that order it.
-  void launchAllGather(const OpDescriptor& desc, const DevicePointers& ptrs, uint64_t epoch, void* stream);
-
   int device_;
-  Mode mode_;
-  uint32_t rank_, nranks_, maxCtas_;
-  Fd controlFd_;
-  void* controlMap_ = nullptr;
-  uint64_t controlBytes_ = 0;
-  kernels::CommControl* ctl_ = nullptr;      // host view
-  kernels::CommControl* ctlDev_ = nullptr;   // device view of the same pages
-  bool registered_ = false;
-  std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
-  kernels::FusedEnv env_;  // the workspaces, their layout, the control page and the deadline, for the fused GEMMs
+  // Declared in creation order, so destroyed in reverse: the strategy, then the registration, then the mapping.
+  kernels::ControlPage page_;
+  kernels::HostRegistration registration_;  // the page as this rank's streams and kernels address it
+  std::unique_ptr<CommStrategy> strategy_;
 };
 
 // Watches the session's socket: when tandemd hangs up, aborts every communicator's streams.

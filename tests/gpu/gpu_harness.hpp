@@ -22,7 +22,8 @@
 #include <utility>
 
 #include "harness.hpp"
-#include "tandem/kernels/allgather.hpp"
+#include "tandem/kernels/control_page.hpp"
+#include "tandem/kernels/driver.hpp"
 #include "tandem/tandem.h"
 
 namespace tandem::gputest {

@@ -1,16 +1,16 @@
 // backend: cuda. GPU memory (cuMem, exported as POSIX fds), client registrations (legacy IPC handles and
-// cuMem fds), per-communicator workspaces and control pages, and the two executors:
-//   client: libtandem launches kernels into the caller's stream; the daemon validates each collective and
-//           writes the verdict and `go` into every rank's control page, then learns completion from `done`;
-//   daemon: gang-ready dispatch into each GPU's persistent kernel (daemon_executor.hpp); needs MPS.
-// Communicators whose ranks span nodes (client executor only) run staged through host memory (cuda_multinode.hpp).
+// cuMem fds), and communicators, each run by one executor strategy chosen when it is set up (cuda_comm.hpp):
+//   client (client_gate.hpp): libtandem launches kernels into the caller's stream; tandemd validates each collective
+//           and writes the verdict and `go` into every rank's control page, then learns completion from `done`;
+//   daemon (daemon_executor.hpp): gang-ready dispatch into each GPU's persistent kernel; needs MPS;
+//   host (cuda_multinode.hpp): communicators whose ranks span nodes (client executor only), staged through host memory.
 // CUDA-only: compiled when TANDEM_HAVE_CUDA.
 #pragma once
 
 #include <memory>
 
+#include "backend.hpp"
 #include "config.hpp"
-#include "engine.hpp"
 
 namespace tandem::daemon::cuda {
 

@@ -4,23 +4,14 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <atomic>
 #include <exception>
 
 #include "cluster.hpp"
 #include "cpu/cpu_ops.hpp"
-#include "cuda/gpu.hpp"
 #include "tandem/common/validate.hpp"
-#include "tandem/kernels/allgather.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
-
-int32_t statusOf(ErrorCode code) { return static_cast<int32_t>(wireCode(code)); }
-uint32_t load32(const uint32_t& w) { return std::atomic_ref<const uint32_t>(w).load(std::memory_order_acquire); }
-void store32(uint32_t& w, uint32_t v) { std::atomic_ref<uint32_t>(w).store(v, std::memory_order_release); }
-// Stream words compare cyclically, as cuStreamWaitValue32(GEQ) does.
-bool cyclicGeq(uint32_t value, uint64_t epoch) { return static_cast<int32_t>(value - static_cast<uint32_t>(epoch)) >= 0; }
 
 void completeLocal(const Collective& c, int32_t code, const std::string& message) {
   for (const PendingOp& op : c.ops) {
@@ -32,20 +23,8 @@ void completeLocal(const Collective& c, int32_t code, const std::string& message
 
 HostStaging::HostStaging(std::vector<LocalRank> local) : local_(std::move(local)) {
   for (const LocalRank& l : local_) {
-    if (streams_.contains(l.device)) continue;
-    useDevice(l.device);
-    cudaStream_t s = nullptr;
-    checkRuntime(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags(staging)");
-    streams_[l.device] = s;
+    if (!streams_.contains(l.device)) streams_[l.device] = kernels::CudaStream::create(l.device, "staging");
   }
-}
-
-HostStaging::~HostStaging() {
-  for (auto& [device, s] : streams_) {
-    useDevice(device);
-    cudaStreamDestroy(s);
-  }
-  cudaGetLastError();
 }
 
 uint64_t HostStaging::lastEpoch() const {
@@ -60,7 +39,7 @@ bool HostStaging::waiting() const {
 
 void HostStaging::storeDoneLocked(uint64_t epoch) {
   if (failed_) return;  // the abort's lead stays
-  for (const LocalRank& l : local_) store32(l.ctl->done.value, static_cast<uint32_t>(epoch));
+  for (const LocalRank& l : local_) l.page->publishDone(epoch);
 }
 
 bool HostStaging::execute(Collective c, std::function<void()> finished) {
@@ -101,7 +80,7 @@ bool HostStaging::poll(uint64_t handle, std::vector<std::pair<uint64_t, std::str
   if (!waiting_ || failed_) return worked;
   const uint64_t epoch = waiting_->c.epoch;
   for (const LocalRank& l : local_) {
-    if (!cyclicGeq(load32(l.ctl->ready.value), epoch)) return worked;  // that rank's stream is not there yet
+    if (!l.page->readyReached(epoch)) return worked;  // that rank's stream is not there yet
   }
   Waiting w = std::move(*waiting_);
   waiting_.reset();
@@ -131,10 +110,10 @@ void HostStaging::abort(ErrorCode code, const std::string& reason) {
 
 void HostStaging::copy(int device, void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind, const char* what) {
   if (bytes == 0) return;
-  useDevice(device);
-  cudaStream_t s = streams_.at(device);
-  checkRuntime(cudaMemcpyAsync(dst, src, bytes, kind, s), what);
-  checkRuntime(cudaStreamSynchronize(s), what);
+  kernels::CudaDeviceGuard guard(device);
+  cudaStream_t s = streams_.at(device).get();
+  kernels::checkCuda(cudaMemcpyAsync(dst, src, bytes, kind, s), "{}", what);
+  kernels::checkCuda(cudaStreamSynchronize(s), "{}", what);
 }
 
 void HostStaging::run(Collective& c) {
@@ -208,6 +187,39 @@ void HostStaging::finish(Collective& c, int32_t code, std::string message) {
   }
   completeLocal(c, code, message);
   if (code == 0 && c.opsCompleted != nullptr) ++*c.opsCompleted;
+}
+
+// ---- HostStagedComm ------------------------------------------------------------------------------------------------
+
+HostStagedComm::HostStagedComm(uint64_t handle, std::vector<kernels::ControlPage> pages,
+                               const std::vector<int>& devices)
+    : CudaComm(handle, std::move(pages)), staging_(localRanks(devices)) {}
+
+std::vector<HostStaging::LocalRank> HostStagedComm::localRanks(const std::vector<int>& devices) {
+  std::vector<HostStaging::LocalRank> local;
+  for (uint32_t r = 0; r < nranks(); ++r) {
+    if (page(r)) local.push_back({r, devices[r], &page(r)});
+  }
+  return local;
+}
+
+CommMapping HostStagedComm::mapping(const std::shared_ptr<CommResources>& /*self*/, uint32_t /*rank*/) const {
+  fail(ErrorCode::kUnsupported, "communicator {} spans nodes: tandemd stages its ops through host memory, and its "
+       "ranks have no GPU workspaces to map", handle());
+}
+
+bool HostStagedComm::execute(Collective c, std::function<void()> finished) {
+  return staging_.execute(std::move(c), std::move(finished));
+}
+
+void HostStagedComm::abort(ErrorCode code, const std::string& reason) {
+  if (!markFailed(code, reason)) return;
+  staging_.abort(code, reason);  // first: it writes done no more
+  releaseStreams();
+}
+
+bool HostStagedComm::progress(std::vector<std::pair<uint64_t, std::string>>& failed) {
+  return staging_.poll(handle(), failed);
 }
 
 }  // namespace tandem::daemon::cuda

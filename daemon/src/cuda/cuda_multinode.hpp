@@ -1,4 +1,5 @@
-// Multi-node communicators on the cuda backend (issue 7), staged through host memory. Simple and correct, not fast.
+// Multi-node communicators on the cuda backend (the host-staged executor strategy), staged through host memory.
+// Simple and correct, not fast.
 //
 // A communicator whose ranks live on several nodes gets no GPU workspaces and runs no tandem kernel: libtandem's
 // "host" mode (JoinInfo.executor) only orders each op in the rank's stream, WriteValue32(ready, e) then
@@ -19,6 +20,8 @@
 // running on the link thread when it ends (its exchange ends with the reason); the backend's abort releases the
 // streams (go/done jump ahead). A CUDA error in the copies fails the op and then the communicator, so the other
 // nodes learn of it through CommFail instead of waiting for this node's payload.
+//
+// HostStagedComm is the strategy (cuda_comm.hpp); HostStaging is its part that the communicator's link thread shares.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -32,12 +35,11 @@
 #include <utility>
 #include <vector>
 
-#include "engine.hpp"
+#include "backend.hpp"
+#include "cuda/cuda_comm.hpp"
 #include "tandem/common/error.hpp"
-
-namespace tandem::kernels {
-struct CommControl;
-}
+#include "tandem/kernels/control_page.hpp"
+#include "tandem/kernels/cuda_raii.hpp"
 
 namespace tandem::daemon::cuda {
 
@@ -45,12 +47,11 @@ class HostStaging {
  public:
   struct LocalRank {
     uint32_t rank;
-    int device;                    // the rank's GPU (daemon ordinal)
-    kernels::CommControl* ctl;     // the rank's control page, as the daemon maps it
+    int device;                  // the rank's GPU (daemon ordinal)
+    kernels::ControlPage* page;  // the rank's control page (owned by the communicator, which outlives this)
   };
   // Creates a copy stream per GPU of the local ranks. Throws Error(kCuda).
   explicit HostStaging(std::vector<LocalRank> local);
-  ~HostStaging();
   HostStaging(const HostStaging&) = delete;
   HostStaging& operator=(const HostStaging&) = delete;
 
@@ -79,7 +80,7 @@ class HostStaging {
   void storeDoneLocked(uint64_t epoch);
 
   std::vector<LocalRank> local_;
-  std::map<int, cudaStream_t> streams_;  // by device; used by the link thread only (after construction)
+  std::map<int, kernels::CudaStream> streams_;  // by device; used by the link thread only (after construction)
   mutable std::mutex mutex_;             // guards everything below
   std::optional<Waiting> waiting_;
   uint64_t lastEpoch_ = 0;
@@ -88,6 +89,31 @@ class HostStaging {
   std::string reason_;
   std::string copyFailure_;  // a CUDA error in the copies, for poll() to report
   bool copyFailureReported_ = false;
+};
+
+// A communicator with ranks on other nodes: a control page per local rank, no workspaces; the ops are staged through
+// host memory (HostStaging). The engine admits it with the client executor only.
+class HostStagedComm final : public CudaComm {
+ public:
+  // `pages`: one per rank, empty for the ranks on other nodes; `devices`: each rank's GPU (-1 on other nodes).
+  // @throws Error(kCuda) when a copy stream cannot be created.
+  HostStagedComm(uint64_t handle, std::vector<kernels::ControlPage> pages, const std::vector<int>& devices);
+  kernels::Executor executor() const override { return kernels::Executor::kHost; }
+  uint64_t bytesPerRank() const override { return kernels::kControlBytes; }
+  CommMapping mapping(const std::shared_ptr<CommResources>& self, uint32_t rank) const override;
+  bool execute(Collective c, std::function<void()> finished) override;
+  void abort(ErrorCode code, const std::string& reason) override;
+
+ private:
+  uint64_t workspaceBytes(uint32_t /*rank*/) const override { return 0; }
+  bool progress(std::vector<std::pair<uint64_t, std::string>>& failed) override;
+  bool hasWork() const override { return staging_.waiting(); }  // polling the local streams' ready words
+  uint64_t lastEpoch(uint32_t /*rank*/) const override { return staging_.lastEpoch(); }
+
+  // The local ranks, pointing into the base's control pages (built before staging_, destroyed after it).
+  std::vector<HostStaging::LocalRank> localRanks(const std::vector<int>& devices);
+
+  HostStaging staging_;
 };
 
 }  // namespace tandem::daemon::cuda

@@ -12,14 +12,18 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "tandem/common/error.hpp"
-#include "tandem/kernels/allgather.hpp"
+#include "tandem/kernels/cuda_raii.hpp"
+#include "tandem/kernels/driver.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
 
+using kernels::checkCuda;
+using kernels::CudaDeviceGuard;
 using kernels::driver;
 
 std::string lower(std::string s) {
@@ -131,19 +135,19 @@ CUmemAllocationProp allocationProp(int device) {
 
 uint64_t granularity(const CUmemAllocationProp& prop) {
   size_t g = 0;
-  checkDriver(driver().memGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-              "cuMemGetAllocationGranularity");
+  checkCuda(driver().memGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+            "cuMemGetAllocationGranularity");
   return g == 0 ? (2u << 20) : g;
 }
 
 // Reserves, maps and grants access; on failure releases what it took.
 void mapInto(CuMemAllocation& a, const std::vector<int>& access) {
   const auto& d = driver();
-  checkDriver(d.memAddressReserve(&a.va, a.size, 0, 0, 0), "cuMemAddressReserve");
+  checkCuda(d.memAddressReserve(&a.va, a.size, 0, 0, 0), "cuMemAddressReserve");
   if (CUresult r = d.memMap(a.va, a.size, 0, a.handle, 0); r != CUDA_SUCCESS) {
     d.memAddressFree(a.va, a.size);
     a.va = 0;
-    checkDriver(r, "cuMemMap");
+    checkCuda(r, "cuMemMap");
   }
   std::vector<CUmemAccessDesc> desc;
   for (int dev : access) {
@@ -157,28 +161,14 @@ void mapInto(CuMemAllocation& a, const std::vector<int>& access) {
     d.memUnmap(a.va, a.size);
     d.memAddressFree(a.va, a.size);
     a.va = 0;
-    checkDriver(r, "cuMemSetAccess");
+    checkCuda(r, "cuMemSetAccess");
   }
   a.address = a.va;
 }
 
 }  // namespace
 
-// ---- errors and devices ----------------------------------------------------------------------------------
-
-void checkDriver(CUresult r, const char* what) {
-  if (r == CUDA_SUCCESS) return;
-  fail(ErrorCode::kCuda, "{}: {} (CUresult {})", what, kernels::driverErrorName(r), static_cast<int>(r));
-}
-
-void checkRuntime(int e, const char* what) {
-  if (e == cudaSuccess) return;
-  cudaGetLastError();  // API errors are not sticky; do not let this one surface at the next launch check
-  const auto err = static_cast<cudaError_t>(e);
-  fail(ErrorCode::kCuda, "{}: {} ({})", what, cudaGetErrorName(err), cudaGetErrorString(err));
-}
-
-void useDevice(int ordinal) { checkRuntime(cudaSetDevice(ordinal), "cudaSetDevice"); }
+// ---- devices ----------------------------------------------------------------------------------------------
 
 bool sameUuid(const std::string& a, const std::string& b) { return stripPrefix(a) == stripPrefix(b); }
 
@@ -203,7 +193,7 @@ std::vector<GpuInfo> discoverGpus(const std::vector<std::string>& only) {
   std::vector<std::string> visible;
   for (int i = 0; i < count; ++i) {
     cudaDeviceProp prop{};
-    checkRuntime(cudaGetDeviceProperties(&prop, i), "cudaGetDeviceProperties");
+    checkCuda(cudaGetDeviceProperties(&prop, i), "cudaGetDeviceProperties({})", i);
     GpuInfo g;
     g.ordinal = i;
     g.uuid = formatGpuUuid(prop.uuid.bytes);
@@ -242,7 +232,7 @@ std::vector<GpuInfo> discoverGpus(const std::vector<std::string>& only) {
       int can = 0;
       cudaDeviceCanAccessPeer(&can, g.ordinal, peer.ordinal);
       if (can != 0) {
-        useDevice(g.ordinal);
+        CudaDeviceGuard guard(g.ordinal);
         const cudaError_t pe = cudaDeviceEnablePeerAccess(peer.ordinal, 0);
         p.p2p = pe == cudaSuccess || pe == cudaErrorPeerAccessAlreadyEnabled;
         cudaGetLastError();
@@ -262,18 +252,23 @@ std::vector<GpuInfo> discoverGpus(const std::vector<std::string>& only) {
 // ---- cuMem ------------------------------------------------------------------------------------------------
 
 CuMemAllocation::~CuMemAllocation() {
-  if (device >= 0) cudaSetDevice(device);  // any thread may drop the last reference
-  const auto& d = driver();
-  if (va != 0) {
-    d.memUnmap(va, size);
-    d.memAddressFree(va, size);
+  try {
+    std::optional<CudaDeviceGuard> guard;
+    if (device >= 0) guard.emplace(device);  // any thread may drop the last reference
+    const auto& d = driver();
+    if (va != 0) {
+      d.memUnmap(va, size);
+      d.memAddressFree(va, size);
+    }
+    if (handle != 0) d.memRelease(handle);
+  } catch (const std::exception& e) {
+    spdlog::warn("releasing a cuMem allocation on GPU {}: {}", device, e.what());
   }
-  if (handle != 0) d.memRelease(handle);
 }
 
 std::shared_ptr<CuMemAllocation> createExportable(int device, uint64_t bytes, const std::vector<int>& access,
                                                   Fd* exported) {
-  useDevice(device);
+  CudaDeviceGuard guard(device);
   const CUmemAllocationProp prop = allocationProp(device);
   const uint64_t g = granularity(prop);
   auto a = std::make_shared<CuMemAllocation>();
@@ -283,10 +278,10 @@ std::shared_ptr<CuMemAllocation> createExportable(int device, uint64_t bytes, co
   if (r == CUDA_ERROR_OUT_OF_MEMORY) {
     fail(ErrorCode::kOutOfMemory, "allocate {} bytes on GPU {}: the GPU is out of memory", a->size, device);
   }
-  checkDriver(r, "cuMemCreate");
+  checkCuda(r, "cuMemCreate");
   int fd = -1;
-  checkDriver(driver().memExportToShareableHandle(&fd, a->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-              "cuMemExportToShareableHandle");
+  checkCuda(driver().memExportToShareableHandle(&fd, a->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            "cuMemExportToShareableHandle");
   *exported = Fd(fd);
   mapInto(*a, access);
   return a;
@@ -303,9 +298,9 @@ std::shared_ptr<CuMemAllocation> importFd(const Fd& fd, uint64_t bytes, const st
          "memory", kernels::driverErrorName(r));
   }
   CUmemAllocationProp prop{};
-  checkDriver(driver().memGetAllocationPropertiesFromHandle(&prop, a->handle), "cuMemGetAllocationPropertiesFromHandle");
+  checkCuda(driver().memGetAllocationPropertiesFromHandle(&prop, a->handle), "cuMemGetAllocationPropertiesFromHandle");
   a->device = prop.location.id;
-  useDevice(a->device);
+  CudaDeviceGuard guard(a->device);
   const uint64_t g = granularity(allocationProp(a->device));
   a->size = (bytes + g - 1) / g * g;
   mapInto(*a, access);
@@ -329,9 +324,12 @@ std::map<std::string, std::weak_ptr<IpcMapping>> ipcOpen;  // by handle bytes
 
 IpcMapping::~IpcMapping() {
   if (base != nullptr) {
-    cudaSetDevice(device);
-    cudaIpcCloseMemHandle(base);
-    cudaGetLastError();
+    try {
+      CudaDeviceGuard guard(device);
+      kernels::reportRelease(cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle");
+    } catch (const std::exception& e) {
+      spdlog::warn("closing a CUDA IPC handle on GPU {}: {}", device, e.what());
+    }
   }
   std::lock_guard lock(ipcMutex);
   if (auto it = ipcOpen.find(key); it != ipcOpen.end() && it->second.expired()) ipcOpen.erase(it);
@@ -348,7 +346,7 @@ std::shared_ptr<IpcImport> openIpc(const std::string& handleBytes, int device, u
     if (auto it = ipcOpen.find(handleBytes); it != ipcOpen.end()) m = it->second.lock();
   }
   if (!m) {
-    useDevice(device);
+    CudaDeviceGuard guard(device);
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handleBytes.data(), sizeof h);
     void* base = nullptr;
@@ -365,8 +363,8 @@ std::shared_ptr<IpcImport> openIpc(const std::string& handleBytes, int device, u
     m->device = device;
     CUdeviceptr rangeBase = 0;
     size_t rangeSize = 0;
-    checkDriver(driver().memGetAddressRange(&rangeBase, &rangeSize, reinterpret_cast<CUdeviceptr>(base)),
-                "cuMemGetAddressRange");
+    checkCuda(driver().memGetAddressRange(&rangeBase, &rangeSize, reinterpret_cast<CUdeviceptr>(base)),
+              "cuMemGetAddressRange");
     m->size = rangeSize;
     std::lock_guard lock(ipcMutex);
     ipcOpen[handleBytes] = m;

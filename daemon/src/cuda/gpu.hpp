@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "engine.hpp"
+#include "backend.hpp"
 #include "tandem/common/fd.hpp"
 #include "tandem/common/gpu_uuid.hpp"
 
@@ -25,13 +25,6 @@ std::vector<GpuInfo> discoverGpus(const std::vector<std::string>& only);
 
 // Whether an MPS control daemon's pipe is there ($CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps).
 bool mpsControlReachable(std::string* pipeDir = nullptr);
-
-// Throws Error(kCuda) "<what>: <name> (<text>)" unless r is CUDA_SUCCESS.
-void checkDriver(CUresult r, const char* what);
-// Throws Error(kCuda) unless e is cudaSuccess (and clears the runtime's last error).
-void checkRuntime(int e, const char* what);
-// Makes the device's primary context current on this thread.
-void useDevice(int ordinal);
 
 // A cuMem allocation on one GPU, mapped into the daemon with access for `access` devices.
 struct CuMemAllocation final : DeviceMemory {

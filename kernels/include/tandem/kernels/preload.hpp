@@ -9,8 +9,14 @@
 
 namespace tandem::kernels {
 
-// The runtime's kernels (allgather, the daemon executor's persistent kernel): in tandem_runtime_kernels.
-void preloadRuntimeKernels(int device);
+// The runtime's kernels, in tandem_runtime_kernels: AllGather's (allgather.cu) and the daemon executor's persistent
+// kernel (persistent.cu).
+void preloadAllGatherKernels(int device);
+void preloadPersistentKernels(int device);
+inline void preloadRuntimeKernels(int device) {
+  preloadAllGatherKernels(device);
+  preloadPersistentKernels(device);
+}
 // Each fused GEMM family: in tandem_kernels.
 void preloadGemmKernels(int device);
 void preloadAgGemmKernels(int device);

@@ -1,6 +1,7 @@
 // Host side shared by kernels/gemm_rs.cu and kernels/gemm_ar.cu: workspace layout, validation, kernel parameters
 // (TMA maps of this rank's slice, the role table, the phase order, every rank's staging / flag / output pointers) and
-// the launch of a resolved plan. Each .cu passes its own kernel instantiations (one kernel family per .cu).
+// the launch of a resolved plan. Each .cu passes its own kernel instantiations (one kernel family per .cu). Host code,
+// but nvcc only: the kernel parameters it fills are the device code's (device/gemm_rs_sm90.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -14,7 +15,7 @@
 
 #include "device/gemm_rs_sm90.cuh"
 #include "device/preload_on.cuh"
-#include "driver_api.hpp"
+#include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
 

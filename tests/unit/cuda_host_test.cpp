@@ -1,0 +1,151 @@
+// The host side of tandem's CUDA use that runs without a GPU: the control page's protocol (what tandemd and libtandem
+// write and read in it), the executor strategies' names and ops, and the one CUDA error check.
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <string>
+
+#include "tandem/common/error.hpp"
+#include "tandem/kernels/control_page.hpp"
+#include "tandem/kernels/cuda_raii.hpp"
+#include "tandem/kernels/executor.hpp"
+
+namespace k = tandem::kernels;
+
+namespace {
+
+// A second mapping of the same memfd: what the other process (libtandem for tandemd, and back) sees.
+k::ControlPage peerOf(const k::ControlPage& page) {
+  return k::ControlPage::open(tandem::Fd(::dup(page.fd())), page.bytes());
+}
+
+}  // namespace
+
+TEST_CASE("control page: a fresh page is zeroed and the peer's mapping sees every write") {
+  k::ControlPage daemon = k::ControlPage::create("tandem-test-ctl");
+  REQUIRE(daemon);
+  CHECK(daemon.bytes() == k::kControlBytes);
+  k::ControlPage client = peerOf(daemon);
+  CHECK_FALSE(client.readyReached(1));
+  CHECK(client.doneEpoch(0) == 0);
+  CHECK_FALSE(client.failure().has_value());
+
+  daemon.publishVerdict(1, true);
+  daemon.publishVerdict(2, false);
+  CHECK(client.memory()->go.value == 2);
+  CHECK(client.memory()->verdict[1] == 1);
+  CHECK(client.memory()->verdict[2] == (2 | k::kVerdictRejected));
+  // The verdict ring wraps: epoch e lands in slot e % kVerdictRing.
+  daemon.publishVerdict(k::kVerdictRing + 1, true);
+  CHECK(client.memory()->verdict[1] == k::kVerdictRing + 1);
+
+  daemon.publishDone(5);
+  CHECK(client.doneEpoch(0) == 5);
+  CHECK(client.doneEpoch(5) == 5);
+}
+
+TEST_CASE("control page: stream words compare cyclically, as cuStreamWaitValue32(GEQ) does") {
+  k::ControlPage page = k::ControlPage::create("tandem-test-ctl");
+  k::ControlPage stream = peerOf(page);
+  stream.memory()->ready.value = 7;  // what the stream's WriteValue32(ready, 7) leaves
+  CHECK(page.readyReached(7));
+  CHECK(page.readyReached(6));
+  CHECK_FALSE(page.readyReached(8));
+  // Past 2^32 ops the 32-bit word wraps; epochs still compare by their low 32 bits.
+  const uint64_t e = (uint64_t{1} << 32) + 3;
+  stream.memory()->ready.value = 3;
+  CHECK(page.readyReached(e));
+  CHECK_FALSE(page.readyReached(e + 1));
+  // done extends past the wrap: 0xffffffff -> 2 is 3 epochs on.
+  stream.memory()->done.value = 0xffffffffu;
+  const uint64_t before = page.doneEpoch(0xfffffff0u);
+  CHECK(before == 0xffffffffu);
+  stream.memory()->done.value = 2;
+  CHECK(page.doneEpoch(before) == (uint64_t{1} << 32) + 2);
+  // An older value (a late write behind an abort's lead) never moves it back.
+  stream.memory()->done.value = 1;
+  CHECK(page.doneEpoch((uint64_t{1} << 32) + 2) == (uint64_t{1} << 32) + 2);
+}
+
+TEST_CASE("control page: an abort releases every stream wait past the last epoch, and the lead is held") {
+  k::ControlPage page = k::ControlPage::create("tandem-test-ctl");
+  k::ControlPage client = peerOf(page);
+  page.abortKernels();
+  CHECK(client.memory()->abort == k::kAbortValue);
+  CHECK(client.memory()->go.value == 0);  // kernels only: the streams are left alone
+
+  const uint32_t lead = page.abort(41);
+  CHECK(lead == 41 + k::kStreamAbortLead);
+  CHECK(client.memory()->go.value == lead);
+  CHECK(client.memory()->done.value == lead);
+  // Every epoch the rank may have enqueued passes a cyclic GEQ against the lead.
+  for (uint64_t e : {uint64_t{1}, uint64_t{41}, uint64_t{42}}) {
+    CHECK(static_cast<int32_t>(lead - static_cast<uint32_t>(e)) >= 0);
+  }
+  // A kernel that finished after the abort wrote an older done: holdLead puts the lead back.
+  client.memory()->done.value = 40;
+  page.holdLead(lead);
+  CHECK(client.memory()->done.value == lead);
+  // libtandem's own abort (tandemd gone) writes the same words from its side.
+  const uint32_t clientLead = client.abort(100);
+  CHECK(page.memory()->done.value == 100 + k::kStreamAbortLead);
+  CHECK(clientLead == 100 + k::kStreamAbortLead);
+}
+
+TEST_CASE("control page: a kernel's error report is read only once it is complete") {
+  k::ControlPage page = k::ControlPage::create("tandem-test-ctl");
+  k::ControlPage writer = peerOf(page);  // written through another mapping, as a kernel's stores arrive
+  k::ErrorSlot& e = writer.memory()->error;
+  e.claimed = k::kErrorSlotWriting;
+  e.code = static_cast<uint32_t>(k::WaitError::kTimeout);
+  e.expected = 9;
+  CHECK_FALSE(page.failure().has_value());  // claimed, fields still being written
+  e.observed = 4;
+  e.claimed = k::kErrorSlotReady;
+  const auto f = page.failure();
+  REQUIRE(f.has_value());
+  CHECK(f->code == static_cast<uint32_t>(k::WaitError::kTimeout));
+  CHECK(f->expected == 9);
+  CHECK(f->observed == 4);
+}
+
+TEST_CASE("control page: libtandem refuses a page smaller than its layout") {
+  k::ControlPage page = k::ControlPage::create("tandem-test-ctl");
+  try {
+    (void)k::ControlPage::open(tandem::Fd(::dup(page.fd())), sizeof(k::CommControl) - 1);
+    FAIL("a short page was accepted");
+  } catch (const tandem::Error& e) {
+    CHECK(e.code() == tandem::ErrorCode::kProtocol);
+    CHECK(std::string(e.what()).find("control page") != std::string::npos);
+  }
+}
+
+TEST_CASE("executor strategies: wire names round-trip, and each runs the GPU ops") {
+  for (k::Executor e : {k::Executor::kClient, k::Executor::kDaemon, k::Executor::kHost}) {
+    const auto back = k::executorFromName(k::executorName(e));
+    REQUIRE(back.has_value());
+    CHECK(*back == e);
+    const tandem::OpSet ops = k::executorOps(e);
+    for (tandem::OpKind kind : {tandem::OpKind::kAgGemm, tandem::OpKind::kGemmRs, tandem::OpKind::kGemmAr,
+                                tandem::OpKind::kAllGather, tandem::OpKind::kNop}) {
+      CHECK(ops.contains(kind));
+    }
+    CHECK_FALSE(ops.contains(tandem::OpKind::kMoeDispatchGemm));
+    CHECK_FALSE(ops.contains(tandem::OpKind::kRingAttention));
+  }
+  CHECK_FALSE(k::executorFromName("gpu").has_value());
+}
+
+TEST_CASE("checkCuda: success passes, an error throws Error(kCuda) naming what failed and the CUDA error") {
+  CHECK_NOTHROW(k::checkCuda(cudaSuccess, "nothing {}", 1));
+  CHECK_NOTHROW(k::checkCuda(CUDA_SUCCESS, "nothing"));
+  try {
+    k::checkCuda(cudaErrorInvalidValue, "cudaMalloc({} bytes) on GPU {}", 64, 3);
+    FAIL("no throw");
+  } catch (const tandem::Error& e) {
+    CHECK(e.code() == tandem::ErrorCode::kCuda);
+    const std::string what = e.what();
+    CHECK(what.rfind("cudaMalloc(64 bytes) on GPU 3: cudaErrorInvalidValue", 0) == 0);
+  }
+}
