@@ -30,13 +30,24 @@
 
 namespace tandem::testing {
 namespace hostile_detail {
-namespace pb = ::tandem::v1;
+namespace pb = tandem::v1;
+
 
 // Short deadlines, so that the attacks end within the test's few seconds.
 inline constexpr const char* kFastLimits =
     "limits:\n"
     "  hello_timeout_ms: 300\n"
     "  frame_timeout_ms: 300\n";
+
+// The targets of a process's fds, one per line (for failure messages).
+inline std::string fdList(pid_t pid) {
+  std::string out;
+  for (const auto& entry : std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid))) {
+    std::error_code ec;
+    out += fmt::format("{} -> {}\n", entry.path().filename().string(), std::filesystem::read_symlink(entry, ec).string());
+  }
+  return out;
+}
 
 inline int fdCount(pid_t pid) {
   int n = 0;
@@ -235,13 +246,19 @@ struct Baseline {
 };
 
 inline Baseline baseline(Daemon& d) {
-  const int idleFds = fdCount(d.pid());
+  // A first op warms up whatever the daemon opens once (worker threads, lazily loaded state); the second is timed.
+  REQUIRE(honestGemmAr(d.socket()) >= 0);
+  // The daemon is idle once the warm-up's sessions are gone: poll until the count stops falling.
+  int idleFds = fdCount(d.pid());
+  while (eventually([&] { return fdCount(d.pid()) < idleFds; }, 100)) idleFds = fdCount(d.pid());
+  const std::string idleList = fdList(d.pid());
   std::string error;
   const long ms = honestGemmAr(d.socket(), &error);
   INFO(error);
   REQUIRE(ms >= 0);
   // The honest client's sessions close asynchronously: count once their fds are gone.
-  CHECK(eventually([&] { return fdCount(d.pid()) <= idleFds; }, 3000));
+  INFO("idle fds:\n" << idleList);
+  CHECK_MESSAGE(eventually([&] { return fdCount(d.pid()) <= idleFds; }, 3000), "now:\n" << fdList(d.pid()));
   return {fdCount(d.pid()), rssKiB(d.pid()), ms};
 }
 
