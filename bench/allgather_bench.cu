@@ -158,7 +158,8 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
       applyTuning(m);
       // Align the ranks before each method.
       tandem_op_t op;
-      TK(tandem_barrier_stream(comm, stream, &op));
+      const tandem_barrier_args_t barrierArgs{sizeof barrierArgs, stream};
+      TK(tandem_barrier_stream(comm, &barrierArgs, &op));
       // Back to back, as an application enqueues them (nccl-tests style): one event between consecutive ops,
       // one synchronisation at the end; per-op time = the gap between its two events.
       const int total = o.warmup + o.iters;
@@ -173,7 +174,8 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
           NK(ncclAllGather(sendPtr + so, recvPtr + ro, S, ncclInt8, nccl, stream));
 #endif
         } else {
-          TK(tandem_allgather(comm, {send, so}, {recv, ro}, S, stream, &op));
+          const tandem_allgather_args_t args{sizeof args, {send, so}, {recv, ro}, S, stream};
+          TK(tandem_allgather(comm, &args, &op));
         }
         CK(cudaEventRecord(evs[static_cast<size_t>(it) + 1], stream));
       }
@@ -226,7 +228,8 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
         NK(ncclAllGather(sendPtr, recvPtr, S, ncclInt8, nccl, stream));
 #endif
       } else {
-        TK(tandem_allgather(comm, {send, 0}, {recv, 0}, S, stream, &op));
+        const tandem_allgather_args_t args{sizeof args, {send, 0}, {recv, 0}, S, stream};
+        TK(tandem_allgather(comm, &args, &op));
       }
       CK(cudaMemsetAsync(bad, 0, sizeof *bad, stream));
       checkKernel<<<1024, 256, 0, stream>>>(reinterpret_cast<const uint32_t*>(recvPtr), S / 4, o.ranks, 7000, bad);

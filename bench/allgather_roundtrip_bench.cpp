@@ -68,7 +68,8 @@ int rankMain(const Options& o, uint32_t rank, int idFd, const std::string& socke
   tandem_op_t op;
   for (int i = 0; i < o.warmup + o.iters; ++i) {
     const auto t0 = Clock::now();
-    TK(tandem_barrier_stream(comm, stream, &op));
+    const tandem_barrier_args_t barrierArgs{sizeof barrierArgs, stream};
+    TK(tandem_barrier_stream(comm, &barrierArgs, &op));
     CK(cudaStreamSynchronize(stream));
     const auto t1 = Clock::now();
     if (i >= o.warmup) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());

@@ -223,9 +223,14 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
                                        {st.c, 0}, {o.gathered ? st.gathered : nullptr, 0}, stream};
       return tandem_ag_gemm(st.comm, &args, op);
     }
-    const tandem_gemm_rs_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, e.kLocal, {st.a, 0}, {st.b, 0},
+    if (c.op == Op::kGemmRs) {
+      const tandem_gemm_rs_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, e.kLocal, {st.a, 0}, {st.b, 0},
+                                       {st.c, 0}, stream};
+      return tandem_gemm_rs(st.comm, &args, op);
+    }
+    const tandem_gemm_ar_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, e.kLocal, {st.a, 0}, {st.b, 0},
                                      {st.c, 0}, stream};
-    return c.op == Op::kGemmRs ? tandem_gemm_rs(st.comm, &args, op) : tandem_gemm_ar(st.comm, &args, op);
+    return tandem_gemm_ar(st.comm, &args, op);
   };
   // The baseline's GEMM alone (for ag-gemm on the A the baseline gathered last time).
   const auto runGemmAlone = [&] {

@@ -1,15 +1,27 @@
-// The stable C ABI over client::Session. Every entry point catches, records the message for
-// tandem_last_error(), and returns a status code; nothing throws across the boundary.
+// The C ABI over client::Session. Every entry point catches, records the message for tandem_last_error(), and
+// returns a status code; nothing throws across the boundary.
+//
+// Lifetimes: the session handle, its buffers and its communicators share one SessionCore (reference counted), so a
+// handle stays a valid object after tandem_disconnect. Every call on a handle holds the core's `life` lock shared;
+// tandem_disconnect takes it exclusively, releases what every live handle holds (the core keeps a list of them),
+// closes the connection and marks the core closed, so later calls fail with a message instead of touching released
+// memory. Ops are plain values: they name their session by a serial that a process-wide registry maps to its core
+// while it is open.
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "session.hpp"
 #ifdef TANDEM_HAVE_CUDA
@@ -24,20 +36,60 @@ using tandem::Error;
 using tandem::ErrorCode;
 using tandem::fail;
 
-struct tandem_buffer;
+namespace {
 
-struct tandem_session {
+// "0.2.0" as TANDEM_VERSION_CODE computes it; -1 if it is not three dot-separated numbers.
+constexpr int versionCodeOf(std::string_view v) {
+  int parts[3] = {0, 0, 0};
+  int i = 0;
+  for (const char c : v) {
+    if (c == '.') {
+      if (++i > 2) return -1;
+    } else if (c >= '0' && c <= '9') {
+      parts[i] = parts[i] * 10 + (c - '0');
+    } else {
+      return -1;
+    }
+  }
+  return i == 2 ? TANDEM_MAKE_VERSION_CODE(parts[0], parts[1], parts[2]) : -1;
+}
+static_assert(versionCodeOf(TANDEM_VERSION_STRING) == TANDEM_VERSION_CODE,
+              "TANDEM_VERSION_MAJOR/MINOR/PATCH in tandem.h must equal project(tandem VERSION ...) in CMakeLists.txt");
+
+}  // namespace
+
+struct tandem_buffer;
+struct tandem_comm;
+
+namespace tandem::client {
+// What a session and its handles share. Lock order: life, then handlesMutex or registrationMutex.
+struct SessionCore {
+  uint64_t serial = 0;  // process-unique, never reused: how tandem_op_t names its session
   std::unique_ptr<tandem::client::Session> impl;
   bool cuda = false;  // the daemon runs the cuda backend: buffers are GPU memory, ops are stream-ordered
+  // Shared by every call on the session or one of its handles; exclusive in tandem_disconnect, which therefore waits
+  // for calls in flight and leaves no call half done on released state.
+  std::shared_mutex life;
+  bool closed = false;               // under life; set once by tandem_disconnect
+  std::atomic<bool> closing{false};  // set by tandem_disconnect before it hangs up: in-flight failures then say why
+  std::mutex handlesMutex;           // buffers and comms: calls holding life shared add and remove handles
+  std::unordered_set<tandem_buffer*> buffers;
+  std::unordered_set<tandem_comm*> comms;
 #ifdef TANDEM_HAVE_CUDA
   std::unique_ptr<gpu::SessionWatch> watch;  // aborts every stream's waits when tandemd dies
 #endif
   std::mutex registrationMutex;
   std::map<std::pair<uintptr_t, uint64_t>, tandem_buffer*> registrations;  // cuda: (ptr, bytes) -> buffer
 };
+}  // namespace tandem::client
+using tandem::client::SessionCore;
+
+struct tandem_session {
+  std::shared_ptr<SessionCore> core;
+};
 
 struct tandem_buffer {
-  tandem_session_t session;
+  std::shared_ptr<SessionCore> core;
   uint64_t id;
   uint64_t bytes;
   bool registered;
@@ -50,7 +102,7 @@ struct tandem_buffer {
 };
 
 struct tandem_comm {
-  tandem_session_t session;
+  std::shared_ptr<SessionCore> core;
   uint64_t handle;
   uint32_t rank;
   uint32_t nranks;
@@ -87,13 +139,112 @@ void require(bool ok, const char* what) {
   if (!ok) fail(ErrorCode::kInvalidArgument, "{}", what);
 }
 
+// Open sessions by serial, for the ops (plain values) that name them. Never destroyed: a session still open when the
+// process exits must not be closed by a static destructor that runs after the libraries it uses are gone.
+struct Registry {
+  std::shared_mutex mutex;
+  std::unordered_map<uint64_t, std::shared_ptr<SessionCore>> open;
+  std::atomic<uint64_t> nextSerial{1};
+};
+Registry& registry() {
+  static Registry* r = new Registry;
+  return *r;
+}
+
+// What a call on a handle of a closed session says, for each kind of handle.
+enum class Handle { kSession, kBuffer, kComm, kOp };
+
+[[noreturn]] void failClosed(std::string_view call, Handle h) {
+  switch (h) {
+    case Handle::kBuffer:
+      fail(ErrorCode::kInvalidArgument, "{}: this buffer belongs to a session that tandem_disconnect closed, which "
+           "released its memory; free the handle (tandem_free, or tandem_deregister if it was registered) and use a "
+           "buffer of an open session", call);
+    case Handle::kComm:
+      fail(ErrorCode::kInvalidArgument, "{}: this communicator belongs to a session that tandem_disconnect closed, "
+           "which ended it; free the handle with tandem_comm_destroy and join again on an open session "
+           "(tandem_comm_init)", call);
+    case Handle::kOp:
+      fail(ErrorCode::kInvalidArgument, "{}: this op belongs to a session that tandem_disconnect closed, so its outcome "
+           "is unknown; wait for ops before disconnecting their session", call);
+    case Handle::kSession: break;
+  }
+  fail(ErrorCode::kInvalidArgument, "{}: this session was closed by tandem_disconnect (on another thread); a session "
+       "handle is invalid once tandem_disconnect is called on it", call);
+}
+
+// A call on `core` (the session or one of its handles): holds `life` shared, so tandem_disconnect waits for it to end.
+// Throws the closed-session error if the session is already closed.
+class Use {
+ public:
+  Use(SessionCore& core, std::string_view call, Handle h) : lock_(core.life) {
+    if (core.closed) failClosed(call, h);
+  }
+
+ private:
+  std::shared_lock<std::shared_mutex> lock_;
+};
+
+// An accessor (no status to return): runs body() as a call on `core`; on failure records the message for
+// tandem_last_error() and leaves the result at its default. Unlike guarded(), success leaves the last error alone.
+template <typename F>
+void access(SessionCore& core, std::string_view call, Handle h, F&& body) {
+  try {
+    const Use use(core, call, h);
+    body();
+  } catch (const Error& e) {
+    record(e.code(), e.what());
+  }
+}
+
+// Runs body() as a call on `core`. A call that tandem_disconnect cut short (on another thread) fails with that reason
+// instead of the hang-up it saw.
+template <typename F>
+void onCore(SessionCore& core, std::string_view call, F&& body) {
+  try {
+    body();
+  } catch (const Error& e) {
+    if (core.closing.load()) {
+      fail(ErrorCode::kInvalidArgument, "{}: tandem_disconnect closed the session while this call was in flight (on "
+           "another thread); finish calls before disconnecting", call);
+    }
+    throw;
+  }
+}
+
 [[maybe_unused]] constexpr const char* kNoCuda =
     "tandemd runs the cuda backend, but this libtandem was built without CUDA (nvcc was not found when it was "
     "configured); rebuild libtandem with the CUDA toolkit";
 
-tandem::BufferRef ref(tandem_session_t session, const tandem_tensor_t& t, const tandem::SlotRule& rule) {
+void addHandle(SessionCore& core, tandem_buffer* b) {
+  std::lock_guard lock(core.handlesMutex);
+  core.buffers.insert(b);
+}
+void addHandle(SessionCore& core, tandem_comm* c) {
+  std::lock_guard lock(core.handlesMutex);
+  core.comms.insert(c);
+}
+void dropHandle(SessionCore& core, tandem_buffer* b) {
+  std::lock_guard lock(core.handlesMutex);
+  core.buffers.erase(b);
+}
+void dropHandle(SessionCore& core, tandem_comm* c) {
+  std::lock_guard lock(core.handlesMutex);
+  core.comms.erase(c);
+}
+
+// The buffer's memory in this process. Caller holds its core's `life`, open.
+void* mappedPtr(const tandem_buffer& b) {
+  if (b.registered) return b.userPtr;
+#ifdef TANDEM_HAVE_CUDA
+  if (b.device) return b.device->ptr();
+#endif
+  return b.mapping.data();
+}
+
+tandem::BufferRef ref(const SessionCore& core, const tandem_tensor_t& t, const tandem::SlotRule& rule) {
   if (t.buffer == nullptr) return {0, 0, rule.bytes};
-  if (t.buffer->session != session) {
+  if (t.buffer->core.get() != &core) {
     fail(ErrorCode::kInvalidArgument, "tensor {} lives in a buffer of another session; use buffers of the session "
          "the communicator belongs to", rule.name);
   }
@@ -102,9 +253,9 @@ tandem::BufferRef ref(tandem_session_t session, const tandem_tensor_t& t, const 
 
 // Rolls back a half-finished call (the daemon already created something the client could not set up). The
 // original error is what the caller needs to see, so a failure of the rollback itself is dropped.
-void undoQuietly(tandem_session_t session, tandem::v1::Request& undo) {
+void undoQuietly(SessionCore& core, tandem::v1::Request& undo) {
   try {
-    session->impl->call(undo);
+    core.impl->call(undo);
   } catch (...) {
   }
 }
@@ -112,63 +263,68 @@ void undoQuietly(tandem_session_t session, tandem::v1::Request& undo) {
 // Fills every slot's BufferRef from the tensors, validates the descriptor as the daemon will, and submits. cuda
 // backend: also checks that this rank's GPU can run the op (before submitting: a refused op changes nothing), then
 // enqueues its stream work on `stream` (a cudaStream_t; null = the legacy default stream).
-tandem_status_t submitOp(tandem_comm_t comm, tandem::OpDescriptor desc, std::initializer_list<tandem_tensor_t> tensors,
-                         tandem_op_t* op, [[maybe_unused]] void* stream = nullptr) {
+tandem_status_t submitOp(const char* call, tandem_comm_t comm, tandem::OpDescriptor desc,
+                         std::initializer_list<tandem_tensor_t> tensors, tandem_op_t* op,
+                         [[maybe_unused]] void* stream = nullptr) {
   return guarded([&] {
     require(comm != nullptr && op != nullptr, "comm and op must not be NULL");
-    desc.version = tandem::kDescriptorVersion;
-    desc.rank = comm->rank;
-    desc.nranks = comm->nranks;
-    desc.commHandle = comm->handle;
-    const tandem::SlotRules rules = tandem::expectedSlots(desc);
-    std::size_t i = 0;
-    for (const tandem_tensor_t& t : tensors) {
-      desc.bufs[i] = ref(comm->session, t, rules[i]);
-      if (t.buffer == nullptr && !rules[i].optional && rules[i].bytes > 0) {
-        fail(ErrorCode::kInvalidArgument, "{}: tensor {} is required but its buffer is NULL", tandem::opKindName(desc.kind),
-             rules[i].name);
+    SessionCore& core = *comm->core;
+    const Use use(core, call, Handle::kComm);  // the tensors' buffers are checked to be of this session too
+    onCore(core, call, [&] {
+      desc.version = tandem::kDescriptorVersion;
+      desc.rank = comm->rank;
+      desc.nranks = comm->nranks;
+      desc.commHandle = comm->handle;
+      const tandem::SlotRules rules = tandem::expectedSlots(desc);
+      std::size_t i = 0;
+      for (const tandem_tensor_t& t : tensors) {
+        desc.bufs[i] = ref(core, t, rules[i]);
+        if (t.buffer == nullptr && !rules[i].optional && rules[i].bytes > 0) {
+          fail(ErrorCode::kInvalidArgument, "{}: tensor {} is required but its buffer is NULL",
+               tandem::opKindName(desc.kind), rules[i].name);
+        }
+        if (t.buffer == nullptr) desc.bufs[i].bytes = 0;
+        ++i;
       }
-      if (t.buffer == nullptr) desc.bufs[i].bytes = 0;
-      ++i;
-    }
-    tandem::validateDescriptor(desc);
-    for (std::size_t s = 0; s < i; ++s) {
-      const tandem_tensor_t& t = tensors.begin()[s];
-      if (t.buffer != nullptr && (t.offset > t.buffer->bytes || desc.bufs[s].bytes > t.buffer->bytes - t.offset)) {
-        fail(ErrorCode::kInvalidArgument, "{}: tensor {} needs bytes [{}, {}) but its buffer holds {} bytes; pass a "
-             "larger buffer or a smaller offset", tandem::opKindName(desc.kind), rules[s].name, t.offset,
-             t.offset + desc.bufs[s].bytes, t.buffer->bytes);
-      }
-    }
-#ifdef TANDEM_HAVE_CUDA
-    if (comm->gpu) {
-      gpu::DevicePointers ptrs{};
+      tandem::validateDescriptor(desc);
       for (std::size_t s = 0; s < i; ++s) {
         const tandem_tensor_t& t = tensors.begin()[s];
-        if (t.buffer != nullptr) ptrs[s] = static_cast<char*>(tandem_buffer_ptr(t.buffer)) + t.offset;
+        if (t.buffer != nullptr && (t.offset > t.buffer->bytes || desc.bufs[s].bytes > t.buffer->bytes - t.offset)) {
+          fail(ErrorCode::kInvalidArgument, "{}: tensor {} needs bytes [{}, {}) but its buffer holds {} bytes; pass a "
+               "larger buffer or a smaller offset", tandem::opKindName(desc.kind), rules[s].name, t.offset,
+               t.offset + desc.bufs[s].bytes, t.buffer->bytes);
+        }
       }
-      comm->gpu->check(desc, ptrs);
-      // Ring order = epoch order = stream order: one submitter at a time on this communicator.
-      std::lock_guard lock(comm->gpu->mutex);
-      op->session = comm->session;
-      op->seq = comm->session->impl->submit(desc);
-      const uint64_t epoch = ++comm->gpu->epoch;
-      try {
-        comm->gpu->enqueue(desc, ptrs, epoch, stream);
-      } catch (...) {
-        // The op is submitted but this rank's stream will not run it: abort the communicator, or the peers' kernels
-        // would wait for ours until their deadline. The CUDA error is what the caller needs to see.
-        tandem::v1::Request abort;
-        abort.mutable_destroy_comm()->set_comm_handle(comm->handle);
-        abort.mutable_destroy_comm()->set_abort(true);
-        undoQuietly(comm->session, abort);
-        throw;
+#ifdef TANDEM_HAVE_CUDA
+      if (comm->gpu) {
+        gpu::DevicePointers ptrs{};
+        for (std::size_t s = 0; s < i; ++s) {
+          const tandem_tensor_t& t = tensors.begin()[s];
+          if (t.buffer != nullptr) ptrs[s] = static_cast<char*>(mappedPtr(*t.buffer)) + t.offset;
+        }
+        comm->gpu->check(desc, ptrs);
+        // Ring order = epoch order = stream order: one submitter at a time on this communicator.
+        std::lock_guard lock(comm->gpu->mutex);
+        op->session_serial = core.serial;
+        op->seq = core.impl->submit(desc);
+        const uint64_t epoch = ++comm->gpu->epoch;
+        try {
+          comm->gpu->enqueue(desc, ptrs, epoch, stream);
+        } catch (...) {
+          // The op is submitted but this rank's stream will not run it: abort the communicator, or the peers' kernels
+          // would wait for ours until their deadline. The CUDA error is what the caller needs to see.
+          tandem::v1::Request abort;
+          abort.mutable_destroy_comm()->set_comm_handle(comm->handle);
+          abort.mutable_destroy_comm()->set_abort(true);
+          undoQuietly(core, abort);
+          throw;
+        }
+        return;
       }
-      return;
-    }
 #endif
-    op->session = comm->session;
-    op->seq = comm->session->impl->submit(desc);
+      op->session_serial = core.serial;
+      op->seq = core.impl->submit(desc);
+    });
   });
 }
 
@@ -177,6 +333,50 @@ tandem::OpDescriptor descriptor(tandem::OpKind kind, tandem_dtype_t dtype) {
   desc.kind = kind;
   desc.dtype = static_cast<tandem::DType>(dtype);
   return desc;
+}
+
+// The open session an op names, or the error that says why there is none.
+std::shared_ptr<SessionCore> coreOf(const tandem_op_t& op, std::string_view call) {
+  if (op.session_serial == 0) fail(ErrorCode::kInvalidArgument, "{}: op has no session (was it submitted?)", call);
+  Registry& r = registry();
+  {
+    std::shared_lock lock(r.mutex);
+    if (auto it = r.open.find(op.session_serial); it != r.open.end()) return it->second;
+  }
+  if (op.session_serial < r.nextSerial.load()) failClosed(call, Handle::kOp);
+  fail(ErrorCode::kInvalidArgument, "{}: op names session {}, which this process never opened (is the tandem_op_t "
+       "uninitialised or from another process?)", call, op.session_serial);
+}
+
+// Releases a buffer's mapping in this process; the daemon's memory is freed by the caller's request or by the end
+// of the session.
+void unmap(tandem_buffer& b) {
+  b.mapping.reset();
+#ifdef TANDEM_HAVE_CUDA
+  b.device.reset();
+#endif
+}
+
+// Frees a buffer handle: asks the daemon to release it (free or deregister), and unmaps it. The handle is freed
+// whatever happens, as tandem.h promises.
+tandem_status_t releaseBuffer(tandem_buffer_t buffer, bool registered, const char* call) {
+  if (buffer == nullptr) return record(ErrorCode::kInvalidArgument, std::string(call) + ": buffer must not be NULL");
+  const std::unique_ptr<tandem_buffer> owned(buffer);  // destroyed last, after the lock below is released
+  SessionCore& core = *buffer->core;
+  return guarded([&] {
+    const Use use(core, call, Handle::kBuffer);  // closed: tandem_disconnect already unmapped it
+    dropHandle(core, buffer);
+    unmap(*buffer);
+    onCore(core, call, [&] {
+      tandem::v1::Request request;
+      if (registered) {
+        request.mutable_deregister()->set_buffer_id(buffer->id);
+      } else {
+        request.mutable_free()->set_buffer_id(buffer->id);
+      }
+      core.impl->call(request);
+    });
+  });
 }
 
 }  // namespace
@@ -197,165 +397,221 @@ const char* tandem_strerror(tandem_status_t status) {
 
 const char* tandem_last_error(void) { return lastError.c_str(); }
 const char* tandem_version(void) { return TANDEM_VERSION_STRING; }
+
+int tandem_get_version(int* major, int* minor, int* patch) {
+  if (major != nullptr) *major = TANDEM_VERSION_MAJOR;
+  if (minor != nullptr) *minor = TANDEM_VERSION_MINOR;
+  if (patch != nullptr) *patch = TANDEM_VERSION_PATCH;
+  return TANDEM_VERSION_CODE;
+}
+
 size_t tandem_dtype_size(tandem_dtype_t dtype) { return tandem::dtypeSize(static_cast<tandem::DType>(dtype)); }
 
 tandem_status_t tandem_connect(const char* socket_path, tandem_session_t* out) {
   return guarded([&] {
     require(out != nullptr, "out must not be NULL");
     const std::string path = socket_path != nullptr ? socket_path : tandem::defaultSocketPath(true);
-    auto session = std::make_unique<tandem_session>();
-    session->impl = tandem::client::Session::connect(path);
-    session->cuda = session->impl->backend() == "cuda";
+    auto core = std::make_shared<SessionCore>();
+    core->impl = tandem::client::Session::connect(path);
+    core->cuda = core->impl->backend() == "cuda";
 #ifdef TANDEM_HAVE_CUDA
-    if (session->cuda) session->watch = std::make_unique<gpu::SessionWatch>(session->impl->socketFd());
+    if (core->cuda) core->watch = std::make_unique<gpu::SessionWatch>(core->impl->socketFd());
 #endif
+    auto session = std::make_unique<tandem_session>();
+    session->core = core;
+    Registry& r = registry();
+    {
+      std::unique_lock lock(r.mutex);
+      core->serial = r.nextSerial.fetch_add(1);
+      r.open.emplace(core->serial, core);
+    }
     *out = session.release();
   });
 }
 
 tandem_status_t tandem_disconnect(tandem_session_t session) {
-  delete session;  // closing the socket ends the session; the daemon reclaims everything
-  return TANDEM_SUCCESS;
+  if (session == nullptr) return record(ErrorCode::kInvalidArgument, "tandem_disconnect: session must not be NULL");
+  std::unique_ptr<tandem_session> owned(session);
+  const std::shared_ptr<SessionCore> core = session->core;
+  return guarded([&] {
+    {
+      Registry& r = registry();
+      std::unique_lock lock(r.mutex);
+      r.open.erase(core->serial);  // its ops now fail as ops of a closed session
+    }
+    // Hang up first: a call blocked on another thread (a wait, a rendezvous, a full ring) returns at once instead of
+    // keeping `life` shared until its deadline. tandemd sees the session end and frees what it held for it.
+    core->closing = true;
+    core->impl->hangUp();
+    std::unique_lock life(core->life);
+    core->closed = true;
+#ifdef TANDEM_HAVE_CUDA
+    core->watch.reset();  // joins its thread before the socket it polls is closed below
+#endif
+    {
+      std::lock_guard lock(core->handlesMutex);
+#ifdef TANDEM_HAVE_CUDA
+      for (tandem_comm* c : core->comms) c->gpu.reset();  // unregisters and unmaps the control page and workspaces
+#endif
+      for (tandem_buffer* b : core->buffers) unmap(*b);
+      core->comms.clear();
+      core->buffers.clear();
+    }
+    {
+      std::lock_guard lock(core->registrationMutex);
+      core->registrations.clear();
+    }
+    core->impl.reset();  // closes the socket and unmaps the rings
+  });
 }
 
 const char* tandem_session_backend(tandem_session_t session) {
-  return session != nullptr ? session->impl->backend().c_str() : "";
+  return session != nullptr ? session->core->impl->backend().c_str() : "";
 }
 
 tandem_status_t tandem_alloc(tandem_session_t session, uint64_t bytes, tandem_buffer_t* out) {
   return guarded([&] {
     require(session != nullptr && out != nullptr, "session and out must not be NULL");
-    tandem::v1::Request request;
-    request.mutable_allocate()->set_bytes(bytes);
-    [[maybe_unused]] int device = -1;
-    if (session->cuda) {
+    SessionCore& core = *session->core;
+    const Use use(core, "tandem_alloc", Handle::kSession);
+    onCore(core, "tandem_alloc", [&] {
+      tandem::v1::Request request;
+      request.mutable_allocate()->set_bytes(bytes);
+      [[maybe_unused]] int device = -1;
+      if (core.cuda) {
 #ifdef TANDEM_HAVE_CUDA
-      device = gpu::currentDevice();
-      request.mutable_allocate()->set_device_uuid(gpu::deviceUuid(device));
+        device = gpu::currentDevice();
+        request.mutable_allocate()->set_device_uuid(gpu::deviceUuid(device));
 #else
-      fail(ErrorCode::kUnsupported, "tandem_alloc: {}", kNoCuda);
+        fail(ErrorCode::kUnsupported, "tandem_alloc: {}", kNoCuda);
 #endif
-    }
-    std::vector<tandem::Fd> fds;
-    const auto response = session->impl->call(request, {}, &fds, 1);
-    auto buffer = std::make_unique<tandem_buffer>();
-    buffer->session = session;
-    buffer->id = response.allocate().buffer_id();
-    buffer->bytes = response.allocate().bytes();
-    buffer->registered = false;
-    buffer->userPtr = nullptr;
-    try {
-#ifdef TANDEM_HAVE_CUDA
-      if (session->cuda) {
-        buffer->device = gpu::DeviceMapping::import(fds[0], response.allocate().mapped_bytes(), device);
-      } else
-#endif
-      {
-        buffer->mapping = tandem::Mapping::shared(fds[0].get(), buffer->bytes);
       }
-    } catch (...) {
-      tandem::v1::Request undo;
-      undo.mutable_free()->set_buffer_id(buffer->id);
-      undoQuietly(session, undo);
-      throw;
-    }
-    *out = buffer.release();
-  });
-}
-
-static tandem_status_t releaseBuffer(tandem_buffer_t buffer, bool registered) {
-  return guarded([&] {
-    require(buffer != nullptr, "buffer must not be NULL");
-    std::unique_ptr<tandem_buffer> owned(buffer);
-    tandem::v1::Request request;
-    if (registered) {
-      request.mutable_deregister()->set_buffer_id(buffer->id);
-    } else {
-      request.mutable_free()->set_buffer_id(buffer->id);
-    }
-    buffer->session->impl->call(request);
+      std::vector<tandem::Fd> fds;
+      const auto response = core.impl->call(request, {}, &fds, 1);
+      auto buffer = std::make_unique<tandem_buffer>();
+      buffer->core = session->core;
+      buffer->id = response.allocate().buffer_id();
+      buffer->bytes = response.allocate().bytes();
+      buffer->registered = false;
+      buffer->userPtr = nullptr;
+      try {
+#ifdef TANDEM_HAVE_CUDA
+        if (core.cuda) {
+          buffer->device = gpu::DeviceMapping::import(fds[0], response.allocate().mapped_bytes(), device);
+        } else
+#endif
+        {
+          buffer->mapping = tandem::Mapping::shared(fds[0].get(), buffer->bytes);
+        }
+        addHandle(core, buffer.get());
+      } catch (...) {
+        tandem::v1::Request undo;
+        undo.mutable_free()->set_buffer_id(buffer->id);
+        undoQuietly(core, undo);
+        throw;
+      }
+      *out = buffer.release();
+    });
   });
 }
 
 tandem_status_t tandem_free(tandem_buffer_t buffer) {
   if (buffer != nullptr && buffer->registered) {
-    return record(ErrorCode::kInvalidArgument, "this buffer was registered; release it with tandem_deregister");
+    return record(ErrorCode::kInvalidArgument, "tandem_free: this buffer was registered; release it with "
+                  "tandem_deregister");
   }
-  return releaseBuffer(buffer, false);
+  return releaseBuffer(buffer, false, "tandem_free");
 }
 
 tandem_status_t tandem_deregister(tandem_buffer_t buffer) {
   if (buffer != nullptr && !buffer->registered) {
-    return record(ErrorCode::kInvalidArgument, "this buffer was allocated; release it with tandem_free");
+    return record(ErrorCode::kInvalidArgument, "tandem_deregister: this buffer was allocated; release it with "
+                  "tandem_free");
   }
-  if (buffer != nullptr && buffer->session->cuda) {
-    std::lock_guard lock(buffer->session->registrationMutex);
-    if (--buffer->refs > 0) return TANDEM_SUCCESS;  // another registration of the same range still holds it
-    std::erase_if(buffer->session->registrations, [&](const auto& kv) { return kv.second == buffer; });
+  if (buffer != nullptr && buffer->core->cuda) {
+    SessionCore& core = *buffer->core;
+    const std::shared_lock life(core.life);
+    std::lock_guard lock(core.registrationMutex);
+    // Another registration of the same range still holds it. Once the session is closed the map is empty, and each
+    // deregistration frees its share: the last one frees the handle.
+    if (--buffer->refs > 0) {
+      return core.closed ? record(ErrorCode::kInvalidArgument, "tandem_deregister: this buffer belongs to a session "
+                                  "that tandem_disconnect closed; this registration is released, the others of the "
+                                  "same range still need their tandem_deregister")
+                         : TANDEM_SUCCESS;
+    }
+    std::erase_if(core.registrations, [&](const auto& kv) { return kv.second == buffer; });
   }
-  return releaseBuffer(buffer, true);
+  return releaseBuffer(buffer, true, "tandem_deregister");
 }
 
 void* tandem_buffer_ptr(tandem_buffer_t buffer) {
-  if (buffer == nullptr) return nullptr;
-  if (buffer->registered) return buffer->userPtr;
-#ifdef TANDEM_HAVE_CUDA
-  if (buffer->device) return buffer->device->ptr();
-#endif
-  return buffer->mapping.data();
+  void* ptr = nullptr;
+  if (buffer != nullptr) access(*buffer->core, "tandem_buffer_ptr", Handle::kBuffer, [&] { ptr = mappedPtr(*buffer); });
+  return ptr;
 }
 
-uint64_t tandem_buffer_size(tandem_buffer_t buffer) { return buffer != nullptr ? buffer->bytes : 0; }
+uint64_t tandem_buffer_size(tandem_buffer_t buffer) {
+  uint64_t bytes = 0;
+  if (buffer != nullptr) access(*buffer->core, "tandem_buffer_size", Handle::kBuffer, [&] { bytes = buffer->bytes; });
+  return bytes;
+}
 
 tandem_status_t tandem_register(tandem_session_t session, void* ptr, uint64_t bytes, int fd, uint64_t fd_offset,
                                 tandem_buffer_t* out) {
   return guarded([&] {
     require(session != nullptr && out != nullptr && ptr != nullptr, "session, ptr and out must not be NULL");
-    if (session->cuda) {
+    SessionCore& core = *session->core;
+    const Use use(core, "tandem_register", Handle::kSession);
+    onCore(core, "tandem_register", [&] {
+      if (core.cuda) {
 #ifdef TANDEM_HAVE_CUDA
-      std::lock_guard lock(session->registrationMutex);
-      const auto key = std::make_pair(reinterpret_cast<uintptr_t>(ptr), bytes);
-      if (auto it = session->registrations.find(key); it != session->registrations.end()) {
-        ++it->second->refs;  // the same range again: the same buffer (and id)
-        *out = it->second;
+        std::lock_guard lock(core.registrationMutex);
+        const auto key = std::make_pair(reinterpret_cast<uintptr_t>(ptr), bytes);
+        if (auto it = core.registrations.find(key); it != core.registrations.end()) {
+          ++it->second->refs;  // the same range again: the same buffer (and id)
+          *out = it->second;
+          return;
+        }
+        const gpu::RegisterDescription d = gpu::describeForRegister(ptr, bytes, fd, fd_offset);
+        tandem::v1::Request request;
+        auto* reg = request.mutable_register_buffer();
+        reg->set_offset(d.offset);
+        reg->set_bytes(bytes);
+        reg->set_kind(static_cast<tandem::v1::RegisterKind>(d.kind));
+        reg->set_ipc_handle(d.ipcHandle);
+        reg->set_device_uuid(d.deviceUuid);
+        const int fds[] = {fd};
+        const auto response = core.impl->call(request, fd >= 0 ? std::span<const int>(fds) : std::span<const int>());
+        auto buffer = std::make_unique<tandem_buffer>();
+        buffer->core = session->core;
+        buffer->id = response.register_buffer().buffer_id();
+        buffer->bytes = bytes;
+        buffer->registered = true;
+        buffer->userPtr = ptr;
+        core.registrations[key] = buffer.get();
+        addHandle(core, buffer.get());
+        *out = buffer.release();
         return;
+#else
+        fail(ErrorCode::kUnsupported, "tandem_register: {}", kNoCuda);
+#endif
       }
-      const gpu::RegisterDescription d = gpu::describeForRegister(ptr, bytes, fd, fd_offset);
+      require(fd >= 0, "tandem_register needs the memfd that backs ptr (cpu backend); pass it as fd");
       tandem::v1::Request request;
-      auto* reg = request.mutable_register_buffer();
-      reg->set_offset(d.offset);
-      reg->set_bytes(bytes);
-      reg->set_kind(static_cast<tandem::v1::RegisterKind>(d.kind));
-      reg->set_ipc_handle(d.ipcHandle);
-      reg->set_device_uuid(d.deviceUuid);
+      request.mutable_register_buffer()->set_offset(fd_offset);
+      request.mutable_register_buffer()->set_bytes(bytes);
       const int fds[] = {fd};
-      const auto response = session->impl->call(request, fd >= 0 ? std::span<const int>(fds) : std::span<const int>());
+      const auto response = core.impl->call(request, fds);
       auto buffer = std::make_unique<tandem_buffer>();
-      buffer->session = session;
+      buffer->core = session->core;
       buffer->id = response.register_buffer().buffer_id();
       buffer->bytes = bytes;
       buffer->registered = true;
       buffer->userPtr = ptr;
-      session->registrations[key] = buffer.get();
+      addHandle(core, buffer.get());
       *out = buffer.release();
-      return;
-#else
-      fail(ErrorCode::kUnsupported, "tandem_register: {}", kNoCuda);
-#endif
-    }
-    require(fd >= 0, "tandem_register needs the memfd that backs ptr (cpu backend); pass it as fd");
-    tandem::v1::Request request;
-    request.mutable_register_buffer()->set_offset(fd_offset);
-    request.mutable_register_buffer()->set_bytes(bytes);
-    const int fds[] = {fd};
-    const auto response = session->impl->call(request, fds);
-    auto buffer = std::make_unique<tandem_buffer>();
-    buffer->session = session;
-    buffer->id = response.register_buffer().buffer_id();
-    buffer->bytes = bytes;
-    buffer->registered = true;
-    buffer->userPtr = ptr;
-    *out = buffer.release();
+    });
   });
 }
 
@@ -376,95 +632,138 @@ tandem_status_t tandem_comm_init(tandem_session_t session, const tandem_unique_i
                                  uint32_t rank, uint32_t timeout_ms, tandem_comm_t* out) {
   return guarded([&] {
     require(session != nullptr && id != nullptr && out != nullptr, "session, id and out must not be NULL");
-    tandem::v1::Request request;
-    auto* join = request.mutable_join_comm();
-    join->set_unique_id(std::string(reinterpret_cast<const char*>(id->bytes), sizeof id->bytes));
-    join->set_nranks(nranks);
-    join->set_rank(rank);
-    join->set_timeout_ms(timeout_ms);
-    [[maybe_unused]] int device = -1;
-    if (session->cuda) {
+    SessionCore& core = *session->core;
+    const Use use(core, "tandem_comm_init", Handle::kSession);
+    onCore(core, "tandem_comm_init", [&] {
+      tandem::v1::Request request;
+      auto* join = request.mutable_join_comm();
+      join->set_unique_id(std::string(reinterpret_cast<const char*>(id->bytes), sizeof id->bytes));
+      join->set_nranks(nranks);
+      join->set_rank(rank);
+      join->set_timeout_ms(timeout_ms);
+      [[maybe_unused]] int device = -1;
+      if (core.cuda) {
 #ifdef TANDEM_HAVE_CUDA
-      device = gpu::currentDevice();
-      join->set_device_uuid(gpu::deviceUuid(device));
+        device = gpu::currentDevice();
+        join->set_device_uuid(gpu::deviceUuid(device));
 #else
-      fail(ErrorCode::kUnsupported, "tandem_comm_init: {}", kNoCuda);
+        fail(ErrorCode::kUnsupported, "tandem_comm_init: {}", kNoCuda);
 #endif
-    }
-    // The daemon enforces the rendezvous timeout; our own only guards against a daemon that stops answering.
-    const int64_t waitMs = (timeout_ms == 0 ? 300000 : int64_t{timeout_ms}) + 5000;
-    std::vector<tandem::Fd> fds;
-    const auto response = session->impl->call(request, {}, &fds, session->cuda ? 1 : 0, waitMs);
-    auto comm = std::make_unique<tandem_comm>();
-    comm->session = session;
-    comm->handle = response.join_comm().comm_handle();
-    comm->rank = rank;
-    comm->nranks = nranks;
-#ifdef TANDEM_HAVE_CUDA
-    if (session->cuda) {
-      try {
-        const auto& j = response.join_comm();
-        const gpu::CommGpu::Mode mode = gpu::CommGpu::modeOf(j.executor());
-        // Map every rank's workspace (ours included) with access for our GPU; a communicator that spans nodes (host
-        // mode) has none.
-        std::vector<std::unique_ptr<gpu::DeviceMapping>> workspaces;
-        for (uint32_t r = 0; mode != gpu::CommGpu::Mode::kHost && r < nranks; ++r) {
-          tandem::v1::Request m;
-          m.mutable_comm_mapping()->set_comm_handle(comm->handle);
-          m.mutable_comm_mapping()->set_rank(r);
-          std::vector<tandem::Fd> wsFd;
-          const auto reply = session->impl->call(m, {}, &wsFd, 1);
-          workspaces.push_back(gpu::DeviceMapping::import(wsFd[0], reply.comm_mapping().bytes(), device));
-        }
-        comm->gpu = std::make_shared<gpu::CommGpu>(device, mode, rank, nranks, j.comm_ctas(),
-                                                   std::move(fds[0]), j.control_bytes(), std::move(workspaces));
-        session->watch->add(comm->gpu);
-      } catch (...) {
-        tandem::v1::Request undo;
-        undo.mutable_destroy_comm()->set_comm_handle(comm->handle);
-        undoQuietly(session, undo);
-        throw;
       }
-    }
+      // The daemon enforces the rendezvous timeout; our own only guards against a daemon that stops answering.
+      const int64_t waitMs = (timeout_ms == 0 ? 300000 : int64_t{timeout_ms}) + 5000;
+      std::vector<tandem::Fd> fds;
+      const auto response = core.impl->call(request, {}, &fds, core.cuda ? 1 : 0, waitMs);
+      auto comm = std::make_unique<tandem_comm>();
+      comm->core = session->core;
+      comm->handle = response.join_comm().comm_handle();
+      comm->rank = rank;
+      comm->nranks = nranks;
+#ifdef TANDEM_HAVE_CUDA
+      if (core.cuda) {
+        try {
+          const auto& j = response.join_comm();
+          const gpu::CommGpu::Mode mode = gpu::CommGpu::modeOf(j.executor());
+          // Map every rank's workspace (ours included) with access for our GPU; a communicator that spans nodes (host
+          // mode) has none.
+          std::vector<std::unique_ptr<gpu::DeviceMapping>> workspaces;
+          for (uint32_t r = 0; mode != gpu::CommGpu::Mode::kHost && r < nranks; ++r) {
+            tandem::v1::Request m;
+            m.mutable_comm_mapping()->set_comm_handle(comm->handle);
+            m.mutable_comm_mapping()->set_rank(r);
+            std::vector<tandem::Fd> wsFd;
+            const auto reply = core.impl->call(m, {}, &wsFd, 1);
+            workspaces.push_back(gpu::DeviceMapping::import(wsFd[0], reply.comm_mapping().bytes(), device));
+          }
+          comm->gpu = std::make_shared<gpu::CommGpu>(device, mode, rank, nranks, j.comm_ctas(),
+                                                     std::move(fds[0]), j.control_bytes(), std::move(workspaces));
+          core.watch->add(comm->gpu);
+        } catch (...) {
+          tandem::v1::Request undo;
+          undo.mutable_destroy_comm()->set_comm_handle(comm->handle);
+          undoQuietly(core, undo);
+          throw;
+        }
+      }
 #endif
-    *out = comm.release();
+      addHandle(core, comm.get());
+      *out = comm.release();
+    });
   });
 }
 
-static tandem_status_t endComm(tandem_comm_t comm, bool abort) {
+tandem_status_t tandem_comm_abort(tandem_comm_t comm) {
   return guarded([&] {
     require(comm != nullptr, "comm must not be NULL");
-    tandem::v1::Request request;
-    request.mutable_destroy_comm()->set_comm_handle(comm->handle);
-    request.mutable_destroy_comm()->set_abort(abort);
-    comm->session->impl->call(request);
+    SessionCore& core = *comm->core;
+    const Use use(core, "tandem_comm_abort", Handle::kComm);
+    onCore(core, "tandem_comm_abort", [&] {
+      tandem::v1::Request request;
+      request.mutable_destroy_comm()->set_comm_handle(comm->handle);
+      request.mutable_destroy_comm()->set_abort(true);
+      core.impl->call(request);
+    });
   });
 }
 
-tandem_status_t tandem_comm_abort(tandem_comm_t comm) { return endComm(comm, true); }
-
 tandem_status_t tandem_comm_destroy(tandem_comm_t comm) {
-  std::unique_ptr<tandem_comm> owned(comm);
-  const tandem_status_t status = endComm(comm, false);
+  if (comm == nullptr) return record(ErrorCode::kInvalidArgument, "tandem_comm_destroy: comm must not be NULL");
+  const std::unique_ptr<tandem_comm> owned(comm);  // destroyed last (with its GPU state), after the lock is released
+  SessionCore& core = *comm->core;
+  const tandem_status_t status = guarded([&] {
+    const Use use(core, "tandem_comm_destroy", Handle::kComm);  // closed: tandem_disconnect already released it
+    dropHandle(core, comm);
+    onCore(core, "tandem_comm_destroy", [&] {
+      tandem::v1::Request request;
+      request.mutable_destroy_comm()->set_comm_handle(comm->handle);
+      request.mutable_destroy_comm()->set_abort(false);
+      core.impl->call(request);
+    });
+  });
   // After an abort or a lost peer the daemon may already have dropped us; the handle is freed regardless.
   return status == TANDEM_ERROR_NOT_FOUND ? TANDEM_SUCCESS : status;
 }
 
-uint32_t tandem_comm_rank(tandem_comm_t comm) { return comm != nullptr ? comm->rank : 0; }
-uint32_t tandem_comm_nranks(tandem_comm_t comm) { return comm != nullptr ? comm->nranks : 0; }
+uint32_t tandem_comm_rank(tandem_comm_t comm) {
+  uint32_t rank = 0;
+  if (comm != nullptr) access(*comm->core, "tandem_comm_rank", Handle::kComm, [&] { rank = comm->rank; });
+  return rank;
+}
+
+uint32_t tandem_comm_nranks(tandem_comm_t comm) {
+  uint32_t nranks = 0;
+  if (comm != nullptr) access(*comm->core, "tandem_comm_nranks", Handle::kComm, [&] { nranks = comm->nranks; });
+  return nranks;
+}
 
 tandem_status_t tandem_wait(tandem_op_t op, int64_t timeout_ms) {
-  if (op.session == nullptr) return record(ErrorCode::kInvalidArgument, "op has no session (was it submitted?)");
   tandem::client::OpResult r;
-  const tandem_status_t s = guarded([&] { r = op.session->impl->wait(op.seq, timeout_ms); });
+  const tandem_status_t s = guarded([&] {
+    const std::shared_ptr<SessionCore> core = coreOf(op, "tandem_wait");
+    // The registry entry goes before the session closes; a wait that found it and starts after the close fails here.
+    const Use use(*core, "tandem_wait", Handle::kOp);
+    onCore(*core, "tandem_wait", [&] {
+      r = core->impl->wait(op.seq, timeout_ms);
+      // Cut short by tandem_disconnect: the hang-up, or the failure tandemd posted as it ended the session.
+      if (r.code != ErrorCode::kOk && core->closing.load()) throw Error(r.code, r.message);
+    });
+  });
   if (s != TANDEM_SUCCESS) return s;
   return r.code == ErrorCode::kOk ? TANDEM_SUCCESS : record(r.code, r.message);
 }
 
 tandem_status_t tandem_op_status(tandem_op_t op, char* message, size_t message_len) {
-  if (op.session == nullptr) return record(ErrorCode::kInvalidArgument, "op has no session (was it submitted?)");
   tandem::client::OpResult r;
-  const tandem_status_t s = guarded([&] { r = op.session->impl->status(op.seq); });
+  const tandem_status_t s = guarded([&] {
+    const std::shared_ptr<SessionCore> core = coreOf(op, "tandem_op_status");
+    const Use use(*core, "tandem_op_status", Handle::kOp);
+    onCore(*core, "tandem_op_status", [&] {
+      r = core->impl->status(op.seq);
+      if (r.code != ErrorCode::kOk && r.code != ErrorCode::kInProgress && core->closing.load()) {
+        throw Error(r.code, r.message);
+      }
+    });
+  });
   if (s != TANDEM_SUCCESS) return s;
   if (message != nullptr && message_len > 0) {
     const std::size_t n = std::min(message_len - 1, r.message.size());
@@ -485,23 +784,21 @@ tandem_status_t tandem_ag_gemm(tandem_comm_t comm, const tandem_ag_gemm_args_t* 
   TANDEM_CHECK_ARGS(args, tandem_ag_gemm_args_t)
   auto desc = descriptor(tandem::OpKind::kAgGemm, args->dtype);
   desc.dims[0] = args->m, desc.dims[1] = args->n, desc.dims[2] = args->k;
-  return submitOp(comm, desc, {args->a, args->b, args->c, args->a_gathered}, op, args->cuda_stream);
-}
-
-static tandem_status_t gemmReduce(tandem::OpKind kind, tandem_comm_t comm, const tandem_gemm_rs_args_t* args,
-                                  tandem_op_t* op) {
-  TANDEM_CHECK_ARGS(args, tandem_gemm_rs_args_t)
-  auto desc = descriptor(kind, args->dtype);
-  desc.dims[0] = args->m, desc.dims[1] = args->n, desc.dims[2] = args->k;
-  return submitOp(comm, desc, {args->a, args->b, args->c}, op, args->cuda_stream);
+  return submitOp("tandem_ag_gemm", comm, desc, {args->a, args->b, args->c, args->a_gathered}, op, args->cuda_stream);
 }
 
 tandem_status_t tandem_gemm_rs(tandem_comm_t comm, const tandem_gemm_rs_args_t* args, tandem_op_t* op) {
-  return gemmReduce(tandem::OpKind::kGemmRs, comm, args, op);
+  TANDEM_CHECK_ARGS(args, tandem_gemm_rs_args_t)
+  auto desc = descriptor(tandem::OpKind::kGemmRs, args->dtype);
+  desc.dims[0] = args->m, desc.dims[1] = args->n, desc.dims[2] = args->k;
+  return submitOp("tandem_gemm_rs", comm, desc, {args->a, args->b, args->c}, op, args->cuda_stream);
 }
 
 tandem_status_t tandem_gemm_ar(tandem_comm_t comm, const tandem_gemm_ar_args_t* args, tandem_op_t* op) {
-  return gemmReduce(tandem::OpKind::kGemmAr, comm, args, op);
+  TANDEM_CHECK_ARGS(args, tandem_gemm_ar_args_t)
+  auto desc = descriptor(tandem::OpKind::kGemmAr, args->dtype);
+  desc.dims[0] = args->m, desc.dims[1] = args->n, desc.dims[2] = args->k;
+  return submitOp("tandem_gemm_ar", comm, desc, {args->a, args->b, args->c}, op, args->cuda_stream);
 }
 
 tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const tandem_moe_dispatch_gemm_args_t* args,
@@ -509,7 +806,7 @@ tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const tandem_moe_di
   TANDEM_CHECK_ARGS(args, tandem_moe_dispatch_gemm_args_t)
   auto desc = descriptor(tandem::OpKind::kMoeDispatchGemm, args->dtype);
   desc.dims = {args->tokens, args->hidden, args->n_out, args->experts, args->topk, args->capacity, 0, 0};
-  return submitOp(comm, desc,
+  return submitOp("tandem_moe_dispatch_gemm", comm, desc,
                   {args->x, args->topk_ids, args->topk_weights, args->w, args->out, args->row_info, args->expert_counts},
                   op, args->cuda_stream);
 }
@@ -518,8 +815,8 @@ tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, const tandem
   TANDEM_CHECK_ARGS(args, tandem_moe_ffn_args_t)
   auto desc = descriptor(tandem::OpKind::kMoeDispatchFfnCombine, args->dtype);
   desc.dims = {args->tokens, args->hidden, args->ffn, args->experts, args->topk, 0, 0, 0};
-  return submitOp(comm, desc, {args->x, args->topk_ids, args->topk_weights, args->w1, args->w2, args->out}, op,
-                  args->cuda_stream);
+  return submitOp("tandem_moe_dispatch_ffn_combine", comm, desc,
+                  {args->x, args->topk_ids, args->topk_weights, args->w1, args->w2, args->out}, op, args->cuda_stream);
 }
 
 tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_attention_args_t* args, tandem_op_t* op) {
@@ -528,22 +825,24 @@ tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_atte
   desc.dims[0] = args->seq, desc.dims[1] = args->heads, desc.dims[2] = args->head_dim;
   desc.flags = args->causal ? tandem::kFlagCausal : 0;
   desc.scale = args->scale;
-  return submitOp(comm, desc, {args->q, args->k, args->v, args->out}, op, args->cuda_stream);
+  return submitOp("tandem_ring_attention", comm, desc, {args->q, args->k, args->v, args->out}, op, args->cuda_stream);
 }
 
-tandem_status_t tandem_allgather(tandem_comm_t comm, tandem_tensor_t send, tandem_tensor_t recv, uint64_t bytes,
-                                 void* cuda_stream, tandem_op_t* op) {
+tandem_status_t tandem_allgather(tandem_comm_t comm, const tandem_allgather_args_t* args, tandem_op_t* op) {
+  TANDEM_CHECK_ARGS(args, tandem_allgather_args_t)
   auto desc = descriptor(tandem::OpKind::kAllGather, TANDEM_DTYPE_INVALID);
-  desc.dims[0] = bytes;
-  return submitOp(comm, desc, {send, recv}, op, cuda_stream);
+  desc.dims[0] = args->bytes;
+  return submitOp("tandem_allgather", comm, desc, {args->send, args->recv}, op, args->cuda_stream);
 }
 
-tandem_status_t tandem_barrier_stream(tandem_comm_t comm, void* cuda_stream, tandem_op_t* op) {
-  return submitOp(comm, descriptor(tandem::OpKind::kNop, TANDEM_DTYPE_INVALID), {}, op, cuda_stream);
+tandem_status_t tandem_barrier_stream(tandem_comm_t comm, const tandem_barrier_args_t* args, tandem_op_t* op) {
+  TANDEM_CHECK_ARGS(args, tandem_barrier_args_t)
+  return submitOp("tandem_barrier_stream", comm, descriptor(tandem::OpKind::kNop, TANDEM_DTYPE_INVALID), {}, op,
+                  args->cuda_stream);
 }
 
 tandem_status_t tandem_barrier(tandem_comm_t comm, tandem_op_t* op) {
-  return tandem_barrier_stream(comm, nullptr, op);  // cuda: the legacy default stream
+  return submitOp("tandem_barrier", comm, descriptor(tandem::OpKind::kNop, TANDEM_DTYPE_INVALID), {}, op, nullptr);
 }
 
 }  // extern "C"

@@ -67,6 +67,11 @@ void Session::failLost(const std::string& what) {
        "is back (systemctl status tandemd)", what);
 }
 
+void Session::hangUp() {
+  lost_ = true;
+  ::shutdown(socket_.get(), SHUT_RDWR);  // wakes every poll and recv on the socket with a hang-up
+}
+
 v1::Response Session::call(v1::Request& request, std::span<const int> fds, std::vector<Fd>* fdsOut,
                            std::size_t expectFds, int64_t timeoutMs) {
   std::lock_guard lock(controlMutex_);

@@ -2,6 +2,7 @@
 // Internal: the public surface is tandem/tandem.h (C) and tandem/tandem.hpp (C++ RAII).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -44,11 +45,16 @@ class Session {
   // kInProgress until the op completes.
   OpResult status(uint64_t seq);
 
+  // Shuts the connection down (both directions) without closing the socket: every call and wait of this session,
+  // on any thread, fails at once with kDaemonLost, and tandemd sees the session end. Safe while other threads use
+  // the session; the socket is closed by the destructor.
+  void hangUp();
+
   const std::string& backend() const { return backend_; }
   const std::string& executor() const { return executor_; }  // "host", "client" or "daemon"
   int socketFd() const { return socket_.get(); }
   uint64_t sessionId() const { return sessionId_; }
-  bool lost() const { return lost_; }
+  bool lost() const { return lost_.load(std::memory_order_relaxed); }
   int64_t submitTimeoutMs = 10000;
 
  private:
@@ -71,7 +77,7 @@ class Session {
   uint64_t sessionId_ = 0;
   std::string backend_;
   std::string executor_;
-  bool lost_ = false;
+  std::atomic<bool> lost_{false};  // set under either mutex, read under the other
 };
 
 }  // namespace tandem::client

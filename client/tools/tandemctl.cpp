@@ -174,10 +174,13 @@ tandem_status_t submit(tandem_comm_t comm, const tandem::OpDescriptor& d, const 
       tandem_ag_gemm_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], t[3], nullptr};
       return tandem_ag_gemm(comm, &a, op);
     }
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr: {
+    case OpKind::kGemmRs: {
       tandem_gemm_rs_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], nullptr};
-      return d.kind == OpKind::kGemmRs ? tandem_gemm_rs(comm, &a, op) : tandem_gemm_ar(comm, &a, op);
+      return tandem_gemm_rs(comm, &a, op);
+    }
+    case OpKind::kGemmAr: {
+      tandem_gemm_ar_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], nullptr};
+      return tandem_gemm_ar(comm, &a, op);
     }
     case OpKind::kMoeDispatchGemm: {
       tandem_moe_dispatch_gemm_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], d.dims[3], d.dims[4], d.dims[5],
@@ -194,7 +197,10 @@ tandem_status_t submit(tandem_comm_t comm, const tandem::OpDescriptor& d, const 
                                      d.scale, t[0], t[1], t[2], t[3], nullptr};
       return tandem_ring_attention(comm, &a, op);
     }
-    case OpKind::kAllGather: return tandem_allgather(comm, t[0], t[1], d.dims[0], nullptr, op);
+    case OpKind::kAllGather: {
+      tandem_allgather_args_t a{sizeof a, t[0], t[1], d.dims[0], nullptr};
+      return tandem_allgather(comm, &a, op);
+    }
     case OpKind::kNop: return tandem_barrier(comm, op);
     default: return TANDEM_ERROR_UNSUPPORTED;
   }

@@ -111,9 +111,14 @@ struct RankOp {
                                        tensor(slot::kAGathered), stream};
       return tandem_ag_gemm(comm, &args, op);
     }
-    const tandem_gemm_rs_args_t args{sizeof args,      dtype,           d.dims[dim::kM], d.dims[dim::kN],
+    if (d.kind == OpKind::kGemmRs) {
+      const tandem_gemm_rs_args_t args{sizeof args,     dtype,            d.dims[dim::kM], d.dims[dim::kN],
+                                       d.dims[dim::kK], tensor(slot::kA), tensor(slot::kB), tensor(slot::kC), stream};
+      return tandem_gemm_rs(comm, &args, op);
+    }
+    const tandem_gemm_ar_args_t args{sizeof args,      dtype,           d.dims[dim::kM], d.dims[dim::kN],
                                      d.dims[dim::kK],  tensor(slot::kA), tensor(slot::kB), tensor(slot::kC), stream};
-    return d.kind == OpKind::kGemmRs ? tandem_gemm_rs(comm, &args, op) : tandem_gemm_ar(comm, &args, op);
+    return tandem_gemm_ar(comm, &args, op);
   }
 
   // Outputs back into host[rank] (replacing the poison).
@@ -175,7 +180,8 @@ std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, ui
   const auto run = [&](std::size_t i) -> std::string {
     if (opt.allgathers) {
       tandem_op_t ag;
-      if (tandem_allgather(comm, {agSend, 0}, {agRecv, 0}, kAgBytes, stream, &ag) != TANDEM_SUCCESS) {
+      const tandem_allgather_args_t agArgs{sizeof agArgs, {agSend, 0}, {agRecv, 0}, kAgBytes, stream};
+      if (tandem_allgather(comm, &agArgs, &ag) != TANDEM_SUCCESS) {
         return std::string("allgather before it: ") + tandem_last_error();
       }
     }
@@ -380,17 +386,17 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
         }
       };
       tandem_op_t op;
-      tandem_gemm_rs_args_t rs{sizeof rs, TANDEM_DTYPE_BF16, 256, 12, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+      const tandem_gemm_rs_args_t rs{sizeof rs, TANDEM_DTYPE_BF16, 256, 12, 64, {a, 0}, {b, 0}, {c, 0}, stream};
       expect("n not a multiple of 8", tandem_gemm_rs(comm, &rs, &op), TANDEM_ERROR_INVALID_ARGUMENT, "multiple of 8");
-      rs = {sizeof rs, TANDEM_DTYPE_BF16, 256, 256, 60, {a, 0}, {b, 0}, {c, 0}, stream};
-      expect("k not a multiple of 8", tandem_gemm_ar(comm, &rs, &op), TANDEM_ERROR_INVALID_ARGUMENT, "multiple of 8");
-      rs = {sizeof rs, TANDEM_DTYPE_FP32, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
-      expect("fp32", tandem_gemm_ar(comm, &rs, &op), TANDEM_ERROR_UNSUPPORTED, "bf16 or fp16");
-      rs = {sizeof rs, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 8}, {b, 0}, {c, 0}, stream};
-      expect("a misaligned", tandem_gemm_ar(comm, &rs, &op), TANDEM_ERROR_INVALID_ARGUMENT, "16-byte aligned");
+      tandem_gemm_ar_args_t ar{sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 60, {a, 0}, {b, 0}, {c, 0}, stream};
+      expect("k not a multiple of 8", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_INVALID_ARGUMENT, "multiple of 8");
+      ar = {sizeof ar, TANDEM_DTYPE_FP32, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+      expect("fp32", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_UNSUPPORTED, "bf16 or fp16");
+      ar = {sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 8}, {b, 0}, {c, 0}, stream};
+      expect("a misaligned", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_INVALID_ARGUMENT, "16-byte aligned");
       if (n > 1) {
-        rs = {sizeof rs, TANDEM_DTYPE_BF16, 2048, 2048, 64, {a, 0}, {b, 0}, {c, 0}, stream};
-        expect("past the workspace", tandem_gemm_ar(comm, &rs, &op), TANDEM_ERROR_INVALID_ARGUMENT,
+        ar = {sizeof ar, TANDEM_DTYPE_BF16, 2048, 2048, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+        expect("past the workspace", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_INVALID_ARGUMENT,
                "cuda.workspace_bytes: ");
         const tandem_ag_gemm_args_t ag{sizeof ag, TANDEM_DTYPE_BF16, 4096, 256, 1024, {a, 0}, {b, 0}, {c, 0}, {}, stream};
         expect("ag-gemm past the workspace", tandem_ag_gemm(comm, &ag, &op), TANDEM_ERROR_INVALID_ARGUMENT,
@@ -401,8 +407,8 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
                                                 {a, 2u << 20}, stream};
       expect("moe-dispatch-gemm", tandem_moe_dispatch_gemm(comm, &moe, &op), TANDEM_ERROR_UNSUPPORTED, "daemon.backend: cpu");
       // Nothing was submitted: the communicator still runs ops.
-      rs = {sizeof rs, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
-      if (tandem_gemm_ar(comm, &rs, &op) != TANDEM_SUCCESS) report += std::string("\nvalid gemm-ar: ") + tandem_last_error();
+      ar = {sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+      if (tandem_gemm_ar(comm, &ar, &op) != TANDEM_SUCCESS) report += std::string("\nvalid gemm-ar: ") + tandem_last_error();
       else if (std::string e = finish(stream, op); !e.empty()) report += "\nvalid gemm-ar: " + e;
       TK(tandem_free(a));
       TK(tandem_free(b));

@@ -213,14 +213,22 @@ inline std::string gatedRank(const Io& io, const std::string& socket, const tand
   }
   tandem_op_t op;
   switch (what) {
-    case GatedOp::kAllGather: TK(tandem_allgather(comm, {a, 0}, {b, 0}, S, stream, &op)); break;
+    case GatedOp::kAllGather: {
+      const tandem_allgather_args_t args{sizeof args, {a, 0}, {b, 0}, S, stream};
+      TK(tandem_allgather(comm, &args, &op));
+      break;
+    }
     case GatedOp::kAgGemm: {
       const tandem_ag_gemm_args_t args{sizeof args, TANDEM_DTYPE_BF16, M, N, K, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0},
                                        stream};
       TK(tandem_ag_gemm(comm, &args, &op));
       break;
     }
-    case GatedOp::kBarrier: TK(tandem_barrier_stream(comm, stream, &op)); break;
+    case GatedOp::kBarrier: {
+      const tandem_barrier_args_t args{sizeof args, stream};
+      TK(tandem_barrier_stream(comm, &args, &op));
+      break;
+    }
     case GatedOp::kGemmAr: {
       const tandem_gemm_ar_args_t args{sizeof args, TANDEM_DTYPE_BF16, M, N, K / 2, {a, 0}, {b, 0}, {c, 0}, stream};
       TK(tandem_gemm_ar(comm, &args, &op));

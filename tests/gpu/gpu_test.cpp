@@ -68,7 +68,8 @@ std::string allgatherRank(const std::string& socket, const tandem_unique_id_t& i
       CK(cudaMemcpyAsync(sp + sendOff, data.data(), S, cudaMemcpyHostToDevice, stream));
       CK(cudaMemsetAsync(rp, 0xCD, recvBytes, stream));
       tandem_op_t op;
-      TK(tandem_allgather(comm, {send, sendOff}, {recv, recvOff}, S, stream, &op));
+      const tandem_allgather_args_t args{sizeof args, {send, sendOff}, {recv, recvOff}, S, stream};
+      TK(tandem_allgather(comm, &args, &op));
       const std::string synced = syncWithin(stream, 60000);
       if (synced != "synced") return fmt::format("FAIL size {} iter {}: stream {}", S, it, synced);
       if (tandem_wait(op, 60000) != TANDEM_SUCCESS) {
@@ -456,7 +457,8 @@ TEST_CASE("barrier in stream order, both executors where available") {
         cudaStream_t stream;
         CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
         tandem_op_t op{};
-        for (int i = 0; i < 200; ++i) TK(tandem_barrier_stream(comm, stream, &op));
+        const tandem_barrier_args_t barrierArgs{sizeof barrierArgs, stream};
+        for (int i = 0; i < 200; ++i) TK(tandem_barrier_stream(comm, &barrierArgs, &op));
         const std::string synced = syncWithin(stream, 30000);
         if (synced != "synced") return "FAIL stream " + synced;
         if (tandem_wait(op, 10000) != TANDEM_SUCCESS) return std::string("FAIL ") + tandem_last_error();

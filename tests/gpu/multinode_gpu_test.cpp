@@ -155,16 +155,24 @@ struct OpRun {
         st = tandem_ag_gemm(comm, &args, &op);
         break;
       }
-      case OpKind::kGemmRs:
-      case OpKind::kGemmAr: {
+      case OpKind::kGemmRs: {
         const tandem_gemm_rs_args_t args{sizeof args, dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
                                          tensor(slot::kA), tensor(slot::kB), tensor(slot::kC), stream};
-        st = d.kind == OpKind::kGemmRs ? tandem_gemm_rs(comm, &args, &op) : tandem_gemm_ar(comm, &args, &op);
+        st = tandem_gemm_rs(comm, &args, &op);
         break;
       }
-      case OpKind::kAllGather:
-        st = tandem_allgather(comm, tensor(slot::kSend), tensor(slot::kRecv), d.dims[dim::kBytes], stream, &op);
+      case OpKind::kGemmAr: {
+        const tandem_gemm_ar_args_t args{sizeof args, dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
+                                         tensor(slot::kA), tensor(slot::kB), tensor(slot::kC), stream};
+        st = tandem_gemm_ar(comm, &args, &op);
         break;
+      }
+      case OpKind::kAllGather: {
+        const tandem_allgather_args_t args{sizeof args, tensor(slot::kSend), tensor(slot::kRecv), d.dims[dim::kBytes],
+                                           stream};
+        st = tandem_allgather(comm, &args, &op);
+        break;
+      }
       default: return "unexpected kind";
     }
     return st == TANDEM_SUCCESS ? "" : std::string("submit: ") + tandem_last_error();
@@ -187,7 +195,8 @@ struct OpRun {
 
 std::string barrier(tandem_comm_t comm, cudaStream_t stream) {
   tandem_op_t op;
-  if (tandem_barrier_stream(comm, stream, &op) != TANDEM_SUCCESS) return std::string("submit: ") + tandem_last_error();
+  const tandem_barrier_args_t args{sizeof args, stream};
+  if (tandem_barrier_stream(comm, &args, &op) != TANDEM_SUCCESS) return std::string("submit: ") + tandem_last_error();
   if (std::string synced = syncWithin(stream, 30000); synced != "synced") return "stream " + synced;
   if (tandem_wait(op, 30000) != TANDEM_SUCCESS) return std::string("failed: ") + tandem_last_error();
   return "";
@@ -227,7 +236,8 @@ std::string rankBody(const std::string& socket, const tandem_unique_id_t& id, ui
       if (std::string e = runs[i]->submit(comm, stream); !e.empty()) {
         return fmt::format("FAIL back to back {}: {}", describe(all[i]), e);
       }
-      if (i == all.size() / 2 && tandem_barrier_stream(comm, stream, &mid) != TANDEM_SUCCESS) {
+      const tandem_barrier_args_t barrierArgs{sizeof barrierArgs, stream};
+      if (i == all.size() / 2 && tandem_barrier_stream(comm, &barrierArgs, &mid) != TANDEM_SUCCESS) {
         return std::string("FAIL back to back barrier: ") + tandem_last_error();
       }
     }

@@ -1,12 +1,21 @@
 /* tandem: fused compute + communication ops served by the per-node daemon tandemd.
  *
- * Stable C ABI. Every function returns a tandem_status_t; TANDEM_SUCCESS is 0. Argument structs begin with
+ * C ABI, stable within a minor version while the version is 0.x (CHANGELOG.md lists every change). Every
+ * function that can fail returns a tandem_status_t; TANDEM_SUCCESS is 0. Argument structs begin with
  * `struct_size` (set it to sizeof(the struct)) so fields can be appended without breaking old callers.
  * tandem_last_error() returns the message of the calling thread's most recent failure: it says what
  * failed, why, and what to do.
  *
- * Threading: a session may be used from several threads; calls are serialised inside. Ops on one
- * communicator must be submitted in the same order on every rank (as with NCCL).
+ * Threading: a session, its buffers and its communicators may be used from several threads; calls are
+ * serialised inside. Ops on one communicator must be submitted in the same order on every rank (as with NCCL).
+ *
+ * Lifetimes: a buffer or communicator handle belongs to the session that made it. tandem_disconnect closes
+ * the session and releases everything it still holds (see there); the session handle is then invalid, but
+ * its buffer and communicator handles stay valid objects: every later call on them, and tandem_wait and
+ * tandem_op_status on the session's ops, fails with TANDEM_ERROR_INVALID_ARGUMENT and a message saying the
+ * session was closed (the accessors tandem_buffer_ptr, tandem_buffer_size, tandem_comm_rank and
+ * tandem_comm_nranks return NULL or 0 and set that message). tandem_free, tandem_deregister and
+ * tandem_comm_destroy still free the handle itself, so call them once per handle, before or after.
  *
  * Shapes: "rows_of(M, r, n)" is the balanced row split every sharded op uses: rank r owns
  * M/n + (r < M%n ? 1 : 0) rows, starting at row r*(M/n) + min(r, M%n). All matrices are row-major and
@@ -27,6 +36,15 @@ extern "C" {
 
 /* Bumped when the wire protocol changes incompatibly. */
 #define TANDEM_PROTOCOL_VERSION 1u
+
+/* The version of this header, equal to the CMake project version the library was built from (the build
+ * checks it). TANDEM_VERSION_CODE orders versions as one number: major * 10000 + minor * 100 + patch (minor
+ * and patch stay below 100). Compare it with tandem_get_version() to find the library a program runs with. */
+#define TANDEM_VERSION_MAJOR 0
+#define TANDEM_VERSION_MINOR 2
+#define TANDEM_VERSION_PATCH 0
+#define TANDEM_MAKE_VERSION_CODE(major, minor, patch) ((major) * 10000 + (minor) * 100 + (patch))
+#define TANDEM_VERSION_CODE TANDEM_MAKE_VERSION_CODE(TANDEM_VERSION_MAJOR, TANDEM_VERSION_MINOR, TANDEM_VERSION_PATCH)
 
 typedef enum tandem_status {
   TANDEM_SUCCESS = 0,
@@ -59,10 +77,11 @@ typedef struct tandem_session* tandem_session_t; /* one connection to tandemd */
 typedef struct tandem_buffer* tandem_buffer_t;   /* memory the daemon knows; owned by one session */
 typedef struct tandem_comm* tandem_comm_t;       /* one rank's membership of a communicator */
 
-/* An in-flight op. Plain value: copy it freely; it stays valid until its session is closed. */
+/* An in-flight op. Plain value: copy it freely. After its session is closed, tandem_wait and
+ * tandem_op_status on it fail with TANDEM_ERROR_INVALID_ARGUMENT. */
 typedef struct tandem_op {
-  tandem_session_t session;
-  uint64_t seq;
+  uint64_t session_serial; /* the submitting session, numbered in this process and never reused; 0: no op */
+  uint64_t seq;            /* the op's number within its session */
 } tandem_op_t;
 
 /* 128 unguessable bits (getrandom). Every rank passes the same id to tandem_comm_init. */
@@ -79,14 +98,28 @@ typedef struct tandem_tensor {
 TANDEM_API const char* tandem_strerror(tandem_status_t status);
 /* Message of this thread's last failed call ("" if none). Valid until this thread's next tandem call. */
 TANDEM_API const char* tandem_last_error(void);
+/* The library's version as text ("0.2.0"). */
 TANDEM_API const char* tandem_version(void);
+/* The library's version: returns its TANDEM_VERSION_CODE and stores its parts where the pointers are not
+ * NULL. A program built against this header can check TANDEM_VERSION_CODE == tandem_get_version(0, 0, 0)
+ * (or, within 0.x, equal major and minor) before calling anything else. */
+TANDEM_API int tandem_get_version(int* major, int* minor, int* patch);
 TANDEM_API size_t tandem_dtype_size(tandem_dtype_t dtype);
 
 /* ---- sessions ---------------------------------------------------------------------------------------
  * socket_path NULL: $TANDEM_SOCKET, else /run/tandem/tandemd.sock as root, else
  * $XDG_RUNTIME_DIR/tandem/tandemd.sock. */
 TANDEM_API tandem_status_t tandem_connect(const char* socket_path, tandem_session_t* out);
-/* Frees every buffer and communicator of the session (the daemon reclaims them too if the process dies). */
+/* Closes the session and releases what it still holds: unmaps every buffer (cuda: releases its device
+ * mapping), releases every communicator's GPU state (control page, workspaces) and closes the connection, so
+ * tandemd frees the memory and ends the communicators (other ranks' later ops fail with PEER_LOST). It does
+ * the same when the process dies. Disconnect only after the streams that use the session's buffers and
+ * communicators are done, as for tandem_free and tandem_comm_destroy.
+ * Calls that other threads are making on the session or its handles finish first; those blocked in
+ * tandem_wait, tandem_comm_init or on a full ring return at once with TANDEM_ERROR_INVALID_ARGUMENT.
+ * Afterwards `session` is invalid (like a pointer after free(): do not pass it again, not even to
+ * tandem_disconnect); its buffer and communicator handles fail every call and still need their
+ * tandem_free, tandem_deregister or tandem_comm_destroy to free the handle (see "Lifetimes" above). */
 TANDEM_API tandem_status_t tandem_disconnect(tandem_session_t session);
 /* Backend the daemon runs ("cpu" or "cuda"); valid for the session's lifetime. */
 TANDEM_API const char* tandem_session_backend(tandem_session_t session);
@@ -98,8 +131,9 @@ TANDEM_API const char* tandem_session_backend(tandem_session_t session);
  * dereference it on the host). Free a buffer only after the streams that use it are done. */
 /* Allocates `bytes` of daemon-owned shared memory, mapped into this process (tandem_buffer_ptr). */
 TANDEM_API tandem_status_t tandem_alloc(tandem_session_t session, uint64_t bytes, tandem_buffer_t* out);
+/* Releases an allocated buffer and frees its handle (also when it fails: the handle is gone either way). */
 TANDEM_API tandem_status_t tandem_free(tandem_buffer_t buffer);
-/* The buffer's mapping in this process, and its size in bytes. */
+/* The buffer's mapping in this process, and its size in bytes (NULL and 0 once its session is closed). */
 TANDEM_API void* tandem_buffer_ptr(tandem_buffer_t buffer);
 TANDEM_API uint64_t tandem_buffer_size(tandem_buffer_t buffer);
 /* Registers memory this process already has. CPU backend: `ptr` must lie in a MAP_SHARED mapping of a
@@ -111,6 +145,7 @@ TANDEM_API uint64_t tandem_buffer_size(tandem_buffer_t buffer);
  * same buffer; each registration needs its own tandem_deregister, and the last one releases it. */
 TANDEM_API tandem_status_t tandem_register(tandem_session_t session, void* ptr, uint64_t bytes, int fd,
                                            uint64_t fd_offset, tandem_buffer_t* out);
+/* Releases one registration; the last one frees the handle (also when it fails). */
 TANDEM_API tandem_status_t tandem_deregister(tandem_buffer_t buffer);
 
 /* ---- communicators -------------------------------------------------------------------------------- */
@@ -122,8 +157,10 @@ TANDEM_API tandem_status_t tandem_comm_init(tandem_session_t session, const tand
                                             tandem_comm_t* out);
 /* Aborts the communicator: every rank's pending and future ops fail with TANDEM_ERROR_ABORTED. */
 TANDEM_API tandem_status_t tandem_comm_abort(tandem_comm_t comm);
-/* Leaves the communicator and frees the handle. Other ranks' later ops fail with PEER_LOST. */
+/* Leaves the communicator and frees the handle (also when it fails). Other ranks' later ops fail with
+ * PEER_LOST. */
 TANDEM_API tandem_status_t tandem_comm_destroy(tandem_comm_t comm);
+/* This rank and the number of ranks (0 once the session is closed). */
 TANDEM_API uint32_t tandem_comm_rank(tandem_comm_t comm);
 TANDEM_API uint32_t tandem_comm_nranks(tandem_comm_t comm);
 
@@ -166,7 +203,13 @@ typedef struct tandem_gemm_rs_args {
 TANDEM_API tandem_status_t tandem_gemm_rs(tandem_comm_t comm, const tandem_gemm_rs_args_t* args, tandem_op_t* op);
 
 /* GEMM + AllReduce. Inputs as tandem_gemm_rs; every rank receives the full C = Σ_r a_r · b_rᵀ, [m, n]. */
-typedef tandem_gemm_rs_args_t tandem_gemm_ar_args_t;
+typedef struct tandem_gemm_ar_args {
+  size_t struct_size;
+  tandem_dtype_t dtype;
+  uint64_t m, n, k; /* k: this rank's slice */
+  tandem_tensor_t a, b, c;
+  void* cuda_stream;
+} tandem_gemm_ar_args_t;
 TANDEM_API tandem_status_t tandem_gemm_ar(tandem_comm_t comm, const tandem_gemm_ar_args_t* args, tandem_op_t* op);
 
 /* MoE dispatch + grouped GEMM. This rank has `tokens` rows x [tokens, hidden] (ranks may differ), top-k
@@ -221,7 +264,15 @@ TANDEM_API tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tande
                                                  tandem_op_t* op);
 
 /* Barrier: completes once every rank has submitted it (ops before it on this communicator have completed).
- * cuda backend: as tandem_barrier_stream on the legacy default stream. */
+ * cuda backend: in stream order on cuda_stream (a cudaStream_t; NULL = the legacy default stream): the stream
+ * proceeds once every rank's stream has reached it. The cpu backend ignores cuda_stream. */
+typedef struct tandem_barrier_args {
+  size_t struct_size;
+  void* cuda_stream;
+} tandem_barrier_args_t;
+TANDEM_API tandem_status_t tandem_barrier_stream(tandem_comm_t comm, const tandem_barrier_args_t* args,
+                                                 tandem_op_t* op);
+/* tandem_barrier_stream with cuda_stream NULL (the legacy default stream). */
 TANDEM_API tandem_status_t tandem_barrier(tandem_comm_t comm, tandem_op_t* op);
 
 /* AllGather of raw bytes: recv [nranks * bytes] receives every rank's send [bytes] in rank order.
@@ -230,12 +281,13 @@ TANDEM_API tandem_status_t tandem_barrier(tandem_comm_t comm, tandem_op_t* op);
  * the stream) says when it is done. The rank's GPU is the device that was current at tandem_comm_init; ops
  * on one communicator must be ordered with each other (use one stream per communicator, as with NCCL). If
  * tandemd or a peer dies, the stream is released and the op fails (DAEMON_LOST, PEER_LOST or ABORTED). */
-TANDEM_API tandem_status_t tandem_allgather(tandem_comm_t comm, tandem_tensor_t send, tandem_tensor_t recv,
-                                            uint64_t bytes, void* cuda_stream, tandem_op_t* op);
-
-/* Barrier in stream order (cuda backend): cuda_stream proceeds once every rank's stream has reached it.
- * On the cpu backend cuda_stream is ignored and this is tandem_barrier. */
-TANDEM_API tandem_status_t tandem_barrier_stream(tandem_comm_t comm, void* cuda_stream, tandem_op_t* op);
+typedef struct tandem_allgather_args {
+  size_t struct_size;
+  tandem_tensor_t send, recv;
+  uint64_t bytes; /* per rank */
+  void* cuda_stream;
+} tandem_allgather_args_t;
+TANDEM_API tandem_status_t tandem_allgather(tandem_comm_t comm, const tandem_allgather_args_t* args, tandem_op_t* op);
 
 #ifdef __cplusplus
 }

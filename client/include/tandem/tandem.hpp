@@ -1,5 +1,7 @@
 // A thin C++ RAII layer over tandem/tandem.h. Failures throw tandem::Exception carrying the status and the
 // library's message. Objects are move-only and release what they own in their destructors.
+// A Buffer or Communicator may outlive its Session: closing the session releases what they hold, and their
+// destructors then only free the handle (tandem.h, "Lifetimes"); their other calls fail with the reason.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +29,8 @@ inline void check(tandem_status_t status) {
   }
 }
 
-// One connection to tandemd. Closing it frees every buffer and communicator it still owns.
+// One connection to tandemd. Closing it (the destructor, or close()) releases every buffer and communicator it
+// still holds; their objects stay safe to destroy.
 class Session {
  public:
   explicit Session(const char* socketPath = nullptr) { check(tandem_connect(socketPath, &handle_)); }
@@ -36,8 +39,10 @@ class Session {
     std::swap(handle_, o.handle_);
     return *this;
   }
-  ~Session() {
-    if (handle_ != nullptr) tandem_disconnect(handle_);
+  ~Session() { close(); }
+  // Disconnects now (tandem_disconnect); a second close() does nothing.
+  void close() noexcept {
+    if (handle_ != nullptr) tandem_disconnect(std::exchange(handle_, nullptr));
   }
   tandem_session_t get() const noexcept { return handle_; }
   std::string backend() const { return tandem_session_backend(handle_); }
@@ -70,6 +75,9 @@ class Buffer {
  private:
   tandem_buffer_t handle_ = nullptr;
 };
+
+// The library's version as TANDEM_VERSION_CODE orders it (major * 10000 + minor * 100 + patch).
+inline int libraryVersionCode() noexcept { return tandem_get_version(nullptr, nullptr, nullptr); }
 
 inline tandem_unique_id_t uniqueId() {
   tandem_unique_id_t id;
