@@ -161,7 +161,7 @@ struct RunOptions {
 // One rank: joins and runs every case, each checked against the reference.
 std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
                      const std::vector<GemmCase>& cases, const RunOptions& opt) {
-  CK(cudaSetDevice(static_cast<int>(rank % static_cast<uint32_t>(gpuCount()))));
+  CK(cudaSetDevice(rankDevice(rank)));
   tandem_session_t s;
   TK(tandem_connect(socket.c_str(), &s));
   tandem_comm_t comm;
@@ -283,12 +283,8 @@ void runOp(OpKind kind, const std::string& executor, int repeats) {
   Daemon d(config(executor), {}, "");
   REQUIRE(status(d)["executor"] == executor);
   for (uint32_t n : {1u, 2u}) {
-    if (n > static_cast<uint32_t>(gpuCount())) {
-      MESSAGE(n << " ranks skipped: needs " << n << " GPUs");
-      continue;
-    }
     const auto cases = casesFor(kind, n, 20261129);
-    MESSAGE(n << " rank(s), executor " << executor << ", MPS " << std::string(mpsRunning() ? "on" : "off") << ":"
+    MESSAGE(n << " rank(s) on " << gpuCount() << " GPU(s), executor " << executor << ", MPS " << std::string(mpsRunning() ? "on" : "off") << ":"
               << listCases(cases));
     runRanks(d, n, cases, {kind == OpKind::kAgGemm ? 1 : repeats, false});
   }
@@ -330,7 +326,7 @@ TEST_CASE("gemm-ar, client executor: matches the fp64 reference at 1 and 2 ranks
 }
 
 TEST_CASE("fused GEMMs, client executor: different ops back to back on one stream share the workspace safely") {
-  const uint32_t n = gpuCount() >= 2 ? 2 : 1;
+  const uint32_t n = 2;
   Daemon d(config("client"), {}, "");
   MESSAGE(n << " rank(s):" << listCases(mixedCases()));
   runRanks(d, n, mixedCases(), {1, true});
@@ -346,7 +342,7 @@ TEST_CASE("fused GEMMs, daemon executor (MPS): every op matches the fp64 referen
 
 TEST_CASE("fused GEMMs, daemon executor (MPS): back to back with AllGathers, the persistent kernel yields each time") {
   if (needsMps()) return;
-  const uint32_t n = gpuCount() >= 2 ? 2 : 1;
+  const uint32_t n = 2;
   Daemon d(config("daemon"), {}, "");
   REQUIRE(status(d)["executor"] == "daemon");
   MESSAGE(n << " rank(s), an AllGather before each:" << listCases(mixedCases()));
@@ -359,13 +355,13 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
   // 48 MiB per rank: AllGather's 2 x 16 MiB chunk slots and 2 x 2 MiB LL buffers; the rest (about 12 MiB) holds the
   // GEMMs' flags, staging and matrices.
   Daemon d(config("client") + "  workspace_bytes: " + std::to_string(48u << 20) + "\n", {}, "");
-  const uint32_t n = gpuCount() >= 2 ? 2 : 1;
+  const uint32_t n = 2;
   tandem_unique_id_t id;
   REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
   std::vector<Rank> ranks;
   for (uint32_t r = 0; r < n; ++r) {
     ranks.push_back(spawn([&, r](const Io&) -> std::string {
-      CK(cudaSetDevice(static_cast<int>(r)));
+      CK(cudaSetDevice(rankDevice(r)));
       tandem_session_t s;
       TK(tandem_connect(d.socket().c_str(), &s));
       tandem_comm_t comm;
@@ -428,8 +424,8 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
 }
 
 TEST_CASE("fused GEMMs, client executor: a rank SIGKILLed mid-op releases its peer's stream") {
-  if (gpuCount() < 2 || mpsRunning()) {
-    MESSAGE("skipped: needs 2 GPUs and no MPS (a kill under MPS poisons the MPS server)");
+  if (mpsRunning()) {
+    MESSAGE("skipped: needs no MPS (a kill under MPS poisons the MPS server)");
     return;
   }
   for (GatedOp what : {GatedOp::kAgGemm, GatedOp::kGemmAr}) {
@@ -446,10 +442,6 @@ TEST_CASE("fused GEMMs, client executor: a rank SIGKILLed mid-op releases its pe
 }
 
 TEST_CASE("fused GEMMs, client executor: a wait past its deadline fails the op and releases both streams") {
-  if (gpuCount() < 2) {
-    MESSAGE("skipped: needs 2 GPUs");
-    return;
-  }
   // Rank 1's stream stays gated, so rank 0's kernel waits for a peer that never starts, until its 3 s deadline.
   ScopedEnv deadline("TANDEM_OP_TIMEOUT_MS", "3000");
   Daemon d(config("client"), {}, "");

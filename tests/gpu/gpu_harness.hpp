@@ -33,6 +33,10 @@ using json = nlohmann::json;
 
 inline int gpuCount() { return std::atoi(std::getenv("TANDEM_TEST_GPU_COUNT")); }
 
+// Ranks take the GPUs round robin: with fewer GPUs than ranks they share one, which checks every multi-rank protocol
+// on a single GPU (the processes time-slice it, or run side by side under MPS); only speed needs one GPU per rank.
+inline int rankDevice(uint32_t rank) { return static_cast<int>(rank % static_cast<uint32_t>(gpuCount())); }
+
 inline bool mpsRunning() {
   const char* env = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
   const std::string dir = (env != nullptr && *env != '\0') ? env : "/tmp/nvidia-mps";
@@ -185,7 +189,7 @@ enum class GatedOp { kAllGather, kAgGemm, kGemmAr, kBarrier };
 // <message>" and end).
 inline std::string gatedRank(const Io& io, const std::string& socket, const tandem_unique_id_t& id, uint32_t rank,
                              bool gate, GatedOp what = GatedOp::kAllGather) {
-  CK(cudaSetDevice(static_cast<int>(rank % static_cast<uint32_t>(gpuCount()))));
+  CK(cudaSetDevice(rankDevice(rank)));
   tandem_session_t s;
   TK(tandem_connect(socket.c_str(), &s));
   tandem_comm_t comm;
