@@ -11,7 +11,7 @@
 #include <string>
 
 #include "device/ag_gemm_sm90.cuh"
-#include "device/preload_on.cuh"
+#include "preload_on.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/gemm.hpp"

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "device/allgather.cuh"
-#include "device/preload_on.cuh"
+#include "preload_on.hpp"
 #include "tandem/kernels/allgather.hpp"
 #include "tandem/kernels/preload.hpp"
 

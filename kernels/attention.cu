@@ -10,8 +10,8 @@
 #include <string>
 
 #include "device/attention_sm90.cuh"
-#include "device/preload_on.cuh"
-#include "driver_api.hpp"
+#include "preload_on.hpp"
+#include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/attention.hpp"
 
 namespace tandem::kernels {

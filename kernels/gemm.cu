@@ -12,7 +12,7 @@
 #include <string>
 
 #include "device/gemm_sm90.cuh"
-#include "device/preload_on.cuh"
+#include "preload_on.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/preload.hpp"

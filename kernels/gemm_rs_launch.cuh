@@ -14,7 +14,7 @@
 #include <string>
 
 #include "device/gemm_rs_sm90.cuh"
-#include "device/preload_on.cuh"
+#include "preload_on.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/gemm_rs.hpp"

@@ -11,7 +11,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "driver_api.hpp"
+#include "tandem/kernels/driver.hpp"
 #include "grouped_gemm_desc.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"

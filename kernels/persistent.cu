@@ -9,7 +9,7 @@
 
 #include "device/allgather.cuh"
 #include "device/ordering.cuh"
-#include "device/preload_on.cuh"
+#include "preload_on.hpp"
 #include "tandem/kernels/persistent.hpp"
 #include "tandem/kernels/preload.hpp"
 

@@ -1,4 +1,4 @@
-// preloadOn: used by each kernel family's preload function (tandem/kernels/preload.hpp says why).
+// preloadOn (host code, private to kernels/): used by each kernel family's preload function (tandem/kernels/preload.hpp says why).
 #pragma once
 
 #include <cuda_runtime_api.h>
