@@ -147,7 +147,9 @@ std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, 
   p.wsMaxN = p.n;
   p.plan = gemmReducePlan(d);  // the plan checkFusedGemm sized the workspace for
   const GemmRsPlan ran = allReduce ? launchGemmAr(p, s) : launchGemmRs(p, s);
-  std::string name = gemmRsPlanName(ran, allReduce);
+  std::string name = env.nranks == 1 && ran.kind == GemmRsPlanKind::kDecomposed
+                         ? std::string("the GEMM alone (one rank: nothing to reduce)")
+                         : std::string(gemmRsPlanName(ran, allReduce));
   if (staged) {
     const uint64_t rows = allReduce ? d.dims[dim::kM] : rowsOf(d.dims[dim::kM], env.rank, env.nranks);
     if (rows > 0) {

@@ -46,8 +46,7 @@ GemmRsPlan chooseGemmArPlan(int64_t m, int64_t n, int64_t k, int nranks, GemmDty
   (void)n;
   (void)k;
   (void)dtype;
-  (void)nranks;
-  return rs::fusedCopyPlan();
+  return nranks == 1 ? rs::plainGemmPlan() : rs::fusedCopyPlan();
 }
 
 void preloadGemmArKernels(int device) { rs::preloadTable(device, rs::kernels(), rs::kOp); }

@@ -53,14 +53,13 @@ const char* gemmRsPlanName(const GemmRsPlan& plan, bool allReduce) {
 // Measured on nvidia-h200-x2 (bench/RESULTS.md, "Fused GEMM+ReduceScatter and GEMM+AllReduce", every plan timed at
 // every benchmark shape in one call): fused/copy/bf16/epi on all 132 SMs is the fastest plan at M = 1024 ... 16384
 // (N = 8192 / 14336, K_total = 8192), ahead of the best decomposed plan by 1.14-1.23x; reduce or send CTAs (8-16 SMs)
-// and fp32 partials were slower everywhere. One rank: the same kernel is the GEMM with a plain epilogue.
+// and fp32 partials were slower everywhere. One rank: the GEMM core alone (plainGemmPlan).
 GemmRsPlan chooseGemmRsPlan(int64_t m, int64_t n, int64_t k, int nranks, GemmDtype dtype) {
   (void)m;
   (void)n;
   (void)k;
   (void)dtype;
-  (void)nranks;
-  return rs::fusedCopyPlan();
+  return nranks == 1 ? rs::plainGemmPlan() : rs::fusedCopyPlan();
 }
 
 void preloadGemmRsKernels(int device) { rs::preloadTable(device, rs::kernels(), rs::kOp); }
