@@ -115,6 +115,9 @@ bool Session::daemonHungUp() {
 uint64_t Session::submit(OpDescriptor desc) {
   std::unique_lock lock(ringMutex_);
   if (lost_ || daemonHungUp()) failLost("submit");
+  // Stream-ordered ops are often never waited on (the stream orders them): collect their completions here, so that
+  // the daemon never sees this session as one that leaves completions undrained (limits.max_pending_completions).
+  drainCompletionsLocked();
   desc.seq = nextSeq_;
   const auto deadline = Clock::now() + std::chrono::milliseconds(submitTimeoutMs);
   for (;;) {
