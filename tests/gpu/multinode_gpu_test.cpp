@@ -34,7 +34,7 @@ std::string gpuUuid(int ordinal) {
   return uuid;
 }
 
-// Two daemons on loopback, daemon i owning GPU i, executor client. Ports derive from the pid (below the ephemeral
+// Two daemons on loopback, daemon i owning GPU rankDevice(i) (both the one GPU where only one exists), executor client. Ports derive from the pid (below the ephemeral
 // range) so parallel test processes do not collide.
 struct TwoNodes {
   std::vector<std::unique_ptr<Daemon>> daemons;
@@ -49,7 +49,7 @@ struct TwoNodes {
           "communicators:\n  peer_lost_deadline_ms: 2000\n"
           "cluster:\n  nodes: [{}]\n  node_index: {}\n  secret: \"gpu-multinode-test-secret-0123456789\"\n"
           "  connect_timeout_ms: 15000\n  heartbeat_interval_ms: 100\n  staging_bytes: 67108864\n",
-          gpuUuid(i), nodes, i);
+          gpuUuid(rankDevice(static_cast<uint32_t>(i))), nodes, i);
       daemons.push_back(std::make_unique<Daemon>(config, std::vector<std::string>{}, ""));
     }
   }

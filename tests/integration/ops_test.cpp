@@ -100,3 +100,25 @@ TEST_CASE("the C++ API: two sessions in one process run ag-gemm with the gathere
   }
   CHECK(c[0] == c[1]);
 }
+
+TEST_CASE("ops that are never waited on do not get an honest session closed as non-draining") {
+  // A stream-ordered loop submits ops and never waits on them (the stream orders them). Here each op's output is
+  // watched in shared memory instead, so the client calls into libtandem only to submit, and far more completions
+  // come back than the ring and limits.max_pending_completions hold together (8 + 16).
+  Daemon d("rings:\n  capacity: 8\nlimits:\n  max_pending_completions: 16\n");
+  tandem::Session s(d.socket().c_str());
+  tandem::Communicator comm(s, tandem::uniqueId(), 1, 0, 10000);
+  tandem::Buffer send(s, 8), recv(s, 8);
+  auto* in = send.as<uint64_t>();
+  volatile auto* out = recv.as<uint64_t>();
+  tandem_op_t op{};
+  for (uint64_t i = 1; i <= 200; ++i) {
+    *in = i;
+    const tandem_allgather_args_t args{sizeof args, send.tensor(), recv.tensor(), 8, nullptr};
+    tandem::check(tandem_allgather(comm.get(), &args, &op));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (*out != i && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    REQUIRE(*out == i);
+  }
+  tandem::wait(op, 10000);
+}
