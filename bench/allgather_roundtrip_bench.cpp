@@ -3,7 +3,7 @@
 //
 //   roundtrip_bench [--executor client|daemon] [--ranks 1|2] [--iters 5000] [--warmup 500] [--socket PATH]
 //
-// Forks one process per rank (GPU r) and starts its own tandemd with the executor (unless --socket). Rank 0
+// Forks one process per rank (GPU r mod the GPU count) and starts its own tandemd with the executor (unless --socket). Rank 0
 // reports. For scale it also times the same loop with no tandem op (a bare cudaStreamSynchronize after a
 // cudaEventRecord), which is the floor any stream-ordered op pays. With TANDEM_TRACE_OPS=1 (inherited by the private
 // tandemd) it also prints the daemon's breakdown of each op's time (arrival -> release -> done seen).
@@ -52,7 +52,10 @@ double percentile(std::vector<double> v, double p) {
 }
 
 int rankMain(const Options& o, uint32_t rank, int idFd, const std::string& socket) {
-  CK(cudaSetDevice(static_cast<int>(rank)));
+  int devices = 0;
+  CK(cudaGetDeviceCount(&devices));
+  // Ranks take the GPUs round robin: with fewer GPUs than ranks they share one (time-sliced, or side by side under MPS).
+  CK(cudaSetDevice(static_cast<int>(rank % static_cast<uint32_t>(devices))));
   CK(cudaFree(nullptr));
   tandem_unique_id_t id;
   if (::read(idFd, &id, sizeof id) != sizeof id) return 3;
