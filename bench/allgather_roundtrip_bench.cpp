@@ -3,8 +3,8 @@
 //
 //   roundtrip_bench [--executor client|daemon] [--ranks 1|2] [--iters 5000] [--warmup 500] [--socket PATH]
 //
-// Forks one process per rank (GPU r mod the GPU count) and starts its own tandemd with the executor (unless --socket). Rank 0
-// reports. For scale it also times the same loop with no tandem op (a bare cudaStreamSynchronize after a
+// Forks one process per rank (GPU r mod the GPU count) and starts its own tandemd with the executor (unless
+// --socket). Rank 0 reports. For scale it also times the same loop with no tandem op (a bare cudaStreamSynchronize after a
 // cudaEventRecord), which is the floor any stream-ordered op pays. With TANDEM_TRACE_OPS=1 (inherited by the private
 // tandemd) it also prints the daemon's breakdown of each op's time (arrival -> release -> done seen).
 #include <fcntl.h>
