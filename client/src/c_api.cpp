@@ -32,6 +32,9 @@ namespace gpu = tandem::client::gpu;
 #include "tandem/common/validate.hpp"
 #include "tandem/tandem.h"
 
+// tandem.h spells the protocol version for programs; libtandem and tandemd use tandem/common/protocol.hpp.
+static_assert(TANDEM_PROTOCOL_VERSION == tandem::kProtocolVersion, "tandem.h and tandem/common/protocol.hpp disagree");
+
 using tandem::Error;
 using tandem::ErrorCode;
 using tandem::fail;

@@ -16,6 +16,7 @@
 #include "tandem/common/error.hpp"
 #include "tandem/common/fd.hpp"
 #include "tandem/common/framing.hpp"
+#include "tandem/common/protocol.hpp"
 #include "tandem/common/ring.hpp"
 #include "tandem/v1/control.pb.h"
 
@@ -29,7 +30,7 @@ struct OpResult {
 class Session {
  public:
   // Connects and says Hello. Throws Error(kUnavailable) with the path when no daemon answers.
-  static std::unique_ptr<Session> connect(const std::string& socketPath, uint32_t protocolVersion = 1);
+  static std::unique_ptr<Session> connect(const std::string& socketPath, uint32_t protocolVersion = kProtocolVersion);
   ~Session() = default;
 
   // One request/response round trip. `fds` travel with the request; `fdsOut` receives expectFds fds that

@@ -27,7 +27,7 @@
 #include "lifecycle.hpp"
 #include "server.hpp"
 #include "tandem/common/error.hpp"
-#include "tandem/tandem.h"
+#include "tandem/common/protocol.hpp"
 
 namespace td = tandem::daemon;
 
@@ -249,7 +249,7 @@ int main(int argc, char** argv) {
   }
   options.nodeIndexGiven = nodeIndexOption->count() > 0;
   if (options.version) {
-    std::printf("tandemd %s (protocol %u)\n", TANDEM_VERSION_STRING, TANDEM_PROTOCOL_VERSION);
+    std::printf("tandemd %s (protocol %u)\n", TANDEM_VERSION_STRING, tandem::kProtocolVersion);
     return 0;
   }
   if (options.printDefaultConfig) {

@@ -22,7 +22,7 @@
 
 #include "tandem/common/framing.hpp"
 #include "tandem/common/paths.hpp"
-#include "tandem/tandem.h"
+#include "tandem/common/protocol.hpp"
 #include "tandem/v1/control.pb.h"
 
 namespace tandem::daemon {
@@ -526,10 +526,10 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       case pb::Request::kHello: {
         if (helloDone_) fail(ErrorCode::kProtocol, "Hello sent twice on one connection");
         const auto& hello = request.hello();
-        if (hello.protocol_version() != TANDEM_PROTOCOL_VERSION) {
+        if (hello.protocol_version() != tandem::kProtocolVersion) {
           fail(ErrorCode::kVersionMismatch, "protocol version mismatch: client speaks version {}, tandemd {} speaks "
                "version {}; use a libtandem from the same release as tandemd", hello.protocol_version(),
-               TANDEM_VERSION_STRING, TANDEM_PROTOCOL_VERSION);
+               TANDEM_VERSION_STRING, tandem::kProtocolVersion);
         }
         if (!allowed()) {
           fail(ErrorCode::kPermissionDenied, "uid {} (gid {}) may not use this tandemd; add the uid to "
@@ -555,7 +555,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
         helloDone_ = true;
         helloTimer_.cancel();
         auto* r = response.mutable_hello();
-        r->set_protocol_version(TANDEM_PROTOCOL_VERSION);
+        r->set_protocol_version(tandem::kProtocolVersion);
         r->set_daemon_version(TANDEM_VERSION_STRING);
         r->add_capabilities(server_.backend_);
         r->set_session_id(id_);
@@ -633,7 +633,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
         return server_.stop();
       case pb::Request::BODY_NOT_SET:
         fail(ErrorCode::kProtocol, "request {} has an unknown or empty message type; this tandemd speaks protocol "
-             "version {}", rid, TANDEM_PROTOCOL_VERSION);
+             "version {}", rid, tandem::kProtocolVersion);
     }
   }
 
