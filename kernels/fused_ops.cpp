@@ -7,6 +7,7 @@
 #include "tandem/kernels/cuda_raii.hpp"
 #include "tandem/kernels/gemm_ar.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
+#include "tandem/kernels/moe.hpp"
 #include "tandem/kernels/preload.hpp"
 
 namespace tandem::kernels {
@@ -165,7 +166,7 @@ std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, 
 
 WorkspaceLayout WorkspaceLayout::fit(uint64_t bytes, uint32_t nranks) {
   const uint64_t base = workspaceBytes(nranks);
-  const uint64_t room = bytes > base ? bytes - base : 0;
+  const uint64_t room = bytes > base + kMoeControlBytes ? bytes - base - kMoeControlBytes : 0;
   // The largest matrix size whose area fits; the area grows with it, so bisect over 64 KiB units (lo fits, hi not).
   uint64_t lo = 0, hi = room / 2 / kMatUnit + 1;
   while (hi - lo > 1) {
@@ -179,11 +180,13 @@ WorkspaceLayout WorkspaceLayout::fit(uint64_t bytes, uint32_t nranks) {
   l.rsOff = base + roundUp(l.agFlagWords * 8, kMatUnit);
   l.dataOff = l.rsOff + gemmRsFixedWorkspaceBytes(static_cast<int64_t>(l.rsMatBytes), static_cast<int>(nranks));
   l.dataBytes = 2 * l.rsMatBytes;
+  l.moeOff = l.dataOff + l.dataBytes;
   return l;
 }
 
 uint64_t WorkspaceLayout::bytesFor(uint64_t matBytes, uint32_t nranks) {
-  return roundUp(workspaceBytes(nranks) + gemmAreaBytes(roundUp(matBytes, kMatUnit), nranks), kGranularity);
+  return roundUp(workspaceBytes(nranks) + gemmAreaBytes(roundUp(matBytes, kMatUnit), nranks) + kMoeControlBytes,
+                 kGranularity);
 }
 
 void preloadFusedGemmKernels(int device) {

@@ -16,6 +16,7 @@
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/preload.hpp"
+#include "tandem/kernels/tensor_map_cache.hpp"
 
 namespace tandem::kernels {
 namespace gemm {
@@ -38,69 +39,14 @@ void checkCuda(cudaError_t e, const char* what) {
 }
 
 
-// Row-major [rows, cols] matrix of 2-byte elements, tiled in boxes of boxRows x boxCols, 128-byte swizzle.
-struct MapKey {
+// Row-major [rows, cols] matrix of 2-byte elements, tiled in boxes of boxRows x boxCols, 128-byte swizzle; encoded and
+// cached by tensor_map_cache.hpp (shared with the grouped GEMM).
+struct MatrixMap {
   const void* ptr;
   uint64_t rows, cols, ld;
   uint32_t boxRows, boxCols;
   GemmDtype dtype;
-  bool operator==(const MapKey& o) const {
-    return ptr == o.ptr && rows == o.rows && cols == o.cols && ld == o.ld && boxRows == o.boxRows &&
-           boxCols == o.boxCols && dtype == o.dtype;
-  }
 };
-
-CUtensorMap encodeMap(const MapKey& k) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {k.cols, k.rows};
-  const cuuint64_t strides[1] = {k.ld * 2};
-  const cuuint32_t box[2] = {k.boxCols, k.boxRows};
-  const cuuint32_t elemStrides[2] = {1, 1};
-  const CUtensorMapDataType dt =
-      k.dtype == GemmDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult r = tensorMapEncodeTiled()(&map, dt, 2, const_cast<void*>(k.ptr), dims, strides, box, elemStrides,
-                                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    fail("cuTensorMapEncodeTiled failed (CUresult " + std::to_string(static_cast<int>(r)) + ") for a " +
-         std::to_string(k.rows) + "x" + std::to_string(k.cols) + " matrix, ld " + std::to_string(k.ld));
-  }
-  return map;
-}
-
-// Small cache: encoding costs about a microsecond of host time; a hit costs a short scan. Round-robin eviction.
-class MapCache {
- public:
-  CUtensorMap get(const MapKey& k) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < size_; ++i) {
-        if (entries_[i].key == k) return entries_[i].map;
-      }
-    }
-    const CUtensorMap map = encodeMap(k);  // outside the lock
-    std::lock_guard<std::mutex> lock(mu_);
-    Entry& e = size_ < entries_.size() ? entries_[size_++] : entries_[next_++ % entries_.size()];
-    e.key = k;
-    e.map = map;
-    return map;
-  }
-
- private:
-  struct Entry {
-    MapKey key;
-    CUtensorMap map;
-  };
-  std::mutex mu_;
-  std::array<Entry, 64> entries_{};
-  size_t size_ = 0;
-  size_t next_ = 0;
-};
-
-MapCache& mapCache() {
-  static MapCache cache;
-  return cache;
-}
 
 bool cacheDisabled() {
   static const bool off = [] {
@@ -110,7 +56,17 @@ bool cacheDisabled() {
   return off;
 }
 
-CUtensorMap tensorMap(const MapKey& k) { return cacheDisabled() ? encodeMap(k) : mapCache().get(k); }
+CUtensorMap tensorMap(const MatrixMap& m) {
+  static TensorMapCache cache;
+  const TensorMapKey k = TensorMapKey::matrix(m.ptr, m.rows, m.cols, m.ld, m.boxRows, m.boxCols, m.dtype);
+  CUtensorMap map;
+  const CUresult r = cacheDisabled() ? encodeTensorMap(k, &map) : cache.get(k, &map);
+  if (r != CUDA_SUCCESS) {
+    fail("cuTensorMapEncodeTiled failed (CUresult " + std::to_string(static_cast<int>(r)) + ") for a " +
+         std::to_string(m.rows) + "x" + std::to_string(m.cols) + " matrix, ld " + std::to_string(m.ld));
+  }
+  return map;
+}
 
 using KernelFn = void (*)(GemmKernelParams);
 

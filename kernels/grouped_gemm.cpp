@@ -15,6 +15,7 @@
 #include "grouped_gemm_desc.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
+#include "tandem/kernels/tensor_map_cache.hpp"
 
 namespace tandem::kernels {
 namespace grouped {
@@ -50,83 +51,21 @@ bool overlaps(const void* a, uint64_t na, const void* b, uint64_t nb) {
   return pa < pb + nb && pb < pa + na;
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Tensor maps: row-major tensors of 2-byte elements, 128-byte swizzle, up to 4 dims (innermost first).
-// ---------------------------------------------------------------------------------------------------------------
-struct MapKey {
-  const void* ptr;
-  uint32_t rank;
-  std::array<uint64_t, 4> dims;
-  std::array<uint64_t, 3> strides;  // bytes, of dims 1..rank-1
-  std::array<uint32_t, 4> box;
-  GemmDtype dtype;
-  bool operator==(const MapKey& o) const {
-    return ptr == o.ptr && rank == o.rank && dims == o.dims && strides == o.strides && box == o.box &&
-           dtype == o.dtype;
-  }
-};
-
-CUtensorMap encodeMap(const MapKey& k) {
+// Tensor maps (tensor_map_cache.hpp): 2-byte elements, 128-byte swizzle, up to 4 dims (innermost first).
+CUtensorMap tensorMap(const TensorMapKey& k) {
+  static TensorMapCache cache;
   CUtensorMap map;
-  std::array<cuuint64_t, 4> dims{};
-  std::array<cuuint64_t, 3> strides{};
-  std::array<cuuint32_t, 4> box{};
-  const std::array<cuuint32_t, 4> elemStrides{1, 1, 1, 1};
-  for (uint32_t i = 0; i < k.rank; ++i) {
-    dims[i] = k.dims[i];
-    box[i] = k.box[i];
-    if (i + 1 < k.rank) strides[i] = k.strides[i];
-  }
-  const CUtensorMapDataType dt =
-      k.dtype == GemmDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  CUresult r = CUDA_SUCCESS;
   try {
-    encode = tensorMapEncodeTiled();
+    r = cache.get(k, &map);
   } catch (const std::runtime_error& e) {
     fail(ErrorCode::kCuda, "grouped gemm: {}", e.what());
   }
-  const CUresult r = encode(&map, dt, k.rank, const_cast<void*>(k.ptr), dims.data(), strides.data(), box.data(),
-                            elemStrides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     fail(ErrorCode::kCuda, "grouped gemm: cuTensorMapEncodeTiled failed for a {}-d tensor of {}x{}x{}x{} [-> CUresult {}]",
          k.rank, k.dims[0], k.dims[1], k.dims[2], k.dims[3], static_cast<int>(r));
   }
   return map;
-}
-
-// Encoding costs about a microsecond of host time; a hit costs a short scan. Round-robin eviction.
-class MapCache {
- public:
-  CUtensorMap get(const MapKey& k) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < size_; ++i) {
-        if (entries_[i].key == k) return entries_[i].map;
-      }
-    }
-    const CUtensorMap map = encodeMap(k);  // outside the lock
-    std::lock_guard<std::mutex> lock(mu_);
-    Entry& e = size_ < entries_.size() ? entries_[size_++] : entries_[next_++ % entries_.size()];
-    e.key = k;
-    e.map = map;
-    return map;
-  }
-
- private:
-  struct Entry {
-    MapKey key;
-    CUtensorMap map;
-  };
-  std::mutex mu_;
-  std::array<Entry, 64> entries_{};
-  size_t size_ = 0;
-  size_t next_ = 0;
-};
-
-CUtensorMap tensorMap(const MapKey& k) {
-  static MapCache cache;
-  return cache.get(k);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

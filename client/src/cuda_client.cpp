@@ -16,6 +16,8 @@
 #include "tandem/common/op_spec.hpp"
 #include "tandem/kernels/allgather.hpp"
 #include "tandem/kernels/driver.hpp"
+#include "tandem/kernels/moe.hpp"
+#include "tandem/kernels/moe_ops.hpp"
 #include "tandem/kernels/preload.hpp"
 
 namespace tandem::client::gpu {
@@ -211,6 +213,7 @@ void checkOnNode(k::Executor executor, const OpDescriptor& d, const DevicePointe
   const OpSet ops = k::executorOps(executor);
   if (!ops.contains(d.kind)) fail(ErrorCode::kUnsupported, "{}", unsupportedOpMessage("cuda", ops, d.kind));
   if (k::isFusedGemm(d.kind)) k::checkFusedGemm(d, ptrs, env);
+  if (k::isMoeOp(d.kind)) k::checkMoeOp(d, ptrs, env);
 }
 
 // executor client: the kernels go into the caller's stream, behind tandemd's gate.
@@ -225,6 +228,7 @@ class ClientGateStrategy final : public CommStrategy {
     try {
       k::preloadRuntimeKernels(device);
       k::preloadFusedGemmKernels(device);
+      k::preloadMoeKernels(device);
     } catch (const std::exception& e) {
       fail(ErrorCode::kCuda, "communicator init on device {}: {}", device, e.what());
     }
@@ -253,6 +257,9 @@ class ClientGateStrategy final : public CommStrategy {
         case OpKind::kAgGemm:
         case OpKind::kGemmRs:
         case OpKind::kGemmAr: logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, stream)); break;
+        // The MoE kernels read tandemd's verdict themselves (a rejected op does nothing), as AllGather's do.
+        case OpKind::kMoeDispatchGemm:
+        case OpKind::kMoeDispatchFfnCombine: logPlanOnce(d, k::launchMoeOp(d, ptrs, e, env_, stream, true)); break;
         default: fail(ErrorCode::kInternal, "{} reached the cuda enqueue unchecked", opKindName(d.kind));
       }
     } catch (const Error&) {

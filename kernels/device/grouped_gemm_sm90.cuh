@@ -191,7 +191,10 @@ __device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams
 // ---------------------------------------------------------------------------------------------------------------
 // Consumer warpgroup wg (0 or 1): rows [64 wg, 64 wg + 64) of each tile; t = thread index in the warpgroup.
 // ---------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+// Fast reciprocal division (MUFU.RCP and a multiply, about 2 ulp) instead of IEEE division's ~20 instructions, 64
+// times per thread and tile: h is rounded to 16 bits right after, far coarser. For g -> -inf, exp(-g) = inf and the
+// quotient is g * 0 = -0, silu's limit.
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
 template <class T, GroupedGemmEpilogue Epi>
 __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams& p, gemm::SharedStorage<kStages>& s,

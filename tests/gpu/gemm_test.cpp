@@ -400,10 +400,11 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
         expect("ag-gemm past the workspace", tandem_ag_gemm(comm, &ag, &op), TANDEM_ERROR_INVALID_ARGUMENT,
                "cuda.workspace_bytes: ");
       }
-      const tandem_moe_dispatch_gemm_args_t moe{sizeof moe, TANDEM_DTYPE_BF16, 8, 64, 64, 2 * n, 1, 16,
+      const tandem_moe_dispatch_gemm_args_t moe{sizeof moe, TANDEM_DTYPE_FP32, 8, 64, 64, 2 * n, 1, 16,
                                                 {a, 0}, {b, 0}, {c, 0}, {a, 1u << 20}, {b, 1u << 20}, {c, 1u << 20},
                                                 {a, 2u << 20}, stream};
-      expect("moe-dispatch-gemm", tandem_moe_dispatch_gemm(comm, &moe, &op), TANDEM_ERROR_UNSUPPORTED, "daemon.backend: cpu");
+      expect("moe-dispatch-gemm in fp32", tandem_moe_dispatch_gemm(comm, &moe, &op), TANDEM_ERROR_UNSUPPORTED,
+             "bf16 or fp16");
       // Nothing was submitted: the communicator still runs ops.
       ar = {sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
       if (tandem_gemm_ar(comm, &ar, &op) != TANDEM_SUCCESS) report += std::string("\nvalid gemm-ar: ") + tandem_last_error();

@@ -131,7 +131,9 @@ TEST_CASE("executor strategies: wire names round-trip, and each runs the GPU ops
                                 tandem::OpKind::kAllGather, tandem::OpKind::kNop}) {
       CHECK(ops.contains(kind));
     }
-    CHECK_FALSE(ops.contains(tandem::OpKind::kMoeDispatchGemm));
+    // The MoE ops run on one node's GPUs; host staging (ranks on several nodes) has no MoE code.
+    CHECK(ops.contains(tandem::OpKind::kMoeDispatchGemm) == (e != k::Executor::kHost));
+    CHECK(ops.contains(tandem::OpKind::kMoeDispatchFfnCombine) == (e != k::Executor::kHost));
     CHECK_FALSE(ops.contains(tandem::OpKind::kRingAttention));
   }
   CHECK_FALSE(k::executorFromName("gpu").has_value());

@@ -9,6 +9,8 @@
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/host_ordering.hpp"
+#include "tandem/kernels/moe.hpp"
+#include "tandem/kernels/moe_ops.hpp"
 #include "tandem/kernels/preload.hpp"
 
 namespace tandem::daemon::cuda {
@@ -34,6 +36,7 @@ GpuExecutor::GpuExecutor(int device, uint32_t numCtas, uint64_t lingerNs)
   k::CudaDeviceGuard guard(device_);
   k::preloadRuntimeKernels(device_);  // never loaded lazily behind a waiting stream (preload.hpp)
   k::preloadFusedGemmKernels(device_);
+  k::preloadMoeKernels(device_);
   stream_ = k::CudaStream::create(device_, "daemon executor");
   queueMemory_ = k::PinnedHostBuffer::allocate(sizeof(k::WorkQueue), "work queue");  // zeroed
   queue_ = static_cast<k::WorkQueue*>(queueMemory_.get());
@@ -199,12 +202,17 @@ PersistentComm::PersistentComm(uint64_t handle, std::vector<Rank> ranks, std::ve
 }
 
 void PersistentComm::admit(Collective& c) {
-  if (!k::isFusedGemm(c.ops[0].desc.kind)) return;
+  const OpKind kind = c.ops[0].desc.kind;
+  if (!k::isFusedGemm(kind) && !k::isMoeOp(kind)) return;
   // libtandem checked the same before submitting; the kernels run in tandemd's context here, so a client that did not
   // must not get them to write past a workspace.
   for (uint32_t r = 0; r < c.ops.size() && c.errorCode == 0; ++r) {
     try {
-      k::checkFusedGemm(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r));
+      if (k::isMoeOp(kind)) {
+        k::checkMoeOp(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r));
+      } else {
+        k::checkFusedGemm(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r));
+      }
     } catch (const Error& e) {
       c.errorCode = statusOf(e.code());
       c.error = fmt::format("rank {}: {}", r, e.what());
@@ -217,7 +225,7 @@ NodeComm::Release PersistentComm::release(const std::shared_ptr<Gang>& g) {
   for (uint32_t r = 0; r < nranks(); ++r) {
     if (executors_.gpu(rank(r).device).freeSlots() == 0) return Release::kWait;
   }
-  if (k::isFusedGemm(g->kind) && !g->rejected) {
+  if ((k::isFusedGemm(g->kind) || k::isMoeOp(g->kind)) && !g->rejected) {
     if (!launchFused(g)) return Release::kAborted;
   } else {
     for (uint32_t r = 0; r < nranks(); ++r) pushItem(*g, r, g);
@@ -266,7 +274,8 @@ bool PersistentComm::launchFused(const std::shared_ptr<Gang>& g) {
       std::string plan;
       executors_.gpu(rank(r).device).runExclusive(
           [&](cudaStream_t s) {
-            plan = k::launchFusedGemm(desc, ptrs[r], g->epoch, env, s);
+            plan = k::isMoeOp(desc.kind) ? k::launchMoeOp(desc, ptrs[r], g->epoch, env, s, false)
+                                         : k::launchFusedGemm(desc, ptrs[r], g->epoch, env, s);
             k::checkCuda(k::driver().streamWriteValue32(s, reinterpret_cast<CUdeviceptr>(&ctl->done.value),
                                                         static_cast<uint32_t>(g->epoch), CU_STREAM_WRITE_VALUE_DEFAULT),
                          "cuStreamWriteValue32(done)");

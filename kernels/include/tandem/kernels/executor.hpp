@@ -48,6 +48,10 @@ inline OpSet executorOps(Executor e) {
   switch (e) {
     case Executor::kClient:
     case Executor::kDaemon:
+      // The MoE ops run on one node's GPUs (moe_ops.hpp); host staging has no MoE code.
+      return OpSet{OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kAllGather, OpKind::kNop}
+          .add(OpKind::kMoeDispatchGemm)
+          .add(OpKind::kMoeDispatchFfnCombine);
     case Executor::kHost: return {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kAllGather, OpKind::kNop};
   }
   return {};

@@ -26,7 +26,9 @@ using DevicePointers = std::array<void*, kMaxOpBuffers>;
 //   ag-gemm flags   arrive and chunk flags (agFlagWords uint64)
 //   gemm-rs/ar      the kernels' fixed layout (gemmRsFixedWorkspaceBytes): flags, then inbox and outbox, each
 //                   double-buffered by epoch parity, matrices of rsMatBytes
-//   data            2 * rsMatBytes: ag-gemm's gathered A, or gemm-rs/ar's output staging
+//   data            2 * rsMatBytes: ag-gemm's gathered A, or gemm-rs/ar's output staging, or the MoE ops' receive
+//                   rows and scratch (moe_ops.hpp)
+//   moe             kMoeControlBytes: the MoE ops' flags and routing table (moe.hpp), written by no other op
 // The gemm-rs/ar inbox receives peers' partials of op e + 1 while this rank may still run op e, so it shares no byte
 // with the other ops. Gathered A and the output staging share: peers write them only once this rank has started the
 // op (ag-gemm pushes after the destination's arrive flag; a reduced tile needs the destination's own partial first).
@@ -34,6 +36,7 @@ struct WorkspaceLayout {
   uint64_t agFlagsOff = 0, agFlagWords = 0;
   uint64_t rsOff = 0, rsMatBytes = 0;
   uint64_t dataOff = 0, dataBytes = 0;
+  uint64_t moeOff = 0;  // kMoeControlBytes from here
   // The largest layout that fits `bytes` per rank.
   static WorkspaceLayout fit(uint64_t bytes, uint32_t nranks);
   // Workspace bytes per rank whose layout holds `matBytes` matrices (rounded up to tandemd's 2 MiB granularity).

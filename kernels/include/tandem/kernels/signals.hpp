@@ -11,7 +11,9 @@ namespace tandem::kernels {
 // client library writes it when the daemon dies, the daemon when a peer dies).
 inline constexpr uint64_t kAbortValue = ~uint64_t{0};
 
-enum class WaitError : uint32_t { kNone = 0, kTimeout = 1, kAborted = 2 };
+// kMoeRouting / kMoeCapacity are not waits: the MoE kernels report a bad expert id or a capacity overflow found on
+// the GPU through the same slot (role = the rank at fault, chunk and observed say what; expected = the op's epoch).
+enum class WaitError : uint32_t { kNone = 0, kTimeout = 1, kAborted = 2, kMoeRouting = 3, kMoeCapacity = 4 };
 
 // Roles a CTA can take in a persistent fused kernel (one role table per kernel family).
 enum class Role : uint32_t { kCompute = 0, kIntraComm = 1, kInterSend = 2, kInterReduce = 3, kReduce = 4 };

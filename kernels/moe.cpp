@@ -1,0 +1,281 @@
+// MoE host launcher: the shape rules, the parameter block, and the sequence of kernels on the stream (route, plan,
+// dispatch, arrive, the grouped GEMMs, combine). The kernels are in moe.cu (nvcc cannot compile fmt, which
+// tandem::Error's helpers use, so the host side lives here).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "moe_desc.hpp"
+#include "tandem/common/descriptor.hpp"
+#include "tandem/common/error.hpp"
+#include "tandem/kernels/grouped_gemm.hpp"
+#include "tandem/kernels/moe.hpp"
+
+namespace tandem::kernels {
+namespace {
+
+using namespace moe;
+
+constexpr int64_t kMax32 = 0x7fffffff;
+constexpr int64_t kMaxTopk = 32;  // the combine keeps a token's slot rows in shared memory (moe.cu kMaxSlots)
+
+void checkCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    fail(ErrorCode::kCuda, "moe: {} failed [-> {}: {}]", what, cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+}
+
+bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+const char* opName(const MoeParams& p) { return p.ffn ? "moe-dispatch-ffn-combine" : "moe-dispatch-gemm"; }
+
+// Receive rows of this rank: dispatch+GEMM its capacity, FFN whatever the receive area holds (capped for int32).
+int64_t recvRowsOf(const MoeParams& p, const MoeComm& c) {
+  if (!p.ffn) return p.capacity;
+  return std::min<int64_t>(moeRecvRows(c.recvBytes, p.hidden, p.ffnDim), kMax32 / 2);
+}
+
+int smCount() {
+  int device = 0;
+  checkCuda(cudaGetDevice(&device), "cudaGetDevice");
+  int sms = 0;
+  checkCuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return sms;
+}
+
+}  // namespace
+
+uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn) { return recvLayout(rows, hidden, ffn).bytes; }
+
+int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn) {
+  if (hidden <= 0) return 0;
+  // Per row: x and (FFN) y of hidden, h of ffn, 16 bytes of row info.
+  const uint64_t perRow =
+      static_cast<uint64_t>(hidden) * 2 * (ffn > 0 ? 2 : 1) + static_cast<uint64_t>(std::max<int64_t>(ffn, 0)) * 2 + 16;
+  int64_t rows = static_cast<int64_t>(bytes / perRow);
+  while (rows > 0 && moeRecvBytes(rows, hidden, ffn) > bytes) --rows;  // the alignment slack: a few rows at most
+  return rows;
+}
+
+uint64_t moeScratchBytes(int64_t tokens, int64_t topk, int64_t experts) {
+  return scratchLayout(tokens, topk, experts).bytes;
+}
+
+void validateMoe(const MoeParams& p, const MoeComm& c) {
+  constexpr ErrorCode kBad = ErrorCode::kInvalidArgument;
+  const char* op = opName(p);
+  if (p.dtype != GemmDtype::kBf16 && p.dtype != GemmDtype::kFp16) {
+    fail(kBad, "{}: dtype must be bf16 or fp16, got {}", op, static_cast<int>(p.dtype));
+  }
+  if (c.nranks < 1 || c.nranks > kMoeMaxRanks || c.rank >= c.nranks) {
+    fail(kBad, "{}: rank {} of {} ranks: the GPU kernels run 1 to {} ranks of one node", op, c.rank, c.nranks,
+         kMoeMaxRanks);
+  }
+  if (p.experts < 1 || p.experts > kMoeMaxExperts) {
+    fail(kBad,
+         "{}: experts = {}: the cuda backend's routing table holds 1 to {} experts; use fewer experts or run "
+         "the op on a tandemd with daemon.backend: cpu",
+         op, p.experts, kMoeMaxExperts);
+  }
+  if (p.experts % c.nranks != 0) {
+    fail(kBad, "{}: experts {} is not divisible by nranks {}; experts are spread evenly over ranks", op, p.experts,
+         c.nranks);
+  }
+  if (p.topk < 1 || p.topk > std::min<int64_t>(p.experts, kMaxTopk)) {
+    fail(kBad, "{}: topk = {}: the cuda backend takes 1 <= topk <= min(experts, {}) = {}", op, p.topk, kMaxTopk,
+         std::min<int64_t>(p.experts, kMaxTopk));
+  }
+  if (p.tokens < 0 || p.tokens * p.topk > kMax32) {
+    fail(kBad, "{}: tokens x topk = {} x {} must be below 2^31 on the cuda backend; split the batch", op, p.tokens,
+         p.topk);
+  }
+  if (p.hidden <= 0 || p.hidden % 8 != 0 || p.hidden > kMax32) {
+    fail(kBad,
+         "{}: hidden = {} must be a positive multiple of 8 (the kernels move 16-byte rows); pad hidden with "
+         "zeros",
+         op, p.hidden);
+  }
+  if (!p.ffn && (p.nOut <= 0 || p.nOut % 8 != 0 || p.nOut > kMax32)) {
+    fail(kBad, "{}: n_out = {} must be a positive multiple of 8 (16-byte rows of out); pad w with zero rows", op,
+         p.nOut);
+  }
+  if (p.ffn && (p.ffnDim <= 0 || p.ffnDim % 8 != 0 || p.ffnDim > kMax32 / 2)) {
+    fail(kBad, "{}: ffn = {} must be a positive multiple of 8 (16-byte rows of h); pad w1 and w2 with zeros", op,
+         p.ffnDim);
+  }
+  if (!p.ffn && (p.capacity < 0 || p.capacity > kMax32)) {
+    fail(kBad, "{}: capacity = {} must be in [0, 2^31)", op, p.capacity);
+  }
+  for (uint32_t q = 0; q < c.nranks; ++q) {
+    if (c.control[q] == nullptr || !aligned(c.control[q], 128) || c.recv[q] == nullptr || !aligned(c.recv[q], kAlign)) {
+      fail(ErrorCode::kInternal, "{}: rank {}'s control area ({}) or receive area ({}) is missing or misaligned", op, q,
+           c.control[q], c.recv[q]);
+    }
+  }
+  if (c.scratch == nullptr || !aligned(c.scratch, kAlign)) {
+    fail(ErrorCode::kInternal, "{}: the private scratch ({}) is missing or not 256-byte aligned", op, c.scratch);
+  }
+  const uint64_t scratch = moeScratchBytes(p.tokens, p.topk, p.experts);
+  const int64_t rows = recvRowsOf(p, c);
+  const uint64_t recv = moeRecvBytes(p.ffn ? 1 : rows, p.hidden, p.ffn ? p.ffnDim : 0);
+  if (scratch > c.scratchBytes || recv > c.recvBytes) {
+    fail(kBad,
+         "{}: tokens = {}, hidden = {}, {} = {} need {} bytes of receive rows and {} of scratch on this rank, "
+         "but the communicator's workspace leaves {} and {}; set cuda.workspace_bytes larger in tandemd's config and "
+         "restart it, or split the op",
+         op, p.tokens, p.hidden, p.ffn ? "ffn" : "capacity", p.ffn ? p.ffnDim : p.capacity, recv, scratch, c.recvBytes,
+         c.scratchBytes);
+  }
+  const auto need16 = [&](const void* ptr, const char* name, bool required) {
+    if (ptr == nullptr) {
+      if (required) fail(kBad, "{}: tensor {} is missing", op, name);
+      return;
+    }
+    if (!aligned(ptr, 16)) {
+      fail(kBad,
+           "{}: tensor {} starts at {}, which is not 16-byte aligned; the cuda backend's kernels read and write "
+           "16 bytes at a time: use an offset that is a multiple of 16",
+           op, name, ptr);
+    }
+  };
+  const auto need4 = [&](const void* ptr, const char* name, bool required) {
+    if (ptr == nullptr) {
+      if (required) fail(kBad, "{}: tensor {} is missing", op, name);
+      return;
+    }
+    if (!aligned(ptr, 4)) fail(kBad, "{}: tensor {} starts at {}, which is not 4-byte aligned", op, name, ptr);
+  };
+  const bool any = p.tokens > 0;
+  need16(p.x, "x", any);
+  need4(p.topkIds, "topk_ids", any);
+  if (p.ffn) {
+    need4(p.topkWeights, "topk_weights", any);
+    need16(p.w1, "w1", true);
+    need16(p.w2, "w2", true);
+    need16(p.out, "out", any);
+  } else {
+    need16(p.w, "w", true);
+    need16(p.out, "out", p.capacity > 0);
+    need4(p.rowInfo, "row_info", p.capacity > 0);
+    need4(p.expertCounts, "expert_counts", true);
+  }
+}
+
+std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream) {
+  validateMoe(g, c);
+  const int64_t L = g.experts / c.nranks;
+  const int64_t rows = recvRowsOf(g, c);
+  const int64_t ffn = g.ffn ? g.ffnDim : 0;
+  const ScratchLayout sl = scratchLayout(g.tokens, g.topk, g.experts);
+  const RecvLayout rl = recvLayout(rows, g.hidden, ffn);
+  auto* scratch = static_cast<char*>(c.scratch);
+
+  MoeKernelParams p;
+  std::memset(&p, 0, sizeof p);
+  p.x = g.x;
+  p.ids = g.topkIds;
+  p.weights = g.topkWeights;
+  p.out = g.ffn ? g.out : nullptr;
+  p.rowInfo = g.ffn ? nullptr : g.rowInfo;
+  p.expertCounts = g.ffn ? nullptr : g.expertCounts;
+  for (uint32_t q = 0; q < c.nranks; ++q) {
+    p.ctl[q] = static_cast<MoeControl*>(c.control[q]);
+    p.recv[q] = static_cast<char*>(c.recv[q]);
+  }
+  p.status = reinterpret_cast<MoeStatus*>(scratch + sl.statusOff);
+  p.localIdx = reinterpret_cast<int32_t*>(scratch + sl.localIdxOff);
+  p.chunkBase = reinterpret_cast<int32_t*>(scratch + sl.chunkBaseOff);
+  p.localCounts = reinterpret_cast<int32_t*>(scratch + sl.localCountsOff);
+  p.srcOffset = reinterpret_cast<int32_t*>(scratch + sl.srcOffsetOff);
+  p.groupOffsets = reinterpret_cast<int32_t*>(scratch + sl.groupOffsetsOff);
+  p.verdictSlot = c.verdictSlot;
+  p.verdictRejected = c.verdictRejected;
+  p.abortWord = c.abortWord;
+  p.errorSlot = c.errorSlot;
+  p.timeoutNs = c.timeoutNs;
+  p.epoch = c.epoch;
+  p.rank = static_cast<int32_t>(c.rank);
+  p.nranks = static_cast<int32_t>(c.nranks);
+  p.tokens = static_cast<int32_t>(g.tokens);
+  p.hidden = static_cast<int32_t>(g.hidden);
+  p.experts = static_cast<int32_t>(g.experts);
+  p.topk = static_cast<int32_t>(g.topk);
+  p.localExperts = static_cast<int32_t>(L);
+  p.capacity = static_cast<int32_t>(rows);
+  p.ffn = static_cast<int32_t>(ffn);
+  p.op = static_cast<int32_t>(g.ffn ? OpKind::kMoeDispatchFfnCombine : OpKind::kMoeDispatchGemm);
+  p.dtype = static_cast<int32_t>(g.dtype);
+
+  const int sms = smCount();
+  const int64_t pairs = g.tokens * g.topk;
+  const int routeCtas = static_cast<int>(ceilDiv(g.experts, kRouteWarps));
+  const int chunks = static_cast<int>(std::max<int64_t>(routeChunks(g.tokens), 1));  // one chunk of none: counts 0
+  const int copyCtas = static_cast<int>(std::clamp<int64_t>(ceilDiv(pairs, kCopyWarps), 1, int64_t{sms} * 8));
+  const int combineCtas = static_cast<int>(std::clamp<int64_t>(ceilDiv(g.tokens, kCopyWarps), 1, int64_t{sms} * 8));
+
+  // Reset the per-op status (state, bad pair, CTA counters); the rest of the scratch is written before it is read.
+  checkCuda(cudaMemsetAsync(p.status, 0, sizeof(MoeStatus), stream), "cudaMemsetAsync(status)");
+  checkCuda(launchRoute(p, routeCtas, chunks, stream), "launching the route kernel");
+  checkCuda(launchPlan(p, stream), "launching the plan kernel");
+  checkCuda(launchDispatch(p, copyCtas, stream), "launching the dispatch kernel");
+  checkCuda(launchArrive(p, 0, stream), "launching the arrive kernel");
+
+  GroupedGemmParams gg{};
+  gg.dtype = g.dtype;
+  gg.groupOffsets = p.groupOffsets;
+  gg.numExperts = L;
+  gg.mTotal = rows;
+  gg.x = p.recv[c.rank] + rl.xOff;
+  gg.k = g.hidden;
+  if (!g.ffn) {
+    gg.w = g.w;
+    gg.out = g.out;
+    gg.n = g.nOut;
+    gg.epilogue = GroupedGemmEpilogue::kStore;
+    launchGroupedGemm(gg, stream, g.gemmSms);
+    return fmt::format(
+        "route {}x{} CTAs, plan, dispatch {} CTAs (a warp per row), grouped GEMM over {} receive rows "
+        "({} SMs)",
+        routeCtas, chunks, copyCtas, rows, g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms);
+  }
+  gg.w = g.w1;
+  gg.out = p.recv[c.rank] + rl.hOff;
+  gg.n = 2 * g.ffnDim;
+  gg.epilogue = GroupedGemmEpilogue::kSwiGlu;
+  launchGroupedGemm(gg, stream, g.gemmSms);
+  GroupedGemmParams g2{};
+  g2.dtype = g.dtype;
+  g2.groupOffsets = p.groupOffsets;
+  g2.numExperts = L;
+  g2.mTotal = rows;
+  g2.x = p.recv[c.rank] + rl.hOff;
+  g2.w = g.w2;
+  g2.out = p.recv[c.rank] + rl.yOff;
+  g2.n = g.hidden;
+  g2.k = g.ffnDim;
+  g2.epilogue = GroupedGemmEpilogue::kStore;
+  launchGroupedGemm(g2, stream, g.gemmSms);
+  checkCuda(launchArrive(p, 1, stream), "launching the y exchange");
+  checkCuda(launchCombine(p, combineCtas, stream), "launching the combine kernel");
+  return fmt::format(
+      "route {}x{} CTAs, plan, dispatch {} CTAs (a warp per row), gemm1+SwiGLU and gemm2 over up to {} "
+      "receive rows ({} SMs), combine {} CTAs (a warp per token, pulled in slot order)",
+      routeCtas, chunks, copyCtas, rows, g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms, combineCtas);
+}
+
+void preloadMoeKernels(int device) {
+  int previous = 0;
+  checkCuda(cudaGetDevice(&previous), "cudaGetDevice");
+  checkCuda(cudaSetDevice(device), "cudaSetDevice");
+  const cudaError_t e = prepareMoeKernels();
+  cudaSetDevice(previous);
+  checkCuda(e, "loading the MoE kernels");
+  preloadGroupedGemmKernels(device);
+}
+
+}  // namespace tandem::kernels

@@ -1,0 +1,487 @@
+// MoE routing, dispatch and combine kernels (tandem/kernels/moe.hpp says what each step does). The grouped GEMMs
+// between them are grouped_gemm.cu's; the host side that sequences all of them is moe.cpp.
+//
+// Ordering across ranks (every rank's control area and receive area are mapped in every rank's process):
+//   plan:     table row writes (every thread) -> bar.sync -> fence.acq_rel.sys + st.release.sys countsFlag (thread 0);
+//             the owner's ld.acquire.sys of every countsFlag (waitGeq) -> bar.sync -> its threads read the table.
+//   dispatch: row and row-info writes -> bar.sync -> fence + atomicAdd of a CTA counter (thread 0); the last CTA fences
+//             again (acquiring every CTA's fence-then-add) and releases dispatchFlag on every owner.
+//   arrive:   the owner acquires every source's dispatchFlag before the grouped GEMM reads the rows (a later kernel in
+//             the stream).
+//   combine:  the owner releases yFlag after its gemm2 (an earlier kernel in the stream); sources acquire it before
+//             pulling y; the combine's last CTA releases finFlag and waits for every rank's, so no owner's y is reused
+//             (by the next op's writes) while a source still reads it.
+// A table row is rewritten by its source only in the next op, which the source reaches only after every owner has
+// passed its plan (the dispatch flags it waited for come after each owner's plan), so nobody reads a row while it
+// changes. Every rank takes the same decision from the same table, so on an error all of them write nothing.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "device/ordering.cuh"
+#include "device/wait.cuh"
+#include "moe_desc.hpp"
+
+namespace tandem::kernels::moe {
+namespace {
+
+__device__ __forceinline__ WaitCtx waitCtxOf(const MoeKernelParams& p) {
+  WaitCtx ctx{p.abortWord,
+              p.errorSlot,
+              0,
+              static_cast<uint32_t>(p.op),
+              static_cast<uint32_t>(Role::kIntraComm),
+              static_cast<uint32_t>(p.rank)};
+  if (p.timeoutNs != 0) ctx.deadlineNs = globaltimerNs() + p.timeoutNs;
+  return ctx;
+}
+
+// Reports an error of the op itself (not of a wait): `atFault` is the rank whose ids or capacity caused it.
+__device__ __forceinline__ void reportMoeError(const MoeKernelParams& p, WaitError code, uint32_t atFault,
+                                               uint32_t chunk, uint64_t observed) {
+  WaitCtx ctx{p.abortWord, p.errorSlot, 0, static_cast<uint32_t>(p.op), atFault, static_cast<uint32_t>(p.rank)};
+  reportWaitError(ctx, code, chunk, p.epoch, observed);
+}
+
+__device__ __forceinline__ int32_t ldState(const MoeKernelParams& p) {
+  // Written by the plan kernel, earlier in this stream: kernel order makes it visible.
+  return p.status->state;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// route: CTA (x, c) has a warp per global expert of group x and walks chunk c of this rank's tokens in order; a
+// ballot gives each pair of the expert its index among the expert's pairs of the chunk (token order; a token names an
+// expert at most once). The CTAs of x == 0 also check the chunk's ids.
+// ---------------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kRouteWarps * 32) moeRouteKernel(const __grid_constant__ MoeKernelParams p) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int32_t topk = p.topk;
+  const int32_t chunk = static_cast<int32_t>(blockIdx.y);
+  const int32_t t0 = chunk * kRouteChunk;
+  const int32_t t1 = min(p.tokens, t0 + kRouteChunk);
+  if (blockIdx.x == 0) {
+    for (int32_t t = t0 + static_cast<int32_t>(threadIdx.x); t < t1; t += static_cast<int32_t>(blockDim.x)) {
+      const int32_t* row = p.ids + static_cast<int64_t>(t) * topk;
+      for (int32_t j = 0; j < topk; ++j) {
+        const int32_t e = row[j];
+        bool bad = e < 0 || e >= p.experts;
+        for (int32_t j2 = 0; j2 < j && !bad; ++j2) bad = row[j2] == e;
+        if (bad) {
+          // The first bad pair in (token, slot) order wins: the same one the cpu backend names.
+          atomicMax(&p.status->bad, INT32_MAX - (t * topk + j));
+          break;
+        }
+      }
+    }
+  }
+  const int32_t e = static_cast<int32_t>(blockIdx.x) * kRouteWarps + warp;
+  if (e >= p.experts) return;  // warp-uniform
+  int32_t running = 0;
+  for (int32_t base = t0; base < t1; base += 32) {
+    const int32_t t = base + lane;
+    int32_t hit = -1;
+    if (t < t1) {
+      const int32_t* row = p.ids + static_cast<int64_t>(t) * topk;
+      for (int32_t j = 0; j < topk; ++j) {
+        if (row[j] == e) hit = j;
+      }
+    }
+    const uint32_t b = __ballot_sync(0xffffffffu, hit >= 0);
+    if (hit >= 0) p.localIdx[t * topk + hit] = running + __popc(b & ((1u << lane) - 1u));
+    running += __popc(b);
+  }
+  if (lane == 0) p.chunkBase[static_cast<int64_t>(chunk) * p.experts + e] = running;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// plan: one CTA of kPlanThreads (>= experts) threads.
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void zeroGroups(const MoeKernelParams& p) {
+  for (int i = static_cast<int>(threadIdx.x); i <= p.localExperts; i += static_cast<int>(blockDim.x)) {
+    p.groupOffsets[i] = 0;
+  }
+}
+
+// Exclusive scan of v over the CTA (kPlanThreads threads, one value each).
+__device__ __forceinline__ int32_t blockExclusiveScan(int32_t v, int32_t* sWarp) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  int32_t x = v;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) sWarp[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t w = sWarp[lane];
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t y = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += y;
+    }
+    sWarp[lane] = w;  // inclusive totals of warps 0..lane
+  }
+  __syncthreads();
+  return x - v + (warp > 0 ? sWarp[warp - 1] : 0);
+}
+
+__global__ void __launch_bounds__(kPlanThreads) moePlanKernel(const __grid_constant__ MoeKernelParams p) {
+  __shared__ int32_t sWarp[32];
+  __shared__ int32_t sExcl[kMoeMaxExperts];
+  __shared__ int32_t sFail;
+  __shared__ int32_t sState;
+  __shared__ int32_t sRows[kMoeMaxRanks];
+  const int tid = static_cast<int>(threadIdx.x);
+  MoeStatus* const st = p.status;
+  if (p.verdictSlot != nullptr) {
+    // The verdict was published before go, which this stream waited for; a rejected op touches nothing (every rank
+    // has the same verdict, so none of them waits for the others).
+    if (ldAcquireSys(p.verdictSlot) == p.verdictRejected) {
+      if (tid == 0) st->state = kSkip;
+      zeroGroups(p);
+      return;
+    }
+  }
+  // ---- this rank's pairs per expert: scan the route kernel's chunk counts in place (chunk order = token order)
+  const int32_t chunks = static_cast<int32_t>(routeChunks(p.tokens));
+  for (int i = tid; i < p.experts; i += static_cast<int>(blockDim.x)) {
+    int32_t running = 0;
+    for (int32_t c = 0; c < chunks; ++c) {
+      int32_t* cell = p.chunkBase + static_cast<int64_t>(c) * p.experts + i;
+      const int32_t n = *cell;
+      *cell = running;
+      running += n;
+    }
+    p.localCounts[i] = running;
+    // ---- publish this rank's row into every rank's table
+    for (int q = 0; q < p.nranks; ++q) p.ctl[q]->table[p.rank][i] = running;
+  }
+  if (tid < p.nranks) {
+    int32_t* extras = p.ctl[tid]->table[p.rank] + kMoeMaxExperts;
+    const int32_t bad = st->bad;  // the route kernel's, earlier in this stream
+    const int32_t pairIdx = bad == 0 ? -1 : INT32_MAX - bad;
+    extras[kRowCapacity] = p.capacity;
+    extras[kRowBad] = pairIdx + 1;
+    extras[kRowBadValue] = pairIdx >= 0 ? p.ids[pairIdx] : 0;
+  }
+  if (tid == 0) sFail = 0;
+  __syncthreads();  // every table write of this CTA happens before thread 0's fence
+  if (tid == 0) {
+    fenceAcqRelSys();
+    // release: publishes this rank's table row; pairs with waitGeq below on every rank
+    for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->countsFlag[p.rank], p.epoch);
+  }
+  if (tid < p.nranks) {
+    WaitCtx ctx = waitCtxOf(p);
+    if (!waitGeq(&p.ctl[p.rank]->countsFlag[tid], p.epoch, ctx, static_cast<uint32_t>(tid))) atomicExch(&sFail, 1);
+  }
+  __syncthreads();  // the acquires above happen before every thread's table reads below
+  if (sFail != 0) {
+    if (tid == 0) st->state = kSkip;
+    zeroGroups(p);
+    return;
+  }
+  const MoeControl* const me = p.ctl[p.rank];
+  const int L = p.localExperts;
+  // ---- column sums (rows per global expert over every source) and their scan, segment by owner
+  int32_t col = 0;
+  if (tid < p.experts) {
+    for (int s = 0; s < p.nranks; ++s) col += me->table[s][tid];
+  }
+  const int32_t excl = blockExclusiveScan(col, sWarp);
+  if (tid < p.experts) sExcl[tid] = excl;
+  if (tid < p.nranks) {
+    const int32_t cap = me->table[tid][kMoeMaxExperts + kRowCapacity];
+    st->capacity[tid] = cap;
+  }
+  __syncthreads();
+  if (tid < p.nranks) {
+    const int lo = tid * L, hi = lo + L;
+    const int32_t total = (hi < p.experts ? sExcl[hi] : sWarp[31]) - sExcl[lo];
+    sRows[tid] = total;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int32_t state = kRun;
+    for (int s = 0; s < p.nranks && state == kRun; ++s) {
+      const int32_t bad = me->table[s][kMoeMaxExperts + kRowBad];
+      if (bad != 0) {
+        // chunk: the token; observed: bit 62 set when the id repeats an expert of the token (else out of range),
+        // the slot in bits 32..61, the id in the low 32 bits (node_comm.cpp moeErrorText reads them so).
+        const int32_t pairIdx = bad - 1;
+        const int32_t value = me->table[s][kMoeMaxExperts + kRowBadValue];
+        const uint64_t repeat = value >= 0 && value < p.experts ? uint64_t{1} << 62 : 0;
+        reportMoeError(p, WaitError::kMoeRouting, static_cast<uint32_t>(s), static_cast<uint32_t>(pairIdx / p.topk),
+                       repeat | (static_cast<uint64_t>(pairIdx % p.topk) << 32) | static_cast<uint32_t>(value));
+        state = kFailed;
+      }
+    }
+    for (int d = 0; d < p.nranks && state == kRun; ++d) {
+      const int32_t cap = me->table[d][kMoeMaxExperts + kRowCapacity];
+      if (sRows[d] > cap) {
+        reportMoeError(p, WaitError::kMoeCapacity, static_cast<uint32_t>(d), static_cast<uint32_t>(cap),
+                       static_cast<uint64_t>(sRows[d]));
+        state = kFailed;
+      }
+    }
+    st->state = state;
+    sState = state;
+  }
+  __syncthreads();
+  if (sState != kRun) {
+    zeroGroups(p);
+    return;
+  }
+  // ---- this rank's groups, and its write offset in every expert's rows
+  const int myLo = p.rank * L;
+  if (tid < L) p.groupOffsets[tid] = sExcl[myLo + tid] - sExcl[myLo];
+  if (tid == 0) p.groupOffsets[L] = sRows[p.rank];
+  if (tid < L && p.expertCounts != nullptr) {
+    int32_t c = 0;
+    for (int s = 0; s < p.nranks; ++s) c += me->table[s][myLo + tid];
+    p.expertCounts[tid] = c;
+  }
+  if (tid < p.experts) {
+    const int owner = tid / L;
+    int32_t before = 0;  // rows of this expert from lower source ranks
+    for (int s = 0; s < p.rank; ++s) before += me->table[s][tid];
+    p.srcOffset[tid] = sExcl[tid] - sExcl[owner * L] + before;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// dispatch: a warp per (token, slot) pair; 16-byte copies, four in flight per lane.
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void copyRow(uint4* __restrict__ dst, const uint4* __restrict__ src, int32_t vecs,
+                                        int lane) {
+  int32_t i = lane;
+  for (; i + 96 < vecs; i += 128) {
+    const uint4 a = src[i], b = src[i + 32], c = src[i + 64], d = src[i + 96];
+    dst[i] = a;
+    dst[i + 32] = b;
+    dst[i + 64] = c;
+    dst[i + 96] = d;
+  }
+  for (; i < vecs; i += 32) dst[i] = src[i];
+}
+
+__global__ void __launch_bounds__(kCopyWarps * 32) moeDispatchKernel(const __grid_constant__ MoeKernelParams p) {
+  const int32_t state = ldState(p);
+  if (state == kSkip) return;  // uniform over the grid
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  if (state == kRun) {
+    const int32_t pairs = p.tokens * p.topk;
+    const int32_t vecs = p.hidden / 8;
+    for (int32_t pi = static_cast<int32_t>(blockIdx.x) * kCopyWarps + warp; pi < pairs;
+         pi += static_cast<int32_t>(gridDim.x) * kCopyWarps) {
+      const int32_t e = p.ids[pi];
+      const int32_t d = e / p.localExperts;
+      const int32_t t = pi / p.topk;
+      const int32_t row =
+          p.srcOffset[e] + p.chunkBase[static_cast<int64_t>(t / kRouteChunk) * p.experts + e] + p.localIdx[pi];
+      const RecvLayout lay = recvLayout(p.status->capacity[d], p.hidden, p.ffn);
+      char* const base = p.recv[d];
+      const auto* src =
+          reinterpret_cast<const uint4*>(static_cast<const char*>(p.x) + static_cast<int64_t>(t) * p.hidden * 2);
+      auto* dst = reinterpret_cast<uint4*>(base + lay.xOff + static_cast<uint64_t>(row) * p.hidden * 2);
+      copyRow(dst, src, vecs, lane);
+      if (lane == 0) {
+        *reinterpret_cast<int4*>(base + lay.infoOff + static_cast<uint64_t>(row) * 16) =
+            make_int4(p.rank, t, pi - t * p.topk, e);
+      }
+    }
+  }
+  // Even a failed op (nothing copied) releases the flag: owners wait for it before the next op may touch the table.
+  __syncthreads();  // this CTA's copies happen before thread 0's fence
+  if (threadIdx.x == 0) {
+    fenceAcqRelSys();  // release: this CTA's rows, before its count
+    const uint32_t done = atomicAdd(&p.status->dispatchCtasDone, 1u) + 1u;
+    if (done == gridDim.x) {
+      fenceAcqRelSys();  // acquire: every CTA's rows (each fenced before its add)
+      // release: this rank's rows for every owner; pairs with moeArriveKernel's waitGeq
+      for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->dispatchFlag[p.rank], p.epoch);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// arrive: one CTA. waitY == 0: wait for every source's rows, then copy the row info out (dispatch+GEMM).
+// waitY == 1: release this owner's y (written by gemm2, earlier in the stream), then wait for every owner's.
+// ---------------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kPlanThreads) moeArriveKernel(const __grid_constant__ MoeKernelParams p, int waitY) {
+  __shared__ int32_t sFail;
+  const int32_t state = ldState(p);
+  if (state == kSkip) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid == 0) sFail = 0;
+  if (waitY != 0 && tid == 0) {
+    fenceAcqRelSys();
+    // release: this owner's y rows; pairs with the waitGeq below on every source
+    for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->yFlag[p.rank], p.epoch);
+  }
+  __syncthreads();
+  if (tid < p.nranks) {
+    WaitCtx ctx = waitCtxOf(p);
+    const uint64_t* flag = waitY != 0 ? &p.ctl[p.rank]->yFlag[tid] : &p.ctl[p.rank]->dispatchFlag[tid];
+    if (!waitGeq(flag, p.epoch, ctx, static_cast<uint32_t>(tid))) atomicExch(&sFail, 1);
+  }
+  __syncthreads();  // the acquires happen before every thread's reads (and, by kernel order, the GEMM's)
+  if (waitY != 0 || state != kRun || sFail != 0 || p.rowInfo == nullptr) return;
+  const int32_t rows = p.groupOffsets[p.localExperts];
+  const RecvLayout lay = recvLayout(p.capacity, p.hidden, p.ffn);
+  const auto* info = reinterpret_cast<const int4*>(p.recv[p.rank] + lay.infoOff);
+  for (int32_t r = tid; r < rows; r += static_cast<int32_t>(blockDim.x)) {
+    const int4 v = info[r];
+    int32_t* dst = p.rowInfo + static_cast<int64_t>(r) * 4;
+    dst[0] = v.x;
+    dst[1] = v.y;
+    dst[2] = v.z;
+    dst[3] = v.w;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// combine: a warp per token pulls its slots' y rows from their owners: out = sum_j weight_j * y_j, in fp32, slot
+// order, rounded once. Then the end barrier (last CTA).
+// ---------------------------------------------------------------------------------------------------------------
+inline constexpr int kMaxSlots = 32;
+
+template <class T>
+__device__ __forceinline__ void accumulate8(float (&acc)[8], const uint4& v, float w) {
+  const auto* h = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      acc[i] = fmaf(w, __bfloat162float(h[i]), acc[i]);
+    } else {
+      acc[i] = fmaf(w, __half2float(h[i]), acc[i]);
+    }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ uint4 pack8(const float (&acc)[8]) {
+  uint4 out;
+  auto* h = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      h[i] = __float2bfloat16_rn(acc[i]);
+    } else {
+      h[i] = __float2half_rn(acc[i]);
+    }
+  }
+  return out;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kCopyWarps * 32) moeCombineKernel(const __grid_constant__ MoeKernelParams p) {
+  __shared__ const uint4* sRow[kCopyWarps][kMaxSlots];
+  __shared__ float sWeight[kCopyWarps][kMaxSlots];
+  const int32_t state = ldState(p);
+  if (state == kSkip) return;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  if (state == kRun) {
+    const int32_t vecs = p.hidden / 8;
+    for (int32_t t = static_cast<int32_t>(blockIdx.x) * kCopyWarps + warp; t < p.tokens;
+         t += static_cast<int32_t>(gridDim.x) * kCopyWarps) {
+      if (lane < p.topk) {
+        const int32_t pi = t * p.topk + lane;
+        const int32_t e = p.ids[pi];
+        const int32_t d = e / p.localExperts;
+        const int32_t row =
+            p.srcOffset[e] + p.chunkBase[static_cast<int64_t>(t / kRouteChunk) * p.experts + e] + p.localIdx[pi];
+        const RecvLayout lay = recvLayout(p.status->capacity[d], p.hidden, p.ffn);
+        sRow[warp][lane] =
+            reinterpret_cast<const uint4*>(p.recv[d] + lay.yOff + static_cast<uint64_t>(row) * p.hidden * 2);
+        sWeight[warp][lane] = p.weights[pi];
+      }
+      __syncwarp();
+      auto* dst = reinterpret_cast<uint4*>(static_cast<char*>(p.out) + static_cast<int64_t>(t) * p.hidden * 2);
+      for (int32_t i = lane; i < vecs; i += 32) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int32_t j = 0; j < p.topk; ++j) accumulate8<T>(acc, sRow[warp][j][i], sWeight[warp][j]);
+        dst[i] = pack8<T>(acc);
+      }
+      __syncwarp();  // the slot table is rewritten for the next token
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && p.nranks > 1) {
+    fenceAcqRelSys();
+    const uint32_t done = atomicAdd(&p.status->combineCtasDone, 1u) + 1u;
+    if (done == gridDim.x) {
+      // release: every y read of this rank is done; pairs with the waitGeq below on every owner
+      for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->finFlag[p.rank], p.epoch);
+      WaitCtx ctx = waitCtxOf(p);
+      for (int s = 0; s < p.nranks; ++s) {
+        if (!waitGeq(&p.ctl[p.rank]->finFlag[s], p.epoch, ctx, static_cast<uint32_t>(s))) break;
+      }
+    }
+  }
+}
+
+template <class... A>
+cudaError_t launchK(void (*fn)(A...), int ctas, int threads, cudaStream_t s, A... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas), 1, 1);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  return cudaLaunchKernelEx(&cfg, fn, args...);
+}
+
+template <class F>
+cudaError_t loadKernel(F fn) {
+  cudaFuncAttributes fa{};
+  return cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(fn));  // loads a lazily loaded kernel now
+}
+
+}  // namespace
+
+cudaError_t launchRoute(const MoeKernelParams& p, int expertCtas, int chunks, cudaStream_t s) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(expertCtas), static_cast<unsigned>(chunks), 1);
+  cfg.blockDim = dim3(kRouteWarps * 32, 1, 1);
+  cfg.stream = s;
+  return cudaLaunchKernelEx(&cfg, &moeRouteKernel, p);
+}
+
+cudaError_t launchPlan(const MoeKernelParams& p, cudaStream_t s) {
+  return launchK(&moePlanKernel, 1, kPlanThreads, s, p);
+}
+
+cudaError_t launchDispatch(const MoeKernelParams& p, int ctas, cudaStream_t s) {
+  return launchK(&moeDispatchKernel, ctas, kCopyWarps * 32, s, p);
+}
+
+cudaError_t launchArrive(const MoeKernelParams& p, int waitY, cudaStream_t s) {
+  return launchK(&moeArriveKernel, 1, kPlanThreads, s, p, waitY);
+}
+
+cudaError_t launchCombine(const MoeKernelParams& p, int ctas, cudaStream_t s) {
+  if (p.dtype == static_cast<int32_t>(GemmDtype::kBf16)) {
+    return launchK(&moeCombineKernel<__nv_bfloat16>, ctas, kCopyWarps * 32, s, p);
+  }
+  return launchK(&moeCombineKernel<__half>, ctas, kCopyWarps * 32, s, p);
+}
+
+cudaError_t prepareMoeKernels() {
+  for (cudaError_t e : {loadKernel(&moeRouteKernel), loadKernel(&moePlanKernel), loadKernel(&moeDispatchKernel),
+                        loadKernel(&moeArriveKernel), loadKernel(&moeCombineKernel<__nv_bfloat16>),
+                        loadKernel(&moeCombineKernel<__half>)}) {
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace tandem::kernels::moe

@@ -1,0 +1,133 @@
+// The MoE kernels' plain data, shared by the host launcher (moe.cpp, g++) and the kernels (moe.cu, nvcc): the control
+// area every rank keeps, the receive-area layout, the private scratch, the kernel parameters and the raw launchers.
+// Private to the kernels library; the public API is tandem/kernels/moe.hpp.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tandem/kernels/moe.hpp"
+#include "tandem/kernels/signals.hpp"
+
+namespace tandem::kernels::moe {
+
+// Extra words after a table row's kMoeMaxExperts counts.
+inline constexpr int32_t kRowCapacity = 0;  // the rank's receive rows (dispatch+GEMM: its capacity)
+inline constexpr int32_t kRowBad = 1;       // 0: ids fine; else 1 + the first bad pair index (token * topk + slot)
+inline constexpr int32_t kRowBadValue = 2;  // the id found there
+inline constexpr int32_t kRowExtras = 8;
+inline constexpr int32_t kRowWords = kMoeMaxExperts + kRowExtras;
+
+// One rank's control area. Written only by the MoE kernels (peers write their own table row and their own flags),
+// zeroed once when the communicator forms. Flags are epochs and only rise.
+struct alignas(128) MoeControl {
+  uint64_t countsFlag[kMoeMaxRanks];       // [s]: source s's table row for this epoch is written (release by s)
+  uint64_t dispatchFlag[kMoeMaxRanks];     // [s]: source s's rows for this rank are written
+  uint64_t yFlag[kMoeMaxRanks];            // [d]: owner d's y rows are written (FFN)
+  uint64_t finFlag[kMoeMaxRanks];          // [s]: source s read every owner's y (FFN)
+  int32_t table[kMoeMaxRanks][kRowWords];  // [s]: source s's counts per global expert, then the extras
+};
+static_assert(sizeof(MoeControl) <= kMoeControlBytes);
+
+// Per-op private scratch (this rank only), reset at the start of every op.
+struct alignas(16) MoeStatus {
+  int32_t state;  // kSkip / kRun / kFailed, written by the plan kernel
+  int32_t bad;    // max of (INT32_MAX - pair index) over bad pairs; 0 = none
+  uint32_t dispatchCtasDone;
+  uint32_t combineCtasDone;
+  int32_t capacity[kMoeMaxRanks];  // every rank's receive rows, copied from the table by the plan kernel
+};
+inline constexpr int32_t kSkip = 0;  // verdict: rejected (or a wait failed): touch nothing, publish nothing
+inline constexpr int32_t kRun = 1;
+inline constexpr int32_t kFailed = 2;  // an error every rank found alike: write nothing, keep the flag protocol
+
+inline constexpr uint64_t kAlign = 256;
+__host__ __device__ constexpr uint64_t alignUp(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+// A receive area of `rows` rows: x rows [rows, hidden], row info [rows] x int4, then (FFN) h [rows, ffn] and
+// y [rows, hidden]. 2-byte elements.
+struct RecvLayout {
+  uint64_t xOff, infoOff, hOff, yOff, bytes;
+};
+__host__ __device__ constexpr RecvLayout recvLayout(int64_t rows, int64_t hidden, int64_t ffn) {
+  RecvLayout l{};
+  const auto r = static_cast<uint64_t>(rows);
+  l.xOff = 0;
+  l.infoOff = alignUp(r * static_cast<uint64_t>(hidden) * 2);
+  l.hOff = alignUp(l.infoOff + r * 16);
+  l.yOff = ffn > 0 ? alignUp(l.hOff + r * static_cast<uint64_t>(ffn) * 2) : l.hOff;
+  l.bytes = ffn > 0 ? alignUp(l.yOff + r * static_cast<uint64_t>(hidden) * 2) : l.hOff;
+  return l;
+}
+
+// The route kernel splits a rank's tokens into chunks of kRouteChunk: a warp counts one expert's pairs in one chunk.
+inline constexpr int32_t kRouteChunk = 512;
+__host__ __device__ constexpr int64_t routeChunks(int64_t tokens) { return (tokens + kRouteChunk - 1) / kRouteChunk; }
+
+// Private scratch: status, then localIdx [tokens * topk] (a pair's index among its expert's pairs of its chunk),
+// chunkBase [chunks, E] (an expert's pairs in earlier chunks: counts, then scanned in place by the plan kernel),
+// localCounts [E], srcOffset [E], groupOffsets [E/n + 1].
+struct ScratchLayout {
+  uint64_t statusOff, localIdxOff, chunkBaseOff, localCountsOff, srcOffsetOff, groupOffsetsOff, bytes;
+};
+__host__ __device__ constexpr ScratchLayout scratchLayout(int64_t tokens, int64_t topk, int64_t experts) {
+  ScratchLayout l{};
+  const auto pairs = static_cast<uint64_t>(tokens * topk);
+  const auto e = static_cast<uint64_t>(experts);
+  l.statusOff = 0;
+  l.localIdxOff = alignUp(sizeof(MoeStatus));
+  l.chunkBaseOff = alignUp(l.localIdxOff + pairs * 4);
+  const auto chunks = static_cast<uint64_t>(routeChunks(tokens) > 0 ? routeChunks(tokens) : 1);
+  l.localCountsOff = alignUp(l.chunkBaseOff + chunks * e * 4);
+  l.srcOffsetOff = alignUp(l.localCountsOff + e * 4);
+  l.groupOffsetsOff = alignUp(l.srcOffsetOff + e * 4);
+  l.bytes = alignUp(l.groupOffsetsOff + (e + 1) * 4);
+  return l;
+}
+
+// POD, passed as const __grid_constant__.
+struct MoeKernelParams {
+  const void* x;
+  const int32_t* ids;
+  const float* weights;
+  void* out;              // FFN: the combine's output [tokens, hidden]
+  int32_t* rowInfo;       // dispatch+GEMM: [capacity, 4]
+  int32_t* expertCounts;  // dispatch+GEMM: [E/n]
+  MoeControl* ctl[kMoeMaxRanks];
+  char* recv[kMoeMaxRanks];
+  MoeStatus* status;
+  int32_t* localIdx;
+  int32_t* chunkBase;
+  int32_t* localCounts;
+  int32_t* srcOffset;
+  int32_t* groupOffsets;
+  const uint64_t* verdictSlot;  // optional: this epoch's entry of the control page's verdict ring
+  uint64_t verdictRejected;     // the value that entry holds when tandemd rejected the op
+  const uint64_t* abortWord;
+  ErrorSlot* errorSlot;
+  uint64_t timeoutNs;
+  uint64_t epoch;
+  int32_t rank, nranks;
+  int32_t tokens, hidden, experts, topk, localExperts;
+  int32_t capacity;  // this rank's receive rows
+  int32_t ffn;       // 0: dispatch+GEMM
+  int32_t op;        // OpKind, for the error slot
+  int32_t dtype;     // GemmDtype
+  int32_t pad0;
+};
+
+inline constexpr int kRouteWarps = 8;  // experts per route CTA
+inline constexpr int kCopyWarps = 8;   // rows per dispatch / combine CTA pass
+inline constexpr int kPlanThreads = 1024;
+
+cudaError_t launchRoute(const MoeKernelParams& p, int expertCtas, int chunks, cudaStream_t s);
+cudaError_t launchPlan(const MoeKernelParams& p, cudaStream_t s);
+cudaError_t launchDispatch(const MoeKernelParams& p, int ctas, cudaStream_t s);
+// waitY 0: wait for every source's rows, then copy the row info out; 1: publish y, wait for every owner's.
+cudaError_t launchArrive(const MoeKernelParams& p, int waitY, cudaStream_t s);
+cudaError_t launchCombine(const MoeKernelParams& p, int ctas, cudaStream_t s);
+cudaError_t prepareMoeKernels();
+
+}  // namespace tandem::kernels::moe

@@ -1,0 +1,123 @@
+#include "tandem/kernels/moe_ops.hpp"
+
+#include <algorithm>
+
+#include "tandem/common/error.hpp"
+#include "tandem/kernels/control_page.hpp"
+#include "tandem/kernels/moe.hpp"
+
+namespace tandem::kernels {
+namespace {
+
+constexpr uint64_t kAlign = 256;
+
+GemmDtype gemmDtype(DType t) { return t == DType::kF16 ? GemmDtype::kFp16 : GemmDtype::kBf16; }
+
+MoeParams paramsOf(const OpDescriptor& d, const DevicePointers& ptrs) {
+  MoeParams p;
+  p.dtype = gemmDtype(d.dtype);
+  p.ffn = d.kind == OpKind::kMoeDispatchFfnCombine;
+  p.tokens = static_cast<int64_t>(d.dims[dim::kTokens]);
+  p.hidden = static_cast<int64_t>(d.dims[dim::kHidden]);
+  p.experts = static_cast<int64_t>(d.dims[dim::kExperts]);
+  p.topk = static_cast<int64_t>(d.dims[dim::kTopk]);
+  p.x = ptrs[slot::kX];
+  p.topkIds = static_cast<const int32_t*>(ptrs[slot::kTopkIds]);
+  p.topkWeights = static_cast<const float*>(ptrs[slot::kTopkWeights]);
+  if (p.ffn) {
+    p.ffnDim = static_cast<int64_t>(d.dims[dim::kFfn]);
+    p.w1 = ptrs[slot::kW1];
+    p.w2 = ptrs[slot::kW2];
+    p.out = ptrs[slot::kFfnOut];
+  } else {
+    p.nOut = static_cast<int64_t>(d.dims[dim::kNOut]);
+    p.capacity = static_cast<int64_t>(std::min<uint64_t>(d.dims[dim::kCapacity], uint64_t{1} << 40));
+    p.w = ptrs[slot::kW];
+    p.out = ptrs[slot::kMoeOut];
+    p.rowInfo = static_cast<int32_t*>(ptrs[slot::kRowInfo]);
+    p.expertCounts = static_cast<int32_t*>(ptrs[slot::kExpertCounts]);
+  }
+  return p;
+}
+
+// Every rank's control and receive areas and this rank's scratch, in `env`'s workspaces: the receive rows at the
+// start of each rank's data region, the scratch at the end of this rank's.
+MoeComm commOf(const MoeParams& p, const FusedEnv& env) {
+  MoeComm c;
+  c.rank = env.rank;
+  c.nranks = env.nranks;
+  const WorkspaceLayout& l = env.layout;
+  const uint64_t scratch = moeScratchBytes(p.tokens, p.topk, p.experts);
+  const uint64_t recv = l.dataBytes >= scratch ? (l.dataBytes - scratch) / kAlign * kAlign : 0;
+  for (uint32_t q = 0; q < env.nranks; ++q) {
+    c.control[q] = env.workspaces[q] + l.moeOff;
+    c.recv[q] = env.workspaces[q] + l.dataOff;
+  }
+  c.scratch = env.workspaces[env.rank] + l.dataOff + recv;
+  c.scratchBytes = l.dataBytes - recv;
+  c.recvBytes = recv;
+  c.abortWord = env.ctl != nullptr ? &env.ctl->abort : nullptr;
+  c.errorSlot = env.ctl != nullptr ? &env.ctl->error : nullptr;
+  c.timeoutNs = env.timeoutNs;
+  return c;
+}
+
+}  // namespace
+
+bool isMoeOp(OpKind kind) { return kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine; }
+
+void checkMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env) {
+  const std::string_view op = opKindName(d.kind);
+  if (!isMoeOp(d.kind)) fail(ErrorCode::kInternal, "{} is not an MoE op", op);
+  if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
+    fail(ErrorCode::kUnsupported,
+         "{}: the cuda backend's MoE kernels take bf16 or fp16, not {}; convert the tensors, "
+         "or run {} on a tandemd with daemon.backend: cpu",
+         op, dtypeName(d.dtype), op);
+  }
+  if (env.workspaceBytes < env.layout.moeOff + kMoeControlBytes) {
+    fail(ErrorCode::kInvalidArgument,
+         "{}: the communicator's workspace ({} bytes per rank) has no room for the MoE "
+         "ops' control area ({} bytes); set cuda.workspace_bytes larger in tandemd's config and restart it",
+         op, env.workspaceBytes, kMoeControlBytes);
+  }
+  const MoeParams p = paramsOf(d, ptrs);
+  if (d.dims[dim::kCapacity] >= (uint64_t{1} << 31) && !p.ffn) {
+    fail(ErrorCode::kInvalidArgument, "{}: capacity = {} must be below 2^31 on the cuda backend", op,
+         d.dims[dim::kCapacity]);
+  }
+  const MoeComm c = commOf(p, env);
+  // validateMoe names the workspace when the receive rows do not fit; give the size that would.
+  try {
+    validateMoe(p, c);
+  } catch (const Error& e) {
+    if (p.ffn || moeRecvBytes(p.capacity, p.hidden, 0) <= c.recvBytes) throw;
+    const uint64_t need = moeRecvBytes(p.capacity, p.hidden, 0) + moeScratchBytes(p.tokens, p.topk, p.experts) + kAlign;
+    const uint64_t bytes = WorkspaceLayout::bytesFor((need + 1) / 2, env.nranks);
+    fail(ErrorCode::kInvalidArgument,
+         "{}: capacity = {} rows of hidden = {} need {} bytes of receive rows on this "
+         "rank, but the communicator's workspace leaves {}; set cuda.workspace_bytes: {} (or more) in tandemd's "
+         "config and restart it, or lower capacity",
+         op, p.capacity, p.hidden, need, c.recvBytes, bytes);
+  }
+}
+
+std::string launchMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, const FusedEnv& env,
+                        cudaStream_t stream, bool readVerdict) {
+  const MoeParams p = paramsOf(d, ptrs);
+  MoeComm c = commOf(p, env);
+  c.epoch = epoch;
+  if (readVerdict && env.ctl != nullptr) {
+    c.verdictSlot = &env.ctl->verdict[epoch % kVerdictRing];
+    c.verdictRejected = epoch | kVerdictRejected;
+  }
+  try {
+    return launchMoe(p, c, stream);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& ex) {  // the grouped GEMM's launcher may throw std::runtime_error
+    fail(ErrorCode::kCuda, "{}: {}", opKindName(d.kind), ex.what());
+  }
+}
+
+}  // namespace tandem::kernels

@@ -1,0 +1,119 @@
+// The MoE ops' host side (kernels/moe_ops.cpp, kernels/moe.cpp), which both executors share: the receive-area and
+// scratch arithmetic, and the checks that refuse an op before any kernel could write past a workspace. Host arithmetic
+// only (no GPU); built where nvcc is.
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "tandem/common/error.hpp"
+#include "tandem/common/reference.hpp"
+#include "tandem/kernels/moe.hpp"
+#include "tandem/kernels/moe_ops.hpp"
+
+namespace k = tandem::kernels;
+using tandem::DType;
+using tandem::ErrorCode;
+using tandem::OpDescriptor;
+using tandem::OpKind;
+namespace dim = tandem::dim;
+
+namespace {
+
+OpDescriptor moeDesc(OpKind kind, uint64_t tokens, uint64_t hidden, uint64_t n, uint64_t experts, uint64_t topk,
+                     uint32_t nranks, DType dtype = DType::kBF16) {
+  tandem::reference::OpShape shape;
+  shape.kind = kind;
+  shape.dtype = dtype;
+  shape.m = tokens;
+  shape.k = hidden;
+  shape.n = n;
+  shape.experts = experts;
+  shape.topk = topk;
+  return tandem::reference::makeDescriptor(shape, 0, nranks);
+}
+
+// Every rank's workspace at a 2 MiB-aligned stand-in address: the checks read addresses, never the memory.
+k::FusedEnv envWith(uint64_t workspaceBytes, uint32_t nranks) {
+  k::FusedEnv env;
+  env.rank = 0;
+  env.nranks = nranks;
+  env.workspaceBytes = workspaceBytes;
+  env.layout = k::WorkspaceLayout::fit(workspaceBytes, nranks);
+  for (uint32_t r = 0; r < nranks; ++r) env.workspaces[r] = reinterpret_cast<char*>(uintptr_t{1} << 40 << r);
+  return env;
+}
+
+k::DevicePointers alignedPointers() {
+  k::DevicePointers p{};
+  for (std::size_t s = 0; s < 7; ++s) p[s] = reinterpret_cast<void*>(uintptr_t{1} << 30 << s);
+  return p;
+}
+
+std::string refusal(const OpDescriptor& d, const k::DevicePointers& ptrs, const k::FusedEnv& env, ErrorCode* code) {
+  try {
+    k::checkMoeOp(d, ptrs, env);
+    return "";
+  } catch (const tandem::Error& e) {
+    if (code != nullptr) *code = e.code();
+    return e.what();
+  }
+}
+
+}  // namespace
+
+TEST_CASE("moe ops: the receive area holds the rows it is sized for, and no more than its bytes") {
+  for (int64_t hidden : {8, 264, 7168}) {
+    for (int64_t ffn : {0, 8, 2048}) {
+      CAPTURE(hidden);
+      CAPTURE(ffn);
+      for (uint64_t bytes : {uint64_t{4096}, uint64_t{1} << 20, uint64_t{300} << 20}) {
+        const int64_t rows = k::moeRecvRows(bytes, hidden, ffn);
+        CHECK(k::moeRecvBytes(rows, hidden, ffn) <= bytes);
+        CHECK(k::moeRecvBytes(rows + 1, hidden, ffn) > bytes);  // the most that fit
+      }
+      CHECK(k::moeRecvBytes(10, hidden, ffn) >= static_cast<uint64_t>(10 * hidden * 2 * (ffn > 0 ? 2 : 1) + 160));
+    }
+  }
+  CHECK(k::moeScratchBytes(1000, 8, 256) >= 1000 * 8 * 4 + 2 * 256 * 4);
+}
+
+TEST_CASE("moe ops: the workspace keeps the MoE control area apart from every other region") {
+  for (uint32_t n = 1; n <= 8; ++n) {
+    const k::WorkspaceLayout l = k::WorkspaceLayout::fit(512u << 20, n);
+    CHECK(l.moeOff >= l.dataOff + l.dataBytes);
+    CHECK(l.moeOff + k::kMoeControlBytes <= (512u << 20));
+    CHECK(l.moeOff % 128 == 0);
+  }
+}
+
+TEST_CASE("moe ops: what the kernels cannot run is refused with the remedy, the rest accepted") {
+  const k::FusedEnv env = envWith(512u << 20, 2);
+  const k::DevicePointers ptrs = alignedPointers();
+  ErrorCode code = ErrorCode::kOk;
+  for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine}) {
+    CAPTURE(tandem::opKindName(kind));
+    CHECK(refusal(moeDesc(kind, 100, 264, 200, 8, 2, 2), ptrs, env, nullptr).empty());
+    CHECK(refusal(moeDesc(kind, 0, 264, 200, 8, 2, 2), ptrs, env, nullptr).empty());  // a rank of no tokens
+    CHECK(refusal(moeDesc(kind, 100, 260, 200, 8, 2, 2), ptrs, env, &code).find("multiple of 8") != std::string::npos);
+    CHECK(code == ErrorCode::kInvalidArgument);
+    CHECK(refusal(moeDesc(kind, 100, 264, 204, 8, 2, 2), ptrs, env, &code).find("multiple of 8") != std::string::npos);
+    CHECK(refusal(moeDesc(kind, 100, 264, 200, 8, 2, 2, DType::kF32), ptrs, env, &code).find("bf16 or fp16") !=
+          std::string::npos);
+    CHECK(code == ErrorCode::kUnsupported);
+    CHECK(refusal(moeDesc(kind, 100, 264, 200, 64, 33, 2), ptrs, env, &code).find("topk") != std::string::npos);
+    CHECK(refusal(moeDesc(kind, 100, 264, 200, 2048, 2, 2), ptrs, env, &code).find("experts") != std::string::npos);
+    k::DevicePointers off = ptrs;
+    off[tandem::slot::kX] = static_cast<char*>(off[tandem::slot::kX]) + 8;
+    CHECK(refusal(moeDesc(kind, 100, 264, 200, 8, 2, 2), off, env, &code).find("16-byte aligned") != std::string::npos);
+  }
+  // A capacity whose receive rows do not fit names the workspace size that would.
+  OpDescriptor big = moeDesc(OpKind::kMoeDispatchGemm, 100, 7168, 200, 8, 2, 2);
+  big.dims[dim::kCapacity] = 1u << 20;
+  const std::string why = refusal(big, ptrs, env, &code);
+  CHECK(why.find("cuda.workspace_bytes: ") != std::string::npos);
+  CHECK(code == ErrorCode::kInvalidArgument);
+  // A workspace too small for even the control area says so.
+  const k::FusedEnv tiny = envWith(1u << 20, 2);
+  CHECK(refusal(moeDesc(OpKind::kMoeDispatchGemm, 1, 8, 8, 2, 1, 2), ptrs, tiny, nullptr).find("workspace") !=
+        std::string::npos);
+}
