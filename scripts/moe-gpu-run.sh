@@ -19,7 +19,8 @@ step configure
 timeout 60 cmake -S . -B "$b" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$out/configure.log" 2>&1 || step "configure failed"
 # The end-to-end tests need tandemd and libtandem (the fused GEMM families too): build them in the background while
 # the kernels' own test and the benchmarks run.
-( timeout 230 cmake --build "$b" -j10 --target tandemd tandemctl tandem_moe_gpu_tests >"$out/build-e2e.log" 2>&1
+( timeout 230 cmake --build "$b" -j10 --target tandemd tandemctl tandem_moe_gpu_tests tandem_unit_tests \
+    >"$out/build-e2e.log" 2>&1
   echo $? >"$out/build-e2e.rc" ) &
 heavy=$!
 step "build grouped GEMM test and moe_bench"
@@ -46,6 +47,13 @@ rm -rf "$out/routing"
 step "waiting for the e2e build"
 wait "$heavy"
 step "e2e build rc $(cat "$out/build-e2e.rc" 2>/dev/null)"
+grep -E "error|warning" "$out/build-e2e.log" | sort | uniq -c | head -40 >"$out/build-e2e-warnings.txt"
+if [ -x "$b"/tests/tandem_unit_tests ]; then
+  step "unit tests: the MoE ops' host checks, the executors' op sets, the workspace layout"
+  timeout 60 "$b"/tests/tandem_unit_tests --test-case="moe ops*,executor strategies*,fused ops*" \
+    >"$out/unit_test.log" 2>&1
+  echo "rc $?" >>"$out/unit_test.log"
+fi
 if [ -x "$b"/tests/gpu/tandem_moe_gpu_tests ]; then
   step "moe GPU tests, client executor"
   timeout "$(left)" "$b"/tests/gpu/tandem_moe_gpu_tests --test-case-exclude="*daemon executor*" \
@@ -65,6 +73,6 @@ if [ -x "$b"/tests/gpu/tandem_moe_gpu_tests ]; then
   fi
 fi
 step done
-for f in grouped_gemm_test.log moe_bench.log torch.log moe_gpu_test.log moe_gpu_test_mps.log; do
+for f in grouped_gemm_test.log unit_test.log moe_bench.log torch.log moe_gpu_test.log moe_gpu_test_mps.log; do
   [ -f "$out/$f" ] && { echo "== $f"; tail -25 "$out/$f"; }
 done
