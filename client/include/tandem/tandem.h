@@ -221,7 +221,11 @@ TANDEM_API tandem_status_t tandem_gemm_ar(tandem_comm_t comm, const tandem_gemm_
  *   out [capacity, n_out] (dtype), row_info [capacity, 4] int32 = {src_rank, src_token, slot, expert},
  *   expert_counts [E/n] int32. capacity is this rank's (ranks may differ); rows past sum(expert_counts) are
  *   left untouched. If more than `capacity` rows arrive, the op fails naming the rows needed. topk_weights
- *   are not used by this op (they travel for a later combine). tokens may be 0 on a rank. */
+ *   are not used by this op (they travel for a later combine). tokens may be 0 on a rank.
+ * cuda backend (ranks on one node): bf16 or fp16; hidden and n_out multiples of 8; topk <= 32; experts <= 1024.
+ *   The routing is decided on the GPU (stream-ordered, no host round trip), so a bad expert id or a capacity
+ *   overflow is found there: every rank's op fails with the message, nothing is written, and the communicator
+ *   fails with it (create a new one). */
 typedef struct tandem_moe_dispatch_gemm_args {
   size_t struct_size;
   tandem_dtype_t dtype;
@@ -236,7 +240,10 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const ta
  * holds w1 [E/n, 2*ffn, hidden] (rows [0, ffn) are the gate, [ffn, 2*ffn) the up projection) and
  * w2 [E/n, hidden, ffn]. For token x: h = silu(x·w1_gateᵀ) * (x·w1_upᵀ) (rounded to dtype), y = h·w2ᵀ.
  * out [tokens, hidden] on the source rank, in original token order: out_t = Σ_slot weight * y_e(x_t)
- * (y is not rounded to dtype; the cpu backend sums the slots in fp32 in slot order). */
+ * (y is not rounded to dtype; the cpu backend sums the slots in fp32 in slot order).
+ * cuda backend (ranks on one node): as tandem_moe_dispatch_gemm, ffn a multiple of 8; y is rounded to dtype
+ * before the weighted sum (fp32, slot order, bitwise repeatable); the experts' rows live in the communicator's
+ * workspace (cuda.workspace_bytes), and an op whose rows do not fit fails saying how much more it needs. */
 typedef struct tandem_moe_ffn_args {
   size_t struct_size;
   tandem_dtype_t dtype;
