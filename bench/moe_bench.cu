@@ -263,8 +263,9 @@ int main(int argc, char** argv) {
     for (int e = 0; e < kExperts; ++e) offs[size_t(e + 1)] = offs[size_t(e)] + r.counts[size_t(e)];
     CK(cudaMemcpy(offsets, offs.data(), offs.size() * 4, cudaMemcpyHostToDevice));
 
-    const auto params = [&](int set, bool ffn) {
+    const auto params = [&](int set, bool ffn, int skip) {
       k::MoeParams p;
+      p.gemmSkipIdleHalves = skip;
       p.dtype = k::GemmDtype::kBf16;
       p.ffn = ffn;
       p.tokens = r.tokens;
@@ -286,9 +287,9 @@ int main(int argc, char** argv) {
       return p;
     };
     std::string plan;
-    const auto run = [&](int set, bool ffn) {
+    const auto run = [&](int set, bool ffn, int skip = 0) {
       comm.epoch = ++epoch;
-      plan = k::launchMoe(params(set, ffn), comm, s);
+      plan = k::launchMoe(params(set, ffn, skip), comm, s);
     };
     const double g1Flops = 2.0 * double(rows) * kHidden * 2 * kFfn;
     const double g2Flops = 2.0 * double(rows) * kFfn * kHidden;
@@ -407,25 +408,40 @@ int main(int argc, char** argv) {
     g2.out = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(g2.out) + 255) & ~uintptr_t{255});
     g2.epilogue = k::GroupedGemmEpilogue::kStore;
     const double msG2 = timeCalls(s, iters, [&](int) { k::launchGroupedGemm(g2, s); });
+    // The same with skipIdleHalves (a warpgroup whose rows all lie past its group's end skips its wgmmas).
+    k::GroupedGemmParams g1k = g1, g1sk = g1s, g2k = g2;
+    g1k.skipIdleHalves = g1sk.skipIdleHalves = g2k.skipIdleHalves = 1;
+    const double msG1k = timeCalls(s, iters, [&](int) { k::launchGroupedGemm(g1k, s); });
+    const double msG1sk = timeCalls(s, iters, [&](int) { k::launchGroupedGemm(g1sk, s); });
+    const double msG2k = timeCalls(s, iters, [&](int) { k::launchGroupedGemm(g2k, s); });
+    const double msFfnK = timeCalls(s, iters, [&](int set) { run(set, true, 1); });
+    run(0, true, 1);
+    syncOrDie(s, 60, "FFN with skipIdleHalves");
+    const std::vector<uint16_t> outRowK = download16(static_cast<char*>(outF) + t0 * kHidden * 2, kHidden);
+    const bool skipSame = outRowK == outRow;
     const double twoGemms = msG1s + msG2;
     std::printf("%-10s %6lld %7lld  %-22s %9.4f %8.1f\n", r.name.c_str(), static_cast<long long>(r.tokens),
                 static_cast<long long>(rows), "dispatch+GEMM", msGemm, tflops(g1Flops, msGemm));
-    std::printf("%-10s %6lld %7lld  %-22s %9.4f %8.1f\n", "", 0ll, 0ll, "FFN (whole layer)", msFfn,
+    std::printf("%-10s %6s %7s  %-22s %9.4f %8.1f\n", "", "", "", "FFN (whole layer)", msFfn,
                 tflops(g1Flops + g2Flops, msFfn));
     std::printf("%-10s %6s %7s  %-22s %9.4f %8.1f\n", "", "", "", "gemm1 alone", msG1, tflops(g1Flops, msG1));
     std::printf("%-10s %6s %7s  %-22s %9.4f %8.1f\n", "", "", "", "gemm1+SwiGLU alone", msG1s, tflops(g1Flops, msG1s));
     std::printf("%-10s %6s %7s  %-22s %9.4f %8.1f\n", "", "", "", "gemm2 alone", msG2, tflops(g2Flops, msG2));
     std::printf("%-10s %6s %7s  %-22s %9.3f  (the two GEMMs / the FFN; target >= 0.95)\n", "", "", "", "overlap ratio",
                 twoGemms / msFfn);
+    std::printf("%-10s %6s %7s  %-22s %9.4f %9.4f %9.4f %9.4f  (gemm1, gemm1+SwiGLU, gemm2, FFN; FFN row %s)\n", "", "",
+                "", "skipIdleHalves", msG1k, msG1sk, msG2k, msFfnK, skipSame ? "bitwise the same" : "DIFFERS");
+    ok = ok && skipSame;
     std::printf("  plans: %s | %s\n", planGemm.c_str(), planFfn.c_str());
     std::fflush(stdout);
     char buf[768];
     std::snprintf(
         buf, sizeof buf,
         "%s{\"case\": \"%s\", \"tokens\": %lld, \"rows\": %lld, \"dispatch_gemm_ms\": %.5f, \"ffn_ms\": %.5f, "
-        "\"gemm1_ms\": %.5f, \"gemm1_swiglu_ms\": %.5f, \"gemm2_ms\": %.5f, \"ok\": %s}",
+        "\"gemm1_ms\": %.5f, \"gemm1_swiglu_ms\": %.5f, \"gemm2_ms\": %.5f, \"gemm1_skip_ms\": %.5f, "
+        "\"gemm1_swiglu_skip_ms\": %.5f, \"gemm2_skip_ms\": %.5f, \"ffn_skip_ms\": %.5f, \"ok\": %s}",
         ci == 0 ? "" : ", ", r.name.c_str(), static_cast<long long>(r.tokens), static_cast<long long>(rows), msGemm,
-        msFfn, msG1, msG1s, msG2, caseOk ? "true" : "false");
+        msFfn, msG1, msG1s, msG2, msG1k, msG1sk, msG2k, msFfnK, caseOk && skipSame ? "true" : "false");
     json += buf;
   }
   json += "]}\n";

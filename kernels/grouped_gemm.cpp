@@ -236,6 +236,7 @@ void launchGroupedGemm(const GroupedGemmParams& g, cudaStream_t stream, int numS
   p.numExperts = static_cast<int32_t>(g.numExperts);
   p.tilesN = static_cast<int32_t>(ceilDiv(nOut, tileCols(g)));
   p.groupM = g.groupM == 0 ? kDefaultGroupM : g.groupM;
+  p.skipIdleHalves = g.skipIdleHalves != 0 ? 1 : 0;
 
   // Persistent: one CTA per SM, fewer when even the most tiles any grouping can have would not fill them.
   const int64_t maxTiles = groupedGemmMaxRowTiles(g.mTotal, g.numExperts) * p.tilesN;

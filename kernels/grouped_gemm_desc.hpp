@@ -43,7 +43,7 @@ struct GroupedGemmKernelParams {
   int32_t numExperts;
   int32_t tilesN;      // ceil(nOut / tile columns)
   int32_t groupM;      // raster group height in row tiles, within one expert
-  int32_t pad0;
+  int32_t skipIdleHalves;  // GroupedGemmParams::skipIdleHalves
 };
 static_assert(sizeof(GroupedGemmKernelParams) % 64 == 0);
 

@@ -232,6 +232,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   gg.mTotal = rows;
   gg.x = p.recv[c.rank] + rl.xOff;
   gg.k = g.hidden;
+  gg.skipIdleHalves = g.gemmSkipIdleHalves;
   if (!g.ffn) {
     gg.w = g.w;
     gg.out = g.out;
@@ -259,6 +260,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   g2.n = g.hidden;
   g2.k = g.ffnDim;
   g2.epilogue = GroupedGemmEpilogue::kStore;
+  g2.skipIdleHalves = g.gemmSkipIdleHalves;
   launchGroupedGemm(g2, stream, g.gemmSms);
   checkCuda(launchArrive(p, 1, stream), "launching the y exchange");
   checkCuda(launchCombine(p, combineCtas, stream), "launching the combine kernel");

@@ -215,6 +215,18 @@ __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams
 
   GroupTile tile;
   for (int32_t w = firstWork; findTile<Epi>(p, cur, w, tile); w += workStride) {
+    const int32_t rowBase = tile.row0 + wg * kRowsPerConsumer;
+    const int32_t rowsHere = tile.rowEnd - rowBase;  // rows of ours inside the group (warpgroup-uniform)
+    if (p.skipIdleHalves != 0 && rowsHere <= 0) {
+      // The group ends in the other warpgroup's half of this tile: nothing of ours is stored, so hand each stage
+      // back as it lands and leave the tensor cores to the other warpgroup (it then runs about twice as fast).
+      for (int32_t kb = 0; kb < p.numKBlocks; ++kb) {
+        gemm::mbarWait(&s.full[ps.stage], ps.phase);  // keeps this warpgroup's pipeline position in step
+        gemm::releaseStage<T, kStages, 1>(s, ps.stage, t);
+        ps.advance();
+      }
+      continue;
+    }
     // ---- mainloop (as the core's): one k-block in flight behind the one being issued.
     int prevStage = 0;
     for (int32_t kb = 0; kb < p.numKBlocks; ++kb) {
@@ -239,8 +251,6 @@ __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams
     gemm::releaseStage<T, kStages, 1>(s, prevStage, t);  // numKBlocks >= 1 (the host refuses k == 0)
 
     // ---- epilogue
-    const int32_t rowBase = tile.row0 + wg * kRowsPerConsumer;
-    const int32_t rowsHere = tile.rowEnd - rowBase;  // rows of ours inside the group (warpgroup-uniform)
     if (rowsHere <= 0) continue;
     float scale0 = 1.0f;
     float scale1 = 1.0f;

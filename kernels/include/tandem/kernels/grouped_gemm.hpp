@@ -52,6 +52,9 @@ struct GroupedGemmParams {
   GemmDtype dtype;
   GroupedGemmEpilogue epilogue;
   int32_t groupM;                ///< tuning: raster group height in row tiles within an expert (0 = default 16)
+  /// tuning: a consumer warpgroup whose 64 rows of a tile all lie past its group's end skips its wgmmas (the tile's
+  /// other half then has the tensor cores alone). 0 = off.
+  int32_t skipIdleHalves;
 };
 
 /// Checks `params` against every rule the kernel needs, without touching the GPU.

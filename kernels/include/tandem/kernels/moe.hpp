@@ -71,6 +71,7 @@ struct MoeParams {
   int32_t* rowInfo = nullptr;       ///< dispatch+GEMM: [capacity, 4]
   int32_t* expertCounts = nullptr;  ///< dispatch+GEMM: [E/n]
   int gemmSms = 0;                  ///< cap on the grouped GEMMs' grid (0: every SM)
+  int gemmSkipIdleHalves = 0;       ///< GroupedGemmParams::skipIdleHalves for the grouped GEMMs
 };
 
 /// Bytes of a receive area holding `rows` rows (x rows, row info; with ffn > 0 also h and y).
