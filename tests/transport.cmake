@@ -7,12 +7,26 @@ if(NOT TARGET tandem_transport)
   return()
 endif()
 
+# The verbs test double (libibverbs.so.1 in ${TANDEM_VERBS_DOUBLE_LIBDIR}); tests opt into it through LD_LIBRARY_PATH.
+add_subdirectory(support/verbs_double)
+
 add_executable(tandem_transport_tests
   unit/main.cpp
   unit/tcp_logic_test.cpp
-  unit/transport_logic_test.cpp)
+  unit/transport_logic_test.cpp
+  unit/verbs_control_logic_test.cpp)
 target_link_libraries(tandem_transport_tests PRIVATE tandem_transport doctest::doctest tandem_warnings)
 doctest_discover_tests(tandem_transport_tests ADD_LABELS 1 PROPERTIES LABELS unit TIMEOUT 60)
+
+# tandem's use of verbs against the double: QP state machine, ordering, completions, faults, the verbs transport and
+# its bootstrap. And the RDMA hardware suite, which finds the double's device instead of skipping.
+set(TANDEM_VERBS_DOUBLE_ENV "LD_LIBRARY_PATH=${TANDEM_VERBS_DOUBLE_LIBDIR}")
+add_executable(tandem_verbs_double_tests unit/main.cpp unit/verbs_double_test.cpp)
+target_link_libraries(tandem_verbs_double_tests PRIVATE tandem_transport doctest::doctest tandem_warnings ${CMAKE_DL_LIBS})
+target_include_directories(tandem_verbs_double_tests PRIVATE ${PROJECT_SOURCE_DIR}/tests/support)
+add_dependencies(tandem_verbs_double_tests tandem_verbs_double)
+doctest_discover_tests(tandem_verbs_double_tests ADD_LABELS 1
+                       PROPERTIES LABELS unit TIMEOUT 60 ENVIRONMENT "${TANDEM_VERBS_DOUBLE_ENV}")
 
 add_executable(tandem_tcp_tests
   integration/main.cpp
@@ -25,6 +39,7 @@ target_link_libraries(tandem_rdma_tests PRIVATE tandem_transport doctest::doctes
 # One CTest entry: the executable probes for a device before doctest runs and exits 77 without one.
 add_test(NAME tandem_rdma_tests COMMAND tandem_rdma_tests)
 set_tests_properties(tandem_rdma_tests PROPERTIES LABELS rdma SKIP_RETURN_CODE 77 TIMEOUT 120)
-
-# tandemd refuses a cluster transport without a control channel (a daemon process; needs tandemd).
-target_sources(tandem_integration_tests PRIVATE integration/cluster_transport_test.cpp)
+add_test(NAME tandem_rdma_tests_on_verbs_double COMMAND tandem_rdma_tests)
+set_tests_properties(tandem_rdma_tests_on_verbs_double PROPERTIES LABELS integration TIMEOUT 120
+                     ENVIRONMENT "${TANDEM_VERBS_DOUBLE_ENV}")
+add_dependencies(tandem_rdma_tests tandem_verbs_double)

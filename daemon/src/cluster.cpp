@@ -185,12 +185,6 @@ Cluster::Cluster(const DaemonConfig& config, std::string backend, std::vector<Gp
     : config_(config), backend_(std::move(backend)), gpus_(std::move(gpus)) {
   const ClusterSection& c = config.cluster;
   if (!isMultiNode(c)) fail(ErrorCode::kInvalidConfig, "cluster.nodes lists fewer than two nodes");
-  if (c.transport != ClusterTransport::kTcp) {
-    fail(ErrorCode::kInvalidConfig, "cluster.transport: verbs is built and unit-tested but tandemd cannot run a "
-         "cluster on it yet: the verbs transport has no control channel for the daemons' messages (its queue pairs "
-         "carry RDMA writes only), and nothing exchanges its queue-pair addresses at startup; set "
-         "cluster.transport: tcp");
-  }
   self_ = static_cast<NodeIndex>(c.nodeIndex);
   nodes_.resize(c.nodes.size());
   for (size_t i = 0; i < c.nodes.size(); ++i) {
@@ -205,8 +199,9 @@ Cluster::Cluster(const DaemonConfig& config, std::string backend, std::vector<Gp
   queued_.resize(nodes_.size());
 
   transport::TransportOptions to;
-  to.kind = transport::TransportKind::kTcp;
+  to.kind = c.transport == ClusterTransport::kVerbs ? transport::TransportKind::kVerbs : transport::TransportKind::kTcp;
   to.self = self_;
+  to.nodeCount = static_cast<uint32_t>(c.nodes.size());
   to.listen = addresses_[self_];
   to.secret = clusterSecret(c);
   to.connectionsPerPeer = c.connectionsPerPeer;

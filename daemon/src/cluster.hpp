@@ -1,8 +1,9 @@
 // Multi-node: this daemon's links to the other nodes' daemons (ARCHITECTURE.md decision 6, issue 7).
 //
 // Control. The daemons of a cluster (cluster.nodes, the same list on every node) connect through the transport's
-// control channel (transport::ControlChannel; the tcp transport authenticates both ends with the cluster secret
-// and reports a different secret or protocol version on both sides). Control messages
+// control channel (transport::ControlChannel; tcp, and verbs through its bootstrap link, authenticate both ends with
+// the cluster secret and report a different secret or protocol version on both sides; verbs carries the messages
+// as SENDs on its queue pairs). Control messages
 // (proto/tandem/v1/cluster.proto) ride it in order per peer, each after the data sent to that peer before it. The first message each way is a NodeHello; a node whose hello does not match (cluster
 // protocol, backend, staging size) is marked incompatible on both sides, and the reason is in the log and
 // in `tandemctl status`. Messages sent before a node is connected wait in a queue and go out after its hello.

@@ -24,7 +24,7 @@
 // their order; ops issued concurrently from several threads are ordered as the transport serialises them.
 //
 // Control channel: a transport may also carry the daemons' control messages, ordered after the data sent before
-// them (ControlChannel, returned by controlChannel()). tcp does; verbs and null do not yet.
+// them (ControlChannel, returned by controlChannel()). tcp and verbs do; null does not.
 #pragma once
 
 #include <algorithm>
@@ -227,8 +227,7 @@ class Transport {
   /// connecting.
   virtual void setPeerFailureHandler(std::function<void(NodeIndex, const PeerStatus&)> handler) = 0;
 
-  /// The control channel this transport carries, or null when it has none: the null transport, and the verbs
-  /// transport, whose queue pairs carry RDMA writes only (no SEND/RECV path yet).
+  /// The control channel this transport carries, or null when it has none (the null transport).
   virtual ControlChannel* controlChannel() { return nullptr; }
 };
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 #include <string_view>
 #include <tuple>
@@ -273,6 +274,14 @@ void encodeWorkRequest(const WorkRequestPlan& plan, uint64_t wrId, bool signaled
       wr.num_sge = 0;
       wr.send_flags |= IBV_SEND_SIGNALED;
       break;
+    case WrKind::kSend:
+      wr.opcode = IBV_WR_SEND;
+      sge.addr = plan.localAddr;
+      sge.length = plan.length;
+      sge.lkey = plan.lkey;
+      wr.sg_list = &sge;
+      wr.num_sge = 1;
+      break;
     case WrKind::kFlushRead:
       wr.opcode = IBV_WR_RDMA_READ;
       sge.addr = plan.localAddr;
@@ -283,6 +292,39 @@ void encodeWorkRequest(const WorkRequestPlan& plan, uint64_t wrId, bool signaled
       wr.send_flags |= IBV_SEND_SIGNALED;  // the flush is only useful if we see it complete
       break;
   }
+}
+
+std::vector<std::byte> fragmentMessage(std::span<const std::byte> payload, std::size_t slotBytes,
+                                       std::vector<uint32_t>& lengths) {
+  if (slotBytes <= kFragmentHeaderBytes)
+    fail(ErrorCode::kInvalidArgument, "verbs: receive slots of {} bytes leave no room for a message", slotBytes);
+  const std::size_t room = slotBytes - kFragmentHeaderBytes;
+  const std::size_t count = payload.empty() ? 1 : (payload.size() + room - 1) / room;
+  std::vector<std::byte> out(count * slotBytes);
+  lengths.clear();
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::size_t at = i * room;
+    const std::size_t n = std::min(room, payload.size() - std::min(at, payload.size()));
+    std::byte* f = out.data() + i * slotBytes;
+    f[0] = static_cast<std::byte>(i + 1 == count ? kFragmentLast : kFragmentMore);
+    if (n) std::memcpy(f + kFragmentHeaderBytes, payload.data() + at, n);
+    lengths.push_back(static_cast<uint32_t>(kFragmentHeaderBytes + n));
+  }
+  return out;
+}
+
+bool appendFragment(std::span<const std::byte> fragment, std::vector<std::byte>& assembling, std::size_t maxBytes) {
+  if (fragment.size() < kFragmentHeaderBytes)
+    fail(ErrorCode::kProtocol, "verbs: control message fragment of {} bytes has no header", fragment.size());
+  const auto kind = static_cast<uint8_t>(fragment[0]);
+  if ((kind != kFragmentMore && kind != kFragmentLast) || fragment[1] != std::byte{0} || fragment[2] != std::byte{0} ||
+      fragment[3] != std::byte{0})
+    fail(ErrorCode::kProtocol, "verbs: control message fragment with a bad header ({:#x})", kind);
+  const auto body = fragment.subspan(kFragmentHeaderBytes);
+  if (assembling.size() + body.size() > maxBytes)
+    fail(ErrorCode::kProtocol, "verbs: control message over {} bytes", maxBytes);
+  assembling.insert(assembling.end(), body.begin(), body.end());
+  return kind == kFragmentLast;
 }
 
 SendQueueTracker::SendQueueTracker(uint32_t depth, uint32_t signalEvery) : depth_(depth), signalEvery_(signalEvery) {

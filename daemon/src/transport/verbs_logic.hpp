@@ -3,6 +3,9 @@
 // work-request planning and encoding, selective signalling with send-queue accounting, and the rail-aligned
 // choice of NIC per GPU from a topology given as plain data.
 //
+// Control-message fragments (SENDs on QP 0) have a 4-byte header: byte 0 is kFragmentMore or kFragmentLast, the
+// rest zero.
+//
 // Only <infiniband/verbs.h> types are used here (plain structs and enums); nothing calls into libibverbs.
 #pragma once
 
@@ -106,6 +109,7 @@ enum class WrKind : uint8_t {
   kFlag = 1,       ///< RDMA WRITE of 8 inline bytes (the flag value), no local MR needed
   kMarker = 2,     ///< zero-length signalled RDMA WRITE: a completion that retires earlier WRs on its QP
   kFlushRead = 3,  ///< RDMA READ of a few bytes on the loopback QP: the GPUDirect flush
+  kSend = 4,       ///< SEND of registered local bytes into the peer's next posted receive (control messages)
 };
 
 /// One work request, before it becomes an ibv_send_wr.
@@ -130,6 +134,18 @@ void planWrite(uint64_t localBase, uint64_t localBytes, uint32_t lkey, uint64_t 
                std::vector<WorkRequestPlan>& out);
 /// A flag write: 8 bytes inline at dst+dstOffset (8-byte aligned, in bounds, else Error(kInvalidArgument)).
 WorkRequestPlan planFlag(const RemoteKey& dst, uint64_t dstOffset, uint64_t value, bool signal, uint64_t cookie);
+
+inline constexpr uint8_t kFragmentMore = 1;
+inline constexpr uint8_t kFragmentLast = 2;
+inline constexpr std::size_t kFragmentHeaderBytes = 4;
+/// Lays `payload` out as fragments of at most `slotBytes` (header included), each starting at a multiple of
+/// slotBytes in the result. Returns the bytes; `lengths` gets each fragment's length. An empty payload is one
+/// header-only fragment. Throws Error(kInvalidArgument) when slotBytes leaves no room for payload.
+std::vector<std::byte> fragmentMessage(std::span<const std::byte> payload, std::size_t slotBytes,
+                                       std::vector<uint32_t>& lengths);
+/// Appends one received fragment to `assembling`; true when it was the last (the message is complete). Throws
+/// Error(kProtocol) for a fragment without a valid header or a message over maxBytes.
+bool appendFragment(std::span<const std::byte> fragment, std::vector<std::byte>& assembling, std::size_t maxBytes);
 
 /// Fills `wr` and `sge` (both owned by the caller and alive until ibv_post_send returns). `signaled` comes
 /// from the SendQueueTracker; wr_id is the WR's per-QP sequence number. IBV_SEND_INLINE for kFlag.

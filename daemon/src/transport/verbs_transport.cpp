@@ -11,6 +11,8 @@
 #include <fstream>
 #include <thread>
 
+#include "transport/tcp_transport.hpp"
+
 namespace tandem::daemon::transport {
 
 namespace verbs {
@@ -102,7 +104,7 @@ VerbsTransport::VerbsTransport(VerbsConfig config) : config_(std::move(config)) 
   verbs::DeviceList devices = verbs::getDeviceList();
   if (devices.count == 0)
     fail(ErrorCode::kUnavailable, "verbs transport: no RDMA device (ibv_get_device_list returned 0 devices{}); run "
-         "on a host with an RDMA NIC, load rdma_rxe, or set transport: tcp",
+         "on a host with an RDMA NIC, load rdma_rxe, or set cluster.transport: tcp",
          devices.savedErrno ? fmt::format(", errno {}", std::strerror(devices.savedErrno)) : std::string());
   ibv_device* chosen = nullptr;
   std::string tried;
@@ -164,25 +166,64 @@ VerbsTransport::VerbsTransport(VerbsConfig config) : config_(std::move(config)) 
   flushCq_.reset(ibv_create_cq(ctx_.get(), 16, nullptr, nullptr, 0));
   if (!flushCq_) checkVerbs(-1, fmt::format("create the flush CQ on {}", deviceName_), "ibv_create_cq");
 
+  if (config_.recvSlots == 0 || config_.recvSlots > static_cast<uint32_t>(devAttr.max_qp_wr))
+    fail(ErrorCode::kInvalidConfig, "verbs transport: {} receive slots per peer must be in [1, {}'s max_qp_wr {}]",
+         config_.recvSlots, deviceName_, devAttr.max_qp_wr);
+  if (config_.recvSlotBytes <= verbs::kFragmentHeaderBytes || config_.recvSlotBytes > portAttr_.max_msg_sz)
+    fail(ErrorCode::kInvalidConfig, "verbs transport: receive slots of {} bytes must hold more than the {}-byte "
+         "fragment header and at most {}'s max_msg_sz", config_.recvSlotBytes, verbs::kFragmentHeaderBytes, deviceName_);
+  const int recvDepth = static_cast<int>(std::min<uint64_t>(uint64_t{config_.recvSlots} * config_.nodeCount + 16,
+                                                            static_cast<uint64_t>(devAttr.max_cqe)));
+  recvCq_.reset(ibv_create_cq(ctx_.get(), recvDepth, nullptr, nullptr, 0));
+  if (!recvCq_) checkVerbs(-1, fmt::format("create the {}-entry receive CQ on {}", recvDepth, deviceName_), "ibv_create_cq");
+
   peers_.reserve(config_.nodeCount);
   for (uint32_t i = 0; i < config_.nodeCount; ++i) peers_.push_back(std::make_unique<Peer>());
+  if (config_.bootstrap.enabled) {
+    TcpConfig tc;
+    tc.self = config_.self;
+    tc.listenHost = config_.bootstrap.listenHost;
+    tc.listenPort = config_.bootstrap.listenPort;
+    tc.secret = config_.bootstrap.secret;
+    tc.connectionsPerPeer = 1;  // control only: the data goes over the QPs
+    tc.ioThreads = 1;
+    tc.connectTimeoutMs = config_.bootstrap.connectTimeoutMs;
+    tc.heartbeatIntervalMs = config_.bootstrap.heartbeatIntervalMs;
+    tc.peerDeadlineMs = config_.bootstrap.peerDeadlineMs;
+    bootstrap_ = std::make_unique<TcpTransport>(std::move(tc));
+    // The bootstrap's callbacks only queue: its failure handler runs under its locks, and every reaction (verbs
+    // calls, messages back) belongs on the control thread.
+    bootstrap_->setMessageHandler([this](NodeIndex from, std::span<const std::byte> bytes) {
+      postEvent(Event{Event::Kind::kBootstrapMessage, from, {bytes.begin(), bytes.end()}, {}, 0});
+    });
+    bootstrap_->setPeerFailureHandler([this](NodeIndex node, const PeerStatus& st) {
+      postEvent(Event{Event::Kind::kBootstrapFailed, node, {}, st, 0});
+    });
+    bootstrap_->setPeerRejoinHandler(
+        [this](NodeIndex node) { postEvent(Event{Event::Kind::kBootstrapRejoined, node, {}, {}, 0}); });
+  }
+  controlThread_ = std::thread([this] { controlLoop(); });
   spdlog::info("verbs transport: node {} on {} port {} ({}, MTU {}, GID index {})", config_.self, deviceName_,
                config_.path.port, portAttr_.link_layer == IBV_LINK_LAYER_ETHERNET ? "RoCE" : "InfiniBand",
                verbs::mtuBytes(config_.path.activeMtu), config_.path.gidIndex);
 }
 
 VerbsTransport::~VerbsTransport() {
+  stopping_.store(true);  // from here the bootstrap's callbacks queue nothing
+  eventCv_.notify_all();
+  if (controlThread_.joinable()) controlThread_.join();
+  bootstrap_.reset();  // says goodbye to the peers, after the thread that sends through it has stopped
   // Members go in reverse declaration order: flush QP, peers' QPs, CQs, MRs, PD, context.
   flushQp_.reset();
   peers_.clear();
 }
 
-verbs::IbvQp VerbsTransport::createQp(ibv_cq* cq, uint32_t sendDepth) {
+verbs::IbvQp VerbsTransport::createQp(ibv_cq* sendCq, ibv_cq* recvCq, uint32_t sendDepth, uint32_t recvDepth) {
   ibv_qp_init_attr init{};
-  init.send_cq = cq;
-  init.recv_cq = cq;
+  init.send_cq = sendCq;
+  init.recv_cq = recvCq;
   init.cap.max_send_wr = sendDepth;
-  init.cap.max_recv_wr = 1;  // we post no receives (no WRITE_WITH_IMM); some providers reject 0
+  init.cap.max_recv_wr = std::max<uint32_t>(recvDepth, 1);  // QP 0: control messages; others none (some providers reject 0)
   init.cap.max_send_sge = 1;
   init.cap.max_recv_sge = 1;
   init.cap.max_inline_data = config_.maxInlineBytes;
@@ -219,23 +260,81 @@ VerbsTransport::Peer& VerbsTransport::peerRef(NodeIndex peer) const {
   return *peers_[peer];
 }
 
+void VerbsTransport::createQpsLocked(Peer& p, NodeIndex peer) {
+  teardownQpsLocked(p);
+  auto pool = std::make_unique<RecvPool>();
+  pool->bytes.resize(std::size_t{config_.recvSlots} * config_.recvSlotBytes);
+  pool->mr.reset(ibv_reg_mr(pd_.get(), pool->bytes.data(), pool->bytes.size(), IBV_ACCESS_LOCAL_WRITE));
+  if (!pool->mr)
+    checkVerbs(-1, fmt::format("register {} receive buffers for node {} on {}; set LimitMEMLOCK=infinity in the unit",
+                               config_.recvSlots, peer, deviceName_), "ibv_reg_mr");
+  p.recv = std::move(pool);
+  for (uint32_t i = 0; i < config_.qpsPerPeer; ++i) {
+    auto q = std::make_unique<Qp>(Qp{createQp(cq_.get(), recvCq_.get(), config_.sendQueueDepth,
+                                              i == 0 ? config_.recvSlots : 1),
+                                     {}, verbs::SendQueueTracker(config_.sendQueueDepth, config_.signalEvery), {}, 0});
+    q->local = describeQp(q->qp.get());
+    {
+      std::lock_guard mapLock(qpMapMutex_);
+      qpOwner_[q->qp->qp_num] = {peer, i};
+    }
+    p.qps.push_back(std::move(q));
+  }
+  // Receives go up in INIT, before the peer can send anything (a SEND that finds none waits on RNR NAKs).
+  for (uint32_t slot = 0; slot < config_.recvSlots; ++slot) postRecvLocked(p, slot);
+}
+
+void VerbsTransport::teardownQpsLocked(Peer& p) {
+  {
+    std::lock_guard mapLock(qpMapMutex_);
+    for (const auto& q : p.qps) qpOwner_.erase(q->qp->qp_num);
+  }
+  p.qps.clear();  // destroys the QPs first: their work requests name the buffers below
+  p.outMessages.clear();
+  p.recv.reset();
+  p.deferred.clear();
+  p.completions.clear();
+  p.assembling.clear();
+  p.setup = Setup::kNone;
+}
+
+void VerbsTransport::postRecvLocked(Peer& p, uint32_t slot) {
+  ibv_sge sge{};
+  sge.addr = reinterpret_cast<uint64_t>(p.recv->bytes.data()) + uint64_t{slot} * config_.recvSlotBytes;
+  sge.length = config_.recvSlotBytes;
+  sge.lkey = p.recv->mr->lkey;
+  ibv_recv_wr wr{};
+  wr.wr_id = wrTag(p) | slot;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  ibv_recv_wr* bad = nullptr;
+  checkVerbs(ibv_post_recv(p.qps[0]->qp.get(), &wr, &bad), "post a control-message receive", "ibv_post_recv");
+}
+
+void VerbsTransport::connectQpsLocked(Peer& p, NodeIndex peer, std::span<const verbs::QpInfo> remote) {
+  if (p.qps.empty())
+    fail(ErrorCode::kInvalidArgument, "verbs transport: connectPeer({}) before localQpInfo({})", peer, peer);
+  if (remote.size() != p.qps.size())
+    fail(ErrorCode::kInvalidConfig, "verbs transport: node {} sent {} QPs, this node has {}; set "
+         "cluster.connections_per_peer identically on every node", peer, remote.size(), p.qps.size());
+  for (std::size_t i = 0; i < remote.size(); ++i) {
+    Qp& q = *p.qps[i];
+    auto rtr = verbs::buildRtrAttr(config_.path, q.local, remote[i]);
+    checkVerbs(ibv_modify_qp(q.qp.get(), &rtr.attr, rtr.mask),
+               fmt::format("connect QP {:#x} to node {} QP {:#x} (RTR)", q.local.qpn, peer, remote[i].qpn),
+               "ibv_modify_qp");
+    auto rts = verbs::buildRtsAttr(config_.path, q.local.psn);
+    checkVerbs(ibv_modify_qp(q.qp.get(), &rts.attr, rts.mask),
+               fmt::format("start QP {:#x} to node {} (RTS)", q.local.qpn, peer), "ibv_modify_qp");
+  }
+}
+
 std::vector<verbs::QpInfo> VerbsTransport::localQpInfo(NodeIndex peer, LocalRegion control) {
   RemoteKey controlKey;
   if (control) controlKey = remoteKey(control);
   Peer& p = peerRef(peer);
   std::lock_guard lock(p.mutex);
-  if (p.qps.empty()) {
-    for (uint32_t i = 0; i < config_.qpsPerPeer; ++i) {
-      auto q = std::make_unique<Qp>(Qp{createQp(cq_.get(), config_.sendQueueDepth), {},
-                                       verbs::SendQueueTracker(config_.sendQueueDepth, config_.signalEvery), {}, 0});
-      q->local = describeQp(q->qp.get());
-      {
-        std::lock_guard mapLock(qpMapMutex_);
-        qpOwner_[q->qp->qp_num] = {peer, i};
-      }
-      p.qps.push_back(std::move(q));
-    }
-  }
+  if (p.qps.empty()) createQpsLocked(p, peer);
   std::vector<verbs::QpInfo> infos;
   for (const auto& q : p.qps) {
     verbs::QpInfo info = q->local;
@@ -248,23 +347,15 @@ std::vector<verbs::QpInfo> VerbsTransport::localQpInfo(NodeIndex peer, LocalRegi
 
 void VerbsTransport::connectPeer(NodeIndex peer, std::span<const verbs::QpInfo> remote) {
   Peer& p = peerRef(peer);
-  std::lock_guard lock(p.mutex);
-  if (p.qps.empty())
-    fail(ErrorCode::kInvalidArgument, "verbs transport: connectPeer({}) before localQpInfo({})", peer, peer);
-  if (remote.size() != p.qps.size())
-    fail(ErrorCode::kProtocol, "verbs transport: node {} sent {} QPs, this node has {}; set "
-         "transport.verbs.qps_per_peer identically on every node", peer, remote.size(), p.qps.size());
-  for (std::size_t i = 0; i < remote.size(); ++i) {
-    Qp& q = *p.qps[i];
-    auto rtr = verbs::buildRtrAttr(config_.path, q.local, remote[i]);
-    checkVerbs(ibv_modify_qp(q.qp.get(), &rtr.attr, rtr.mask),
-               fmt::format("connect QP {:#x} to node {} QP {:#x} (RTR)", q.local.qpn, peer, remote[i].qpn),
-               "ibv_modify_qp");
-    auto rts = verbs::buildRtsAttr(config_.path, q.local.psn);
-    checkVerbs(ibv_modify_qp(q.qp.get(), &rts.attr, rts.mask),
-               fmt::format("start QP {:#x} to node {} (RTS)", q.local.qpn, peer), "ibv_modify_qp");
+  {
+    std::lock_guard lock(p.mutex);
+    connectQpsLocked(p, peer, remote);
+    p.status = PeerStatus{PeerState::kConnected, {}};
+    p.setup = Setup::kUp;
+    p.generation.fetch_add(1);
   }
-  p.status = PeerStatus{PeerState::kConnected, {}};
+  { std::lock_guard lock(channelMutex_); }  // a connect() waiter between its check and its wait gets the notify
+  connectCv_.notify_all();
 }
 
 LocalRegion VerbsTransport::registerMemory(const MemoryDesc& desc) {
@@ -402,7 +493,7 @@ void VerbsTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t ds
   std::lock_guard lock(p.mutex);
   checkAlive(p, peer);
   Deferred f;
-  f.plan = plan;
+  f.plans.push_back(plan);
   f.required.assign(p.qps.size(), 0);
   f.signal = signal;
   f.cookie = cookie;
@@ -430,8 +521,18 @@ void VerbsTransport::postPending(Peer& p, NodeIndex peer, std::vector<Completion
       bool ready = true;
       for (std::size_t i = 1; i < p.qps.size(); ++i) ready = ready && p.qps[i]->tracker.retired() >= f.required[i];
       if (!ready) break;
-      p.qps[0]->pending.push_back(f.plan);
-      p.qps[0]->enqueued += 1;
+      for (const auto& plan : f.plans) {
+        p.qps[0]->pending.push_back(plan);
+        p.qps[0]->enqueued += 1;
+      }
+      if (f.isMessage) {
+        for (OutMessage& m : p.outMessages) {
+          if (m.releaseAt == 0) {
+            m.releaseAt = p.qps[0]->enqueued;
+            break;
+          }
+        }
+      }
     }
     if (f.signal) p.completions.push_back(PendingCompletion{f.cookie, coverAllLocked(p)});
     p.deferred.pop_front();
@@ -446,7 +547,7 @@ void VerbsTransport::postPending(Peer& p, NodeIndex peer, std::vector<Completion
       wrs.assign(n, ibv_send_wr{});
       sges.assign(n, ibv_sge{});
       for (std::size_t i = 0; i < n; ++i) {
-        verbs::encodeWorkRequest(batch[i].plan, batch[i].seq, batch[i].signaled, wrs[i], sges[i]);
+        verbs::encodeWorkRequest(batch[i].plan, wrTag(p) | batch[i].seq, batch[i].signaled, wrs[i], sges[i]);
         if (i > 0) wrs[i - 1].next = &wrs[i];
       }
       ibv_send_wr* bad = nullptr;
@@ -459,6 +560,10 @@ void VerbsTransport::postPending(Peer& p, NodeIndex peer, std::vector<Completion
       }
     }
   }
+  // A message's buffer goes once QP 0 has retired its last fragment (that fragment is signalled).
+  while (!p.outMessages.empty() && p.outMessages.front().releaseAt != 0 &&
+         p.qps[0]->tracker.retired() >= p.outMessages.front().releaseAt)
+    p.outMessages.pop_front();
 }
 
 void VerbsTransport::submit() {
@@ -469,15 +574,21 @@ void VerbsTransport::submit() {
     std::lock_guard lock(p.mutex);
     postPending(p, i, failed);
   }
-  if (!failed.empty()) {
-    std::lock_guard lock(completionsMutex_);
-    extraCompletions_.insert(extraCompletions_.end(), failed.begin(), failed.end());
-  }
+  addExtraCompletions(failed);
 }
 
-void VerbsTransport::failPeerLocked(Peer& p, NodeIndex peer, std::string reason, std::vector<Completion>& failedOut) {
-  if (p.status.state == PeerState::kFailed) return;
-  p.status = PeerStatus{PeerState::kFailed, std::move(reason)};
+void VerbsTransport::addExtraCompletions(std::vector<Completion>& failed) {
+  if (failed.empty()) return;
+  std::lock_guard lock(completionsMutex_);
+  extraCompletions_.insert(extraCompletions_.end(), failed.begin(), failed.end());
+  failed.clear();
+}
+
+void VerbsTransport::failPeerLocked(Peer& p, NodeIndex peer, std::string reason, std::vector<Completion>& failedOut,
+                                    PeerState state) {
+  if (p.status.state == PeerState::kFailed || p.status.state == PeerState::kClosed) return;
+  p.status = PeerStatus{state, std::move(reason)};
+  p.setup = Setup::kNone;
   spdlog::error("verbs transport: node {} lost: {}", peer, p.status.reason);
   // Every signalled op that has not completed fails: tracked ones (their CQEs come back flushed and are
   // dropped in poll) and ones still held back.
@@ -488,12 +599,8 @@ void VerbsTransport::failPeerLocked(Peer& p, NodeIndex peer, std::string reason,
   }
   p.deferred.clear();
   for (auto& q : p.qps) q->pending.clear();
-  std::function<void(NodeIndex, const PeerStatus&)> handler;
-  {
-    std::lock_guard lock(handlerMutex_);
-    handler = failureHandler_;
-  }
-  if (handler) handler(peer, p.status);
+  // The handler runs on the control thread: a caller of write or sendMessage may hold locks the handler takes.
+  postEvent(Event{Event::Kind::kLocalFailure, peer, {}, p.status, p.round});
 }
 
 std::size_t VerbsTransport::poll(std::span<Completion> out) {
@@ -522,18 +629,20 @@ std::size_t VerbsTransport::poll(std::span<Completion> out) {
       }
       Peer& p = *peers_[owner.first];
       std::lock_guard lock(p.mutex);
+      // A completion of an earlier round's QP (destroyed since; its number may be reused) is not ours.
+      if ((wc.wr_id & ~((uint64_t{1} << 40) - 1)) != wrTag(p) || owner.second >= p.qps.size()) continue;
       Qp& q = *p.qps[owner.second];
       if (wc.status != IBV_WC_SUCCESS) {
         // The first error moves the QP to the error state; the rest come back IBV_WC_WR_FLUSH_ERR and are
         // ignored because the peer is already failed.
         failPeerLocked(p, owner.first,
                        fmt::format("work request {} on QP {:#x} failed: {} (vendor error {:#x}); check the link "
-                                   "(ibv_devinfo) and node {}'s daemon", wc.wr_id, q.local.qpn,
+                                   "(ibv_devinfo) and node {}'s daemon", wc.wr_id & ((uint64_t{1} << 40) - 1), q.local.qpn,
                                    ibv_wc_status_str(wc.status), wc.vendor_err, owner.first),
                        ready);
         continue;
       }
-      q.tracker.complete(wc.wr_id);
+      q.tracker.complete(wc.wr_id & ((uint64_t{1} << 40) - 1));
       collectCompletions(p, owner.first, ready);
     }
     for (const Completion& c : ready) {
@@ -590,7 +699,7 @@ void VerbsTransport::flush(LocalRegion region, std::chrono::milliseconds timeout
   std::lock_guard lock(flushMutex_);
   if (!flushQp_) {
     // A loopback RC QP connected to itself: the READ it issues travels NIC -> PCIe -> GPU memory and back.
-    verbs::IbvQp qp = createQp(flushCq_.get(), 4);
+    verbs::IbvQp qp = createQp(flushCq_.get(), flushCq_.get(), 4, 1);
     const verbs::QpInfo self = describeQp(qp.get());
     auto rtr = verbs::buildRtrAttr(config_.path, self, self);
     checkVerbs(ibv_modify_qp(qp.get(), &rtr.attr, rtr.mask), "connect the flush QP to itself (RTR)", "ibv_modify_qp");
@@ -624,6 +733,387 @@ void VerbsTransport::flush(LocalRegion region, std::chrono::milliseconds timeout
   if (wc.status != IBV_WC_SUCCESS)
     fail(ErrorCode::kRdma, "verbs transport: GPUDirect flush of region {} failed: {} (vendor error {:#x})", region.id,
          ibv_wc_status_str(wc.status), wc.vendor_err);
+}
+
+// ---- control channel ---------------------------------------------------------------------------------
+
+void VerbsTransport::sendMessage(NodeIndex peer, std::span<const std::byte> payload) {
+  if (payload.size() > kMaxMessageBytes)
+    fail(ErrorCode::kInvalidArgument, "verbs transport: a control message of {} bytes exceeds {}", payload.size(),
+         kMaxMessageBytes);
+  Peer& p = peerRef(peer);
+  OutMessage m;
+  std::vector<uint32_t> lengths;
+  m.bytes = verbs::fragmentMessage(payload, config_.recvSlotBytes, lengths);
+  m.mr.reset(ibv_reg_mr(pd_.get(), m.bytes.data(), m.bytes.size(), IBV_ACCESS_LOCAL_WRITE));
+  if (!m.mr)
+    checkVerbs(-1, fmt::format("register a {}-byte control message on {}", m.bytes.size(), deviceName_), "ibv_reg_mr");
+  std::vector<Completion> failed;
+  {
+    std::lock_guard lock(p.mutex);
+    checkAlive(p, peer);
+    Deferred d;
+    d.isMessage = true;
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      verbs::WorkRequestPlan plan;
+      plan.kind = verbs::WrKind::kSend;
+      plan.localAddr = reinterpret_cast<uint64_t>(m.bytes.data()) + i * config_.recvSlotBytes;
+      plan.lkey = m.mr->lkey;
+      plan.length = lengths[i];
+      plan.userSignal = i + 1 == lengths.size();  // signalled, so the buffer is known free once it completes
+      d.plans.push_back(plan);
+    }
+    // As a flag: on QP 0, after markers on the other QPs have retired what was queued there before it.
+    d.required.assign(p.qps.size(), 0);
+    for (std::size_t i = 1; i < p.qps.size(); ++i) {
+      Qp& q = *p.qps[i];
+      if (q.enqueued == q.tracker.retired()) continue;
+      verbs::WorkRequestPlan marker;
+      marker.kind = verbs::WrKind::kMarker;
+      q.pending.push_back(marker);
+      q.enqueued += 1;
+      d.required[i] = q.enqueued;
+    }
+    p.outMessages.push_back(std::move(m));
+    p.deferred.push_back(std::move(d));
+    postPending(p, peer, failed);  // starts at once: no submit() needed
+  }
+  addExtraCompletions(failed);
+}
+
+void VerbsTransport::setMessageHandler(MessageHandler handler) {
+  std::lock_guard lock(channelMutex_);
+  messageHandler_ = std::move(handler);
+}
+
+void VerbsTransport::setPeerRejoinHandler(std::function<void(NodeIndex)> handler) {
+  std::lock_guard lock(channelMutex_);
+  rejoinHandler_ = std::move(handler);
+}
+
+uint64_t VerbsTransport::peerGeneration(NodeIndex peer) const {
+  if (peer == config_.self || peer >= peers_.size()) return 0;
+  return peers_[peer]->generation.load();
+}
+
+void VerbsTransport::connect(const std::vector<NodeAddress>& nodes) {
+  if (!bootstrap_)
+    fail(ErrorCode::kUnavailable, "verbs transport: connect() needs a bootstrap (VerbsConfig::bootstrap); without "
+         "one, connect peers with localQpInfo and connectPeer");
+  if (nodes.size() != config_.nodeCount)
+    fail(ErrorCode::kInvalidArgument, "verbs transport: {} node addresses for {} nodes", nodes.size(),
+         config_.nodeCount);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.bootstrap.connectTimeoutMs);
+  std::optional<Error> bootstrapError;
+  try {
+    bootstrap_->connect(nodes);
+  } catch (const Error& e) {
+    bootstrapError = e;  // peers it reached still get their QPs; those it did not join later, as rejoins
+  }
+  std::vector<NodeIndex> reached;
+  for (NodeIndex n = 0; n < config_.nodeCount; ++n) {
+    if (n == config_.self || bootstrap_->peerStatus(n).state != PeerState::kConnected) continue;
+    reached.push_back(n);
+    if (leads(n)) postEvent(Event{Event::Kind::kStartRound, n, {}, {}, 0});
+  }
+  std::unique_lock lock(channelMutex_);
+  connectCv_.wait_until(lock, deadline, [&] {
+    return std::all_of(reached.begin(), reached.end(), [&](NodeIndex n) { return peerStatus(n).state == PeerState::kConnected; });
+  });
+  connectReturned_ = true;
+  lock.unlock();
+  if (bootstrapError) throw *bootstrapError;
+  std::string missing;
+  for (NodeIndex n : reached) {
+    if (peerStatus(n).state != PeerState::kConnected) missing += fmt::format("{}node {}", missing.empty() ? "" : ", ", n);
+  }
+  if (!missing.empty())
+    fail(ErrorCode::kTimeout, "verbs transport: the queue pairs to {} did not come up within {} ms (cluster."
+         "connect_timeout_ms); they join when they do. Check those daemons' logs", missing,
+         config_.bootstrap.connectTimeoutMs);
+}
+
+void VerbsTransport::postEvent(Event e) {
+  if (stopping_.load()) return;
+  {
+    std::lock_guard lock(eventMutex_);
+    events_.push_back(std::move(e));
+  }
+  eventCv_.notify_one();
+}
+
+void VerbsTransport::controlLoop() {
+  pthread_setname_np(pthread_self(), "verbs control");
+  auto idleWait = std::chrono::microseconds(20);
+  while (!stopping_.load()) {
+    std::deque<Event> batch;
+    {
+      std::lock_guard lock(eventMutex_);
+      batch.swap(events_);
+    }
+    for (Event& e : batch) {
+      try {
+        handleEvent(e);
+      } catch (const std::exception& ex) {
+        spdlog::error("verbs transport: handling a bootstrap event for node {} failed: {}", e.peer, ex.what());
+      }
+    }
+    bool received = false;
+    try {
+      received = pollRecv();
+    } catch (const std::exception& ex) {
+      spdlog::error("verbs transport: {}", ex.what());
+    }
+    if (!batch.empty() || received) {
+      idleWait = std::chrono::microseconds(20);
+      continue;
+    }
+    // Receive completions have no event here (no completion channel), so the wait for one backs off to 1 ms.
+    std::unique_lock lock(eventMutex_);
+    eventCv_.wait_for(lock, idleWait, [this] { return stopping_.load() || !events_.empty(); });
+    idleWait = std::min<std::chrono::microseconds>(idleWait * 2, std::chrono::milliseconds(1));
+  }
+}
+
+bool VerbsTransport::pollRecv() {
+  std::array<ibv_wc, 16> wcs;
+  const int got = ibv_poll_cq(recvCq_.get(), static_cast<int>(wcs.size()), wcs.data());
+  if (got < 0) fail(ErrorCode::kRdma, "verbs transport: ibv_poll_cq on the receive CQ of {} failed ({})", deviceName_, got);
+  for (int i = 0; i < got; ++i) {
+    const ibv_wc& wc = wcs[static_cast<std::size_t>(i)];
+    std::pair<NodeIndex, uint32_t> owner;
+    {
+      std::lock_guard lock(qpMapMutex_);
+      auto it = qpOwner_.find(wc.qp_num);
+      if (it == qpOwner_.end()) continue;  // a QP of an earlier round
+      owner = it->second;
+    }
+    const NodeIndex peer = owner.first;
+    Peer& p = *peers_[peer];
+    std::optional<std::vector<std::byte>> message;
+    std::vector<Completion> failed;
+    {
+      std::lock_guard lock(p.mutex);
+      if ((wc.wr_id & ~uint64_t{0xffffffff}) != wrTag(p) || p.qps.empty() || owner.second != 0 || !p.recv) continue;
+      if (wc.status != IBV_WC_SUCCESS) {
+        if (wc.status != IBV_WC_WR_FLUSH_ERR) {
+          failPeerLocked(p, peer, fmt::format("a control-message receive on QP {:#x} failed: {} (vendor error {:#x})",
+                                              p.qps[0]->local.qpn, ibv_wc_status_str(wc.status), wc.vendor_err),
+                         failed);
+        }
+      } else {
+        const auto slot = static_cast<uint32_t>(wc.wr_id & 0xffffffff);
+        const std::span<const std::byte> fragment(p.recv->bytes.data() + uint64_t{slot} * config_.recvSlotBytes,
+                                                  std::min<uint32_t>(wc.byte_len, config_.recvSlotBytes));
+        try {
+          if (verbs::appendFragment(fragment, p.assembling, kMaxMessageBytes)) {
+            message = std::move(p.assembling);
+            p.assembling.clear();
+          }
+          postRecvLocked(p, slot);
+        } catch (const Error& e) {
+          failPeerLocked(p, peer, fmt::format("control message from node {}: {}", peer, e.what()), failed);
+        }
+      }
+    }
+    addExtraCompletions(failed);
+    if (message) {
+      MessageHandler handler;
+      {
+        std::lock_guard lock(channelMutex_);
+        handler = messageHandler_;
+      }
+      if (!handler) {
+        spdlog::warn("verbs transport: a control message from node {} dropped: no message handler", peer);
+        continue;
+      }
+      try {
+        handler(peer, *message);
+      } catch (const std::exception& e) {
+        spdlog::error("verbs transport: the handler of a control message from node {} failed: {}", peer, e.what());
+      }
+    }
+  }
+  return got > 0;
+}
+
+namespace {
+// The bootstrap's messages: u32 magic "TVB1" | u8 type | u64 round | body.
+constexpr uint32_t kBootstrapMagic = 0x31425654;
+enum BootstrapType : uint8_t { kOffer = 1, kAnswer = 2, kReady = 3, kDown = 4 };
+}  // namespace
+
+void VerbsTransport::sendBootstrap(NodeIndex peer, uint8_t type, uint64_t round, std::span<const std::byte> body) {
+  std::vector<std::byte> out;
+  detail::WireWriter w(out);
+  w.put<uint32_t>(kBootstrapMagic);
+  w.put<uint8_t>(type);
+  w.put<uint64_t>(round);
+  w.putBytes(body);
+  try {
+    bootstrap_->sendMessage(peer, out);
+  } catch (const Error& e) {
+    // The bootstrap lost the peer: its failure event follows, and the next round starts when it is back.
+    spdlog::debug("verbs transport: bootstrap message to node {} dropped: {}", peer, e.what());
+  }
+}
+
+void VerbsTransport::handleEvent(Event& e) {
+  using Kind = Event::Kind;
+  switch (e.kind) {
+    case Kind::kBootstrapMessage: return onBootstrapMessage(e.peer, e.payload);
+    case Kind::kStartRound: return startRound(e.peer);
+    case Kind::kBootstrapRejoined:
+      if (leads(e.peer)) startRound(e.peer);
+      return;
+    case Kind::kBootstrapFailed: {
+      Peer& p = peerRef(e.peer);
+      std::vector<Completion> failed;
+      {
+        std::lock_guard lock(p.mutex);
+        failPeerLocked(p, e.peer, e.status.reason, failed,
+                       e.status.state == PeerState::kClosed ? PeerState::kClosed : PeerState::kFailed);
+        p.setup = Setup::kNone;
+      }
+      addExtraCompletions(failed);
+      return;
+    }
+    case Kind::kLocalFailure: {
+      std::function<void(NodeIndex, const PeerStatus&)> handler;
+      {
+        std::lock_guard lock(handlerMutex_);
+        handler = failureHandler_;
+      }
+      if (handler) handler(e.peer, e.status);
+      if (!bootstrap_ || stopping_.load()) return;
+      if (bootstrap_->peerStatus(e.peer).state != PeerState::kConnected) return;  // it rejoins through the bootstrap
+      std::vector<std::byte> reason;
+      detail::WireWriter w(reason);
+      w.putBytes(std::as_bytes(std::span(e.status.reason.data(), std::min<std::size_t>(e.status.reason.size(), 4096))));
+      sendBootstrap(e.peer, kDown, e.round, reason);
+      if (leads(e.peer)) {
+        Peer& p = peerRef(e.peer);
+        bool current;
+        {
+          std::lock_guard lock(p.mutex);
+          current = p.round == e.round;  // a newer round already replaced the failed one
+        }
+        if (current) startRound(e.peer);
+      }
+      return;
+    }
+  }
+}
+
+void VerbsTransport::startRound(NodeIndex peer) {
+  if (!bootstrap_ || stopping_.load() || bootstrap_->peerStatus(peer).state != PeerState::kConnected) return;
+  Peer& p = peerRef(peer);
+  std::vector<Completion> failed;
+  std::vector<verbs::QpInfo> infos;
+  const uint64_t round = ++nextRound_;
+  {
+    std::lock_guard lock(p.mutex);
+    if (p.status.state == PeerState::kConnected)
+      failPeerLocked(p, peer, "this node set up new queue pairs for it", failed);
+    p.round = round;
+    createQpsLocked(p, peer);
+    p.setup = Setup::kOffered;
+    for (const auto& q : p.qps) infos.push_back(q->local);
+  }
+  addExtraCompletions(failed);
+  sendBootstrap(peer, kOffer, round, verbs::encodeQpInfoList(infos));
+}
+
+void VerbsTransport::onBootstrapMessage(NodeIndex peer, std::span<const std::byte> bytes) {
+  detail::WireReader r(bytes, "verbs bootstrap message");
+  if (r.get<uint32_t>() != kBootstrapMagic)
+    fail(ErrorCode::kProtocol, "verbs bootstrap message from node {}: bad magic (is it running the tcp transport? "
+         "set cluster.transport identically on every node)", peer);
+  const auto type = r.get<uint8_t>();
+  const auto round = r.get<uint64_t>();
+  const auto body = r.getBytes(r.remaining());
+  Peer& p = peerRef(peer);
+  std::vector<Completion> failed;
+  bool connected = false;
+  std::vector<verbs::QpInfo> answer;
+  {
+    std::lock_guard lock(p.mutex);
+    switch (type) {
+      case kOffer: {
+        if (leads(peer)) fail(ErrorCode::kProtocol, "node {} offered queue pairs but this node leads the pair", peer);
+        const auto remote = verbs::decodeQpInfoList(body);
+        if (p.status.state == PeerState::kConnected)
+          failPeerLocked(p, peer, fmt::format("node {} set up new queue pairs (its side of the old ones failed)", peer),
+                         failed);
+        p.round = round;
+        createQpsLocked(p, peer);
+        try {
+          connectQpsLocked(p, peer, remote);
+        } catch (const Error& e) {
+          teardownQpsLocked(p);
+          failPeerLocked(p, peer, e.what(), failed);
+          break;
+        }
+        p.setup = Setup::kAnswered;
+        for (const auto& q : p.qps) answer.push_back(q->local);
+        break;
+      }
+      case kAnswer: {
+        if (round != p.round || p.setup != Setup::kOffered) break;  // answers an offer this node replaced
+        const auto remote = verbs::decodeQpInfoList(body);
+        try {
+          connectQpsLocked(p, peer, remote);
+        } catch (const Error& e) {
+          teardownQpsLocked(p);
+          p.status = PeerStatus{PeerState::kFailed, e.what()};
+          spdlog::error("verbs transport: node {}: {}", peer, e.what());
+          break;
+        }
+        p.setup = Setup::kUp;
+        p.status = PeerStatus{PeerState::kConnected, {}};
+        p.generation.fetch_add(1);
+        connected = true;
+        break;
+      }
+      case kReady:
+        if (round != p.round || p.setup != Setup::kAnswered) break;
+        p.setup = Setup::kUp;
+        p.status = PeerStatus{PeerState::kConnected, {}};
+        p.generation.fetch_add(1);
+        connected = true;
+        break;
+      case kDown: {
+        if (round != p.round) break;  // about queue pairs already replaced
+        std::string why = fmt::format("node {} lost its queue pairs to this node: {}", peer,
+                                      std::string(reinterpret_cast<const char*>(body.data()), body.size()));
+        if (p.status.state == PeerState::kConnected) {
+          failPeerLocked(p, peer, std::move(why), failed);
+        } else {
+          p.status.reason = std::move(why);  // a round that never came up: keep why, for peerStatus and the log
+          spdlog::error("verbs transport: {}", p.status.reason);
+        }
+        break;
+      }
+      default:
+        fail(ErrorCode::kProtocol, "verbs bootstrap message from node {}: unknown type {}", peer, type);
+    }
+  }
+  addExtraCompletions(failed);
+  if (!answer.empty()) sendBootstrap(peer, kAnswer, round, verbs::encodeQpInfoList(answer));
+  if (connected && type == kAnswer) sendBootstrap(peer, kReady, round, {});
+  if (connected) peerConnected(peer);
+}
+
+void VerbsTransport::peerConnected(NodeIndex peer) {
+  spdlog::info("verbs transport: node {} connected on {} (queue pairs of incarnation {})", peer, deviceName_,
+               peerGeneration(peer));
+  std::function<void(NodeIndex)> rejoin;
+  {
+    std::lock_guard lock(channelMutex_);
+    if (connectReturned_) rejoin = rejoinHandler_;
+  }
+  connectCv_.notify_all();
+  if (rejoin) rejoin(peer);
 }
 
 }  // namespace tandem::daemon::transport

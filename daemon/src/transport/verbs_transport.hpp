@@ -26,23 +26,48 @@
 // through a loopback QP, which completes only after the NIC's earlier writes into that GPU memory are visible
 // (NCCL's gpuFlush, net_ib.cc).
 //
-// Control channel: none yet (controlChannel() is null). The QPs carry RDMA WRITEs only; the daemons' messages
-// would need SEND/RECV on QP 0 with posted receive buffers, ordered after the WRITEs posted before them, and the
-// QpInfo exchange above must run over some other channel first. So tandemd refuses cluster.transport: verbs.
+// Control channel (ControlChannel, with a bootstrap): the daemons' messages travel as SENDs on QP 0, so they are
+// ordered after the data exactly as flags are (RC executes QP 0's WRITEs and SENDs in order and a receive completion
+// is written after the data of every earlier packet; other QPs get markers first, as for a flag). A message is cut
+// into fragments of at most recvSlotBytes - 4 (a 4-byte header: more follow / last); the receiver keeps recvSlots
+// receive buffers posted on QP 0 of each peer and reposts each once its fragment is copied out; a sender that
+// outruns them waits on RNR NAKs (rnr_retry 7 = forever), never loses a message. Each message is one registered
+// buffer, released when QP 0 has retired its last fragment. A "verbs control" thread polls the receive CQ and hands
+// messages to the handler in order, one at a time per peer, with no transport lock held.
+//
+// Bootstrap (VerbsConfig::bootstrap): queue pairs need each other's QpInfo before they can carry anything, and RDMA
+// has no way to tell a silent peer from a slow one quickly, so the transport owns a TcpTransport (one connection
+// per peer, no data) for three jobs it already does well: the authenticated handshake with the cluster secret
+// (HMAC-SHA256), heartbeats and the peer deadline, and re-dialling a lost peer as a new incarnation. Over its
+// messages the pair runs a three-way QP set-up, led by the lower node index:
+//   leader:   new QPs (INIT), receives posted      -> Offer{round, QpInfos}
+//   follower: new QPs, INIT -> RTR -> RTS           -> Answer{round, QpInfos}
+//   leader:   RTR -> RTS, peer connected            -> Ready{round}; follower: peer connected
+// A round replaces the QPs of the one before, so stale packets and completions of an old incarnation meet
+// destroyed QPs (and round tags in wr_id), never the new ones. A QP error on either side fails the peer there
+// (completions kPeerLost, the failure handler) and sends Down{round, reason}, which fails it on the other side;
+// the leader then offers a new round while the bootstrap link is up, and when it comes back after a loss. Each
+// connected round is an incarnation: peerGeneration() counts them and the rejoin handler runs for all but the first.
+// A peer's failure handler runs on the verbs control thread (never inside a caller's write or sendMessage).
+// Without a bootstrap (tests, tools) localQpInfo/connectPeer set up the QPs by hand and messages work the same.
 //
 // Thread-safety: as Transport. Internally one mutex per peer (QP queues), one for the registry, one for flush.
 #pragma once
 
 #include <infiniband/verbs.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -50,6 +75,17 @@
 #include "transport/verbs_logic.hpp"
 
 namespace tandem::daemon::transport {
+
+/// The bootstrap link a VerbsTransport owns when it runs a cluster (see the file comment).
+struct VerbsBootstrap {
+  bool enabled = false;
+  std::string listenHost = "127.0.0.1";  ///< this node's entry of cluster.nodes
+  uint16_t listenPort = 0;
+  std::string secret;                    ///< cluster.secret
+  uint32_t connectTimeoutMs = 10000;
+  uint32_t heartbeatIntervalMs = 100;
+  uint32_t peerDeadlineMs = 2000;
+};
 
 struct VerbsConfig {
   NodeIndex self = 0;
@@ -65,6 +101,9 @@ struct VerbsConfig {
   uint64_t stripeBytes = uint64_t{1} << 20;      ///< destination stripe pinned to one QP (see the file comment)
   uint32_t maxInlineBytes = 64;  ///< requested inline size; flags need 8
   bool relaxedOrdering = false;  ///< IBV_ACCESS_RELAXED_ORDERING on MRs: faster on some hosts, needs flush()
+  uint32_t recvSlots = 16;         ///< receive buffers posted on QP 0 per peer, for control messages
+  uint32_t recvSlotBytes = 16384;  ///< bytes of each; a message fragment carries at most this minus 4
+  VerbsBootstrap bootstrap;        ///< disabled: QPs are connected by hand (localQpInfo/connectPeer)
 };
 
 namespace verbs {
@@ -97,10 +136,13 @@ std::vector<NicDesc> discoverNics();
 void checkVerbs(int rc, std::string_view what, std::string_view call);
 }  // namespace verbs
 
-class VerbsTransport final : public Transport {
+class TcpTransport;
+
+class VerbsTransport final : public Transport, public ControlChannel {
  public:
-  /// Opens the device and port and creates the PD and CQ. Throws Error(kUnavailable) when there is no
-  /// device or the port is not active, Error(kRdma) when a verbs call fails.
+  /// Opens the device and port and creates the PD and CQs, and (with a bootstrap) binds its listen address.
+  /// Throws Error(kUnavailable) when there is no device or the port is not active, Error(kRdma) when a verbs call
+  /// fails, what TcpTransport's constructor throws for the bootstrap.
   explicit VerbsTransport(VerbsConfig config);
   ~VerbsTransport() override;
   VerbsTransport(const VerbsTransport&) = delete;
@@ -108,7 +150,8 @@ class VerbsTransport final : public Transport {
 
   const std::string& deviceName() const { return deviceName_; }
 
-  /// Creates (once) this node's QPs for `peer` in INIT and returns their addresses for the bootstrap.
+  /// Without a bootstrap: creates (once) this node's QPs for `peer` in INIT, with QP 0's receives posted, and
+  /// returns their addresses for the peer.
   /// `control` is the region whose rkey/addr go into each QpInfo (the flags area); optional.
   std::vector<verbs::QpInfo> localQpInfo(NodeIndex peer, LocalRegion control = {});
   /// Moves the QPs for `peer` to RTR and RTS against the peer's QpInfos (one per QP, same order).
@@ -131,6 +174,19 @@ class VerbsTransport final : public Transport {
   std::size_t poll(std::span<Completion> out) override;
   PeerStatus peerStatus(NodeIndex peer) const override;
   void setPeerFailureHandler(std::function<void(NodeIndex, const PeerStatus&)> handler) override;
+  /// This transport itself, when it has a bootstrap or its QPs are connected by hand; see the file comment.
+  ControlChannel* controlChannel() override { return this; }
+
+  // ---- ControlChannel ----
+  /// Connects the bootstrap to every node, then sets up the QPs of every peer it reached; blocks until all are
+  /// connected or bootstrap.connectTimeoutMs passes. Throws what TcpTransport::connect throws, Error(kTimeout)
+  /// naming peers whose QPs did not come up, Error(kUnavailable) without a bootstrap.
+  void connect(const std::vector<NodeAddress>& nodes) override;
+  /// A SEND (in fragments) on QP 0, after every earlier write and flag to `peer`; see the file comment.
+  void sendMessage(NodeIndex peer, std::span<const std::byte> payload) override;
+  void setMessageHandler(MessageHandler handler) override;
+  void setPeerRejoinHandler(std::function<void(NodeIndex)> handler) override;
+  uint64_t peerGeneration(NodeIndex peer) const override;
 
  private:
   struct Region {
@@ -147,8 +203,9 @@ class VerbsTransport final : public Transport {
   // Held back until every QP has retired what was queued before it: a flag (then posted on QP 0), or the
   // completion bookkeeping of a signalled write issued while flags were held back.
   struct Deferred {
-    bool isFlag = true;
-    verbs::WorkRequestPlan plan;     // the flag (isFlag)
+    bool isFlag = true;              // flag or message: WRs for QP 0, held until the other QPs caught up
+    bool isMessage = false;          // the WRs are a message's fragments (its buffer is Peer::outMessages' next)
+    std::vector<verbs::WorkRequestPlan> plans;  // the flag, or the fragments (isFlag)
     std::vector<uint64_t> required;  // per QP: tracker.retired() must reach this (flags)
     bool signal = false;
     uint64_t cookie = 0;
@@ -157,23 +214,72 @@ class VerbsTransport final : public Transport {
     uint64_t cookie;
     std::vector<uint64_t> required;  // per QP: tracker.retired() must reach this
   };
+  // A control message's registered buffer, kept until QP 0 has retired its last fragment.
+  struct OutMessage {
+    std::vector<std::byte> bytes;
+    verbs::IbvMr mr;
+    uint64_t releaseAt = 0;  // QP 0's WR count after its last fragment; 0 while held back
+  };
+  // QP 0's receive buffers.
+  struct RecvPool {
+    std::vector<std::byte> bytes;
+    verbs::IbvMr mr;
+  };
+  enum class Setup : uint8_t { kNone, kOffered, kAnswered, kUp };
   struct Peer {
-    mutable std::mutex mutex;        // guards everything below
+    mutable std::mutex mutex;        // guards everything below but generation
+    // Declared before qps, so the QPs are destroyed before the memory their work requests name.
+    std::unique_ptr<RecvPool> recv;
+    std::deque<OutMessage> outMessages;
     std::vector<std::unique_ptr<Qp>> qps;
     std::deque<Deferred> deferred;
     std::deque<PendingCompletion> completions;  // issue order
     PeerStatus status;
+    uint64_t round = 0;              // which set of QPs (bootstrap round); tags wr_ids so stale CQEs are ignored
+    Setup setup = Setup::kNone;
+    std::vector<std::byte> assembling;  // fragments of the message arriving (verbs control thread)
+    std::atomic<uint64_t> generation{0};
+  };
+  // Work for the verbs control thread, in arrival order.
+  struct Event {
+    enum class Kind : uint8_t { kBootstrapMessage, kBootstrapFailed, kBootstrapRejoined, kLocalFailure, kStartRound };
+    Kind kind;
+    NodeIndex peer = 0;
+    std::vector<std::byte> payload;
+    PeerStatus status;
+    uint64_t round = 0;
   };
 
   Peer& peerRef(NodeIndex peer) const;
   void checkAlive(const Peer& p, NodeIndex peer) const;  // throws kPeerLost; p.mutex held
-  void failPeerLocked(Peer& p, NodeIndex peer, std::string reason, std::vector<Completion>& failedOut);
+  // Marks the peer failed (or closed), fails its signalled ops into failedOut and tells the control thread, which
+  // runs the failure handler and the bootstrap's Down. p.mutex held.
+  void failPeerLocked(Peer& p, NodeIndex peer, std::string reason, std::vector<Completion>& failedOut,
+                      PeerState state = PeerState::kFailed);
   void postPending(Peer& p, NodeIndex peer, std::vector<Completion>& failedOut);  // p.mutex held
   // Snapshot of every QP's queued WRs, appending a signalled marker where the last one would not complete
   // visibly: the completion it builds covers everything queued to the peer so far. p.mutex held.
   std::vector<uint64_t> coverAllLocked(Peer& p);
   void collectCompletions(Peer& p, NodeIndex peer, std::vector<Completion>& out);  // p.mutex held
-  verbs::IbvQp createQp(ibv_cq* cq, uint32_t sendDepth);
+  verbs::IbvQp createQp(ibv_cq* sendCq, ibv_cq* recvCq, uint32_t sendDepth, uint32_t recvDepth);
+  // QPs of a new round (INIT, receives posted), replacing the old ones. p.mutex held.
+  void createQpsLocked(Peer& p, NodeIndex peer);
+  void teardownQpsLocked(Peer& p);
+  // INIT -> RTR -> RTS against the peer's QpInfos. p.mutex held. Throws as connectPeer.
+  void connectQpsLocked(Peer& p, NodeIndex peer, std::span<const verbs::QpInfo> remote);
+  void postRecvLocked(Peer& p, uint32_t slot);
+  uint64_t wrTag(const Peer& p) const { return (p.round & 0xffffff) << 40; }
+  void addExtraCompletions(std::vector<Completion>& failed);
+  // The verbs control thread and its events.
+  void postEvent(Event e);
+  void controlLoop();
+  void handleEvent(Event& e);
+  bool pollRecv();
+  void startRound(NodeIndex peer);
+  void onBootstrapMessage(NodeIndex peer, std::span<const std::byte> bytes);
+  void sendBootstrap(NodeIndex peer, uint8_t type, uint64_t round, std::span<const std::byte> body);
+  void peerConnected(NodeIndex peer);
+  bool leads(NodeIndex peer) const { return config_.self < peer; }
   verbs::QpInfo describeQp(const ibv_qp* qp) const;
 
   VerbsConfig config_;
@@ -199,6 +305,21 @@ class VerbsTransport final : public Transport {
   std::function<void(NodeIndex, const PeerStatus&)> failureHandler_;
   std::mutex completionsMutex_;                // completions produced outside poll() (failures)
   std::deque<Completion> extraCompletions_;
+  verbs::IbvCq recvCq_;                        // QP 0's receive completions, polled by the control thread
+
+  std::mutex channelMutex_;                    // guards the handlers below and connectReturned_
+  MessageHandler messageHandler_;
+  std::function<void(NodeIndex)> rejoinHandler_;
+  bool connectReturned_ = false;
+  std::condition_variable connectCv_;
+  uint64_t nextRound_ = 0;                     // control thread only
+
+  std::mutex eventMutex_;
+  std::condition_variable eventCv_;
+  std::deque<Event> events_;
+  std::atomic<bool> stopping_{false};
+  std::unique_ptr<TcpTransport> bootstrap_;    // after the events it posts to, before the thread that reads them
+  std::thread controlThread_;
 };
 
 }  // namespace tandem::daemon::transport
