@@ -53,6 +53,15 @@ exec_start=$(grep -m1 '^ExecStart=' "$service_in" || true)
 if [[ ! $exec_start =~ ^ExecStart=/[^[:space:]]*/tandemd[[:space:]].*--systemd ]]; then
   fail "$service_in: ExecStart= must run an absolute path to tandemd with --systemd; got '$exec_start'"
 fi
+# One config path everywhere: README.md and the config file's header say /etc/tandem/tandemd.yaml.
+if [[ ! $exec_start =~ --config[[:space:]]+/etc/tandem/tandemd\.yaml([[:space:]]|$) ]]; then
+  fail "$service_in: ExecStart= must pass --config /etc/tandem/tandemd.yaml (the path README.md and the config header name); got '$exec_start'"
+fi
+# The OOM killer must pick clients before the daemon.
+oom=$(sed -n 's/^OOMScoreAdjust=\(-\{0,1\}[0-9]*\)$/\1/p' "$service_in" | head -1)
+if [[ -z $oom || $oom -ge 0 ]]; then
+  fail "$service_in: OOMScoreAdjust= must be negative (got '${oom}'), so that out of memory the kernel kills clients, not tandemd"
+fi
 # These hide /dev/nvidia* or /dev/infiniband (ProtectClock= implies DeviceAllow=, which enables the
 # device allow-list), or the MPS pipe directory in /tmp.
 for directive in PrivateDevices ProtectClock DevicePolicy DeviceAllow PrivateTmp; do
