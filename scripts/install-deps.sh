@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs tandem's build and test dependencies from the distribution (Debian 12 / Ubuntu 24.04), only
-# those that are missing. Nothing is downloaded from anywhere else. CUDA (nvcc) is optional: without it the
-# CPU backend builds alone.
+# those that are missing. Nothing else is downloaded, except PyTorch, NumPy and pytest from PyPI into a virtual
+# environment for the Python package's tests (tests/python/install-deps.sh says why; TANDEM_PYTHON_TESTS=0 skips
+# them). CUDA (nvcc) is optional: without it the CPU backend builds alone.
 set -euo pipefail
 
 packages=(
@@ -15,6 +16,7 @@ packages=(
   libssl-dev                             # libcrypto: HMAC-SHA256 of the tcp transport handshake
   libsystemd-dev systemd                 # sd_notify; systemd-analyze verifies the units in a test
   iproute2                               # network namespaces for multi-node tests
+  python3 python3-venv                   # the Python package's tests (PyTorch from PyPI: tests/python/install-deps.sh)
 )
 
 missing=()
@@ -23,7 +25,7 @@ for p in "${packages[@]}"; do
 done
 if ((${#missing[@]} == 0)); then
   echo "install-deps: all ${#packages[@]} packages present"
-  exit 0
+  exec "$(dirname "$0")/../tests/python/install-deps.sh"
 fi
 
 sudo=""
@@ -35,3 +37,4 @@ echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 $sudo apt-get update -qq
 $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+"$(dirname "$0")/../tests/python/install-deps.sh"

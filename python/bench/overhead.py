@@ -1,0 +1,132 @@
+"""Per-call overhead of the Python binding: the same op and shape through the C ABI directly, through ctypes with a
+prepacked struct (the floor of any ctypes binding), through a pybind11 module doing the same (the floor of a
+compiled extension, where pybind11 is importable), and through tandem's public API.
+
+usage: python overhead.py BASELINE_BINARY [--iters N]
+  BASELINE_BINARY: overhead_baseline.c compiled against the same libtandem (python/bench/build.sh does it).
+Needs a running tandemd ($TANDEM_SOCKET or the default socket). One rank. Prints a table and one JSON line.
+
+cpu backend: every call submits and waits (the daemon round trip is in every row, and cancels in the differences).
+cuda backend: every call enqueues on the current stream (torch's default stream, the legacy stream the C loop uses);
+only the submission loop is timed and the stream is synchronised after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import tandem
+from tandem import _capi
+
+
+def timed(fn, iters: int, repeats: int = 7, sync=None) -> float:
+    """Median over `repeats` of the mean ns per call of `iters` calls of fn()."""
+    fn()
+    if sync:
+        sync()
+    per = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            fn()
+        per.append((time.perf_counter_ns() - t0) / iters)
+        if sync:
+            sync()
+    return statistics.median(per)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("baseline")
+    ap.add_argument("--iters", type=int, default=0)
+    args = ap.parse_args()
+    comm = tandem.Communicator()
+    cuda = comm.is_cuda
+    iters = args.iters or (200 if cuda else 2000)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dev = comm.device
+    results: dict[str, float] = {}
+
+    def c_baseline(op):
+        out = subprocess.run([args.baseline, op, str(iters)], capture_output=True, text=True, check=True)
+        return float(out.stdout.split()[2])
+
+    sync = (lambda: comm.synchronize()) if cuda else None
+    for op in ("barrier", "gemm_ar"):
+        results[f"{op}: C ABI loop"] = c_baseline(op)
+
+    # ctypes floor: the struct packed once, one foreign call per op (plus tandem_wait on cpu).
+    a_d, b_d, c_d = (tandem.empty((8, 8), dtype) for _ in range(3))
+    for t in (a_d, b_d, c_d):
+        t.zero_()
+    s = comm.session
+    ha, hb, hc = (s.lookup(t.data_ptr(), t.nbytes)[0] for t in (a_d, b_d, c_d))
+    code = _capi.DTYPE_BF16 if cuda else _capi.DTYPE_FP32
+    buf = ctypes.create_string_buffer(256)
+    _capi.ARG_STRUCTS["gemm_ar"].pack_into(buf, 0, _capi.ARG_STRUCTS["gemm_ar"].size, code, 8, 8, 8, ha, 0, hb, 0,
+                                           hc, 0, 0)
+    bbuf = ctypes.create_string_buffer(64)
+    _capi.ARG_STRUCTS["barrier"].pack_into(bbuf, 0, 16, 0)
+    op = _capi.Op()
+    opref = ctypes.byref(op)
+    lib = _capi.lib
+    addr, baddr = ctypes.addressof(buf), ctypes.addressof(bbuf)
+    h = comm.handle
+
+    def raw(fn, a):
+        def call():
+            fn(h, a, opref)
+            if not cuda:
+                lib.tandem_wait(op, -1)
+        return call
+
+    def raw_sync():
+        lib.tandem_wait(op, 60000)
+
+    results["barrier: ctypes, prepacked"] = timed(raw(lib.tandem_barrier_stream, baddr), iters,
+                                                  sync=raw_sync if cuda else None)
+    results["gemm_ar: ctypes, prepacked"] = timed(raw(lib.tandem_gemm_ar, addr), iters,
+                                                  sync=raw_sync if cuda else None)
+
+    try:
+        import tandem_overhead_pybind as pb  # built by python/bench/build.sh where pybind11 is installed
+        pb.setup(_capi.library_path)
+        results["barrier: pybind11, prepacked"] = timed(lambda: pb.barrier(h, baddr, cuda), iters,
+                                                        sync=raw_sync if cuda else None)
+        results["gemm_ar: pybind11, prepacked"] = timed(lambda: pb.gemm_ar(h, addr, cuda), iters,
+                                                        sync=raw_sync if cuda else None)
+    except ImportError as e:
+        print(f"(no pybind11 comparison: {e})", file=sys.stderr)
+
+    results["barrier: tandem API"] = timed(comm.barrier, iters, sync=sync)
+    results["gemm_ar: tandem API, tandem.empty tensors"] = timed(lambda: comm.gemm_ar(a_d, b_d, out=c_d), iters,
+                                                                 sync=sync)
+    if cuda:
+        a_t, b_t, c_t = (torch.zeros((8, 8), dtype=dtype, device=dev) for _ in range(3))
+        results["gemm_ar: tandem API, torch allocator tensors"] = timed(lambda: comm.gemm_ar(a_t, b_t, out=c_t),
+                                                                        iters, sync=sync)
+    else:
+        a_t, b_t, c_t = (torch.zeros((8, 8), dtype=dtype) for _ in range(3))
+        results["gemm_ar: tandem API, torch tensors (staged copies)"] = timed(
+            lambda: comm.gemm_ar(a_t, b_t, out=c_t), iters, sync=sync)
+
+    print(f"backend {comm.backend}, torch {torch.__version__}, {iters} calls x 7 repeats, median ns per call")
+    for name, ns in results.items():
+        base = results[name.split(":")[0] + ": C ABI loop"]
+        print(f"  {name:55s} {ns / 1000:8.2f} us   (+{(ns - base) / 1000:6.2f} us over the C loop)")
+    print(json.dumps({"backend": comm.backend, "torch": torch.__version__, "iters": iters,
+                      "ns_per_call": {k: round(v) for k, v in results.items()}}))
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

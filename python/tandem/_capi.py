@@ -1,0 +1,174 @@
+"""libtandem through ctypes: finding the library, its C signatures, and the op argument structs.
+
+Why ctypes and not a compiled extension: the package then needs no compiler, no Python headers and no torch
+headers to install, and it binds only the stable C ABI (tandem.h), so one install works with any PyTorch. The
+per-call cost was measured against a pybind11 module calling the same C functions (python/bench/overhead.py,
+bench/RESULTS.md "Python binding"); the difference is well under the 3 us a call may add.
+
+Argument structs are packed with struct.pack_into into one preallocated buffer per op kind: a single C call,
+where setting ten ctypes Structure fields costs ten attribute writes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import struct
+import sys
+from pathlib import Path
+
+# The ABI this package is written against: tandem.h 0.2.x. A library of another 0.x minor has another ABI.
+ABI_MAJOR, ABI_MINOR = 0, 2
+SONAME = f"libtandem.so.{ABI_MAJOR}.{ABI_MINOR}"
+
+c_void_p, c_uint64, c_uint32, c_int, c_int64, c_size_t, c_char_p = (
+    ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int, ctypes.c_int64, ctypes.c_size_t,
+    ctypes.c_char_p)
+
+
+class Op(ctypes.Structure):
+    """tandem_op_t: {session_serial, seq}, passed by value."""
+    _fields_ = [("session_serial", c_uint64), ("seq", c_uint64)]
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_uint8 * 16)]
+
+
+# Status codes (tandem_status_t).
+SUCCESS = 0
+IN_PROGRESS = 15
+
+# dtype codes (tandem_dtype_t).
+DTYPE_FP32, DTYPE_FP16, DTYPE_BF16, DTYPE_INT32 = 1, 2, 3, 4
+
+# Argument struct layouts (x86-64 / aarch64 LP64): size_t struct_size, then the fields in tandem.h's order. A tensor
+# is {buffer pointer, uint64 offset}; the dtype enum is 4 bytes followed by 4 bytes of padding before the uint64s.
+# 'Q' = uint64/size_t/pointer, 'i' = int/enum, 'f' = float, 'x' = pad byte.
+_T = "QQ"  # tandem_tensor_t
+ARG_FORMATS = {
+    "ag_gemm": "=Qi4x" + "QQQ" + _T * 4 + "Q",
+    "gemm_rs": "=Qi4x" + "QQQ" + _T * 3 + "Q",
+    "gemm_ar": "=Qi4x" + "QQQ" + _T * 3 + "Q",
+    "moe_dispatch_gemm": "=Qi4x" + "QQQQQQ" + _T * 7 + "Q",
+    "moe_ffn": "=Qi4x" + "QQQQQ" + _T * 6 + "Q",
+    "ring_attention": "=Qi4x" + "QQQ" + "if" + _T * 4 + "Q",
+    "allgather": "=Q" + _T * 2 + "QQ",
+    "barrier": "=QQ",
+}
+ARG_STRUCTS = {name: struct.Struct(fmt) for name, fmt in ARG_FORMATS.items()}
+C_FUNCTIONS = {
+    "ag_gemm": "tandem_ag_gemm",
+    "gemm_rs": "tandem_gemm_rs",
+    "gemm_ar": "tandem_gemm_ar",
+    "moe_dispatch_gemm": "tandem_moe_dispatch_gemm",
+    "moe_ffn": "tandem_moe_dispatch_ffn_combine",
+    "ring_attention": "tandem_ring_attention",
+    "allgather": "tandem_allgather",
+    "barrier": "tandem_barrier_stream",
+}
+
+
+class LibraryNotFound(ImportError):
+    pass
+
+
+def _candidates() -> list[tuple[str, str]]:
+    """Where libtandem may be, in the order tried, each with where it came from (for the error message)."""
+    out: list[tuple[str, str]] = []
+    env = os.environ.get("TANDEM_LIBRARY")
+    if env:
+        return [(env, "$TANDEM_LIBRARY")]  # an explicit choice is the only one tried
+    try:
+        from . import _install_config  # written by setup.py when it found a build tree at install time
+        if _install_config.LIBRARY:
+            out.append((_install_config.LIBRARY, "the build tree found by pip install"))
+    except ImportError:
+        pass
+    # A source checkout (python/tandem inside the repository): its build trees.
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "client" / "include" / "tandem" / "tandem.h").exists():
+        build = os.environ.get("TANDEM_BUILD_DIR")
+        dirs = [Path(build)] if build else [repo / "build"]
+        for d in dirs:
+            out.append((str(d / "client" / SONAME), "the build tree " + str(d)))
+    # The dynamic loader's own search (LD_LIBRARY_PATH, ldconfig's cache of /usr/local/lib and friends), then the
+    # usual install prefixes (cmake --install's default /usr/local, and this Python's prefix).
+    out.append((SONAME, "the dynamic loader's search path"))
+    for prefix in ("/usr/local", sys.prefix, "/usr"):
+        for libdir in ("lib", "lib64", "lib/x86_64-linux-gnu", "lib/aarch64-linux-gnu"):
+            out.append((os.path.join(prefix, libdir, SONAME), "the install prefix " + prefix))
+    return out
+
+
+def load_library() -> tuple[ctypes.CDLL, str]:
+    tried = []
+    for path, origin in _candidates():
+        if os.sep in path and not os.path.exists(path):
+            tried.append(f"{path} ({origin}: no such file)")
+            continue
+        try:
+            return ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL), path
+        except OSError as e:
+            tried.append(f"{path} ({origin}: {e})")
+    raise LibraryNotFound(
+        f"tandem: cannot load {SONAME} (libtandem {ABI_MAJOR}.{ABI_MINOR}). Tried:\n  " + "\n  ".join(tried) +
+        "\nBuild it (./scripts/build.sh) or install it (cmake --install build), or set TANDEM_LIBRARY to the "
+        "library file.")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    def fn(name, restype, *argtypes):
+        f = getattr(lib, name)
+        f.restype = restype
+        f.argtypes = list(argtypes)
+
+    fn("tandem_strerror", c_char_p, c_int)
+    fn("tandem_last_error", c_char_p)
+    fn("tandem_version", c_char_p)
+    fn("tandem_get_version", c_int, ctypes.POINTER(c_int), ctypes.POINTER(c_int), ctypes.POINTER(c_int))
+    fn("tandem_connect", c_int, c_char_p, ctypes.POINTER(c_void_p))
+    fn("tandem_disconnect", c_int, c_void_p)
+    fn("tandem_session_backend", c_char_p, c_void_p)
+    fn("tandem_alloc", c_int, c_void_p, c_uint64, ctypes.POINTER(c_void_p))
+    fn("tandem_free", c_int, c_void_p)
+    fn("tandem_buffer_ptr", c_void_p, c_void_p)
+    fn("tandem_buffer_size", c_uint64, c_void_p)
+    fn("tandem_register", c_int, c_void_p, c_void_p, c_uint64, c_int, c_uint64, ctypes.POINTER(c_void_p))
+    fn("tandem_deregister", c_int, c_void_p)
+    fn("tandem_get_unique_id", c_int, ctypes.POINTER(UniqueId))
+    fn("tandem_comm_init", c_int, c_void_p, ctypes.POINTER(UniqueId), c_uint32, c_uint32, c_uint32,
+       ctypes.POINTER(c_void_p))
+    fn("tandem_comm_abort", c_int, c_void_p)
+    fn("tandem_comm_destroy", c_int, c_void_p)
+    fn("tandem_comm_rank", c_uint32, c_void_p)
+    fn("tandem_comm_nranks", c_uint32, c_void_p)
+    fn("tandem_wait", c_int, Op, c_int64)
+    fn("tandem_op_status", c_int, Op, c_char_p, c_size_t)
+    for cname in C_FUNCTIONS.values():
+        # (comm, const args*, op*): the args pointer is passed as an address (int) into a preallocated buffer.
+        fn(cname, c_int, c_void_p, c_void_p, ctypes.POINTER(Op))
+
+
+lib, library_path = load_library()
+_declare(lib)
+
+_major, _minor, _patch = c_int(), c_int(), c_int()
+lib.tandem_get_version(ctypes.byref(_major), ctypes.byref(_minor), ctypes.byref(_patch))
+library_version = (_major.value, _minor.value, _patch.value)
+if library_version[:2] != (ABI_MAJOR, ABI_MINOR):
+    raise LibraryNotFound(
+        f"tandem: {library_path} is libtandem {'.'.join(map(str, library_version))}, but this package speaks the "
+        f"{ABI_MAJOR}.{ABI_MINOR} ABI. Install the matching package (pip install ./python from the same checkout), "
+        "or point TANDEM_LIBRARY at a 0.2 library.")
+
+
+def last_error() -> str:
+    msg = lib.tandem_last_error()
+    return msg.decode("utf-8", "replace") if msg else ""
+
+
+def strerror(status: int) -> str:
+    s = lib.tandem_strerror(status)
+    return s.decode() if s else f"status {status}"

@@ -1,0 +1,378 @@
+"""Sessions, daemon memory (tandem.empty, DLPack) and the registration of PyTorch's memory.
+
+Which memory an op can use (tandem.h, "memory"):
+- cpu backend: only memory the daemon can map: its own buffers (tandem_alloc: what tandem.empty returns) or a
+  sealed memfd the process registers. PyTorch's CPU allocator uses malloc, which the daemon cannot map, so such
+  tensors are copied through a staging buffer in daemon memory (one per communicator, grown as needed).
+- cuda backend: tandem_alloc'd device memory (tandem.empty), or cudaMalloc memory registered by its legacy IPC
+  handle. PyTorch's caching allocator hands out blocks of cudaMalloc'd segments; each segment is registered once,
+  on first use, and cached (SegmentCache below).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+import threading
+import weakref
+
+import torch
+
+from . import _capi
+from ._capi import lib
+from ._errors import TandemError, error_for
+
+
+def check(status: int) -> None:
+    if status != _capi.SUCCESS:
+        raise error_for(status, _capi.last_error())
+
+
+# ---- sessions ---------------------------------------------------------------------------------------------------
+
+class Session:
+    """One connection to tandemd (tandem_connect). One per socket path per process, shared by every Communicator
+    and tandem.empty() that name the same socket; get one with Session.get()."""
+
+    _sessions: dict = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls, socket: str | None = None) -> "Session":
+        # socket=None means libtandem's rule; naming $TANDEM_SOCKET's path explicitly is the same daemon, and must
+        # be the same session too (a buffer serves only ops of the session that made it).
+        socket = socket or os.environ.get("TANDEM_SOCKET") or None
+        key = (os.getpid(), socket)  # a forked child has its own connection, never its parent's
+        with cls._lock:
+            s = cls._sessions.get(key)
+            if s is None or s.closed:
+                s = cls._sessions[key] = Session(socket)
+            return s
+
+    def __init__(self, socket: str | None = None):
+        h = ctypes.c_void_p()
+        # NULL: libtandem's own rule ($TANDEM_SOCKET, else the default path), so Python and C agree.
+        check(lib.tandem_connect(socket.encode() if socket else None, ctypes.byref(h)))
+        self.handle = h.value
+        self.socket = socket
+        self.pid = os.getpid()
+        self.closed = False
+        self.backend = lib.tandem_session_backend(self.handle).decode()
+        self.is_cuda = self.backend == "cuda"
+        # Buffers this session owns (tandem.empty, staging), by address: parallel sorted lists, so a tensor's
+        # buffer is one bisect away. An entry is removed before its buffer is freed, so an address is never
+        # resolved to a buffer that no longer backs it.
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._buffers: list[int] = []
+        self._deferred: list = []  # cuda buffers whose last user may still be running: (event or None, handle)
+        self.segments = SegmentCache(self) if self.is_cuda else None
+
+    # -- the owned-buffer table
+    def add_span(self, start: int, nbytes: int, handle: int) -> None:
+        i = bisect.bisect_left(self._starts, start)
+        self._starts.insert(i, start)
+        self._ends.insert(i, start + nbytes)
+        self._buffers.insert(i, handle)
+
+    def remove_span(self, start: int) -> None:
+        i = bisect.bisect_left(self._starts, start)
+        if i < len(self._starts) and self._starts[i] == start:
+            del self._starts[i], self._ends[i], self._buffers[i]
+
+    def lookup(self, ptr: int, nbytes: int):
+        """(buffer handle, offset) of [ptr, ptr+nbytes) in a buffer this session owns, else None."""
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i >= 0 and ptr + nbytes <= self._ends[i]:
+            return self._buffers[i], ptr - self._starts[i]
+        return None
+
+    def free_later(self, handle: int) -> None:
+        """cuda: frees `handle` once the work queued so far on the current stream is done (torch may drop a tensor
+        while a kernel still reads it, as its caching allocator allows). Nothing is recorded while a CUDA graph is
+        being captured; the buffer then waits for the next call outside capture."""
+        event = None
+        if not torch.cuda.is_current_stream_capturing():
+            event = torch.cuda.Event()
+            event.record()
+        self._deferred.append((event, handle))
+
+    def reap(self) -> None:
+        """Frees deferred cuda buffers whose work is done. Never called during capture."""
+        keep = []
+        for event, handle in self._deferred:
+            if event is None:
+                event = torch.cuda.Event()
+                event.record()
+                keep.append((event, handle))
+            elif event.query():
+                lib.tandem_free(handle)
+            else:
+                keep.append((event, handle))
+        self._deferred = keep
+
+    def close(self) -> None:
+        """Disconnects. Every tensor in this session's memory becomes invalid (its pages are unmapped): close only
+        when none is in use. Communicators of the session fail every later call."""
+        if self.closed:
+            return
+        self.closed = True
+        if os.getpid() == self.pid:
+            check(lib.tandem_disconnect(self.handle))
+
+
+# ---- daemon buffers and DLPack ----------------------------------------------------------------------------------
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+
+_KDL_CPU, _KDL_CUDA = 1, 2
+_DL_DTYPES = {  # torch dtype -> (DLDataTypeCode, bits): kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4
+    torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16), torch.float64: (2, 64),
+    torch.int32: (0, 32), torch.int64: (0, 64), torch.int16: (0, 16), torch.int8: (0, 8), torch.uint8: (1, 8),
+    torch.bool: (6, 8),
+}
+
+# What each exported DLManagedTensor keeps alive (its Buffer, shape array, the struct itself), by manager_ctx.
+_exports: dict[int, tuple] = {}
+_export_ids = iter(range(1, 1 << 62))
+
+
+@_DELETER
+def _dl_deleter(managed):
+    _exports.pop(managed.contents.manager_ctx, None)
+
+
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# The destructor gets the dying capsule as a raw pointer: these take it as void*, so no reference is taken to an
+# object being destroyed. (ctypes.pythonapi[...] returns a fresh function object, configured on its own.)
+_PyCapsule_IsValid = ctypes.pythonapi["PyCapsule_IsValid"]
+_PyCapsule_IsValid.restype = ctypes.c_int
+_PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_PyCapsule_GetPointer = ctypes.pythonapi["PyCapsule_GetPointer"]
+_PyCapsule_GetPointer.restype = ctypes.c_void_p
+_PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _capsule_destructor(capsule_ptr):
+    # A capsule nobody consumed still carries the name "dltensor": then its tensor is ours to delete. A consumer
+    # renames it "used_dltensor" and calls the deleter itself when it is done with the memory.
+    if _PyCapsule_IsValid(capsule_ptr, b"dltensor"):
+        p = _PyCapsule_GetPointer(capsule_ptr, b"dltensor")
+        managed = ctypes.cast(p, ctypes.POINTER(_DLManagedTensor))
+        _exports.pop(managed.contents.manager_ctx, None)
+
+
+class Buffer:
+    """Daemon memory (tandem_alloc), mapped into this process: host memory on the cpu backend, device memory on the
+    cuda backend. Exports itself through DLPack (`__dlpack__`), so torch.from_dlpack, numpy.from_dlpack,
+    cupy.from_dlpack and jax.dlpack.from_dlpack see the same memory without a copy. Freed when the Buffer and every
+    tensor made from it are gone."""
+
+    def __init__(self, session: Session, nbytes: int, device: int = -1):
+        self.session = session
+        self.device = device
+        h = ctypes.c_void_p()
+        if session.is_cuda:
+            session.reap()
+        check(lib.tandem_alloc(session.handle, max(int(nbytes), 1), ctypes.byref(h)))
+        self.handle = h.value
+        self.ptr = lib.tandem_buffer_ptr(self.handle)
+        self.nbytes = int(nbytes)
+        session.add_span(self.ptr, max(self.nbytes, 1), self.handle)
+        self._finalizer = weakref.finalize(self, Buffer._release, session, self.ptr, self.handle)
+
+    @staticmethod
+    def _release(session: Session, ptr: int, handle: int) -> None:
+        if os.getpid() != session.pid:
+            return  # a forked child's copy of its parent's buffer: the connection is the parent's, not ours
+        session.remove_span(ptr)  # first: no later op may resolve an address to this buffer
+        if session.closed:
+            lib.tandem_free(handle)  # frees the handle only; the session already released the memory
+        elif session.is_cuda:
+            session.free_later(handle)
+        else:
+            lib.tandem_free(handle)
+
+    def __dlpack_device__(self):
+        return (_KDL_CUDA, self.device) if self.session.is_cuda else (_KDL_CPU, 0)
+
+    def dlpack(self, shape, dtype: torch.dtype):
+        """A DLPack capsule viewing this buffer as a contiguous `shape` of `dtype`."""
+        if dtype not in _DL_DTYPES:
+            raise ValueError(f"tandem: dtype {dtype} has no DLPack export here; use one of {list(_DL_DTYPES)}")
+        shape = tuple(int(s) for s in shape)
+        need = _element_size(dtype)
+        for s in shape:
+            need *= s
+        if need > max(self.nbytes, 1) and need > 0:
+            raise ValueError(f"tandem: shape {shape} of {dtype} needs {need} bytes; the buffer has {self.nbytes}")
+        ctx = next(_export_ids)
+        shape_arr = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        m = _DLManagedTensor()
+        m.dl_tensor.data = self.ptr
+        dev_type, dev_id = self.__dlpack_device__()
+        m.dl_tensor.device = _DLDevice(dev_type, dev_id)
+        m.dl_tensor.ndim = len(shape)
+        code, bits = _DL_DTYPES[dtype]
+        m.dl_tensor.dtype = _DLDataType(code, bits, 1)
+        m.dl_tensor.shape = shape_arr
+        m.dl_tensor.strides = None  # compact row-major
+        m.dl_tensor.byte_offset = 0
+        m.manager_ctx = ctx
+        m.deleter = _dl_deleter
+        _exports[ctx] = (self, shape_arr, m)
+        return _PyCapsule_New(ctypes.addressof(m), b"dltensor", ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        # Fresh daemon memory has no pending work on any stream, so there is nothing to order with `stream`.
+        if copy:
+            raise BufferError("tandem.Buffer exports its memory without copying (copy=True was asked)")
+        return self.dlpack((self.nbytes,), torch.uint8)
+
+    def tensor(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_dlpack(_Export(self, shape, dtype))
+
+
+class _Export:
+    """Exports a Buffer with a given shape and dtype through the DLPack protocol."""
+
+    def __init__(self, buf: Buffer, shape, dtype):
+        self.buf, self.shape, self.dtype = buf, shape, dtype
+
+    def __dlpack_device__(self):
+        return self.buf.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        return self.buf.dlpack(self.shape, self.dtype)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---- registration of PyTorch's CUDA memory ----------------------------------------------------------------------
+
+_CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
+_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
+_CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
+
+
+class SegmentCache:
+    """Registers each cudaMalloc segment of PyTorch's caching allocator once, and never uses a registration after
+    its memory was freed.
+
+    Key: the driver's CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation, "a process-wide unique ID for an allocated
+    memory region", which the driver never hands out again. Every op asks the driver (cuPointerGetAttributes, host
+    only, no sync, allowed during graph capture) for the id, base and size of each tensor's allocation:
+    - a known id: the cached registration, offset = ptr - base;
+    - an unknown id: a new segment (first use, or PyTorch freed a segment and cudaMalloc returned the same
+      addresses again). Registered entries whose range overlaps it are dead: their memory was freed, so they are
+      deregistered first (libtandem would otherwise hand back the old buffer for the same (ptr, size)). Then
+      entries whose memory is no longer allocated are released too, so the daemon does not keep freed memory
+      mapped. Registering needs a round trip to tandemd, so it is refused while a CUDA graph is being captured:
+      run the op once before capture (the usual warm-up) or pass tensors from tandem.empty().
+    """
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.by_id: dict[int, tuple[int, int, int]] = {}  # buffer id -> (base, size, tandem buffer handle)
+        cuda = ctypes.CDLL("libcuda.so.1")
+        self._get = cuda.cuPointerGetAttributes
+        self._get.restype = ctypes.c_int
+        self._get.argtypes = [ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+        self._attrs = (ctypes.c_int * 3)(_CU_POINTER_ATTRIBUTE_BUFFER_ID, _CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                         _CU_POINTER_ATTRIBUTE_RANGE_SIZE)
+        self._vals = (ctypes.c_uint64 * 3)()
+        self._data = (ctypes.c_void_p * 3)(*[ctypes.addressof(self._vals) + 8 * i for i in range(3)])
+        self._attrs_addr = ctypes.addressof(self._attrs)
+        self._data_addr = ctypes.addressof(self._data)
+        self.registrations = 0  # counters, for tests and tandem.stats()
+        self.releases = 0
+
+    def query(self, ptr: int):
+        """(buffer id, base, size) of the allocation holding ptr, or None where ptr is no live device memory."""
+        if self._get(3, self._attrs_addr, self._data_addr, ptr) != 0:
+            return None
+        v = self._vals
+        return v[0], v[1], v[2]
+
+    def resolve(self, ptr: int, nbytes: int, arg: str, op: str):
+        q = self.query(ptr)
+        if q is None or q[0] == 0:
+            raise ValueError(f"tandem.{op}: argument '{arg}' is not in CUDA device memory the driver knows "
+                             f"(address {ptr:#x}); pass a CUDA tensor from PyTorch's allocator or tandem.empty()")
+        bid, base, size = q
+        hit = self.by_id.get(bid)
+        if hit is None:
+            hit = self._register(bid, base, size, arg, op)
+        if ptr + nbytes > base + size:
+            raise ValueError(f"tandem.{op}: argument '{arg}' runs past the end of its CUDA allocation")
+        return hit[2], ptr - hit[0]
+
+    def _register(self, bid: int, base: int, size: int, arg: str, op: str):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"tandem.{op}: argument '{arg}' lies in a CUDA segment tandem has not registered yet, and registering "
+                "needs a round trip to tandemd, which a CUDA graph capture cannot contain. Run the op once before "
+                "capturing (on tensors from the same pool), or pass out= tensors made before capture or by "
+                "tandem.empty().")
+        self.release_dead(overlapping=(base, base + size))
+        h = ctypes.c_void_p()
+        try:
+            check(lib.tandem_register(self.session.handle, base, size, -1, 0, ctypes.byref(h)))
+        except TandemError as e:
+            if "IPC handle" in e.message:  # cuMem (VMM) memory: PyTorch's expandable segments
+                e.message += (f" [tandem.{op}, argument '{arg}': PyTorch's expandable segments are cuMem memory, "
+                              "which has no IPC handle; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, or "
+                              "use tandem.empty() tensors]")
+            raise
+        entry = (base, size, h.value)
+        self.by_id[bid] = entry
+        self.registrations += 1
+        return entry
+
+    def release_dead(self, overlapping=None) -> int:
+        """Deregisters every cached segment whose memory was freed (its base no longer carries its buffer id),
+        and every one overlapping `overlapping` (a new allocation took its addresses). Returns how many."""
+        dead = []
+        for bid, (base, size, h) in self.by_id.items():
+            if overlapping is not None and base < overlapping[1] and overlapping[0] < base + size:
+                dead.append(bid)
+                continue
+            q = self.query(base)
+            if q is None or q[0] != bid:
+                dead.append(bid)
+        for bid in dead:
+            _, _, h = self.by_id.pop(bid)
+            lib.tandem_deregister(h)
+            self.releases += 1
+        return len(dead)
+
+    def clear(self) -> None:
+        for _, _, h in self.by_id.values():
+            lib.tandem_deregister(h)
+        self.releases += len(self.by_id)
+        self.by_id.clear()

@@ -1,0 +1,220 @@
+"""Every op from Python, checked against the same math in PyTorch (float64).
+
+Each rank regenerates every rank's inputs from (op, rank) seeds, so it computes the reference of its own outputs
+without any communication, and compares. Used by the cpu-backend tests (test_ops.py) and, with device="cuda", by
+the GPU script (scripts/py-gpu-run.sh).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+import tandem
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+       torch.float16: dict(atol=5e-3, rtol=5e-3)}
+
+
+def gen(tag: str, rank: int, shape, dtype=torch.float32, scale: float = 1.0):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{tag}/{rank}".encode()))
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def topk_ids(tag: str, rank: int, tokens: int, experts: int, topk: int):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{tag}/ids/{rank}".encode()))
+    rows = [torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]
+    return (torch.stack(rows) if rows else torch.empty((0, topk), dtype=torch.int64)).to(torch.int32)
+
+
+class Placer:
+    """Where a check puts its tensors: 'torch' (PyTorch's allocator: staged on the cpu backend, registered by
+    segment on cuda) or 'tandem' (tandem.empty: daemon memory), on `device`."""
+
+    def __init__(self, mem: str, device):
+        self.mem, self.device = mem, torch.device(device)
+
+    def put(self, t):
+        if self.mem == "tandem":
+            out = tandem.empty(tuple(t.shape), t.dtype, device=self.device if self.device.type == "cuda" else None)
+            out.copy_(t)
+            return out
+        return t.to(self.device).contiguous()
+
+    def empty(self, shape, dtype):
+        if self.mem == "tandem":
+            return tandem.empty(shape, dtype, device=self.device if self.device.type == "cuda" else None)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+def close(got, want, dtype, what):
+    torch.testing.assert_close(got.detach().to("cpu", torch.float64), want.to(torch.float64), **TOL[dtype],
+                               msg=lambda m: f"{what}: {m}")
+
+
+def check_ag_gemm(comm, dtype, place: Placer, use_out: bool):
+    r, n = comm.rank, comm.world_size
+    m, nn, k = 2 * n + 1, 8, 8  # m % n != 0 for n > 1: shards of different sizes (n, k: the GPU kernels' multiple of 8)
+    shards = [gen("ag.a", q, (tandem.rows_of(m, q, n)[1], k), dtype) for q in range(n)]
+    b = gen("ag.b", r, (nn, k), dtype)
+    full = torch.cat(shards).double()
+    want = full @ b.double().T
+    a_t, b_t = place.put(shards[r]), place.put(b)
+    if use_out:
+        out, gathered = place.empty((m, nn), dtype), place.empty((m, k), dtype)
+        got = comm.ag_gemm(a_t, b_t, out=out, m=m, a_gathered=gathered)
+        assert got is out
+        close(gathered, full, dtype, "ag_gemm a_gathered")
+    else:
+        got = comm.ag_gemm(a_t, b_t, m=m)
+    assert got.shape == (m, nn) and got.dtype == dtype
+    close(got, want, dtype, "ag_gemm out")
+
+
+def _gemm_reduce_inputs(tag, n, dtype):
+    m, nn = 2 * n + 1, 8
+    ks = [8 * (1 + q % 2) for q in range(n)]  # neighbouring ranks' K slices differ
+    a = [gen(tag + ".a", q, (m, ks[q]), dtype) for q in range(n)]
+    b = [gen(tag + ".b", q, (nn, ks[q]), dtype) for q in range(n)]
+    c = sum(a[q].double() @ b[q].double().T for q in range(n))
+    return m, nn, a, b, c
+
+
+def check_gemm_rs(comm, dtype, place, use_out):
+    r, n = comm.rank, comm.world_size
+    m, nn, a, b, c = _gemm_reduce_inputs("rs", n, dtype)
+    first, rows = tandem.rows_of(m, r, n)
+    args = (place.put(a[r]), place.put(b[r]))
+    got = comm.gemm_rs(*args, out=place.empty((rows, nn), dtype)) if use_out else comm.gemm_rs(*args)
+    assert got.shape == (rows, nn)
+    close(got, c[first:first + rows], dtype, "gemm_rs out")
+
+
+def check_gemm_ar(comm, dtype, place, use_out):
+    r, n = comm.rank, comm.world_size
+    m, nn, a, b, c = _gemm_reduce_inputs("ar", n, dtype)
+    args = (place.put(a[r]), place.put(b[r]))
+    got = comm.gemm_ar(*args, out=place.empty((m, nn), dtype)) if use_out else comm.gemm_ar(*args)
+    assert got.shape == (m, nn)
+    close(got, c, dtype, "gemm_ar out")
+
+
+def _moe_inputs(tag, n, hidden, dtype, topk=2, experts_per_rank=2):
+    experts = experts_per_rank * n
+    tokens = [3 + q for q in range(n)]
+    x = [gen(tag + ".x", q, (tokens[q], hidden), dtype) for q in range(n)]
+    ids = [topk_ids(tag, q, tokens[q], experts, min(topk, experts)) for q in range(n)]
+    wts = [gen(tag + ".wt", q, (tokens[q], ids[q].shape[1])).abs() for q in range(n)]
+    return experts, experts_per_rank, tokens, x, ids, wts
+
+
+def check_moe_dispatch_gemm(comm, dtype, place, use_out):
+    r, n = comm.rank, comm.world_size
+    hidden, n_out = 8, 5
+    experts, local, tokens, x, ids, wts = _moe_inputs("md", n, hidden, dtype)
+    w = [gen("md.w", q, (local, n_out, hidden), dtype) for q in range(n)]
+    rows, info = [], []
+    counts = []
+    for le in range(local):
+        e = r * local + le
+        c = 0
+        for s in range(n):
+            for t in range(tokens[s]):
+                for j in range(ids[s].shape[1]):
+                    if int(ids[s][t, j]) == e:
+                        rows.append(x[s][t].double() @ w[r][le].double().T)
+                        info.append((s, t, j, e))
+                        c += 1
+        counts.append(c)
+    capacity = sum(tokens) * 2
+    args = (place.put(x[r]), place.put(ids[r]), place.put(wts[r]), place.put(w[r]))
+    if use_out:
+        out, ri, ec = place.empty((capacity, n_out), dtype), place.empty((capacity, 4), torch.int32), \
+            place.empty((local,), torch.int32)
+        got = comm.moe_dispatch_gemm(*args, out=out, row_info=ri, expert_counts=ec)
+        assert got[0] is out and got[1] is ri and got[2] is ec
+    else:
+        got = comm.moe_dispatch_gemm(*args, capacity=capacity)
+    out, ri, ec = got
+    assert out.shape == (capacity, n_out) and ri.shape == (capacity, 4) and ec.shape == (local,)
+    assert ec.cpu().tolist() == counts, f"expert_counts {ec.tolist()} != {counts}"
+    k = len(rows)
+    assert [tuple(v) for v in ri[:k].cpu().tolist()] == info
+    if k:
+        close(out[:k], torch.stack(rows), dtype, "moe_dispatch_gemm out")
+
+
+def check_moe_ffn(comm, dtype, place, use_out):
+    r, n = comm.rank, comm.world_size
+    hidden, ffn = 8, 6
+    experts, local, tokens, x, ids, wts = _moe_inputs("mf", n, hidden, dtype)
+    w1 = [gen("mf.w1", q, (local, 2 * ffn, hidden), dtype, 0.5) for q in range(n)]
+    w2 = [gen("mf.w2", q, (local, hidden, ffn), dtype, 0.5) for q in range(n)]
+    want = torch.zeros((tokens[r], hidden), dtype=torch.float64)
+    for t in range(tokens[r]):
+        xt = x[r][t].double()
+        for j in range(ids[r].shape[1]):
+            e = int(ids[r][t, j])
+            d, le = divmod(e, local)
+            gate = xt @ w1[d][le][:ffn].double().T
+            up = xt @ w1[d][le][ffn:].double().T
+            h = (F.silu(gate) * up).float().to(dtype).double()  # tandem.h: h is rounded to dtype
+            want[t] += float(wts[r][t, j]) * (h @ w2[d][le].double().T)
+    args = (place.put(x[r]), place.put(ids[r]), place.put(wts[r]), place.put(w1[r]), place.put(w2[r]))
+    got = comm.moe_ffn(*args, out=place.empty((tokens[r], hidden), dtype)) if use_out else comm.moe_ffn(*args)
+    assert got.shape == (tokens[r], hidden)
+    close(got, want, dtype, "moe_ffn out")
+
+
+def check_ring_attention(comm, dtype, place, use_out, causal=False, scale=None):
+    r, n = comm.rank, comm.world_size
+    heads, hd = 2, 8
+    seqs = [2 + q for q in range(n)]
+    q_, k_, v_ = ([gen(f"ra.{t}", p, (seqs[p], heads, hd), dtype) for p in range(n)] for t in "qkv")
+    Q, K, V = (torch.cat(z).double() for z in (q_, k_, v_))
+    s = scale if scale is not None else hd ** -0.5
+    scores = torch.einsum("ihd,jhd->hij", Q, K) * s
+    if causal:
+        S = Q.shape[0]
+        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("hij,jhd->ihd", scores.softmax(-1), V)
+    first = sum(seqs[:r])
+    want = o[first:first + seqs[r]]
+    args = (place.put(q_[r]), place.put(k_[r]), place.put(v_[r]))
+    out = place.empty(tuple(q_[r].shape), dtype) if use_out else None
+    got = comm.ring_attention(*args, causal=causal, scale=scale, out=out)
+    assert got.shape == q_[r].shape
+    close(got, want, dtype, f"ring_attention out (causal={causal}, scale={scale})")
+
+
+def check_allgather(comm, dtype, place, use_out):
+    r, n = comm.rank, comm.world_size
+    parts = [gen("gather", q, (3, 5), dtype) for q in range(n)]
+    x = place.put(parts[r])
+    got = comm.allgather(x, out=place.empty((3 * n, 5), dtype)) if use_out else comm.allgather(x)
+    assert got.shape == (3 * n, 5)
+    assert torch.equal(got.cpu(), torch.cat(parts)), "allgather must copy bytes exactly"
+
+
+CHECKS = [check_ag_gemm, check_gemm_rs, check_gemm_ar, check_moe_dispatch_gemm, check_moe_ffn, check_ring_attention,
+          check_allgather]
+
+
+def run_all(comm, dtypes=(torch.float32, torch.bfloat16), mems=("torch", "tandem"), device="cpu", checks=CHECKS):
+    """Every check, for each dtype, memory kind and with and without out=; returns how many ops ran."""
+    ran = 0
+    for dtype in dtypes:
+        for mem in mems:
+            place = Placer(mem, device)
+            for use_out in (False, True):
+                for check in checks:
+                    check(comm, dtype, place, use_out)
+                    ran += 1
+                if check_ring_attention in checks:
+                    check_ring_attention(comm, dtype, place, use_out, causal=True)
+                    check_ring_attention(comm, dtype, place, use_out, causal=True, scale=0.3)
+                    ran += 2
+    comm.barrier()
+    return ran + 1
