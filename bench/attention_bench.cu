@@ -150,6 +150,7 @@ struct Options {
   bool allVariants = false;
   int checkRows = 1024;
   int causal = -1;  // -1: both
+  std::vector<int> headGroups;  // causal: also time these head groups (AttentionParams::headGroup)
 };
 
 std::vector<int> parseList(const char* s) {
@@ -185,6 +186,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--fp16") o.fp16 = true;
     else if (a == "--variants") o.allVariants = std::string(next()) == "all";
     else if (a == "--check-rows") o.checkRows = std::atoi(next());
+    else if (a == "--head-groups") o.headGroups = parseList(next());
     else if (a == "--causal") {
       const std::string v = next();
       o.causal = v == "both" ? -1 : std::atoi(v.c_str());
@@ -200,6 +202,7 @@ Options parse(int argc, char** argv) {
 struct Variant {
   int blockN;
   int pingPong;
+  int headGroup = 0;
 };
 
 struct Row {
@@ -278,6 +281,9 @@ int main(int argc, char** argv) {
       syncOrDie(stream, 120, "reference");
 
       std::vector<Variant> variants{{0, 0}};
+      if (causal) {
+        for (const int g : opt.headGroups) variants.push_back({0, 0, g});
+      }
       if (opt.allVariants) {
         variants = {{128, 1}, {128, 2}};
         if (!causal && opt.hd == 128) {
@@ -295,6 +301,7 @@ int main(int argc, char** argv) {
         p.causal = causal != 0;
         p.blockN = var.blockN;
         p.pingPong = var.pingPong;
+        p.headGroup = var.headGroup;
         const auto bind = [&](int s) {
           p.q = q[s];
           p.out = out[s];

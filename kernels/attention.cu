@@ -13,6 +13,7 @@
 #include "preload_on.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/attention.hpp"
+#include "tandem/kernels/tensor_map_cache.hpp"
 
 namespace tandem::kernels {
 namespace attn_detail {
@@ -21,6 +22,7 @@ namespace attn_detail {
 struct Resolved {
   int blockN;
   bool pingPong;
+  int headGroup;
 };
 Resolved resolveAttention(const AttentionParams& p);
 }  // namespace attn_detail
@@ -99,18 +101,16 @@ LaunchInfo launchInfo(int device, const Variant& v) {
 }
 
 // Row-major [rows, heads * hd] matrix of 2-byte elements in boxes of boxRows x 64 columns, 128-byte swizzle. Rows
-// past `rows` read as zeros (the kernel masks or drops them).
+// past `rows` read as zeros (the kernel masks or drops them). Through the kernels' shared tensor-map cache: ring
+// attention encodes the same peer workspaces op after op.
 CUtensorMap encodeMap(const void* base, int64_t rows, int64_t cols, uint32_t boxRows, AttentionDtype dt) {
+  static TensorMapCache cache;
   CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kSwizzleCols), boxRows};
-  const cuuint32_t elemStrides[2] = {1, 1};
-  const CUtensorMapDataType type =
-      dt == AttentionDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult r = tensorMapEncodeTiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, elemStrides,
-                                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const TensorMapKey key =
+      TensorMapKey::matrix(base, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), static_cast<uint64_t>(cols),
+                           boxRows, static_cast<uint32_t>(kSwizzleCols),
+                           dt == AttentionDtype::kBf16 ? GemmDtype::kBf16 : GemmDtype::kFp16);
+  const CUresult r = cache.get(key, &map);
   if (r != CUDA_SUCCESS) {
     attn_detail::failCuda("cuTensorMapEncodeTiled -> CUresult " + std::to_string(static_cast<int>(r)) + " for a " +
                           std::to_string(rows) + " x " + std::to_string(cols) + " tensor at " +
@@ -148,17 +148,32 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   std::memset(&p, 0, sizeof(p));
   const int64_t cols = static_cast<int64_t>(g.heads) * g.headDim;
   p.tmQ = encodeMap(g.q, g.sq, cols, kBlockM, g.dtype);
-  int segs = 0;
+  // One tensor map pair per non-empty segment, in segment order; the kernel splits each into its runs.
+  int maps = 0;
   for (int i = 0; i < g.numKv; ++i) {
     const AttentionKvSegment& s = g.kv[i];
     if (s.length == 0) continue;  // nothing to see: leave it out of the walk
-    p.tmK[segs] = encodeMap(s.k, s.length, cols, static_cast<uint32_t>(r.blockN), g.dtype);
-    p.tmV[segs] = encodeMap(s.v, s.length, cols, static_cast<uint32_t>(r.blockN), g.dtype);
-    p.kvStart[segs] = s.start;
-    p.kvLen[segs] = static_cast<int32_t>(s.length);
-    ++segs;
+    p.tmK[maps] = encodeMap(s.k, s.length, cols, static_cast<uint32_t>(r.blockN), g.dtype);
+    p.tmV[maps] = encodeMap(s.v, s.length, cols, static_cast<uint32_t>(r.blockN), g.dtype);
+    AttnKvMap& m = p.maps[maps++];
+    m.start = s.start;
+    m.start2 = s.start2;
+    m.ready = s.arrival;
+    m.readyValue = s.arrivalValue;
+    m.lengthWord = s.lengthWord;
+    m.lengthReady = s.lengthReady;
+    m.lengthReadyValue = s.lengthReadyValue;
+    m.length = static_cast<int32_t>(s.length);
+    m.split = s.splitHalves ? -1 : static_cast<int32_t>(s.split > 0 ? s.split : s.length);
   }
-  p.numSegments = segs;
+  p.numMaps = maps;
+  p.qStart2 = g.qStart2;
+  p.qSplit = static_cast<int32_t>(g.qSplit > 0 && g.qSplit < g.sq ? g.qSplit : g.sq);
+  p.abortWord = g.abortWord;
+  p.errorSlot = g.errorSlot;
+  p.timeoutNs = g.timeoutNs;
+  p.waitOp = g.waitOp;
+  p.waitRank = g.waitRank;
   p.out = g.out;
   p.lse = g.lse;
   p.qStart = g.qStart;
@@ -171,6 +186,7 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   const float scale = g.scale == 0.0f ? 1.0f / std::sqrt(static_cast<float>(g.headDim)) : g.scale;
   p.scaleLog2 = scale * 1.4426950408889634f;
   p.pingPong = r.pingPong ? 1 : 0;
+  p.headGroup = r.headGroup;
 
   const int sms = g.numSms > 0 && g.numSms < info.numSms ? g.numSms : info.numSms;
   const int64_t grid = work < sms ? work : sms;

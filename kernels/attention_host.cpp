@@ -1,5 +1,6 @@
 // Attention core, host side that needs no CUDA compiler: the shape rules (validateAttention), the configuration name,
 // and the tandem::Error throwers attention.cu calls (fmt, which error.hpp uses, does not compile under nvcc).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -20,12 +21,27 @@ namespace attn_detail {
 struct Resolved {
   int blockN;
   bool pingPong;
+  int headGroup;
 };
 // Defaults measured on an H200 (bench/RESULTS.md, "Attention core"): 176-key blocks beat 128 by 2-5% without causal
 // masking at head_dim 128 (seq 4K-32K); ping-pong beats free-running consumers by 10-20% everywhere.
+// Causal head groups: as many heads as keep the K/V of the CTAs in flight within kHeadGroupBytes (of the H200's
+// 60 MB L2), all heads when everything fits. Unmeasured default (see bench/RESULTS.md, "Ring attention").
+constexpr int64_t kHeadGroupBytes = 40ll << 20;
 Resolved resolveAttention(const AttentionParams& p) {
   const int blockN = p.blockN != 0 ? p.blockN : (p.headDim == 128 && !p.causal ? 176 : 128);
-  return {blockN, p.pingPong != 2};
+  int group = p.headGroup;
+  if (group <= 0 || group > p.heads) {
+    int64_t keys = 0;
+    for (int i = 0; i < p.numKv && i < kMaxAttentionKvSegments; ++i) keys += p.kv[i].length;
+    const int64_t perHead = keys * p.headDim * 2 * 2;  // k and v, 2-byte elements
+    group = p.heads;
+    if (p.headGroup <= 0 && perHead > 0 && perHead * p.heads > kHeadGroupBytes) {
+      group = static_cast<int>(std::max<int64_t>(1, kHeadGroupBytes / perHead));
+    }
+    group = std::min(group, p.heads);
+  }
+  return {blockN, p.pingPong != 2, group < 1 ? 1 : group};
 }
 
 }  // namespace attn_detail
@@ -62,6 +78,11 @@ void validateAttention(const AttentionParams& p) {
   if (p.qStart < -kMaxPosition || p.qStart > kMaxPosition) {
     rule("q_start", "qStart must be within +-2^62, got {}", p.qStart);
   }
+  if (p.qSplit < 0 || p.qSplit > p.sq) rule("q_split", "qSplit must be in [0, sq = {}], got {}", p.sq, p.qSplit);
+  if (p.qSplit > 0 && p.qSplit < p.sq && (p.qStart2 > kMaxPosition || p.qStart2 < p.qStart + p.qSplit)) {
+    rule("q_split", "the second run of queries must lie after the first: qStart2 = {} < qStart + qSplit = {}",
+         p.qStart2, p.qStart + p.qSplit);
+  }
   if (p.numKv < 0 || p.numKv > kMaxAttentionKvSegments) {
     rule("num_kv", "numKv must be in [0, {}], got {}; merge segments or launch per group of segments",
          kMaxAttentionKvSegments, p.numKv);
@@ -76,6 +97,7 @@ void validateAttention(const AttentionParams& p) {
     rule("block_n", "blockN 176 exists for headDim 128 without causal masking only; leave blockN at 0");
   }
   if (p.numSms < 0) rule("num_sms", "numSms must be >= 0 (0: every SM), got {}", p.numSms);
+  if (p.headGroup < 0) rule("head_group", "headGroup must be >= 0 (0: chosen per shape), got {}", p.headGroup);
   if (p.pingPong < 0 || p.pingPong > 2) {
     rule("ping_pong", "pingPong must be 0 (default), 1 (on) or 2 (off), got {}", p.pingPong);
   }
@@ -106,11 +128,20 @@ void validateAttention(const AttentionParams& p) {
     if (s.start < -kMaxPosition || s.start > kMaxPosition) {
       rule("kv_start", "kv[{}].start must be within +-2^62, got {}", i, s.start);
     }
-    if (s.arrival != nullptr) {
+    if (s.arrival != nullptr && s.arrivalRows != 0 && s.arrivalRows < s.length) {
       throw Error(ErrorCode::kUnsupported,
-                  fmt::format("attention: kv[{}].arrival: waiting on arrival flags is not implemented yet; pass "
-                              "arrival = nullptr once the segment's k and v are in place",
-                              i));
+                  fmt::format("attention: kv[{}].arrivalRows = {}: one arrival flag per block of rows is not "
+                              "implemented; pass arrivalRows = 0 (one flag for the whole segment)",
+                              i, s.arrivalRows));
+    }
+    if ((s.lengthWord == nullptr) != (s.lengthReady == nullptr)) {
+      rule("kv_length_word", "kv[{}].lengthWord and .lengthReady go together (both null, or both set)", i);
+    }
+    if (s.split < 0 || s.split > s.length) {
+      rule("kv_split", "kv[{}].split must be in [0, length = {}], got {}", i, s.length, s.split);
+    }
+    if (s.start2 < -kMaxPosition || s.start2 > kMaxPosition) {
+      rule("kv_start", "kv[{}].start2 must be within +-2^62, got {}", i, s.start2);
     }
     if (s.length == 0) continue;
     if (s.k == nullptr || s.v == nullptr) rule("pointers", "kv[{}].k and .v must be non-null when length > 0", i);
@@ -126,7 +157,7 @@ const char* attentionConfigName(const AttentionParams& p) {
   const attn_detail::Resolved r = attn_detail::resolveAttention(p);
   thread_local std::string name;
   name = fmt::format("{}/hd{}/bn{}/{}/{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim, r.blockN,
-                     p.causal ? "causal" : "full", r.pingPong ? "pingpong" : "free");
+                     p.causal ? fmt::format("causal/g{}", r.headGroup) : "full", r.pingPong ? "pingpong" : "free");
   return name.c_str();
 }
 

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -823,12 +824,34 @@ tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, const tandem
 }
 
 tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_attention_args_t* args, tandem_op_t* op) {
-  TANDEM_CHECK_ARGS(args, tandem_ring_attention_args_t)
+  // Callers built against 0.2 pass the struct without lse and layout (it ended at cuda_stream): accept that size,
+  // and read each newer field only when struct_size covers it.
+  constexpr std::size_t kSize02 = offsetof(tandem_ring_attention_args_t, cuda_stream) + sizeof(void*);
+  if (args == nullptr || args->struct_size < kSize02) {
+    return record(ErrorCode::kInvalidArgument,
+                  "args is NULL or args->struct_size is smaller than the 0.2 tandem_ring_attention_args_t; set "
+                  "struct_size = sizeof(tandem_ring_attention_args_t)");
+  }
+  const auto has = [&](std::size_t offset, std::size_t bytes) { return args->struct_size >= offset + bytes; };
+  const tandem_tensor_t lse = has(offsetof(tandem_ring_attention_args_t, lse), sizeof(tandem_tensor_t))
+                                  ? args->lse
+                                  : tandem_tensor_t{nullptr, 0};
+  const tandem_attention_layout_t layout =
+      has(offsetof(tandem_ring_attention_args_t, layout), sizeof(tandem_attention_layout_t))
+          ? args->layout
+          : TANDEM_ATTENTION_CONTIGUOUS;
+  if (layout != TANDEM_ATTENTION_CONTIGUOUS && layout != TANDEM_ATTENTION_ZIGZAG) {
+    return record(ErrorCode::kInvalidArgument,
+                  "tandem_ring_attention: layout " + std::to_string(static_cast<int>(layout)) +
+                      " is unknown; pass TANDEM_ATTENTION_CONTIGUOUS (0) or TANDEM_ATTENTION_ZIGZAG (1)");
+  }
   auto desc = descriptor(tandem::OpKind::kRingAttention, args->dtype);
   desc.dims[0] = args->seq, desc.dims[1] = args->heads, desc.dims[2] = args->head_dim;
-  desc.flags = args->causal ? tandem::kFlagCausal : 0;
+  desc.flags = static_cast<uint16_t>((args->causal ? tandem::kFlagCausal : 0) |
+                                     (layout == TANDEM_ATTENTION_ZIGZAG ? tandem::kFlagZigzag : 0));
   desc.scale = args->scale;
-  return submitOp("tandem_ring_attention", comm, desc, {args->q, args->k, args->v, args->out}, op, args->cuda_stream);
+  return submitOp("tandem_ring_attention", comm, desc, {args->q, args->k, args->v, args->out, lse}, op,
+                  args->cuda_stream);
 }
 
 tandem_status_t tandem_allgather(tandem_comm_t comm, const tandem_allgather_args_t* args, tandem_op_t* op) {

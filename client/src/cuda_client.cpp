@@ -19,6 +19,7 @@
 #include "tandem/kernels/moe.hpp"
 #include "tandem/kernels/moe_ops.hpp"
 #include "tandem/kernels/preload.hpp"
+#include "tandem/kernels/ring_attention.hpp"
 
 namespace tandem::client::gpu {
 namespace {
@@ -214,6 +215,7 @@ void checkOnNode(k::Executor executor, const OpDescriptor& d, const DevicePointe
   if (!ops.contains(d.kind)) fail(ErrorCode::kUnsupported, "{}", unsupportedOpMessage("cuda", ops, d.kind));
   if (k::isFusedGemm(d.kind)) k::checkFusedGemm(d, ptrs, env);
   if (k::isMoeOp(d.kind)) k::checkMoeOp(d, ptrs, env);
+  if (d.kind == OpKind::kRingAttention) k::checkRingAttention(d, ptrs, env);
 }
 
 // executor client: the kernels go into the caller's stream, behind tandemd's gate.
@@ -229,6 +231,7 @@ class ClientGateStrategy final : public CommStrategy {
       k::preloadRuntimeKernels(device);
       k::preloadFusedGemmKernels(device);
       k::preloadMoeKernels(device);
+      k::preloadRingAttentionKernels(device);
     } catch (const std::exception& e) {
       fail(ErrorCode::kCuda, "communicator init on device {}: {}", device, e.what());
     }
@@ -260,6 +263,7 @@ class ClientGateStrategy final : public CommStrategy {
         // The MoE kernels read tandemd's verdict themselves (a rejected op does nothing), as AllGather's do.
         case OpKind::kMoeDispatchGemm:
         case OpKind::kMoeDispatchFfnCombine: logPlanOnce(d, k::launchMoeOp(d, ptrs, e, env_, stream, true)); break;
+        case OpKind::kRingAttention: logPlanOnce(d, k::launchRingAttention(d, ptrs, e, env_, stream)); break;
         default: fail(ErrorCode::kInternal, "{} reached the cuda enqueue unchecked", opKindName(d.kind));
       }
     } catch (const Error&) {

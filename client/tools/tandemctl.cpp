@@ -194,7 +194,9 @@ tandem_status_t submit(tandem_comm_t comm, const tandem::OpDescriptor& d, const 
     }
     case OpKind::kRingAttention: {
       tandem_ring_attention_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], (d.flags & tandem::kFlagCausal) != 0,
-                                     d.scale, t[0], t[1], t[2], t[3], nullptr};
+                                     d.scale, t[0], t[1], t[2], t[3], nullptr, t[4],
+                                     (d.flags & tandem::kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG
+                                                                          : TANDEM_ATTENTION_CONTIGUOUS};
       return tandem_ring_attention(comm, &a, op);
     }
     case OpKind::kAllGather: {

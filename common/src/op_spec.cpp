@@ -148,7 +148,8 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
             .slot("k", D, qkv, "[seq, heads, head_dim]")
             .slot("v", D, qkv, "[seq, heads, head_dim]")
             .slot("out", D, qkv, "[seq, heads, head_dim]", true)
-            .flags(kFlagCausal)
+            .slot("lse", F32, {dimT(d::kHeads), dimT(d::kSeq)}, "[heads, seq] fp32", true, true)
+            .flags(kFlagCausal | kFlagZigzag)
             .scale()
             .crossNode(CrossNode::kReplicate));
   }

@@ -240,20 +240,36 @@ void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out) {
   const DType dtype = descs[0].dtype;
   const uint64_t heads = descs[0].dims[dim::kHeads], D = descs[0].dims[dim::kHeadDim];
   const bool causal = (descs[0].flags & kFlagCausal) != 0;
+  const bool zigzag = (descs[0].flags & kFlagZigzag) != 0;
   const double scale = descs[0].scale != 0.0f ? double(descs[0].scale) : 1.0 / std::sqrt(double(D));
-  // The whole sequence, rank after rank.
-  std::vector<double> q, k, v;
-  std::vector<uint64_t> start(n + 1, 0);
-  for (uint32_t r = 0; r < n; ++r) {
-    const uint64_t count = descs[r].dims[dim::kSeq] * heads * D;
-    for (auto [dst, s] : {std::pair{&q, slot::kQ}, std::pair{&k, slot::kKey}, std::pair{&v, slot::kValue}}) {
-      const std::vector<double> part = load(in[r][static_cast<std::size_t>(s)], dtype, count);
-      dst->insert(dst->end(), part.begin(), part.end());
+  // Global position of every rank's rows. Contiguous: rank after rank. Zigzag: 2n chunks in order; chunk c < n is
+  // the first ceil(seq_c / 2) rows of rank c, chunk c >= n the remaining rows of rank 2n - 1 - c.
+  std::vector<std::vector<uint64_t>> pos(n);
+  uint64_t S = 0;
+  if (!zigzag) {
+    for (uint32_t r = 0; r < n; ++r)
+      for (uint64_t i = 0; i < descs[r].dims[dim::kSeq]; ++i) pos[r].push_back(S++);
+  } else {
+    for (uint32_t c = 0; c < 2 * n; ++c) {
+      const uint32_t r = c < n ? c : 2 * n - 1 - c;
+      const uint64_t seq = descs[r].dims[dim::kSeq], first = seq - seq / 2;
+      const uint64_t lo = c < n ? 0 : first, hi = c < n ? first : seq;
+      pos[r].resize(seq);
+      for (uint64_t i = lo; i < hi; ++i) pos[r][i] = S++;
     }
-    start[r + 1] = start[r] + descs[r].dims[dim::kSeq];
   }
-  const uint64_t S = start[n];
-  std::vector<double> o(S * heads * D);
+  std::vector<double> q(S * heads * D), k(S * heads * D), v(S * heads * D);
+  for (uint32_t r = 0; r < n; ++r) {
+    const uint64_t seq = descs[r].dims[dim::kSeq], row = heads * D;
+    for (auto [dst, s] : {std::pair{&q, slot::kQ}, std::pair{&k, slot::kKey}, std::pair{&v, slot::kValue}}) {
+      const std::vector<double> part = load(in[r][static_cast<std::size_t>(s)], dtype, seq * row);
+      for (uint64_t i = 0; i < seq; ++i) {
+        std::copy_n(part.begin() + static_cast<std::ptrdiff_t>(i * row), row,
+                    dst->begin() + static_cast<std::ptrdiff_t>(pos[r][i] * row));
+      }
+    }
+  }
+  std::vector<double> o(S * heads * D), lse(S * heads);
   std::vector<double> p(S);
   for (uint64_t i = 0; i < S; ++i)
     for (uint64_t h = 0; h < heads; ++h) {
@@ -272,11 +288,22 @@ void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out) {
         for (uint64_t j = 0; j < keys; ++j) acc += p[j] * v[(j * heads + h) * D + c];
         o[(i * heads + h) * D + c] = acc / sum;
       }
+      lse[i * heads + h] = mx + std::log(sum);  // every row sees at least itself, so sum >= 1
     }
   for (uint32_t r = 0; r < n; ++r) {
-    const auto first = static_cast<std::ptrdiff_t>(start[r] * heads * D);
-    const auto last = static_cast<std::ptrdiff_t>(start[r + 1] * heads * D);
-    out[r][slot::kAttnOut].assign(o.begin() + first, o.begin() + last);
+    const uint64_t seq = descs[r].dims[dim::kSeq], row = heads * D;
+    std::vector<double>& dst = out[r][slot::kAttnOut];
+    dst.resize(seq * row);
+    for (uint64_t i = 0; i < seq; ++i) {
+      std::copy_n(o.begin() + static_cast<std::ptrdiff_t>(pos[r][i] * row), row,
+                  dst.begin() + static_cast<std::ptrdiff_t>(i * row));
+    }
+    if (present(descs[r], slot::kAttnLse) && seq > 0) {
+      std::vector<double>& l = out[r][slot::kAttnLse];
+      l.resize(heads * seq);
+      for (uint64_t h = 0; h < heads; ++h)
+        for (uint64_t i = 0; i < seq; ++i) l[h * seq + i] = lse[pos[r][i] * heads + h];
+    }
   }
 }
 
@@ -332,7 +359,8 @@ OpDescriptor makeDescriptor(const OpShape& shape, uint32_t rank, uint32_t nranks
   d.dtype = shape.dtype;
   d.rank = rank;
   d.nranks = nranks;
-  if ((op.flags & kFlagCausal) != 0 && shape.causal) d.flags = kFlagCausal;
+  if ((op.flags & kFlagCausal) != 0 && shape.causal) d.flags |= kFlagCausal;
+  if ((op.flags & kFlagZigzag) != 0 && shape.zigzag) d.flags |= kFlagZigzag;
   auto dimNamed = [&](std::string_view name) {
     for (int i = 0; i < op.dimCount; ++i) {
       if (op.dims[static_cast<std::size_t>(i)].name == name) return d.dims[static_cast<std::size_t>(i)];

@@ -87,8 +87,8 @@ void checkHeader(const OpDescriptor& d, std::string_view kind, const OpSpec& ks)
   }
   if ((d.flags & ~ks.flags) != 0) {
     fail(ErrorCode::kInvalidArgument,
-         "{}: flags 0x{:x} has bits 0x{:x} this op does not define; ring-attention takes only kFlagCausal (0x1), "
-         "other ops 0",
+         "{}: flags 0x{:x} has bits 0x{:x} this op does not define; ring-attention takes only kFlagCausal (0x1) "
+         "and kFlagZigzag (0x2), other ops 0",
          kind, d.flags, d.flags & ~ks.flags);
   }
   if (d.nranks == 0 || d.nranks > kMaxRanks) {

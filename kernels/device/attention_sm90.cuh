@@ -28,6 +28,9 @@
 #include <cstdint>
 
 #include "gemm_sm90.cuh"  // mbarrier, TMA, wgmma fence/commit/wait, setmaxnreg, packPair, PipeState
+#include "ordering.cuh"
+#include "tandem/kernels/signals.hpp"
+#include "wait.cuh"
 
 namespace tandem::kernels::attn {
 
@@ -38,15 +41,21 @@ inline constexpr int kBlockM = 128;  // query rows per CTA tile
 inline constexpr int kConsumerWarpgroups = 2;
 inline constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;  // 64 = wgmma M
 inline constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-inline constexpr int kMaxSegments = 4;
+// KV tensors (tensor maps) and runs of consecutive key positions in them: ring attention has one tensor per rank
+// and, in the zigzag layout, two runs per tensor.
+inline constexpr int kMaxKvMaps = 8;
+inline constexpr int kMaxSegments = 16;
 inline constexpr int kStages = 2;  // K and V rings, each this deep
 inline constexpr int kSwizzleCols = 64;  // 64 x 16-bit = 128 bytes: one 128B-swizzle row; wider heads come in halves
 // setmaxnreg moves registers inside a per-CTA pool: the CTA's launch allocation, 168 per thread under
 // __launch_bounds__(384, 1) (64K / 384, rounded down to 8), not the whole 64K register file. Asking for more than the
 // pool holds makes setmaxnreg.inc wait forever (seen: 32 + 2 x 240 hung every launch).
+// 40 + 2 x 232, not FA3's 24 + 2 x 240: the producer walks the KV runs from shared memory (built as each CTA starts,
+// since ring attention learns its peers' lengths only then), and at 24 or 32 registers ptxas spilled that walk (220
+// and 120 bytes); 40 leaves it none, and the consumers none at 232 (ptxas -v, every variant).
 inline constexpr uint32_t kLaunchRegs = 168;
-inline constexpr uint32_t kProducerRegs = 24;
-inline constexpr uint32_t kConsumerRegs = 240;
+inline constexpr uint32_t kProducerRegs = 40;
+inline constexpr uint32_t kConsumerRegs = 232;
 static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= kLaunchRegs * (1 + kConsumerWarpgroups),
               "setmaxnreg pool: the CTA's launch allocation");
 
@@ -59,23 +68,54 @@ enum class Barrier : uint32_t { kCta = 0, kSchedule0 = 1, kSchedule1 = 2 };
 // ---------------------------------------------------------------------------------------------------------------
 // Kernel parameters (POD, passed as const __grid_constant__ so the tensor maps live in param space).
 // ---------------------------------------------------------------------------------------------------------------
+// Keys [row0, row0 + len) of tensor map `map` sit at global positions start, start + 1, ...
+struct AttnKvRun {
+  int64_t start;
+  int32_t map;
+  int32_t row0;
+  int32_t len;  // > 0 (empty runs are left out)
+  int32_t pad0;
+};
+static_assert(sizeof(AttnKvRun) == 24);
+
+// One KV tensor (its k and v maps) and where its rows sit. Its length is known at launch, or (ring attention) read
+// by each CTA as it starts from a word a peer publishes: once *lengthReady >= lengthReadyValue (acquire), the rows
+// are *lengthWord, clamped to `length` (then the tensor maps' row capacity).
+struct AttnKvMap {
+  int64_t start;                // position of row 0
+  int64_t start2;               // position of row `split` (zigzag's second chunk)
+  const uint64_t* ready;        // null, or the producer waits for *ready >= readyValue before its first load from it
+  uint64_t readyValue;
+  const uint64_t* lengthWord;   // null: `length` rows
+  const uint64_t* lengthReady;
+  uint64_t lengthReadyValue;
+  int32_t length;
+  int32_t split;                // rows [split, length) sit at start2; >= length: one run; -1: rows - rows / 2
+};
+
 struct AttnKernelParams {
-  CUtensorMap tmQ;                // q [sq, heads * hd]: dims {heads * hd, sq}, box {64, kBlockM}, 128B swizzle
-  CUtensorMap tmK[kMaxSegments];  // segment s's k [len, heads * hd]: box {64, BN}
-  CUtensorMap tmV[kMaxSegments];  // segment s's v, same
-  void* out;                      // [sq, heads, hd]
-  float* lse;                     // [heads, sq] or null
-  int64_t qStart;                 // global position of q row 0
-  int64_t kvStart[kMaxSegments];  // global position of each segment's row 0
-  int32_t kvLen[kMaxSegments];    // rows per segment (0: skipped)
-  int32_t numSegments;
+  CUtensorMap tmQ;              // q [sq, heads * hd]: dims {heads * hd, sq}, box {64, kBlockM}, 128B swizzle
+  CUtensorMap tmK[kMaxKvMaps];  // KV tensor m's k [rows, heads * hd]: box {64, BN}
+  CUtensorMap tmV[kMaxKvMaps];  // its v, same
+  AttnKvMap maps[kMaxKvMaps];   // the walk, in order (local tensors first)
+  const uint64_t* abortWord;    // polled by the waits; null = none
+  ErrorSlot* errorSlot;         // where a failed wait reports; null = nowhere
+  uint64_t timeoutNs;           // the waits' deadline from the kernel's start; 0 = none
+  void* out;                    // [sq, heads, hd]
+  float* lse;                   // [heads, sq] or null
+  int64_t qStart;               // global position of q row 0
+  int64_t qStart2;              // rows >= qSplit sit at qStart2 + (row - qSplit) (zigzag's second chunk)
+  int32_t qSplit;               // sq when q is one run
+  int32_t numMaps;
   int32_t sq;
   int32_t heads;
   int32_t numQTiles;  // ceil(sq / kBlockM)
   int32_t numWork;    // numQTiles * heads
   float scaleLog2;    // scale * log2(e): softmax runs in exp2
   int32_t pingPong;   // 1: consumer warpgroups take turns issuing GEMMs
-  int32_t pad0;
+  uint32_t waitOp;    // what a failed wait reports: op kind and rank
+  uint32_t waitRank;
+  int32_t headGroup;  // causal tile order: heads interleaved per group (1 .. heads)
 };
 static_assert(sizeof(AttnKernelParams) % 64 == 0);
 static_assert(sizeof(AttnKernelParams) <= 4096, "kernel parameter space");
@@ -84,6 +124,12 @@ static_assert(sizeof(AttnKernelParams) <= 4096, "kernel parameter space");
 // Shared memory. Tiles are stored in 64-column halves ([rows][128 bytes] each, 128B swizzled as TMA writes them);
 // every half starts on 1024 bytes (the swizzle atom is 8 rows x 128 bytes).
 // ---------------------------------------------------------------------------------------------------------------
+// The walk of KV runs, built by thread 0 as the CTA starts (ring attention: peers' lengths are known only then).
+struct AttnRunTable {
+  AttnKvRun run[kMaxSegments];
+  int32_t count;
+};
+
 template <int HD, int BN>
 struct SharedStorage {
   alignas(1024) uint16_t q[kBlockM * HD];
@@ -95,6 +141,8 @@ struct SharedStorage {
   uint64_t emptyK[kStages];
   uint64_t fullV[kStages];
   uint64_t emptyV[kStages];
+  uint64_t kvReady[kMaxKvMaps];  // the KV waiter: peer tensor m's KV is in place (one phase per launch)
+  AttnRunTable runs;
 };
 template <int HD, int BN>
 inline constexpr size_t kSmemBytes = sizeof(SharedStorage<HD, BN>) + 1024;  // + slack to align the base to 1024
@@ -233,12 +281,19 @@ struct TileCoord {
 };
 
 // Each CTA takes work indices blockIdx.x, + gridDim.x, ... Non-causal: a head's query tiles are adjacent, so the
-// CTAs running at once read the same K/V (L2 hits). Causal: the longest tiles (last query rows) first, heads
-// fastest, so the short tiles fill in the tail of the persistent schedule.
+// CTAs running at once read the same K/V (L2 hits). Causal: heads go in groups of headGroup; inside a group the
+// longest tiles (last query rows) come first, heads fastest, so short tiles fill in the tail. With every head in one
+// group the CTAs in flight stream every head's K/V at once, which outgrows L2 at long sequences (16 heads x 16 MB at
+// 32K); smaller groups keep the K/V in flight to a few heads'.
 template <bool Causal>
 __device__ __forceinline__ TileCoord tileOf(const AttnKernelParams& p, int32_t w) {
   if constexpr (Causal) {
-    return {p.numQTiles - 1 - w / p.heads, w % p.heads};
+    const int32_t per = p.numQTiles * p.headGroup;  // work items of a full group
+    const int32_t g = w / per;
+    const int32_t i = w - g * per;
+    const int32_t h0 = g * p.headGroup;
+    const int32_t size = min(p.headGroup, p.heads - h0);  // the last group may be smaller
+    return {p.numQTiles - 1 - i / size, h0 + i % size};
   } else {
     return {w % p.numQTiles, w / p.numQTiles};
   }
@@ -246,22 +301,19 @@ __device__ __forceinline__ TileCoord tileOf(const AttnKernelParams& p, int32_t w
 
 // KV blocks of segment s that a tile whose last query sits at global position maxQPos must see.
 template <int BN, bool Causal>
-__device__ __forceinline__ int32_t blocksIn(const AttnKernelParams& p, int s, int64_t maxQPos) {
-  int64_t visible = p.kvLen[s];
+__device__ __forceinline__ int32_t blocksIn(const AttnRunTable& rt, int s, int64_t maxQPos) {
+  int64_t visible = rt.run[s].len;
   if constexpr (Causal) {
-    const int64_t upTo = maxQPos - p.kvStart[s] + 1;  // keys at positions <= maxQPos
+    const int64_t upTo = maxQPos - rt.run[s].start + 1;  // keys at positions <= maxQPos
     visible = upTo < 0 ? 0 : (upTo < visible ? upTo : visible);
   }
   return static_cast<int32_t>((visible + BN - 1) / BN);
 }
 
 template <int BN, bool Causal>
-__device__ __forceinline__ int32_t countBlocks(const AttnKernelParams& p, int64_t maxQPos) {
+__device__ __forceinline__ int32_t countBlocks(const AttnRunTable& rt, int64_t maxQPos) {
   int32_t n = 0;
-#pragma unroll
-  for (int s = 0; s < kMaxSegments; ++s) {
-    if (s < p.numSegments) n += blocksIn<BN, Causal>(p, s, maxQPos);
-  }
+  for (int s = 0; s < rt.count; ++s) n += blocksIn<BN, Causal>(rt, s, maxQPos);
   return n;
 }
 
@@ -273,35 +325,64 @@ struct BlockCursor {
 };
 
 template <int BN, bool Causal>
-__device__ __forceinline__ void seekBlock(const AttnKernelParams& p, BlockCursor& c, int64_t maxQPos) {
-  while (c.blk >= c.nblk && c.seg + 1 < p.numSegments) {
+__device__ __forceinline__ void seekBlock(const AttnRunTable& rt, BlockCursor& c, int64_t maxQPos) {
+  while (c.blk >= c.nblk && c.seg + 1 < rt.count) {
     ++c.seg;
     c.blk = 0;
-    c.nblk = blocksIn<BN, Causal>(p, c.seg, maxQPos);
+    c.nblk = blocksIn<BN, Causal>(rt, c.seg, maxQPos);
   }
 }
 template <int BN, bool Causal>
-__device__ __forceinline__ BlockCursor firstBlock(const AttnKernelParams& p, int64_t maxQPos) {
+__device__ __forceinline__ BlockCursor firstBlock(const AttnRunTable& rt, int64_t maxQPos) {
   BlockCursor c{-1, 0, 0};
-  seekBlock<BN, Causal>(p, c, maxQPos);
+  seekBlock<BN, Causal>(rt, c, maxQPos);
   return c;
 }
 template <int BN, bool Causal>
-__device__ __forceinline__ void nextBlock(const AttnKernelParams& p, BlockCursor& c, int64_t maxQPos) {
+__device__ __forceinline__ void nextBlock(const AttnRunTable& rt, BlockCursor& c, int64_t maxQPos) {
   ++c.blk;
-  seekBlock<BN, Causal>(p, c, maxQPos);
+  seekBlock<BN, Causal>(rt, c, maxQPos);
+}
+
+// Global position of query row `row`: increasing in row (zigzag's second chunk lies after its first).
+__device__ __forceinline__ int64_t qPosOf(const AttnKernelParams& p, int32_t row) {
+  return row < p.qSplit ? p.qStart + row : p.qStart2 + (row - p.qSplit);
 }
 
 // Global position of the last query row of the tile (rows past sq do not widen the causal window).
 __device__ __forceinline__ int64_t tileMaxQPos(const AttnKernelParams& p, int32_t q0) {
   const int32_t last = (q0 + kBlockM < p.sq ? q0 + kBlockM : p.sq) - 1;
-  return p.qStart + last;
+  return qPosOf(p, last);
+}
+
+// Called once by thread 0 before the roles start (the CTA syncs afterwards): the walk, local tensors first. A length
+// that a peer publishes is waited for here; a wait that fails (reported) leaves that tensor out.
+__device__ __forceinline__ void buildRuns(const AttnKernelParams& p, AttnRunTable& rt) {
+  WaitCtx ctx{p.abortWord, p.errorSlot, p.timeoutNs != 0 ? globaltimerNs() + p.timeoutNs : 0, p.waitOp,
+              static_cast<uint32_t>(tandem::kernels::Role::kCompute), p.waitRank};
+  int32_t n = 0;
+  for (int m = 0; m < p.numMaps; ++m) {
+    const AttnKvMap& mp = p.maps[m];
+    int32_t len = mp.length;
+    if (mp.lengthWord != nullptr) {
+      // acquire: the peer's length word; pairs with its stream's write of lengthReady after it (stream memops).
+      const bool ok = waitGeq(mp.lengthReady, mp.lengthReadyValue, ctx, static_cast<uint32_t>(m));
+      const uint64_t rows = ok ? ldRelaxedSys(mp.lengthWord) : 0;
+      len = rows < static_cast<uint64_t>(mp.length) ? static_cast<int32_t>(rows) : mp.length;
+    }
+    const int32_t split = mp.split < 0 ? len - len / 2 : (mp.split < len ? mp.split : len);
+    if (split > 0) rt.run[n++] = AttnKvRun{mp.start, m, 0, split, 0};
+    if (len > split) rt.run[n++] = AttnKvRun{mp.start2, m, split, len - split, 0};
+  }
+  rt.count = n;
 }
 
 // Called once by thread 0 before the roles start; the CTA must sync afterwards.
 template <int HD, int BN>
 __device__ __forceinline__ void initBarriers(SharedStorage<HD, BN>& s) {
   gemm::mbarInit(&s.fullQ, 1);
+#pragma unroll
+  for (int m = 0; m < kMaxKvMaps; ++m) gemm::mbarInit(&s.kvReady[m], 1);
   gemm::mbarInit(&s.emptyQ, kConsumerWarpgroups);
 #pragma unroll
   for (int i = 0; i < kStages; ++i) {
@@ -331,15 +412,47 @@ __device__ __forceinline__ void loadKvTile(const CUtensorMap* map, uint16_t (&ds
   ps.advance();
 }
 
+// Producer warpgroup, thread 32 (the KV waiter): waits for each peer tensor's ready flag, in walk order, and tells
+// the producer through kvReady[m]. A thread of its own because the producer's loop has no registers to spare for a
+// wait (ptxas spilled it). A wait that fails (abort or deadline) has reported into the error slot; the waiter then
+// stops waiting and lets the producer run on, so that the CTA ends and the host sees the op failed.
+template <int HD, int BN>
+__device__ __forceinline__ void runKvWaiter(const AttnKernelParams& p, SharedStorage<HD, BN>& s) {
+  WaitCtx ctx{p.abortWord, p.errorSlot, p.timeoutNs != 0 ? globaltimerNs() + p.timeoutNs : 0, p.waitOp,
+              static_cast<uint32_t>(tandem::kernels::Role::kCompute), p.waitRank};
+  bool failed = false;
+  for (int m = 0; m < p.numMaps; ++m) {
+    if (p.maps[m].ready == nullptr) continue;
+    // acquire: the peer's KV; pairs with the write of its ready word, which its stream makes after copying its KV
+    // in (a stream memory operation: a system-wide fence, then the write).
+    if (!failed) failed = !waitGeq(p.maps[m].ready, p.maps[m].readyValue, ctx, static_cast<uint32_t>(m));
+    gemm::mbarArrive(&s.kvReady[m]);  // release (CTA): pairs with the producer's mbarWait in awaitKvMap
+  }
+}
+
+// Before the producer's first load from KV map `m`.
+template <int HD, int BN>
+__device__ __forceinline__ void awaitKvMap(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int m,
+                                           uint32_t& readyMaps) {
+  if (((readyMaps >> m) & 1u) != 0) return;
+  if (p.maps[m].ready != nullptr) {
+    gemm::mbarWait(&s.kvReady[m], 0);  // acquire: the waiter saw the peer's KV in place
+    // The KV was written through the generic proxy; the TMA loads that follow read it through the async proxy.
+    fenceProxyAsyncGlobal();
+  }
+  readyMaps |= 1u << m;
+}
+
 template <int HD, int BN, bool Causal>
 __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedStorage<HD, BN>& s) {
   gemm::PipeState<kStages> ks, vs;
   uint32_t qPhase = 0;
+  uint32_t readyMaps = 0;
   for (int32_t w = static_cast<int32_t>(blockIdx.x); w < p.numWork; w += static_cast<int32_t>(gridDim.x)) {
     const TileCoord tc = tileOf<Causal>(p, w);
     const int32_t q0 = tc.qTile * kBlockM;
     const int64_t maxQ = tileMaxQPos(p, q0);
-    const int32_t n = countBlocks<BN, Causal>(p, maxQ);
+    const int32_t n = countBlocks<BN, Causal>(s.runs, maxQ);
     if (n == 0) continue;  // the consumers write zeros without waiting on anything
     const int32_t col = tc.head * HD;
     gemm::mbarWait(&s.emptyQ, qPhase ^ 1);  // pairs with the consumers' arrive after their last QK^T
@@ -349,17 +462,26 @@ __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedSto
       gemm::tmaLoad2d(&p.tmQ, s.q + h * kBlockM * kSwizzleCols, &s.fullQ, col + h * kSwizzleCols, q0);
     }
     qPhase ^= 1;
-    BlockCursor ck = firstBlock<BN, Causal>(p, maxQ);
-    BlockCursor cv = ck;
-    loadKvTile<HD, BN>(&p.tmK[ck.seg], s.k, s.fullK, s.emptyK, ks, col, ck.blk * BN);
-    nextBlock<BN, Causal>(p, ck, maxQ);
+    // One cursor: V of a block goes out one step after its K, from the map and row its K came from.
+    BlockCursor c = firstBlock<BN, Causal>(s.runs, maxQ);
+    struct At {
+      int32_t map, row;
+    };
+    const auto loadK = [&] {
+      const AttnKvRun& run = s.runs.run[c.seg];
+      const int32_t row = run.row0 + c.blk * BN;
+      awaitKvMap(p, s, run.map, readyMaps);
+      loadKvTile<HD, BN>(&p.tmK[run.map], s.k, s.fullK, s.emptyK, ks, col, row);
+      nextBlock<BN, Causal>(s.runs, c, maxQ);
+      return At{run.map, row};
+    };
+    At prev = loadK();
     for (int32_t i = 1; i < n; ++i) {
-      loadKvTile<HD, BN>(&p.tmK[ck.seg], s.k, s.fullK, s.emptyK, ks, col, ck.blk * BN);
-      nextBlock<BN, Causal>(p, ck, maxQ);
-      loadKvTile<HD, BN>(&p.tmV[cv.seg], s.v, s.fullV, s.emptyV, vs, col, cv.blk * BN);
-      nextBlock<BN, Causal>(p, cv, maxQ);
+      const At cur = loadK();
+      loadKvTile<HD, BN>(&p.tmV[prev.map], s.v, s.fullV, s.emptyV, vs, col, prev.row);
+      prev = cur;
     }
-    loadKvTile<HD, BN>(&p.tmV[cv.seg], s.v, s.fullV, s.emptyV, vs, col, cv.blk * BN);
+    loadKvTile<HD, BN>(&p.tmV[prev.map], s.v, s.fullV, s.emptyV, vs, col, prev.row);
   }
 }
 
@@ -525,7 +647,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
     const TileCoord tc = tileOf<Causal>(p, w);
     const int32_t q0 = tc.qTile * kBlockM;
     const int64_t maxQ = tileMaxQPos(p, q0);
-    const int32_t n = countBlocks<BN, Causal>(p, maxQ);
+    const int32_t n = countBlocks<BN, Causal>(s.runs, maxQ);
     const int32_t rowBase = q0 + wg * kRowsPerConsumer;
     rowMax[0] = rowMax[1] = -INFINITY;
     rowSum[0] = rowSum[1] = 0.0f;
@@ -535,19 +657,19 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
       storeRows<T, HD>(p, oacc, rowMax, rowSum, rowBase, tc.head, t);
       continue;
     }
-    const int64_t qPos0 = p.qStart + rowBase + rowInWg;  // this thread's first row; the second is 8 further
-    const int64_t wgMinQ = p.qStart + rowBase;
     // Masking, when the block needs it: columns [0, lim[h]) of row h stay.
     const auto maskBlock = [&](const BlockCursor& c) {
-      const int32_t validCols = min(BN, p.kvLen[c.seg] - c.blk * BN);
-      const int64_t kvBase = p.kvStart[c.seg] + static_cast<int64_t>(c.blk) * BN;
-      const bool diagonal = Causal && kvBase + BN - 1 > wgMinQ;
+      const int32_t validCols = min(BN, s.runs.run[c.seg].len - c.blk * BN);
+      const int64_t kvBase = s.runs.run[c.seg].start + static_cast<int64_t>(c.blk) * BN;
+      // Positions increase with the row: the warpgroup's first row is its earliest. Computed here, not kept live
+      // across the loop (the consumers have no registers to spare).
+      const bool diagonal = Causal && kvBase + BN - 1 > qPosOf(p, rowBase);
       if (validCols >= BN && !diagonal) return;  // warpgroup-uniform
       int32_t lim[2] = {validCols, validCols};
       if constexpr (Causal) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int64_t upTo = qPos0 + 8 * h - kvBase + 1;  // keys kvBase .. qPos are visible
+          const int64_t upTo = qPosOf(p, rowBase + rowInWg + 8 * h) - kvBase + 1;  // keys kvBase .. qPos visible
           const int32_t u = upTo < 0 ? 0 : (upTo > BN ? BN : static_cast<int32_t>(upTo));
           lim[h] = min(lim[h], u);
         }
@@ -557,7 +679,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
 
     gemm::mbarWait(&s.fullQ, qPhase);  // acquire: Q landed
     qPhase ^= 1;
-    BlockCursor c = firstBlock<BN, Causal>(p, maxQ);
+    BlockCursor c = firstBlock<BN, Causal>(s.runs, maxQ);
 
     // Block 0: S_0 and its softmax.
     gemm::mbarWait(&s.fullK[ks.stage], ks.phase);
@@ -573,7 +695,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
     maskBlock(c);
     onlineSoftmax<BN>(sacc, rowMax, rowSum, alpha, p.scaleLog2);
     packP<T, BN>(pfrag, sacc);
-    nextBlock<BN, Causal>(p, c, maxQ);
+    nextBlock<BN, Causal>(s.runs, c, maxQ);
 
     // Blocks 1 .. n-1: S_i is issued, then O += P_{i-1} V_{i-1}; the softmax of S_i runs while PV is in flight.
     for (int32_t i = 1; i < n; ++i) {
@@ -602,7 +724,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
       if (t == 0) gemm::mbarArrive(&s.emptyV[vs.stage]);  // release: V stage
       vs.advance();
       packP<T, BN>(pfrag, sacc);
-      nextBlock<BN, Causal>(p, c, maxQ);
+      nextBlock<BN, Causal>(s.runs, c, maxQ);
     }
 
     // Last PV.
@@ -633,6 +755,7 @@ __device__ __forceinline__ void runAttentionCta(const AttnKernelParams& p, uint8
   const int t = static_cast<int>(threadIdx.x) % 128;
   if (threadIdx.x == 0) {
     if (blockDim.x != kThreads) __trap();  // geometry: the host launches kThreads (checked there too)
+    buildRuns(p, s.runs);
     initBarriers<HD, BN>(s);
     gemm::prefetchTensorMap(&p.tmQ);
   }
@@ -641,6 +764,7 @@ __device__ __forceinline__ void runAttentionCta(const AttnKernelParams& p, uint8
     case Role::kProducer:
       gemm::setMaxNRegDec<kProducerRegs>();
       if (t == 0) runProducer<HD, BN, Causal>(p, s);
+      if (t == 32) runKvWaiter<HD, BN>(p, s);
       break;
     case Role::kConsumer:
       gemm::setMaxNRegInc<kConsumerRegs>();

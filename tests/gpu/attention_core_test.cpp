@@ -350,7 +350,7 @@ TEST_CASE("attention core: shape rules are refused with the rule named") {
   ok.heads = 2;
   ok.headDim = 128;
   ok.numKv = 1;
-  ok.kv[0] = AttentionKvSegment{k, v, 8, 0, nullptr, 0, 0};
+  ok.kv[0] = AttentionKvSegment{k, v, 8, 0, nullptr, 0, 0, 0, 0};
   CHECK_NOTHROW(validateAttention(ok));
 
   const auto refused = [](AttentionParams p, const char* ruleName, ErrorCode code = ErrorCode::kInvalidArgument) {
@@ -409,5 +409,14 @@ TEST_CASE("attention core: shape rules are refused with the rule named") {
   p = ok;
   static const uint64_t flag = 0;
   p.kv[0].arrival = &flag;
-  refused(p, "arrival", ErrorCode::kUnsupported);
+  CHECK_NOTHROW(validateAttention(p));  // one flag for the segment
+  p.kv[0].arrivalRows = 4;
+  refused(p, "arrivalRows", ErrorCode::kUnsupported);
+  p = ok;
+  p.kv[0].split = 9;
+  refused(p, "rule kv_split");
+  p = ok;
+  p.qSplit = 4;
+  p.qStart2 = 2;
+  refused(p, "rule q_split");
 }

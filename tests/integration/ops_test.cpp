@@ -2,6 +2,11 @@
 // independent fp64 reference, at 1, 2, 4 and 8 ranks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstring>
+#include <memory>
 #include <thread>
 
 #include "harness.hpp"
@@ -121,4 +126,95 @@ TEST_CASE("ops that are never waited on do not get an honest session closed as n
     REQUIRE(*out == i);
   }
   tandem::wait(op, 10000);
+}
+
+// The two fields appended to tandem_ring_attention_args_t: lse and the zigzag layout against the fp64 reference, a
+// caller built against the 0.2 struct (struct_size ends at cuda_stream: no lse, contiguous), and a bad layout.
+TEST_CASE("ring attention through the C API: lse, the zigzag layout, and callers of the 0.2 struct") {
+  namespace ref = tandem::reference;
+  Daemon d;
+  const tandem_unique_id_t id = tandem::uniqueId();
+  for (const bool zigzag : {true, false}) {
+    CAPTURE(zigzag);
+    ref::OpShape shape;
+    shape.kind = tandem::OpKind::kRingAttention;
+    shape.dtype = tandem::DType::kF32;
+    shape.seq = 23;
+    shape.heads = 2;
+    shape.headDim = 8;
+    shape.causal = true;
+    shape.zigzag = zigzag;
+    std::vector<tandem::OpDescriptor> descs;
+    std::vector<std::array<std::vector<std::byte>, tandem::kMaxOpBuffers>> host(2);
+    std::vector<std::array<const std::byte*, tandem::kMaxOpBuffers>> inputs(2);
+    for (uint32_t r = 0; r < 2; ++r) {
+      descs.push_back(ref::makeDescriptor(shape, r, 2));
+      std::array<std::byte*, tandem::kMaxOpBuffers> slots{};
+      for (std::size_t s = 0; s < tandem::kMaxOpBuffers; ++s) {
+        host[r][s].resize(descs[r].bufs[s].bytes);
+        slots[s] = host[r][s].empty() ? nullptr : host[r][s].data();
+        inputs[r][s] = slots[s];
+      }
+      ref::fillInputs(descs[r], slots, 99);
+    }
+    const ref::Expected want = ref::compute(descs, inputs);
+    std::string result[2];
+    auto rank = [&](uint32_t r) {
+      tandem::Session s(d.socket().c_str());
+      tandem::Communicator comm(s, id, 2, r, 10000);
+      const tandem::OpDescriptor& desc = descs[r];
+      std::vector<std::unique_ptr<tandem::Buffer>> b;
+      for (int slotIndex = 0; slotIndex < 5; ++slotIndex) {
+        const auto& h = host[r][static_cast<std::size_t>(slotIndex)];
+        b.push_back(std::make_unique<tandem::Buffer>(s, std::max<std::size_t>(h.size(), 16)));
+        if (!h.empty()) std::memcpy(b.back()->as<std::byte>(), h.data(), h.size());
+      }
+      tandem_ring_attention_args_t a{};
+      a.struct_size = sizeof a;
+      a.dtype = TANDEM_DTYPE_FP32;
+      a.seq = desc.dims[tandem::dim::kSeq];
+      a.heads = shape.heads;
+      a.head_dim = shape.headDim;
+      a.causal = 1;
+      a.q = b[0]->tensor();
+      a.k = b[1]->tensor();
+      a.v = b[2]->tensor();
+      a.out = b[3]->tensor();
+      a.lse = b[4]->tensor();
+      a.layout = zigzag ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
+      tandem_op_t op;
+      tandem::check(tandem_ring_attention(comm.get(), &a, &op));
+      tandem::wait(op, 10000);
+      std::array<const std::byte*, tandem::kMaxOpBuffers> got{};
+      for (int slotIndex = 0; slotIndex < 5; ++slotIndex) got[static_cast<std::size_t>(slotIndex)] = b[static_cast<std::size_t>(slotIndex)]->as<std::byte>();
+      const ref::Comparison c = ref::compareRank(desc, got, want[r]);
+      result[r] = c.ok ? "ok" : c.detail;
+      if (zigzag) return;
+      // A 0.2 caller: its struct ends at cuda_stream, so lse and layout are never read (lse stays as it was).
+      std::vector<float> lseBefore(b[4]->as<float>(), b[4]->as<float>() + a.seq * a.heads);
+      a.lse = {nullptr, 0};
+      a.layout = static_cast<tandem_attention_layout_t>(7);  // garbage past the old struct's end: must not be read
+      a.struct_size = offsetof(tandem_ring_attention_args_t, cuda_stream) + sizeof(void*);
+      std::memset(b[3]->as<std::byte>(), 0xFF, host[r][3].size());
+      tandem::check(tandem_ring_attention(comm.get(), &a, &op));
+      tandem::wait(op, 10000);
+      std::array<const std::byte*, tandem::kMaxOpBuffers> outOnly{got[0], got[1], got[2], got[3]};
+      std::array<std::vector<double>, tandem::kMaxOpBuffers> wantOut = want[r];
+      wantOut[4].clear();
+      const ref::Comparison c2 = ref::compareRank(desc, outOnly, wantOut);
+      if (!c2.ok) result[r] = "0.2 struct: " + c2.detail;
+      if (std::memcmp(lseBefore.data(), b[4]->as<float>(), lseBefore.size() * 4) != 0) result[r] = "0.2 struct: lse written";
+      // A struct that has the layout field but an unknown value is refused before anything is submitted.
+      a.struct_size = sizeof a;
+      if (tandem_ring_attention(comm.get(), &a, &op) != TANDEM_ERROR_INVALID_ARGUMENT ||
+          std::string(tandem_last_error()).find("layout 7") == std::string::npos) {
+        result[r] = std::string("bad layout not refused: ") + tandem_last_error();
+      }
+    };
+    std::thread t0(rank, 0), t1(rank, 1);
+    t0.join();
+    t1.join();
+    CHECK(result[0] == "ok");
+    CHECK(result[1] == "ok");
+  }
 }

@@ -225,11 +225,118 @@ TEST_CASE("ring attention with ranks of unequal and empty sequence shards") {
       for (int s : {slot::kQ, slot::kKey, slot::kValue, slot::kAttnOut}) {
         descs[r].bufs[static_cast<std::size_t>(s)].bytes = seqs[r] * 3 * 11 * 2;
       }
+      descs[r].bufs[slot::kAttnLse].bytes = 3 * seqs[r] * 4;
     }
-    Harness h(descs, 12);
-    h.run();
-    h.checkAgainstReference();
+    for (const bool zigzag : {false, true}) {
+      CAPTURE(zigzag);
+      std::vector<OpDescriptor> d = descs;
+      for (OpDescriptor& x : d) x.flags = static_cast<uint16_t>(tandem::kFlagCausal | (zigzag ? tandem::kFlagZigzag : 0));
+      Harness h(d, 12);
+      h.run();
+      h.checkAgainstReference();
+    }
   }
+}
+
+TEST_CASE("ring attention in the zigzag layout, with and without lse, at every rank count") {
+  for (uint32_t nranks : {1u, 2u, 3u, 4u, 8u}) {
+    for (bool causal : {true, false}) {
+      for (bool withLse : {true, false}) {
+        CAPTURE(nranks);
+        CAPTURE(causal);
+        CAPTURE(withLse);
+        ref::OpShape shape = shapeFor(OpKind::kRingAttention, DType::kF32, nranks);
+        shape.causal = causal;
+        shape.zigzag = true;
+        std::vector<OpDescriptor> descs = Harness::describe(shape, nranks);
+        if (!withLse) {
+          for (OpDescriptor& d : descs) d.bufs[slot::kAttnLse] = {};
+        }
+        Harness h(descs, 40 + nranks);
+        h.run();
+        h.checkAgainstReference();
+        if (!withLse) {
+          for (uint32_t r = 0; r < nranks; ++r) CHECK(h.memory(r, slot::kAttnLse).empty());
+        }
+      }
+    }
+  }
+}
+
+// The layout spelled out by hand (not through the code under test): with 2 ranks of seq 5 and 4, the chunks are
+// rank 0 rows 0-2, rank 1 rows 0-1, rank 1 rows 2-3, rank 0 rows 3-4. One rank holding those rows in that order,
+// contiguously, must compute the same outputs and lse, row for row.
+TEST_CASE("zigzag puts a rank's rows where the layout says") {
+  const uint64_t heads = 2, headDim = 8, seqs[2] = {5, 4};
+  const std::size_t row = heads * headDim;
+  ref::OpShape shape = shapeFor(OpKind::kRingAttention, DType::kF32, 2);
+  shape.heads = heads;
+  shape.headDim = headDim;
+  shape.causal = true;
+  shape.zigzag = true;
+  std::vector<OpDescriptor> descs = Harness::describe(shape, 2);
+  for (std::size_t r = 0; r < 2; ++r) {
+    descs[r].dims[dim::kSeq] = seqs[r];
+    for (int s : {slot::kQ, slot::kKey, slot::kValue, slot::kAttnOut}) {
+      descs[r].bufs[static_cast<std::size_t>(s)].bytes = seqs[r] * row * 4;
+    }
+    descs[r].bufs[slot::kAttnLse].bytes = heads * seqs[r] * 4;
+  }
+  Harness zz(descs, 77);
+  zz.run();
+
+  shape.zigzag = false;
+  shape.seq = 9;
+  Harness one(shape, 1, 78);
+  // Global order: (rank, first local row, rows).
+  const std::tuple<std::size_t, std::size_t, std::size_t> order[4] = {{0, 0, 3}, {1, 0, 2}, {1, 2, 2}, {0, 3, 2}};
+  std::size_t g = 0;
+  for (const auto& [r, first, rows] : order) {
+    for (int s : {slot::kQ, slot::kKey, slot::kValue}) {
+      std::memcpy(one.memory(0, s).data() + g * row * 4, zz.memory(r, s).data() + first * row * 4, rows * row * 4);
+    }
+    g += rows;
+  }
+  one.run();
+  g = 0;
+  for (const auto& [r, first, rows] : order) {
+    for (std::size_t i = 0; i < rows; ++i) {
+      CAPTURE(r);
+      CAPTURE(first + i);
+      float a[16], b[16];
+      std::memcpy(a, zz.memory(r, slot::kAttnOut).data() + (first + i) * row * 4, row * 4);
+      std::memcpy(b, one.memory(0, slot::kAttnOut).data() + (g + i) * row * 4, row * 4);
+      for (std::size_t c = 0; c < row; ++c) CHECK(a[c] == doctest::Approx(b[c]).epsilon(1e-5));
+      for (std::size_t h = 0; h < heads; ++h) {
+        float la, lb;
+        std::memcpy(&la, zz.memory(r, slot::kAttnLse).data() + (h * seqs[r] + first + i) * 4, 4);
+        std::memcpy(&lb, one.memory(0, slot::kAttnLse).data() + (h * 9 + g + i) * 4, 4);
+        CHECK(la == doctest::Approx(lb).epsilon(1e-5));
+      }
+    }
+    g += rows;
+  }
+}
+
+// lse from first principles: one position sees only itself, so lse = scale * q.k (and out = v).
+TEST_CASE("ring attention lse of a lone position is scale times q.k") {
+  ref::OpShape shape = shapeFor(OpKind::kRingAttention, DType::kF32, 1);
+  shape.seq = 1;
+  shape.heads = 1;
+  shape.headDim = 4;
+  std::vector<OpDescriptor> descs = Harness::describe(shape, 1);
+  descs[0].scale = 0.75f;
+  Harness h(descs, 5);
+  float q[4], k[4], v[4], out[4], lse;
+  std::memcpy(q, h.memory(0, slot::kQ).data(), 16);
+  std::memcpy(k, h.memory(0, slot::kKey).data(), 16);
+  std::memcpy(v, h.memory(0, slot::kValue).data(), 16);
+  h.run();
+  std::memcpy(out, h.memory(0, slot::kAttnOut).data(), 16);
+  std::memcpy(&lse, h.memory(0, slot::kAttnLse).data(), 4);
+  const double dotQk = double(q[0]) * k[0] + double(q[1]) * k[1] + double(q[2]) * k[2] + double(q[3]) * k[3];
+  CHECK(lse == doctest::Approx(0.75 * dotQk).epsilon(1e-5));
+  for (int c = 0; c < 4; ++c) CHECK(out[c] == doctest::Approx(v[c]).epsilon(1e-6));
 }
 
 TEST_CASE("moe ops with a different number of tokens on every rank") {

@@ -254,10 +254,23 @@ typedef struct tandem_moe_ffn_args {
 TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, const tandem_moe_ffn_args_t* args,
                                                            tandem_op_t* op);
 
-/* Ring attention. The sequence is sharded in rank order: this rank holds q, k, v [seq, heads, head_dim] for
- * its `seq` positions (ranks may differ), starting at the sum of lower ranks' seq. out [seq, heads,
- * head_dim] = softmax(q·Kᵀ * scale [+ causal mask]) · V over the whole sequence, per head. scale 0 means
- * 1/sqrt(head_dim). causal: position i attends to positions j <= i (global positions). seq may be 0 on a rank. */
+/* Ring attention. The sequence is sharded over the ranks: this rank holds q, k, v [seq, heads, head_dim] for
+ * its `seq` positions (ranks may differ). out [seq, heads, head_dim] = softmax(q·Kᵀ * scale [+ causal mask])
+ * · V over the whole sequence, per head. scale 0 means 1/sqrt(head_dim). causal: position i attends to
+ * positions j <= i (global positions). seq may be 0 on a rank.
+ * layout says which global positions a rank's rows are (every rank passes the same):
+ *   TANDEM_ATTENTION_CONTIGUOUS (0, the default): rank order, starting at the sum of lower ranks' seq;
+ *   TANDEM_ATTENTION_ZIGZAG: the sequence is cut into 2n chunks (n ranks) and rank r holds chunk r (its first
+ *     ceil(seq / 2) rows) and chunk 2n-1-r (the rest), so every rank has a like share of causal work.
+ *     Chunk c < n is as long as ceil(seq_c / 2), chunk 2n-1-r as floor(seq_r / 2).
+ * lse (optional; NULL buffer = not written): fp32 [heads, seq], the natural log of Σ_j exp(scale · q_i·k_j)
+ * over the keys row i sees, which a backward pass (or a merge with other partial attentions) needs.
+ * lse and layout were appended after 0.2.0 (CHANGELOG.md): a caller whose struct_size ends before them
+ * (built against 0.2.0) gets no lse and the contiguous layout. */
+typedef enum tandem_attention_layout {
+  TANDEM_ATTENTION_CONTIGUOUS = 0,
+  TANDEM_ATTENTION_ZIGZAG = 1,
+} tandem_attention_layout_t;
 typedef struct tandem_ring_attention_args {
   size_t struct_size;
   tandem_dtype_t dtype;
@@ -266,6 +279,9 @@ typedef struct tandem_ring_attention_args {
   float scale;
   tandem_tensor_t q, k, v, out;
   void* cuda_stream;
+  /* appended after 0.2.0; struct_size tells whether a caller has them */
+  tandem_tensor_t lse;
+  tandem_attention_layout_t layout;
 } tandem_ring_attention_args_t;
 TANDEM_API tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_attention_args_t* args,
                                                  tandem_op_t* op);

@@ -315,7 +315,34 @@ void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
 
 // Mirrors the GPU algorithm: each rank keeps its query blocks and sees the KV chunks in ring order (its
 // own first, then the chunk of rank r-1, r-2, ...), folding each into an online softmax (running max,
-// running sum, rescaled accumulator) as FlashAttention does.
+// running sum, rescaled accumulator) as FlashAttention does. A rank's rows are one run of consecutive global
+// positions (contiguous layout) or two (zigzag: chunks r and 2n-1-r); causal skips whole runs in a block's future.
+struct AttnRun {
+  std::size_t local, global, rows;  // rows [local, local + rows) of the rank sit at global positions global ...
+};
+
+std::vector<std::vector<AttnRun>> attentionRuns(std::span<const RankOp> ranks, bool zigzag) {
+  const auto n = static_cast<uint32_t>(ranks.size());
+  std::vector<std::vector<AttnRun>> runs(n);
+  std::size_t pos = 0;
+  if (!zigzag) {
+    for (uint32_t r = 0; r < n; ++r) {
+      const std::size_t seq = ranks[r].desc.dims[dim::kSeq];
+      runs[r].push_back({0, pos, seq});
+      pos += seq;
+    }
+    return runs;
+  }
+  for (uint32_t c = 0; c < 2 * n; ++c) {  // chunk c < n: rank c's first ceil(seq / 2) rows; c >= n: the rest
+    const uint32_t r = c < n ? c : 2 * n - 1 - c;
+    const std::size_t seq = ranks[r].desc.dims[dim::kSeq], first = seq - seq / 2;
+    const AttnRun run = c < n ? AttnRun{0, pos, first} : AttnRun{first, pos, seq - first};
+    runs[r].push_back(run);
+    pos += run.rows;
+  }
+  return runs;
+}
+
 void ringAttention(std::span<const RankOp> ranks) {
   const auto n = static_cast<uint32_t>(ranks.size());
   const OpDescriptor& d0 = ranks[0].desc;
@@ -324,14 +351,12 @@ void ringAttention(std::span<const RankOp> ranks) {
   const bool causal = (d0.flags & kFlagCausal) != 0;
   const float scale = d0.scale != 0.0f ? d0.scale : 1.0f / std::sqrt(static_cast<float>(headDim));
   for (int s : {slot::kQ, slot::kKey, slot::kValue, slot::kAttnOut}) requireMemory(ranks, s);
+  const std::vector<std::vector<AttnRun>> runs = attentionRuns(ranks, (d0.flags & kFlagZigzag) != 0);
 
   std::vector<Floats> q(n), k(n), v(n);
-  std::vector<std::size_t> seq(n), start(n);
-  std::size_t pos = 0;
+  std::vector<std::size_t> seq(n);
   for (uint32_t r = 0; r < n; ++r) {
     seq[r] = ranks[r].desc.dims[dim::kSeq];
-    start[r] = pos;
-    pos += seq[r];
     const std::size_t count = seq[r] * heads * headDim;
     q[r] = load(ranks[r].data[slot::kQ], dtype, count);
     k[r] = load(ranks[r].data[slot::kKey], dtype, count);
@@ -340,59 +365,70 @@ void ringAttention(std::span<const RankOp> ranks) {
 
   constexpr std::size_t kBlockRows = 16;  // query rows per block, as one CTA tile would hold
   const std::size_t stride = heads * headDim;
-  Floats out, scores, acc(kBlockRows * headDim);
+  Floats out, lse, scores, acc(kBlockRows * headDim);
   float rowMax[kBlockRows], rowSum[kBlockRows];
   for (uint32_t r = 0; r < n; ++r) {
     out.assign(seq[r] * stride, 0.0f);
+    lse.assign(seq[r] * heads, 0.0f);
     for (std::size_t h = 0; h < heads; ++h) {
-      for (std::size_t i0 = 0; i0 < seq[r]; i0 += kBlockRows) {
-        const std::size_t rows = std::min(kBlockRows, seq[r] - i0);
-        std::fill_n(rowMax, rows, -std::numeric_limits<float>::infinity());
-        std::fill_n(rowSum, rows, 0.0f);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        const std::size_t lastQuery = start[r] + i0 + rows - 1;  // global position of the block's last row
-        for (uint32_t step = 0; step < n; ++step) {
-          const uint32_t src = (r + n - step) % n;
-          if (seq[src] == 0) continue;
-          if (causal && start[src] > lastQuery) continue;  // the whole chunk lies in this block's future
-          scores.resize(seq[src]);
-          for (std::size_t i = 0; i < rows; ++i) {
-            const std::size_t queryPos = start[r] + i0 + i;
-            // Keys of this chunk that row i may see: all, or those at global positions <= queryPos.
-            std::size_t keys = seq[src];
-            if (causal) keys = queryPos < start[src] ? 0 : std::min(keys, queryPos - start[src] + 1);
-            if (keys == 0) continue;
-            const float* qi = q[r].data() + (i0 + i) * stride + h * headDim;
-            float chunkMax = -std::numeric_limits<float>::infinity();
-            for (std::size_t j = 0; j < keys; ++j) {
-              scores[j] = dot(qi, k[src].data() + j * stride + h * headDim, headDim) * scale;
-              chunkMax = std::max(chunkMax, scores[j]);
+      for (const AttnRun& qr : runs[r]) {
+        for (std::size_t b0 = 0; b0 < qr.rows; b0 += kBlockRows) {
+          const std::size_t rows = std::min(kBlockRows, qr.rows - b0);
+          const std::size_t i0 = qr.local + b0;           // the block's first local row
+          const std::size_t firstQuery = qr.global + b0;  // and its global position
+          std::fill_n(rowMax, rows, -std::numeric_limits<float>::infinity());
+          std::fill_n(rowSum, rows, 0.0f);
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          const std::size_t lastQuery = firstQuery + rows - 1;
+          for (uint32_t step = 0; step < n; ++step) {
+            const uint32_t src = (r + n - step) % n;
+            for (const AttnRun& kr : runs[src]) {
+              if (kr.rows == 0) continue;
+              if (causal && kr.global > lastQuery) continue;  // the whole run lies in this block's future
+              scores.resize(kr.rows);
+              for (std::size_t i = 0; i < rows; ++i) {
+                const std::size_t queryPos = firstQuery + i;
+                // Keys of this run that row i may see: all, or those at global positions <= queryPos.
+                std::size_t keys = kr.rows;
+                if (causal) keys = queryPos < kr.global ? 0 : std::min(keys, queryPos - kr.global + 1);
+                if (keys == 0) continue;
+                const float* qi = q[r].data() + (i0 + i) * stride + h * headDim;
+                float chunkMax = -std::numeric_limits<float>::infinity();
+                for (std::size_t j = 0; j < keys; ++j) {
+                  scores[j] = dot(qi, k[src].data() + (kr.local + j) * stride + h * headDim, headDim) * scale;
+                  chunkMax = std::max(chunkMax, scores[j]);
+                }
+                const float newMax = std::max(rowMax[i], chunkMax);
+                const float correction = std::exp(rowMax[i] - newMax);  // 0 on the first chunk (max was -inf)
+                float* a = acc.data() + i * headDim;
+                rowSum[i] *= correction;
+                for (std::size_t c = 0; c < headDim; ++c) a[c] *= correction;
+                for (std::size_t j = 0; j < keys; ++j) {
+                  const float p = std::exp(scores[j] - newMax);
+                  rowSum[i] += p;
+                  const float* vj = v[src].data() + (kr.local + j) * stride + h * headDim;
+                  for (std::size_t c = 0; c < headDim; ++c) a[c] += p * vj[c];
+                }
+                rowMax[i] = newMax;
+              }
             }
-            const float newMax = std::max(rowMax[i], chunkMax);
-            const float correction = std::exp(rowMax[i] - newMax);  // 0 on the first chunk (max was -inf)
-            float* a = acc.data() + i * headDim;
-            rowSum[i] *= correction;
-            for (std::size_t c = 0; c < headDim; ++c) a[c] *= correction;
-            for (std::size_t j = 0; j < keys; ++j) {
-              const float p = std::exp(scores[j] - newMax);
-              rowSum[i] += p;
-              const float* vj = v[src].data() + j * stride + h * headDim;
-              for (std::size_t c = 0; c < headDim; ++c) a[c] += p * vj[c];
-            }
-            rowMax[i] = newMax;
           }
-        }
-        for (std::size_t i = 0; i < rows; ++i) {
-          // NOTE: rowSum >= 1 here: a causal row sees at least itself, a non-causal row every key.
-          const float inv = 1.0f / rowSum[i];
-          float* o = out.data() + (i0 + i) * stride + h * headDim;
-          for (std::size_t c = 0; c < headDim; ++c) o[c] = acc[i * headDim + c] * inv;
+          for (std::size_t i = 0; i < rows; ++i) {
+            // NOTE: rowSum >= 1 here: a causal row sees at least itself, a non-causal row every key.
+            const float inv = 1.0f / rowSum[i];
+            float* o = out.data() + (i0 + i) * stride + h * headDim;
+            for (std::size_t c = 0; c < headDim; ++c) o[c] = acc[i * headDim + c] * inv;
+            lse[h * seq[r] + i0 + i] = rowMax[i] + std::log(rowSum[i]);
+          }
         }
       }
     }
     // Outputs are written only after all ranks' inputs were read (above), so nothing an op writes can
     // feed a later rank's computation.
     store(ranks[r].data[slot::kAttnOut], dtype, out.data(), out.size());
+    if (ranks[r].data[slot::kAttnLse] != nullptr && !lse.empty()) {
+      store(ranks[r].data[slot::kAttnLse], DType::kF32, lse.data(), lse.size());
+    }
   }
 }
 

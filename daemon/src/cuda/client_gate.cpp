@@ -10,7 +10,7 @@ namespace tandem::daemon::cuda {
 bool ClientGateComm::needsReady(const Gang& g) const { return kernels::needsGang(g.c.ops[0].desc); }
 
 NodeComm::Release ClientGateComm::release(const std::shared_ptr<Gang>& g) {
-  if (g->rejected && kernels::isFusedGemm(g->kind)) {
+  if (g->rejected && (kernels::isFusedGemm(g->kind) || g->kind == OpKind::kRingAttention)) {
     // Unlike AllGather's kernel, the fused GEMMs read no verdict: once go opens they run, and ranks that disagree on
     // the shape would wait on each other's flags until their deadline. Abort the communicator before go opens (the
     // abort word set first, so the kernels unwind at once); every rank already has the rejection's error.

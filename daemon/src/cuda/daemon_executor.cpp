@@ -12,6 +12,7 @@
 #include "tandem/kernels/moe.hpp"
 #include "tandem/kernels/moe_ops.hpp"
 #include "tandem/kernels/preload.hpp"
+#include "tandem/kernels/ring_attention.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
@@ -37,6 +38,7 @@ GpuExecutor::GpuExecutor(int device, uint32_t numCtas, uint64_t lingerNs)
   k::preloadRuntimeKernels(device_);  // never loaded lazily behind a waiting stream (preload.hpp)
   k::preloadFusedGemmKernels(device_);
   k::preloadMoeKernels(device_);
+  k::preloadRingAttentionKernels(device_);
   stream_ = k::CudaStream::create(device_, "daemon executor");
   queueMemory_ = k::PinnedHostBuffer::allocate(sizeof(k::WorkQueue), "work queue");  // zeroed
   queue_ = static_cast<k::WorkQueue*>(queueMemory_.get());
@@ -203,13 +205,15 @@ PersistentComm::PersistentComm(uint64_t handle, std::vector<Rank> ranks, std::ve
 
 void PersistentComm::admit(Collective& c) {
   const OpKind kind = c.ops[0].desc.kind;
-  if (!k::isFusedGemm(kind) && !k::isMoeOp(kind)) return;
+  if (!k::isFusedGemm(kind) && !k::isMoeOp(kind) && kind != OpKind::kRingAttention) return;
   // libtandem checked the same before submitting; the kernels run in tandemd's context here, so a client that did not
   // must not get them to write past a workspace.
   for (uint32_t r = 0; r < c.ops.size() && c.errorCode == 0; ++r) {
     try {
       if (k::isMoeOp(kind)) {
         k::checkMoeOp(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r));
+      } else if (kind == OpKind::kRingAttention) {
+        k::checkRingAttention(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r));
       } else {
         k::checkFusedGemm(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r));
       }
@@ -225,7 +229,9 @@ NodeComm::Release PersistentComm::release(const std::shared_ptr<Gang>& g) {
   for (uint32_t r = 0; r < nranks(); ++r) {
     if (executors_.gpu(rank(r).device).freeSlots() == 0) return Release::kWait;
   }
-  if ((k::isFusedGemm(g->kind) || k::isMoeOp(g->kind)) && !g->rejected) {
+  if (g->kind == OpKind::kRingAttention && !g->rejected) {
+    if (!launchRingAttention(g)) return Release::kAborted;
+  } else if ((k::isFusedGemm(g->kind) || k::isMoeOp(g->kind)) && !g->rejected) {
     if (!launchFused(g)) return Release::kAborted;
   } else {
     for (uint32_t r = 0; r < nranks(); ++r) pushItem(*g, r, g);
@@ -286,6 +292,54 @@ bool PersistentComm::launchFused(const std::shared_ptr<Gang>& g) {
   } catch (const std::exception& e) {
     const std::string reason = fmt::format("{} (op epoch {}) could not be launched on rank {} (GPU {}): {}",
                                            opKindName(g->kind), g->epoch, r, rank(r).uuid, e.what());
+    spdlog::error("communicator {:#x}: {}", handle(), reason);
+    abortFromBackend(ErrorCode::kCuda, reason);
+    return false;
+  }
+  return true;
+}
+
+// Ring attention released to every rank: each rank's kernel reads every rank's k and v where tandemd maps them
+// (ring_attention.hpp, launchRingAttentionMapped). No rank's done may be written before every rank's kernel has
+// finished (its k and v are still being read): each GPU's stream waits for every rank's kernel, then writes its ranks'
+// done. Ranks that share a GPU run one after the other on its stream; nothing in them waits on another rank.
+bool PersistentComm::launchRingAttention(const std::shared_ptr<Gang>& g) {
+  uint32_t r = 0;
+  try {
+    std::vector<OpDescriptor> descs;
+    std::vector<k::DevicePointers> ptrs;
+    for (const PendingOp& op : g->c.ops) {
+      descs.push_back(op.desc);
+      ptrs.push_back(devicePointers(op));
+    }
+    std::vector<k::CudaEvent> finished;
+    for (; r < nranks(); ++r) {
+      std::string plan;
+      executors_.gpu(rank(r).device).runExclusive(
+          [&](cudaStream_t s) {
+            plan = k::launchRingAttentionMapped(descs, ptrs, r, s);
+            finished.push_back(k::CudaEvent::create(rank(r).device, "after a ring attention kernel"));
+            k::checkCuda(cudaEventRecord(finished.back().get(), s), "cudaEventRecord(ring attention, rank {})", r);
+          },
+          g);
+      logPlanOnce(descs[r], plan);
+    }
+    for (r = 0; r < nranks(); ++r) {
+      k::CommControl* ctl = ctlDevice(r);
+      executors_.gpu(rank(r).device).runExclusive(
+          [&](cudaStream_t s) {
+            for (const k::CudaEvent& ev : finished) {
+              k::checkCuda(cudaStreamWaitEvent(s, ev.get(), 0), "cudaStreamWaitEvent(every rank's ring attention)");
+            }
+            k::checkCuda(k::driver().streamWriteValue32(s, reinterpret_cast<CUdeviceptr>(&ctl->done.value),
+                                                        static_cast<uint32_t>(g->epoch), CU_STREAM_WRITE_VALUE_DEFAULT),
+                         "cuStreamWriteValue32(done)");
+          },
+          g);
+    }
+  } catch (const std::exception& e) {
+    const std::string reason = fmt::format("{} (op epoch {}) could not be launched on rank {} (GPU {}): {}",
+                                           opKindName(g->kind), g->epoch, r, rank(r < nranks() ? r : 0).uuid, e.what());
     spdlog::error("communicator {:#x}: {}", handle(), reason);
     abortFromBackend(ErrorCode::kCuda, reason);
     return false;

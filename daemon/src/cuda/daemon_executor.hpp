@@ -115,6 +115,7 @@ class PersistentComm final : public NodeComm {
   kernels::DevicePointers devicePointers(const PendingOp& op) const;
   kernels::FusedEnv fusedEnv(uint32_t r) const;
   bool launchFused(const std::shared_ptr<Gang>& g);
+  bool launchRingAttention(const std::shared_ptr<Gang>& g);
   void pushItem(Gang& g, uint32_t r, const std::shared_ptr<Gang>& keepAlive);
   void logPlanOnce(const OpDescriptor& d, const std::string& plan);
 

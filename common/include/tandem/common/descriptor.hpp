@@ -49,7 +49,8 @@ static_assert(sizeof(BufferRef) == 24);
 //                                                     bufs {x, topk_ids, topk_weights, w, out, row_info, expert_counts}
 //   kMoeDispatchFfnCombine: dims {tokens, hidden, ffn, experts, topk}
 //                                                     bufs {x, topk_ids, topk_weights, w1, w2, out}
-//   kRingAttention: dims {seq, heads, head_dim}, flags kFlagCausal, scale   bufs {q, k, v, out}
+//   kRingAttention: dims {seq, heads, head_dim}, flags kFlagCausal | kFlagZigzag, scale
+//                                                     bufs {q, k, v, out, lse?}
 //   kAllGather:    dims {bytes}                        bufs {send, recv}
 //   kNop:          no dims, no bufs
 // Rules (validate.hpp enforces them; the messages name the field):
@@ -72,11 +73,14 @@ namespace slot {
 inline constexpr int kA = 0, kB = 1, kC = 2, kAGathered = 3;
 inline constexpr int kX = 0, kTopkIds = 1, kTopkWeights = 2, kW = 3, kW1 = 3, kW2 = 4, kMoeOut = 4, kFfnOut = 5,
                      kRowInfo = 5, kExpertCounts = 6;
-inline constexpr int kQ = 0, kKey = 1, kValue = 2, kAttnOut = 3;
+inline constexpr int kQ = 0, kKey = 1, kValue = 2, kAttnOut = 3, kAttnLse = 4;
 inline constexpr int kSend = 0, kRecv = 1;
 }  // namespace slot
 
 inline constexpr uint16_t kFlagCausal = 1u << 0;
+// Ring attention, zigzag layout: the sequence is cut into 2 * nranks chunks and rank r holds chunks r and
+// 2 * nranks - 1 - r (its first ceil(seq / 2) rows, then the rest), so causal work is balanced over ranks.
+inline constexpr uint16_t kFlagZigzag = 1u << 1;
 
 // One submission. 64-byte aligned and a whole number of cache lines, so ring slots never share a line.
 struct alignas(64) OpDescriptor {

@@ -27,6 +27,7 @@ struct OpShape {
   uint64_t heads = 4;
   uint64_t headDim = 64;
   bool causal = true;
+  bool zigzag = false;      // ring attention: zigzag layout (kFlagZigzag)
   uint64_t bytes = 1 << 20;  // allgather: bytes per rank
 
   // The size a `tandemctl run --<option>` sets, by the option's name ("m", "head-dim"; OpSpec's DimSpec::cli).

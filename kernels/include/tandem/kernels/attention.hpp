@@ -8,12 +8,14 @@
 
 #include <cstdint>
 
+#include "tandem/kernels/signals.hpp"
+
 namespace tandem::kernels {
 
 enum class AttentionDtype : uint8_t { kBf16 = 0, kFp16 = 1 };
 
-/// Most KV segments one launch takes.
-inline constexpr int kMaxAttentionKvSegments = 4;
+/// Most KV segments one launch takes (ring attention: one per rank of a node).
+inline constexpr int kMaxAttentionKvSegments = 8;
 
 /// One run of consecutive key positions. k and v are [length, heads, headDim], row-major (position, then head,
 /// then dim), 16-byte aligned, in the launch's dtype; they must stay valid until the launch completes.
@@ -21,12 +23,23 @@ struct AttentionKvSegment {
   const void* k;
   const void* v;
   int64_t length;  // rows; 0 = an empty segment (skipped; k and v may be null)
-  int64_t start;   // global position of row 0: causal masking lets query i see key j iff start + j <= qStart + i
-  // Reserved for KV that arrives while the kernel runs (ring attention): one uint64 flag per arrivalRows rows, the
-  // block is present once its flag >= arrivalValue. Only nullptr (already present) is supported today.
+  int64_t start;   // global position of row 0: causal masking lets query i see key j iff pos(j) <= pos(i)
+  // KV that is put in place while the kernel runs (ring attention: a peer's copy): the kernel waits for
+  // *arrival >= arrivalValue (acquire, system scope) before its first load from the segment, polling
+  // AttentionParams::abortWord and the timeoutNs deadline. nullptr: already present.
   const uint64_t* arrival;
   uint64_t arrivalValue;
-  int64_t arrivalRows;
+  int64_t arrivalRows;  // 0: one flag for the whole segment (the only granularity implemented)
+  // Two runs of positions (zigzag): rows [split, length) sit at start2 + (row - split). 0: one run from start.
+  int64_t split;
+  int64_t start2;
+  // A length that a peer publishes while the kernel runs (ring attention): each CTA waits for
+  // *lengthReady >= lengthReadyValue, then takes min(*lengthWord, length) rows (length is then the capacity the
+  // tensor maps cover). splitHalves: the second run starts at row rows - rows / 2 (zigzag), split is ignored.
+  const uint64_t* lengthWord;
+  const uint64_t* lengthReady;
+  uint64_t lengthReadyValue;
+  bool splitHalves;
 };
 
 /// POD; zero-initialise (AttentionParams p{}) and fill. Tuning fields left at 0 take the measured defaults.
@@ -38,6 +51,8 @@ struct AttentionParams {
   int32_t heads;
   int32_t headDim;  // 64 or 128
   int64_t qStart;   // global position of q row 0 (causal)
+  int64_t qSplit;   // 0: one run; else rows [qSplit, sq) sit at qStart2 + (row - qSplit) (zigzag), after the first run
+  int64_t qStart2;
   AttentionKvSegment kv[kMaxAttentionKvSegments];
   int32_t numKv;    // segments used, 0 .. kMaxAttentionKvSegments (0: every row sees no key)
   AttentionDtype dtype;
@@ -47,6 +62,13 @@ struct AttentionParams {
   int32_t blockN;    // keys per KV block: 128, or 176 (headDim 128, non-causal; the default there, else 128)
   int32_t numSms;    // cap on the persistent grid (CTAs); 0 = every SM
   int32_t pingPong;  // 1 (default): the two consumer warpgroups take turns issuing GEMMs, 2: free-running
+  int32_t headGroup;  // causal tile order: heads per group (1 .. heads); 0 = from the K/V bytes per head and L2
+  // Waits on arrival flags (ring attention): what they poll and where a failed one reports. A wait that fails
+  // reports there and the kernel runs on to its end (its outputs are then garbage): the caller must fail the op.
+  const uint64_t* abortWord;  // non-zero aborts the waits; null = none
+  ErrorSlot* errorSlot;       // null = report nowhere
+  uint64_t timeoutNs;         // deadline of the waits from the kernel's start; 0 = none
+  uint32_t waitOp, waitRank;  // written into the error slot (op kind, rank)
 };
 
 /// Throws tandem::Error(kInvalidArgument) naming the broken rule ("rule head_dim: ..."), or kUnsupported for

@@ -51,7 +51,8 @@ inline OpSet executorOps(Executor e) {
       // The MoE ops run on one node's GPUs (moe_ops.hpp); host staging has no MoE code.
       return OpSet{OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kAllGather, OpKind::kNop}
           .add(OpKind::kMoeDispatchGemm)
-          .add(OpKind::kMoeDispatchFfnCombine);
+          .add(OpKind::kMoeDispatchFfnCombine)
+          .add(OpKind::kRingAttention);  // ring_attention.hpp: one node's GPUs, both executors
     case Executor::kHost: return {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kAllGather, OpKind::kNop};
   }
   return {};
