@@ -447,5 +447,92 @@ int main(int argc, char** argv) {
   json += "]}\n";
   if (!jsonPath.empty()) std::ofstream(jsonPath) << json;
   std::printf("%s\n", ok ? "ALL OK" : "SOME CHECKS FAILED");
-  return ok ? 0 : 1;
+  std::fflush(stdout);
+
+  // ---- experiment, after everything above is written: the grouped GEMMs' dynamic tile order (tileCounter), alone
+  // and with skipIdleHalves, on every routing; the FFN with both, checked bitwise against the default FFN.
+  uint32_t* counter = nullptr;
+  CK(cudaMalloc(&counter, 4));
+  std::printf("\nexperiment: dynamic tile order (ms; +skip = with skipIdleHalves)\n");
+  std::printf("%-10s %9s %9s %9s %9s %9s %9s %9s %9s  %s\n", "case", "g1", "g1 dyn", "g1s dyn", "g1s +skip", "g2 dyn",
+              "g2 +skip", "FFN dyn", "FFN +skip", "FFN row");
+  bool expOk = true;
+  for (const Routing& r : routings) {
+    const int64_t rows = r.tokens * kTopk;
+    for (int i = 0; i < kSets; ++i) {
+      CK(cudaMemcpy(sets[i].ids, r.ids.data(), r.ids.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(sets[i].wts, r.wts.data(), r.wts.size() * 4, cudaMemcpyHostToDevice));
+    }
+    std::vector<int32_t> offs(kExperts + 1, 0);
+    for (int e = 0; e < kExperts; ++e) offs[size_t(e + 1)] = offs[size_t(e)] + r.counts[size_t(e)];
+    CK(cudaMemcpy(offsets, offs.data(), offs.size() * 4, cudaMemcpyHostToDevice));
+    const auto ffnParams = [&](int set, bool dyn, int skip) {
+      k::MoeParams p;
+      p.dtype = k::GemmDtype::kBf16;
+      p.ffn = true;
+      p.tokens = r.tokens;
+      p.hidden = kHidden;
+      p.ffnDim = kFfn;
+      p.experts = kExperts;
+      p.topk = kTopk;
+      p.x = sets[set].x;
+      p.topkIds = sets[set].ids;
+      p.topkWeights = sets[set].wts;
+      p.w1 = w1;
+      p.w2 = w2;
+      p.out = outF;
+      p.gemmDynamicTiles = dyn;
+      p.gemmSkipIdleHalves = skip;
+      return p;
+    };
+    const auto ffn = [&](int set, bool dyn, int skip) {
+      comm.epoch = ++epoch;
+      k::launchMoe(ffnParams(set, dyn, skip), comm, s);
+    };
+    ffn(0, false, 0);
+    syncOrDie(s, 30, "experiment: default FFN");
+    const std::vector<uint16_t> want = download16(outF, size_t(r.tokens) * kHidden);
+    const auto gemm = [&](const void* x, const void* w, void* out, int64_t n, int64_t kk, k::GroupedGemmEpilogue epi,
+                          bool dyn, int skip) {
+      k::GroupedGemmParams g{};
+      g.dtype = k::GemmDtype::kBf16;
+      g.groupOffsets = offsets;
+      g.numExperts = kExperts;
+      g.mTotal = rows;
+      g.k = kk;
+      g.n = n;
+      g.w = w;
+      g.x = x;
+      g.out = out;
+      g.epilogue = epi;
+      g.skipIdleHalves = skip;
+      if (dyn) {
+        CK(cudaMemsetAsync(counter, 0, 4, s));
+        g.tileCounter = counter;
+      }
+      k::launchGroupedGemm(g, s);
+    };
+    void* yOut = reinterpret_cast<void*>(
+        (reinterpret_cast<uintptr_t>(static_cast<char*>(recv) + size_t(rows) * kHidden * 2) + 4096 + 255) &
+        ~uintptr_t{255});
+    using E = k::GroupedGemmEpilogue;
+    const double g1 = timeCalls(s, iters, [&](int) { gemm(recv, w1, outG, 2 * kFfn, kHidden, E::kStore, false, 0); });
+    const double g1d = timeCalls(s, iters, [&](int) { gemm(recv, w1, outG, 2 * kFfn, kHidden, E::kStore, true, 0); });
+    const double g1sd = timeCalls(s, iters, [&](int) { gemm(recv, w1, outG, 2 * kFfn, kHidden, E::kSwiGlu, true, 0); });
+    const double g1sdk =
+        timeCalls(s, iters, [&](int) { gemm(recv, w1, outG, 2 * kFfn, kHidden, E::kSwiGlu, true, 1); });
+    const double g2d = timeCalls(s, iters, [&](int) { gemm(outG, w2, yOut, kHidden, kFfn, E::kStore, true, 0); });
+    const double g2dk = timeCalls(s, iters, [&](int) { gemm(outG, w2, yOut, kHidden, kFfn, E::kStore, true, 1); });
+    const double fd = timeCalls(s, iters, [&](int set) { ffn(set, true, 0); });
+    const double fdk = timeCalls(s, iters, [&](int set) { ffn(set, true, 1); });
+    ffn(0, true, 1);
+    syncOrDie(s, 30, "experiment: FFN, dynamic + skip");
+    const bool same = download16(outF, size_t(r.tokens) * kHidden) == want;
+    expOk = expOk && same;
+    std::printf("%-10s %9.4f %9.4f %9.4f %9.4f %9.4f %9.4f %9.4f %9.4f  %s\n", r.name.c_str(), g1, g1d, g1sd, g1sdk,
+                g2d, g2dk, fd, fdk, same ? "bitwise the same" : "DIFFERS");
+    std::fflush(stdout);
+  }
+  std::printf("experiment %s\n", expOk ? "OK" : "FAILED");
+  return ok && expOk ? 0 : 1;
 }

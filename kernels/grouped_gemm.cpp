@@ -181,6 +181,9 @@ void validateGroupedGemm(const GroupedGemmParams& g) {
     fail(kBad, "grouped gemm: rowTileReady must be 8-byte aligned (uint64 counters), got {}",
          static_cast<const void*>(g.rowTileReady));
   }
+  if (g.tileCounter != nullptr && !aligned(g.tileCounter, 4)) {
+    fail(kBad, "grouped gemm: tileCounter must be 4-byte aligned (a uint32), got {}", static_cast<void*>(g.tileCounter));
+  }
   if (g.abortWord != nullptr && !aligned(g.abortWord, 8)) {
     fail(kBad, "grouped gemm: abortWord must be 8-byte aligned, got {}", static_cast<const void*>(g.abortWord));
   }
@@ -237,6 +240,7 @@ void launchGroupedGemm(const GroupedGemmParams& g, cudaStream_t stream, int numS
   p.tilesN = static_cast<int32_t>(ceilDiv(nOut, tileCols(g)));
   p.groupM = g.groupM == 0 ? kDefaultGroupM : g.groupM;
   p.skipIdleHalves = g.skipIdleHalves != 0 ? 1 : 0;
+  p.tileCounter = g.tileCounter;
 
   // Persistent: one CTA per SM, fewer when even the most tiles any grouping can have would not fill them.
   const int64_t maxTiles = groupedGemmMaxRowTiles(g.mTotal, g.numExperts) * p.tilesN;

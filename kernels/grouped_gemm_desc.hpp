@@ -35,6 +35,7 @@ struct GroupedGemmKernelParams {
   uint64_t readyValue;
   const uint64_t* abortWord;      // optional
   ErrorSlot* errorSlot;           // optional
+  uint32_t* tileCounter;          // optional: dynamic tile order (GroupedGemmParams::tileCounter)
   uint64_t timeoutNs;             // 0 = no deadline
   int32_t mTotal;
   int32_t nOut;        // columns of out (n, or n / 2 with SwiGLU)

@@ -233,6 +233,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   gg.x = p.recv[c.rank] + rl.xOff;
   gg.k = g.hidden;
   gg.skipIdleHalves = g.gemmSkipIdleHalves;
+  if (g.gemmDynamicTiles) gg.tileCounter = &p.status->gemmTiles[0];  // zeroed with the status above
   if (!g.ffn) {
     gg.w = g.w;
     gg.out = g.out;
@@ -261,6 +262,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   g2.k = g.ffnDim;
   g2.epilogue = GroupedGemmEpilogue::kStore;
   g2.skipIdleHalves = g.gemmSkipIdleHalves;
+  if (g.gemmDynamicTiles) g2.tileCounter = &p.status->gemmTiles[1];
   launchGroupedGemm(g2, stream, g.gemmSms);
   checkCuda(launchArrive(p, 1, stream), "launching the y exchange");
   checkCuda(launchCombine(p, combineCtas, stream), "launching the combine kernel");

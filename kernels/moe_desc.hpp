@@ -37,6 +37,7 @@ struct alignas(16) MoeStatus {
   int32_t bad;    // max of (INT32_MAX - pair index) over bad pairs; 0 = none
   uint32_t dispatchCtasDone;
   uint32_t combineCtasDone;
+  uint32_t gemmTiles[2];           // the grouped GEMMs' dynamic tile counters (gemm1, gemm2)
   int32_t capacity[kMoeMaxRanks];  // every rank's receive rows, copied from the table by the plan kernel
 };
 inline constexpr int32_t kSkip = 0;  // verdict: rejected (or a wait failed): touch nothing, publish nothing

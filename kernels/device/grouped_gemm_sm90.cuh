@@ -94,6 +94,27 @@ struct GroupCursor {
 
 __device__ __forceinline__ int32_t clampRow(int32_t v, int32_t mTotal) { return min(max(v, 0), mTotal); }
 
+// Dynamic tile order (p.tileCounter set): a CTA's first work index is its id, each later one comes from a global
+// counter (atomicAdd + the grid size), so a CTA that drew cheap tiles (a group's short last tile, an idle half) takes
+// more. The producer warp draws them and hands each to the 8 consumer warps through this ring, in order.
+inline constexpr int kWorkSlots = 4;
+struct WorkRing {
+  int32_t work[kWorkSlots];
+  alignas(8) uint64_t full[kWorkSlots];   // the producer's lane 0 arrives once work[slot] is written (count 1)
+  uint64_t empty[kWorkSlots];             // each consumer warp's lane 0 arrives once it read work[slot] (count 8)
+};
+inline constexpr uint32_t kConsumerWarps = 8;
+
+struct RingPos {
+  uint32_t slot = 0, phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++slot == kWorkSlots) {
+      slot = 0;
+      phase ^= 1;
+    }
+  }
+};
+
 // Finds work index w. Called by all 32 lanes of a warp together (converged); every lane gets the same answer.
 // Returns false when w lies past the last tile.
 template <GroupedGemmEpilogue Epi>
@@ -150,7 +171,7 @@ __device__ __forceinline__ bool findTile(const GroupedGemmKernelParams& p, Group
 // ---------------------------------------------------------------------------------------------------------------
 template <GroupedGemmEpilogue Epi>
 __device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams& p, gemm::SharedStorage<kStages>& s,
-                                                   int32_t firstWork, int32_t workStride) {
+                                                   WorkRing& ring, int32_t firstWork, int32_t workStride) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   gemm::PipeState<kStages> ps;
   GroupCursor cur;
@@ -158,7 +179,21 @@ __device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams
   if (p.rowTileReady != nullptr && p.timeoutNs != 0) ctx.deadlineNs = globaltimerNs() + p.timeoutNs;
   bool waitFailed = false;
   GroupTile tile;
-  for (int32_t w = firstWork; findTile<Epi>(p, cur, w, tile); w += workStride) {
+  const bool dynamic = p.tileCounter != nullptr;
+  RingPos rp;
+  int32_t next = 0;  // lane 0: the next dynamic work index, drawn one tile ahead so the atomic's latency hides
+  if (dynamic && lane == 0) next = static_cast<int32_t>(atomicAdd(p.tileCounter, 1u)) + workStride;
+  int32_t w = firstWork;
+  for (;;) {
+    if (dynamic) {
+      if (lane == 0) {
+        gemm::mbarWait(&ring.empty[rp.slot], rp.phase ^ 1);  // a fresh barrier reports its parity-1 phase done
+        ring.work[rp.slot] = w;
+        gemm::mbarArrive(&ring.full[rp.slot]);  // release: publishes work[slot]; pairs with the consumers' mbarWait
+      }
+      rp.advance();
+    }
+    if (!findTile<Epi>(p, cur, w, tile)) break;  // the consumers got this w too, and stop on it as well
     if (lane == 0) {
       if (p.rowTileReady != nullptr && !waitFailed) {
         // acquire: pairs with the release (store or reduction) of whoever wrote this tile's rows.
@@ -185,6 +220,12 @@ __device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams
       }
     }
     __syncwarp();
+    if (dynamic) {
+      w = __shfl_sync(0xffffffffu, next, 0);
+      if (lane == 0) next = static_cast<int32_t>(atomicAdd(p.tileCounter, 1u)) + workStride;
+    } else {
+      w += workStride;
+    }
   }
 }
 
@@ -198,7 +239,8 @@ __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __e
 
 template <class T, GroupedGemmEpilogue Epi>
 __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams& p, gemm::SharedStorage<kStages>& s,
-                                                   int32_t firstWork, int32_t workStride, int wg, int t) {
+                                                   WorkRing& ring, int32_t firstWork, int32_t workStride, int wg,
+                                                   int t) {
   constexpr int kChunks = kTileCols<Epi> / kEpiCols;
   float acc[128];
   gemm::PipeState<kStages> ps;
@@ -214,7 +256,18 @@ __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams
   const uint32_t phase = static_cast<uint32_t>(r & 7);
 
   GroupTile tile;
-  for (int32_t w = firstWork; findTile<Epi>(p, cur, w, tile); w += workStride) {
+  const bool dynamic = p.tileCounter != nullptr;
+  RingPos rp;
+  for (int32_t i = 0;; ++i) {
+    int32_t w = firstWork + i * workStride;
+    if (dynamic) {
+      gemm::mbarWait(&ring.full[rp.slot], rp.phase);  // acquire: the producer's work[slot]
+      w = ring.work[rp.slot];
+      __syncwarp();
+      if (lane == 0) gemm::mbarArrive(&ring.empty[rp.slot]);  // this warp has read it
+      rp.advance();
+    }
+    if (!findTile<Epi>(p, cur, w, tile)) break;
     const int32_t rowBase = tile.row0 + wg * kRowsPerConsumer;
     const int32_t rowsHere = tile.rowEnd - rowBase;  // rows of ours inside the group (warpgroup-uniform)
     if (p.skipIdleHalves != 0 && rowsHere <= 0) {
@@ -330,9 +383,14 @@ __device__ __forceinline__ void runGroupedGemmCta(const GroupedGemmKernelParams&
                                                                ~static_cast<uintptr_t>(1023));
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
   const int t = static_cast<int>(threadIdx.x) % 128;
+  __shared__ WorkRing ring;
   if (threadIdx.x == 0) {
     if (blockDim.x != kThreads) __trap();  // geometry: the host launches kThreads (checked there too)
-    gemm::initBarriers<kStages, 1>(s);
+    for (int i = 0; i < kWorkSlots; ++i) {
+      gemm::mbarInit(&ring.full[i], 1);
+      gemm::mbarInit(&ring.empty[i], kConsumerWarps);
+    }
+    gemm::initBarriers<kStages, 1>(s);  // ends with the barrier-init fence, which covers the ring's too
     gemm::prefetchTensorMap(&p.tmX);
     gemm::prefetchTensorMap(&p.tmW);
     gemm::prefetchTensorMap(&p.tmOut);
@@ -342,11 +400,11 @@ __device__ __forceinline__ void runGroupedGemmCta(const GroupedGemmKernelParams&
   switch (gemm::roleOf(wg)) {
     case gemm::Role::kProducer:
       gemm::setMaxNRegDec<gemm::kProducerRegs>();
-      if (t < 32) runGroupedProducer<Epi>(p, s, ctaId, numCtas);
+      if (t < 32) runGroupedProducer<Epi>(p, s, ring, ctaId, numCtas);
       break;
     case gemm::Role::kConsumer:
       gemm::setMaxNRegInc<gemm::kConsumerRegs>();
-      runGroupedConsumer<T, Epi>(p, s, ctaId, numCtas, wg - 1, t);
+      runGroupedConsumer<T, Epi>(p, s, ring, ctaId, numCtas, wg - 1, t);
       break;
   }
 }

@@ -218,9 +218,17 @@ struct Problem {
   }
 };
 
-std::vector<uint16_t> runOnce(const Problem& pr, cudaStream_t s, int numSms) {
+// counter: the dynamic tile order (zeroed here first); skip: skipIdleHalves.
+std::vector<uint16_t> runOnce(const Problem& pr, cudaStream_t s, int numSms, uint32_t* counter = nullptr,
+                              int skip = 0) {
   pr.poison(s);
-  launchGroupedGemm(pr.params(), s, numSms);
+  GroupedGemmParams g = pr.params();
+  g.skipIdleHalves = skip;
+  if (counter != nullptr) {
+    ck(cudaMemsetAsync(counter, 0, 4, s), "cudaMemsetAsync(tile counter)");
+    g.tileCounter = counter;
+  }
+  launchGroupedGemm(g, s, numSms);
   ck(cudaGetLastError(), "launch");
   syncWithin(s, 20);
   return pr.fetch(s);
@@ -234,6 +242,16 @@ void runAndCheck(const Case& c) {
   // Same inputs, same result, to the bit (one owner per output element, fixed K order).
   const std::vector<uint16_t> again = runOnce(pr, st.s, c.numSms);
   CHECK_MESSAGE(std::memcmp(out.data(), again.data(), out.size() * 2) == 0, "second run differs bitwise");
+  // The dynamic tile order and the idle-half skip change which CTA computes a tile (and whether a warpgroup whose
+  // rows all lie past the group computes at all), never a stored value.
+  DeviceMem counter(4);
+  for (int skip : {0, 1}) {
+    const std::vector<uint16_t> dyn = runOnce(pr, st.s, c.numSms, counter.as<uint32_t>(), skip);
+    CHECK_MESSAGE(std::memcmp(out.data(), dyn.data(), out.size() * 2) == 0,
+                  "the dynamic tile order" << (skip != 0 ? " with skipIdleHalves" : "") << " differs bitwise");
+  }
+  const std::vector<uint16_t> skipped = runOnce(pr, st.s, c.numSms, nullptr, 1);
+  CHECK_MESSAGE(std::memcmp(out.data(), skipped.data(), out.size() * 2) == 0, "skipIdleHalves differs bitwise");
 }
 
 // 8 experts: empty ones, a 1-row group, groups ending just before and after a 64-row epilogue chunk and a 128-row

@@ -55,6 +55,10 @@ struct GroupedGemmParams {
   /// tuning: a consumer warpgroup whose 64 rows of a tile all lie past its group's end skips its wgmmas (the tile's
   /// other half then has the tensor cores alone). 0 = off.
   int32_t skipIdleHalves;
+  /// Optional dynamic tile order: a zeroed uint32 in device memory (zero it before every launch, e.g. with
+  /// cudaMemsetAsync on the same stream). Each CTA then draws its next tile from it, so CTAs that drew cheap tiles
+  /// take more. Null: CTA c takes tiles c, c + grid, ... Either way every output is the same, bit for bit.
+  uint32_t* tileCounter;
 };
 
 /// Checks `params` against every rule the kernel needs, without touching the GPU.

@@ -72,6 +72,7 @@ struct MoeParams {
   int32_t* expertCounts = nullptr;  ///< dispatch+GEMM: [E/n]
   int gemmSms = 0;                  ///< cap on the grouped GEMMs' grid (0: every SM)
   int gemmSkipIdleHalves = 0;       ///< GroupedGemmParams::skipIdleHalves for the grouped GEMMs
+  bool gemmDynamicTiles = false;    ///< the grouped GEMMs' dynamic tile order (GroupedGemmParams::tileCounter)
 };
 
 /// Bytes of a receive area holding `rows` rows (x rows, row info; with ffn > 0 also h and y).
