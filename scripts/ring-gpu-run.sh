@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for ring attention (nvidia-h200, one GPU): a Release build in build-gpu-ring/ of only ring
 # attention's targets, the attention core's gpu test, the ring attention gpu tests (1, 2 and 4 ranks sharing the GPU),
-# attention_bench at the shapes (16 heads, head_dim 128, seq 4K-32K, causal and not) and torch SDPA (cuDNN,
+# attention_bench at the shapes (16 heads, head_dim 128, seq 4K-32K, causal and not; causal head groups 1-16), torch SDPA (cuDNN,
 # flash) on the same shapes in the same call. Logs go to OUT. About 200 s in all; every step under `timeout`.
 #   scripts/ring-gpu-run.sh OUT
 set -uo pipefail
@@ -27,20 +27,18 @@ echo "build: $(($(date +%s) - t0)) s"
 timeout 40 stdbuf -oL ./build-gpu-ring/tests/gpu/tandem_attention_core_tests > "$out/core_test.log" 2>&1
 echo "attention core test rc=$? ($(($(date +%s) - t0)) s)"
 grep -E "ERROR|FAILED|test cases|assertions|SKIPPED" "$out/core_test.log" | head -30
-TANDEM_OP_TIMEOUT_MS=20000 timeout 120 stdbuf -oL ./build-gpu-ring/tests/gpu/tandem_ring_attention_gpu_tests -s \
+# The benchmarks before the ring tests (which take what is left): tandem's default configuration and the causal head
+# groups, then torch SDPA in the same call.
+timeout 50 ./build-gpu-ring/bench/attention_bench --head-groups 1,2,4,8,16 > "$out/bench.log" 2>&1
+echo "attention_bench rc=$? ($(($(date +%s) - t0)) s)"
+grep -E "FAIL|non-finite" "$out/bench.log" | head -10
+timeout 45 python3 bench/sdpa_baseline.py --json "$out/sdpa.json" > "$out/sdpa.log" 2>&1
+echo "sdpa_baseline rc=$? ($(($(date +%s) - t0)) s)"
+grep -E "^\|" "$out/bench.log"
+grep -E "^\||CHECK|SKIP|Error" "$out/sdpa.log" | head -40
+left=$((232 - ($(date +%s) - t0)))
+[ "$left" -lt 45 ] && left=45
+TANDEM_OP_TIMEOUT_MS=20000 timeout "$left" stdbuf -oL ./build-gpu-ring/tests/gpu/tandem_ring_attention_gpu_tests -s \
   > "$out/ring_test.log" 2>&1
-echo "ring attention gpu tests rc=$? ($(($(date +%s) - t0)) s)"
+echo "ring attention gpu tests rc=$? ($(($(date +%s) - t0)) s, limit ${left} s)"
 grep -E "ERROR|FAIL|rank .* of|test cases|assertions|SKIPPED" "$out/ring_test.log" | head -40
-left=$((235 - ($(date +%s) - t0)))
-if [ "$left" -gt 60 ]; then
-  timeout $((left / 2)) ./build-gpu-ring/bench/attention_bench --head-groups 1,2,4,8,16 > "$out/bench.log" 2>&1
-  echo "attention_bench rc=$? ($(($(date +%s) - t0)) s)"
-  grep -E "FAIL|non-finite" "$out/bench.log" | head -10
-  left=$((235 - ($(date +%s) - t0)))
-  timeout $((left > 10 ? left - 5 : 5)) python3 bench/sdpa_baseline.py --json "$out/sdpa.json" > "$out/sdpa.log" 2>&1
-  echo "sdpa_baseline rc=$? ($(($(date +%s) - t0)) s)"
-  grep -E "^\|" "$out/bench.log"
-  grep -E "^\||CHECK|SKIP|Error" "$out/sdpa.log" | head -40
-else
-  echo "skipped the benchmarks: ${left} s left of 235"
-fi
