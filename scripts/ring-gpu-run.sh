@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call for ring attention (nvidia-h200, one GPU): a Release build in build-gpu-ring/ of only ring
-# attention's targets, the attention core's gpu test, the ring attention gpu tests (1, 2 and 4 ranks sharing the GPU),
-# attention_bench at the shapes (16 heads, head_dim 128, seq 4K-32K, causal and not; causal head groups 1-16), torch SDPA (cuDNN,
-# flash) on the same shapes in the same call. Logs go to OUT. About 200 s in all; every step under `timeout`.
+# attention's targets, the attention core's gpu test, attention_bench at the shapes (16 heads, head_dim 128,
+# seq 4K-32K, causal and not; causal head groups 1-16) and torch SDPA (cuDNN, flash) on the same shapes in the same
+# call, then the ring attention gpu tests (1, 2 and 4 ranks sharing the GPU) in the time left. Logs go to OUT. Under
+# 240 s in all; every step under `timeout`.
 #   scripts/ring-gpu-run.sh OUT
 set -uo pipefail
 out=${1:?usage: $0 OUT}
