@@ -19,12 +19,14 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "session.hpp"
+#include "submit.hpp"
 #ifdef TANDEM_HAVE_CUDA
 #include "cuda_client.hpp"
 namespace gpu = tandem::client::gpu;
@@ -268,7 +270,7 @@ void undoQuietly(SessionCore& core, tandem::v1::Request& undo) {
 // backend: also checks that this rank's GPU can run the op (before submitting: a refused op changes nothing), then
 // enqueues its stream work on `stream` (a cudaStream_t; null = the legacy default stream).
 tandem_status_t submitOp(const char* call, tandem_comm_t comm, tandem::OpDescriptor desc,
-                         std::initializer_list<tandem_tensor_t> tensors, tandem_op_t* op,
+                         std::span<const tandem_tensor_t> tensors, tandem_op_t* op,
                          [[maybe_unused]] void* stream = nullptr) {
   return guarded([&] {
     require(comm != nullptr && op != nullptr, "comm and op must not be NULL");
@@ -330,6 +332,11 @@ tandem_status_t submitOp(const char* call, tandem_comm_t comm, tandem::OpDescrip
       op->seq = core.impl->submit(desc);
     });
   });
+}
+
+tandem_status_t submitOp(const char* call, tandem_comm_t comm, const tandem::OpDescriptor& desc,
+                         std::initializer_list<tandem_tensor_t> tensors, tandem_op_t* op, void* stream = nullptr) {
+  return submitOp(call, comm, desc, std::span<const tandem_tensor_t>(tensors.begin(), tensors.size()), op, stream);
 }
 
 tandem::OpDescriptor descriptor(tandem::OpKind kind, tandem_dtype_t dtype) {
@@ -414,7 +421,7 @@ size_t tandem_dtype_size(tandem_dtype_t dtype) { return tandem::dtypeSize(static
 tandem_status_t tandem_connect(const char* socket_path, tandem_session_t* out) {
   return guarded([&] {
     require(out != nullptr, "out must not be NULL");
-    const std::string path = socket_path != nullptr ? socket_path : tandem::defaultSocketPath(true);
+    const std::string path = socket_path != nullptr ? socket_path : tandem::clientSocketPath();
     auto core = std::make_shared<SessionCore>();
     core->impl = tandem::client::Session::connect(path);
     core->cuda = core->impl->backend() == "cuda";
@@ -872,3 +879,18 @@ tandem_status_t tandem_barrier(tandem_comm_t comm, tandem_op_t* op) {
 }
 
 }  // extern "C"
+
+namespace tandem::client {
+
+tandem_status_t submitDescriptor(tandem_comm_t comm, const tandem::OpDescriptor& desc,
+                                 std::span<const tandem_tensor_t> tensors, tandem_op_t* op, void* stream) {
+  if (tandem::knownOp(desc.kind) && tensors.size() > tandem::opSpec(desc.kind).slotCount) {
+    return record(ErrorCode::kInvalidArgument,
+                  fmt::format("{}: {} tensors passed but the op has {} slots; pass one tensor per slot of the op table",
+                              tandem::opKindName(desc.kind), tensors.size(), tandem::opSpec(desc.kind).slotCount));
+  }
+  const std::string call = tandem::knownOp(desc.kind) ? std::string(tandem::opSpec(desc.kind).cFunction) : "submit";
+  return submitOp(call.c_str(), comm, desc, tensors, op, stream);
+}
+
+}  // namespace tandem::client

@@ -84,7 +84,11 @@ std::vector<int64_t> loadInts(const std::byte* p, uint64_t count) {
 
 using In = std::span<const std::array<const std::byte*, kMaxOpBuffers>>;
 
-void agGemm(std::span<const OpDescriptor> descs, In in, Expected& out) {
+// `only`: compute rank `only`'s outputs alone (the others stay empty), or every rank's when it is kAll.
+constexpr int64_t kAll = -1;
+bool wanted(int64_t only, uint32_t r) { return only == kAll || only == int64_t{r}; }
+
+void agGemm(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const uint64_t M = descs[0].dims[dim::kM], N = descs[0].dims[dim::kN], K = descs[0].dims[dim::kK];
   std::vector<double> a(M * K);
@@ -94,6 +98,7 @@ void agGemm(std::span<const OpDescriptor> descs, In in, Expected& out) {
     std::copy(shard.begin(), shard.end(), a.begin() + static_cast<std::ptrdiff_t>(first * K));
   }
   for (uint32_t r = 0; r < n; ++r) {
+    if (!wanted(only, r)) continue;
     const std::vector<double> b = load(in[r][slot::kB], descs[r].dtype, N * K);
     std::vector<double> c(M * N);
     for (uint64_t i = 0; i < M; ++i)
@@ -107,7 +112,7 @@ void agGemm(std::span<const OpDescriptor> descs, In in, Expected& out) {
   }
 }
 
-void gemmReduce(std::span<const OpDescriptor> descs, In in, Expected& out) {
+void gemmReduce(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const uint64_t M = descs[0].dims[dim::kM], N = descs[0].dims[dim::kN];
   std::vector<double> c(M * N, 0.0);
@@ -120,6 +125,7 @@ void gemmReduce(std::span<const OpDescriptor> descs, In in, Expected& out) {
         for (uint64_t p = 0; p < K; ++p) c[i * N + j] += a[i * K + p] * b[j * K + p];
   }
   for (uint32_t r = 0; r < n; ++r) {
+    if (!wanted(only, r)) continue;
     if (descs[0].kind == OpKind::kGemmAr) {
       out[r][slot::kC] = c;
     } else {
@@ -161,7 +167,7 @@ std::vector<std::vector<Route>> route(std::span<const OpDescriptor> descs, In in
   return routes;
 }
 
-void moeGemm(std::span<const OpDescriptor> descs, In in, Expected& out) {
+void moeGemm(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const uint64_t H = descs[0].dims[dim::kHidden], NO = descs[0].dims[dim::kNOut], E = descs[0].dims[dim::kExperts];
   const uint64_t L = E / n;
@@ -169,6 +175,7 @@ void moeGemm(std::span<const OpDescriptor> descs, In in, Expected& out) {
   std::vector<std::vector<double>> x(n);
   for (uint32_t s = 0; s < n; ++s) x[s] = load(in[s][slot::kX], descs[s].dtype, descs[s].dims[dim::kTokens] * H);
   for (uint32_t d = 0; d < n; ++d) {
+    if (!wanted(only, d)) continue;
     const std::vector<double> w = load(in[d][slot::kW], descs[d].dtype, L * NO * H);
     std::vector<double> y, info, counts;
     for (uint64_t le = 0; le < L; ++le) {
@@ -194,7 +201,7 @@ void moeGemm(std::span<const OpDescriptor> descs, In in, Expected& out) {
   }
 }
 
-void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out) {
+void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const DType dtype = descs[0].dtype;
   const uint64_t H = descs[0].dims[dim::kHidden], F = descs[0].dims[dim::kFfn], E = descs[0].dims[dim::kExperts];
@@ -213,6 +220,7 @@ void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out) {
     const std::vector<double> w1 = load(in[d][slot::kW1] + le * 2 * F * H * dtypeSize(dtype), dtype, 2 * F * H);
     const std::vector<double> w2 = load(in[d][slot::kW2] + le * H * F * dtypeSize(dtype), dtype, H * F);
     for (const Route& rt : routes[e]) {
+      if (!wanted(only, rt.srcRank)) continue;
       const double* xt = &x[rt.srcRank][rt.token * H];
       std::vector<double> h(F);
       for (uint64_t f = 0; f < F; ++f) {
@@ -232,10 +240,12 @@ void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out) {
       }
     }
   }
-  for (uint32_t s = 0; s < n; ++s) out[s][slot::kFfnOut] = std::move(result[s]);
+  for (uint32_t s = 0; s < n; ++s) {
+    if (wanted(only, s)) out[s][slot::kFfnOut] = std::move(result[s]);
+  }
 }
 
-void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out) {
+void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const DType dtype = descs[0].dtype;
   const uint64_t heads = descs[0].dims[dim::kHeads], D = descs[0].dims[dim::kHeadDim];
@@ -291,6 +301,7 @@ void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out) {
       lse[i * heads + h] = mx + std::log(sum);  // every row sees at least itself, so sum >= 1
     }
   for (uint32_t r = 0; r < n; ++r) {
+    if (!wanted(only, r)) continue;
     const uint64_t seq = descs[r].dims[dim::kSeq], row = heads * D;
     std::vector<double>& dst = out[r][slot::kAttnOut];
     dst.resize(seq * row);
@@ -307,17 +318,19 @@ void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out) {
   }
 }
 
-void allGather(std::span<const OpDescriptor> descs, In in, Expected& out) {
+void allGather(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint64_t bytes = descs[0].dims[dim::kBytes];
   std::vector<double> all;
   for (uint32_t r = 0; r < descs.size(); ++r)
     for (uint64_t i = 0; i < bytes; ++i) all.push_back(static_cast<double>(std::to_integer<uint8_t>(in[r][slot::kSend][i])));
-  for (uint32_t r = 0; r < descs.size(); ++r) out[r][slot::kRecv] = all;
+  for (uint32_t r = 0; r < descs.size(); ++r) {
+    if (wanted(only, r)) out[r][slot::kRecv] = all;
+  }
 }
 
-void barrier(std::span<const OpDescriptor>, In, Expected&) {}  // no outputs
+void barrier(std::span<const OpDescriptor>, In, Expected&, int64_t) {}  // no outputs
 
-using Implementation = void (*)(std::span<const OpDescriptor>, In, Expected&);
+using Implementation = void (*)(std::span<const OpDescriptor>, In, Expected&, int64_t only);
 // One reference per op in the table (a test checks that none is missing).
 Implementation implementation(OpKind kind) {
   switch (kind) {
@@ -424,8 +437,10 @@ void fillInputs(const OpDescriptor& desc, std::span<std::byte* const> slots, uin
   }
 }
 
-Expected compute(std::span<const OpDescriptor> descs,
-                 std::span<const std::array<const std::byte*, kMaxOpBuffers>> inputs) {
+namespace {
+
+Expected run(std::span<const OpDescriptor> descs, std::span<const std::array<const std::byte*, kMaxOpBuffers>> inputs,
+             int64_t only) {
   Expected out(descs.size());
   if (descs.empty()) return out;
   if (inputs.size() != descs.size()) {
@@ -434,8 +449,25 @@ Expected compute(std::span<const OpDescriptor> descs,
   }
   const auto fn = implementation(descs[0].kind);
   if (fn == nullptr) fail(ErrorCode::kUnsupported, "reference: no implementation of {}", opKindName(descs[0].kind));
-  fn(descs, inputs, out);
+  fn(descs, inputs, out, only);
   return out;
+}
+
+}  // namespace
+
+Expected compute(std::span<const OpDescriptor> descs,
+                 std::span<const std::array<const std::byte*, kMaxOpBuffers>> inputs) {
+  return run(descs, inputs, kAll);
+}
+
+std::array<std::vector<double>, kMaxOpBuffers> computeRank(
+    std::span<const OpDescriptor> descs, std::span<const std::array<const std::byte*, kMaxOpBuffers>> inputs,
+    uint32_t rank) {
+  if (rank >= descs.size()) {
+    fail(ErrorCode::kInvalidArgument, "reference: rank {} but only {} descriptors; pass one per rank", rank,
+         descs.size());
+  }
+  return std::move(run(descs, inputs, rank)[rank]);
 }
 
 double tolerance(DType dtype) {

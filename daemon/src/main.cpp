@@ -4,6 +4,10 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <fcntl.h>
+#include <spdlog/sinks/base_sink.h>
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/dist_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -13,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -38,12 +43,77 @@ struct Options {
   std::string socketPath;
   std::string backend;
   std::string logLevel;
+  std::string logFile;
   std::string nodeIndex;  // --node-index, as typed
   bool nodeIndexGiven = false;
   bool foreground = false;
   bool systemd = false;
   bool printDefaultConfig = false;
   bool version = false;
+};
+
+// Under systemd, stderr is the journal: each line carries its syslog priority as a "<N>" prefix (sd-daemon(3)), and
+// the journal adds the time, the unit and the pid itself.
+class JournalSink : public spdlog::sinks::base_sink<std::mutex> {
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t text;
+    formatter_->format(msg, text);
+    std::fprintf(stderr, "<%d>%.*s", priority(msg.level), static_cast<int>(text.size()), text.data());
+  }
+  void flush_() override { std::fflush(stderr); }
+
+ private:
+  static int priority(spdlog::level::level_enum level) {
+    switch (level) {
+      case spdlog::level::critical: return 2;  // LOG_CRIT
+      case spdlog::level::err: return 3;       // LOG_ERR
+      case spdlog::level::warn: return 4;      // LOG_WARNING
+      case spdlog::level::info: return 6;      // LOG_INFO
+      default: return 7;                       // LOG_DEBUG
+    }
+  }
+};
+
+// Where tandemd logs: the journal under --systemd; else the terminal that started it (until it detaches) and
+// --log-file when given. One logger over a dist_sink, so that detaching swaps its sinks without replacing the logger
+// other threads are using.
+class Logging {
+ public:
+  Logging() : sinks_(std::make_shared<spdlog::sinks::dist_sink_mt>()) {
+    sinks_->add_sink(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+    auto logger = std::make_shared<spdlog::logger>("tandemd", sinks_);
+    spdlog::set_default_logger(logger);
+    spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+  }
+  // --systemd: the journal only, without timestamps of our own.
+  void toJournal() {
+    auto journal = std::make_shared<JournalSink>();
+    journal->set_pattern("%v");
+    sinks_->set_sinks({journal});
+  }
+  // Also to `path` (appended). Throws Error(kInvalidConfig) when it cannot be opened.
+  void alsoToFile(const std::string& path) {
+    try {
+      file_ = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, false);
+    } catch (const spdlog::spdlog_ex& e) {
+      throw tandem::Error(tandem::ErrorCode::kInvalidConfig,
+                          fmt::format("--log-file {}: {}. Pass a file the daemon's user may create or append to", path,
+                                      e.what()));
+    }
+    file_->set_pattern("%Y-%m-%dT%H:%M:%S.%e %l %v");
+    sinks_->add_sink(file_);
+  }
+  // Detached: the terminal is no longer ours; log to --log-file, or nowhere.
+  void detach() {
+    std::vector<spdlog::sink_ptr> keep;
+    if (file_) keep.push_back(file_);
+    sinks_->set_sinks(keep);
+  }
+
+ private:
+  std::shared_ptr<spdlog::sinks::dist_sink_mt> sinks_;
+  spdlog::sink_ptr file_;
 };
 
 // Builds the backend the config asks for. Runs after daemonizing: CUDA must not be initialised before a fork.
@@ -118,7 +188,16 @@ std::optional<int32_t> nodeIndexOverride(const Options& options, std::string* so
   return index;
 }
 
-int run(const Options& options) {
+// After the parent has gone: stdin, stdout and stderr to /dev/null, so that nothing (a library's message on stderr
+// included) reaches the terminal that started the daemon.
+void detachStdio() {
+  const int null = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+  if (null < 0) return;
+  for (int fd : {STDIN_FILENO, STDOUT_FILENO, STDERR_FILENO}) ::dup2(null, fd);
+  ::close(null);
+}
+
+int run(const Options& options, Logging& logging) {
   td::DaemonConfig config;
   if (!options.configPath.empty()) config = td::loadConfigFile(options.configPath);
   // Flags override the file.
@@ -178,6 +257,8 @@ int run(const Options& options) {
   if (readyFd >= 0) {
     std::printf("tandemd %s started (pid %d), socket %s\n", TANDEM_VERSION_STRING, ::getpid(), server.socketPath().c_str());
     std::fflush(stdout);
+    logging.detach();
+    detachStdio();
     const char ok = 0;
     [[maybe_unused]] ssize_t n = ::write(readyFd, &ok, 1);
     ::close(readyFd);
@@ -223,8 +304,7 @@ int main(int argc, char** argv) {
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
-  spdlog::set_default_logger(spdlog::stderr_color_mt("tandemd"));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+  Logging logging;
 
   Options options;
   CLI::App app{"tandemd: the per-node tandem daemon. It owns the node's memory, communicators and fused-op "
@@ -233,6 +313,9 @@ int main(int argc, char** argv) {
   app.add_option("-s,--socket", options.socketPath, "control socket path (overrides daemon.socket)");
   app.add_option("--backend", options.backend, "auto | cpu | cuda (overrides daemon.backend)");
   app.add_option("--log-level", options.logLevel, "trace | debug | info | warn | error");
+  app.add_option("--log-file", options.logFile,
+                 "also log to this file (appended); a daemon that forks into the background logs only there "
+                 "(without it, nowhere once it detaches). Under --systemd the journal is used instead");
   CLI::Option* nodeIndexOption = app.add_option("--node-index", options.nodeIndex,
                  "this node's 0-based position in cluster.nodes (overrides cluster.node_index; without the flag, "
                  "$TANDEM_NODE_INDEX is used when set). Lets every node share one config file")
@@ -257,7 +340,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
-    return run(options);
+    if (options.systemd) logging.toJournal();
+    else if (!options.logFile.empty()) logging.alsoToFile(options.logFile);
+    return run(options, logging);
   } catch (const tandem::Error& e) {
     spdlog::error("{}", e.what());
     switch (e.code()) {

@@ -108,7 +108,9 @@ TANDEM_API size_t tandem_dtype_size(tandem_dtype_t dtype);
 
 /* ---- sessions ---------------------------------------------------------------------------------------
  * socket_path NULL: $TANDEM_SOCKET, else /run/tandem/tandemd.sock as root, else
- * $XDG_RUNTIME_DIR/tandem/tandemd.sock. */
+ * $XDG_RUNTIME_DIR/tandem/tandemd.sock when it exists, else the system daemon's /run/tandem/tandemd.sock.
+ * TANDEM_ERROR_UNAVAILABLE when no daemon answers, or when this user may not open the socket (the message
+ * names the group to join). */
 TANDEM_API tandem_status_t tandem_connect(const char* socket_path, tandem_session_t* out);
 /* Closes the session and releases what it still holds: unmaps every buffer (cuda: releases its device
  * mapping), releases every communicator's GPU state (control page, workspaces) and closes the connection, so

@@ -49,6 +49,12 @@ void fillInputs(const OpDescriptor& desc, std::span<std::byte* const> slots, uin
 // the first sum(expert_counts) rows of out/row_info are defined.
 using Expected = std::vector<std::array<std::vector<double>, kMaxOpBuffers>>;
 Expected compute(std::span<const OpDescriptor> descs, std::span<const std::array<const std::byte*, kMaxOpBuffers>> inputs);
+// Rank `rank`'s expected outputs alone, from every rank's inputs (only their input slots are read; output slots may be
+// null). What one rank needs to check itself: the other ranks' outputs are neither computed nor stored, so the time and
+// memory of a check do not grow with the square of the ranks.
+std::array<std::vector<double>, kMaxOpBuffers> computeRank(
+    std::span<const OpDescriptor> descs, std::span<const std::array<const std::byte*, kMaxOpBuffers>> inputs,
+    uint32_t rank);
 
 // True when `kind` has a reference implementation (every op of the table must).
 bool hasReference(OpKind kind);
