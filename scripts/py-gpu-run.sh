@@ -69,10 +69,11 @@ step() {
   return 0
 }
 
-step gpu-1rank 60 "$py" tests/python/gpu_run.py ops compile graph cache
-step gpu-2ranks 60 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 tests/python/gpu_run.py \
+# The graph section last: a replay that goes wrong can leave the stream stuck, and the step's timeout ends it.
+step gpu-1rank 50 "$py" tests/python/gpu_run.py ops cache compile graph
+step gpu-2ranks 50 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 tests/python/gpu_run.py \
   ops compile graph
 timeout 30 python/bench/build.sh "$root/$build/client/libtandem.so.0.2" "$work/bench" "$py" > "$out/bench-build.log" 2>&1
 export PYTHONPATH="$work/bench:$PYTHONPATH"
-step overhead 40 "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
+step overhead 30 "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
 note "done ($(elapsed) s)"
