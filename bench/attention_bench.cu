@@ -203,6 +203,7 @@ struct Variant {
   int blockN;
   int pingPong;
   int headGroup = 0;
+  int tileOrder = 0;
 };
 
 struct Row {
@@ -282,7 +283,10 @@ int main(int argc, char** argv) {
 
       std::vector<Variant> variants{{0, 0}};
       if (causal) {
-        for (const int g : opt.headGroups) variants.push_back({0, 0, g});
+        for (const int g : opt.headGroups) {
+          variants.push_back({0, 0, g, 1});
+          variants.push_back({0, 0, g, 2});
+        }
       }
       if (opt.allVariants) {
         variants = {{128, 1}, {128, 2}};
@@ -302,6 +306,7 @@ int main(int argc, char** argv) {
         p.blockN = var.blockN;
         p.pingPong = var.pingPong;
         p.headGroup = var.headGroup;
+        p.tileOrder = var.tileOrder;
         const auto bind = [&](int s) {
           p.q = q[s];
           p.out = out[s];

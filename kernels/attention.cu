@@ -23,6 +23,7 @@ struct Resolved {
   int blockN;
   bool pingPong;
   int headGroup;
+  bool snake;
 };
 Resolved resolveAttention(const AttentionParams& p);
 }  // namespace attn_detail
@@ -187,6 +188,7 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   p.scaleLog2 = scale * 1.4426950408889634f;
   p.pingPong = r.pingPong ? 1 : 0;
   p.headGroup = r.headGroup;
+  p.snake = r.snake ? 1 : 0;
 
   const int sms = g.numSms > 0 && g.numSms < info.numSms ? g.numSms : info.numSms;
   const int64_t grid = work < sms ? work : sms;

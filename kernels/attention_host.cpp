@@ -22,26 +22,16 @@ struct Resolved {
   int blockN;
   bool pingPong;
   int headGroup;
+  bool snake;
 };
 // Defaults measured on an H200 (bench/RESULTS.md, "Attention core"): 176-key blocks beat 128 by 2-5% without causal
 // masking at head_dim 128 (seq 4K-32K); ping-pong beats free-running consumers by 10-20% everywhere.
-// Causal head groups: as many heads as keep the K/V of the CTAs in flight within kHeadGroupBytes (of the H200's
-// 60 MB L2), all heads when everything fits. Unmeasured default (see bench/RESULTS.md, "Ring attention").
-constexpr int64_t kHeadGroupBytes = 40ll << 20;
+// Causal tile order: every head in one group, round robin, until measured otherwise (bench/RESULTS.md, "Ring
+// attention": head groups and the snake order are timed at 4K-32K).
 Resolved resolveAttention(const AttentionParams& p) {
   const int blockN = p.blockN != 0 ? p.blockN : (p.headDim == 128 && !p.causal ? 176 : 128);
-  int group = p.headGroup;
-  if (group <= 0 || group > p.heads) {
-    int64_t keys = 0;
-    for (int i = 0; i < p.numKv && i < kMaxAttentionKvSegments; ++i) keys += p.kv[i].length;
-    const int64_t perHead = keys * p.headDim * 2 * 2;  // k and v, 2-byte elements
-    group = p.heads;
-    if (p.headGroup <= 0 && perHead > 0 && perHead * p.heads > kHeadGroupBytes) {
-      group = static_cast<int>(std::max<int64_t>(1, kHeadGroupBytes / perHead));
-    }
-    group = std::min(group, p.heads);
-  }
-  return {blockN, p.pingPong != 2, group < 1 ? 1 : group};
+  const int group = p.headGroup <= 0 || p.headGroup > p.heads ? p.heads : p.headGroup;
+  return {blockN, p.pingPong != 2, group, p.tileOrder == 2};
 }
 
 }  // namespace attn_detail
@@ -98,6 +88,9 @@ void validateAttention(const AttentionParams& p) {
   }
   if (p.numSms < 0) rule("num_sms", "numSms must be >= 0 (0: every SM), got {}", p.numSms);
   if (p.headGroup < 0) rule("head_group", "headGroup must be >= 0 (0: chosen per shape), got {}", p.headGroup);
+  if (p.tileOrder < 0 || p.tileOrder > 2) {
+    rule("tile_order", "tileOrder must be 0 (default), 1 (round robin) or 2 (snake), got {}", p.tileOrder);
+  }
   if (p.pingPong < 0 || p.pingPong > 2) {
     rule("ping_pong", "pingPong must be 0 (default), 1 (on) or 2 (off), got {}", p.pingPong);
   }
@@ -156,8 +149,9 @@ void validateAttention(const AttentionParams& p) {
 const char* attentionConfigName(const AttentionParams& p) {
   const attn_detail::Resolved r = attn_detail::resolveAttention(p);
   thread_local std::string name;
-  name = fmt::format("{}/hd{}/bn{}/{}/{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim, r.blockN,
-                     p.causal ? fmt::format("causal/g{}", r.headGroup) : "full", r.pingPong ? "pingpong" : "free");
+  name = fmt::format("{}/hd{}/bn{}/{}/{}{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim, r.blockN,
+                     p.causal ? fmt::format("causal/g{}", r.headGroup) : "full", r.pingPong ? "pingpong" : "free",
+                     r.snake ? "/snake" : "");
   return name.c_str();
 }
 

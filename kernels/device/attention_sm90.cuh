@@ -116,6 +116,7 @@ struct AttnKernelParams {
   uint32_t waitOp;    // what a failed wait reports: op kind and rank
   uint32_t waitRank;
   int32_t headGroup;  // causal tile order: heads interleaved per group (1 .. heads)
+  int32_t snake;      // 1: CTAs take the work of odd rounds in reverse order (workOf)
 };
 static_assert(sizeof(AttnKernelParams) % 64 == 0);
 static_assert(sizeof(AttnKernelParams) <= 4096, "kernel parameter space");
@@ -344,6 +345,14 @@ __device__ __forceinline__ void nextBlock(const AttnRunTable& rt, BlockCursor& c
   seekBlock<BN, Causal>(rt, c, maxQPos);
 }
 
+// The work index a CTA takes in its round k: blockIdx.x + k gridDim.x, or (snake) the CTAs' order reversed in every
+// odd round, so that with the longest tiles first each CTA's sum of tile lengths comes out nearly the same. Producer and
+// consumers walk the same sequence. Increasing in k, so the first index past numWork ends the walk.
+__device__ __forceinline__ int32_t workOf(const AttnKernelParams& p, int32_t k) {
+  const int32_t g = static_cast<int32_t>(gridDim.x), b = static_cast<int32_t>(blockIdx.x);
+  return k * g + (p.snake != 0 && (k & 1) != 0 ? g - 1 - b : b);
+}
+
 // Global position of query row `row`: increasing in row (zigzag's second chunk lies after its first).
 __device__ __forceinline__ int64_t qPosOf(const AttnKernelParams& p, int32_t row) {
   return row < p.qSplit ? p.qStart + row : p.qStart2 + (row - p.qSplit);
@@ -448,7 +457,7 @@ __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedSto
   gemm::PipeState<kStages> ks, vs;
   uint32_t qPhase = 0;
   uint32_t readyMaps = 0;
-  for (int32_t w = static_cast<int32_t>(blockIdx.x); w < p.numWork; w += static_cast<int32_t>(gridDim.x)) {
+  for (int32_t k = 0, w = workOf(p, 0); w < p.numWork; w = workOf(p, ++k)) {
     const TileCoord tc = tileOf<Causal>(p, w);
     const int32_t q0 = tc.qTile * kBlockM;
     const int64_t maxQ = tileMaxQPos(p, q0);
@@ -643,7 +652,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
   if (pingPong && wg == 1) namedBarArrive(Barrier::kSchedule0, 2 * 128);
   const uint32_t qAddr = gemm::smemAddr(s.q) + static_cast<uint32_t>(wg) * kRowsPerConsumer * 128;
 
-  for (int32_t w = static_cast<int32_t>(blockIdx.x); w < p.numWork; w += static_cast<int32_t>(gridDim.x)) {
+  for (int32_t k = 0, w = workOf(p, 0); w < p.numWork; w = workOf(p, ++k)) {
     const TileCoord tc = tileOf<Causal>(p, w);
     const int32_t q0 = tc.qTile * kBlockM;
     const int64_t maxQ = tileMaxQPos(p, q0);

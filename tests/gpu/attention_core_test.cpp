@@ -86,7 +86,18 @@ struct Case {
   int numSms = 0;
   int blockN = 0;
   int pingPong = 0;
+  int headGroup = 0;
+  int tileOrder = 0;
+  // Zigzag: query rows >= qSplit sit at qStart2 + (row - qSplit); segment 0's rows >= kvSplit at kvStart2 + ...
+  int64_t qSplit = 0, qStart2 = 0, kvSplit = 0, kvStart2 = 0;
 };
+
+int64_t queryPos(const Case& c, int64_t i) {
+  return c.qSplit > 0 && i >= c.qSplit ? c.qStart2 + (i - c.qSplit) : c.qStart + i;
+}
+int64_t keyPos(const Case& c, size_t s, int64_t j) {
+  return s == 0 && c.kvSplit > 0 && j >= c.kvSplit ? c.kvStart2 + (j - c.kvSplit) : c.kv[s].start + j;
+}
 
 // Host copies of the inputs (16-bit, as the GPU sees them) and the fp64 reference.
 struct Problem {
@@ -116,13 +127,13 @@ Problem makeProblem(const Case& c, uint64_t seed) {
   std::vector<double> sc, qd(c.headDim), acc(c.headDim);
   for (int h = 0; h < c.heads; ++h) {
     for (int64_t i = 0; i < c.sq; ++i) {
-      const int64_t qPos = c.qStart + i;
+      const int64_t qPos = queryPos(c, i);
       for (int d = 0; d < c.headDim; ++d) qd[d] = fromBits(pr.q[i * row + h * c.headDim + d], c.dtype);
       sc.clear();
       double m = -std::numeric_limits<double>::infinity();
       for (size_t s = 0; s < c.kv.size(); ++s) {
         for (int64_t j = 0; j < c.kv[s].length; ++j) {
-          if (c.causal && c.kv[s].start + j > qPos) continue;
+          if (c.causal && keyPos(c, s, j) > qPos) continue;
           double dot = 0;
           for (int d = 0; d < c.headDim; ++d) dot += qd[d] * fromBits(pr.k[s][j * row + h * c.headDim + d], c.dtype);
           sc.push_back(dot * scale);
@@ -135,7 +146,7 @@ Problem makeProblem(const Case& c, uint64_t seed) {
       size_t idx = 0;
       for (size_t s = 0; s < c.kv.size(); ++s) {
         for (int64_t j = 0; j < c.kv[s].length; ++j) {
-          if (c.causal && c.kv[s].start + j > qPos) continue;
+          if (c.causal && keyPos(c, s, j) > qPos) continue;
           const double p = std::exp(sc[idx++] - m);
           l += p;
           for (int d = 0; d < c.headDim; ++d) acc[d] += p * fromBits(pr.v[s][j * row + h * c.headDim + d], c.dtype);
@@ -174,6 +185,10 @@ struct DeviceProblem {
     params.numSms = c.numSms;
     params.blockN = c.blockN;
     params.pingPong = c.pingPong;
+    params.headGroup = c.headGroup;
+    params.tileOrder = c.tileOrder;
+    params.qSplit = c.qSplit;
+    params.qStart2 = c.qStart2;
     for (size_t s = 0; s < c.kv.size(); ++s) {
       k.push_back(std::make_unique<DeviceBuffer>(pr.k[s].size() * 2));
       v.push_back(std::make_unique<DeviceBuffer>(pr.v[s].size() * 2));
@@ -186,6 +201,10 @@ struct DeviceProblem {
       seg.v = v[s]->get();
       seg.length = c.kv[s].length;
       seg.start = c.kv[s].start;
+      if (s == 0) {
+        seg.split = c.kvSplit;
+        seg.start2 = c.kvStart2;
+      }
     }
   }
 
@@ -305,6 +324,22 @@ TEST_CASE("attention core: persistent CTAs, tuning variants") {
                .kv = {{300, 0}}, .numSms = 3},
               12);
   }
+  SUBCASE("causal tile orders: heads in groups of 2 and 3 (a smaller last group), snake rounds, 3 CTAs") {
+    checkCase({.name = "causal g2 snake", .heads = 5, .sq = 700, .causal = true, .kv = {{700, 0}}, .numSms = 3,
+               .headGroup = 2, .tileOrder = 2},
+              17);
+    checkCase({.name = "causal g3", .heads = 5, .sq = 390, .causal = true, .kv = {{390, 0}}, .headGroup = 3,
+               .tileOrder = 1},
+              18);
+  }
+  SUBCASE("zigzag queries and KV: two runs of positions per tensor") {
+    Case c{.name = "zigzag causal", .sq = 300, .causal = true, .kv = {{300, 0}}};
+    c.qSplit = 150;
+    c.qStart2 = 1000;
+    c.kvSplit = 150;
+    c.kvStart2 = 1000;
+    checkCase(c, 19);
+  }
   SUBCASE("free-running consumer warpgroups (ping-pong off)") {
     checkCase({.name = "pingpong off causal", .sq = 300, .causal = true, .kv = {{300, 0}}, .pingPong = 2}, 13);
   }
@@ -350,7 +385,9 @@ TEST_CASE("attention core: shape rules are refused with the rule named") {
   ok.heads = 2;
   ok.headDim = 128;
   ok.numKv = 1;
-  ok.kv[0] = AttentionKvSegment{k, v, 8, 0, nullptr, 0, 0, 0, 0};
+  ok.kv[0].k = k;
+  ok.kv[0].v = v;
+  ok.kv[0].length = 8;
   CHECK_NOTHROW(validateAttention(ok));
 
   const auto refused = [](AttentionParams p, const char* ruleName, ErrorCode code = ErrorCode::kInvalidArgument) {

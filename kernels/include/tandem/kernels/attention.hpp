@@ -62,7 +62,8 @@ struct AttentionParams {
   int32_t blockN;    // keys per KV block: 128, or 176 (headDim 128, non-causal; the default there, else 128)
   int32_t numSms;    // cap on the persistent grid (CTAs); 0 = every SM
   int32_t pingPong;  // 1 (default): the two consumer warpgroups take turns issuing GEMMs, 2: free-running
-  int32_t headGroup;  // causal tile order: heads per group (1 .. heads); 0 = from the K/V bytes per head and L2
+  int32_t headGroup;  // causal tile order: heads per group (1 .. heads); 0 = default (every head in one group)
+  int32_t tileOrder;  // 0 = default (round robin), 1 = round robin, 2 = snake (odd rounds reversed: balances causal)
   // Waits on arrival flags (ring attention): what they poll and where a failed one reports. A wait that fails
   // reports there and the kernel runs on to its end (its outputs are then garbage): the caller must fail the op.
   const uint64_t* abortWord;  // non-zero aborts the waits; null = none
