@@ -15,3 +15,13 @@ if(TANDEM_HAVE_CUDA)
     message(STATUS "gemm_rs_bench: nccl.h / libnccl not found; the GEMM+RS / GEMM+AR benchmark is not built")
   endif()
 endif()
+
+# The fused kernels forced onto their fused plans at one rank against the GEMM alone, on one GPU (no NCCL needed).
+# Run on one H200: gemm_rs_one_rank_bench [--iters N] [--json FILE] [--shape MxNxK]. Results: bench/RESULTS.md,
+# "Plans, advise and the daemon executor's fixed cost". Exits 1 on a failed check, 77 without a GPU.
+if(TANDEM_HAVE_CUDA)
+  add_executable(gemm_rs_one_rank_bench gemm_rs_one_rank_bench.cu)
+  target_include_directories(gemm_rs_one_rank_bench PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/../kernels)
+  target_link_libraries(gemm_rs_one_rank_bench PRIVATE tandem_kernels CUDA::cublasLt)
+  set_target_properties(gemm_rs_one_rank_bench PROPERTIES CUDA_ARCHITECTURES 90a-real)
+endif()

@@ -65,11 +65,13 @@ void ControlPage::abortKernels() noexcept {
 
 uint32_t ControlPage::abort(uint64_t lastEpoch) noexcept {
   CommControl* c = memory();
-  // Kernels first (every wait polls the abort word), then the streams: go and done jump far ahead (cyclically) of every
-  // epoch this rank can have enqueued, so each WaitValue passes and the kernels behind them find the abort word set.
+  // Kernels first (every wait polls the abort word), then the streams: go, ready and done jump far ahead (cyclically)
+  // of every epoch this rank can have enqueued, so each WaitValue passes and the kernels behind them find the abort word
+  // set. ready: tandemd's executor stream may wait on it (an op launched ahead of its gang, daemon_executor.cpp).
   abortKernels();
   const auto lead = static_cast<uint32_t>(lastEpoch + kStreamAbortLead);
   stRelease(c->go.value, lead);
+  stRelease(c->ready.value, lead);
   stRelease(c->done.value, lead);
   return lead;
 }

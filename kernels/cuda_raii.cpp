@@ -106,6 +106,15 @@ CudaStream CudaStream::create(int device, const char* what) {
   return out;
 }
 
+CudaEvent CudaEvent::createTimed(int device, const char* what) {
+  CudaDeviceGuard guard(device);
+  cudaEvent_t e = nullptr;
+  checkCuda(cudaEventCreate(&e), "cudaEventCreate({}) on GPU {}", what, device);
+  CudaEvent out;
+  out.e_ = std::unique_ptr<CUevent_st, detail::EventDeleter>(e, detail::EventDeleter{device});
+  return out;
+}
+
 CudaEvent CudaEvent::create(int device, const char* what) {
   CudaDeviceGuard guard(device);
   cudaEvent_t e = nullptr;

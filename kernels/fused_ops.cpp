@@ -30,8 +30,27 @@ uint64_t gemmAreaBytes(uint64_t matBytes, uint32_t nranks) {
 
 GemmDtype gemmDtype(DType t) { return t == DType::kF16 ? GemmDtype::kFp16 : GemmDtype::kBf16; }
 
+// An explicit plan (PlanChoice, from the plan table) as the gemm-rs/ar kernels take it. Fused: partials in the input
+// dtype, own rows reduced in the epilogue, copied by the compute CTAs' producer warps (commSms 0: the measured best,
+// fusedCopyPlan in gemm_rs_launch.cuh) or by commSms send CTAs. Decomposed: the GEMM, then commSms reduction CTAs.
+GemmRsPlan explicitReducePlan(const PlanChoice& c) {
+  GemmRsPlan p{};
+  if (c.kind == PlanKind::kDecomposed) {
+    p.kind = GemmRsPlanKind::kDecomposed;
+    p.numReduce = static_cast<int16_t>(c.commSms);  // 0: every SM
+    return p;
+  }
+  p.kind = GemmRsPlanKind::kFused;
+  p.partial = GemmRsPartial::kInput;
+  p.epiReduce = 1;
+  p.transport = c.commSms == 0 ? GemmRsTransport::kCopy : GemmRsTransport::kSend;
+  p.numSend = static_cast<int16_t>(c.commSms);
+  return p;
+}
+
 // The plan gemm-rs/ar runs for this shape: chosen once per op, used both to size the workspace and to launch.
-GemmRsPlan gemmReducePlan(const OpDescriptor& d) {
+GemmRsPlan gemmReducePlan(const OpDescriptor& d, const PlanChoice& choice) {
+  if (choice.kind != PlanKind::kAuto) return explicitReducePlan(choice);
   const auto m = static_cast<int64_t>(d.dims[dim::kM]), n = static_cast<int64_t>(d.dims[dim::kN]);
   const auto k = static_cast<int64_t>(d.dims[dim::kK]);
   const int ranks = static_cast<int>(d.nranks);
@@ -40,7 +59,7 @@ GemmRsPlan gemmReducePlan(const OpDescriptor& d) {
 }
 
 // Bytes the layout's matrices must hold for `d` (0: the op needs no workspace).
-uint64_t matBytesNeeded(const OpDescriptor& d, uint32_t nranks) {
+uint64_t matBytesNeeded(const OpDescriptor& d, uint32_t nranks, const PlanChoice& choice) {
   if (nranks == 1) return 0;  // one rank exchanges nothing: its kernels touch no workspace
   const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], kk = d.dims[dim::kK];
   if (d.kind == OpKind::kAgGemm) {
@@ -50,7 +69,7 @@ uint64_t matBytesNeeded(const OpDescriptor& d, uint32_t nranks) {
   }
   const bool allReduce = d.kind == OpKind::kGemmAr;
   uint64_t need = static_cast<uint64_t>(
-      gemmRsMatBytesNeeded(static_cast<int64_t>(m), static_cast<int64_t>(n), gemmReducePlan(d)));
+      gemmRsMatBytesNeeded(static_cast<int64_t>(m), static_cast<int64_t>(n), gemmReducePlan(d, choice)));
   if (gemmRsWritesPeerOutputs(static_cast<int64_t>(m), static_cast<int>(nranks), allReduce)) {
     // The output [rows, n] (16-bit) in the two data matrices; rank 0's rows, the most, so that every rank decides alike.
     need = std::max(need, (allReduce ? m : rowsOf(m, 0, nranks)) * n);
@@ -81,11 +100,15 @@ void fillGemmCommon(Params& p, const OpDescriptor& d, const DevicePointers& ptrs
 }
 
 std::string launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, const FusedEnv& env,
-                         cudaStream_t s) {
+                         cudaStream_t s, const PlanChoice& choice) {
   AgGemmParams p{};
   fillGemmCommon(p, d, ptrs, e, env);
   p.c = ptrs[slot::kC];
   p.commSms = static_cast<int32_t>(env.commSms);  // 0: the launcher chooses per shape
+  if (choice.kind != PlanKind::kAuto && env.nranks > 1) {  // one rank gathers nothing: its local plan stays
+    p.plan = choice.kind == PlanKind::kFused ? 1 : 2;
+    p.commSms = static_cast<int32_t>(choice.commSms);
+  }
   void* const userGathered = ptrs[slot::kAGathered];
   if (env.nranks == 1) {
     p.aGathered = userGathered;  // the local plan copies the shard there (or skips it when absent)
@@ -118,7 +141,7 @@ std::string launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint
 }
 
 std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, const FusedEnv& env,
-                             cudaStream_t s) {
+                             cudaStream_t s, const PlanChoice& choice) {
   const bool allReduce = d.kind == OpKind::kGemmAr;
   GemmRsParams p{};
   fillGemmCommon(p, d, ptrs, e, env);
@@ -146,7 +169,7 @@ std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, 
   // alone, whose kernel stages nothing.
   p.wsMaxM = p.m;
   p.wsMaxN = p.n;
-  p.plan = gemmReducePlan(d);  // the plan checkFusedGemm sized the workspace for
+  p.plan = gemmReducePlan(d, choice);  // the plan checkFusedGemm sized the workspace for
   const GemmRsPlan ran = allReduce ? launchGemmAr(p, s) : launchGemmRs(p, s);
   std::string name = env.nranks == 1 && ran.kind == GemmRsPlanKind::kDecomposed
                          ? std::string("the GEMM alone (one rank: nothing to reduce)")
@@ -204,7 +227,7 @@ bool needsGang(const OpDescriptor& d) {
           !gemmRsRanksInStep(static_cast<int64_t>(d.dims[dim::kM]), static_cast<int>(d.nranks), false));
 }
 
-void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env) {
+void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env, const PlanChoice& plan) {
   const std::string_view op = opKindName(d.kind);
   if (!isFusedGemm(d.kind)) fail(ErrorCode::kInternal, "{} is not a fused GEMM", op);
   if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
@@ -234,7 +257,7 @@ void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const Fus
            ptrs[s]);
     }
   }
-  const uint64_t need = roundUp(matBytesNeeded(d, env.nranks), kMatUnit);
+  const uint64_t need = roundUp(matBytesNeeded(d, env.nranks, plan), kMatUnit);
   if (need > env.layout.rsMatBytes) {
     const uint64_t bytes = WorkspaceLayout::bytesFor(need, env.nranks);
     fail(ErrorCode::kInvalidArgument, "{}: m = {}, n = {}, k = {} on {} ranks needs a workspace of {} bytes ({} MiB) "
@@ -245,10 +268,12 @@ void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const Fus
 }
 
 std::string launchFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, const FusedEnv& env,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const PlanChoice& plan) {
   try {
-    if (d.kind == OpKind::kAgGemm) return launchAgGemm(d, ptrs, epoch, env, stream);
-    if (d.kind == OpKind::kGemmRs || d.kind == OpKind::kGemmAr) return launchGemmReduce(d, ptrs, epoch, env, stream);
+    if (d.kind == OpKind::kAgGemm) return launchAgGemm(d, ptrs, epoch, env, stream, plan);
+    if (d.kind == OpKind::kGemmRs || d.kind == OpKind::kGemmAr) {
+      return launchGemmReduce(d, ptrs, epoch, env, stream, plan);
+    }
   } catch (const Error&) {
     throw;
   } catch (const std::exception& ex) {  // the kernel launchers throw std::runtime_error

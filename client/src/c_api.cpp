@@ -25,6 +25,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "plan_hook.hpp"
 #include "session.hpp"
 #include "submit.hpp"
 #ifdef TANDEM_HAVE_CUDA
@@ -112,6 +113,7 @@ struct tandem_comm {
   uint64_t handle;
   uint32_t rank;
   uint32_t nranks;
+  std::string executor = "cpu";  // tandemd's JoinCommunicatorReply.executor (cuda backend)
 #ifdef TANDEM_HAVE_CUDA
   std::shared_ptr<gpu::CommGpu> gpu;  // cuda: control page, workspaces, epochs
 #endif
@@ -688,6 +690,14 @@ tandem_status_t tandem_comm_init(tandem_session_t session, const tandem_unique_i
           }
           comm->gpu = std::make_shared<gpu::CommGpu>(device, mode, rank, nranks, j.comm_ctas(),
                                                      std::move(fds[0]), j.control_bytes(), std::move(workspaces));
+          comm->executor = j.executor();
+          // executor client: the plan table's entries for this communicator, applied to the ops this rank launches.
+          for (const auto& e : j.plans()) {
+            if (auto p = tandem::planFromNames(e.op(), e.dtype(), e.ranks(), e.bucket(), e.gpu(), e.executor(),
+                                               e.kind(), e.comm_sms(), e.chunk_bytes())) {
+              comm->gpu->setPlan(p->first, p->second);
+            }
+          }
           core.watch->add(comm->gpu);
         } catch (...) {
           tandem::v1::Request undo;
@@ -891,6 +901,28 @@ tandem_status_t submitDescriptor(tandem_comm_t comm, const tandem::OpDescriptor&
   }
   const std::string call = tandem::knownOp(desc.kind) ? std::string(tandem::opSpec(desc.kind).cFunction) : "submit";
   return submitOp(call.c_str(), comm, desc, tensors, op, stream);
+}
+
+}  // namespace tandem::client
+
+// tandemctl tune and advise (plan_hook.hpp).
+namespace tandem::client {
+
+uint64_t commHandle(tandem_comm_t comm) { return comm->handle; }
+
+const char* commExecutor(tandem_comm_t comm) { return comm->executor.c_str(); }
+
+void setCommPlan(tandem_comm_t comm, const PlanKey& key, const PlanChoice& plan) {
+#ifdef TANDEM_HAVE_CUDA
+  if (comm->gpu) {
+    std::lock_guard lock(comm->gpu->mutex);
+    comm->gpu->setPlan(key, plan);
+  }
+#else
+  (void)comm;
+  (void)key;
+  (void)plan;
+#endif
 }
 
 }  // namespace tandem::client

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -202,6 +203,7 @@ void enqueueReadyThenWaitDone(k::CommControl* ctlDev, uint64_t e, CUstream s) {
 class CommStrategy {
  public:
   virtual ~CommStrategy() = default;
+  virtual void setPlan(const PlanKey& /*key*/, const PlanChoice& /*plan*/) {}
   virtual void check(const OpDescriptor& d, const DevicePointers& ptrs) const = 0;
   // On the communicator's device (current already).
   virtual void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, CUstream s) = 0;
@@ -210,10 +212,11 @@ class CommStrategy {
 namespace {
 
 // Refuses what neither single-node strategy runs, then checks the fused GEMMs' shape, alignment and workspace rules.
-void checkOnNode(k::Executor executor, const OpDescriptor& d, const DevicePointers& ptrs, const k::FusedEnv& env) {
+void checkOnNode(k::Executor executor, const OpDescriptor& d, const DevicePointers& ptrs, const k::FusedEnv& env,
+                 const PlanChoice& plan = {}) {
   const OpSet ops = k::executorOps(executor);
   if (!ops.contains(d.kind)) fail(ErrorCode::kUnsupported, "{}", unsupportedOpMessage("cuda", ops, d.kind));
-  if (k::isFusedGemm(d.kind)) k::checkFusedGemm(d, ptrs, env);
+  if (k::isFusedGemm(d.kind)) k::checkFusedGemm(d, ptrs, env, plan);
   if (k::isMoeOp(d.kind)) k::checkMoeOp(d, ptrs, env);
   if (d.kind == OpKind::kRingAttention) k::checkRingAttention(d, ptrs, env);
 }
@@ -225,6 +228,9 @@ class ClientGateStrategy final : public CommStrategy {
                      std::vector<std::unique_ptr<DeviceMapping>> workspaces, k::CommControl* ctlDev)
       : rank_(rank), nranks_(nranks), maxCtas_(maxCtas), workspaces_(std::move(workspaces)), ctlDev_(ctlDev),
         env_(fusedEnvOf(rank, nranks, maxCtas, workspaces_, ctlDev)) {
+    cudaDeviceProp prop{};
+    checkCuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties({})", device);
+    gpuModel_ = prop.name;  // the model plan keys name, as tandemd's GPU discovery reads it
     // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp). Only this
     // strategy launches kernels from libtandem.
     try {
@@ -238,7 +244,15 @@ class ClientGateStrategy final : public CommStrategy {
   }
 
   void check(const OpDescriptor& d, const DevicePointers& ptrs) const override {
-    checkOnNode(k::Executor::kClient, d, ptrs, env_);
+    checkOnNode(k::Executor::kClient, d, ptrs, env_, planOf(d));
+  }
+
+  void setPlan(const PlanKey& key, const PlanChoice& plan) override {
+    if (plan.kind == PlanKind::kAuto) {
+      plans_.erase(key);
+    } else {
+      plans_[key] = plan;
+    }
   }
 
   // tandemd opens go once every rank submitted the op (for a gang, once every rank's stream reached it and wrote
@@ -259,7 +273,7 @@ class ClientGateStrategy final : public CommStrategy {
         case OpKind::kAllGather: launchAllGather(d, ptrs, e, stream); break;
         case OpKind::kAgGemm:
         case OpKind::kGemmRs:
-        case OpKind::kGemmAr: logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, stream)); break;
+        case OpKind::kGemmAr: logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, stream, planOf(d))); break;
         // The MoE kernels read tandemd's verdict themselves (a rejected op does nothing), as AllGather's do.
         case OpKind::kMoeDispatchGemm:
         case OpKind::kMoeDispatchFfnCombine: logPlanOnce(d, k::launchMoeOp(d, ptrs, e, env_, stream, true)); break;
@@ -275,6 +289,13 @@ class ClientGateStrategy final : public CommStrategy {
   }
 
  private:
+  // The plan table's plan for `d` (the same on every rank: each got the same entries, and every rank's key is alike).
+  PlanChoice planOf(const OpDescriptor& d) const {
+    if (plans_.empty() || !plannedOp(d.kind)) return {};
+    const auto it = plans_.find(planKeyOf(d, gpuModel_, "client"));
+    return it == plans_.end() ? PlanChoice{} : it->second;
+  }
+
   // AllGather's kernel on `stream`, between the stream words that order it.
   void launchAllGather(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, cudaStream_t stream) {
     k::AllGatherParams p{};
@@ -299,6 +320,8 @@ class ClientGateStrategy final : public CommStrategy {
   std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
   k::CommControl* ctlDev_;
   k::FusedEnv env_;  // the workspaces, their layout, the control page and the deadline, for the fused GEMMs
+  std::string gpuModel_;
+  std::map<PlanKey, PlanChoice> plans_;
 };
 
 // executor daemon: tandemd runs the op (its persistent kernel, or the fused GEMMs' kernels on its own stream) once
@@ -384,6 +407,8 @@ void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_
   if (current != device_) guard.emplace(device_);
   strategy_->enqueue(d, ptrs, e, static_cast<CUstream>(stream));
 }
+
+void CommGpu::setPlan(const PlanKey& key, const PlanChoice& plan) { strategy_->setPlan(key, plan); }
 
 void CommGpu::abortLocal() {
   // Kernels poll the abort word; stream waits compare cyclically, so go and done jump far past every epoch.

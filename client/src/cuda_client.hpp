@@ -13,6 +13,7 @@
 
 #include "tandem/common/descriptor.hpp"
 #include "tandem/common/fd.hpp"
+#include "tandem/common/plan_key.hpp"
 #include "tandem/kernels/control_page.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
 #include "tandem/kernels/executor.hpp"
@@ -91,6 +92,9 @@ class CommGpu {
   void enqueue(const OpDescriptor& desc, const DevicePointers& ptrs, uint64_t epoch, void* stream);
   // tandemd is gone: releases every wait of this rank's streams and kernels.
   void abortLocal();
+  // executor client: ops of `key` launch with `plan` (the plan table's entry tandemd sent with the join, or a trial
+  // plan of tandemctl tune/advise); other executors ignore it (tandemd applies its table itself). Under `mutex`.
+  void setPlan(const PlanKey& key, const PlanChoice& plan);
 
   std::mutex mutex;
   uint64_t epoch = 0;  // ops submitted on this communicator by this rank

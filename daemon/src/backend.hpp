@@ -27,6 +27,7 @@ class FatalBackendError : public Error {
 
 class Cluster;
 class CommLink;
+class PlanTable;
 
 struct GpuPeerInfo {
   std::string uuid;
@@ -102,6 +103,8 @@ class Backend {
   virtual std::vector<GpuInfo> gpus() const { return {}; }
   virtual void start() {}
   virtual void stop() {}
+  // The plan table (plan_table.hpp), before start(): a backend that runs plans looks every fused op up in it.
+  virtual void attachPlans(std::shared_ptr<PlanTable> /*plans*/) {}
 
   // Memory. The engine charges buffer->accountedBytes to the session and enforces the limits.
   virtual std::shared_ptr<Buffer> allocate(uint64_t bytes, const std::string& deviceUuid) = 0;

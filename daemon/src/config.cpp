@@ -116,6 +116,9 @@ constexpr uint64_t kMaxNodeIndex = 65535;
 constexpr uint64_t kMaxConnectTimeoutMs = 86400000;  // a day: nodes are started by hand at worst
 // Heartbeats further apart than a minute cannot meet any useful peer-lost deadline.
 constexpr uint64_t kMaxHeartbeatIntervalMs = 60000;
+// Autotune runs every candidate plan this many times on real ops: past 100 the exploration costs more than a
+// wrong plan would.
+constexpr uint64_t kMaxAutotuneRuns = 100;
 
 constexpr std::array<std::string_view, 5> kLogLevels{"trace", "debug", "info", "warn", "error"};
 
@@ -131,10 +134,13 @@ constexpr std::array<EnumName<ExecutorKind>, 3> kExecutorNames{
 
 constexpr std::array<EnumName<ClusterTransport>, 2> kClusterTransportNames{
     {{ClusterTransport::kTcp, "tcp"}, {ClusterTransport::kVerbs, "verbs"}}};
+constexpr std::array<EnumName<PlanAutotune>, 2> kPlanAutotuneNames{
+    {{PlanAutotune::kOff, "off"}, {PlanAutotune::kOnFirstUse, "on-first-use"}}};
 
 constexpr std::span<const EnumName<BackendKind>> namesOf(BackendKind) { return kBackendNames; }
 constexpr std::span<const EnumName<ExecutorKind>> namesOf(ExecutorKind) { return kExecutorNames; }
 constexpr std::span<const EnumName<ClusterTransport>> namesOf(ClusterTransport) { return kClusterTransportNames; }
+constexpr std::span<const EnumName<PlanAutotune>> namesOf(PlanAutotune) { return kPlanAutotuneNames; }
 
 // ---- the schema: one table per section ----
 
@@ -147,7 +153,7 @@ struct OctalMember {
 template <typename S>
 using Member = std::variant<std::string S::*, uint32_t S::*, uint64_t S::*, int32_t S::*, std::vector<uint32_t> S::*,
                             std::vector<std::string> S::*, BackendKind S::*, ExecutorKind S::*,
-                            ClusterTransport S::*, OctalMember<S>>;
+                            ClusterTransport S::*, PlanAutotune S::*, OctalMember<S>>;
 
 // The values a numeric key (or each item of a numeric list) may take. The printed config states it under the
 // key's help, and checkConfig enforces it, so the two cannot disagree.
@@ -170,7 +176,7 @@ struct SectionHelp {
   std::string_view help;
 };
 
-constexpr std::array<SectionHelp, 7> kSections{{
+constexpr std::array<SectionHelp, 8> kSections{{
     {"daemon", "The daemon process: where it listens, which backend runs ops, how much it logs."},
     {"access", "Who may connect. Clients are identified by SO_PEERCRED on the socket."},
     {"limits", "Caps on what one client may ask for; a request beyond them fails with an error naming the cap."},
@@ -183,6 +189,11 @@ constexpr std::array<SectionHelp, 7> kSections{{
      "  nodes: [\"10.0.0.1:7100\", \"10.0.0.2:7100\"]\n"
      "  secret_file: /etc/tandem/cluster.secret\n"
      "and tandemd --node-index 0 on the first node, --node-index 1 on the second."},
+    {"plans",
+     "The plan table: per op, shape, dtype, ranks, GPU model and executor, the plan that measured fastest\n"
+     "(fused or decomposed, the SM split). Filled by `tandemctl tune` (or `tandemctl advise --save`), kept\n"
+     "across restarts, dropped when the GPU, its driver or tandem changes. Without an entry the built-in\n"
+     "rules apply. `tandemctl status` shows it."},
 }};
 
 constexpr auto kDaemonFields = std::to_array<Field<DaemonSection>>({
@@ -339,6 +350,20 @@ constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
      "Size of the inbox and of the outbox a multi-node communicator keeps for each peer node; memory\n"
      "grows with communicators x peer nodes.",
      &ClusterSection::stagingBytes, {kMinStagingBytes, kMaxStagingBytes}},
+});
+
+constexpr auto kPlansFields = std::to_array<Field<PlansSection>>({
+    {"state_dir",
+     "Directory of the plan table file (plans.json). Empty: $STATE_DIRECTORY (systemd's\n"
+     "StateDirectory=tandem, i.e. /var/lib/tandem), else /var/lib/tandem as root, else\n"
+     "$XDG_STATE_HOME/tandem (~/.local/state/tandem).",
+     &PlansSection::stateDir},
+    {"autotune",
+     "off: only tandemctl tune fills the table. on-first-use: the first ops of a shape with no entry run\n"
+     "each candidate plan autotune_runs times (results stay correct), and the fastest is saved.",
+     &PlansSection::autotune},
+    {"autotune_runs", "With autotune on-first-use: timed ops per candidate plan.", &PlansSection::autotuneRuns,
+     {1, kMaxAutotuneRuns}},
 });
 
 // ---- small text helpers ----
@@ -786,6 +811,7 @@ void checkConfig(const DaemonConfig& config, const Locate& at) {
   checkRanges("communicators", config.communicators, kCommunicatorsFields, at);
   checkRanges("cuda", config.cuda, kCudaFields, at);
   checkRanges("cluster", config.cluster, kClusterFields, at);
+  checkRanges("plans", config.plans, kPlansFields, at);
 
   // Cross-key rules over the keys added with the ranges.
   if (l.maxReplyBacklogBytes < l.maxFrameBytes + kFrameHeaderBytes) {
@@ -845,6 +871,7 @@ class Parser {
                    if (key == "communicators") config.communicators = parseCommunicators(value, path);
                    if (key == "cuda") config.cuda = parseCuda(value, path);
                    if (key == "cluster") config.cluster = parseSection(value, path, kClusterFields);
+                   if (key == "plans") config.plans = parseSection(value, path, kPlansFields);
                  });
     checkConfig(config, [this](std::initializer_list<std::string_view> paths) {
       for (const auto path : paths) {
@@ -1264,6 +1291,7 @@ std::string configYaml(const DaemonConfig& config) {
   appendSection(out, "communicators", config.communicators, kCommunicatorsFields);
   appendSection(out, "cuda", config.cuda, kCudaFields);
   appendSection(out, "cluster", config.cluster, kClusterFields);
+  appendSection(out, "plans", config.plans, kPlansFields);
   return out;
 }
 
@@ -1285,6 +1313,13 @@ const char* executorName(ExecutorKind kind) {
 
 const char* clusterTransportName(ClusterTransport kind) {
   for (const auto& entry : kClusterTransportNames) {
+    if (entry.value == kind) return entry.name.data();
+  }
+  return "unknown";
+}
+
+const char* planAutotuneName(PlanAutotune kind) {
+  for (const auto& entry : kPlanAutotuneNames) {
     if (entry.value == kind) return entry.name.data();
   }
   return "unknown";

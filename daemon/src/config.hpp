@@ -92,6 +92,18 @@ struct ClusterSection {
   bool operator==(const ClusterSection&) const = default;
 };
 
+// When tandemd measures plans by itself (the plan table, daemon/src/plan_table.hpp).
+enum class PlanAutotune { kOff, kOnFirstUse };
+
+struct PlansSection {
+  std::string stateDir;                          // empty: $STATE_DIRECTORY, else /var/lib/tandem as root, else
+                                                 // $XDG_STATE_HOME/tandem (plan_table.hpp, planStateDirectory)
+  PlanAutotune autotune = PlanAutotune::kOff;    // on-first-use: the first ops of an untuned shape try each plan
+  uint32_t autotuneRuns = 3;                     // on-first-use: timed ops per candidate plan, 1..100
+
+  bool operator==(const PlansSection&) const = default;
+};
+
 struct DaemonConfig {
   DaemonSection daemon;
   AccessSection access;
@@ -100,6 +112,7 @@ struct DaemonConfig {
   CommunicatorsSection communicators;
   CudaSection cuda;
   ClusterSection cluster;
+  PlansSection plans;
 
   bool operator==(const DaemonConfig&) const = default;
 };
@@ -131,6 +144,7 @@ std::string configYaml(const DaemonConfig& config);
 const char* backendName(BackendKind kind);
 const char* executorName(ExecutorKind kind);
 const char* clusterTransportName(ClusterTransport kind);  // "tcp" | "verbs", as in the YAML
+const char* planAutotuneName(PlanAutotune kind);          // "off" | "on-first-use", as in the YAML
 
 // One entry of cluster.nodes.
 struct NodeEndpoint {

@@ -110,4 +110,17 @@ EngineStatus Engine::status() const {
   return st;
 }
 
+void Engine::checkMember(uint64_t sessionId, uint32_t uid, uint64_t commHandle) const {
+  std::lock_guard lock(mutex_);
+  if (const auto c = comms_.find(commHandle); c != comms_.end()) {
+    for (const auto& member : c->second->comm.members) {
+      if (!member) continue;
+      const auto s = sessions_.find(*member);
+      if (*member == sessionId || (s != sessions_.end() && s->second.uid == uid)) return;
+    }
+  }
+  fail(ErrorCode::kNotFound, "communicator handle {} has no rank of this session or of its user (or it was destroyed)",
+       commHandle);
+}
+
 }  // namespace tandem::daemon

@@ -95,6 +95,15 @@ class Engine {
   // Multi-node (cluster.nodes). Set before start(); the cluster must outlive the engine's communicators.
   // The two handlers run on the control thread, like every public method.
   void attachCluster(Cluster* cluster) { cluster_ = cluster; }
+  // The plan table, shared with the backend (plan_table.hpp). Set before start(); null: none (tests).
+  void attachPlans(std::shared_ptr<PlanTable> plans) {
+    plans_ = plans;
+    backend_->attachPlans(std::move(plans));
+  }
+  PlanTable* plans() const { return plans_.get(); }
+  // Throws Error(kNotFound) unless communicator `commHandle` has a rank in session `sessionId` or in another session of
+  // user `uid` (a job's tools, such as tandemctl advise, talk to tandemd on a connection of their own).
+  void checkMember(uint64_t sessionId, uint32_t uid, uint64_t commHandle) const;
   void onPeerMessage(uint32_t from, const v1::PeerMessage& message);
   void onNodeLost(uint32_t node, const std::string& reason);
   // Called (from the pump) when a session corrupts its ring; the Server closes it.
@@ -162,6 +171,7 @@ class Engine {
   std::function<void(std::string)> onFatal_;
   Pump pump_;  // last: its thread stops before the state above goes
   Cluster* cluster_ = nullptr;
+  std::shared_ptr<PlanTable> plans_;
 };
 
 }  // namespace tandem::daemon

@@ -30,6 +30,7 @@
 #include "cuda/cuda_backend.hpp"
 #endif
 #include "lifecycle.hpp"
+#include "plan_table.hpp"
 #include "server.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/common/protocol.hpp"
@@ -230,6 +231,13 @@ int run(const Options& options, Logging& logging) {
   if (td::isMultiNode(config.cluster)) cluster = std::make_unique<td::Cluster>(config, backend->name(), backend->gpus());
   td::Engine engine(config, std::move(backend));
   engine.attachCluster(cluster.get());
+  // Loaded before the first op: its entries steer every fused op of a known shape (plan_table.hpp).
+  auto plans = std::make_shared<td::PlanTable>(
+      td::planStateDirectory(config.plans.stateDir),
+      td::nodeFingerprint(engine.backend().name(), engine.backend().gpus()));
+  spdlog::info("plan table {} ({}): {}", plans->path().empty() ? "in memory" : plans->path(),
+               plans->fingerprint().describe(), plans->state());
+  engine.attachPlans(plans);
   engine.start();
   const std::string backendName = engine.backend().name();
   td::Server server(config, engine, backendName);

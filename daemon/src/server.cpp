@@ -20,6 +20,7 @@
 #include <span>
 #include <vector>
 
+#include "plan_table.hpp"
 #include "tandem/common/framing.hpp"
 #include "tandem/common/paths.hpp"
 #include "tandem/common/protocol.hpp"
@@ -623,6 +624,9 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
         return reply(rid, response, fds);
       }
       case pb::Request::kQueryStatus: return reply(rid, statusReply(response));
+      case pb::Request::kSetPlan:
+        setPlan(request.set_plan());
+        return reply(rid, response);
       case pb::Request::kShutdown:
         if (uid_ != 0 && uid_ != ::geteuid()) {
           fail(ErrorCode::kPermissionDenied, "only root or tandemd's own user may shut it down; use systemctl stop "
@@ -635,6 +639,34 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
         fail(ErrorCode::kProtocol, "request {} has an unknown or empty message type; this tandemd speaks protocol "
              "version {}", rid, tandem::kProtocolVersion);
     }
+  }
+
+  // Trial plans for a communicator of this session, or entries of the plan table (plan_table.hpp).
+  void setPlan(const pb::SetPlan& req) {
+    PlanTable* table = server_.engine_.plans();
+    if (table == nullptr) fail(ErrorCode::kUnsupported, "this tandemd has no plan table");
+    std::vector<PlanRecord> records;
+    for (const auto& e : req.entries()) records.push_back(planRecordFromProto(e));
+    if (req.comm_handle() != 0) {
+      server_.engine_.checkMember(id_, uid_, req.comm_handle());
+      if (req.clear_trials()) table->clearTrials(req.comm_handle());
+      for (const auto& r : records) table->setTrial(req.comm_handle(), r.key, r.plan);
+    }
+    if (!req.save() && !req.erase()) return;
+    // The table steers every tenant's ops: only root and tandemd's own user change it.
+    if (!privileged()) {
+      fail(ErrorCode::kPermissionDenied, "only root or tandemd's own user may change the plan table; run tandemctl "
+           "tune (or advise --save) as that user");
+    }
+    for (auto& r : records) {
+      if (req.erase()) {
+        table->erase(r.key);
+      } else {
+        spdlog::info("plan table: {}: {} ({})", planKeyText(r.key), planChoiceText(r.plan), r.source);
+        table->put(std::move(r));
+      }
+    }
+    table->save();
   }
 
   void join(uint64_t rid, const pb::JoinCommunicator& join) {
@@ -653,8 +685,8 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
     joinTimers_.emplace(seq, timer);
     std::weak_ptr<ControlSession> weak = weak_from_this();
     server_.engine_.join(id_, uniqueId, join.nranks(), join.rank(), join.device_uuid(),
-                         [weak, rid, timer, seq](ErrorCode code, const std::string& message, uint64_t handle,
-                                                 const JoinInfo& info) {
+                         [weak, rid, timer, seq, nranks = join.nranks()](ErrorCode code, const std::string& message,
+                                                                         uint64_t handle, const JoinInfo& info) {
                            timer->cancel();
                            auto self = weak.lock();
                            if (!self) return;
@@ -668,6 +700,14 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
                            r->set_control_bytes(info.controlBytes);
                            r->set_workspace_bytes(info.workspaceBytes);
                            r->set_comm_ctas(info.commCtas);
+                           // The client executor launches the fused ops itself: it gets this many ranks' entries.
+                           if (const PlanTable* t = self->server_.engine_.plans(); t && info.executor == "client") {
+                             for (const auto& rec : t->records()) {
+                               if (rec.key.ranks == nranks && rec.key.executor == info.executor) {
+                                 planRecordToProto(rec, r->add_plans());
+                               }
+                             }
+                           }
                            if (info.controlFd >= 0) {
                              const int fds[] = {info.controlFd};
                              return self->reply(rid, response, fds);
@@ -736,6 +776,10 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       ci->set_reason(c.reason);
     }
     if (st.cluster) *r->mutable_cluster() = *st.cluster;
+    if (const PlanTable* t = server_.engine_.plans()) {
+      fillPlanTableInfo(*t, planAutotuneName(server_.config_.plans.autotune), planGpuModel(server_.backend_, st.gpus),
+                        r->mutable_plans());
+    }
     return response;
   }
 

@@ -55,6 +55,12 @@ class CudaBackend final : public Backend {
     return comm != nullptr ? static_cast<const CudaComm*>(comm)->ops() : k::executorOps(executor_);
   }
   std::vector<GpuInfo> gpus() const override { return gpus_; }
+  void attachPlans(std::shared_ptr<PlanTable> plans) override {
+    ctx_.plans = std::move(plans);
+    ctx_.gpuModel = planGpuModel(name(), gpus_);
+    ctx_.autotune = config_.plans.autotune == PlanAutotune::kOnFirstUse;
+    ctx_.autotuneRuns = config_.plans.autotuneRuns;
+  }
 
   void stop() override {
     {

@@ -3,7 +3,9 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "tandem/common/error.hpp"
@@ -101,7 +103,8 @@ void GpuExecutor::push(const k::WorkItem& item, std::shared_ptr<void> keepAlive)
   }
 }
 
-void GpuExecutor::runExclusive(const std::function<void(cudaStream_t)>& enqueue, std::shared_ptr<void> keepAlive) {
+void GpuExecutor::runExclusive(const std::function<void(cudaStream_t)>& enqueue, std::shared_ptr<void> keepAlive,
+                               uint64_t comm, bool ahead) {
   if (generation_ != 0 && !relaunch_) {
     k::WorkItem y{};
     y.kind = k::WorkKind::kYield;
@@ -112,11 +115,20 @@ void GpuExecutor::runExclusive(const std::function<void(cudaStream_t)>& enqueue,
   enqueue(stream_.get());
   k::CudaEvent ev = k::CudaEvent::create(device_, "after an exclusive run");
   k::checkCuda(cudaEventRecord(ev.get(), stream_.get()), "cudaEventRecord(after an exclusive run) on GPU {}", device_);
-  exclusive_.emplace_back(std::move(ev), std::move(keepAlive));
+  exclusive_.push_back(Exclusive{std::move(ev), std::move(keepAlive), comm, ahead});
+}
+
+bool GpuExecutor::othersAhead(uint64_t comm) const {
+  return std::any_of(exclusive_.begin(), exclusive_.end(), [&](const Exclusive& x) { return x.ahead && x.comm != comm; });
+}
+
+bool GpuExecutor::onlyMine(uint64_t comm) const {
+  return live_.empty() &&
+         std::all_of(exclusive_.begin(), exclusive_.end(), [&](const Exclusive& x) { return x.comm == comm; });
 }
 
 void GpuExecutor::poll() {
-  while (!exclusive_.empty() && cudaEventQuery(exclusive_.front().first.get()) == cudaSuccess) exclusive_.pop_front();
+  while (!exclusive_.empty() && cudaEventQuery(exclusive_.front().after.get()) == cudaSuccess) exclusive_.pop_front();
   if (live_.empty()) return;
   // acquire: pairs with the kernel's release after an item's done; the item's memory is free from here on.
   const uint64_t finished = k::ldAcquire(queue_->finished);
@@ -205,6 +217,7 @@ PersistentComm::PersistentComm(uint64_t handle, std::vector<Rank> ranks, std::ve
 
 void PersistentComm::admit(Collective& c) {
   const OpKind kind = c.ops[0].desc.kind;
+  const PlanChoice choice = k::isFusedGemm(kind) ? decidePlan(c.ops[0].desc, c.ops[0].epoch) : PlanChoice{};
   if (!k::isFusedGemm(kind) && !k::isMoeOp(kind) && kind != OpKind::kRingAttention) return;
   // libtandem checked the same before submitting; the kernels run in tandemd's context here, so a client that did not
   // must not get them to write past a workspace.
@@ -215,7 +228,7 @@ void PersistentComm::admit(Collective& c) {
       } else if (kind == OpKind::kRingAttention) {
         k::checkRingAttention(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r));
       } else {
-        k::checkFusedGemm(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r));
+        k::checkFusedGemm(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r), choice);
       }
     } catch (const Error& e) {
       c.errorCode = statusOf(e.code());
@@ -224,10 +237,36 @@ void PersistentComm::admit(Collective& c) {
   }
 }
 
+bool PersistentComm::launchAhead(const Gang& g) const {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TANDEM_LAUNCH_AHEAD");
+    return v != nullptr && *v == '1';
+  }();
+  if (!enabled || g.rejected || !k::isFusedGemm(g.kind)) return false;
+  for (uint32_t r = 0; r < nranks(); ++r) {
+    if (!executors_.gpu(rank(r).device).onlyMine(handle())) return false;
+  }
+  return true;
+}
+
 NodeComm::Release PersistentComm::release(const std::shared_ptr<Gang>& g) {
   // The streams wait for done, which only the GPU's stream writes (in order): a rejected op goes in as a nop.
   for (uint32_t r = 0; r < nranks(); ++r) {
-    if (executors_.gpu(rank(r).device).freeSlots() == 0) return Release::kWait;
+    const GpuExecutor& gpu = executors_.gpu(rank(r).device);
+    if (gpu.freeSlots() == 0 || gpu.othersAhead(handle())) return Release::kWait;
+  }
+  // TANDEM_HOST_DONE=0 puts barriers back through the persistent kernel: the same build measures both (bench/RESULTS.md).
+  static const bool hostDone = [] {
+    const char* v = std::getenv("TANDEM_HOST_DONE");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  if (g->kind == OpKind::kNop && !g->rejected && hostDone) {
+    // Every rank's stream wrote ready >= epoch (checked before release), which it does only once its WaitValue(done >=
+    // epoch - 1) passed: every earlier op of every rank has finished and nothing is left for a GPU to order. So tandemd
+    // writes done itself (a store to host memory) instead of a work item the persistent kernel would find, read and
+    // complete over PCIe (the trace's GPU stage: about 6 us of the empty op's 21).
+    for (uint32_t r = 0; r < nranks(); ++r) page(r).publishDone(g->epoch);
+    return Release::kReleased;
   }
   if (g->kind == OpKind::kRingAttention && !g->rejected) {
     if (!launchRingAttention(g)) return Release::kAborted;
@@ -266,9 +305,114 @@ k::FusedEnv PersistentComm::fusedEnv(uint32_t r) const {
 // executor's stream, then the stream writes done. The ranks' kernels wait on each other's flags, so every rank's
 // launch goes in here, in one pass, in the same order on every GPU as every other item. False if CUDA refused a
 // launch: the communicator is aborted (its streams released) and the error reported.
+PlanChoice PersistentComm::planOf(const OpDescriptor& rank0) const {
+  if (!ctx().plans || !plannedOp(rank0.kind)) return {};
+  return ctx().plans->find(planKeyOf(rank0, ctx().gpuModel, "daemon"), handle()).value_or(PlanChoice{});
+}
+
+PlanChoice PersistentComm::decidePlan(const OpDescriptor& rank0, uint64_t epoch) {
+  Decided d{planOf(rank0)};
+  const bool oneRankAg = rank0.kind == OpKind::kAgGemm && nranks() == 1;  // its local GEMM has nothing to choose
+  if (d.plan.kind == PlanKind::kAuto && ctx().autotune && ctx().plans && !oneRankAg) {
+    if (auto candidate = executors_.tuner().next(planKeyOf(rank0, ctx().gpuModel, "daemon"), ctx().autotuneRuns)) {
+      d = {*candidate, true};
+    }
+  }
+  decided_[epoch] = d;
+  return d.plan;
+}
+
+bool PersistentComm::progress(std::vector<std::pair<uint64_t, std::string>>& failed) {
+  if (ctx().autotune && ctx().plans) executors_.tuner().poll(*ctx().plans);
+  return NodeComm::progress(failed);
+}
+
+// ---- PlanTuner ------------------------------------------------------------------------------------------------------
+
+std::optional<PlanChoice> PlanTuner::next(const PlanKey& key, uint32_t runs) {
+  State& st = states_[key];
+  if (st.candidates.empty()) {
+    // The plans measured to matter (bench/RESULTS.md): decomposed (the GEMM, then the collective) and fused with the
+    // kernels' own split, then with a few SMs given to communication.
+    st.candidates = {{PlanKind::kDecomposed, 0, 0}};
+    if (key.op == OpKind::kAgGemm) {
+      for (uint32_t sms : {4u, 8u, 16u}) st.candidates.push_back({PlanKind::kFused, sms, 0});
+    } else {
+      for (uint32_t sms : {0u, 8u, 16u}) st.candidates.push_back({PlanKind::kFused, sms, 0});
+    }
+    st.runs = std::max<uint32_t>(runs, 1);
+    st.ms.resize(st.candidates.size());
+  }
+  const uint32_t index = st.issued / st.runs;
+  if (index < st.candidates.size()) {
+    ++st.issued;
+    return st.candidates[index];
+  }
+  // Every candidate was issued; one whose ops were all rejected before they ran has no time yet: it runs again.
+  for (std::size_t i = 0; i < st.candidates.size() && !st.saved; ++i) {
+    if (st.ms[i].empty()) return st.candidates[i];
+  }
+  return std::nullopt;
+}
+
+void PlanTuner::record(const PlanKey& key, const PlanChoice& plan, k::CudaEvent start, k::CudaEvent end) {
+  ++states_[key].pending;
+  pending_.push_back(Pending{key, plan, std::move(start), std::move(end)});
+}
+
+void PlanTuner::poll(PlanTable& table) {
+  while (!pending_.empty() && cudaEventQuery(pending_.front().end.get()) == cudaSuccess) {
+    Pending& p = pending_.front();
+    float ms = 0;
+    State& st = states_[p.key];
+    --st.pending;
+    if (cudaEventElapsedTime(&ms, p.start.get(), p.end.get()) == cudaSuccess) {
+      for (std::size_t i = 0; i < st.candidates.size(); ++i) {
+        if (st.candidates[i] == p.plan) st.ms[i].push_back(ms);
+      }
+    }
+    pending_.pop_front();
+  }
+  for (auto& [key, st] : states_) {
+    if (st.saved || st.candidates.empty()) continue;
+    const bool all = st.issued >= st.runs * st.candidates.size() &&
+                     std::all_of(st.ms.begin(), st.ms.end(), [](const auto& v) { return !v.empty(); });
+    if (!all || st.pending != 0) continue;  // every issued op of the key timed (or rejected) before the choice
+    st.saved = true;
+    const auto median = [](std::vector<float> v) {
+      std::sort(v.begin(), v.end());
+      return static_cast<double>(v[v.size() / 2]) * 1e3;
+    };
+    std::size_t best = 0;
+    for (std::size_t i = 1; i < st.candidates.size(); ++i) {
+      if (median(st.ms[i]) < median(st.ms[best])) best = i;
+    }
+    PlanRecord r;
+    r.key = key;
+    r.plan = st.candidates[best];
+    r.timeUs = median(st.ms[best]);
+    r.baselineUs = median(st.ms[0]);  // decomposed: the GEMM and the collective one after the other
+    r.source = "autotune";
+    spdlog::info("autotune: {}: {} ({:.1f} us; decomposed {:.1f} us)", planKeyText(key), planChoiceText(r.plan),
+                 r.timeUs, r.baselineUs);
+    table.put(std::move(r));
+    try {
+      table.save();
+    } catch (const std::exception& e) {
+      spdlog::warn("autotune: {}", e.what());  // the entry stays in memory
+    }
+  }
+}
+
 bool PersistentComm::launchFused(const std::shared_ptr<Gang>& g) {
   uint32_t r = 0;
   try {
+    // The plan admit() checked the workspace for (decided_ holds every admitted gang's; older ones were rejected).
+    Decided decided{planOf(g->c.ops[0].desc)};
+    if (auto it = decided_.find(g->epoch); it != decided_.end()) decided = it->second;
+    decided_.erase(decided_.begin(), decided_.upper_bound(g->epoch));
+    const PlanChoice choice = decided.plan;
+    const bool ahead = launchAhead(*g);  // as releasePending saw it: then no rank's ready was checked
     std::vector<k::DevicePointers> ptrs;
     for (const PendingOp& op : g->c.ops) ptrs.push_back(devicePointers(op));
     for (; r < nranks(); ++r) {
@@ -280,13 +424,30 @@ bool PersistentComm::launchFused(const std::shared_ptr<Gang>& g) {
       std::string plan;
       executors_.gpu(rank(r).device).runExclusive(
           [&](cudaStream_t s) {
+            for (uint32_t q = 0; ahead && q < nranks(); ++q) {  // gang-ready on the GPU: every rank's stream got here
+              k::checkCuda(k::driver().streamWaitValue32(s, reinterpret_cast<CUdeviceptr>(&ctlDevice(q)->ready.value),
+                                                         static_cast<uint32_t>(g->epoch), CU_STREAM_WAIT_VALUE_GEQ),
+                           "cuStreamWaitValue32(ready of rank {})", q);
+            }
+            const bool timed = decided.timed && r == 0;
+            std::optional<k::CudaEvent> start, end;
+            if (timed) {
+              start.emplace(k::CudaEvent::createTimed(rank(r).device, "autotune start"));
+              end.emplace(k::CudaEvent::createTimed(rank(r).device, "autotune end"));
+              k::checkCuda(cudaEventRecord(start->get(), s), "cudaEventRecord(autotune start)");
+            }
             plan = k::isMoeOp(desc.kind) ? k::launchMoeOp(desc, ptrs[r], g->epoch, env, s, false)
-                                         : k::launchFusedGemm(desc, ptrs[r], g->epoch, env, s);
+                                         : k::launchFusedGemm(desc, ptrs[r], g->epoch, env, s, choice);
+            if (timed) {
+              k::checkCuda(cudaEventRecord(end->get(), s), "cudaEventRecord(autotune end)");
+              executors_.tuner().record(planKeyOf(desc, ctx().gpuModel, "daemon"), choice, std::move(*start),
+                                        std::move(*end));
+            }
             k::checkCuda(k::driver().streamWriteValue32(s, reinterpret_cast<CUdeviceptr>(&ctl->done.value),
                                                         static_cast<uint32_t>(g->epoch), CU_STREAM_WRITE_VALUE_DEFAULT),
                          "cuStreamWriteValue32(done)");
           },
-          g);
+          g, handle(), ahead);
       logPlanOnce(desc, plan);
     }
   } catch (const std::exception& e) {

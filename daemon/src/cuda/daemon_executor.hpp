@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -47,8 +48,16 @@ class GpuExecutor {
   // kernel reports it finished.
   void push(const kernels::WorkItem& item, std::shared_ptr<void> keepAlive);
   // Enqueues `enqueue(stream)` on the executor's stream once the resident kernel has left (caller checked freeSlots
-  // for the yield item); `keepAlive` holds the memory it touches until the stream passes it.
-  void runExclusive(const std::function<void(cudaStream_t)>& enqueue, std::shared_ptr<void> keepAlive);
+  // for the yield item); `keepAlive` holds the memory it touches until the stream passes it. `comm`: the communicator
+  // it is for; `ahead`: it begins with stream waits on its gang's ready words (launched before every rank got there).
+  void runExclusive(const std::function<void(cudaStream_t)>& enqueue, std::shared_ptr<void> keepAlive,
+                    uint64_t comm = 0, bool ahead = false);
+  // Whether another communicator's op launched ahead waits on this stream: work of `comm` queued behind it now could
+  // wait for it, and it for a stream that waits for that work (two communicators, one process order), so it must not.
+  bool othersAhead(uint64_t comm) const;
+  // Whether everything unfinished on this GPU is `comm`'s (no work item, no other communicator's run): only then may
+  // `comm` launch an op ahead of its gang, since ops of one communicator are ordered the same on every stream.
+  bool onlyMine(uint64_t comm) const;
   void poll();  // releases the memory of finished items and exclusive runs
   // False (with the reason) once the kernel died with an error: the context is unusable.
   bool healthy(std::string* why) const;
@@ -70,7 +79,44 @@ class GpuExecutor {
   bool stopped_ = false;
   bool relaunch_ = false;  // the resident kernel was told to leave: the next push launches a fresh one
   std::deque<std::pair<uint64_t, std::shared_ptr<void>>> live_;
-  std::deque<std::pair<kernels::CudaEvent, std::shared_ptr<void>>> exclusive_;  // event recorded after each run
+  struct Exclusive {
+    kernels::CudaEvent after;  // recorded after the run
+    std::shared_ptr<void> keepAlive;
+    uint64_t comm = 0;
+    bool ahead = false;
+  };
+  std::deque<Exclusive> exclusive_;
+};
+
+// plans.autotune: on-first-use. The first ops of a fused GEMM key with no plan table entry each run one candidate plan
+// (autotune_runs ops per candidate, in turn), timed with CUDA events around rank 0's kernels on its executor stream;
+// once every candidate ran, the fastest (median) goes into the plan table, which is saved, and later ops use it. Every
+// candidate computes the op, so the results stay correct; only the first few ops of a shape run slower plans.
+class PlanTuner {
+ public:
+  // The candidate for the next op of `key` (and whether to time it), or nullopt once every candidate was issued.
+  std::optional<PlanChoice> next(const PlanKey& key, uint32_t runs);
+  // Rank 0's kernels of an op of `key` that ran `plan` lie between `start` and `end` on its executor stream.
+  void record(const PlanKey& key, const PlanChoice& plan, kernels::CudaEvent start, kernels::CudaEvent end);
+  // Folds in finished timings; a key whose every candidate finished gets its winner put into `table` and saved.
+  void poll(PlanTable& table);
+
+ private:
+  struct State {
+    std::vector<PlanChoice> candidates;
+    uint32_t runs = 1;
+    uint32_t issued = 0;
+    std::vector<std::vector<float>> ms;  // per candidate
+    uint32_t pending = 0;                // timed ops not finished yet
+    bool saved = false;
+  };
+  struct Pending {
+    PlanKey key;
+    PlanChoice plan;
+    kernels::CudaEvent start, end;
+  };
+  std::map<PlanKey, State> states_;
+  std::deque<Pending> pending_;
 };
 
 // The daemon executor: a GpuExecutor on every GPU of the backend, shared by every PersistentComm. Owned by CudaBackend
@@ -88,12 +134,14 @@ class DaemonExecutor {
   void stop() noexcept;
   // Whether the plan of this shape was not logged yet (then it is now marked as logged).
   bool firstPlan(const std::string& shape) { return plansLogged_.insert(shape).second; }
+  PlanTuner& tuner() { return tuner_; }
 
  private:
   std::map<int, std::unique_ptr<GpuExecutor>> gpus_;
   uint32_t ctas_ = 32;
   Clock::time_point lastHealthCheck_ = Clock::now();
   std::set<std::string> plansLogged_;
+  PlanTuner tuner_;
 };
 
 class PersistentComm final : public NodeComm {
@@ -108,12 +156,25 @@ class PersistentComm final : public NodeComm {
  private:
   // The kernels run in tandemd's context: a fused GEMM libtandem should have refused must not write past a workspace.
   void admit(Collective& c) override;
-  bool needsReady(const Gang& /*g*/) const override { return true; }  // the streams wait for done, written by the GPU
+  // The streams wait for done, written on the GPU: tandemd releases an op once every rank's stream reached it (ready),
+  // except a fused GEMM launched ahead (launchAhead), whose executor streams wait for the ready words themselves.
+  bool needsReady(const Gang& g) const override { return !launchAhead(g); }
+  // TANDEM_LAUNCH_AHEAD=1: a fused GEMM goes to its GPUs as soon as its gang formed, behind stream waits on every
+  // rank's ready word, so neither tandemd's poll of ready nor its kernel launch sits between the streams reaching the
+  // op and the op starting. Only while the communicator has its GPUs' executors to itself (GpuExecutor::onlyMine).
+  bool launchAhead(const Gang& g) const;
   Release release(const std::shared_ptr<Gang>& g) override;
 
   kernels::CommControl* ctlDevice(uint32_t r) const { return static_cast<kernels::CommControl*>(ctl_[r].devicePtr()); }
   kernels::DevicePointers devicePointers(const PendingOp& op) const;
   kernels::FusedEnv fusedEnv(uint32_t r) const;
+  // The plan table's plan for a fused GEMM (this communicator's trial plan first), looked up with rank 0's
+  // descriptor so that every rank runs the same plan; kind kAuto when there is no entry.
+  PlanChoice planOf(const OpDescriptor& rank0) const;
+  // The plan a fused GEMM gang runs, decided once when it is admitted (the table's, or an autotune candidate) and used
+  // by both the workspace check and the launch.
+  PlanChoice decidePlan(const OpDescriptor& rank0, uint64_t epoch);
+  bool progress(std::vector<std::pair<uint64_t, std::string>>& failed) override;
   bool launchFused(const std::shared_ptr<Gang>& g);
   bool launchRingAttention(const std::shared_ptr<Gang>& g);
   void pushItem(Gang& g, uint32_t r, const std::shared_ptr<Gang>& keepAlive);
@@ -123,6 +184,11 @@ class PersistentComm final : public NodeComm {
   std::vector<kernels::HostRegistration> ctl_;  // every rank's control page, registered for tandemd's kernels
   uint64_t workspaceBytes_ = 0;                 // the smallest rank's workspace
   kernels::WorkspaceLayout layout_;             // the fused GEMMs' regions in it (libtandem computes the same)
+  struct Decided {
+    PlanChoice plan;
+    bool timed = false;  // an autotune candidate: rank 0's kernels are timed
+  };
+  std::map<uint64_t, Decided> decided_;  // by epoch, from admit() to the launch
 };
 
 }  // namespace tandem::daemon::cuda

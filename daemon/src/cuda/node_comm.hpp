@@ -14,6 +14,7 @@
 
 #include "cuda/cuda_comm.hpp"
 #include "cuda/gpu.hpp"
+#include "plan_table.hpp"
 #include "tandem/common/fd.hpp"
 
 namespace tandem::daemon::cuda {
@@ -52,6 +53,10 @@ struct CommContext {
   uint64_t timeoutNs = 0;  // every kernel wait's deadline (TANDEM_OP_TIMEOUT_MS)
   uint32_t commSms = 0;    // cuda.comm_sms
   OpTrace trace;
+  std::shared_ptr<PlanTable> plans;  // the plan table (null: the kernels' own rules for every op)
+  std::string gpuModel;              // the GPU model plan keys name (planGpuModel)
+  bool autotune = false;             // plans.autotune: on-first-use (executor daemon: PlanTuner)
+  uint32_t autotuneRuns = 3;         // plans.autotune_runs
 };
 
 class NodeComm : public CudaComm {

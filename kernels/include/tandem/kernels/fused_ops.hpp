@@ -11,6 +11,7 @@
 #include <string>
 
 #include "tandem/common/descriptor.hpp"
+#include "tandem/common/plan_key.hpp"
 #include "tandem/kernels/allgather.hpp"
 
 namespace tandem::kernels {
@@ -67,15 +68,21 @@ void preloadFusedGemmKernels(int device);
 // gemm_rs.hpp, gemmRsRanksInStep). tandemd and libtandem both apply it.
 bool needsGang(const OpDescriptor& d);
 
+// `plan` (from tandemd's plan table, common/plan_key.hpp): kind kAuto keeps the kernels' own rules; otherwise the op
+// runs that plan, at one rank too (the forced fused plan of a one-rank gemm-rs or gemm-ar measures its epilogue). Every
+// rank must pass the same plan, to both calls below: the workspace check depends on it. ag-gemm at one rank always runs
+// its local plan (there is nothing to gather).
+
 // Throws Error (kUnsupported, kInvalidArgument) with the remedy when `env`'s rank cannot run the fused GEMM `d`
 // (already checked by validateDescriptor): the dtype, the kernels' shape and alignment rules, or the workspace.
 // Depends only on what every rank checks alike (global dims, the workspace size), except this rank's own k slice and
 // pointers.
-void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env);
+void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env,
+                    const PlanChoice& plan = {});
 
 // Enqueues op `epoch` (checked) on `stream`: the kernels, and the copy out of the workspace where the output or the
 // gathered A is staged there. Returns the plan it ran, for the log. Throws Error(kCuda) if CUDA refused part of it.
 std::string launchFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, const FusedEnv& env,
-                            cudaStream_t stream);
+                            cudaStream_t stream, const PlanChoice& plan = {});
 
 }  // namespace tandem::kernels
