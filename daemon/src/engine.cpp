@@ -102,8 +102,16 @@ EngineStatus Engine::status() const {
   for (auto& [handle, e] : comms_) {
     const Communicator& c = e->comm;
     if (c.localRanks() == 0) continue;  // a multi-node communicator this node only hears about
-    st.comms.push_back({handle, c.nranks, c.joined(), commStateName(c.state), c.opsCompleted, c.localRanks(),
-                        c.spansNodes() ? c.nodes(cluster_->self()) : std::vector<uint32_t>{}, c.reason});
+    EngineStatus::Comm& out =
+        st.comms.emplace_back(EngineStatus::Comm{handle, c.nranks, c.joined(), commStateName(c.state), c.opsCompleted,
+                                                 c.localRanks(),
+                                                 c.spansNodes() ? c.nodes(cluster_->self()) : std::vector<uint32_t>{},
+                                                 c.reason, {}, {}});
+    for (const auto& member : c.members) {
+      if (!member) continue;
+      out.memberSessions.push_back(*member);
+      if (auto s = sessions_.find(*member); s != sessions_.end()) out.memberUids.push_back(s->second.uid);
+    }
   }
   st.gpus = backend_->gpus();
   if (cluster_) cluster_->fillStatus(st.cluster.emplace());

@@ -44,6 +44,9 @@ struct EngineStatus {
     uint32_t localRanks;
     std::vector<uint32_t> nodes;  // multi-node only
     std::string reason;
+    // The sessions of its local ranks and their uids: who may see it in another tenant's status.
+    std::vector<uint64_t> memberSessions;
+    std::vector<uint32_t> memberUids;
   };
   std::vector<Session> sessions;
   std::vector<Comm> comms;

@@ -765,6 +765,12 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       }
     }
     for (const auto& c : st.comms) {
+      // A communicator is seen by its members and by other sessions of their users (a job's ranks run as one
+      // uid); its handle, size and state say what another tenant runs.
+      if (!everyone && std::find(c.memberSessions.begin(), c.memberSessions.end(), id_) == c.memberSessions.end() &&
+          std::find(c.memberUids.begin(), c.memberUids.end(), uid_) == c.memberUids.end()) {
+        continue;
+      }
       auto* ci = r->add_communicators();
       ci->set_comm_handle(c.handle);
       ci->set_nranks(c.nranks);

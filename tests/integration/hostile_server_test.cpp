@@ -227,7 +227,7 @@ TEST_SUITE("hostile clients") {
     checkRecovered(d, b, "one uid at limits.max_sessions_per_uid");
   }
 
-  TEST_CASE("QueryStatus shows other tenants' sessions only to root and the daemon's user") {
+  TEST_CASE("QueryStatus shows other tenants' sessions and communicators only to root and the daemon's user") {
     if (::geteuid() != 0) {
       MESSAGE("not root: needs a second uid (setuid); only the privileged view is checked");
     }
@@ -236,8 +236,11 @@ TEST_SUITE("hostile clients") {
     ::chmod(d.dir().c_str(), 0755);
     tandem::Session mine(d.socket().c_str());
     tandem::Buffer buffer(mine, 1 << 20);
+    tandem::Communicator myComm(mine, tandem::uniqueId(), 1, 0);
     const auto all = daemonStatus(d);  // tandemctl runs as our own uid: privileged
     CHECK(all["sessions"].size() == 2);
+    REQUIRE(all["communicators"].size() == 1);
+    const uint64_t myHandle = all["communicators"][0]["handle"];
     if (::geteuid() == 0) {
       int p[2];
       REQUIRE(::pipe(p) == 0);
@@ -250,8 +253,14 @@ TEST_SUITE("hostile clients") {
           pb::Request r;
           r.mutable_query_status();
           const auto reply = session->call(r).status_reply();
-          out = fmt::format("{} {} {}", reply.sessions_size(), reply.sessions_size() > 0 ? reply.sessions(0).uid() : 0,
-                            reply.total_bytes());
+          out = fmt::format("{} {} {} {}", reply.sessions_size(), reply.sessions_size() > 0 ? reply.sessions(0).uid() : 0,
+                            reply.total_bytes(), reply.communicators_size());
+          // A communicator of this uid's other session is its own user's: seen; ours still is not.
+          tandem::Session job(d.socket().c_str());
+          tandem::Communicator jobComm(job, tandem::uniqueId(), 1, 0);
+          const auto again = session->call(r).status_reply();
+          out += fmt::format(" | {} {}", again.communicators_size(),
+                             again.communicators_size() > 0 ? again.communicators(0).comm_handle() : 0);
         } catch (const std::exception& e) {
           out = e.what();
         }
@@ -265,8 +274,11 @@ TEST_SUITE("hostile clients") {
       ::close(p[0]);
       ::waitpid(pid, nullptr, 0);
       INFO(out);
-      // Its own session only, and the daemon-wide total (our 1 MiB buffer).
-      CHECK(out == fmt::format("1 {} {}", other, 1 << 20));
+      // Its own session only, the daemon-wide total (our 1 MiB buffer and our communicator's share), none of our
+      // communicators; then exactly its own job's.
+      const std::string mineOnly = fmt::format("1 {} {} 0 | 1 ", other, all["total_bytes"].get<uint64_t>());
+      CHECK(out.rfind(mineOnly, 0) == 0);
+      CHECK(out.find(fmt::format(" | 1 {}", myHandle)) == std::string::npos);
     }
     const Baseline b = baseline(d);
     checkRecovered(d, b, "status snooping");
