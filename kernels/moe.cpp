@@ -223,7 +223,10 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   checkCuda(launchRoute(p, routeCtas, chunks, stream), "launching the route kernel");
   checkCuda(launchPlan(p, stream), "launching the plan kernel");
   checkCuda(launchDispatch(p, copyCtas, stream), "launching the dispatch kernel");
-  checkCuda(launchArrive(p, 0, stream), "launching the arrive kernel");
+  // One rank waits for no peer: its FFN needs neither exchange (stream order suffices); its dispatch+GEMM still copies
+  // the row info out here.
+  const bool alone = c.nranks == 1;
+  if (!(alone && g.ffn)) checkCuda(launchArrive(p, 0, stream), "launching the arrive kernel");
 
   GroupedGemmParams gg{};
   gg.dtype = g.dtype;
@@ -264,7 +267,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   g2.skipIdleHalves = g.gemmSkipIdleHalves;
   if (g.gemmDynamicTiles) g2.tileCounter = &p.status->gemmTiles[1];
   launchGroupedGemm(g2, stream, g.gemmSms);
-  checkCuda(launchArrive(p, 1, stream), "launching the y exchange");
+  if (!alone) checkCuda(launchArrive(p, 1, stream), "launching the y exchange");
   checkCuda(launchCombine(p, combineCtas, stream), "launching the combine kernel");
   return fmt::format(
       "route {}x{} CTAs, plan, dispatch {} CTAs (a warp per row), gemm1+SwiGLU and gemm2 over up to {} "
