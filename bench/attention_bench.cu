@@ -257,6 +257,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&outRef, static_cast<size_t>(numRows) * opt.heads * opt.hd * 4));
     CK(cudaMalloc(&lseRef, static_cast<size_t>(numRows) * opt.heads * 4));
     double* sums = nullptr;
+    uint32_t* tileCounter = nullptr;  // tileOrder 3; launches on one stream, one after the other
+    CK(cudaMalloc(&tileCounter, sizeof(uint32_t)));
     unsigned* lseErrBits = nullptr;
     unsigned long long* bad = nullptr;
     CK(cudaMalloc(&sums, 3 * sizeof(double)));
@@ -286,6 +288,7 @@ int main(int argc, char** argv) {
         for (const int g : opt.headGroups) {
           variants.push_back({0, 0, g, 1});
           variants.push_back({0, 0, g, 2});
+          variants.push_back({0, 0, g, 3});
         }
       }
       if (opt.allVariants) {
@@ -307,6 +310,7 @@ int main(int argc, char** argv) {
         p.pingPong = var.pingPong;
         p.headGroup = var.headGroup;
         p.tileOrder = var.tileOrder;
+        p.tileCounter = tileCounter;
         const auto bind = [&](int s) {
           p.q = q[s];
           p.out = out[s];
@@ -398,6 +402,7 @@ int main(int argc, char** argv) {
     cudaFree(outRef);
     cudaFree(lseRef);
     cudaFree(sums);
+    cudaFree(tileCounter);
     cudaFree(lseErrBits);
     cudaFree(bad);
   }

@@ -24,6 +24,7 @@ struct Resolved {
   bool pingPong;
   int headGroup;
   bool snake;
+  bool dynamic;
 };
 Resolved resolveAttention(const AttentionParams& p);
 }  // namespace attn_detail
@@ -189,6 +190,10 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   p.pingPong = r.pingPong ? 1 : 0;
   p.headGroup = r.headGroup;
   p.snake = r.snake ? 1 : 0;
+  if (r.dynamic) {
+    checkCuda(cudaMemsetAsync(g.tileCounter, 0, sizeof(uint32_t), stream), "cudaMemsetAsync(tile counter)");
+    p.tileCounter = g.tileCounter;
+  }
 
   const int sms = g.numSms > 0 && g.numSms < info.numSms ? g.numSms : info.numSms;
   const int64_t grid = work < sms ? work : sms;

@@ -23,6 +23,7 @@ struct Resolved {
   bool pingPong;
   int headGroup;
   bool snake;
+  bool dynamic;
 };
 // Defaults measured on an H200 (bench/RESULTS.md, "Attention core"): 176-key blocks beat 128 by 2-5% without causal
 // masking at head_dim 128 (seq 4K-32K); ping-pong beats free-running consumers by 10-20% everywhere.
@@ -31,7 +32,7 @@ struct Resolved {
 Resolved resolveAttention(const AttentionParams& p) {
   const int blockN = p.blockN != 0 ? p.blockN : (p.headDim == 128 && !p.causal ? 176 : 128);
   const int group = p.headGroup <= 0 || p.headGroup > p.heads ? p.heads : p.headGroup;
-  return {blockN, p.pingPong != 2, group, p.tileOrder == 2};
+  return {blockN, p.pingPong != 2, group, p.tileOrder == 2, p.tileOrder == 3};
 }
 
 }  // namespace attn_detail
@@ -88,8 +89,12 @@ void validateAttention(const AttentionParams& p) {
   }
   if (p.numSms < 0) rule("num_sms", "numSms must be >= 0 (0: every SM), got {}", p.numSms);
   if (p.headGroup < 0) rule("head_group", "headGroup must be >= 0 (0: chosen per shape), got {}", p.headGroup);
-  if (p.tileOrder < 0 || p.tileOrder > 2) {
-    rule("tile_order", "tileOrder must be 0 (default), 1 (round robin) or 2 (snake), got {}", p.tileOrder);
+  if (p.tileOrder < 0 || p.tileOrder > 3) {
+    rule("tile_order", "tileOrder must be 0 (default), 1 (round robin), 2 (snake) or 3 (dynamic), got {}",
+         p.tileOrder);
+  }
+  if (p.tileOrder == 3 && (p.tileCounter == nullptr || reinterpret_cast<uintptr_t>(p.tileCounter) % 4 != 0)) {
+    rule("tile_counter", "tileOrder 3 (dynamic) needs tileCounter: a 4-byte aligned device word for this launch");
   }
   if (p.pingPong < 0 || p.pingPong > 2) {
     rule("ping_pong", "pingPong must be 0 (default), 1 (on) or 2 (off), got {}", p.pingPong);
@@ -151,7 +156,7 @@ const char* attentionConfigName(const AttentionParams& p) {
   thread_local std::string name;
   name = fmt::format("{}/hd{}/bn{}/{}/{}{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim, r.blockN,
                      p.causal ? fmt::format("causal/g{}", r.headGroup) : "full", r.pingPong ? "pingpong" : "free",
-                     r.snake ? "/snake" : "");
+                     r.snake ? "/snake" : r.dynamic ? "/dynamic" : "");
   return name.c_str();
 }
 

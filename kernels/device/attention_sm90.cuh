@@ -117,6 +117,7 @@ struct AttnKernelParams {
   uint32_t waitRank;
   int32_t headGroup;  // causal tile order: heads interleaved per group (1 .. heads)
   int32_t snake;      // 1: CTAs take the work of odd rounds in reverse order (workOf)
+  uint32_t* tileCounter;  // non-null: dynamic order, the producers take work indices from it (zeroed before launch)
 };
 static_assert(sizeof(AttnKernelParams) % 64 == 0);
 static_assert(sizeof(AttnKernelParams) <= 4096, "kernel parameter space");
@@ -143,6 +144,9 @@ struct SharedStorage {
   uint64_t fullV[kStages];
   uint64_t emptyV[kStages];
   uint64_t kvReady[kMaxKvMaps];  // the KV waiter: peer tensor m's KV is in place (one phase per launch)
+  uint64_t tileFull[2];          // dynamic order: the producer wrote tileWork[i]
+  uint64_t tileEmpty[2];         // every consumer thread read it
+  int32_t tileWork[2];
   AttnRunTable runs;
 };
 template <int HD, int BN>
@@ -392,6 +396,11 @@ __device__ __forceinline__ void initBarriers(SharedStorage<HD, BN>& s) {
   gemm::mbarInit(&s.fullQ, 1);
 #pragma unroll
   for (int m = 0; m < kMaxKvMaps; ++m) gemm::mbarInit(&s.kvReady[m], 1);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    gemm::mbarInit(&s.tileFull[i], 1);
+    gemm::mbarInit(&s.tileEmpty[i], kConsumerWarpgroups * 128);
+  }
   gemm::mbarInit(&s.emptyQ, kConsumerWarpgroups);
 #pragma unroll
   for (int i = 0; i < kStages; ++i) {
@@ -452,12 +461,38 @@ __device__ __forceinline__ void awaitKvMap(const AttnKernelParams& p, SharedStor
   readyMaps |= 1u << m;
 }
 
+// The producer's next work index: its round's (static orders), or the next of the shared counter (dynamic), which it
+// hands to the consumers through tileWork (a two-slot ring). The index past numWork is handed on too: it ends the
+// consumers' walk.
+template <int HD, int BN>
+__device__ __forceinline__ int32_t produceWork(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int32_t k,
+                                               gemm::PipeState<2>& ts) {
+  if (p.tileCounter == nullptr) return workOf(p, k);
+  const auto w = static_cast<int32_t>(atomicAdd(p.tileCounter, 1u));
+  gemm::mbarWait(&s.tileEmpty[ts.stage], ts.phase ^ 1);  // pairs with every consumer thread's arrive after reading
+  s.tileWork[ts.stage] = w;
+  gemm::mbarArrive(&s.tileFull[ts.stage]);  // release (CTA): publishes tileWork; pairs with consumeWork's wait
+  ts.advance();
+  return w;
+}
+template <int HD, int BN>
+__device__ __forceinline__ int32_t consumeWork(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int32_t k,
+                                               gemm::PipeState<2>& ts) {
+  if (p.tileCounter == nullptr) return workOf(p, k);
+  gemm::mbarWait(&s.tileFull[ts.stage], ts.phase);  // acquire: tileWork written
+  const int32_t w = s.tileWork[ts.stage];
+  gemm::mbarArrive(&s.tileEmpty[ts.stage]);  // this thread has read the slot
+  ts.advance();
+  return w;
+}
+
 template <int HD, int BN, bool Causal>
 __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedStorage<HD, BN>& s) {
   gemm::PipeState<kStages> ks, vs;
+  gemm::PipeState<2> ts;
   uint32_t qPhase = 0;
   uint32_t readyMaps = 0;
-  for (int32_t k = 0, w = workOf(p, 0); w < p.numWork; w = workOf(p, ++k)) {
+  for (int32_t k = 0, w = produceWork(p, s, 0, ts); w < p.numWork; w = produceWork(p, s, ++k, ts)) {
     const TileCoord tc = tileOf<Causal>(p, w);
     const int32_t q0 = tc.qTile * kBlockM;
     const int64_t maxQ = tileMaxQPos(p, q0);
@@ -652,7 +687,8 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
   if (pingPong && wg == 1) namedBarArrive(Barrier::kSchedule0, 2 * 128);
   const uint32_t qAddr = gemm::smemAddr(s.q) + static_cast<uint32_t>(wg) * kRowsPerConsumer * 128;
 
-  for (int32_t k = 0, w = workOf(p, 0); w < p.numWork; w = workOf(p, ++k)) {
+  gemm::PipeState<2> ts;
+  for (int32_t k = 0, w = consumeWork(p, s, 0, ts); w < p.numWork; w = consumeWork(p, s, ++k, ts)) {
     const TileCoord tc = tileOf<Causal>(p, w);
     const int32_t q0 = tc.qTile * kBlockM;
     const int64_t maxQ = tileMaxQPos(p, q0);

@@ -160,7 +160,7 @@ Problem makeProblem(const Case& c, uint64_t seed) {
 }
 
 struct DeviceProblem {
-  DeviceBuffer q, out, lse;
+  DeviceBuffer q, out, lse, counter{4};
   std::vector<std::unique_ptr<DeviceBuffer>> k, v;
   AttentionParams params{};
   size_t outBytes;  // sq rows; one guard row follows
@@ -187,6 +187,7 @@ struct DeviceProblem {
     params.pingPong = c.pingPong;
     params.headGroup = c.headGroup;
     params.tileOrder = c.tileOrder;
+    params.tileCounter = c.tileOrder == 3 ? static_cast<uint32_t*>(counter.get()) : nullptr;
     params.qSplit = c.qSplit;
     params.qStart2 = c.qStart2;
     for (size_t s = 0; s < c.kv.size(); ++s) {
@@ -331,6 +332,10 @@ TEST_CASE("attention core: persistent CTAs, tuning variants") {
     checkCase({.name = "causal g3", .heads = 5, .sq = 390, .causal = true, .kv = {{390, 0}}, .headGroup = 3,
                .tileOrder = 1},
               18);
+    checkCase({.name = "causal g1 dynamic", .heads = 3, .sq = 900, .causal = true, .kv = {{900, 0}}, .numSms = 4,
+               .headGroup = 1, .tileOrder = 3},
+              20);
+    checkCase({.name = "full dynamic", .heads = 2, .sq = 500, .kv = {{300, 0}, {200, 300}}, .tileOrder = 3}, 21);
   }
   SUBCASE("zigzag queries and KV: two runs of positions per tensor") {
     Case c{.name = "zigzag causal", .sq = 300, .causal = true, .kv = {{300, 0}}};
