@@ -2,7 +2,7 @@
 prepacked struct (the floor of any ctypes binding), through a pybind11 module doing the same (the floor of a
 compiled extension, where pybind11 is importable), and through tandem's public API.
 
-usage: python overhead.py BASELINE_BINARY [--iters N]
+usage: python overhead.py BASELINE_BINARY [--noop LIBTANDEM_NOOP] [--iters N]
   BASELINE_BINARY: overhead_baseline.c compiled against the same libtandem (python/bench/build.sh does it).
 Needs a running tandemd ($TANDEM_SOCKET or the default socket). One rank. Prints a table and one JSON line.
 
@@ -27,17 +27,19 @@ import tandem
 from tandem import _capi
 
 
-def timed(fn, iters: int, repeats: int = 7, sync=None) -> float:
-    """Median over `repeats` of the mean ns per call of `iters` calls of fn()."""
+def timed(fn, iters: int, repeats: int = 7, sync=None, cpu: bool = False) -> float:
+    """Median over `repeats` of the mean ns per call of `iters` calls of fn(): wall time, or with cpu=True this
+    thread's CPU time (which a loaded machine's preemption does not inflate)."""
+    clock = time.thread_time_ns if cpu else time.perf_counter_ns
     fn()
     if sync:
         sync()
     per = []
     for _ in range(repeats):
-        t0 = time.perf_counter_ns()
+        t0 = clock()
         for _ in range(iters):
             fn()
-        per.append((time.perf_counter_ns() - t0) / iters)
+        per.append((clock() - t0) / iters)
         if sync:
             sync()
     return statistics.median(per)
@@ -46,8 +48,12 @@ def timed(fn, iters: int, repeats: int = 7, sync=None) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("baseline")
+    ap.add_argument("--noop", default=None, help="libtandem_noop.so (default: beside BASELINE)")
     ap.add_argument("--iters", type=int, default=0)
     args = ap.parse_args()
+    if args.noop is None:
+        import os
+        args.noop = os.path.join(os.path.dirname(os.path.abspath(args.baseline)), "libtandem_noop.so")
     comm = tandem.Communicator()
     cuda = comm.is_cuda
     iters = args.iters or (200 if cuda else 2000)
@@ -118,12 +124,52 @@ def main() -> int:
         results["gemm_ar: tandem API, torch tensors (staged copies)"] = timed(
             lambda: comm.gemm_ar(a_t, b_t, out=c_t), iters, sync=sync)
 
+    # The binding's own work per call, apart from libtandem and the daemon: the same calls with libtandem's entry
+    # points swapped for no-op C functions of the same signatures (libtandem_noop.so). CPU time of this thread.
+    alone: dict[str, float] = {}
+    noop = ctypes.CDLL(args.noop)
+    for name in ("tandem_gemm_ar", "tandem_barrier_stream", "tandem_wait", "tandem_op_status"):
+        f = getattr(noop, name)
+        f.restype = ctypes.c_int
+        f.argtypes = getattr(lib, name).argtypes
+    saved_fn = dict(comm._fn)
+    saved = {name: getattr(lib, name) for name in ("tandem_wait", "tandem_op_status")}
+    comm._fn["gemm_ar"], comm._fn["barrier"] = noop.tandem_gemm_ar, noop.tandem_barrier_stream
+    lib.tandem_wait, lib.tandem_op_status = noop.tandem_wait, noop.tandem_op_status
+    n2 = iters * 10
+    try:
+        def raw_noop():
+            noop.tandem_gemm_ar(h, addr, opref)
+            if not cuda:
+                noop.tandem_wait(op, -1)
+        alone["gemm_ar: ctypes, prepacked"] = timed(raw_noop, n2, cpu=True)
+        try:
+            pb.setup(args.noop)
+            alone["gemm_ar: pybind11, prepacked"] = timed(lambda: pb.gemm_ar(h, addr, cuda), n2, cpu=True)
+        except NameError:
+            pass
+        alone["barrier: tandem API"] = timed(comm.barrier, n2, cpu=True)
+        alone["gemm_ar: tandem API, tandem.empty tensors"] = timed(lambda: comm.gemm_ar(a_d, b_d, out=c_d), n2,
+                                                                   cpu=True)
+        if cuda:
+            alone["gemm_ar: tandem API, torch allocator tensors"] = timed(lambda: comm.gemm_ar(a_t, b_t, out=c_t), n2,
+                                                                          cpu=True)
+        comm._inflight.clear()  # the no-op "ops" are not real ones
+    finally:
+        comm._fn.update(saved_fn)
+        lib.tandem_wait, lib.tandem_op_status = saved["tandem_wait"], saved["tandem_op_status"]
+
     print(f"backend {comm.backend}, torch {torch.__version__}, {iters} calls x 7 repeats, median ns per call")
+    print("end to end (wall time; includes libtandem and the daemon):")
     for name, ns in results.items():
         base = results[name.split(":")[0] + ": C ABI loop"]
         print(f"  {name:55s} {ns / 1000:8.2f} us   (+{(ns - base) / 1000:6.2f} us over the C loop)")
+    print(f"the binding's own work per call (libtandem replaced by no-op C functions; thread CPU time, {n2} calls):")
+    for name, ns in alone.items():
+        print(f"  {name:55s} {ns / 1000:8.2f} us")
     print(json.dumps({"backend": comm.backend, "torch": torch.__version__, "iters": iters,
-                      "ns_per_call": {k: round(v) for k, v in results.items()}}))
+                      "ns_per_call": {k: round(v) for k, v in results.items()},
+                      "binding_alone_cpu_ns_per_call": {k: round(v) for k, v in alone.items()}}))
     comm.close()
     return 0
 

@@ -12,7 +12,7 @@ import torch
 from . import _capi
 from ._capi import ARG_STRUCTS, C_FUNCTIONS, lib
 from ._errors import TandemError, error_for
-from ._memory import Buffer, Session, check
+from ._memory import Buffer, HitCache, Session, check
 
 _DTYPES = {torch.float32: _capi.DTYPE_FP32, torch.float16: _capi.DTYPE_FP16, torch.bfloat16: _capi.DTYPE_BF16}
 _DTYPE_NAMES = "torch.bfloat16, torch.float16 or torch.float32"
@@ -102,6 +102,11 @@ class Communicator:
         self._fn = {name: getattr(lib, cname) for name, cname in C_FUNCTIONS.items()}
         self._op = _capi.Op()
         self._opref = ctypes.byref(self._op)
+        self._pack = {name: st.pack_into for name, st in ARG_STRUCTS.items()}
+        self._sizes = {name: st.size for name, st in ARG_STRUCTS.items()}
+        self._hits = HitCache()  # data_ptr -> (buffer, offset, bytes to its end), for daemon memory
+        self._rows_cache: dict[int, int] = {}
+        self.session.hit_caches[id(self._hits)] = self._hits
         self._staging: Buffer | None = None
         self._staging_tensor: torch.Tensor | None = None
         # cuda: ops complete in stream order; their completions are drained (and an op's failure reported) a few
@@ -309,7 +314,95 @@ class Communicator:
             self._inflight = []
 
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream if self.is_cuda else 0
+        if not self.is_cuda:
+            return 0
+        if _raw_stream is not None:
+            return _raw_stream(self._devidx)
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # ---- the fast path of the GEMM ops: the common case (contiguous tensors of one op dtype on the right device,
+    # in daemon memory or registered segments, shapes that fit) checked in as few tensor-attribute reads as
+    # possible. Anything else returns None, and the caller takes the full path, which validates argument by
+    # argument (raising the ValueError that names the rule) and stages cpu tensors.
+    def _resolve_fast(self, ptr, nbytes):
+        """(buffer, offset, ...) of [ptr, +nbytes) in daemon memory (then cached) or a registered cuda segment;
+        None where the full path must decide (staging, a first registration, or an error naming the argument)."""
+        hit = self.session.lookup(ptr, nbytes)
+        if hit is not None:
+            if len(self._hits) > 4096:
+                self._hits.clear()
+            # NOTE: valid until the session forgets a buffer (remove_span clears every communicator's hits).
+            e = self._hits[ptr] = (hit[0], hit[1], self.session.span_end(ptr) - ptr)
+            return e
+        if self.is_cuda:
+            return self.session.segments.resolve_known(ptr, nbytes)
+        return None
+
+    def _gemm_fast(self, op, a, b, out):
+        try:
+            m, k = a.shape
+            n, kb = b.shape
+        except (ValueError, AttributeError, TypeError):
+            return None
+        dtype = a.dtype
+        dt = _DTYPES.get(dtype)
+        if dt is None or kb != k or b.dtype is not dtype or not a.is_contiguous() or not b.is_contiguous():
+            return None
+        cuda = self.is_cuda
+        if cuda:
+            if a.get_device() != self._devidx or b.get_device() != self._devidx:
+                return None
+        elif not (a.is_cpu and b.is_cpu):
+            return None
+        rows = m if op == "gemm_ar" else self._rows(m)
+        if out is None:
+            out = self._out((rows, n), dtype)
+        elif (out.dtype is not dtype or out.shape != (rows, n) or not out.is_contiguous() or
+              (out.get_device() != self._devidx if cuda else not out.is_cpu)):
+            return None
+        es = _ELSIZE[dtype]
+        hits = self._hits
+        pa, pb, pc = a.data_ptr(), b.data_ptr(), out.data_ptr()
+        # Daemon memory seen before: one dict probe each (the cache is cleared whenever a buffer is forgotten).
+        ea, eb, ec = hits.get(pa), hits.get(pb), hits.get(pc)
+        if ea is None or ea[2] < m * k * es:
+            ea = self._resolve_fast(pa, m * k * es)
+        if eb is None or eb[2] < n * k * es:
+            eb = self._resolve_fast(pb, n * k * es)
+        if ec is None or ec[2] < rows * n * es:
+            ec = self._resolve_fast(pc, rows * n * es)
+        if ea is None or eb is None or ec is None:
+            return None
+        args = self._args[op]
+        self._pack[op](args, 0, self._sizes[op], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1],
+                       _raw_stream(self._devidx) if cuda and _raw_stream is not None else self._stream())
+        rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
+        if rc:
+            raise error_for(rc, _capi.last_error())
+        if cuda:
+            self._track()
+        else:
+            rc = lib.tandem_wait(self._op, self._op_timeout_ms)
+            if rc:
+                raise error_for(rc, _capi.last_error())
+        return out
+
+    def _call(self, op) -> None:
+        rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
+        if rc:
+            raise error_for(rc, _capi.last_error())
+        if self.is_cuda:
+            self._track()
+        else:
+            rc = lib.tandem_wait(self._op, self._op_timeout_ms)
+            if rc:
+                raise error_for(rc, _capi.last_error())
+
+    def _rows(self, m: int) -> int:
+        r = self._rows_cache.get(m)
+        if r is None:
+            r = self._rows_cache[m] = rows_of(m, self.rank, self.world_size)[1]
+        return r
 
     # ---- ops (eager; under torch.compile the public functions call the torch.library ops instead)
     def _eager_ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None):
@@ -342,6 +435,10 @@ class Communicator:
         return out
 
     def _gemm_reduce(self, op, a, b, out):
+        if not self._closed:
+            fast = self._gemm_fast(op, a, b, out)
+            if fast is not None:
+                return fast
         self._check(a, "a", op, ndim=2)
         dt = _dtype_code(a, op)
         self._check(b, "b", op, a.dtype, 2)
@@ -501,11 +598,19 @@ class Communicator:
     def gemm_rs(self, a, b, *, out=None):
         if _compiling():
             return _ops.gemm_rs(self, a, b, out=out)
+        if not self._closed:
+            r = self._gemm_fast("gemm_rs", a, b, out)
+            if r is not None:
+                return r
         return self._eager_gemm_rs(a, b, out=out)
 
     def gemm_ar(self, a, b, *, out=None):
         if _compiling():
             return _ops.gemm_ar(self, a, b, out=out)
+        if not self._closed:
+            r = self._gemm_fast("gemm_ar", a, b, out)
+            if r is not None:
+                return r
         return self._eager_gemm_ar(a, b, out=out)
 
     def moe_dispatch_gemm(self, x, topk_ids, topk_weights, w, *, capacity: int | None = None, out=None,
@@ -547,7 +652,9 @@ def _dtype_code(t, op):
     return dt
 
 
-_ELSIZE: dict = {}
+_ELSIZE: dict = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int32: 4}
+# The current stream's raw handle without making a torch.cuda.Stream object (what inductor's generated code calls).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _capi_elsize(dtype) -> int:

@@ -31,6 +31,11 @@ def check(status: int) -> None:
 
 # ---- sessions ---------------------------------------------------------------------------------------------------
 
+class HitCache(dict):
+    """A communicator's data_ptr -> (buffer, offset, bytes to the buffer's end) cache for daemon memory (a dict
+    subclass, so its session can hold it weakly and clear it whenever a buffer is forgotten)."""
+
+
 class Session:
     """One connection to tandemd (tandem_connect). One per socket path per process, shared by every Communicator
     and tandem.empty() that name the same socket; get one with Session.get()."""
@@ -66,6 +71,8 @@ class Session:
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._buffers: list[int] = []
+        # Communicators' pointer caches, by id (weakly: a closed communicator's cache goes with it).
+        self.hit_caches: "weakref.WeakValueDictionary[int, HitCache]" = weakref.WeakValueDictionary()
         self._deferred: list = []  # cuda buffers whose last user may still be running: (event or None, handle)
         self.segments = SegmentCache(self) if self.is_cuda else None
 
@@ -80,6 +87,12 @@ class Session:
         i = bisect.bisect_left(self._starts, start)
         if i < len(self._starts) and self._starts[i] == start:
             del self._starts[i], self._ends[i], self._buffers[i]
+        for hits in list(self.hit_caches.values()):  # communicators' caches may name this buffer
+            hits.clear()
+
+    def span_end(self, ptr: int) -> int:
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        return self._ends[i]
 
     def lookup(self, ptr: int, nbytes: int):
         """(buffer handle, offset) of [ptr, ptr+nbytes) in a buffer this session owns, else None."""
@@ -318,6 +331,17 @@ class SegmentCache:
             return None
         v = self._vals
         return v[0], v[1], v[2]
+
+    def resolve_known(self, ptr: int, nbytes: int):
+        """(buffer, offset) where ptr lies in a registered, still allocated segment; else None (the caller then
+        takes the path that registers, or raises naming the argument)."""
+        if self._get(3, self._attrs_addr, self._data_addr, ptr) != 0:
+            return None
+        v = self._vals
+        hit = self.by_id.get(v[0])
+        if hit is None or ptr + nbytes > v[1] + v[2]:
+            return None
+        return hit[2], ptr - hit[0]
 
     def resolve(self, ptr: int, nbytes: int, arg: str, op: str):
         q = self.query(ptr)
