@@ -464,6 +464,7 @@ ExpectedSlots independentSlots(const OpDescriptor& d) {
     }
     case OpKind::kRingAttention:
       for (int s = 0; s < 4; ++s) set(s, U128{v[0]} * v[1] * v[2] * es, esAlign);
+      set(4, U128{v[1]} * v[0] * 4, 4, true);  // lse [heads, seq] fp32, optional
       break;
     case OpKind::kAllGather:
       set(0, v[0], 1);
