@@ -53,11 +53,13 @@ struct GroupedGemmParams {
   GroupedGemmEpilogue epilogue;
   int32_t groupM;                ///< tuning: raster group height in row tiles within an expert (0 = default 16)
   /// tuning: a consumer warpgroup whose 64 rows of a tile all lie past its group's end skips its wgmmas (the tile's
-  /// other half then has the tensor cores alone). 0 = off.
+  /// other half then has the tensor cores alone). 0 = off, the default: measured slower on an H200 (bench/RESULTS.md,
+  /// "MoE ops at one rank": gemm1 1.20 against 0.92 ms at 256 rows per expert), not yet understood.
   int32_t skipIdleHalves;
   /// Optional dynamic tile order: a zeroed uint32 in device memory (zero it before every launch, e.g. with
   /// cudaMemsetAsync on the same stream). Each CTA then draws its next tile from it, so CTAs that drew cheap tiles
-  /// take more. Null: CTA c takes tiles c, c + grid, ... Either way every output is the same, bit for bit.
+  /// take more. Null: CTA c takes tiles c, c + grid, ... Either way every output is the same, bit for bit. Null is
+  /// the default: the dynamic order measured slower on an H200 (bench/RESULTS.md, "MoE ops at one rank").
   uint32_t* tileCounter;
 };
 
