@@ -624,9 +624,9 @@ json answers(const json& report, uint32_t ranks) {
     } else if (alone && base && bestUs) {
       const double hidden = *base > *alone ? (*base - *bestUs) / (*base - *alone) : 0.0;
       overlap.push_back(fmt::format(
-          "{}: {} output tiles; the best plan ({}) takes {:.1f} us against {:.1f} us unfused and {:.1f} us for the "
+          "{}: {} output tile{}; the best plan ({}) takes {:.1f} us against {:.1f} us unfused and {:.1f} us for the "
           "GEMM alone, so it hides {:.0f}% of the communication{}.",
-          name, tiles, best["kind"].get<std::string>() == "fused"
+          name, tiles, tiles == 1 ? "" : "s", best["kind"].get<std::string>() == "fused"
                            ? fmt::format("fused, {} comm SMs", best["comm_sms"].get<uint32_t>())
                            : std::string("decomposed"),
           *bestUs, *base, *alone, std::clamp(hidden, 0.0, 1.0) * 100,
@@ -657,7 +657,7 @@ json answers(const json& report, uint32_t ranks) {
       const double bytes = l["op"] == "ag-gemm" ? m * k * 2 * (ranks - 1) / ranks
                                                 : m * n * 2 * (ranks - 1) / ranks * (l["op"] == "gemm-ar" ? 2 : 1);
       const double commUs = bytes / (link["gb_per_s"].get<double>() * 1e3);
-      bottleneck.push_back(fmt::format("{}: it moves {:.1f} MiB per rank, {:.1f} us at the measured {:.0f} GB/s, against "
+      bottleneck.push_back(fmt::format("{}: it moves {:.1f} MiB per rank, {:.1f} us at the measured {:.1f} GB/s, against "
                                        "{:.1f} us of GEMM: {}.", name, bytes / (1 << 20), commUs,
                                        link["gb_per_s"].get<double>(), *alone,
                                        commUs > *alone ? "the link is the bottleneck (communication-bound)"
@@ -669,6 +669,10 @@ json answers(const json& report, uint32_t ranks) {
                          "network enters only for communicators across nodes, which tandem stages through host memory.");
   } else {
     bottleneck.push_back("The network: this communicator is on one node, so only NVLink (or PCIe) carries it.");
+  }
+  if (report.value("gpu", std::string()) == "cpu") {
+    sms.insert(sms.begin(), "This tandemd runs the cpu backend, where plans do not change how an op runs: these "
+                            "differences are noise. Run advise against a cuda tandemd for the GPUs' answer.");
   }
   patterns.insert(patterns.begin(),
                   fmt::format("{} of {} layers fit the fused ops; the fused plan won for {} of them{}.", fit, total,
@@ -747,7 +751,7 @@ std::string svgPlot(const json& report) {
 }
 
 void printTable(const json& report) {
-  std::printf("%-28s %-8s %11s %11s %11s %11s  %s\n", "layer", "bucket", "unfused", "GEMM alone", "decomposed",
+  std::printf("%-28s %-22s %11s %11s %11s %11s  %s\n", "layer", "bucket", "unfused", "GEMM alone", "decomposed",
               "best fused", "winner");
   for (const json& l : report["layers"]) {
     if (l.contains("misfit")) {
@@ -766,11 +770,14 @@ void printTable(const json& report) {
     std::string winner = "-";
     if (l.contains("best")) {
       const json& b = l["best"];
-      winner = b["kind"] == "fused" ? fmt::format("fused, {} comm SMs", b["comm_sms"].get<uint32_t>()) : "decomposed";
+      const uint32_t sms = b["comm_sms"].get<uint32_t>();
+      winner = b["kind"] != "fused" ? std::string("decomposed")
+               : sms == 0           ? std::string("fused, no comm SMs")
+                                    : fmt::format("fused, {} comm SMs", sms);
       if (auto base = num(l, "baseline_us")) winner += fmt::format(" ({:.2f}x unfused)", *base / b["us"].get<double>());
     }
-    std::printf("%-28s %-8s %11s %11s %11s %11s  %s\n", l["name"].get<std::string>().c_str(),
-                l.value("bucket", std::string()).substr(0, 8).c_str(), us(num(l, "baseline_us")).c_str(),
+    std::printf("%-28s %-22s %11s %11s %11s %11s  %s\n", l["name"].get<std::string>().c_str(),
+                l.value("bucket", std::string()).c_str(), us(num(l, "baseline_us")).c_str(),
                 us(num(l, "gemm_alone_us")).c_str(), us(num(l, "decomposed_us")).c_str(),
                 bestFused ? fmt::format("{:.1f}@{}", *bestFused, bestSms).c_str() : "-", winner.c_str());
     for (const json& e : l.value("errors", json::array())) {

@@ -5,6 +5,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "advise.hpp"
 #include "ctl.hpp"
 #include "session.hpp"
 
@@ -49,6 +50,7 @@ int status(const std::string& socket, bool asJson) {
                            {"pci_bus_id", g.pci_bus_id()}, {"compute_capability", g.compute_capability()},
                            {"mps", g.mps()}, {"peers", peers}});
     }
+    j["plans"] = planStatusJson(r);
     std::cout << j.dump(2) << std::endl;
     return 0;
   }
@@ -89,6 +91,7 @@ int status(const std::string& socket, bool asJson) {
                 c.state().c_str(), static_cast<unsigned long>(c.ops_completed()), nodes.c_str(),
                 c.reason().empty() ? "" : "  ", c.reason().c_str());
   }
+  printPlanStatus(r);
   return 0;
 }
 

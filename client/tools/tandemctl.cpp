@@ -13,6 +13,7 @@
 #include <map>
 #include <string>
 
+#include "advise.hpp"
 #include "ctl.hpp"
 #include "session.hpp"
 #include "tandem/common/error.hpp"
@@ -130,6 +131,7 @@ int main(int argc, char** argv) {
   run->add_option("--rank", o.rank, "internal: run as this rank")->group("");
   run->add_option("--local-index", o.localIndex, "internal: this rank's position among the node's ranks")->group("");
 
+  tandem::ctl::addPlanCommands(app);  // advise, tune (advise.cpp)
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -140,6 +142,7 @@ int main(int argc, char** argv) {
   try {
     const std::string sock = socketFor(socket);
     if (*statusCmd) return status(sock, statusJson);
+    if (const auto rc = tandem::ctl::runPlanCommands(sock)) return *rc;
     if (*versionCmd) {
       std::printf("tandemctl %s (protocol %u)\n", tandem_version(), TANDEM_PROTOCOL_VERSION);
       auto session = tandem::client::Session::connect(sock);
