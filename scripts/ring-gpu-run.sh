@@ -19,11 +19,12 @@ if ! timeout 60 cmake -S . -B build-gpu-ring -G Ninja -DCMAKE_BUILD_TYPE=Release
   tail -40 "$out/configure.log"
   exit 1
 fi
-if ! timeout 150 cmake --build build-gpu-ring -j16 --target tandem_attention_core_tests tandem_ring_attention_gpu_tests \
-  attention_bench > "$out/build.log" 2>&1; then
-  grep -E "error|Error" -A4 "$out/build.log" | head -80
-  exit 1
-fi
+# One build, keep going (-k 0): a failure elsewhere (tandemd, libtandem) must not cost the core's measurements; each
+# step below runs if its binary exists.
+timeout 150 cmake --build build-gpu-ring -j16 --target tandem_attention_core_tests attention_bench \
+  tandem_ring_attention_gpu_tests -- -k 0 > "$out/build.log" 2>&1
+echo "build rc=$?"
+grep -E "error|FAILED" -A4 "$out/build.log" | head -60
 echo "build: $(($(date +%s) - t0)) s"
 timeout 40 stdbuf -oL ./build-gpu-ring/tests/gpu/tandem_attention_core_tests > "$out/core_test.log" 2>&1
 echo "attention core test rc=$? ($(($(date +%s) - t0)) s)"
@@ -38,7 +39,7 @@ echo "sdpa_baseline rc=$? ($(($(date +%s) - t0)) s)"
 grep -E "^\|" "$out/bench.log"
 grep -E "^\||CHECK|SKIP|Error" "$out/sdpa.log" | head -40
 left=$((232 - ($(date +%s) - t0)))
-[ "$left" -lt 45 ] && left=45
+[ "$left" -lt 40 ] && left=40
 TANDEM_OP_TIMEOUT_MS=20000 timeout "$left" stdbuf -oL ./build-gpu-ring/tests/gpu/tandem_ring_attention_gpu_tests -s \
   > "$out/ring_test.log" 2>&1
 echo "ring attention gpu tests rc=$? ($(($(date +%s) - t0)) s, limit ${left} s)"
