@@ -27,12 +27,15 @@ struct Resolved {
 };
 // Defaults measured on an H200 (bench/RESULTS.md, "Attention core"): 176-key blocks beat 128 by 2-5% without causal
 // masking at head_dim 128 (seq 4K-32K); ping-pong beats free-running consumers by 10-20% everywhere.
-// Causal tile order: every head in one group, round robin, until measured otherwise (bench/RESULTS.md, "Ring
-// attention": head groups and the snake order are timed at 4K-32K).
+// Causal tile order by default: every head in one group, snake rounds. A model of the persistent schedule (each
+// CTA's sum of tile lengths, longest tiles first) puts round robin's slowest CTA 24% / 12% / 6% / 3% over the mean at
+// 4K / 8K / 16K / 32K with 16 heads on 132 SMs, and snake's within 0.2% everywhere. Head groups and the dynamic order
+// (which also keeps the K/V in flight to a few heads') are timed beside it (bench/RESULTS.md, "Ring attention").
 Resolved resolveAttention(const AttentionParams& p) {
   const int blockN = p.blockN != 0 ? p.blockN : (p.headDim == 128 && !p.causal ? 176 : 128);
   const int group = p.headGroup <= 0 || p.headGroup > p.heads ? p.heads : p.headGroup;
-  return {blockN, p.pingPong != 2, group, p.tileOrder == 2, p.tileOrder == 3};
+  const bool snake = p.tileOrder == 2 || (p.tileOrder == 0 && p.causal);
+  return {blockN, p.pingPong != 2, group, snake, p.tileOrder == 3};
 }
 
 }  // namespace attn_detail

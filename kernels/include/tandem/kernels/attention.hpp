@@ -63,7 +63,8 @@ struct AttentionParams {
   int32_t numSms;    // cap on the persistent grid (CTAs); 0 = every SM
   int32_t pingPong;  // 1 (default): the two consumer warpgroups take turns issuing GEMMs, 2: free-running
   int32_t headGroup;  // causal tile order: heads per group (1 .. heads); 0 = default (every head in one group)
-  int32_t tileOrder;  // 0 = default (round robin), 1 = round robin, 2 = snake (odd rounds reversed: balances causal),
+  int32_t tileOrder;  // 0 = default (causal: snake, else round robin), 1 = round robin, 2 = snake (odd rounds
+                      // reversed: balances causal tiles),
                       // 3 = dynamic (CTAs take tiles from tileCounter as they finish)
   uint32_t* tileCounter;  // tileOrder 3: a device word the launch zeroes on the stream (cudaMemsetAsync) and uses; no
                           // other launch in flight may use the same word
