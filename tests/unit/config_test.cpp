@@ -220,7 +220,7 @@ TEST_SUITE("config") {
     SUBCASE("at the top level") {
       checkError("daemon:\n  backend: cpu\ndeamon: {}\n",
                  {"tandemd.yaml:3:1: deamon: unknown key. Valid top-level keys: daemon, access, limits, rings, "
-                  "communicators, cuda, cluster."});
+                  "communicators, cuda, cluster, plans."});
     }
     SUBCASE("inside a section, with a suggestion for a typo") {
       checkError("rings:\n  capacity: 64\n\n\n\n\n  capacty: 3\n",
