@@ -104,6 +104,10 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
     fail(kBad, "{}: n_out = {} must be a positive multiple of 8 (16-byte rows of out); pad w with zero rows", op,
          p.nOut);
   }
+  if (p.ffn && p.tokens * (p.hidden / 1024 + 1) > kMax32) {  // the combine's work items: tokens x row parts
+    fail(kBad, "{}: tokens x hidden = {} x {} is too large for the cuda backend's combine; split the batch", op,
+         p.tokens, p.hidden);
+  }
   if (p.ffn && (p.ffnDim <= 0 || p.ffnDim % 8 != 0 || p.ffnDim > kMax32 / 2)) {
     fail(kBad, "{}: ffn = {} must be a positive multiple of 8 (16-byte rows of h); pad w1 and w2 with zeros", op,
          p.ffnDim);
@@ -216,7 +220,12 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   const int routeCtas = static_cast<int>(ceilDiv(g.experts, kRouteWarps));
   const int chunks = static_cast<int>(std::max<int64_t>(routeChunks(g.tokens), 1));  // one chunk of none: counts 0
   const int copyCtas = static_cast<int>(std::clamp<int64_t>(ceilDiv(pairs, kCopyWarps), 1, int64_t{sms} * 8));
-  const int combineCtas = static_cast<int>(std::clamp<int64_t>(ceilDiv(g.tokens, kCopyWarps), 1, int64_t{sms} * 8));
+  // A warp sums up to 128 16-byte pieces of a token's row (4 per lane): 7 warps per 7168-wide bf16 row, so a few
+  // thousand tokens give every SM dozens of warps' loads in flight.
+  const int64_t parts = std::max<int64_t>(1, ceilDiv(g.hidden / 8, 128));
+  p.combineParts = static_cast<int32_t>(parts);
+  const int combineCtas =
+      static_cast<int>(std::clamp<int64_t>(ceilDiv(g.tokens * parts, kCopyWarps), 1, int64_t{sms} * 8));
 
   // Reset the per-op status (state, bad pair, CTA counters); the rest of the scratch is written before it is read.
   checkCuda(cudaMemsetAsync(p.status, 0, sizeof(MoeStatus), stream), "cudaMemsetAsync(status)");

@@ -391,9 +391,15 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeCombineKernel(const __grid
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   if (state == kRun) {
+    // Work item = (token, part): a warp sums one part of a token's row, so that many warps keep loads in flight.
     const int32_t vecs = p.hidden / 8;
-    for (int32_t t = static_cast<int32_t>(blockIdx.x) * kCopyWarps + warp; t < p.tokens;
-         t += static_cast<int32_t>(gridDim.x) * kCopyWarps) {
+    const int32_t parts = p.combineParts;
+    const int32_t perPart = (vecs + parts - 1) / parts;
+    const int32_t items = p.tokens * parts;
+    for (int32_t w = static_cast<int32_t>(blockIdx.x) * kCopyWarps + warp; w < items;
+         w += static_cast<int32_t>(gridDim.x) * kCopyWarps) {
+      const int32_t t = w / parts;
+      const int32_t part = w - t * parts;
       if (lane < p.topk) {
         const int32_t pi = t * p.topk + lane;
         const int32_t e = p.ids[pi];
@@ -407,12 +413,24 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeCombineKernel(const __grid
       }
       __syncwarp();
       auto* dst = reinterpret_cast<uint4*>(static_cast<char*>(p.out) + static_cast<int64_t>(t) * p.hidden * 2);
-      for (int32_t i = lane; i < vecs; i += 32) {
+      const int32_t end = min(vecs, (part + 1) * perPart);
+      for (int32_t i = part * perPart + lane; i < end; i += 32) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int32_t j = 0; j < p.topk; ++j) accumulate8<T>(acc, sRow[warp][j][i], sWeight[warp][j]);
+        // Up to 8 slots' loads in flight before their sums, which stay in slot order (bitwise repeatable).
+        for (int32_t j0 = 0; j0 < p.topk; j0 += 8) {
+          uint4 v[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            if (j0 + u < p.topk) v[u] = sRow[warp][j0 + u][i];
+          }
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            if (j0 + u < p.topk) accumulate8<T>(acc, v[u], sWeight[warp][j0 + u]);
+          }
+        }
         dst[i] = pack8<T>(acc);
       }
-      __syncwarp();  // the slot table is rewritten for the next token
+      __syncwarp();  // the slot table is rewritten for the next item
     }
   }
   __syncthreads();

@@ -112,11 +112,11 @@ struct MoeKernelParams {
   uint64_t epoch;
   int32_t rank, nranks;
   int32_t tokens, hidden, experts, topk, localExperts;
-  int32_t capacity;  // this rank's receive rows
-  int32_t ffn;       // 0: dispatch+GEMM
-  int32_t op;        // OpKind, for the error slot
-  int32_t dtype;     // GemmDtype
-  int32_t pad0;
+  int32_t capacity;      // this rank's receive rows
+  int32_t ffn;           // 0: dispatch+GEMM
+  int32_t op;            // OpKind, for the error slot
+  int32_t dtype;         // GemmDtype
+  int32_t combineParts;  // a token's row is summed by this many warps (1..)
 };
 
 inline constexpr int kRouteWarps = 8;  // experts per route CTA
