@@ -87,7 +87,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moeRouteKernel(const __grid_
     int32_t hit = -1;
     if (t < t1) {
       const int32_t* row = p.ids + static_cast<int64_t>(t) * topk;
-      for (int32_t j = 0; j < topk; ++j) {
+#pragma unroll 8
+      for (int32_t j = 0; j < topk; ++j) {  // unrolled: the slots' loads go out together
         if (row[j] == e) hit = j;
       }
     }
