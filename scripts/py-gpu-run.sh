@@ -5,7 +5,8 @@
 #   3. a private tandemd on the cuda backend (executor client);
 #   4. tests/python/gpu_run.py at 1 rank (ops, torch.compile, CUDA graph capture + 100 replays, the registration
 #      cache under freed and reused segments) and at 2 ranks sharing the GPU under torchrun (ops, compile, graph);
-#   5. the per-call overhead: python/bench/overhead.py against the same op through the C ABI (and pybind11's floor).
+#   5. the per-call overhead: python/bench/overhead.py against the same op through the C ABI (and pybind11's floor),
+#      with the hot path's C module (_tandem_fastcall, built by pip) and with ctypes alone.
 #   scripts/py-gpu-run.sh OUTDIR
 # OUTDIR gets machine.txt, configure.log, build.log, tandemd.log, one log per step and summary.txt (one line per step
 # with its exit code and seconds). Every step runs under `timeout`.
@@ -43,12 +44,19 @@ site="$work/site"
 if timeout 60 "$py" -m pip install --no-build-isolation --no-deps --target "$site" ./python > "$out/pip.log" 2>&1; then
   note "pip install ok ($(elapsed) s)"
 else
-  note "pip install FAILED (see pip.log); using the source tree python/ instead"
+  # e.g. setuptools too old to build a wheel without the `wheel` package: the source tree, and the C module by hand
+  note "pip install FAILED (see pip.log); using the source tree python/ and compiling _tandem_fastcall directly"
   site="$root/python"
+  mkdir -p "$work/fast"
+  inc=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  ext=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  cc -O2 -shared -fPIC -I"$inc" python/_tandem_fastcall.c -o "$work/fast/_tandem_fastcall$ext" >> "$out/pip.log" 2>&1 &&
+    site="$site:$work/fast"
 fi
 export PYTHONPATH="$site:$root/tests/python${PYTHONPATH:+:$PYTHONPATH}"
 export TANDEM_LIBRARY="$root/$build/client/libtandem.so.0.2"
-"$py" -c 'import tandem; print("tandem from", tandem.__file__, "library", tandem.library_path)' >> "$out/pip.log" 2>&1
+"$py" -c 'import tandem; from tandem import _capi; print("tandem from", tandem.__file__, "library",
+           tandem.library_path, "fastcall", _capi.fastcall)' >> "$out/pip.log" 2>&1
 
 sock="$work/tandemd.sock"
 printf 'daemon:\n  backend: cuda\n  executor: client\n' > "$work/tandemd.yaml"
@@ -76,4 +84,5 @@ step gpu-2ranks 50 "$py" -m torch.distributed.run --standalone --nproc-per-node 
 timeout 30 python/bench/build.sh "$root/$build/client/libtandem.so.0.2" "$work/bench" "$py" > "$out/bench-build.log" 2>&1
 export PYTHONPATH="$work/bench:$PYTHONPATH"
 step overhead 30 "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
+TANDEM_NO_FASTCALL=1 step overhead-ctypes-only 30 "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
 note "done ($(elapsed) s)"

@@ -132,9 +132,12 @@ def main() -> int:
         f = getattr(noop, name)
         f.restype = ctypes.c_int
         f.argtypes = getattr(lib, name).argtypes
-    saved_fn = dict(comm._fn)
+    saved_fn, saved_addr, saved_wait = dict(comm._fn), dict(comm._fnaddr), comm._wait_addr
     saved = {name: getattr(lib, name) for name in ("tandem_wait", "tandem_op_status")}
     comm._fn["gemm_ar"], comm._fn["barrier"] = noop.tandem_gemm_ar, noop.tandem_barrier_stream
+    comm._fnaddr["gemm_ar"] = _capi.address(noop.tandem_gemm_ar)
+    comm._fnaddr["barrier"] = _capi.address(noop.tandem_barrier_stream)
+    comm._wait_addr = _capi.address(noop.tandem_wait)
     lib.tandem_wait, lib.tandem_op_status = noop.tandem_wait, noop.tandem_op_status
     n2 = iters * 10
     try:
@@ -157,9 +160,12 @@ def main() -> int:
         comm._inflight.clear()  # the no-op "ops" are not real ones
     finally:
         comm._fn.update(saved_fn)
+        comm._fnaddr.update(saved_addr)
+        comm._wait_addr = saved_wait
         lib.tandem_wait, lib.tandem_op_status = saved["tandem_wait"], saved["tandem_op_status"]
 
-    print(f"backend {comm.backend}, torch {torch.__version__}, {iters} calls x 7 repeats, median ns per call")
+    print(f"backend {comm.backend}, torch {torch.__version__}, {iters} calls x 7 repeats, median ns per call; "
+          f"hot-path calls through {'_tandem_fastcall' if _capi.fastcall else 'ctypes'}")
     print("end to end (wall time; includes libtandem and the daemon):")
     for name, ns in results.items():
         base = results[name.split(":")[0] + ": C ABI loop"]
@@ -168,6 +174,7 @@ def main() -> int:
     for name, ns in alone.items():
         print(f"  {name:55s} {ns / 1000:8.2f} us")
     print(json.dumps({"backend": comm.backend, "torch": torch.__version__, "iters": iters,
+                      "fastcall": _capi.fastcall is not None,
                       "ns_per_call": {k: round(v) for k, v in results.items()},
                       "binding_alone_cpu_ns_per_call": {k: round(v) for k, v in alone.items()}}))
     comm.close()

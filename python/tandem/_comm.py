@@ -100,8 +100,11 @@ class Communicator:
         self._args = {name: ctypes.create_string_buffer(s.size + 128) for name, s in ARG_STRUCTS.items()}
         self._argaddr = {name: ctypes.addressof(b) for name, b in self._args.items()}
         self._fn = {name: getattr(lib, cname) for name, cname in C_FUNCTIONS.items()}
+        self._fnaddr = {name: _capi.address(f) for name, f in self._fn.items()}
+        self._wait_addr = _capi.address(lib.tandem_wait)
         self._op = _capi.Op()
         self._opref = ctypes.byref(self._op)
+        self._opaddr = ctypes.addressof(self._op)
         self._pack = {name: st.pack_into for name, st in ARG_STRUCTS.items()}
         self._sizes = {name: st.size for name, st in ARG_STRUCTS.items()}
         self._hits = HitCache()  # data_ptr -> (buffer, offset, bytes to its end), for daemon memory
@@ -262,13 +265,21 @@ class Communicator:
         if self._closed:
             raise ValueError(f"tandem.{op}: this communicator was closed")
         ARG_STRUCTS[op].pack_into(self._args[op], 0, *fields)
-        rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
+        fast = _capi.fastcall
+        if fast is not None:
+            rc = fast(self._fnaddr[op], self.handle, self._argaddr[op], self._opaddr)
+        else:
+            rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
         if rc:
             raise error_for(rc, _capi.last_error())
         if self.is_cuda:
             self._track()
             return
-        rc = lib.tandem_wait(self._op, self._op_timeout_ms)
+        o = self._op
+        if fast is not None:
+            rc = fast(self._wait_addr, o.session_serial, o.seq, self._op_timeout_ms)
+        else:
+            rc = lib.tandem_wait(o, self._op_timeout_ms)
         if rc:
             raise error_for(rc, _capi.last_error())
         if staged:
@@ -376,15 +387,23 @@ class Communicator:
         args = self._args[op]
         self._pack[op](args, 0, self._sizes[op], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1],
                        _raw_stream(self._devidx) if cuda and _raw_stream is not None else self._stream())
-        rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
+        fast = _capi.fastcall
+        if fast is not None:
+            rc = fast(self._fnaddr[op], self.handle, self._argaddr[op], self._opaddr)
+        else:
+            rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
         if rc:
             raise error_for(rc, _capi.last_error())
         if cuda:
             self._track()
+            return out
+        o = self._op
+        if fast is not None:  # tandem_wait(tandem_op_t by value = two integer registers, timeout)
+            rc = fast(self._wait_addr, o.session_serial, o.seq, self._op_timeout_ms)
         else:
-            rc = lib.tandem_wait(self._op, self._op_timeout_ms)
-            if rc:
-                raise error_for(rc, _capi.last_error())
+            rc = lib.tandem_wait(o, self._op_timeout_ms)
+        if rc:
+            raise error_for(rc, _capi.last_error())
         return out
 
     def _call(self, op) -> None:

@@ -320,6 +320,7 @@ class SegmentCache:
                                          _CU_POINTER_ATTRIBUTE_RANGE_SIZE)
         self._vals = (ctypes.c_uint64 * 3)()
         self._data = (ctypes.c_void_p * 3)(*[ctypes.addressof(self._vals) + 8 * i for i in range(3)])
+        self._get_addr = _capi.address(self._get)
         self._attrs_addr = ctypes.addressof(self._attrs)
         self._data_addr = ctypes.addressof(self._data)
         self.registrations = 0  # counters, for tests and tandem.stats()
@@ -335,7 +336,9 @@ class SegmentCache:
     def resolve_known(self, ptr: int, nbytes: int):
         """(buffer, offset) where ptr lies in a registered, still allocated segment; else None (the caller then
         takes the path that registers, or raises naming the argument)."""
-        if self._get(3, self._attrs_addr, self._data_addr, ptr) != 0:
+        fast = _capi.fastcall
+        if (fast(self._get_addr, 3, self._attrs_addr, self._data_addr, ptr) if fast is not None else
+                self._get(3, self._attrs_addr, self._data_addr, ptr)) != 0:
             return None
         v = self._vals
         hit = self.by_id.get(v[0])

@@ -36,8 +36,11 @@ def main() -> int:
     os.environ["TANDEMD"] = tandemd
     os.environ["TANDEM_LIBRARY"] = library
     os.environ.pop("TANDEM_SOCKET", None)  # every test names its own daemon's socket
-    sys.path[:0] = [str(repo / "python"), str(here)]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(repo / "python"), str(here), os.environ.get("PYTHONPATH", "")])
+    paths = [str(repo / "python"), str(here)]
+    if os.environ.get("TANDEM_FASTCALL_DIR"):  # the hot path's C module, where CMake built it
+        paths.append(os.environ["TANDEM_FASTCALL_DIR"])
+    sys.path[:0] = paths
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])
     code = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(here), *args])
     # 5: no test collected. A suite that ran nothing has failed, not passed.
     return 1 if code == 5 else int(code)

@@ -252,3 +252,16 @@ def test_the_readme_torchrun_example_runs_and_checks_its_results(daemon):
                         example], capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(": OK") == 2, r.stdout
+
+
+def test_the_hot_path_calls_through_fastcall_where_built_and_ctypes_otherwise(daemon):
+    from tandem import _capi
+    built = os.environ.get("TANDEM_FASTCALL_DIR")
+    if built and os.path.isdir(built):
+        assert _capi.fastcall is not None, f"_tandem_fastcall was built in {built} but not loaded"
+    code = ("import torch, tandem; from tandem import _capi; assert _capi.fastcall is None; "
+            "c = tandem.Communicator(); a = tandem.empty((2, 8)).fill_(1); "
+            "assert c.gemm_ar(a, tandem.empty((3, 8)).fill_(1)).eq(8).all(); c.barrier(); print('ok')")
+    env = dict(os.environ, TANDEM_NO_FASTCALL="1", TANDEM_SOCKET=daemon.socket)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
