@@ -43,3 +43,14 @@ add_test(NAME tandem_rdma_tests_on_verbs_double COMMAND tandem_rdma_tests)
 set_tests_properties(tandem_rdma_tests_on_verbs_double PROPERTIES LABELS integration TIMEOUT 120
                      ENVIRONMENT "${TANDEM_VERBS_DOUBLE_ENV}")
 add_dependencies(tandem_rdma_tests tandem_verbs_double)
+
+# The cluster over cluster.transport: verbs on the double: real tandemd processes, every cross-node op, faults.
+add_executable(tandem_verbs_cluster_tests integration/main.cpp integration/verbs_cluster_test.cpp)
+target_link_libraries(tandem_verbs_cluster_tests PRIVATE tandem_client_core doctest::doctest fmt::fmt
+                                                         nlohmann_json::nlohmann_json tandem_warnings ${CMAKE_DL_LIBS})
+target_include_directories(tandem_verbs_cluster_tests PRIVATE ${PROJECT_SOURCE_DIR}/tests/support)
+target_compile_definitions(tandem_verbs_cluster_tests PRIVATE
+  TANDEMD_PATH="$<TARGET_FILE:tandemd>" TANDEMCTL_PATH="$<TARGET_FILE:tandemctl>")
+add_dependencies(tandem_verbs_cluster_tests tandemd tandemctl tandem_verbs_double)
+doctest_discover_tests(tandem_verbs_cluster_tests
+                       PROPERTIES LABELS integration TIMEOUT 180 ENVIRONMENT "${TANDEM_VERBS_DOUBLE_ENV}")

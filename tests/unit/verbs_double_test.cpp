@@ -190,7 +190,7 @@ TEST_CASE("the double is loaded in place of libibverbs") {
   ibv_free_device_list(list);
 }
 
-TEST_CASE("RC QP state machine: tandem's attribute builders pass; wrong masks, skipped states and bad values fail") {
+TEST_CASE("RC QP state machine: tandem's attribute builders pass, while wrong masks, skipped states and bad values fail") {
   REQUIRE_MESSAGE(vd::loaded(), vd::notLoadedReason());
   Hca h;
   ibv_qp* a = h.qp();
@@ -288,7 +288,7 @@ TEST_CASE("selective signalling: unsignalled WQEs hold send-queue slots until a 
   CHECK(h.drain(1).size() == 1);
 }
 
-TEST_CASE("WRITE_WITH_IMM and SEND complete on the responder after the data; a SEND waits for a posted receive") {
+TEST_CASE("WRITE_WITH_IMM and SEND complete on the responder after the data, and a SEND waits for a posted receive") {
   REQUIRE_MESSAGE(vd::loaded(), vd::notLoadedReason());
   Hca h;
   auto [a, b] = connectedPair(h);
@@ -378,7 +378,7 @@ TEST_CASE("delayed completions: a completion becomes visible only after the inje
   CHECK(ms >= 80);
 }
 
-TEST_CASE("a QP error injected mid-transfer fails that WQE and flushes the rest; the peer QP stays usable after reset") {
+TEST_CASE("a QP error injected mid-transfer fails that WQE after the earlier ones completed and flushes the rest") {
   REQUIRE_MESSAGE(vd::loaded(), vd::notLoadedReason());
   FaultsCleared cleared;
   Hca h;

@@ -1,0 +1,195 @@
+// The cluster over the verbs transport (cluster.transport: verbs), on the verbs test double: several real tandemd
+// processes, each one "node", whose QPs are set up through the cluster's bootstrap handshake, whose staging memory is
+// registered once per communicator and whose completions the proxy polls. ctest runs this executable with the double
+// first in LD_LIBRARY_PATH (tests/support/verbs_double), so the same tandemd binary that runs on rdma-core runs on
+// it. Nodes live in network namespaces where the test may create them, else on distinct loopback addresses.
+// These tests check behaviour (every op the cpu backend runs across nodes, QP errors and a killed daemon releasing
+// every rank, the next communicator served); the double makes no speed claim.
+#include <doctest/doctest.h>
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <future>
+
+#include "harness.hpp"
+#include "netns.hpp"
+#include "verbs_double/verbs_double.hpp"
+
+using namespace tandem::testing;
+
+namespace {
+
+constexpr int kPeerDeadlineMs = 1000;
+
+// A cluster of n daemons on the verbs transport; `faults[i]` (if any) is node i's TANDEM_VERBS_DOUBLE_FAULTS.
+struct VerbsCluster {
+  SimulatedNodes nodes;
+  std::vector<std::string> configs;
+  std::vector<std::vector<std::string>> prefixes;
+  std::vector<std::unique_ptr<Daemon>> daemons;
+
+  explicit VerbsCluster(int n, const std::vector<std::string>& faults = {}) : nodes(SimulatedNodes::create(n)) {
+    if (!nodes.namespaces()) MESSAGE("network namespaces unavailable (" << nodes.reason() << "): using loopback");
+    const int port = 20000 + static_cast<int>((::getpid() * 7) % 20000);
+    std::string list;
+    for (int i = 0; i < n; ++i) list += fmt::format("{}\"{}:{}\"", i ? ", " : "", nodes.address(i), port);
+    for (int i = 0; i < n; ++i) {
+      configs.push_back(fmt::format(
+          "communicators:\n  peer_lost_deadline_ms: {}\n"
+          "cluster:\n  nodes: [{}]\n  node_index: {}\n  secret: \"verbs-cluster-test-secret-0123456789\"\n"
+          "  transport: verbs\n  connect_timeout_ms: 15000\n  heartbeat_interval_ms: 50\n  staging_bytes: 4194304\n",
+          kPeerDeadlineMs, list, i));
+      std::vector<std::string> prefix = nodes.prefix(i);
+      if (i < static_cast<int>(faults.size()) && !faults[i].empty())
+        prefix.insert(prefix.end(), {"/usr/bin/env", "TANDEM_VERBS_DOUBLE_FAULTS=" + faults[i]});
+      prefixes.push_back(prefix);
+      daemons.push_back(std::make_unique<Daemon>(configs[i], std::vector<std::string>{}, "cpu", prefix));
+    }
+  }
+  bool allNodes(const std::string& state, int timeoutMs = 15000) const {
+    return clusterNodesIn(daemons, state, timeoutMs);
+  }
+  std::string logs() const { return clusterLogs(daemons); }
+};
+
+std::string newId(const Daemon& d) {
+  int code = 0;
+  std::string id = d.ctl({"new-id"}, &code);
+  REQUIRE(code == 0);
+  while (!id.empty() && std::isspace(static_cast<unsigned char>(id.back()))) id.pop_back();
+  return id;
+}
+
+std::vector<std::future<CommandResult>> startEverywhere(VerbsCluster& c, const std::vector<std::string>& args,
+                                                        const std::vector<std::string>& localRanks,
+                                                        int waitMs = 20000) {
+  const std::string id = newId(*c.daemons[0]);
+  std::vector<std::future<CommandResult>> futures;
+  for (size_t i = 0; i < localRanks.size(); ++i) {
+    std::vector<std::string> argv = {TANDEMCTL_PATH, "--socket", c.daemons[i]->socket(), "run"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    argv.insert(argv.end(), {"--id", id, "--local-ranks", localRanks[i], "--timeout-ms", std::to_string(waitMs)});
+    futures.push_back(std::async(std::launch::async, [argv, waitMs] { return runCommand(argv, waitMs + 40000); }));
+  }
+  return futures;
+}
+
+std::vector<CommandResult> runEverywhere(VerbsCluster& c, const std::vector<std::string>& args,
+                                         const std::vector<std::string>& localRanks, int waitMs = 20000) {
+  std::vector<CommandResult> results;
+  for (auto& f : startEverywhere(c, args, localRanks, waitMs)) results.push_back(f.get());
+  return results;
+}
+
+void checkAllPass(VerbsCluster& c, const std::vector<CommandResult>& results, const std::string& what) {
+  for (size_t i = 0; i < results.size(); ++i) {
+    INFO(what << " node " << i << ":\n" << results[i].out << results[i].err);
+    CHECK(results[i].exitCode == 0);
+    if (results[i].exitCode != 0) MESSAGE(c.logs());
+  }
+}
+
+void waitForOps(VerbsCluster& c, uint64_t ops) {
+  REQUIRE_MESSAGE(eventually([&] {
+    const auto st = daemonStatus(*c.daemons[0]);
+    return !st["communicators"].empty() && st["communicators"][0]["ops_completed"].get<uint64_t>() > ops;
+  }, 20000), c.logs());
+}
+
+const std::vector<std::string> kGemmRsCheck = {"gemm-rs", "--ranks", "4", "--m", "37", "--n", "19", "--k", "48",
+                                               "--check"};
+
+}  // namespace
+
+TEST_CASE("verbs cluster: three nodes run every op across nodes on the verbs double, matching the reference") {
+  VerbsCluster c(3);
+  REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
+  const auto st = daemonStatus(*c.daemons[0]);
+  CHECK(st["cluster"]["transport"] == "verbs");
+  // The daemons really run on the double: its device is the one each transport opened.
+  REQUIRE_MESSAGE(c.daemons[1]->log().find("tandem_double0") != std::string::npos,
+                  verbs_double::notLoadedReason() << "\n" << c.daemons[1]->log());
+  const std::vector<std::string> split = {"0", "1-3", "4,5"};  // uneven: 1 + 3 + 2 ranks
+  const std::vector<std::vector<std::string>> ops = {
+      {"ag-gemm", "--ranks", "6", "--m", "37", "--n", "19", "--k", "24"},
+      {"gemm-rs", "--ranks", "6", "--m", "37", "--n", "19", "--k", "48"},
+      {"gemm-ar", "--ranks", "6", "--m", "29", "--n", "16", "--k", "48", "--dtype", "fp16"},
+      {"allgather", "--ranks", "6", "--bytes", "1001"},
+      {"barrier", "--ranks", "6"},
+      {"moe-dispatch-gemm", "--ranks", "6", "--m", "5", "--k", "16", "--n", "12", "--experts", "12", "--topk", "2"},
+      {"moe-dispatch-ffn-combine", "--ranks", "6", "--m", "4", "--k", "16", "--n", "24", "--experts", "6", "--topk", "2"},
+      {"ring-attention", "--ranks", "6", "--seq", "29", "--heads", "2", "--head-dim", "8"},
+  };
+  for (auto op : ops) {
+    op.insert(op.end(), {"--check", "--iters", "3"});
+    checkAllPass(c, runEverywhere(c, op, split), op[0]);
+  }
+  // Large enough to cut the staging payload into many RDMA WRITEs over both QPs of each peer.
+  checkAllPass(c, runEverywhere(c, {"allgather", "--ranks", "3", "--bytes", "3000000", "--check"}, {"0", "1", "2"}),
+               "allgather 3 MB");
+  CHECK(daemonStatus(*c.daemons[1])["communicators"].empty());
+}
+
+TEST_CASE("verbs cluster: a QP error injected mid-op releases every rank with the peer lost, and the next communicator runs") {
+  // Node 1's 60th RDMA WRITE fails (its QP to node 0 enters the error state): a few dozen ops into the run.
+  VerbsCluster c(2, {"", "qp_error_after_writes=60"});
+  REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
+  auto futures = startEverywhere(c, {"gemm-ar", "--ranks", "4", "--m", "32", "--n", "32", "--k", "64", "--iters",
+                                     "1000000"}, {"0,1", "2,3"});
+  for (size_t i = 0; i < futures.size(); ++i) {
+    REQUIRE_MESSAGE(futures[i].wait_for(std::chrono::seconds(30)) == std::future_status::ready, c.logs());
+    const CommandResult r = futures[i].get();
+    INFO("node " << i << ":\n" << r.out << r.err);
+    CHECK(r.exitCode != 0);
+    CHECK(r.out.find(fmt::format("node {}", 1 - i)) != std::string::npos);
+  }
+  CHECK_MESSAGE(c.daemons[0]->log().find("lost its queue pairs") != std::string::npos, c.daemons[0]->log());
+  // The leader sets up new QPs; the nodes are connected again and serve the next communicator.
+  REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
+  checkAllPass(c, runEverywhere(c, kGemmRsCheck, {"0,1", "2,3"}), "gemm-rs after the QP error");
+}
+
+TEST_CASE("verbs cluster: delayed completions slow the proxy down but every op still matches the reference") {
+  VerbsCluster c(2, {"delay_completions_ms=3", "delay_completions_ms=3"});
+  REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
+  checkAllPass(c, runEverywhere(c, {"gemm-ar", "--ranks", "3", "--m", "29", "--n", "16", "--k", "48", "--check",
+                                    "--iters", "4"}, {"0", "1,2"}), "gemm-ar with delayed completions");
+  checkAllPass(c, runEverywhere(c, {"ag-gemm", "--ranks", "2", "--m", "16", "--n", "8", "--k", "16", "--check"},
+                                {"0", "1"}), "ag-gemm with delayed completions");
+}
+
+TEST_CASE("verbs cluster: a daemon killed mid-op (its HCA disappears) fails the survivors within the deadline, and they serve the next communicator") {
+  VerbsCluster c(3);
+  REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
+  auto futures = startEverywhere(c, {"gemm-ar", "--ranks", "3", "--m", "64", "--n", "64", "--k", "96", "--iters",
+                                     "1000000"}, {"0", "1", "2"});
+  waitForOps(c, 20);
+  const auto killedAt = Clock::now();
+  c.daemons[2]->signal(SIGKILL);
+  for (int i = 0; i < 2; ++i) {
+    const CommandResult r = futures[static_cast<size_t>(i)].get();
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - killedAt).count();
+    INFO("node " << i << " after " << ms << " ms:\n" << r.out << r.err);
+    CHECK(r.exitCode != 0);
+    CHECK(r.out.find("node 2") != std::string::npos);
+    CHECK(ms < kPeerDeadlineMs + 3000);
+  }
+  futures[2].get();
+  checkAllPass(c, runEverywhere(c, {"gemm-rs", "--ranks", "2", "--m", "16", "--n", "8", "--k", "16", "--check"},
+                                {"0", "1"}), "gemm-rs between the survivors");
+}
+
+TEST_CASE("cluster.transport: verbs without an RDMA device: tandemd exits 69 saying so and naming the fix") {
+  TempDir dir;
+  const std::string config = (dir.path() / "verbs.yaml").string();
+  std::ofstream(config) << "daemon:\n  backend: cpu\n"
+                           "cluster:\n  nodes: [\"127.0.0.1:7301\", \"127.0.0.1:7302\"]\n  node_index: 0\n"
+                           "  secret: \"cluster-transport-test-secret\"\n  transport: verbs\n";
+  // The double with no device stands in for a host without a NIC (on rdma-core the result depends on the host).
+  const auto r = runCommand({"/usr/bin/env", "TANDEM_VERBS_DOUBLE_DEVICES=0", TANDEMD_PATH, "--foreground", "--config",
+                             config, "--socket", (dir.path() / "s").string()});
+  CHECK(r.exitCode == 69);
+  CHECK_MESSAGE(r.err.find("no RDMA device") != std::string::npos, r.err);
+  CHECK_MESSAGE(r.err.find("set cluster.transport: tcp") != std::string::npos, r.err);
+}
