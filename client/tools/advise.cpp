@@ -55,6 +55,7 @@ struct Options {
   bool json = false;
   bool save = false;
   std::string svg;
+  std::string jsonFile;  // also write the JSON report here
   uint32_t timeoutMs = 120000;
 };
 
@@ -852,6 +853,11 @@ int runAdvise(const std::string& socket, const Options& o, bool tune) {
     if (!out) throw std::runtime_error(fmt::format("writing the plot to {} failed; pass --svg PATH", svgPath));
   }
   report["svg"] = svgPath;
+  if (!o.jsonFile.empty()) {
+    std::ofstream out(o.jsonFile);
+    out << report.dump(2) << "\n";
+    if (!out) throw std::runtime_error(fmt::format("writing the report to {} failed; pass another --json-file", o.jsonFile));
+  }
   if (o.json) {
     std::cout << report.dump(2) << std::endl;
     return 0;
@@ -899,6 +905,7 @@ void addOptions(CLI::App* cmd, Options& o, bool tune) {
   if (!tune) {
     cmd->add_flag("--save", o.save, "write the winners into tandemd's plan table");
     cmd->add_option("--svg", o.svg, "where to write the plot (default tandem-advise.svg)");
+    cmd->add_option("--json-file", o.jsonFile, "also write the JSON report (--json's) to this file");
   }
 }
 
