@@ -28,8 +28,8 @@ from tandem import _capi
 
 
 def timed(fn, iters: int, repeats: int = 7, sync=None, cpu: bool = False) -> float:
-    """Median over `repeats` of the mean ns per call of `iters` calls of fn(): wall time, or with cpu=True this
-    thread's CPU time (which a loaded machine's preemption does not inflate)."""
+    """Mean ns per call of `iters` calls of fn(), `repeats` times: the median of wall times, or with cpu=True the
+    minimum of this thread's CPU times (which a loaded machine's preemption does not inflate)."""
     clock = time.thread_time_ns if cpu else time.perf_counter_ns
     fn()
     if sync:
@@ -42,7 +42,8 @@ def timed(fn, iters: int, repeats: int = 7, sync=None, cpu: bool = False) -> flo
         per.append((clock() - t0) / iters)
         if sync:
             sync()
-    return statistics.median(per)
+    # CPU time: the least disturbed repeat (other processes' cache and core sharing only ever add); wall: median.
+    return min(per) if cpu else statistics.median(per)
 
 
 def main() -> int:
@@ -128,7 +129,8 @@ def main() -> int:
     # points swapped for no-op C functions of the same signatures (libtandem_noop.so). CPU time of this thread.
     alone: dict[str, float] = {}
     noop = ctypes.CDLL(args.noop)
-    for name in ("tandem_gemm_ar", "tandem_barrier_stream", "tandem_wait", "tandem_op_status"):
+    for name in ("tandem_gemm_ar", "tandem_barrier_stream", "tandem_ag_gemm", "tandem_allgather", "tandem_wait",
+                 "tandem_op_status"):
         f = getattr(noop, name)
         f.restype = ctypes.c_int
         f.argtypes = getattr(lib, name).argtypes
@@ -137,6 +139,9 @@ def main() -> int:
     comm._fn["gemm_ar"], comm._fn["barrier"] = noop.tandem_gemm_ar, noop.tandem_barrier_stream
     comm._fnaddr["gemm_ar"] = _capi.address(noop.tandem_gemm_ar)
     comm._fnaddr["barrier"] = _capi.address(noop.tandem_barrier_stream)
+    for op_name, cname in (("ag_gemm", "tandem_ag_gemm"), ("allgather", "tandem_allgather")):
+        comm._fn[op_name] = getattr(noop, cname)
+        comm._fnaddr[op_name] = _capi.address(getattr(noop, cname))
     comm._wait_addr = _capi.address(noop.tandem_wait)
     lib.tandem_wait, lib.tandem_op_status = noop.tandem_wait, noop.tandem_op_status
     n2 = iters * 10
@@ -145,18 +150,23 @@ def main() -> int:
             noop.tandem_gemm_ar(h, addr, opref)
             if not cuda:
                 noop.tandem_wait(op, -1)
-        alone["gemm_ar: ctypes, prepacked"] = timed(raw_noop, n2, cpu=True)
+        alone["gemm_ar: ctypes, prepacked"] = timed(raw_noop, n2, repeats=15, cpu=True)
         try:
             pb.setup(args.noop)
-            alone["gemm_ar: pybind11, prepacked"] = timed(lambda: pb.gemm_ar(h, addr, cuda), n2, cpu=True)
+            alone["gemm_ar: pybind11, prepacked"] = timed(lambda: pb.gemm_ar(h, addr, cuda), n2, repeats=15,
+                                                          cpu=True)
         except NameError:
             pass
-        alone["barrier: tandem API"] = timed(comm.barrier, n2, cpu=True)
+        alone["barrier: tandem API"] = timed(comm.barrier, n2, repeats=15, cpu=True)
         alone["gemm_ar: tandem API, tandem.empty tensors"] = timed(lambda: comm.gemm_ar(a_d, b_d, out=c_d), n2,
-                                                                   cpu=True)
+                                                                   repeats=15, cpu=True)
+        alone["ag_gemm: tandem API, tandem.empty tensors"] = timed(lambda: comm.ag_gemm(a_d, b_d, out=c_d), n2,
+                                                                   repeats=15, cpu=True)
+        alone["allgather: tandem API, tandem.empty tensors"] = timed(lambda: comm.allgather(a_d, out=c_d), n2,
+                                                                     repeats=15, cpu=True)
         if cuda:
             alone["gemm_ar: tandem API, torch allocator tensors"] = timed(lambda: comm.gemm_ar(a_t, b_t, out=c_t), n2,
-                                                                          cpu=True)
+                                                                          repeats=15, cpu=True)
         comm._inflight.clear()  # the no-op "ops" are not real ones
     finally:
         comm._fn.update(saved_fn)
@@ -170,7 +180,7 @@ def main() -> int:
     for name, ns in results.items():
         base = results[name.split(":")[0] + ": C ABI loop"]
         print(f"  {name:55s} {ns / 1000:8.2f} us   (+{(ns - base) / 1000:6.2f} us over the C loop)")
-    print(f"the binding's own work per call (libtandem replaced by no-op C functions; thread CPU time, {n2} calls):")
+    print(f"the binding's own work per call (libtandem replaced by no-op C functions; thread CPU time, least of 15 x {n2} calls):")
     for name, ns in alone.items():
         print(f"  {name:55s} {ns / 1000:8.2f} us")
     print(json.dumps({"backend": comm.backend, "torch": torch.__version__, "iters": iters,

@@ -15,6 +15,8 @@ int tandem_gemm_ar(void* comm, const void* args, op_t* op) {
   return 0;
 }
 int tandem_barrier_stream(void* comm, const void* args, op_t* op) { return tandem_gemm_ar(comm, args, op); }
+int tandem_ag_gemm(void* comm, const void* args, op_t* op) { return tandem_gemm_ar(comm, args, op); }
+int tandem_allgather(void* comm, const void* args, op_t* op) { return tandem_gemm_ar(comm, args, op); }
 int tandem_wait(op_t op, int64_t timeout_ms) {
   (void)op;
   (void)timeout_ms;

@@ -406,16 +406,98 @@ class Communicator:
             raise error_for(rc, _capi.last_error())
         return out
 
+    def _slot(self, t, nbytes):
+        """(buffer, offset, ...) of a tensor, from the pointer cache or _resolve_fast; None: take the full path."""
+        ptr = t.data_ptr()
+        e = self._hits.get(ptr)
+        if e is None or e[2] < nbytes:
+            e = self._resolve_fast(ptr, nbytes)
+        return e
+
+    def _ag_gemm_fast(self, a, b, out, m, a_gathered):
+        try:
+            rows, k = a.shape
+            n, kb = b.shape
+        except (ValueError, AttributeError, TypeError):
+            return None
+        dtype = a.dtype
+        dt = _DTYPES.get(dtype)
+        if dt is None or kb != k or b.dtype is not dtype or not a.is_contiguous() or not b.is_contiguous():
+            return None
+        cuda = self.is_cuda
+        if cuda:
+            if a.get_device() != self._devidx or b.get_device() != self._devidx:
+                return None
+        elif not (a.is_cpu and b.is_cpu):
+            return None
+        if m is None:
+            if out is None:
+                m = rows * self.world_size
+            elif out.dim() == 2:
+                m = out.shape[0]
+            else:
+                return None
+        if self._rows(m) != rows:
+            return None
+        if out is None:
+            out = self._out((m, n), dtype)
+        elif (out.dtype is not dtype or out.shape != (m, n) or not out.is_contiguous() or
+              (out.get_device() != self._devidx if cuda else not out.is_cpu)):
+            return None
+        es = _ELSIZE[dtype]
+        ea, eb, ec = self._slot(a, rows * k * es), self._slot(b, n * k * es), self._slot(out, m * n * es)
+        if ea is None or eb is None or ec is None:
+            return None
+        eg = (0, 0)
+        if a_gathered is not None:
+            if (a_gathered.dtype is not dtype or a_gathered.shape != (m, k) or not a_gathered.is_contiguous() or
+                    (a_gathered.get_device() != self._devidx if cuda else not a_gathered.is_cpu)):
+                return None
+            eg = self._slot(a_gathered, m * k * es)
+            if eg is None:
+                return None
+        self._pack["ag_gemm"](self._args["ag_gemm"], 0, self._sizes["ag_gemm"], dt, m, n, k, ea[0], ea[1], eb[0],
+                              eb[1], ec[0], ec[1], eg[0], eg[1], self._stream())
+        self._call("ag_gemm")
+        return out
+
+    def _allgather_fast(self, x, out):
+        if not x.is_contiguous() or (x.get_device() != self._devidx if self.is_cuda else not x.is_cpu):
+            return None
+        nb = x.nbytes
+        world = self.world_size
+        if out is None:
+            out = self._out((world * x.shape[0], *x.shape[1:]) if x.dim() else (world,), x.dtype)
+        elif (out.dtype is not x.dtype or not out.is_contiguous() or out.numel() != world * x.numel() or
+              (out.get_device() != self._devidx if self.is_cuda else not out.is_cpu)):
+            return None
+        ex, eo = self._slot(x, nb), self._slot(out, nb * world)
+        if ex is None or eo is None:
+            return None
+        self._pack["allgather"](self._args["allgather"], 0, self._sizes["allgather"], ex[0], ex[1], eo[0], eo[1], nb,
+                                self._stream())
+        self._call("allgather")
+        return out
+
     def _call(self, op) -> None:
-        rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
+        """Submits the packed op; cpu backend: waits for it. Raises the C status's exception."""
+        fast = _capi.fastcall
+        if fast is not None:
+            rc = fast(self._fnaddr[op], self.handle, self._argaddr[op], self._opaddr)
+        else:
+            rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
         if rc:
             raise error_for(rc, _capi.last_error())
         if self.is_cuda:
             self._track()
+            return
+        o = self._op
+        if fast is not None:  # tandem_wait(tandem_op_t by value = two integer registers, timeout)
+            rc = fast(self._wait_addr, o.session_serial, o.seq, self._op_timeout_ms)
         else:
-            rc = lib.tandem_wait(self._op, self._op_timeout_ms)
-            if rc:
-                raise error_for(rc, _capi.last_error())
+            rc = lib.tandem_wait(o, self._op_timeout_ms)
+        if rc:
+            raise error_for(rc, _capi.last_error())
 
     def _rows(self, m: int) -> int:
         r = self._rows_cache.get(m)
@@ -612,6 +694,10 @@ class Communicator:
     def ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None):
         if _compiling():
             return _ops.ag_gemm(self, a, b, out=out, m=m, a_gathered=a_gathered)
+        if not self._closed:
+            r = self._ag_gemm_fast(a, b, out, m, a_gathered)
+            if r is not None:
+                return r
         return self._eager_ag_gemm(a, b, out=out, m=m, a_gathered=a_gathered)
 
     def gemm_rs(self, a, b, *, out=None):
@@ -653,6 +739,10 @@ class Communicator:
     def allgather(self, x, *, out=None):
         if _compiling():
             return _ops.allgather(self, x, out=out)
+        if not self._closed and isinstance(x, torch.Tensor):
+            r = self._allgather_fast(x, out)
+            if r is not None:
+                return r
         return self._eager_allgather(x, out=out)
 
     for _name in ("ag_gemm", "gemm_rs", "gemm_ar", "moe_dispatch_gemm", "moe_ffn", "ring_attention", "allgather"):
