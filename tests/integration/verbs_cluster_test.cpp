@@ -47,6 +47,11 @@ struct VerbsCluster {
       daemons.push_back(std::make_unique<Daemon>(configs[i], std::vector<std::string>{}, "cpu", prefix));
     }
   }
+  // Starts node i's daemon again (after it died) with the same config and prefix.
+  void restart(int i) {
+    daemons[i].reset();
+    daemons[i] = std::make_unique<Daemon>(configs[i], std::vector<std::string>{}, "cpu", prefixes[i]);
+  }
   bool allNodes(const std::string& state, int timeoutMs = 15000) const {
     return clusterNodesIn(daemons, state, timeoutMs);
   }
@@ -178,6 +183,44 @@ TEST_CASE("verbs cluster: a daemon killed mid-op (its HCA disappears) fails the 
   futures[2].get();
   checkAllPass(c, runEverywhere(c, {"gemm-rs", "--ranks", "2", "--m", "16", "--n", "8", "--k", "16", "--check"},
                                 {"0", "1"}), "gemm-rs between the survivors");
+}
+
+TEST_CASE("verbs cluster: a cut link (or a hung node) fails the surviving ranks within the deadline through the bootstrap's heartbeats") {
+  VerbsCluster c(2);
+  REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
+  auto futures = startEverywhere(c, {"ag-gemm", "--ranks", "4", "--m", "32", "--n", "32", "--k", "32", "--iters",
+                                     "1000000"}, {"0,1", "2,3"});
+  waitForOps(c, 20);
+  const auto cutAt = Clock::now();
+  // A cut link stops the bootstrap's tcp connection only (the double's queue pairs use unix sockets), a hung node
+  // stops its HCA too: either way only the heartbeat deadline can tell, as on a real fabric.
+  if (c.nodes.namespaces()) {
+    c.nodes.cutLink(1);
+  } else {
+    c.daemons[1]->signal(SIGSTOP);
+  }
+  const CommandResult r = futures[0].get();
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - cutAt).count();
+  INFO("node 0 after " << ms << " ms:\n" << r.out << r.err);
+  CHECK(r.exitCode != 0);
+  CHECK(r.out.find("node 1") != std::string::npos);
+  CHECK(ms < kPeerDeadlineMs + 3000);
+  if (!c.nodes.namespaces()) c.daemons[1]->signal(SIGKILL);
+  futures[1].get();
+  CHECK(daemonStatus(*c.daemons[0])["cluster"]["nodes"][1]["state"] == "failed");
+}
+
+TEST_CASE("verbs cluster: a daemon killed and restarted rejoins with new queue pairs, and new communicators span it") {
+  VerbsCluster c(2);
+  REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
+  checkAllPass(c, runEverywhere(c, kGemmRsCheck, {"0,1", "2,3"}), "gemm-rs before the restart");
+  c.daemons[1]->signal(SIGKILL);
+  REQUIRE_MESSAGE(eventually([&] { return daemonStatus(*c.daemons[0])["cluster"]["nodes"][1]["state"] == "failed"; },
+                             5000), c.logs());
+  c.restart(1);  // a new process: a new HCA (a new GID), so only new queue pairs can reach it
+  REQUIRE_MESSAGE(c.allNodes("connected", 15000), c.logs());
+  for (const auto& split : std::vector<std::vector<std::string>>{{"0,1", "2,3"}, {"0", "1-3"}})
+    checkAllPass(c, runEverywhere(c, kGemmRsCheck, split), "gemm-rs after the restart");
 }
 
 TEST_CASE("cluster.transport: verbs without an RDMA device: tandemd exits 69 saying so and naming the fix") {
