@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 namespace tandem::client {
 namespace {
@@ -20,18 +21,19 @@ using Clock = std::chrono::steady_clock;
 constexpr std::size_t kMaxKeptResults = 1 << 16;
 constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
 
-// "group tandem (gid 990)" of the socket, or of the closest directory above it this user can inspect.
-std::string socketGroup(const std::string& path) {
+// The group of the socket, or of the closest directory above it this user can inspect: its name ("<group>" when
+// unknown) and "group tandem (gid 990, of /run/tandem)".
+std::pair<std::string, std::string> socketGroup(const std::string& path) {
   std::string p = path;
   struct stat st{};
   while (!p.empty() && ::stat(p.c_str(), &st) != 0) {
     const auto slash = p.find_last_of('/');
     p = slash == std::string::npos || slash == 0 ? std::string() : p.substr(0, slash);
   }
-  if (p.empty()) return "its group";
+  if (p.empty()) return {"<group>", "its group"};
   const group* g = ::getgrgid(st.st_gid);
-  return g != nullptr ? fmt::format("group {} (gid {}, of {})", g->gr_name, st.st_gid, p)
-                      : fmt::format("gid {} (of {})", st.st_gid, p);
+  if (g == nullptr) return {std::to_string(st.st_gid), fmt::format("gid {} (of {})", st.st_gid, p)};
+  return {g->gr_name, fmt::format("group {} (gid {}, of {})", g->gr_name, st.st_gid, p)};
 }
 
 Fd connectUnix(const std::string& path) {
@@ -47,9 +49,10 @@ Fd connectUnix(const std::string& path) {
     const int err = errno;
     if (err == EACCES || err == EPERM) {
       // The daemon runs; this user may not open its socket (socket mode 0660, /run/tandem 0750): a matter of groups.
+      const auto [name, text] = socketGroup(path);
       fail(ErrorCode::kUnavailable, "cannot open tandemd's socket {}: {} [connect -> {}]. It is open to the daemon's "
-           "user and {}: join that group (sudo usermod -aG <group> $USER, then log in again) or ask for your uid in "
-           "access.allowed_uids", path, std::strerror(err), err == EACCES ? "EACCES" : "EPERM", socketGroup(path));
+           "user and {}: join that group (sudo usermod -aG {} $USER, then log in again) or ask for your uid in "
+           "access.allowed_uids", path, std::strerror(err), err == EACCES ? "EACCES" : "EPERM", text, name);
     }
     fail(ErrorCode::kUnavailable, "cannot reach tandemd at {}: {}. Start it (tandemd, or systemctl start tandemd), or "
          "point TANDEM_SOCKET at its socket", path, std::strerror(err));

@@ -283,6 +283,7 @@ int runParent(const RunOptions& o, const std::string& socket) {
     std::fprintf(stderr, "rank %u: %s\n", c.rank, line.c_str());
   };
 
+  const bool showProgress = !o.json || ::isatty(STDERR_FILENO) != 0;
   std::size_t open = children.size();
   int stoppedBy = 0;
   Clock::time_point killAt{};
@@ -344,7 +345,9 @@ int runParent(const RunOptions& o, const std::string& socket) {
         }
       }
     }
-    if (stoppedBy == 0 && Clock::now() - lastProgress >= std::chrono::seconds(2) && open > 0) {
+    // Progress goes to stderr; with --json only when a person watches it (a terminal), so that scripts reading both
+    // streams get the JSON alone.
+    if (stoppedBy == 0 && Clock::now() - lastProgress >= std::chrono::seconds(2) && open > 0 && showProgress) {
       lastProgress = Clock::now();
       uint64_t done = UINT64_MAX, total = 0;
       for (const Child& c : children) {
@@ -353,7 +356,10 @@ int runParent(const RunOptions& o, const std::string& socket) {
         total = std::max(total, c.total);
       }
       const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-      if (total > 0 && done != UINT64_MAX) {
+      if (total > 0 && done != UINT64_MAX && done >= total) {
+        std::fprintf(stderr, "  every iteration done; waiting for %zu rank(s) to finish%s, %.0f s elapsed\n", open,
+                     o.check ? " (checking)" : "", elapsed);
+      } else if (total > 0 && done != UINT64_MAX) {
         const std::string left = done > 0 ? fmt::format(", about {:.0f} s left", elapsed / static_cast<double>(done) *
                                                                                     static_cast<double>(total - done))
                                           : "";
