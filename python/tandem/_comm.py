@@ -288,8 +288,12 @@ class Communicator:
 
     def _track(self) -> None:
         """cuda: remembers the op; every 32 ops, asks (without waiting) about the older ones, which drains the
-        completion ring and raises the first failure an op reported."""
+        completion ring and raises the first failure an op reported. An op recorded into a CUDA graph is not
+        remembered: it completes only when the graph is first replayed, so waiting for it before would hang."""
         op = self._op
+        # Capture happens on a side stream (torch.cuda.graph's own), so the common default stream skips the query.
+        if _raw_stream is not None and _raw_stream(self._devidx) != 0 and torch.cuda.is_current_stream_capturing():
+            return
         self._inflight.append((op.session_serial, op.seq))
         if len(self._inflight) < 64:
             return
