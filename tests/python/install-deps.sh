@@ -22,5 +22,10 @@ fi
 python=$(command -v python3)
 echo "install-deps: installing torch==$torch_version, numpy and pytest into $venv (with $python)"
 mkdir -p "$(dirname "$venv")"
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$torch_version" numpy pytest
+# A failure here (no route to PyPI, a full disk) must not stop the C++ build and tests: the Python tests then
+# report Skipped with the reason, and this says loudly why.
+if ! { [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"; } ||
+   ! "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$torch_version" numpy pytest; then
+  echo "install-deps: WARNING: could not install torch==$torch_version, numpy and pytest into $venv; the Python" \
+       "package's tests will be skipped. Retry scripts/install-deps.sh, or set TANDEM_PYTHON_VENV." >&2
+fi
