@@ -781,6 +781,8 @@ void VerbsTransport::sendMessage(NodeIndex peer, std::span<const std::byte> payl
   addExtraCompletions(failed);
 }
 
+uint16_t VerbsTransport::bootstrapPort() const { return bootstrap_ ? bootstrap_->listenPort() : 0; }
+
 void VerbsTransport::setMessageHandler(MessageHandler handler) {
   std::lock_guard lock(channelMutex_);
   messageHandler_ = std::move(handler);

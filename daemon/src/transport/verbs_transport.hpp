@@ -1,6 +1,6 @@
 // The `verbs` transport: RC queue pairs on one RDMA NIC (libibverbs), behind the Transport interface.
 //
-// Set-up (driven by the bootstrap exchange the daemons run; rdma-core's rc_pingpong order):
+// Set-up by hand (the bootstrap below runs the same steps; rdma-core's rc_pingpong order):
 //   VerbsTransport t(config);                  device, port, PD, CQ
 //   auto mine = t.localQpInfo(peer);           QPs for `peer`, moved to INIT; send `mine` to the peer
 //   t.connectPeer(peer, theirs);               INIT -> RTR -> RTS with the peer's QpInfo
@@ -149,6 +149,8 @@ class VerbsTransport final : public Transport, public ControlChannel {
   VerbsTransport& operator=(const VerbsTransport&) = delete;
 
   const std::string& deviceName() const { return deviceName_; }
+  /// The bootstrap's bound port (the chosen one when bootstrap.listenPort was 0); 0 without a bootstrap.
+  uint16_t bootstrapPort() const;
 
   /// Without a bootstrap: creates (once) this node's QPs for `peer` in INIT, with QP 0's receives posted, and
   /// returns their addresses for the peer.
