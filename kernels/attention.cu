@@ -169,6 +169,10 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
     m.split = s.splitHalves ? -1 : static_cast<int32_t>(s.split > 0 ? s.split : s.length);
   }
   p.numMaps = maps;
+  // Segments map to tensors in order, but empty segments have none: rotate from the tensor of the first segment.
+  int rotateFrom = 0;
+  for (int i = 0; i < g.numKv && i < g.rotateFrom; ++i) rotateFrom += g.kv[i].length != 0 ? 1 : 0;
+  p.rotateFrom = g.rotateFrom > 0 ? rotateFrom : 0;
   p.qStart2 = g.qStart2;
   p.qSplit = static_cast<int32_t>(g.qSplit > 0 && g.qSplit < g.sq ? g.qSplit : g.sq);
   p.abortWord = g.abortWord;

@@ -91,6 +91,9 @@ void validateAttention(const AttentionParams& p) {
     rule("block_n", "blockN 176 exists for headDim 128 without causal masking only; leave blockN at 0");
   }
   if (p.numSms < 0) rule("num_sms", "numSms must be >= 0 (0: every SM), got {}", p.numSms);
+  if (p.rotateFrom < 0 || p.rotateFrom > kMaxAttentionKvSegments) {
+    rule("rotate_from", "rotateFrom must be in [0, {}], got {}", kMaxAttentionKvSegments, p.rotateFrom);
+  }
   if (p.headGroup < 0) rule("head_group", "headGroup must be >= 0 (0: chosen per shape), got {}", p.headGroup);
   if (p.tileOrder < 0 || p.tileOrder > 3) {
     rule("tile_order", "tileOrder must be 0 (default), 1 (round robin), 2 (snake) or 3 (dynamic), got {}",

@@ -157,6 +157,7 @@ std::string launchRingAttention(const OpDescriptor& d, const DevicePointers& ptr
     s.lengthReady = &theirs->started;
     s.lengthReadyValue = value;
   }
+  p.rotateFrom = 1;  // the peers: CTAs start on different ones, so every peer is read at once
   p.abortWord = &env.ctl->abort;
   p.errorSlot = &env.ctl->error;
   p.timeoutNs = env.timeoutNs;
@@ -214,6 +215,7 @@ std::string launchRingAttentionMapped(std::span<const OpDescriptor> descs, std::
     s.split = zigzag ? static_cast<int64_t>(len - len / 2) : 0;
     s.start2 = chunkStart(2 * n - 1 - q);
   }
+  p.rotateFrom = 1;  // the peers: CTAs start on different ones, so every peer is read at once
   launchAttention(p, stream);
   return fmt::format("attention core ({}), {} ranks{}, KV read where tandemd maps it", attentionConfigName(p), n,
                      zigzag ? ", zigzag" : "");

@@ -118,6 +118,7 @@ struct AttnKernelParams {
   int32_t headGroup;  // causal tile order: heads interleaved per group (1 .. heads)
   int32_t snake;      // 1: CTAs take the work of odd rounds in reverse order (workOf)
   uint32_t* tileCounter;  // non-null: dynamic order, the producers take work indices from it (zeroed before launch)
+  int32_t rotateFrom;     // > 0: maps [rotateFrom, numMaps) are walked from a CTA-dependent one on (mapAt)
 };
 static_assert(sizeof(AttnKernelParams) % 64 == 0);
 static_assert(sizeof(AttnKernelParams) <= 4096, "kernel parameter space");
@@ -370,11 +371,21 @@ __device__ __forceinline__ int64_t tileMaxQPos(const AttnKernelParams& p, int32_
 
 // Called once by thread 0 before the roles start (the CTA syncs afterwards): the walk, local tensors first. A length
 // that a peer publishes is waited for here; a wait that fails (reported) leaves that tensor out.
+// The i-th KV tensor of this CTA's walk. With rotateFrom > 0 (ring attention: the peers' tensors) CTA b starts the
+// rotated part at its (b mod count)-th tensor, so that the CTAs in flight read from every peer at once instead of all
+// from one. Each CTA's order is fixed, so results stay bitwise repeatable with a static tile order.
+__device__ __forceinline__ int mapAt(const AttnKernelParams& p, int i) {
+  const int count = p.numMaps - p.rotateFrom;
+  if (p.rotateFrom <= 0 || i < p.rotateFrom || count <= 1) return i;
+  return p.rotateFrom + (i - p.rotateFrom + static_cast<int>(blockIdx.x % static_cast<uint32_t>(count))) % count;
+}
+
 __device__ __forceinline__ void buildRuns(const AttnKernelParams& p, AttnRunTable& rt) {
   WaitCtx ctx{p.abortWord, p.errorSlot, p.timeoutNs != 0 ? globaltimerNs() + p.timeoutNs : 0, p.waitOp,
               static_cast<uint32_t>(tandem::kernels::Role::kCompute), p.waitRank};
   int32_t n = 0;
-  for (int m = 0; m < p.numMaps; ++m) {
+  for (int i = 0; i < p.numMaps; ++i) {
+    const int m = mapAt(p, i);
     const AttnKvMap& mp = p.maps[m];
     int32_t len = mp.length;
     if (mp.lengthWord != nullptr) {
@@ -439,7 +450,8 @@ __device__ __forceinline__ void runKvWaiter(const AttnKernelParams& p, SharedSto
   WaitCtx ctx{p.abortWord, p.errorSlot, p.timeoutNs != 0 ? globaltimerNs() + p.timeoutNs : 0, p.waitOp,
               static_cast<uint32_t>(tandem::kernels::Role::kCompute), p.waitRank};
   bool failed = false;
-  for (int m = 0; m < p.numMaps; ++m) {
+  for (int i = 0; i < p.numMaps; ++i) {
+    const int m = mapAt(p, i);  // in walk order
     if (p.maps[m].ready == nullptr) continue;
     // acquire: the peer's KV; pairs with the write of its ready word, which its stream makes after copying its KV
     // in (a stream memory operation: a system-wide fence, then the write).

@@ -90,6 +90,7 @@ struct Case {
   int tileOrder = 0;
   // Zigzag: query rows >= qSplit sit at qStart2 + (row - qSplit); segment 0's rows >= kvSplit at kvStart2 + ...
   int64_t qSplit = 0, qStart2 = 0, kvSplit = 0, kvStart2 = 0;
+  int rotateFrom = 0;  // segments from here on walked from a CTA-dependent one
 };
 
 int64_t queryPos(const Case& c, int64_t i) {
@@ -188,6 +189,7 @@ struct DeviceProblem {
     params.headGroup = c.headGroup;
     params.tileOrder = c.tileOrder;
     params.tileCounter = c.tileOrder == 3 ? static_cast<uint32_t*>(counter.get()) : nullptr;
+    params.rotateFrom = c.rotateFrom;
     params.qSplit = c.qSplit;
     params.qStart2 = c.qStart2;
     for (size_t s = 0; s < c.kv.size(); ++s) {
@@ -336,6 +338,14 @@ TEST_CASE("attention core: persistent CTAs, tuning variants") {
                .headGroup = 1, .tileOrder = 3},
               20);
     checkCase({.name = "full dynamic", .heads = 2, .sq = 500, .kv = {{300, 0}, {200, 300}}, .tileOrder = 3}, 21);
+  }
+  SUBCASE("segments after the first walked from a CTA-dependent one (ring attention's peers), 5 CTAs") {
+    Case c{.name = "rotated causal", .sq = 300, .causal = true, .kv = {{100, 0}, {120, 100}, {80, 220}}, .numSms = 5};
+    c.rotateFrom = 1;
+    checkCase(c, 22);
+    Case f{.name = "rotated full", .heads = 3, .sq = 260, .kv = {{0, 0}, {90, 0}, {130, 90}, {40, 220}}};
+    f.rotateFrom = 1;
+    checkCase(f, 23);
   }
   SUBCASE("zigzag queries and KV: two runs of positions per tensor") {
     Case c{.name = "zigzag causal", .sq = 300, .causal = true, .kv = {{300, 0}}};

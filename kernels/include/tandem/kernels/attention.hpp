@@ -66,6 +66,8 @@ struct AttentionParams {
   int32_t tileOrder;  // 0 = default (causal: snake, else round robin), 1 = round robin, 2 = snake (odd rounds
                       // reversed: balances causal tiles),
                       // 3 = dynamic (CTAs take tiles from tileCounter as they finish)
+  int32_t rotateFrom;  // > 0: segments [rotateFrom, numKv) are walked from a CTA-dependent one on (ring attention:
+                       // spreads the reads over the peers); 0 = in order
   uint32_t* tileCounter;  // tileOrder 3: a device word the launch zeroes on the stream (cudaMemsetAsync) and uses; no
                           // other launch in flight may use the same word
   // Waits on arrival flags (ring attention): what they poll and where a failed one reports. A wait that fails

@@ -7,7 +7,8 @@
 //   1. stream writes: flags.kvLength = seq, then flags.started = e (peers learn how many rows to read);
 //   2. the rank's k and v are copied into its workspace (peers cannot map the caller's buffers), then
 //      flags.kvReady = e;
-//   3. the attention core over [local KV, KV of rank - 1, rank - 2, ...];
+//   3. the attention core over [local KV, then the peers' KV from a CTA-dependent peer on (rank - 1 - b, ...), so
+//      that the CTAs in flight read every peer at once];
 //   4. a one-CTA finish kernel: tells every peer it has finished reading its KV (peer.done[rank] = e) and waits until
 //      every peer has said the same to it, so that no peer still reads this rank's workspace when the op completes
 //      (the next op may overwrite it).
