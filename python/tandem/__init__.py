@@ -43,15 +43,17 @@ def empty(shape, dtype: torch.dtype = torch.float32, *, device=None, socket: str
     if isinstance(shape, int):
         shape = (shape,)
     session = Session.get(socket)
-    dev = -1
-    if session.is_cuda:
-        dev = torch.cuda.current_device() if device is None else (torch.device(device).index or 0)
-        torch.cuda.set_device(dev)
     n = 1
     for s in shape:
         n *= int(s)
     nbytes = n * torch.empty((), dtype=dtype).element_size()
-    return Buffer(session, nbytes, dev).tensor(tuple(shape), dtype)
+    if not session.is_cuda:
+        return Buffer(session, nbytes).tensor(tuple(shape), dtype)
+    dev = torch.cuda.current_device() if device is None else torch.device(device).index
+    if dev is None:
+        dev = torch.cuda.current_device()
+    with torch.cuda.device(dev):  # tandem_alloc allocates on the calling thread's current device
+        return Buffer(session, nbytes, dev).tensor(tuple(shape), dtype)
 
 
 def empty_like(t: torch.Tensor, *, socket: str | None = None) -> torch.Tensor:

@@ -75,8 +75,9 @@ class Communicator:
         self.is_cuda = self.session.is_cuda
         self._op_timeout_ms = int(op_timeout_ms)
         if self.is_cuda:
-            self.device = torch.device("cuda", torch.cuda.current_device() if device is None
-                                       else torch.device(device).index or 0)
+            index = None if device is None else torch.device("cuda", device).index if isinstance(device, int) \
+                else torch.device(device).index
+            self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
             torch.cuda.set_device(self.device)
             torch.cuda.init()
         else:
