@@ -331,11 +331,13 @@ constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
      "often world-readable, and whoever knows the secret can join the cluster.",
      &ClusterSection::secret},
     {"transport",
-     "How op data travels between nodes: tcp (any network) or verbs (RDMA NICs). The daemons' control\n"
-     "traffic always uses tcp.",
+     "How op data travels between nodes: tcp (any network) or verbs (RDMA NICs). With verbs the daemons'\n"
+     "messages ride the queue pairs too, and a tcp link per peer at the same address sets them up and\n"
+     "carries the heartbeats.",
      &ClusterSection::transport},
     {"connections_per_peer",
-     "TCP connections from this node to each other node; large transfers are striped over them.\n"
+     "TCP connections (verbs: queue pairs) from this node to each other node; large transfers are\n"
+     "striped over them.\n"
      "Must be the same on every node.",
      &ClusterSection::connectionsPerPeer, {1, kMaxConnectionsPerPeer}},
     {"connect_timeout_ms",
