@@ -121,6 +121,12 @@ class Backend {
   virtual CommMapping mapping(const std::shared_ptr<CommResources>&, uint32_t /*rank*/) const { return {}; }
   // The communicator failed or ended: release every rank's waits (engine lock held).
   virtual void abortComm(CommResources&, ErrorCode /*code*/, const std::string& /*reason*/) {}
+  // Local rank `rank` left a communicator with nothing of it queued in the engine (engine lock held). A backend
+  // that can tell the rank finished its part of every op in flight lets those ops finish on the other ranks;
+  // otherwise (and by default) it aborts as abortComm does. Every later op fails either way.
+  virtual void leaveComm(CommResources& res, uint32_t /*rank*/, ErrorCode code, const std::string& reason) {
+    abortComm(res, code, reason);
+  }
   virtual void sessionClosed(uint64_t /*sessionId*/) {}
 
   // Executes (or rejects) a collective; must not block. Completes every rank exactly once, now or later.

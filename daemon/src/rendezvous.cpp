@@ -293,8 +293,13 @@ void Engine::leaveCommLocked(uint64_t sessionId, uint64_t handle, Communicator::
   if (it == comms_.end()) return;
   auto entry = it->second;
   Communicator& comm = entry->comm;
-  for (auto& m : comm.members) {
-    if (m == sessionId) m.reset();
+  uint32_t leaverRank = 0, leaverRanks = 0;
+  for (uint32_t r = 0; r < comm.members.size(); ++r) {
+    if (comm.members[r] == sessionId) {
+      comm.members[r].reset();
+      leaverRank = r;
+      ++leaverRanks;
+    }
   }
   if (auto s = sessions_.find(sessionId); s != sessions_.end()) {
     std::erase(s->second.comms, handle);
@@ -303,7 +308,17 @@ void Engine::leaveCommLocked(uint64_t sessionId, uint64_t handle, Communicator::
       s->second.commBytes.erase(b);
     }
   }
-  failCommLocked(*entry, state, code, reason);
+  // One rank leaving a ready one-node communicator with none of its ops queued here: the backend may let the ops in
+  // flight on the other ranks finish (Backend::leaveComm); later ops fail with the reason either way.
+  const bool queued = std::any_of(comm.queues.begin(), comm.queues.end(), [](const auto& q) { return !q.empty(); });
+  if (leaverRanks == 1 && !queued && !comm.spansNodes() && comm.resources &&
+      comm.state == Communicator::State::kReady) {
+    comm.state = state;
+    comm.reason = reason;
+    backend_->leaveComm(*comm.resources, leaverRank, code, reason);
+  } else {
+    failCommLocked(*entry, state, code, reason);
+  }
   if (comm.localRanks() == 0) eraseEntryLocked(comm);
 }
 

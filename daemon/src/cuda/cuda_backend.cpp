@@ -159,6 +159,11 @@ class CudaBackend final : public Backend {
     static_cast<CudaComm&>(res).abort(code, reason);
   }
 
+  void leaveComm(CommResources& res, uint32_t rank, ErrorCode code, const std::string& reason) override {
+    std::lock_guard lock(mutex_);
+    static_cast<CudaComm&>(res).leave(rank, code, reason);
+  }
+
   // ---- execution ----
 
   bool execute(Collective c, std::function<void()> finished) override {

@@ -60,6 +60,8 @@ class CudaComm : public CommResources {
   bool busy() const { return !failed_ && hasWork(); }
   // Fails every pending and running op and releases every wait of the local ranks' streams and kernels, for good.
   virtual void abort(ErrorCode code, const std::string& reason) = 0;
+  // Local rank `rank` left (Backend::leaveComm): by default an abort.
+  virtual void leave(uint32_t /*rank*/, ErrorCode code, const std::string& reason) { abort(code, reason); }
   // tandemd is stopping: every kernel wait of every local rank leaves now (not at its deadline).
   void abortKernels();
 

@@ -91,6 +91,7 @@ bool NodeComm::execute(Collective c, std::function<void()> /*finished*/) {
                             g->epoch, op.epoch);
     }
   }
+  if (closed_ && !failed()) abort(closed_->first, closed_->second);  // a rank has left: no gang can form
   if (c.errorCode == 0 && !failed()) admit(c);
   g->c = std::move(c);
   if (failed()) {
@@ -119,6 +120,22 @@ void NodeComm::abort(ErrorCode code, const std::string& reason) {
     for (auto& g : state_[r].inflight) completeRank(*g, r, statusOf(code), reason);
     state_[r].inflight.clear();
   }
+}
+
+void NodeComm::leave(uint32_t rank, ErrorCode code, const std::string& reason) {
+  RankState& rs = state_[rank];
+  rs.doneEpoch = page(rank).doneEpoch(rs.doneEpoch);
+  while (!rs.inflight.empty() && rs.inflight.front()->epoch <= rs.doneEpoch) {
+    auto g = rs.inflight.front();
+    rs.inflight.pop_front();
+    completeFromKernel(*g, rank);
+  }
+  // With its stream past every op it was in and no gang forming, the leaver owes its peers nothing more: its
+  // sends are done, and ops that read peers' memory end with a handshake, so the ops they still run finish (a rank
+  // that finished first and destroyed its communicator must not fail its peers' last op). Otherwise some stream
+  // waits for it: abort, which releases every wait.
+  if (!pending_.empty() || !rs.inflight.empty()) return abort(code, reason);
+  closed_.emplace(code, reason);
 }
 
 uint64_t NodeComm::lastEpoch(uint32_t rank) const {

@@ -9,7 +9,9 @@
 #include <cstdlib>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda_comm.hpp"
@@ -73,6 +75,7 @@ class NodeComm : public CudaComm {
   CommMapping mapping(const std::shared_ptr<CommResources>& self, uint32_t rank) const override;
   bool execute(Collective c, std::function<void()> finished) override;
   void abort(ErrorCode code, const std::string& reason) override;
+  void leave(uint32_t rank, ErrorCode code, const std::string& reason) override;
 
  protected:
   enum class Release {
@@ -108,6 +111,8 @@ class NodeComm : public CudaComm {
   std::vector<Rank> ranks_;
   std::vector<RankState> state_;
   std::deque<std::shared_ptr<Gang>> pending_;  // in epoch order; the head waits for its release condition
+  // A rank left gracefully (leave): the ops in flight finish, and any later gang aborts the communicator.
+  std::optional<std::pair<ErrorCode, std::string>> closed_;
   CommContext& ctx_;
 };
 
