@@ -338,13 +338,13 @@ TEST_CASE("fused GEMMs, daemon executor (MPS): every op matches the fp64 referen
   if (needsMps()) return;
   for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
     CAPTURE(tandem::opKindName(kind));
-    runOp(kind, "daemon", 10);
+    runOp(kind, "daemon", 10, ranksFor("daemon", 2) > 1 ? std::vector<uint32_t>{1, 2} : std::vector<uint32_t>{1});
   }
 }
 
 TEST_CASE("fused GEMMs, daemon executor (MPS): back to back with AllGathers, the persistent kernel yields each time") {
   if (needsMps()) return;
-  const uint32_t n = 2;
+  const uint32_t n = ranksFor("daemon", 2);
   Daemon d(config("daemon"), {}, "");
   REQUIRE(status(d)["executor"] == "daemon");
   MESSAGE(n << " rank(s), an AllGather before each:" << listCases(mixedCases()));

@@ -13,6 +13,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -36,6 +37,11 @@ inline int gpuCount() { return std::atoi(std::getenv("TANDEM_TEST_GPU_COUNT")); 
 // Ranks take the GPUs round robin: with fewer GPUs than ranks they share one, which checks every multi-rank protocol
 // on a single GPU (the processes time-slice it, or run side by side under MPS); only speed needs one GPU per rank.
 inline int rankDevice(uint32_t rank) { return static_cast<int>(rank % static_cast<uint32_t>(gpuCount())); }
+// The ranks a test can run with `executor`: the daemon executor runs one rank per GPU (one persistent kernel per GPU
+// runs ops in order; tandemd refuses two ranks on one GPU), so it gets at most one per GPU.
+inline uint32_t ranksFor(const std::string& executor, uint32_t want) {
+  return executor == "daemon" ? std::min(want, static_cast<uint32_t>(gpuCount())) : want;
+}
 
 inline bool mpsRunning() {
   const char* env = std::getenv("CUDA_MPS_PIPE_DIRECTORY");

@@ -352,11 +352,13 @@ TEST_CASE("allgather, daemon executor (MPS): bitwise exact at 1 and 2 ranks, 1 B
   REQUIRE(status(d)["executor"] == "daemon");
   const auto sizes = testSizes();
   SUBCASE("1 rank") { runAllGather(d, 1, false, sizes); }
-  SUBCASE("2 ranks") { runAllGather(d, 2, false, sizes); }
-  SUBCASE("2 ranks, registered cudaMalloc buffers") { runAllGather(d, 2, true, {7, 1u << 20, (32u << 20) + 5}); }
+  const uint32_t n = ranksFor("daemon", 2);
+  MESSAGE(n << " rank(s) at most: one per GPU");
+  SUBCASE("2 ranks") { runAllGather(d, n, false, sizes); }
+  SUBCASE("2 ranks, registered cudaMalloc buffers") { runAllGather(d, n, true, {7, 1u << 20, (32u << 20) + 5}); }
   // After the linger the kernel has exited; the next op relaunches it.
   std::this_thread::sleep_for(std::chrono::milliseconds(800));
-  SUBCASE("after the persistent kernel exited") { runAllGather(d, 2, false, {4096, 8u << 20}); }
+  SUBCASE("after the persistent kernel exited") { runAllGather(d, n, false, {4096, 8u << 20}); }
 }
 
 TEST_CASE("a client SIGKILLed mid-op (client executor, no MPS) leaves the daemon healthy") {
@@ -442,7 +444,7 @@ TEST_CASE("barrier in stream order, both executors where available") {
     tandem_unique_id_t id;
     tandem_get_unique_id(&id);
     std::vector<Rank> ranks;
-    const uint32_t n = 2;
+    const uint32_t n = ranksFor(ex, 2);
     for (uint32_t r = 0; r < n; ++r) {
       ranks.push_back(spawn([&, r](const Io&) -> std::string {
         CK(cudaSetDevice(rankDevice(r)));
