@@ -3,7 +3,8 @@
 # (build-gpu-ctl/), a private tandemd on the cuda backend (executor client), then ag-gemm, gemm-rs, gemm-ar and
 # allgather at 1 and 2 ranks (2 ranks share the GPU) with --check (host fp64 reference for the small shapes, the fp32
 # GPU reference GEMM for the large ones) and --compare (NCCL + cuBLASLt; skipped with a reason where NCCL cannot run,
-# e.g. two ranks on one GPU), and the argument checks (exit 2 before anything starts). About 150 s with the build.
+# e.g. two ranks on one GPU), and the argument checks (exit 2 before anything starts). At most CTL_GPU_BUDGET_S (110) s
+# with the build: a step that would run past it is skipped and said so.
 #   scripts/ctl-gpu-run.sh OUTDIR
 # OUTDIR gets build.log, tandemd.log, one .log (and .json) per run and summary.txt (one line per step with its exit
 # code and seconds).
@@ -13,7 +14,10 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# A stuck device-side wait gives up (and says where) well inside a step's limit.
+export TANDEM_OP_TIMEOUT_MS=12000
 build=build-gpu-ctl
+budget=${CTL_GPU_BUDGET_S:-110}  # seconds for the whole script, the build included
 t0=$(date +%s)
 summary="$out/summary.txt"
 : > "$summary"
@@ -44,10 +48,10 @@ ctl() { "$build/client/tandemctl" --socket "$sock" "$@"; }
 step() {
   local name=$1 limit=$2; shift 2
   local s=$(date +%s)
-  # The whole script has 150 s: a step that could run past it is skipped (and said so) rather than cut off.
-  if (( s - t0 + limit > 150 )); then
-    limit=$(( 150 - (s - t0) ))
-    if (( limit < 5 )); then note "$name skipped: the 150 s budget is spent"; return 0; fi
+  # The whole script has $budget s: a step that could run past it is skipped (and said so) rather than cut off.
+  if (( s - t0 + limit > budget )); then
+    limit=$(( budget - (s - t0) ))
+    if (( limit < 5 )); then note "$name skipped: the ${budget} s budget is spent"; return 0; fi
   fi
   timeout -k 5 "$limit" "$build/client/tandemctl" --socket "$sock" "$@" > "$out/$name.log" 2>&1
   local rc=$?
@@ -62,17 +66,17 @@ step bad-m               5 run ag-gemm --m -5
 step bad-topk            5 run moe-dispatch-gemm --topk 9
 step bad-experts         5 run moe-dispatch-gemm --ranks 3 --experts 8
 # Large shapes: checked by the fp32 GPU reference GEMM, the NCCL + cuBLASLt baseline timed beside tandem.
-step ag-gemm-1r-large   30 run ag-gemm --ranks 1 --m 8192 --n 8192 --k 8192 --check --compare --iters 10 --warmup 3 --json
-step gemm-rs-1r-large   30 run gemm-rs --ranks 1 --m 8192 --n 8192 --k 8192 --check --compare --iters 10 --warmup 3 --json
-step gemm-ar-1r-large   30 run gemm-ar --ranks 1 --m 8192 --n 8192 --k 8192 --check --compare --iters 10 --warmup 3 --json
-step allgather-1r       20 run allgather --ranks 1 --bytes 16777216 --check --compare --iters 20 --warmup 3
+step ag-gemm-1r-large   20 run ag-gemm --ranks 1 --m 8192 --n 8192 --k 8192 --check --compare --iters 10 --warmup 3 --json
+step gemm-rs-1r-large   20 run gemm-rs --ranks 1 --m 8192 --n 8192 --k 8192 --check --compare --iters 10 --warmup 3 --json
+step gemm-ar-1r-large   20 run gemm-ar --ranks 1 --m 8192 --n 8192 --k 8192 --check --compare --iters 10 --warmup 3 --json
+step allgather-1r       15 run allgather --ranks 1 --bytes 16777216 --check --compare --iters 20 --warmup 3
 # Two ranks sharing the GPU (NCCL refuses two ranks on one GPU, so --compare says why it has no baseline).
-step ag-gemm-2r         30 run ag-gemm --ranks 2 --m 4096 --n 4096 --k 4096 --check --compare --iters 5 --warmup 1
-step gemm-rs-2r         30 run gemm-rs --ranks 2 --m 1024 --n 1024 --k 2048 --check --compare --iters 5 --warmup 1
-step gemm-ar-2r         30 run gemm-ar --ranks 2 --m 1024 --n 1024 --k 2048 --check --compare --iters 5 --warmup 1
-step allgather-2r       25 run allgather --ranks 2 --bytes 16777216 --check --compare --iters 10 --warmup 2 --json
+step ag-gemm-2r         20 run ag-gemm --ranks 2 --m 4096 --n 4096 --k 4096 --check --compare --iters 5 --warmup 1 --timeout-ms 15000
+step gemm-rs-2r         20 run gemm-rs --ranks 2 --m 1024 --n 1024 --k 2048 --check --compare --iters 5 --warmup 1 --timeout-ms 15000
+step gemm-ar-2r         20 run gemm-ar --ranks 2 --m 1024 --n 1024 --k 2048 --check --compare --iters 5 --warmup 1 --timeout-ms 15000
+step allgather-2r       15 run allgather --ranks 2 --bytes 16777216 --check --compare --iters 10 --warmup 2 --json
 # A small shape: checked on the host (fp64 reference, outputs copied back).
-step ag-gemm-1r-small   25 run ag-gemm --ranks 1 --m 512 --n 512 --k 512 --check --compare --iters 20 --warmup 3
+step ag-gemm-1r-small   15 run ag-gemm --ranks 1 --m 512 --n 512 --k 512 --check --compare --iters 20 --warmup 3
 # What the cuda backend does not run is refused with the backend's list of ops, once.
-step moe-unsupported    20 run moe-dispatch-gemm --ranks 1 --check
+step moe-unsupported    10 run moe-dispatch-gemm --ranks 1 --check
 note "total $(($(date +%s) - t0)) s"
