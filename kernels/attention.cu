@@ -194,7 +194,7 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   p.pingPong = r.pingPong ? 1 : 0;
   p.headGroup = r.headGroup;
   p.snake = r.snake ? 1 : 0;
-  if (r.dynamic) {
+  if (r.dynamic) {  // tileOrder 3, or the default with a counter (resolveAttention)
     checkCuda(cudaMemsetAsync(g.tileCounter, 0, sizeof(uint32_t), stream), "cudaMemsetAsync(tile counter)");
     p.tileCounter = g.tileCounter;
   }

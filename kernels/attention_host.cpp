@@ -27,15 +27,27 @@ struct Resolved {
 };
 // Defaults measured on an H200 (bench/RESULTS.md, "Attention core"): 176-key blocks beat 128 by 2-5% without causal
 // masking at head_dim 128 (seq 4K-32K); ping-pong beats free-running consumers by 10-20% everywhere.
-// Causal tile order by default: every head in one group, snake rounds. A model of the persistent schedule (each
-// CTA's sum of tile lengths, longest tiles first) puts round robin's slowest CTA 24% / 12% / 6% / 3% over the mean at
-// 4K / 8K / 16K / 32K with 16 heads on 132 SMs, and snake's within 0.2% everywhere. Head groups and the dynamic order
-// (which also keeps the K/V in flight to a few heads') are timed beside it (bench/RESULTS.md, "Ring attention").
+// Causal tile order by default. Measured on an H200 (bench/RESULTS.md, "Ring attention", 16 heads, head_dim 128, vs
+// cuDNN in the same call): every head in one group in snake rounds 1.169 / 1.040 / 0.963 / 0.916 at 4K / 8K / 16K /
+// 32K (round robin, the order before: 0.955 / 0.929 / 0.808 / 0.824); the dynamic order in groups of 2 heads 0.967 /
+// 1.047 / 0.972 / 0.954. So: dynamic with 2-head groups once a head's K and V reach 8 MB (16K keys at head_dim 128:
+// 16 heads of them outgrow L2), where the caller gave a tile counter; snake rounds over every head otherwise.
+constexpr int64_t kDynamicFromKvBytesPerHead = 8ll << 20;
 Resolved resolveAttention(const AttentionParams& p) {
   const int blockN = p.blockN != 0 ? p.blockN : (p.headDim == 128 && !p.causal ? 176 : 128);
-  const int group = p.headGroup <= 0 || p.headGroup > p.heads ? p.heads : p.headGroup;
-  const bool snake = p.tileOrder == 2 || (p.tileOrder == 0 && p.causal);
-  return {blockN, p.pingPong != 2, group, snake, p.tileOrder == 3};
+  int group = p.headGroup <= 0 || p.headGroup > p.heads ? p.heads : p.headGroup;
+  bool snake = p.tileOrder == 2, dynamic = p.tileOrder == 3;
+  if (p.tileOrder == 0 && p.causal) {
+    int64_t keys = 0;
+    for (int i = 0; i < p.numKv && i < kMaxAttentionKvSegments; ++i) keys += p.kv[i].length;
+    if (p.tileCounter != nullptr && keys * p.headDim * 4 >= kDynamicFromKvBytesPerHead) {
+      dynamic = true;
+      if (p.headGroup <= 0) group = std::min(2, p.heads);
+    } else {
+      snake = true;
+    }
+  }
+  return {blockN, p.pingPong != 2, group, snake, dynamic};
 }
 
 }  // namespace attn_detail

@@ -63,7 +63,8 @@ struct AttentionParams {
   int32_t numSms;    // cap on the persistent grid (CTAs); 0 = every SM
   int32_t pingPong;  // 1 (default): the two consumer warpgroups take turns issuing GEMMs, 2: free-running
   int32_t headGroup;  // causal tile order: heads per group (1 .. heads); 0 = default (every head in one group)
-  int32_t tileOrder;  // 0 = default (causal: snake, else round robin), 1 = round robin, 2 = snake (odd rounds
+  int32_t tileOrder;  // 0 = default (causal: dynamic in 2-head groups from 8 MB of K/V per head when tileCounter is
+                      // given, else snake; non-causal: round robin), 1 = round robin, 2 = snake (odd rounds
                       // reversed: balances causal tiles),
                       // 3 = dynamic (CTAs take tiles from tileCounter as they finish)
   int32_t rotateFrom;  // > 0: segments [rotateFrom, numKv) are walked from a CTA-dependent one on (ring attention:
