@@ -369,7 +369,7 @@ TEST_SUITE("hostile clients") {
     tandem::Session heavy(d.socket().c_str());
     // Two communicators: ops of one communicator run one at a time anyway, so a tenant needs two to take two workers.
     tandem::Communicator comm1(heavy, tandem::uniqueId(), 1, 0), comm2(heavy, tandem::uniqueId(), 1, 0);
-    const uint64_t m = 1024, n = 1024, k = 1024;
+    const uint64_t m = kBusyGemmDim, n = kBusyGemmDim, k = kBusyGemmDim;
     tandem::Buffer a(heavy, m * k * 4), bb(heavy, n * k * 4), c1(heavy, m * n * 4), c2(heavy, m * n * 4);
     std::memset(a.data(), 0, a.size());
     std::memset(bb.data(), 0, bb.size());
@@ -402,13 +402,13 @@ TEST_SUITE("hostile clients") {
       // Large fp32 gemm-ar on a single rank, queued back to back, then the client leaves: one may be running, the
       // rest must not run (the daemon would otherwise burn a core for nobody).
       pb::Request alloc;
-      alloc.mutable_allocate()->set_bytes(uint64_t{3} * 1024 * 1024 * 4);
+      alloc.mutable_allocate()->set_bytes(3 * kBusyGemmDim * kBusyGemmDim * 4);
       const pb::Response r = evil.call(alloc);
       REQUIRE(r.status().code() == pb::STATUS_CODE_OK);
       const uint64_t buffer = r.allocate().buffer_id();
       // One op per communicator, so that each reaches the worker queue at once (ops of one communicator would
       // wait in the engine's per-rank queue instead, which a departing session empties already).
-      constexpr uint64_t kDim = 1024;
+      constexpr uint64_t kDim = kBusyGemmDim;
       for (int i = 0; i < 16; ++i) {
         const uint64_t comm = evil.joinAlone();
         tandem::OpDescriptor desc{};

@@ -297,7 +297,8 @@ TEST_SUITE("hostile clients") {
     // A hard limit of 64 open files the daemon cannot raise; caps high enough that fds run out first.
     Daemon d("limits:\n  hello_timeout_ms: 1500\n  max_sessions: 1000\n  max_sessions_per_uid: 1000\n"
              "  max_fds_per_session: 16\n",
-             {}, "cpu", {"/usr/bin/prlimit", "--nofile=64:64", "--"});
+             {}, "cpu", lowFdPrefix());
+    INFO("tandemd log (on failure):\n" << d.log());
     const Baseline b = baseline(d);
     std::vector<tandem::Fd> silent;
     for (int i = 0; i < 80; ++i) silent.push_back(rawConnect(d.socket()));
@@ -327,12 +328,14 @@ TEST_SUITE("hostile clients") {
     CHECK(acceptLines >= 1);
     CHECK(acceptLines <= 10);
     silent.clear();
+    CHECK_MESSAGE(sanitizerReportsBesidesFalseVptr(d.log()).empty(), sanitizerReportsBesidesFalseVptr(d.log()));
     checkRecovered(d, b, "accept() out of fds (RLIMIT_NOFILE 64)");
   }
 
   TEST_CASE("out of fds with every fd in a real session: new clients get a clear error, not a hang") {
     Daemon d("limits:\n  max_sessions: 1000\n  max_sessions_per_uid: 1000\n  max_fds_per_session: 16\n", {}, "cpu",
-             {"/usr/bin/prlimit", "--nofile=64:64", "--"});
+             lowFdPrefix());
+    INFO("tandemd log (on failure):\n" << d.log());
     const Baseline b = baseline(d);
     // Sessions that said Hello are not dropped for want of fds: open them until the daemon has none left.
     std::vector<std::unique_ptr<tandem::Session>> held;
@@ -368,6 +371,7 @@ TEST_SUITE("hostile clients") {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // measuring idle CPU over a span, not syncing
     CHECK(cpuSeconds(d.pid()) - cpu0 < 0.15);
     held.clear();
+    CHECK_MESSAGE(sanitizerReportsBesidesFalseVptr(d.log()).empty(), sanitizerReportsBesidesFalseVptr(d.log()));
     checkRecovered(d, b, "every fd in a real session (RLIMIT_NOFILE 64)");
   }
 }

@@ -226,6 +226,44 @@ inline constexpr bool kUnderAsan = false;
 inline constexpr bool kUnderAsan = false;
 #endif
 
+// The argv prefix that starts tandemd with 64 open files at most (a hard limit it cannot raise). Under the
+// sanitizers (TANDEM_SANITIZE turns on ASan and UBSan together) UBSan only reports in that daemon instead of
+// halting it: UBSan's vptr check reads an object's vtable through a pipe(2) it opens to probe the memory, so in a
+// process with no fd left a valid tandem::Error being thrown is reported as having an "invalid vptr", and
+// halt_on_error would end the daemon for that false report. sanitizerReportsBesidesFalseVptr() then fails the test
+// on any other report, so ASan and the rest of UBSan still count.
+inline std::vector<std::string> lowFdPrefix() {
+  std::vector<std::string> argv;
+  if (kUnderAsan) {
+    const char* ubsan = std::getenv("UBSAN_OPTIONS");
+    const std::string options = ubsan != nullptr && *ubsan != '\0' ? std::string(ubsan) + ":" : std::string();
+    // Without a stack trace: symbolizing one would load tandemd's debug info, tens of MiB the RSS check would count.
+    argv = {"/usr/bin/env", "UBSAN_OPTIONS=" + options + "halt_on_error=0:print_stacktrace=0"};
+  }
+  argv.insert(argv.end(), {"/usr/bin/prlimit", "--nofile=64:64", "--"});
+  return argv;
+}
+
+// The sanitizer reports in a low-fd daemon's log that are not UBSan's false "invalid vptr" (lowFdPrefix), one line
+// each; empty when there are none.
+inline std::string sanitizerReportsBesidesFalseVptr(const std::string& log) {
+  std::string out;
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) {
+    const bool ubsan = line.find("runtime error:") != std::string::npos;
+    const bool falseVptr = ubsan && line.find("which does not point to an object of type") != std::string::npos;
+    if ((ubsan && !falseVptr) || line.find("ERROR: AddressSanitizer") != std::string::npos ||
+        line.find("ERROR: LeakSanitizer") != std::string::npos) {
+      out += line + "\n";
+    }
+  }
+  return out;
+}
+
+// The side of the fp32 GEMMs the cpu-worker cases keep the workers busy with: long enough (a good part of a second)
+// that an honest op arrives while they run. ASan's build (Debug, instrumented) runs them tens of times slower.
+inline constexpr uint64_t kBusyGemmDim = kUnderAsan ? 384 : 1024;
+
 // How far above its baseline the daemon's RSS may stay once an attack is over, in KiB. glibc's malloc keeps some of
 // what was freed (16 MiB of slack). ASan's allocator does not reuse freed blocks at once: it holds them in a
 // quarantine of quarantine_size_mb (256 MiB unless ASAN_OPTIONS, which tandemd inherits from this test, says
