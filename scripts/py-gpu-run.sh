@@ -4,7 +4,7 @@
 #   2. pip install --no-build-isolation --no-deps --target (no package index there; the GPU machines have PyTorch);
 #   3. a private tandemd on the cuda backend (executor client);
 #   4. tests/python/gpu_run.py at 1 rank (ops, torch.compile, CUDA graph capture + 100 replays, the registration
-#      cache under freed and reused segments) and at 2 ranks sharing the GPU under torchrun (ops, compile, graph);
+#      cache under freed and reused segments) and at 2 ranks sharing the GPU under torchrun (ops, graph);
 #   5. the per-call overhead: python/bench/overhead.py against the same op through the C ABI (and pybind11's floor),
 #      with the hot path's C module (_tandem_fastcall, built by pip) and with ctypes alone.
 #   scripts/py-gpu-run.sh OUTDIR
@@ -80,12 +80,12 @@ step() {
   return 0
 }
 
-# The graph section last: a replay that goes wrong can leave the stream stuck, and the step's timeout ends it.
-step gpu-1rank 50 "$py" tests/python/gpu_run.py ops cache compile graph
-step gpu-2ranks 50 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 tests/python/gpu_run.py \
-  ops compile graph
+# Most essential first. The graph section last in each run: a replay that goes wrong can leave the stream stuck,
+# and the step's timeout ends it.
+step gpu-1rank 45 "$py" tests/python/gpu_run.py ops cache compile graph
 timeout 30 python/bench/build.sh "$root/$build/client/libtandem.so.0.2" "$work/bench" "$py" > "$out/bench-build.log" 2>&1
 export PYTHONPATH="$work/bench:$PYTHONPATH"
-step overhead 30 "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
-TANDEM_NO_FASTCALL=1 step overhead-ctypes-only 30 "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
+step overhead 25 "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
+step gpu-2ranks 45 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 tests/python/gpu_run.py ops graph
+TANDEM_NO_FASTCALL=1 step overhead-ctypes-only 25 "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
 note "done ($(elapsed) s)"

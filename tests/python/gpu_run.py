@@ -141,6 +141,11 @@ def main(argv) -> int:
                 say("communicator unusable after this failure; skipping the remaining sections")
                 failed += len(names) - names.index(name) - 1
                 break
+    try:  # every rank's ops done before any rank leaves (leaving fails the peers' ops still in flight)
+        comm.barrier()
+        comm.synchronize()
+    except tandem.TandemError as e:
+        say(f"final barrier: {type(e).__name__}: {e}")
     comm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
