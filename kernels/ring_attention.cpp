@@ -3,6 +3,8 @@
 
 #include <cuda.h>
 
+#include <iterator>
+
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/attention.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
@@ -67,11 +69,11 @@ void checkRingAttention(const OpDescriptor& d, const DevicePointers& ptrs, const
     fail(ErrorCode::kInvalidArgument, "{}: seq {} on one rank is over 2^31 - 1 on the cuda backend", op, seq);
   }
   static constexpr const char* kSlotNames[] = {"q", "k", "v", "out"};
-  for (int s = 0; s < 4; ++s) {
-    if (ptrs[static_cast<std::size_t>(s)] != nullptr && reinterpret_cast<uintptr_t>(ptrs[static_cast<std::size_t>(s)]) % 16 != 0) {
+  for (std::size_t s = 0; s < std::size(kSlotNames); ++s) {
+    if (ptrs[s] != nullptr && reinterpret_cast<uintptr_t>(ptrs[s]) % 16 != 0) {
       fail(ErrorCode::kInvalidArgument, "{}: tensor {} starts at {}, which is not 16-byte aligned; the cuda backend "
            "moves whole 16-byte rows (tensor memory accelerator): use an offset that is a multiple of 16", op,
-           kSlotNames[s], ptrs[static_cast<std::size_t>(s)]);
+           kSlotNames[s], ptrs[s]);
     }
   }
   if (env.nranks > kMaxLocalRanks || env.nranks > static_cast<uint32_t>(kMaxAttentionKvSegments)) {
@@ -131,7 +133,8 @@ std::string launchRingAttention(const OpDescriptor& d, const DevicePointers& ptr
   writeWord32(stream, &mine->kvLength, seq, "ring attention kvLength");
   writeWord32(stream, &mine->started, value, "ring attention started");
   if (kvBytes > 0) {
-    checkCuda(cudaMemcpyAsync(data, local.k, kvBytes, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync(k into the workspace)");
+    checkCuda(cudaMemcpyAsync(data, local.k, kvBytes, cudaMemcpyDeviceToDevice, stream),
+              "cudaMemcpyAsync(k into the workspace)");
     checkCuda(cudaMemcpyAsync(data + kvHalfBytes(env), local.v, kvBytes, cudaMemcpyDeviceToDevice, stream),
               "cudaMemcpyAsync(v into the workspace)");
   }

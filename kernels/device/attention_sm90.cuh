@@ -351,8 +351,8 @@ __device__ __forceinline__ void nextBlock(const AttnRunTable& rt, BlockCursor& c
 }
 
 // The work index a CTA takes in its round k: blockIdx.x + k gridDim.x, or (snake) the CTAs' order reversed in every
-// odd round, so that with the longest tiles first each CTA's sum of tile lengths comes out nearly the same. Producer and
-// consumers walk the same sequence. Increasing in k, so the first index past numWork ends the walk.
+// odd round, so that with the longest tiles first each CTA's sum of tile lengths comes out nearly the same. Producer
+// and consumers walk the same sequence. Increasing in k, so the first index past numWork ends the walk.
 __device__ __forceinline__ int32_t workOf(const AttnKernelParams& p, int32_t k) {
   const int32_t g = static_cast<int32_t>(gridDim.x), b = static_cast<int32_t>(blockIdx.x);
   return k * g + (p.snake != 0 && (k & 1) != 0 ? g - 1 - b : b);

@@ -139,7 +139,9 @@ struct RankCase {
   }
   std::string compare() const {
     std::array<const std::byte*, tandem::kMaxOpBuffers> slots{};
-    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) slots[i] = host[rank][i].empty() ? nullptr : host[rank][i].data();
+    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
+      slots[i] = host[rank][i].empty() ? nullptr : host[rank][i].data();
+    }
     const ref::Comparison cmp = ref::compareRank(descs[rank], slots, want);
     return cmp.ok ? std::string() : fmt::format("{} (relative error {:.3g})", cmp.detail, cmp.relError);
   }
@@ -165,7 +167,9 @@ std::string attentionRank(const std::string& socket, const tandem_unique_id_t& i
     const std::string what = describe(cases[i], nranks);
     RankCase rc(s, cases[i], rank, nranks, 5000 + i);
     tandem_op_t op;
-    if (rc.submit(comm, stream, &op) != TANDEM_SUCCESS) return fmt::format("FAIL {}: submit: {}", what, tandem_last_error());
+    if (rc.submit(comm, stream, &op) != TANDEM_SUCCESS) {
+      return fmt::format("FAIL {}: submit: {}", what, tandem_last_error());
+    }
     if (std::string e = finish(stream, op); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
     const std::vector<std::byte> first = rc.download();
     if (std::string e = rc.compare(); !e.empty()) return fmt::format("FAIL {}: {}", what, e);

@@ -186,7 +186,7 @@ TEST_CASE("ring attention through the C API: lse, the zigzag layout, and callers
       tandem::check(tandem_ring_attention(comm.get(), &a, &op));
       tandem::wait(op, 10000);
       std::array<const std::byte*, tandem::kMaxOpBuffers> got{};
-      for (int slotIndex = 0; slotIndex < 5; ++slotIndex) got[static_cast<std::size_t>(slotIndex)] = b[static_cast<std::size_t>(slotIndex)]->as<std::byte>();
+      for (std::size_t i = 0; i < 5; ++i) got[i] = b[i]->as<std::byte>();
       const ref::Comparison c = ref::compareRank(desc, got, want[r]);
       result[r] = c.ok ? "ok" : c.detail;
       if (zigzag) return;
@@ -203,7 +203,9 @@ TEST_CASE("ring attention through the C API: lse, the zigzag layout, and callers
       wantOut[4].clear();
       const ref::Comparison c2 = ref::compareRank(desc, outOnly, wantOut);
       if (!c2.ok) result[r] = "0.2 struct: " + c2.detail;
-      if (std::memcmp(lseBefore.data(), b[4]->as<float>(), lseBefore.size() * 4) != 0) result[r] = "0.2 struct: lse written";
+      if (std::memcmp(lseBefore.data(), b[4]->as<float>(), lseBefore.size() * 4) != 0) {
+        result[r] = "0.2 struct: lse written";
+      }
       // A struct that has the layout field but an unknown value is refused before anything is submitted.
       a.struct_size = sizeof a;
       if (tandem_ring_attention(comm.get(), &a, &op) != TANDEM_ERROR_INVALID_ARGUMENT ||

@@ -230,7 +230,9 @@ TEST_CASE("ring attention with ranks of unequal and empty sequence shards") {
     for (const bool zigzag : {false, true}) {
       CAPTURE(zigzag);
       std::vector<OpDescriptor> d = descs;
-      for (OpDescriptor& x : d) x.flags = static_cast<uint16_t>(tandem::kFlagCausal | (zigzag ? tandem::kFlagZigzag : 0));
+      for (OpDescriptor& x : d) {
+        x.flags = static_cast<uint16_t>(tandem::kFlagCausal | (zigzag ? tandem::kFlagZigzag : 0));
+      }
       Harness h(d, 12);
       h.run();
       h.checkAgainstReference();
