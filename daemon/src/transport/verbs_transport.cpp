@@ -171,11 +171,13 @@ VerbsTransport::VerbsTransport(VerbsConfig config) : config_(std::move(config)) 
          config_.recvSlots, deviceName_, devAttr.max_qp_wr);
   if (config_.recvSlotBytes <= verbs::kFragmentHeaderBytes || config_.recvSlotBytes > portAttr_.max_msg_sz)
     fail(ErrorCode::kInvalidConfig, "verbs transport: receive slots of {} bytes must hold more than the {}-byte "
-         "fragment header and at most {}'s max_msg_sz", config_.recvSlotBytes, verbs::kFragmentHeaderBytes, deviceName_);
+         "fragment header and at most {}'s max_msg_sz", config_.recvSlotBytes, verbs::kFragmentHeaderBytes,
+         deviceName_);
   const int recvDepth = static_cast<int>(std::min<uint64_t>(uint64_t{config_.recvSlots} * config_.nodeCount + 16,
                                                             static_cast<uint64_t>(devAttr.max_cqe)));
   recvCq_.reset(ibv_create_cq(ctx_.get(), recvDepth, nullptr, nullptr, 0));
-  if (!recvCq_) checkVerbs(-1, fmt::format("create the {}-entry receive CQ on {}", recvDepth, deviceName_), "ibv_create_cq");
+  if (!recvCq_)
+    checkVerbs(-1, fmt::format("create the {}-entry receive CQ on {}", recvDepth, deviceName_), "ibv_create_cq");
 
   peers_.reserve(config_.nodeCount);
   for (uint32_t i = 0; i < config_.nodeCount; ++i) peers_.push_back(std::make_unique<Peer>());
@@ -223,7 +225,8 @@ verbs::IbvQp VerbsTransport::createQp(ibv_cq* sendCq, ibv_cq* recvCq, uint32_t s
   init.send_cq = sendCq;
   init.recv_cq = recvCq;
   init.cap.max_send_wr = sendDepth;
-  init.cap.max_recv_wr = std::max<uint32_t>(recvDepth, 1);  // QP 0: control messages; others none (some providers reject 0)
+  // QP 0 receives control messages; the others none, but some providers reject 0.
+  init.cap.max_recv_wr = std::max<uint32_t>(recvDepth, 1);
   init.cap.max_send_sge = 1;
   init.cap.max_recv_sge = 1;
   init.cap.max_inline_data = config_.maxInlineBytes;
@@ -637,7 +640,8 @@ std::size_t VerbsTransport::poll(std::span<Completion> out) {
         // ignored because the peer is already failed.
         failPeerLocked(p, owner.first,
                        fmt::format("work request {} on QP {:#x} failed: {} (vendor error {:#x}); check the link "
-                                   "(ibv_devinfo) and node {}'s daemon", wc.wr_id & ((uint64_t{1} << 40) - 1), q.local.qpn,
+                                   "(ibv_devinfo) and node {}'s daemon",
+                                   wc.wr_id & ((uint64_t{1} << 40) - 1), q.local.qpn,
                                    ibv_wc_status_str(wc.status), wc.vendor_err, owner.first),
                        ready);
         continue;
@@ -805,7 +809,8 @@ void VerbsTransport::connect(const std::vector<NodeAddress>& nodes) {
   if (nodes.size() != config_.nodeCount)
     fail(ErrorCode::kInvalidArgument, "verbs transport: {} node addresses for {} nodes", nodes.size(),
          config_.nodeCount);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.bootstrap.connectTimeoutMs);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.bootstrap.connectTimeoutMs);
   std::optional<Error> bootstrapError;
   try {
     bootstrap_->connect(nodes);
@@ -820,14 +825,16 @@ void VerbsTransport::connect(const std::vector<NodeAddress>& nodes) {
   }
   std::unique_lock lock(channelMutex_);
   connectCv_.wait_until(lock, deadline, [&] {
-    return std::all_of(reached.begin(), reached.end(), [&](NodeIndex n) { return peerStatus(n).state == PeerState::kConnected; });
+    return std::all_of(reached.begin(), reached.end(),
+                       [&](NodeIndex n) { return peerStatus(n).state == PeerState::kConnected; });
   });
   connectReturned_ = true;
   lock.unlock();
   if (bootstrapError) throw *bootstrapError;
   std::string missing;
   for (NodeIndex n : reached) {
-    if (peerStatus(n).state != PeerState::kConnected) missing += fmt::format("{}node {}", missing.empty() ? "" : ", ", n);
+    if (peerStatus(n).state != PeerState::kConnected)
+      missing += fmt::format("{}node {}", missing.empty() ? "" : ", ", n);
   }
   if (!missing.empty())
     fail(ErrorCode::kTimeout, "verbs transport: the queue pairs to {} did not come up within {} ms (cluster."
@@ -880,7 +887,8 @@ void VerbsTransport::controlLoop() {
 bool VerbsTransport::pollRecv() {
   std::array<ibv_wc, 16> wcs;
   const int got = ibv_poll_cq(recvCq_.get(), static_cast<int>(wcs.size()), wcs.data());
-  if (got < 0) fail(ErrorCode::kRdma, "verbs transport: ibv_poll_cq on the receive CQ of {} failed ({})", deviceName_, got);
+  if (got < 0)
+    fail(ErrorCode::kRdma, "verbs transport: ibv_poll_cq on the receive CQ of {} failed ({})", deviceName_, got);
   for (int i = 0; i < got; ++i) {
     const ibv_wc& wc = wcs[static_cast<std::size_t>(i)];
     std::pair<NodeIndex, uint32_t> owner;

@@ -446,8 +446,8 @@ class Hca {
   void dropConns(Qp& q) {
     for (auto& c : conns_) {
       if (c->dead) continue;
-      if ((c->outbound && c->qpn == q.qp.qp_num && q.out == c.get()) || (!c->outbound && c->bound && c->qpn == q.qp.qp_num))
-        closeConn(*c);
+      const bool mine = c->outbound ? (c->qpn == q.qp.qp_num && q.out == c.get()) : (c->bound && c->qpn == q.qp.qp_num);
+      if (mine) closeConn(*c);
     }
     q.out = nullptr;
   }
