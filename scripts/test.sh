@@ -21,7 +21,7 @@ ctest --test-dir "${BUILD_DIR:-build}" --output-on-failure -j "$jobs" --timeout 
 asan_build="${ASAN_BUILD_DIR:-build-asan}"
 # The test executables that hold tests labelled `asan` (LABELS in their CMakeLists.txt), and the tandemd and
 # tandemctl they start. Add an executable here when you label its tests `asan`.
-asan_targets=(tandemd tandemctl tandem_capi_lifetime_tests)
+asan_targets=(tandemd tandemctl tandem_capi_lifetime_tests tandem_hostile_tests)
 cmake -S . -B "$asan_build" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=ON -DTANDEM_WITH_CUDA=OFF \
       -DTANDEM_BUILD_BENCH=OFF >/dev/null
 cmake --build "$asan_build" -j "$jobs" --target "${asan_targets[@]}"
