@@ -132,7 +132,7 @@ TEST_SUITE("hostile clients (any backend)") {
     // Before: the completion eventfd was shared by fd; a client that saturated it and cleared O_NONBLOCK made the
     // pump block in write() under the engine lock, and only SIGKILL ended tandemd. The pump's eventfd was shared by
     // every session, so one client could also steal or delay everyone's wakeups.
-    Daemon d(kFastLimits, {}, hostileBackend());
+    Daemon d(backendYaml() + kFastLimits, {}, hostileBackend());
     INFO("tandemd log (on failure):\n" << d.log());
     const Baseline b = baseline(d, hostileBackend());
     {
@@ -159,7 +159,7 @@ TEST_SUITE("hostile clients (any backend)") {
 
   TEST_CASE("a client that never drains its completion ring is closed at limits.max_pending_completions") {
     // Before: undelivered completions queued without bound (+349 MiB in 10 s).
-    Daemon d(std::string(kFastLimits) + "  max_pending_completions: 64\nrings:\n  capacity: 64\n", {},
+    Daemon d(backendYaml() + kFastLimits + "  max_pending_completions: 64\nrings:\n  capacity: 64\n", {},
              hostileBackend());
     INFO("tandemd log (on failure):\n" << d.log());
     const Baseline b = baseline(d, hostileBackend());
@@ -180,7 +180,7 @@ TEST_SUITE("hostile clients (any backend)") {
   TEST_CASE("descriptors with huge shapes are refused, whatever their dims multiply to") {
     // Shapes whose extents overflow 64 bits or ask for gigabytes of work with no data: each must complete with an
     // error (validation, the backend's op set or its scratch cap), never run, allocate or crash.
-    Daemon d(kFastLimits, {}, hostileBackend());
+    Daemon d(backendYaml() + kFastLimits, {}, hostileBackend());
     INFO("tandemd log (on failure):\n" << d.log());
     const Baseline b = baseline(d, hostileBackend());
     {
@@ -225,7 +225,7 @@ TEST_SUITE("hostile clients (any backend)") {
     // Before: a registered memfd shrunk after registration killed tandemd with SIGBUS, and regular files were
     // accepted. Each fd goes in as a host memfd and as a cuMem fd (the cuda backend imports those), raw, as a
     // hostile client would send it.
-    Daemon d(kFastLimits, {}, hostileBackend());
+    Daemon d(backendYaml() + kFastLimits, {}, hostileBackend());
     INFO("tandemd log (on failure):\n" << d.log());
     const Baseline b = baseline(d, hostileBackend());
     {
@@ -286,7 +286,7 @@ TEST_SUITE("hostile clients (any backend)") {
 
   TEST_CASE("one session cannot hold every fd of the daemon: limits.max_fds_per_session") {
     // Before: about 1,000 small allocations of one session exhausted the daemon's 1,024 fds.
-    Daemon d(std::string(kFastLimits) + "  max_fds_per_session: 16\n", {}, hostileBackend());
+    Daemon d(backendYaml() + kFastLimits + "  max_fds_per_session: 16\n", {}, hostileBackend());
     INFO("tandemd log (on failure):\n" << d.log());
     const Baseline b = baseline(d, hostileBackend());
     // In a child: with the cuda backend, tandem_alloc initialises CUDA, which the test process must not.
@@ -316,7 +316,7 @@ TEST_SUITE("hostile clients (any backend)") {
 
   TEST_CASE("half-joined communicators are capped per session: limits.max_joining_comms_per_session") {
     // Before: 30,000 half-joined communicators cost +1.6 GiB.
-    Daemon d(std::string(kFastLimits) + "  max_joining_comms_per_session: 4\n", {}, hostileBackend());
+    Daemon d(backendYaml() + kFastLimits + "  max_joining_comms_per_session: 4\n", {}, hostileBackend());
     INFO("tandemd log (on failure):\n" << d.log());
     const Baseline b = baseline(d, hostileBackend());
     {

@@ -56,6 +56,10 @@ inline std::string hostileBackend() {
 }
 inline bool onCuda() { return hostileBackend() == "cuda"; }
 
+// The config a case's own keys follow: with the cuda backend, the client executor, whose 2 ranks may share the one
+// GPU (the daemon executor, chosen under MPS, takes one rank per GPU).
+inline std::string backendYaml() { return onCuda() ? "daemon:\n  executor: client\n" : ""; }
+
 // A forked child that runs `body` and writes what it returns back through a pipe; killed and reaped by result()
 // or the destructor. A wedged daemon cannot hang the test, and with the cuda backend every CUDA call happens in a
 // child: the test process never initialises CUDA, which does not survive a fork into the next child.
