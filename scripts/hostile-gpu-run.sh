@@ -24,7 +24,8 @@ elapsed() { echo $(($(date +%s) - t0)); }
   ls /tmp/nvidia-mps/control 2>/dev/null && echo "MPS control pipe present"
 } > "$out/env.txt" 2>&1
 
-if ! timeout 30 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTANDEM_BUILD_BENCH=OFF \
+# Configured only when new: the build dir may be a link to a shared tree whose cache must not change under others.
+if [ ! -f "$build/build.ninja" ] && ! timeout 30 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
      > "$out/configure.log" 2>&1; then
   echo "configure failed ($(elapsed) s)"; tail -30 "$out/configure.log"; exit 1
 fi
