@@ -320,6 +320,7 @@ int main(int argc, char** argv) {
           p.kv[0].length = seq;
           p.kv[0].start = 0;
         };
+        bind(0);  // the name depends on the key count (the causal default's tile order)
         const std::string config = attentionConfigName(p);
         bool ok = true;
         double rel = 0, lseErr = 0;
