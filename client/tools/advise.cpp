@@ -644,11 +644,16 @@ json answers(const json& report, uint32_t ranks) {
     std::optional<double> bestUs;
     if (best.is_object()) bestUs = best["us"].get<double>();
     const uint64_t tiles = ((l["m"].get<uint64_t>() + 127) / 128) * ((l["n"].get<uint64_t>() + 255) / 256);
+    std::optional<double> bestFusedUs;
+    for (const json& f : l["fused"]) {
+      if (f["us"].is_number() && (!bestFusedUs || f["us"].get<double>() < *bestFusedUs)) bestFusedUs = f["us"].get<double>();
+    }
     if (ranks == 1) {
       overlap.push_back(fmt::format("{}: one rank has nothing to overlap; the op is the GEMM ({} us){}.", name,
-                                    us(alone), bestUs && alone ? fmt::format(", the forced fused kernel {:.2f}x of it",
-                                                                             *bestUs / *alone)
-                                                               : std::string()));
+                                    us(alone), bestFusedUs && alone
+                                                   ? fmt::format(", the fused kernel forced on it {:.2f}x of that",
+                                                                 *bestFusedUs / *alone)
+                                                   : std::string()));
     } else if (alone && base && bestUs) {
       const double hidden = *base > *alone ? (*base - *bestUs) / (*base - *alone) : 0.0;
       overlap.push_back(fmt::format(

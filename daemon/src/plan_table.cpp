@@ -44,10 +44,14 @@ std::string nvidiaDriverVersion() {
   if (!in || !std::getline(in, line)) return "none";
   const std::string marker = "Kernel Module";
   const auto at = line.find(marker);
+  // "Kernel Module  550.54.15 ..." or "Open Kernel Module for x86_64  570.86.15 ...": the first word that starts
+  // with a digit.
   std::istringstream rest(at == std::string::npos ? line : line.substr(at + marker.size()));
-  std::string version;
-  rest >> version;
-  return version.empty() ? "unknown" : version;
+  std::string word;
+  while (rest >> word) {
+    if (!word.empty() && word[0] >= '0' && word[0] <= '9') return word;
+  }
+  return "unknown";
 }
 
 std::string isoTime(int64_t unixS) {
