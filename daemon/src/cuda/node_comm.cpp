@@ -124,12 +124,7 @@ void NodeComm::abort(ErrorCode code, const std::string& reason) {
 
 void NodeComm::leave(uint32_t rank, ErrorCode code, const std::string& reason) {
   RankState& rs = state_[rank];
-  rs.doneEpoch = page(rank).doneEpoch(rs.doneEpoch);
-  while (!rs.inflight.empty() && rs.inflight.front()->epoch <= rs.doneEpoch) {
-    auto g = rs.inflight.front();
-    rs.inflight.pop_front();
-    completeFromKernel(*g, rank);
-  }
+  collectDone(rank);
   // With its stream past every op it was in and no gang forming, the leaver owes its peers nothing more: its
   // sends are done, and ops that read peers' memory end with a handshake, so the ops they still run finish (a rank
   // that finished first and destroyed its communicator must not fail its peers' last op). Otherwise some stream
@@ -147,21 +142,27 @@ uint64_t NodeComm::lastEpoch(uint32_t rank) const {
 bool NodeComm::progress(std::vector<std::pair<uint64_t, std::string>>& failed) {
   bool worked = false;
   for (uint32_t r = 0; r < nranks(); ++r) {
-    RankState& rs = state_[r];
-    rs.doneEpoch = page(r).doneEpoch(rs.doneEpoch);
-    while (!rs.inflight.empty() && rs.inflight.front()->epoch <= rs.doneEpoch) {
-      auto g = rs.inflight.front();
-      rs.inflight.pop_front();
-      if (ctx_.trace.enabled() && r == 0) ctx_.trace.record(*g, executor());
-      completeFromKernel(*g, r);
-      worked = true;
-    }
+    worked = collectDone(r) || worked;
     if (!failureReported()) {
       if (const auto e = page(r).failure()) reportFailure(failed, errorText(r, *e));
     }
   }
   if (!pending_.empty()) worked = releasePending() || worked;
   return worked;
+}
+
+bool NodeComm::collectDone(uint32_t r) {
+  RankState& rs = state_[r];
+  rs.doneEpoch = page(r).doneEpoch(rs.doneEpoch);
+  bool any = false;
+  while (!rs.inflight.empty() && rs.inflight.front()->epoch <= rs.doneEpoch) {
+    auto g = rs.inflight.front();
+    rs.inflight.pop_front();
+    if (ctx_.trace.enabled() && r == 0) ctx_.trace.record(*g, executor());
+    completeFromKernel(*g, r);
+    any = true;
+  }
+  return any;
 }
 
 bool NodeComm::hasWork() const {

@@ -106,6 +106,7 @@ class NodeComm : public CudaComm {
   };
   bool releasePending();  // releases pending gangs in epoch order while their conditions hold
   void completeFromKernel(Gang& g, uint32_t r);
+  bool collectDone(uint32_t r);  // completes rank r's in-flight ops its stream has finished; whether there were any
   std::string errorText(uint32_t r, const kernels::ErrorSlot& e) const;
 
   std::vector<Rank> ranks_;
