@@ -327,21 +327,46 @@ class ClientGateStrategy final : public CommStrategy {
 // executor daemon: tandemd runs the op (its persistent kernel, or the fused GEMMs' kernels on its own stream) once
 // every rank's stream got here (gang-ready), then done is written. The workspaces are mapped for the fused GEMMs'
 // checks, which need their layout.
+//
+// One exception, the same rule on both sides (PersistentComm::runsInCallerStream): a fused GEMM of a one-rank
+// communicator has nothing to exchange, so it is the GEMM core alone (plainGemmPlan), and running it in tandemd's
+// context would only add the round trip (ready seen, launch, done: about 20 us at M = 1024 on one H200). It runs here,
+// in the caller's stream; the ready written after it tells tandemd the op is done (tandemd writes done on the host, as
+// for a barrier), and the stream does not wait. It touches only this process's own mappings.
 class PersistentStrategy final : public CommStrategy {
  public:
-  PersistentStrategy(uint32_t rank, uint32_t nranks, uint32_t maxCtas,
+  PersistentStrategy(int device, uint32_t rank, uint32_t nranks, uint32_t maxCtas,
                      std::vector<std::unique_ptr<DeviceMapping>> workspaces, k::CommControl* ctlDev)
-      : workspaces_(std::move(workspaces)), ctlDev_(ctlDev),
-        env_(fusedEnvOf(rank, nranks, maxCtas, workspaces_, ctlDev)) {}
+      : nranks_(nranks), workspaces_(std::move(workspaces)), ctlDev_(ctlDev),
+        env_(fusedEnvOf(rank, nranks, maxCtas, workspaces_, ctlDev)) {
+    if (nranks_ != 1) return;
+    try {
+      k::preloadFusedGemmKernels(device);  // before any op, as ClientGateStrategy does (preload.hpp)
+    } catch (const std::exception& e) {
+      fail(ErrorCode::kCuda, "communicator init on device {}: {}", device, e.what());
+    }
+  }
 
   void check(const OpDescriptor& d, const DevicePointers& ptrs) const override {
     checkOnNode(k::Executor::kDaemon, d, ptrs, env_);
   }
-  void enqueue(const OpDescriptor& /*d*/, const DevicePointers& /*ptrs*/, uint64_t e, CUstream s) override {
-    enqueueReadyThenWaitDone(ctlDev_, e, s);
+  void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, CUstream s) override {
+    if (nranks_ != 1 || !k::isFusedGemm(d.kind)) {
+      enqueueReadyThenWaitDone(ctlDev_, e, s);
+      return;
+    }
+    try {
+      logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, reinterpret_cast<cudaStream_t>(s), PlanChoice{}));
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& ex) {
+      fail(ErrorCode::kCuda, "{}: {}", opKindName(d.kind), ex.what());
+    }
+    writeWord(s, ctlDev_->ready, e, "cuStreamWriteValue32(ready)");
   }
 
  private:
+  uint32_t nranks_;
   std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
   k::CommControl* ctlDev_;
   k::FusedEnv env_;
@@ -389,7 +414,7 @@ CommGpu::CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t
       strategy_ = std::make_unique<ClientGateStrategy>(device_, rank, nranks, maxCtas, std::move(workspaces), ctlDev);
       break;
     case Mode::kDaemon:
-      strategy_ = std::make_unique<PersistentStrategy>(rank, nranks, maxCtas, std::move(workspaces), ctlDev);
+      strategy_ = std::make_unique<PersistentStrategy>(device_, rank, nranks, maxCtas, std::move(workspaces), ctlDev);
       break;
     case Mode::kHost: strategy_ = std::make_unique<HostStagedStrategy>(ctlDev); break;
   }

@@ -35,7 +35,7 @@ extern "C" {
 #define TANDEM_API __attribute__((visibility("default")))
 
 /* Bumped when the wire protocol changes incompatibly. */
-#define TANDEM_PROTOCOL_VERSION 1u
+#define TANDEM_PROTOCOL_VERSION 2u
 
 /* The version of this header, equal to the CMake project version the library was built from (the build
  * checks it). TANDEM_VERSION_CODE orders versions as one number: major * 10000 + minor * 100 + patch (minor

@@ -215,8 +215,11 @@ PersistentComm::PersistentComm(uint64_t handle, std::vector<Rank> ranks, std::ve
   layout_ = k::WorkspaceLayout::fit(workspaceBytes_, nranks());
 }
 
+bool PersistentComm::runsInCallerStream(OpKind kind) const { return nranks() == 1 && k::isFusedGemm(kind); }
+
 void PersistentComm::admit(Collective& c) {
   const OpKind kind = c.ops[0].desc.kind;
+  if (runsInCallerStream(kind)) return;  // libtandem's own kernels on its own mappings: nothing here to protect or plan
   const PlanChoice choice = k::isFusedGemm(kind) ? decidePlan(c.ops[0].desc, c.ops[0].epoch) : PlanChoice{};
   if (!k::isFusedGemm(kind) && !k::isMoeOp(kind) && kind != OpKind::kRingAttention) return;
   // libtandem checked the same before submitting; the kernels run in tandemd's context here, so a client that did not
@@ -242,7 +245,7 @@ bool PersistentComm::launchAhead(const Gang& g) const {
     const char* v = std::getenv("TANDEM_LAUNCH_AHEAD");
     return v != nullptr && *v == '1';
   }();
-  if (!enabled || g.rejected || !k::isFusedGemm(g.kind)) return false;
+  if (!enabled || g.rejected || !k::isFusedGemm(g.kind) || runsInCallerStream(g.kind)) return false;
   for (uint32_t r = 0; r < nranks(); ++r) {
     if (!executors_.gpu(rank(r).device).onlyMine(handle())) return false;
   }
@@ -260,6 +263,12 @@ NodeComm::Release PersistentComm::release(const std::shared_ptr<Gang>& g) {
     const char* v = std::getenv("TANDEM_HOST_DONE");
     return v == nullptr || std::string_view(v) != "0";
   }();
+  if (runsInCallerStream(g->kind)) {
+    // The caller's stream ran it and then wrote ready (libtandem's PersistentStrategy), having waited for every earlier
+    // op's done first: nothing is left for a GPU here, so tandemd completes it with a host store, rejected or not.
+    page(0).publishDone(g->epoch);
+    return Release::kReleased;
+  }
   if (g->kind == OpKind::kNop && !g->rejected && hostDone) {
     // Every rank's stream wrote ready >= epoch (checked before release), which it does only once its WaitValue(done >=
     // epoch - 1) passed: every earlier op of every rank has finished and nothing is left for a GPU to order. So tandemd

@@ -154,6 +154,9 @@ class PersistentComm final : public NodeComm {
   kernels::Executor executor() const override { return kernels::Executor::kDaemon; }
 
  private:
+  // A fused GEMM of a one-rank communicator is the GEMM core alone: libtandem runs it in the caller's stream and writes
+  // ready after it (its PersistentStrategy applies the same rule), and tandemd only completes it.
+  bool runsInCallerStream(OpKind kind) const;
   // The kernels run in tandemd's context: a fused GEMM libtandem should have refused must not write past a workspace.
   void admit(Collective& c) override;
   // The streams wait for done, written on the GPU: tandemd releases an op once every rank's stream reached it (ready),

@@ -7,6 +7,6 @@
 namespace tandem {
 
 // Bumped when the protocol between libtandem and tandemd changes incompatibly (Hello refuses other versions).
-inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kProtocolVersion = 2;
 
 }  // namespace tandem
