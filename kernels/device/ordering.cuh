@@ -88,4 +88,12 @@ __device__ __forceinline__ uint32_t ldAcquireCtaSharedU32(const uint32_t* p) {
 // Hint: bring the 128-byte line holding p into L2 ahead of a later read.
 __device__ __forceinline__ void prefetchL2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// ---- appended for the proxy FIFO's device producer (proxy_push.cuh) ----
+// Returns the old value. Relaxed, system scope: a ticket counter that host threads may share; it orders nothing.
+__device__ __forceinline__ uint64_t fetchAddRelaxedSys(uint64_t* p, uint64_t v) {
+  uint64_t old;
+  asm volatile("atom.relaxed.sys.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return old;
+}
+
 }  // namespace tandem::kernels

@@ -1,0 +1,43 @@
+// Host side of bench/proxy_push_bench.cu: a GPU-mapped proxy FIFO drained by a real proxy thread into the
+// NullTransport, behind a pimpl, because the transport headers use fmt, which nvcc cannot compile in C++20.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "tandem/common/proxy_fifo_layout.hpp"
+
+namespace tandem::bench {
+
+struct PushBenchStats {
+  uint64_t popped = 0, posted = 0, rejected = 0, failed = 0, submits = 0;
+};
+
+/// A FIFO of `capacity` slots in pinned, mapped host memory, its ticket counter in the region (host head) or in GPU
+/// memory (deviceHead), and a started proxy thread (maxBatch commands per submit; `spin`: never sleep when idle) that
+/// posts to a NullTransport(0, 2) whose table accepts kWrite peer 1, buffers 1 -> 1, any offset. Throws on failure.
+class PushBenchProxy {
+ public:
+  PushBenchProxy(uint32_t capacity, bool deviceHead, int device, uint32_t maxBatch, bool spin);
+  ~PushBenchProxy();
+  PushBenchProxy(const PushBenchProxy&) = delete;
+  PushBenchProxy& operator=(const PushBenchProxy&) = delete;
+
+  ::tandem::proxy::ProxyFifoDeviceRef ref() const;
+  PushBenchStats stats() const;
+  uint64_t errorsWord() const;
+  /// The ticket counter now (region or GPU memory): tickets handed out so far.
+  uint64_t head() const;
+  /// Sets the FIFO's stop word (a kernel stuck in a push returns).
+  void requestStop();
+  /// The host baseline: one host thread pushes a signalled write and waits for the completed watermark, `samples`
+  /// times; returns each round trip in ns (steady_clock).
+  std::vector<uint64_t> hostRoundTrips(uint32_t samples);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem::bench
