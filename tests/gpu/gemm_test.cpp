@@ -9,8 +9,7 @@
 #include <sstream>
 #include <vector>
 
-#include "gpu_harness.hpp"
-#include "tandem/common/reference.hpp"
+#include "rank_buffers.hpp"
 
 using namespace tandem::gputest;
 using tandem::DType;
@@ -59,97 +58,30 @@ OpDescriptor descriptorOf(const GemmCase& c, uint32_t r, uint32_t n) {
   return d;
 }
 
-// One op as one rank runs it: every rank's inputs (rebuilt from the seed: each rank needs them all for the
-// reference), the expected outputs, and this rank's device buffers.
-struct RankOp {
-  std::vector<OpDescriptor> descs;                                      // every rank's
-  std::vector<std::array<std::vector<std::byte>, tandem::kMaxOpBuffers>> host;  // every rank's slots
-  std::array<std::vector<double>, tandem::kMaxOpBuffers> want;          // this rank's expected outputs
-  std::array<tandem_buffer_t, tandem::kMaxOpBuffers> buf{};             // this rank's device buffers
-  uint32_t rank = 0;
+std::vector<OpDescriptor> descriptorsOf(const GemmCase& c, uint32_t n) {
+  std::vector<OpDescriptor> v;
+  for (uint32_t q = 0; q < n; ++q) v.push_back(descriptorOf(c, q, n));
+  return v;
+}
 
-  RankOp(tandem_session_t s, const GemmCase& c, uint32_t r, uint32_t n, uint64_t seed) : rank(r) {
-    std::vector<std::array<const std::byte*, tandem::kMaxOpBuffers>> inputs(n);
-    host.resize(n);
-    for (uint32_t q = 0; q < n; ++q) {
-      descs.push_back(descriptorOf(c, q, n));
-      std::array<std::byte*, tandem::kMaxOpBuffers> slots{};
-      for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
-        host[q][i].resize(descs[q].bufs[i].bytes);
-        slots[i] = host[q][i].empty() ? nullptr : host[q][i].data();
-        inputs[q][i] = slots[i];
-      }
-      ref::fillInputs(descs[q], slots, seed);  // inputs uniform in [-1, 1]; outputs poisoned with NaN
-    }
-    want = ref::compute(descs, inputs)[r];
-    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
-      if (host[r][i].empty()) continue;
-      TK(tandem_alloc(s, host[r][i].size(), &buf[i]));
-      CK(cudaMemcpy(tandem_buffer_ptr(buf[i]), host[r][i].data(), host[r][i].size(), cudaMemcpyHostToDevice));
-    }
-    // A pageable copy may still be in flight when cudaMemcpy returns, and the ops' streams are non-blocking.
-    CK(cudaDeviceSynchronize());
+tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) {
+  const OpDescriptor& d = b.desc();
+  const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
+  if (d.kind == OpKind::kAgGemm) {
+    const tandem_ag_gemm_args_t args{sizeof args,         dtype,         d.dims[dim::kM], d.dims[dim::kN],
+                                     d.dims[dim::kK],     b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC),
+                                     b.tensor(slot::kAGathered), stream};
+    return tandem_ag_gemm(comm, &args, op);
   }
-  ~RankOp() {
-    for (tandem_buffer_t b : buf) {
-      if (b != nullptr) tandem_free(b);
-    }
+  if (d.kind == OpKind::kGemmRs) {
+    const tandem_gemm_rs_args_t args{sizeof args,     dtype,              d.dims[dim::kM],    d.dims[dim::kN],
+                                     d.dims[dim::kK], b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC),
+                                     stream};
+    return tandem_gemm_rs(comm, &args, op);
   }
-  RankOp(const RankOp&) = delete;
-  RankOp& operator=(const RankOp&) = delete;
-
-  const OpDescriptor& desc() const { return descs[rank]; }
-  tandem_tensor_t tensor(int s) const { return {buf[static_cast<std::size_t>(s)], 0}; }
-  void* ptr(int s) const { return tandem_buffer_ptr(buf[static_cast<std::size_t>(s)]); }
-  bool isOutput(int s) const { return !want[static_cast<std::size_t>(s)].empty(); }
-
-  tandem_status_t submit(tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) const {
-    const OpDescriptor& d = desc();
-    const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
-    if (d.kind == OpKind::kAgGemm) {
-      const tandem_ag_gemm_args_t args{sizeof args,         dtype,         d.dims[dim::kM], d.dims[dim::kN],
-                                       d.dims[dim::kK],     tensor(slot::kA), tensor(slot::kB), tensor(slot::kC),
-                                       tensor(slot::kAGathered), stream};
-      return tandem_ag_gemm(comm, &args, op);
-    }
-    if (d.kind == OpKind::kGemmRs) {
-      const tandem_gemm_rs_args_t args{sizeof args,     dtype,            d.dims[dim::kM], d.dims[dim::kN],
-                                       d.dims[dim::kK], tensor(slot::kA), tensor(slot::kB), tensor(slot::kC), stream};
-      return tandem_gemm_rs(comm, &args, op);
-    }
-    const tandem_gemm_ar_args_t args{sizeof args,      dtype,           d.dims[dim::kM], d.dims[dim::kN],
-                                     d.dims[dim::kK],  tensor(slot::kA), tensor(slot::kB), tensor(slot::kC), stream};
-    return tandem_gemm_ar(comm, &args, op);
-  }
-
-  // Outputs back into host[rank] (replacing the poison).
-  void download() {
-    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
-      if (!isOutput(static_cast<int>(i))) continue;
-      CK(cudaMemcpy(host[rank][i].data(), ptr(static_cast<int>(i)), host[rank][i].size(), cudaMemcpyDeviceToHost));
-    }
-  }
-  // Every output byte 0xFF (NaN in bf16 and fp16): an element the op fails to write cannot pass.
-  void poison(cudaStream_t stream) const {
-    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
-      if (isOutput(static_cast<int>(i))) CK(cudaMemsetAsync(ptr(static_cast<int>(i)), 0xFF, host[rank][i].size(), stream));
-    }
-  }
-  // "" or what differs from the fp64 reference (relative error over 1e-2 in bf16, 2e-3 in fp16, or any NaN).
-  std::string compare() const {
-    std::array<const std::byte*, tandem::kMaxOpBuffers> slots{};
-    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) slots[i] = host[rank][i].empty() ? nullptr : host[rank][i].data();
-    const ref::Comparison cmp = ref::compareRank(desc(), slots, want);
-    return cmp.ok ? std::string() : fmt::format("{} (relative error {:.3g})", cmp.detail, cmp.relError);
-  }
-};
-
-// Waits for the stream and the op; "" or what went wrong.
-std::string finish(cudaStream_t stream, const tandem_op_t& op) {
-  const std::string synced = syncWithin(stream, 60000);
-  if (synced != "synced") return "stream " + synced;
-  if (tandem_wait(op, 60000) != TANDEM_SUCCESS) return std::string("op failed: ") + tandem_last_error();
-  return "";
+  const tandem_gemm_ar_args_t args{sizeof args,     dtype,              d.dims[dim::kM],    d.dims[dim::kN],
+                                   d.dims[dim::kK], b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC), stream};
+  return tandem_gemm_ar(comm, &args, op);
 }
 
 struct RunOptions {
@@ -169,8 +101,10 @@ std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, ui
   TK(tandem_comm_init(s, &id, nranks, rank, 60000, &comm));
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  std::vector<std::unique_ptr<RankOp>> ops;
-  for (std::size_t i = 0; i < cases.size(); ++i) ops.push_back(std::make_unique<RankOp>(s, cases[i], rank, nranks, 1000 + i));
+  std::vector<std::unique_ptr<RankBuffers>> ops;
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    ops.push_back(std::make_unique<RankBuffers>(s, descriptorsOf(cases[i], nranks), rank, 1000 + i));
+  }
   std::vector<tandem_op_t> handles(cases.size());
   tandem_buffer_t agSend = nullptr, agRecv = nullptr;
   constexpr uint64_t kAgBytes = 64u << 10;
@@ -186,7 +120,7 @@ std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, ui
         return std::string("allgather before it: ") + tandem_last_error();
       }
     }
-    if (ops[i]->submit(comm, stream, &handles[i]) != TANDEM_SUCCESS) return std::string("submit: ") + tandem_last_error();
+    if (submit(*ops[i], comm, stream, &handles[i]) != TANDEM_SUCCESS) return std::string("submit: ") + tandem_last_error();
     return "";
   };
   for (std::size_t i = 0; i < cases.size(); ++i) {
@@ -196,7 +130,7 @@ std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, ui
       continue;
     }
     if (std::string e = run(i); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
-    if (std::string e = finish(stream, handles[i]); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
+    if (std::string e = finishOp(stream, handles[i]); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
     ops[i]->download();
     if (std::string e = ops[i]->compare(); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
     if (cases[i].kind == OpKind::kAgGemm) continue;
@@ -204,7 +138,7 @@ std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, ui
     for (int rep = 1; rep < opt.repeats; ++rep) {
       ops[i]->poison(stream);
       if (std::string e = run(i); !e.empty()) return fmt::format("FAIL {} run {}: {}", what, rep, e);
-      if (std::string e = finish(stream, handles[i]); !e.empty()) return fmt::format("FAIL {} run {}: {}", what, rep, e);
+      if (std::string e = finishOp(stream, handles[i]); !e.empty()) return fmt::format("FAIL {} run {}: {}", what, rep, e);
       ops[i]->download();
       if (ops[i]->host[rank][slot::kC] != first) {
         return fmt::format("FAIL {}: run {} differs from run 0 (the reduction must be bitwise reproducible)", what, rep);
@@ -213,7 +147,7 @@ std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, ui
   }
   if (opt.backToBack) {
     for (std::size_t i = 0; i < cases.size(); ++i) {
-      if (std::string e = finish(stream, handles[i]); !e.empty()) return fmt::format("FAIL {}: {}", describe(cases[i]), e);
+      if (std::string e = finishOp(stream, handles[i]); !e.empty()) return fmt::format("FAIL {}: {}", describe(cases[i]), e);
     }
     for (std::size_t i = 0; i < cases.size(); ++i) {
       ops[i]->download();
@@ -231,19 +165,9 @@ std::string gemmRank(const std::string& socket, const tandem_unique_id_t& id, ui
 }
 
 void runRanks(const Daemon& d, uint32_t nranks, const std::vector<GemmCase>& cases, const RunOptions& opt = {}) {
-  tandem_unique_id_t id;
-  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-  std::vector<Rank> ranks;
-  for (uint32_t r = 0; r < nranks; ++r) {
-    ranks.push_back(spawn([&, r](const Io&) { return gemmRank(d.socket(), id, nranks, r, cases, opt); }));
-  }
-  for (uint32_t r = 0; r < nranks; ++r) {
-    const std::string result = ranks[r].read(240000);
-    INFO("rank " << r << " of " << nranks << ": " << result);
-    INFO(d.log());
-    CHECK(result == "OK");
-  }
-  for (auto& r : ranks) r.reap();
+  runRankProcesses(d, nranks, 240000, [&](const tandem_unique_id_t& id, uint32_t r) {
+    return gemmRank(d.socket(), id, nranks, r, cases, opt);
+  });
 }
 
 // Shapes for one op: the edges (one row; a rank without rows; M, N and K off the 128 x 256 x 64 tiles; a reduce-
@@ -408,7 +332,7 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
       // Nothing was submitted: the communicator still runs ops.
       ar = {sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
       if (tandem_gemm_ar(comm, &ar, &op) != TANDEM_SUCCESS) report += std::string("\nvalid gemm-ar: ") + tandem_last_error();
-      else if (std::string e = finish(stream, op); !e.empty()) report += "\nvalid gemm-ar: " + e;
+      else if (std::string e = finishOp(stream, op); !e.empty()) report += "\nvalid gemm-ar: " + e;
       TK(tandem_free(a));
       TK(tandem_free(b));
       TK(tandem_free(c));

@@ -12,8 +12,7 @@
 #include <sstream>
 #include <vector>
 
-#include "gpu_harness.hpp"
-#include "tandem/common/reference.hpp"
+#include "rank_buffers.hpp"
 
 using namespace tandem::gputest;
 using tandem::DType;
@@ -115,52 +114,19 @@ OpDescriptor descriptorOf(const MoeCase& c, uint32_t r, uint32_t n, uint64_t see
   return d;
 }
 
-// One op as one rank runs it: every rank's inputs (rebuilt from the seed), the expected outputs, this rank's buffers.
-struct RankOp {
-  std::vector<OpDescriptor> descs;
-  std::vector<std::array<std::vector<std::byte>, tandem::kMaxOpBuffers>> host;
-  std::array<std::vector<double>, tandem::kMaxOpBuffers> want;
-  std::array<tandem_buffer_t, tandem::kMaxOpBuffers> buf{};
-  uint32_t rank = 0;
+std::vector<OpDescriptor> descriptorsOf(const MoeCase& c, uint32_t n, uint64_t seed) {
+  std::vector<OpDescriptor> v;
+  for (uint32_t q = 0; q < n; ++q) v.push_back(descriptorOf(c, q, n, seed));
+  return v;
+}
 
-  RankOp(tandem_session_t s, const MoeCase& c, uint32_t r, uint32_t n, uint64_t seed, bool reference) : rank(r) {
-    std::vector<std::array<const std::byte*, tandem::kMaxOpBuffers>> inputs(n);
-    host.resize(n);
-    for (uint32_t q = 0; q < n; ++q) {
-      descs.push_back(descriptorOf(c, q, n, seed));
-      std::array<std::byte*, tandem::kMaxOpBuffers> slots{};
-      for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
-        host[q][i].resize(descs[q].bufs[i].bytes);
-        slots[i] = host[q][i].empty() ? nullptr : host[q][i].data();
-        inputs[q][i] = slots[i];
-      }
-      ref::fillInputs(descs[q], slots, seed);  // floats in [-1, 1], weights summing to 1; outputs poisoned
-      const std::vector<int32_t> ids = routeIds(c, q, seed);
-      if (!ids.empty()) std::memcpy(host[q][slot::kTopkIds].data(), ids.data(), ids.size() * 4);
-    }
-    if (reference) want = ref::compute(descs, inputs)[r];
-    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
-      if (host[r][i].empty()) continue;
-      TK(tandem_alloc(s, host[r][i].size(), &buf[i]));
-      CK(cudaMemcpy(tandem_buffer_ptr(buf[i]), host[r][i].data(), host[r][i].size(), cudaMemcpyHostToDevice));
-    }
-    CK(cudaDeviceSynchronize());  // a pageable copy may still be in flight; the ops' streams are non-blocking
-  }
-  ~RankOp() {
-    for (tandem_buffer_t b : buf) {
-      if (b != nullptr) tandem_free(b);
-    }
-  }
-  RankOp(const RankOp&) = delete;
-  RankOp& operator=(const RankOp&) = delete;
-
-  const OpDescriptor& desc() const { return descs[rank]; }
-  tandem_tensor_t tensor(int s) const { return {buf[static_cast<std::size_t>(s)], 0}; }
-  void* ptr(int s) const { return tandem_buffer_ptr(buf[static_cast<std::size_t>(s)]); }
-  std::vector<int> outputs() const {
-    if (desc().kind == OpKind::kMoeDispatchGemm) return {slot::kMoeOut, slot::kRowInfo, slot::kExpertCounts};
-    return {slot::kFfnOut};
-  }
+// One op as one rank runs it (RankBuffers), with the case's routing in every rank's topk_ids.
+struct RankOp : RankBuffers {
+  RankOp(tandem_session_t s, const MoeCase& c, uint32_t r, uint32_t n, uint64_t seed, bool reference)
+      : RankBuffers(s, descriptorsOf(c, n, seed), r, seed, reference, [&](uint32_t q, RankSlots& slots) {
+          const std::vector<int32_t> ids = routeIds(c, q, seed);
+          if (!ids.empty()) std::memcpy(slots[slot::kTopkIds].data(), ids.data(), ids.size() * 4);
+        }) {}
 
   tandem_status_t submit(tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) const {
     const OpDescriptor& d = desc();
@@ -200,66 +166,6 @@ struct RankOp {
                                   stream};
     return tandem_moe_dispatch_ffn_combine(comm, &a, op);
   }
-
-  void download() {
-    for (int i : outputs()) {
-      const auto s = static_cast<std::size_t>(i);
-      if (!host[rank][s].empty())
-        CK(cudaMemcpy(host[rank][s].data(), ptr(i), host[rank][s].size(), cudaMemcpyDeviceToHost));
-    }
-  }
-  // Every output byte 0xFF (NaN in bf16 and fp16, -1 in int32): an element the op fails to write cannot pass.
-  void poison(cudaStream_t stream) const {
-    for (int i : outputs()) {
-      const auto s = static_cast<std::size_t>(i);
-      if (!host[rank][s].empty()) CK(cudaMemsetAsync(ptr(i), 0xFF, host[rank][s].size(), stream));
-    }
-  }
-  std::string compare() const {
-    std::array<const std::byte*, tandem::kMaxOpBuffers> slots{};
-    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i)
-      slots[i] = host[rank][i].empty() ? nullptr : host[rank][i].data();
-    const ref::Comparison cmp = ref::compareRank(desc(), slots, want);
-    return cmp.ok ? std::string() : fmt::format("{} (relative error {:.3g})", cmp.detail, cmp.relError);
-  }
-  // "" when every output byte is still 0xFF.
-  std::string untouched() const {
-    for (int i : outputs()) {
-      const auto& h = host[rank][static_cast<std::size_t>(i)];
-      for (std::size_t b = 0; b < h.size(); ++b) {
-        if (h[b] != std::byte{0xFF}) return fmt::format("slot {} byte {} was written", i, b);
-      }
-    }
-    return "";
-  }
-  std::vector<std::vector<std::byte>> outputBytes() const {
-    std::vector<std::vector<std::byte>> v;
-    for (int i : outputs()) v.push_back(host[rank][static_cast<std::size_t>(i)]);
-    return v;
-  }
-};
-
-std::string finish(cudaStream_t stream, const tandem_op_t& op) {
-  const std::string synced = syncWithin(stream, 60000);
-  if (synced != "synced") return "stream " + synced;
-  if (tandem_wait(op, 60000) != TANDEM_SUCCESS) return std::string("op failed: ") + tandem_last_error();
-  return "";
-}
-
-struct Joined {
-  tandem_session_t s = nullptr;
-  tandem_comm_t comm = nullptr;
-  cudaStream_t stream = nullptr;
-  Joined(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank) {
-    CK(cudaSetDevice(rankDevice(rank)));
-    TK(tandem_connect(socket.c_str(), &s));
-    TK(tandem_comm_init(s, &id, nranks, rank, 60000, &comm));
-    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  }
-  ~Joined() {
-    if (comm != nullptr) tandem_comm_destroy(comm);
-    if (s != nullptr) tandem_disconnect(s);
-  }
 };
 
 // One rank: runs every case, checks it against the reference, then `repeats` - 1 more times bitwise alike.
@@ -275,7 +181,7 @@ std::string moeRank(const std::string& socket, const tandem_unique_id_t& id, uin
       tandem_op_t h;
       if (op.submit(j.comm, j.stream, &h) != TANDEM_SUCCESS)
         return fmt::format("FAIL {}: submit: {}", what, tandem_last_error());
-      if (std::string e = finish(j.stream, h); !e.empty()) return fmt::format("FAIL {} run {}: {}", what, rep, e);
+      if (std::string e = finishOp(j.stream, h); !e.empty()) return fmt::format("FAIL {} run {}: {}", what, rep, e);
       op.download();
       if (rep == 0) {
         if (std::string e = op.compare(); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
@@ -289,19 +195,9 @@ std::string moeRank(const std::string& socket, const tandem_unique_id_t& id, uin
 }
 
 void runRanks(const Daemon& d, uint32_t nranks, const std::vector<MoeCase>& cases, int repeats) {
-  tandem_unique_id_t id;
-  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-  std::vector<Rank> ranks;
-  for (uint32_t r = 0; r < nranks; ++r) {
-    ranks.push_back(spawn([&, r](const Io&) { return moeRank(d.socket(), id, nranks, r, cases, repeats); }));
-  }
-  for (uint32_t r = 0; r < nranks; ++r) {
-    const std::string result = ranks[r].read(400000);
-    INFO("rank " << r << " of " << nranks << ": " << result);
-    INFO(d.log());
-    CHECK(result == "OK");
-  }
-  for (auto& r : ranks) r.reap();
+  runRankProcesses(d, nranks, 400000, [&](const tandem_unique_id_t& id, uint32_t r) {
+    return moeRank(d.socket(), id, nranks, r, cases, repeats);
+  });
 }
 
 std::string listCases(const std::vector<MoeCase>& cases) {
@@ -348,40 +244,27 @@ void runFailing(
     const MoeCase& c, uint32_t nranks, const std::string& needle,
     const std::function<void(std::vector<std::array<std::vector<std::byte>, tandem::kMaxOpBuffers>>&)>& corrupt = {}) {
   Daemon d(config("client"), {}, "");
-  tandem_unique_id_t id;
-  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-  std::vector<Rank> ranks;
-  for (uint32_t r = 0; r < nranks; ++r) {
-    ranks.push_back(spawn([&, r](const Io&) -> std::string {
-      Joined j(d.socket(), id, nranks, r);
-      RankOp op(j.s, c, r, nranks, 77, false);
-      if (corrupt) {
-        corrupt(op.host);
-        const auto& ids = op.host[r][slot::kTopkIds];
-        if (!ids.empty()) CK(cudaMemcpy(op.ptr(slot::kTopkIds), ids.data(), ids.size(), cudaMemcpyHostToDevice));
-      }
-      op.poison(j.stream);
-      tandem_op_t h;
-      if (op.submit(j.comm, j.stream, &h) != TANDEM_SUCCESS) return std::string("FAIL submit: ") + tandem_last_error();
-      const std::string synced = syncWithin(j.stream, 60000);
-      if (synced != "synced") return "FAIL stream " + synced;
-      const tandem_status_t st = tandem_wait(h, 60000);
-      const std::string msg = tandem_last_error();
-      if (st == TANDEM_SUCCESS || msg.find(needle) == std::string::npos) {
-        return fmt::format("FAIL status {} message '{}' (want '{}' in it)", static_cast<int>(st), msg, needle);
-      }
-      op.download();
-      if (std::string e = op.untouched(); !e.empty()) return "FAIL after the error: " + e;
-      return "OK";
-    }));
-  }
-  for (uint32_t r = 0; r < nranks; ++r) {
-    const std::string result = ranks[r].read(120000);
-    INFO("rank " << r << ": " << result);
-    INFO(d.log());
-    CHECK(result == "OK");
-  }
-  for (auto& r : ranks) r.reap();
+  runRankProcesses(d, nranks, 120000, [&](const tandem_unique_id_t& id, uint32_t r) -> std::string {
+    Joined j(d.socket(), id, nranks, r);
+    RankOp op(j.s, c, r, nranks, 77, false);
+    if (corrupt) {
+      corrupt(op.host);
+      op.upload(slot::kTopkIds);
+    }
+    op.poison(j.stream);
+    tandem_op_t h;
+    if (op.submit(j.comm, j.stream, &h) != TANDEM_SUCCESS) return std::string("FAIL submit: ") + tandem_last_error();
+    const std::string synced = syncWithin(j.stream, 60000);
+    if (synced != "synced") return "FAIL stream " + synced;
+    const tandem_status_t st = tandem_wait(h, 60000);
+    const std::string msg = tandem_last_error();
+    if (st == TANDEM_SUCCESS || msg.find(needle) == std::string::npos) {
+      return fmt::format("FAIL status {} message '{}' (want '{}' in it)", static_cast<int>(st), msg, needle);
+    }
+    op.download();
+    if (std::string e = op.untouched(); !e.empty()) return "FAIL after the error: " + e;
+    return "OK";
+  });
 }
 
 }  // namespace
@@ -494,7 +377,7 @@ TEST_CASE("moe ops: what the cuda backend cannot run is refused before submissio
         tandem_op_t h;
         if (good.submit(j.comm, j.stream, &h) != TANDEM_SUCCESS)
           return std::string("\nvalid op: ") + tandem_last_error();
-        if (std::string e = finish(j.stream, h); !e.empty()) return "\nvalid op: " + e;
+        if (std::string e = finishOp(j.stream, h); !e.empty()) return "\nvalid op: " + e;
         good.download();
         if (std::string e = good.compare(); !e.empty()) return "\nvalid op: " + e;
         return "";

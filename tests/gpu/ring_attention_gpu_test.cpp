@@ -8,8 +8,7 @@
 #include <sstream>
 #include <vector>
 
-#include "gpu_harness.hpp"
-#include "tandem/common/reference.hpp"
+#include "rank_buffers.hpp"
 
 using namespace tandem::gputest;
 using tandem::DType;
@@ -59,148 +58,63 @@ OpDescriptor descriptorOf(const AttnCase& c, uint32_t r, uint32_t n) {
   return d;
 }
 
-// One case as one rank runs it: every rank's inputs (each rank needs them all for the reference), this rank's
-// expected outputs, and its device buffers.
-struct RankCase {
-  std::vector<OpDescriptor> descs;
-  std::vector<std::array<std::vector<std::byte>, tandem::kMaxOpBuffers>> host;
-  std::array<std::vector<double>, tandem::kMaxOpBuffers> want;
-  std::array<tandem_buffer_t, tandem::kMaxOpBuffers> buf{};
-  uint32_t rank;
+std::vector<OpDescriptor> descriptorsOf(const AttnCase& c, uint32_t n) {
+  std::vector<OpDescriptor> v;
+  for (uint32_t q = 0; q < n; ++q) v.push_back(descriptorOf(c, q, n));
+  return v;
+}
 
-  RankCase(tandem_session_t s, const AttnCase& c, uint32_t r, uint32_t n, uint64_t seed) : rank(r) {
-    std::vector<std::array<const std::byte*, tandem::kMaxOpBuffers>> inputs(n);
-    host.resize(n);
-    for (uint32_t q = 0; q < n; ++q) {
-      descs.push_back(descriptorOf(c, q, n));
-      std::array<std::byte*, tandem::kMaxOpBuffers> slots{};
-      for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
-        host[q][i].resize(descs[q].bufs[i].bytes);
-        slots[i] = host[q][i].empty() ? nullptr : host[q][i].data();
-        inputs[q][i] = slots[i];
-      }
-      ref::fillInputs(descs[q], slots, seed);  // inputs uniform in [-1, 1]; outputs poisoned with NaN
-    }
-    want = ref::compute(descs, inputs)[r];
-    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
-      if (host[r][i].empty()) continue;
-      TK(tandem_alloc(s, host[r][i].size(), &buf[i]));
-      CK(cudaMemcpy(tandem_buffer_ptr(buf[i]), host[r][i].data(), host[r][i].size(), cudaMemcpyHostToDevice));
-    }
-    CK(cudaDeviceSynchronize());
-  }
-  ~RankCase() {
-    for (tandem_buffer_t b : buf) {
-      if (b != nullptr) tandem_free(b);
-    }
-  }
-  RankCase(const RankCase&) = delete;
-  RankCase& operator=(const RankCase&) = delete;
-
-  tandem_tensor_t tensor(int s) const { return {buf[static_cast<std::size_t>(s)], 0}; }
-  void* ptr(int s) const { return tandem_buffer_ptr(buf[static_cast<std::size_t>(s)]); }
-
-  tandem_status_t submit(tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) const {
-    const OpDescriptor& d = descs[rank];
-    tandem_ring_attention_args_t a{};
-    a.struct_size = sizeof a;
-    a.dtype = static_cast<tandem_dtype_t>(d.dtype);
-    a.seq = d.dims[dim::kSeq];
-    a.heads = d.dims[dim::kHeads];
-    a.head_dim = d.dims[dim::kHeadDim];
-    a.causal = (d.flags & tandem::kFlagCausal) != 0;
-    a.scale = d.scale;
-    a.q = tensor(slot::kQ);
-    a.k = tensor(slot::kKey);
-    a.v = tensor(slot::kValue);
-    a.out = tensor(slot::kAttnOut);
-    a.cuda_stream = stream;
-    a.lse = tensor(slot::kAttnLse);
-    a.layout = (d.flags & tandem::kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
-    return tandem_ring_attention(comm, &a, op);
-  }
-  void poison(cudaStream_t stream) const {
-    for (int s : {slot::kAttnOut, slot::kAttnLse}) {
-      if (!host[rank][static_cast<std::size_t>(s)].empty()) {
-        CK(cudaMemsetAsync(ptr(s), 0xFF, host[rank][static_cast<std::size_t>(s)].size(), stream));
-      }
-    }
-  }
-  // This rank's out and lse, as bytes.
-  std::vector<std::byte> download() {
-    std::vector<std::byte> all;
-    for (int s : {slot::kAttnOut, slot::kAttnLse}) {
-      std::vector<std::byte>& h = host[rank][static_cast<std::size_t>(s)];
-      if (h.empty()) continue;
-      CK(cudaMemcpy(h.data(), ptr(s), h.size(), cudaMemcpyDeviceToHost));
-      all.insert(all.end(), h.begin(), h.end());
-    }
-    return all;
-  }
-  std::string compare() const {
-    std::array<const std::byte*, tandem::kMaxOpBuffers> slots{};
-    for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
-      slots[i] = host[rank][i].empty() ? nullptr : host[rank][i].data();
-    }
-    const ref::Comparison cmp = ref::compareRank(descs[rank], slots, want);
-    return cmp.ok ? std::string() : fmt::format("{} (relative error {:.3g})", cmp.detail, cmp.relError);
-  }
-};
-
-std::string finish(cudaStream_t stream, const tandem_op_t& op) {
-  const std::string synced = syncWithin(stream, 60000);
-  if (synced != "synced") return "stream " + synced;
-  if (tandem_wait(op, 60000) != TANDEM_SUCCESS) return std::string("op failed: ") + tandem_last_error();
-  return "";
+tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) {
+  const OpDescriptor& d = b.desc();
+  tandem_ring_attention_args_t a{};
+  a.struct_size = sizeof a;
+  a.dtype = static_cast<tandem_dtype_t>(d.dtype);
+  a.seq = d.dims[dim::kSeq];
+  a.heads = d.dims[dim::kHeads];
+  a.head_dim = d.dims[dim::kHeadDim];
+  a.causal = (d.flags & tandem::kFlagCausal) != 0;
+  a.scale = d.scale;
+  a.q = b.tensor(slot::kQ);
+  a.k = b.tensor(slot::kKey);
+  a.v = b.tensor(slot::kValue);
+  a.out = b.tensor(slot::kAttnOut);
+  a.cuda_stream = stream;
+  a.lse = b.tensor(slot::kAttnLse);
+  a.layout = (d.flags & tandem::kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
+  return tandem_ring_attention(comm, &a, op);
 }
 
 std::string attentionRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
                           const std::vector<AttnCase>& cases) {
-  CK(cudaSetDevice(rankDevice(rank)));
-  tandem_session_t s;
-  TK(tandem_connect(socket.c_str(), &s));
-  tandem_comm_t comm;
-  TK(tandem_comm_init(s, &id, nranks, rank, 60000, &comm));
-  cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Joined j(socket, id, nranks, rank);
   for (std::size_t i = 0; i < cases.size(); ++i) {
     const std::string what = describe(cases[i], nranks);
-    RankCase rc(s, cases[i], rank, nranks, 5000 + i);
+    RankBuffers rc(j.s, descriptorsOf(cases[i], nranks), rank, 5000 + i);
     tandem_op_t op;
-    if (rc.submit(comm, stream, &op) != TANDEM_SUCCESS) {
+    if (submit(rc, j.comm, j.stream, &op) != TANDEM_SUCCESS) {
       return fmt::format("FAIL {}: submit: {}", what, tandem_last_error());
     }
-    if (std::string e = finish(stream, op); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
-    const std::vector<std::byte> first = rc.download();
+    if (std::string e = finishOp(j.stream, op); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
+    rc.download();
+    const auto first = rc.outputBytes();
     if (std::string e = rc.compare(); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
     for (int rep = 1; rep < cases[i].repeats; ++rep) {
-      rc.poison(stream);
-      if (rc.submit(comm, stream, &op) != TANDEM_SUCCESS) {
+      rc.poison(j.stream);
+      if (submit(rc, j.comm, j.stream, &op) != TANDEM_SUCCESS) {
         return fmt::format("FAIL {} run {}: submit: {}", what, rep, tandem_last_error());
       }
-      if (std::string e = finish(stream, op); !e.empty()) return fmt::format("FAIL {} run {}: {}", what, rep, e);
-      if (rc.download() != first) return fmt::format("FAIL {}: run {} differs from run 0 (must be bitwise)", what, rep);
+      if (std::string e = finishOp(j.stream, op); !e.empty()) return fmt::format("FAIL {} run {}: {}", what, rep, e);
+      rc.download();
+      if (rc.outputBytes() != first) return fmt::format("FAIL {}: run {} differs from run 0 (must be bitwise)", what, rep);
     }
   }
-  TK(tandem_comm_destroy(comm));
-  tandem_disconnect(s);
   return "OK";
 }
 
 void runRanks(const Daemon& d, uint32_t nranks, const std::vector<AttnCase>& cases) {
-  tandem_unique_id_t id;
-  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-  std::vector<Rank> ranks;
-  for (uint32_t r = 0; r < nranks; ++r) {
-    ranks.push_back(spawn([&, r](const Io&) { return attentionRank(d.socket(), id, nranks, r, cases); }));
-  }
-  for (uint32_t r = 0; r < nranks; ++r) {
-    const std::string result = ranks[r].read(240000);
-    INFO("rank " << r << " of " << nranks << ": " << result);
-    INFO(d.log());
-    CHECK(result == "OK");
-  }
-  for (auto& r : ranks) r.reap();
+  runRankProcesses(d, nranks, 240000, [&](const tandem_unique_id_t& id, uint32_t r) {
+    return attentionRank(d.socket(), id, nranks, r, cases);
+  });
 }
 
 // Shapes that are multiples of nothing (tiles are 128 query rows and 128 or 176 keys), a rank with no rows, both
