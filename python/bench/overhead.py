@@ -134,7 +134,20 @@ def main() -> int:
         f = getattr(noop, name)
         f.restype = ctypes.c_int
         f.argtypes = getattr(lib, name).argtypes
-    saved_fn, saved_addr, saved_wait = dict(comm._fn), dict(comm._fnaddr), comm._wait_addr
+    n2 = iters * 10
+    if cuda:
+        # Three tensors in three cudaMalloc segments (over 10 MiB each: a segment of their own in PyTorch's large
+        # pool), registered by one real op, for the per-segment check's cost.
+        big = [torch.zeros(6 << 20, dtype=dtype, device=dev) for _ in range(3)]
+        a3, b3, c3 = (t[:64].view(8, 8) for t in big)
+        comm.gemm_ar(a3, b3, out=c3)
+        comm.synchronize()
+        segs = comm.session.segments
+        seg = comm._hits[a3.data_ptr()][3]
+        alone["driver query: one segment check (SegmentCache.live)"] = timed(lambda: segs.live(seg), n2,
+                                                                             repeats=15, cpu=True)
+    saved_fn, saved_addr, saved_wait, saved_status = dict(comm._fn), dict(comm._fnaddr), comm._wait_addr, \
+        comm._status_addr
     saved = {name: getattr(lib, name) for name in ("tandem_wait", "tandem_op_status")}
     comm._fn["gemm_ar"], comm._fn["barrier"] = noop.tandem_gemm_ar, noop.tandem_barrier_stream
     comm._fnaddr["gemm_ar"] = _capi.address(noop.tandem_gemm_ar)
@@ -143,8 +156,10 @@ def main() -> int:
         comm._fn[op_name] = getattr(noop, cname)
         comm._fnaddr[op_name] = _capi.address(getattr(noop, cname))
     comm._wait_addr = _capi.address(noop.tandem_wait)
+    comm._status_addr = _capi.address(noop.tandem_op_status)
+    comm._make_plans()
     lib.tandem_wait, lib.tandem_op_status = noop.tandem_wait, noop.tandem_op_status
-    n2 = iters * 10
+    last_real = (comm._op.session_serial, comm._op.seq)
     try:
         def raw_noop():
             noop.tandem_gemm_ar(h, addr, opref)
@@ -167,11 +182,18 @@ def main() -> int:
         if cuda:
             alone["gemm_ar: tandem API, torch allocator tensors"] = timed(lambda: comm.gemm_ar(a_t, b_t, out=c_t), n2,
                                                                           repeats=15, cpu=True)
-        comm._inflight.clear()  # the no-op "ops" are not real ones
+            alone["gemm_ar: tandem API, torch allocator, 3 segments"] = timed(
+                lambda: comm.gemm_ar(a3, b3, out=c3), n2, repeats=15, cpu=True)
     finally:
         comm._fn.update(saved_fn)
         comm._fnaddr.update(saved_addr)
         comm._wait_addr = saved_wait
+        comm._status_addr = saved_status
+        comm._make_plans()
+        # The no-op "ops" are not real ones: the op struct holds the last real op again, so synchronize() waits for
+        # something that was submitted.
+        comm._op.session_serial, comm._op.seq = last_real
+        comm._marker = None
         lib.tandem_wait, lib.tandem_op_status = saved["tandem_wait"], saved["tandem_op_status"]
 
     print(f"backend {comm.backend}, torch {torch.__version__}, {iters} calls x 7 repeats, median ns per call; "

@@ -38,6 +38,7 @@ class UniqueId(ctypes.Structure):
 
 # Status codes (tandem_status_t).
 SUCCESS = 0
+NOT_FOUND = 5
 IN_PROGRESS = 15
 
 # dtype codes (tandem_dtype_t).
@@ -174,9 +175,12 @@ def address(fn) -> int:
 # compiler and Python's headers are there): about 0.1 us a call instead of ctypes' 1 us. TANDEM_NO_FASTCALL=1
 # uses ctypes alone.
 fastcall = None
+fastcall_out = None  # fn(&uint64, a1, a2, a3) -> the uint64 or None (the cuda backend's per-segment driver query)
 if os.environ.get("TANDEM_NO_FASTCALL", "0") in ("", "0"):
     try:
-        from _tandem_fastcall import call as fastcall
+        import _tandem_fastcall
+        fastcall = _tandem_fastcall.call
+        fastcall_out = getattr(_tandem_fastcall, "call_out", None)  # a module built before call_out lacks it
     except ImportError:
         fastcall = None
 

@@ -108,14 +108,27 @@ class Communicator:
         self._opaddr = ctypes.addressof(self._op)
         self._pack = {name: st.pack_into for name, st in ARG_STRUCTS.items()}
         self._sizes = {name: st.size for name, st in ARG_STRUCTS.items()}
+        self._make_plans()
         self._hits = HitCache()  # data_ptr -> (buffer, offset, bytes to its end), for daemon memory
         self._rows_cache: dict[int, int] = {}
         self.session.hit_caches[id(self._hits)] = self._hits
         self._staging: Buffer | None = None
         self._staging_tensor: torch.Tensor | None = None
-        # cuda: ops complete in stream order; their completions are drained (and an op's failure reported) a few
-        # calls later, without waiting, so the session's completion ring never fills.
-        self._inflight: list[tuple[int, int]] = []
+        # cuda: ops complete in stream order; their completions are drained (and an op's failure reported) every
+        # _POLL_EVERY calls, without waiting, so the session's completion ring never fills (see poll()).
+        self._since_poll = 0
+        self._marker: tuple[int, int] | None = None  # the op the next poll asks about
+        self._checked = 0  # seq of the newest op known to have completed
+        self._status_addr = _capi.address(lib.tandem_op_status)
+        self._cap_op = _capi.Op()  # where ops recorded into a CUDA graph put their tandem_op_t (never waited for)
+        self._capref = ctypes.byref(self._cap_op)
+        self._capaddr = ctypes.addressof(self._cap_op)
+
+    def _make_plans(self) -> None:
+        """Per op, what the fast paths use, in one tuple: (name, pack_into, args buffer, C function address, args
+        address, struct size). (python/bench/overhead.py calls it again after swapping in no-op C functions.)"""
+        self._plans = {name: (name, st.pack_into, self._args[name], self._fnaddr[name], self._argaddr[name], st.size)
+                       for name, st in ARG_STRUCTS.items()}
 
     # ---- bootstrap
     def _bootstrap(self, group, rank, world_size, unique_id):
@@ -266,68 +279,112 @@ class Communicator:
         if self._closed:
             raise ValueError(f"tandem.{op}: this communicator was closed")
         ARG_STRUCTS[op].pack_into(self._args[op], 0, *fields)
+        self._call(op, self._stream())
+        if staged:
+            for t, view in staged:
+                t.copy_(view)
+
+    def _call(self, op: str, stream: int) -> None:
+        """Submits the packed op; cpu backend: waits for it. Raises the C status's exception.
+
+        cuda: the op is enqueued on `stream` and not waited for; every _POLL_EVERY ops poll() drains the completion
+        ring (so it never fills) and reports a failed op. An op recorded into a CUDA graph completes only when the
+        graph is replayed, so its tandem_op_t goes to a scratch struct and is never waited for: waiting before the
+        first replay would hang. (Capture never runs on the legacy default stream, stream 0, so that common case
+        skips the capture query.)"""
+        captured = stream != 0 and _capturing_stream()
         fast = _capi.fastcall
         if fast is not None:
-            rc = fast(self._fnaddr[op], self.handle, self._argaddr[op], self._opaddr)
+            rc = fast(self._fnaddr[op], self.handle, self._argaddr[op], self._capaddr if captured else self._opaddr)
         else:
-            rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
+            rc = self._fn[op](self.handle, self._argaddr[op], self._capref if captured else self._opref)
         if rc:
             raise error_for(rc, _capi.last_error())
         if self.is_cuda:
-            self._track()
+            if not captured:
+                self._since_poll += 1
+                if self._since_poll >= _POLL_EVERY:
+                    self.poll()
             return
         o = self._op
-        if fast is not None:
+        if fast is not None:  # tandem_wait(tandem_op_t by value = two integer registers, timeout)
             rc = fast(self._wait_addr, o.session_serial, o.seq, self._op_timeout_ms)
         else:
             rc = lib.tandem_wait(o, self._op_timeout_ms)
         if rc:
             raise error_for(rc, _capi.last_error())
-        if staged:
-            for t, view in staged:
-                t.copy_(view)
 
-    def _track(self) -> None:
-        """cuda: remembers the op; every 32 ops, asks (without waiting) about the older ones, which drains the
-        completion ring and raises the first failure an op reported. An op recorded into a CUDA graph is not
-        remembered: it completes only when the graph is first replayed, so waiting for it before would hang."""
-        op = self._op
-        # Capture happens on a side stream (torch.cuda.graph's own), so the common default stream skips the query.
-        if _raw_stream is not None and _raw_stream(self._devidx) != 0 and torch.cuda.is_current_stream_capturing():
-            return
-        self._inflight.append((op.session_serial, op.seq))
-        if len(self._inflight) < 64:
-            return
-        self.poll(keep=32)
+    def poll(self) -> None:
+        """cuda: asks libtandem, without waiting, about one op and raises if it failed (tandem.PeerLost, ...); every
+        call also drains the session's completion ring.
 
-    def poll(self, keep: int = 0) -> None:
-        """cuda: checks the ops submitted so far, except the newest `keep`, without waiting; raises the first one
-        that failed (tandem.PeerLost, ...). Ops still running stay tracked."""
-        pending = []
-        old, self._inflight = self._inflight[:len(self._inflight) - keep], self._inflight[len(self._inflight) - keep:]
-        err = None
-        for serial, seq in old:
-            rc = lib.tandem_op_status(_capi.Op(serial, seq), None, 0)
-            if rc == _capi.IN_PROGRESS:
-                pending.append((serial, seq))
-            elif rc != _capi.SUCCESS and err is None:
-                msg = ctypes.create_string_buffer(1024)
-                lib.tandem_op_status(_capi.Op(serial, seq), msg, 1024)
-                err = error_for(rc, msg.value.decode("utf-8", "replace"))
-        self._inflight = pending + self._inflight
-        if err is not None:
-            raise err
+        One op per call is enough: a communicator's ops complete in submission order, and on the cuda backend an op
+        that fails fails its communicator, so every later op fails too. The op asked about is the newest one at the
+        previous poll (the marker): usually done by now, so its success covers every op before it; while it is still
+        running it stays the marker. Then the newest op becomes the marker. No per-op list is kept."""
+        self._since_poll = 0
+        if not self.is_cuda:
+            return
+        o = self._op
+        serial, seq = o.session_serial, o.seq
+        if seq == 0 or seq == self._checked:
+            return
+        marker = self._marker
+        if marker is None:
+            marker = (serial, seq)
+        rc = self._status(marker)
+        if rc == _capi.IN_PROGRESS:
+            self._marker = marker
+            return
+        self._marker = None
+        if rc != _capi.SUCCESS:
+            raise self._failure(marker, rc)
+        if marker[1] == seq:
+            self._checked = seq
+        else:
+            self._marker = (serial, seq)
+
+    def _status(self, op) -> int:
+        fast = _capi.fastcall
+        if fast is not None:
+            rc = fast(self._status_addr, op[0], op[1], 0, 0)
+        else:
+            rc = lib.tandem_op_status(_capi.Op(*op), None, 0)
+        # NOT_FOUND: libtandem keeps the last 65536 results of a session; an op older than that completed long ago
+        # (this communicator's failures poison its later ops, which are reported instead).
+        return _capi.SUCCESS if rc == _capi.NOT_FOUND else rc
+
+    def _failure(self, op, rc) -> TandemError:
+        msg = ctypes.create_string_buffer(1024)
+        lib.tandem_op_status(_capi.Op(*op), msg, 1024)
+        return error_for(rc, msg.value.decode("utf-8", "replace") or _capi.last_error())
 
     def synchronize(self) -> None:
         """Waits for every op submitted so far (cuda: also the current stream), raising the first failure."""
-        if self.is_cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-            for serial, seq in self._inflight:
-                rc = lib.tandem_wait(_capi.Op(serial, seq), self._op_timeout_ms)
-                if rc:
-                    self._inflight = []
-                    raise error_for(rc, _capi.last_error())
-            self._inflight = []
+        if not self.is_cuda:
+            return
+        torch.cuda.current_stream(self.device).synchronize()
+        o = self._op
+        serial, seq = o.session_serial, o.seq
+        self._since_poll = 0
+        if seq == 0 or seq == self._checked:
+            return
+        marker, self._marker = self._marker, None
+        fast = _capi.fastcall
+        if fast is not None:
+            rc = fast(self._wait_addr, serial, seq, self._op_timeout_ms)
+        else:
+            rc = lib.tandem_wait(o, self._op_timeout_ms)
+        if rc == _capi.NOT_FOUND:
+            rc = _capi.SUCCESS
+        if rc:
+            err = error_for(rc, _capi.last_error())
+            if marker is not None:  # an older op's failure says more than the later ops it poisoned
+                mrc = self._status(marker)
+                if mrc not in (_capi.SUCCESS, _capi.IN_PROGRESS):
+                    err = self._failure(marker, mrc)
+            raise err
+        self._checked = seq
 
     def _stream(self) -> int:
         if not self.is_cuda:
@@ -336,23 +393,69 @@ class Communicator:
             return _raw_stream(self._devidx)
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    # ---- the fast path of the GEMM ops: the common case (contiguous tensors of one op dtype on the right device,
-    # in daemon memory or registered segments, shapes that fit) checked in as few tensor-attribute reads as
-    # possible. Anything else returns None, and the caller takes the full path, which validates argument by
-    # argument (raising the ValueError that names the rule) and stages cpu tensors.
+    # ---- the fast path of the GEMM ops and allgather: the common case (contiguous tensors of one op dtype, in
+    # daemon memory or registered segments of the communicator's device, shapes that fit) checked in as few tensor
+    # attribute reads as possible (each costs 0.1-0.2 us from Python). Anything else returns None, and the caller
+    # takes the full path, which validates argument by argument (raising the ValueError that names the rule) and
+    # stages cpu tensors.
     def _resolve_fast(self, ptr, nbytes):
-        """(buffer, offset, ...) of [ptr, +nbytes) in daemon memory (then cached) or a registered cuda segment;
-        None where the full path must decide (staging, a first registration, or an error naming the argument)."""
-        hit = self.session.lookup(ptr, nbytes)
+        """(buffer, offset, bytes to its end, Segment or None) of [ptr, +nbytes) in daemon memory or a registered
+        cuda segment on this communicator's device, then cached; None where the full path must decide (staging, a
+        first registration, another device, or an error naming the argument). A Segment entry must pass _live() in
+        the op that uses it.
+
+        Why a cached pointer needs no device check: the cache holds only memory of this communicator's device
+        (checked here), and a tensor's data pointer lies in its own device's memory (CPU tensors: host memory,
+        which is never a daemon buffer of the cuda backend nor a device allocation; on the cpu backend daemon
+        buffers are host memory, where no CUDA tensor lies)."""
+        session = self.session
+        hit = session.lookup(ptr, nbytes)
         if hit is not None:
-            if len(self._hits) > 4096:
+            if session.span_device(ptr) != self._devidx:
+                return None
+            e = (hit[0], hit[1], session.span_end(ptr) - ptr, None)
+        elif self.is_cuda:
+            e = session.segments.entry(ptr, nbytes)
+            if e is None or e[3].device != self._devidx:
+                return None
+        else:
+            return None
+        if len(self._hits) > 4096:
+            self._hits.clear()
+        # NOTE: valid until the session forgets a buffer or a registration (both clear every communicator's hits).
+        self._hits[ptr] = e
+        return e
+
+    def _live(self, sa, sb, sc=None, sd=None) -> bool:
+        """cuda: confirms each distinct registered segment among the op's tensors (None: daemon memory, nothing to
+        confirm) with one driver query; a dead one drops the cached pointers and sends the op down the full path."""
+        segs = self.session.segments
+        for s, before in ((sa, ()), (sb, (sa,)), (sc, (sa, sb)), (sd, (sa, sb, sc))):
+            if s is None or s in before:
+                continue
+            if not segs.live(s):
                 self._hits.clear()
-            # NOTE: valid until the session forgets a buffer (remove_span clears every communicator's hits).
-            e = self._hits[ptr] = (hit[0], hit[1], self.session.span_end(ptr) - ptr)
-            return e
-        if self.is_cuda:
-            return self.session.segments.resolve_known(ptr, nbytes)
-        return None
+                return False
+        return True
+
+    def _go(self, plan, stream: int) -> None:
+        """Submits an op whose struct _fast packed (plan: _plans[op]). cpu backend: waits for it."""
+        fast = _capi.fastcall
+        if fast is None or (stream != 0 and _capturing_stream()):
+            self._call(plan[0], stream)
+            return
+        rc = fast(plan[3], self.handle, plan[4], self._opaddr)
+        if rc:
+            raise error_for(rc, _capi.last_error())
+        if self._devidx >= 0:  # cuda
+            self._since_poll += 1
+            if self._since_poll >= _POLL_EVERY:
+                self.poll()
+            return
+        o = self._op
+        rc = fast(self._wait_addr, o.session_serial, o.seq, self._op_timeout_ms)
+        if rc:
+            raise error_for(rc, _capi.last_error())
 
     def _gemm_fast(self, op, a, b, out):
         try:
@@ -364,51 +467,37 @@ class Communicator:
         dt = _DTYPES.get(dtype)
         if dt is None or kb != k or b.dtype is not dtype or not a.is_contiguous() or not b.is_contiguous():
             return None
-        cuda = self.is_cuda
-        if cuda:
-            if a.get_device() != self._devidx or b.get_device() != self._devidx:
-                return None
-        elif not (a.is_cpu and b.is_cpu):
-            return None
         rows = m if op == "gemm_ar" else self._rows(m)
         if out is None:
             out = self._out((rows, n), dtype)
-        elif (out.dtype is not dtype or out.shape != (rows, n) or not out.is_contiguous() or
-              (out.get_device() != self._devidx if cuda else not out.is_cpu)):
+        elif out.dtype is not dtype or out.shape != (rows, n) or not out.is_contiguous():
             return None
         es = _ELSIZE[dtype]
         hits = self._hits
         pa, pb, pc = a.data_ptr(), b.data_ptr(), out.data_ptr()
-        # Daemon memory seen before: one dict probe each (the cache is cleared whenever a buffer is forgotten).
+        # Seen before: one dict probe each (the cache is cleared whenever a buffer or registration is forgotten).
         ea, eb, ec = hits.get(pa), hits.get(pb), hits.get(pc)
         if ea is None or ea[2] < m * k * es:
             ea = self._resolve_fast(pa, m * k * es)
+            if ea is None:
+                return None
         if eb is None or eb[2] < n * k * es:
             eb = self._resolve_fast(pb, n * k * es)
+            if eb is None:
+                return None
         if ec is None or ec[2] < rows * n * es:
             ec = self._resolve_fast(pc, rows * n * es)
-        if ea is None or eb is None or ec is None:
-            return None
-        args = self._args[op]
-        self._pack[op](args, 0, self._sizes[op], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1],
-                       _raw_stream(self._devidx) if cuda and _raw_stream is not None else self._stream())
-        fast = _capi.fastcall
-        if fast is not None:
-            rc = fast(self._fnaddr[op], self.handle, self._argaddr[op], self._opaddr)
-        else:
-            rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
-        if rc:
-            raise error_for(rc, _capi.last_error())
-        if cuda:
-            self._track()
-            return out
-        o = self._op
-        if fast is not None:  # tandem_wait(tandem_op_t by value = two integer registers, timeout)
-            rc = fast(self._wait_addr, o.session_serial, o.seq, self._op_timeout_ms)
-        else:
-            rc = lib.tandem_wait(o, self._op_timeout_ms)
-        if rc:
-            raise error_for(rc, _capi.last_error())
+            if ec is None:
+                return None
+        stream = 0
+        if self._devidx >= 0:  # cuda
+            sa, sb, sc = ea[3], eb[3], ec[3]
+            if (sa is not None or sb is not None or sc is not None) and not self._live(sa, sb, sc):
+                return None
+            stream = _raw_stream(self._devidx) if _raw_stream is not None else self._stream()
+        plan = self._plans[op]
+        plan[1](plan[2], 0, plan[5], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1], stream)
+        self._go(plan, stream)
         return out
 
     def _slot(self, t, nbytes):
@@ -429,12 +518,6 @@ class Communicator:
         dt = _DTYPES.get(dtype)
         if dt is None or kb != k or b.dtype is not dtype or not a.is_contiguous() or not b.is_contiguous():
             return None
-        cuda = self.is_cuda
-        if cuda:
-            if a.get_device() != self._devidx or b.get_device() != self._devidx:
-                return None
-        elif not (a.is_cpu and b.is_cpu):
-            return None
         if m is None:
             if out is None:
                 m = rows * self.world_size
@@ -446,63 +529,50 @@ class Communicator:
             return None
         if out is None:
             out = self._out((m, n), dtype)
-        elif (out.dtype is not dtype or out.shape != (m, n) or not out.is_contiguous() or
-              (out.get_device() != self._devidx if cuda else not out.is_cpu)):
+        elif out.dtype is not dtype or out.shape != (m, n) or not out.is_contiguous():
             return None
         es = _ELSIZE[dtype]
         ea, eb, ec = self._slot(a, rows * k * es), self._slot(b, n * k * es), self._slot(out, m * n * es)
         if ea is None or eb is None or ec is None:
             return None
-        eg = (0, 0)
+        eg = _NO_SLOT
         if a_gathered is not None:
-            if (a_gathered.dtype is not dtype or a_gathered.shape != (m, k) or not a_gathered.is_contiguous() or
-                    (a_gathered.get_device() != self._devidx if cuda else not a_gathered.is_cpu)):
+            if a_gathered.dtype is not dtype or a_gathered.shape != (m, k) or not a_gathered.is_contiguous():
                 return None
             eg = self._slot(a_gathered, m * k * es)
             if eg is None:
                 return None
-        self._pack["ag_gemm"](self._args["ag_gemm"], 0, self._sizes["ag_gemm"], dt, m, n, k, ea[0], ea[1], eb[0],
-                              eb[1], ec[0], ec[1], eg[0], eg[1], self._stream())
-        self._call("ag_gemm")
+        stream = 0
+        if self._devidx >= 0:  # cuda
+            if not self._live(ea[3], eb[3], ec[3], eg[3]):
+                return None
+            stream = _raw_stream(self._devidx) if _raw_stream is not None else self._stream()
+        plan = self._plans["ag_gemm"]
+        plan[1](plan[2], 0, plan[5], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1], eg[0], eg[1], stream)
+        self._go(plan, stream)
         return out
 
     def _allgather_fast(self, x, out):
-        if not x.is_contiguous() or (x.get_device() != self._devidx if self.is_cuda else not x.is_cpu):
+        if not x.is_contiguous():
             return None
         nb = x.nbytes
         world = self.world_size
         if out is None:
             out = self._out((world * x.shape[0], *x.shape[1:]) if x.dim() else (world,), x.dtype)
-        elif (out.dtype is not x.dtype or not out.is_contiguous() or out.numel() != world * x.numel() or
-              (out.get_device() != self._devidx if self.is_cuda else not out.is_cpu)):
+        elif out.dtype is not x.dtype or not out.is_contiguous() or out.numel() != world * x.numel():
             return None
         ex, eo = self._slot(x, nb), self._slot(out, nb * world)
         if ex is None or eo is None:
             return None
-        self._pack["allgather"](self._args["allgather"], 0, self._sizes["allgather"], ex[0], ex[1], eo[0], eo[1], nb,
-                                self._stream())
-        self._call("allgather")
+        stream = 0
+        if self._devidx >= 0:  # cuda
+            if not self._live(ex[3], eo[3]):
+                return None
+            stream = _raw_stream(self._devidx) if _raw_stream is not None else self._stream()
+        plan = self._plans["allgather"]
+        plan[1](plan[2], 0, plan[5], ex[0], ex[1], eo[0], eo[1], nb, stream)
+        self._go(plan, stream)
         return out
-
-    def _call(self, op) -> None:
-        """Submits the packed op; cpu backend: waits for it. Raises the C status's exception."""
-        fast = _capi.fastcall
-        if fast is not None:
-            rc = fast(self._fnaddr[op], self.handle, self._argaddr[op], self._opaddr)
-        else:
-            rc = self._fn[op](self.handle, self._argaddr[op], self._opref)
-        if rc:
-            raise error_for(rc, _capi.last_error())
-        if self.is_cuda:
-            self._track()
-            return
-        o = self._op
-        if fast is not None:  # tandem_wait(tandem_op_t by value = two integer registers, timeout)
-            rc = fast(self._wait_addr, o.session_serial, o.seq, self._op_timeout_ms)
-        else:
-            rc = lib.tandem_wait(o, self._op_timeout_ms)
-        if rc:
-            raise error_for(rc, _capi.last_error())
 
     def _rows(self, m: int) -> int:
         r = self._rows_cache.get(m)
@@ -690,14 +760,19 @@ class Communicator:
 
     def barrier(self) -> None:
         """Completes once every rank reached it (cuda: in stream order on the current stream)."""
-        if _compiling():
+        if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.barrier(self)
-        self._submit("barrier", (ARG_STRUCTS["barrier"].size, self._stream()))
+        if self._closed:
+            raise ValueError("tandem.barrier: this communicator was closed")
+        stream = self._stream()
+        plan = self._plans["barrier"]
+        plan[1](plan[2], 0, plan[5], stream)
+        self._go(plan, stream)
 
     # ---- the public ops: eager calls go straight to the C ABI; under torch.compile they become torch.library ops
     # (tandem::<op>, with fake implementations), so graphs hold them whole (fullgraph=True).
     def ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None):
-        if _compiling():
+        if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.ag_gemm(self, a, b, out=out, m=m, a_gathered=a_gathered)
         if not self._closed:
             r = self._ag_gemm_fast(a, b, out, m, a_gathered)
@@ -706,7 +781,7 @@ class Communicator:
         return self._eager_ag_gemm(a, b, out=out, m=m, a_gathered=a_gathered)
 
     def gemm_rs(self, a, b, *, out=None):
-        if _compiling():
+        if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.gemm_rs(self, a, b, out=out)
         if not self._closed:
             r = self._gemm_fast("gemm_rs", a, b, out)
@@ -715,7 +790,7 @@ class Communicator:
         return self._eager_gemm_rs(a, b, out=out)
 
     def gemm_ar(self, a, b, *, out=None):
-        if _compiling():
+        if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.gemm_ar(self, a, b, out=out)
         if not self._closed:
             r = self._gemm_fast("gemm_ar", a, b, out)
@@ -725,24 +800,24 @@ class Communicator:
 
     def moe_dispatch_gemm(self, x, topk_ids, topk_weights, w, *, capacity: int | None = None, out=None,
                           row_info=None, expert_counts=None):
-        if _compiling():
+        if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.moe_dispatch_gemm(self, x, topk_ids, topk_weights, w, capacity=capacity, out=out,
                                           row_info=row_info, expert_counts=expert_counts)
         return self._eager_moe_dispatch_gemm(x, topk_ids, topk_weights, w, capacity=capacity, out=out,
                                              row_info=row_info, expert_counts=expert_counts)
 
     def moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None):
-        if _compiling():
+        if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.moe_ffn(self, x, topk_ids, topk_weights, w1, w2, out=out)
         return self._eager_moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out)
 
     def ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None):
-        if _compiling():
+        if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.ring_attention(self, q, k, v, causal=causal, scale=scale, out=out)
         return self._eager_ring_attention(q, k, v, causal=causal, scale=scale, out=out)
 
     def allgather(self, x, *, out=None):
-        if _compiling():
+        if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.allgather(self, x, out=out)
         if not self._closed and isinstance(x, torch.Tensor):
             r = self._allgather_fast(x, out)
@@ -755,7 +830,17 @@ class Communicator:
     del _name
 
 
-_compiling = torch.compiler.is_compiling
+# Under torch.compile the public methods call the torch.library ops. Dynamo traces `_dynamo_compiling()` as True;
+# export's non-strict tracing sets torch.compiler._is_compiling_flag. Together they are what
+# torch.compiler.is_compiling() reads, at a third of its cost per eager call (it also asks torch.jit).
+import torch.compiler as _tc  # noqa: E402
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_capturing_stream = torch.cuda.is_current_stream_capturing
+# Ops between two completion polls on the cuda backend. The daemon holds a session's completions in its completion
+# ring (rings.capacity, 256 by default, at least 8) plus limits.max_pending_completions (4096 by default, at least
+# 16) before it closes the session as unresponsive: a poll every 16 ops stays inside even the smallest setting.
+_POLL_EVERY = 16
+_NO_SLOT = (0, 0, 0, None)
 from . import _ops  # noqa: E402  (it needs Communicator's module loaded first)
 
 

@@ -32,8 +32,10 @@ def check(status: int) -> None:
 # ---- sessions ---------------------------------------------------------------------------------------------------
 
 class HitCache(dict):
-    """A communicator's data_ptr -> (buffer, offset, bytes to the buffer's end) cache for daemon memory (a dict
-    subclass, so its session can hold it weakly and clear it whenever a buffer is forgotten)."""
+    """A communicator's data_ptr -> (buffer, offset, bytes to the buffer's end, Segment or None) cache (a dict
+    subclass, so its session can hold it weakly and clear it whenever a buffer or registration is forgotten).
+    Daemon memory (Segment None) is valid while cached: its entry goes before the buffer does. A registered
+    cudaMalloc segment's entry is used only after SegmentCache.live() confirmed its segment during the same op."""
 
 
 class Session:
@@ -71,28 +73,38 @@ class Session:
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._buffers: list[int] = []
+        self._devices: list[int] = []  # cuda: the buffer's device; cpu: -1
         # Communicators' pointer caches, by id (weakly: a closed communicator's cache goes with it).
         self.hit_caches: "weakref.WeakValueDictionary[int, HitCache]" = weakref.WeakValueDictionary()
         self._deferred: list = []  # cuda buffers whose last user may still be running: (event or None, handle)
         self.segments = SegmentCache(self) if self.is_cuda else None
 
     # -- the owned-buffer table
-    def add_span(self, start: int, nbytes: int, handle: int) -> None:
+    def add_span(self, start: int, nbytes: int, handle: int, device: int = -1) -> None:
         i = bisect.bisect_left(self._starts, start)
         self._starts.insert(i, start)
         self._ends.insert(i, start + nbytes)
         self._buffers.insert(i, handle)
+        self._devices.insert(i, device)
 
     def remove_span(self, start: int) -> None:
         i = bisect.bisect_left(self._starts, start)
         if i < len(self._starts) and self._starts[i] == start:
-            del self._starts[i], self._ends[i], self._buffers[i]
-        for hits in list(self.hit_caches.values()):  # communicators' caches may name this buffer
+            del self._starts[i], self._ends[i], self._buffers[i], self._devices[i]
+        self.forget_hits()  # communicators' caches may name this buffer
+
+    def forget_hits(self) -> None:
+        """Empties every communicator's pointer cache: called before a buffer or a registration goes away."""
+        for hits in list(self.hit_caches.values()):
             hits.clear()
 
     def span_end(self, ptr: int) -> int:
         i = bisect.bisect_right(self._starts, ptr) - 1
         return self._ends[i]
+
+    def span_device(self, ptr: int) -> int:
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        return self._devices[i]
 
     def lookup(self, ptr: int, nbytes: int):
         """(buffer handle, offset) of [ptr, ptr+nbytes) in a buffer this session owns, else None."""
@@ -214,7 +226,7 @@ class Buffer:
         self.handle = h.value
         self.ptr = lib.tandem_buffer_ptr(self.handle)
         self.nbytes = int(nbytes)
-        session.add_span(self.ptr, max(self.nbytes, 1), self.handle)
+        session.add_span(self.ptr, max(self.nbytes, 1), self.handle, device if session.is_cuda else -1)
         self._finalizer = weakref.finalize(self, Buffer._release, session, self.ptr, self.handle)
 
     @staticmethod
@@ -291,6 +303,16 @@ def _element_size(dtype: torch.dtype) -> int:
 _CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
 _CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
 _CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+
+
+class Segment:
+    """One registered cudaMalloc allocation: [base, end), the driver's buffer id for it, the tandem buffer."""
+
+    __slots__ = ("base", "end", "bid", "handle", "device")
+
+    def __init__(self, base: int, size: int, bid: int, handle: int, device: int):
+        self.base, self.end, self.bid, self.handle, self.device = base, base + size, bid, handle, device
 
 
 class SegmentCache:
@@ -298,68 +320,95 @@ class SegmentCache:
     its memory was freed.
 
     Key: the driver's CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation, "a process-wide unique ID for an allocated
-    memory region", which the driver never hands out again. Every op asks the driver (cuPointerGetAttributes, host
-    only, no sync, allowed during graph capture) for the id, base and size of each tensor's allocation:
-    - a known id: the cached registration, offset = ptr - base;
-    - an unknown id: a new segment (first use, or PyTorch freed a segment and cudaMalloc returned the same
-      addresses again). Registered entries whose range overlaps it are dead: their memory was freed, so they are
-      deregistered first (libtandem would otherwise hand back the old buffer for the same (ptr, size)). Then
-      entries whose memory is no longer allocated are released too, so the daemon does not keep freed memory
-      mapped. Registering needs a round trip to tandemd, so it is refused while a CUDA graph is being captured:
-      run the op once before capture (the usual warm-up) or pass tensors from tandem.empty().
+    memory region", which the driver never hands out again. A registration is used only after the driver confirmed,
+    during the same op, that the allocation carrying its id still exists:
+    - first sight of a pointer: one cuPointerGetAttributes (host only, no sync, allowed during graph capture) gives
+      the id, base and size of its allocation. A known id: the cached registration, offset = ptr - base. An unknown
+      id: a new segment (first use, or PyTorch freed a segment and cudaMalloc returned the same addresses again).
+      Registered entries whose range overlaps it are dead: their memory was freed, so they are deregistered first
+      (libtandem would otherwise hand back the old buffer for the same (ptr, size)). Then entries whose memory is no
+      longer allocated are released too, so the daemon does not keep freed memory mapped. Registering needs a round
+      trip to tandemd, so it is refused while a CUDA graph is being captured: run the op once before capture (the
+      usual warm-up) or pass tensors from tandem.empty().
+    - later ops: the communicator's pointer cache gives the Segment, and one cuPointerGetAttribute of the buffer id
+      at the segment's base (live()) per distinct segment per op confirms it: the same id means the same
+      allocation, whose range never changes, so every pointer cached inside it is still inside it. Any other answer
+      (another id, or no allocation) sends the op down the path above.
+    Why a driver query per op and not a cached "allocator generation": PyTorch frees segments (cudaFree) not only in
+    torch.cuda.empty_cache() but inside its allocator, on an out-of-memory retry and under
+    garbage_collection_threshold, and announces that only to C++ trace trackers; nothing a Python package can see
+    cheaply counts those frees, so a counter kept here could miss one and reuse a dead registration.
     """
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, driver: ctypes.CDLL | None = None):
         self.session = session
-        self.by_id: dict[int, tuple[int, int, int]] = {}  # buffer id -> (base, size, tandem buffer handle)
-        cuda = ctypes.CDLL("libcuda.so.1")
+        self.by_id: dict[int, Segment] = {}
+        cuda = ctypes.CDLL("libcuda.so.1") if driver is None else driver
         self._get = cuda.cuPointerGetAttributes
         self._get.restype = ctypes.c_int
         self._get.argtypes = [ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
-        self._attrs = (ctypes.c_int * 3)(_CU_POINTER_ATTRIBUTE_BUFFER_ID, _CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-                                         _CU_POINTER_ATTRIBUTE_RANGE_SIZE)
-        self._vals = (ctypes.c_uint64 * 3)()
-        self._data = (ctypes.c_void_p * 3)(*[ctypes.addressof(self._vals) + 8 * i for i in range(3)])
+        self._get1 = cuda.cuPointerGetAttribute
+        self._get1.restype = ctypes.c_int
+        self._get1.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        self._attrs = (ctypes.c_int * 4)(_CU_POINTER_ATTRIBUTE_BUFFER_ID, _CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                         _CU_POINTER_ATTRIBUTE_RANGE_SIZE, _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+        self._vals = (ctypes.c_uint64 * 4)()  # the device ordinal is an int: it fills the low half of its slot
+        self._data = (ctypes.c_void_p * 4)(*[ctypes.addressof(self._vals) + 8 * i for i in range(4)])
+        self._id = ctypes.c_uint64()
+        self._id_addr = ctypes.addressof(self._id)
         self._get_addr = _capi.address(self._get)
+        self._get1_addr = _capi.address(self._get1)
         self._attrs_addr = ctypes.addressof(self._attrs)
         self._data_addr = ctypes.addressof(self._data)
         self.registrations = 0  # counters, for tests and tandem.stats()
         self.releases = 0
 
     def query(self, ptr: int):
-        """(buffer id, base, size) of the allocation holding ptr, or None where ptr is no live device memory."""
-        if self._get(3, self._attrs_addr, self._data_addr, ptr) != 0:
-            return None
+        """(buffer id, base, size, device) of the allocation holding ptr, or None where ptr is no live device
+        memory."""
         v = self._vals
-        return v[0], v[1], v[2]
-
-    def resolve_known(self, ptr: int, nbytes: int):
-        """(buffer, offset) where ptr lies in a registered, still allocated segment; else None (the caller then
-        takes the path that registers, or raises naming the argument)."""
+        v[3] = 0
         fast = _capi.fastcall
-        if (fast(self._get_addr, 3, self._attrs_addr, self._data_addr, ptr) if fast is not None else
-                self._get(3, self._attrs_addr, self._data_addr, ptr)) != 0:
+        if (fast(self._get_addr, 4, self._attrs_addr, self._data_addr, ptr) if fast is not None else
+                self._get(4, self._attrs_addr, self._data_addr, ptr)) != 0:
             return None
-        v = self._vals
-        hit = self.by_id.get(v[0])
-        if hit is None or ptr + nbytes > v[1] + v[2]:
+        d = v[3] & 0xFFFFFFFF
+        return v[0], v[1], v[2], d - (1 << 32) if d >> 31 else d
+
+    def live(self, seg: Segment) -> bool:
+        """Whether seg's allocation still exists (its base still carries its buffer id): one driver query."""
+        fast = _capi.fastcall_out
+        if fast is not None:
+            return fast(self._get1_addr, _CU_POINTER_ATTRIBUTE_BUFFER_ID, seg.base) == seg.bid
+        if self._get1(self._id_addr, _CU_POINTER_ATTRIBUTE_BUFFER_ID, seg.base) != 0:
+            return False
+        return self._id.value == seg.bid
+
+    def entry(self, ptr: int, nbytes: int):
+        """(buffer, offset, bytes to the segment's end, Segment) where ptr lies in a registered, still allocated
+        segment; else None (the caller then takes the path that registers, or raises naming the argument)."""
+        q = self.query(ptr)
+        if q is None:
             return None
-        return hit[2], ptr - hit[0]
+        seg = self.by_id.get(q[0])
+        if seg is None or ptr + nbytes > seg.end:
+            return None
+        return seg.handle, ptr - seg.base, seg.end - ptr, seg
 
     def resolve(self, ptr: int, nbytes: int, arg: str, op: str):
         q = self.query(ptr)
         if q is None or q[0] == 0:
             raise ValueError(f"tandem.{op}: argument '{arg}' is not in CUDA device memory the driver knows "
                              f"(address {ptr:#x}); pass a CUDA tensor from PyTorch's allocator or tandem.empty()")
-        bid, base, size = q
-        hit = self.by_id.get(bid)
-        if hit is None:
-            hit = self._register(bid, base, size, arg, op)
+        bid, base, size, device = q
+        seg = self.by_id.get(bid)
+        if seg is None:
+            seg = self._register(bid, base, size, device, arg, op)
         if ptr + nbytes > base + size:
             raise ValueError(f"tandem.{op}: argument '{arg}' runs past the end of its CUDA allocation")
-        return hit[2], ptr - hit[0]
+        return seg.handle, ptr - seg.base
 
-    def _register(self, bid: int, base: int, size: int, arg: str, op: str):
+    def _register(self, bid: int, base: int, size: int, device: int, arg: str, op: str) -> Segment:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"tandem.{op}: argument '{arg}' lies in a CUDA segment tandem has not registered yet, and registering "
@@ -376,30 +425,34 @@ class SegmentCache:
                               "which has no IPC handle; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, or "
                               "use tandem.empty() tensors]")
             raise
-        entry = (base, size, h.value)
-        self.by_id[bid] = entry
+        seg = Segment(base, size, bid, h.value, device)
+        self.by_id[bid] = seg
         self.registrations += 1
-        return entry
+        return seg
+
+    def _drop(self, bids) -> None:
+        if not bids:
+            return
+        # First: no communicator's pointer cache may name a segment that is about to lose its registration.
+        self.session.forget_hits()
+        for bid in bids:
+            seg = self.by_id.pop(bid)
+            lib.tandem_deregister(seg.handle)
+            self.releases += 1
 
     def release_dead(self, overlapping=None) -> int:
         """Deregisters every cached segment whose memory was freed (its base no longer carries its buffer id),
         and every one overlapping `overlapping` (a new allocation took its addresses). Returns how many."""
         dead = []
-        for bid, (base, size, h) in self.by_id.items():
-            if overlapping is not None and base < overlapping[1] and overlapping[0] < base + size:
+        for bid, seg in self.by_id.items():
+            if overlapping is not None and seg.base < overlapping[1] and overlapping[0] < seg.end:
                 dead.append(bid)
                 continue
-            q = self.query(base)
+            q = self.query(seg.base)
             if q is None or q[0] != bid:
                 dead.append(bid)
-        for bid in dead:
-            _, _, h = self.by_id.pop(bid)
-            lib.tandem_deregister(h)
-            self.releases += 1
+        self._drop(dead)
         return len(dead)
 
     def clear(self) -> None:
-        for _, _, h in self.by_id.values():
-            lib.tandem_deregister(h)
-        self.releases += len(self.by_id)
-        self.by_id.clear()
+        self._drop(list(self.by_id))
