@@ -32,6 +32,12 @@
 // buffer id, out of bounds, bad opcode or flags, peer out of range) is no push error: it is skipped, nothing is
 // written, and the FIFO's errors word (proxyErrors) goes up by one; later commands still go through.
 //
+// The ticket counter: with ProxyFifoDeviceRef::head in the region, every claim is a system-scope atomic on host memory
+// across PCIe, and host producers (ProxyFifoProducer) may share the FIFO only where host and GPU atomics on one word
+// are atomic with each other (cudaDevAttrHostNativeAtomicSupported: NVLink-C2C hosts, not PCIe ones). A FIFO that
+// only one GPU's kernels push into keeps its head in that GPU's memory instead (GpuMappedProxyFifo::useDeviceHead):
+// claims are then GPU-local atomics, and the consumer, which never reads head, is unchanged.
+//
 // Watermarks: proxyCompleted(fifo) > t once ticket t was consumed (unsignalled) or, for a kProxyFlagSignal command,
 // its transfer completed locally (the source may be reused); proxyWaitCompleted waits for that.
 #pragma once

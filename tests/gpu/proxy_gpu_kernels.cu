@@ -27,7 +27,6 @@ __global__ void producerKernel(const __grid_constant__ ProducerParams p) {
   // The tile's writers reach a barrier before the push: the push's release then publishes their data (see
   // proxy_push.cuh), which the proxy reads with a device-to-host copy.
   __syncthreads();
-  if (lane != 0) return;
   ProxyPusher pusher = makeProxyPusher(p.fifo, p.timeoutNs);
   const uint64_t bytesPerWarp = p.wordsPerWarp * 4;
   const uint64_t piece = bytesPerWarp / p.writesPerWarp;
@@ -36,11 +35,18 @@ __global__ void producerKernel(const __grid_constant__ ProducerParams p) {
     const uint64_t off = first * 4 + k * piece;
     writes[k] = ProxyWriteDesc{p.srcBuffer, p.dstBuffer, off, off, static_cast<uint32_t>(piece)};
   }
+  // Three ways to push the same destination batch: the warp-collective helper (every lane calls), the same helper from
+  // lane 0, and one proxyPush per command from lane 0.
   ProxyPushStatus s = ProxyPushStatus::kOk;
-  if (warp % 2 == 0) {
+  if (warp % 4 == 0) {
+    s = proxyPushWritesThenFlagWarp(pusher, p.peer, writes, p.writesPerWarp, p.flagBuffer, 8 * uint64_t{warp},
+                                    p.round, false);
+  }
+  if (lane != 0) return;
+  if (warp % 4 == 2) {
     s = proxyPushWritesThenFlag(pusher, p.peer, writes, p.writesPerWarp, p.flagBuffer, 8 * uint64_t{warp}, p.round,
                                 false);
-  } else {
+  } else if (warp % 2 == 1) {
     for (uint32_t k = 0; k < p.writesPerWarp && s == ProxyPushStatus::kOk; ++k) {
       const ProxyWriteDesc& w = writes[k];
       s = proxyPush(pusher, f::makeWrite(p.peer, w.srcBuffer, w.srcOffset, w.dstBuffer, w.dstOffset, w.bytes));

@@ -21,8 +21,8 @@ TANDEM_PROXY_HD constexpr uint32_t patternWord(uint64_t i, uint32_t round) {
 
 /// Producer (node 0's GPU): warp w of the grid fills words [w*wordsPerWarp, (w+1)*wordsPerWarp) of `src` with the
 /// round's pattern, then its lane 0 pushes writesPerWarp kWrite commands for that range to the peer's dstBuffer and
-/// one kFlag (value `round`) at flagBuffer offset 8*w: even warps with proxyPushWritesThenFlag (one claim, one
-/// fence), odd warps one proxyPush per command. The last warp to finish (a GPU counter) then pushes the final flag at
+/// one kFlag (value `round`) at flagBuffer offset 8*w: warps 0 mod 4 with proxyPushWritesThenFlagWarp, 2 mod 4 with
+/// proxyPushWritesThenFlag (one claim, one fence), odd warps one proxyPush per command. The last warp to finish (a GPU counter) then pushes the final flag at
 /// offset 8*totalWarps, after every other warp's commands. status[w] (and status[totalWarps] for the final flag)
 /// get ProxyPushStatus + 1.
 struct ProducerParams {

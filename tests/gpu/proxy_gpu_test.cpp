@@ -25,6 +25,7 @@
 #include "cuda/device_copier.hpp"
 #include "cuda/proxy_fifo_mapping.hpp"
 #include "proxy_gpu_kernels.hpp"
+#include "tandem/common/fd.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
 #include "transport/proxy_fifo.hpp"
 #include "transport/tcp_transport.hpp"
@@ -305,7 +306,12 @@ TEST_CASE("Malformed commands from the GPU are rejected and counted in the error
   table->addRemote(2, 1, net.nodes[1]->remoteKey(dstRegion));
   table->addRemote(3, 1, net.nodes[1]->remoteKey(flagRegion));
 
-  cuda::GpuMappedProxyFifo fifo = cuda::GpuMappedProxyFifo::allocate(64);
+  // The FIFO as the cluster makes it (a memfd, mapped shared, formatted), then registered for the GPU.
+  const uint64_t fifoBytes = ProxyFifoLayout::bytesFor(64);
+  Fd fifoFd = Fd::memfd("proxy-gpu-test-fifo", fifoBytes);
+  Mapping fifoMapping = Mapping::shared(fifoFd.get(), fifoBytes);
+  ProxyFifoView::format(fifoMapping.data(), fifoBytes, 64);
+  cuda::GpuMappedProxyFifo fifo = cuda::GpuMappedProxyFifo::map(fifoMapping.data(), fifoBytes);
   ErrorLog log;
   Proxy proxy(fifo.view(), *net.nodes[0], ProxyOptions{.name = "proxy gpu test"});
   proxy.setBufferTable(table);
@@ -382,7 +388,7 @@ TEST_CASE("A GPU producer blocked on a full FIFO returns on the stop word or at 
   auto load = [](uint32_t& w) { return std::atomic_ref<uint32_t>(w).load(std::memory_order_acquire); };
 
   SUBCASE("the stop word set while it waits") {
-    bp.timeoutNs = 60'000'000'000ull;  // only the stop word can end this wait within the test's deadlines
+    bp.timeoutNs = 20'000'000'000ull;  // only the stop word can end this wait within the test's 10 s deadlines
     cudaOk(test::launchBlocked(bp, stream.get()), "launch blocked");
     REQUIRE_MESSAGE(waitFor([&] { return load(progress) == kCapacity; }, 10s), "the kernel did not fill the FIFO");
     // The extra push has claimed its ticket: it is waiting for room now.

@@ -26,10 +26,12 @@ class GpuMappedProxyFifo {
   /// Error(kCuda) naming the failed call.
   static GpuMappedProxyFifo map(std::byte* base, uint64_t bytes);
 
-  /// Moves the ticket counter to `device`'s memory (a zeroed word there), which makes every claim a GPU-local atomic
-  /// instead of one across PCIe. Only for a FIFO that kernels alone push into, and only before any push: host
-  /// producers (ProxyFifoProducer) keep using the region's head and would hand out the same tickets. The consumer never
-  /// reads head, so it needs no change. @throws Error(kCuda) naming the failed call.
+  /// Moves the ticket counter to `device`'s memory (a word there, starting at the region's head), which makes every
+  /// claim a GPU-local atomic instead of one on host memory across PCIe. Only for a FIFO that kernels of that GPU alone
+  /// push into, and only before any push: host producers (ProxyFifoProducer) keep using the region's head and would
+  /// hand out the same tickets. The consumer never reads head, so it needs no change. Without it, host and GPU
+  /// producers share the region's head, which is atomic across both only where cudaDevAttrHostNativeAtomicSupported
+  /// is set (proxy_push.cuh). @throws Error(kCuda) naming the failed call.
   void useDeviceHead(int device);
   bool deviceHead() const { return deviceHead_.get() != nullptr; }
 
