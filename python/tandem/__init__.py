@@ -84,8 +84,10 @@ def moe_ffn(comm: Communicator, x, topk_ids, topk_weights, w1, w2, *, out=None):
     return comm.moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out)
 
 
-def ring_attention(comm: Communicator, q, k, v, *, causal=False, scale=None, out=None):
-    return comm.ring_attention(q, k, v, causal=causal, scale=scale, out=out)
+def ring_attention(comm: Communicator, q, k, v, *, causal=False, scale=None, out=None, lse=None, return_lse=False,
+                   layout="contiguous"):
+    return comm.ring_attention(q, k, v, causal=causal, scale=scale, out=out, lse=lse, return_lse=return_lse,
+                               layout=layout)
 
 
 def allgather(comm: Communicator, x, *, out=None):

@@ -41,6 +41,9 @@ SUCCESS = 0
 NOT_FOUND = 5
 IN_PROGRESS = 15
 
+# tandem_attention_layout_t.
+LAYOUTS = {"contiguous": 0, "zigzag": 1}
+
 # dtype codes (tandem_dtype_t).
 DTYPE_FP32, DTYPE_FP16, DTYPE_BF16, DTYPE_INT32 = 1, 2, 3, 4
 
@@ -54,7 +57,8 @@ ARG_FORMATS = {
     "gemm_ar": "=Qi4x" + "QQQ" + _T * 3 + "Q",
     "moe_dispatch_gemm": "=Qi4x" + "QQQQQQ" + _T * 7 + "Q",
     "moe_ffn": "=Qi4x" + "QQQQQ" + _T * 6 + "Q",
-    "ring_attention": "=Qi4x" + "QQQ" + "if" + _T * 4 + "Q",
+    # ... cuda_stream, then the fields appended after 0.2.0: lse (a tensor) and layout (an enum, padded to 8).
+    "ring_attention": "=Qi4x" + "QQQ" + "if" + _T * 4 + "Q" + _T + "i4x",
     "allgather": "=Q" + _T * 2 + "QQ",
     "barrier": "=QQ",
 }

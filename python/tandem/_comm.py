@@ -718,10 +718,18 @@ class Communicator:
                      staged)
         return out
 
-    def _eager_ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None):
-        """Ring attention over the sequence sharded in rank order: q, k, v [seq, heads, head_dim] for this rank's
-        positions (ranks may differ; they follow the lower ranks'). Returns out [seq, heads, head_dim] =
-        softmax(q K.T * scale [+ causal mask]) V over the whole sequence; scale None means 1/sqrt(head_dim)."""
+    def _eager_ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None,
+                              lse=None, return_lse: bool = False, layout: str = "contiguous"):
+        """Ring attention over the sequence sharded over the ranks: q, k, v [seq, heads, head_dim] for this rank's
+        positions (ranks may differ in seq; seq may be 0). Returns out [seq, heads, head_dim] =
+        softmax(q K.T * scale [+ causal mask]) V over the whole sequence; scale None means 1/sqrt(head_dim).
+        layout (the same on every rank) says which global positions this rank's rows are:
+        - "contiguous": rank order, after the lower ranks' rows;
+        - "zigzag": the sequence is cut into 2n chunks and rank r holds chunk r (its first ceil(seq / 2) rows)
+          and chunk 2n-1-r (the rest), which gives every rank a like share of causal work.
+        lse (an fp32 [heads, seq] tensor to fill) or return_lse=True: also the log-sum-exp of each row,
+        ln sum_j exp(scale * q_i . k_j) over the keys row i sees (what a backward pass or a merge of partial
+        attentions needs); the call then returns (out, lse)."""
         op = "ring_attention"
         self._check(q, "q", op, ndim=3)
         dt = _dtype_code(q, op)
@@ -729,16 +737,24 @@ class Communicator:
         self._shape(k, "k", op, tuple(q.shape), "[seq, heads, head_dim], as q")
         self._check(v, "v", op, q.dtype)
         self._shape(v, "v", op, tuple(q.shape), "[seq, heads, head_dim], as q")
+        lay = _layout_code(layout, op)
         if out is None:
             out = self._out(tuple(q.shape), q.dtype)
         else:
             self._check(out, "out", op, q.dtype)
             self._shape(out, "out", op, tuple(q.shape), "[seq, heads, head_dim], as q")
         seq, heads, head_dim = q.shape
-        slots, staged = self._resolve((q, k, v, out), ("q", "k", "v", "out"), op)
+        want_lse = return_lse or lse is not None
+        if lse is None and return_lse:
+            lse = self._out((heads, seq), torch.float32)
+        elif lse is not None:
+            self._check(lse, "lse", op, torch.float32)
+            self._shape(lse, "lse", op, (heads, seq), "[heads, seq] float32")
+        slots, staged = self._resolve((q, k, v, out, lse), ("q", "k", "v", "out", "lse"), op)
         self._submit(op, (ARG_STRUCTS[op].size, dt, seq, heads, head_dim, 1 if causal else 0,
-                          0.0 if scale is None else float(scale), *slots, self._stream()), staged)
-        return out
+                          0.0 if scale is None else float(scale), *slots[:8], self._stream(), *slots[8:], lay),
+                     staged)
+        return (out, lse) if want_lse else out
 
     def _eager_allgather(self, x, *, out=None):
         """AllGather: every rank's x (any dtype, same shape everywhere), concatenated in rank order along dim 0:
@@ -811,10 +827,13 @@ class Communicator:
             return _ops.moe_ffn(self, x, topk_ids, topk_weights, w1, w2, out=out)
         return self._eager_moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out)
 
-    def ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None):
+    def ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None, lse=None,
+                       return_lse: bool = False, layout: str = "contiguous"):
         if _tc._is_compiling_flag or _dynamo_compiling():
-            return _ops.ring_attention(self, q, k, v, causal=causal, scale=scale, out=out)
-        return self._eager_ring_attention(q, k, v, causal=causal, scale=scale, out=out)
+            return _ops.ring_attention(self, q, k, v, causal=causal, scale=scale, out=out, lse=lse,
+                                       return_lse=return_lse, layout=layout)
+        return self._eager_ring_attention(q, k, v, causal=causal, scale=scale, out=out, lse=lse,
+                                          return_lse=return_lse, layout=layout)
 
     def allgather(self, x, *, out=None):
         if _tc._is_compiling_flag or _dynamo_compiling():
@@ -863,7 +882,14 @@ def _capi_elsize(dtype) -> int:
     return s
 
 
-_OUTPUTS = frozenset(("out", "a_gathered", "row_info", "expert_counts"))
+_OUTPUTS = frozenset(("out", "a_gathered", "row_info", "expert_counts", "lse"))
+
+
+def _layout_code(layout, op) -> int:
+    code = _capi.LAYOUTS.get(layout) if isinstance(layout, str) else None
+    if code is None:
+        raise ValueError(f"tandem.{op}: layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    return code
 
 
 def _align(n: int) -> int:

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _comm
+from . import _capi, _comm
 from ._comm import rows_of
 
 _lib = "tandem::"
@@ -186,33 +186,58 @@ def moe_ffn(comm, x, topk_ids, topk_weights, w1, w2, *, out=None):
     return out
 
 
-# ---- ring_attention (scale 0.0: 1/sqrt(head_dim), as in tandem.h)
+# ---- ring_attention (scale 0.0: 1/sqrt(head_dim), as in tandem.h; layout: 0 contiguous, 1 zigzag)
 @torch.library.custom_op(_lib + "ring_attention", mutates_args=())
-def _ring_attention(q: Tensor, k: Tensor, v: Tensor, comm: int, causal: bool, scale: float) -> Tensor:
-    return _c(comm)._eager_ring_attention(q, k, v, causal=causal, scale=scale)
+def _ring_attention(q: Tensor, k: Tensor, v: Tensor, comm: int, causal: bool, scale: float, layout: int) -> Tensor:
+    return _c(comm)._eager_ring_attention(q, k, v, causal=causal, scale=scale, layout=_LAYOUT_NAMES[layout])
 
 
 @_ring_attention.register_fake
-def _(q, k, v, comm, causal, scale):
+def _(q, k, v, comm, causal, scale, layout):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op(_lib + "ring_attention_out", mutates_args=("out",))
-def _ring_attention_out(q: Tensor, k: Tensor, v: Tensor, comm: int, causal: bool, scale: float, out: Tensor) -> None:
-    _c(comm)._eager_ring_attention(q, k, v, causal=causal, scale=scale, out=out)
+@torch.library.custom_op(_lib + "ring_attention_lse", mutates_args=())
+def _ring_attention_lse(q: Tensor, k: Tensor, v: Tensor, comm: int, causal: bool, scale: float,
+                        layout: int) -> tuple[Tensor, Tensor]:
+    return _c(comm)._eager_ring_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                          layout=_LAYOUT_NAMES[layout])
+
+
+@_ring_attention_lse.register_fake
+def _(q, k, v, comm, causal, scale, layout):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op(_lib + "ring_attention_out", mutates_args=("out", "lse"))
+def _ring_attention_out(q: Tensor, k: Tensor, v: Tensor, comm: int, causal: bool, scale: float, layout: int,
+                        out: Tensor, lse: Optional[Tensor]) -> None:
+    _c(comm)._eager_ring_attention(q, k, v, causal=causal, scale=scale, out=out, lse=lse,
+                                   layout=_LAYOUT_NAMES[layout])
 
 
 @_ring_attention_out.register_fake
-def _(q, k, v, comm, causal, scale, out):
+def _(q, k, v, comm, causal, scale, layout, out, lse):
     return None
 
 
-def ring_attention(comm, q, k, v, *, causal=False, scale=None, out=None):
+_LAYOUT_NAMES = {code: name for name, code in _capi.LAYOUTS.items()}
+
+
+def ring_attention(comm, q, k, v, *, causal=False, scale=None, out=None, lse=None, return_lse=False,
+                   layout="contiguous"):
     s = 0.0 if scale is None else float(scale)
+    lay = _comm._layout_code(layout, "ring_attention")
+    if out is None and lse is None:
+        if return_lse:
+            return torch.ops.tandem.ring_attention_lse(q, k, v, comm.id, bool(causal), s, lay)
+        return torch.ops.tandem.ring_attention(q, k, v, comm.id, bool(causal), s, lay)
     if out is None:
-        return torch.ops.tandem.ring_attention(q, k, v, comm.id, bool(causal), s)
-    torch.ops.tandem.ring_attention_out(q, k, v, comm.id, bool(causal), s, out)
-    return out
+        out = torch.empty_like(q)
+    if lse is None and return_lse:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    torch.ops.tandem.ring_attention_out(q, k, v, comm.id, bool(causal), s, lay, out, lse)
+    return (out, lse) if lse is not None else out
 
 
 # ---- allgather

@@ -168,25 +168,65 @@ def check_moe_ffn(comm, dtype, place, use_out):
     close(got, want, dtype, "moe_ffn out")
 
 
-def check_ring_attention(comm, dtype, place, use_out, causal=False, scale=None):
-    r, n = comm.rank, comm.world_size
-    heads, hd = 2, 8
-    seqs = [2 + q for q in range(n)]
-    q_, k_, v_ = ([gen(f"ra.{t}", p, (seqs[p], heads, hd), dtype) for p in range(n)] for t in "qkv")
-    Q, K, V = (torch.cat(z).double() for z in (q_, k_, v_))
+def zigzag_positions(seqs, r):
+    """Global positions of rank r's rows under the zigzag layout: chunk r (its first ceil(seq_r / 2) rows) and
+    chunk 2n-1-r (the rest) of the sequence cut into 2n chunks, chunk c < n being rank c's first rows."""
+    n = len(seqs)
+    first = [s - s // 2 for s in seqs]
+    head = sum(first[:r])
+    tail = sum(first) + sum(seqs[q] // 2 for q in range(r + 1, n))
+    return list(range(head, head + first[r])) + list(range(tail, tail + seqs[r] // 2))
+
+
+def attention_reference(q_, k_, v_, seqs, r, causal, scale, layout):
+    """out [seq_r, heads, hd] and lse [heads, seq_r] of rank r, in float64, from every rank's q, k, v."""
+    n = len(seqs)
+    if layout == "zigzag":
+        pos = [zigzag_positions(seqs, p) for p in range(n)]
+    else:
+        starts = [sum(seqs[:p]) for p in range(n)]
+        pos = [list(range(starts[p], starts[p] + seqs[p])) for p in range(n)]
+    total = sum(seqs)
+    heads, hd = q_[0].shape[1], q_[0].shape[2]
+    Q, K, V = (torch.zeros((total, heads, hd), dtype=torch.float64) for _ in range(3))
+    for p in range(n):
+        idx = torch.tensor(pos[p], dtype=torch.long)
+        if len(pos[p]):
+            Q[idx], K[idx], V[idx] = q_[p].double(), k_[p].double(), v_[p].double()
     s = scale if scale is not None else hd ** -0.5
     scores = torch.einsum("ihd,jhd->hij", Q, K) * s
     if causal:
-        S = Q.shape[0]
-        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(torch.ones(total, total, dtype=torch.bool).triu(1), float("-inf"))
     o = torch.einsum("hij,jhd->ihd", scores.softmax(-1), V)
-    first = sum(seqs[:r])
-    want = o[first:first + seqs[r]]
+    lse = torch.logsumexp(scores, dim=-1)  # [heads, total]
+    mine = torch.tensor(pos[r], dtype=torch.long)
+    return o[mine], lse[:, mine]
+
+
+def check_ring_attention(comm, dtype, place, use_out, causal=False, scale=None, layout="contiguous", lse=False,
+                         heads=2, hd=8, seqs=None):
+    r, n = comm.rank, comm.world_size
+    seqs = seqs or [2 + q for q in range(n)]  # ranks differ (odd and even: zigzag halves of unequal length)
+    q_, k_, v_ = ([gen(f"ra.{t}.{hd}", p, (seqs[p], heads, hd), dtype) for p in range(n)] for t in "qkv")
+    want, want_lse = attention_reference(q_, k_, v_, seqs, r, causal, scale, layout)
     args = (place.put(q_[r]), place.put(k_[r]), place.put(v_[r]))
     out = place.empty(tuple(q_[r].shape), dtype) if use_out else None
-    got = comm.ring_attention(*args, causal=causal, scale=scale, out=out)
+    lse_t = place.empty((heads, seqs[r]), torch.float32) if (lse and use_out) else None
+    what = f"ring_attention (causal={causal}, scale={scale}, layout={layout}, hd={hd}, seqs={seqs})"
+    got = comm.ring_attention(*args, causal=causal, scale=scale, out=out, lse=lse_t, return_lse=lse, layout=layout)
+    if lse:
+        got, got_lse = got
+        assert got_lse.shape == (heads, seqs[r]) and got_lse.dtype == torch.float32
+        if lse_t is not None:
+            assert got_lse is lse_t
+        # lse is fp32 math on rounded inputs: its error is the inputs' rounding times |q.k| scale.
+        torch.testing.assert_close(got_lse.detach().to("cpu", torch.float64), want_lse,
+                                   atol=TOL[dtype]["atol"] * 4, rtol=TOL[dtype]["rtol"],
+                                   msg=lambda m: f"{what} lse: {m}")
+    if use_out:
+        assert got is out
     assert got.shape == q_[r].shape
-    close(got, want, dtype, f"ring_attention out (causal={causal}, scale={scale})")
+    close(got, want, dtype, f"{what} out")
 
 
 def check_allgather(comm, dtype, place, use_out):
@@ -215,6 +255,9 @@ def run_all(comm, dtypes=(torch.float32, torch.bfloat16), mems=("torch", "tandem
                 if check_ring_attention in checks:
                     check_ring_attention(comm, dtype, place, use_out, causal=True)
                     check_ring_attention(comm, dtype, place, use_out, causal=True, scale=0.3)
-                    ran += 2
+                    check_ring_attention(comm, dtype, place, use_out, causal=True, layout="zigzag", lse=True)
+                    check_ring_attention(comm, dtype, place, use_out, layout="zigzag", lse=True)
+                    check_ring_attention(comm, dtype, place, use_out, causal=True, lse=True)
+                    ran += 5
     comm.barrier()
     return ran + 1

@@ -102,6 +102,27 @@ def test_wrong_topk_dtype_names_topk_ids(comm):
                      torch.ones(1, 4, 2))
 
 
+def test_ring_attention_rejects_a_bad_layout_and_a_bad_lse(comm):
+    q = torch.ones(3, 2, 8)
+    with pytest.raises(ValueError, match=r"layout must be 'contiguous' or 'zigzag', got 'snake'"):
+        comm.ring_attention(q, q, q, layout="snake")
+    with pytest.raises(ValueError, match=r"argument 'lse' must have shape \[2, 3\] \(\[heads, seq\] float32\)"):
+        comm.ring_attention(q, q, q, lse=torch.empty(3, 2))
+    with pytest.raises(ValueError, match=r"argument 'lse' must have dtype torch\.float32"):
+        comm.ring_attention(q, q, q, lse=torch.empty(2, 3, dtype=torch.float64))
+
+
+def test_ring_attention_lse_at_one_rank_is_the_rows_logsumexp(comm):
+    q, k, v = (torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    out, lse = comm.ring_attention(q, k, v, causal=True, return_lse=True)
+    scores = torch.einsum("ihd,jhd->hij", q.double(), k.double()) * 8 ** -0.5
+    scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.double(), torch.einsum("hij,jhd->ihd", scores.softmax(-1), v.double()),
+                               atol=1e-4, rtol=1e-4)
+    assert comm.ring_attention(q, k, v, causal=True).shape == q.shape  # without lse: the output alone
+
+
 # ---- daemon memory, staging, and reuse of freed memory ----------------------------------------------------------
 
 def test_empty_is_daemon_memory_and_ops_on_it_need_no_staging(comm):

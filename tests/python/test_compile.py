@@ -37,9 +37,12 @@ def _compiled(rank, nranks, backend):
         comm.gemm_ar(rs_t, b2, out=out)              # out form: mutates out
         y, info, counts = comm.moe_dispatch_gemm(x, ids, wts, w, capacity=24)
         att = comm.ring_attention(q, q, q, causal=True)
+        att_z, lse_z = comm.ring_attention(q, q, q, causal=True, layout="zigzag", return_lse=True)
+        lse_o = torch.empty(q.shape[1], q.shape[0])
+        att_o, _ = comm.ring_attention(q, q, q, out=torch.empty_like(q), lse=lse_o, layout="zigzag")
         g = comm.allgather(counts)
         comm.barrier()
-        return c, rs, ar, out, y, info, counts, att, g
+        return c, rs, ar, out, y, info, counts, att, att_z, lse_z, att_o, lse_o, g
 
     args = (a_full[first:first + rows].clone(), b, x, ids, q)
     want = step(*args)
@@ -81,11 +84,15 @@ def test_ops_compile_with_inductor(daemon):
 
 def test_custom_ops_are_registered_with_fake_implementations():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    for name in ("ag_gemm", "gemm_rs", "gemm_ar", "moe_dispatch_gemm", "moe_ffn", "ring_attention", "allgather",
-                 "barrier", "gemm_ar_out", "ag_gemm_out"):
+    for name in ("ag_gemm", "gemm_rs", "gemm_ar", "moe_dispatch_gemm", "moe_ffn", "ring_attention",
+                 "ring_attention_lse", "ring_attention_out", "allgather", "barrier", "gemm_ar_out", "ag_gemm_out"):
         assert hasattr(torch.ops.tandem, name), name
     with FakeTensorMode():
         a, b = torch.empty(4, 8), torch.empty(3, 8)
-        # comm id 0 is never registered: shape-only fakes still need none for gemm_ar
+        # comm id 0 is never registered: shape-only fakes still need none for gemm_ar and ring attention
         out = torch.ops.tandem.gemm_ar(a, b, 0)
         assert out.shape == (4, 3)
+        q = torch.empty(5, 2, 64, dtype=torch.bfloat16)
+        o, lse = torch.ops.tandem.ring_attention_lse(q, q, q, 0, True, 0.0, 1)
+        assert o.shape == q.shape and o.dtype == q.dtype
+        assert lse.shape == (2, 5) and lse.dtype == torch.float32
