@@ -142,6 +142,17 @@ __global__ void blockedKernel(const __grid_constant__ BlockedParams p) {
   stReleaseSysU32(p.status, static_cast<uint32_t>(s) + 1);
 }
 
+__global__ void tooLargeKernel(const ::tandem::proxy::ProxyFifoDeviceRef fifo, uint32_t* out) {
+  ProxyPusher pusher = makeProxyPusher(fifo, 1'000'000'000ull);
+  ProxyCommand cmds[17];
+  ProxyWriteDesc writes[16];
+  const uint32_t n = fifo.capacity <= 16 ? fifo.capacity : 16;
+  for (uint32_t i = 0; i <= n; ++i) cmds[i] = f::makeNop();
+  for (uint32_t i = 0; i < n; ++i) writes[i] = ProxyWriteDesc{1, 2, 0, 0, 8};
+  out[0] = static_cast<uint32_t>(proxyPushBatch(pusher, cmds, n + 1)) + 1;
+  out[1] = static_cast<uint32_t>(proxyPushWritesThenFlag(pusher, 1, writes, n, 3, 0, 1, false)) + 1;
+}
+
 __global__ void waitFlagKernel(const uint64_t* flag, uint64_t value, uint64_t timeoutNs, uint32_t* result) {
   const uint64_t start = globaltimerNs();
   for (;;) {
@@ -177,6 +188,12 @@ cudaError_t launchMalformed(const MalformedParams& p, cudaStream_t stream) {
 
 cudaError_t launchBlocked(const BlockedParams& p, cudaStream_t stream) {
   blockedKernel<<<1, 1, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launchTooLarge(const ::tandem::proxy::ProxyFifoDeviceRef& fifo, uint32_t* out, cudaStream_t stream) {
+  if (fifo.capacity > 16) return cudaErrorInvalidValue;
+  tooLargeKernel<<<1, 1, 0, stream>>>(fifo, out);
   return cudaGetLastError();
 }
 

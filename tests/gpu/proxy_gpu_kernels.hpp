@@ -22,9 +22,9 @@ TANDEM_PROXY_HD constexpr uint32_t patternWord(uint64_t i, uint32_t round) {
 /// Producer (node 0's GPU): warp w of the grid fills words [w*wordsPerWarp, (w+1)*wordsPerWarp) of `src` with the
 /// round's pattern, then its lane 0 pushes writesPerWarp kWrite commands for that range to the peer's dstBuffer and
 /// one kFlag (value `round`) at flagBuffer offset 8*w: warps 0 mod 4 with proxyPushWritesThenFlagWarp, 2 mod 4 with
-/// proxyPushWritesThenFlag (one claim, one fence), odd warps one proxyPush per command. The last warp to finish (a GPU counter) then pushes the final flag at
-/// offset 8*totalWarps, after every other warp's commands. status[w] (and status[totalWarps] for the final flag)
-/// get ProxyPushStatus + 1.
+/// proxyPushWritesThenFlag (one claim, one fence), odd warps one proxyPush per command. The last warp to finish (a
+/// GPU counter) then pushes the final flag at offset 8*totalWarps, after every other warp's commands. status[w] (and
+/// status[totalWarps] for the final flag) get ProxyPushStatus + 1.
 struct ProducerParams {
   ::tandem::proxy::ProxyFifoDeviceRef fifo;
   uint32_t* src;             ///< device, totalWarps * wordsPerWarp words
@@ -83,6 +83,10 @@ struct BlockedParams {
   uint64_t* elapsedNs;       ///< host-mapped
 };
 cudaError_t launchBlocked(const BlockedParams& p, cudaStream_t stream);
+
+/// One thread tries a proxyPushBatch of capacity+1 nops and a proxyPushWritesThenFlag of capacity writes (capacity <=
+/// 16); out[0] and out[1] get their ProxyPushStatus + 1. Neither may claim a ticket.
+cudaError_t launchTooLarge(const ::tandem::proxy::ProxyFifoDeviceRef& fifo, uint32_t* out, cudaStream_t stream);
 
 /// Waits (one thread) until *flag >= value or timeoutNs passes; *result = 1 if it saw it, 2 on timeout.
 cudaError_t launchWaitFlag(const uint64_t* flag, uint64_t value, uint64_t timeoutNs, uint32_t* result,

@@ -370,7 +370,7 @@ TEST_CASE("Malformed commands from the GPU are rejected and counted in the error
   proxy.stop();
 }
 
-TEST_CASE("A GPU producer blocked on a full FIFO returns on the stop word or at its deadline") {
+TEST_CASE("A GPU producer never hangs: on a full FIFO it returns at the stop word or its deadline, too large at once") {
   cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
   constexpr uint32_t kCapacity = 8;
   // No proxy drains this FIFO: after kCapacity commands the next push has no room.
@@ -408,5 +408,13 @@ TEST_CASE("A GPU producer blocked on a full FIFO returns on the stop word or at 
     CHECK(waited >= bp.timeoutNs);
     CHECK(waited < 5'000'000'000ull);
     CHECK_FALSE(fifo.view().stopRequested());
+  }
+  SUBCASE("a batch larger than the FIFO is refused and claims nothing") {
+    cudaOk(test::launchTooLarge(fifo.deviceRef(), reinterpret_cast<uint32_t*>(devWords + 512), stream.get()),
+           "launch too large");
+    REQUIRE_MESSAGE(streamFinishes(stream.get(), 10s), "the too-large kernel did not return");
+    CHECK(std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(hostWords + 512)).load() == test::kPushTooLarge);
+    CHECK(std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(hostWords + 516)).load() == test::kPushTooLarge);
+    CHECK(std::atomic_ref<uint64_t>(fifo.view().control()->head).load() == 0);
   }
 }
