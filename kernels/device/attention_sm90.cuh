@@ -19,6 +19,10 @@
 // from ping-pong. Two P register buffers would restore it (at 128-key blocks: +32 registers per thread).
 // Causal: KV blocks wholly in a tile's future are never loaded; masking runs only on blocks that straddle the
 // diagonal or end a segment. Rows that see no key come out as 0 with lse -inf.
+// Tail trimming: a block of which a warpgroup sees only part (a segment's last block: 48 of 176 keys at seq 4096;
+// causal: the diagonal block for the tile's first 64 rows) runs both GEMMs on that part rounded up to 64 or 128 keys.
+// Q is loaded per consumer warpgroup (64 rows each), so each half of the next tile's Q goes out as soon as its
+// warpgroup is done with the current one; earlyNext also sends the next tile's first K block before the last V.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only; nothing links libcuda)
@@ -26,6 +30,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gemm_sm90.cuh"  // mbarrier, TMA, wgmma fence/commit/wait, setmaxnreg, packPair, PipeState
 #include "ordering.cuh"
@@ -94,7 +99,7 @@ struct AttnKvMap {
 };
 
 struct AttnKernelParams {
-  CUtensorMap tmQ;              // q [sq, heads * hd]: dims {heads * hd, sq}, box {64, kBlockM}, 128B swizzle
+  CUtensorMap tmQ;              // q [sq, heads * hd]: dims {heads * hd, sq}, box {64, kRowsPerConsumer}, 128B swizzle
   CUtensorMap tmK[kMaxKvMaps];  // KV tensor m's k [rows, heads * hd]: box {64, BN}
   CUtensorMap tmV[kMaxKvMaps];  // its v, same
   AttnKvMap maps[kMaxKvMaps];   // the walk, in order (local tensors first)
@@ -119,6 +124,8 @@ struct AttnKernelParams {
   int32_t snake;      // 1: CTAs take the work of odd rounds in reverse order (workOf)
   uint32_t* tileCounter;  // non-null: dynamic order, the producers take work indices from it (zeroed before launch)
   int32_t rotateFrom;     // > 0: maps [rotateFrom, numMaps) are walked from a CTA-dependent one on (mapAt)
+  int32_t tailTrim;       // 1: a block a warpgroup sees only part of runs its GEMMs on that part (blockCols)
+  int32_t earlyNext;      // 1: the next tile's first K and Q halves are loaded early (runProducer)
 };
 static_assert(sizeof(AttnKernelParams) % 64 == 0);
 static_assert(sizeof(AttnKernelParams) <= 4096, "kernel parameter space");
@@ -138,8 +145,8 @@ struct SharedStorage {
   alignas(1024) uint16_t q[kBlockM * HD];
   alignas(1024) uint16_t k[kStages][BN * HD];
   alignas(1024) uint16_t v[kStages][BN * HD];
-  alignas(8) uint64_t fullQ;   // Q bytes landed (producer's expect_tx)
-  uint64_t emptyQ;             // both consumer warpgroups finished their last QK^T of the tile
+  alignas(8) uint64_t fullQ[kConsumerWarpgroups];  // consumer warpgroup g's 64 rows of Q landed (expect_tx)
+  uint64_t emptyQ[kConsumerWarpgroups];            // warpgroup g finished its last QK^T of the tile
   uint64_t fullK[kStages];
   uint64_t emptyK[kStages];
   uint64_t fullV[kStages];
@@ -206,6 +213,16 @@ __device__ __forceinline__ uint64_t makeSmemDescNMajor(uint32_t addr, uint32_t c
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(descB), "r"(scaleD))
 
+#define TANDEM_ATTN_WGMMA_SS_N64(TY)                                                                   \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+      : "l"(descA), "l"(descB), "r"(scaleD))
+
 #define TANDEM_ATTN_WGMMA_SS_N128(TY)                                                                  \
   asm volatile(                                                                                      \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                              \
@@ -264,6 +281,8 @@ struct WgmmaRS;
       TANDEM_ATTN_WGMMA_##KIND##_N##N(TY);                                                                  \
     }                                                                                                       \
   };
+TANDEM_ATTN_DEFINE(SS, 64, __nv_bfloat16, "bf16", uint64_t descA, uint64_t descB)
+TANDEM_ATTN_DEFINE(SS, 64, __half, "f16", uint64_t descA, uint64_t descB)
 TANDEM_ATTN_DEFINE(SS, 128, __nv_bfloat16, "bf16", uint64_t descA, uint64_t descB)
 TANDEM_ATTN_DEFINE(SS, 128, __half, "f16", uint64_t descA, uint64_t descB)
 TANDEM_ATTN_DEFINE(SS, 176, __nv_bfloat16, "bf16", uint64_t descA, uint64_t descB)
@@ -273,6 +292,7 @@ TANDEM_ATTN_DEFINE(RS, 64, __half, "f16", uint32_t a0, uint32_t a1, uint32_t a2,
 TANDEM_ATTN_DEFINE(RS, 128, __nv_bfloat16, "bf16", uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t descB)
 TANDEM_ATTN_DEFINE(RS, 128, __half, "f16", uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t descB)
 #undef TANDEM_ATTN_DEFINE
+#undef TANDEM_ATTN_WGMMA_SS_N64
 #undef TANDEM_ATTN_WGMMA_SS_N128
 #undef TANDEM_ATTN_WGMMA_SS_N176
 #undef TANDEM_ATTN_WGMMA_RS_N64
@@ -354,7 +374,11 @@ __device__ __forceinline__ void nextBlock(const AttnRunTable& rt, BlockCursor& c
 // odd round, so that with the longest tiles first each CTA's sum of tile lengths comes out nearly the same. Producer
 // and consumers walk the same sequence. Increasing in k, so the first index past numWork ends the walk.
 __device__ __forceinline__ int32_t workOf(const AttnKernelParams& p, int32_t k) {
-  const int32_t g = static_cast<int32_t>(gridDim.x), b = static_cast<int32_t>(blockIdx.x);
+  // Read afresh each call (volatile): kept live across the producer's loop they cost it 2 of its 40 registers.
+  uint32_t gu, bu;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(gu));
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bu));
+  const auto g = static_cast<int32_t>(gu), b = static_cast<int32_t>(bu);
   return k * g + (p.snake != 0 && (k & 1) != 0 ? g - 1 - b : b);
 }
 
@@ -404,7 +428,11 @@ __device__ __forceinline__ void buildRuns(const AttnKernelParams& p, AttnRunTabl
 // Called once by thread 0 before the roles start; the CTA must sync afterwards.
 template <int HD, int BN>
 __device__ __forceinline__ void initBarriers(SharedStorage<HD, BN>& s) {
-  gemm::mbarInit(&s.fullQ, 1);
+#pragma unroll
+  for (int g = 0; g < kConsumerWarpgroups; ++g) {
+    gemm::mbarInit(&s.fullQ[g], 1);
+    gemm::mbarInit(&s.emptyQ[g], 1);
+  }
 #pragma unroll
   for (int m = 0; m < kMaxKvMaps; ++m) gemm::mbarInit(&s.kvReady[m], 1);
 #pragma unroll
@@ -412,7 +440,6 @@ __device__ __forceinline__ void initBarriers(SharedStorage<HD, BN>& s) {
     gemm::mbarInit(&s.tileFull[i], 1);
     gemm::mbarInit(&s.tileEmpty[i], kConsumerWarpgroups * 128);
   }
-  gemm::mbarInit(&s.emptyQ, kConsumerWarpgroups);
 #pragma unroll
   for (int i = 0; i < kStages; ++i) {
     gemm::mbarInit(&s.fullK[i], 1);
@@ -424,19 +451,31 @@ __device__ __forceinline__ void initBarriers(SharedStorage<HD, BN>& s) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Producer: ONE thread. Per tile: Q once, then K_0, (K_j, V_{j-1}) for j = 1..n-1, V_{n-1}: the order in which the
-// consumers use them, so neither side can wait on a load the other has not issued.
+// Producer: ONE thread. Per tile: Q (per consumer warpgroup), then K_0, (K_j, V_{j-1}) for j = 1..n-1, V_{n-1}: the
+// order in which the consumers use them, so neither side can wait on a load the other has not issued (runProducer).
 // ---------------------------------------------------------------------------------------------------------------
+// The producer's position in a ring of N slots (a power of 2): slots filled so far, one register (the producer
+// thread has 40) where gemm::PipeState takes two. Walks the same sequence as the consumers' PipeState.
+template <int N>
+struct RingCount {
+  static_assert((N & (N - 1)) == 0, "a power-of-2 ring");
+  uint32_t filled = 0;
+  __device__ __forceinline__ int stage() const { return static_cast<int>(filled % N); }
+  __device__ __forceinline__ uint32_t phase() const { return (filled / N) & 1u; }
+  __device__ __forceinline__ void advance() { ++filled; }
+};
+
 template <int HD, int BN>
 __device__ __forceinline__ void loadKvTile(const CUtensorMap* map, uint16_t (&dst)[kStages][BN * HD], uint64_t* full,
-                                           uint64_t* empty, gemm::PipeState<kStages>& ps, int32_t col, int32_t row) {
+                                           uint64_t* empty, RingCount<kStages>& ps, int32_t col, int32_t row) {
+  const int stage = ps.stage();
   // Parity trick: the first pass waits on parity 1, which a fresh barrier reports as complete. Pairs with the
   // consumers' release (mbarArrive on empty after their wgmma reading this stage completed).
-  gemm::mbarWait(&empty[ps.stage], ps.phase ^ 1);
-  gemm::mbarArriveExpectTx(&full[ps.stage], BN * HD * 2);  // full boxes: TMA counts zero-filled rows too
+  gemm::mbarWait(&empty[stage], ps.phase() ^ 1);
+  gemm::mbarArriveExpectTx(&full[stage], BN * HD * 2);  // full boxes: TMA counts zero-filled rows too
 #pragma unroll
   for (int h = 0; h < HD / kSwizzleCols; ++h) {
-    gemm::tmaLoad2d(map, dst[ps.stage] + h * BN * kSwizzleCols, &full[ps.stage], col + h * kSwizzleCols, row);
+    gemm::tmaLoad2d(map, dst[stage] + h * BN * kSwizzleCols, &full[stage], col + h * kSwizzleCols, row);
   }
   ps.advance();
 }
@@ -477,14 +516,15 @@ __device__ __forceinline__ void awaitKvMap(const AttnKernelParams& p, SharedStor
 // hands to the consumers through tileWork (a two-slot ring). The index past numWork is handed on too: it ends the
 // consumers' walk.
 template <int HD, int BN>
-__device__ __forceinline__ int32_t produceWork(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int32_t k,
-                                               gemm::PipeState<2>& ts) {
+__device__ __forceinline__ int32_t produceWork(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int32_t k) {
   if (p.tileCounter == nullptr) return workOf(p, k);
   const auto w = static_cast<int32_t>(atomicAdd(p.tileCounter, 1u));
-  gemm::mbarWait(&s.tileEmpty[ts.stage], ts.phase ^ 1);  // pairs with every consumer thread's arrive after reading
-  s.tileWork[ts.stage] = w;
-  gemm::mbarArrive(&s.tileFull[ts.stage]);  // release (CTA): publishes tileWork; pairs with consumeWork's wait
-  ts.advance();
+  // The k-th index goes into slot k % 2 (the consumers' PipeState<2> walks the same sequence).
+  const int slot = k & 1;
+  const uint32_t phase = (static_cast<uint32_t>(k) >> 1) & 1u;
+  gemm::mbarWait(&s.tileEmpty[slot], phase ^ 1);  // pairs with every consumer thread's arrive after reading
+  s.tileWork[slot] = w;
+  gemm::mbarArrive(&s.tileFull[slot]);  // release (CTA): publishes tileWork; pairs with consumeWork's wait
   return w;
 }
 template <int HD, int BN>
@@ -500,44 +540,90 @@ __device__ __forceinline__ int32_t consumeWork(const AttnKernelParams& p, Shared
 
 template <int HD, int BN, bool Causal>
 __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedStorage<HD, BN>& s) {
-  gemm::PipeState<kStages> ks, vs;
-  gemm::PipeState<2> ts;
+  RingCount<kStages> ks, vs;
   uint32_t qPhase = 0;
   uint32_t readyMaps = 0;
-  for (int32_t k = 0, w = produceWork(p, s, 0, ts); w < p.numWork; w = produceWork(p, s, ++k, ts)) {
-    const TileCoord tc = tileOf<Causal>(p, w);
-    const int32_t q0 = tc.qTile * kBlockM;
-    const int64_t maxQ = tileMaxQPos(p, q0);
-    const int32_t n = countBlocks<BN, Causal>(s.runs, maxQ);
-    if (n == 0) continue;  // the consumers write zeros without waiting on anything
-    const int32_t col = tc.head * HD;
-    gemm::mbarWait(&s.emptyQ, qPhase ^ 1);  // pairs with the consumers' arrive after their last QK^T
-    gemm::mbarArriveExpectTx(&s.fullQ, kBlockM * HD * 2);
+  // A tile as the producer keeps it: its work index and block count (its rows and columns are recomputed where
+  // needed: the producer has 40 registers, and two tiles are live at once with earlyNext).
+  struct Tile {
+    int32_t w, n;
+  };
+  const auto colOf = [&](const Tile& tl) { return tileOf<Causal>(p, tl.w).head * HD; };
+  const auto maxQOf = [&](const Tile& tl) { return tileMaxQPos(p, tileOf<Causal>(p, tl.w).qTile * kBlockM); };
+  const auto tileAt = [&](int32_t w) {
+    return Tile{w, w < p.numWork ? countBlocks<BN, Causal>(s.runs, maxQOf(Tile{w, 0})) : 0};
+  };
+  // Q of a tile, a consumer warpgroup's 64 rows at a time, each as soon as that warpgroup is done with its rows of
+  // the previous tile (pairs with its arrive on emptyQ after its last QK^T).
+  const auto loadQ = [&](const Tile& tl) {
+    const TileCoord tc = tileOf<Causal>(p, tl.w);
 #pragma unroll
-    for (int h = 0; h < HD / kSwizzleCols; ++h) {
-      gemm::tmaLoad2d(&p.tmQ, s.q + h * kBlockM * kSwizzleCols, &s.fullQ, col + h * kSwizzleCols, q0);
+    for (int g = 0; g < kConsumerWarpgroups; ++g) {
+      gemm::mbarWait(&s.emptyQ[g], qPhase ^ 1);
+      gemm::mbarArriveExpectTx(&s.fullQ[g], kRowsPerConsumer * HD * 2);
+#pragma unroll
+      for (int h = 0; h < HD / kSwizzleCols; ++h) {
+        gemm::tmaLoad2d(&p.tmQ, s.q + h * kBlockM * kSwizzleCols + g * kRowsPerConsumer * kSwizzleCols, &s.fullQ[g],
+                        tc.head * HD + h * kSwizzleCols, tc.qTile * kBlockM + g * kRowsPerConsumer);
+      }
     }
     qPhase ^= 1;
-    // One cursor: V of a block goes out one step after its K, from the map and row its K came from.
-    BlockCursor c = firstBlock<BN, Causal>(s.runs, maxQ);
-    struct At {
-      int32_t map, row;
-    };
-    const auto loadK = [&] {
-      const AttnKvRun& run = s.runs.run[c.seg];
-      const int32_t row = run.row0 + c.blk * BN;
-      awaitKvMap(p, s, run.map, readyMaps);
-      loadKvTile<HD, BN>(&p.tmK[run.map], s.k, s.fullK, s.emptyK, ks, col, row);
-      nextBlock<BN, Causal>(s.runs, c, maxQ);
-      return At{run.map, row};
-    };
-    At prev = loadK();
-    for (int32_t i = 1; i < n; ++i) {
-      const At cur = loadK();
-      loadKvTile<HD, BN>(&p.tmV[prev.map], s.v, s.fullV, s.emptyV, vs, col, prev.row);
-      prev = cur;
+  };
+  // V of a block goes out one step after its K, from the map and row its K came from.
+  struct At {
+    int32_t map, row;
+  };
+  const auto loadK = [&](BlockCursor& c, const Tile& tl) {
+    const AttnKvRun& run = s.runs.run[c.seg];
+    const int32_t row = run.row0 + c.blk * BN;
+    awaitKvMap(p, s, run.map, readyMaps);
+    loadKvTile<HD, BN>(&p.tmK[run.map], s.k, s.fullK, s.emptyK, ks, colOf(tl), row);
+    // nextBlock, with the tile's last query position recomputed only where the walk crosses into another run.
+    if (++c.blk >= c.nblk) seekBlock<BN, Causal>(s.runs, c, Causal ? maxQOf(tl) : 0);
+    return At{run.map, row};
+  };
+  const auto loadV = [&](const At& at, const Tile& tl) {
+    loadKvTile<HD, BN>(&p.tmV[at.map], s.v, s.fullV, s.emptyV, vs, colOf(tl), at.row);
+  };
+  // Per tile: Q, K_0, (K_j, V_{j-1}) for j = 1 .. n-1, V_{n-1}: the order in which the consumers use them. Early
+  // (earlyNext): the next tile's K_0 goes out before this tile's V_{n-1}, and its Q right after; still the consumers'
+  // order per ring, and K_0's stage is freed by S_{n-2}, which the consumers run before they need V_{n-1}. Only the
+  // next work index is looked at: looking further could wait on a tile-ring slot that the consumers free only after
+  // this tile, which needs V_{n-1} (dynamic order).
+  int32_t k = 0;
+  int32_t w = produceWork(p, s, 0);
+  Tile cur = tileAt(w);
+  bool started = false;  // cur's Q and K_0 went out with the previous tile
+  BlockCursor c{};
+  At prev{};
+  while (w < p.numWork) {
+    if (cur.n > 0) {  // n == 0: the consumers write zeros without waiting on anything
+      if (!started) {
+        loadQ(cur);
+        c = firstBlock<BN, Causal>(s.runs, maxQOf(cur));
+        prev = loadK(c, cur);
+      }
+      for (int32_t i = 1; i < cur.n; ++i) {
+        const At at = loadK(c, cur);
+        loadV(prev, cur);
+        prev = at;
+      }
     }
-    loadKvTile<HD, BN>(&p.tmV[prev.map], s.v, s.fullV, s.emptyV, vs, col, prev.row);
+    const int32_t wn = produceWork(p, s, ++k);
+    const Tile next = tileAt(wn);
+    started = p.earlyNext != 0 && cur.n > 0 && next.n > 0;
+    if (started) {
+      BlockCursor cn = firstBlock<BN, Causal>(s.runs, maxQOf(next));
+      const At first = loadK(cn, next);
+      loadV(prev, cur);
+      loadQ(next);
+      c = cn;
+      prev = first;
+    } else if (cur.n > 0) {
+      loadV(prev, cur);
+    }
+    w = wn;
+    cur = next;
   }
 }
 
@@ -546,8 +632,10 @@ __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedSto
 // r = 16 (t / 32) + (t % 32) / 4 and r + 8, columns 8 j + 2 (t % 4) + {0, 1}: acc[4 j + {0, 1}] is row r,
 // acc[4 j + {2, 3}] row r + 8.
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, int HD, int BN>
-__device__ __forceinline__ void issueS(float (&sacc)[BN / 2], uint32_t qAddr, uint32_t kAddr) {
+// S = Q K^T over the block's first N keys (N = BN: all of them) of a K tile of BN rows.
+template <class T, int HD, int BN, int N>
+__device__ __forceinline__ void issueS(float (&d)[N / 2], uint32_t qAddr, uint32_t kAddr) {
+  static_assert((N <= BN && N % 64 == 0) || N == BN, "S GEMM width");
   gemm::wgmmaFence();
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
@@ -555,23 +643,47 @@ __device__ __forceinline__ void issueS(float (&sacc)[BN / 2], uint32_t qAddr, ui
     const uint32_t off = static_cast<uint32_t>(kk % 4) * 32;
     const uint64_t descA = gemm::makeSmemDesc(qAddr + (kk / 4) * (kBlockM * 128) + off);
     const uint64_t descB = gemm::makeSmemDesc(kAddr + (kk / 4) * (BN * 128) + off);
-    WgmmaSS<T, BN>::run(sacc, descA, descB, kk > 0 ? 1u : 0u);
+    WgmmaSS<T, N>::run(d, descA, descB, kk > 0 ? 1u : 0u);
   }
   gemm::wgmmaCommit();
 }
 
+// The GEMM widths a block runs at: the keys the warpgroup sees of it (cols, blockCols) rounded up to 64, 128 (176-key
+// blocks) or the whole block: 0, 1, 2. Each width is a separate straight-line path (its own S registers), since S
+// registers that one path's wgmma defines and another's does not make ptxas serialize every wgmma (C7515).
+template <int BN>
+__device__ __forceinline__ int widthTier(int32_t cols) {
+  if (cols <= 64 && BN > 64) return 0;
+  if (BN > 128 && cols <= 128) return 1;
+  return 2;
+}
+
+// O += P V over the block's first 16 STEPS keys (P is 0 past the keys the warpgroup sees).
 // Always accumulates (O starts at zero): a run-time scale-d predicate on the first wgmma lets ptxas hoist the
 // following wgmma.wait_group above the softmax (it protects the predicate register), which was seen in SASS.
-template <class T, int HD, int BN>
-__device__ __forceinline__ void issuePV(float (&oacc)[HD / 2], const uint32_t (&pfrag)[BN / 4], uint32_t vAddr) {
+template <class T, int HD, int BN, int STEPS>
+__device__ __forceinline__ void issuePVSteps(float (&oacc)[HD / 2], const uint32_t (&pfrag)[BN / 4], uint32_t vAddr) {
   gemm::wgmmaFence();
 #pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) {
+  for (int kk = 0; kk < STEPS; ++kk) {
     // Keys 16 kk .. 16 kk + 15: two 8-row swizzle groups, 2048 bytes into each half.
     const uint64_t descB = makeSmemDescNMajor(vAddr + static_cast<uint32_t>(kk) * 2048, BN * 128);
     WgmmaRS<T, HD>::run(oacc, pfrag[4 * kk], pfrag[4 * kk + 1], pfrag[4 * kk + 2], pfrag[4 * kk + 3], descB, 1u);
   }
   gemm::wgmmaCommit();
+}
+
+template <class T, int HD, int BN>
+__device__ __forceinline__ void issuePV(float (&oacc)[HD / 2], const uint32_t (&pfrag)[BN / 4], uint32_t vAddr,
+                                        int32_t cols) {
+  const int tier = widthTier<BN>(cols);
+  if (tier == 0) {
+    issuePVSteps<T, HD, BN, 4>(oacc, pfrag, vAddr);
+  } else if (BN > 128 && tier == 1) {
+    issuePVSteps<T, HD, BN, (BN > 128 ? 8 : BN / 16)>(oacc, pfrag, vAddr);
+  } else {
+    issuePVSteps<T, HD, BN, BN / 16>(oacc, pfrag, vAddr);
+  }
 }
 
 // Masks keys this thread's two rows must not see: past the segment's end (validCols) and, causal, in the row's
@@ -634,10 +746,11 @@ __device__ __forceinline__ void rescaleO(float (&oacc)[HD / 2], const float (&al
 }
 
 // P (fp32, S accumulator layout) -> A fragments for O += P V: k-step kk is accumulator columns 16 kk .. 16 kk + 15.
-template <class T, int BN>
-__device__ __forceinline__ void packP(uint32_t (&pfrag)[BN / 4], const float (&sacc)[BN / 2]) {
+// With N < BN only the first N / 4 fragments are written: the P V that follows runs N / 16 k-steps.
+template <class T, int N, int BN>
+__device__ __forceinline__ void packP(uint32_t (&pfrag)[BN / 4], const float (&sacc)[N / 2]) {
 #pragma unroll
-  for (int i = 0; i < BN / 4; ++i) pfrag[i] = gemm::packPair<T>(sacc[2 * i], sacc[2 * i + 1]);
+  for (int i = 0; i < N / 4; ++i) pfrag[i] = gemm::packPair<T>(sacc[2 * i], sacc[2 * i + 1]);
 }
 
 // Rows [rowBase, rowBase + 64) of head `head`: out = O / l, lse = ln(sum exp(scale s)). Rows past sq are dropped.
@@ -678,6 +791,9 @@ __device__ __forceinline__ void storeRows(const AttnKernelParams& p, const float
 template <class T, int HD, int BN, bool Causal>
 __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int wg, int t) {
   float sacc[BN / 2];
+  // S of a block that runs narrower (widthTier): registers of their own (none of them live past the block's step).
+  float sacc64[32];
+  float sacc128[64];
   float oacc[HD / 2];
   uint32_t pfrag[BN / 4];
   float rowMax[2], rowSum[2], alpha[2];
@@ -715,7 +831,8 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
       continue;
     }
     // Masking, when the block needs it: columns [0, lim[h]) of row h stay.
-    const auto maskBlock = [&](const BlockCursor& c) {
+    const auto maskBlock = [&](const BlockCursor& c, auto& sa) {
+      constexpr int N = static_cast<int>(sizeof(sa) / sizeof(float)) * 2;
       const int32_t validCols = min(BN, s.runs.run[c.seg].len - c.blk * BN);
       const int64_t kvBase = s.runs.run[c.seg].start + static_cast<int64_t>(c.blk) * BN;
       // Positions increase with the row: the warpgroup's first row is its earliest. Computed here, not kept live
@@ -731,56 +848,87 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
           lim[h] = min(lim[h], u);
         }
       }
-      applyMask<BN>(sacc, lim, lane);
+      applyMask<N>(sa, lim, lane);  // lim <= blockCols <= N: the columns past N are never visible
+    };
+    // The keys of the block that any row of this warpgroup sees, from the first: the block's valid keys, and
+    // (causal) those up to the warpgroup's last row. The GEMMs run on that many rounded up to a tier (widthTier);
+    // the mask covers every column past it. At least 1, so that a block wholly in the warpgroup's future still
+    // runs (masked) like every other.
+    const auto blockCols = [&](const BlockCursor& c) -> int32_t {
+      if (p.tailTrim == 0) return BN;
+      const AttnKvRun& run = s.runs.run[c.seg];
+      int32_t cols = min(BN, run.len - c.blk * BN);
+      if constexpr (Causal) {
+        const int64_t upTo =
+            qPosOf(p, rowBase + kRowsPerConsumer - 1) - (run.start + static_cast<int64_t>(c.blk) * BN) + 1;
+        if (upTo < cols) cols = upTo < 1 ? 1 : static_cast<int32_t>(upTo);
+      }
+      return cols;
     };
 
-    gemm::mbarWait(&s.fullQ, qPhase);  // acquire: Q landed
+    gemm::mbarWait(&s.fullQ[wg], qPhase);  // acquire: this warpgroup's rows of Q landed
     qPhase ^= 1;
     BlockCursor c = firstBlock<BN, Causal>(s.runs, maxQ);
 
-    // Block 0: S_0 and its softmax.
-    gemm::mbarWait(&s.fullK[ks.stage], ks.phase);
-    waitTurn();
-    issueS<T, HD, BN>(sacc, qAddr, gemm::smemAddr(s.k[ks.stage]));
-    passTurn();
-    gemm::wgmmaWait<0>();
-    gemm::fenceAccumulators(sacc);
-    // release: K stage read by this warpgroup's wgmma (completed above); pairs with the producer's empty wait.
-    if (t == 0) gemm::mbarArrive(&s.emptyK[ks.stage]);
-    ks.advance();
-    if (n == 1 && t == 0) gemm::mbarArrive(&s.emptyQ);  // last read of Q in this tile done
-    maskBlock(c);
-    onlineSoftmax<BN>(sacc, rowMax, rowSum, alpha, p.scaleLog2);
-    packP<T, BN>(pfrag, sacc);
-    nextBlock<BN, Causal>(s.runs, c, maxQ);
-
-    // Blocks 1 .. n-1: S_i is issued, then O += P_{i-1} V_{i-1}; the softmax of S_i runs while PV is in flight.
-    for (int32_t i = 1; i < n; ++i) {
+    // One block: S_i = Q K_i^T into sa (width N), then (i > 0) O += P_{i-1} V_{i-1}; the softmax of S_i, then P_i
+    // packed once the P V in flight has read the registers it overwrites.
+    int32_t pvCols = BN;  // keys of the block whose P V is issued next
+    const auto block = [&](auto& sa, auto first, bool last) {
+      constexpr int N = static_cast<int>(sizeof(sa) / sizeof(float)) * 2;
+      constexpr bool kFirst = decltype(first)::value;
       gemm::mbarWait(&s.fullK[ks.stage], ks.phase);
       waitTurn();
-      issueS<T, HD, BN>(sacc, qAddr, gemm::smemAddr(s.k[ks.stage]));
-      rescaleO<HD>(oacc, alpha);  // O so far was relative to the max before block i-1 (alpha is finite, in [0, 1])
-      gemm::mbarWait(&s.fullV[vs.stage], vs.phase);
-      issuePV<T, HD, BN>(oacc, pfrag, gemm::smemAddr(s.v[vs.stage]));
+      issueS<T, HD, BN, N>(sa, qAddr, gemm::smemAddr(s.k[ks.stage]));
+      if constexpr (!kFirst) {
+        rescaleO<HD>(oacc, alpha);  // O so far was relative to the max before block i-1 (alpha is finite, in [0, 1])
+        gemm::mbarWait(&s.fullV[vs.stage], vs.phase);
+        issuePV<T, HD, BN>(oacc, pfrag, gemm::smemAddr(s.v[vs.stage]), pvCols);
+      }
       passTurn();
-      gemm::wgmmaWait<1>();  // S_i done (groups complete in order)
-      gemm::fenceAccumulators(sacc);
-      if (t == 0) gemm::mbarArrive(&s.emptyK[ks.stage]);  // release: K stage (pairs with producer's empty wait)
+      if constexpr (kFirst) {
+        gemm::wgmmaWait<0>();
+      } else {
+        gemm::wgmmaWait<1>();  // S_i done (groups complete in order)
+      }
+      gemm::fenceAccumulators(sa);
+      // release: K stage read by this warpgroup's wgmma (completed above); pairs with the producer's empty wait.
+      if (t == 0) gemm::mbarArrive(&s.emptyK[ks.stage]);
       ks.advance();
-      if (i == n - 1 && t == 0) gemm::mbarArrive(&s.emptyQ);
-      maskBlock(c);
-      onlineSoftmax<BN>(sacc, rowMax, rowSum, alpha, p.scaleLog2);
-      // Pin the softmax above the wait: left alone, the compiler sinks it below wgmma.wait_group 0 (seen in SASS),
-      // and the exp2 work no longer overlaps PV_{i-1}.
-      gemm::fenceAccumulators(sacc);
-      gemm::fenceAccumulators(rowSum);
-      gemm::fenceAccumulators(alpha);
-      gemm::wgmmaWait<0>();  // PV_{i-1} done: O final for now, P registers free, V stage read
-      gemm::fenceAccumulators(oacc);
-      fenceRegs(pfrag);
-      if (t == 0) gemm::mbarArrive(&s.emptyV[vs.stage]);  // release: V stage
-      vs.advance();
-      packP<T, BN>(pfrag, sacc);
+      if (last && t == 0) gemm::mbarArrive(&s.emptyQ[wg]);  // this warpgroup's last read of Q in this tile done
+      maskBlock(c, sa);
+      onlineSoftmax<N>(sa, rowMax, rowSum, alpha, p.scaleLog2);
+      if constexpr (!kFirst) {
+        // Pin the softmax above the wait: left alone, the compiler sinks it below wgmma.wait_group 0 (seen in SASS),
+        // and the exp2 work no longer overlaps PV_{i-1}.
+        gemm::fenceAccumulators(sa);
+        gemm::fenceAccumulators(rowSum);
+        gemm::fenceAccumulators(alpha);
+        gemm::wgmmaWait<0>();  // PV_{i-1} done: O final for now, P registers free, V stage read
+        gemm::fenceAccumulators(oacc);
+        fenceRegs(pfrag);
+        if (t == 0) gemm::mbarArrive(&s.emptyV[vs.stage]);  // release: V stage
+        vs.advance();
+      }
+      packP<T, N, BN>(pfrag, sa);
+    };
+    // The block at c at the width its keys need (blockCols; every block at BN without trimming).
+    const auto blockAtWidth = [&](auto first, bool last) {
+      const int32_t cols = blockCols(c);
+      const int tier = widthTier<BN>(cols);
+      if (tier == 2) {
+        block(sacc, first, last);
+      } else if (BN > 128 && tier == 1) {
+        block(sacc128, first, last);
+      } else {
+        block(sacc64, first, last);
+      }
+      pvCols = cols;
+    };
+
+    blockAtWidth(std::true_type{}, n == 1);
+    nextBlock<BN, Causal>(s.runs, c, maxQ);
+    for (int32_t i = 1; i < n; ++i) {
+      blockAtWidth(std::false_type{}, i == n - 1);
       nextBlock<BN, Causal>(s.runs, c, maxQ);
     }
 
@@ -788,7 +936,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
     rescaleO<HD>(oacc, alpha);
     gemm::mbarWait(&s.fullV[vs.stage], vs.phase);
     waitTurn();
-    issuePV<T, HD, BN>(oacc, pfrag, gemm::smemAddr(s.v[vs.stage]));
+    issuePV<T, HD, BN>(oacc, pfrag, gemm::smemAddr(s.v[vs.stage]), pvCols);
     passTurn();
     gemm::wgmmaWait<0>();
     gemm::fenceAccumulators(oacc);
