@@ -6,7 +6,9 @@
 //               one command per claim and 8 per claim (proxyPushBatch), with the ticket counter in the FIFO region
 //               (host head: every claim a system-scope atomic across PCIe) and in GPU memory (device head).
 //               "kernel" is commands / kernel time (CUDA events); "drained" is commands / the time until the proxy
-//               had popped them all (host clock, from just before the launch).
+//               had popped them all (host clock, from just before the launch). With the FIFO's --capacity the ring
+//               fills and producers wait for the proxy; the "ring never full" rows use 2^20 slots (more than they
+//               push), so their kernel rate is the producers' own cost, not the proxy's.
 //   round trip  one thread: %globaltimer, push a signalled write, spin until the proxy's `completed` watermark
 //               passes its ticket, %globaltimer. That is GPU -> host memory -> proxy -> host memory -> GPU: a ROUND
 //               trip, reported as such (nothing here measures one way). "push" is the time the push call itself
@@ -103,6 +105,7 @@ double pct(std::vector<uint64_t> v, double q) {
 
 struct ThroughputRow {
   std::string name;
+  uint32_t capacity;
   bool deviceHead;
   int ctas, warps;
   uint32_t batch;
@@ -117,9 +120,9 @@ struct LatencyRow {
   bool ok;
 };
 
-ThroughputRow throughput(const Options& o, const char* name, bool deviceHead, int ctas, int warps, uint32_t batch,
+ThroughputRow throughput(const char* name, uint32_t capacity, bool deviceHead, int ctas, int warps, uint32_t batch,
                          uint64_t commands) {
-  tandem::bench::PushBenchProxy proxy(o.capacity, deviceHead, 0, 64, false);
+  tandem::bench::PushBenchProxy proxy(capacity, deviceHead, 0, 64, false);
   const uint64_t totalWarps = static_cast<uint64_t>(ctas) * static_cast<uint64_t>(warps);
   const uint64_t perWarp = std::max<uint64_t>(1, commands / totalWarps);
   const uint64_t total = perWarp * totalWarps;
@@ -168,7 +171,7 @@ ThroughputRow throughput(const Options& o, const char* name, bool deviceHead, in
   cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
   cudaFree(status);
-  return ThroughputRow{name, deviceHead, ctas, warps, batch, total, ms,
+  return ThroughputRow{name, capacity, deviceHead, ctas, warps, batch, total, ms,
                        std::chrono::duration<double, std::milli>(t1 - t0).count(), ok};
 }
 
@@ -273,25 +276,36 @@ int main(int argc, char** argv) {
     int ctas, warps;
     uint32_t batch;
     uint64_t commands;
+    bool neverFull;
   };
+  constexpr uint32_t kBigRing = 1u << 20;
+  const uint64_t n = o.commands, nBig = std::min<uint64_t>(o.commands, kBigRing - 4096);
   const std::vector<Config> configs{
-      {"1 warp", 1, 1, 1, o.commands / 4},         {"1 warp, 8/claim", 1, 1, 8, o.commands / 4},
-      {"1 CTA x 8 warps", 1, 8, 1, o.commands},    {"8 CTAs x 4 warps", 8, 4, 1, o.commands},
-      {"32 CTAs x 4 warps", 32, 4, 1, o.commands}, {"132 CTAs x 4 warps", 132, 4, 1, o.commands},
-      {"132 CTAs x 4 warps, 8/claim", 132, 4, 8, o.commands},
+      {"1 warp", 1, 1, 1, n / 4, false},
+      {"1 warp, 8/claim", 1, 1, 8, n / 4, false},
+      {"1 CTA x 8 warps", 1, 8, 1, n, false},
+      {"8 CTAs x 4 warps", 8, 4, 1, n, false},
+      {"32 CTAs x 4 warps", 32, 4, 1, n, false},
+      {"132 CTAs x 4 warps", 132, 4, 1, n, false},
+      {"132 CTAs x 4 warps, 8/claim", 132, 4, 8, n, false},
+      {"1 warp, ring never full", 1, 1, 1, nBig / 4, true},
+      {"1 CTA x 8 warps, never full", 1, 8, 1, nBig, true},
+      {"132 CTAs x 4 warps, never full", 132, 4, 1, nBig, true},
+      {"132x4, 8/claim, never full", 132, 4, 8, nBig, true},
   };
   std::vector<ThroughputRow> rows;
-  for (bool deviceHead : {false, true}) {
+  for (bool deviceHead : {true, false}) {
     for (const Config& c : configs)
-      rows.push_back(throughput(o, c.name, deviceHead, c.ctas, c.warps, c.batch, c.commands));
+      rows.push_back(throughput(c.name, c.neverFull ? kBigRing : o.capacity, deviceHead, c.ctas, c.warps, c.batch,
+                                c.commands));
   }
 
   std::printf("\nThroughput (one pushing lane per warp, 4 KiB kWrite commands, NullTransport, one proxy thread)\n");
-  std::printf("%-30s %-7s %10s %12s %12s %12s  %s\n", "producers", "head", "commands", "kernel ms", "kernel M/s",
-              "drained M/s", "ok");
+  std::printf("%-30s %-7s %8s %10s %12s %12s %12s  %s\n", "producers", "head", "slots", "commands", "kernel ms",
+              "kernel M/s", "drained M/s", "ok");
   for (const ThroughputRow& r : rows) {
-    std::printf("%-30s %-7s %10llu %12.2f %12.2f %12.2f  %s\n", r.name.c_str(), r.deviceHead ? "device" : "host",
-                static_cast<unsigned long long>(r.commands), r.kernelMs, r.commands / r.kernelMs / 1e3,
+    std::printf("%-30s %-7s %8u %10llu %12.2f %12.2f %12.2f  %s\n", r.name.c_str(), r.deviceHead ? "device" : "host",
+                r.capacity, static_cast<unsigned long long>(r.commands), r.kernelMs, r.commands / r.kernelMs / 1e3,
                 r.commands / r.drainedMs / 1e3, r.ok ? "yes" : "NO");
     allOk = allOk && r.ok;
   }
@@ -319,9 +333,9 @@ int main(int argc, char** argv) {
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const ThroughputRow& r = rows[i];
       std::fprintf(j,
-                   "  {\"producers\": \"%s\", \"head\": \"%s\", \"ctas\": %d, \"warps\": %d, \"batch\": %u, "
-                   "\"commands\": %llu, \"kernel_ms\": %.4f, \"drained_ms\": %.4f, \"ok\": %s}%s\n",
-                   r.name.c_str(), r.deviceHead ? "device" : "host", r.ctas, r.warps, r.batch,
+                   "  {\"producers\": \"%s\", \"head\": \"%s\", \"slots\": %u, \"ctas\": %d, \"warps\": %d, "
+                   "\"batch\": %u, \"commands\": %llu, \"kernel_ms\": %.4f, \"drained_ms\": %.4f, \"ok\": %s}%s\n",
+                   r.name.c_str(), r.deviceHead ? "device" : "host", r.capacity, r.ctas, r.warps, r.batch,
                    static_cast<unsigned long long>(r.commands), r.kernelMs, r.drainedMs, r.ok ? "true" : "false",
                    i + 1 < rows.size() ? "," : "");
     }

@@ -46,7 +46,7 @@ grep -E "TEST CASE|SUBCASE|ERROR|FATAL|test cases|assertions|timed out|did not" 
 
 left=$((148 - $(elapsed)))
 [ "$left" -lt 10 ] && left=10
-timeout "$left" stdbuf -oL "./$build/bench/proxy_push_bench" --commands 2000000 --samples 20000 \
+timeout "$left" stdbuf -oL "./$build/bench/proxy_push_bench" --commands 1000000 --samples 20000 \
   --json "$out/proxy_push_bench.json" > "$out/proxy_push_bench.log" 2>&1
 brc=$?
 echo "proxy_push_bench rc=$brc ($(elapsed) s)"
