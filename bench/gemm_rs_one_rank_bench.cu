@@ -3,14 +3,21 @@
 // epilogue and role machinery: the "lean epilogue" target is at most 1.05x the GEMM alone at 8192^3 and
 // 16384x14336x8192 (M x N x K). gemm_rs_bench needs two GPUs; this needs one.
 //
-// Candidates per shape, timed round robin (each iteration every candidate once, CUDA events around each launch; the
-// median over --iters iterations; two input sets alternate so L2 holds neither): cuBLASLt, the GEMM core
-// (launchGemm: what tandem runs at one rank), gemm-rs auto (the chooser: the GEMM core at one rank), gemm-rs and
-// gemm-ar forced fused (copy transport, bf16 partials, epilogue reduction: the plan that wins at two ranks), and
-// gemm-rs fused with 8 send CTAs. Every candidate's output is checked against an fp32 reference (relative error <
-// 1e-2, nothing non-finite).
+// Candidates per shape, timed round robin (each iteration every candidate once; the median over --iters iterations;
+// two input sets alternate so L2 holds neither): cuBLASLt, the GEMM core (launchGemm: what tandem runs at one rank),
+// gemm-rs auto (the chooser: the GEMM core at one rank), gemm-rs and gemm-ar forced fused (copy transport, bf16
+// partials, epilogue reduction: the plan that wins at two ranks) with each own-tile epilogue of the test knob
+// GemmRsParams::epilogue (default: TMA store at one rank; generic: the reducing path; legacy: the kernel as compiled
+// before its epilogue branch was made warp-uniform), and gemm-rs fused with 8 send CTAs.
 //
-//   gemm_rs_one_rank_bench [--iters N] [--warmup N] [--json FILE] [--shape MxNxK]...
+// Two times per candidate: "us" has CUDA events around the host call (so it includes the launcher's host work, as
+// before), "gpu us" has the host call hidden behind a 200 us spin kernel queued first (the kernel's own time). Every
+// candidate's output is checked against an fp32 reference (relative error < 1e-2, nothing non-finite), and every
+// tandem candidate's output must equal the GEMM core's bitwise (the same wgmma order, rounded once). With --trace
+// (default on) each fused candidate runs once more with GemmRsParams::trace and prints its per-tile mainloop and
+// epilogue times (%globaltimer in the kernel).
+//
+//   gemm_rs_one_rank_bench [--iters N] [--warmup N] [--json FILE] [--no-trace] [--shape MxNxK]...
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -41,6 +48,28 @@ struct Shape {
   int64_t m, n, k;
 };
 
+__device__ __forceinline__ uint64_t nowNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Keeps the stream busy while the host enqueues the timed launch, so the events around it see only GPU time.
+__global__ void spinKernel(uint64_t ns) {
+  const uint64_t t0 = nowNs();
+  while (nowNs() - t0 < ns) {
+  }
+}
+// Counts the 16-bit words of a [m, n] (row stride ld) that differ from b (same layout).
+__global__ void countDiffKernel(const uint16_t* a, const uint16_t* b, int64_t m, int64_t n, int64_t ld,
+                                unsigned long long* diff) {
+  unsigned long long d = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < m * n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t off = (i / n) * ld + i % n;
+    d += a[off] != b[off];
+  }
+  if (d) atomicAdd(diff, d);
+}
+
 GemmRsPlan fusedPlan(GemmRsTransport t, int send) {
   GemmRsPlan p{};
   p.kind = GemmRsPlanKind::kFused;
@@ -55,10 +84,53 @@ struct Cand {
   std::string name;
   std::function<void(int set, cudaStream_t s)> run;
   std::string ran;
-  std::vector<float> ms;
+  std::vector<float> ms, gpuMs;
   double relErr = -1;
   unsigned long long bad = 0;
+  bool fused = false;         // a fused candidate (traceable)
+  bool tandem = true;         // must equal the GEMM core bitwise
+  long long diffWords = -1;   // words that differ from the GEMM core's output (-1: not compared)
+  uint64_t* trace = nullptr;  // set while the traced launch runs
 };
+
+// Per-tile times from a GemmRsParams::trace buffer (see gemm_rs.hpp for the layout): the mean over every compute
+// warpgroup of its mean mainloop (from the previous tile's epilogue exit; the first tile's, which includes the start,
+// left out) and epilogue, the tiles per warpgroup, and the span from the earliest start to the last epilogue exit.
+struct TraceSummary {
+  double mainloopUs = 0, epilogueUs = 0, tilesPerWg = 0, spanUs = 0;
+};
+TraceSummary summarize(const std::vector<uint64_t>& tr, int ctas, int traceTiles) {
+  TraceSummary s;
+  double mainSum = 0, epiSum = 0;
+  long long mainN = 0, epiN = 0, tiles = 0;
+  uint64_t t0 = ~0ull, t1 = 0;
+  for (int b = 0; b < ctas * 2; ++b) {
+    const uint64_t* blk = tr.data() + static_cast<size_t>(b) * (traceTiles + 1) * 4;
+    if (blk[0] == 0) continue;  // not a compute CTA
+    t0 = std::min(t0, blk[0]);
+    uint64_t prevExit = 0;
+    for (int j = 0; j < traceTiles; ++j) {
+      const uint64_t* f = blk + (1 + j) * 4;
+      if (f[0] == 0 || f[2] < f[0]) break;
+      ++tiles;
+      epiSum += double(f[2] - f[0]);
+      ++epiN;
+      if (prevExit != 0) {
+        mainSum += double(f[0] - prevExit);
+        ++mainN;
+      }
+      prevExit = f[2];
+      t1 = std::max(t1, f[2]);
+    }
+  }
+  int wgs = 0;
+  for (int b = 0; b < ctas * 2; ++b) wgs += tr[static_cast<size_t>(b) * (traceTiles + 1) * 4] != 0;
+  s.mainloopUs = mainN ? mainSum / mainN * 1e-3 : 0;
+  s.epilogueUs = epiN ? epiSum / epiN * 1e-3 : 0;
+  s.tilesPerWg = wgs ? double(tiles) / wgs : 0;
+  s.spanUs = t1 > t0 ? double(t1 - t0) * 1e-3 : 0;
+  return s;
+}
 
 double median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -69,6 +141,7 @@ double median(std::vector<float> v) {
 
 int main(int argc, char** argv) {
   int iters = 30, warmup = 5;
+  bool traceOn = true;
   std::string jsonPath;
   std::vector<Shape> shapes;
   for (int i = 1; i < argc; ++i) {
@@ -76,6 +149,7 @@ int main(int argc, char** argv) {
     if (a == "--iters" && i + 1 < argc) iters = std::max(3, std::atoi(argv[++i]));
     else if (a == "--warmup" && i + 1 < argc) warmup = std::max(0, std::atoi(argv[++i]));
     else if (a == "--json" && i + 1 < argc) jsonPath = argv[++i];
+    else if (a == "--no-trace") traceOn = false;
     else if (a == "--shape" && i + 1 < argc) {
       long long m = 0, n = 0, k = 0;
       if (std::sscanf(argv[++i], "%lldx%lldx%lld", &m, &n, &k) != 3 || m <= 0 || n <= 0 || k <= 0 || n % 8 || k % 8) {
@@ -84,7 +158,8 @@ int main(int argc, char** argv) {
       }
       shapes.push_back({m, n, k});
     } else {
-      std::fprintf(stderr, "usage: %s [--iters N] [--warmup N] [--json FILE] [--shape MxNxK]...\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--iters N] [--warmup N] [--json FILE] [--no-trace] [--shape MxNxK]...\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -128,6 +203,13 @@ int main(int argc, char** argv) {
     }
     CK(cudaMalloc(&out, mn * 2));
     CK(cudaMalloc(&ref, mn * 4));
+    void* coreOut = nullptr;  // the GEMM core's output, which every tandem candidate must match bitwise
+    CK(cudaMalloc(&coreOut, mn * 2));
+    // Trace buffer: 2 warpgroups per CTA, up to traceTiles tiles each (more tiles than that go unrecorded).
+    const int traceTiles = 64;
+    const size_t traceWords = size_t(prop.multiProcessorCount) * 2 * (traceTiles + 1) * 4;
+    uint64_t* traceBuf = nullptr;
+    if (traceOn) CK(cudaMalloc(&traceBuf, traceWords * 8));
     // The fused kernels' workspace (flags zeroed once and never reset, so every launch takes a fresh epoch); one rank
     // stages nothing in it.
     const size_t wsBytes = gemmRsWorkspaceBytes(sh.m, sh.n, 1);
@@ -140,7 +222,7 @@ int main(int argc, char** argv) {
     CK(cudaGetLastError());
     LtGemm ltGemm(lt, sh.m, sh.n, sh.k, ltWs, ltWsBytes);
 
-    const auto rsParams = [&](int set, const GemmRsPlan& plan) {
+    const auto rsParams = [&](int set, const GemmRsPlan& plan, GemmRsEpilogue epi, uint64_t* trace) {
       GemmRsParams p{};
       p.rank = 0;
       p.nranks = 1;
@@ -162,10 +244,14 @@ int main(int argc, char** argv) {
       p.errorSlot = slotDev;
       p.timeoutNs = 10'000'000'000ull;
       p.plan = plan;
+      p.epilogue = epi;
+      p.trace = trace;
+      p.traceTiles = trace ? traceTiles : 0;
       return p;
     };
     std::vector<Cand> cands;
     cands.push_back({"cuBLASLt", [&](int set, cudaStream_t st) { ltGemm.run(a[set], b[set], out, st); }, "cuBLASLt"});
+    cands.back().tandem = false;
     cands.push_back({"GEMM core alone", [&](int set, cudaStream_t st) {
                        GemmParams g{};
                        g.a = a[set];
@@ -180,26 +266,34 @@ int main(int argc, char** argv) {
                        g.dtype = GemmDtype::kBf16;
                        launchGemm(g, st);
                      }});
-    const auto addRs = [&](const std::string& name, GemmRsPlan plan, bool allReduce) {
+    const auto addRs = [&](const std::string& name, GemmRsPlan plan, bool allReduce, GemmRsEpilogue epi) {
       cands.push_back({name, nullptr});
       Cand& c = cands.back();
-      c.run = [&, plan, allReduce, idx = cands.size() - 1](int set, cudaStream_t st) {
-        const GemmRsParams p = rsParams(set, plan);
+      c.fused = plan.kind == GemmRsPlanKind::kFused;
+      c.run = [&, plan, allReduce, epi, idx = cands.size() - 1](int set, cudaStream_t st) {
+        const GemmRsParams p = rsParams(set, plan, epi, cands[idx].trace);
         const GemmRsPlan ran = allReduce ? launchGemmAr(p, st) : launchGemmRs(p, st);
         cands[idx].ran = gemmRsPlanName(ran, allReduce);
       };
     };
-    addRs("gemm-rs auto (one rank)", GemmRsPlan{}, false);
-    addRs("gemm-rs forced fused copy", fusedPlan(GemmRsTransport::kCopy, 0), false);
-    addRs("gemm-ar forced fused copy", fusedPlan(GemmRsTransport::kCopy, 0), true);
-    addRs("gemm-rs forced fused send8", fusedPlan(GemmRsTransport::kSend, 8), false);
+    const GemmRsPlan copy = fusedPlan(GemmRsTransport::kCopy, 0);
+    addRs("gemm-rs auto (one rank)", GemmRsPlan{}, false, GemmRsEpilogue::kDefault);
+    addRs("gemm-rs fused copy", copy, false, GemmRsEpilogue::kDefault);
+    addRs("gemm-rs fused copy generic", copy, false, GemmRsEpilogue::kGeneric);
+    addRs("gemm-rs fused copy legacy", copy, false, GemmRsEpilogue::kLegacy);
+    addRs("gemm-ar fused copy", copy, true, GemmRsEpilogue::kDefault);
+    addRs("gemm-ar fused copy generic", copy, true, GemmRsEpilogue::kGeneric);
+    addRs("gemm-ar fused copy legacy", copy, true, GemmRsEpilogue::kLegacy);
+    addRs("gemm-rs fused send8", fusedPlan(GemmRsTransport::kSend, 8), false, GemmRsEpilogue::kDefault);
 
     // Correctness first (set 0 against the reference), then the timing.
     double* sums = nullptr;
     unsigned long long* bad = nullptr;
     CK(cudaMalloc(&sums, 2 * sizeof(double)));
     CK(cudaMalloc(&bad, sizeof(unsigned long long)));
-    for (Cand& c : cands) {
+    bool haveCore = false;
+    for (size_t ci = 0; ci < cands.size(); ++ci) {
+      Cand& c = cands[ci];
       CK(cudaMemsetAsync(out, 0xff, mn * 2, s));  // NaN poison: a tile the kernel skips shows up
       try {
         c.run(0, s);
@@ -228,6 +322,23 @@ int main(int argc, char** argv) {
                     c.name.c_str(), c.relErr, c.bad);
         failed = true;
       }
+      if (ci == 1) {  // the GEMM core: every later tandem candidate must reproduce it bit for bit
+        CK(cudaMemcpyAsync(coreOut, out, mn * 2, cudaMemcpyDeviceToDevice, s));
+        haveCore = true;
+      } else if (c.tandem && haveCore) {
+        CK(cudaMemsetAsync(bad, 0, sizeof(unsigned long long), s));
+        countDiffKernel<<<1024, 256, 0, s>>>(static_cast<const uint16_t*>(out), static_cast<const uint16_t*>(coreOut),
+                                             sh.m, sh.n, sh.n, bad);
+        CK(cudaGetLastError());
+        unsigned long long d = 0;
+        CK(cudaMemcpy(&d, bad, sizeof d, cudaMemcpyDeviceToHost));
+        c.diffWords = static_cast<long long>(d);
+        if (d != 0) {
+          std::printf("FAIL: %dx%dx%d %s: %llu of %zu output words differ from the GEMM core's\n", int(sh.m),
+                      int(sh.n), int(sh.k), c.name.c_str(), d, mn);
+          failed = true;
+        }
+      }
     }
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
@@ -235,30 +346,63 @@ int main(int argc, char** argv) {
     for (int it = -warmup; it < iters; ++it) {
       for (Cand& c : cands) {
         if (!c.run) continue;
-        CK(cudaEventRecord(e0, s));
-        c.run((it + 2) & 1, s);
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (it >= 0) c.ms.push_back(ms);
+        for (int mode = 0; mode < 2; ++mode) {  // 0: events around the host call; 1: host call behind a spin kernel
+          if (mode == 1) spinKernel<<<1, 1, 0, s>>>(200'000);
+          CK(cudaEventRecord(e0, s));
+          c.run((it + 2) & 1, s);
+          CK(cudaEventRecord(e1, s));
+          CK(cudaEventSynchronize(e1));
+          float ms = 0;
+          CK(cudaEventElapsedTime(&ms, e0, e1));
+          if (it >= 0) (mode == 0 ? c.ms : c.gpuMs).push_back(ms);
+        }
       }
     }
     const double core = median(cands[1].ms), blas = median(cands[0].ms);
+    const double coreGpu = median(cands[1].gpuMs), blasGpu = median(cands[0].gpuMs);
     std::printf("\n%lldx%lldx%lld (M x N x K)\n", (long long)sh.m, (long long)sh.n, (long long)sh.k);
-    std::printf("  %-28s %10s %8s %8s %9s  %s\n", "candidate", "us", "/core", "/cuBLAS", "TFLOP/s", "plan run");
+    std::printf("  %-28s %10s %8s %10s %8s %8s %9s  %s\n", "candidate", "us", "/core", "gpu us", "/core", "/cuBLAS",
+                "TFLOP/s", "plan run");
     for (Cand& c : cands) {
       if (c.ms.empty()) continue;
-      const double med = median(c.ms);
-      const double tflops = 2.0 * sh.m * sh.n * sh.k / (med * 1e-3) / 1e12;
-      std::printf("  %-28s %10.1f %8.3f %8.3f %9.1f  %s (rel err %.2g)\n", c.name.c_str(), med * 1e3, med / core,
-                  med / blas, tflops, c.ran.c_str(), c.relErr);
+      const double med = median(c.ms), gpu = median(c.gpuMs);
+      const double tflops = 2.0 * sh.m * sh.n * sh.k / (gpu * 1e-3) / 1e12;
+      const std::string bits = c.diffWords < 0 ? "" : c.diffWords == 0 ? ", == core bitwise" : ", DIFFERS from core";
+      std::printf("  %-28s %10.1f %8.3f %10.1f %8.3f %8.3f %9.1f  %s (rel err %.2g%s)\n", c.name.c_str(), med * 1e3,
+                  med / core, gpu * 1e3, gpu / coreGpu, gpu / blasGpu, tflops, c.ran.c_str(), c.relErr, bits.c_str());
       if (json) {
         std::fprintf(json,
                      "{\"m\": %lld, \"n\": %lld, \"k\": %lld, \"candidate\": \"%s\", \"plan\": \"%s\", \"us\": %.2f, "
-                     "\"vs_core\": %.4f, \"vs_cublaslt\": %.4f, \"rel_err\": %.3g}\n",
+                     "\"vs_core\": %.4f, \"vs_cublaslt\": %.4f, \"gpu_us\": %.2f, \"gpu_vs_core\": %.4f, "
+                     "\"gpu_vs_cublaslt\": %.4f, \"rel_err\": %.3g, \"diff_words_vs_core\": %lld}\n",
                      (long long)sh.m, (long long)sh.n, (long long)sh.k, c.name.c_str(), c.ran.c_str(), med * 1e3,
-                     med / core, med / blas, c.relErr);
+                     med / core, med / blas, gpu * 1e3, gpu / coreGpu, gpu / blasGpu, c.relErr, c.diffWords);
+      }
+    }
+    if (traceOn) {
+      // One traced launch per fused candidate (the trace's stores and timer reads cost a little; not timed above).
+      std::printf("  per-tile trace (%%globaltimer; core alone: %.1f us per tile at the same tiles per CTA)\n",
+                  coreGpu * 1e3 / std::max(1.0, double((sh.m + 127) / 128 * ((sh.n + 255) / 256)) /
+                                                     prop.multiProcessorCount));
+      for (Cand& c : cands) {
+        if (!c.fused || !c.run) continue;
+        CK(cudaMemsetAsync(traceBuf, 0, traceWords * 8, s));
+        c.trace = traceBuf;
+        c.run(0, s);
+        c.trace = nullptr;
+        CK(cudaStreamSynchronize(s));
+        std::vector<uint64_t> tr(traceWords);
+        CK(cudaMemcpy(tr.data(), traceBuf, traceWords * 8, cudaMemcpyDeviceToHost));
+        const TraceSummary t = summarize(tr, prop.multiProcessorCount, traceTiles);
+        std::printf("  %-28s mainloop %7.2f us  epilogue %6.2f us  tiles/wg %5.2f  span %8.1f us\n", c.name.c_str(),
+                    t.mainloopUs, t.epilogueUs, t.tilesPerWg, t.spanUs);
+        if (json) {
+          std::fprintf(json,
+                       "{\"m\": %lld, \"n\": %lld, \"k\": %lld, \"candidate\": \"%s\", \"trace_mainloop_us\": %.3f, "
+                       "\"trace_epilogue_us\": %.3f, \"trace_tiles_per_wg\": %.2f, \"trace_span_us\": %.1f}\n",
+                       (long long)sh.m, (long long)sh.n, (long long)sh.k, c.name.c_str(), t.mainloopUs, t.epilogueUs,
+                       t.tilesPerWg, t.spanUs);
+        }
       }
     }
     CK(cudaEventDestroy(e0));
@@ -272,8 +416,11 @@ int main(int argc, char** argv) {
     CK(cudaFree(out));
     CK(cudaFree(ref));
     CK(cudaFree(ws));
+    CK(cudaFree(coreOut));
+    if (traceBuf) CK(cudaFree(traceBuf));
   }
   if (json) std::fclose(json);
-  std::printf("\n%s\n", failed ? "FAIL: see above" : "PASS: every candidate matched the reference");
+  std::printf("\n%s\n", failed ? "FAIL: see above"
+                               : "PASS: every candidate matched the reference, every tandem one the GEMM core bitwise");
   return failed ? 1 : 0;
 }

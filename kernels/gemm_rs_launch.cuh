@@ -25,10 +25,12 @@ using FusedFn = void (*)(FusedKernelParams);
 static_assert(kBlockM == kGemmRsTileM && kBlockN == kGemmRsTileN, "gemm_rs.hpp's public tile size is the core's");
 
 // The kernels one .cu instantiates: fused[dtype][partial] (dtype 0 bf16 / 1 fp16; partial 0 fp32 / 1 input dtype),
-// reduce[dtype] (decomposed plan).
+// reduce[dtype] (decomposed plan), and fusedLegacy (bf16, bf16 partials, compiled as before the uniform-branch fix:
+// GemmRsEpilogue::kLegacy, for benchmarks).
 struct KernelTable {
   FusedFn fused[2][2];
   FusedFn reduce[2];
+  FusedFn fusedLegacy;
 };
 
 [[noreturn]] inline void fail(const char* op, const std::string& msg) {
@@ -161,6 +163,16 @@ inline void validate(const char* op, const GemmRsParams& p, bool allReduce) {
     if (q != p.rank && p.nranks > 1 && p.peerOut[q] == nullptr) fail(op, "peerOut of rank " + str(q) + " is null");
   }
   if (p.epoch == 0 || p.epoch == kAbortValue) fail(op, "epoch must be in [1, 2^64 - 2]");
+  const auto knob = static_cast<int32_t>(p.epilogue);
+  if (knob < 0 || knob > static_cast<int32_t>(GemmRsEpilogue::kLegacy)) {
+    fail(op, "epilogue must be a GemmRsEpilogue (0 default, 1 generic, 2 legacy), got " + str(knob) +
+                 "; leave it 0 outside benchmarks");
+  }
+  if (p.epilogue == GemmRsEpilogue::kLegacy && (p.dtype != GemmDtype::kBf16 || p.plan.kind != GemmRsPlanKind::kFused ||
+                                                p.plan.partial != GemmRsPartial::kInput)) {
+    fail(op, "epilogue kLegacy exists only for bf16 with a fused plan and bf16 partials (plan.partial kInput); "
+             "use kDefault or kGeneric");
+  }
   (void)allReduce;
 }
 
@@ -290,6 +302,11 @@ inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, cons
   kp.trace = decomposed ? nullptr : p.trace;
   kp.traceTiles = p.traceTiles;
   kp.finViaCopier = (!decomposed && allReduce && !kp.oneShot && plan.transport == GemmRsTransport::kCopy) ? 1 : 0;
+  // One rank adds nothing to its own tiles: they leave through the GEMM core's TMA-store epilogue (rows of the tile are
+  // rows of this rank's output, which at one rank is the whole [m, n] output of either op), unless the test knob asks
+  // for the generic path.
+  kp.ownTma = (!decomposed && p.nranks == 1 && kp.epiReduce && p.epilogue == GemmRsEpilogue::kDefault) ? 1 : 0;
+  if (kp.ownTma) kp.g.tmC = encodeMap(op, p.out, p.m, p.n, p.ldOut, gemm::kRowsPerConsumer, p.dtype);
   return kp;
 }
 
@@ -326,7 +343,8 @@ inline void launchPlan(const char* op, const KernelTable& kt, const GemmRsParams
     return;
   }
   const FusedKernelParams kp = buildParams(op, p, plan, allReduce);
-  const FusedFn fn = kt.fused[dt][plan.partial == GemmRsPartial::kFp32 ? 0 : 1];
+  const FusedFn fn = p.epilogue == GemmRsEpilogue::kLegacy ? kt.fusedLegacy
+                                                           : kt.fused[dt][plan.partial == GemmRsPartial::kFp32 ? 0 : 1];
   prepareFused(op, fn);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(plan.numReduce + plan.numSend + plan.numCompute), 1, 1);
@@ -357,6 +375,7 @@ inline GemmRsPlan plainGemmPlan() {
 
 // Loads every kernel of a family now (tandem/kernels/preload.hpp says why).
 inline void preloadTable(int device, const KernelTable& kt, const char* op) {
+  // Not fusedLegacy: only benchmarks run it, after a first (checked) launch.
   const FusedFn fns[] = {kt.fused[0][0], kt.fused[0][1], kt.fused[1][0], kt.fused[1][1], kt.reduce[0], kt.reduce[1]};
   preloadOn(device, fns, op);
 }

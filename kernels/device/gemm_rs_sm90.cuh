@@ -58,6 +58,7 @@ struct FusedKernelParams {
   uint64_t* trace;     // profiling, see GemmRsParams::trace (null = off)
   int32_t traceTiles;
   int32_t finViaCopier;  // all-reduce, transport kCopy: consumers write the local output only, copiers broadcast
+  int32_t ownTma;        // own tiles have nothing to add (one rank): TMA-store them through g.tmC (the output's map)
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -294,10 +295,13 @@ struct PhaseOrder {
 //   the local inbox / outbox); then the half tile's flag is released.
 // - reduced here (epiReduce): waits for the other ranks' partials of the half tile, then per 64 x 32 fp32 chunk sums
 //   all partials in rank order (its own straight from the accumulators) and stores the output.
+// - reduced here with nothing to add (one rank): the GEMM core's TMA-store epilogue (storeOwnTma).
 // Releases are deferred to the next tile's epilogue when the stores went over NVLink (deferRelease): by then they
 // have long completed and the system-scope fence is cheap.
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, class P>
+// Legacy: the kernel as it was compiled before the epilogue's own-or-sent branch was made provably warp-uniform
+// (GemmRsEpilogue::kLegacy, kept to time the difference; no TMA-store path).
+template <class T, class P, bool Legacy = false>
 struct RsEpilogue {
   const FusedKernelParams* kp;
   uint64_t startNs;
@@ -305,15 +309,23 @@ struct RsEpilogue {
   uint32_t seq;      // half tiles this warpgroup has finished
   int32_t pendKind;  // 0 none, 1 partial flag (pendRed, pendHt), 2 output flags (pendRow0, pendHt)
   int32_t pendRed, pendHt, pendRow0;
+  uint32_t tmaChunks;  // TMA-store chunks this warpgroup committed (thread 0 tracks the bulk groups)
+  bool tmaReading;     // a committed TMA store may still read cbuf
+  bool cbufGeneric;    // the last tile's epilogue read cbuf with ld.shared (other threads may still be at it)
 
   __device__ __forceinline__ RsEpilogue(const FusedKernelParams* p, uint64_t start, uint32_t* doneCounters)
-      : kp(p), startNs(start), done(doneCounters), seq(0), pendKind(0), pendRed(0), pendHt(0), pendRow0(0) {}
+      : kp(p), startNs(start), done(doneCounters), seq(0), pendKind(0), pendRed(0), pendHt(0), pendRow0(0),
+        tmaChunks(0), tmaReading(false), cbufGeneric(false) {}
 
   // Profiling: field f of this warpgroup's tile `seq` (thread 0 only).
   __device__ __forceinline__ void trace(int wg, int f, uint64_t v) const {
     if (kp->trace == nullptr || static_cast<int32_t>(seq) >= kp->traceTiles) return;
     const int64_t block = (static_cast<int64_t>(blockIdx.x) * 2 + wg) * (kp->traceTiles + 1);
     kp->trace[(block + 1 + seq) * 4 + f] = v;
+  }
+  // The same with the time now, read only when tracing (%globaltimer is not free).
+  __device__ __forceinline__ void traceNow(int wg, int f) const {
+    if (kp->trace != nullptr) trace(wg, f, globaltimerNs());
   }
 
   static __device__ __forceinline__ gemm::Barrier barrierOf(int wg) {
@@ -399,7 +411,11 @@ struct RsEpilogue {
     if (t < kp->nranks && t != me) waitGeq(srcFlag(*kp, t, ht), kp->epoch, ctx, static_cast<uint32_t>(ht));
     // acquire by thread s (above), then this barrier: the partials of the half tile are visible to the warpgroup.
     gemm::namedBarSync(barrierOf(wg), 128);
-    if (t == 0) trace(wg, 1, globaltimerNs());
+    if constexpr (Legacy) {
+      if (t == 0) trace(wg, 1, globaltimerNs());
+    } else {
+      if (t == 0) traceNow(wg, 1);
+    }
     const FinalWriter<T> out(*kp, row0);
     if (kp->nranks == 2) {
       // Two ranks: own + peer is one commutative add, so the peer's values are loaded kAhead chunks ahead of use
@@ -468,15 +484,88 @@ struct RsEpilogue {
     }
   }
 
+  // An own half tile with nothing to add (one rank) that lies wholly inside N: the GEMM core's TMA-store epilogue. The
+  // accumulators go into smem as T, in 64 x 64 chunks swizzled as the output's tensor map (g.tmC) expects; one thread
+  // stores each chunk by TMA (rows past M are clipped) and the warpgroup goes on to the next mainloop without waiting
+  // for the global writes. A chunk buffer is written again once the store issued from it two chunks earlier has read
+  // it. Costs no smem round trip in fp32, no per-element address math and little code (the generic path's unrolled
+  // code misses the instruction cache). No early exit at the N edge on purpose: a data-dependent break out of this
+  // loop made ptxas treat the tile loop as divergent again (see `mode` in tile()); edge tiles take the generic path.
+  __device__ __forceinline__ void storeOwnTma(const float (&acc)[128], int32_t row0, int32_t n0, int wg, int t,
+                                              uint16_t (&cbuf)[2][64 * 64]) {
+    const int lane = t % 32;
+    const int r = (t / 32) * 16 + lane / 4;  // accumulator rows r and r + 8 (same swizzle phase r & 7)
+    const uint32_t rowOff0 = static_cast<uint32_t>(r) * 128;
+    const uint32_t rowOff1 = static_cast<uint32_t>(r + 8) * 128;
+    const uint32_t phase = static_cast<uint32_t>(r & 7);
+    if (cbufGeneric) {
+      gemm::namedBarSync(barrierOf(wg), 128);  // every thread's ld.shared of the last tile precede our st.shared
+      cbufGeneric = false;
+    }
+#pragma unroll
+    for (int c = 0; c < kBlockN / gemm::kEpiCols; ++c) {
+      const uint32_t buf = tmaChunks & 1;
+      if (tmaChunks >= 2) {
+        if (t == 0) gemm::bulkWaitRead<1>();  // the store issued from this buffer two chunks ago has read it
+        gemm::namedBarSync(barrierOf(wg), 128);
+      }
+      const uint32_t base = gemm::smemAddr(cbuf[buf]);
+#pragma unroll
+      for (int jj = 0; jj < gemm::kEpiCols / 8; ++jj) {
+        const int j = c * (gemm::kEpiCols / 8) + jj;
+        // 128B swizzle: 16-byte unit index XOR (row & 7), as the TMA store map expects.
+        const uint32_t col = ((static_cast<uint32_t>(jj) ^ phase) << 4) + static_cast<uint32_t>(lane & 3) * 4;
+        gemm::stShared32(base + rowOff0 + col, gemm::packPair<T>(acc[4 * j + 0], acc[4 * j + 1]));
+        gemm::stShared32(base + rowOff1 + col, gemm::packPair<T>(acc[4 * j + 2], acc[4 * j + 3]));
+      }
+      gemm::fenceProxyAsyncShared();           // our st.shared -> visible to the TMA engine
+      gemm::namedBarSync(barrierOf(wg), 128);  // the whole 64 x 64 chunk is in smem
+      if (t == 0) {
+        gemm::tmaStore2d(&kp->g.tmC, base, n0 + c * gemm::kEpiCols, row0);
+        gemm::bulkCommit();
+      }
+      ++tmaChunks;
+    }
+    tmaReading = true;
+  }
+  // Before the generic paths write cbuf with st.shared: no TMA store may still be reading it.
+  __device__ __forceinline__ void cbufForGeneric(int wg, int t) {
+    if (tmaReading) {
+      if (t == 0) gemm::bulkWaitRead<0>();
+      gemm::namedBarSync(barrierOf(wg), 128);
+      tmaReading = false;
+    }
+    cbufGeneric = true;
+  }
+
   __device__ __forceinline__ void tile(float (&acc)[128], int32_t row0, int32_t n0, int wg, int t,
                                        uint16_t (&cbuf)[2][64 * 64]) {
-    if (t == 0) trace(wg, 0, globaltimerNs());
+    if constexpr (Legacy) {
+      if (t == 0) trace(wg, 0, globaltimerNs());
+    } else {
+      if (t == 0) traceNow(wg, 0);
+    }
     release(wg, t);  // the previous tile's deferred flag (its stores have long completed)
     const int32_t tr = row0 / kBlockM;
     const int32_t ht = (row0 / kHalfRows) * kp->tilesN + n0 / kBlockN;
     const int32_t red = kp->oneShot ? kp->rank : reducerOf(*kp, tr);
-    const bool own = kp->epiReduce && !kp->oneShot && red == kp->rank;
-    if (own) {
+    // Which epilogue (0 push a partial, 1 reduce the own rows, 2 TMA-store the own rows): warp-uniform in fact, but
+    // ptxas cannot prove it (the reducer comes from a dynamically indexed parameter array, n0 from the phase table).
+    // Branching on it as-is made ptxas treat the whole tile loop as divergent, and the mainloop then lost the uniform
+    // datapath (wgmma descriptors built in vector registers and moved over with R2UR, a WARPSYNC before every
+    // warpgroup.arrive; ncu: 1.66x the core's instructions). Broadcast from lane 0, it is provably uniform.
+    const bool ownHere = kp->epiReduce && !kp->oneShot && red == kp->rank;
+    int mode = ownHere ? 1 : 0;
+    if constexpr (!Legacy) {
+      if (ownHere && kp->ownTma && n0 + kBlockN <= kp->g.n) mode = 2;
+      mode = __shfl_sync(0xffffffffu, mode, 0);
+    }
+    const bool own = mode != 0;
+    if (mode == 2) {
+      storeOwnTma(acc, row0, n0, wg, t, cbuf);
+      if (t == 0) traceNow(wg, 1);
+    } else if (own) {
+      if constexpr (!Legacy) cbufForGeneric(wg, t);
       reduceOwn(acc, row0, n0, ht, wg, t, cbuf);
       if (needFin(*kp, row0) && !kp->finViaCopier) {
         pendKind = 2;
@@ -484,6 +573,7 @@ struct RsEpilogue {
         pendHt = ht;
       }
     } else {
+      if constexpr (!Legacy) cbufForGeneric(wg, t);
       pushPartial(acc, row0, n0, red, wg, t, cbuf);
       if (!isCopy(*kp)) {
         pendKind = 1;
@@ -499,12 +589,19 @@ struct RsEpilogue {
       if (t == 0) stReleaseCtaSharedU32(done + wg, seq + 1);
     }
     if (t == 0) {
-      trace(wg, 2, globaltimerNs());
+      if constexpr (Legacy) {
+        trace(wg, 2, globaltimerNs());
+      } else {
+        traceNow(wg, 2);
+      }
       trace(wg, 3, own ? 1 : 0);
     }
     ++seq;
   }
-  __device__ __forceinline__ void finish(int wg, int t) { release(wg, t); }
+  __device__ __forceinline__ void finish(int wg, int t) {
+    release(wg, t);
+    if (tmaChunks > 0 && t == 0) gemm::bulkWait<0>();  // smem must outlive the last stores' reads
+  }
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -771,7 +868,7 @@ inline constexpr size_t kExtraSmem = 64;
 
 // A compute CTA: the GEMM core's pieces (barriers, TMA producer, wgmma consumers with the RsEpilogue hook), plus the
 // copier warps in the producer warpgroup (transport kCopy) and the final waits in the consumer warpgroups.
-template <class T, class P>
+template <class T, class P, bool Legacy>
 __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8_t* smemRaw, int32_t cid,
                                               uint64_t startNs) {
   using namespace gemm;
@@ -785,6 +882,7 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
     initBarriers<kStages, 1>(s);
     prefetchTensorMap(&kp.g.tmA);
     prefetchTensorMap(&kp.g.tmB);
+    if (!Legacy && kp.ownTma) prefetchTensorMap(&kp.g.tmC);
     done[0] = 0;
     done[1] = 0;
   }
@@ -805,7 +903,7 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
         kp.trace[(static_cast<int64_t>(blockIdx.x) * 2 + (wg - 1)) * (kp.traceTiles + 1) * 4] = startNs;
       }
       runConsumer<T, kStages, 1, Epilogue::kCustom>(kp.g, s, order, cid, kp.numCompute, 0u, wg - 1, t,
-                                                    RsEpilogue<T, P>(&kp, startNs, done));
+                                                    RsEpilogue<T, P, Legacy>(&kp, startNs, done));
       const int32_t cta = static_cast<int32_t>(blockIdx.x);
       runFinalWaits(kp, startNs, cta * (kThreads - 128) + static_cast<int32_t>(threadIdx.x) - 128,
                     static_cast<int32_t>(gridDim.x) * (kThreads - 128));
@@ -817,14 +915,14 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
 // ---------------------------------------------------------------------------------------------------------------
 // The fused kernel's body: role from the role table; every role ends with its share of the final waits.
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, class P>
+template <class T, class P, bool Legacy = false>
 __device__ __forceinline__ void runFusedCta(const FusedKernelParams& kp, uint8_t* smemRaw) {
   const uint64_t startNs = globaltimerNs();
   const GemmRsRoleLayout roles{kp.numReduce, kp.numSend, kp.numCompute};
   const int32_t cta = static_cast<int32_t>(blockIdx.x);
   const Role role = roles.roleOf(cta);
   if (role == Role::kCompute) {
-    runComputeCta<T, P>(kp, smemRaw, roles.indexInRole(cta), startNs);
+    runComputeCta<T, P, Legacy>(kp, smemRaw, roles.indexInRole(cta), startNs);
     return;
   }
   if (role == Role::kReduce) {

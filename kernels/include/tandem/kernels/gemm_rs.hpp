@@ -128,6 +128,15 @@ constexpr bool gemmRsWritesPeerOutputs(int64_t m, int nranks, bool allReduce) {
 // must keep such ops in step across ranks by other means (e.g. start op e only once every rank finished op e - 1).
 constexpr bool gemmRsRanksInStep(int64_t m, int nranks, bool allReduce) { return allReduce || m >= nranks; }
 
+// Test knob of the fused kernels (GemmRsParams::epilogue): which own-tile epilogue they run, so that one benchmark run
+// can time the variants side by side (bench/gemm_rs_one_rank_bench.cu). Everything but benchmarks leaves it kDefault.
+enum class GemmRsEpilogue : int32_t {
+  kDefault = 0,  // own tiles with nothing to add (one rank) leave through the GEMM core's TMA-store epilogue
+  kGeneric = 1,  // own tiles always take the reducing path (fp32 smem round trip, then 8-byte stores from registers)
+  kLegacy = 2,   // kGeneric in the kernel as compiled before its epilogue branch was made provably warp-uniform (the
+                 // mainloop then lost the uniform datapath); bf16 with bf16 partials only
+};
+
 // ---- parameters (POD; zero-initialise and fill). Shared with launchGemmAr (gemm_ar.hpp).
 struct GemmRsParams {
   int32_t rank, nranks;
@@ -155,6 +164,7 @@ struct GemmRsParams {
   // Workspace layout: 0 = sized for wsMaxM x wsMaxN (gemmRsWorkspaceBytes); > 0 = the fixed layout of
   // gemmRsFixedWorkspaceBytes(wsMatBytes, nranks), wsMaxM and wsMaxN unused. The same on every rank.
   int64_t wsMatBytes;
+  GemmRsEpilogue epilogue;  // test knob (see GemmRsEpilogue); kDefault outside benchmarks
 };
 
 // The plan tandem runs for this shape (measured on nvidia-h200-x2, bench/gemm_rs_bench.cu, bench/RESULTS.md).
