@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# The Python package (python/) on one GPU (nvidia-h200), in one device call, under 200 s with the build:
+# The Python package (python/) on one GPU (nvidia-h200), in one device call, within 180 s including the build:
 #   1. a Release build of libtandem and tandemd only (build-gpu-py/, -j16);
 #   2. pip install --no-build-isolation --no-deps --target (no package index there; the GPU machines have PyTorch);
 #   3. a private tandemd on the cuda backend (executor client);
-#   4. tests/python/gpu_run.py at 1 rank (ops, torch.compile, CUDA graph capture + 100 replays, the registration
-#      cache under freed and reused segments) and at 2 ranks sharing the GPU under torchrun (ops, graph);
+#   4. tests/python/gpu_run.py at 1 rank: every op (GEMMs, allgather, MoE, ring attention with lse and both
+#      layouts) against float64 torch math, the registration cache, DLPack into CuPy, torch.compile, a CUDA graph
+#      replayed 100 times (each replay checked exactly); JAX through DLPack in a process of its own;
 #   5. the per-call overhead: python/bench/overhead.py against the same op through the C ABI (and pybind11's floor),
-#      with the hot path's C module (_tandem_fastcall, built by pip) and with ctypes alone.
+#      for this package and, as the same-call baseline, for the package before the overhead work (37addcf);
+#   6. gpu_run.py at 2 ranks sharing the GPU under torchrun (ops, attention, graph);
+#   7. the README's torchrun example as the README gives it: `pip install ./python` (offline form) into a venv with
+#      --system-site-packages (the machine's PyTorch), then torchrun --nproc-per-node 2 from that venv;
+#   8. if time is left: the overhead with ctypes alone (TANDEM_NO_FASTCALL=1).
 #   scripts/py-gpu-run.sh OUTDIR
-# OUTDIR gets machine.txt, configure.log, build.log, tandemd.log, one log per step and summary.txt (one line per step
-# with its exit code and seconds). Every step runs under `timeout`.
+# OUTDIR gets machine.txt, configure.log, build.log, pip.log, tandemd.log, one log per step and summary.txt (one line
+# per step with its exit code and seconds). Every step runs under `timeout`, and a step that would not fit in what
+# is left of the 180 s is skipped (said so in the summary).
 set -uo pipefail
 out=${1:?usage: $0 OUTDIR}
 mkdir -p "$out"
@@ -19,15 +25,19 @@ root=$(pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 build=build-gpu-py
 py=${PYTHON:-python3}
+budget=${PY_GPU_BUDGET_S:-178}
 t0=$(date +%s)
 summary="$out/summary.txt"
 : > "$summary"
 note() { echo "$*" | tee -a "$summary"; }
 elapsed() { echo $(($(date +%s) - t0)); }
+left() { echo $((budget - $(date +%s) + t0)); }
 
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv; git rev-parse HEAD
   "$py" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda",
-             torch.version.cuda)'; } > "$out/machine.txt" 2>&1
+             torch.version.cuda)'
+  for m in cupy jax numpy; do "$py" -c "import $m; print('$m', $m.__version__)" 2>&1 | tail -1; done; } \
+  > "$out/machine.txt" 2>&1
 
 # An existing build dir (the lead may link build-gpu-py to one shared Release build) keeps its own options.
 if [ -f "$build/CMakeCache.txt" ]; then
@@ -36,14 +46,14 @@ elif ! timeout 60 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DT
      -DTANDEM_BUILD_BENCH=OFF > "$out/configure.log" 2>&1; then
   note "configure FAILED ($(elapsed) s)"; tail -30 "$out/configure.log"; exit 1
 fi
-if ! timeout 150 cmake --build "$build" -j16 --target tandem tandemd > "$out/build.log" 2>&1; then
+if ! timeout 140 cmake --build "$build" -j16 --target tandem tandemd > "$out/build.log" 2>&1; then
   note "build FAILED or timed out ($(elapsed) s)"; grep -E "error|FAILED" -A4 "$out/build.log" | head -60; exit 1
 fi
 note "build ok ($(elapsed) s)"
 
 work=$(mktemp -d)
 site="$work/site"
-# The package is pure Python; --no-build-isolation uses the setuptools already installed (no index reachable).
+# The package's C module is built by pip; --no-build-isolation uses the setuptools already installed (no index).
 if timeout 60 "$py" -m pip install --no-build-isolation --no-deps --target "$site" ./python > "$out/pip.log" 2>&1; then
   note "pip install ok ($(elapsed) s)"
 else
@@ -59,7 +69,7 @@ fi
 export PYTHONPATH="$site:$root/tests/python${PYTHONPATH:+:$PYTHONPATH}"
 export TANDEM_LIBRARY="$root/$build/client/libtandem.so.0.2"
 "$py" -c 'import tandem; from tandem import _capi; print("tandem from", tandem.__file__, "library",
-           tandem.library_path, "fastcall", _capi.fastcall)' >> "$out/pip.log" 2>&1
+           tandem.library_path, "fastcall", _capi.fastcall, _capi.fastcall_out)' >> "$out/pip.log" 2>&1
 
 sock="$work/tandemd.sock"
 printf 'daemon:\n  backend: cuda\n  executor: client\n' > "$work/tandemd.yaml"
@@ -70,22 +80,59 @@ for _ in $(seq 1 300); do [ -S "$sock" ] && break; sleep 0.1; done
 export TANDEM_SOCKET="$sock"
 
 # step NAME LIMIT_S COMMAND...: output in NAME.log, exit code and seconds in the summary, PASS/FAIL lines shown.
+# Skipped when fewer than LIMIT_S seconds of the budget are left (the limit shrinks to what is left, down to 60%).
 step() {
   local name=$1 limit=$2; shift 2
-  local s=$(date +%s)
+  local l; l=$(left)
+  if [ "$l" -lt $((limit * 6 / 10)) ]; then note "$name SKIPPED: ${l} s of the budget left, it needs up to ${limit}"
+    return 0; fi
+  [ "$l" -lt "$limit" ] && limit=$l
+  local s; s=$(date +%s)
   timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   note "$name rc=$rc ($(($(date +%s) - s)) s, total $(elapsed) s)"
-  grep -E "PASS|FAIL|Error|error:| us" "$out/$name.log" | head -24
+  grep -E "PASS|FAIL|Error|error:| us|OK" "$out/$name.log" | cut -c1-600 | head -30
   return 0
 }
 
 # Most essential first. The graph section last in each run: a replay that goes wrong can leave the stream stuck,
 # and the step's timeout ends it.
-step gpu-1rank 45 "$py" tests/python/gpu_run.py ops cache compile graph
+step gpu-1rank 60 "$py" tests/python/gpu_run.py ops attention cache dlpack compile graph
+XLA_PYTHON_CLIENT_PREALLOCATE=false step jax-1rank 30 "$py" tests/python/gpu_run.py jax
 timeout 30 python/bench/build.sh "$root/$build/client/libtandem.so.0.2" "$work/bench" "$py" > "$out/bench-build.log" 2>&1
-export PYTHONPATH="$work/bench:$PYTHONPATH"
-step overhead 25 "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
-step gpu-2ranks 45 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 tests/python/gpu_run.py ops graph
-TANDEM_NO_FASTCALL=1 step overhead-ctypes-only 25 "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
+step overhead 25 env PYTHONPATH="$work/bench:$PYTHONPATH" "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
+# The same bench of the package as it was before the overhead work, in this call: the baseline of the numbers above.
+if git archive 37addcf python 2>/dev/null | tar -x -C "$work" --transform 's,^python,old,' 2>/dev/null; then
+  step overhead-before 25 env PYTHONPATH="$work/old:$work/bench:$site" "$py" "$work/old/bench/overhead.py" \
+    "$work/bench/overhead_baseline"
+else
+  note "overhead-before SKIPPED: no git history here to take the old package from"
+fi
+step gpu-2ranks 50 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 tests/python/gpu_run.py ops \
+  attention graph
+
+# The README's example, as a user would run it: a venv over the machine's PyTorch, `pip install ./python` (the
+# offline form the README gives), and torchrun from the repository root, with nothing of this script's environment.
+readme() {
+  local venv="$work/venv" pip
+  "$py" -m venv --system-site-packages "$venv" || "$py" -m venv --without-pip --system-site-packages "$venv" || return 1
+  if "$venv/bin/python" -m pip --version; then pip=("$venv/bin/python" -m pip)
+  else pip=("$py" -m pip --python "$venv/bin/python"); fi
+  echo "+ TANDEM_BUILD_DIR=$root/$build ${pip[*]} install --no-build-isolation ./python"
+  env -u PYTHONPATH -u TANDEM_LIBRARY TANDEM_BUILD_DIR="$root/$build" "${pip[@]}" install --no-build-isolation \
+    ./python || return 1
+  local run=("$venv/bin/python" -m torch.distributed.run)
+  [ -x "$venv/bin/torchrun" ] && run=("$venv/bin/torchrun")
+  echo "+ ${run[*]} --nproc-per-node 2 python/examples/torchrun_example.py"
+  env -u PYTHONPATH -u TANDEM_LIBRARY "${run[@]}" --nproc-per-node 2 python/examples/torchrun_example.py | tee "$work/readme.out"
+  local rc=${PIPESTATUS[0]} ok
+  ok=$(grep -c ": OK" "$work/readme.out")
+  echo "README example: exit $rc, $ok of 2 ranks printed OK"
+  [ "$rc" -eq 0 ] && [ "$ok" -eq 2 ]
+}
+export -f readme
+export work py root build
+step readme-torchrun 60 bash -c readme
+TANDEM_NO_FASTCALL=1 step overhead-ctypes-only 25 env PYTHONPATH="$work/bench:$PYTHONPATH" "$py" \
+  python/bench/overhead.py "$work/bench/overhead_baseline"
 note "done ($(elapsed) s)"

@@ -235,7 +235,7 @@ class Communicator:
         staged = None
         session = self.session
         for t, arg in zip(tensors, names):
-            if t is None:
+            if t is None or t.numel() == 0:  # (an empty tensor may have no memory at all: data_ptr 0)
                 slots += (0, 0)
                 continue
             ptr = t.data_ptr()
@@ -525,16 +525,28 @@ class Communicator:
                 m = out.shape[0]
             else:
                 return None
-        if self._rows(m) != rows:
+        if self._rows_cache.get(m) != rows and self._rows(m) != rows:
             return None
         if out is None:
             out = self._out((m, n), dtype)
         elif out.dtype is not dtype or out.shape != (m, n) or not out.is_contiguous():
             return None
         es = _ELSIZE[dtype]
-        ea, eb, ec = self._slot(a, rows * k * es), self._slot(b, n * k * es), self._slot(out, m * n * es)
-        if ea is None or eb is None or ec is None:
-            return None
+        hits = self._hits
+        pa, pb, pc = a.data_ptr(), b.data_ptr(), out.data_ptr()
+        ea, eb, ec = hits.get(pa), hits.get(pb), hits.get(pc)
+        if ea is None or ea[2] < rows * k * es:
+            ea = self._resolve_fast(pa, rows * k * es)
+            if ea is None:
+                return None
+        if eb is None or eb[2] < n * k * es:
+            eb = self._resolve_fast(pb, n * k * es)
+            if eb is None:
+                return None
+        if ec is None or ec[2] < m * n * es:
+            ec = self._resolve_fast(pc, m * n * es)
+            if ec is None:
+                return None
         eg = _NO_SLOT
         if a_gathered is not None:
             if a_gathered.dtype is not dtype or a_gathered.shape != (m, k) or not a_gathered.is_contiguous():

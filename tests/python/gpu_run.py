@@ -1,6 +1,7 @@
 """The Python package on the cuda backend (scripts/py-gpu-run.sh runs it, under torchrun for 2 ranks).
 
-usage: [torchrun --nproc-per-node N] python gpu_run.py SECTION...   SECTION: ops compile graph cache all
+usage: [torchrun --nproc-per-node N] python gpu_run.py SECTION...
+  SECTION: ops attention compile graph cache dlpack jax, or all
 Each section prints one "PASS <section>" or "FAIL <section>: <reason>" line (rank 0, or every rank that failed);
 the exit code is the number of failed sections. Needs tandemd (cuda backend) at $TANDEM_SOCKET.
 Ranks share the GPU given by LOCAL_RANK % device_count (2 ranks on one H200 share it).
@@ -12,6 +13,7 @@ import os
 import sys
 import time
 import traceback
+import zlib
 
 import torch
 
@@ -27,21 +29,103 @@ def say(msg: str) -> None:
 
 
 def section_ops(comm):
-    """Every op the cuda backend runs, bf16 and fp16, torch-allocator and tandem.empty tensors, with and without
-    out=; MoE and ring attention either run and match, or are refused with tandem.Unsupported."""
+    """Every op on the cuda backend, bf16 and fp16, torch-allocator and tandem.empty tensors, with and without out=,
+    against float64 torch math: the GEMM ops and allgather at the cpu tests' shapes, MoE and ring attention at shapes
+    the GPU kernels take (hidden, n_out, ffn multiples of 8; head_dim 64 and 128)."""
     gpu_checks = [opchecks.check_ag_gemm, opchecks.check_gemm_rs, opchecks.check_gemm_ar, opchecks.check_allgather]
     ran = opchecks.run_all(comm, dtypes=(torch.bfloat16, torch.float16), device=comm.device, checks=gpu_checks)
     comm.synchronize()
-    notes = [f"{ran} ops matched"]
-    place = opchecks.Placer("torch", comm.device)
-    for check in (opchecks.check_moe_dispatch_gemm, opchecks.check_moe_ffn, opchecks.check_ring_attention):
-        try:
-            check(comm, torch.bfloat16, place, False)
-            comm.synchronize()
-            notes.append(f"{check.__name__[6:]} matched")
-        except (tandem.Unsupported, tandem.InvalidArgument) as e:  # e.g. the GPU kernels' head_dim rules
-            notes.append(f"{check.__name__[6:]} refused: {type(e).__name__} ({str(e)[:160]})")
-    return "; ".join(notes)
+    moe = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for mem in ("torch", "tandem"):
+            place = opchecks.Placer(mem, comm.device)
+            for use_out in (False, True):
+                opchecks.check_moe_dispatch_gemm(comm, dtype, place, use_out, hidden=16, n_out=8)
+                opchecks.check_moe_ffn(comm, dtype, place, use_out, hidden=16, ffn=8, round_y=True)
+                moe += 2
+    comm.synchronize()
+    return f"{ran} GEMM / allgather ops and {moe} MoE ops matched"
+
+
+def section_attention(comm):
+    """ring_attention on the cuda backend: causal and not, both layouts, lse, head_dim 64 and 128, bf16 and fp16,
+    sequence lengths that differ per rank (and a rank with none at 2+ ranks), scale 0 and a custom one."""
+    n = comm.world_size
+    ran = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for hd in (64, 128):
+            for mem, use_out in (("torch", False), ("tandem", True)):
+                place = opchecks.Placer(mem, comm.device)
+                for causal in (False, True):
+                    for layout in ("contiguous", "zigzag"):
+                        opchecks.check_ring_attention(comm, dtype, place, use_out, causal=causal, layout=layout,
+                                                      lse=True, heads=2, hd=hd, seqs=[37 + 21 * q for q in range(n)])
+                        ran += 1
+            place = opchecks.Placer("torch", comm.device)
+            opchecks.check_ring_attention(comm, dtype, place, False, causal=True, scale=0.05, hd=hd,
+                                          seqs=[130 + 3 * q for q in range(n)])
+            ran += 1
+            if n > 1:
+                seqs = [0 if q == n - 1 else 9 + q for q in range(n)]
+                opchecks.check_ring_attention(comm, dtype, place, True, causal=True, layout="zigzag", lse=True,
+                                              hd=hd, seqs=seqs)
+                ran += 1
+    comm.synchronize()
+    return f"{ran} ring attention calls matched (out and lse)"
+
+
+def section_dlpack(comm):
+    """tandem.empty on the GPU seen by CuPy through DLPack, without a copy, both ways."""
+    import cupy
+    t = tandem.empty((64, 32), torch.float32, device=comm.device)
+    t.copy_(torch.arange(64 * 32, dtype=torch.float32, device=comm.device).view(64, 32))
+    torch.cuda.synchronize(comm.device)
+    c = cupy.from_dlpack(t)
+    if c.data.ptr != t.data_ptr() or c.shape != (64, 32) or c.dtype != cupy.float32:
+        raise AssertionError(f"cupy view {c.data.ptr:#x} {c.shape} {c.dtype} != tensor {t.data_ptr():#x}")
+    if float(c[3, 5]) != 3 * 32 + 5:
+        raise AssertionError(f"cupy read {float(c[3, 5])}")
+    c[7, 1] = -1.5  # written by CuPy, read by torch: the same memory
+    cupy.cuda.Device(comm.device.index).synchronize()
+    if float(t[7, 1]) != -1.5:
+        raise AssertionError("a CuPy write is not seen by the torch tensor")
+    buf = tandem.Buffer(tandem.Session.get(), 256, comm.device.index)  # a Buffer exports itself (uint8)
+    raw = cupy.from_dlpack(buf)
+    if raw.data.ptr != buf.ptr or raw.shape != (256,) or raw.dtype != cupy.uint8:
+        raise AssertionError("Buffer export")
+    bt = tandem.empty((8, 8), torch.bfloat16, device=comm.device)  # bf16: CuPy has no bfloat16; must refuse cleanly
+    try:
+        cupy.from_dlpack(bt)
+        bf16 = "bf16 accepted"
+    except Exception as e:  # noqa: BLE001
+        bf16 = f"bf16 refused by CuPy ({type(e).__name__})"
+    out = comm.gemm_ar(tandem.empty((16, 16), torch.bfloat16, device=comm.device).fill_(1),
+                       tandem.empty((8, 16), torch.bfloat16, device=comm.device).fill_(1))
+    comm.synchronize()
+    del c, raw
+    return f"cupy {cupy.__version__}: zero-copy both ways, Buffer export, {bf16}; gemm_ar after: {float(out[0, 0])}"
+
+
+def section_jax(comm):
+    """tandem.empty on the GPU seen by JAX through DLPack (JAX arrays are immutable: the values and the address)."""
+    import jax
+    import jax.numpy as jnp
+    devs = jax.devices()
+    t = tandem.empty((16, 8), torch.float32, device=comm.device)
+    t.copy_(torch.arange(128, dtype=torch.float32, device=comm.device).view(16, 8))
+    torch.cuda.synchronize(comm.device)
+    try:
+        j = jax.dlpack.from_dlpack(t)
+    except TypeError:  # older JAX takes the capsule
+        j = jax.dlpack.from_dlpack(t.__dlpack__())
+    same = j.unsafe_buffer_pointer() == t.data_ptr() if hasattr(j, "unsafe_buffer_pointer") else "unknown"
+    total = float(jnp.sum(j))
+    if total != sum(range(128)):
+        raise AssertionError(f"jax sum {total}")
+    back = torch.from_dlpack(j * 2)  # and JAX's result into torch
+    if float(back.sum()) != 2 * sum(range(128)):
+        raise AssertionError("jax -> torch")
+    return f"jax {jax.__version__} on {devs[0].platform}: values match, zero copy: {same}"
 
 
 def section_compile(comm):
@@ -66,8 +150,10 @@ def section_graph(comm):
     """A CUDA graph holding gemm_ar (out= tensors made before capture), replayed 100 times with new inputs."""
     m, n, k = 128, 128, 128
     dev = comm.device
+    # Integers in {-1, 0, 1}: every partial and sum (|x| <= 128 * ranks <= 256) is exact in bf16, so each replay
+    # must match exactly; a stale or out-of-step replay cannot hide under a rounding tolerance.
     a = torch.zeros((m, k), dtype=torch.bfloat16, device=dev)
-    b = opchecks.gen("gg.b", RANK, (n, k), torch.bfloat16).to(dev)
+    b = _ints("gg.b", RANK, (n, k)).to(dev)
     c = torch.zeros((m, n), dtype=torch.bfloat16, device=dev)
     stream = torch.cuda.Stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
@@ -80,16 +166,29 @@ def section_graph(comm):
         comm.gemm_ar(a, b, out=c)
     comm.synchronize()
     t0 = time.perf_counter()
+    inputs = [_ints(f"gg.a{j}", RANK, (m, k)).to(dev) for j in range(4)]
+    wants = [sum(_ints(f"gg.a{j}", q, (m, k)).double() @ _ints("gg.b", q, (n, k)).double().T for q in range(WORLD))
+             for j in range(4)]
+    bad = []
     for i in range(100):
-        a.copy_(opchecks.gen(f"gg.a{i % 4}", RANK, (m, k), torch.bfloat16).to(dev))
+        a.copy_(inputs[i % 4])
         graph.replay()
-        if i % 25 == 0 or i == 99:
-            torch.cuda.synchronize(dev)
-            want = sum(opchecks.gen(f"gg.a{i % 4}", q, (m, k), torch.bfloat16).double() @
-                       opchecks.gen("gg.b", q, (n, k), torch.bfloat16).double().T for q in range(WORLD))
-            opchecks.close(c, want, torch.bfloat16, f"replay {i}")
-    torch.cuda.synchronize(dev)
-    return f"100 replays checked ({(time.perf_counter() - t0) * 1e3:.1f} ms)"
+        torch.cuda.synchronize(dev)
+        got = c.double().cpu()
+        if not torch.equal(got, wants[i % 4]):
+            wrong = int((got != wants[i % 4]).sum())
+            stale = [j for j in range(4) if torch.equal(got, wants[j])]
+            bad.append(f"replay {i}: {wrong} elements differ" + (f" (equals the result for input {stale})"
+                                                                  if stale else ""))
+    ms = (time.perf_counter() - t0) * 1e3
+    if bad:
+        raise AssertionError(f"{len(bad)} of 100 replays wrong; first: " + "; ".join(bad[:4]))
+    return f"100 replays, each checked exactly ({ms:.1f} ms with the checks)"
+
+
+def _ints(tag, rank, shape):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{tag}/{rank}".encode()))
+    return torch.randint(-1, 2, shape, generator=g).to(torch.bfloat16)
 
 
 def section_cache(comm):
@@ -110,11 +209,27 @@ def section_cache(comm):
         del a, out
         torch.cuda.empty_cache()  # cudaFree of the segment: the next round may get the same addresses
     live = len(seg.by_id)
+    # Steady state: the same tensors again and again take the cached pointers (one driver query per segment per op)
+    # and register nothing.
+    a = torch.full((8192, 256), 2.0, dtype=torch.bfloat16, device=dev)
+    out = torch.empty((8192, 64), dtype=torch.bfloat16, device=dev)
+    comm.gemm_ar(a, b, out=out)
+    regs1, rel1 = seg.registrations, seg.releases
+    for _ in range(100):
+        comm.gemm_ar(a, b, out=out)
+    comm.synchronize()
+    opchecks.close(out, torch.full((8192, 64), 2.0 * 256 * WORLD, dtype=torch.float64), torch.bfloat16, "steady")
+    if (seg.registrations, seg.releases) != (regs1, rel1):
+        raise AssertionError(f"100 calls on the same tensors registered {seg.registrations - regs1} and released "
+                             f"{seg.releases - rel1} segments")
+    if comm._hits.get(a.data_ptr()) is None:
+        raise AssertionError("the fast path did not cache the tensor's pointer")
     return (f"{len(ptrs)} distinct addresses over 6 rounds, {seg.registrations - regs0} registrations, "
-            f"{seg.releases} released, {live} live")
+            f"{seg.releases} released, {live} live; 100 calls on the same tensors: no registration")
 
 
-SECTIONS = {"ops": section_ops, "compile": section_compile, "graph": section_graph, "cache": section_cache}
+SECTIONS = {"ops": section_ops, "attention": section_attention, "compile": section_compile, "graph": section_graph,
+            "cache": section_cache, "dlpack": section_dlpack, "jax": section_jax}
 
 
 def main(argv) -> int:

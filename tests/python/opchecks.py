@@ -110,11 +110,10 @@ def _moe_inputs(tag, n, hidden, dtype, topk=2, experts_per_rank=2):
     return experts, experts_per_rank, tokens, x, ids, wts
 
 
-def check_moe_dispatch_gemm(comm, dtype, place, use_out):
+def check_moe_dispatch_gemm(comm, dtype, place, use_out, hidden=8, n_out=5):
     r, n = comm.rank, comm.world_size
-    hidden, n_out = 8, 5
     experts, local, tokens, x, ids, wts = _moe_inputs("md", n, hidden, dtype)
-    w = [gen("md.w", q, (local, n_out, hidden), dtype) for q in range(n)]
+    w = [gen(f"md.w{hidden}.{n_out}", q, (local, n_out, hidden), dtype) for q in range(n)]
     rows, info = [], []
     counts = []
     for le in range(local):
@@ -146,12 +145,13 @@ def check_moe_dispatch_gemm(comm, dtype, place, use_out):
         close(out[:k], torch.stack(rows), dtype, "moe_dispatch_gemm out")
 
 
-def check_moe_ffn(comm, dtype, place, use_out):
+def check_moe_ffn(comm, dtype, place, use_out, hidden=8, ffn=6, round_y=False):
+    """round_y: the cuda backend rounds each expert's y to dtype before the weighted sum (tandem.h); the
+    reference does too there."""
     r, n = comm.rank, comm.world_size
-    hidden, ffn = 8, 6
     experts, local, tokens, x, ids, wts = _moe_inputs("mf", n, hidden, dtype)
-    w1 = [gen("mf.w1", q, (local, 2 * ffn, hidden), dtype, 0.5) for q in range(n)]
-    w2 = [gen("mf.w2", q, (local, hidden, ffn), dtype, 0.5) for q in range(n)]
+    w1 = [gen(f"mf.w1.{hidden}.{ffn}", q, (local, 2 * ffn, hidden), dtype, 0.5) for q in range(n)]
+    w2 = [gen(f"mf.w2.{hidden}.{ffn}", q, (local, hidden, ffn), dtype, 0.5) for q in range(n)]
     want = torch.zeros((tokens[r], hidden), dtype=torch.float64)
     for t in range(tokens[r]):
         xt = x[r][t].double()
@@ -161,7 +161,10 @@ def check_moe_ffn(comm, dtype, place, use_out):
             gate = xt @ w1[d][le][:ffn].double().T
             up = xt @ w1[d][le][ffn:].double().T
             h = (F.silu(gate) * up).float().to(dtype).double()  # tandem.h: h is rounded to dtype
-            want[t] += float(wts[r][t, j]) * (h @ w2[d][le].double().T)
+            y = h @ w2[d][le].double().T
+            if round_y:
+                y = y.float().to(dtype).double()
+            want[t] += float(wts[r][t, j]) * y
     args = (place.put(x[r]), place.put(ids[r]), place.put(wts[r]), place.put(w1[r]), place.put(w2[r]))
     got = comm.moe_ffn(*args, out=place.empty((tokens[r], hidden), dtype)) if use_out else comm.moe_ffn(*args)
     assert got.shape == (tokens[r], hidden)
@@ -259,5 +262,10 @@ def run_all(comm, dtypes=(torch.float32, torch.bfloat16), mems=("torch", "tandem
                     check_ring_attention(comm, dtype, place, use_out, layout="zigzag", lse=True)
                     check_ring_attention(comm, dtype, place, use_out, causal=True, lse=True)
                     ran += 5
+                    if comm.world_size > 1:  # the last rank holds no rows
+                        check_ring_attention(comm, dtype, place, use_out, causal=True, layout="zigzag", lse=True,
+                                             seqs=[0 if q == comm.world_size - 1 else 3 + q
+                                                   for q in range(comm.world_size)])
+                        ran += 1
     comm.barrier()
     return ran + 1
