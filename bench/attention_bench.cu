@@ -214,6 +214,7 @@ struct Variant {
   int tileOrder = 0;
   int tailTrim = 0;
   int earlyNext = 0;
+  int prefetchNext = 0;
 };
 
 struct Row {
@@ -302,13 +303,12 @@ int main(int argc, char** argv) {
         }
       }
       if (opt.allVariants) {
-        // The default, then each option against it: whole blocks (no tail trimming), early next-tile loads, and
-        // (non-causal, head_dim 128) the other block width with each.
-        variants = {{0, 0}, {0, 0, 0, 0, 2}, {0, 0, 0, 0, 0, 1}};
+        // The default, then each option against it: whole blocks (no tail trimming), early next-tile loads, L2
+        // prefetch of the next tile, both; (non-causal, head_dim 128) the other block width, alone and with both.
+        variants = {{0, 0}, {0, 0, 0, 0, 2}, {0, 0, 0, 0, 0, 1}, {0, 0, 0, 0, 0, 0, 1}, {0, 0, 0, 0, 0, 1, 1}};
         if (!causal && opt.hd == 128) {
           variants.push_back({128, 0});
-          variants.push_back({128, 0, 0, 0, 2});
-          variants.push_back({128, 0, 0, 0, 0, 1});
+          variants.push_back({128, 0, 0, 0, 0, 1, 1});
         }
       }
       struct Run {
@@ -343,6 +343,7 @@ int main(int argc, char** argv) {
         p.tileOrder = var.tileOrder;
         p.tailTrim = var.tailTrim;
         p.earlyNext = var.earlyNext;
+        p.prefetchNext = var.prefetchNext;
         p.tileCounter = tileCounter;
         bind(p, 0);  // the name depends on the key count (the causal default's tile order)
         r.config = attentionConfigName(p);

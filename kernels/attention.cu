@@ -27,6 +27,7 @@ struct Resolved {
   bool dynamic;
   bool tailTrim;
   bool earlyNext;
+  bool prefetchNext;
 };
 Resolved resolveAttention(const AttentionParams& p);
 }  // namespace attn_detail
@@ -198,6 +199,7 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   p.snake = r.snake ? 1 : 0;
   p.tailTrim = r.tailTrim ? 1 : 0;
   p.earlyNext = r.earlyNext ? 1 : 0;
+  p.prefetchNext = r.prefetchNext ? 1 : 0;
   if (r.dynamic) {  // tileOrder 3, or the default with a counter (resolveAttention)
     checkCuda(cudaMemsetAsync(g.tileCounter, 0, sizeof(uint32_t), stream), "cudaMemsetAsync(tile counter)");
     p.tileCounter = g.tileCounter;

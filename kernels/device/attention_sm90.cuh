@@ -126,6 +126,7 @@ struct AttnKernelParams {
   int32_t rotateFrom;     // > 0: maps [rotateFrom, numMaps) are walked from a CTA-dependent one on (mapAt)
   int32_t tailTrim;       // 1: a block a warpgroup sees only part of runs its GEMMs on that part (blockCols)
   int32_t earlyNext;      // 1: the next tile's first K and Q halves are loaded early (runProducer)
+  int32_t prefetchNext;   // 1: the next tile's Q and first K / V blocks are prefetched into L2 (runProducer)
 };
 static_assert(sizeof(AttnKernelParams) % 64 == 0);
 static_assert(sizeof(AttnKernelParams) <= 4096, "kernel parameter space");
@@ -454,6 +455,13 @@ __device__ __forceinline__ void initBarriers(SharedStorage<HD, BN>& s) {
 // Producer: ONE thread. Per tile: Q (per consumer warpgroup), then K_0, (K_j, V_{j-1}) for j = 1..n-1, V_{n-1}: the
 // order in which the consumers use them, so neither side can wait on a load the other has not issued (runProducer).
 // ---------------------------------------------------------------------------------------------------------------
+// TMA prefetch of a box into L2 (no shared memory, no barrier): the data is on chip when the load comes.
+__device__ __forceinline__ void tmaPrefetchL2(const CUtensorMap* map, int32_t c0, int32_t c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1)
+               : "memory");
+}
+
 // The producer's position in a ring of N slots (a power of 2): slots filled so far, one register (the producer
 // thread has 40) where gemm::PipeState takes two. Walks the same sequence as the consumers' PipeState.
 template <int N>
@@ -569,6 +577,23 @@ __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedSto
     }
     qPhase ^= 1;
   };
+  const auto prefetchTile = [&](int32_t w) {
+    if (w >= p.numWork || s.runs.count == 0) return;
+    const TileCoord tc = tileOf<Causal>(p, w);
+    const int32_t col = tc.head * HD;
+#pragma unroll
+    for (int h = 0; h < HD / kSwizzleCols; ++h) {
+#pragma unroll
+      for (int g = 0; g < kConsumerWarpgroups; ++g) {
+        tmaPrefetchL2(&p.tmQ, col + h * kSwizzleCols, tc.qTile * kBlockM + g * kRowsPerConsumer);
+      }
+      const AttnKvRun& run = s.runs.run[0];
+      for (int32_t b = 0; b < 2 && b * BN < run.len; ++b) {
+        tmaPrefetchL2(&p.tmK[run.map], col + h * kSwizzleCols, run.row0 + b * BN);
+        tmaPrefetchL2(&p.tmV[run.map], col + h * kSwizzleCols, run.row0 + b * BN);
+      }
+    }
+  };
   // V of a block goes out one step after its K, from the map and row its K came from.
   struct At {
     int32_t map, row;
@@ -603,6 +628,10 @@ __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedSto
         c = firstBlock<BN, Causal>(s.runs, maxQOf(cur));
         prev = loadK(c, cur);
       }
+      // prefetchNext (static orders: the next index is known): the next tile's Q and its first two K / V blocks of
+      // the first run into L2 now, a whole tile ahead; at short sequences every CTA starts its next tile at about the
+      // same time, on heads whose K / V nobody has read yet, and would wait on HBM together.
+      if (p.prefetchNext != 0 && p.tileCounter == nullptr) prefetchTile(workOf(p, k + 1));
       for (int32_t i = 1; i < cur.n; ++i) {
         const At at = loadK(c, cur);
         loadV(prev, cur);

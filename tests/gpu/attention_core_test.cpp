@@ -93,6 +93,7 @@ struct Case {
   int rotateFrom = 0;  // segments from here on walked from a CTA-dependent one
   int tailTrim = 0;
   int earlyNext = 0;
+  int prefetchNext = 0;
 };
 
 int64_t queryPos(const Case& c, int64_t i) {
@@ -194,6 +195,7 @@ struct DeviceProblem {
     params.rotateFrom = c.rotateFrom;
     params.tailTrim = c.tailTrim;
     params.earlyNext = c.earlyNext;
+    params.prefetchNext = c.prefetchNext;
     params.qSplit = c.qSplit;
     params.qStart2 = c.qStart2;
     for (size_t s = 0; s < c.kv.size(); ++s) {
@@ -384,6 +386,12 @@ TEST_CASE("attention core: persistent CTAs, tuning variants") {
     checkCase({.name = "early hd64 fp16 full", .dtype = AttentionDtype::kFp16, .headDim = 64, .sq = 333,
                .kv = {{77, 0}, {190, 77}}, .numSms = 1, .earlyNext = 1},
               26);
+    checkCase({.name = "early + L2 prefetch, causal snake", .heads = 3, .sq = 520, .causal = true, .kv = {{520, 0}},
+               .numSms = 3, .tileOrder = 2, .earlyNext = 1, .prefetchNext = 1},
+              29);
+    checkCase({.name = "L2 prefetch, full, 2 SMs", .sq = 600, .kv = {{100, 0}, {350, 100}}, .numSms = 2,
+               .prefetchNext = 1},
+              30);
   }
   SUBCASE("whole blocks without tail trimming (a segment's partial last block, causal diagonals)") {
     checkCase({.name = "notrim bn176", .sq = 200, .kv = {{500, 0}}, .tailTrim = 2}, 27);

@@ -83,6 +83,8 @@ struct AttentionParams {
                       // blocks always
   int32_t earlyNext;  // 1: the producer loads the next tile's first K block before the current tile's last V block;
                       // 2 (default): once the current tile's loads are all issued
+  int32_t prefetchNext;  // 1: as a tile starts, the producer prefetches the next tile's Q and first K / V blocks into
+                         // L2 (static tile orders only); 2 (default): no prefetch
 };
 
 /// Throws tandem::Error(kInvalidArgument) naming the broken rule ("rule head_dim: ..."), or kUnsupported for
