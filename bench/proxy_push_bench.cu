@@ -13,6 +13,8 @@
 //               passes its ticket, %globaltimer. That is GPU -> host memory -> proxy -> host memory -> GPU: a ROUND
 //               trip, reported as such (nothing here measures one way). "push" is the time the push call itself
 //               took. The host baseline (same proxy, a host thread pushing and waiting the same way) comes first.
+//   copier      the tcp transport's staging of GPU memory: us per synchronous copy through the CUDA DeviceCopier
+//               (pageable host memory <-> pinned bounce <-> GPU), against plain cudaMemcpy of the same memory.
 //
 // Usage: proxy_push_bench [--commands N] [--samples N] [--capacity C] [--json FILE]
 // Results: bench/RESULTS.md (the lead records them).
@@ -321,6 +323,18 @@ int main(int argc, char** argv) {
     allOk = allOk && r.ok;
   }
 
+  const std::vector<uint64_t> copySizes{8, 4096, 64 * 1024, 512 * 1024, 4 * 1024 * 1024};
+  const std::vector<tandem::bench::CopierRow> copies = tandem::bench::copierRows(0, copySizes);
+  std::printf("\nDeviceCopier (1 MiB bounce per lane) vs cudaMemcpy, pageable host memory (us per copy; GB/s)\n");
+  std::printf("%10s %7s %14s %14s %14s %14s\n", "bytes", "copies", "copier ->GPU", "copier ->host", "memcpy ->GPU",
+              "memcpy ->host");
+  for (const tandem::bench::CopierRow& c : copies) {
+    std::printf("%10llu %7u", static_cast<unsigned long long>(c.bytes), c.copies);
+    for (double us : {c.toDeviceUs, c.toHostUs, c.memcpyToDeviceUs, c.memcpyToHostUs})
+      std::printf(" %7.1f (%5.2f)", us, static_cast<double>(c.bytes) / us / 1e3);
+    std::printf("\n");
+  }
+
   if (!o.json.empty()) {
     FILE* j = std::fopen(o.json.c_str(), "w");
     if (j == nullptr) {
@@ -349,6 +363,15 @@ int main(int argc, char** argv) {
                    "\"mean\": %.1f, \"push_p50\": %.0f, \"ok\": %s}%s\n",
                    r.name.c_str(), r.p50, r.p90, r.p99, r.max, r.mean, r.pushP50, r.ok ? "true" : "false",
                    i + 1 < lat.size() ? "," : "");
+    }
+    std::fprintf(j, " ],\n \"copier_us\": [\n");
+    for (std::size_t i = 0; i < copies.size(); ++i) {
+      const tandem::bench::CopierRow& c = copies[i];
+      std::fprintf(j,
+                   "  {\"bytes\": %llu, \"copies\": %u, \"to_device\": %.2f, \"to_host\": %.2f, "
+                   "\"memcpy_to_device\": %.2f, \"memcpy_to_host\": %.2f}%s\n",
+                   static_cast<unsigned long long>(c.bytes), c.copies, c.toDeviceUs, c.toHostUs, c.memcpyToDeviceUs,
+                   c.memcpyToHostUs, i + 1 < copies.size() ? "," : "");
     }
     std::fprintf(j, " ]}\n");
     std::fclose(j);

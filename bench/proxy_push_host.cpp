@@ -1,10 +1,12 @@
 #include "proxy_push_host.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <limits>
 #include <thread>
 
+#include "cuda/device_copier.hpp"
 #include "cuda/proxy_fifo_mapping.hpp"
 #include "transport/proxy_fifo.hpp"
 #include "transport/transport.hpp"
@@ -78,6 +80,36 @@ std::vector<uint64_t> PushBenchProxy::hostRoundTrips(uint32_t samples) {
     out.push_back(static_cast<uint64_t>(ns));
   }
   return out;
+}
+
+std::vector<CopierRow> copierRows(int device, const std::vector<uint64_t>& sizes) {
+  using Clock = std::chrono::steady_clock;
+  cuda::CudaDeviceCopier copier(cuda::DeviceCopierOptions{.device = device});
+  std::vector<CopierRow> rows;
+  for (uint64_t bytes : sizes) {
+    std::vector<std::byte> host(bytes, std::byte{1});
+    kernels::DeviceBuffer dev = kernels::DeviceBuffer::allocate(device, bytes, "copier bench buffer");
+    CopierRow r;
+    r.bytes = bytes;
+    r.copies = static_cast<uint32_t>(std::clamp<uint64_t>((uint64_t{256} << 20) / bytes, 20, 2000));
+    auto time = [&](auto&& copy) {
+      copy();  // warm-up
+      const auto t0 = Clock::now();
+      for (uint32_t i = 0; i < r.copies; ++i) copy();
+      return std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / r.copies;
+    };
+    r.toDeviceUs = time([&] { copier.toDevice(dev.get(), host.data(), bytes); });
+    r.toHostUs = time([&] { copier.toHost(host.data(), dev.get(), bytes); });
+    kernels::CudaDeviceGuard guard(device);
+    r.memcpyToDeviceUs = time([&] {
+      kernels::checkCuda(cudaMemcpy(dev.get(), host.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+    });
+    r.memcpyToHostUs = time([&] {
+      kernels::checkCuda(cudaMemcpy(host.data(), dev.get(), bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    });
+    rows.push_back(r);
+  }
+  return rows;
 }
 
 }  // namespace tandem::bench

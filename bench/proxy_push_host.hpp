@@ -14,6 +14,16 @@ struct PushBenchStats {
   uint64_t popped = 0, posted = 0, rejected = 0, failed = 0, submits = 0;
 };
 
+/// The tcp transport's staging cost: mean time per synchronous copy through the CUDA DeviceCopier (default options:
+/// 1 MiB of bounce per lane) between pageable host memory and GPU memory, and plain cudaMemcpy of the same pageable
+/// memory as the baseline.
+struct CopierRow {
+  uint64_t bytes = 0;
+  uint32_t copies = 0;
+  double toDeviceUs = 0, toHostUs = 0, memcpyToDeviceUs = 0, memcpyToHostUs = 0;
+};
+std::vector<CopierRow> copierRows(int device, const std::vector<uint64_t>& sizes);
+
 /// A FIFO of `capacity` slots in pinned, mapped host memory, its ticket counter in the region (host head) or in GPU
 /// memory (deviceHead), and a started proxy thread (maxBatch commands per submit; `spin`: never sleep when idle) that
 /// posts to a NullTransport(0, 2) whose table accepts kWrite peer 1, buffers 1 -> 1, any offset. Throws on failure.
