@@ -121,6 +121,9 @@ readme() {
   echo "+ TANDEM_BUILD_DIR=$root/$build ${pip[*]} install --no-build-isolation ./python"
   env -u PYTHONPATH -u TANDEM_LIBRARY TANDEM_BUILD_DIR="$root/$build" "${pip[@]}" install --no-build-isolation \
     ./python || return 1
+  env -u PYTHONPATH -u TANDEM_LIBRARY "$venv/bin/python" -c 'import torch, tandem, _tandem_fastcall
+print("venv: torch", torch.__version__, "from", torch.__file__, "| tandem from", tandem.__file__, "library",
+      tandem.library_path)' || return 1
   local run=("$venv/bin/python" -m torch.distributed.run)
   [ -x "$venv/bin/torchrun" ] && run=("$venv/bin/torchrun")
   echo "+ ${run[*]} --nproc-per-node 2 python/examples/torchrun_example.py"
