@@ -17,7 +17,13 @@
 // (default on) each fused candidate runs once more with GemmRsParams::trace and prints its per-tile mainloop and
 // epilogue times (%globaltimer in the kernel).
 //
-//   gemm_rs_one_rank_bench [--iters N] [--warmup N] [--json FILE] [--no-trace] [--shape MxNxK]...
+// With --two-ranks (default on), each shape whose K splits in two also runs gemm-rs and gemm-ar at TWO ranks sharing
+// this GPU in this process: each rank's fused kernel on half the SMs (so both are co-resident), rank r multiplying
+// columns [r K/2, (r + 1) K/2) of A and B, partials exchanged through device memory. That is not the two-GPU timing
+// (no NVLink, half the SMs each); it checks the multi-rank paths (against the reference, bitwise across kernels and
+// repeats) and shows, from rank 0's trace, what an own tile's epilogue costs next to a sent one's.
+//
+//   gemm_rs_one_rank_bench [--iters N] [--warmup N] [--json FILE] [--no-trace] [--no-two-ranks] [--shape MxNxK]...
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -94,27 +100,36 @@ struct Cand {
 };
 
 // Per-tile times from a GemmRsParams::trace buffer (see gemm_rs.hpp for the layout): the mean over every compute
-// warpgroup of its mean mainloop (from the previous tile's epilogue exit; the first tile's, which includes the start,
-// left out) and epilogue, the tiles per warpgroup, and the span from the earliest start to the last epilogue exit.
+// warpgroup's tiles of the mainloop (from the previous tile's epilogue exit; the first tile's, which includes the
+// start, left out) and of the epilogue, the latter split into tiles reduced here (own: wait for peers, then the rest)
+// and partials sent; the tiles per warpgroup; the span from the earliest start to the last epilogue exit.
 struct TraceSummary {
-  double mainloopUs = 0, epilogueUs = 0, tilesPerWg = 0, spanUs = 0;
+  double mainloopUs = 0, ownWaitUs = 0, ownEpiUs = 0, sentEpiUs = 0, tilesPerWg = 0, ownPerWg = 0, spanUs = 0;
 };
 TraceSummary summarize(const std::vector<uint64_t>& tr, int ctas, int traceTiles) {
   TraceSummary s;
-  double mainSum = 0, epiSum = 0;
-  long long mainN = 0, epiN = 0, tiles = 0;
+  double mainSum = 0, waitSum = 0, ownSum = 0, sentSum = 0;
+  long long mainN = 0, ownN = 0, sentN = 0;
   uint64_t t0 = ~0ull, t1 = 0;
+  int wgs = 0;
   for (int b = 0; b < ctas * 2; ++b) {
     const uint64_t* blk = tr.data() + static_cast<size_t>(b) * (traceTiles + 1) * 4;
     if (blk[0] == 0) continue;  // not a compute CTA
+    ++wgs;
     t0 = std::min(t0, blk[0]);
     uint64_t prevExit = 0;
     for (int j = 0; j < traceTiles; ++j) {
       const uint64_t* f = blk + (1 + j) * 4;
       if (f[0] == 0 || f[2] < f[0]) break;
-      ++tiles;
-      epiSum += double(f[2] - f[0]);
-      ++epiN;
+      if (f[3] == 1) {
+        ++ownN;
+        const uint64_t after = f[1] >= f[0] && f[1] <= f[2] ? f[1] : f[0];
+        waitSum += double(after - f[0]);
+        ownSum += double(f[2] - f[0]);
+      } else {
+        ++sentN;
+        sentSum += double(f[2] - f[0]);
+      }
       if (prevExit != 0) {
         mainSum += double(f[0] - prevExit);
         ++mainN;
@@ -123,13 +138,28 @@ TraceSummary summarize(const std::vector<uint64_t>& tr, int ctas, int traceTiles
       t1 = std::max(t1, f[2]);
     }
   }
-  int wgs = 0;
-  for (int b = 0; b < ctas * 2; ++b) wgs += tr[static_cast<size_t>(b) * (traceTiles + 1) * 4] != 0;
   s.mainloopUs = mainN ? mainSum / mainN * 1e-3 : 0;
-  s.epilogueUs = epiN ? epiSum / epiN * 1e-3 : 0;
-  s.tilesPerWg = wgs ? double(tiles) / wgs : 0;
+  s.ownWaitUs = ownN ? waitSum / ownN * 1e-3 : 0;
+  s.ownEpiUs = ownN ? ownSum / ownN * 1e-3 : 0;
+  s.sentEpiUs = sentN ? sentSum / sentN * 1e-3 : 0;
+  s.tilesPerWg = wgs ? double(ownN + sentN) / wgs : 0;
+  s.ownPerWg = wgs ? double(ownN) / wgs : 0;
   s.spanUs = t1 > t0 ? double(t1 - t0) * 1e-3 : 0;
   return s;
+}
+void printTrace(std::FILE* json, const char* section, int64_t m, int64_t n, int64_t k, const std::string& name,
+                const TraceSummary& t) {
+  std::printf("  %-28s mainloop %7.2f us | own tiles: wait %5.2f, epilogue %6.2f us | sent: epilogue %6.2f us | "
+              "tiles/wg %5.2f (own %5.2f) | span %8.1f us\n",
+              name.c_str(), t.mainloopUs, t.ownWaitUs, t.ownEpiUs, t.sentEpiUs, t.tilesPerWg, t.ownPerWg, t.spanUs);
+  if (json) {
+    std::fprintf(json,
+                 "{\"section\": \"%s\", \"m\": %lld, \"n\": %lld, \"k\": %lld, \"candidate\": \"%s\", "
+                 "\"trace_mainloop_us\": %.3f, \"trace_own_wait_us\": %.3f, \"trace_own_epilogue_us\": %.3f, "
+                 "\"trace_sent_epilogue_us\": %.3f, \"trace_tiles_per_wg\": %.2f, \"trace_span_us\": %.1f}\n",
+                 section, (long long)m, (long long)n, (long long)k, name.c_str(), t.mainloopUs, t.ownWaitUs, t.ownEpiUs,
+                 t.sentEpiUs, t.tilesPerWg, t.spanUs);
+  }
 }
 
 double median(std::vector<float> v) {
@@ -137,11 +167,228 @@ double median(std::vector<float> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+// Two ranks sharing this GPU (see the header comment). Returns false on a failed check.
+bool runTwoRanks(const Shape& sh, void* const (&a)[2], void* const (&b)[2], const float* ref, int iters, int warmup,
+                 uint64_t* traceBuf, size_t traceWords, int traceTiles, ErrorSlot* slot, ErrorSlot* slotDev,
+                 uint64_t& epoch, cudaStream_t s, const cudaDeviceProp& prop, std::FILE* json) {
+  constexpr int kRanks = 2;
+  const int64_t kr = sh.k / kRanks;
+  const size_t mn = size_t(sh.m) * sh.n;
+  bool ok = true;
+  void *outR[kRanks], *wsR[kRanks], *base[kRanks];
+  cudaStream_t st[kRanks];
+  cudaEvent_t ev0, ev1, evR[kRanks];
+  CK(cudaEventCreate(&ev0));
+  CK(cudaEventCreate(&ev1));
+  const size_t wsBytes = gemmRsWorkspaceBytes(sh.m, sh.n, kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    CK(cudaMalloc(&outR[r], mn * 2));  // room for the all-reduce's whole output
+    CK(cudaMalloc(&base[r], mn * 2));
+    CK(cudaMalloc(&wsR[r], wsBytes));
+    CK(cudaMemsetAsync(wsR[r], 0, wsBytes, s));  // flags zeroed once, never reset: every launch takes a fresh epoch
+    CK(cudaStreamCreateWithFlags(&st[r], cudaStreamNonBlocking));
+    CK(cudaEventCreateWithFlags(&evR[r], cudaEventDisableTiming));
+  }
+  CK(cudaStreamSynchronize(s));
+  struct Cand2 {
+    std::string name;
+    bool allReduce;
+    GemmRsEpilogue epi;
+    std::vector<float> ms, gpuMs;
+    std::string ran;
+  };
+  std::vector<Cand2> cands = {{"gemm-rs fused copy", false, GemmRsEpilogue::kDefault},
+                              {"gemm-rs fused copy legacy", false, GemmRsEpilogue::kLegacy},
+                              {"gemm-ar fused copy", true, GemmRsEpilogue::kDefault},
+                              {"gemm-ar fused copy legacy", true, GemmRsEpilogue::kLegacy}};
+  GemmRsPlan plan = fusedPlan(GemmRsTransport::kCopy, 0);
+  plan.numCompute = static_cast<int16_t>(prop.multiProcessorCount / kRanks);
+  // Enqueues one op on both ranks' streams, after everything on s, and makes s wait for both.
+  const auto launch = [&](Cand2& c, int set, uint64_t* trace) {
+    const uint64_t e = ++epoch;
+    CK(cudaEventRecord(ev0, s));
+    for (int r = 0; r < kRanks; ++r) {
+      CK(cudaStreamWaitEvent(st[r], ev0, 0));
+      GemmRsParams p{};
+      p.rank = r;
+      p.nranks = kRanks;
+      p.m = sh.m;
+      p.n = sh.n;
+      p.k = kr;
+      p.dtype = GemmDtype::kBf16;
+      p.a = static_cast<const __nv_bfloat16*>(a[set]) + r * kr;
+      p.b = static_cast<const __nv_bfloat16*>(b[set]) + r * kr;
+      p.lda = sh.k;
+      p.ldb = sh.k;
+      p.out = outR[r];
+      p.ldOut = sh.n;
+      for (int q = 0; q < kRanks; ++q) {
+        p.peerOut[q] = outR[q];
+        p.workspace[q] = wsR[q];
+      }
+      p.wsMaxM = sh.m;
+      p.wsMaxN = sh.n;
+      p.epoch = e;
+      p.errorSlot = slotDev;
+      p.timeoutNs = 5'000'000'000ull;
+      p.plan = plan;
+      p.epilogue = c.epi;
+      p.trace = r == 0 ? trace : nullptr;
+      p.traceTiles = r == 0 && trace ? traceTiles : 0;
+      const GemmRsPlan ran = c.allReduce ? launchGemmAr(p, st[r]) : launchGemmRs(p, st[r]);
+      c.ran = gemmRsPlanName(ran, c.allReduce);
+      CK(cudaEventRecord(evR[r], st[r]));
+      CK(cudaStreamWaitEvent(s, evR[r], 0));
+    }
+  };
+  double* sums = nullptr;
+  unsigned long long* cnt = nullptr;
+  CK(cudaMalloc(&sums, 2 * sizeof(double)));
+  CK(cudaMalloc(&cnt, sizeof(unsigned long long)));
+  const auto relErr = [&](const void* out, const float* r0, int64_t rows, double& err, unsigned long long& bad) {
+    CK(cudaMemsetAsync(sums, 0, 2 * sizeof(double), s));
+    CK(cudaMemsetAsync(cnt, 0, sizeof(unsigned long long), s));
+    relErrorKernel<__nv_bfloat16, float><<<1024, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(out), sh.n, r0, rows,
+                                                               sh.n, sums, cnt);
+    CK(cudaStreamSynchronize(s));
+    double h[2];
+    CK(cudaMemcpy(h, sums, sizeof h, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(&bad, cnt, sizeof bad, cudaMemcpyDeviceToHost));
+    err = h[1] > 0 ? std::sqrt(h[0] / h[1]) : 1.0;
+  };
+  const auto diff = [&](const void* x, const void* y, int64_t rows) {
+    CK(cudaMemsetAsync(cnt, 0, sizeof(unsigned long long), s));
+    countDiffKernel<<<1024, 256, 0, s>>>(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(y), rows, sh.n,
+                                         sh.n, cnt);
+    CK(cudaGetLastError());
+    unsigned long long d = 0;
+    CK(cudaMemcpy(&d, cnt, sizeof d, cudaMemcpyDeviceToHost));
+    return d;
+  };
+  const auto rowsOf = [&](int r) { return rsRowsOf(sh.m, r, kRanks); };
+  const auto offOf = [&](int r) { return rsRowOffset(sh.m, r, kRanks); };
+  const auto rowPtr = [&](void* p, int64_t row) { return static_cast<uint16_t*>(p) + row * sh.n; };
+  // Checks the candidate's outputs (set 0): against the reference, and bitwise against the first candidate's rows
+  // (an all-reduce's rows of rank r equal rank r's reduce-scatter rows: the same sum in the same order).
+  const auto check = [&](Cand2& c, bool first, const char* what) {
+    for (int r = 0; r < kRanks; ++r) CK(cudaMemsetAsync(outR[r], 0xff, mn * 2, s));
+    launch(c, 0, nullptr);
+    CK(cudaStreamSynchronize(s));
+    if (slot->claimed) {
+      std::printf("FAIL: two ranks %s %s: a device wait failed (code %u, role %u, rank %u)\n", c.name.c_str(), what,
+                  slot->code, slot->role, slot->rank);
+      std::memset(slot, 0, sizeof(ErrorSlot));
+      ok = false;
+      return;
+    }
+    std::string msg;
+    for (int r = 0; r < kRanks; ++r) {
+      double err = 0;
+      unsigned long long bad = 0;
+      const int64_t rows = c.allReduce ? sh.m : rowsOf(r);
+      relErr(outR[r], ref + (c.allReduce ? 0 : offOf(r)) * sh.n, rows, err, bad);
+      if (!(err < 1e-2) || bad != 0) {
+        std::printf("FAIL: two ranks %s %s, rank %d: relative error %.3g, %llu non-finite\n", c.name.c_str(), what, r,
+                    err, bad);
+        ok = false;
+      }
+      void* mine = c.allReduce ? static_cast<void*>(rowPtr(outR[r], offOf(r))) : outR[r];
+      if (first) {
+        CK(cudaMemcpy(base[r], mine, size_t(rowsOf(r)) * sh.n * 2, cudaMemcpyDeviceToDevice));
+      } else {
+        const unsigned long long d = diff(mine, base[r], rowsOf(r));
+        if (d != 0) {
+          std::printf("FAIL: two ranks %s %s, rank %d: %llu words differ from the first candidate's\n", c.name.c_str(),
+                      what, r, d);
+          ok = false;
+        }
+      }
+      msg += " rank " + std::to_string(r) + " rel err " + std::to_string(err).substr(0, 8);
+    }
+    if (c.allReduce) {
+      const unsigned long long d = diff(outR[0], outR[1], sh.m);
+      if (d != 0) {
+        std::printf("FAIL: two ranks %s %s: the ranks' all-reduce outputs differ in %llu words\n", c.name.c_str(),
+                    what, d);
+        ok = false;
+      }
+    }
+    std::printf("  check %-28s %s:%s%s\n", c.name.c_str(), what, msg.c_str(), first ? "" : ", == first bitwise");
+  };
+  std::printf("\n%lldx%lldx%lld, TWO ranks sharing this GPU (%d SMs each, K %lld per rank)\n", (long long)sh.m,
+              (long long)sh.n, (long long)sh.k, int(plan.numCompute), (long long)kr);
+  for (size_t i = 0; i < cands.size(); ++i) check(cands[i], i == 0, "first run");
+  for (int it = -warmup; it < iters && ok; ++it) {
+    for (Cand2& c : cands) {
+      for (int mode = 0; mode < 2; ++mode) {
+        cudaEvent_t t0, t1;
+        CK(cudaEventCreate(&t0));
+        CK(cudaEventCreate(&t1));
+        if (mode == 1) spinKernel<<<1, 1, 0, s>>>(200'000);
+        CK(cudaEventRecord(t0, s));
+        launch(c, (it + 2) & 1, nullptr);
+        CK(cudaEventRecord(t1, s));
+        CK(cudaEventSynchronize(t1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, t0, t1));
+        if (it >= 0) (mode == 0 ? c.ms : c.gpuMs).push_back(ms);
+        CK(cudaEventDestroy(t0));
+        CK(cudaEventDestroy(t1));
+      }
+    }
+  }
+  if (slot->claimed) {
+    std::printf("FAIL: two ranks: a device wait failed while timing (code %u)\n", slot->code);
+    std::memset(slot, 0, sizeof(ErrorSlot));
+    ok = false;
+  }
+  if (ok) {
+    check(cands[0], false, "repeat after timing");
+    const double ref0 = median(cands[0].gpuMs);
+    std::printf("  %-28s %10s %10s %8s  %s\n", "candidate", "us", "gpu us", "/first", "plan run");
+    for (Cand2& c : cands) {
+      const double med = median(c.ms), gpu = median(c.gpuMs);
+      std::printf("  %-28s %10.1f %10.1f %8.3f  %s\n", c.name.c_str(), med * 1e3, gpu * 1e3, gpu / ref0, c.ran.c_str());
+      if (json) {
+        std::fprintf(json,
+                     "{\"section\": \"two ranks\", \"m\": %lld, \"n\": %lld, \"k\": %lld, \"candidate\": \"%s\", "
+                     "\"plan\": \"%s\", \"us\": %.2f, \"gpu_us\": %.2f}\n",
+                     (long long)sh.m, (long long)sh.n, (long long)sh.k, c.name.c_str(), c.ran.c_str(), med * 1e3,
+                     gpu * 1e3);
+      }
+    }
+    if (traceBuf) {
+      std::printf("  per-tile trace of rank 0:\n");
+      for (Cand2& c : cands) {
+        CK(cudaMemsetAsync(traceBuf, 0, traceWords * 8, s));
+        launch(c, 0, traceBuf);
+        CK(cudaStreamSynchronize(s));
+        std::vector<uint64_t> tr(traceWords);
+        CK(cudaMemcpy(tr.data(), traceBuf, traceWords * 8, cudaMemcpyDeviceToHost));
+        printTrace(json, "two ranks", sh.m, sh.n, sh.k, c.name, summarize(tr, prop.multiProcessorCount, traceTiles));
+      }
+    }
+  }
+  CK(cudaStreamSynchronize(s));
+  for (int r = 0; r < kRanks; ++r) {
+    CK(cudaFree(outR[r]));
+    CK(cudaFree(base[r]));
+    CK(cudaFree(wsR[r]));
+    CK(cudaStreamDestroy(st[r]));
+    CK(cudaEventDestroy(evR[r]));
+  }
+  CK(cudaEventDestroy(ev0));
+  CK(cudaEventDestroy(ev1));
+  CK(cudaFree(sums));
+  CK(cudaFree(cnt));
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int iters = 30, warmup = 5;
-  bool traceOn = true;
+  bool traceOn = true, twoRanks = true;
   std::string jsonPath;
   std::vector<Shape> shapes;
   for (int i = 1; i < argc; ++i) {
@@ -150,6 +397,7 @@ int main(int argc, char** argv) {
     else if (a == "--warmup" && i + 1 < argc) warmup = std::max(0, std::atoi(argv[++i]));
     else if (a == "--json" && i + 1 < argc) jsonPath = argv[++i];
     else if (a == "--no-trace") traceOn = false;
+    else if (a == "--no-two-ranks") twoRanks = false;
     else if (a == "--shape" && i + 1 < argc) {
       long long m = 0, n = 0, k = 0;
       if (std::sscanf(argv[++i], "%lldx%lldx%lld", &m, &n, &k) != 3 || m <= 0 || n <= 0 || k <= 0 || n % 8 || k % 8) {
@@ -158,7 +406,8 @@ int main(int argc, char** argv) {
       }
       shapes.push_back({m, n, k});
     } else {
-      std::fprintf(stderr, "usage: %s [--iters N] [--warmup N] [--json FILE] [--no-trace] [--shape MxNxK]...\n",
+      std::fprintf(stderr,
+                   "usage: %s [--iters N] [--warmup N] [--json FILE] [--no-trace] [--no-two-ranks] [--shape MxNxK]...\n",
                    argv[0]);
       return 2;
     }
@@ -394,15 +643,13 @@ int main(int argc, char** argv) {
         std::vector<uint64_t> tr(traceWords);
         CK(cudaMemcpy(tr.data(), traceBuf, traceWords * 8, cudaMemcpyDeviceToHost));
         const TraceSummary t = summarize(tr, prop.multiProcessorCount, traceTiles);
-        std::printf("  %-28s mainloop %7.2f us  epilogue %6.2f us  tiles/wg %5.2f  span %8.1f us\n", c.name.c_str(),
-                    t.mainloopUs, t.epilogueUs, t.tilesPerWg, t.spanUs);
-        if (json) {
-          std::fprintf(json,
-                       "{\"m\": %lld, \"n\": %lld, \"k\": %lld, \"candidate\": \"%s\", \"trace_mainloop_us\": %.3f, "
-                       "\"trace_epilogue_us\": %.3f, \"trace_tiles_per_wg\": %.2f, \"trace_span_us\": %.1f}\n",
-                       (long long)sh.m, (long long)sh.n, (long long)sh.k, c.name.c_str(), t.mainloopUs, t.epilogueUs,
-                       t.tilesPerWg, t.spanUs);
-        }
+        printTrace(json, "one rank", sh.m, sh.n, sh.k, c.name, t);
+      }
+    }
+    if (twoRanks && sh.k % 16 == 0) {
+      if (!runTwoRanks(sh, a, b, ref, iters, warmup, traceBuf, traceWords, traceTiles, slot, slotDev, epoch, s, prop,
+                       json)) {
+        failed = true;
       }
     }
     CK(cudaEventDestroy(e0));
