@@ -1,12 +1,16 @@
-// Failure checks shared by the CUDA benchmarks: a failed call prints where and why, then the benchmark exits 2.
+// Failure checks shared by the CUDA benchmarks: a failed call prints where and why, then the benchmark exits 2; a
+// stream that fails or hangs ends the benchmark (syncOrDie) instead of eating the device lease.
 // Include after the libraries' headers: TK (libtandem), NK (NCCL) and BK (cuBLAS) exist only where tandem/tandem.h,
 // nccl.h and cublasLt.h came first.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <thread>
 
 #define CK(call)                                                                                     \
   do {                                                                                               \
@@ -46,3 +50,27 @@
     }                                                                                                \
   } while (0)
 #endif
+
+namespace tandem::bench {
+
+// Waits for `s`; a CUDA error exits 4, a stream still busy after `seconds` (a hung kernel) exits 3.
+inline void syncOrDie(cudaStream_t s, double seconds, const std::string& what) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) {
+      std::fprintf(stderr, "FAIL: %s: %s (%s)\n", what.c_str(), cudaGetErrorName(e), cudaGetErrorString(e));
+      std::fflush(stdout);
+      std::_Exit(4);
+    }
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) {
+      std::fprintf(stderr, "FAIL: %s: still running after %.0f s (hang?)\n", what.c_str(), seconds);
+      std::fflush(stdout);
+      std::_Exit(3);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+}  // namespace tandem::bench

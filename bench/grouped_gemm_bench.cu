@@ -43,26 +43,9 @@ constexpr int64_t kHidden = 7168;
 constexpr int64_t kFfn = 2048;
 constexpr int kSets = 2;
 
-void syncOrDie(cudaStream_t s, double seconds, const std::string& what) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(s);
-    if (e == cudaSuccess) return;
-    if (e != cudaErrorNotReady) {
-      std::fprintf(stderr, "FAIL: %s: %s (%s)\n", what.c_str(), cudaGetErrorName(e), cudaGetErrorString(e));
-      std::fflush(stdout);
-      std::_Exit(4);
-    }
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) {
-      std::fprintf(stderr, "FAIL: %s: still running after %.0f s (hang?)\n", what.c_str(), seconds);
-      std::fflush(stdout);
-      std::_Exit(3);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-}
 
 using tandem::bench::fillUniform;
+using tandem::bench::syncOrDie;
 using tandem::bench::refGemm;
 using tandem::bench::relErrorKernel;
 using tandem::bench::toFloat;
