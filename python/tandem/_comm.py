@@ -429,13 +429,16 @@ class Communicator:
     def _live(self, sa, sb, sc=None, sd=None) -> bool:
         """cuda: confirms each distinct registered segment among the op's tensors (None: daemon memory, nothing to
         confirm) with one driver query; a dead one drops the cached pointers and sends the op down the full path."""
-        segs = self.session.segments
-        for s, before in ((sa, ()), (sb, (sa,)), (sc, (sa, sb)), (sd, (sa, sb, sc))):
-            if s is None or s in before:
-                continue
-            if not segs.live(s):
-                self._hits.clear()
-                return False
+        live = self.session.segments.live if (sa is not None or sb is not None or sc is not None or
+                                               sd is not None) else None
+        if live is None:
+            return True
+        if ((sa is not None and not live(sa)) or
+                (sb is not None and sb is not sa and not live(sb)) or
+                (sc is not None and sc is not sa and sc is not sb and not live(sc)) or
+                (sd is not None and sd is not sa and sd is not sb and sd is not sc and not live(sd))):
+            self._hits.clear()
+            return False
         return True
 
     def _go(self, plan, stream: int) -> None:
