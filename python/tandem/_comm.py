@@ -869,7 +869,8 @@ class Communicator:
 # torch.compiler.is_compiling() reads, at a third of its cost per eager call (it also asks torch.jit).
 import torch.compiler as _tc  # noqa: E402
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
-_capturing_stream = torch.cuda.is_current_stream_capturing
+# torch.cuda.is_current_stream_capturing without its Python frame (it only calls this).
+_capturing_stream = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 # Ops between two completion polls on the cuda backend. The daemon holds a session's completions in its completion
 # ring (rings.capacity, 256 by default, at least 8) plus limits.max_pending_completions (4096 by default, at least
 # 16) before it closes the session as unresponsive: a poll every 16 ops stays inside even the smallest setting.
