@@ -4,7 +4,7 @@
 # gpu-labelled attention core test, attention_bench --variants all at 16 heads, head_dim 128, seq 4K-32K (causal and
 # not; every variant checked against an fp32 reference, timed in interleaved rounds), torch SDPA (cuDNN, flash) on the
 # same shapes in the same call, the ratios, then in the time left a second pass of the defaults (run-to-run spread)
-# and, with ATTN_NCU=1, ncu of the default at non-causal 4K. Every step under `timeout`; logs go to OUT.
+# and ncu (--set full) of the default at non-causal 4K (ATTN_NCU=0: skipped). Every step under `timeout`; logs in OUT.
 #   scripts/attention-gpu-run.sh OUT [attention_bench arguments for the first pass; default: --variants all]
 set -uo pipefail
 out=${1:?usage: $0 OUT [bench args]}
@@ -27,22 +27,31 @@ if ! timeout 40 cmake -S . -B build-gpu-attn -G Ninja -DCMAKE_BUILD_TYPE=Release
   exit 1
 fi
 # CMAKE_CUDA_FLAGS -Xptxas=-v: ptxas prints each kernel's registers, stack and spills into the build log.
-if ! timeout 100 cmake --build build-gpu-attn -j16 --target tandem_attention attention_bench tandem_attention_core_tests \
-  > "$out/build.log" 2>&1; then
+targets=(tandem_attention attention_bench tandem_attention_core_tests)
+if ! timeout 100 cmake --build build-gpu-attn -j16 --target "${targets[@]}" > "$out/build.log" 2>&1; then
   grep -E "error|Error" -A4 "$out/build.log" | head -80
   exit 1
 fi
 echo "build: $(elapsed) s"
 # Per attention kernel: registers, stack, spills, and any wgmma serialisation warning (C75xx) or local memory.
-awk '/Compiling entry function/ {on = /attn15attentionKernel/} on && /Compiling entry|bytes stack frame|Used [0-9]+ registers/' \
-  "$out/build.log" | sed 's/^ *//' > "$out/ptxas.txt"
-grep -E "Potential Performance Loss|Local memory used|Registers are spilled" "$out/build.log" | sort -u >> "$out/ptxas.txt"
-for o in $(find build-gpu-attn/kernels -name 'attention.cu.o'); do
-  cuobjdump -res-usage "$o" 2>&1 | grep -E "Function|REG|STACK" >> "$out/res-usage.txt"
-done
-echo "ptxas: $(grep -c 'bytes stack frame' "$out/ptxas.txt") attention kernels, with spills or stack: \
-$(grep 'bytes stack frame' "$out/ptxas.txt" | grep -vc '^0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads'), \
-serialised wgmma: $(grep -c 'Potential Performance Loss' "$out/ptxas.txt")"
+awk '/Compiling entry function/ {on = /attn15attentionKernel/}
+     on && /Compiling entry|bytes stack frame|Used [0-9]+ registers/' "$out/build.log" | sed 's/^ *//' \
+  > "$out/ptxas.txt"
+grep -E "Potential Performance Loss|Local memory used|Registers are spilled" "$out/build.log" | sort -u \
+  >> "$out/ptxas.txt"
+# SASS per kernel: HGMMA, WARPSYNC and R2UR counts (a main loop that ptxas takes for divergent gets a WARPSYNC and
+# R2UR descriptor moves before every GEMM batch).
+obj=$(find build-gpu-attn/kernels -name 'attention.cu.o' | head -1)
+if [ -n "$obj" ]; then
+  cuobjdump -res-usage "$obj" 2>&1 | grep -E "Function|REG|STACK" > "$out/res-usage.txt"
+  cuobjdump -sass "$obj" 2>/dev/null | awk '/Function :/ {f = $3} /HGMMA/ {h[f]++} /WARPSYNC/ {w[f]++} /R2UR/ {r[f]++}
+    END {for (k in h) printf "%s HGMMA %d WARPSYNC %d R2UR %d\n", k, h[k], w[k], r[k]}' | sort > "$out/sass-counts.txt"
+fi
+nk=$(grep -c 'bytes stack frame' "$out/ptxas.txt")
+clean='^0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads'
+nspill=$(grep 'bytes stack frame' "$out/ptxas.txt" | grep -vc "$clean")
+echo "ptxas: $nk attention kernels, $nspill with spills or stack, $(grep -c 'Potential Performance' "$out/ptxas.txt") \
+serialisation warnings"
 timeout 45 stdbuf -oL ./build-gpu-attn/tests/gpu/tandem_attention_core_tests > "$out/test.log" 2>&1
 echo "attention core test rc=$? ($(elapsed) s)"
 grep -E "ERROR|FAILED|test cases|assertions|SKIPPED" "$out/test.log" | head -30
@@ -56,7 +65,7 @@ if [ "$(left)" -gt 25 ]; then
   timeout $(($(left) - 8)) ./build-gpu-attn/bench/attention_bench > "$out/bench2.log" 2>&1
   echo "attention_bench (2nd pass, defaults) rc=$? ($(elapsed) s)"
 fi
-if [ "${ATTN_NCU:-0}" = 1 ] && [ "$(left)" -gt 30 ]; then
+if [ "${ATTN_NCU:-1}" = 1 ] && [ "$(left)" -gt 30 ]; then
   timeout $(($(left) - 5)) ncu --clock-control none --set full -k regex:attentionKernel -c 1 \
     -o "$out/tandem-4096" ./build-gpu-attn/bench/attention_bench --seqs 4096 --causal 0 --iters 1 --warmup 0 \
     > "$out/ncu.log" 2>&1

@@ -163,6 +163,12 @@ inline constexpr size_t kSmemBytes = sizeof(SharedStorage<HD, BN>) + 1024;  // +
 static_assert(kSmemBytes<128, 176> <= 227 * 1024, "H100/H200 opt-in shared memory per block");
 static_assert((128 * 176 * 2) % 1024 == 0 && (176 * 128) % 1024 == 0, "halves stay 1024-aligned");
 
+// A value every lane of the warp holds alike, read from lane 0 so that ptxas knows it is warp-uniform. What the
+// consumers branch on or loop over comes from shared memory (the run table, the dynamic tile index); as plain
+// per-thread loads ptxas treats the main loop as divergent: a WARPSYNC and R2UR moves of every wgmma descriptor
+// into uniform registers before each GEMM batch (SASS).
+__device__ __forceinline__ int32_t warpUniform(int32_t x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // ---------------------------------------------------------------------------------------------------------------
 // PTX wrappers attention needs beyond gemm_sm90.cuh.
 // ---------------------------------------------------------------------------------------------------------------
@@ -705,7 +711,7 @@ __device__ __forceinline__ void issuePVSteps(float (&oacc)[HD / 2], const uint32
 template <class T, int HD, int BN>
 __device__ __forceinline__ void issuePV(float (&oacc)[HD / 2], const uint32_t (&pfrag)[BN / 4], uint32_t vAddr,
                                         int32_t cols) {
-  const int tier = widthTier<BN>(cols);
+  const int tier = warpUniform(widthTier<BN>(cols));
   if (tier == 0) {
     issuePVSteps<T, HD, BN, 4>(oacc, pfrag, vAddr);
   } else if (BN > 128 && tier == 1) {
@@ -735,34 +741,37 @@ __device__ __forceinline__ void applyMask(float (&sacc)[BN / 2], const int32_t (
 template <int BN>
 __device__ __forceinline__ void onlineSoftmax(float (&sacc)[BN / 2], float (&rowMax)[2], float (&rowSum)[2],
                                               float (&alpha)[2], float scaleLog2) {
-  float mx[2] = {-INFINITY, -INFINITY};
+  // Two chains per row for the max and for the sum (even and odd column groups, then combined), not one chain of
+  // BN / 8 dependent FMNMX and BN / 4 dependent FADD per row: the softmax's latency is what ping-pong must hide.
+  float mx[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};  // [row][chain]
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
-    mx[0] = fmaxf(mx[0], fmaxf(sacc[4 * j + 0], sacc[4 * j + 1]));
-    mx[1] = fmaxf(mx[1], fmaxf(sacc[4 * j + 2], sacc[4 * j + 3]));
+    mx[0][j & 1] = fmaxf(mx[0][j & 1], fmaxf(sacc[4 * j + 0], sacc[4 * j + 1]));
+    mx[1][j & 1] = fmaxf(mx[1][j & 1], fmaxf(sacc[4 * j + 2], sacc[4 * j + 3]));
   }
   float mUse[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    const float mNew = fmaxf(rowMax[h], mx[h] * scaleLog2);
+    float m = fmaxf(mx[h][0], mx[h][1]);
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float mNew = fmaxf(rowMax[h], m * scaleLog2);
     mUse[h] = mNew == -INFINITY ? 0.0f : mNew;
     alpha[h] = exp2Approx(rowMax[h] - mUse[h]);
     rowMax[h] = mNew;
   }
-  float sum[2] = {0.0f, 0.0f};
+  float sum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [row][chain]
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float v = exp2Approx(fmaf(sacc[4 * j + e], scaleLog2, -mUse[e >> 1]));
       sacc[4 * j + e] = v;
-      sum[e >> 1] += v;
+      sum[e >> 1][e & 1] += v;
     }
   }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) rowSum[h] = rowSum[h] * alpha[h] + sum[h];
+  for (int h = 0; h < 2; ++h) rowSum[h] = rowSum[h] * alpha[h] + (sum[h][0] + sum[h][1]);
 }
 
 template <int HD>
@@ -845,11 +854,12 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
   const uint32_t qAddr = gemm::smemAddr(s.q) + static_cast<uint32_t>(wg) * kRowsPerConsumer * 128;
 
   gemm::PipeState<2> ts;
-  for (int32_t k = 0, w = consumeWork(p, s, 0, ts); w < p.numWork; w = consumeWork(p, s, ++k, ts)) {
+  for (int32_t k = 0, w = warpUniform(consumeWork(p, s, 0, ts)); w < p.numWork;
+       w = warpUniform(consumeWork(p, s, ++k, ts))) {
     const TileCoord tc = tileOf<Causal>(p, w);
     const int32_t q0 = tc.qTile * kBlockM;
     const int64_t maxQ = tileMaxQPos(p, q0);
-    const int32_t n = countBlocks<BN, Causal>(s.runs, maxQ);
+    const int32_t n = warpUniform(countBlocks<BN, Causal>(s.runs, maxQ));
     const int32_t rowBase = q0 + wg * kRowsPerConsumer;
     rowMax[0] = rowMax[1] = -INFINITY;
     rowSum[0] = rowSum[1] = 0.0f;
@@ -867,7 +877,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
       // Positions increase with the row: the warpgroup's first row is its earliest. Computed here, not kept live
       // across the loop (the consumers have no registers to spare).
       const bool diagonal = Causal && kvBase + BN - 1 > qPosOf(p, rowBase);
-      if (validCols >= BN && !diagonal) return;  // warpgroup-uniform
+      if (warpUniform(validCols >= BN && !diagonal)) return;  // warpgroup-uniform
       int32_t lim[2] = {validCols, validCols};
       if constexpr (Causal) {
 #pragma unroll
@@ -943,7 +953,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
     // The block at c at the width its keys need (blockCols; every block at BN without trimming).
     const auto blockAtWidth = [&](auto first, bool last) {
       const int32_t cols = blockCols(c);
-      const int tier = widthTier<BN>(cols);
+      const int tier = warpUniform(widthTier<BN>(cols));
       if (tier == 2) {
         block(sacc, first, last);
       } else if (BN > 128 && tier == 1) {
