@@ -1,10 +1,16 @@
-// Multi-node communicators on the cuda backend (issue 7): two tandemd daemons, each owning one GPU (cuda.devices),
-// connected as a two-node cluster over tcp on loopback (127.0.0.1 and 127.0.0.2), and one rank per node. tandemd
-// stages these ops through host memory (daemon/src/cuda/cuda_multinode.hpp): every output is checked against the fp64
-// reference (common/reference.hpp), one op at a time and back to back on one stream. Then a rank killed mid-op on one
-// node must release the other node's stream with PEER_LOST. Needs 2 GPUs.
+// Multi-node communicators on the cuda backend: two tandemd daemons, each owning one GPU (cuda.devices; both the one
+// GPU where only one exists), connected as a two-node cluster over tcp on loopback (127.0.0.1 and 127.0.0.2). tandemd
+// runs these ops itself (daemon/src/cuda/cuda_multinode.hpp): the fused GEMMs and allgather whose shapes the GEMM core
+// takes on the GPUs, with the host moving one payload per node pair, and the rest (fp32, odd shapes, barriers) on the
+// host reference fallback. Every output is checked against the fp64 reference (common/reference.hpp), one op at a time
+// and back to back on one stream, with one rank per node; then the fused GEMMs at GPU shapes off the tile with 1 and 2
+// ranks per node (the ranks interleaved over the nodes, so a node's rows are not contiguous), 20 repeats bitwise
+// identical, gemm-ar bitwise identical on every rank, and the daemons' logs naming the GPU path. Then a rank killed
+// mid-op on one node must release the other node's stream with PEER_LOST.
 #include <array>
+#include <map>
 #include <memory>
+#include <sstream>
 #include <vector>
 
 #include "gpu_harness.hpp"
@@ -116,7 +122,7 @@ struct OpRun {
       }
       ref::fillInputs(descs[q], slots, seed);  // outputs poisoned with NaN
     }
-    want = ref::compute(descs, inputs)[r];
+    want = ref::computeRank(descs, inputs, r);
     for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
       if (host[r][i].empty()) continue;  // e.g. the A shard of a rank without rows: no buffer
       TK(tandem_alloc(s, host[r][i].size(), &buf[i]));
@@ -273,13 +279,92 @@ std::string rankBody(const std::string& socket, const tandem_unique_id_t& id, ui
   return "OK";
 }
 
+// The GPU path's cases: shapes off the 128-row tile, M split unevenly; k slices multiples of 8 (the GEMM core's rule;
+// the balanced split of K can be uneven only by one, so an uneven K split always takes the host fallback); gemm-rs with
+// n not a multiple of 8 (its partials are padded; ag-gemm writes C directly and needs n % 8 == 0).
+std::vector<ref::OpShape> gpuCases(uint32_t nranks) {
+  const uint64_t k = nranks == 2 ? 1040 : 1056;  // k slices of 520 or 264
+  std::vector<ref::OpShape> out;
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    out.push_back(shapeOf(OpKind::kAgGemm, dt, 1001, 1000, 1040));
+    out.push_back(shapeOf(OpKind::kGemmRs, dt, 1001, 1004, k));
+    out.push_back(shapeOf(OpKind::kGemmAr, dt, 1000, 1000, k));
+  }
+  return out;
+}
+
+// FNV-1a of the bytes: the ranks report their outputs' hashes, which the test compares across repeats and ranks.
+uint64_t hashBytes(const std::vector<std::byte>& b) {
+  uint64_t h = 1469598103934665603ull;
+  for (std::byte x : b) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
+  return h;
+}
+
+constexpr int kRepeats = 20;
+
+// Rank `rank` of `n` on node rank % 2: every GPU case against the reference, then kRepeats more runs of it whose C
+// must be bitwise the first's (C is poisoned before each). Returns "OK" and one C hash per case.
+std::string spanBody(const std::string& socket, const tandem_unique_id_t& id, uint32_t rank, uint32_t n) {
+  CK(cudaSetDevice(rankDevice(rank % 2)));
+  tandem_session_t s;
+  TK(tandem_connect(socket.c_str(), &s));
+  tandem_comm_t comm;
+  TK(tandem_comm_init(s, &id, n, rank, 60000, &comm));
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const auto all = gpuCases(n);
+  std::string hashes;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    OpRun run(s, all[i], rank, n, 3000 + i);
+    if (std::string e = run.submit(comm, stream); !e.empty()) return fmt::format("FAIL {}: {}", describe(all[i]), e);
+    if (std::string synced = syncWithin(stream, 60000); synced != "synced") {
+      return fmt::format("FAIL {}: stream {}", describe(all[i]), synced);
+    }
+    if (std::string e = run.check(); !e.empty()) return fmt::format("FAIL {}: {}", describe(all[i]), e);
+    const tandem_buffer_t cbuf = run.buf[slot::kC];
+    std::vector<std::byte> first(run.host[rank][slot::kC].size()), again(first.size());
+    if (cbuf != nullptr) CK(cudaMemcpy(first.data(), tandem_buffer_ptr(cbuf), first.size(), cudaMemcpyDeviceToHost));
+    for (int rep = 0; rep < kRepeats; ++rep) {
+      if (cbuf != nullptr) CK(cudaMemsetAsync(tandem_buffer_ptr(cbuf), 0xff, first.size(), stream));  // NaN
+      if (std::string e = run.submit(comm, stream); !e.empty()) {
+        return fmt::format("FAIL {} repeat {}: {}", describe(all[i]), rep, e);
+      }
+      if (std::string synced = syncWithin(stream, 60000); synced != "synced") {
+        return fmt::format("FAIL {} repeat {}: stream {}", describe(all[i]), rep, synced);
+      }
+      if (tandem_wait(run.op, 60000) != TANDEM_SUCCESS) {
+        return fmt::format("FAIL {} repeat {}: {}", describe(all[i]), rep, tandem_last_error());
+      }
+      if (cbuf != nullptr) CK(cudaMemcpy(again.data(), tandem_buffer_ptr(cbuf), again.size(), cudaMemcpyDeviceToHost));
+      if (again != first) return fmt::format("FAIL {} repeat {}: C differs from the first run", describe(all[i]), rep);
+    }
+    hashes += fmt::format(" {:016x}", hashBytes(first));
+  }
+  TK(tandem_comm_destroy(comm));
+  tandem_disconnect(s);
+  return "OK" + hashes;
+}
+
+// Whether `log` has a plan line for `shape` (k: rank 0's slice for gemm-rs/ar, as its descriptor says) at `nranks`
+// ranks that names `plan`.
+bool logShowsPlan(const std::string& log, const ref::OpShape& shape, uint32_t nranks, const std::string& plan) {
+  const uint64_t k = shape.kind == OpKind::kAgGemm ? shape.k : tandem::rowsOf(shape.k, 0, nranks);
+  const std::string what = fmt::format("{} {} m={} n={} k={} on {} ranks", tandem::opKindName(shape.kind),
+                                       tandem::dtypeName(shape.dtype), shape.m, shape.n, k, nranks);
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find(what) != std::string::npos && line.find("plan " + plan) != std::string::npos) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 TEST_CASE("two nodes, one GPU each: ag-gemm, gemm-rs, gemm-ar, allgather and barriers across nodes match the fp64 "
           "reference") {
   TwoNodes c;
   REQUIRE_MESSAGE(c.connected(), c.logs());
-  MESSAGE("cases (tandemd stages them through host memory):");
+  MESSAGE("cases (on the GPUs where the GEMM core takes them, else on the host reference fallback):");
   for (const auto& s : cases()) MESSAGE("  " << describe(s));
   tandem_unique_id_t id;
   REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
@@ -294,8 +379,61 @@ TEST_CASE("two nodes, one GPU each: ag-gemm, gemm-rs, gemm-ar, allgather and bar
     CHECK(result == "OK");
   }
   for (auto& r : ranks) r.reap();
+  const std::string gpuPlan = "staged exchange + GPU GEMM", hostPlan = "host reference fallback";
+  for (const auto& d : c.daemons) {
+    INFO(d->log());
+    // Both paths: bf16/fp16 at GPU shapes on the GPUs, fp32 on the host reference.
+    CHECK(logShowsPlan(d->log(), shapeOf(OpKind::kAgGemm, DType::kBF16, 777, 520, 264), 2, gpuPlan));
+    CHECK(logShowsPlan(d->log(), shapeOf(OpKind::kGemmAr, DType::kF16, 29, 16, 48), 2, gpuPlan));
+    CHECK(logShowsPlan(d->log(), shapeOf(OpKind::kAgGemm, DType::kF32, 129, 33, 17), 2, hostPlan));
+  }
+  // k = 49 splits into 25 and 24: node 0 computes on the host, node 1 on its GPU (n = 19: padded partials), and the
+  // results still match the reference: both paths send the same fp32 payloads.
+  CHECK(logShowsPlan(c.daemons[0]->log(), shapeOf(OpKind::kGemmRs, DType::kBF16, 37, 19, 49), 2, hostPlan));
+  CHECK(logShowsPlan(c.daemons[1]->log(), shapeOf(OpKind::kGemmRs, DType::kBF16, 37, 19, 49), 2, gpuPlan));
   for (const auto& d : c.daemons) {
     CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
+  }
+}
+
+TEST_CASE("two nodes: the fused GEMMs across nodes run on the GPUs at 1 and 2 ranks per node, match the fp64 reference "
+          "and repeat bitwise") {
+  for (uint32_t perNode : {1u, 2u}) {
+    const uint32_t n = 2 * perNode;
+    CAPTURE(n);
+    TwoNodes c;
+    REQUIRE_MESSAGE(c.connected(), c.logs());
+    tandem_unique_id_t id;
+    REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+    std::vector<Rank> ranks;
+    for (uint32_t r = 0; r < n; ++r) {
+      ranks.push_back(spawn([&, r](const Io&) { return spanBody(c.daemons[r % 2]->socket(), id, r, n); }));
+    }
+    std::vector<std::vector<std::string>> hashes(n);
+    for (uint32_t r = 0; r < n; ++r) {
+      const std::string result = ranks[r].read(300000);
+      INFO("rank " << r << " (node " << r % 2 << "): " << result);
+      INFO(c.logs());
+      REQUIRE(result.rfind("OK", 0) == 0);
+      std::istringstream in(result.substr(2));
+      for (std::string h; in >> h;) hashes[r].push_back(h);
+    }
+    for (auto& r : ranks) r.reap();
+    const auto all = gpuCases(n);
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      CAPTURE(describe(all[i]));
+      // gemm-ar: every rank on every node holds bitwise the same C.
+      if (all[i].kind == OpKind::kGemmAr) {
+        for (uint32_t r = 1; r < n; ++r) CHECK(hashes[r].at(i) == hashes[0].at(i));
+      }
+      for (const auto& d : c.daemons) {
+        INFO(d->log());
+        CHECK(logShowsPlan(d->log(), all[i], n, "staged exchange + GPU GEMM"));
+      }
+    }
+    for (const auto& d : c.daemons) {
+      CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
+    }
   }
 }
 

@@ -240,8 +240,8 @@ class CudaBackend final : public Backend {
     return std::make_shared<ClientGateComm>(comm.handle, std::move(ranks), std::move(pages), ctx_);
   }
 
-  // A communicator with ranks on other nodes (cuda_multinode.hpp): a control page per local rank, no workspaces; the
-  // ops are staged through host memory. The engine admits it with the client executor only.
+  // A communicator with ranks on other nodes (cuda_multinode.hpp): a control page and a tandemd-private workspace of
+  // cuda.workspace_bytes per local rank; tandemd runs the ops. The engine admits it with the client executor only.
   std::shared_ptr<CudaComm> setupStaged(const Communicator& comm) {
     std::vector<k::ControlPage> pages(comm.nranks);
     std::vector<int> devices(comm.nranks, -1);
@@ -250,7 +250,7 @@ class CudaBackend final : public Backend {
       devices[r] = gpu(comm.devices[r], "join").ordinal;
       pages[r] = k::ControlPage::create(fmt::format("tandem-ctl-c{}", comm.handle));
     }
-    return std::make_shared<HostStagedComm>(comm.handle, std::move(pages), devices);
+    return std::make_shared<HostStagedComm>(comm.handle, std::move(pages), devices, workspaceBytes_);
   }
 
   const GpuInfo& gpu(const std::string& uuid, const char* what) const {

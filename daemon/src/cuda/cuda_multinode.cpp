@@ -1,17 +1,30 @@
-// Multi-node communicators on the cuda backend, staged through host memory: see cuda_multinode.hpp.
+// Multi-node communicators on the cuda backend: the exchange through the host, the compute on the GPUs (or, for what
+// they do not take, the host reference): see cuda_multinode.hpp.
 #include "cuda/cuda_multinode.hpp"
 
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
+#include <limits>
 
 #include "cluster.hpp"
 #include "cpu/cpu_ops.hpp"
 #include "tandem/common/validate.hpp"
+#include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/span_reduce.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
+
+namespace k = tandem::kernels;
+
+constexpr uint32_t kExchangeTimeoutMs = 60000;  // as the cpu backend's: a peer daemon alive but sending nothing
+constexpr uint64_t kAlign = 256;                // workspace sub-buffers start on 256 bytes
+constexpr uint64_t kPinStep = uint64_t{2} << 20;  // slot registrations grow in 2 MiB steps
+
+uint64_t alignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 void completeLocal(const Collective& c, int32_t code, const std::string& message) {
   for (const PendingOp& op : c.ops) {
@@ -19,12 +32,140 @@ void completeLocal(const Collective& c, int32_t code, const std::string& message
   }
 }
 
+std::vector<uint32_t> ranksOn(const Collective& c, uint32_t node) {
+  std::vector<uint32_t> out;
+  for (uint32_t r = 0; r < c.ops.size(); ++r) {
+    if (c.nodeOfRank[r] == node) out.push_back(r);
+  }
+  return out;
+}
+
+std::vector<uint32_t> localRanksOf(const Collective& c) {
+  std::vector<uint32_t> out;
+  for (uint32_t r = 0; r < c.ops.size(); ++r) {
+    if (c.ops[r].local()) out.push_back(r);
+  }
+  return out;
+}
+
+// Slot `s` of local rank op `op` in tandemd's address space; null when absent.
+std::byte* slotPtr(const PendingOp& op, int s) {
+  const auto i = static_cast<std::size_t>(s);
+  if (!op.buffers[i] || op.desc.bufs[i].bytes == 0) return nullptr;
+  return resolveDevice(*op.buffers[i], op.desc.bufs[i].offset);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+k::SpanElem spanElem(DType d) {
+  switch (d) {
+    case DType::kBF16: return k::SpanElem::kBf16;
+    case DType::kF16: return k::SpanElem::kFp16;
+    default: return k::SpanElem::kF32;
+  }
+}
+
+void copyAsync(void* dst, const void* src, uint64_t bytes, cudaStream_t s, const char* what) {
+  if (bytes == 0) return;
+  k::checkCuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), "cudaMemcpyAsync({})", what);
+}
+
+void syncStream(int device, cudaStream_t s, const char* what) {
+  k::CudaDeviceGuard guard(device);
+  k::checkCuda(cudaStreamSynchronize(s), "cudaStreamSynchronize({})", what);
+}
+
+void sum(const k::SpanSum& p, cudaStream_t s, const char* what) {
+  k::checkCuda(k::launchSpanSum(p, s), "span sum ({})", what);
+}
+
+// The GEMM core on `stream` (its device current); its std::runtime_error becomes Error(kCuda): past the checks of
+// fallbackReason only CUDA itself refuses a launch, and the node must then leave the communicator.
+void gemm(const k::GemmParams& p, cudaStream_t stream, const char* what) {
+  try {
+    k::launchGemm(p, stream);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(ErrorCode::kCuda, "GEMM core ({}): {}", what, e.what());
+  }
+}
+
+// Contiguous row runs [first, first + rows) of the ranks that are (local) or are not (!local) on this node.
+std::vector<std::pair<uint64_t, uint64_t>> rowRuns(const Collective& c, uint64_t m, bool local) {
+  std::vector<std::pair<uint64_t, uint64_t>> runs;
+  const auto n = static_cast<uint32_t>(c.ops.size());
+  for (uint32_t r = 0; r < n; ++r) {
+    if (c.ops[r].local() != local) continue;
+    const uint64_t first = rowOffset(m, r, n), rows = rowsOf(m, r, n);
+    if (rows == 0) continue;
+    if (!runs.empty() && runs.back().first + runs.back().second == first) {
+      runs.back().second += rows;
+    } else {
+      runs.emplace_back(first, rows);
+    }
+  }
+  return runs;
+}
+
+// As runCpuOpAcrossNodes: the bytes node `from` sends node `to`, the same on every node and in either path, so all
+// nodes agree whether the op fits the staging before any of them starts.
+void checkStaging(const Collective& c) {
+  const OpDescriptor& d = c.ops[0].desc;
+  const auto n = static_cast<uint32_t>(c.ops.size());
+  const uint64_t m = d.dims[dim::kM], cols = d.dims[dim::kN];
+  auto payload = [&](uint32_t from, uint32_t to) -> uint64_t {
+    uint64_t bytes = 0;
+    switch (d.kind) {
+      case OpKind::kAgGemm:
+        for (uint32_t r : ranksOn(c, from)) bytes += rowsOf(m, r, n) * d.dims[dim::kK] * dtypeSize(d.dtype);
+        return bytes;
+      case OpKind::kAllGather: return ranksOn(c, from).size() * d.dims[dim::kBytes];
+      case OpKind::kGemmRs:
+        for (uint32_t r : ranksOn(c, to)) bytes += rowsOf(m, r, n) * cols * sizeof(float);
+        return bytes;
+      case OpKind::kGemmAr: return m * cols * sizeof(float);
+      default: return 0;
+    }
+  };
+  for (uint32_t from : c.link->nodes()) {
+    for (uint32_t to : c.link->nodes()) {
+      if (from == to) continue;
+      if (const uint64_t need = payload(from, to); need > c.link->maxPayload()) {
+        fail(ErrorCode::kInvalidArgument, "{} across nodes needs {} bytes of staging from node {} to node {}, but "
+             "cluster.staging_bytes allows {} per peer node; raise cluster.staging_bytes on every node (to at least "
+             "{}) or split the op", opKindName(d.kind), need, from, to, c.link->maxPayload(),
+             need + CommLink::kPayloadHeaderBytes);
+      }
+    }
+  }
+}
+
 }  // namespace
 
-HostStaging::HostStaging(std::vector<LocalRank> local) : local_(std::move(local)) {
+HostStaging::HostStaging(uint64_t handle, std::vector<LocalRank> local, uint64_t workspaceBytes)
+    : handle_(handle), local_(std::move(local)), workspaceBytes_(workspaceBytes) {
   for (const LocalRank& l : local_) {
-    if (!streams_.contains(l.device)) streams_[l.device] = kernels::CudaStream::create(l.device, "staging");
+    if (!gpus_.contains(l.device)) {
+      Gpu g;
+      g.compute = k::CudaStream::create(l.device, "span compute");
+      g.copy = k::CudaStream::create(l.device, "span copies");
+      g.event = k::CudaEvent::create(l.device, "span ordering");
+      gpus_.emplace(l.device, std::move(g));
+    }
+    workspaces_.emplace(l.rank, k::DeviceBuffer::allocate(l.device, workspaceBytes_, "span workspace"));
   }
+}
+
+std::byte* HostStaging::workspace(uint32_t rank) const {
+  return static_cast<std::byte*>(workspaces_.at(rank).get());
+}
+
+int HostStaging::deviceOf(uint32_t rank) const {
+  for (const LocalRank& l : local_) {
+    if (l.rank == rank) return l.device;
+  }
+  fail(ErrorCode::kInternal, "rank {} is not on this node", rank);
 }
 
 uint64_t HostStaging::lastEpoch() const {
@@ -111,7 +252,7 @@ void HostStaging::abort(ErrorCode code, const std::string& reason) {
 void HostStaging::copy(int device, void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind, const char* what) {
   if (bytes == 0) return;
   kernels::CudaDeviceGuard guard(device);
-  cudaStream_t s = streams_.at(device).get();
+  cudaStream_t s = gpus_.at(device).copy.get();
   kernels::checkCuda(cudaMemcpyAsync(dst, src, bytes, kind, s), "{}", what);
   kernels::checkCuda(cudaStreamSynchronize(s), "{}", what);
 }
@@ -119,7 +260,47 @@ void HostStaging::copy(int device, void* dst, const void* src, uint64_t bytes, c
 void HostStaging::run(Collective& c) {
   int32_t code = 0;
   std::string message;
+  bool leftExchange = false;  // this node failed outside the exchange: its peers must hear of it
   try {
+    const std::string why = fallbackReason(c);
+    if (why.empty()) {
+      checkStaging(c);  // alike on every node: the op fails everywhere, the communicator lives on
+      try {
+        checkWorkspaces(c);
+      } catch (const Error&) {
+        leftExchange = true;
+        throw;
+      }
+      const OpKind kind = c.ops[0].desc.kind;
+      logPlanOnce(c, kind == OpKind::kAllGather ? "staged exchange + GPU copies" : "staged exchange + GPU GEMM");
+      runOnGpus(c);
+    } else {
+      logPlanOnce(c, fmt::format("host reference fallback ({})", why));
+      runStaged(c);
+    }
+  } catch (const Error& e) {
+    code = statusOf(e.code());
+    message = e.what();
+    if (e.code() == ErrorCode::kCuda || leftExchange) {
+      // This node may have left the exchange (or is out of step with its streams): fail the communicator, so the
+      // other nodes hear it instead of waiting for our payload until their deadline.
+      message = e.code() == ErrorCode::kCuda
+                    ? fmt::format("{} across nodes: the GPU work or its staging through host memory failed: {}",
+                                  opKindName(c.ops[0].desc.kind), e.what())
+                    : e.what();
+      std::lock_guard lock(mutex_);
+      if (copyFailure_.empty()) copyFailure_ = message;
+    }
+  } catch (const std::exception& e) {
+    code = statusOf(ErrorCode::kInternal);
+    message = fmt::format("{} failed inside tandemd: {}", opKindName(c.ops[0].desc.kind), e.what());
+  }
+  finish(c, code, std::move(message));
+}
+
+// The host reference fallback: every input to the host, the cpu backend's exchange and compute, the outputs back.
+void HostStaging::runStaged(Collective& c) {
+  {
     const std::size_t n = c.ops.size();
     std::vector<RankOp> ranks(n);
     std::vector<std::array<std::vector<std::byte>, kMaxOpBuffers>> host(n);
@@ -154,22 +335,470 @@ void HostStaging::run(Collective& c) {
     for (const Slot& s : outputs) {
       copy(s.device, s.gpu, s.host, s.bytes, cudaMemcpyHostToDevice, "cudaMemcpyAsync(output to GPU)");
     }
-  } catch (const Error& e) {
-    code = statusOf(e.code());
-    message = e.what();
-    if (e.code() == ErrorCode::kCuda) {
-      // This node may have left the exchange (or is out of step with its streams): fail the communicator, so the
-      // other nodes hear it instead of waiting for our payload until their deadline.
-      message = fmt::format("{} across nodes: staging through host memory failed: {}", opKindName(c.ops[0].desc.kind),
-                            e.what());
-      std::lock_guard lock(mutex_);
-      if (copyFailure_.empty()) copyFailure_ = message;
-    }
-  } catch (const std::exception& e) {
-    code = statusOf(ErrorCode::kInternal);
-    message = fmt::format("{} failed inside tandemd: {}", opKindName(c.ops[0].desc.kind), e.what());
   }
-  finish(c, code, std::move(message));
+}
+
+// ---- the GPU path --------------------------------------------------------------------------------------------------
+
+std::string HostStaging::fallbackReason(const Collective& c) const {
+  const OpDescriptor& d = c.ops[0].desc;
+  if (d.kind == OpKind::kNop) return "a barrier moves no data";
+  if (d.kind == OpKind::kAllGather) return "";
+  if (d.kind != OpKind::kAgGemm && d.kind != OpKind::kGemmRs && d.kind != OpKind::kGemmAr) {
+    return "no GPU path for this op";
+  }
+  if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
+    return fmt::format("{}: the GEMM core takes bf16 and fp16", dtypeName(d.dtype));
+  }
+  constexpr uint64_t kMaxDim = std::numeric_limits<int32_t>::max();
+  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN];
+  if (m > kMaxDim || n > kMaxDim) return "a dimension past 2^31 - 1";
+  const bool ag = d.kind == OpKind::kAgGemm;
+  if (ag && n % 8 != 0) return fmt::format("n = {} is not a multiple of 8 (the GEMM core's 16-byte rows of C)", n);
+  for (uint32_t r : localRanksOf(c)) {
+    const PendingOp& op = c.ops[r];
+    const uint64_t kk = op.desc.dims[dim::kK];
+    if (kk > kMaxDim) return "a dimension past 2^31 - 1";
+    if (kk % 8 != 0) {
+      return fmt::format("{} = {} on rank {} is not a multiple of 8 (the GEMM core's 16-byte rows)", ag ? "k" : "k slice",
+                         kk, r);
+    }
+    static constexpr const char* kNames[] = {"a", "b", "c", "a_gathered"};
+    for (int s : {slot::kA, slot::kB, slot::kC, slot::kAGathered}) {
+      const std::byte* p = slotPtr(op, s);
+      if (p != nullptr && !aligned16(p)) {
+        return fmt::format("rank {}'s tensor {} is not 16-byte aligned", r, kNames[static_cast<std::size_t>(s)]);
+      }
+    }
+  }
+  return "";
+}
+
+void HostStaging::checkWorkspaces(const Collective& c) const {
+  const OpDescriptor& d = c.ops[0].desc;
+  const std::vector<uint32_t> mine = localRanksOf(c);
+  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], es = dtypeSize(d.dtype);
+  auto need = [&](uint32_t r) -> uint64_t {
+    switch (d.kind) {
+      case OpKind::kAgGemm:
+        return slotPtr(c.ops[r], slot::kAGathered) != nullptr ? 0 : alignUp(m * d.dims[dim::kK] * es, kAlign);
+      case OpKind::kGemmRs:
+      case OpKind::kGemmAr: {
+        const uint64_t partial = alignUp(m * alignUp(n, 8) * es, kAlign);
+        if (r != mine.front()) return partial;
+        const uint64_t f32 = alignUp(m * n * sizeof(float), kAlign);
+        uint64_t others = 0;
+        for (uint32_t q : mine) others += deviceOf(q) != deviceOf(r) ? 1 : 0;
+        // partial, node sum, running sum over nodes, receive slot, other GPUs' partials, their outputs' staging
+        return partial + 3 * f32 + others * partial + (others != 0 ? alignUp(m * n * es, kAlign) : 0);
+      }
+      default: return 0;
+    }
+  };
+  for (uint32_t r : mine) {
+    if (const uint64_t bytes = need(r); bytes > workspaceBytes_) {
+      fail(ErrorCode::kInvalidArgument, "{} {} m={} n={} k={} across nodes needs {} bytes of GPU workspace on rank {} "
+           "(gathered A, partial products, node sums), but cuda.workspace_bytes gives each rank {}; raise "
+           "cuda.workspace_bytes in tandemd's config on every node (to at least {}) and restart them, or split the op",
+           opKindName(d.kind), dtypeName(d.dtype), m, n, d.dims[dim::kK], bytes, r, workspaceBytes_,
+           alignUp(bytes, uint64_t{2} << 20));
+    }
+  }
+}
+
+void HostStaging::logPlanOnce(const Collective& c, const std::string& plan) {
+  const OpDescriptor& d = c.ops[0].desc;
+  const std::string shape =
+      d.kind == OpKind::kAllGather
+          ? fmt::format("{} {} bytes", opKindName(d.kind), d.dims[dim::kBytes])
+          : d.kind == OpKind::kNop
+                ? std::string(opKindName(d.kind))
+                : fmt::format("{} {} m={} n={} k={}", opKindName(d.kind), dtypeName(d.dtype), d.dims[dim::kM],
+                              d.dims[dim::kN], d.dims[dim::kK]);
+  if (!logged_.insert(shape + "|" + plan).second) return;
+  spdlog::info("communicator {:#x}: {} on {} ranks across {} nodes ({} here): plan {}", handle_, shape, c.ops.size(),
+               c.link->nodes().size(), localRanksOf(c).size(), plan);
+}
+
+void HostStaging::pin(const Collective& c, const std::byte* p, uint64_t bytes) {
+  if (bytes == 0) return;
+  const uint64_t slotBytes = c.link->maxPayload() + CommLink::kPayloadHeaderBytes;
+  if (slotBytes % 4096 != 0) return;  // slots share pages: registering one would overlap the next
+  const std::byte* slot = p - CommLink::kPayloadHeaderBytes;  // the payload follows the slot's {epoch, bytes}
+  const uint64_t want = std::min(slotBytes, alignUp(CommLink::kPayloadHeaderBytes + bytes, kPinStep));
+  Pin& pin = pins_[slot];
+  if (pin.failed || pin.bytes >= want) return;
+  if (!link_) link_ = c.link;  // its memory must outlive the registrations
+  pin.reg.reset();
+  pin.bytes = 0;
+  try {
+    pin.reg = k::HostRegistration::create(const_cast<std::byte*>(slot), want, "cudaHostRegister(CommLink slot)");
+    pin.bytes = want;
+  } catch (const Error& e) {
+    pin.failed = true;
+    spdlog::warn("communicator {:#x}: the staging slot stays pageable (slower copies): {}", handle_, e.what());
+  }
+}
+
+void HostStaging::drain() noexcept {
+  for (auto& [device, g] : gpus_) {
+    try {
+      k::CudaDeviceGuard guard(device);
+      k::reportRelease(cudaStreamSynchronize(g.compute.get()), "cudaStreamSynchronize(span compute)");
+      k::reportRelease(cudaStreamSynchronize(g.copy.get()), "cudaStreamSynchronize(span copies)");
+    } catch (const std::exception& e) {
+      spdlog::warn("communicator {:#x}: draining GPU {} after a failed op: {}", handle_, device, e.what());
+    }
+  }
+}
+
+void HostStaging::runOnGpus(Collective& c) {
+  try {
+    switch (c.ops[0].desc.kind) {
+      case OpKind::kAgGemm: return agGemm(c);
+      case OpKind::kAllGather: return allGather(c);
+      default: return gemmReduce(c);
+    }
+  } catch (...) {
+    drain();  // nothing of ours may still write into the ranks' buffers once the op completes
+    throw;
+  }
+}
+
+// Each local rank's gathered A: the local shards GPU to GPU, then that rank's GEMM over the local rows while the
+// exchange runs; the remote shards land in the first local rank's gathered A from the inbox and go GPU to GPU to the
+// other local ranks; then the GEMM over the remote rows.
+void HostStaging::agGemm(Collective& c) {
+  const OpDescriptor& d = c.ops[0].desc;
+  const auto n = static_cast<uint32_t>(c.ops.size());
+  const uint64_t m = d.dims[dim::kM], cols = d.dims[dim::kN], kk = d.dims[dim::kK], es = dtypeSize(d.dtype);
+  const uint64_t rowBytes = kk * es;
+  auto shardBytes = [&](uint32_t r) { return rowsOf(m, r, n) * rowBytes; };
+  const std::vector<uint32_t> mine = localRanksOf(c);
+  const uint32_t lead = mine.front();
+  std::vector<std::byte*> gathered(n, nullptr), a(n, nullptr);
+  std::set<int> devices;
+  for (uint32_t r : mine) {
+    std::byte* g = slotPtr(c.ops[r], slot::kAGathered);
+    gathered[r] = g != nullptr ? g : workspace(r);
+    a[r] = slotPtr(c.ops[r], slot::kA);  // null for a rank without rows
+    devices.insert(deviceOf(r));
+  }
+  // Copies on each device's copy stream, then the compute stream waits for them.
+  auto copiesThenCompute = [&] {
+    for (int dev : devices) {
+      k::CudaDeviceGuard guard(dev);
+      Gpu& g = gpu(dev);
+      k::checkCuda(cudaEventRecord(g.event.get(), g.copy.get()), "cudaEventRecord(span copies)");
+      k::checkCuda(cudaStreamWaitEvent(g.compute.get(), g.event.get()), "cudaStreamWaitEvent(span copies)");
+    }
+  };
+  auto gemmRows = [&](const std::vector<std::pair<uint64_t, uint64_t>>& runs) {
+    for (uint32_t r : mine) {
+      const int dev = deviceOf(r);
+      k::CudaDeviceGuard guard(dev);
+      for (auto [first, rows] : runs) {
+        k::GemmParams p{};
+        p.a = gathered[r] + first * rowBytes;
+        p.b = slotPtr(c.ops[r], slot::kB);
+        p.c = slotPtr(c.ops[r], slot::kC) + first * cols * es;
+        p.m = static_cast<int64_t>(rows);
+        p.n = static_cast<int64_t>(cols);
+        p.k = static_cast<int64_t>(kk);
+        p.lda = p.ldb = static_cast<int64_t>(kk);
+        p.ldc = static_cast<int64_t>(cols);
+        p.dtype = d.dtype == DType::kBF16 ? k::GemmDtype::kBf16 : k::GemmDtype::kFp16;
+        gemm(p, gpu(dev).compute.get(), "ag-gemm");
+      }
+    }
+  };
+  // 1. This node's shards into every local rank's gathered A, and the GEMM of those rows.
+  for (uint32_t r : mine) {
+    k::CudaDeviceGuard guard(deviceOf(r));
+    for (uint32_t q : mine) {
+      if (shardBytes(q) == 0 || gathered[r] + rowOffset(m, q, n) * rowBytes == a[q]) continue;
+      copyAsync(gathered[r] + rowOffset(m, q, n) * rowBytes, a[q], shardBytes(q), gpu(deviceOf(r)).copy.get(),
+                "local shard to gathered A");
+    }
+  }
+  copiesThenCompute();
+  gemmRows(rowRuns(c, m, true));
+  // 2. The exchange: our shards from the GPUs straight into each outbox; the peers' from the inbox to the lead's A.
+  const int leadDev = deviceOf(lead);
+  c.link->exchange(
+      c.epoch,
+      [&](uint32_t, std::span<std::byte> out) {
+        uint64_t off = 0;
+        for (uint32_t q : mine) off += shardBytes(q);
+        pin(c, out.data(), off);
+        off = 0;
+        for (uint32_t q : mine) {
+          k::CudaDeviceGuard guard(deviceOf(q));
+          copyAsync(out.data() + off, a[q], shardBytes(q), gpu(deviceOf(q)).copy.get(), "shard to the outbox");
+          off += shardBytes(q);
+        }
+        for (int dev : devices) syncStream(dev, gpu(dev).copy.get(), "shards to the outbox");
+        return off;
+      },
+      [&](uint32_t node, std::span<const std::byte> in) {
+        const std::vector<uint32_t> from = ranksOn(c, node);
+        uint64_t expected = 0;
+        for (uint32_t q : from) expected += shardBytes(q);
+        if (in.size() != expected) {
+          fail(ErrorCode::kProtocol, "ag-gemm: node {} sent {} bytes of A shards, expected {}", node, in.size(),
+               expected);
+        }
+        pin(c, in.data(), in.size());
+        k::CudaDeviceGuard guard(leadDev);
+        uint64_t off = 0;
+        for (uint32_t q : from) {
+          copyAsync(gathered[lead] + rowOffset(m, q, n) * rowBytes, in.data() + off, shardBytes(q),
+                    gpu(leadDev).copy.get(), "inbox to gathered A");
+          off += shardBytes(q);
+        }
+        syncStream(leadDev, gpu(leadDev).copy.get(), "inbox to gathered A");  // the inbox is free once we return
+      },
+      kExchangeTimeoutMs);
+  // 3. The remote rows to the other local ranks' gathered A, and the GEMM of the remote rows.
+  const auto remote = rowRuns(c, m, false);
+  for (uint32_t r : mine) {
+    if (r == lead) continue;
+    k::CudaDeviceGuard guard(deviceOf(r));
+    for (auto [first, rows] : remote) {
+      copyAsync(gathered[r] + first * rowBytes, gathered[lead] + first * rowBytes, rows * rowBytes,
+                gpu(deviceOf(r)).copy.get(), "remote shards to gathered A");
+    }
+  }
+  copiesThenCompute();
+  gemmRows(remote);
+  for (int dev : devices) syncStream(dev, gpu(dev).compute.get(), "ag-gemm");
+}
+
+void HostStaging::allGather(Collective& c) {
+  const uint64_t bytes = c.ops[0].desc.dims[dim::kBytes];
+  const std::vector<uint32_t> mine = localRanksOf(c);
+  const uint32_t lead = mine.front();
+  const int leadDev = deviceOf(lead);
+  std::set<int> devices;
+  for (uint32_t r : mine) devices.insert(deviceOf(r));
+  auto recv = [&](uint32_t r) { return slotPtr(c.ops[r], slot::kRecv); };
+  auto send = [&](uint32_t r) { return slotPtr(c.ops[r], slot::kSend); };
+  for (uint32_t r : mine) {
+    k::CudaDeviceGuard guard(deviceOf(r));
+    for (uint32_t q : mine) copyAsync(recv(r) + q * bytes, send(q), bytes, gpu(deviceOf(r)).copy.get(), "local send");
+  }
+  c.link->exchange(
+      c.epoch,
+      [&](uint32_t, std::span<std::byte> out) {
+        pin(c, out.data(), mine.size() * bytes);
+        uint64_t off = 0;
+        for (uint32_t q : mine) {
+          k::CudaDeviceGuard guard(deviceOf(q));
+          copyAsync(out.data() + off, send(q), bytes, gpu(deviceOf(q)).copy.get(), "send to the outbox");
+          off += bytes;
+        }
+        for (int dev : devices) syncStream(dev, gpu(dev).copy.get(), "sends to the outbox");
+        return off;
+      },
+      [&](uint32_t node, std::span<const std::byte> in) {
+        const std::vector<uint32_t> from = ranksOn(c, node);
+        if (in.size() != from.size() * bytes) fail(ErrorCode::kProtocol, "allgather: node {} sent a short payload", node);
+        pin(c, in.data(), in.size());
+        k::CudaDeviceGuard guard(leadDev);
+        for (std::size_t i = 0; i < from.size(); ++i) {
+          copyAsync(recv(lead) + from[i] * bytes, in.data() + i * bytes, bytes, gpu(leadDev).copy.get(), "inbox");
+        }
+        syncStream(leadDev, gpu(leadDev).copy.get(), "inbox to recv");
+      },
+      kExchangeTimeoutMs);
+  for (uint32_t r : mine) {
+    if (r == lead) continue;
+    k::CudaDeviceGuard guard(deviceOf(r));
+    for (uint32_t q = 0; q < c.ops.size(); ++q) {
+      if (c.ops[q].local()) continue;
+      copyAsync(recv(r) + q * bytes, recv(lead) + q * bytes, bytes, gpu(deviceOf(r)).copy.get(), "remote shards");
+    }
+  }
+  for (int dev : devices) syncStream(dev, gpu(dev).copy.get(), "allgather");
+}
+
+// Each local rank's partial with the GEMM core on its GPU; the node sum (rank order, fp32) on the lead's GPU; the
+// rows each peer owns to it as fp32; the sum over nodes (node order, fp32) and one rounding into every local C.
+void HostStaging::gemmReduce(Collective& c) {
+  const OpDescriptor& d = c.ops[0].desc;
+  const bool allReduce = d.kind == OpKind::kGemmAr;
+  const auto n = static_cast<uint32_t>(c.ops.size());
+  const uint64_t m = d.dims[dim::kM], cols = d.dims[dim::kN], es = dtypeSize(d.dtype), ldp = alignUp(cols, 8);
+  const k::SpanElem elem = spanElem(d.dtype);
+  const std::vector<uint32_t> mine = localRanksOf(c);
+  const uint32_t lead = mine.front();
+  const int leadDev = deviceOf(lead);
+  const uint64_t partialBytes = alignUp(m * ldp * es, kAlign), f32Bytes = alignUp(m * cols * sizeof(float), kAlign);
+  // The lead's workspace (checkWorkspaces sized it): its partial, the node sum, the running sum over nodes, the
+  // receive slot, then the other GPUs' partials and the staging of their outputs.
+  std::byte* ws = workspace(lead);
+  auto* nodeSum = reinterpret_cast<float*>(ws + partialBytes);
+  auto* total = reinterpret_cast<float*>(ws + partialBytes + f32Bytes);
+  auto* recvSlot = reinterpret_cast<float*>(ws + partialBytes + 2 * f32Bytes);
+  std::byte* next = ws + partialBytes + 3 * f32Bytes;
+  cudaStream_t leadStream = gpu(leadDev).compute.get();
+
+  // 1. The partials, each on its rank's GPU.
+  std::set<int> devices;
+  for (uint32_t r : mine) {
+    const int dev = deviceOf(r);
+    devices.insert(dev);
+    k::CudaDeviceGuard guard(dev);
+    k::GemmParams p{};
+    p.a = slotPtr(c.ops[r], slot::kA);
+    p.b = slotPtr(c.ops[r], slot::kB);
+    p.c = workspace(r);
+    p.m = static_cast<int64_t>(m);
+    p.n = static_cast<int64_t>(cols);
+    p.k = static_cast<int64_t>(c.ops[r].desc.dims[dim::kK]);
+    p.lda = p.ldb = p.k;
+    p.ldc = static_cast<int64_t>(ldp);
+    p.dtype = d.dtype == DType::kBF16 ? k::GemmDtype::kBf16 : k::GemmDtype::kFp16;
+    if (p.k == 0) {  // a rank without a k slice: its partial is zero (the GEMM core would need A and B)
+      k::checkCuda(cudaMemsetAsync(workspace(r), 0, m * ldp * es, gpu(dev).compute.get()), "cudaMemsetAsync(partial)");
+      continue;
+    }
+    gemm(p, gpu(dev).compute.get(), opKindName(d.kind).data());
+  }
+  // 2. The node sum in rank order on the lead's GPU; the other GPUs' partials come over first.
+  std::vector<const void*> partials;
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    for (int dev : devices) {
+      if (dev == leadDev) continue;
+      Gpu& g = gpu(dev);
+      {
+        k::CudaDeviceGuard other(dev);
+        k::checkCuda(cudaEventRecord(g.event.get(), g.compute.get()), "cudaEventRecord(partials)");
+      }
+      k::checkCuda(cudaStreamWaitEvent(leadStream, g.event.get()), "cudaStreamWaitEvent(partials)");
+    }
+    for (uint32_t r : mine) {
+      if (deviceOf(r) == leadDev) {
+        partials.push_back(workspace(r));
+      } else {
+        copyAsync(next, workspace(r), m * ldp * es, leadStream, "partial to the lead GPU");
+        partials.push_back(next);
+        next += partialBytes;
+      }
+    }
+    for (std::size_t i = 0; i < partials.size(); i += k::kSpanMaxSources) {
+      k::SpanSum s{};
+      s.count = static_cast<int32_t>(std::min<std::size_t>(k::kSpanMaxSources, partials.size() - i));
+      for (int j = 0; j < s.count; ++j) s.src[j] = partials[i + static_cast<std::size_t>(j)];
+      s.srcType = elem;
+      s.dst = nodeSum;
+      s.dstType = k::SpanElem::kF32;
+      s.accumulate = i != 0;
+      s.rows = static_cast<int64_t>(m);
+      s.cols = static_cast<int64_t>(cols);
+      s.srcLd = static_cast<int64_t>(ldp);
+      s.dstLd = static_cast<int64_t>(cols);
+      sum(s, leadStream, "node sum");
+    }
+  }
+  syncStream(leadDev, leadStream, "node sum");
+
+  // The rows a node's ranks own, in rank order: (first row, rows).
+  auto rowsFor = [&](uint32_t node) {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
+    if (allReduce) {
+      out.emplace_back(0, m);
+    } else {
+      for (uint32_t r : ranksOn(c, node)) out.emplace_back(rowOffset(m, r, n), rowsOf(m, r, n));
+    }
+    return out;
+  };
+  const auto myRows = rowsFor(c.link->self());
+  uint64_t myFloats = 0;
+  for (auto [first, rows] : myRows) myFloats += rows * cols;
+  bool started = false, ownAdded = false;
+  // total[my rows] (+)= src, src holding my rows in order (packed, or at their own rows when `inPlace`).
+  auto addToTotal = [&](const float* src, bool atOwnRows) {
+    k::CudaDeviceGuard guard(leadDev);
+    uint64_t off = 0;
+    for (auto [first, rows] : myRows) {
+      k::SpanSum s{};
+      s.count = 1;
+      s.src[0] = src + (atOwnRows ? first * cols : off);
+      s.srcType = k::SpanElem::kF32;
+      s.dst = total + first * cols;
+      s.dstType = k::SpanElem::kF32;
+      s.accumulate = started;
+      s.rows = static_cast<int64_t>(rows);
+      s.cols = static_cast<int64_t>(cols);
+      s.srcLd = s.dstLd = static_cast<int64_t>(cols);
+      sum(s, leadStream, "sum over nodes");
+      off += rows * cols;
+    }
+    started = true;
+  };
+  auto addOwnBefore = [&](uint32_t node) {
+    if (!ownAdded && c.link->self() < node) {
+      addToTotal(nodeSum, true);
+      ownAdded = true;
+    }
+  };
+  // 3. The exchange.
+  c.link->exchange(
+      c.epoch,
+      [&](uint32_t node, std::span<std::byte> out) {
+        const auto rows = rowsFor(node);
+        uint64_t bytes = 0;
+        for (auto [first, count] : rows) bytes += count * cols * sizeof(float);
+        pin(c, out.data(), bytes);
+        k::CudaDeviceGuard guard(leadDev);
+        uint64_t off = 0;
+        for (auto [first, count] : rows) {
+          copyAsync(out.data() + off, nodeSum + first * cols, count * cols * sizeof(float), leadStream,
+                    "node partial to the outbox");
+          off += count * cols * sizeof(float);
+        }
+        syncStream(leadDev, leadStream, "node partial to the outbox");
+        return off;
+      },
+      [&](uint32_t node, std::span<const std::byte> in) {
+        if (in.size() != myFloats * sizeof(float)) {
+          fail(ErrorCode::kProtocol, "{}: node {} sent a payload of {} bytes, expected {}", opKindName(d.kind), node,
+               in.size(), myFloats * sizeof(float));
+        }
+        addOwnBefore(node);
+        pin(c, in.data(), in.size());
+        k::CudaDeviceGuard guard(leadDev);
+        // On the compute stream: after the previous node's add has read the receive slot.
+        copyAsync(recvSlot, in.data(), in.size(), leadStream, "inbox to the receive slot");
+        syncStream(leadDev, leadStream, "inbox to the receive slot");  // the inbox is free once we return
+        addToTotal(recvSlot, false);
+      },
+      kExchangeTimeoutMs);
+  if (!ownAdded) addToTotal(nodeSum, true);
+  // 4. One rounding into every local rank's C (gemm-rs: its own rows; gemm-ar: all of them).
+  std::byte* outStaging = next;
+  k::CudaDeviceGuard guard(leadDev);
+  for (uint32_t r : mine) {
+    const uint64_t first = allReduce ? 0 : rowOffset(m, r, n), rows = allReduce ? m : rowsOf(m, r, n);
+    if (rows == 0) continue;
+    std::byte* cr = slotPtr(c.ops[r], slot::kC);
+    const bool here = deviceOf(r) == leadDev;
+    k::SpanSum s{};
+    s.count = 1;
+    s.src[0] = total + first * cols;
+    s.srcType = k::SpanElem::kF32;
+    s.dst = here ? cr : outStaging;
+    s.dstType = elem;
+    s.rows = static_cast<int64_t>(rows);
+    s.cols = static_cast<int64_t>(cols);
+    s.srcLd = s.dstLd = static_cast<int64_t>(cols);
+    sum(s, leadStream, "output");
+    // Stream order on the lead keeps the staging's next writer behind this copy.
+    if (!here) copyAsync(cr, outStaging, rows * cols * es, leadStream, "output to its GPU");
+  }
+  syncStream(leadDev, leadStream, opKindName(d.kind).data());
 }
 
 void HostStaging::finish(Collective& c, int32_t code, std::string message) {
@@ -192,8 +821,9 @@ void HostStaging::finish(Collective& c, int32_t code, std::string message) {
 // ---- HostStagedComm ------------------------------------------------------------------------------------------------
 
 HostStagedComm::HostStagedComm(uint64_t handle, std::vector<kernels::ControlPage> pages,
-                               const std::vector<int>& devices)
-    : CudaComm(handle, std::move(pages)), staging_(localRanks(devices)) {}
+                               const std::vector<int>& devices, uint64_t workspaceBytes)
+    : CudaComm(handle, std::move(pages)), workspaceBytes_(workspaceBytes),
+      staging_(handle, localRanks(devices), workspaceBytes) {}
 
 std::vector<HostStaging::LocalRank> HostStagedComm::localRanks(const std::vector<int>& devices) {
   std::vector<HostStaging::LocalRank> local;
@@ -204,8 +834,8 @@ std::vector<HostStaging::LocalRank> HostStagedComm::localRanks(const std::vector
 }
 
 CommMapping HostStagedComm::mapping(const std::shared_ptr<CommResources>& /*self*/, uint32_t /*rank*/) const {
-  fail(ErrorCode::kUnsupported, "communicator {} spans nodes: tandemd stages its ops through host memory, and its "
-       "ranks have no GPU workspaces to map", handle());
+  fail(ErrorCode::kUnsupported, "communicator {} spans nodes: tandemd runs its ops itself, and its ranks have no GPU "
+       "workspaces to map", handle());
 }
 
 bool HostStagedComm::execute(Collective c, std::function<void()> finished) {

@@ -1,25 +1,40 @@
-// Multi-node communicators on the cuda backend (the host-staged executor strategy), staged through host memory.
-// Simple and correct, not fast.
+// Multi-node communicators on the cuda backend (the host-staged executor strategy): the host moves the bytes between
+// nodes, the GPUs compute.
 //
-// A communicator whose ranks live on several nodes gets no GPU workspaces and runs no tandem kernel: libtandem's
-// "host" mode (JoinInfo.executor) only orders each op in the rank's stream, WriteValue32(ready, e) then
-// WaitValue32(done >= e) on the rank's control page, and tandemd runs the op itself:
+// A communicator whose ranks live on several nodes gets no client-mapped workspaces and runs no tandem kernel from the
+// client: libtandem's "host" mode (JoinInfo.executor) only orders each op in the rank's stream, WriteValue32(ready, e)
+// then WaitValue32(done >= e) on the rank's control page, and tandemd runs the op itself:
 //   1. the accepted collective waits (polled by the pump) until every local rank's stream wrote ready >= e: the
 //      inputs are final and nothing in those streams touches the op's buffers until done;
-//   2. on the communicator's own thread (CommLink::post): every local rank's input slots are copied GPU -> host,
-//      runCpuOpAcrossNodes (cpu_multinode.cpp) exchanges one payload per node pair through the proxy FIFO and the
-//      transport and computes the outputs on the host (fp32 accumulation, the CPU reference's numerics), and the
-//      outputs are copied host -> GPU;
+//   2. on the communicator's own thread (CommLink::post), one of two paths, logged once per shape ("plan ..."):
+//      staged exchange + GPU GEMM (ag-gemm, gemm-rs, gemm-ar in bf16/fp16 whose shapes the GEMM core takes; allgather
+//      as "staged exchange + GPU copies"): hierarchical, one payload per node pair, the same payloads as the cpu
+//      backend's (cpu_multinode.cpp), so each node may take either path for an op and the others cannot tell:
+//        ag-gemm, allgather  the local ranks' shards go GPU -> the CommLink outbox (pinned once, no other host copy)
+//                            -> every other node; each local rank gets the gathered A on its GPU (local shards GPU to
+//                            GPU before the exchange, remote ones host -> GPU from the inbox), and the GEMM core
+//                            (launchGemm) computes its C there: the local rows' GEMM runs while the exchange waits;
+//        gemm-rs, gemm-ar    each local rank's partial A_r·B_rᵀ with the GEMM core on its GPU (rounded to the dtype,
+//                            as the GEMM core stores), the node's partials summed in rank order in fp32 on the first
+//                            local rank's GPU (span_reduce.hpp), the rows other nodes own (all rows for gemm-ar) sent
+//                            as fp32 (the cpu backend's payload, and one rounding only, at the owner); the owner adds
+//                            the node partials in node order in fp32 and rounds once to the dtype: repeats are bitwise
+//                            identical, and gemm-ar is bitwise identical on every rank of every node;
+//      host reference fallback (barriers, fp32, shapes the GEMM core refuses: k or, for ag-gemm, n not a multiple of
+//      8, misaligned tensors): every local rank's input slots are copied GPU -> host, runCpuOpAcrossNodes exchanges and
+//      computes the outputs on one host core (the CPU reference's numerics), and the outputs are copied host -> GPU;
 //   3. done = e on every local rank's control page (release), then the ops complete.
-// Cost: every input and output crosses PCIe twice (pageable copies), and the GEMMs run on one host core; the
-// hierarchical exchange moves one aggregated payload per node pair, as on the cpu backend. A GPU-resident path
-// (fused kernels within the node, a GPU-driven proxy FIFO between nodes) is the fast one to come.
+// Resources, made once at setup: per local rank a GPU workspace of cuda.workspace_bytes (gathered A, partials, node
+// sums; an op that needs more is refused with the bytes it needs, naming cuda.workspace_bytes), per local GPU a
+// compute stream, a copy stream and an event. The outbox and inbox slots are registered with CUDA (pinned) at their
+// first use, growing with the largest payload seen; where that fails they are copied as pageable memory.
 //
 // Failures. An op whose descriptors were rejected fails on every node alike and writes done at once. A failed
 // communicator (peer lost, a rank's session gone, abort) fails the collective waiting for ready at once, and the one
-// running on the link thread when it ends (its exchange ends with the reason); the backend's abort releases the
-// streams (go/done jump ahead). A CUDA error in the copies fails the op and then the communicator, so the other
-// nodes learn of it through CommFail instead of waiting for this node's payload.
+// running on the link thread when it ends (its exchange ends with the reason; the GPU work it queued is drained
+// before the op completes); the backend's abort releases the streams (go/done jump ahead). A CUDA error, or an op this
+// node's workspace cannot hold, fails the op and then the communicator, so the other nodes learn of it through
+// CommFail instead of waiting for this node's payload.
 //
 // HostStagedComm is the strategy (cuda_comm.hpp); HostStaging is its part that the communicator's link thread shares.
 #pragma once
@@ -29,8 +44,10 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,8 +67,9 @@ class HostStaging {
     int device;                  // the rank's GPU (daemon ordinal)
     kernels::ControlPage* page;  // the rank's control page (owned by the communicator, which outlives this)
   };
-  // Creates a copy stream per GPU of the local ranks. Throws Error(kCuda).
-  explicit HostStaging(std::vector<LocalRank> local);
+  // Creates the streams and event of every GPU of the local ranks, and a workspace of `workspaceBytes` per local rank
+  // (cuda.workspace_bytes). `handle`: the communicator's, for the log. Throws Error(kCuda).
+  HostStaging(uint64_t handle, std::vector<LocalRank> local, uint64_t workspaceBytes);
   HostStaging(const HostStaging&) = delete;
   HostStaging& operator=(const HostStaging&) = delete;
 
@@ -74,13 +92,48 @@ class HostStaging {
     Collective c;
     std::function<void()> finished;
   };
+  struct Gpu {
+    kernels::CudaStream compute, copy;  // GEMMs and sums; copies that may run beside them
+    kernels::CudaEvent event;           // orders one stream after the other
+  };
+  // A CommLink slot (outbox or inbox) registered with CUDA from its start, `bytes` long.
+  struct Pin {
+    kernels::HostRegistration reg;
+    uint64_t bytes = 0;
+    bool failed = false;  // registration refused: copies stay pageable
+  };
   void run(Collective& c);  // the link thread
+  void runStaged(Collective& c);
+  void runOnGpus(Collective& c);
+  void agGemm(Collective& c);
+  void allGather(Collective& c);
+  void gemmReduce(Collective& c);
+  // Why op `c` takes the host reference fallback; empty for the GPU path.
+  std::string fallbackReason(const Collective& c) const;
+  // Throws Error(kInvalidArgument), with the bytes needed and naming cuda.workspace_bytes, when some local rank's
+  // workspace cannot hold what `c` keeps there.
+  void checkWorkspaces(const Collective& c) const;
+  void logPlanOnce(const Collective& c, const std::string& plan);
+  std::byte* workspace(uint32_t rank) const;
+  int deviceOf(uint32_t rank) const;
+  Gpu& gpu(int device) { return gpus_.at(device); }
+  // Makes the slot holding [p, p + bytes) pinned (at least that far), where it can be.
+  void pin(const Collective& c, const std::byte* p, uint64_t bytes);
+  void drain() noexcept;  // waits for every stream, ignoring errors (after a failure mid-op)
   void finish(Collective& c, int32_t code, std::string message);
   void copy(int device, void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind, const char* what);
   void storeDoneLocked(uint64_t epoch);
 
+  uint64_t handle_;
   std::vector<LocalRank> local_;
-  std::map<int, kernels::CudaStream> streams_;  // by device; used by the link thread only (after construction)
+  uint64_t workspaceBytes_;
+  // Used by the link thread only (after construction). Declared in creation order (destroyed in reverse): the
+  // registrations go before the link whose memory they pin.
+  std::map<int, Gpu> gpus_;                        // by device
+  std::map<uint32_t, kernels::DeviceBuffer> workspaces_;  // by rank
+  std::shared_ptr<CommLink> link_;                 // kept while its slots are registered
+  std::map<const std::byte*, Pin> pins_;           // by slot start
+  std::set<std::string> logged_;                   // plans logged (logPlanOnce)
   mutable std::mutex mutex_;             // guards everything below
   std::optional<Waiting> waiting_;
   uint64_t lastEpoch_ = 0;
@@ -91,15 +144,17 @@ class HostStaging {
   bool copyFailureReported_ = false;
 };
 
-// A communicator with ranks on other nodes: a control page per local rank, no workspaces; the ops are staged through
-// host memory (HostStaging). The engine admits it with the client executor only.
+// A communicator with ranks on other nodes: a control page and a tandemd-private GPU workspace per local rank; the ops
+// run between the streams' ready and done (HostStaging). The engine admits it with the client executor only.
 class HostStagedComm final : public CudaComm {
  public:
-  // `pages`: one per rank, empty for the ranks on other nodes; `devices`: each rank's GPU (-1 on other nodes).
-  // @throws Error(kCuda) when a copy stream cannot be created.
-  HostStagedComm(uint64_t handle, std::vector<kernels::ControlPage> pages, const std::vector<int>& devices);
+  // `pages`: one per rank, empty for the ranks on other nodes; `devices`: each rank's GPU (-1 on other nodes);
+  // `workspaceBytes`: each local rank's GPU workspace (cuda.workspace_bytes).
+  // @throws Error(kCuda) when a stream, event or workspace cannot be created.
+  HostStagedComm(uint64_t handle, std::vector<kernels::ControlPage> pages, const std::vector<int>& devices,
+                 uint64_t workspaceBytes);
   kernels::Executor executor() const override { return kernels::Executor::kHost; }
-  uint64_t bytesPerRank() const override { return kernels::kControlBytes; }
+  uint64_t bytesPerRank() const override { return workspaceBytes_ + kernels::kControlBytes; }
   CommMapping mapping(const std::shared_ptr<CommResources>& self, uint32_t rank) const override;
   bool execute(Collective c, std::function<void()> finished) override;
   void abort(ErrorCode code, const std::string& reason) override;
@@ -113,6 +168,7 @@ class HostStagedComm final : public CudaComm {
   // The local ranks, pointing into the base's control pages (built before staging_, destroyed after it).
   std::vector<HostStaging::LocalRank> localRanks(const std::vector<int>& devices);
 
+  uint64_t workspaceBytes_;
   HostStaging staging_;
 };
 

@@ -1,0 +1,243 @@
+// span_bench: the fused GEMMs across two "nodes" against the same op on one node. Two private tandemds form a
+// two-node cluster over tcp on loopback (127.0.0.1 and 127.0.0.2), one rank each (both on GPU 0 where only one GPU
+// exists: they share it); a third private tandemd serves the one-node baseline, one rank with the whole op. Backend
+// cuda, executor client. Every rank process times each op with steady_clock from submission to its stream synchronised
+// and the op waited for, and reports the median of --iters (after --warmup).
+//
+//   span_bench [--tandemd PATH] [--iters 20] [--warmup 3] [--ms 1024,4096] [--nk 8192] [--ops ag-gemm,gemm-rs,gemm-ar]
+//              [--dtype bf16|fp16]
+//
+// Work per op: at one rank on one node, one GEMM M x N x K. Across two nodes, ag-gemm computes the whole C on every
+// rank (two GEMMs of M x N x K on the shared GPU) and moves M/2 x K of A each way; gemm-rs and gemm-ar compute a
+// partial M x N x K/2 per rank and move M/2 x N (rs) or M x N (ar) fp32 each way through tcp on loopback.
+// Exits 2 when a daemon or rank fails.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "private_daemon.hpp"
+#include "tandem/tandem.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t rowsOf(uint64_t total, uint32_t r, uint32_t n) { return total / n + (r < total % n ? 1 : 0); }
+
+std::vector<uint64_t> parseList(const std::string& s) {
+  std::vector<uint64_t> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) out.push_back(std::stoull(item));
+  return out;
+}
+std::vector<std::string> parseNames(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
+  return out;
+}
+
+struct Job {
+  std::string op;
+  uint64_t m, n, k;
+  tandem_dtype_t dtype;
+  int iters, warmup;
+};
+
+#define RANK_CHECK(cond, ...)            \
+  do {                                   \
+    if (!(cond)) {                       \
+      std::fprintf(stderr, __VA_ARGS__); \
+      std::fprintf(stderr, "\n");        \
+      return 2;                          \
+    }                                    \
+  } while (0)
+
+// Random values in [-1, 1) as bf16 or fp16 bits.
+std::vector<uint16_t> randomHalf(std::size_t count, tandem_dtype_t dtype, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<uint16_t> out(count);
+  for (auto& v : out) {
+    const float f = dist(gen);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if (dtype == TANDEM_DTYPE_BF16) {
+      v = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    } else {  // fp16 of |f| < 1: exponent and 10 mantissa bits, truncated (values need not be exact)
+      const uint32_t sign = (bits >> 16) & 0x8000u;
+      const int exp = static_cast<int>((bits >> 23) & 0xff) - 127 + 15;
+      v = exp <= 0 ? static_cast<uint16_t>(sign)
+                   : static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | ((bits >> 13) & 0x3ffu));
+    }
+  }
+  return out;
+}
+
+// One rank's life: joins the communicator of `n` ranks through `socket`, runs `job`, and (rank 0) writes the median
+// milliseconds to `resultPath`.
+int rankMain(uint32_t rank, uint32_t n, int up, int down, const std::string& socket, const Job& job,
+             const std::string& resultPath) {
+  int gpus = 0;
+  RANK_CHECK(cudaGetDeviceCount(&gpus) == cudaSuccess && gpus > 0, "rank %u: no CUDA device", rank);
+  RANK_CHECK(cudaSetDevice(static_cast<int>(rank) % gpus) == cudaSuccess, "cudaSetDevice failed");
+  tandem_session_t s;
+  RANK_CHECK(tandem_connect(socket.c_str(), &s) == TANDEM_SUCCESS, "connect: %s", tandem_last_error());
+  tandem_unique_id_t id;
+  if (rank == 0) {
+    RANK_CHECK(tandem_get_unique_id(&id) == TANDEM_SUCCESS, "unique id: %s", tandem_last_error());
+    tandem::bench::writeAll(up, &id, sizeof id);
+  }
+  tandem::bench::readAll(down, &id, sizeof id);
+  tandem_comm_t comm;
+  RANK_CHECK(tandem_comm_init(s, &id, n, rank, 60000, &comm) == TANDEM_SUCCESS, "comm init: %s", tandem_last_error());
+  cudaStream_t stream;
+  RANK_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess, "stream");
+
+  const bool ag = job.op == "ag-gemm";
+  const uint64_t aRows = ag ? rowsOf(job.m, rank, n) : job.m, kk = ag ? job.k : rowsOf(job.k, rank, n);
+  const uint64_t cRows = job.op == "gemm-rs" ? rowsOf(job.m, rank, n) : job.m;
+  tandem_buffer_t a, b, c;
+  RANK_CHECK(tandem_alloc(s, std::max<uint64_t>(aRows * kk * 2, 16), &a) == TANDEM_SUCCESS, "alloc A: %s",
+             tandem_last_error());
+  RANK_CHECK(tandem_alloc(s, job.n * kk * 2, &b) == TANDEM_SUCCESS, "alloc B: %s", tandem_last_error());
+  RANK_CHECK(tandem_alloc(s, cRows * job.n * 2, &c) == TANDEM_SUCCESS, "alloc C: %s", tandem_last_error());
+  const auto hostA = randomHalf(aRows * kk, job.dtype, 17 + rank), hostB = randomHalf(job.n * kk, job.dtype, 91 + rank);
+  RANK_CHECK(cudaMemcpy(tandem_buffer_ptr(a), hostA.data(), hostA.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess,
+             "upload A");
+  RANK_CHECK(cudaMemcpy(tandem_buffer_ptr(b), hostB.data(), hostB.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess,
+             "upload B");
+  RANK_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
+
+  std::vector<double> ms;
+  for (int i = 0; i < job.warmup + job.iters; ++i) {
+    tandem_op_t op;
+    tandem_status_t st;
+    const auto t0 = Clock::now();
+    if (ag) {
+      const tandem_ag_gemm_args_t args{sizeof args, job.dtype, job.m, job.n, job.k, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0},
+                                       stream};
+      st = tandem_ag_gemm(comm, &args, &op);
+    } else if (job.op == "gemm-rs") {
+      const tandem_gemm_rs_args_t args{sizeof args, job.dtype, job.m, job.n, kk, {a, 0}, {b, 0}, {c, 0}, stream};
+      st = tandem_gemm_rs(comm, &args, &op);
+    } else {
+      const tandem_gemm_ar_args_t args{sizeof args, job.dtype, job.m, job.n, kk, {a, 0}, {b, 0}, {c, 0}, stream};
+      st = tandem_gemm_ar(comm, &args, &op);
+    }
+    RANK_CHECK(st == TANDEM_SUCCESS, "%s submit: %s", job.op.c_str(), tandem_last_error());
+    RANK_CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "stream sync");
+    RANK_CHECK(tandem_wait(op, 120000) == TANDEM_SUCCESS, "%s: %s", job.op.c_str(), tandem_last_error());
+    const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (i >= job.warmup) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  if (rank == 0) {
+    std::ofstream(resultPath) << ms[ms.size() / 2] << " " << ms.front() << " " << ms.back() << "\n";
+  }
+  tandem_free(a);
+  tandem_free(b);
+  tandem_free(c);
+  tandem_comm_destroy(comm);
+  tandem_disconnect(s);
+  return 0;
+}
+
+struct Timing {
+  double median = -1, min = -1, max = -1;
+};
+
+// Runs `job` with one rank per socket; rank 0's times.
+Timing run(const std::vector<std::string>& sockets, const Job& job) {
+  const std::string resultPath = "/tmp/span-bench-" + std::to_string(::getpid()) + ".txt";
+  std::remove(resultPath.c_str());
+  const auto n = static_cast<uint32_t>(sockets.size());
+  tandem::bench::RankProcesses ranks(n, [&](uint32_t r, int up, int down) {
+    return rankMain(r, n, up, down, sockets[r], job, resultPath);
+  });
+  if (!ranks.relay(sizeof(tandem_unique_id_t))) return {};
+  if (ranks.wait() != 0) return {};
+  Timing t;
+  std::ifstream in(resultPath);
+  in >> t.median >> t.min >> t.max;
+  std::remove(resultPath.c_str());
+  return t;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"span_bench: fused GEMMs across two tandemd nodes (tcp loopback) vs one node"};
+  std::string tandemd = TANDEMD_PATH, msList = "1024,4096", opsList = "ag-gemm,gemm-rs,gemm-ar", dtypeName = "bf16";
+  uint64_t nk = 8192;
+  int iters = 20, warmup = 3;
+  app.add_option("--tandemd", tandemd, "tandemd binary");
+  app.add_option("--iters", iters, "timed runs per op (median reported)");
+  app.add_option("--warmup", warmup, "untimed runs first");
+  app.add_option("--ms", msList, "M values, comma separated");
+  app.add_option("--nk", nk, "N = K");
+  app.add_option("--ops", opsList, "ops, comma separated");
+  app.add_option("--dtype", dtypeName, "bf16 or fp16");
+  CLI11_PARSE(app, argc, argv);
+  const tandem_dtype_t dtype = dtypeName == "fp16" ? TANDEM_DTYPE_FP16 : TANDEM_DTYPE_BF16;
+
+  // staging_bytes: gemm-ar sends M x N fp32 to the peer; workspace_bytes: gemm-ar's partial, node sum, running sum and
+  // receive slot at the largest M (bytes per rank, rounded up).
+  uint64_t maxM = 0;
+  for (uint64_t m : parseList(msList)) maxM = std::max(maxM, m);
+  const uint64_t f32 = maxM * nk * 4, staging = f32 + (1u << 20), workspace = (f32 * 3 + maxM * nk * 2) + (64u << 20);
+  const int port = 21000 + static_cast<int>(::getpid() % 8000);
+  std::vector<std::unique_ptr<tandem::bench::PrivateDaemon>> nodes;
+  std::unique_ptr<tandem::bench::PrivateDaemon> single;
+  try {
+    for (int i = 0; i < 2; ++i) {
+      const std::string config =
+          "daemon:\n  backend: cuda\n  executor: client\n"
+          "cuda:\n  workspace_bytes: " + std::to_string(workspace) + "\n"
+          "cluster:\n  nodes: [\"127.0.0.1:" + std::to_string(port) + "\", \"127.0.0.2:" + std::to_string(port) + "\"]\n"
+          "  node_index: " + std::to_string(i) + "\n  secret: \"span-bench-secret-0123456789abcdef\"\n"
+          "  connect_timeout_ms: 15000\n  staging_bytes: " + std::to_string(staging) + "\n";
+      nodes.push_back(std::make_unique<tandem::bench::PrivateDaemon>(tandemd, config));
+    }
+    single = std::make_unique<tandem::bench::PrivateDaemon>(
+        tandemd, "daemon:\n  backend: cuda\n  executor: client\ncuda:\n  workspace_bytes: " + std::to_string(workspace) +
+                     "\n");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
+  std::printf("span_bench: %s, N = K = %llu, median of %d (after %d warm-up), ms per op (steady_clock, submit to "
+              "stream synced and op waited)\n", dtypeName.c_str(), static_cast<unsigned long long>(nk), iters, warmup);
+  std::printf("| op | M | one node, 1 rank | two nodes, 1 rank each (min..max) | two nodes / one node |\n");
+  std::printf("|---|---|---|---|---|\n");
+  int rc = 0;
+  for (const std::string& op : parseNames(opsList)) {
+    for (uint64_t m : parseList(msList)) {
+      const Job job{op, m, nk, nk, dtype, iters, warmup};
+      const Timing one = run({single->socket()}, job);
+      const Timing two = run({nodes[0]->socket(), nodes[1]->socket()}, job);
+      if (one.median < 0 || two.median < 0) rc = 2;
+      std::printf("| %s | %llu | %.3f | %.3f (%.3f..%.3f) | %.2fx |\n", op.c_str(), static_cast<unsigned long long>(m),
+                  one.median, two.median, two.min, two.max, one.median > 0 ? two.median / one.median : 0.0);
+      std::fflush(stdout);
+    }
+  }
+  // The plan lines: which path each op took across the nodes.
+  std::istringstream log(nodes[0]->log());
+  for (std::string line; std::getline(log, line);) {
+    if (line.find(": plan ") != std::string::npos) std::printf("node 0: %s\n", line.c_str());
+  }
+  return rc;
+}
