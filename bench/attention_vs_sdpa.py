@@ -44,7 +44,7 @@ def main():
             fl = best.get((seq, causal, "flash"))
             ratio = lambda b: f"{tf / b:.3f}" if b else "-"
             name = f"**{config}** (default)" if first else config
-            print(f"| {log.rsplit('/', 1)[-1]} | {seq} | {'yes' if causal else 'no'} | {name} | {tf:.1f} | "
+            print(f"| {'/'.join(log.split('/')[-2:])} | {seq} | {'yes' if causal else 'no'} | {name} | {tf:.1f} | "
                   f"{ratio(cu)} | {ratio(fl)} | {check} |")
     print()
     print("| seq | causal | cuDNN TFLOP/s | flash TFLOP/s |")
