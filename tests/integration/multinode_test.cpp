@@ -7,97 +7,16 @@
 
 #include <fmt/format.h>
 
-#include <future>
-
-#include "harness.hpp"
-#include "netns.hpp"
+#include "cluster_harness.hpp"
 
 using namespace tandem::testing;
 
 namespace {
-
-constexpr int kPeerDeadlineMs = 1000;
-
-// A cluster of n daemons. Ports derive from the pid so parallel test processes on loopback do not collide.
-struct Cluster {
-  SimulatedNodes nodes;
-  std::vector<std::string> configs;
-  std::vector<std::unique_ptr<Daemon>> daemons;
-
-  explicit Cluster(int n, const std::function<std::string(int)>& secretOf = {})
-      : nodes(SimulatedNodes::create(n)) {
-    if (!nodes.namespaces()) MESSAGE("network namespaces unavailable (" << nodes.reason() << "): using loopback");
-    const int port = 20000 + static_cast<int>(::getpid() % 20000);
-    std::string list;
-    for (int i = 0; i < n; ++i) list += fmt::format("{}\"{}:{}\"", i ? ", " : "", nodes.address(i), port);
-    for (int i = 0; i < n; ++i) {
-      const std::string secret = secretOf ? secretOf(i) : "multinode-test-secret-0123456789";
-      const std::string config = fmt::format(
-          "communicators:\n  peer_lost_deadline_ms: {}\n"
-          "cluster:\n  nodes: [{}]\n  node_index: {}\n  secret: \"{}\"\n  connect_timeout_ms: 15000\n"
-          "  heartbeat_interval_ms: 50\n  staging_bytes: 4194304\n",
-          kPeerDeadlineMs, list, i, secret);
-      configs.push_back(config);
-      daemons.push_back(std::make_unique<Daemon>(config, std::vector<std::string>{}, "cpu", nodes.prefix(i)));
-    }
-  }
-
-  // Starts node i's daemon again (after it died) with the same config: the same address and port.
-  void restart(int i) {
-    daemons[i].reset();  // reaps it (SIGKILL first if it still runs)
-    daemons[i] = std::make_unique<Daemon>(configs[i], std::vector<std::string>{}, "cpu", nodes.prefix(i));
-  }
-
-  // Waits until every daemon sees every other node in `state` (e.g. "connected").
-  bool allNodes(const std::string& state, int timeoutMs = 15000) const {
-    return clusterNodesIn(daemons, state, timeoutMs);
-  }
-  std::string logs() const { return clusterLogs(daemons); }
-};
-
-std::string newId(const Daemon& d) {
-  int code = 0;
-  std::string id = d.ctl({"new-id"}, &code);
-  REQUIRE(code == 0);
-  while (!id.empty() && std::isspace(static_cast<unsigned char>(id.back()))) id.pop_back();
-  return id;
-}
-
-// Starts `tandemctl run` on nodes 0..localRanks.size()-1 at once, node i running localRanks[i], all in one
-// communicator. `waitMs` bounds the rendezvous and every wait.
-std::vector<std::future<CommandResult>> startEverywhere(Cluster& c, const std::vector<std::string>& args,
-                                                        const std::vector<std::string>& localRanks,
-                                                        int waitMs = 20000) {
-  const std::string id = newId(*c.daemons[0]);
-  std::vector<std::future<CommandResult>> futures;
-  for (size_t i = 0; i < localRanks.size(); ++i) {
-    std::vector<std::string> argv = {TANDEMCTL_PATH, "--socket", c.daemons[i]->socket(), "run"};
-    argv.insert(argv.end(), args.begin(), args.end());
-    argv.insert(argv.end(), {"--id", id, "--local-ranks", localRanks[i], "--timeout-ms", std::to_string(waitMs)});
-    futures.push_back(std::async(std::launch::async, [argv, waitMs] { return runCommand(argv, waitMs + 40000); }));
-  }
-  return futures;
-}
-
-std::vector<CommandResult> runEverywhere(Cluster& c, const std::vector<std::string>& args,
-                                         const std::vector<std::string>& localRanks, int waitMs = 20000) {
-  std::vector<CommandResult> results;
-  for (auto& f : startEverywhere(c, args, localRanks, waitMs)) results.push_back(f.get());
-  return results;
-}
-
-// Waits until node 0's communicator has completed more than `ops` collectives.
-void waitForOps(Cluster& c, uint64_t ops) {
-  REQUIRE(eventually([&] {
-    const auto st = daemonStatus(*c.daemons[0]);
-    return !st["communicators"].empty() && st["communicators"][0]["ops_completed"].get<uint64_t>() > ops;
-  }, 20000));
-}
-
+constexpr int kPeerDeadlineMs = kClusterPeerDeadlineMs;
 }  // namespace
 
 TEST_CASE("three nodes run every op across nodes (ag-gemm, gemm-rs, gemm-ar, allgather, barrier, MoE, ring attention), matching the reference") {
-  Cluster c(3);
+  SimCluster c(3);
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   // Two ranks per node, then an uneven split (1 + 3 + 2) with odd shapes.
   const std::vector<std::vector<std::string>> splits = {{"0,1", "2,3", "4,5"}, {"0", "1-3", "4,5"}};
@@ -129,7 +48,7 @@ TEST_CASE("three nodes run every op across nodes (ag-gemm, gemm-rs, gemm-ar, all
 }
 
 TEST_CASE("a daemon killed mid-op: every surviving rank gets PEER_LOST within the deadline") {
-  Cluster c(3);
+  SimCluster c(3);
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   auto futures = startEverywhere(c, {"gemm-ar", "--ranks", "3", "--m", "64", "--n", "64", "--k", "96", "--iters",
                                      "1000000"}, {"0", "1", "2"});
@@ -154,7 +73,7 @@ TEST_CASE("a daemon killed mid-op: every surviving rank gets PEER_LOST within th
 }
 
 TEST_CASE("a cut link (or a hung node) fails every surviving rank within the deadline, and nothing hangs") {
-  Cluster c(2);
+  SimCluster c(2);
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   auto futures = startEverywhere(c, {"ag-gemm", "--ranks", "4", "--m", "32", "--n", "32", "--k", "32", "--iters",
                                      "1000000"}, {"0,1", "2,3"});
@@ -185,7 +104,11 @@ TEST_CASE("a cut link (or a hung node) fails every surviving rank within the dea
 }
 
 TEST_CASE("a node with a different cluster secret is refused, with the reason on both sides") {
-  Cluster c(2, [](int i) { return i == 0 ? std::string("the-right-secret-0123456789") : "a-wrong-secret-9876543210"; });
+  SimCluster c(2, {.secretOf = [](int i) {
+                     return i == 0 ? std::string("the-right-secret-0123456789") : "a-wrong-secret-9876543210";
+                   },
+                   .faults = {},
+                   .portSalt = 1});
   REQUIRE_MESSAGE(c.allNodes("failed"), c.logs());
   for (int i = 0; i < 2; ++i) {
     const auto st = daemonStatus(*c.daemons[i]);
@@ -202,7 +125,7 @@ TEST_CASE("a node with a different cluster secret is refused, with the reason on
 }
 
 TEST_CASE("a daemon killed and restarted with the same config rejoins by itself, and new communicators span it") {
-  Cluster c(2);
+  SimCluster c(2);
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   const std::vector<std::string> gemmRs = {"gemm-rs", "--ranks", "4", "--m", "37", "--n", "19", "--k", "48", "--check"};
   for (const auto& r : runEverywhere(c, gemmRs, {"0,1", "2,3"})) {

@@ -10,96 +10,19 @@
 #include <fmt/format.h>
 
 #include <fstream>
-#include <future>
 
-#include "harness.hpp"
-#include "netns.hpp"
+#include "cluster_harness.hpp"
 #include "verbs_double/verbs_double.hpp"
 
 using namespace tandem::testing;
 
 namespace {
 
-constexpr int kPeerDeadlineMs = 1000;
+constexpr int kPeerDeadlineMs = kClusterPeerDeadlineMs;
 
-// A cluster of n daemons on the verbs transport; `faults[i]` (if any) is node i's TANDEM_VERBS_DOUBLE_FAULTS.
-struct VerbsCluster {
-  SimulatedNodes nodes;
-  std::vector<std::string> configs;
-  std::vector<std::vector<std::string>> prefixes;
-  std::vector<std::unique_ptr<Daemon>> daemons;
-
-  explicit VerbsCluster(int n, const std::vector<std::string>& faults = {}) : nodes(SimulatedNodes::create(n)) {
-    if (!nodes.namespaces()) MESSAGE("network namespaces unavailable (" << nodes.reason() << "): using loopback");
-    const int port = 20000 + static_cast<int>((::getpid() * 7) % 20000);
-    std::string list;
-    for (int i = 0; i < n; ++i) list += fmt::format("{}\"{}:{}\"", i ? ", " : "", nodes.address(i), port);
-    for (int i = 0; i < n; ++i) {
-      configs.push_back(fmt::format(
-          "communicators:\n  peer_lost_deadline_ms: {}\n"
-          "cluster:\n  nodes: [{}]\n  node_index: {}\n  secret: \"verbs-cluster-test-secret-0123456789\"\n"
-          "  transport: verbs\n  connect_timeout_ms: 15000\n  heartbeat_interval_ms: 50\n  staging_bytes: 4194304\n",
-          kPeerDeadlineMs, list, i));
-      std::vector<std::string> prefix = nodes.prefix(i);
-      if (i < static_cast<int>(faults.size()) && !faults[i].empty())
-        prefix.insert(prefix.end(), {"/usr/bin/env", "TANDEM_VERBS_DOUBLE_FAULTS=" + faults[i]});
-      prefixes.push_back(prefix);
-      daemons.push_back(std::make_unique<Daemon>(configs[i], std::vector<std::string>{}, "cpu", prefix));
-    }
-  }
-  // Starts node i's daemon again (after it died) with the same config and prefix.
-  void restart(int i) {
-    daemons[i].reset();
-    daemons[i] = std::make_unique<Daemon>(configs[i], std::vector<std::string>{}, "cpu", prefixes[i]);
-  }
-  bool allNodes(const std::string& state, int timeoutMs = 15000) const {
-    return clusterNodesIn(daemons, state, timeoutMs);
-  }
-  std::string logs() const { return clusterLogs(daemons); }
-};
-
-std::string newId(const Daemon& d) {
-  int code = 0;
-  std::string id = d.ctl({"new-id"}, &code);
-  REQUIRE(code == 0);
-  while (!id.empty() && std::isspace(static_cast<unsigned char>(id.back()))) id.pop_back();
-  return id;
-}
-
-std::vector<std::future<CommandResult>> startEverywhere(VerbsCluster& c, const std::vector<std::string>& args,
-                                                        const std::vector<std::string>& localRanks,
-                                                        int waitMs = 20000) {
-  const std::string id = newId(*c.daemons[0]);
-  std::vector<std::future<CommandResult>> futures;
-  for (size_t i = 0; i < localRanks.size(); ++i) {
-    std::vector<std::string> argv = {TANDEMCTL_PATH, "--socket", c.daemons[i]->socket(), "run"};
-    argv.insert(argv.end(), args.begin(), args.end());
-    argv.insert(argv.end(), {"--id", id, "--local-ranks", localRanks[i], "--timeout-ms", std::to_string(waitMs)});
-    futures.push_back(std::async(std::launch::async, [argv, waitMs] { return runCommand(argv, waitMs + 40000); }));
-  }
-  return futures;
-}
-
-std::vector<CommandResult> runEverywhere(VerbsCluster& c, const std::vector<std::string>& args,
-                                         const std::vector<std::string>& localRanks, int waitMs = 20000) {
-  std::vector<CommandResult> results;
-  for (auto& f : startEverywhere(c, args, localRanks, waitMs)) results.push_back(f.get());
-  return results;
-}
-
-void checkAllPass(VerbsCluster& c, const std::vector<CommandResult>& results, const std::string& what) {
-  for (size_t i = 0; i < results.size(); ++i) {
-    INFO(what << " node " << i << ":\n" << results[i].out << results[i].err);
-    CHECK(results[i].exitCode == 0);
-    if (results[i].exitCode != 0) MESSAGE(c.logs());
-  }
-}
-
-void waitForOps(VerbsCluster& c, uint64_t ops) {
-  REQUIRE_MESSAGE(eventually([&] {
-    const auto st = daemonStatus(*c.daemons[0]);
-    return !st["communicators"].empty() && st["communicators"][0]["ops_completed"].get<uint64_t>() > ops;
-  }, 20000), c.logs());
+// The cluster on the verbs transport; `faults[i]` (if any) is node i's TANDEM_VERBS_DOUBLE_FAULTS.
+ClusterOptions verbs(std::vector<std::string> faults = {}) {
+  return {.transport = "verbs", .secretOf = {}, .faults = std::move(faults), .portSalt = 7};
 }
 
 const std::vector<std::string> kGemmRsCheck = {"gemm-rs", "--ranks", "4", "--m", "37", "--n", "19", "--k", "48",
@@ -108,7 +31,7 @@ const std::vector<std::string> kGemmRsCheck = {"gemm-rs", "--ranks", "4", "--m",
 }  // namespace
 
 TEST_CASE("verbs cluster: three nodes run every op across nodes on the verbs double, matching the reference") {
-  VerbsCluster c(3);
+  SimCluster c(3, verbs());
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   const auto st = daemonStatus(*c.daemons[0]);
   CHECK(st["cluster"]["transport"] == "verbs");
@@ -138,7 +61,7 @@ TEST_CASE("verbs cluster: three nodes run every op across nodes on the verbs dou
 
 TEST_CASE("verbs cluster: a QP error injected mid-op releases every rank with the peer lost, and the next communicator runs") {
   // Node 1's 60th RDMA WRITE fails (its QP to node 0 enters the error state): a few dozen ops into the run.
-  VerbsCluster c(2, {"", "qp_error_after_writes=60"});
+  SimCluster c(2, verbs({"", "qp_error_after_writes=60"}));
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   auto futures = startEverywhere(c, {"gemm-ar", "--ranks", "4", "--m", "32", "--n", "32", "--k", "64", "--iters",
                                      "1000000"}, {"0,1", "2,3"});
@@ -156,7 +79,7 @@ TEST_CASE("verbs cluster: a QP error injected mid-op releases every rank with th
 }
 
 TEST_CASE("verbs cluster: delayed completions slow the proxy down but every op still matches the reference") {
-  VerbsCluster c(2, {"delay_completions_ms=3", "delay_completions_ms=3"});
+  SimCluster c(2, verbs({"delay_completions_ms=3", "delay_completions_ms=3"}));
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   checkAllPass(c, runEverywhere(c, {"gemm-ar", "--ranks", "3", "--m", "29", "--n", "16", "--k", "48", "--check",
                                     "--iters", "4"}, {"0", "1,2"}), "gemm-ar with delayed completions");
@@ -165,7 +88,7 @@ TEST_CASE("verbs cluster: delayed completions slow the proxy down but every op s
 }
 
 TEST_CASE("verbs cluster: a daemon killed mid-op (its HCA disappears) fails the survivors within the deadline, and they serve the next communicator") {
-  VerbsCluster c(3);
+  SimCluster c(3, verbs());
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   auto futures = startEverywhere(c, {"gemm-ar", "--ranks", "3", "--m", "64", "--n", "64", "--k", "96", "--iters",
                                      "1000000"}, {"0", "1", "2"});
@@ -186,7 +109,7 @@ TEST_CASE("verbs cluster: a daemon killed mid-op (its HCA disappears) fails the 
 }
 
 TEST_CASE("verbs cluster: a cut link (or a hung node) fails the surviving ranks within the deadline through the bootstrap's heartbeats") {
-  VerbsCluster c(2);
+  SimCluster c(2, verbs());
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   auto futures = startEverywhere(c, {"ag-gemm", "--ranks", "4", "--m", "32", "--n", "32", "--k", "32", "--iters",
                                      "1000000"}, {"0,1", "2,3"});
@@ -211,7 +134,7 @@ TEST_CASE("verbs cluster: a cut link (or a hung node) fails the surviving ranks 
 }
 
 TEST_CASE("verbs cluster: a daemon killed and restarted rejoins with new queue pairs, and new communicators span it") {
-  VerbsCluster c(2);
+  SimCluster c(2, verbs());
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
   checkAllPass(c, runEverywhere(c, kGemmRsCheck, {"0,1", "2,3"}), "gemm-rs before the restart");
   c.daemons[1]->signal(SIGKILL);
