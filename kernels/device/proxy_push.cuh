@@ -3,9 +3,10 @@
 // proxy_fifo.hpp has the FIFO, the consumer and the protocol; tandem/common/proxy_fifo_layout.hpp the layout and the
 // encode helpers, which host producers use too).
 //
-// Who calls it: ONE thread per warp (lane 0 by convention), with its own ProxyPusher in registers. Any number of
-// warps, CTAs and host threads may push into one FIFO at once; each pusher's commands reach the proxy in the order it
-// pushed them. The FIFO lives in host memory registered as mapped (daemon/src/cuda/proxy_fifo_mapping.hpp gives the
+// Who calls it: ONE thread per warp (lane 0 by convention; proxyPushWritesThenFlagWarp does that for a whole warp),
+// with its own ProxyPusher in registers. Any number of warps and CTAs (and host threads, where the ticket counter
+// allows it: below) may push into one FIFO at once; each pusher's commands reach the proxy in the order it pushed
+// them. The FIFO lives in host memory registered as mapped (daemon/src/cuda/proxy_fifo_mapping.hpp gives the
 // ProxyFifoDeviceRef); every access here goes over PCIe, so a push costs a few of its round trips (bench/
 // proxy_push_bench.cu measures it).
 //
@@ -21,14 +22,15 @@
 // what it observed others write (cumulativity): so the data a kWrite reads must be written, and made visible to the
 // pushing thread by a barrier of its writers (__syncthreads or a named barrier), BEFORE the push. The proxy reads it
 // after its acquire of the slot (a device-to-host copy, or the NIC). One fence per destination batch, not per tile:
-// pushWritesThenFlag claims the writes and their flag together and fences once.
+// proxyPushWritesThenFlag claims the writes and their flag together and fences once.
 //
 // Errors (ProxyPushStatus; no trap, no assert: the caller unwinds and surfaces the code, e.g. into its ErrorSlot):
 //   kStopped  the FIFO's stop word was set while waiting for room: the daemon is tearing the FIFO down.
 //   kTimeout  no room within the pusher's timeout: the proxy is stuck or gone.
 //   kTooLarge a batch of more commands than the FIFO has slots; nothing was claimed.
-// After kStopped or kTimeout the claimed tickets stay unpublished and the proxy stops at the first of them, so the
-// FIFO is dead: the communicator must be aborted and the FIFO formatted afresh. A command the proxy rejects (unknown
+// After a push returned kStopped or kTimeout its claimed tickets stay unpublished and the proxy stops at the first of
+// them, so the FIFO is dead: the communicator must be aborted and the FIFO formatted afresh (proxyWaitCompleted's
+// kTimeout claims nothing: only that wait gave up). A command the proxy rejects (unknown
 // buffer id, out of bounds, bad opcode or flags, peer out of range) is no push error: it is skipped, nothing is
 // written, and the FIFO's errors word (proxyErrors) goes up by one; later commands still go through.
 //
