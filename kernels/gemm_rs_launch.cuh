@@ -164,9 +164,9 @@ inline void validate(const char* op, const GemmRsParams& p, bool allReduce) {
   }
   if (p.epoch == 0 || p.epoch == kAbortValue) fail(op, "epoch must be in [1, 2^64 - 2]");
   const auto knob = static_cast<int32_t>(p.epilogue);
-  if (knob < 0 || knob > static_cast<int32_t>(GemmRsEpilogue::kLegacy)) {
-    fail(op, "epilogue must be a GemmRsEpilogue (0 default, 1 generic, 2 legacy), got " + str(knob) +
-                 "; leave it 0 outside benchmarks");
+  if (knob < 0 || knob > static_cast<int32_t>(GemmRsEpilogue::kTmaPeer)) {
+    fail(op, "epilogue must be a GemmRsEpilogue (0 default, 1 generic, 2 legacy, 3 TMA with the peer's partial), got " +
+                 str(knob) + "; leave it 0 outside benchmarks");
   }
   if (p.epilogue == GemmRsEpilogue::kLegacy && (p.dtype != GemmDtype::kBf16 || p.plan.kind != GemmRsPlanKind::kFused ||
                                                 p.plan.partial != GemmRsPartial::kInput)) {
@@ -304,9 +304,21 @@ inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, cons
   kp.finViaCopier = (!decomposed && allReduce && !kp.oneShot && plan.transport == GemmRsTransport::kCopy) ? 1 : 0;
   // One rank adds nothing to its own tiles: they leave through the GEMM core's TMA-store epilogue (rows of the tile are
   // rows of this rank's output, which at one rank is the whole [m, n] output of either op), unless the test knob asks
-  // for the generic path.
-  kp.ownTma = (!decomposed && p.nranks == 1 && kp.epiReduce && p.epilogue == GemmRsEpilogue::kDefault) ? 1 : 0;
-  if (kp.ownTma) kp.g.tmC = encodeMap(op, p.out, p.m, p.n, p.ldOut, gemm::kRowsPerConsumer, p.dtype);
+  // for the generic path. kTmaPeer also does it at two ranks for a reduce-scatter with 16-bit partials copied by the
+  // copier warps, adding the peer's partial from the inbox in smem first (the half tiles whose rows are all this rank's;
+  // the device code checks that per half tile).
+  const bool tmaKnob = p.epilogue == GemmRsEpilogue::kDefault || p.epilogue == GemmRsEpilogue::kTmaPeer;
+  const int64_t myRows = allReduce ? p.m : rsRowsOf(p.m, p.rank, p.nranks);
+  if (!decomposed && kp.epiReduce && tmaKnob && p.nranks == 1) {
+    kp.ownTma = 1;
+  } else if (!decomposed && kp.epiReduce && p.epilogue == GemmRsEpilogue::kTmaPeer && p.nranks == 2 && !allReduce &&
+             psize == 2 && plan.transport == GemmRsTransport::kCopy && myRows > 0) {
+    kp.ownTma = 2;
+    const int peer = 1 - p.rank;
+    const void* peerPartials = static_cast<const char*>(kp.inbox[p.rank]) + static_cast<size_t>(peer) * l.matBytes;
+    kp.tmPeer = encodeMap(op, peerPartials, tilesM * kBlockM, kp.ldP, kp.ldP, gemm::kRowsPerConsumer, p.dtype);
+  }
+  if (kp.ownTma != 0) kp.g.tmC = encodeMap(op, p.out, myRows, p.n, p.ldOut, gemm::kRowsPerConsumer, p.dtype);
   return kp;
 }
 

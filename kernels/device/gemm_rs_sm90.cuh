@@ -30,9 +30,11 @@ inline constexpr int kHalfRows = 64;
 inline constexpr int kThreads = gemm::kThreads;  // every CTA of the fused kernel and of the reduction kernel
 inline constexpr uint32_t kOpGemmRs = 2;         // WaitCtx.op: OpKind::kGemmRs / kGemmAr in common/descriptor.hpp
 inline constexpr uint32_t kOpGemmAr = 3;
+inline constexpr size_t kPeerBarOffset = 16;  // in a compute CTA's extra smem (see kExtraSmem)
 
 struct FusedKernelParams {
-  gemm::GemmKernelParams g;  // tmA / tmB of this rank's slice; m, n, k, numKBlocks, tilesN (tmC unused)
+  gemm::GemmKernelParams g;  // tmA / tmB of this rank's slice; m, n, k, numKBlocks, tilesN; tmC: see ownTma
+  CUtensorMap tmPeer;        // ownTma 2: the peer's partials in this rank's inbox, [tilesM * 128, ldP], 64 x 64 boxes
   int32_t rank, nranks;
   int32_t tilesM, tilesN;
   int32_t allReduce, oneShot, transport, epiReduce;  // transport: GemmRsTransport
@@ -58,7 +60,9 @@ struct FusedKernelParams {
   uint64_t* trace;     // profiling, see GemmRsParams::trace (null = off)
   int32_t traceTiles;
   int32_t finViaCopier;  // all-reduce, transport kCopy: consumers write the local output only, copiers broadcast
-  int32_t ownTma;        // own tiles have nothing to add (one rank): TMA-store them through g.tmC (the output's map)
+  // Own tiles through TMA (g.tmC: this rank's output, [its rows, n], 64 x 64 boxes): 0 never; 1 one rank, nothing to
+  // add; 2 two ranks, reduce-scatter: the peer's partial TMA-loaded (tmPeer) and added in smem first.
+  int32_t ownTma;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -257,6 +261,20 @@ struct FinalWriter {
   }
 };
 
+__device__ __forceinline__ uint32_t ldShared32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+// Two packed 16-bit values of P (bf16 or fp16) as floats.
+template <class P>
+__device__ __forceinline__ float2 toFloat2(uint32_t raw) {
+  if constexpr (std::is_same_v<P, __nv_bfloat16>) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&raw));
+  }
+}
 __device__ __forceinline__ void stShared64(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
@@ -312,10 +330,15 @@ struct RsEpilogue {
   uint32_t tmaChunks;  // TMA-store chunks this warpgroup committed (thread 0 tracks the bulk groups)
   bool tmaReading;     // a committed TMA store may still read cbuf
   bool cbufGeneric;    // the last tile's epilogue read cbuf with ld.shared (other threads may still be at it)
+  uint32_t peerLoads[2];  // ownTma 2: TMA loads issued into cbuf[b] (every thread counts; the parity of the next wait)
 
   __device__ __forceinline__ RsEpilogue(const FusedKernelParams* p, uint64_t start, uint32_t* doneCounters)
       : kp(p), startNs(start), done(doneCounters), seq(0), pendKind(0), pendRed(0), pendHt(0), pendRow0(0),
-        tmaChunks(0), tmaReading(false), cbufGeneric(false) {}
+        tmaChunks(0), tmaReading(false), cbufGeneric(false), peerLoads{0, 0} {}
+  // ownTma 2: the mbarrier that TMA loads into cbuf[b] of warpgroup wg complete on.
+  __device__ __forceinline__ uint64_t* peerBar(int wg, int b) const {
+    return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(done) + kPeerBarOffset) + wg * 2 + b;
+  }
 
   // Profiling: field f of this warpgroup's tile `seq` (thread 0 only).
   __device__ __forceinline__ void trace(int wg, int f, uint64_t v) const {
@@ -528,6 +551,70 @@ struct RsEpilogue {
     }
     tmaReading = true;
   }
+  // ownTma 2 (two ranks, reduce-scatter): an own half tile wholly inside N whose rows are all this rank's. Thread 0
+  // waits for the peer's partial of the half tile (the copier warps already prefetched it into L2), then TMA-loads it
+  // chunk by chunk (64 x 64, 16-bit, swizzled as the store map wants) into the two epilogue buffers; every thread adds
+  // the peer's values at its own accumulator positions in fp32, writes the sum back in place rounded to T, and the
+  // chunk leaves by TMA store like the core's. own + peer is one commutative add, so the result is bitwise that of the
+  // generic path in either rank order. A buffer is loaded again once the store from it has read it.
+  __device__ __forceinline__ void storeOwnTmaPeer(const float (&acc)[128], int32_t row0, int32_t n0, int32_t ht, int wg,
+                                                  int t, uint16_t (&cbuf)[2][64 * 64]) {
+    constexpr int kChunks = kBlockN / gemm::kEpiCols;
+    constexpr uint32_t kChunkBytes = gemm::kRowsPerConsumer * gemm::kEpiCols * 2;
+    const int lane = t % 32;
+    const int r = (t / 32) * 16 + lane / 4;  // accumulator rows r and r + 8 (same swizzle phase r & 7)
+    const uint32_t rowOff0 = static_cast<uint32_t>(r) * 128;
+    const uint32_t rowOff1 = static_cast<uint32_t>(r + 8) * 128;
+    const uint32_t phase = static_cast<uint32_t>(r & 7);
+    const int32_t peer = 1 - kp->rank;
+    const int32_t outRow = row0 - rowOffsetOf(*kp, kp->rank);
+    // Every thread's ld.shared of an earlier generic epilogue precedes the loads that overwrite cbuf.
+    gemm::namedBarSync(barrierOf(wg), 128);
+    cbufGeneric = false;
+    if (t == 0) {
+      if (tmaReading) gemm::bulkWaitRead<0>();  // earlier stores from cbuf have read it (long done by now)
+      WaitCtx ctx = makeWaitCtx(*kp, Role::kCompute, startNs);
+      // acquire: the peer's partial of this half tile is in our inbox; pairs with the copier's stReleaseSys there.
+      waitGeq(srcFlag(*kp, peer, ht), kp->epoch, ctx, static_cast<uint32_t>(ht));
+      traceNow(wg, 1);
+      fenceProxyAsyncGlobal();  // generic-proxy data (landed from the peer) read by the async proxy (TMA) next
+      for (int b = 0; b < 2; ++b) {
+        gemm::mbarArriveExpectTx(peerBar(wg, b), kChunkBytes);
+        gemm::tmaLoad2d(&kp->tmPeer, cbuf[b], peerBar(wg, b), n0 + b * gemm::kEpiCols, row0);
+      }
+    }
+    tmaReading = false;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int b = c & 1;
+      gemm::mbarWait(peerBar(wg, b), peerLoads[b] & 1);  // acquire: the chunk's bytes landed in cbuf[b]
+      ++peerLoads[b];
+      const uint32_t base = gemm::smemAddr(cbuf[b]);
+#pragma unroll
+      for (int jj = 0; jj < gemm::kEpiCols / 8; ++jj) {
+        const int j = c * (gemm::kEpiCols / 8) + jj;
+        const uint32_t col = ((static_cast<uint32_t>(jj) ^ phase) << 4) + static_cast<uint32_t>(lane & 3) * 4;
+        const float2 p0 = toFloat2<P>(ldShared32(base + rowOff0 + col));
+        const float2 p1 = toFloat2<P>(ldShared32(base + rowOff1 + col));
+        gemm::stShared32(base + rowOff0 + col, gemm::packPair<T>(acc[4 * j + 0] + p0.x, acc[4 * j + 1] + p0.y));
+        gemm::stShared32(base + rowOff1 + col, gemm::packPair<T>(acc[4 * j + 2] + p1.x, acc[4 * j + 3] + p1.y));
+      }
+      gemm::fenceProxyAsyncShared();           // our st.shared -> visible to the TMA engine
+      gemm::namedBarSync(barrierOf(wg), 128);  // the whole summed chunk is in smem
+      if (t == 0) {
+        gemm::tmaStore2d(&kp->g.tmC, base, n0 + c * gemm::kEpiCols, outRow);
+        gemm::bulkCommit();
+        if (c + 2 < kChunks) {
+          gemm::bulkWaitRead<0>();  // the store just issued has read cbuf[b]
+          gemm::mbarArriveExpectTx(peerBar(wg, b), kChunkBytes);
+          gemm::tmaLoad2d(&kp->tmPeer, cbuf[b], peerBar(wg, b), n0 + (c + 2) * gemm::kEpiCols, row0);
+        }
+      }
+      ++tmaChunks;
+    }
+    tmaReading = true;
+  }
+
   // Before the generic paths write cbuf with st.shared: no TMA store may still be reading it.
   __device__ __forceinline__ void cbufForGeneric(int wg, int t) {
     if (tmaReading) {
@@ -549,7 +636,8 @@ struct RsEpilogue {
     const int32_t tr = row0 / kBlockM;
     const int32_t ht = (row0 / kHalfRows) * kp->tilesN + n0 / kBlockN;
     const int32_t red = kp->oneShot ? kp->rank : reducerOf(*kp, tr);
-    // Which epilogue (0 push a partial, 1 reduce the own rows, 2 TMA-store the own rows): warp-uniform in fact, but
+    // Which epilogue (0 push a partial, 1 reduce the own rows, 2 TMA-store the own rows, 3 add the peer's partial in
+    // smem and TMA-store the own rows): warp-uniform in fact, but
     // ptxas cannot prove it (the reducer comes from a dynamically indexed parameter array, n0 from the phase table).
     // Branching on it as-is made ptxas treat the whole tile loop as divergent, and the mainloop then lost the uniform
     // datapath (wgmma descriptors built in vector registers and moved over with R2UR, a WARPSYNC before every
@@ -557,13 +645,21 @@ struct RsEpilogue {
     const bool ownHere = kp->epiReduce && !kp->oneShot && red == kp->rank;
     int mode = ownHere ? 1 : 0;
     if constexpr (!Legacy) {
-      if (ownHere && kp->ownTma && n0 + kBlockN <= kp->g.n) mode = 2;
+      if (ownHere && kp->ownTma != 0 && n0 + kBlockN <= kp->g.n) {
+        if (kp->ownTma == 1) {
+          mode = 2;
+        } else if (ownerOf(*kp, row0) == kp->rank && ownerOf(*kp, min(row0 + kHalfRows - 1, kp->g.m - 1)) == kp->rank) {
+          mode = 3;
+        }
+      }
       mode = __shfl_sync(0xffffffffu, mode, 0);
     }
     const bool own = mode != 0;
     if (mode == 2) {
       storeOwnTma(acc, row0, n0, wg, t, cbuf);
       if (t == 0) traceNow(wg, 1);
+    } else if (mode == 3) {
+      if constexpr (sizeof(P) == 2) storeOwnTmaPeer(acc, row0, n0, ht, wg, t, cbuf);  // the host sets 2 only then
     } else if (own) {
       if constexpr (!Legacy) cbufForGeneric(wg, t);
       reduceOwn(acc, row0, n0, ht, wg, t, cbuf);
@@ -863,7 +959,8 @@ __device__ __forceinline__ void runFinalWaits(const FusedKernelParams& kp, uint6
 // The fused kernel's body: role from the role table, then the final waits (consumer warpgroups of compute CTAs: the
 // producer warpgroup runs on 40 registers after setmaxnreg).
 // ---------------------------------------------------------------------------------------------------------------
-// Extra dynamic shared memory of a compute CTA beyond the GEMM core's: the two `done` counters.
+// Extra dynamic shared memory of a compute CTA beyond the GEMM core's: the two `done` counters (bytes 0-7), and for
+// ownTma 2 one mbarrier per consumer warpgroup and epilogue buffer (bytes kPeerBarOffset.. + 31: [wg][buf]).
 inline constexpr size_t kExtraSmem = 64;
 
 // A compute CTA: the GEMM core's pieces (barriers, TMA producer, wgmma consumers with the RsEpilogue hook), plus the
@@ -885,6 +982,12 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
     if (!Legacy && kp.ownTma) prefetchTensorMap(&kp.g.tmC);
     done[0] = 0;
     done[1] = 0;
+    if (!Legacy && kp.ownTma == 2) {
+      prefetchTensorMap(&kp.tmPeer);
+      uint64_t* const bars = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(done) + kPeerBarOffset);
+      for (int i = 0; i < 4; ++i) mbarInit(&bars[i], 1);
+      fenceBarrierInit();
+    }
   }
   __syncthreads();  // barriers and counters initialised before any role uses them
   const PhaseOrder order{&kp};
