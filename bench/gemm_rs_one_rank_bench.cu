@@ -21,8 +21,8 @@
 // this GPU in this process: each rank's fused kernel on half the SMs (so both are co-resident), rank r multiplying
 // columns [r K/2, (r + 1) K/2) of A and B, partials exchanged through device memory. That is not the two-GPU timing
 // (no NVLink, half the SMs each); it checks the multi-rank paths (against the reference, bitwise across kernels and
-// repeats) and shows, from rank 0's trace, what an own tile's epilogue costs next to a sent one's; the gemm-rs
-// candidates there include the kTmaPeer own-tile epilogue.
+// repeats) and shows, from rank 0's trace, what an own tile's epilogue costs next to a sent one's; the candidates
+// there include the kTmaPeer own-tile epilogue.
 //
 //   gemm_rs_one_rank_bench [--iters N] [--warmup N] [--json FILE] [--no-trace] [--no-two-ranks] [--shape MxNxK]...
 #include <cublasLt.h>
@@ -202,6 +202,7 @@ bool runTwoRanks(const Shape& sh, void* const (&a)[2], void* const (&b)[2], cons
                               {"gemm-rs fused copy tma-peer", false, GemmRsEpilogue::kTmaPeer},
                               {"gemm-rs fused copy legacy", false, GemmRsEpilogue::kLegacy},
                               {"gemm-ar fused copy", true, GemmRsEpilogue::kDefault},
+                              {"gemm-ar fused copy tma-peer", true, GemmRsEpilogue::kTmaPeer},
                               {"gemm-ar fused copy legacy", true, GemmRsEpilogue::kLegacy}};
   GemmRsPlan plan = fusedPlan(GemmRsTransport::kCopy, 0);
   plan.numCompute = static_cast<int16_t>(prop.multiProcessorCount / kRanks);

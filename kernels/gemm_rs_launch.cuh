@@ -18,6 +18,7 @@
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
+#include "tandem/kernels/tensor_map_cache.hpp"
 
 namespace tandem::kernels::rs {
 
@@ -121,17 +122,17 @@ inline void prepareFused(const char* op, FusedFn fn) {
   if (used < 64) done[used++] = {device, fn};
 }
 
+// A [rows, cols] matrix of 16-bit elements (row stride ld), 64-column boxes of boxRows rows, 128-byte swizzle. Cached
+// (tensor_map_cache.hpp): a launch encodes up to four maps, about a microsecond of host time each, the same ones op
+// after op.
 inline CUtensorMap encodeMap(const char* op, const void* ptr, int64_t rows, int64_t cols, int64_t ld, uint32_t boxRows,
                              GemmDtype dt) {
-  const auto fn = tensorMapEncodeTiled();
+  static TensorMapCache cache;
   CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(gemm::kBlockK), boxRows};
-  const cuuint32_t elemStrides[2] = {1, 1};
-  const CUresult r = fn(&map, dt == GemmDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                        2, const_cast<void*>(ptr), dims, strides, box, elemStrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const TensorMapKey key = TensorMapKey::matrix(ptr, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols),
+                                                static_cast<uint64_t>(ld), boxRows, static_cast<uint32_t>(gemm::kBlockK),
+                                                dt);
+  const CUresult r = cache.get(key, &map);
   if (r != CUDA_SUCCESS) fail(op, "cuTensorMapEncodeTiled failed (CUresult " + std::to_string(static_cast<int>(r)) + ")");
   return map;
 }
@@ -304,15 +305,15 @@ inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, cons
   kp.finViaCopier = (!decomposed && allReduce && !kp.oneShot && plan.transport == GemmRsTransport::kCopy) ? 1 : 0;
   // One rank adds nothing to its own tiles: they leave through the GEMM core's TMA-store epilogue (rows of the tile are
   // rows of this rank's output, which at one rank is the whole [m, n] output of either op), unless the test knob asks
-  // for the generic path. kTmaPeer also does it at two ranks for a reduce-scatter with 16-bit partials copied by the
-  // copier warps, adding the peer's partial from the inbox in smem first (the half tiles whose rows are all this rank's;
-  // the device code checks that per half tile).
+  // for the generic path. kTmaPeer also does it at two ranks with 16-bit partials copied by the copier warps, adding
+  // the peer's partial from the inbox in smem first (the half tiles whose rows are all this rank's; the device code
+  // checks that per half tile); an all-reduce's copier warps then broadcast the stored rows as before.
   const bool tmaKnob = p.epilogue == GemmRsEpilogue::kDefault || p.epilogue == GemmRsEpilogue::kTmaPeer;
   const int64_t myRows = allReduce ? p.m : rsRowsOf(p.m, p.rank, p.nranks);
   if (!decomposed && kp.epiReduce && tmaKnob && p.nranks == 1) {
     kp.ownTma = 1;
-  } else if (!decomposed && kp.epiReduce && p.epilogue == GemmRsEpilogue::kTmaPeer && p.nranks == 2 && !allReduce &&
-             psize == 2 && plan.transport == GemmRsTransport::kCopy && myRows > 0) {
+  } else if (!decomposed && kp.epiReduce && p.epilogue == GemmRsEpilogue::kTmaPeer && p.nranks == 2 && psize == 2 &&
+             plan.transport == GemmRsTransport::kCopy && myRows > 0) {
     kp.ownTma = 2;
     const int peer = 1 - p.rank;
     const void* peerPartials = static_cast<const char*>(kp.inbox[p.rank]) + static_cast<size_t>(peer) * l.matBytes;

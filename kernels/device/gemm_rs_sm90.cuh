@@ -551,7 +551,7 @@ struct RsEpilogue {
     }
     tmaReading = true;
   }
-  // ownTma 2 (two ranks, reduce-scatter): an own half tile wholly inside N whose rows are all this rank's. Thread 0
+  // ownTma 2 (two ranks): an own half tile wholly inside N whose rows are all this rank's. Thread 0
   // waits for the peer's partial of the half tile (the copier warps already prefetched it into L2), then TMA-loads it
   // chunk by chunk (64 x 64, 16-bit, swizzled as the store map wants) into the two epilogue buffers; every thread adds
   // the peer's values at its own accumulator positions in fp32, writes the sum back in place rounded to T, and the
@@ -567,7 +567,7 @@ struct RsEpilogue {
     const uint32_t rowOff1 = static_cast<uint32_t>(r + 8) * 128;
     const uint32_t phase = static_cast<uint32_t>(r & 7);
     const int32_t peer = 1 - kp->rank;
-    const int32_t outRow = row0 - rowOffsetOf(*kp, kp->rank);
+    const int32_t outRow = kp->allReduce ? row0 : row0 - rowOffsetOf(*kp, kp->rank);
     // Every thread's ld.shared of an earlier generic epilogue precedes the loads that overwrite cbuf.
     gemm::namedBarSync(barrierOf(wg), 128);
     cbufGeneric = false;
@@ -613,6 +613,13 @@ struct RsEpilogue {
       ++tmaChunks;
     }
     tmaReading = true;
+    if (kp->finViaCopier && t == 0) {
+      // All-reduce: the copier warps read these rows from our output to broadcast them, once `done` says so (released
+      // after this, in tile()): the TMA writes must be complete and ordered before the generic-proxy reads.
+      gemm::bulkWait<0>();
+      fenceProxyAsyncGlobal();
+      tmaReading = false;
+    }
   }
 
   // Before the generic paths write cbuf with st.shared: no TMA store may still be reading it.

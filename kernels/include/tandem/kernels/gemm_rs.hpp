@@ -135,8 +135,8 @@ enum class GemmRsEpilogue : int32_t {
   kGeneric = 1,  // own tiles always take the reducing path (fp32 smem round trip, then 8-byte stores from registers)
   kLegacy = 2,   // kGeneric in the kernel as compiled before its epilogue branch was made provably warp-uniform (the
                  // mainloop then lost the uniform datapath); bf16 with bf16 partials only
-  kTmaPeer = 3,  // kDefault, and at two ranks a reduce-scatter's own tile TMA-loads the peer's 16-bit partial into smem
-                 // in chunks, adds it to the accumulators there and TMA-stores the sum (transport kCopy only)
+  kTmaPeer = 3,  // kDefault, and at two ranks an own tile TMA-loads the peer's 16-bit partial into smem in chunks, adds
+                 // it to the accumulators there and TMA-stores the sum (transport kCopy only)
 };
 
 // ---- parameters (POD; zero-initialise and fill). Shared with launchGemmAr (gemm_ar.hpp).
