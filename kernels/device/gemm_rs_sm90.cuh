@@ -612,13 +612,16 @@ struct RsEpilogue {
       }
       ++tmaChunks;
     }
-    tmaReading = true;
-    if (kp->finViaCopier && t == 0) {
+    if (kp->finViaCopier) {
       // All-reduce: the copier warps read these rows from our output to broadcast them, once `done` says so (released
       // after this, in tile()): the TMA writes must be complete and ordered before the generic-proxy reads.
-      gemm::bulkWait<0>();
-      fenceProxyAsyncGlobal();
-      tmaReading = false;
+      if (t == 0) {
+        gemm::bulkWait<0>();
+        fenceProxyAsyncGlobal();
+      }
+      tmaReading = false;  // every thread alike: cbufForGeneric's barrier must be all or none
+    } else {
+      tmaReading = true;
     }
   }
 
