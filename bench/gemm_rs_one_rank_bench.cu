@@ -320,7 +320,7 @@ bool runTwoRanks(const Shape& sh, void* const (&a)[2], void* const (&b)[2], cons
   };
   std::printf("\n%lldx%lldx%lld, TWO ranks sharing this GPU (%d SMs each, K %lld per rank)\n", (long long)sh.m,
               (long long)sh.n, (long long)sh.k, int(plan.numCompute), (long long)kr);
-  for (size_t i = 0; i < cands.size(); ++i) check(cands[i], i == 0, "first run");
+  for (size_t i = 0; i < cands.size() && ok; ++i) check(cands[i], i == 0, "first run");  // a failure ends the section
   for (int it = -warmup; it < iters && ok; ++it) {
     for (Cand2& c : cands) {
       for (int mode = 0; mode < 2; ++mode) {
@@ -458,7 +458,7 @@ int main(int argc, char** argv) {
     void* coreOut = nullptr;  // the GEMM core's output, which every tandem candidate must match bitwise
     CK(cudaMalloc(&coreOut, mn * 2));
     // Trace buffer: 2 warpgroups per CTA, up to traceTiles tiles each (more tiles than that go unrecorded).
-    const int traceTiles = 64;
+    const int traceTiles = 128;
     const size_t traceWords = size_t(prop.multiProcessorCount) * 2 * (traceTiles + 1) * 4;
     uint64_t* traceBuf = nullptr;
     if (traceOn) CK(cudaMalloc(&traceBuf, traceWords * 8));
