@@ -20,7 +20,6 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -65,18 +64,20 @@ struct Job {
     }                                    \
   } while (0)
 
-// Random values in [-1, 1) as bf16 or fp16 bits.
+// Values in [-1, 1) as bf16 or fp16 bits, from a xorshift (cheap: B is N x K = 64 Mi values at the largest shape).
 std::vector<uint16_t> randomHalf(std::size_t count, tandem_dtype_t dtype, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<uint16_t> out(count);
+  uint32_t x = seed * 2654435761u + 1;
   for (auto& v : out) {
-    const float f = dist(gen);
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    const float f = static_cast<float>(x >> 8) * (2.0f / 16777216.0f) - 1.0f;
     uint32_t bits;
     std::memcpy(&bits, &f, 4);
     if (dtype == TANDEM_DTYPE_BF16) {
-      v = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-    } else {  // fp16 of |f| < 1: exponent and 10 mantissa bits, truncated (values need not be exact)
+      v = static_cast<uint16_t>(bits >> 16);  // truncated: the values need not be exact
+    } else {  // fp16 of |f| < 1: exponent and 10 mantissa bits, truncated
       const uint32_t sign = (bits >> 16) & 0x8000u;
       const int exp = static_cast<int>((bits >> 23) & 0xff) - 127 + 15;
       v = exp <= 0 ? static_cast<uint16_t>(sign)
@@ -86,9 +87,9 @@ std::vector<uint16_t> randomHalf(std::size_t count, tandem_dtype_t dtype, uint32
   return out;
 }
 
-// One rank's life: joins the communicator of `n` ranks through `socket`, runs `job`, and (rank 0) writes the median
-// milliseconds to `resultPath`.
-int rankMain(uint32_t rank, uint32_t n, int up, int down, const std::string& socket, const Job& job,
+// One rank's life: joins the communicator of `n` ranks through `socket`, runs every job in turn, and (rank 0) writes
+// one line per job to `resultPath`: median, min and max milliseconds.
+int rankMain(uint32_t rank, uint32_t n, int up, int down, const std::string& socket, const std::vector<Job>& jobs,
              const std::string& resultPath) {
   int gpus = 0;
   RANK_CHECK(cudaGetDeviceCount(&gpus) == cudaSuccess && gpus > 0, "rank %u: no CUDA device", rank);
@@ -105,51 +106,55 @@ int rankMain(uint32_t rank, uint32_t n, int up, int down, const std::string& soc
   RANK_CHECK(tandem_comm_init(s, &id, n, rank, 60000, &comm) == TANDEM_SUCCESS, "comm init: %s", tandem_last_error());
   cudaStream_t stream;
   RANK_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess, "stream");
+  std::ofstream result;
+  if (rank == 0) result.open(resultPath);
 
-  const bool ag = job.op == "ag-gemm";
-  const uint64_t aRows = ag ? rowsOf(job.m, rank, n) : job.m, kk = ag ? job.k : rowsOf(job.k, rank, n);
-  const uint64_t cRows = job.op == "gemm-rs" ? rowsOf(job.m, rank, n) : job.m;
-  tandem_buffer_t a, b, c;
-  RANK_CHECK(tandem_alloc(s, std::max<uint64_t>(aRows * kk * 2, 16), &a) == TANDEM_SUCCESS, "alloc A: %s",
-             tandem_last_error());
-  RANK_CHECK(tandem_alloc(s, job.n * kk * 2, &b) == TANDEM_SUCCESS, "alloc B: %s", tandem_last_error());
-  RANK_CHECK(tandem_alloc(s, cRows * job.n * 2, &c) == TANDEM_SUCCESS, "alloc C: %s", tandem_last_error());
-  const auto hostA = randomHalf(aRows * kk, job.dtype, 17 + rank), hostB = randomHalf(job.n * kk, job.dtype, 91 + rank);
-  RANK_CHECK(cudaMemcpy(tandem_buffer_ptr(a), hostA.data(), hostA.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess,
-             "upload A");
-  RANK_CHECK(cudaMemcpy(tandem_buffer_ptr(b), hostB.data(), hostB.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess,
-             "upload B");
-  RANK_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
-
-  std::vector<double> ms;
-  for (int i = 0; i < job.warmup + job.iters; ++i) {
-    tandem_op_t op;
-    tandem_status_t st;
-    const auto t0 = Clock::now();
-    if (ag) {
-      const tandem_ag_gemm_args_t args{sizeof args, job.dtype, job.m, job.n, job.k, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0},
-                                       stream};
-      st = tandem_ag_gemm(comm, &args, &op);
-    } else if (job.op == "gemm-rs") {
-      const tandem_gemm_rs_args_t args{sizeof args, job.dtype, job.m, job.n, kk, {a, 0}, {b, 0}, {c, 0}, stream};
-      st = tandem_gemm_rs(comm, &args, &op);
-    } else {
-      const tandem_gemm_ar_args_t args{sizeof args, job.dtype, job.m, job.n, kk, {a, 0}, {b, 0}, {c, 0}, stream};
-      st = tandem_gemm_ar(comm, &args, &op);
+  for (const Job& job : jobs) {
+    const bool ag = job.op == "ag-gemm";
+    const uint64_t aRows = ag ? rowsOf(job.m, rank, n) : job.m, kk = ag ? job.k : rowsOf(job.k, rank, n);
+    const uint64_t cRows = job.op == "gemm-rs" ? rowsOf(job.m, rank, n) : job.m;
+    tandem_buffer_t a, b, c;
+    RANK_CHECK(tandem_alloc(s, std::max<uint64_t>(aRows * kk * 2, 16), &a) == TANDEM_SUCCESS, "alloc A: %s",
+               tandem_last_error());
+    RANK_CHECK(tandem_alloc(s, job.n * kk * 2, &b) == TANDEM_SUCCESS, "alloc B: %s", tandem_last_error());
+    RANK_CHECK(tandem_alloc(s, cRows * job.n * 2, &c) == TANDEM_SUCCESS, "alloc C: %s", tandem_last_error());
+    const auto hostA = randomHalf(aRows * kk, job.dtype, 17 + rank);
+    const auto hostB = randomHalf(job.n * kk, job.dtype, 91 + rank);
+    RANK_CHECK(cudaMemcpy(tandem_buffer_ptr(a), hostA.data(), hostA.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess,
+               "upload A");
+    RANK_CHECK(cudaMemcpy(tandem_buffer_ptr(b), hostB.data(), hostB.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess,
+               "upload B");
+    RANK_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
+    std::vector<double> ms;
+    for (int i = 0; i < job.warmup + job.iters; ++i) {
+      tandem_op_t op;
+      tandem_status_t st;
+      const auto t0 = Clock::now();
+      if (ag) {
+        const tandem_ag_gemm_args_t args{sizeof args, job.dtype, job.m, job.n, job.k, {a, 0}, {b, 0}, {c, 0},
+                                         {nullptr, 0}, stream};
+        st = tandem_ag_gemm(comm, &args, &op);
+      } else if (job.op == "gemm-rs") {
+        const tandem_gemm_rs_args_t args{sizeof args, job.dtype, job.m, job.n, kk, {a, 0}, {b, 0}, {c, 0}, stream};
+        st = tandem_gemm_rs(comm, &args, &op);
+      } else {
+        const tandem_gemm_ar_args_t args{sizeof args, job.dtype, job.m, job.n, kk, {a, 0}, {b, 0}, {c, 0}, stream};
+        st = tandem_gemm_ar(comm, &args, &op);
+      }
+      RANK_CHECK(st == TANDEM_SUCCESS, "%s submit: %s", job.op.c_str(), tandem_last_error());
+      RANK_CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "stream sync");
+      RANK_CHECK(tandem_wait(op, 120000) == TANDEM_SUCCESS, "%s: %s", job.op.c_str(), tandem_last_error());
+      const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      if (i >= job.warmup) ms.push_back(t);
     }
-    RANK_CHECK(st == TANDEM_SUCCESS, "%s submit: %s", job.op.c_str(), tandem_last_error());
-    RANK_CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "stream sync");
-    RANK_CHECK(tandem_wait(op, 120000) == TANDEM_SUCCESS, "%s: %s", job.op.c_str(), tandem_last_error());
-    const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    if (i >= job.warmup) ms.push_back(t);
+    std::sort(ms.begin(), ms.end());
+    if (rank == 0) {
+      result << ms[ms.size() / 2] << " " << ms.front() << " " << ms.back() << std::endl;
+    }
+    tandem_free(a);
+    tandem_free(b);
+    tandem_free(c);
   }
-  std::sort(ms.begin(), ms.end());
-  if (rank == 0) {
-    std::ofstream(resultPath) << ms[ms.size() / 2] << " " << ms.front() << " " << ms.back() << "\n";
-  }
-  tandem_free(a);
-  tandem_free(b);
-  tandem_free(c);
   tandem_comm_destroy(comm);
   tandem_disconnect(s);
   return 0;
@@ -159,21 +164,22 @@ struct Timing {
   double median = -1, min = -1, max = -1;
 };
 
-// Runs `job` with one rank per socket; rank 0's times.
-Timing run(const std::vector<std::string>& sockets, const Job& job) {
+// Runs `jobs` with one rank per socket; rank 0's times, one per job (median -1: none came back).
+std::vector<Timing> run(const std::vector<std::string>& sockets, const std::vector<Job>& jobs) {
   const std::string resultPath = "/tmp/span-bench-" + std::to_string(::getpid()) + ".txt";
   std::remove(resultPath.c_str());
   const auto n = static_cast<uint32_t>(sockets.size());
   tandem::bench::RankProcesses ranks(n, [&](uint32_t r, int up, int down) {
-    return rankMain(r, n, up, down, sockets[r], job, resultPath);
+    return rankMain(r, n, up, down, sockets[r], jobs, resultPath);
   });
-  if (!ranks.relay(sizeof(tandem_unique_id_t))) return {};
-  if (ranks.wait() != 0) return {};
-  Timing t;
+  std::vector<Timing> out(jobs.size());
+  if (ranks.relay(sizeof(tandem_unique_id_t))) ranks.wait();
   std::ifstream in(resultPath);
-  in >> t.median >> t.min >> t.max;
+  for (Timing& t : out) {
+    if (!(in >> t.median >> t.min >> t.max)) break;
+  }
   std::remove(resultPath.c_str());
-  return t;
+  return out;
 }
 
 }  // namespace
@@ -222,17 +228,18 @@ int main(int argc, char** argv) {
               "stream synced and op waited)\n", dtypeName.c_str(), static_cast<unsigned long long>(nk), iters, warmup);
   std::printf("| op | M | one node, 1 rank | two nodes, 1 rank each (min..max) | two nodes / one node |\n");
   std::printf("|---|---|---|---|---|\n");
-  int rc = 0;
+  std::vector<Job> jobs;
   for (const std::string& op : parseNames(opsList)) {
-    for (uint64_t m : parseList(msList)) {
-      const Job job{op, m, nk, nk, dtype, iters, warmup};
-      const Timing one = run({single->socket()}, job);
-      const Timing two = run({nodes[0]->socket(), nodes[1]->socket()}, job);
-      if (one.median < 0 || two.median < 0) rc = 2;
-      std::printf("| %s | %llu | %.3f | %.3f (%.3f..%.3f) | %.2fx |\n", op.c_str(), static_cast<unsigned long long>(m),
-                  one.median, two.median, two.min, two.max, one.median > 0 ? two.median / one.median : 0.0);
-      std::fflush(stdout);
-    }
+    for (uint64_t m : parseList(msList)) jobs.push_back({op, m, nk, nk, dtype, iters, warmup});
+  }
+  const std::vector<Timing> one = run({single->socket()}, jobs);
+  const std::vector<Timing> two = run({nodes[0]->socket(), nodes[1]->socket()}, jobs);
+  int rc = 0;
+  for (std::size_t i = 0; i < jobs.size(); ++i) {
+    if (one[i].median < 0 || two[i].median < 0) rc = 2;
+    std::printf("| %s | %llu | %.3f | %.3f (%.3f..%.3f) | %.2fx |\n", jobs[i].op.c_str(),
+                static_cast<unsigned long long>(jobs[i].m), one[i].median, two[i].median, two[i].min, two[i].max,
+                one[i].median > 0 ? two[i].median / one[i].median : 0.0);
   }
   // The plan lines: which path each op took across the nodes.
   std::istringstream log(nodes[0]->log());

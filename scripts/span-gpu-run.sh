@@ -33,7 +33,8 @@ echo "build rc=$? ($(elapsed) s)"
 grep -E "error|FAILED" -A4 "$out/build.log" | head -40
 
 if [ -x "$build/tests/gpu/tandem_gpu_tests" ]; then
-  left=$((120 - $(elapsed))); [ "$left" -lt 45 ] && left=45
+  # The tests first (correctness), leaving the bench about 25 s.
+  left=$((150 - $(elapsed))); [ "$left" -lt 45 ] && left=45
   timeout "$left" stdbuf -oL "./$build/tests/gpu/tandem_gpu_tests" "-tc=two nodes*" -s > "$out/multinode_test.log" 2>&1
   echo "multinode gpu tests rc=$? ($(elapsed) s)"
   grep -E "ERROR|FAIL|TEST CASE|test cases|assertions|SKIPPED" "$out/multinode_test.log" | head -40
@@ -41,7 +42,7 @@ fi
 if [ -x "$build/bench/span_bench" ]; then
   left=$((176 - $(elapsed)))
   if [ "$left" -gt 10 ]; then
-    iters=20; [ "$left" -lt 35 ] && iters=5
+    iters=20; [ "$left" -lt 20 ] && iters=5
     timeout "$left" stdbuf -oL "./$build/bench/span_bench" --iters "$iters" > "$out/span_bench.log" 2>&1
     echo "span_bench rc=$? ($(elapsed) s)"
     cat "$out/span_bench.log" | head -40
