@@ -4,8 +4,9 @@
 //                                         each op through the control page (verdict, go) and learns done from it;
 //   PersistentComm (daemon_executor.hpp)  executor daemon: tandemd's persistent kernel per GPU (or its own stream, for
 //                                         the fused GEMMs) runs each op once every rank's stream reached it;
-//   HostStagedComm (cuda_multinode.hpp)   ranks on several nodes: tandemd runs each op itself, staged through host
-//                                         memory, between the local streams' ready and done.
+//   HostStagedComm (cuda_multinode.hpp)   ranks on several nodes: tandemd runs each op itself (the exchange staged
+//                                         through host memory, the GEMMs on the GPUs), between the local streams'
+//                                         ready and done.
 // Each holds only its own state. What they share lives here: every local rank's control page, and what a failed
 // communicator must keep doing (report its failure once, keep its streams released).
 //

@@ -18,8 +18,8 @@ enum class Executor {
   // persistent: tandemd runs the op in its own context (one persistent kernel per GPU, or its own stream for the fused
   // GEMMs); the caller's stream writes ready and waits for done. Needs MPS.
   kDaemon,
-  // host-staged: the ranks live on several nodes; tandemd runs the op itself, staged through host memory, between the
-  // stream's ready and done (as kDaemon). No workspaces.
+  // host-staged: the ranks live on several nodes; tandemd runs the op itself, the exchange between nodes staged through
+  // host memory, between the stream's ready and done (as kDaemon). No client-mapped workspaces.
   kHost,
 };
 
@@ -42,8 +42,8 @@ inline std::optional<Executor> executorFromName(std::string_view name) {
 }
 
 /// The ops a strategy runs. Every one runs the fused GEMMs, AllGather and barriers today: the client and daemon
-/// executors launch the same kernels (fused_ops.hpp, allgather.hpp), and host staging runs the cpu backend's code for
-/// exactly these (tandemd's cuda_multinode.hpp).
+/// executors launch the same kernels (fused_ops.hpp, allgather.hpp), and host staging runs exactly these in tandemd, on
+/// the GPUs or through the cpu backend's code (tandemd's cuda_multinode.hpp).
 inline OpSet executorOps(Executor e) {
   switch (e) {
     case Executor::kClient:
