@@ -249,6 +249,11 @@ int main(int argc, char** argv) {
     return 77;
   }
   check(cudaSetDevice(0), "cudaSetDevice");
+  // Load both kernels now: a first launch under lazy loading can wait for running kernels (proxy_push.cuh).
+  for (const void* fn : {reinterpret_cast<const void*>(&pushKernel), reinterpret_cast<const void*>(&roundTripKernel)}) {
+    cudaFuncAttributes fa{};
+    check(cudaFuncGetAttributes(&fa, fn), "cudaFuncGetAttributes (loading the kernels)");
+  }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   int hostAtomics = 0;

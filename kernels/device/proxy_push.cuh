@@ -40,6 +40,12 @@
 // only one GPU's kernels push into keeps its head in that GPU's memory instead (GpuMappedProxyFifo::useDeviceHead):
 // claims are then GPU-local atomics, and the consumer, which never reads head, is unchanged.
 //
+// Lazy loading: load every kernel that pushes or waits here before the first one runs (tandem/kernels/preload.hpp).
+// A first launch under CUDA's lazy module loading may wait for the context to go idle, and it holds up other CUDA calls
+// meanwhile, the proxy's DeviceCopier copies among them: a kernel waiting for the proxy (for room, a completion, or a
+// flag the proxy's transfers deliver) while another kernel is launched for the first time then sits out its timeout
+// (seen on the H200: 10 s, every kernel stalled, until the waiting one gave up).
+//
 // Watermarks: proxyCompleted(fifo) > t once ticket t was consumed (unsignalled) or, for a kProxyFlagSignal command,
 // its transfer completed locally (the source may be reused); proxyWaitCompleted waits for that.
 #pragma once
@@ -88,19 +94,28 @@ __device__ __forceinline__ bool proxyStopRequested(const ProxyFifoDeviceRef& fif
 
 namespace detail {
 
+// Backoff between re-reads of tail while the ring is full: each read crosses PCIe to the line the proxy writes. Without
+// it 132 CTAs x 4 warps on a full 4096-slot ring drained at 7 M commands/s on the H200, against 23 M when the ring
+// never filled and 27 M with 32 CTAs. Doubling from 64 ns to 2 us: the proxy publishes tail once per batch of <= 64.
+inline constexpr uint32_t kProxyBackoffMinNs = 64, kProxyBackoffMaxNs = 2048;
+inline constexpr uint32_t kProxyStopCheckEvery = 4;  // tail re-reads per look at the stop word (another PCIe read)
+
 // Waits until the slot of held ticket `last` is free: the consumer's tail has passed its previous lap. Every slot of
 // an earlier held ticket is then free too (tail only grows).
 __device__ __forceinline__ ProxyPushStatus proxyWaitForRoom(ProxyPusher& p, uint64_t last) {
   if (!::tandem::proxy::fifo::looksFull(last, p.tailCache, p.fifo.capacity)) return ProxyPushStatus::kOk;
   const uint64_t start = globaltimerNs();
-  for (;;) {
+  uint32_t sleepNs = kProxyBackoffMinNs;
+  for (uint32_t round = 0;; ++round) {
     // acquire: pairs with the release store of tail in ProxyFifoConsumer::publishTail (P2): every slot below tail has
     // been copied out, so it may be overwritten.
     p.tailCache = ldAcquireSys(&p.fifo.control->tail);
     if (!::tandem::proxy::fifo::looksFull(last, p.tailCache, p.fifo.capacity)) return ProxyPushStatus::kOk;
     ++p.fullWaits;
-    if (proxyStopRequested(p.fifo)) return ProxyPushStatus::kStopped;
+    if (round % kProxyStopCheckEvery == 0 && proxyStopRequested(p.fifo)) return ProxyPushStatus::kStopped;
     if (p.timeoutNs != 0 && globaltimerNs() - start > p.timeoutNs) return ProxyPushStatus::kTimeout;
+    __nanosleep(sleepNs);
+    if (sleepNs < kProxyBackoffMaxNs) sleepNs *= 2;
   }
 }
 

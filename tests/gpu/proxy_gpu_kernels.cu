@@ -169,6 +169,17 @@ __global__ void waitFlagKernel(const uint64_t* flag, uint64_t value, uint64_t ti
 
 }  // namespace
 
+cudaError_t preloadProxyTestKernels() {
+  const void* fns[] = {reinterpret_cast<const void*>(&producerKernel), reinterpret_cast<const void*>(&checkerKernel),
+                       reinterpret_cast<const void*>(&malformedKernel), reinterpret_cast<const void*>(&blockedKernel),
+                       reinterpret_cast<const void*>(&tooLargeKernel), reinterpret_cast<const void*>(&waitFlagKernel)};
+  for (const void* fn : fns) {
+    cudaFuncAttributes fa{};
+    if (const cudaError_t e = cudaFuncGetAttributes(&fa, fn); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t launchProducer(const ProducerParams& p, int ctas, int warpsPerCta, cudaStream_t stream) {
   if (p.writesPerWarp == 0 || p.writesPerWarp > kMaxWritesPerWarp || p.wordsPerWarp % p.writesPerWarp != 0)
     return cudaErrorInvalidValue;

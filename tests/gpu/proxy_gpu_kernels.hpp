@@ -19,6 +19,11 @@ TANDEM_PROXY_HD constexpr uint32_t patternWord(uint64_t i, uint32_t round) {
   return static_cast<uint32_t>(i * 2654435761u) ^ (round * 0x9e3779b9u) ^ 0x5bd1e995u;
 }
 
+/// Loads every kernel below on the current device now. Under CUDA's lazy loading a kernel's first launch may wait
+/// for the context to go idle, and this test's kernels wait on each other and on the proxy (whose DeviceCopier calls
+/// then wait too): see tandem/kernels/preload.hpp. Call it before the first launch of each test case.
+cudaError_t preloadProxyTestKernels();
+
 /// Producer (node 0's GPU): warp w of the grid fills words [w*wordsPerWarp, (w+1)*wordsPerWarp) of `src` with the
 /// round's pattern, then its lane 0 pushes writesPerWarp kWrite commands for that range to the peer's dstBuffer and
 /// one kFlag (value `round`) at flagBuffer offset 8*w: warps 0 mod 4 with proxyPushWritesThenFlagWarp, 2 mod 4 with

@@ -145,6 +145,7 @@ uint64_t headOf(const cuda::GpuMappedProxyFifo& fifo) {
 
 TEST_CASE("GPU producers' writes and flags land in the peer's GPU memory through the proxy and tcp, flag after data") {
   cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
+  cudaOk(test::preloadProxyTestKernels(), "loading the test's kernels");
   bool deviceHead = false;
   SUBCASE("ticket counter in the FIFO region (system-scope atomics across PCIe)") { deviceHead = false; }
   SUBCASE("ticket counter in GPU memory") { deviceHead = true; }
@@ -236,6 +237,7 @@ TEST_CASE("GPU producers' writes and flags land in the peer's GPU memory through
 
 TEST_CASE("The CUDA DeviceCopier copies both ways in chunks, from several threads at once") {
   cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
+  cudaOk(test::preloadProxyTestKernels(), "loading the test's kernels");
   cuda::CudaDeviceCopier copier({.device = kDevice, .bounceBytes = 64 * 1024, .lanes = 2});
   const std::vector<uint64_t> sizes{1, 8, 4095, 32 * 1024, 32 * 1024 + 1, 64 * 1024, 64 * 1024 + 7, 1024 * 1024 + 3};
   constexpr int kThreads = 4;
@@ -285,6 +287,7 @@ TEST_CASE("The CUDA DeviceCopier copies both ways in chunks, from several thread
 
 TEST_CASE("Malformed commands from the GPU are rejected and counted in the errors word it reads; the next one lands") {
   cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
+  cudaOk(test::preloadProxyTestKernels(), "loading the test's kernels");
   constexpr uint64_t kBytes = 64 * 1024;
   constexpr uint64_t kGoodOffset = 1024;
   constexpr uint32_t kGoodBytes = 4096;
@@ -372,6 +375,7 @@ TEST_CASE("Malformed commands from the GPU are rejected and counted in the error
 
 TEST_CASE("A GPU producer never hangs: on a full FIFO it returns at the stop word or its deadline, too large at once") {
   cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
+  cudaOk(test::preloadProxyTestKernels(), "loading the test's kernels");
   constexpr uint32_t kCapacity = 8;
   // No proxy drains this FIFO: after kCapacity commands the next push has no room.
   cuda::GpuMappedProxyFifo fifo = cuda::GpuMappedProxyFifo::allocate(kCapacity);

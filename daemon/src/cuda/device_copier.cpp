@@ -9,18 +9,21 @@ using kernels::checkCuda;
 
 CudaDeviceCopier::CudaDeviceCopier(DeviceCopierOptions options) : options_(options) {
   if (options_.bounceBytes < 2)
-    fail(ErrorCode::kInvalidArgument, "device copier: bounceBytes {} is too small; give at least 2 (two halves), "
+    fail(ErrorCode::kInvalidArgument, "device copier: bounceBytes {} is too small; give at least 2 (two slots), "
          "e.g. the tcp transport's chunkBytes times two", options_.bounceBytes);
+  if (options_.chunkBytes == 0)
+    fail(ErrorCode::kInvalidArgument, "device copier: chunkBytes must be > 0 (e.g. 128 KiB)");
   if (options_.lanes == 0 || options_.lanes > 64)
     fail(ErrorCode::kInvalidArgument, "device copier: lanes {} outside [1, 64]", options_.lanes);
-  half_ = options_.bounceBytes / 2;
+  chunk_ = std::min(options_.chunkBytes, options_.bounceBytes / 2);
+  slots_ = static_cast<uint32_t>(std::min<uint64_t>(options_.bounceBytes / chunk_, 64));
   lanes_.reserve(options_.lanes);
   for (uint32_t i = 0; i < options_.lanes; ++i) {
     auto lane = std::make_unique<Lane>();
-    lane->bounce = kernels::PinnedHostBuffer::allocate(half_ * 2, "device copier bounce buffer");
+    lane->bounce = kernels::PinnedHostBuffer::allocate(chunk_ * slots_, "device copier bounce buffer");
     lane->stream = kernels::CudaStream::create(options_.device, "device copier stream");
-    lane->done[0] = kernels::CudaEvent::create(options_.device, "device copier event");
-    lane->done[1] = kernels::CudaEvent::create(options_.device, "device copier event");
+    for (uint32_t k = 0; k < slots_; ++k)
+      lane->done.push_back(kernels::CudaEvent::create(options_.device, "device copier event"));
     lanes_.push_back(std::move(lane));
   }
 }
@@ -59,18 +62,19 @@ void CudaDeviceCopier::toDevice(void* device, const void* host, uint64_t bytes) 
   auto* bounce = static_cast<std::byte*>(lane->bounce.get());
   cudaStream_t stream = lane->stream.get();
   try {
-    uint32_t k = 0;
-    for (uint64_t off = 0; off < bytes; off += half_, ++k) {
-      const uint64_t n = std::min(half_, bytes - off);
-      const uint32_t h = k & 1;
-      // The DMA that read this half two chunks ago must be done before the half is refilled.
-      if (k >= 2) checkCuda(cudaEventSynchronize(lane->done[h].get()), "cudaEventSynchronize (device copier, GPU {})",
-                            options_.device);
-      std::memcpy(bounce + h * half_, src + off, n);
-      checkCuda(cudaMemcpyAsync(dst + off, bounce + h * half_, n, cudaMemcpyHostToDevice, stream),
+    uint64_t k = 0;
+    for (uint64_t off = 0; off < bytes; off += chunk_, ++k) {
+      const uint64_t n = std::min(chunk_, bytes - off);
+      const auto s = static_cast<uint32_t>(k % slots_);
+      // The DMA that read this slot one lap ago must be done before the slot is refilled.
+      if (k >= slots_)
+        checkCuda(cudaEventSynchronize(lane->done[s].get()), "cudaEventSynchronize (device copier, GPU {})",
+                  options_.device);
+      std::memcpy(bounce + s * chunk_, src + off, n);
+      checkCuda(cudaMemcpyAsync(dst + off, bounce + s * chunk_, n, cudaMemcpyHostToDevice, stream),
                 "cudaMemcpyAsync(host -> GPU {}, {} bytes at offset {} of {})", options_.device, n, off, bytes);
-      if (off + n < bytes)
-        checkCuda(cudaEventRecord(lane->done[h].get(), stream), "cudaEventRecord (device copier, GPU {})",
+      if (off + slots_ * chunk_ < bytes)  // only a slot that a later chunk of this copy refills needs the event
+        checkCuda(cudaEventRecord(lane->done[s].get(), stream), "cudaEventRecord (device copier, GPU {})",
                   options_.device);
     }
     checkCuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (device copier, host -> GPU {}, {} bytes)",
@@ -94,28 +98,30 @@ void CudaDeviceCopier::toHost(void* host, const void* device, uint64_t bytes) {
   const auto* src = static_cast<const std::byte*>(device);
   auto* bounce = static_cast<std::byte*>(lane->bounce.get());
   cudaStream_t stream = lane->stream.get();
-  try {
-    // Chunk k lands in half k&1 while the host copies chunk k-1 out of the other half.
-    uint64_t prevOff = 0, prevN = 0;
-    uint32_t k = 0;
-    for (uint64_t off = 0; off < bytes; off += half_, ++k) {
-      const uint64_t n = std::min(half_, bytes - off);
-      const uint32_t h = k & 1;
-      checkCuda(cudaMemcpyAsync(bounce + h * half_, src + off, n, cudaMemcpyDeviceToHost, stream),
-                "cudaMemcpyAsync(GPU {} -> host, {} bytes at offset {} of {})", options_.device, n, off, bytes);
-      checkCuda(cudaEventRecord(lane->done[h].get(), stream), "cudaEventRecord (device copier, GPU {})",
-                options_.device);
-      if (k >= 1) {
-        checkCuda(cudaEventSynchronize(lane->done[h ^ 1].get()), "cudaEventSynchronize (device copier, GPU {})",
-                  options_.device);
-        std::memcpy(dst + prevOff, bounce + (h ^ 1) * half_, prevN);
-      }
-      prevOff = off;
-      prevN = n;
-    }
-    checkCuda(cudaEventSynchronize(lane->done[(k - 1) & 1].get()), "cudaEventSynchronize (device copier, GPU {})",
+  const uint64_t chunks = (bytes + chunk_ - 1) / chunk_;
+  // Copies chunk `next` out of its slot once its DMA is done.
+  uint64_t next = 0;
+  auto drainOne = [&] {
+    const auto s = static_cast<uint32_t>(next % slots_);
+    checkCuda(cudaEventSynchronize(lane->done[s].get()), "cudaEventSynchronize (device copier, GPU {})",
               options_.device);
-    std::memcpy(dst + prevOff, bounce + ((k - 1) & 1) * half_, prevN);
+    const uint64_t off = next * chunk_;
+    std::memcpy(dst + off, bounce + s * chunk_, std::min(chunk_, bytes - off));
+    ++next;
+  };
+  try {
+    // DMAs run up to a lap of slots ahead of the host's copies out.
+    for (uint64_t k = 0; k < chunks; ++k) {
+      if (k - next == slots_) drainOne();  // chunk k's slot still holds chunk k - slots_
+      const uint64_t off = k * chunk_;
+      const uint64_t n = std::min(chunk_, bytes - off);
+      const auto s = static_cast<uint32_t>(k % slots_);
+      checkCuda(cudaMemcpyAsync(bounce + s * chunk_, src + off, n, cudaMemcpyDeviceToHost, stream),
+                "cudaMemcpyAsync(GPU {} -> host, {} bytes at offset {} of {})", options_.device, n, off, bytes);
+      checkCuda(cudaEventRecord(lane->done[s].get(), stream), "cudaEventRecord (device copier, GPU {})",
+                options_.device);
+    }
+    while (next < chunks) drainOne();
   } catch (...) {
     drain(*lane);
     throw;

@@ -5,8 +5,9 @@
 // Each copy goes through pinned bounce memory (cudaHostAlloc) on a non-blocking stream of the regions' GPU, so that
 // it is a true DMA that runs while kernels spin (a kernel on the same GPU polling the flag this copier writes must not
 // wait for the copy, nor the copy for it), and it is synchronous as the interface requires: when toHost / toDevice
-// return, the bytes are at the destination, so a flag copied after its data is observed after it. Copies larger than
-// a bounce half are cut into chunks, double-buffered: the host-side memcpy of one chunk overlaps the DMA of the next.
+// return, the bytes are at the destination, so a flag copied after its data is observed after it. A copy is cut into
+// chunks of chunkBytes that cycle through the bounce buffer's slots: the host-side memcpy of one chunk overlaps the DMA
+// of the ones before it (so a 512 KiB tcp frame costs about its memcpy plus one chunk's DMA, not both in full).
 //
 // Thread-safe: the copier holds `lanes` independent (bounce buffer, stream) pairs, and a call takes a free one (or
 // waits for one), so the proxy's sends and the io threads' receives do not queue behind each other.
@@ -24,10 +25,10 @@
 namespace tandem::daemon::cuda {
 
 struct DeviceCopierOptions {
-  int device = 0;                        ///< the GPU whose memory the registered kDevice regions live in
-  uint64_t bounceBytes = 1024 * 1024;    ///< pinned bytes per lane, split in two halves (>= 2 bytes; 1 MiB: two of
-                                         ///< the tcp transport's 512 KiB chunks)
-  uint32_t lanes = 2;                    ///< concurrent copies (1..64); each lane owns a bounce buffer and a stream
+  int device = 0;                      ///< the GPU whose memory the registered kDevice regions live in
+  uint64_t bounceBytes = 1024 * 1024;  ///< pinned bytes per lane (>= 2); 1 MiB: two of the tcp transport's 512 KiB frames
+  uint64_t chunkBytes = 128 * 1024;    ///< pipeline piece; at most half of bounceBytes (larger values are clamped)
+  uint32_t lanes = 2;                  ///< concurrent copies (1..64); each lane owns a bounce buffer and a stream
 };
 
 /// See the file comment. RAII: the constructor acquires every lane's resources (and throws Error(kCuda) naming the
@@ -57,13 +58,14 @@ class CudaDeviceCopier final : public transport::DeviceCopier {
     std::mutex mutex;  // one copy at a time per lane
     kernels::PinnedHostBuffer bounce;
     kernels::CudaStream stream;
-    kernels::CudaEvent done[2];  // one per bounce half: the DMA that last used it has finished
+    std::vector<kernels::CudaEvent> done;  // one per bounce slot: recorded after the DMA that last used the slot
   };
   std::unique_lock<std::mutex> takeLane(Lane*& lane);
   static void drain(Lane& lane) noexcept;  // after a failure: no DMA may still use the bounce buffer
 
   DeviceCopierOptions options_;
-  uint64_t half_ = 0;  // bytes per bounce half
+  uint64_t chunk_ = 0;  // bytes per bounce slot
+  uint32_t slots_ = 0;  // slots per lane (>= 2)
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::atomic<uint32_t> nextLane_{0};
   std::atomic<uint64_t> copies_{0}, bytes_{0};
