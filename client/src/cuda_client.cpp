@@ -203,10 +203,36 @@ void enqueueReadyThenWaitDone(k::CommControl* ctlDev, uint64_t e, CUstream s) {
 class CommStrategy {
  public:
   virtual ~CommStrategy() = default;
-  virtual void setPlan(const PlanKey& /*key*/, const PlanChoice& /*plan*/) {}
   virtual void check(const OpDescriptor& d, const DevicePointers& ptrs) const = 0;
   // On the communicator's device (current already).
   virtual void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, CUstream s) = 0;
+
+  // A plan for the fused ops this rank launches itself: the plan table's (executor client, from the join) or a
+  // trial plan of tandemctl tune / advise; kAuto drops it.
+  void setPlan(const PlanKey& key, const PlanChoice& plan) {
+    if (plan.kind == PlanKind::kAuto) {
+      plans_.erase(key);
+    } else {
+      plans_[key] = plan;
+    }
+  }
+
+ protected:
+  // `device`'s model, as plan keys name it (tandemd's GPU discovery reads the same name).
+  static std::string gpuModelOf(int device) {
+    cudaDeviceProp prop{};
+    checkCuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties({})", device);
+    return prop.name;
+  }
+  // The plan for `d` (the same on every rank: each got the same entries, and every rank's key is alike).
+  PlanChoice planOf(const OpDescriptor& d, const std::string& gpuModel, const char* executor) const {
+    if (plans_.empty() || !plannedOp(d.kind)) return {};
+    const auto it = plans_.find(planKeyOf(d, gpuModel, executor));
+    return it == plans_.end() ? PlanChoice{} : it->second;
+  }
+
+ private:
+  std::map<PlanKey, PlanChoice> plans_;
 };
 
 namespace {
@@ -227,10 +253,7 @@ class ClientGateStrategy final : public CommStrategy {
   ClientGateStrategy(int device, uint32_t rank, uint32_t nranks, uint32_t maxCtas,
                      std::vector<std::unique_ptr<DeviceMapping>> workspaces, k::CommControl* ctlDev)
       : rank_(rank), nranks_(nranks), maxCtas_(maxCtas), workspaces_(std::move(workspaces)), ctlDev_(ctlDev),
-        env_(fusedEnvOf(rank, nranks, maxCtas, workspaces_, ctlDev)) {
-    cudaDeviceProp prop{};
-    checkCuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties({})", device);
-    gpuModel_ = prop.name;  // the model plan keys name, as tandemd's GPU discovery reads it
+        env_(fusedEnvOf(rank, nranks, maxCtas, workspaces_, ctlDev)), gpuModel_(gpuModelOf(device)) {
     // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp). Only this
     // strategy launches kernels from libtandem.
     try {
@@ -244,15 +267,7 @@ class ClientGateStrategy final : public CommStrategy {
   }
 
   void check(const OpDescriptor& d, const DevicePointers& ptrs) const override {
-    checkOnNode(k::Executor::kClient, d, ptrs, env_, planOf(d));
-  }
-
-  void setPlan(const PlanKey& key, const PlanChoice& plan) override {
-    if (plan.kind == PlanKind::kAuto) {
-      plans_.erase(key);
-    } else {
-      plans_[key] = plan;
-    }
+    checkOnNode(k::Executor::kClient, d, ptrs, env_, planOf(d, gpuModel_, "client"));
   }
 
   // tandemd opens go once every rank submitted the op (for a gang, once every rank's stream reached it and wrote
@@ -273,7 +288,9 @@ class ClientGateStrategy final : public CommStrategy {
         case OpKind::kAllGather: launchAllGather(d, ptrs, e, stream); break;
         case OpKind::kAgGemm:
         case OpKind::kGemmRs:
-        case OpKind::kGemmAr: logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, stream, planOf(d))); break;
+        case OpKind::kGemmAr:
+          logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, stream, planOf(d, gpuModel_, "client")));
+          break;
         // The MoE kernels read tandemd's verdict themselves (a rejected op does nothing), as AllGather's do.
         case OpKind::kMoeDispatchGemm:
         case OpKind::kMoeDispatchFfnCombine: logPlanOnce(d, k::launchMoeOp(d, ptrs, e, env_, stream, true)); break;
@@ -289,13 +306,6 @@ class ClientGateStrategy final : public CommStrategy {
   }
 
  private:
-  // The plan table's plan for `d` (the same on every rank: each got the same entries, and every rank's key is alike).
-  PlanChoice planOf(const OpDescriptor& d) const {
-    if (plans_.empty() || !plannedOp(d.kind)) return {};
-    const auto it = plans_.find(planKeyOf(d, gpuModel_, "client"));
-    return it == plans_.end() ? PlanChoice{} : it->second;
-  }
-
   // AllGather's kernel on `stream`, between the stream words that order it.
   void launchAllGather(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, cudaStream_t stream) {
     k::AllGatherParams p{};
@@ -321,7 +331,6 @@ class ClientGateStrategy final : public CommStrategy {
   k::CommControl* ctlDev_;
   k::FusedEnv env_;  // the workspaces, their layout, the control page and the deadline, for the fused GEMMs
   std::string gpuModel_;
-  std::map<PlanKey, PlanChoice> plans_;
 };
 
 // executor daemon: tandemd runs the op (its persistent kernel, or the fused GEMMs' kernels on its own stream) once
@@ -340,6 +349,7 @@ class PersistentStrategy final : public CommStrategy {
       : nranks_(nranks), workspaces_(std::move(workspaces)), ctlDev_(ctlDev),
         env_(fusedEnvOf(rank, nranks, maxCtas, workspaces_, ctlDev)) {
     if (nranks_ != 1) return;
+    gpuModel_ = gpuModelOf(device);
     try {
       k::preloadFusedGemmKernels(device);  // before any op, as ClientGateStrategy does (preload.hpp)
     } catch (const std::exception& e) {
@@ -348,7 +358,7 @@ class PersistentStrategy final : public CommStrategy {
   }
 
   void check(const OpDescriptor& d, const DevicePointers& ptrs) const override {
-    checkOnNode(k::Executor::kDaemon, d, ptrs, env_);
+    checkOnNode(k::Executor::kDaemon, d, ptrs, env_, nranks_ == 1 ? planOf(d, gpuModel_, "daemon") : PlanChoice{});
   }
   void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, CUstream s) override {
     if (nranks_ != 1 || !k::isFusedGemm(d.kind)) {
@@ -356,7 +366,9 @@ class PersistentStrategy final : public CommStrategy {
       return;
     }
     try {
-      logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, reinterpret_cast<cudaStream_t>(s), PlanChoice{}));
+      // Only a trial plan (tandemctl tune / advise forcing the fused kernel) changes the GEMM core's plan here.
+      logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, reinterpret_cast<cudaStream_t>(s),
+                                        planOf(d, gpuModel_, "daemon")));
     } catch (const Error&) {
       throw;
     } catch (const std::exception& ex) {
@@ -367,6 +379,7 @@ class PersistentStrategy final : public CommStrategy {
 
  private:
   uint32_t nranks_;
+  std::string gpuModel_;  // one rank only
   std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
   k::CommControl* ctlDev_;
   k::FusedEnv env_;
