@@ -227,7 +227,8 @@ __device__ __forceinline__ void storeFinal4(const FusedKernelParams& kp, int32_t
 }
 
 // Where a half tile's final values go, resolved once per half tile (the owner lookup costs integer divisions):
-// one pointer when every row has one destination (the common case), else storeFinal4 per element.
+// one pointer when every row has one destination (the common case), else storeFinal4 per element. store<true> is for
+// code that has branched on `single` already (no fallback code inlined).
 template <class T>
 struct FinalWriter {
   const FusedKernelParams* kp;
@@ -248,10 +249,13 @@ struct FinalWriter {
       }
     }
   }
+  template <bool KnownSingle = false>
   __device__ __forceinline__ void store(int32_t row, int32_t col, float4 v) const {
-    if (!single) {
-      storeFinal4<T>(*kp, row, col, v);
-      return;
+    if constexpr (!KnownSingle) {
+      if (!single) {
+        storeFinal4<T>(*kp, row, col, v);
+        return;
+      }
     }
     if (row >= kp->g.m || col >= kp->g.n) return;
     uint2 w;
@@ -427,8 +431,6 @@ struct RsEpilogue {
 
   __device__ __forceinline__ void reduceOwn(float (&acc)[128], int32_t row0, int32_t n0, int32_t ht, int wg, int t,
                                             uint16_t (&cbuf)[2][64 * 64]) {
-    const int lane = t % 32;
-    const int r = (t / 32) * 16 + lane / 4;
     const int32_t me = kp->rank;
     WaitCtx ctx = makeWaitCtx(*kp, Role::kCompute, startNs);
     if (t < kp->nranks && t != me) waitGeq(srcFlag(*kp, t, ht), kp->epoch, ctx, static_cast<uint32_t>(ht));
@@ -440,6 +442,24 @@ struct RsEpilogue {
       if (t == 0) traceNow(wg, 1);
     }
     const FinalWriter<T> out(*kp, row0);
+    if constexpr (Legacy) {
+      reduceOwnBody<false>(acc, row0, n0, wg, t, out, cbuf);
+    } else if (__shfl_sync(0xffffffffu, out.single ? 1 : 0, 0) != 0) {
+      // The common case on its own, with no multi-destination code inlined 32 times between its stores: that made
+      // this path's code several times larger (the legacy kernel's: 28K instructions), fetched anew on every own tile.
+      reduceOwnBody<true>(acc, row0, n0, wg, t, out, cbuf);
+    } else {
+      reduceOwnBody<false>(acc, row0, n0, wg, t, out, cbuf);
+    }
+  }
+  // The reduction of reduceOwn once its inputs are visible: per 64 x 32 fp32 chunk, the own partial through smem, plus
+  // the peers' in rank order, stored through `out` (KnownSingle: out.single holds).
+  template <bool KnownSingle>
+  __device__ __forceinline__ void reduceOwnBody(float (&acc)[128], int32_t row0, int32_t n0, int wg, int t,
+                                                const FinalWriter<T>& out, uint16_t (&cbuf)[2][64 * 64]) {
+    const int lane = t % 32;
+    const int r = (t / 32) * 16 + lane / 4;
+    const int32_t me = kp->rank;
     if (kp->nranks == 2) {
       // Two ranks: own + peer is one commutative add, so the peer's values are loaded kAhead chunks ahead of use
       // (a register ring: 32 registers either way), which hides the L2 latency behind the smem work of the chunks.
@@ -478,7 +498,7 @@ struct RsEpilogue {
           const uint4 raw = ldShared128(unitAddr(base, row, u));
           const float4 own = make_float4(__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z),
                                          __uint_as_float(raw.w));
-          out.store(row0 + row, n0 + c * 32 + u * 4, add4(own, toFloat4<P>(cur[i])));
+          out.template store<KnownSingle>(row0 + row, n0 + c * 32 + u * 4, add4(own, toFloat4<P>(cur[i])));
         }
       }
     } else {
@@ -501,7 +521,7 @@ struct RsEpilogue {
                         : loadP4<P>(srcBase<P>(*kp, s) + static_cast<int64_t>(row0 + row) * kp->ldP + n0 + c * 32 + u * 4);
             v = s == 0 ? term : add4(v, term);
           }
-          out.store(row0 + row, n0 + c * 32 + u * 4, v);
+          out.template store<KnownSingle>(row0 + row, n0 + c * 32 + u * 4, v);
         }
       }
     }
