@@ -4,8 +4,11 @@
 # mainloop's code generation per fused kernel (cuobjdump: R2UR / WARPSYNC next to the wgmma, where the tool exists),
 # then gemm_rs_one_rank_bench with every candidate (gemm-rs and gemm-ar forced fused at one rank with the default,
 # generic and legacy own-tile epilogues, send8, the GEMM core, cuBLASLt) at 8192^3 and 16384x14336x8192 (10
-# iterations, a per-tile %globaltimer trace of each fused candidate), and a correctness pass at edge shapes (partial
-# tiles in M and N; every tandem candidate must equal the GEMM core bitwise). Every step under `timeout`; logs in OUT.
+# iterations, a per-tile %globaltimer trace of each fused candidate), each shape also at two ranks sharing the GPU in
+# one process (66 SMs each: the multi-rank paths checked against the reference and bitwise across kernels and repeats,
+# with the kTmaPeer own-tile epilogue as a candidate), and a correctness pass at edge shapes (partial tiles in M and N,
+# a tile row split between the ranks; every tandem candidate at one rank must equal the GEMM core bitwise). Every step
+# under `timeout`; logs in OUT.
 #   scripts/epi-gpu-run.sh OUT
 set -uo pipefail
 out=${1:?usage: $0 OUT}
