@@ -41,7 +41,9 @@ left=$((140 - $(elapsed)))
 timeout "$left" stdbuf -oL "./$build/tests/gpu/tandem_proxy_gpu_tests" -s -d > "$out/proxy_gpu_tests.log" 2>&1
 trc=$?
 echo "tandem_proxy_gpu_tests rc=$trc ($(elapsed) s)"
-grep -E "TEST CASE|SUBCASE|ERROR|FATAL|test cases|assertions|timed out|did not" "$out/proxy_gpu_tests.log" | head -60
+# Failures with their context, each case's duration, the totals (-s also logs every passing assertion: not here).
+grep -E -B3 -A6 "ERROR|FATAL" "$out/proxy_gpu_tests.log" | head -80
+grep -E "^[0-9.]+ s: |test cases|assertions" "$out/proxy_gpu_tests.log"
 [ "$trc" -ne 0 ] && rc=$trc
 
 left=$((148 - $(elapsed)))
