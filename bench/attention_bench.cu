@@ -312,7 +312,7 @@ int main(int argc, char** argv) {
         }
       }
       struct Run {
-        AttentionParams p;
+        AttentionParams p{};
         std::string config;
         bool ok = true, failed = false;
         double rel = 0, lseErr = 0;

@@ -890,16 +890,17 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
       applyMask<N>(sa, lim, lane);  // lim <= blockCols <= N: the columns past N are never visible
     };
     // The keys of the block that any row of this warpgroup sees, from the first: the block's valid keys, and
-    // (causal) those up to the warpgroup's last row. The GEMMs run on that many rounded up to a tier (widthTier);
-    // the mask covers every column past it. At least 1, so that a block wholly in the warpgroup's future still
-    // runs (masked) like every other.
+    // (causal) those up to the warpgroup's last row below sq (qPosOf is defined on rows below sq only: past sq it
+    // would give the second run's positions). The GEMMs run on that many rounded up to a tier (widthTier); the mask
+    // covers every column past it. At least 1, so that a block wholly in the warpgroup's future still runs (masked)
+    // like every other.
     const auto blockCols = [&](const BlockCursor& c) -> int32_t {
       if (p.tailTrim == 0) return BN;
       const AttnKvRun& run = s.runs.run[c.seg];
       int32_t cols = min(BN, run.len - c.blk * BN);
       if constexpr (Causal) {
-        const int64_t upTo =
-            qPosOf(p, rowBase + kRowsPerConsumer - 1) - (run.start + static_cast<int64_t>(c.blk) * BN) + 1;
+        const int32_t lastRow = min(rowBase + kRowsPerConsumer - 1, p.sq - 1);
+        const int64_t upTo = qPosOf(p, lastRow) - (run.start + static_cast<int64_t>(c.blk) * BN) + 1;
         if (upTo < cols) cols = upTo < 1 ? 1 : static_cast<int32_t>(upTo);
       }
       return cols;
