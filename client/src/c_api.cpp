@@ -310,7 +310,7 @@ tandem_status_t submitOp(const char* call, tandem_comm_t comm, tandem::OpDescrip
           const tandem_tensor_t& t = tensors.begin()[s];
           if (t.buffer != nullptr) ptrs[s] = static_cast<char*>(mappedPtr(*t.buffer)) + t.offset;
         }
-        comm->gpu->check(desc, ptrs);
+        comm->gpu->check(desc, ptrs, stream);
         // Ring order = epoch order = stream order: one submitter at a time on this communicator.
         std::lock_guard lock(comm->gpu->mutex);
         op->session_serial = core.serial;

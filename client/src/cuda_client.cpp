@@ -435,7 +435,21 @@ CommGpu::CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t
 
 CommGpu::~CommGpu() = default;
 
-void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs) const { strategy_->check(d, ptrs); }
+void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs, void* stream) const {
+  if (d.nranks > 1) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t queried = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture);
+    // A legacy-stream query while another thread captures globally fails; that error is ours, not the caller's.
+    if (queried != cudaSuccess) (void)cudaGetLastError();
+    if (queried == cudaSuccess && capture != cudaStreamCaptureStatusNone) {
+      fail(ErrorCode::kUnsupported, "{}: the stream is being captured into a CUDA graph, and an op of a {}-rank "
+           "communicator would replay with the epoch it was captured with (tandemd sees no replay), out of step with "
+           "the other ranks; enqueue multi-rank tandem ops outside the graph (capture is fine for one-rank "
+           "communicators)", opKindName(d.kind), d.nranks);
+    }
+  }
+  strategy_->check(d, ptrs);
+}
 
 void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
   // The caller's stream is on the communicator's device nearly always: switch (and restore) only when it is not.

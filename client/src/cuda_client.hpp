@@ -85,15 +85,18 @@ class CommGpu {
   // Throws Error (kUnsupported, kInvalidArgument) with the remedy when this rank cannot run `desc` (already checked by
   // validateDescriptor) here: the kind, dtype or executor, the kernels' shape and alignment rules, or the workspace.
   // Called before the op is submitted, so a refused op changes nothing. Depends only on what every rank checks alike
-  // (global dims, the workspace size), except this rank's own k slice and pointers.
-  void check(const OpDescriptor& desc, const DevicePointers& ptrs) const;
+  // (global dims, the workspace size), except this rank's own k slice and pointers. With more than one rank it also
+  // refuses a `stream` that is being captured into a CUDA graph: a replay would run with the epoch it was captured
+  // with (tandemd sees no replay), out of step with the other ranks, and read stale data instead of failing.
+  void check(const OpDescriptor& desc, const DevicePointers& ptrs, void* stream) const;
   // Enqueues the stream work of op `epoch` (checked and submitted) on `stream` (a cudaStream_t; null = the legacy
   // default stream). Throws Error(kCuda) if CUDA refused part of it; the stream is then out of step with the peers.
   void enqueue(const OpDescriptor& desc, const DevicePointers& ptrs, uint64_t epoch, void* stream);
   // tandemd is gone: releases every wait of this rank's streams and kernels.
   void abortLocal();
-  // executor client: ops of `key` launch with `plan` (the plan table's entry tandemd sent with the join, or a trial
-  // plan of tandemctl tune/advise); other executors ignore it (tandemd applies its table itself). Under `mutex`.
+  // The fused ops this rank launches itself run `key` with `plan`: executor client, the plan table's entry tandemd
+  // sent with the join or a trial plan of tandemctl tune/advise; executor daemon, a trial plan for a one-rank
+  // communicator's fused GEMMs (tandemd applies its table to what it runs). Under `mutex`.
   void setPlan(const PlanKey& key, const PlanChoice& plan);
 
   std::mutex mutex;

@@ -329,6 +329,23 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
                                                 {a, 2u << 20}, stream};
       expect("moe-dispatch-gemm in fp32", tandem_moe_dispatch_gemm(comm, &moe, &op), TANDEM_ERROR_UNSUPPORTED,
              "bf16 or fp16");
+      // A multi-rank op inside a CUDA graph capture would replay out of step with the peers: refused, and the capture
+      // holds none of it.
+      {
+        cudaStream_t capture;
+        CK(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
+        CK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
+        ar = {sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, capture};
+        expect("gemm-ar during graph capture", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_UNSUPPORTED,
+               "captured into a CUDA graph");
+        cudaGraph_t graph = nullptr;
+        CK(cudaStreamEndCapture(capture, &graph));
+        size_t nodes = 0;
+        CK(cudaGraphGetNodes(graph, nullptr, &nodes));
+        if (nodes != 0) report += fmt::format("\nthe refused op left {} nodes in the captured graph", nodes);
+        CK(cudaGraphDestroy(graph));
+        CK(cudaStreamDestroy(capture));
+      }
       // Nothing was submitted: the communicator still runs ops.
       ar = {sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
       if (tandem_gemm_ar(comm, &ar, &op) != TANDEM_SUCCESS) report += std::string("\nvalid gemm-ar: ") + tandem_last_error();
