@@ -393,6 +393,13 @@ TEST_CASE("attention core: persistent CTAs, tuning variants") {
                .prefetchNext = 1},
               30);
   }
+  SUBCASE("tail trimming at each width: 64 keys (128- and 176-key blocks), 128 keys (176-key blocks)") {
+    checkCase({.name = "trim 44 of 128", .sq = 200, .kv = {{300, 0}}, .blockN = 128}, 31);
+    checkCase({.name = "trim 20 of 176 + 100 of 176", .heads = 3, .sq = 130, .kv = {{196, 0}, {100, 196}}}, 32);
+    // Causal: a tile's first 64 rows see half of its diagonal block; at sq 330 the last tile's second 64-row half
+    // reaches past sq (at sq 300, above, it lies wholly past sq).
+    checkCase({.name = "trim causal, sq 330", .sq = 330, .causal = true, .kv = {{330, 0}}, .numSms = 2}, 33);
+  }
   SUBCASE("whole blocks without tail trimming (a segment's partial last block, causal diagonals)") {
     checkCase({.name = "notrim bn176", .sq = 200, .kv = {{500, 0}}, .tailTrim = 2}, 27);
     checkCase({.name = "notrim causal", .sq = 300, .causal = true, .kv = {{300, 0}}, .numSms = 2, .tailTrim = 2}, 28);
