@@ -13,6 +13,10 @@
 //               passes its ticket, %globaltimer. That is GPU -> host memory -> proxy -> host memory -> GPU: a ROUND
 //               trip, reported as such (nothing here measures one way). "push" is the time the push call itself
 //               took. The host baseline (same proxy, a host thread pushing and waiting the same way) comes first.
+//   tcp pipe    GPU -> proxy -> tcp on loopback -> GPU in one process: one thread pushes `bytes` as kWrite commands of
+//               `piece` bytes (8 per claim) and a flag; a kernel on the "receiving node" spins on the flag in GPU
+//               memory; GB/s = bytes / (launch to flag seen, host clock), best of 3. Sender and receiver share the
+//               one GPU, its copy engines and the host's cores.
 //   copier      the tcp transport's staging of GPU memory: us per synchronous copy through the CUDA DeviceCopier
 //               (pageable host memory <-> pinned bounce <-> GPU), against plain cudaMemcpy of the same memory.
 //
@@ -69,6 +73,34 @@ __global__ void pushKernel(const ::tandem::proxy::ProxyFifoDeviceRef fifo, uint6
     }
   }
   if (s != ProxyPushStatus::kOk) atomicMax(status, static_cast<uint32_t>(s));
+}
+
+__global__ void pipeKernel(const ::tandem::proxy::ProxyFifoDeviceRef fifo, uint64_t bytes, uint32_t piece,
+                           uint64_t flagValue, uint32_t* status) {
+  ProxyPusher p = makeProxyPusher(fifo, kTimeoutNs);
+  using Pipe = tandem::bench::TcpPipeBench;
+  ProxyCommand cmds[8];
+  ProxyPushStatus s = ProxyPushStatus::kOk;
+  for (uint64_t off = 0; off < bytes && s == ProxyPushStatus::kOk;) {
+    uint32_t n = 0;
+    for (; n < 8 && off < bytes; ++n, off += piece) {
+      const uint64_t len = bytes - off < piece ? bytes - off : piece;
+      cmds[n] = f::makeWrite(1, Pipe::kSrc, off, Pipe::kDst, off, static_cast<uint32_t>(len));
+    }
+    s = proxyPushBatch(p, cmds, n);
+  }
+  if (s == ProxyPushStatus::kOk) s = proxyPush(p, f::makeFlag(1, Pipe::kFlag, 0, flagValue));
+  if (s != ProxyPushStatus::kOk) *status = static_cast<uint32_t>(s);
+}
+
+__global__ void flagWaitKernel(const uint64_t* flag, uint64_t value, uint32_t* status) {
+  const uint64_t start = globaltimerNs();
+  while (ldAcquireSys(flag) < value) {  // acquire: pairs with the transport's flag store after the data (toDevice)
+    if (globaltimerNs() - start > kTimeoutNs) {
+      *status = 100;
+      return;
+    }
+  }
 }
 
 __global__ void roundTripKernel(const ::tandem::proxy::ProxyFifoDeviceRef fifo, uint32_t samples, uint64_t* roundTrip,
@@ -212,6 +244,44 @@ LatencyRow roundTrip(const Options& o, const char* name, bool deviceHead) {
                     pct(p, 0.5), st == 0};
 }
 
+struct PipeRow {
+  uint64_t bytes;
+  uint32_t piece, connections;
+  double bestMs;
+  bool ok;
+};
+
+PipeRow tcpPipe(uint64_t bytes, uint32_t piece, uint32_t connections) {
+  tandem::bench::TcpPipeBench pipe(0, bytes, connections);
+  uint32_t* status = nullptr;
+  check(cudaMalloc(&status, 4), "cudaMalloc");
+  check(cudaMemset(status, 0, 4), "cudaMemset");
+  cudaStream_t send, recv;
+  check(cudaStreamCreateWithFlags(&send, cudaStreamNonBlocking), "cudaStreamCreate");
+  check(cudaStreamCreateWithFlags(&recv, cudaStreamNonBlocking), "cudaStreamCreate");
+  double best = 1e30;
+  for (uint64_t round = 1; round <= 3; ++round) {
+    const auto t0 = Clock::now();
+    flagWaitKernel<<<1, 1, 0, recv>>>(pipe.flag(), round, status);
+    pipeKernel<<<1, 1, 0, send>>>(pipe.ref(), bytes, piece, round, status);
+    check(cudaGetLastError(), "launch tcp pipe kernels");
+    check(cudaStreamSynchronize(recv), "flagWaitKernel");
+    best = std::min(best, std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    check(cudaStreamSynchronize(send), "pipeKernel");
+  }
+  uint32_t st = 0;
+  check(cudaMemcpy(&st, status, 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  const tandem::bench::PushBenchStats s = pipe.stats();
+  const bool ok = st == 0 && s.rejected == 0 && s.failed == 0;
+  if (!ok)
+    std::fprintf(stderr, "tcp pipe %u B x %u conns: status %u, rejected %llu, failed %llu\n", piece, connections, st,
+                 static_cast<unsigned long long>(s.rejected), static_cast<unsigned long long>(s.failed));
+  cudaStreamDestroy(send);
+  cudaStreamDestroy(recv);
+  cudaFree(status);
+  return PipeRow{bytes, piece, connections, best, ok};
+}
+
 Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -250,7 +320,8 @@ int main(int argc, char** argv) {
   }
   check(cudaSetDevice(0), "cudaSetDevice");
   // Load both kernels now: a first launch under lazy loading can wait for running kernels (proxy_push.cuh).
-  for (const void* fn : {reinterpret_cast<const void*>(&pushKernel), reinterpret_cast<const void*>(&roundTripKernel)}) {
+  for (const void* fn : {reinterpret_cast<const void*>(&pushKernel), reinterpret_cast<const void*>(&roundTripKernel),
+                         reinterpret_cast<const void*>(&pipeKernel), reinterpret_cast<const void*>(&flagWaitKernel)}) {
     cudaFuncAttributes fa{};
     check(cudaFuncGetAttributes(&fa, fn), "cudaFuncGetAttributes (loading the kernels)");
   }
@@ -328,6 +399,19 @@ int main(int argc, char** argv) {
     allOk = allOk && r.ok;
   }
 
+  std::vector<PipeRow> pipes;
+  for (uint32_t conns : {1u, 4u}) {
+    for (uint32_t piece : {64u * 1024, 512u * 1024, 4u * 1024 * 1024})
+      pipes.push_back(tcpPipe(64ull << 20, piece, conns));
+  }
+  std::printf("\ntcp pipe, GPU -> proxy -> tcp loopback -> GPU (64 MiB, best of 3; launch to flag seen)\n");
+  std::printf("%10s %6s %10s %8s  %s\n", "piece", "conns", "ms", "GB/s", "ok");
+  for (const PipeRow& r : pipes) {
+    std::printf("%10u %6u %10.2f %8.2f  %s\n", r.piece, r.connections, r.bestMs,
+                static_cast<double>(r.bytes) / r.bestMs / 1e6, r.ok ? "yes" : "NO");
+    allOk = allOk && r.ok;
+  }
+
   const std::vector<uint64_t> copySizes{8, 4096, 64 * 1024, 512 * 1024, 4 * 1024 * 1024};
   const std::vector<tandem::bench::CopierRow> copies = tandem::bench::copierRows(0, copySizes);
   std::printf("\nDeviceCopier (1 MiB bounce per lane) vs cudaMemcpy, pageable host memory (us per copy; GB/s)\n");
@@ -368,6 +452,13 @@ int main(int argc, char** argv) {
                    "\"mean\": %.1f, \"push_p50\": %.0f, \"ok\": %s}%s\n",
                    r.name.c_str(), r.p50, r.p90, r.p99, r.max, r.mean, r.pushP50, r.ok ? "true" : "false",
                    i + 1 < lat.size() ? "," : "");
+    }
+    std::fprintf(j, " ],\n \"tcp_pipe\": [\n");
+    for (std::size_t i = 0; i < pipes.size(); ++i) {
+      const PipeRow& r = pipes[i];
+      std::fprintf(j, "  {\"bytes\": %llu, \"piece\": %u, \"connections\": %u, \"best_ms\": %.3f, \"ok\": %s}%s\n",
+                   static_cast<unsigned long long>(r.bytes), r.piece, r.connections, r.bestMs, r.ok ? "true" : "false",
+                   i + 1 < pipes.size() ? "," : "");
     }
     std::fprintf(j, " ],\n \"copier_us\": [\n");
     for (std::size_t i = 0; i < copies.size(); ++i) {

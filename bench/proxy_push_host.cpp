@@ -4,11 +4,14 @@
 #include <atomic>
 #include <chrono>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "cuda/device_copier.hpp"
 #include "cuda/proxy_fifo_mapping.hpp"
 #include "transport/proxy_fifo.hpp"
+#include "transport/tcp_transport.hpp"
 #include "transport/transport.hpp"
 
 namespace tandem::bench {
@@ -80,6 +83,79 @@ std::vector<uint64_t> PushBenchProxy::hostRoundTrips(uint32_t samples) {
     out.push_back(static_cast<uint64_t>(ns));
   }
   return out;
+}
+
+struct TcpPipeBench::Impl {
+  // Declared in creation order: the regions outlive the transports, the transports the proxy.
+  kernels::DeviceBuffer src, dst, flag;
+  std::unique_ptr<cuda::CudaDeviceCopier> copier0, copier1;
+  std::unique_ptr<TcpTransport> node0, node1;
+  cuda::GpuMappedProxyFifo fifo;
+  std::unique_ptr<Proxy> proxy;
+};
+
+TcpPipeBench::TcpPipeBench(int device, uint64_t bytes, uint32_t connections) : impl_(std::make_unique<Impl>()) {
+  Impl& im = *impl_;
+  im.src = kernels::DeviceBuffer::allocate(device, bytes, "tcp pipe source");
+  im.dst = kernels::DeviceBuffer::allocate(device, bytes, "tcp pipe destination");
+  im.flag = kernels::DeviceBuffer::allocate(device, 8, "tcp pipe flag");
+  {
+    kernels::CudaDeviceGuard guard(device);
+    kernels::checkCuda(cudaMemset(im.flag.get(), 0, 8), "cudaMemset(tcp pipe flag)");
+  }
+  im.copier0 = std::make_unique<cuda::CudaDeviceCopier>(
+      cuda::DeviceCopierOptions{.device = device, .lanes = std::max<uint32_t>(2, connections)});
+  im.copier1 = std::make_unique<cuda::CudaDeviceCopier>(
+      cuda::DeviceCopierOptions{.device = device, .lanes = std::max<uint32_t>(2, connections)});
+  auto config = [&](NodeIndex n, cuda::CudaDeviceCopier* copier) {
+    TcpConfig c;
+    c.self = n;
+    c.listenHost = "127.0.0.1";
+    c.secret = "proxy-push-bench";
+    c.connectionsPerPeer = connections;
+    c.ioThreads = connections;
+    c.deviceCopier = copier;
+    return c;
+  };
+  im.node0 = std::make_unique<TcpTransport>(config(0, im.copier0.get()));
+  im.node1 = std::make_unique<TcpTransport>(config(1, im.copier1.get()));
+  const std::vector<NodeAddress> addrs{{"127.0.0.1", im.node0->listenPort()}, {"127.0.0.1", im.node1->listenPort()}};
+  std::string error;
+  std::thread other([&] {
+    try {
+      im.node1->connect(addrs);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  im.node0->connect(addrs);
+  other.join();
+  if (!error.empty()) throw std::runtime_error("tcp pipe: node 1 did not connect: " + error);
+  const LocalRegion s = im.node0->registerMemory({MemoryKind::kDevice, im.src.get(), bytes});
+  const LocalRegion d = im.node1->registerMemory({MemoryKind::kDevice, im.dst.get(), bytes});
+  const LocalRegion f = im.node1->registerMemory({MemoryKind::kDevice, im.flag.get(), 8});
+  auto table = std::make_shared<ProxyBufferTable>();
+  table->addLocal(kSrc, s, bytes);
+  table->addRemote(kDst, 1, im.node1->remoteKey(d));
+  table->addRemote(kFlag, 1, im.node1->remoteKey(f));
+  im.fifo = cuda::GpuMappedProxyFifo::allocate(4096);
+  im.fifo.useDeviceHead(device);
+  ProxyOptions o;
+  o.name = "proxy tcp bench";
+  im.proxy = std::make_unique<Proxy>(im.fifo.view(), *im.node0, o);
+  im.proxy->setBufferTable(table);
+  im.proxy->start();
+}
+
+TcpPipeBench::~TcpPipeBench() {
+  if (impl_ && impl_->proxy) impl_->proxy->stop();
+}
+
+::tandem::proxy::ProxyFifoDeviceRef TcpPipeBench::ref() const { return impl_->fifo.deviceRef(); }
+const uint64_t* TcpPipeBench::flag() const { return static_cast<const uint64_t*>(impl_->flag.get()); }
+PushBenchStats TcpPipeBench::stats() const {
+  const ProxyStats s = impl_->proxy->stats();
+  return PushBenchStats{s.popped, s.posted, s.rejected, s.failed, s.submits};
 }
 
 std::vector<CopierRow> copierRows(int device, const std::vector<uint64_t>& sizes) {

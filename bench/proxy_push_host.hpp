@@ -50,4 +50,25 @@ class PushBenchProxy {
   std::unique_ptr<Impl> impl_;
 };
 
+/// GPU -> proxy -> tcp on loopback -> GPU, in one process (node 0 sends, node 1 receives, one GPU): a GPU-mapped FIFO
+/// (ticket counter in GPU memory) drained by a proxy thread into a TcpTransport pair with `connections` connections
+/// per peer and io threads, GPU memory at both ends (`bytes` of source and destination, an 8-byte flag) through one
+/// CUDA DeviceCopier per node. Buffer ids: kSrc (local), kDst and kFlag (node 1's). Throws on failure.
+class TcpPipeBench {
+ public:
+  static constexpr uint32_t kSrc = 1, kDst = 2, kFlag = 3;
+  TcpPipeBench(int device, uint64_t bytes, uint32_t connections);
+  ~TcpPipeBench();
+  TcpPipeBench(const TcpPipeBench&) = delete;
+  TcpPipeBench& operator=(const TcpPipeBench&) = delete;
+
+  ::tandem::proxy::ProxyFifoDeviceRef ref() const;
+  const uint64_t* flag() const;  ///< node 1's flag word (GPU memory)
+  PushBenchStats stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace tandem::bench
