@@ -131,12 +131,14 @@ constexpr bool gemmRsRanksInStep(int64_t m, int nranks, bool allReduce) { return
 // Test knob of the fused kernels (GemmRsParams::epilogue): which own-tile epilogue they run, so that one benchmark run
 // can time the variants side by side (bench/gemm_rs_one_rank_bench.cu). Everything but benchmarks leaves it kDefault.
 enum class GemmRsEpilogue : int32_t {
-  kDefault = 0,  // own tiles with nothing to add (one rank) leave through the GEMM core's TMA-store epilogue
+  kDefault = 0,  // own tiles leave through the GEMM core's TMA-store epilogue where they can: at one rank (nothing to
+                 // add), and at two ranks for a reduce-scatter with 16-bit partials copied by the copier warps (the
+                 // peer's partial TMA-loaded into smem and added there first); the rest take the reducing path
   kGeneric = 1,  // own tiles always take the reducing path (fp32 smem round trip, then 8-byte stores from registers)
   kLegacy = 2,   // kGeneric in the kernel as compiled before its epilogue branch was made provably warp-uniform (the
                  // mainloop then lost the uniform datapath); bf16 with bf16 partials only
-  kTmaPeer = 3,  // kDefault, and at two ranks an own tile TMA-loads the peer's 16-bit partial into smem in chunks, adds
-                 // it to the accumulators there and TMA-stores the sum (transport kCopy only)
+  kTmaPeer = 3,  // kDefault, and the two-rank path with the peer's partial for the all-reduce too (its copier warps then
+                 // broadcast the TMA-stored rows)
 };
 
 // ---- parameters (POD; zero-initialise and fill). Shared with launchGemmAr (gemm_ar.hpp).
