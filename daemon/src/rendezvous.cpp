@@ -145,15 +145,10 @@ void Engine::completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_l
   }
   try {
     if (comm.spansNodes()) {
-      // cpu: the worker runs the hierarchical exchange on host memory. cuda: the same, staged through host memory
-      // (cuda/cuda_multinode.hpp), with the client executor only: the daemon executor's streams wait for a done that
-      // only its persistent kernel writes.
-      const std::string backend = backend_->name(), executor = backend_->executor();
-      if (backend == "cuda" && executor != "client") {
-        fail(ErrorCode::kUnsupported, "communicator {} spans nodes, which the cuda backend runs with daemon.executor: "
-             "client only (this tandemd runs executor {}); set daemon.executor: client on every node",
-             hexId(uniqueId), executor);
-      }
+      // cpu: the worker runs the hierarchical exchange on host memory. cuda, with either executor: tandemd runs the op
+      // itself (cuda/cuda_multinode.hpp: the exchange staged through host memory, the GEMMs on the GPUs in tandemd's
+      // context); the ranks' streams only write ready and wait for the done tandemd writes.
+      const std::string backend = backend_->name();
       if (backend != "cpu" && backend != "cuda") {
         fail(ErrorCode::kUnsupported, "communicator {} spans nodes, which the {} backend does not run; run multi-node "
              "communicators on daemon.backend: cpu or cuda", hexId(uniqueId), backend);

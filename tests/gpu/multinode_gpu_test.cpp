@@ -40,22 +40,23 @@ std::string gpuUuid(int ordinal) {
   return uuid;
 }
 
-// Two daemons on loopback, daemon i owning GPU rankDevice(i) (both the one GPU where only one exists), executor client. Ports derive from the pid (below the ephemeral
-// range) so parallel test processes do not collide.
+// Two daemons on loopback, daemon i owning GPU rankDevice(i) (both the one GPU where only one exists), with
+// `executor` (daemon: under MPS). Ports derive from the pid (below the ephemeral range) so parallel test processes do
+// not collide.
 struct TwoNodes {
   std::vector<std::unique_ptr<Daemon>> daemons;
 
-  TwoNodes() {
+  explicit TwoNodes(const std::string& executor = "client") {
     const int port = 20000 + static_cast<int>((::getpid() + 7919) % 12000);
     const std::string nodes = fmt::format("\"127.0.0.1:{}\", \"127.0.0.2:{}\"", port, port);
     for (int i = 0; i < 2; ++i) {
       const std::string config = fmt::format(
-          "daemon:\n  backend: cuda\n  executor: client\n"
+          "daemon:\n  backend: cuda\n  executor: {}\n"
           "cuda:\n  devices: [\"{}\"]\n"
           "communicators:\n  peer_lost_deadline_ms: 2000\n"
           "cluster:\n  nodes: [{}]\n  node_index: {}\n  secret: \"gpu-multinode-test-secret-0123456789\"\n"
           "  connect_timeout_ms: 15000\n  heartbeat_interval_ms: 100\n  staging_bytes: 67108864\n",
-          gpuUuid(rankDevice(static_cast<uint32_t>(i))), nodes, i);
+          executor, gpuUuid(rankDevice(static_cast<uint32_t>(i))), nodes, i);
       daemons.push_back(std::make_unique<Daemon>(config, std::vector<std::string>{}, ""));
     }
   }
@@ -434,6 +435,36 @@ TEST_CASE("two nodes: the fused GEMMs across nodes run on the GPUs at 1 and 2 ra
     for (const auto& d : c.daemons) {
       CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
     }
+  }
+}
+
+TEST_CASE("two nodes, daemon executor (MPS): the fused GEMMs across nodes run on the GPUs, match the fp64 reference "
+          "and repeat bitwise") {
+  if (!mpsRunning()) {
+    MESSAGE("skipped: MPS is not running (the daemon executor needs it)");
+    return;
+  }
+  // One rank per node: tandemd's staged path runs the op in its own context, as the daemon executor runs its kernels.
+  TwoNodes c("daemon");
+  REQUIRE_MESSAGE(c.connected(), c.logs());
+  for (const auto& d : c.daemons) REQUIRE(status(*d)["executor"] == "daemon");
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  std::vector<Rank> ranks;
+  for (uint32_t r = 0; r < 2; ++r) {
+    ranks.push_back(spawn([&, r](const Io&) { return spanBody(c.daemons[r]->socket(), id, r, 2); }));
+  }
+  for (uint32_t r = 0; r < 2; ++r) {
+    const std::string result = ranks[r].read(300000);
+    INFO("rank " << r << " (node " << r << "): " << result);
+    INFO(c.logs());
+    CHECK(result.rfind("OK", 0) == 0);
+  }
+  for (auto& r : ranks) r.reap();
+  for (const auto& d : c.daemons) {
+    INFO(d->log());
+    CHECK(logShowsPlan(d->log(), gpuCases(2).front(), 2, "staged exchange + GPU GEMM"));
+    CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
   }
 }
 

@@ -241,7 +241,7 @@ class CudaBackend final : public Backend {
   }
 
   // A communicator with ranks on other nodes (cuda_multinode.hpp): a control page and a tandemd-private workspace of
-  // cuda.workspace_bytes per local rank; tandemd runs the ops. The engine admits it with the client executor only.
+  // cuda.workspace_bytes per local rank; tandemd runs the ops, with either executor.
   std::shared_ptr<CudaComm> setupStaged(const Communicator& comm) {
     std::vector<k::ControlPage> pages(comm.nranks);
     std::vector<int> devices(comm.nranks, -1);

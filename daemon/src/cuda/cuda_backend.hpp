@@ -3,7 +3,8 @@
 //   client (client_gate.hpp): libtandem launches kernels into the caller's stream; tandemd validates each collective
 //           and writes the verdict and `go` into every rank's control page, then learns completion from `done`;
 //   daemon (daemon_executor.hpp): gang-ready dispatch into each GPU's persistent kernel; needs MPS;
-//   host (cuda_multinode.hpp): communicators whose ranks span nodes (client executor only), staged through host memory.
+//   host (cuda_multinode.hpp): communicators whose ranks span nodes (either executor): the exchange staged through
+//           host memory, the GEMMs on the GPUs.
 // CUDA-only: compiled when TANDEM_HAVE_CUDA.
 #pragma once
 

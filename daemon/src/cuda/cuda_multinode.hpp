@@ -145,7 +145,7 @@ class HostStaging {
 };
 
 // A communicator with ranks on other nodes: a control page and a tandemd-private GPU workspace per local rank; the ops
-// run between the streams' ready and done (HostStaging). The engine admits it with the client executor only.
+// run between the streams' ready and done (HostStaging). Either executor: tandemd runs the op in its own context.
 class HostStagedComm final : public CudaComm {
  public:
   // `pages`: one per rank, empty for the ranks on other nodes; `devices`: each rank's GPU (-1 on other nodes);
