@@ -571,14 +571,14 @@ struct RsEpilogue {
     }
     tmaReading = true;
   }
-  // ownTma 2 (two ranks): an own half tile wholly inside N whose rows are all this rank's. Thread 0
-  // waits for the peer's partial of the half tile (the copier warps already prefetched it into L2), then TMA-loads it
+  // ownTma 2 (two ranks): an own half tile wholly inside N whose rows are all this rank's. Thread 0 waits for the
+  // peer's partial of the half tile (the copier warps saw it arrive and prefetched it into L2), then TMA-loads it
   // chunk by chunk (64 x 64, 16-bit, swizzled as the store map wants) into the two epilogue buffers; every thread adds
   // the peer's values at its own accumulator positions in fp32, writes the sum back in place rounded to T, and the
   // chunk leaves by TMA store like the core's. own + peer is one commutative add, so the result is bitwise that of the
   // generic path in either rank order. A buffer is loaded again once the store from it has read it.
-  __device__ __forceinline__ void storeOwnTmaPeer(const float (&acc)[128], int32_t row0, int32_t n0, int32_t ht, int wg,
-                                                  int t, uint16_t (&cbuf)[2][64 * 64]) {
+  __device__ __forceinline__ void storeOwnTmaPeer(const float (&acc)[128], int32_t row0, int32_t n0, int wg, int t,
+                                                  uint16_t (&cbuf)[2][64 * 64]) {
     constexpr int kChunks = kBlockN / gemm::kEpiCols;
     constexpr uint32_t kChunkBytes = gemm::kRowsPerConsumer * gemm::kEpiCols * 2;
     const int lane = t % 32;
@@ -586,16 +586,17 @@ struct RsEpilogue {
     const uint32_t rowOff0 = static_cast<uint32_t>(r) * 128;
     const uint32_t rowOff1 = static_cast<uint32_t>(r + 8) * 128;
     const uint32_t phase = static_cast<uint32_t>(r & 7);
-    const int32_t peer = 1 - kp->rank;
     const int32_t outRow = kp->allReduce ? row0 : row0 - rowOffsetOf(*kp, kp->rank);
     // Every thread's ld.shared of an earlier generic epilogue precedes the loads that overwrite cbuf.
     gemm::namedBarSync(barrierOf(wg), 128);
     cbufGeneric = false;
     if (t == 0) {
       if (tmaReading) gemm::bulkWaitRead<0>();  // earlier stores from cbuf have read it (long done by now)
-      WaitCtx ctx = makeWaitCtx(*kp, Role::kCompute, startNs);
-      // acquire: the peer's partial of this half tile is in our inbox; pairs with the copier's stReleaseSys there.
-      waitGeq(srcFlag(*kp, peer, ht), kp->epoch, ctx, static_cast<uint32_t>(ht));
+      // The copier warps acquired the peer's flag of this half tile during the mainloop (for their L2 prefetch) and
+      // said so in smem: acquire that (pairs with runCopier's stReleaseCtaSharedU32) rather than the flag again, a
+      // system-scope load of about a microsecond. They say so even after a failed wait, so this cannot hang.
+      while (ldAcquireCtaSharedU32(done + 2 + wg) < seq + 1) {
+      }
       traceNow(wg, 1);
       fenceProxyAsyncGlobal();  // generic-proxy data (landed from the peer) read by the async proxy (TMA) next
       for (int b = 0; b < 2; ++b) {
@@ -689,7 +690,7 @@ struct RsEpilogue {
       storeOwnTma(acc, row0, n0, wg, t, cbuf);
       if (t == 0) traceNow(wg, 1);
     } else if (mode == 3) {
-      if constexpr (sizeof(P) == 2) storeOwnTmaPeer(acc, row0, n0, ht, wg, t, cbuf);  // the host sets 2 only then
+      if constexpr (sizeof(P) == 2) storeOwnTmaPeer(acc, row0, n0, wg, t, cbuf);  // the host sets 2 only then
     } else if (own) {
       if constexpr (!Legacy) cbufForGeneric(wg, t);
       reduceOwn(acc, row0, n0, ht, wg, t, cbuf);
@@ -888,7 +889,7 @@ __device__ __forceinline__ void copierSync() {
 }
 
 template <class P>
-__device__ __forceinline__ void runCopier(const FusedKernelParams& kp, const uint32_t* done, int32_t cid,
+__device__ __forceinline__ void runCopier(const FusedKernelParams& kp, uint32_t* done, int32_t cid,
                                           uint64_t startNs, int ct) {
   const PhaseOrder order{&kp};
   const int32_t me = kp.rank;
@@ -931,6 +932,9 @@ __device__ __forceinline__ void runCopier(const FusedKernelParams& kp, const uin
           waitGeq(srcFlag(kp, ct, ht), kp.epoch, ctx, static_cast<uint32_t>(ht));
         }
         copierSync();  // acquire by thread s, then the barrier
+        // ownTma 2: tell the consumer warpgroup that the peer's partial is here (it acquires this instead of the flag).
+        // release (CTA scope, after the barrier that follows the system-scope acquire): pairs with storeOwnTmaPeer.
+        if (kp.ownTma == 2 && ct == 0) stReleaseCtaSharedU32(done + 2 + h, mySeq);
         constexpr int kLinesPerRow = kBlockN * static_cast<int>(sizeof(P)) / 128;
         for (int s = 0; s < kp.nranks; ++s) {
           if (s == me) continue;
@@ -989,8 +993,9 @@ __device__ __forceinline__ void runFinalWaits(const FusedKernelParams& kp, uint6
 // The fused kernel's body: role from the role table, then the final waits (consumer warpgroups of compute CTAs: the
 // producer warpgroup runs on 40 registers after setmaxnreg).
 // ---------------------------------------------------------------------------------------------------------------
-// Extra dynamic shared memory of a compute CTA beyond the GEMM core's: the two `done` counters (bytes 0-7), and for
-// ownTma 2 one mbarrier per consumer warpgroup and epilogue buffer (bytes kPeerBarOffset.. + 31: [wg][buf]).
+// Extra dynamic shared memory of a compute CTA beyond the GEMM core's: the two `done` counters (bytes 0-7), for ownTma
+// 2 the copier warps' "peer's partial arrived" counters per consumer warpgroup (bytes 8-15) and one mbarrier per
+// consumer warpgroup and epilogue buffer (bytes kPeerBarOffset.. + 31: [wg][buf]).
 inline constexpr size_t kExtraSmem = 64;
 
 // A compute CTA: the GEMM core's pieces (barriers, TMA producer, wgmma consumers with the RsEpilogue hook), plus the
@@ -1012,6 +1017,8 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
     if (!Legacy && kp.ownTma) prefetchTensorMap(&kp.g.tmC);
     done[0] = 0;
     done[1] = 0;
+    done[2] = 0;
+    done[3] = 0;
     if (!Legacy && kp.ownTma == 2) {
       prefetchTensorMap(&kp.tmPeer);
       uint64_t* const bars = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(done) + kPeerBarOffset);
