@@ -150,6 +150,10 @@ int rankMain(uint32_t rank, uint32_t n, int up, int down, const std::string& soc
     std::sort(ms.begin(), ms.end());
     if (rank == 0) {
       result << ms[ms.size() / 2] << " " << ms.front() << " " << ms.back() << std::endl;
+      // As it comes, for a run cut short.
+      std::printf("  %s, %u rank(s): %s M=%llu: median %.3f ms (min %.3f, max %.3f)\n", n == 1 ? "one node" : "two nodes",
+                  n, job.op.c_str(), static_cast<unsigned long long>(job.m), ms[ms.size() / 2], ms.front(), ms.back());
+      std::fflush(stdout);
     }
     tandem_free(a);
     tandem_free(b);
@@ -226,14 +230,16 @@ int main(int argc, char** argv) {
   }
   std::printf("span_bench: %s, N = K = %llu, median of %d (after %d warm-up), ms per op (steady_clock, submit to "
               "stream synced and op waited)\n", dtypeName.c_str(), static_cast<unsigned long long>(nk), iters, warmup);
-  std::printf("| op | M | one node, 1 rank | two nodes, 1 rank each (min..max) | two nodes / one node |\n");
-  std::printf("|---|---|---|---|---|\n");
   std::vector<Job> jobs;
   for (const std::string& op : parseNames(opsList)) {
     for (uint64_t m : parseList(msList)) jobs.push_back({op, m, nk, nk, dtype, iters, warmup});
   }
-  const std::vector<Timing> one = run({single->socket()}, jobs);
+  std::fflush(stdout);
+  // Two nodes first: for a run cut short, the new path's numbers.
   const std::vector<Timing> two = run({nodes[0]->socket(), nodes[1]->socket()}, jobs);
+  const std::vector<Timing> one = run({single->socket()}, jobs);
+  std::printf("| op | M | one node, 1 rank | two nodes, 1 rank each (min..max) | two nodes / one node |\n");
+  std::printf("|---|---|---|---|---|\n");
   int rc = 0;
   for (std::size_t i = 0; i < jobs.size(); ++i) {
     if (one[i].median < 0 || two[i].median < 0) rc = 2;

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call (nvidia-h200, one GPU) for communicators that span nodes computing on the GPUs: a Release build in
-# build-gpu-span/ of tandemd, tandem_gpu_tests and span_bench; the multi-node GPU tests (two tandemds as two nodes on
-# loopback sharing the GPU: both paths against the fp64 reference, the fused GEMMs at 1 and 2 ranks per node with 20
-# bitwise repeats, the plan lines, a killed rank); then span_bench (two nodes vs one node, M 1024/4096, N = K = 8192)
-# with the daemons' plan lines. Logs go to OUTDIR. Within 180 s in all (build included); every step under `timeout`.
+# build-gpu-span/ of tandemd, tandem_gpu_tests and span_bench; span_bench (two nodes vs one node, M 1024/4096,
+# N = K = 8192) with the daemons' plan lines; then the multi-node GPU tests one case at a time (two tandemds as two
+# nodes on loopback sharing the GPU: a killed rank; the fused GEMMs at 1 and 2 ranks per node with 20 bitwise repeats
+# and the plan lines; both paths against the fp64 reference). Logs go to OUTDIR. Within 180 s in all (build
+# included; SPAN_LIMIT_S=N ends the steps by N s instead); every step under `timeout`.
 #   scripts/span-gpu-run.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: scripts/span-gpu-run.sh OUTDIR}
@@ -32,21 +33,27 @@ timeout 110 cmake --build "$build" -j16 --target tandemd tandem_gpu_tests span_b
 echo "build rc=$? ($(elapsed) s)"
 grep -E "error|FAILED" -A4 "$out/build.log" | head -40
 
-if [ -x "$build/tests/gpu/tandem_gpu_tests" ]; then
-  # The tests first (correctness), leaving the bench about 25 s.
-  left=$((150 - $(elapsed))); [ "$left" -lt 45 ] && left=45
-  timeout "$left" stdbuf -oL "./$build/tests/gpu/tandem_gpu_tests" "-tc=two nodes*" -s > "$out/multinode_test.log" 2>&1
-  echo "multinode gpu tests rc=$? ($(elapsed) s)"
-  grep -E "ERROR|FAIL|TEST CASE|test cases|assertions|SKIPPED" "$out/multinode_test.log" | head -40
-fi
+# Most wanted first, each under its own limit, so that a call cut short still brings the first results back: the
+# bench (two nodes vs one node), the killed-rank case, the GPU path at 1 and 2 ranks per node, the mixed-path case.
+limit=${SPAN_LIMIT_S:-176}
+left() { echo $((limit - $(elapsed))); }
 if [ -x "$build/bench/span_bench" ]; then
-  left=$((176 - $(elapsed)))
-  if [ "$left" -gt 10 ]; then
-    iters=20; [ "$left" -lt 20 ] && iters=5
-    timeout "$left" stdbuf -oL "./$build/bench/span_bench" --iters "$iters" > "$out/span_bench.log" 2>&1
+  t=$(left); [ "$t" -gt 40 ] && t=40
+  if [ "$t" -gt 8 ]; then
+    timeout "$t" stdbuf -oL "./$build/bench/span_bench" --iters 10 --warmup 2 > "$out/span_bench.log" 2>&1
     echo "span_bench rc=$? ($(elapsed) s)"
-    cat "$out/span_bench.log" | head -40
-  else
-    echo "span_bench skipped: no time left ($(elapsed) s)"
+    head -40 "$out/span_bench.log"
   fi
+fi
+run_case() {  # name, log, limit cap
+  local t; t=$(left); [ "$t" -gt "$3" ] && t=$3
+  [ "$t" -lt 5 ] && { echo "$2 skipped: no time left ($(elapsed) s)"; return; }
+  timeout "$t" stdbuf -oL "./$build/tests/gpu/tandem_gpu_tests" "-tc=$1" -s > "$out/$2.log" 2>&1
+  echo "$2 rc=$? ($(elapsed) s)"
+  grep -E "ERROR|FAIL|test cases|assertions|SKIPPED" "$out/$2.log" | head -20
+}
+if [ -x "$build/tests/gpu/tandem_gpu_tests" ]; then
+  run_case "*rank killed mid-op*" test_kill 30
+  run_case "*at 1 and 2 ranks per node*" test_ranks_per_node 70
+  run_case "*barriers across nodes match*" test_paths 30
 fi
