@@ -22,8 +22,9 @@
 // columns [r K/2, (r + 1) K/2) of A and B, partials exchanged through device memory. That is not the two-GPU timing
 // (no NVLink, half the SMs each); it checks the multi-rank paths (against the reference, bitwise across kernels and
 // repeats) and shows, from rank 0's trace, what an own tile's epilogue costs next to a sent one's; the candidates
-// there are the default (gemm-rs: the own tile adds the peer's partial in smem, then TMA store), the generic and
-// legacy own-tile epilogues, and the all-reduce with kTmaPeer.
+// there are the default (gemm-rs: the own tile adds the peer's partial in smem, then TMA store), kTmaPeerEarly (the
+// copier warps load the first chunks during the mainloop), the generic and legacy own-tile epilogues, and the
+// all-reduce with kTmaPeer and kTmaPeerEarly.
 //
 //   gemm_rs_one_rank_bench [--iters N] [--warmup N] [--json FILE] [--no-trace] [--no-two-ranks] [--shape MxNxK]...
 #include <cublasLt.h>
@@ -200,10 +201,12 @@ bool runTwoRanks(const Shape& sh, void* const (&a)[2], void* const (&b)[2], cons
     std::string ran;
   };
   std::vector<Cand2> cands = {{"gemm-rs fused copy", false, GemmRsEpilogue::kDefault},
+                              {"gemm-rs fused copy early", false, GemmRsEpilogue::kTmaPeerEarly},
                               {"gemm-rs fused copy generic", false, GemmRsEpilogue::kGeneric},
                               {"gemm-rs fused copy legacy", false, GemmRsEpilogue::kLegacy},
                               {"gemm-ar fused copy", true, GemmRsEpilogue::kDefault},
                               {"gemm-ar fused copy tma-peer", true, GemmRsEpilogue::kTmaPeer},
+                              {"gemm-ar fused copy early", true, GemmRsEpilogue::kTmaPeerEarly},
                               {"gemm-ar fused copy legacy", true, GemmRsEpilogue::kLegacy}};
   GemmRsPlan plan = fusedPlan(GemmRsTransport::kCopy, 0);
   plan.numCompute = static_cast<int16_t>(prop.multiProcessorCount / kRanks);

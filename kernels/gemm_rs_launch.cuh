@@ -165,9 +165,9 @@ inline void validate(const char* op, const GemmRsParams& p, bool allReduce) {
   }
   if (p.epoch == 0 || p.epoch == kAbortValue) fail(op, "epoch must be in [1, 2^64 - 2]");
   const auto knob = static_cast<int32_t>(p.epilogue);
-  if (knob < 0 || knob > static_cast<int32_t>(GemmRsEpilogue::kTmaPeer)) {
-    fail(op, "epilogue must be a GemmRsEpilogue (0 default, 1 generic, 2 legacy, 3 TMA with the peer's partial), got " +
-                 str(knob) + "; leave it 0 outside benchmarks");
+  if (knob < 0 || knob > static_cast<int32_t>(GemmRsEpilogue::kTmaPeerEarly)) {
+    fail(op, "epilogue must be a GemmRsEpilogue (0 default, 1 generic, 2 legacy, 3 TMA with the peer's partial, 4 the "
+             "same with early loads), got " + str(knob) + "; leave it 0 outside benchmarks");
   }
   if (p.epilogue == GemmRsEpilogue::kLegacy && (p.dtype != GemmDtype::kBf16 || p.plan.kind != GemmRsPlanKind::kFused ||
                                                 p.plan.partial != GemmRsPartial::kInput)) {
@@ -310,14 +310,16 @@ inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, cons
   // rows are all this rank's; the device code checks that per half tile): measured on one H200 with two ranks on 66 SMs
   // each, that own-tile epilogue took 5.3 us instead of 11.1 (gemm_rs_one_rank_bench). An all-reduce's copier warps
   // then broadcast the stored rows as before.
-  const bool tmaKnob = p.epilogue == GemmRsEpilogue::kDefault || p.epilogue == GemmRsEpilogue::kTmaPeer;
-  const bool peerKnob = p.epilogue == GemmRsEpilogue::kTmaPeer || (p.epilogue == GemmRsEpilogue::kDefault && !allReduce);
+  const bool early = p.epilogue == GemmRsEpilogue::kTmaPeerEarly;
+  const bool tmaKnob = p.epilogue == GemmRsEpilogue::kDefault || p.epilogue == GemmRsEpilogue::kTmaPeer || early;
+  const bool peerKnob = p.epilogue == GemmRsEpilogue::kTmaPeer || early ||
+                        (p.epilogue == GemmRsEpilogue::kDefault && !allReduce);
   const int64_t myRows = allReduce ? p.m : rsRowsOf(p.m, p.rank, p.nranks);
   if (!decomposed && kp.epiReduce && tmaKnob && p.nranks == 1) {
     kp.ownTma = 1;
   } else if (!decomposed && kp.epiReduce && peerKnob && p.nranks == 2 && psize == 2 &&
              plan.transport == GemmRsTransport::kCopy && myRows > 0) {
-    kp.ownTma = 2;
+    kp.ownTma = early ? 3 : 2;
     const int peer = 1 - p.rank;
     const void* peerPartials = static_cast<const char*>(kp.inbox[p.rank]) + static_cast<size_t>(peer) * l.matBytes;
     kp.tmPeer = encodeMap(op, peerPartials, tilesM * kBlockM, kp.ldP, kp.ldP, gemm::kRowsPerConsumer, p.dtype);

@@ -61,7 +61,8 @@ struct FusedKernelParams {
   int32_t traceTiles;
   int32_t finViaCopier;  // all-reduce, transport kCopy: consumers write the local output only, copiers broadcast
   // Own tiles through TMA (g.tmC: this rank's output, [its rows, n], 64 x 64 boxes): 0 never; 1 one rank, nothing to
-  // add; 2 two ranks, reduce-scatter: the peer's partial TMA-loaded (tmPeer) and added in smem first.
+  // add; 2 two ranks: the peer's partial TMA-loaded (tmPeer) and added in smem first (peerTile says which half tiles);
+  // 3 the same, the copier warps issuing the first two chunks' loads during the mainloop.
   int32_t ownTma;
 };
 
@@ -125,6 +126,12 @@ __device__ __forceinline__ uint64_t* dstFlag(const FusedKernelParams& kp, int32_
 }
 __device__ __forceinline__ bool isCopy(const FusedKernelParams& kp) {
   return kp.transport == static_cast<int32_t>(GemmRsTransport::kCopy);
+}
+// ownTma 2 / 3: whether this rank's own half tile at (row0, n0) takes the TMA path with the peer's partial: wholly
+// inside N, every row this rank's. The consumers and (ownTma 3) the copier warps must agree on it.
+__device__ __forceinline__ bool peerTile(const FusedKernelParams& kp, int32_t row0, int32_t n0) {
+  return kp.ownTma >= 2 && n0 + kBlockN <= kp.g.n && ownerOf(kp, row0) == kp.rank &&
+         ownerOf(kp, min(row0 + kHalfRows - 1, kp.g.m - 1)) == kp.rank;
 }
 
 // Ranks (other than this one) whose output receives reduced rows of the half tile at row0 from this rank.
@@ -587,10 +594,13 @@ struct RsEpilogue {
     const uint32_t rowOff1 = static_cast<uint32_t>(r + 8) * 128;
     const uint32_t phase = static_cast<uint32_t>(r & 7);
     const int32_t outRow = kp->allReduce ? row0 : row0 - rowOffsetOf(*kp, kp->rank);
-    // Every thread's ld.shared of an earlier generic epilogue precedes the loads that overwrite cbuf.
-    gemm::namedBarSync(barrierOf(wg), 128);
+    const bool early = kp->ownTma == 3;  // the copier warps issued the first two loads (runCopier)
     cbufGeneric = false;
-    if (t == 0) {
+    if (!early) {
+      // Every thread's ld.shared of an earlier generic epilogue precedes the loads that overwrite cbuf.
+      gemm::namedBarSync(barrierOf(wg), 128);
+    }
+    if (t == 0 && !early) {
       if (tmaReading) gemm::bulkWaitRead<0>();  // earlier stores from cbuf have read it (long done by now)
       // The copier warps acquired the peer's flag of this half tile during the mainloop (for their L2 prefetch) and
       // said so in smem: acquire that (pairs with runCopier's stReleaseCtaSharedU32) rather than the flag again, a
@@ -641,6 +651,10 @@ struct RsEpilogue {
         fenceProxyAsyncGlobal();
       }
       tmaReading = false;  // every thread alike: cbufForGeneric's barrier must be all or none
+    } else if (early) {
+      // The copier warps load into cbuf once `done` (released after this) says this half tile is finished.
+      if (t == 0) gemm::bulkWaitRead<0>();
+      tmaReading = false;
     } else {
       tmaReading = true;
     }
@@ -676,13 +690,8 @@ struct RsEpilogue {
     const bool ownHere = kp->epiReduce && !kp->oneShot && red == kp->rank;
     int mode = ownHere ? 1 : 0;
     if constexpr (!Legacy) {
-      if (ownHere && kp->ownTma != 0 && n0 + kBlockN <= kp->g.n) {
-        if (kp->ownTma == 1) {
-          mode = 2;
-        } else if (ownerOf(*kp, row0) == kp->rank && ownerOf(*kp, min(row0 + kHalfRows - 1, kp->g.m - 1)) == kp->rank) {
-          mode = 3;
-        }
-      }
+      if (ownHere && kp->ownTma == 1 && n0 + kBlockN <= kp->g.n) mode = 2;
+      if (ownHere && peerTile(*kp, row0, n0)) mode = 3;
       mode = __shfl_sync(0xffffffffu, mode, 0);
     }
     const bool own = mode != 0;
@@ -889,7 +898,7 @@ __device__ __forceinline__ void copierSync() {
 }
 
 template <class P>
-__device__ __forceinline__ void runCopier(const FusedKernelParams& kp, uint32_t* done, int32_t cid,
+__device__ __forceinline__ void runCopier(const FusedKernelParams& kp, uint32_t* done, uint16_t* cbuf, int32_t cid,
                                           uint64_t startNs, int ct) {
   const PhaseOrder order{&kp};
   const int32_t me = kp.rank;
@@ -935,6 +944,19 @@ __device__ __forceinline__ void runCopier(const FusedKernelParams& kp, uint32_t*
         // ownTma 2: tell the consumer warpgroup that the peer's partial is here (it acquires this instead of the flag).
         // release (CTA scope, after the barrier that follows the system-scope acquire): pairs with storeOwnTmaPeer.
         if (kp.ownTma == 2 && ct == 0) stReleaseCtaSharedU32(done + 2 + h, mySeq);
+        if (kp.ownTma == 3 && ct == 0 && peerTile(kp, row0, n0)) {
+          // ownTma 3: load the first two chunks of the peer's partial into the warpgroup's epilogue buffers now, so
+          // they are there when its epilogue starts. The buffers are free: `done` said the warpgroup finished its
+          // previous half tile, whose epilogue had every read of them behind it (storeOwnTmaPeer waits for its
+          // stores' reads in this mode). Issued after a failed wait too, so the consumers cannot hang on them.
+          fenceProxyAsyncGlobal();  // generic-proxy data (landed from the peer) read by the async proxy next
+          uint64_t* const bars = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(done) + kPeerBarOffset);
+          for (int b = 0; b < 2; ++b) {
+            gemm::mbarArriveExpectTx(bars + h * 2 + b, gemm::kRowsPerConsumer * gemm::kEpiCols * 2);
+            gemm::tmaLoad2d(&kp.tmPeer, cbuf + (h * 2 + b) * (gemm::kRowsPerConsumer * gemm::kEpiCols), bars + h * 2 + b,
+                            n0 + b * gemm::kEpiCols, row0);
+          }
+        }
         constexpr int kLinesPerRow = kBlockN * static_cast<int>(sizeof(P)) / 128;
         for (int s = 0; s < kp.nranks; ++s) {
           if (s == me) continue;
@@ -1019,7 +1041,7 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
     done[1] = 0;
     done[2] = 0;
     done[3] = 0;
-    if (!Legacy && kp.ownTma == 2) {
+    if (!Legacy && kp.ownTma >= 2) {
       prefetchTensorMap(&kp.tmPeer);
       uint64_t* const bars = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(done) + kPeerBarOffset);
       for (int i = 0; i < 4; ++i) mbarInit(&bars[i], 1);
@@ -1034,7 +1056,7 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
       if (t == 0) {
         runProducer<kStages, 1>(kp.g, s, order, NoRowWait{}, cid, kp.numCompute, 0u);
       } else if (t >= 32 && isCopy(kp)) {
-        runCopier<P>(kp, done, cid, startNs, t - 32);
+        runCopier<P>(kp, done, &s.c[0][0][0], cid, startNs, t - 32);
       }
       break;
     case gemm::Role::kConsumer: {

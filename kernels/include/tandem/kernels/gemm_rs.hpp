@@ -139,6 +139,7 @@ enum class GemmRsEpilogue : int32_t {
                  // mainloop then lost the uniform datapath); bf16 with bf16 partials only
   kTmaPeer = 3,  // kDefault, and the two-rank path with the peer's partial for the all-reduce too (its copier warps then
                  // broadcast the TMA-stored rows)
+  kTmaPeerEarly = 4,  // kTmaPeer, with the copier warps issuing the first two chunks' TMA loads during the mainloop
 };
 
 // ---- parameters (POD; zero-initialise and fill). Shared with launchGemmAr (gemm_ar.hpp).
