@@ -25,6 +25,7 @@ root=$(pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 build=build-gpu-py
 py=${PYTHON:-python3}
+user_pythonpath=${PYTHONPATH:-}  # the caller's, before this script adds the test dirs: the README step runs with it
 budget=${PY_GPU_BUDGET_S:-178}
 t0=$(date +%s)
 summary="$out/summary.txt"
@@ -36,7 +37,8 @@ left() { echo $((budget - $(date +%s) + t0)); }
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv; git rev-parse HEAD
   "$py" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda",
              torch.version.cuda)'
-  for m in cupy jax numpy; do "$py" -c "import $m; print('$m', $m.__version__)" 2>&1 | tail -1; done; } \
+  for m in cupy jax numpy; do "$py" -c "import $m; print('$m', $m.__version__)" 2>&1 | tail -1; done
+  echo "PYTHONPATH=${PYTHONPATH:-}"; "$py" -c 'import torch; print("torch from", torch.__file__)'; "$py" -m site; } \
   > "$out/machine.txt" 2>&1
 
 # An existing build dir (the lead may link build-gpu-py to one shared Release build) keeps its own options.
@@ -102,7 +104,9 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false step jax-1rank 30 "$py" tests/python/gpu_run
 timeout 30 python/bench/build.sh "$root/$build/client/libtandem.so.0.2" "$work/bench" "$py" > "$out/bench-build.log" 2>&1
 step overhead 25 env PYTHONPATH="$work/bench:$PYTHONPATH" "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
 # The same bench of the package as it was before the overhead work, in this call: the baseline of the numbers above.
-if git archive 37addcf python 2>/dev/null | tar -x -C "$work" --transform 's,^python,old,' 2>/dev/null; then
+top=$(git rev-parse --show-toplevel 2>/dev/null)
+if [ -n "$top" ] && (cd "$top" && git archive 37addcf python) 2>/dev/null |
+     tar -x -C "$work" --transform 's,^python,old,' 2>/dev/null && [ -f "$work/old/tandem/_comm.py" ]; then
   step overhead-before 25 env PYTHONPATH="$work/old:$work/bench:$site" "$py" "$work/old/bench/overhead.py" \
     "$work/bench/overhead_baseline"
 else
@@ -118,23 +122,32 @@ readme() {
   "$py" -m venv --system-site-packages "$venv" || "$py" -m venv --without-pip --system-site-packages "$venv" || return 1
   if "$venv/bin/python" -m pip --version; then pip=("$venv/bin/python" -m pip)
   else pip=("$py" -m pip --python "$venv/bin/python"); fi
+  # The caller's PYTHONPATH (where this machine may keep its PyTorch), without the test dirs this script added.
+  local envs=(-u PYTHONPATH -u TANDEM_LIBRARY)
+  [ -n "$user_pythonpath" ] && envs=(-u TANDEM_LIBRARY PYTHONPATH="$user_pythonpath")
+  if ! env "${envs[@]}" "$venv/bin/python" -c 'import torch'; then
+    # A venv sees the system site-packages but not, e.g., a user site: point it at the machine's torch with a .pth
+    local tdir; tdir=$("$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+    local vsite; vsite=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "the venv does not see the machine's torch; adding $tdir through $vsite/machine-torch.pth"
+    echo "$tdir" > "$vsite/machine-torch.pth"
+  fi
   echo "+ TANDEM_BUILD_DIR=$root/$build ${pip[*]} install --no-build-isolation ./python"
-  env -u PYTHONPATH -u TANDEM_LIBRARY TANDEM_BUILD_DIR="$root/$build" "${pip[@]}" install --no-build-isolation \
-    ./python || return 1
-  env -u PYTHONPATH -u TANDEM_LIBRARY "$venv/bin/python" -c 'import torch, tandem, _tandem_fastcall
+  env "${envs[@]}" TANDEM_BUILD_DIR="$root/$build" "${pip[@]}" install --no-build-isolation ./python || return 1
+  env "${envs[@]}" "$venv/bin/python" -c 'import torch, tandem, _tandem_fastcall
 print("venv: torch", torch.__version__, "from", torch.__file__, "| tandem from", tandem.__file__, "library",
       tandem.library_path)' || return 1
   local run=("$venv/bin/python" -m torch.distributed.run)
   [ -x "$venv/bin/torchrun" ] && run=("$venv/bin/torchrun")
   echo "+ ${run[*]} --nproc-per-node 2 python/examples/torchrun_example.py"
-  env -u PYTHONPATH -u TANDEM_LIBRARY "${run[@]}" --nproc-per-node 2 python/examples/torchrun_example.py | tee "$work/readme.out"
+  env "${envs[@]}" "${run[@]}" --nproc-per-node 2 python/examples/torchrun_example.py | tee "$work/readme.out"
   local rc=${PIPESTATUS[0]} ok
   ok=$(grep -c ": OK" "$work/readme.out")
   echo "README example: exit $rc, $ok of 2 ranks printed OK"
   [ "$rc" -eq 0 ] && [ "$ok" -eq 2 ]
 }
 export -f readme
-export work py root build
+export work py root build user_pythonpath
 step readme-torchrun 60 bash -c readme
 TANDEM_NO_FASTCALL=1 step overhead-ctypes-only 25 env PYTHONPATH="$work/bench:$PYTHONPATH" "$py" \
   python/bench/overhead.py "$work/bench/overhead_baseline"
