@@ -26,7 +26,10 @@
 // copier warps load the first chunks during the mainloop), the generic and legacy own-tile epilogues, and the
 // all-reduce with kTmaPeer and kTmaPeerEarly.
 //
-//   gemm_rs_one_rank_bench [--iters N] [--warmup N] [--json FILE] [--no-trace] [--no-two-ranks] [--shape MxNxK]...
+// --two-ranks-only skips the one-rank candidates; --no-early leaves out the kTmaPeerEarly candidates.
+//
+//   gemm_rs_one_rank_bench [--iters N] [--warmup N] [--json FILE] [--no-trace] [--no-two-ranks] [--two-ranks-only]
+//                          [--no-early] [--shape MxNxK]...
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -172,7 +175,7 @@ double median(std::vector<float> v) {
 
 // Two ranks sharing this GPU (see the header comment). Returns false on a failed check.
 bool runTwoRanks(const Shape& sh, void* const (&a)[2], void* const (&b)[2], const float* ref, int iters, int warmup,
-                 uint64_t* traceBuf, size_t traceWords, int traceTiles, ErrorSlot* slot, ErrorSlot* slotDev,
+                 bool early, uint64_t* traceBuf, size_t traceWords, int traceTiles, ErrorSlot* slot, ErrorSlot* slotDev,
                  uint64_t& epoch, cudaStream_t s, const cudaDeviceProp& prop, std::FILE* json) {
   constexpr int kRanks = 2;
   const int64_t kr = sh.k / kRanks;
@@ -201,13 +204,18 @@ bool runTwoRanks(const Shape& sh, void* const (&a)[2], void* const (&b)[2], cons
     std::string ran;
   };
   std::vector<Cand2> cands = {{"gemm-rs fused copy", false, GemmRsEpilogue::kDefault},
-                              {"gemm-rs fused copy early", false, GemmRsEpilogue::kTmaPeerEarly},
                               {"gemm-rs fused copy generic", false, GemmRsEpilogue::kGeneric},
                               {"gemm-rs fused copy legacy", false, GemmRsEpilogue::kLegacy},
                               {"gemm-ar fused copy", true, GemmRsEpilogue::kDefault},
                               {"gemm-ar fused copy tma-peer", true, GemmRsEpilogue::kTmaPeer},
+                              {"gemm-rs fused copy early", false, GemmRsEpilogue::kTmaPeerEarly},
                               {"gemm-ar fused copy early", true, GemmRsEpilogue::kTmaPeerEarly},
                               {"gemm-ar fused copy legacy", true, GemmRsEpilogue::kLegacy}};
+  if (!early) {
+    cands.erase(std::remove_if(cands.begin(), cands.end(),
+                               [](const Cand2& c) { return c.epi == GemmRsEpilogue::kTmaPeerEarly; }),
+                cands.end());
+  }
   GemmRsPlan plan = fusedPlan(GemmRsTransport::kCopy, 0);
   plan.numCompute = static_cast<int16_t>(prop.multiProcessorCount / kRanks);
   // Enqueues one op on both ranks' streams, after everything on s, and makes s wait for both.
@@ -395,7 +403,7 @@ bool runTwoRanks(const Shape& sh, void* const (&a)[2], void* const (&b)[2], cons
 
 int main(int argc, char** argv) {
   int iters = 30, warmup = 5;
-  bool traceOn = true, twoRanks = true;
+  bool traceOn = true, twoRanks = true, oneRank = true, early = true;
   std::string jsonPath;
   std::vector<Shape> shapes;
   for (int i = 1; i < argc; ++i) {
@@ -405,6 +413,8 @@ int main(int argc, char** argv) {
     else if (a == "--json" && i + 1 < argc) jsonPath = argv[++i];
     else if (a == "--no-trace") traceOn = false;
     else if (a == "--no-two-ranks") twoRanks = false;
+    else if (a == "--two-ranks-only") oneRank = false;
+    else if (a == "--no-early") early = false;
     else if (a == "--shape" && i + 1 < argc) {
       long long m = 0, n = 0, k = 0;
       if (std::sscanf(argv[++i], "%lldx%lldx%lld", &m, &n, &k) != 3 || m <= 0 || n <= 0 || k <= 0 || n % 8 || k % 8) {
@@ -414,11 +424,13 @@ int main(int argc, char** argv) {
       shapes.push_back({m, n, k});
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--iters N] [--warmup N] [--json FILE] [--no-trace] [--no-two-ranks] [--shape MxNxK]...\n",
+                   "usage: %s [--iters N] [--warmup N] [--json FILE] [--no-trace] [--no-two-ranks] [--two-ranks-only] "
+                   "[--no-early] [--shape MxNxK]...\n",
                    argv[0]);
       return 2;
     }
   }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a run killed by its timeout keeps what it printed
   if (shapes.empty()) shapes = {{8192, 8192, 8192}, {16384, 14336, 8192}, {4096, 8192, 8192}, {1024, 8192, 8192}};
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1) {
@@ -429,6 +441,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   std::FILE* json = jsonPath.empty() ? nullptr : std::fopen(jsonPath.c_str(), "w");
+  if (json) std::setvbuf(json, nullptr, _IOLBF, 0);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cublasLtHandle_t lt;
@@ -542,6 +555,7 @@ int main(int argc, char** argv) {
     addRs("gemm-ar fused copy legacy", copy, true, GemmRsEpilogue::kLegacy);
     addRs("gemm-rs fused send8", fusedPlan(GemmRsTransport::kSend, 8), false, GemmRsEpilogue::kDefault);
 
+    if (!oneRank) cands.clear();
     // Correctness first (set 0 against the reference), then the timing.
     double* sums = nullptr;
     unsigned long long* bad = nullptr;
@@ -614,11 +628,14 @@ int main(int argc, char** argv) {
         }
       }
     }
-    const double core = median(cands[1].ms), blas = median(cands[0].ms);
-    const double coreGpu = median(cands[1].gpuMs), blasGpu = median(cands[0].gpuMs);
-    std::printf("\n%lldx%lldx%lld (M x N x K)\n", (long long)sh.m, (long long)sh.n, (long long)sh.k);
-    std::printf("  %-28s %10s %8s %10s %8s %8s %9s  %s\n", "candidate", "us", "/core", "gpu us", "/core", "/cuBLAS",
-                "TFLOP/s", "plan run");
+    const double core = cands.empty() ? 1 : median(cands[1].ms), blas = cands.empty() ? 1 : median(cands[0].ms);
+    const double coreGpu = cands.empty() ? 1 : median(cands[1].gpuMs);
+    const double blasGpu = cands.empty() ? 1 : median(cands[0].gpuMs);
+    if (!cands.empty()) std::printf("\n%lldx%lldx%lld (M x N x K)\n", (long long)sh.m, (long long)sh.n, (long long)sh.k);
+    if (!cands.empty()) {
+      std::printf("  %-28s %10s %8s %10s %8s %8s %9s  %s\n", "candidate", "us", "/core", "gpu us", "/core", "/cuBLAS",
+                  "TFLOP/s", "plan run");
+    }
     for (Cand& c : cands) {
       if (c.ms.empty()) continue;
       const double med = median(c.ms), gpu = median(c.gpuMs);
@@ -635,7 +652,7 @@ int main(int argc, char** argv) {
                      med / core, med / blas, gpu * 1e3, gpu / coreGpu, gpu / blasGpu, c.relErr, c.diffWords);
       }
     }
-    if (traceOn) {
+    if (traceOn && !cands.empty()) {
       // One traced launch per fused candidate (the trace's stores and timer reads cost a little; not timed above).
       std::printf("  per-tile trace (%%globaltimer; core alone: %.1f us per tile at the same tiles per CTA)\n",
                   coreGpu * 1e3 / std::max(1.0, double((sh.m + 127) / 128 * ((sh.n + 255) / 256)) /
@@ -654,8 +671,8 @@ int main(int argc, char** argv) {
       }
     }
     if (twoRanks && sh.k % 16 == 0) {
-      if (!runTwoRanks(sh, a, b, ref, iters, warmup, traceBuf, traceWords, traceTiles, slot, slotDev, epoch, s, prop,
-                       json)) {
+      if (!runTwoRanks(sh, a, b, ref, iters, warmup, early, traceBuf, traceWords, traceTiles, slot, slotDev, epoch, s,
+                       prop, json)) {
         failed = true;
       }
     }

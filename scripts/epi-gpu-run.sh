@@ -8,7 +8,7 @@
 # one process (66 SMs each: the multi-rank paths checked against the reference and bitwise across kernels and repeats,
 # with the kTmaPeer own-tile epilogue as a candidate), and a correctness pass at edge shapes (partial tiles in M and N,
 # a tile row split between the ranks; every tandem candidate at one rank must equal the GEMM core bitwise). Every step
-# under `timeout`; logs in OUT.
+# under `timeout`; logs in OUT (bench.log, edge.log, early.log: the kTmaPeerEarly candidates at two ranks).
 #   scripts/epi-gpu-run.sh OUT
 set -uo pipefail
 out=${1:?usage: $0 OUT}
@@ -73,10 +73,14 @@ run() { # name limit log args...
   cat "$out/$log"
   if [ $rc -eq 0 ]; then note "PASS $name"; else note "FAIL $name (exit $rc)"; status=1; fi
 }
+# The kTmaPeerEarly candidates run in a step of their own (last): should one hang, the other steps' tables stand.
 run "gemm_rs_one_rank_bench, target shapes" 60 bench.log \
-  "$bench" --iters 10 --warmup 3 --shape 8192x8192x8192 --shape 16384x14336x8192 --json "$out/bench.json"
+  "$bench" --iters 10 --warmup 3 --no-early --shape 8192x8192x8192 --shape 16384x14336x8192 --json "$out/bench.json"
 run "gemm_rs_one_rank_bench, edge shapes (correctness)" 30 edge.log \
-  "$bench" --iters 3 --warmup 1 --shape 1000x1000x1040 --shape 777x1024x512 --shape 129x264x64 --shape 4096x8192x8192 \
-  --json "$out/edge.json"
+  "$bench" --iters 3 --warmup 1 --no-early --shape 1000x1000x1040 --shape 777x1024x512 --shape 129x264x64 \
+  --shape 4096x8192x8192 --json "$out/edge.json"
+run "gemm_rs_one_rank_bench, two ranks with kTmaPeerEarly" 30 early.log \
+  "$bench" --iters 10 --warmup 3 --two-ranks-only --shape 8192x8192x8192 --shape 16384x14336x8192 \
+  --shape 1000x1000x1040 --shape 777x1024x512 --shape 129x264x64 --json "$out/early.json"
 note "done: $([ $status -eq 0 ] && echo PASS || echo FAIL) after $(elapsed) s"
 exit $status
