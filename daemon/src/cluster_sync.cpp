@@ -127,6 +127,10 @@ void Engine::onPeerMessage(uint32_t from, const v1::PeerMessage& m) {
       op.error = p.error();
       comm.queues[p.rank()].push_back(std::move(op));
       tryDispatchLocked(entry);
+      // A collective dispatched here (this thread, not the pump) may wait for the local streams' ready words, which
+      // only the pump polls; it may be asleep (cuda, spanning communicators: each op paid its 100 ms timeout, 102 ms
+      // per op in span_bench on one H200).
+      pump_.wake();
       return;
     }
     case v1::PeerMessage::kHello:

@@ -26,6 +26,8 @@ void Pump::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+void Pump::wake() { signalEventfd(wake_.get()); }
+
 void Pump::sessionsChanged() {
   ++generation_;
   signalEventfd(wake_.get());

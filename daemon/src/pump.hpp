@@ -38,6 +38,9 @@ class Pump {
   void stop();  // joins the thread
   // The set of sessions changed: a sleeping pump rebuilds its list now instead of after its timeout.
   void sessionsChanged();
+  // Work for the pump came from another thread (a peer node's descriptor completed a collective whose streams the
+  // pump must now watch): end its sleep now instead of at its 100 ms timeout.
+  void wake();
 
  private:
   void loop();
