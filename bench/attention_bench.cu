@@ -2,14 +2,10 @@
 // around every launch, median, input sets rotated so that L2 holds none of them). bench/sdpa_baseline.py times torch
 // SDPA (cuDNN and flash backends) on the same shapes; run both in the same device call.
 //
-//   attention_bench [--iters N] [--warmup N] [--rounds N] [--seqs 4096,8192,16384,32768] [--heads 16] [--hd 128]
-//                   [--fp16] [--variants default|all] [--check-rows N] [--causal both|0|1] [--head-groups 1,2]
+//   attention_bench [--iters N] [--warmup N] [--seqs 4096,8192,16384,32768] [--heads 16] [--hd 128] [--fp16]
+//                   [--variants default|all] [--check-rows N] [--causal both|0|1]
 // FLOPs counted as 4 * seq^2 * heads * hd, half of that with causal masking. One sequence of `seq` tokens.
-// Every variant of a shape is checked first, then timed in --rounds interleaved rounds (A B C A B C ...) of
-// iters / rounds launches each, so that clock or power drift over the run does not favour the variants timed first;
-// the median is over all of a variant's launches. --variants all: the tuning options beside the default (block
-// width, tail trimming, early next-tile loads). Prints one "RESULT ..." line per (shape, variant) and a table at the
-// end; exits 1 on any correctness failure.
+// Prints one "RESULT ..." line per (shape, variant) and a table at the end; exits 1 on any correctness failure.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -152,7 +148,6 @@ struct Options {
   int hd = 128;
   bool fp16 = false;
   bool allVariants = false;
-  int rounds = 3;
   int checkRows = 1024;
   int causal = -1;  // -1: both
   std::vector<int> headGroups;  // causal: also time these head groups (AttentionParams::headGroup)
@@ -185,7 +180,6 @@ Options parse(int argc, char** argv) {
     };
     if (a == "--iters") o.iters = std::atoi(next());
     else if (a == "--warmup") o.warmup = std::atoi(next());
-    else if (a == "--rounds") o.rounds = std::atoi(next());
     else if (a == "--seqs") o.seqs = parseList(next());
     else if (a == "--heads") o.heads = std::atoi(next());
     else if (a == "--hd") o.hd = std::atoi(next());
@@ -202,8 +196,6 @@ Options parse(int argc, char** argv) {
     }
   }
   if (o.iters < 20) o.iters = 20;  // medians of fewer runs are not reported
-  if (o.rounds < 1) o.rounds = 1;
-  o.iters = (o.iters + o.rounds - 1) / o.rounds * o.rounds;
   return o;
 }
 
@@ -212,9 +204,6 @@ struct Variant {
   int pingPong;
   int headGroup = 0;
   int tileOrder = 0;
-  int tailTrim = 0;
-  int earlyNext = 0;
-  int prefetchNext = 0;
 };
 
 struct Row {
@@ -303,34 +292,14 @@ int main(int argc, char** argv) {
         }
       }
       if (opt.allVariants) {
-        // The default, then each option against it: whole blocks (no tail trimming), early next-tile loads, L2
-        // prefetch of the next tile, both; (non-causal, head_dim 128) the other block width, alone and with both.
-        variants = {{0, 0}, {0, 0, 0, 0, 2}, {0, 0, 0, 0, 0, 1}, {0, 0, 0, 0, 0, 0, 1}, {0, 0, 0, 0, 0, 1, 1}};
+        variants = {{128, 1}, {128, 2}};
         if (!causal && opt.hd == 128) {
-          variants.push_back({128, 0});
-          variants.push_back({128, 0, 0, 0, 0, 1, 1});
+          variants.push_back({176, 1});
+          variants.push_back({176, 2});
         }
       }
-      struct Run {
-        AttentionParams p{};
-        std::string config;
-        bool ok = true, failed = false;
-        double rel = 0, lseErr = 0;
-        std::vector<float> ms;
-      };
-      std::vector<Run> runs;
-      const auto bind = [&](AttentionParams& p, int s) {
-        p.q = q[s];
-        p.out = out[s];
-        p.lse = lse[s];
-        p.kv[0].k = k[s];
-        p.kv[0].v = v[s];
-        p.kv[0].length = seq;
-        p.kv[0].start = 0;
-      };
       for (const Variant& var : variants) {
-        Run r;
-        AttentionParams& p = r.p;
+        AttentionParams p{};
         p.sq = seq;
         p.heads = opt.heads;
         p.headDim = opt.hd;
@@ -341,19 +310,28 @@ int main(int argc, char** argv) {
         p.pingPong = var.pingPong;
         p.headGroup = var.headGroup;
         p.tileOrder = var.tileOrder;
-        p.tailTrim = var.tailTrim;
-        p.earlyNext = var.earlyNext;
-        p.prefetchNext = var.prefetchNext;
         p.tileCounter = tileCounter;
-        bind(p, 0);  // the name depends on the key count (the causal default's tile order)
-        r.config = attentionConfigName(p);
+        const auto bind = [&](int s) {
+          p.q = q[s];
+          p.out = out[s];
+          p.lse = lse[s];
+          p.kv[0].k = k[s];
+          p.kv[0].v = v[s];
+          p.kv[0].length = seq;
+          p.kv[0].start = 0;
+        };
+        bind(0);  // the name depends on the key count (the causal default's tile order)
+        const std::string config = attentionConfigName(p);
+        bool ok = true;
+        double rel = 0, lseErr = 0;
         try {
           // Correctness on set 0: poison, run, compare the sampled rows.
+          bind(0);
           CK(cudaMemsetAsync(out[0], 0xFF, elems * 2, stream));
           CK(cudaMemsetAsync(lse[0], 0xFF, static_cast<size_t>(seq) * opt.heads * 4, stream));
           launchAttention(p, stream);
           CK(cudaGetLastError());
-          syncOrDie(stream, 20, "attention " + r.config);
+          syncOrDie(stream, 20, "attention " + config);
           CK(cudaMemsetAsync(sums, 0, 3 * sizeof(double), stream));
           CK(cudaMemsetAsync(lseErrBits, 0, sizeof(unsigned), stream));
           CK(cudaMemsetAsync(bad, 0, sizeof(unsigned long long), stream));
@@ -374,68 +352,45 @@ int main(int argc, char** argv) {
           CK(cudaMemcpyAsync(&hl, lseErrBits, sizeof(unsigned), cudaMemcpyDeviceToHost, stream));
           CK(cudaMemcpyAsync(&hb, bad, sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream));
           syncOrDie(stream, 60, "compare");
-          r.rel = hs[1] > 0 ? std::sqrt(hs[0] / hs[1]) : 1.0;
+          rel = hs[1] > 0 ? std::sqrt(hs[0] / hs[1]) : 1.0;
           float lf;
           std::memcpy(&lf, &hl, 4);
-          r.lseErr = lf;
-          r.ok = hb == 0 && r.rel < 1e-2 && r.lseErr < 1e-2;
-          if (hb != 0) std::printf("  %s: %llu non-finite outputs\n", r.config.c_str(), hb);
-          // Warm-up.
+          lseErr = lf;
+          ok = hb == 0 && rel < 1e-2 && lseErr < 1e-2;
+          if (hb != 0) std::printf("  %llu non-finite outputs\n", hb);
+
+          // Timing: warm up, then one event pair per launch, sets rotated.
           for (int i = 0; i < opt.warmup; ++i) {
-            bind(p, i % sets);
+            bind(i % sets);
             launchAttention(p, stream);
           }
           CK(cudaGetLastError());
-          syncOrDie(stream, 120, "warmup " + r.config);
+          syncOrDie(stream, 120, "warmup " + config);
+          for (int i = 0; i < opt.iters; ++i) {
+            bind((i + 1) % sets);
+            CK(cudaEventRecord(evs[2 * i], stream));
+            launchAttention(p, stream);
+            CK(cudaEventRecord(evs[2 * i + 1], stream));
+          }
+          CK(cudaGetLastError());
+          syncOrDie(stream, 300, "timing " + config);
         } catch (const std::exception& e) {
-          std::printf("FAIL %s: %s\n", r.config.c_str(), e.what());
-          r.failed = true;
+          std::printf("FAIL %s: %s\n", config.c_str(), e.what());
           allOk = false;
+          continue;
         }
-        runs.push_back(std::move(r));
-      }
-      // Timing: rounds interleaved over the variants, one event pair per launch, input sets rotated.
-      const int perRound = opt.iters / opt.rounds;
-      int setIndex = 1;
-      for (int round = 0; round < opt.rounds; ++round) {
-        for (Run& r : runs) {
-          if (r.failed) continue;
-          try {
-            for (int i = 0; i < perRound; ++i) {
-              bind(r.p, setIndex++ % sets);
-              CK(cudaEventRecord(evs[2 * i], stream));
-              launchAttention(r.p, stream);
-              CK(cudaEventRecord(evs[2 * i + 1], stream));
-            }
-            CK(cudaGetLastError());
-            syncOrDie(stream, 300, "timing " + r.config);
-          } catch (const std::exception& e) {
-            std::printf("FAIL %s: %s\n", r.config.c_str(), e.what());
-            r.failed = true;
-            allOk = false;
-            continue;
-          }
-          for (int i = 0; i < perRound; ++i) {
-            float t = 0;
-            CK(cudaEventElapsedTime(&t, evs[2 * i], evs[2 * i + 1]));
-            r.ms.push_back(t);
-          }
-        }
-      }
-      const double flops = 4.0 * seq * static_cast<double>(seq) * opt.heads * opt.hd * (causal ? 0.5 : 1.0);
-      for (Run& r : runs) {
-        if (r.failed) continue;
-        std::vector<float>& ms = r.ms;
+        std::vector<float> ms(opt.iters);
+        for (int i = 0; i < opt.iters; ++i) CK(cudaEventElapsedTime(&ms[i], evs[2 * i], evs[2 * i + 1]));
         std::sort(ms.begin(), ms.end());
         const double med = ms[ms.size() / 2];
+        const double flops = 4.0 * seq * static_cast<double>(seq) * opt.heads * opt.hd * (causal ? 0.5 : 1.0);
         const double tf = flops / (med * 1e-3) / 1e12;
         std::printf("RESULT seq=%d causal=%d config=%s median_ms=%.4f min_ms=%.4f max_ms=%.4f tflops=%.1f "
                     "relerr=%.2e lse_err=%.2e %s\n",
-                    seq, causal, r.config.c_str(), med, ms.front(), ms.back(), tf, r.rel, r.lseErr,
-                    r.ok ? "ok" : "WRONG");
+                    seq, causal, config.c_str(), med, ms.front(), ms.back(), tf, rel, lseErr, ok ? "ok" : "WRONG");
         std::fflush(stdout);
-        rows.push_back({seq, causal != 0, r.config, med, tf, r.rel, r.lseErr, r.ok});
-        allOk = allOk && r.ok;
+        rows.push_back({seq, causal != 0, config, med, tf, rel, lseErr, ok});
+        allOk = allOk && ok;
       }
     }
     for (int s = 0; s < sets; ++s) {

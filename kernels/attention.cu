@@ -25,9 +25,6 @@ struct Resolved {
   int headGroup;
   bool snake;
   bool dynamic;
-  bool tailTrim;
-  bool earlyNext;
-  bool prefetchNext;
 };
 Resolved resolveAttention(const AttentionParams& p);
 }  // namespace attn_detail
@@ -152,7 +149,7 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   AttnKernelParams p;
   std::memset(&p, 0, sizeof(p));
   const int64_t cols = static_cast<int64_t>(g.heads) * g.headDim;
-  p.tmQ = encodeMap(g.q, g.sq, cols, kRowsPerConsumer, g.dtype);  // each consumer warpgroup's rows load on their own
+  p.tmQ = encodeMap(g.q, g.sq, cols, kBlockM, g.dtype);
   // One tensor map pair per non-empty segment, in segment order; the kernel splits each into its runs.
   int maps = 0;
   for (int i = 0; i < g.numKv; ++i) {
@@ -197,9 +194,6 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   p.pingPong = r.pingPong ? 1 : 0;
   p.headGroup = r.headGroup;
   p.snake = r.snake ? 1 : 0;
-  p.tailTrim = r.tailTrim ? 1 : 0;
-  p.earlyNext = r.earlyNext ? 1 : 0;
-  p.prefetchNext = r.prefetchNext ? 1 : 0;
   if (r.dynamic) {  // tileOrder 3, or the default with a counter (resolveAttention)
     checkCuda(cudaMemsetAsync(g.tileCounter, 0, sizeof(uint32_t), stream), "cudaMemsetAsync(tile counter)");
     p.tileCounter = g.tileCounter;

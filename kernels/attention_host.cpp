@@ -24,9 +24,6 @@ struct Resolved {
   int headGroup;
   bool snake;
   bool dynamic;
-  bool tailTrim;
-  bool earlyNext;
-  bool prefetchNext;
 };
 // Defaults measured on an H200 (bench/RESULTS.md, "Attention core"): 176-key blocks beat 128 by 2-5% without causal
 // masking at head_dim 128 (seq 4K-32K); ping-pong beats free-running consumers by 10-20% everywhere.
@@ -50,7 +47,7 @@ Resolved resolveAttention(const AttentionParams& p) {
       snake = true;
     }
   }
-  return {blockN, p.pingPong != 2, group, snake, dynamic, p.tailTrim != 2, p.earlyNext == 1, p.prefetchNext == 1};
+  return {blockN, p.pingPong != 2, group, snake, dynamic};
 }
 
 }  // namespace attn_detail
@@ -120,15 +117,6 @@ void validateAttention(const AttentionParams& p) {
   if (p.pingPong < 0 || p.pingPong > 2) {
     rule("ping_pong", "pingPong must be 0 (default), 1 (on) or 2 (off), got {}", p.pingPong);
   }
-  if (p.tailTrim < 0 || p.tailTrim > 2) {
-    rule("tail_trim", "tailTrim must be 0 (default), 1 (on) or 2 (off), got {}", p.tailTrim);
-  }
-  if (p.earlyNext < 0 || p.earlyNext > 2) {
-    rule("early_next", "earlyNext must be 0 (default), 1 (on) or 2 (off), got {}", p.earlyNext);
-  }
-  if (p.prefetchNext < 0 || p.prefetchNext > 2) {
-    rule("prefetch_next", "prefetchNext must be 0 (default), 1 (on) or 2 (off), got {}", p.prefetchNext);
-  }
 
   const uint64_t rowBytes = static_cast<uint64_t>(p.heads) * static_cast<uint64_t>(p.headDim) * 2;
   const auto span = [&](const void* base, int64_t rows) {
@@ -184,10 +172,9 @@ void validateAttention(const AttentionParams& p) {
 const char* attentionConfigName(const AttentionParams& p) {
   const attn_detail::Resolved r = attn_detail::resolveAttention(p);
   thread_local std::string name;
-  name = fmt::format("{}/hd{}/bn{}/{}/{}{}{}{}{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim,
-                     r.blockN, p.causal ? fmt::format("causal/g{}", r.headGroup) : "full",
-                     r.pingPong ? "pingpong" : "free", r.snake ? "/snake" : r.dynamic ? "/dynamic" : "",
-                     r.tailTrim ? "" : "/notrim", r.earlyNext ? "/early" : "", r.prefetchNext ? "/prefetch" : "");
+  name = fmt::format("{}/hd{}/bn{}/{}/{}{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim, r.blockN,
+                     p.causal ? fmt::format("causal/g{}", r.headGroup) : "full", r.pingPong ? "pingpong" : "free",
+                     r.snake ? "/snake" : r.dynamic ? "/dynamic" : "");
   return name.c_str();
 }
 

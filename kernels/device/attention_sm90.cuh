@@ -19,10 +19,6 @@
 // from ping-pong. Two P register buffers would restore it (at 128-key blocks: +32 registers per thread).
 // Causal: KV blocks wholly in a tile's future are never loaded; masking runs only on blocks that straddle the
 // diagonal or end a segment. Rows that see no key come out as 0 with lse -inf.
-// Tail trimming: a block of which a warpgroup sees only part (a segment's last block: 48 of 176 keys at seq 4096;
-// causal: the diagonal block for the tile's first 64 rows) runs both GEMMs on that part rounded up to 64 or 128 keys.
-// Q is loaded per consumer warpgroup (64 rows each), so each half of the next tile's Q goes out as soon as its
-// warpgroup is done with the current one; earlyNext also sends the next tile's first K block before the last V.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only; nothing links libcuda)
@@ -30,7 +26,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "gemm_sm90.cuh"  // mbarrier, TMA, wgmma fence/commit/wait, setmaxnreg, packPair, PipeState
 #include "ordering.cuh"
@@ -99,7 +94,7 @@ struct AttnKvMap {
 };
 
 struct AttnKernelParams {
-  CUtensorMap tmQ;              // q [sq, heads * hd]: dims {heads * hd, sq}, box {64, kRowsPerConsumer}, 128B swizzle
+  CUtensorMap tmQ;              // q [sq, heads * hd]: dims {heads * hd, sq}, box {64, kBlockM}, 128B swizzle
   CUtensorMap tmK[kMaxKvMaps];  // KV tensor m's k [rows, heads * hd]: box {64, BN}
   CUtensorMap tmV[kMaxKvMaps];  // its v, same
   AttnKvMap maps[kMaxKvMaps];   // the walk, in order (local tensors first)
@@ -124,9 +119,6 @@ struct AttnKernelParams {
   int32_t snake;      // 1: CTAs take the work of odd rounds in reverse order (workOf)
   uint32_t* tileCounter;  // non-null: dynamic order, the producers take work indices from it (zeroed before launch)
   int32_t rotateFrom;     // > 0: maps [rotateFrom, numMaps) are walked from a CTA-dependent one on (mapAt)
-  int32_t tailTrim;       // 1: a block a warpgroup sees only part of runs its GEMMs on that part (blockCols)
-  int32_t earlyNext;      // 1: the next tile's first K and Q halves are loaded early (runProducer)
-  int32_t prefetchNext;   // 1: the next tile's Q and first K / V blocks are prefetched into L2 (runProducer)
 };
 static_assert(sizeof(AttnKernelParams) % 64 == 0);
 static_assert(sizeof(AttnKernelParams) <= 4096, "kernel parameter space");
@@ -146,8 +138,8 @@ struct SharedStorage {
   alignas(1024) uint16_t q[kBlockM * HD];
   alignas(1024) uint16_t k[kStages][BN * HD];
   alignas(1024) uint16_t v[kStages][BN * HD];
-  alignas(8) uint64_t fullQ[kConsumerWarpgroups];  // consumer warpgroup g's 64 rows of Q landed (expect_tx)
-  uint64_t emptyQ[kConsumerWarpgroups];            // warpgroup g finished its last QK^T of the tile
+  alignas(8) uint64_t fullQ;   // Q bytes landed (producer's expect_tx)
+  uint64_t emptyQ;             // both consumer warpgroups finished their last QK^T of the tile
   uint64_t fullK[kStages];
   uint64_t emptyK[kStages];
   uint64_t fullV[kStages];
@@ -162,12 +154,6 @@ template <int HD, int BN>
 inline constexpr size_t kSmemBytes = sizeof(SharedStorage<HD, BN>) + 1024;  // + slack to align the base to 1024
 static_assert(kSmemBytes<128, 176> <= 227 * 1024, "H100/H200 opt-in shared memory per block");
 static_assert((128 * 176 * 2) % 1024 == 0 && (176 * 128) % 1024 == 0, "halves stay 1024-aligned");
-
-// A value every lane of the warp holds alike, read from lane 0 so that ptxas knows it is warp-uniform. What the
-// consumers branch on or loop over comes from shared memory (the run table, the dynamic tile index); as plain
-// per-thread loads ptxas treats the main loop as divergent: a WARPSYNC and R2UR moves of every wgmma descriptor
-// into uniform registers before each GEMM batch (SASS).
-__device__ __forceinline__ int32_t warpUniform(int32_t x) { return __shfl_sync(0xffffffffu, x, 0); }
 
 // ---------------------------------------------------------------------------------------------------------------
 // PTX wrappers attention needs beyond gemm_sm90.cuh.
@@ -219,16 +205,6 @@ __device__ __forceinline__ uint64_t makeSmemDescNMajor(uint32_t addr, uint32_t c
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(descB), "r"(scaleD))
-
-#define TANDEM_ATTN_WGMMA_SS_N64(TY)                                                                   \
-  asm volatile(                                                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
-      : "l"(descA), "l"(descB), "r"(scaleD))
 
 #define TANDEM_ATTN_WGMMA_SS_N128(TY)                                                                  \
   asm volatile(                                                                                      \
@@ -288,8 +264,6 @@ struct WgmmaRS;
       TANDEM_ATTN_WGMMA_##KIND##_N##N(TY);                                                                  \
     }                                                                                                       \
   };
-TANDEM_ATTN_DEFINE(SS, 64, __nv_bfloat16, "bf16", uint64_t descA, uint64_t descB)
-TANDEM_ATTN_DEFINE(SS, 64, __half, "f16", uint64_t descA, uint64_t descB)
 TANDEM_ATTN_DEFINE(SS, 128, __nv_bfloat16, "bf16", uint64_t descA, uint64_t descB)
 TANDEM_ATTN_DEFINE(SS, 128, __half, "f16", uint64_t descA, uint64_t descB)
 TANDEM_ATTN_DEFINE(SS, 176, __nv_bfloat16, "bf16", uint64_t descA, uint64_t descB)
@@ -299,7 +273,6 @@ TANDEM_ATTN_DEFINE(RS, 64, __half, "f16", uint32_t a0, uint32_t a1, uint32_t a2,
 TANDEM_ATTN_DEFINE(RS, 128, __nv_bfloat16, "bf16", uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t descB)
 TANDEM_ATTN_DEFINE(RS, 128, __half, "f16", uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t descB)
 #undef TANDEM_ATTN_DEFINE
-#undef TANDEM_ATTN_WGMMA_SS_N64
 #undef TANDEM_ATTN_WGMMA_SS_N128
 #undef TANDEM_ATTN_WGMMA_SS_N176
 #undef TANDEM_ATTN_WGMMA_RS_N64
@@ -381,11 +354,7 @@ __device__ __forceinline__ void nextBlock(const AttnRunTable& rt, BlockCursor& c
 // odd round, so that with the longest tiles first each CTA's sum of tile lengths comes out nearly the same. Producer
 // and consumers walk the same sequence. Increasing in k, so the first index past numWork ends the walk.
 __device__ __forceinline__ int32_t workOf(const AttnKernelParams& p, int32_t k) {
-  // Read afresh each call (volatile): kept live across the producer's loop they cost it 2 of its 40 registers.
-  uint32_t gu, bu;
-  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(gu));
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bu));
-  const auto g = static_cast<int32_t>(gu), b = static_cast<int32_t>(bu);
+  const int32_t g = static_cast<int32_t>(gridDim.x), b = static_cast<int32_t>(blockIdx.x);
   return k * g + (p.snake != 0 && (k & 1) != 0 ? g - 1 - b : b);
 }
 
@@ -435,11 +404,7 @@ __device__ __forceinline__ void buildRuns(const AttnKernelParams& p, AttnRunTabl
 // Called once by thread 0 before the roles start; the CTA must sync afterwards.
 template <int HD, int BN>
 __device__ __forceinline__ void initBarriers(SharedStorage<HD, BN>& s) {
-#pragma unroll
-  for (int g = 0; g < kConsumerWarpgroups; ++g) {
-    gemm::mbarInit(&s.fullQ[g], 1);
-    gemm::mbarInit(&s.emptyQ[g], 1);
-  }
+  gemm::mbarInit(&s.fullQ, 1);
 #pragma unroll
   for (int m = 0; m < kMaxKvMaps; ++m) gemm::mbarInit(&s.kvReady[m], 1);
 #pragma unroll
@@ -447,6 +412,7 @@ __device__ __forceinline__ void initBarriers(SharedStorage<HD, BN>& s) {
     gemm::mbarInit(&s.tileFull[i], 1);
     gemm::mbarInit(&s.tileEmpty[i], kConsumerWarpgroups * 128);
   }
+  gemm::mbarInit(&s.emptyQ, kConsumerWarpgroups);
 #pragma unroll
   for (int i = 0; i < kStages; ++i) {
     gemm::mbarInit(&s.fullK[i], 1);
@@ -458,38 +424,19 @@ __device__ __forceinline__ void initBarriers(SharedStorage<HD, BN>& s) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Producer: ONE thread. Per tile: Q (per consumer warpgroup), then K_0, (K_j, V_{j-1}) for j = 1..n-1, V_{n-1}: the
-// order in which the consumers use them, so neither side can wait on a load the other has not issued (runProducer).
+// Producer: ONE thread. Per tile: Q once, then K_0, (K_j, V_{j-1}) for j = 1..n-1, V_{n-1}: the order in which the
+// consumers use them, so neither side can wait on a load the other has not issued.
 // ---------------------------------------------------------------------------------------------------------------
-// TMA prefetch of a box into L2 (no shared memory, no barrier): the data is on chip when the load comes.
-__device__ __forceinline__ void tmaPrefetchL2(const CUtensorMap* map, int32_t c0, int32_t c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1)
-               : "memory");
-}
-
-// The producer's position in a ring of N slots (a power of 2): slots filled so far, one register (the producer
-// thread has 40) where gemm::PipeState takes two. Walks the same sequence as the consumers' PipeState.
-template <int N>
-struct RingCount {
-  static_assert((N & (N - 1)) == 0, "a power-of-2 ring");
-  uint32_t filled = 0;
-  __device__ __forceinline__ int stage() const { return static_cast<int>(filled % N); }
-  __device__ __forceinline__ uint32_t phase() const { return (filled / N) & 1u; }
-  __device__ __forceinline__ void advance() { ++filled; }
-};
-
 template <int HD, int BN>
 __device__ __forceinline__ void loadKvTile(const CUtensorMap* map, uint16_t (&dst)[kStages][BN * HD], uint64_t* full,
-                                           uint64_t* empty, RingCount<kStages>& ps, int32_t col, int32_t row) {
-  const int stage = ps.stage();
+                                           uint64_t* empty, gemm::PipeState<kStages>& ps, int32_t col, int32_t row) {
   // Parity trick: the first pass waits on parity 1, which a fresh barrier reports as complete. Pairs with the
   // consumers' release (mbarArrive on empty after their wgmma reading this stage completed).
-  gemm::mbarWait(&empty[stage], ps.phase() ^ 1);
-  gemm::mbarArriveExpectTx(&full[stage], BN * HD * 2);  // full boxes: TMA counts zero-filled rows too
+  gemm::mbarWait(&empty[ps.stage], ps.phase ^ 1);
+  gemm::mbarArriveExpectTx(&full[ps.stage], BN * HD * 2);  // full boxes: TMA counts zero-filled rows too
 #pragma unroll
   for (int h = 0; h < HD / kSwizzleCols; ++h) {
-    gemm::tmaLoad2d(map, dst[stage] + h * BN * kSwizzleCols, &full[stage], col + h * kSwizzleCols, row);
+    gemm::tmaLoad2d(map, dst[ps.stage] + h * BN * kSwizzleCols, &full[ps.stage], col + h * kSwizzleCols, row);
   }
   ps.advance();
 }
@@ -530,15 +477,14 @@ __device__ __forceinline__ void awaitKvMap(const AttnKernelParams& p, SharedStor
 // hands to the consumers through tileWork (a two-slot ring). The index past numWork is handed on too: it ends the
 // consumers' walk.
 template <int HD, int BN>
-__device__ __forceinline__ int32_t produceWork(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int32_t k) {
+__device__ __forceinline__ int32_t produceWork(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int32_t k,
+                                               gemm::PipeState<2>& ts) {
   if (p.tileCounter == nullptr) return workOf(p, k);
   const auto w = static_cast<int32_t>(atomicAdd(p.tileCounter, 1u));
-  // The k-th index goes into slot k % 2 (the consumers' PipeState<2> walks the same sequence).
-  const int slot = k & 1;
-  const uint32_t phase = (static_cast<uint32_t>(k) >> 1) & 1u;
-  gemm::mbarWait(&s.tileEmpty[slot], phase ^ 1);  // pairs with every consumer thread's arrive after reading
-  s.tileWork[slot] = w;
-  gemm::mbarArrive(&s.tileFull[slot]);  // release (CTA): publishes tileWork; pairs with consumeWork's wait
+  gemm::mbarWait(&s.tileEmpty[ts.stage], ts.phase ^ 1);  // pairs with every consumer thread's arrive after reading
+  s.tileWork[ts.stage] = w;
+  gemm::mbarArrive(&s.tileFull[ts.stage]);  // release (CTA): publishes tileWork; pairs with consumeWork's wait
+  ts.advance();
   return w;
 }
 template <int HD, int BN>
@@ -554,111 +500,44 @@ __device__ __forceinline__ int32_t consumeWork(const AttnKernelParams& p, Shared
 
 template <int HD, int BN, bool Causal>
 __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedStorage<HD, BN>& s) {
-  RingCount<kStages> ks, vs;
+  gemm::PipeState<kStages> ks, vs;
+  gemm::PipeState<2> ts;
   uint32_t qPhase = 0;
   uint32_t readyMaps = 0;
-  // A tile as the producer keeps it: its work index and block count (its rows and columns are recomputed where
-  // needed: the producer has 40 registers, and two tiles are live at once with earlyNext).
-  struct Tile {
-    int32_t w, n;
-  };
-  const auto colOf = [&](const Tile& tl) { return tileOf<Causal>(p, tl.w).head * HD; };
-  const auto maxQOf = [&](const Tile& tl) { return tileMaxQPos(p, tileOf<Causal>(p, tl.w).qTile * kBlockM); };
-  const auto tileAt = [&](int32_t w) {
-    return Tile{w, w < p.numWork ? countBlocks<BN, Causal>(s.runs, maxQOf(Tile{w, 0})) : 0};
-  };
-  // Q of a tile, a consumer warpgroup's 64 rows at a time, each as soon as that warpgroup is done with its rows of
-  // the previous tile (pairs with its arrive on emptyQ after its last QK^T).
-  const auto loadQ = [&](const Tile& tl) {
-    const TileCoord tc = tileOf<Causal>(p, tl.w);
-#pragma unroll
-    for (int g = 0; g < kConsumerWarpgroups; ++g) {
-      gemm::mbarWait(&s.emptyQ[g], qPhase ^ 1);
-      gemm::mbarArriveExpectTx(&s.fullQ[g], kRowsPerConsumer * HD * 2);
-#pragma unroll
-      for (int h = 0; h < HD / kSwizzleCols; ++h) {
-        gemm::tmaLoad2d(&p.tmQ, s.q + h * kBlockM * kSwizzleCols + g * kRowsPerConsumer * kSwizzleCols, &s.fullQ[g],
-                        tc.head * HD + h * kSwizzleCols, tc.qTile * kBlockM + g * kRowsPerConsumer);
-      }
-    }
-    qPhase ^= 1;
-  };
-  const auto prefetchTile = [&](int32_t w) {
-    if (w >= p.numWork || s.runs.count == 0) return;
+  for (int32_t k = 0, w = produceWork(p, s, 0, ts); w < p.numWork; w = produceWork(p, s, ++k, ts)) {
     const TileCoord tc = tileOf<Causal>(p, w);
+    const int32_t q0 = tc.qTile * kBlockM;
+    const int64_t maxQ = tileMaxQPos(p, q0);
+    const int32_t n = countBlocks<BN, Causal>(s.runs, maxQ);
+    if (n == 0) continue;  // the consumers write zeros without waiting on anything
     const int32_t col = tc.head * HD;
+    gemm::mbarWait(&s.emptyQ, qPhase ^ 1);  // pairs with the consumers' arrive after their last QK^T
+    gemm::mbarArriveExpectTx(&s.fullQ, kBlockM * HD * 2);
 #pragma unroll
     for (int h = 0; h < HD / kSwizzleCols; ++h) {
-#pragma unroll
-      for (int g = 0; g < kConsumerWarpgroups; ++g) {
-        tmaPrefetchL2(&p.tmQ, col + h * kSwizzleCols, tc.qTile * kBlockM + g * kRowsPerConsumer);
-      }
-      const AttnKvRun& run = s.runs.run[0];
-      for (int32_t b = 0; b < 2 && b * BN < run.len; ++b) {
-        tmaPrefetchL2(&p.tmK[run.map], col + h * kSwizzleCols, run.row0 + b * BN);
-        tmaPrefetchL2(&p.tmV[run.map], col + h * kSwizzleCols, run.row0 + b * BN);
-      }
+      gemm::tmaLoad2d(&p.tmQ, s.q + h * kBlockM * kSwizzleCols, &s.fullQ, col + h * kSwizzleCols, q0);
     }
-  };
-  // V of a block goes out one step after its K, from the map and row its K came from.
-  struct At {
-    int32_t map, row;
-  };
-  const auto loadK = [&](BlockCursor& c, const Tile& tl) {
-    const AttnKvRun& run = s.runs.run[c.seg];
-    const int32_t row = run.row0 + c.blk * BN;
-    awaitKvMap(p, s, run.map, readyMaps);
-    loadKvTile<HD, BN>(&p.tmK[run.map], s.k, s.fullK, s.emptyK, ks, colOf(tl), row);
-    // nextBlock, with the tile's last query position recomputed only where the walk crosses into another run.
-    if (++c.blk >= c.nblk) seekBlock<BN, Causal>(s.runs, c, Causal ? maxQOf(tl) : 0);
-    return At{run.map, row};
-  };
-  const auto loadV = [&](const At& at, const Tile& tl) {
-    loadKvTile<HD, BN>(&p.tmV[at.map], s.v, s.fullV, s.emptyV, vs, colOf(tl), at.row);
-  };
-  // Per tile: Q, K_0, (K_j, V_{j-1}) for j = 1 .. n-1, V_{n-1}: the order in which the consumers use them. Early
-  // (earlyNext): the next tile's K_0 goes out before this tile's V_{n-1}, and its Q right after; still the consumers'
-  // order per ring, and K_0's stage is freed by S_{n-2}, which the consumers run before they need V_{n-1}. Only the
-  // next work index is looked at: looking further could wait on a tile-ring slot that the consumers free only after
-  // this tile, which needs V_{n-1} (dynamic order).
-  int32_t k = 0;
-  int32_t w = produceWork(p, s, 0);
-  Tile cur = tileAt(w);
-  bool started = false;  // cur's Q and K_0 went out with the previous tile
-  BlockCursor c{};
-  At prev{};
-  while (w < p.numWork) {
-    if (cur.n > 0) {  // n == 0: the consumers write zeros without waiting on anything
-      if (!started) {
-        loadQ(cur);
-        c = firstBlock<BN, Causal>(s.runs, maxQOf(cur));
-        prev = loadK(c, cur);
-      }
-      // prefetchNext (static orders: the next index is known): the next tile's Q and its first two K / V blocks of
-      // the first run into L2 now, a whole tile ahead; at short sequences every CTA starts its next tile at about the
-      // same time, on heads whose K / V nobody has read yet, and would wait on HBM together.
-      if (p.prefetchNext != 0 && p.tileCounter == nullptr) prefetchTile(workOf(p, k + 1));
-      for (int32_t i = 1; i < cur.n; ++i) {
-        const At at = loadK(c, cur);
-        loadV(prev, cur);
-        prev = at;
-      }
+    qPhase ^= 1;
+    // One cursor: V of a block goes out one step after its K, from the map and row its K came from.
+    BlockCursor c = firstBlock<BN, Causal>(s.runs, maxQ);
+    struct At {
+      int32_t map, row;
+    };
+    const auto loadK = [&] {
+      const AttnKvRun& run = s.runs.run[c.seg];
+      const int32_t row = run.row0 + c.blk * BN;
+      awaitKvMap(p, s, run.map, readyMaps);
+      loadKvTile<HD, BN>(&p.tmK[run.map], s.k, s.fullK, s.emptyK, ks, col, row);
+      nextBlock<BN, Causal>(s.runs, c, maxQ);
+      return At{run.map, row};
+    };
+    At prev = loadK();
+    for (int32_t i = 1; i < n; ++i) {
+      const At cur = loadK();
+      loadKvTile<HD, BN>(&p.tmV[prev.map], s.v, s.fullV, s.emptyV, vs, col, prev.row);
+      prev = cur;
     }
-    const int32_t wn = produceWork(p, s, ++k);
-    const Tile next = tileAt(wn);
-    started = p.earlyNext != 0 && cur.n > 0 && next.n > 0;
-    if (started) {
-      BlockCursor cn = firstBlock<BN, Causal>(s.runs, maxQOf(next));
-      const At first = loadK(cn, next);
-      loadV(prev, cur);
-      loadQ(next);
-      c = cn;
-      prev = first;
-    } else if (cur.n > 0) {
-      loadV(prev, cur);
-    }
-    w = wn;
-    cur = next;
+    loadKvTile<HD, BN>(&p.tmV[prev.map], s.v, s.fullV, s.emptyV, vs, col, prev.row);
   }
 }
 
@@ -667,10 +546,8 @@ __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedSto
 // r = 16 (t / 32) + (t % 32) / 4 and r + 8, columns 8 j + 2 (t % 4) + {0, 1}: acc[4 j + {0, 1}] is row r,
 // acc[4 j + {2, 3}] row r + 8.
 // ---------------------------------------------------------------------------------------------------------------
-// S = Q K^T over the block's first N keys (N = BN: all of them) of a K tile of BN rows.
-template <class T, int HD, int BN, int N>
-__device__ __forceinline__ void issueS(float (&d)[N / 2], uint32_t qAddr, uint32_t kAddr) {
-  static_assert((N <= BN && N % 64 == 0) || N == BN, "S GEMM width");
+template <class T, int HD, int BN>
+__device__ __forceinline__ void issueS(float (&sacc)[BN / 2], uint32_t qAddr, uint32_t kAddr) {
   gemm::wgmmaFence();
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
@@ -678,47 +555,23 @@ __device__ __forceinline__ void issueS(float (&d)[N / 2], uint32_t qAddr, uint32
     const uint32_t off = static_cast<uint32_t>(kk % 4) * 32;
     const uint64_t descA = gemm::makeSmemDesc(qAddr + (kk / 4) * (kBlockM * 128) + off);
     const uint64_t descB = gemm::makeSmemDesc(kAddr + (kk / 4) * (BN * 128) + off);
-    WgmmaSS<T, N>::run(d, descA, descB, kk > 0 ? 1u : 0u);
+    WgmmaSS<T, BN>::run(sacc, descA, descB, kk > 0 ? 1u : 0u);
   }
   gemm::wgmmaCommit();
 }
 
-// The GEMM widths a block runs at: the keys the warpgroup sees of it (cols, blockCols) rounded up to 64, 128 (176-key
-// blocks) or the whole block: 0, 1, 2. Each width is a separate straight-line path (its own S registers), since S
-// registers that one path's wgmma defines and another's does not make ptxas serialize every wgmma (C7515).
-template <int BN>
-__device__ __forceinline__ int widthTier(int32_t cols) {
-  if (cols <= 64 && BN > 64) return 0;
-  if (BN > 128 && cols <= 128) return 1;
-  return 2;
-}
-
-// O += P V over the block's first 16 STEPS keys (P is 0 past the keys the warpgroup sees).
 // Always accumulates (O starts at zero): a run-time scale-d predicate on the first wgmma lets ptxas hoist the
 // following wgmma.wait_group above the softmax (it protects the predicate register), which was seen in SASS.
-template <class T, int HD, int BN, int STEPS>
-__device__ __forceinline__ void issuePVSteps(float (&oacc)[HD / 2], const uint32_t (&pfrag)[BN / 4], uint32_t vAddr) {
+template <class T, int HD, int BN>
+__device__ __forceinline__ void issuePV(float (&oacc)[HD / 2], const uint32_t (&pfrag)[BN / 4], uint32_t vAddr) {
   gemm::wgmmaFence();
 #pragma unroll
-  for (int kk = 0; kk < STEPS; ++kk) {
+  for (int kk = 0; kk < BN / 16; ++kk) {
     // Keys 16 kk .. 16 kk + 15: two 8-row swizzle groups, 2048 bytes into each half.
     const uint64_t descB = makeSmemDescNMajor(vAddr + static_cast<uint32_t>(kk) * 2048, BN * 128);
     WgmmaRS<T, HD>::run(oacc, pfrag[4 * kk], pfrag[4 * kk + 1], pfrag[4 * kk + 2], pfrag[4 * kk + 3], descB, 1u);
   }
   gemm::wgmmaCommit();
-}
-
-template <class T, int HD, int BN>
-__device__ __forceinline__ void issuePV(float (&oacc)[HD / 2], const uint32_t (&pfrag)[BN / 4], uint32_t vAddr,
-                                        int32_t cols) {
-  const int tier = warpUniform(widthTier<BN>(cols));
-  if (tier == 0) {
-    issuePVSteps<T, HD, BN, 4>(oacc, pfrag, vAddr);
-  } else if (BN > 128 && tier == 1) {
-    issuePVSteps<T, HD, BN, (BN > 128 ? 8 : BN / 16)>(oacc, pfrag, vAddr);
-  } else {
-    issuePVSteps<T, HD, BN, BN / 16>(oacc, pfrag, vAddr);
-  }
 }
 
 // Masks keys this thread's two rows must not see: past the segment's end (validCols) and, causal, in the row's
@@ -741,37 +594,34 @@ __device__ __forceinline__ void applyMask(float (&sacc)[BN / 2], const int32_t (
 template <int BN>
 __device__ __forceinline__ void onlineSoftmax(float (&sacc)[BN / 2], float (&rowMax)[2], float (&rowSum)[2],
                                               float (&alpha)[2], float scaleLog2) {
-  // Two chains per row for the max and for the sum (even and odd column groups, then combined), not one chain of
-  // BN / 8 dependent FMNMX and BN / 4 dependent FADD per row: the softmax's latency is what ping-pong must hide.
-  float mx[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};  // [row][chain]
+  float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
-    mx[0][j & 1] = fmaxf(mx[0][j & 1], fmaxf(sacc[4 * j + 0], sacc[4 * j + 1]));
-    mx[1][j & 1] = fmaxf(mx[1][j & 1], fmaxf(sacc[4 * j + 2], sacc[4 * j + 3]));
+    mx[0] = fmaxf(mx[0], fmaxf(sacc[4 * j + 0], sacc[4 * j + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(sacc[4 * j + 2], sacc[4 * j + 3]));
   }
   float mUse[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float m = fmaxf(mx[h][0], mx[h][1]);
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    const float mNew = fmaxf(rowMax[h], m * scaleLog2);
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    const float mNew = fmaxf(rowMax[h], mx[h] * scaleLog2);
     mUse[h] = mNew == -INFINITY ? 0.0f : mNew;
     alpha[h] = exp2Approx(rowMax[h] - mUse[h]);
     rowMax[h] = mNew;
   }
-  float sum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [row][chain]
+  float sum[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float v = exp2Approx(fmaf(sacc[4 * j + e], scaleLog2, -mUse[e >> 1]));
       sacc[4 * j + e] = v;
-      sum[e >> 1][e & 1] += v;
+      sum[e >> 1] += v;
     }
   }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) rowSum[h] = rowSum[h] * alpha[h] + (sum[h][0] + sum[h][1]);
+  for (int h = 0; h < 2; ++h) rowSum[h] = rowSum[h] * alpha[h] + sum[h];
 }
 
 template <int HD>
@@ -784,11 +634,10 @@ __device__ __forceinline__ void rescaleO(float (&oacc)[HD / 2], const float (&al
 }
 
 // P (fp32, S accumulator layout) -> A fragments for O += P V: k-step kk is accumulator columns 16 kk .. 16 kk + 15.
-// With N < BN only the first N / 4 fragments are written: the P V that follows runs N / 16 k-steps.
-template <class T, int N, int BN>
-__device__ __forceinline__ void packP(uint32_t (&pfrag)[BN / 4], const float (&sacc)[N / 2]) {
+template <class T, int BN>
+__device__ __forceinline__ void packP(uint32_t (&pfrag)[BN / 4], const float (&sacc)[BN / 2]) {
 #pragma unroll
-  for (int i = 0; i < N / 4; ++i) pfrag[i] = gemm::packPair<T>(sacc[2 * i], sacc[2 * i + 1]);
+  for (int i = 0; i < BN / 4; ++i) pfrag[i] = gemm::packPair<T>(sacc[2 * i], sacc[2 * i + 1]);
 }
 
 // Rows [rowBase, rowBase + 64) of head `head`: out = O / l, lse = ln(sum exp(scale s)). Rows past sq are dropped.
@@ -829,9 +678,6 @@ __device__ __forceinline__ void storeRows(const AttnKernelParams& p, const float
 template <class T, int HD, int BN, bool Causal>
 __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int wg, int t) {
   float sacc[BN / 2];
-  // S of a block that runs narrower (widthTier): registers of their own (none of them live past the block's step).
-  float sacc64[32];
-  float sacc128[64];
   float oacc[HD / 2];
   uint32_t pfrag[BN / 4];
   float rowMax[2], rowSum[2], alpha[2];
@@ -854,12 +700,11 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
   const uint32_t qAddr = gemm::smemAddr(s.q) + static_cast<uint32_t>(wg) * kRowsPerConsumer * 128;
 
   gemm::PipeState<2> ts;
-  for (int32_t k = 0, w = warpUniform(consumeWork(p, s, 0, ts)); w < p.numWork;
-       w = warpUniform(consumeWork(p, s, ++k, ts))) {
+  for (int32_t k = 0, w = consumeWork(p, s, 0, ts); w < p.numWork; w = consumeWork(p, s, ++k, ts)) {
     const TileCoord tc = tileOf<Causal>(p, w);
     const int32_t q0 = tc.qTile * kBlockM;
     const int64_t maxQ = tileMaxQPos(p, q0);
-    const int32_t n = warpUniform(countBlocks<BN, Causal>(s.runs, maxQ));
+    const int32_t n = countBlocks<BN, Causal>(s.runs, maxQ);
     const int32_t rowBase = q0 + wg * kRowsPerConsumer;
     rowMax[0] = rowMax[1] = -INFINITY;
     rowSum[0] = rowSum[1] = 0.0f;
@@ -870,14 +715,13 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
       continue;
     }
     // Masking, when the block needs it: columns [0, lim[h]) of row h stay.
-    const auto maskBlock = [&](const BlockCursor& c, auto& sa) {
-      constexpr int N = static_cast<int>(sizeof(sa) / sizeof(float)) * 2;
+    const auto maskBlock = [&](const BlockCursor& c) {
       const int32_t validCols = min(BN, s.runs.run[c.seg].len - c.blk * BN);
       const int64_t kvBase = s.runs.run[c.seg].start + static_cast<int64_t>(c.blk) * BN;
       // Positions increase with the row: the warpgroup's first row is its earliest. Computed here, not kept live
       // across the loop (the consumers have no registers to spare).
       const bool diagonal = Causal && kvBase + BN - 1 > qPosOf(p, rowBase);
-      if (warpUniform(validCols >= BN && !diagonal)) return;  // warpgroup-uniform
+      if (validCols >= BN && !diagonal) return;  // warpgroup-uniform
       int32_t lim[2] = {validCols, validCols};
       if constexpr (Causal) {
 #pragma unroll
@@ -887,88 +731,56 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
           lim[h] = min(lim[h], u);
         }
       }
-      applyMask<N>(sa, lim, lane);  // lim <= blockCols <= N: the columns past N are never visible
-    };
-    // The keys of the block that any row of this warpgroup sees, from the first: the block's valid keys, and
-    // (causal) those up to the warpgroup's last row below sq (qPosOf is defined on rows below sq only: past sq it
-    // would give the second run's positions). The GEMMs run on that many rounded up to a tier (widthTier); the mask
-    // covers every column past it. At least 1, so that a block wholly in the warpgroup's future still runs (masked)
-    // like every other.
-    const auto blockCols = [&](const BlockCursor& c) -> int32_t {
-      if (p.tailTrim == 0) return BN;
-      const AttnKvRun& run = s.runs.run[c.seg];
-      int32_t cols = min(BN, run.len - c.blk * BN);
-      if constexpr (Causal) {
-        const int32_t lastRow = min(rowBase + kRowsPerConsumer - 1, p.sq - 1);
-        const int64_t upTo = qPosOf(p, lastRow) - (run.start + static_cast<int64_t>(c.blk) * BN) + 1;
-        if (upTo < cols) cols = upTo < 1 ? 1 : static_cast<int32_t>(upTo);
-      }
-      return cols;
+      applyMask<BN>(sacc, lim, lane);
     };
 
-    gemm::mbarWait(&s.fullQ[wg], qPhase);  // acquire: this warpgroup's rows of Q landed
+    gemm::mbarWait(&s.fullQ, qPhase);  // acquire: Q landed
     qPhase ^= 1;
     BlockCursor c = firstBlock<BN, Causal>(s.runs, maxQ);
 
-    // One block: S_i = Q K_i^T into sa (width N), then (i > 0) O += P_{i-1} V_{i-1}; the softmax of S_i, then P_i
-    // packed once the P V in flight has read the registers it overwrites.
-    int32_t pvCols = BN;  // keys of the block whose P V is issued next
-    const auto block = [&](auto& sa, auto first, bool last) {
-      constexpr int N = static_cast<int>(sizeof(sa) / sizeof(float)) * 2;
-      constexpr bool kFirst = decltype(first)::value;
+    // Block 0: S_0 and its softmax.
+    gemm::mbarWait(&s.fullK[ks.stage], ks.phase);
+    waitTurn();
+    issueS<T, HD, BN>(sacc, qAddr, gemm::smemAddr(s.k[ks.stage]));
+    passTurn();
+    gemm::wgmmaWait<0>();
+    gemm::fenceAccumulators(sacc);
+    // release: K stage read by this warpgroup's wgmma (completed above); pairs with the producer's empty wait.
+    if (t == 0) gemm::mbarArrive(&s.emptyK[ks.stage]);
+    ks.advance();
+    if (n == 1 && t == 0) gemm::mbarArrive(&s.emptyQ);  // last read of Q in this tile done
+    maskBlock(c);
+    onlineSoftmax<BN>(sacc, rowMax, rowSum, alpha, p.scaleLog2);
+    packP<T, BN>(pfrag, sacc);
+    nextBlock<BN, Causal>(s.runs, c, maxQ);
+
+    // Blocks 1 .. n-1: S_i is issued, then O += P_{i-1} V_{i-1}; the softmax of S_i runs while PV is in flight.
+    for (int32_t i = 1; i < n; ++i) {
       gemm::mbarWait(&s.fullK[ks.stage], ks.phase);
       waitTurn();
-      issueS<T, HD, BN, N>(sa, qAddr, gemm::smemAddr(s.k[ks.stage]));
-      if constexpr (!kFirst) {
-        rescaleO<HD>(oacc, alpha);  // O so far was relative to the max before block i-1 (alpha is finite, in [0, 1])
-        gemm::mbarWait(&s.fullV[vs.stage], vs.phase);
-        issuePV<T, HD, BN>(oacc, pfrag, gemm::smemAddr(s.v[vs.stage]), pvCols);
-      }
+      issueS<T, HD, BN>(sacc, qAddr, gemm::smemAddr(s.k[ks.stage]));
+      rescaleO<HD>(oacc, alpha);  // O so far was relative to the max before block i-1 (alpha is finite, in [0, 1])
+      gemm::mbarWait(&s.fullV[vs.stage], vs.phase);
+      issuePV<T, HD, BN>(oacc, pfrag, gemm::smemAddr(s.v[vs.stage]));
       passTurn();
-      if constexpr (kFirst) {
-        gemm::wgmmaWait<0>();
-      } else {
-        gemm::wgmmaWait<1>();  // S_i done (groups complete in order)
-      }
-      gemm::fenceAccumulators(sa);
-      // release: K stage read by this warpgroup's wgmma (completed above); pairs with the producer's empty wait.
-      if (t == 0) gemm::mbarArrive(&s.emptyK[ks.stage]);
+      gemm::wgmmaWait<1>();  // S_i done (groups complete in order)
+      gemm::fenceAccumulators(sacc);
+      if (t == 0) gemm::mbarArrive(&s.emptyK[ks.stage]);  // release: K stage (pairs with producer's empty wait)
       ks.advance();
-      if (last && t == 0) gemm::mbarArrive(&s.emptyQ[wg]);  // this warpgroup's last read of Q in this tile done
-      maskBlock(c, sa);
-      onlineSoftmax<N>(sa, rowMax, rowSum, alpha, p.scaleLog2);
-      if constexpr (!kFirst) {
-        // Pin the softmax above the wait: left alone, the compiler sinks it below wgmma.wait_group 0 (seen in SASS),
-        // and the exp2 work no longer overlaps PV_{i-1}.
-        gemm::fenceAccumulators(sa);
-        gemm::fenceAccumulators(rowSum);
-        gemm::fenceAccumulators(alpha);
-        gemm::wgmmaWait<0>();  // PV_{i-1} done: O final for now, P registers free, V stage read
-        gemm::fenceAccumulators(oacc);
-        fenceRegs(pfrag);
-        if (t == 0) gemm::mbarArrive(&s.emptyV[vs.stage]);  // release: V stage
-        vs.advance();
-      }
-      packP<T, N, BN>(pfrag, sa);
-    };
-    // The block at c at the width its keys need (blockCols; every block at BN without trimming).
-    const auto blockAtWidth = [&](auto first, bool last) {
-      const int32_t cols = blockCols(c);
-      const int tier = warpUniform(widthTier<BN>(cols));
-      if (tier == 2) {
-        block(sacc, first, last);
-      } else if (BN > 128 && tier == 1) {
-        block(sacc128, first, last);
-      } else {
-        block(sacc64, first, last);
-      }
-      pvCols = cols;
-    };
-
-    blockAtWidth(std::true_type{}, n == 1);
-    nextBlock<BN, Causal>(s.runs, c, maxQ);
-    for (int32_t i = 1; i < n; ++i) {
-      blockAtWidth(std::false_type{}, i == n - 1);
+      if (i == n - 1 && t == 0) gemm::mbarArrive(&s.emptyQ);
+      maskBlock(c);
+      onlineSoftmax<BN>(sacc, rowMax, rowSum, alpha, p.scaleLog2);
+      // Pin the softmax above the wait: left alone, the compiler sinks it below wgmma.wait_group 0 (seen in SASS),
+      // and the exp2 work no longer overlaps PV_{i-1}.
+      gemm::fenceAccumulators(sacc);
+      gemm::fenceAccumulators(rowSum);
+      gemm::fenceAccumulators(alpha);
+      gemm::wgmmaWait<0>();  // PV_{i-1} done: O final for now, P registers free, V stage read
+      gemm::fenceAccumulators(oacc);
+      fenceRegs(pfrag);
+      if (t == 0) gemm::mbarArrive(&s.emptyV[vs.stage]);  // release: V stage
+      vs.advance();
+      packP<T, BN>(pfrag, sacc);
       nextBlock<BN, Causal>(s.runs, c, maxQ);
     }
 
@@ -976,7 +788,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
     rescaleO<HD>(oacc, alpha);
     gemm::mbarWait(&s.fullV[vs.stage], vs.phase);
     waitTurn();
-    issuePV<T, HD, BN>(oacc, pfrag, gemm::smemAddr(s.v[vs.stage]), pvCols);
+    issuePV<T, HD, BN>(oacc, pfrag, gemm::smemAddr(s.v[vs.stage]));
     passTurn();
     gemm::wgmmaWait<0>();
     gemm::fenceAccumulators(oacc);

@@ -91,9 +91,6 @@ struct Case {
   // Zigzag: query rows >= qSplit sit at qStart2 + (row - qSplit); segment 0's rows >= kvSplit at kvStart2 + ...
   int64_t qSplit = 0, qStart2 = 0, kvSplit = 0, kvStart2 = 0;
   int rotateFrom = 0;  // segments from here on walked from a CTA-dependent one
-  int tailTrim = 0;
-  int earlyNext = 0;
-  int prefetchNext = 0;
 };
 
 int64_t queryPos(const Case& c, int64_t i) {
@@ -193,9 +190,6 @@ struct DeviceProblem {
     params.tileOrder = c.tileOrder;
     params.tileCounter = c.tileOrder == 3 ? static_cast<uint32_t*>(counter.get()) : nullptr;
     params.rotateFrom = c.rotateFrom;
-    params.tailTrim = c.tailTrim;
-    params.earlyNext = c.earlyNext;
-    params.prefetchNext = c.prefetchNext;
     params.qSplit = c.qSplit;
     params.qStart2 = c.qStart2;
     for (size_t s = 0; s < c.kv.size(); ++s) {
@@ -369,40 +363,6 @@ TEST_CASE("attention core: persistent CTAs, tuning variants") {
   }
   SUBCASE("blockN 176, kv not a multiple of 176") {
     checkCase({.name = "bn176", .sq = 200, .kv = {{500, 0}}, .blockN = 176}, 14);
-  }
-  SUBCASE("early next-tile loads: persistent CTAs over many tiles, causal and not, segments, dynamic order") {
-    checkCase({.name = "early full bn176 2 SMs", .sq = 700, .kv = {{500, 0}}, .numSms = 2, .earlyNext = 1}, 22);
-    checkCase({.name = "early causal 3 SMs", .heads = 3, .sq = 650, .causal = true, .kv = {{650, 0}}, .numSms = 3,
-               .earlyNext = 1},
-              23);
-    // Tiles that see no key between tiles that do: the early path must not start a tile that loads nothing.
-    // (Query tile 0 sees no key; one CTA walks head 0's tiles, longest first, then head 1's.)
-    checkCase({.name = "early causal segments, skipped tiles", .heads = 2, .sq = 600, .causal = true,
-               .kv = {{200, 300}, {100, 200}}, .numSms = 1, .headGroup = 1, .tileOrder = 1, .earlyNext = 1},
-              24);
-    checkCase({.name = "early causal dynamic g1", .heads = 3, .sq = 900, .causal = true, .kv = {{900, 0}},
-               .numSms = 4, .headGroup = 1, .tileOrder = 3, .earlyNext = 1},
-              25);
-    checkCase({.name = "early hd64 fp16 full", .dtype = AttentionDtype::kFp16, .headDim = 64, .sq = 333,
-               .kv = {{77, 0}, {190, 77}}, .numSms = 1, .earlyNext = 1},
-              26);
-    checkCase({.name = "early + L2 prefetch, causal snake", .heads = 3, .sq = 520, .causal = true, .kv = {{520, 0}},
-               .numSms = 3, .tileOrder = 2, .earlyNext = 1, .prefetchNext = 1},
-              29);
-    checkCase({.name = "L2 prefetch, full, 2 SMs", .sq = 600, .kv = {{100, 0}, {350, 100}}, .numSms = 2,
-               .prefetchNext = 1},
-              30);
-  }
-  SUBCASE("tail trimming at each width: 64 keys (128- and 176-key blocks), 128 keys (176-key blocks)") {
-    checkCase({.name = "trim 44 of 128", .sq = 200, .kv = {{300, 0}}, .blockN = 128}, 31);
-    checkCase({.name = "trim 20 of 176 + 100 of 176", .heads = 3, .sq = 130, .kv = {{196, 0}, {100, 196}}}, 32);
-    // Causal: a tile's first 64 rows see half of its diagonal block; at sq 330 the last tile's second 64-row half
-    // reaches past sq (at sq 300, above, it lies wholly past sq).
-    checkCase({.name = "trim causal, sq 330", .sq = 330, .causal = true, .kv = {{330, 0}}, .numSms = 2}, 33);
-  }
-  SUBCASE("whole blocks without tail trimming (a segment's partial last block, causal diagonals)") {
-    checkCase({.name = "notrim bn176", .sq = 200, .kv = {{500, 0}}, .tailTrim = 2}, 27);
-    checkCase({.name = "notrim causal", .sq = 300, .causal = true, .kv = {{300, 0}}, .numSms = 2, .tailTrim = 2}, 28);
   }
   SUBCASE("blockN 176 fp16, two segments, 2 CTAs, ping-pong off") {
     checkCase({.name = "bn176 fp16 segs", .dtype = AttentionDtype::kFp16, .sq = 300, .kv = {{177, 0}, {100, 177}},

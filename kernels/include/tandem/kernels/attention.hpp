@@ -77,14 +77,6 @@ struct AttentionParams {
   ErrorSlot* errorSlot;       // null = report nowhere
   uint64_t timeoutNs;         // deadline of the waits from the kernel's start; 0 = none
   uint32_t waitOp, waitRank;  // written into the error slot (op kind, rank)
-  // More tuning (0 = default).
-  int32_t tailTrim;   // 1 (default): a KV block of which a consumer warpgroup sees only part (a segment's last;
-                      // causal: the diagonal) runs its GEMMs on that part, rounded up to 64 or 128 keys; 2: whole
-                      // blocks always
-  int32_t earlyNext;  // 1: the producer loads the next tile's first K block before the current tile's last V block;
-                      // 2 (default): once the current tile's loads are all issued
-  int32_t prefetchNext;  // 1: as a tile starts, the producer prefetches the next tile's Q and first K / V blocks into
-                         // L2 (static tile orders only); 2 (default): no prefetch
 };
 
 /// Throws tandem::Error(kInvalidArgument) naming the broken rule ("rule head_dim: ..."), or kUnsupported for
