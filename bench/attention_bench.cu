@@ -33,25 +33,7 @@ using tandem::kernels::launchAttention;
 
 namespace {
 
-// A hung kernel must not eat the whole device lease: give up after `seconds`.
-void syncOrDie(cudaStream_t s, double seconds, const std::string& what) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(s);
-    if (e == cudaSuccess) return;
-    if (e != cudaErrorNotReady) {
-      std::fprintf(stderr, "FAIL: %s: %s (%s)\n", what.c_str(), cudaGetErrorName(e), cudaGetErrorString(e));
-      std::fflush(stdout);
-      std::_Exit(4);
-    }
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) {
-      std::fprintf(stderr, "FAIL: %s: still running after %.0f s (hang?)\n", what.c_str(), seconds);
-      std::fflush(stdout);
-      std::_Exit(3);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-}
+using tandem::bench::syncOrDie;
 
 // Row of the r-th sampled query: spread over the sequence, at varying offsets inside the 128-row tiles.
 __host__ __device__ inline int sampledRow(int r, int numRows, int sq) {
