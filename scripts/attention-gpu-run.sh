@@ -2,16 +2,15 @@
 # One device call for the attention core (nvidia-h200, one GPU), within ATTN_BUDGET_S (default 125) seconds: a
 # Release build in build-gpu-attn/ of only the attention targets (-j16; a shared build is left as configured), the
 # registers / stack / local memory of every kernel (cuobjdump) and its SASS counts, the gpu-labelled attention core
-# test, attention_bench --variants all at 16 heads, head_dim 128, seq 4K-32K (causal and not; every variant checked
-# against an fp32 reference, timed in interleaved rounds), torch SDPA (cuDNN, flash) on the same shapes in the same
-# call, the ratios, then in the time left ncu (--set full) of the default at non-causal 4K (ATTN_NCU=0: none) and a
-# second pass of the defaults (run-to-run spread). Every step under `timeout`; logs in OUT.
-#   scripts/attention-gpu-run.sh OUT [attention_bench arguments for the first pass; default: --variants all]
+# test, attention_bench (the defaults; 16 heads, head_dim 128, seq 4K-32K, causal and not, each checked against an
+# fp32 reference), torch SDPA (cuDNN, flash) on the same shapes in the same call, a second pass of the defaults
+# (run-to-run spread), the ratios; then in the time left ncu (--set full) of the default at non-causal 4K
+# (ATTN_NCU=1) and attention_bench --variants all. Every step under `timeout`; logs in OUT.
+#   scripts/attention-gpu-run.sh OUT [attention_bench arguments for the first pass; default: none]
 set -uo pipefail
 out=${1:?usage: $0 OUT [bench args]}
 shift
 bench_args=("$@")
-[ ${#bench_args[@]} -eq 0 ] && bench_args=(--variants all)
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 budget=${ATTN_BUDGET_S:-125}  # the lead grants 130 s (call 2) to 180 s
@@ -58,13 +57,20 @@ timeout 45 stdbuf -oL ./build-gpu-attn/tests/gpu/tandem_attention_core_tests > "
 echo "attention core test rc=$? ($(elapsed) s)"
 grep -E "ERROR|FAILED|test cases|assertions|SKIPPED" "$out/test.log" | head -30
 cap() { local t=$(($(left) - $2)); [ "$t" -gt "$1" ] && t=$1; [ "$t" -lt 5 ] && t=5; echo "$t"; }
-timeout "$(cap 60 40)" ./build-gpu-attn/bench/attention_bench "${bench_args[@]}" > "$out/bench.log" 2>&1
-echo "attention_bench ${bench_args[*]} rc=$? ($(elapsed) s)"
+timeout "$(cap 60 40)" ./build-gpu-attn/bench/attention_bench ${bench_args[@]+"${bench_args[@]}"} \
+  > "$out/bench.log" 2>&1
+echo "attention_bench ${bench_args[*]+${bench_args[*]}} rc=$? ($(elapsed) s)"
 grep -E "FAIL|non-finite|WRONG" "$out/bench.log" | head -10
 timeout "$(cap 45 5)" python3 bench/sdpa_baseline.py --json "$out/sdpa.json" > "$out/sdpa.log" 2>&1
 echo "sdpa_baseline rc=$? ($(elapsed) s)"
 grep -E "CHECK|SKIP|Error" "$out/sdpa.log" | head -20
-if [ "${ATTN_NCU:-1}" = 1 ] && [ "$(left)" -gt 25 ]; then
+if [ "$(left)" -gt 20 ]; then
+  timeout "$(cap 40 3)" ./build-gpu-attn/bench/attention_bench > "$out/bench2.log" 2>&1
+  echo "attention_bench (2nd pass, defaults) rc=$? ($(elapsed) s)"
+fi
+python3 bench/attention_vs_sdpa.py "$out/bench.log" "$out/sdpa.json" "$out/bench2.log" > "$out/ratios.md" 2>&1
+cat "$out/ratios.md"
+if [ "${ATTN_NCU:-0}" = 1 ] && [ "$(left)" -gt 25 ]; then
   timeout "$(cap 30 3)" ncu --clock-control none --set full -k regex:attentionKernel -c 1 -o "$out/tandem-4096" \
     ./build-gpu-attn/bench/attention_bench --seqs 4096 --causal 0 --iters 1 --warmup 0 > "$out/ncu.log" 2>&1
   echo "ncu rc=$? ($(elapsed) s)"
@@ -73,10 +79,9 @@ if [ "${ATTN_NCU:-1}" = 1 ] && [ "$(left)" -gt 25 ]; then
     ncu --import "$out/tandem-4096.ncu-rep" --page raw --csv > "$out/tandem-4096.raw.csv" 2>&1
   fi
 fi
-if [ "$(left)" -gt 20 ]; then
-  timeout "$(cap 40 3)" ./build-gpu-attn/bench/attention_bench > "$out/bench2.log" 2>&1
-  echo "attention_bench (2nd pass, defaults) rc=$? ($(elapsed) s)"
+if [ "$(left)" -gt 25 ]; then
+  timeout "$(cap 40 3)" ./build-gpu-attn/bench/attention_bench --variants all > "$out/bench-variants.log" 2>&1
+  echo "attention_bench --variants all rc=$? ($(elapsed) s)"
+  python3 bench/attention_vs_sdpa.py "$out/bench-variants.log" "$out/sdpa.json" > "$out/ratios-variants.md" 2>&1
 fi
-python3 bench/attention_vs_sdpa.py "$out/bench.log" "$out/sdpa.json" "$out/bench2.log" > "$out/ratios.md" 2>&1
-cat "$out/ratios.md"
 echo "total: $(elapsed) s"
