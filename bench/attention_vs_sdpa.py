@@ -2,9 +2,10 @@
 """Ratios of attention_bench's rows to torch SDPA's (bench/sdpa_baseline.py --json) timed in the same device call.
 
 For every (seq, causal) of the bench log: each tandem configuration's TFLOP/s and its ratio to the faster layout of
-cuDNN and of flash, the default configuration (the first row of the shape) marked. Lines "| ... |" (markdown).
+cuDNN and of flash, the default configuration (the first row of the shape) marked unless --no-default (a log of
+--variants all, which need not start with the default). Lines "| ... |" (markdown).
 
-  python3 bench/attention_vs_sdpa.py BENCH_LOG SDPA_JSON [BENCH_LOG ...]
+  python3 bench/attention_vs_sdpa.py [--no-default] BENCH_LOG SDPA_JSON [BENCH_LOG ...]
 """
 import json
 import re
@@ -14,11 +15,14 @@ ROW = re.compile(r"^RESULT seq=(\d+) causal=(\d) config=(\S+) median_ms=([\d.]+)
 
 
 def main():
-    if len(sys.argv) < 3:
+    args = sys.argv[1:]
+    mark = "--no-default" not in args
+    args = [a for a in args if a != "--no-default"]
+    if len(args) < 2:
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
-    logs = [sys.argv[1]] + sys.argv[3:]
-    with open(sys.argv[2]) as f:
+    logs = [args[0]] + args[2:]
+    with open(args[1]) as f:
         sdpa = json.load(f)
     best = {}
     for r in sdpa:
@@ -43,7 +47,7 @@ def main():
             cu = best.get((seq, causal, "cudnn"))
             fl = best.get((seq, causal, "flash"))
             ratio = lambda b: f"{tf / b:.3f}" if b else "-"
-            name = f"**{config}** (default)" if first else config
+            name = f"**{config}** (default)" if first and mark else config
             print(f"| {'/'.join(log.split('/')[-2:])} | {seq} | {'yes' if causal else 'no'} | {name} | {tf:.1f} | "
                   f"{ratio(cu)} | {ratio(fl)} | {check} |")
     print()

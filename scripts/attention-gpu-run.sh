@@ -82,6 +82,7 @@ fi
 if [ "$(left)" -gt 25 ]; then
   timeout "$(cap 40 3)" ./build-gpu-attn/bench/attention_bench --variants all > "$out/bench-variants.log" 2>&1
   echo "attention_bench --variants all rc=$? ($(elapsed) s)"
-  python3 bench/attention_vs_sdpa.py "$out/bench-variants.log" "$out/sdpa.json" > "$out/ratios-variants.md" 2>&1
+  python3 bench/attention_vs_sdpa.py --no-default "$out/bench-variants.log" "$out/sdpa.json" \
+    > "$out/ratios-variants.md" 2>&1
 fi
 echo "total: $(elapsed) s"
