@@ -8,7 +8,6 @@
 #include <cstring>
 #include <exception>
 #include <limits>
-#include <thread>
 
 #include "cluster.hpp"
 #include "cpu/cpu_ops.hpp"
@@ -176,7 +175,7 @@ uint64_t HostStaging::lastEpoch() const {
 
 bool HostStaging::waiting() const {
   std::lock_guard lock(mutex_);
-  return !copyFailure_.empty() && !copyFailureReported_;
+  return waiting_.has_value();
 }
 
 void HostStaging::storeDoneLocked(uint64_t epoch) {
@@ -207,59 +206,47 @@ bool HostStaging::execute(Collective c, std::function<void()> finished) {
     }
     return true;
   }
-  lock.unlock();
-  // Straight to the communicator's thread, which waits there for the local streams: the collective may form here from
-  // a peer's message, on a thread that does not wake the pump, and a sleeping pump would notice it only at its poll
-  // timeout (100 ms per op).
-  auto link = c.link;
-  // The collective holds the communicator's resources (and so this object) until the work is done.
-  link->post([this, c = std::move(c), finished = std::move(finished)]() mutable {
-    if (awaitReady(c)) run(c);
-    finished();
-  });
+  waiting_.emplace(Waiting{std::move(c), std::move(finished)});
   return false;
-}
-
-bool HostStaging::awaitReady(const Collective& c) {
-  for (uint32_t spins = 0;; ++spins) {
-    {
-      std::unique_lock lock(mutex_);
-      if (failed_) {
-        const int32_t code = statusOf(failCode_);
-        const std::string reason = reason_;
-        lock.unlock();
-        completeLocal(c, code, reason);  // it never runs
-        return false;
-      }
-    }
-    bool ready = true;
-    for (const LocalRank& l : local_) ready = ready && l.page->readyReached(c.epoch);
-    if (ready) return true;
-    if (spins < 1024) continue;
-    if (spins < 4096) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
-  }
 }
 
 bool HostStaging::poll(uint64_t handle, std::vector<std::pair<uint64_t, std::string>>& failed) {
   std::lock_guard lock(mutex_);
-  if (copyFailure_.empty() || copyFailureReported_) return false;
-  copyFailureReported_ = true;
-  failed.emplace_back(handle, copyFailure_);
+  bool worked = false;
+  if (!copyFailure_.empty() && !copyFailureReported_) {
+    copyFailureReported_ = true;
+    failed.emplace_back(handle, copyFailure_);
+    worked = true;
+  }
+  if (!waiting_ || failed_) return worked;
+  const uint64_t epoch = waiting_->c.epoch;
+  for (const LocalRank& l : local_) {
+    if (!l.page->readyReached(epoch)) return worked;  // that rank's stream is not there yet
+  }
+  Waiting w = std::move(*waiting_);
+  waiting_.reset();
+  auto link = w.c.link;
+  // The collective holds the communicator's resources (and so this object) until the work is done.
+  link->post([this, w = std::move(w)]() mutable {
+    run(w.c);
+    w.finished();
+  });
   return true;
 }
 
 void HostStaging::abort(ErrorCode code, const std::string& reason) {
-  std::lock_guard lock(mutex_);
-  if (failed_) return;
-  // A collective waiting on the link thread for its streams completes with the error there at once; a running one
-  // when its exchange ends.
-  failed_ = true;
-  failCode_ = code;
-  reason_ = reason;
+  std::optional<Waiting> w;
+  {
+    std::lock_guard lock(mutex_);
+    if (failed_) return;
+    failed_ = true;
+    failCode_ = code;
+    reason_ = reason;
+    w = std::move(waiting_);
+    waiting_.reset();
+  }
+  // Not handed to the link thread yet: it never runs (the engine dispatches nothing more on a failed communicator).
+  if (w) completeLocal(w->c, statusOf(code), reason);
 }
 
 void HostStaging::copy(int device, void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind, const char* what) {

@@ -4,11 +4,9 @@
 // A communicator whose ranks live on several nodes gets no client-mapped workspaces and runs no tandem kernel from the
 // client: libtandem's "host" mode (JoinInfo.executor) only orders each op in the rank's stream, WriteValue32(ready, e)
 // then WaitValue32(done >= e) on the rank's control page, and tandemd runs the op itself:
-//   1. the accepted collective goes to the communicator's own thread (CommLink::post), which waits (polling) until
-//      every local rank's stream wrote ready >= e: the inputs are final and nothing in those streams touches the op's
-//      buffers until done. Not the pump: a collective completed by a peer's message forms on a thread that does not
-//      wake it, and a sleeping pump polls only every 100 ms;
-//   2. on that thread, one of two paths, logged once per shape ("plan ..."):
+//   1. the accepted collective waits (polled by the pump) until every local rank's stream wrote ready >= e: the
+//      inputs are final and nothing in those streams touches the op's buffers until done;
+//   2. on the communicator's own thread (CommLink::post), one of two paths, logged once per shape ("plan ..."):
 //      staged exchange + GPU GEMM (ag-gemm, gemm-rs, gemm-ar in bf16/fp16 whose shapes the GEMM core takes; allgather
 //      as "staged exchange + GPU copies"): hierarchical, one payload per node pair, the same payloads as the cpu
 //      backend's (cpu_multinode.cpp), so each node may take either path for an op and the others cannot tell:
@@ -32,8 +30,8 @@
 // first use, growing with the largest payload seen; where that fails they are copied as pageable memory.
 //
 // Failures. An op whose descriptors were rejected fails on every node alike and writes done at once. A failed
-// communicator (peer lost, a rank's session gone, abort) fails the collective waiting for ready at once (its wait
-// sees the failure), and the one running on the link thread when it ends (its exchange ends with the reason; the GPU work it queued is drained
+// communicator (peer lost, a rank's session gone, abort) fails the collective waiting for ready at once, and the one
+// running on the link thread when it ends (its exchange ends with the reason; the GPU work it queued is drained
 // before the op completes); the backend's abort releases the streams (go/done jump ahead). A CUDA error, or an op this
 // node's workspace cannot hold, fails the op and then the communicator, so the other nodes learn of it through
 // CommFail instead of waiting for this node's payload.
@@ -76,20 +74,24 @@ class HostStaging {
   HostStaging& operator=(const HostStaging&) = delete;
 
   // Backend::execute for a collective of this communicator (c.link set). Completes a rejected collective (and writes
-  // done) at once and returns true; otherwise hands it to the communicator's thread, which waits until every local
-  // stream reached it, runs it, and calls `finished`; returns false.
+  // done) at once and returns true; otherwise keeps it until every local stream reached it and returns false: the
+  // link thread calls `finished` once it completed.
   bool execute(Collective c, std::function<void()> finished);
-  // Pump: appends (handle, reason) once to `failed` after a CUDA error (or a refusal that left the exchange) on this
-  // node. Returns whether it did.
+  // Pump: hands the waiting collective to the communicator's thread once every local rank's ready >= its epoch.
+  // Appends (handle, reason) once to `failed` after a CUDA error in the staging copies. Returns whether it did work.
   bool poll(uint64_t handle, std::vector<std::pair<uint64_t, std::string>>& failed);
-  bool waiting() const;  // such a failure waits for poll()
-  // The communicator failed: a collective waiting for its streams completes with the error at once, a running one
-  // when it ends, and done is never written again (the caller then releases the streams). Call before releasing them.
+  bool waiting() const;
+  // The communicator failed: the waiting collective completes with the error now, a running one when it ends, and
+  // done is never written again (the caller then releases the streams). Call before releasing them.
   void abort(ErrorCode code, const std::string& reason);
   // The highest epoch handed to execute (for the abort's stream lead).
   uint64_t lastEpoch() const;
 
  private:
+  struct Waiting {
+    Collective c;
+    std::function<void()> finished;
+  };
   struct Gpu {
     kernels::CudaStream compute, copy;  // GEMMs and sums; copies that may run beside them
     kernels::CudaEvent event;           // orders one stream after the other
@@ -100,9 +102,6 @@ class HostStaging {
     uint64_t bytes = 0;
     bool failed = false;  // registration refused: copies stay pageable
   };
-  // The link thread: waits until every local rank's ready >= c.epoch (true), or completes `c` with the communicator's
-  // failure (false).
-  bool awaitReady(const Collective& c);
   void run(Collective& c);  // the link thread
   void runStaged(Collective& c);
   void runOnGpus(Collective& c);
@@ -136,6 +135,7 @@ class HostStaging {
   std::map<const std::byte*, Pin> pins_;           // by slot start
   std::set<std::string> logged_;                   // plans logged (logPlanOnce)
   mutable std::mutex mutex_;             // guards everything below
+  std::optional<Waiting> waiting_;
   uint64_t lastEpoch_ = 0;
   bool failed_ = false;
   ErrorCode failCode_ = ErrorCode::kAborted;
@@ -162,7 +162,7 @@ class HostStagedComm final : public CudaComm {
  private:
   uint64_t workspaceBytes(uint32_t /*rank*/) const override { return 0; }
   bool progress(std::vector<std::pair<uint64_t, std::string>>& failed) override;
-  bool hasWork() const override { return staging_.waiting(); }  // a failure to report
+  bool hasWork() const override { return staging_.waiting(); }  // polling the local streams' ready words
   uint64_t lastEpoch(uint32_t /*rank*/) const override { return staging_.lastEpoch(); }
 
   // The local ranks, pointing into the base's control pages (built before staging_, destroyed after it).
