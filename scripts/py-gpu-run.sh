@@ -134,9 +134,11 @@ export -f readme
 export work py root build user_pythonpath
 step readme-torchrun 45 bash -c readme
 # The same bench of the package as it was before the overhead work, in this call: the baseline of the numbers above.
+# PY_OLD_DIR: that package's python/ already extracted (a snapshot without git history, e.g. a device call's copy).
 top=$(git rev-parse --show-toplevel 2>/dev/null)
-if [ -n "$top" ] && (cd "$top" && git archive 37addcf python) 2>/dev/null |
-     tar -x -C "$work" --transform 's,^python,old,' 2>/dev/null && [ -f "$work/old/tandem/_comm.py" ]; then
+if { [ -n "${PY_OLD_DIR:-}" ] && [ -f "$PY_OLD_DIR/tandem/_comm.py" ] && cp -r "$PY_OLD_DIR" "$work/old"; } ||
+   { [ -n "$top" ] && (cd "$top" && git archive 37addcf python) 2>/dev/null |
+     tar -x -C "$work" --transform 's,^python,old,' 2>/dev/null && [ -f "$work/old/tandem/_comm.py" ]; }; then
   step overhead-before 25 env PYTHONPATH="$work/old:$work/bench:$work/fast" "$py" "$work/old/bench/overhead.py" \
     "$work/bench/overhead_baseline"
 else
