@@ -4,7 +4,10 @@
 //
 //   attention_bench [--iters N] [--warmup N] [--seqs 4096,8192,16384,32768] [--heads 16] [--hd 128] [--fp16]
 //                   [--variants default|all] [--check-rows N] [--causal both|0|1]
+//                   [--loop default|table|lane0|both] [--rounds N]
 // FLOPs counted as 4 * seq^2 * heads * hd, half of that with causal masking. One sequence of `seq` tokens.
+// --loop both: every configuration with both loop controls (AttentionParams::loopControl), alternating on the same
+// inputs; --rounds N repeats that N times (table, lane0, table, lane0, ...), so that an A/B sees the same clocks.
 // Prints one "RESULT ..." line per (shape, variant) and a table at the end; exits 1 on any correctness failure.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -20,6 +23,7 @@
 #include <exception>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "bench_kernels.cuh"
@@ -133,6 +137,8 @@ struct Options {
   int checkRows = 1024;
   int causal = -1;  // -1: both
   std::vector<int> headGroups;  // causal: also time these head groups (AttentionParams::headGroup)
+  std::vector<int> loops{0};    // AttentionParams::loopControl values, in turn
+  int rounds = 1;
 };
 
 std::vector<int> parseList(const char* s) {
@@ -169,6 +175,18 @@ Options parse(int argc, char** argv) {
     else if (a == "--variants") o.allVariants = std::string(next()) == "all";
     else if (a == "--check-rows") o.checkRows = std::atoi(next());
     else if (a == "--head-groups") o.headGroups = parseList(next());
+    else if (a == "--rounds") o.rounds = std::max(1, std::atoi(next()));
+    else if (a == "--loop") {
+      const std::string v = next();
+      if (v == "default") o.loops = {0};
+      else if (v == "table") o.loops = {1};
+      else if (v == "lane0") o.loops = {2};
+      else if (v == "both") o.loops = {1, 2};
+      else {
+        std::fprintf(stderr, "--loop: default, table, lane0 or both, got %s\n", v.c_str());
+        std::exit(2);
+      }
+    }
     else if (a == "--causal") {
       const std::string v = next();
       o.causal = v == "both" ? -1 : std::atoi(v.c_str());
@@ -280,7 +298,13 @@ int main(int argc, char** argv) {
           variants.push_back({176, 2});
         }
       }
-      for (const Variant& var : variants) {
+      std::vector<std::pair<Variant, int>> runs;  // (configuration, loop control) in timing order
+      for (int r = 0; r < opt.rounds; ++r) {
+        for (const Variant& var : variants) {
+          for (const int loop : opt.loops) runs.emplace_back(var, loop);
+        }
+      }
+      for (const auto& [var, loop] : runs) {
         AttentionParams p{};
         p.sq = seq;
         p.heads = opt.heads;
@@ -293,6 +317,7 @@ int main(int argc, char** argv) {
         p.headGroup = var.headGroup;
         p.tileOrder = var.tileOrder;
         p.tileCounter = tileCounter;
+        p.loopControl = loop;
         const auto bind = [&](int s) {
           p.q = q[s];
           p.out = out[s];

@@ -25,16 +25,17 @@ struct Resolved {
   int headGroup;
   bool snake;
   bool dynamic;
+  bool lane0;
 };
 Resolved resolveAttention(const AttentionParams& p);
 }  // namespace attn_detail
 
 namespace attn {
 
-template <class T, int HD, int BN, bool Causal>
+template <class T, int HD, int BN, bool Causal, bool Lane0>
 __global__ void __launch_bounds__(kThreads, 1) attentionKernel(const __grid_constant__ AttnKernelParams p) {
   extern __shared__ uint8_t smemRaw[];
-  runAttentionCta<T, HD, BN, Causal>(p, smemRaw);
+  runAttentionCta<T, HD, BN, Causal, Lane0>(p, smemRaw);
 }
 
 namespace {
@@ -52,20 +53,34 @@ struct Variant {
   size_t smemBytes;
 };
 
-template <class T, int HD, int BN, bool Causal>
+template <class T, int HD, int BN, bool Causal, bool Lane0>
 Variant variant() {
-  return {&attentionKernel<T, HD, BN, Causal>, kSmemBytes<HD, BN>};
+  return {&attentionKernel<T, HD, BN, Causal, Lane0>, kSmemBytes<HD, BN>};
+}
+
+template <class T, bool Lane0>
+Variant pickShape(int hd, int bn, bool causal) {
+  if (hd == 64) return causal ? variant<T, 64, 128, true, Lane0>() : variant<T, 64, 128, false, Lane0>();
+  if (bn == 176) return variant<T, 128, 176, false, Lane0>();
+  return causal ? variant<T, 128, 128, true, Lane0>() : variant<T, 128, 128, false, Lane0>();
 }
 
 template <class T>
-Variant pickTyped(int hd, int bn, bool causal) {
-  if (hd == 64) return causal ? variant<T, 64, 128, true>() : variant<T, 64, 128, false>();
-  if (bn == 176) return variant<T, 128, 176, false>();
-  return causal ? variant<T, 128, 128, true>() : variant<T, 128, 128, false>();
+Variant pickTyped(int hd, int bn, bool causal, bool lane0) {
+  return lane0 ? pickShape<T, true>(hd, bn, causal) : pickShape<T, false>(hd, bn, causal);
 }
 
-Variant pickVariant(AttentionDtype dt, int hd, int bn, bool causal) {
-  return dt == AttentionDtype::kBf16 ? pickTyped<__nv_bfloat16>(hd, bn, causal) : pickTyped<__half>(hd, bn, causal);
+Variant pickVariant(AttentionDtype dt, int hd, int bn, bool causal, bool lane0) {
+  return dt == AttentionDtype::kBf16 ? pickTyped<__nv_bfloat16>(hd, bn, causal, lane0)
+                                     : pickTyped<__half>(hd, bn, causal, lane0);
+}
+
+// Every kernel of one dtype and loop control, in pickShape's set.
+template <class T, bool Lane0>
+constexpr std::array<KernelFn, 5> kernelsOf() {
+  return {&attentionKernel<T, 64, 128, false, Lane0>, &attentionKernel<T, 64, 128, true, Lane0>,
+          &attentionKernel<T, 128, 128, false, Lane0>, &attentionKernel<T, 128, 128, true, Lane0>,
+          &attentionKernel<T, 128, 176, false, Lane0>};
 }
 
 // Per (device, kernel): the opt-in shared-memory limit is raised once and the SM count read once.
@@ -126,13 +141,12 @@ CUtensorMap encodeMap(const void* base, int64_t rows, int64_t cols, uint32_t box
 
 void preloadAttentionKernels(int device) {
   using namespace attn;
-  const KernelFn fns[] = {
-      &attentionKernel<__nv_bfloat16, 64, 128, false>,  &attentionKernel<__nv_bfloat16, 64, 128, true>,
-      &attentionKernel<__nv_bfloat16, 128, 128, false>, &attentionKernel<__nv_bfloat16, 128, 128, true>,
-      &attentionKernel<__nv_bfloat16, 128, 176, false>, &attentionKernel<__half, 64, 128, false>,
-      &attentionKernel<__half, 64, 128, true>,          &attentionKernel<__half, 128, 128, false>,
-      &attentionKernel<__half, 128, 128, true>,         &attentionKernel<__half, 128, 176, false>,
-  };
+  const std::array<std::array<KernelFn, 5>, 4> sets{kernelsOf<__nv_bfloat16, false>(), kernelsOf<__half, false>(),
+                                                    kernelsOf<__nv_bfloat16, true>(), kernelsOf<__half, true>()};
+  KernelFn fns[4 * 5];
+  for (size_t i = 0; i < sets.size(); ++i) {
+    for (size_t j = 0; j < sets[i].size(); ++j) fns[5 * i + j] = sets[i][j];
+  }
   preloadOn(device, fns, "preloadAttentionKernels");
 }
 
@@ -143,7 +157,7 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   const attn_detail::Resolved r = attn_detail::resolveAttention(g);
   int device = 0;
   checkCuda(cudaGetDevice(&device), "cudaGetDevice");
-  const Variant v = pickVariant(g.dtype, g.headDim, r.blockN, g.causal);
+  const Variant v = pickVariant(g.dtype, g.headDim, r.blockN, g.causal, r.lane0);
   const LaunchInfo info = launchInfo(device, v);
 
   AttnKernelParams p;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "tandem/common/error.hpp"
@@ -24,6 +25,7 @@ struct Resolved {
   int headGroup;
   bool snake;
   bool dynamic;
+  bool lane0;
 };
 // Defaults measured on an H200 (bench/RESULTS.md, "Attention core"): 176-key blocks beat 128 by 2-5% without causal
 // masking at head_dim 128 (seq 4K-32K); ping-pong beats free-running consumers by 10-20% everywhere.
@@ -33,6 +35,27 @@ struct Resolved {
 // 1.047 / 0.972 / 0.954. So: dynamic with 2-head groups once a head's K and V reach 8 MB (16K keys at head_dim 128:
 // 16 heads of them outgrow L2), where the caller gave a tile counter; snake rounds over every head otherwise.
 constexpr int64_t kDynamicFromKvBytesPerHead = 8ll << 20;
+
+// TANDEM_ATTN_LOOP (table | lane0), read once: the loop control of launches that leave loopControl at 0, so that
+// callers that build their own params (ring attention) run either kernel set without a code change. -1: set to
+// something else (validateAttention refuses the launch).
+int envLoopControl() {
+  static const int v = [] {
+    const char* e = std::getenv("TANDEM_ATTN_LOOP");
+    if (e == nullptr || *e == '\0') return 0;
+    const std::string s(e);
+    return s == "table" ? 1 : s == "lane0" ? 2 : -1;
+  }();
+  return v;
+}
+constexpr int kDefaultLoopControl = 1;  // table, until the A/B on the H200 says otherwise
+
+int loopControlOf(const AttentionParams& p) {
+  if (p.loopControl != 0) return p.loopControl;
+  const int env = envLoopControl();
+  return env != 0 ? env : kDefaultLoopControl;
+}
+
 Resolved resolveAttention(const AttentionParams& p) {
   const int blockN = p.blockN != 0 ? p.blockN : (p.headDim == 128 && !p.causal ? 176 : 128);
   int group = p.headGroup <= 0 || p.headGroup > p.heads ? p.heads : p.headGroup;
@@ -47,7 +70,7 @@ Resolved resolveAttention(const AttentionParams& p) {
       snake = true;
     }
   }
-  return {blockN, p.pingPong != 2, group, snake, dynamic};
+  return {blockN, p.pingPong != 2, group, snake, dynamic, loopControlOf(p) == 2};
 }
 
 }  // namespace attn_detail
@@ -117,6 +140,13 @@ void validateAttention(const AttentionParams& p) {
   if (p.pingPong < 0 || p.pingPong > 2) {
     rule("ping_pong", "pingPong must be 0 (default), 1 (on) or 2 (off), got {}", p.pingPong);
   }
+  if (p.loopControl < 0 || p.loopControl > 2) {
+    rule("loop_control", "loopControl must be 0 (default), 1 (table) or 2 (lane0), got {}", p.loopControl);
+  }
+  if (p.loopControl == 0 && attn_detail::envLoopControl() < 0) {
+    rule("loop_control", "TANDEM_ATTN_LOOP must be table or lane0 (or unset), got '{}'",
+         std::getenv("TANDEM_ATTN_LOOP"));
+  }
 
   const uint64_t rowBytes = static_cast<uint64_t>(p.heads) * static_cast<uint64_t>(p.headDim) * 2;
   const auto span = [&](const void* base, int64_t rows) {
@@ -172,9 +202,10 @@ void validateAttention(const AttentionParams& p) {
 const char* attentionConfigName(const AttentionParams& p) {
   const attn_detail::Resolved r = attn_detail::resolveAttention(p);
   thread_local std::string name;
-  name = fmt::format("{}/hd{}/bn{}/{}/{}{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim, r.blockN,
-                     p.causal ? fmt::format("causal/g{}", r.headGroup) : "full", r.pingPong ? "pingpong" : "free",
-                     r.snake ? "/snake" : r.dynamic ? "/dynamic" : "");
+  name = fmt::format("{}/hd{}/bn{}/{}/{}{}/{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim,
+                     r.blockN, p.causal ? fmt::format("causal/g{}", r.headGroup) : "full",
+                     r.pingPong ? "pingpong" : "free", r.snake ? "/snake" : r.dynamic ? "/dynamic" : "",
+                     r.lane0 ? "lane0" : "table");
   return name.c_str();
 }
 

@@ -675,7 +675,23 @@ __device__ __forceinline__ void storeRows(const AttnKernelParams& p, const float
 // ---------------------------------------------------------------------------------------------------------------
 // Consumer warpgroup wg (0 or 1): rows [64 wg, 64 wg + 64) of each tile; t = thread index within the warpgroup.
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, int HD, int BN, bool Causal>
+// Lane0 (loop control "lane0"): the values that steer the consumer's loops and branches and come from shared memory
+// (the block count of a tile from the walk table, a dynamic order's work index) are lane 0's, broadcast with a
+// shuffle. Every thread reads the same value either way, but ptxas cannot know that of a shared-memory load: it
+// takes the tile and block loops for divergent and keeps their counters (the K/V ring stage and phase) in per-thread
+// registers, which costs a WARPSYNC and a register-to-uniform move per wgmma descriptor before every QK^T batch. A
+// shuffle from a constant lane is warp-uniform to ptxas, so the loop state and the descriptors stay uniform.
+// !Lane0 ("table"): every thread uses its own read, the loop control since the walk table came in.
+template <bool Lane0>
+__device__ __forceinline__ int32_t warpUniform(int32_t v) {
+  if constexpr (Lane0) {
+    return __shfl_sync(0xffffffffu, v, 0);
+  } else {
+    return v;
+  }
+}
+
+template <class T, int HD, int BN, bool Causal, bool Lane0>
 __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int wg, int t) {
   float sacc[BN / 2];
   float oacc[HD / 2];
@@ -700,11 +716,12 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
   const uint32_t qAddr = gemm::smemAddr(s.q) + static_cast<uint32_t>(wg) * kRowsPerConsumer * 128;
 
   gemm::PipeState<2> ts;
-  for (int32_t k = 0, w = consumeWork(p, s, 0, ts); w < p.numWork; w = consumeWork(p, s, ++k, ts)) {
+  for (int32_t k = 0, w = warpUniform<Lane0>(consumeWork(p, s, 0, ts)); w < p.numWork;
+       w = warpUniform<Lane0>(consumeWork(p, s, ++k, ts))) {
     const TileCoord tc = tileOf<Causal>(p, w);
     const int32_t q0 = tc.qTile * kBlockM;
     const int64_t maxQ = tileMaxQPos(p, q0);
-    const int32_t n = countBlocks<BN, Causal>(s.runs, maxQ);
+    const int32_t n = warpUniform<Lane0>(countBlocks<BN, Causal>(s.runs, maxQ));
     const int32_t rowBase = q0 + wg * kRowsPerConsumer;
     rowMax[0] = rowMax[1] = -INFINITY;
     rowSum[0] = rowSum[1] = 0.0f;
@@ -802,7 +819,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
 // A whole attention CTA: call from a __global__ with __launch_bounds__(kThreads, 1), kThreads threads and
 // kSmemBytes<HD, BN> of dynamic shared memory.
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, int HD, int BN, bool Causal>
+template <class T, int HD, int BN, bool Causal, bool Lane0>
 __device__ __forceinline__ void runAttentionCta(const AttnKernelParams& p, uint8_t* smemRaw) {
   static_assert(HD == 64 || HD == 128, "head dim");
   static_assert(BN % 16 == 0 && BN <= 256, "KV block: wgmma N and k-steps");
@@ -825,7 +842,7 @@ __device__ __forceinline__ void runAttentionCta(const AttnKernelParams& p, uint8
       break;
     case Role::kConsumer:
       gemm::setMaxNRegInc<kConsumerRegs>();
-      runConsumer<T, HD, BN, Causal>(p, s, wg - 1, t);
+      runConsumer<T, HD, BN, Causal, Lane0>(p, s, wg - 1, t);
       break;
   }
 }

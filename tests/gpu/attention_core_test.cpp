@@ -2,7 +2,8 @@
 // the same 16-bit inputs: bf16 and fp16, head_dim 64 and 128, causal and not, lengths that are no tile multiple,
 // several KV segments at arbitrary global positions, rows that see no key, the lse output, default and custom
 // scales, several tiles per CTA, every tuning variant; outputs are poisoned before each launch and a guard row past
-// sq must stay untouched. Then bitwise repeatability and the host-side shape rules.
+// sq must stay untouched. Every case runs with both loop controls (table and lane0: the same math, so their outputs
+// must also agree bitwise). Then bitwise repeatability and the host-side shape rules.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
@@ -10,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -26,6 +28,7 @@ using tandem::ErrorCode;
 using tandem::kernels::AttentionDtype;
 using tandem::kernels::AttentionKvSegment;
 using tandem::kernels::AttentionParams;
+using tandem::kernels::attentionConfigName;
 using tandem::kernels::kMaxAttentionKvSegments;
 using tandem::kernels::launchAttention;
 using tandem::kernels::validateAttention;
@@ -224,16 +227,32 @@ struct DeviceProblem {
 
 double tolerance(AttentionDtype dt) { return dt == AttentionDtype::kBf16 ? 1e-2 : 3e-3; }
 
-void checkCase(const Case& c, uint64_t seed) {
-  INFO("case: " << c.name);
-  const Problem pr = makeProblem(c, seed);
-  DeviceProblem dp(c, pr);
-  dp.run();
-  std::vector<uint16_t> out(dp.out.bytes() / 2);
-  std::vector<float> lse(dp.lse.bytes() / 4);
-  checkCuda(cudaMemcpy(out.data(), dp.out.get(), dp.out.bytes(), cudaMemcpyDeviceToHost), "copy out");
-  if (!lse.empty()) checkCuda(cudaMemcpy(lse.data(), dp.lse.get(), dp.lse.bytes(), cudaMemcpyDeviceToHost), "copy lse");
+// The two loop controls (AttentionParams::loopControl): 1 table, 2 lane0.
+constexpr int kLoopControls[] = {1, 2};
+const char* loopName(int loop) { return loop == 2 ? "lane0" : "table"; }
 
+// One launch's outputs: out with its guard row, and lse.
+struct Outputs {
+  std::vector<uint16_t> out;
+  std::vector<float> lse;
+};
+Outputs fetch(const DeviceProblem& dp) {
+  Outputs o{std::vector<uint16_t>(dp.out.bytes() / 2), std::vector<float>(dp.lse.bytes() / 4)};
+  checkCuda(cudaMemcpy(o.out.data(), dp.out.get(), dp.out.bytes(), cudaMemcpyDeviceToHost), "copy out");
+  if (!o.lse.empty()) {
+    checkCuda(cudaMemcpy(o.lse.data(), dp.lse.get(), dp.lse.bytes(), cudaMemcpyDeviceToHost), "copy lse");
+  }
+  return o;
+}
+bool sameBits(const Outputs& a, const Outputs& b) {
+  return a.out.size() == b.out.size() && a.lse.size() == b.lse.size() &&
+         std::memcmp(a.out.data(), b.out.data(), a.out.size() * 2) == 0 &&
+         std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * 4) == 0;
+}
+
+void checkOutputs(const Case& c, const Problem& pr, const Outputs& run, const char* loop) {
+  const std::vector<uint16_t>& out = run.out;
+  const std::vector<float>& lse = run.lse;
   const size_t n = pr.out.size();
   size_t nonFinite = 0;
   double err = 0, ref = 0;
@@ -248,7 +267,7 @@ void checkCase(const Case& c, uint64_t seed) {
   }
   CHECK_MESSAGE(nonFinite == 0, nonFinite << " of " << n << " outputs not finite (unwritten or NaN)");
   const double rel = ref > 0 ? std::sqrt(err / ref) : std::sqrt(err);
-  MESSAGE(c.name << ": rel. error " << rel);
+  MESSAGE(c.name << " (" << loop << "): rel. error " << rel);
   CHECK(rel < tolerance(c.dtype));
   size_t guardTouched = 0;
   for (size_t i = n; i < out.size(); ++i) guardTouched += out[i] != 0x5A5A;
@@ -279,6 +298,27 @@ void checkCase(const Case& c, uint64_t seed) {
   CHECK_MESSAGE(lseBad == 0, lseBad << " lse values not finite where the row sees keys");
   CHECK_MESSAGE(emptyRowsBad == 0, emptyRowsBad << " rows that see no key are not (0, lse -inf)");
   CHECK_MESSAGE(lseMaxErr < 2e-3, "lse max abs error " << lseMaxErr);
+}
+
+// Both loop controls against the reference, and against each other bitwise.
+void checkCase(const Case& c, uint64_t seed) {
+  INFO("case: " << c.name);
+  const Problem pr = makeProblem(c, seed);
+  DeviceProblem dp(c, pr);
+  Outputs first;
+  for (const int loop : kLoopControls) {
+    INFO("loop control: " << loopName(loop));
+    dp.params.loopControl = loop;
+    CHECK(std::string(attentionConfigName(dp.params)).ends_with(std::string("/") + loopName(loop)));
+    dp.run();
+    Outputs o = fetch(dp);
+    checkOutputs(c, pr, o, loopName(loop));
+    if (loop == kLoopControls[0]) {
+      first = std::move(o);
+    } else {
+      CHECK_MESSAGE(sameBits(o, first), "outputs differ bitwise from the table loop control's");
+    }
+  }
 }
 
 }  // namespace
@@ -375,20 +415,35 @@ TEST_CASE("attention core: results repeat bitwise over 20 launches") {
   const Case c{.name = "repeat", .sq = 333, .causal = true, .kv = {{200, 0}, {133, 200}}};
   const Problem pr = makeProblem(c, 21);
   DeviceProblem dp(c, pr);
-  dp.run();
-  std::vector<uint16_t> first(dp.outBytes / 2), again(first.size());
-  std::vector<float> lseFirst(dp.lse.bytes() / 4), lseAgain(lseFirst.size());
-  checkCuda(cudaMemcpy(first.data(), dp.out.get(), dp.outBytes, cudaMemcpyDeviceToHost), "copy out");
-  checkCuda(cudaMemcpy(lseFirst.data(), dp.lse.get(), dp.lse.bytes(), cudaMemcpyDeviceToHost), "copy lse");
-  int differing = 0;
-  for (int r = 0; r < 20; ++r) {
+  for (const int loop : kLoopControls) {
+    INFO("loop control: " << loopName(loop));
+    dp.params.loopControl = loop;
     dp.run();
-    checkCuda(cudaMemcpy(again.data(), dp.out.get(), dp.outBytes, cudaMemcpyDeviceToHost), "copy out");
-    checkCuda(cudaMemcpy(lseAgain.data(), dp.lse.get(), dp.lse.bytes(), cudaMemcpyDeviceToHost), "copy lse");
-    differing += std::memcmp(first.data(), again.data(), dp.outBytes) != 0 ||
-                 std::memcmp(lseFirst.data(), lseAgain.data(), dp.lse.bytes()) != 0;
+    const Outputs first = fetch(dp);
+    int differing = 0;
+    for (int r = 0; r < 20; ++r) {
+      dp.run();
+      differing += !sameBits(fetch(dp), first);
+    }
+    CHECK_MESSAGE(differing == 0, differing << " of 20 launches differ from the first");
   }
-  CHECK_MESSAGE(differing == 0, differing << " of 20 launches differ from the first");
+}
+
+// loopControl 0 takes TANDEM_ATTN_LOOP (what ring attention's launches, which leave it at 0, run with): the GPU
+// script runs this case once with the variable set to lane0. The library reads the variable once per process.
+TEST_CASE("attention core: loop control 0 follows TANDEM_ATTN_LOOP, else table") {
+  AttentionParams p{};
+  p.sq = 8;
+  p.heads = 2;
+  p.headDim = 128;
+  const char* env = std::getenv("TANDEM_ATTN_LOOP");
+  const std::string want = env != nullptr && std::string(env) == "lane0" ? "/lane0" : "/table";
+  MESSAGE("TANDEM_ATTN_LOOP=" << (env != nullptr ? env : "(unset)") << ": " << attentionConfigName(p));
+  CHECK(std::string(attentionConfigName(p)).ends_with(want));
+  p.loopControl = 1;
+  CHECK(std::string(attentionConfigName(p)).ends_with("/table"));
+  p.loopControl = 2;
+  CHECK(std::string(attentionConfigName(p)).ends_with("/lane0"));
 }
 
 TEST_CASE("attention core: shape rules are refused with the rule named") {
@@ -458,6 +513,9 @@ TEST_CASE("attention core: shape rules are refused with the rule named") {
   p = ok;
   p.pingPong = 3;
   refused(p, "rule ping_pong");
+  p = ok;
+  p.loopControl = 3;
+  refused(p, "rule loop_control");
   p = ok;
   static const uint64_t flag = 0;
   p.kv[0].arrival = &flag;

@@ -77,6 +77,10 @@ struct AttentionParams {
   ErrorSlot* errorSlot;       // null = report nowhere
   uint64_t timeoutNs;         // deadline of the waits from the kernel's start; 0 = none
   uint32_t waitOp, waitRank;  // written into the error slot (op kind, rank)
+  // How the consumer warps learn their loop bounds from the KV walk in shared memory (same results either way):
+  // 1 = table (every thread reads them), 2 = lane0 (lane 0's reads, broadcast: ptxas sees a warp-uniform loop).
+  // 0 = default: TANDEM_ATTN_LOOP=table|lane0 when set in the environment, else table.
+  int32_t loopControl;
 };
 
 /// Throws tandem::Error(kInvalidArgument) naming the broken rule ("rule head_dim: ..."), or kUnsupported for
@@ -88,7 +92,7 @@ void validateAttention(const AttentionParams& params);
 /// a GPU that is not sm_90, kCuda when a CUDA call fails (the call and its error named). Thread-safe.
 void launchAttention(const AttentionParams& params, cudaStream_t stream);
 
-/// The configuration launchAttention resolves for these params, e.g. "bf16/hd128/bn128/causal/pingpong".
+/// The configuration launchAttention resolves for these params, e.g. "bf16/hd128/bn176/full/pingpong/table".
 const char* attentionConfigName(const AttentionParams& params);
 
 /// Loads every attention kernel on `device` now (see tandem/kernels/preload.hpp for why). Idempotent.

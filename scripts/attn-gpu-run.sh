@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One device step for the attention core's loop control A/B (nvidia-h200, one GPU), within ATTN_BUDGET_S (default
+# 115) seconds. Assumes a Release build with everything built in $BUILD_DIR (default build-gpu; the targets below are
+# built there under a timeout if one is missing). Steps, each under `timeout`, each one line in OUT/summary.txt; a
+# failed step does not stop the later ones:
+#   1. SASS of the attention object: per kernel, WARPSYNC / R2UR in the whole kernel and in the per-KV-block loop
+#      (table vs lane0), and registers / stack / local memory (cuobjdump).
+#   2. tandem_attention_core_tests: every case with both loop controls (table, lane0) against the fp64 reference and
+#      against each other bitwise, repeats, shape rules.
+#   3. the same binary's environment case with TANDEM_ATTN_LOOP=lane0 (the loop control of launches that leave
+#      AttentionParams::loopControl at 0, as ring attention's do).
+#   4. the A/B: bench/attention_vs_sdpa.py --run: per shape (16 heads, head_dim 128, bf16, seq 4K/8K/16K/32K, causal
+#      and not) torch SDPA cuDNN + flash, then attention_bench --loop both --rounds ATTN_ROUNDS (default 2): table
+#      and lane0 alternating on the same inputs, each row checked against an fp32 reference.
+#   5. tandem_ring_attention_gpu_tests, client executor (1, 2, 4 ranks sharing the GPU), TANDEM_ATTN_LOOP=lane0;
+#   6. the same with TANDEM_ATTN_LOOP=table (in the time left).
+#   scripts/attn-gpu-run.sh OUT
+set -uo pipefail
+out=${1:?usage: $0 OUT}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+build=${BUILD_DIR:-build-gpu}
+budget=${ATTN_BUDGET_S:-115}
+rounds=${ATTN_ROUNDS:-2}
+t0=$(date +%s)
+elapsed() { echo $(($(date +%s) - t0)); }
+left() { echo $((budget - $(elapsed))); }
+# cap MAX RESERVE: at most MAX seconds, leaving RESERVE for the steps after (at least 5).
+cap() { local t=$(($(left) - $2)); [ "$t" -gt "$1" ] && t=$1; [ "$t" -lt 5 ] && t=5; echo "$t"; }
+summary() { echo "$*" | tee -a "$out/summary.txt"; }
+: > "$out/summary.txt"
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,utilization.gpu \
+  --format=csv > "$out/gpu.txt" 2>&1
+git rev-parse HEAD >> "$out/gpu.txt" 2>&1 || cat COMMIT >> "$out/gpu.txt" 2>/dev/null
+
+core=$build/tests/gpu/tandem_attention_core_tests
+bench=$build/bench/attention_bench
+ring=$build/tests/gpu/tandem_ring_attention_gpu_tests
+missing=()
+for t in "$core" "$bench" "$ring"; do [ -x "$t" ] || missing+=("$(basename "$t")"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  timeout 90 cmake --build "$build" -j16 --target "${missing[@]}" -- -k 0 > "$out/build.log" 2>&1
+  summary "build of ${missing[*]}: rc=$? ($(elapsed) s)"
+fi
+
+# 1. SASS evidence.
+obj=$(find "$build/kernels" -path '*tandem_attention.dir*' -name 'attention.cu.o' 2>/dev/null | head -1)
+if [ -n "$obj" ] && command -v cuobjdump > /dev/null; then
+  cuobjdump -res-usage "$obj" 2>&1 | grep -E "Function|REG" > "$out/res-usage.txt"
+  cuobjdump -sass "$obj" 2>/dev/null | timeout 30 python3 scripts/sass_loop_counts.py attentionKernel \
+    > "$out/sass-counts.txt" 2>&1
+  nk=$(grep -c "Function.*attentionKernel" "$out/res-usage.txt")
+  nbad=$(grep -A1 "Function.*attentionKernel" "$out/res-usage.txt" | grep -Ec "STACK:[1-9]|LOCAL:[1-9]")
+  summary "sass: $nk attention kernels, $nbad with stack or local memory; per-KV-block loop of bf16 hd128 bn176 full:" \
+    "$(grep -E 'bfloat16, 128, 176, false, (false|true)>' "$out/sass-counts.txt" |
+      sed -E 's/.*false, false>.*innermost wgmma loop: /table: /; s/.*false, true>.*innermost wgmma loop: /lane0: /' |
+      tr '\n' ';')"
+else
+  summary "sass: no attention.cu.o under $build/kernels or no cuobjdump"
+fi
+
+# 2. Core tests, both loop controls.
+timeout "$(cap 40 70)" stdbuf -oL "$core" > "$out/core_test.log" 2>&1
+rc=$?
+summary "core tests (table + lane0): rc=$rc ($(elapsed) s): $(grep -E '^\[doctest\] (test cases|assertions)' \
+  "$out/core_test.log" | tr -s ' ' | tr '\n' ' ')"
+grep -E "ERROR|FAILED|differ" "$out/core_test.log" | head -20 >> "$out/summary.txt"
+
+# 3. The environment's loop control.
+TANDEM_ATTN_LOOP=lane0 timeout 15 "$core" -tc='*TANDEM_ATTN_LOOP*' -s > "$out/core_env.log" 2>&1
+summary "core env case TANDEM_ATTN_LOOP=lane0: rc=$? $(grep -oE 'TANDEM_ATTN_LOOP=lane0: \S+' "$out/core_env.log" |
+  head -1)"
+
+# 4. The A/B against cuDNN.
+timeout "$(cap 70 25)" python3 bench/attention_vs_sdpa.py --run "$bench" --rounds "$rounds" --out "$out/ab" \
+  --bench-timeout 30 > "$out/ab.log" 2>&1
+summary "A/B attention_vs_sdpa --run (rounds $rounds): rc=$? ($(elapsed) s)"
+grep -E "^SHAPE" "$out/ab.log" | sed 's/^/  /' >> "$out/summary.txt"
+grep -E "^\|" "$out/ab.log" > "$out/ab.md"
+tail -5 "$out/ab.log" | grep -iE "error|traceback" >> "$out/summary.txt"
+
+# 5, 6. Ring attention, client executor, each loop control through the environment.
+for loop in lane0 table; do
+  if [ "$(left)" -lt 12 ]; then
+    summary "ring tests TANDEM_ATTN_LOOP=$loop: SKIPPED (budget)"
+    continue
+  fi
+  TANDEM_ATTN_LOOP=$loop TANDEM_OP_TIMEOUT_MS=20000 timeout "$(cap 40 3)" stdbuf -oL "$ring" \
+    -tc='*client executor*' > "$out/ring_$loop.log" 2>&1
+  summary "ring tests client executor TANDEM_ATTN_LOOP=$loop: rc=$? ($(elapsed) s): $(grep -E \
+    '^\[doctest\] (test cases|assertions)' "$out/ring_$loop.log" | tr -s ' ' | tr '\n' ' ')"
+  grep -E "ERROR|FAIL" "$out/ring_$loop.log" | head -10 >> "$out/summary.txt"
+done
+summary "total: $(elapsed) s"
