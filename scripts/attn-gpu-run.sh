@@ -13,7 +13,8 @@
 #      and not) torch SDPA cuDNN + flash, then attention_bench --loop both --rounds ATTN_ROUNDS (default 2): table
 #      and lane0 alternating on the same inputs, each row checked against an fp32 reference.
 #   5. tandem_ring_attention_gpu_tests, client executor (1, 2, 4 ranks sharing the GPU), TANDEM_ATTN_LOOP=lane0;
-#   6. the same with TANDEM_ATTN_LOOP=table (in the time left).
+#   6. the same with TANDEM_ATTN_LOOP=table (in the time left);
+#   7. only with ATTN_NCU=1, in the time left: ncu of one launch of each loop control (non-causal 4K).
 #   scripts/attn-gpu-run.sh OUT
 set -uo pipefail
 out=${1:?usage: $0 OUT}
@@ -92,4 +93,23 @@ for loop in lane0 table; do
     '^\[doctest\] (test cases|assertions)' "$out/ring_$loop.log" | tr -s ' ' | tr '\n' ' ')"
   grep -E "ERROR|FAIL" "$out/ring_$loop.log" | head -10 >> "$out/summary.txt"
 done
+# 7. Optional (ATTN_NCU=1, in the time left): ncu of one launch per loop control, non-causal 4K (tensor pipe, stalls).
+if [ "${ATTN_NCU:-0}" = 1 ]; then
+  for loop in table lane0; do
+    if [ "$(left)" -lt 25 ]; then
+      summary "ncu $loop: SKIPPED (budget)"
+      continue
+    fi
+    timeout "$(cap 30 3)" ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section InstructionStats -k regex:attentionKernel -c 1 \
+      -o "$out/ncu-$loop-4096" "$bench" --seqs 4096 --causal 0 --loop "$loop" --iters 20 --warmup 0 \
+      --check-rows 64 > "$out/ncu-$loop.log" 2>&1
+    summary "ncu $loop (non-causal 4096): rc=$? ($(elapsed) s)"
+    if [ -f "$out/ncu-$loop-4096.ncu-rep" ]; then
+      ncu --import "$out/ncu-$loop-4096.ncu-rep" --page details > "$out/ncu-$loop-4096.details.txt" 2>&1
+      grep -E "Duration|Executed Ipc Active|Issue Slots Busy|Stall Wait|Warp Cycles Per Issued" \
+        "$out/ncu-$loop-4096.details.txt" | tr -s ' ' | sed 's/^/  /' >> "$out/summary.txt"
+    fi
+  done
+fi
 summary "total: $(elapsed) s"
