@@ -429,15 +429,17 @@ TEST_CASE("attention core: results repeat bitwise over 20 launches") {
   }
 }
 
-// loopControl 0 takes TANDEM_ATTN_LOOP (what ring attention's launches, which leave it at 0, run with): the GPU
-// script runs this case once with the variable set to lane0. The library reads the variable once per process.
-TEST_CASE("attention core: loop control 0 follows TANDEM_ATTN_LOOP, else table") {
+// loopControl 0 takes TANDEM_ATTN_LOOP (what ring attention's launches, which leave it at 0, run with), else the
+// default: the GPU script runs this case once with the variable set to lane0. The library reads the variable once
+// per process.
+constexpr const char* kDefaultLoop = "table";  // attention_host.cpp's kDefaultLoopControl
+TEST_CASE("attention core: loop control 0 follows TANDEM_ATTN_LOOP, else the default") {
   AttentionParams p{};
   p.sq = 8;
   p.heads = 2;
   p.headDim = 128;
   const char* env = std::getenv("TANDEM_ATTN_LOOP");
-  const std::string want = env != nullptr && std::string(env) == "lane0" ? "/lane0" : "/table";
+  const std::string want = std::string("/") + (env != nullptr && *env != '\0' ? env : kDefaultLoop);
   MESSAGE("TANDEM_ATTN_LOOP=" << (env != nullptr ? env : "(unset)") << ": " << attentionConfigName(p));
   CHECK(std::string(attentionConfigName(p)).ends_with(want));
   p.loopControl = 1;
