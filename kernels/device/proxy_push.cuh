@@ -11,7 +11,6 @@
 // proxy_push_bench.cu measures it).
 //
 // Protocol, as proxy_fifo.hpp specifies it for every producer, and the pairs this side takes part in:
-//   while the ring looks full: back off        the pre-claim hint (no ticket held: proxyWaitBeforeClaim)
 //   t = fetchAddRelaxedSys(head, n)          claims tickets t..t+n-1 (relaxed: the counter orders nothing)
 //   while slot of t+n-1 is still in use        only then: tail = ldAcquireSys(control->tail)         (P2, acquire)
 //       (stop word and %globaltimer deadline checked each time round)
@@ -29,8 +28,7 @@
 //   kStopped  the FIFO's stop word was set while waiting for room: the daemon is tearing the FIFO down.
 //   kTimeout  no room within the pusher's timeout: the proxy is stuck or gone.
 //   kTooLarge a batch of more commands than the FIFO has slots; nothing was claimed.
-// After a push returned kStopped or kTimeout its claimed tickets (if it had claimed: the wait before the claim holds
-// none, but the caller cannot tell which wait gave up) stay unpublished and the proxy stops at the first of
+// After a push returned kStopped or kTimeout its claimed tickets stay unpublished and the proxy stops at the first of
 // them, so the FIFO is dead: the communicator must be aborted and the FIFO formatted afresh (proxyWaitCompleted's
 // kTimeout claims nothing: only that wait gave up). A command the proxy rejects (unknown
 // buffer id, out of bounds, bad opcode or flags, peer out of range) is no push error: it is skipped, nothing is
@@ -73,15 +71,14 @@ enum class ProxyPushStatus : uint32_t {
 /// One pushing thread's state: kept in registers, one per pushing warp. Not shared between threads.
 struct ProxyPusher {
   ProxyFifoDeviceRef fifo;
-  uint64_t tailCache;   ///< this pusher's stale copy of the consumer's tail (re-read only when the ring looks full)
-  uint64_t timeoutNs;   ///< longest wait for room or a completion, in %globaltimer ns; 0: wait until stopped only
-  uint32_t fullWaits;   ///< how often a push found the ring full (re-read tail)
-  uint64_t nextTicket;  ///< one past the last ticket this pusher claimed: a lower bound of head, for the pre-claim hint
+  uint64_t tailCache;  ///< this pusher's stale copy of the consumer's tail (re-read only when the ring looks full)
+  uint64_t timeoutNs;  ///< longest wait for room or a completion, in %globaltimer ns; 0: wait until stopped only
+  uint32_t fullWaits;  ///< how often a push found the ring full (re-read tail)
 };
 
 /// A pusher for `fifo`; each of its waits gives up after timeoutNs (0: only the stop word ends a wait; avoid).
 __device__ __forceinline__ ProxyPusher makeProxyPusher(const ProxyFifoDeviceRef& fifo, uint64_t timeoutNs) {
-  return ProxyPusher{fifo, 0, timeoutNs, 0, 0};
+  return ProxyPusher{fifo, 0, timeoutNs, 0};
 }
 
 /// The watermarks (P3): acquire loads of the words the proxy publishes with release stores.
@@ -96,43 +93,6 @@ __device__ __forceinline__ bool proxyStopRequested(const ProxyFifoDeviceRef& fif
 }
 
 namespace detail {
-
-// Before claiming n tickets: waits while the ring looks full, holding no ticket (the pre-claim hint host producers
-// use too, fifo::lacksRoom). Why: the consumer stops at the first claimed but unpublished slot, so a pusher that claims
-// a lap ahead and then waits for its slot holds up every command behind it, and with hundreds of warps on a full ring
-// each freed slot waits a PCIe round trip for its claimant to notice (132 CTAs x 4 warps drained ~7 M commands/s on the
-// H200 against 20-24 M with 8-32 CTAs, session 6). A pusher waiting here holds nothing up, so it can back off between
-// re-reads (which cut draining when the waiters held tickets), and the re-reads of the tail line drop. The check costs
-// nothing while the ring has room: nextTicket (this pusher's own last claim) stands in for head until it looks full;
-// only then is head read (a GPU-local load where useDeviceHead put it there). A hint only: pushers that pass it
-// together may still claim past the ring, and proxyWaitForRoom after the claim keeps that correct.
-__device__ __forceinline__ ProxyPushStatus proxyWaitBeforeClaim(ProxyPusher& p, uint64_t n) {
-  namespace f = ::tandem::proxy::fifo;
-  if (!f::lacksRoom(p.nextTicket, p.tailCache, n, p.fifo.capacity)) return ProxyPushStatus::kOk;
-  const uint64_t start = globaltimerNs();
-  uint32_t sleepNs = 0;
-  for (;;) {
-    // acquire: pairs with the release store of tail in ProxyFifoConsumer::publishTail (P2); head: relaxed, a hint.
-    p.tailCache = ldAcquireSys(&p.fifo.control->tail);
-    const uint64_t head = ldRelaxedSys(p.fifo.head);
-    if (!f::lacksRoom(head, p.tailCache, n, p.fifo.capacity)) return ProxyPushStatus::kOk;
-    ++p.fullWaits;
-    if (proxyStopRequested(p.fifo)) return ProxyPushStatus::kStopped;
-    if (p.timeoutNs != 0 && globaltimerNs() - start > p.timeoutNs) return ProxyPushStatus::kTimeout;
-    sleepNs = sleepNs == 0 ? 64 : min(2 * sleepNs, 1024u);
-    __nanosleep(sleepNs);
-  }
-}
-
-// Claims n consecutive tickets (after the pre-claim wait); relaxed: the counter only hands out unique tickets, each
-// slot's release store publishes its command (P1).
-__device__ __forceinline__ ProxyPushStatus proxyClaim(ProxyPusher& p, uint64_t n, uint64_t& first) {
-  const ProxyPushStatus s = proxyWaitBeforeClaim(p, n);
-  if (s != ProxyPushStatus::kOk) return s;
-  first = fetchAddRelaxedSys(p.fifo.head, n);
-  p.nextTicket = first + n;
-  return ProxyPushStatus::kOk;
-}
 
 // Waits until the slot of held ticket `last` is free: the consumer's tail has passed its previous lap. Every slot of
 // an earlier held ticket is then free too (tail only grows).
@@ -177,10 +137,9 @@ __device__ __forceinline__ ProxyCommand* proxySlot(const ProxyPusher& p, uint64_
 /// holds its ticket. One thread only; see the file comment for the ordering it gives and the errors.
 __device__ __forceinline__ ProxyPushStatus proxyPush(ProxyPusher& p, const ProxyCommand& c,
                                                      uint64_t* ticket = nullptr) {
-  uint64_t t = 0;
-  ProxyPushStatus s = detail::proxyClaim(p, 1, t);
-  if (s != ProxyPushStatus::kOk) return s;
-  s = detail::proxyWaitForRoom(p, t);
+  // relaxed: the counter only hands out unique tickets; the slot's release store below publishes the command (P1).
+  const uint64_t t = fetchAddRelaxedSys(p.fifo.head, 1);
+  const ProxyPushStatus s = detail::proxyWaitForRoom(p, t);
   if (s != ProxyPushStatus::kOk) return s;
   ProxyCommand* slot = detail::proxySlot(p, t);
   detail::proxyWriteBody(slot, c);
@@ -197,10 +156,8 @@ __device__ __forceinline__ ProxyPushStatus proxyPushBatch(ProxyPusher& p, const 
                                                           uint64_t* firstTicket = nullptr) {
   if (n == 0) return ProxyPushStatus::kOk;
   if (n > p.fifo.capacity) return ProxyPushStatus::kTooLarge;
-  uint64_t t = 0;
-  ProxyPushStatus s = detail::proxyClaim(p, n, t);
-  if (s != ProxyPushStatus::kOk) return s;
-  s = detail::proxyWaitForRoom(p, t + n - 1);
+  const uint64_t t = fetchAddRelaxedSys(p.fifo.head, n);  // relaxed: see proxyPush
+  const ProxyPushStatus s = detail::proxyWaitForRoom(p, t + n - 1);
   if (s != ProxyPushStatus::kOk) return s;
   for (uint32_t i = 0; i < n; ++i) detail::proxyWriteBody(detail::proxySlot(p, t + i), cmds[i]);
   // release (one fence for the batch): with each relaxed store after it a release pattern that publishes words 1..3
@@ -233,10 +190,8 @@ __device__ __forceinline__ ProxyPushStatus proxyPushWritesThenFlag(ProxyPusher& 
                                                                    uint64_t* flagTicket = nullptr) {
   namespace f = ::tandem::proxy::fifo;
   if (uint64_t{n} + 1 > p.fifo.capacity) return ProxyPushStatus::kTooLarge;
-  uint64_t t = 0;
-  ProxyPushStatus s = detail::proxyClaim(p, uint64_t{n} + 1, t);
-  if (s != ProxyPushStatus::kOk) return s;
-  s = detail::proxyWaitForRoom(p, t + n);
+  const uint64_t t = fetchAddRelaxedSys(p.fifo.head, n + 1);  // relaxed: see proxyPush
+  const ProxyPushStatus s = detail::proxyWaitForRoom(p, t + n);
   if (s != ProxyPushStatus::kOk) return s;
   for (uint32_t i = 0; i < n; ++i) {
     const ProxyWriteDesc& w = writes[i];
