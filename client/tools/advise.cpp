@@ -21,6 +21,8 @@
 
 #ifdef TANDEM_HAVE_CUDA
 #include <cuda_runtime_api.h>
+
+#include "gpu_kernels.hpp"
 #endif
 
 #include "plan_hook.hpp"
@@ -232,8 +234,14 @@ const std::vector<uint16_t>& randomBlock() {
   return block;
 }
 
-// Allocates the buffers of `desc` and fills them with randomBlock().
+// Allocates the buffers of `desc` and fills them: on a GPU with the inputs `tandemctl run` makes there (a distinct
+// uniform value per element and buffer, as fused_e2e_bench's fillUniform: call 1 of session 7 still read advise 8-18%
+// below fused_e2e_bench with randomBlock() tiled, whose 4 MiB repeat puts the same values in A and B); on the host with
+// randomBlock() tiled.
 void allocate(tandem_session_t session, bool cuda, const OpDescriptor& desc, OpBuffers& out) {
+#ifdef TANDEM_HAVE_CUDA
+  static uint64_t nextKey = 0x5eed;  // a fresh key per buffer: no two buffers hold the same values
+#endif
   out.desc = desc;
   for (std::size_t i = 0; i < kMaxOpBuffers; ++i) {
     if (desc.bufs[i].bytes == 0) continue;
@@ -242,22 +250,23 @@ void allocate(tandem_session_t session, bool cuda, const OpDescriptor& desc, OpB
     out.buffers.push_back(b);
     out.tensors[i] = {b, 0};
     auto* p = static_cast<char*>(tandem_buffer_ptr(b));
+    const uint64_t bytes = desc.bufs[i].bytes;
+#ifdef TANDEM_HAVE_CUDA
+    if (cuda) {
+      // On the legacy default stream, as the ops: they see the values.
+      if (desc.kind == OpKind::kAllGather) {
+        ctl::gpu::fillBytes(p, bytes, nextKey++, nullptr);
+      } else {
+        ctl::gpu::fillUniform(p, desc.dtype, bytes / dtypeSize(desc.dtype), nextKey++, nullptr);
+      }
+      continue;
+    }
+#else
+    (void)cuda;
+#endif
     const auto& block = randomBlock();
     const uint64_t blockBytes = block.size() * sizeof(uint16_t);
-    for (uint64_t at = 0; at < desc.bufs[i].bytes; at += blockBytes) {
-      const uint64_t n = std::min(blockBytes, desc.bufs[i].bytes - at);
-#ifdef TANDEM_HAVE_CUDA
-      if (cuda) {
-        if (cudaMemcpy(p + at, block.data(), n, cudaMemcpyHostToDevice) != cudaSuccess) {
-          throw std::runtime_error("filling a GPU buffer (cudaMemcpy) failed");
-        }
-        continue;
-      }
-#else
-      (void)cuda;
-#endif
-      std::memcpy(p + at, block.data(), n);
-    }
+    for (uint64_t at = 0; at < bytes; at += blockBytes) std::memcpy(p + at, block.data(), std::min(blockBytes, bytes - at));
   }
 }
 
