@@ -681,7 +681,8 @@ __device__ __forceinline__ void storeRows(const AttnKernelParams& p, const float
 // takes the tile and block loops for divergent and keeps their counters (the K/V ring stage and phase) in per-thread
 // registers, which costs a WARPSYNC and a register-to-uniform move per wgmma descriptor before every QK^T batch. A
 // shuffle from a constant lane is warp-uniform to ptxas, so the loop state and the descriptors stay uniform.
-// !Lane0 ("table"): every thread uses its own read, the loop control since the walk table came in.
+// !Lane0 ("table"): every thread uses its own read, the loop control since the walk table came in; kept for A/B runs
+// (the default is lane0, attention_host.cpp says why).
 template <bool Lane0>
 __device__ __forceinline__ int32_t warpUniform(int32_t v) {
   if constexpr (Lane0) {

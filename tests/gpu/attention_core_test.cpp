@@ -432,7 +432,7 @@ TEST_CASE("attention core: results repeat bitwise over 20 launches") {
 // loopControl 0 takes TANDEM_ATTN_LOOP (what ring attention's launches, which leave it at 0, run with), else the
 // default: the GPU script runs this case once with the variable set to lane0. The library reads the variable once
 // per process.
-constexpr const char* kDefaultLoop = "table";  // attention_host.cpp's kDefaultLoopControl
+constexpr const char* kDefaultLoop = "lane0";  // attention_host.cpp's kDefaultLoopControl
 TEST_CASE("attention core: loop control 0 follows TANDEM_ATTN_LOOP, else the default") {
   AttentionParams p{};
   p.sq = 8;
