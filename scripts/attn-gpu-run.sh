@@ -10,11 +10,13 @@
 #   3. the same binary's environment case with TANDEM_ATTN_LOOP=lane0 (the loop control of launches that leave
 #      AttentionParams::loopControl at 0, as ring attention's do).
 #   4. the A/B: bench/attention_vs_sdpa.py --run: per shape (16 heads, head_dim 128, bf16, seq 4K/8K/16K/32K, causal
-#      and not) torch SDPA cuDNN + flash, then attention_bench --loop both --rounds ATTN_ROUNDS (default 2): table
-#      and lane0 alternating on the same inputs, each row checked against an fp32 reference.
+#      and not) torch SDPA cuDNN + flash, then attention_bench --loop both --rounds ATTN_ROUNDS (default 3): table
+#      and lane0 alternating on the same inputs, each row checked against an fp32 reference (call 1 of 2026-12-02:
+#      19 s at 2 rounds).
 #   5. tandem_ring_attention_gpu_tests, client executor (1, 2, 4 ranks sharing the GPU), TANDEM_ATTN_LOOP=lane0;
 #   6. the same with TANDEM_ATTN_LOOP=table (in the time left);
-#   7. only with ATTN_NCU=1, in the time left: ncu of one launch of each loop control (non-causal 4K).
+#   7. in the time left, unless ATTN_NCU=0: ncu of one launch of each loop control (non-causal 4K and 8K: tensor pipe,
+#      issue, stall reasons per instruction), the chosen metrics into OUT/summary.txt.
 #   scripts/attn-gpu-run.sh OUT
 set -uo pipefail
 out=${1:?usage: $0 OUT}
@@ -22,7 +24,7 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 build=${BUILD_DIR:-build-gpu}
 budget=${ATTN_BUDGET_S:-115}
-rounds=${ATTN_ROUNDS:-2}
+rounds=${ATTN_ROUNDS:-3}
 t0=$(date +%s)
 elapsed() { echo $(($(date +%s) - t0)); }
 left() { echo $((budget - $(elapsed))); }
@@ -93,23 +95,47 @@ for loop in lane0 table; do
     '^\[doctest\] (test cases|assertions)' "$out/ring_$loop.log" | tr -s ' ' | tr '\n' ' ')"
   grep -E "ERROR|FAIL" "$out/ring_$loop.log" | head -10 >> "$out/summary.txt"
 done
-# 7. Optional (ATTN_NCU=1, in the time left): ncu of one launch per loop control, non-causal 4K (tensor pipe, stalls).
-if [ "${ATTN_NCU:-0}" = 1 ]; then
-  for loop in table lane0; do
-    if [ "$(left)" -lt 25 ]; then
-      summary "ncu $loop: SKIPPED (budget)"
-      continue
-    fi
-    timeout "$(cap 30 3)" ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
-      --section ComputeWorkloadAnalysis --section InstructionStats -k regex:attentionKernel -c 1 \
-      -o "$out/ncu-$loop-4096" "$bench" --seqs 4096 --causal 0 --loop "$loop" --iters 20 --warmup 0 \
-      --check-rows 64 > "$out/ncu-$loop.log" 2>&1
-    summary "ncu $loop (non-causal 4096): rc=$? ($(elapsed) s)"
-    if [ -f "$out/ncu-$loop-4096.ncu-rep" ]; then
-      ncu --import "$out/ncu-$loop-4096.ncu-rep" --page details > "$out/ncu-$loop-4096.details.txt" 2>&1
-      grep -E "Duration|Executed Ipc Active|Issue Slots Busy|Stall Wait|Warp Cycles Per Issued" \
-        "$out/ncu-$loop-4096.details.txt" | tr -s ' ' | sed 's/^/  /' >> "$out/summary.txt"
-    fi
+# 7. ncu, in the time left (ATTN_NCU=0: never): one launch per loop control and shape; the raw metrics that tell
+# tensor-pipe time from instruction issue and stalls go into the summary (the whole report stays in OUT).
+if [ "${ATTN_NCU:-1}" = 1 ]; then
+  for seq in 4096 8192; do
+    for loop in table lane0; do
+      if [ "$(left)" -lt 20 ]; then
+        summary "ncu $loop $seq: SKIPPED (budget)"
+        continue
+      fi
+      rep=$out/ncu-$loop-$seq
+      timeout "$(cap 25 3)" ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+        --section ComputeWorkloadAnalysis --section InstructionStats --section SchedulerStats \
+        -k regex:attentionKernel -c 1 -o "$rep" "$bench" --seqs "$seq" --causal 0 --loop "$loop" --iters 20 \
+        --warmup 0 --check-rows 64 > "$rep.log" 2>&1
+      rc=$?
+      line="ncu $loop non-causal $seq: rc=$rc ($(elapsed) s)"
+      if [ -f "$rep.ncu-rep" ]; then
+        ncu --import "$rep.ncu-rep" --page details > "$rep.details.txt" 2>&1
+        ncu --import "$rep.ncu-rep" --page raw --csv > "$rep.raw.csv" 2>&1
+        line="$line $(python3 - "$rep.raw.csv" <<'PY'
+import csv, re, sys
+rows = list(csv.reader(open(sys.argv[1])))
+names = rows[0] if rows else []
+data = rows[2] if len(rows) > 2 else []  # row 1: units
+want = [r"^gpu__time_duration\.sum$", r"^sm__pipe_tensor.*(gmma|hmma).*pct_of_peak_sustained_active$",
+        r"^sm__inst_executed\.avg\.per_cycle_active$", r"^smsp__issue_active\.avg\.pct_of_peak_sustained_active$",
+        r"^smsp__inst_executed\.sum$",
+        r"^smsp__average_warps?_(latency_)?issue_stalled_(wait|branch_resolving|mio_throttle|barrier|long_scoreboard|"
+        r"math_pipe_throttle|dispatch_stall)_per_issue_active\.ratio$"]
+out = []
+for i, n in enumerate(names):
+    if i < len(data) and any(re.match(w, n) for w in want):
+        short = re.sub(r"^smsp__average_warps?_(latency_)?issue_stalled_", "stall_", n)
+        short = short.replace("_per_issue_active.ratio", "")
+        out.append(f"{short}={data[i]}")
+print(" ".join(out) if out else "(metrics not found)")
+PY
+)"
+      fi
+      summary "$line"
+    done
   done
 fi
 summary "total: $(elapsed) s"
