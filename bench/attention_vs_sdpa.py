@@ -12,10 +12,10 @@ cuDNN and of flash, the default configuration (the first row of the shape) marke
 
 Run (--run BENCH): one driver process times torch SDPA (sdpa_baseline.py's timing: both layouts, the faster one
 counts) and, right after it on the same shape, runs BENCH (attention_bench) with --loop both --rounds R: the two loop
-controls of the core (table, lane0) alternate R times on the same inputs, each row checked against an fp32
-reference. So cuDNN, table and lane0 of one shape are timed back to back, shape by shape. Prints one line per shape
-as it goes and a table at the end (each loop control's TFLOP/s: the mean of its rounds, with their min and max);
-writes bench logs and ab.json into --out.
+controls of the core (lane0, the default, and hoist) alternate R times on the same inputs, each row checked against
+an fp32 reference. So cuDNN, lane0 and hoist of one shape are timed back to back, shape by shape. Prints one line
+per shape as it goes and a table at the end (each loop control's TFLOP/s: the mean of its rounds, with their min and
+max); writes bench logs and ab.json into --out.
 
   python3 bench/attention_vs_sdpa.py --run BENCH [--seqs 4096,8192,16384,32768] [--causal both|0|1] [--rounds 2]
                                      [--out DIR] [--bench-timeout S]
@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+# The loop controls attention_bench --loop both times, as its config names end: the baseline first.
+BASE, NEW = "lane0", "hoist"
 ROW = re.compile(r"^RESULT seq=(\d+) causal=(\d) config=(\S+) median_ms=([\d.]+) .* tflops=([\d.]+) .* (ok|WRONG)$")
 
 
@@ -125,7 +127,7 @@ def run(argv):
 
         print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name(0)}",
               flush=True)
-    except Exception as e:  # no torch: the table / lane0 A/B still runs, without the SDPA columns
+    except Exception as e:  # no torch: the lane0 / hoist A/B still runs, without the SDPA columns
         print(f"NO TORCH ({type(e).__name__}: {e}): timing tandem only", flush=True)
         sb = None
     causals = [False, True] if args.causal == "both" else [args.causal == "1"]
@@ -151,7 +153,7 @@ def run(argv):
                 text, rc = out + f"\n(timed out after {args.bench_timeout} s)\n", 124
             with open(log, "w") as f:
                 f.write(" ".join(cmd) + "\n" + text)
-            loops = {"table": [], "lane0": []}
+            loops = {BASE: [], NEW: []}
             checks = []
             config = ""
             for _, _, cfg, tf, check in parse_rows(text.splitlines()):
@@ -161,15 +163,18 @@ def run(argv):
                     config = cfg.rsplit("/", 1)[0]
                 checks.append(check)
             shape = dict(seq=seq, causal=causal, config=config, cudnn=best.get("cudnn"), flash=best.get("flash"),
-                         table=loops["table"], lane0=loops["lane0"], bench_rc=rc,
+                         loops=[BASE, NEW], base=loops[BASE], new=loops[NEW], bench_rc=rc,
                          check="ok" if checks and all(c == "ok" for c in checks) else "WRONG" if checks else "none")
             shapes.append(shape)
             mean = lambda v: sum(v) / len(v) if v else None
-            tm, lm = mean(loops["table"]), mean(loops["lane0"])
-            print(f"SHAPE seq={seq} causal={int(causal)} cudnn={best.get('cudnn', 0):.1f} "
-                  f"flash={best.get('flash', 0):.1f} table={','.join(f'{x:.1f}' for x in loops['table'])} "
-                  f"lane0={','.join(f'{x:.1f}' for x in loops['lane0'])} "
-                  f"lane0/table={lm / tm if tm and lm else 0:.3f} rc={rc} check={shape['check']} "
+            bm, nm = mean(loops[BASE]), mean(loops[NEW])
+            cu = best.get("cudnn")
+            print(f"SHAPE seq={seq} causal={int(causal)} cudnn={cu or 0:.1f} "
+                  f"flash={best.get('flash', 0):.1f} {BASE}={','.join(f'{x:.1f}' for x in loops[BASE])} "
+                  f"{NEW}={','.join(f'{x:.1f}' for x in loops[NEW])} "
+                  f"{NEW}/{BASE}={nm / bm if bm and nm else 0:.3f} "
+                  f"{BASE}/cudnn={bm / cu if bm and cu else 0:.3f} {NEW}/cudnn={nm / cu if nm and cu else 0:.3f} "
+                  f"rc={rc} check={shape['check']} "
                   f"({time.time() - t0:.1f} s)", flush=True)
     with open(os.path.join(args.out, "ab.json"), "w") as f:
         json.dump(shapes, f, indent=1)
@@ -184,16 +189,16 @@ def run(argv):
         return f"{a / b:.3f}" if a and b else "-"
 
     print()
-    print("| seq | causal | config | cuDNN | flash | table | lane0 | lane0 / table | table / cuDNN | lane0 / cuDNN | "
-          "lane0 / flash | check |")
+    print(f"| seq | causal | config | cuDNN | flash | {BASE} | {NEW} | {NEW} / {BASE} | {BASE} / cuDNN | "
+          f"{NEW} / cuDNN | {NEW} / flash | check |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in shapes:
-        tm = sum(s["table"]) / len(s["table"]) if s["table"] else None
-        lm = sum(s["lane0"]) / len(s["lane0"]) if s["lane0"] else None
+        bm = sum(s["base"]) / len(s["base"]) if s["base"] else None
+        nm = sum(s["new"]) / len(s["new"]) if s["new"] else None
         print(f"| {s['seq']} | {'yes' if s['causal'] else 'no'} | {s['config']} | {s['cudnn'] or 0:.1f} | "
-              f"{s['flash'] or 0:.1f} | {cell(s['table'])} | {cell(s['lane0'])} | {ratio(lm, tm)} | "
-              f"{ratio(tm, s['cudnn'])} | {ratio(lm, s['cudnn'])} | {ratio(lm, s['flash'])} | {s['check']} |")
-    bad = [s for s in shapes if s["check"] != "ok" or s["bench_rc"] != 0 or not s["table"] or not s["lane0"]]
+              f"{s['flash'] or 0:.1f} | {cell(s['base'])} | {cell(s['new'])} | {ratio(nm, bm)} | "
+              f"{ratio(bm, s['cudnn'])} | {ratio(nm, s['cudnn'])} | {ratio(nm, s['flash'])} | {s['check']} |")
+    bad = [s for s in shapes if s["check"] != "ok" or s["bench_rc"] != 0 or not s["base"] or not s["new"]]
     return 1 if bad else 0
 
 

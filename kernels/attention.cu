@@ -25,17 +25,17 @@ struct Resolved {
   int headGroup;
   bool snake;
   bool dynamic;
-  bool lane0;
+  bool hoist;
 };
 Resolved resolveAttention(const AttentionParams& p);
 }  // namespace attn_detail
 
 namespace attn {
 
-template <class T, int HD, int BN, bool Causal, bool Lane0>
+template <class T, int HD, int BN, bool Causal, bool Hoist>
 __global__ void __launch_bounds__(kThreads, 1) attentionKernel(const __grid_constant__ AttnKernelParams p) {
   extern __shared__ uint8_t smemRaw[];
-  runAttentionCta<T, HD, BN, Causal, Lane0>(p, smemRaw);
+  runAttentionCta<T, HD, BN, Causal, Hoist>(p, smemRaw);
 }
 
 namespace {
@@ -53,34 +53,34 @@ struct Variant {
   size_t smemBytes;
 };
 
-template <class T, int HD, int BN, bool Causal, bool Lane0>
+template <class T, int HD, int BN, bool Causal, bool Hoist>
 Variant variant() {
-  return {&attentionKernel<T, HD, BN, Causal, Lane0>, kSmemBytes<HD, BN>};
+  return {&attentionKernel<T, HD, BN, Causal, Hoist>, kSmemBytes<HD, BN>};
 }
 
-template <class T, bool Lane0>
+template <class T, bool Hoist>
 Variant pickShape(int hd, int bn, bool causal) {
-  if (hd == 64) return causal ? variant<T, 64, 128, true, Lane0>() : variant<T, 64, 128, false, Lane0>();
-  if (bn == 176) return variant<T, 128, 176, false, Lane0>();
-  return causal ? variant<T, 128, 128, true, Lane0>() : variant<T, 128, 128, false, Lane0>();
+  if (hd == 64) return causal ? variant<T, 64, 128, true, Hoist>() : variant<T, 64, 128, false, Hoist>();
+  if (bn == 176) return variant<T, 128, 176, false, Hoist>();
+  return causal ? variant<T, 128, 128, true, Hoist>() : variant<T, 128, 128, false, Hoist>();
 }
 
 template <class T>
-Variant pickTyped(int hd, int bn, bool causal, bool lane0) {
-  return lane0 ? pickShape<T, true>(hd, bn, causal) : pickShape<T, false>(hd, bn, causal);
+Variant pickTyped(int hd, int bn, bool causal, bool hoist) {
+  return hoist ? pickShape<T, true>(hd, bn, causal) : pickShape<T, false>(hd, bn, causal);
 }
 
-Variant pickVariant(AttentionDtype dt, int hd, int bn, bool causal, bool lane0) {
-  return dt == AttentionDtype::kBf16 ? pickTyped<__nv_bfloat16>(hd, bn, causal, lane0)
-                                     : pickTyped<__half>(hd, bn, causal, lane0);
+Variant pickVariant(AttentionDtype dt, int hd, int bn, bool causal, bool hoist) {
+  return dt == AttentionDtype::kBf16 ? pickTyped<__nv_bfloat16>(hd, bn, causal, hoist)
+                                     : pickTyped<__half>(hd, bn, causal, hoist);
 }
 
 // Every kernel of one dtype and loop control, in pickShape's set.
-template <class T, bool Lane0>
+template <class T, bool Hoist>
 constexpr std::array<KernelFn, 5> kernelsOf() {
-  return {&attentionKernel<T, 64, 128, false, Lane0>, &attentionKernel<T, 64, 128, true, Lane0>,
-          &attentionKernel<T, 128, 128, false, Lane0>, &attentionKernel<T, 128, 128, true, Lane0>,
-          &attentionKernel<T, 128, 176, false, Lane0>};
+  return {&attentionKernel<T, 64, 128, false, Hoist>, &attentionKernel<T, 64, 128, true, Hoist>,
+          &attentionKernel<T, 128, 128, false, Hoist>, &attentionKernel<T, 128, 128, true, Hoist>,
+          &attentionKernel<T, 128, 176, false, Hoist>};
 }
 
 // Per (device, kernel): the opt-in shared-memory limit is raised once and the SM count read once.
@@ -157,7 +157,7 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   const attn_detail::Resolved r = attn_detail::resolveAttention(g);
   int device = 0;
   checkCuda(cudaGetDevice(&device), "cudaGetDevice");
-  const Variant v = pickVariant(g.dtype, g.headDim, r.blockN, g.causal, r.lane0);
+  const Variant v = pickVariant(g.dtype, g.headDim, r.blockN, g.causal, r.hoist);
   const LaunchInfo info = launchInfo(device, v);
 
   AttnKernelParams p;

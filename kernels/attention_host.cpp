@@ -25,7 +25,7 @@ struct Resolved {
   int headGroup;
   bool snake;
   bool dynamic;
-  bool lane0;
+  bool hoist;
 };
 // Defaults measured on an H200 (bench/RESULTS.md, "Attention core"): 176-key blocks beat 128 by 2-5% without causal
 // masking at head_dim 128 (seq 4K-32K); ping-pong beats free-running consumers by 10-20% everywhere.
@@ -36,7 +36,7 @@ struct Resolved {
 // 16 heads of them outgrow L2), where the caller gave a tile counter; snake rounds over every head otherwise.
 constexpr int64_t kDynamicFromKvBytesPerHead = 8ll << 20;
 
-// TANDEM_ATTN_LOOP (table | lane0), read once: the loop control of launches that leave loopControl at 0, so that
+// TANDEM_ATTN_LOOP (lane0 | hoist), read once: the loop control of launches that leave loopControl at 0, so that
 // callers that build their own params (ring attention) run either kernel set without a code change. -1: set to
 // something else (validateAttention refuses the launch).
 int envLoopControl() {
@@ -44,14 +44,16 @@ int envLoopControl() {
     const char* e = std::getenv("TANDEM_ATTN_LOOP");
     if (e == nullptr || *e == '\0') return 0;
     const std::string s(e);
-    return s == "table" ? 1 : s == "lane0" ? 2 : -1;
+    return s == "lane0" ? 2 : s == "hoist" ? 3 : -1;
   }();
   return v;
 }
 // Default lane0. Measured on an H200 (2026-12-02, commit bb837e7, scripts/attn-gpu-run.sh: 16 heads, head_dim 128,
 // bf16, the two alternating twice on the same inputs, one device call): lane0 / table 1.028 / 1.009 / 1.033 / 0.995
 // non-causal and 1.054 / 1.067 / 1.027 / 1.049 causal at 4K / 8K / 16K / 32K; the one loss is inside the spread of
-// lane0's own two rounds there (586.6 and 605.1 TFLOP/s).
+// lane0's own two rounds there (586.6 and 605.1 TFLOP/s). Table (loop control 1) is no longer built, so that a
+// third kernel set (hoist, the wgmma descriptors built once per kernel: device/attention_sm90.cuh, SmemDescWords)
+// costs no compile time; hoist is not measured on a GPU yet.
 constexpr int kDefaultLoopControl = 2;
 
 int loopControlOf(const AttentionParams& p) {
@@ -74,7 +76,7 @@ Resolved resolveAttention(const AttentionParams& p) {
       snake = true;
     }
   }
-  return {blockN, p.pingPong != 2, group, snake, dynamic, loopControlOf(p) == 2};
+  return {blockN, p.pingPong != 2, group, snake, dynamic, loopControlOf(p) == 3};
 }
 
 }  // namespace attn_detail
@@ -144,11 +146,16 @@ void validateAttention(const AttentionParams& p) {
   if (p.pingPong < 0 || p.pingPong > 2) {
     rule("ping_pong", "pingPong must be 0 (default), 1 (on) or 2 (off), got {}", p.pingPong);
   }
-  if (p.loopControl < 0 || p.loopControl > 2) {
-    rule("loop_control", "loopControl must be 0 (default), 1 (table) or 2 (lane0), got {}", p.loopControl);
+  if (p.loopControl == 1) {
+    throw Error(ErrorCode::kUnsupported,
+                "attention: loopControl 1 (table) is no longer built (slower than lane0 at 7 of 8 shapes on the "
+                "H200); use 0 (default), 2 (lane0) or 3 (hoist)");
+  }
+  if (p.loopControl < 0 || p.loopControl > 3) {
+    rule("loop_control", "loopControl must be 0 (default), 2 (lane0) or 3 (hoist), got {}", p.loopControl);
   }
   if (p.loopControl == 0 && attn_detail::envLoopControl() < 0) {
-    rule("loop_control", "TANDEM_ATTN_LOOP must be table or lane0 (or unset), got '{}'",
+    rule("loop_control", "TANDEM_ATTN_LOOP must be lane0 or hoist (or unset), got '{}'",
          std::getenv("TANDEM_ATTN_LOOP"));
   }
 
@@ -209,7 +216,7 @@ const char* attentionConfigName(const AttentionParams& p) {
   name = fmt::format("{}/hd{}/bn{}/{}/{}{}/{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim,
                      r.blockN, p.causal ? fmt::format("causal/g{}", r.headGroup) : "full",
                      r.pingPong ? "pingpong" : "free", r.snake ? "/snake" : r.dynamic ? "/dynamic" : "",
-                     r.lane0 ? "lane0" : "table");
+                     r.hoist ? "hoist" : "lane0");
   return name.c_str();
 }
 

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# One device step for the attention core's loop control A/B (nvidia-h200, one GPU), within ATTN_BUDGET_S (default
-# 115) seconds. Assumes a Release build with everything built in $BUILD_DIR (default build-gpu; the targets below are
-# built there under a timeout if one is missing). Steps, each under `timeout`, each one line in OUT/summary.txt; a
-# failed step does not stop the later ones:
-#   1. SASS of the attention object: per kernel, WARPSYNC / R2UR in the whole kernel and in the per-KV-block loop
-#      (table vs lane0), and registers / stack / local memory (cuobjdump).
-#   2. tandem_attention_core_tests: every case with both loop controls (table, lane0) against the fp64 reference and
-#      against each other bitwise, repeats, shape rules.
-#   3. the same binary's environment case with TANDEM_ATTN_LOOP=lane0 (the loop control of launches that leave
-#      AttentionParams::loopControl at 0, as ring attention's do).
+# One device step for the attention core's loop control A/B: lane0 (the default) vs hoist (lane0 with the wgmma
+# descriptors built once per kernel, not before every GEMM batch) vs cuDNN (nvidia-h200, one GPU), within
+# ATTN_BUDGET_S (default 110) seconds. Assumes a Release build with everything built in $BUILD_DIR (default build-gpu;
+# the targets below are built there under a timeout if one is missing). Steps, each under `timeout`, each one line in
+# OUT/summary.txt; a failed step does not stop the later ones:
+#   1. SASS of the attention object: per kernel, HGMMA / WARPSYNC / R2UR in the whole kernel and in the per-KV-block
+#      loop (its instruction count: lane0 vs hoist), and registers / stack / local memory (cuobjdump).
+#   2. tandem_attention_core_tests: every case with both loop controls (lane0, hoist) against the fp64 reference and
+#      against each other bitwise, repeats, shape rules (call 1 of 2026-12-02: 8 s).
+#   3. the same binary's environment case with TANDEM_ATTN_LOOP=lane0, then =hoist (the loop control of launches
+#      that leave AttentionParams::loopControl at 0, as ring attention's do).
 #   4. the A/B: bench/attention_vs_sdpa.py --run: per shape (16 heads, head_dim 128, bf16, seq 4K/8K/16K/32K, causal
-#      and not) torch SDPA cuDNN + flash, then attention_bench --loop both --rounds ATTN_ROUNDS (default 3): table
-#      and lane0 alternating on the same inputs, each row checked against an fp32 reference (call 1 of 2026-12-02:
-#      19 s at 2 rounds).
-#   5. tandem_ring_attention_gpu_tests, client executor (1, 2, 4 ranks sharing the GPU), TANDEM_ATTN_LOOP=lane0;
-#   6. the same with TANDEM_ATTN_LOOP=table (in the time left);
+#      and not) torch SDPA cuDNN + flash, then attention_bench --loop both --rounds ATTN_ROUNDS (default 3): lane0
+#      and hoist alternating on the same inputs, each row checked against an fp32 reference (call 1: 19 s at 2
+#      rounds).
+#   5. tandem_ring_attention_gpu_tests, client executor (1, 2, 4 ranks sharing the GPU), TANDEM_ATTN_LOOP=hoist;
+#   6. the same with TANDEM_ATTN_LOOP=lane0 (in the time left; call 1: 5 s each);
 #   7. in the time left, unless ATTN_NCU=0: ncu of one launch of each loop control (non-causal 4K and 8K: tensor pipe,
 #      issue, stall reasons per instruction), the chosen metrics into OUT/summary.txt.
 #   scripts/attn-gpu-run.sh OUT
@@ -23,7 +24,7 @@ out=${1:?usage: $0 OUT}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 build=${BUILD_DIR:-build-gpu}
-budget=${ATTN_BUDGET_S:-115}
+budget=${ATTN_BUDGET_S:-110}
 rounds=${ATTN_ROUNDS:-3}
 t0=$(date +%s)
 elapsed() { echo $(($(date +%s) - t0)); }
@@ -57,7 +58,7 @@ if [ -n "$obj" ] && command -v cuobjdump > /dev/null; then
   nbad=$(grep -A1 "Function.*attentionKernel" "$out/res-usage.txt" | grep -Ec "STACK:[1-9]|LOCAL:[1-9]")
   summary "sass: $nk attention kernels, $nbad with stack or local memory; per-KV-block loop of bf16 hd128 bn176 full:" \
     "$(grep -E 'bfloat16, 128, 176, false, (false|true)>' "$out/sass-counts.txt" |
-      sed -E 's/.*false, false>.*innermost wgmma loop: /table: /; s/.*false, true>.*innermost wgmma loop: /lane0: /' |
+      sed -E 's/.*false, false>.*innermost wgmma loop: /lane0: /; s/.*false, true>.*innermost wgmma loop: /hoist: /' |
       tr '\n' ';')"
 else
   summary "sass: no attention.cu.o under $build/kernels or no cuobjdump"
@@ -66,14 +67,16 @@ fi
 # 2. Core tests, both loop controls.
 timeout "$(cap 40 70)" stdbuf -oL "$core" > "$out/core_test.log" 2>&1
 rc=$?
-summary "core tests (table + lane0): rc=$rc ($(elapsed) s): $(grep -E '^\[doctest\] (test cases|assertions)' \
+summary "core tests (lane0 + hoist): rc=$rc ($(elapsed) s): $(grep -E '^\[doctest\] (test cases|assertions)' \
   "$out/core_test.log" | tr -s ' ' | tr '\n' ' ')"
 grep -E "ERROR|FAILED|differ" "$out/core_test.log" | head -20 >> "$out/summary.txt"
 
 # 3. The environment's loop control.
-TANDEM_ATTN_LOOP=lane0 timeout 15 "$core" -tc='*TANDEM_ATTN_LOOP*' -s > "$out/core_env.log" 2>&1
-summary "core env case TANDEM_ATTN_LOOP=lane0: rc=$? $(grep -oE 'TANDEM_ATTN_LOOP=lane0: \S+' "$out/core_env.log" |
-  head -1)"
+for loop in lane0 hoist; do
+  TANDEM_ATTN_LOOP=$loop timeout 15 "$core" -tc='*TANDEM_ATTN_LOOP*' -s > "$out/core_env_$loop.log" 2>&1
+  summary "core env case TANDEM_ATTN_LOOP=$loop: rc=$? $(grep -oE "TANDEM_ATTN_LOOP=$loop: \S+" \
+    "$out/core_env_$loop.log" | head -1)"
+done
 
 # 4. The A/B against cuDNN.
 timeout "$(cap 70 25)" python3 bench/attention_vs_sdpa.py --run "$bench" --rounds "$rounds" --out "$out/ab" \
@@ -84,7 +87,7 @@ grep -E "^\|" "$out/ab.log" > "$out/ab.md"
 tail -5 "$out/ab.log" | grep -iE "error|traceback" >> "$out/summary.txt"
 
 # 5, 6. Ring attention, client executor, each loop control through the environment.
-for loop in lane0 table; do
+for loop in hoist lane0; do
   if [ "$(left)" -lt 12 ]; then
     summary "ring tests TANDEM_ATTN_LOOP=$loop: SKIPPED (budget)"
     continue
@@ -99,7 +102,7 @@ done
 # tensor-pipe time from instruction issue and stalls go into the summary (the whole report stays in OUT).
 if [ "${ATTN_NCU:-1}" = 1 ]; then
   for seq in 4096 8192; do
-    for loop in table lane0; do
+    for loop in lane0 hoist; do
       if [ "$(left)" -lt 20 ]; then
         summary "ncu $loop $seq: SKIPPED (budget)"
         continue

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Per kernel of a `cuobjdump -sass` listing: HGMMA, WARPSYNC, R2UR, BSSY and SHFL counts in the whole function and
+"""Per kernel of a `cuobjdump -sass` listing: HGMMA, WARPSYNC, R2UR, BSSY and SHFL counts, and UDP (uniform-datapath
+instructions: opcodes U*, e.g. the ULOP3 / USHF / UIADD3 that build wgmma descriptors), in the whole function and
 in its innermost loop that issues wgmma (the smallest span from a backward branch's target to the branch that holds
 an HGMMA: the attention consumer's per-KV-block loop). A loop that ptxas takes for divergent shows a WARPSYNC and
 R2UR descriptor moves before its GEMM batches; a warp-uniform one has none.
@@ -13,12 +14,17 @@ import sys
 KEYS = ("HGMMA", "WARPSYNC", "R2UR", "BSSY", "SHFL")
 
 
+UNIFORM = re.compile(r"^(?:@!?U?P\w+\s+)?U[A-Z]")
+
+
 def counts(instrs):
-    return {k: sum(k in t for _, t in instrs) for k in KEYS}
+    c = {k: sum(k in t for _, t in instrs) for k in KEYS}
+    c["UDP"] = sum(bool(UNIFORM.match(t)) for _, t in instrs)
+    return c
 
 
 def fmt(c):
-    return " ".join(f"{k} {c[k]}" for k in KEYS)
+    return " ".join(f"{k} {c[k]}" for k in KEYS + ("UDP",))
 
 
 def main():

@@ -2,8 +2,8 @@
 // the same 16-bit inputs: bf16 and fp16, head_dim 64 and 128, causal and not, lengths that are no tile multiple,
 // several KV segments at arbitrary global positions, rows that see no key, the lse output, default and custom
 // scales, several tiles per CTA, every tuning variant; outputs are poisoned before each launch and a guard row past
-// sq must stay untouched. Every case runs with both loop controls (table and lane0: the same math, so their outputs
-// must also agree bitwise). Then bitwise repeatability and the host-side shape rules.
+// sq must stay untouched. Every case runs with both loop controls (lane0 and hoist: the same math and the same wgmma
+// descriptors, so their outputs must also agree bitwise). Then bitwise repeatability and the host-side shape rules.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
@@ -227,9 +227,9 @@ struct DeviceProblem {
 
 double tolerance(AttentionDtype dt) { return dt == AttentionDtype::kBf16 ? 1e-2 : 3e-3; }
 
-// The two loop controls (AttentionParams::loopControl): 1 table, 2 lane0.
-constexpr int kLoopControls[] = {1, 2};
-const char* loopName(int loop) { return loop == 2 ? "lane0" : "table"; }
+// The two loop controls (AttentionParams::loopControl): 2 lane0, 3 hoist.
+constexpr int kLoopControls[] = {2, 3};
+const char* loopName(int loop) { return loop == 3 ? "hoist" : "lane0"; }
 
 // One launch's outputs: out with its guard row, and lse.
 struct Outputs {
@@ -316,7 +316,7 @@ void checkCase(const Case& c, uint64_t seed) {
     if (loop == kLoopControls[0]) {
       first = std::move(o);
     } else {
-      CHECK_MESSAGE(sameBits(o, first), "outputs differ bitwise from the table loop control's");
+      CHECK_MESSAGE(sameBits(o, first), "outputs differ bitwise from the lane0 loop control's");
     }
   }
 }
@@ -442,10 +442,10 @@ TEST_CASE("attention core: loop control 0 follows TANDEM_ATTN_LOOP, else the def
   const std::string want = std::string("/") + (env != nullptr && *env != '\0' ? env : kDefaultLoop);
   MESSAGE("TANDEM_ATTN_LOOP=" << (env != nullptr ? env : "(unset)") << ": " << attentionConfigName(p));
   CHECK(std::string(attentionConfigName(p)).ends_with(want));
-  p.loopControl = 1;
-  CHECK(std::string(attentionConfigName(p)).ends_with("/table"));
   p.loopControl = 2;
   CHECK(std::string(attentionConfigName(p)).ends_with("/lane0"));
+  p.loopControl = 3;
+  CHECK(std::string(attentionConfigName(p)).ends_with("/hoist"));
 }
 
 TEST_CASE("attention core: shape rules are refused with the rule named") {
@@ -516,8 +516,11 @@ TEST_CASE("attention core: shape rules are refused with the rule named") {
   p.pingPong = 3;
   refused(p, "rule ping_pong");
   p = ok;
-  p.loopControl = 3;
+  p.loopControl = 4;
   refused(p, "rule loop_control");
+  p = ok;
+  p.loopControl = 1;  // table: no longer built
+  refused(p, "loopControl 1 (table)", ErrorCode::kUnsupported);
   p = ok;
   static const uint64_t flag = 0;
   p.kv[0].arrival = &flag;

@@ -77,9 +77,10 @@ struct AttentionParams {
   ErrorSlot* errorSlot;       // null = report nowhere
   uint64_t timeoutNs;         // deadline of the waits from the kernel's start; 0 = none
   uint32_t waitOp, waitRank;  // written into the error slot (op kind, rank)
-  // How the consumer warps learn their loop bounds from the KV walk in shared memory (same results either way):
-  // 1 = table (every thread reads them), 2 = lane0 (lane 0's reads, broadcast: ptxas sees a warp-uniform loop).
-  // 0 = default: TANDEM_ATTN_LOOP=table|lane0 when set in the environment, else lane0 (faster on the H200).
+  // The consumer warps' loop control (the same results bitwise either way): 2 = lane0 (loop bounds from the KV walk
+  // in shared memory read by lane 0 and broadcast: ptxas sees a warp-uniform loop), 3 = hoist (lane0, and the wgmma
+  // descriptors built once per kernel instead of before every GEMM batch). 1 (table) is no longer built: refused.
+  // 0 = default: TANDEM_ATTN_LOOP=lane0|hoist when set in the environment, else lane0.
   int32_t loopControl;
 };
 
