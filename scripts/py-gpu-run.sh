@@ -5,14 +5,17 @@
 #   2. pip install --no-build-isolation --no-deps --target (no package index there; the GPU machines have PyTorch);
 #   3. a private tandemd on the cuda backend (executor client);
 #   4. tests/python/gpu_run.py at 1 rank: every op (GEMMs, allgather, MoE, ring attention with lse and both
-#      layouts) against float64 torch math, the registration cache, DLPack into CuPy, torch.compile, a CUDA graph
-#      replayed 100 times (each replay checked exactly);
+#      layouts) against float64 torch math, the registration cache (also through the C fast path: hot), DLPack into
+#      CuPy, torch.compile, a CUDA graph replayed 100 times (each replay checked exactly);
 #   5. the per-call overhead: python/bench/overhead.py against the same op through the C ABI (and pybind11's floor),
-#      for this package and, as the same-call baseline, for the package before the overhead work (37addcf);
+#      for this package ("overhead") and, right after it, as the same-call baseline, for the package before the
+#      overhead work ("overhead-before": $PY_OLD_DIR, else 37addcf's python/ from git), both with this tree's
+#      _tandem_fastcall module (the old package uses only its call/call_out);
 #   6. gpu_run.py at 2 ranks sharing the GPU under torchrun (ops, attention, graph);
-#   7. the README's torchrun example as the README gives it: `pip install ./python` (offline form) into a venv with
+#   7. JAX through DLPack (a process of its own);
+#   8. the README's torchrun example as the README gives it: `pip install ./python` (offline form) into a venv with
 #      --system-site-packages (the machine's PyTorch), then torchrun --nproc-per-node 2 from that venv;
-#   8. JAX through DLPack (a process of its own), then, if time is left, the overhead with ctypes alone.
+#   9. if time is left, the overhead with ctypes alone (TANDEM_NO_FASTCALL=1: the Python fast path).
 #   scripts/py-gpu-run.sh OUTDIR
 # OUTDIR gets machine.txt, configure.log, build.log, pip.log, tandemd.log, one log per step and summary.txt (one line
 # per step with its exit code and seconds). Every step runs under `timeout`, and a step that would not fit in what
@@ -94,9 +97,45 @@ step() {
 
 # Most essential first. The graph section last in each run: a replay that goes wrong can leave the stream stuck,
 # and the step's timeout ends it.
-step gpu-1rank 60 "$py" tests/python/gpu_run.py ops attention cache dlpack compile graph
+step gpu-1rank 60 "$py" tests/python/gpu_run.py ops attention cache hot dlpack compile graph
 timeout 30 python/bench/build.sh "$root/$build/client/libtandem.so.0.2" "$work/bench" "$py" > "$out/bench-build.log" 2>&1
 step overhead 25 env PYTHONPATH="$work/bench:$PYTHONPATH" "$py" python/bench/overhead.py "$work/bench/overhead_baseline"
+# The same bench of the package as it was before the overhead work, in this call: the baseline of the numbers above.
+# PY_OLD_DIR: that package's python/ already extracted (a snapshot without git history, e.g. a device call's copy).
+top=$(git rev-parse --show-toplevel 2>/dev/null)
+if { [ -n "${PY_OLD_DIR:-}" ] && [ -f "$PY_OLD_DIR/tandem/_comm.py" ] && cp -r "$PY_OLD_DIR" "$work/old"; } ||
+   { [ -n "$top" ] && (cd "$top" && git archive 37addcf python) 2>/dev/null |
+     tar -x -C "$work" --transform 's,^python,old,' 2>/dev/null && [ -f "$work/old/tandem/_comm.py" ]; }; then
+  step overhead-before 25 env PYTHONPATH="$work/old:$work/bench:$work/fast" "$py" "$work/old/bench/overhead.py" \
+    "$work/bench/overhead_baseline"
+else
+  note "overhead-before SKIPPED: no git history here to take the old package from, and no PY_OLD_DIR"
+fi
+# Both overhead runs side by side in the summary (binding-alone rows: this package / the old one).
+compare_overhead() {
+  "$py" - "$out/overhead.log" "$out/overhead-before.log" <<'PYEOF'
+import json, sys
+def rows(path):
+    try:
+        line = [l for l in open(path) if l.startswith("{")][-1]
+    except (OSError, IndexError):
+        return {}, {}
+    d = json.loads(line)
+    return d["binding_alone_cpu_ns_per_call"], d["ns_per_call"]
+(new_a, new_e), (old_a, old_e) = rows(sys.argv[1]), rows(sys.argv[2])
+for name in new_a:
+    o = old_a.get(name)
+    print(f"overhead alone {name}: {new_a[name] / 1000:.2f} us" + (f" (before {o / 1000:.2f} us)" if o else ""))
+for name in new_e:
+    if "C ABI loop" in name:
+        continue
+    base = new_e.get(name.split(":")[0] + ": C ABI loop")
+    o, ob = old_e.get(name), old_e.get(name.split(":")[0] + ": C ABI loop")
+    print(f"overhead e2e {name}: +{(new_e[name] - base) / 1000:.2f} us over the C loop" +
+          (f" (before +{(o - ob) / 1000:.2f})" if o and ob else ""))
+PYEOF
+}
+compare_overhead | tee -a "$summary"
 step gpu-2ranks 50 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 tests/python/gpu_run.py ops \
   attention graph
 # The README's example, as a user would run it: a venv over the machine's PyTorch, `pip install ./python` (the
@@ -132,19 +171,8 @@ print("venv: torch", torch.__version__, "from", torch.__file__, "| tandem from",
 }
 export -f readme
 export work py root build user_pythonpath
-step readme-torchrun 45 bash -c readme
-# The same bench of the package as it was before the overhead work, in this call: the baseline of the numbers above.
-# PY_OLD_DIR: that package's python/ already extracted (a snapshot without git history, e.g. a device call's copy).
-top=$(git rev-parse --show-toplevel 2>/dev/null)
-if { [ -n "${PY_OLD_DIR:-}" ] && [ -f "$PY_OLD_DIR/tandem/_comm.py" ] && cp -r "$PY_OLD_DIR" "$work/old"; } ||
-   { [ -n "$top" ] && (cd "$top" && git archive 37addcf python) 2>/dev/null |
-     tar -x -C "$work" --transform 's,^python,old,' 2>/dev/null && [ -f "$work/old/tandem/_comm.py" ]; }; then
-  step overhead-before 25 env PYTHONPATH="$work/old:$work/bench:$work/fast" "$py" "$work/old/bench/overhead.py" \
-    "$work/bench/overhead_baseline"
-else
-  note "overhead-before SKIPPED: no git history here to take the old package from"
-fi
 XLA_PYTHON_CLIENT_PREALLOCATE=false step jax-1rank 20 "$py" tests/python/gpu_run.py jax
+step readme-torchrun 45 bash -c readme
 TANDEM_NO_FASTCALL=1 step overhead-ctypes-only 25 env PYTHONPATH="$work/bench:$PYTHONPATH" "$py" \
   python/bench/overhead.py "$work/bench/overhead_baseline"
 note "done ($(elapsed) s)"

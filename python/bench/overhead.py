@@ -5,6 +5,8 @@ compiled extension, where pybind11 is importable), and through tandem's public A
 usage: python overhead.py BASELINE_BINARY [--noop LIBTANDEM_NOOP] [--iters N]
   BASELINE_BINARY: overhead_baseline.c compiled against the same libtandem (python/bench/build.sh does it).
 Needs a running tandemd ($TANDEM_SOCKET or the default socket). One rank. Prints a table and one JSON line.
+It runs with the package on sys.path, whichever that is: scripts/py-gpu-run.sh also runs an older package's copy of
+this file against that package, as the same-call baseline.
 
 cpu backend: every call submits and waits (the daemon round trip is in every row, and cancels in the differences).
 cuda backend: every call enqueues on the current stream (torch's default stream, the legacy stream the C loop uses);
@@ -197,8 +199,10 @@ def main() -> int:
         comm._marker = None
         lib.tandem_wait, lib.tandem_op_status = saved["tandem_wait"], saved["tandem_op_status"]
 
+    hot = type(getattr(comm, "_hot", None)).__name__ == "Hot"  # the C fast path (_tandem_fastcall.Hot); absent before it existed
     print(f"backend {comm.backend}, torch {torch.__version__}, {iters} calls x 7 repeats, median ns per call; "
-          f"hot-path calls through {'_tandem_fastcall' if _capi.fastcall else 'ctypes'}")
+          f"hot-path calls through {'_tandem_fastcall' if _capi.fastcall else 'ctypes'}; fast path in "
+          f"{'C (_tandem_fastcall.Hot)' if hot else 'Python'}")
     print("end to end (wall time; includes libtandem and the daemon):")
     for name, ns in results.items():
         base = results[name.split(":")[0] + ": C ABI loop"]
@@ -207,7 +211,7 @@ def main() -> int:
     for name, ns in alone.items():
         print(f"  {name:55s} {ns / 1000:8.2f} us")
     print(json.dumps({"backend": comm.backend, "torch": torch.__version__, "iters": iters,
-                      "fastcall": _capi.fastcall is not None,
+                      "fastcall": _capi.fastcall is not None, "c_fast_path": hot,
                       "ns_per_call": {k: round(v) for k, v in results.items()},
                       "binding_alone_cpu_ns_per_call": {k: round(v) for k, v in alone.items()}}))
     comm.close()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+import inspect
 import os
+import sys
 import threading
 import weakref
 
@@ -108,27 +111,55 @@ class Communicator:
         self._opaddr = ctypes.addressof(self._op)
         self._pack = {name: st.pack_into for name, st in ARG_STRUCTS.items()}
         self._sizes = {name: st.size for name, st in ARG_STRUCTS.items()}
-        self._make_plans()
         self._hits = HitCache()  # data_ptr -> (buffer, offset, bytes to its end), for daemon memory
         self._rows_cache: dict[int, int] = {}
         self.session.hit_caches[id(self._hits)] = self._hits
         self._staging: Buffer | None = None
         self._staging_tensor: torch.Tensor | None = None
         # cuda: ops complete in stream order; their completions are drained (and an op's failure reported) every
-        # _POLL_EVERY calls, without waiting, so the session's completion ring never fills (see poll()).
-        self._since_poll = 0
+        # _POLL_EVERY calls, without waiting, so the session's completion ring never fills (see poll()). The count
+        # (since_poll) lives in self._hot, which every path shares: the C fast path's object, or _PyHot.
         self._marker: tuple[int, int] | None = None  # the op the next poll asks about
         self._checked = 0  # seq of the newest op known to have completed
         self._status_addr = _capi.address(lib.tandem_op_status)
         self._cap_op = _capi.Op()  # where ops recorded into a CUDA graph put their tandem_op_t (never waited for)
         self._capref = ctypes.byref(self._cap_op)
         self._capaddr = ctypes.addressof(self._cap_op)
+        # The fast path of the GEMM ops, allgather and barrier: one C call each (_tandem_fastcall.Hot) where the
+        # module is built, else the Python methods below (_gemm_fast, ...). Either returns None where the full path
+        # must decide (it validates argument by argument, stages cpu tensors, records into a CUDA graph).
+        self._hot = _capi.Hot() if _capi.Hot is not None and _HOT_FITS else _PyHot()
+        if isinstance(self._hot, _PyHot):
+            self._hot_gemm_ar = functools.partial(self._gemm_fast, "gemm_ar")
+            self._hot_gemm_rs = functools.partial(self._gemm_fast, "gemm_rs")
+            self._hot_ag_gemm, self._hot_allgather = self._ag_gemm_fast, self._allgather_fast
+            self._hot_barrier = self._barrier_fast
+        else:
+            h = self._hot
+            self._hot_gemm_ar, self._hot_gemm_rs, self._hot_ag_gemm = h.gemm_ar, h.gemm_rs, h.ag_gemm
+            self._hot_allgather, self._hot_barrier = h.allgather, h.barrier
+        self._make_plans()
 
     def _make_plans(self) -> None:
         """Per op, what the fast paths use, in one tuple: (name, pack_into, args buffer, C function address, args
-        address, struct size). (python/bench/overhead.py calls it again after swapping in no-op C functions.)"""
+        address, struct size); and the C fast path's configuration (the same addresses). (python/bench/overhead.py
+        calls it again after swapping in no-op C functions.)"""
         self._plans = {name: (name, st.pack_into, self._args[name], self._fnaddr[name], self._argaddr[name], st.size)
                        for name, st in ARG_STRUCTS.items()}
+        if isinstance(self._hot, _PyHot):
+            return
+        segs = self.session.segments
+        self._hot.configure(
+            comm=self.handle, fns=tuple(self._fnaddr[n] for n in _HOT_OPS),
+            args=tuple(self._argaddr[n] for n in _HOT_OPS), sizes=tuple(ARG_STRUCTS[n].size for n in _HOT_OPS),
+            op=self._opaddr, wait=self._wait_addr, ptr_attr=segs._get1_addr if segs is not None else 0,
+            cuda=self.is_cuda, devidx=self._devidx, rank=self.rank, nranks=self.world_size,
+            timeout_ms=self._op_timeout_ms, poll_every=_POLL_EVERY, keep=(self._args, self._op), hits=self._hits,
+            resolve=self._resolve_fast, alloc=self._out, poll=self.poll, raise_status=_raise_status,
+            raw_stream=_raw_stream, capturing=_capturing_stream, tensor_types=(torch.Tensor, torch.nn.Parameter),
+            dtypes=tuple((d, c, _ELSIZE[d]) for d, c in _DTYPES.items()), descriptors=_TENSOR_DESCRIPTORS)
+        if self._closed:
+            self._hot.closed = True
 
     # ---- bootstrap
     def _bootstrap(self, group, rank, world_size, unique_id):
@@ -178,6 +209,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self._hot.closed = True
         _registry.pop(self.id, None)
         self._staging_tensor = None
         self._staging = None
@@ -302,8 +334,9 @@ class Communicator:
             raise error_for(rc, _capi.last_error())
         if self.is_cuda:
             if not captured:
-                self._since_poll += 1
-                if self._since_poll >= _POLL_EVERY:
+                hot = self._hot
+                hot.since_poll += 1
+                if hot.since_poll >= _POLL_EVERY:
                     self.poll()
             return
         o = self._op
@@ -322,7 +355,7 @@ class Communicator:
         that fails fails its communicator, so every later op fails too. The op asked about is the newest one at the
         previous poll (the marker): usually done by now, so its success covers every op before it; while it is still
         running it stays the marker. Then the newest op becomes the marker. No per-op list is kept."""
-        self._since_poll = 0
+        self._hot.since_poll = 0
         if not self.is_cuda:
             return
         o = self._op
@@ -366,7 +399,7 @@ class Communicator:
         torch.cuda.current_stream(self.device).synchronize()
         o = self._op
         serial, seq = o.session_serial, o.seq
-        self._since_poll = 0
+        self._hot.since_poll = 0
         if seq == 0 or seq == self._checked:
             return
         marker, self._marker = self._marker, None
@@ -413,7 +446,7 @@ class Communicator:
         if hit is not None:
             if session.span_device(ptr) != self._devidx:
                 return None
-            e = (hit[0], hit[1], session.span_end(ptr) - ptr, None)
+            e = (hit[0], hit[1], session.span_end(ptr) - ptr, None, 0, 0)
         elif self.is_cuda:
             e = session.segments.entry(ptr, nbytes)
             if e is None or e[3].device != self._devidx:
@@ -451,8 +484,9 @@ class Communicator:
         if rc:
             raise error_for(rc, _capi.last_error())
         if self._devidx >= 0:  # cuda
-            self._since_poll += 1
-            if self._since_poll >= _POLL_EVERY:
+            hot = self._hot
+            hot.since_poll += 1
+            if hot.since_poll >= _POLL_EVERY:
                 self.poll()
             return
         o = self._op
@@ -461,6 +495,8 @@ class Communicator:
             raise error_for(rc, _capi.last_error())
 
     def _gemm_fast(self, op, a, b, out):
+        if self._closed:
+            return None
         try:
             m, k = a.shape
             n, kb = b.shape
@@ -512,6 +548,8 @@ class Communicator:
         return e
 
     def _ag_gemm_fast(self, a, b, out, m, a_gathered):
+        if self._closed:
+            return None
         try:
             rows, k = a.shape
             n, kb = b.shape
@@ -568,7 +606,7 @@ class Communicator:
         return out
 
     def _allgather_fast(self, x, out):
-        if not x.is_contiguous():
+        if self._closed or not isinstance(x, torch.Tensor) or not x.is_contiguous():
             return None
         nb = x.nbytes
         world = self.world_size
@@ -626,10 +664,9 @@ class Communicator:
         return out
 
     def _gemm_reduce(self, op, a, b, out):
-        if not self._closed:
-            fast = self._gemm_fast(op, a, b, out)
-            if fast is not None:
-                return fast
+        fast = self._gemm_fast(op, a, b, out)
+        if fast is not None:
+            return fast
         self._check(a, "a", op, ndim=2)
         dt = _dtype_code(a, op)
         self._check(b, "b", op, a.dtype, 2)
@@ -793,40 +830,44 @@ class Communicator:
         """Completes once every rank reached it (cuda: in stream order on the current stream)."""
         if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.barrier(self)
+        if self._hot_barrier() is None:
+            if self._closed:
+                raise ValueError("tandem.barrier: this communicator was closed")
+            self._barrier_fast()
+
+    def _barrier_fast(self):
         if self._closed:
-            raise ValueError("tandem.barrier: this communicator was closed")
+            return None
         stream = self._stream()
         plan = self._plans["barrier"]
         plan[1](plan[2], 0, plan[5], stream)
         self._go(plan, stream)
+        return True
 
     # ---- the public ops: eager calls go straight to the C ABI; under torch.compile they become torch.library ops
     # (tandem::<op>, with fake implementations), so graphs hold them whole (fullgraph=True).
     def ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None):
         if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.ag_gemm(self, a, b, out=out, m=m, a_gathered=a_gathered)
-        if not self._closed:
-            r = self._ag_gemm_fast(a, b, out, m, a_gathered)
-            if r is not None:
-                return r
+        r = self._hot_ag_gemm(a, b, out, m, a_gathered)
+        if r is not None:
+            return r
         return self._eager_ag_gemm(a, b, out=out, m=m, a_gathered=a_gathered)
 
     def gemm_rs(self, a, b, *, out=None):
         if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.gemm_rs(self, a, b, out=out)
-        if not self._closed:
-            r = self._gemm_fast("gemm_rs", a, b, out)
-            if r is not None:
-                return r
+        r = self._hot_gemm_rs(a, b, out)
+        if r is not None:
+            return r
         return self._eager_gemm_rs(a, b, out=out)
 
     def gemm_ar(self, a, b, *, out=None):
         if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.gemm_ar(self, a, b, out=out)
-        if not self._closed:
-            r = self._gemm_fast("gemm_ar", a, b, out)
-            if r is not None:
-                return r
+        r = self._hot_gemm_ar(a, b, out)
+        if r is not None:
+            return r
         return self._eager_gemm_ar(a, b, out=out)
 
     def moe_dispatch_gemm(self, x, topk_ids, topk_weights, w, *, capacity: int | None = None, out=None,
@@ -853,10 +894,9 @@ class Communicator:
     def allgather(self, x, *, out=None):
         if _tc._is_compiling_flag or _dynamo_compiling():
             return _ops.allgather(self, x, out=out)
-        if not self._closed and isinstance(x, torch.Tensor):
-            r = self._allgather_fast(x, out)
-            if r is not None:
-                return r
+        r = self._hot_allgather(x, out)
+        if r is not None:
+            return r
         return self._eager_allgather(x, out=out)
 
     for _name in ("ag_gemm", "gemm_rs", "gemm_ar", "moe_dispatch_gemm", "moe_ffn", "ring_attention", "allgather"):
@@ -875,7 +915,40 @@ _capturing_stream = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cu
 # ring (rings.capacity, 256 by default, at least 8) plus limits.max_pending_completions (4096 by default, at least
 # 16) before it closes the session as unresponsive: a poll every 16 ops stays inside even the smallest setting.
 _POLL_EVERY = 16
-_NO_SLOT = (0, 0, 0, None)
+_NO_SLOT = (0, 0, 0, None, 0, 0)
+# The ops the C fast path serves, in its order, and each one's argument struct in 8-byte slots (_tandem_fastcall.c
+# writes them so: every field of these structs is 8 bytes, the dtype enum with its padding as a little-endian one).
+_HOT_OPS = ("gemm_ar", "gemm_rs", "ag_gemm", "allgather", "barrier")
+_HOT_SLOTS = {"gemm_ar": 12, "gemm_rs": 12, "ag_gemm": 14, "allgather": 7, "barrier": 2}
+_HOT_FITS = sys.byteorder == "little" and all(ARG_STRUCTS[n].size == 8 * k for n, k in _HOT_SLOTS.items())
+
+
+class _PyHot:
+    """What the communicator's paths share with the C fast path where that is not built: the poll count and the
+    closed flag."""
+    __slots__ = ("since_poll", "closed")
+
+    def __init__(self):
+        self.since_poll = 0
+        self.closed = False
+
+
+def _inherited(name: str):
+    """torch's C tensor type's descriptor of `name` where torch.Tensor and torch.nn.Parameter both use it as it
+    is (the C fast path then calls its function directly), else None (it reads the attribute by name)."""
+    base = getattr(torch._C, "TensorBase", None) or getattr(torch._C, "_TensorBase", None)
+    d = base.__dict__.get(name) if base is not None else None
+    if d is None or any(inspect.getattr_static(c, name, None) is not d for c in (torch.Tensor, torch.nn.Parameter)):
+        return None
+    return d
+
+
+_TENSOR_DESCRIPTORS = tuple(_inherited(n) for n in ("shape", "dtype", "is_contiguous", "data_ptr", "nbytes"))
+
+
+def _raise_status(rc: int):
+    """The C fast path's error: the op's status as its exception, with libtandem's message (this thread's)."""
+    raise error_for(rc, _capi.last_error())
 from . import _ops  # noqa: E402  (it needs Communicator's module loaded first)
 
 

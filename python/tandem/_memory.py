@@ -32,8 +32,10 @@ def check(status: int) -> None:
 # ---- sessions ---------------------------------------------------------------------------------------------------
 
 class HitCache(dict):
-    """A communicator's data_ptr -> (buffer, offset, bytes to the buffer's end, Segment or None) cache (a dict
-    subclass, so its session can hold it weakly and clear it whenever a buffer or registration is forgotten).
+    """A communicator's data_ptr -> (buffer, offset, bytes to the buffer's end, Segment or None, segment base,
+    segment buffer id) cache (a dict subclass, so its session can hold it weakly and clear it whenever a buffer or
+    registration is forgotten; daemon memory has base and id 0). The C fast path (_tandem_fastcall.Hot) probes the
+    same dict.
     Daemon memory (Segment None) is valid while cached: its entry goes before the buffer does. A registered
     cudaMalloc segment's entry is used only after SegmentCache.live() confirmed its segment during the same op."""
 
@@ -385,15 +387,16 @@ class SegmentCache:
         return self._id.value == seg.bid
 
     def entry(self, ptr: int, nbytes: int):
-        """(buffer, offset, bytes to the segment's end, Segment) where ptr lies in a registered, still allocated
-        segment; else None (the caller then takes the path that registers, or raises naming the argument)."""
+        """(buffer, offset, bytes to the segment's end, Segment, its base, its buffer id) where ptr lies in a
+        registered, still allocated segment; else None (the caller then takes the path that registers, or raises
+        naming the argument). The last two are what the C fast path's live() check reads."""
         q = self.query(ptr)
         if q is None:
             return None
         seg = self.by_id.get(q[0])
         if seg is None or ptr + nbytes > seg.end:
             return None
-        return seg.handle, ptr - seg.base, seg.end - ptr, seg
+        return seg.handle, ptr - seg.base, seg.end - ptr, seg, seg.base, seg.bid
 
     def resolve(self, ptr: int, nbytes: int, arg: str, op: str):
         q = self.query(ptr)

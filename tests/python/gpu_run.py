@@ -1,7 +1,7 @@
 """The Python package on the cuda backend (scripts/py-gpu-run.sh runs it, under torchrun for 2 ranks).
 
 usage: [torchrun --nproc-per-node N] python gpu_run.py SECTION...
-  SECTION: ops attention compile graph cache dlpack jax, or all
+  SECTION: ops attention compile graph cache hot dlpack jax, or all
 Each section prints one "PASS <section>" or "FAIL <section>: <reason>" line (rank 0, or every rank that failed);
 the exit code is the number of failed sections. Needs tandemd (cuda backend) at $TANDEM_SOCKET.
 Ranks share the GPU given by LOCAL_RANK % device_count (2 ranks on one H200 share it).
@@ -242,8 +242,92 @@ def section_cache(comm):
             f"{seg.releases} released, {live} live; 100 calls on the same tensors: no registration")
 
 
+def section_hot(comm):
+    """The C fast path (_tandem_fastcall.Hot) on the cuda backend: it serves PyTorch-allocator tensors and Parameters
+    (the full paths are patched to fail), on the current stream (also a side stream), counts ops for the completion
+    poll with the Python paths (since_poll), sends a tensor whose cached segment was freed and re-allocated at the
+    same address to the path that registers it afresh, and a bad tensor gets the full path's ValueError."""
+    from tandem import _capi
+    hot = type(comm._hot).__name__ == "Hot"
+    if not hot and _capi.Hot is not None:
+        raise AssertionError("_tandem_fastcall.Hot is importable but the communicator did not take it")
+    dev, n = comm.device, WORLD
+    m, nn, k = 16, 16, 64
+    a = _ints("hot.a", RANK, (m, k)).to(dev)
+    w = torch.nn.Parameter(_ints("hot.b", RANK, (nn, k)).to(dev), requires_grad=False)
+    out = torch.empty((m, nn), dtype=torch.bfloat16, device=dev)
+    want = sum(_ints("hot.a", q, (m, k)).double() @ _ints("hot.b", q, (nn, k)).double().T for q in range(n))
+    comm.gemm_ar(a, w, out=out)  # registers the segments and caches the pointers
+    comm.synchronize()
+    saved = {}
+
+    def full(*args, **kwargs):
+        raise AssertionError("the op left the fast path")
+    for name in ("_eager_gemm_ar", "_eager_gemm_rs", "_eager_ag_gemm", "_eager_allgather", "_barrier_fast"):
+        saved[name] = getattr(comm, name)
+        setattr(comm, name, full)
+    try:
+        before = comm._hot.since_poll
+        for _ in range(40):  # crosses the poll every 16 ops twice
+            comm.gemm_ar(a, w, out=out)
+        after = comm._hot.since_poll
+        if after != (before + 40) % 16:
+            raise AssertionError(f"since_poll went {before} -> {after} over 40 ops (poll every 16)")
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        out2 = torch.zeros_like(out)
+        with torch.cuda.stream(side):
+            comm.gemm_ar(a, w, out=out2)  # the side stream's raw handle, and the capture query (not capturing)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        comm.barrier()
+        comm.synchronize()
+    finally:
+        for name, fn in saved.items():
+            setattr(comm, name, fn)
+    opchecks.close(out, want, torch.bfloat16, "hot gemm_ar")
+    opchecks.close(out2, want, torch.bfloat16, "hot gemm_ar on a side stream")
+    # A cached segment freed and re-allocated at the same address: the driver's buffer id differs, so the op leaves
+    # the cache for the path that registers (never the dead registration).
+    seg = comm.session.segments
+    b = torch.ones((16, 256), dtype=torch.bfloat16, device=dev)
+    y = torch.empty((8192, 16), dtype=torch.bfloat16, device=dev)  # alive throughout: its segment stays
+    addrs, regs = set(), []
+    for i in range(4):
+        x = torch.full((8192, 256), float(i + 1), dtype=torch.bfloat16, device=dev)  # 4 MiB: a segment of its own
+        addrs.add(x.data_ptr())
+        r0 = seg.registrations
+        for _ in range(2):  # the second call takes the pointer from the cache, in C where built
+            comm.gemm_ar(x, b, out=y)
+        comm.synchronize()
+        regs.append(seg.registrations - r0)
+        opchecks.close(y, torch.full((8192, 16), (i + 1) * 256.0 * n, dtype=torch.float64), torch.bfloat16,
+                       f"reuse round {i}")
+        del x
+        torch.cuda.empty_cache()
+    if len(addrs) == 1 and regs[1:] != [1, 1, 1]:
+        raise AssertionError(f"segments re-allocated at one address were registered {regs} times per round")
+    # A bad tensor whose pointer is cached: the full path's message.
+    try:
+        comm.gemm_ar(a.view(k, m).T, w, out=out)
+    except ValueError as e:
+        if "must be contiguous" not in str(e):
+            raise AssertionError(f"unexpected message: {e}") from e
+    else:
+        raise AssertionError("a non-contiguous view was accepted")
+    try:
+        comm.gemm_ar(a.cpu(), w, out=out)
+    except ValueError as e:
+        if f"must be on {dev}" not in str(e):
+            raise AssertionError(f"unexpected message: {e}") from e
+    else:
+        raise AssertionError("a CPU tensor was accepted")
+    return (f"fast path in {'C' if hot else 'Python'}: 40 ops + side stream + barrier without the full path, "
+            f"poll count shared; {len(addrs)} address(es) over 4 freed segments, registrations per round {regs}; "
+            "bad tensors named")
+
+
 SECTIONS = {"ops": section_ops, "attention": section_attention, "compile": section_compile, "graph": section_graph,
-            "cache": section_cache, "dlpack": section_dlpack, "jax": section_jax}
+            "cache": section_cache, "hot": section_hot, "dlpack": section_dlpack, "jax": section_jax}
 
 
 def main(argv) -> int:

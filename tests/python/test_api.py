@@ -280,8 +280,13 @@ def test_the_hot_path_calls_through_fastcall_where_built_and_ctypes_otherwise(da
     built = os.environ.get("TANDEM_FASTCALL_DIR")
     if built and os.path.isdir(built):
         assert _capi.fastcall is not None, f"_tandem_fastcall was built in {built} but not loaded"
-    code = ("import torch, tandem; from tandem import _capi; assert _capi.fastcall is None; "
-            "c = tandem.Communicator(); a = tandem.empty((2, 8)).fill_(1); "
+        assert _capi.Hot is not None, f"_tandem_fastcall in {built} has no Hot (the C fast path)"
+        c = tandem.Communicator(socket=daemon.socket)
+        assert type(c._hot) is _capi.Hot
+        c.close()
+    code = ("import torch, tandem; from tandem import _capi; assert _capi.fastcall is None and _capi.Hot is None; "
+            "c = tandem.Communicator(); assert type(c._hot).__name__ == '_PyHot'; "
+            "a = tandem.empty((2, 8)).fill_(1); "
             "assert c.gemm_ar(a, tandem.empty((3, 8)).fill_(1)).eq(8).all(); c.barrier(); print('ok')")
     env = dict(os.environ, TANDEM_NO_FASTCALL="1", TANDEM_SOCKET=daemon.socket)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
