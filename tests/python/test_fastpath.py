@@ -166,3 +166,77 @@ def test_hot_refuses_a_configuration_that_does_not_fit(comm):
         h.gemm_ar(1, 2)
     # The struct layout it writes: every field an 8-byte slot (the check _comm makes before using Hot).
     assert _comm._HOT_FITS
+
+
+def test_hot_in_cuda_mode_with_stand_ins_for_libtandem_and_the_driver_query(comm):
+    """The cuda backend's steps of the C fast path, which CI (no GPU) cannot reach otherwise: one driver query per
+    distinct registered segment, a changed buffer id clearing the cache and leaving the fast path, the stream's raw
+    handle in the struct, the capture query only for a stream other than 0, a poll every 16 ops, and the struct
+    slots of each op. libtandem's op entry and cuPointerGetAttribute are Python stand-ins here; on the GPU,
+    tests/python/gpu_run.py's 'hot' section runs the same through the real ones."""
+    import ctypes
+    import struct
+    if type(comm._hot).__name__ != "Hot":
+        pytest.skip("the C fast path only")
+    ops = _comm._HOT_OPS
+    bufs = {n: ctypes.create_string_buffer(256) for n in ops}
+    op = _capi.Op()
+    submitted, queries, bids, polls, resolved = [], [], {}, [], []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_capi.Op))
+    def submit(comm_handle, args, op_out):
+        submitted.append(args)
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
+    def ptr_attr(value, attribute, ptr):
+        queries.append((attribute, ptr))
+        if ptr not in bids:
+            return 1  # CUDA_ERROR_INVALID_VALUE: no allocation there
+        ctypes.c_uint64.from_address(value).value = bids[ptr]
+        return 0
+
+    hot, hits, stream, capturing = _capi.Hot(), {}, [0], [False]
+    fn = _capi.address(submit)
+    hot.configure(comm=1, fns=(fn,) * len(ops), args=tuple(ctypes.addressof(bufs[n]) for n in ops),
+                  sizes=tuple(_capi.ARG_STRUCTS[n].size for n in ops), op=ctypes.addressof(op), wait=fn,
+                  ptr_attr=_capi.address(ptr_attr), cuda=True, devidx=0, rank=0, nranks=1, timeout_ms=-1,
+                  poll_every=16, keep=(bufs, op), hits=hits, resolve=lambda p, n: resolved.append(p),
+                  alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype),
+                  poll=lambda: (polls.append(1), setattr(hot, "since_poll", 0)), raise_status=_comm._raise_status,
+                  raw_stream=lambda dev: stream[0], capturing=lambda: capturing[0],
+                  tensor_types=(torch.Tensor, torch.nn.Parameter),
+                  dtypes=tuple((d, c, _comm._ELSIZE[d]) for d, c in _comm._DTYPES.items()),
+                  descriptors=_comm._TENSOR_DESCRIPTORS)
+    bf = torch.bfloat16
+    a, b, o, g = torch.zeros(4, 8, dtype=bf), torch.zeros(3, 8, dtype=bf), torch.zeros(4, 3, dtype=bf), \
+        torch.zeros(4, 8, dtype=bf)
+    seg_a, seg_o = object(), object()
+    hits[a.data_ptr()] = (11, 0, 1 << 20, seg_a, 1000, 7)
+    hits[b.data_ptr()] = (11, 64, 1 << 20, seg_a, 1000, 7)  # a's segment: no second query
+    hits[o.data_ptr()] = (22, 8, 1 << 20, seg_o, 2000, 9)
+    bids.update({1000: 7, 2000: 9})
+    stream[0] = 0xABC
+    assert hot.gemm_ar(a, b, o) is o
+    assert struct.unpack("12Q", bufs["gemm_ar"].raw[:96]) == (96, _capi.DTYPE_BF16, 4, 3, 8, 11, 0, 11, 64, 22, 8,
+                                                             0xABC)
+    assert queries == [(7, 1000), (7, 2000)]  # CU_POINTER_ATTRIBUTE_BUFFER_ID at each segment's base
+    for _ in range(31):
+        hot.gemm_ar(a, b, o)
+    assert (hot.since_poll, len(polls), len(submitted)) == (0, 2, 32)
+    capturing[0] = True  # a side stream being captured: the Python path records the op into the graph
+    assert hot.gemm_ar(a, b, o) is None and len(submitted) == 32
+    capturing[0] = False
+    bids[2000] = 10  # o's segment freed and its address re-allocated: another buffer id
+    assert hot.gemm_ar(a, b, o) is None and hits == {} and len(submitted) == 32
+    assert hot.gemm_ar(a, b, o) is None and resolved == [a.data_ptr()]  # not cached: resolve() says None
+    for t, e in ((a, (11, 0)), (b, (11, 64)), (o, (22, 8)), (g, (33, 0))):  # daemon memory: nothing to query
+        hits[t.data_ptr()] = (*e, 1 << 20, None, 0, 0)
+    stream[0], capturing[0], queries[:] = 0, True, []
+    assert hot.gemm_ar(a, b, o) is o and queries == []  # the legacy stream is never captured: no capture query
+    assert hot.ag_gemm(a, b, o, None, g) is o
+    assert struct.unpack("14Q", bufs["ag_gemm"].raw[:112]) == (112, _capi.DTYPE_BF16, 4, 3, 8, 11, 0, 11, 64, 22, 8,
+                                                              33, 0, 0)
+    assert hot.allgather(a, g) is g
+    assert struct.unpack("7Q", bufs["allgather"].raw[:56]) == (56, 11, 0, 33, 0, 64, 0)
+    assert hot.barrier() is True and struct.unpack("2Q", bufs["barrier"].raw[:16]) == (16, 0)
