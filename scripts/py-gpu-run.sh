@@ -12,9 +12,9 @@
 #      overhead work ("overhead-before": $PY_OLD_DIR, else 37addcf's python/ from git), both with this tree's
 #      _tandem_fastcall module (the old package uses only its call/call_out);
 #   6. gpu_run.py at 2 ranks sharing the GPU under torchrun (ops, attention, graph);
-#   7. JAX through DLPack (a process of its own);
-#   8. the README's torchrun example as the README gives it: `pip install ./python` (offline form) into a venv with
+#   7. the README's torchrun example as the README gives it: `pip install ./python` (offline form) into a venv with
 #      --system-site-packages (the machine's PyTorch), then torchrun --nproc-per-node 2 from that venv;
+#   8. JAX through DLPack (a process of its own; call 1's times put it just past 100 s: PY_GPU_BUDGET_S=110 runs it);
 #   9. if time is left, the overhead with ctypes alone (TANDEM_NO_FASTCALL=1: the Python fast path).
 #   scripts/py-gpu-run.sh OUTDIR
 # OUTDIR gets machine.txt, configure.log, build.log, pip.log, tandemd.log, one log per step and summary.txt (one line
@@ -171,8 +171,8 @@ print("venv: torch", torch.__version__, "from", torch.__file__, "| tandem from",
 }
 export -f readme
 export work py root build user_pythonpath
-XLA_PYTHON_CLIENT_PREALLOCATE=false step jax-1rank 20 "$py" tests/python/gpu_run.py jax
 step readme-torchrun 45 bash -c readme
+XLA_PYTHON_CLIENT_PREALLOCATE=false step jax-1rank 20 "$py" tests/python/gpu_run.py jax
 TANDEM_NO_FASTCALL=1 step overhead-ctypes-only 25 env PYTHONPATH="$work/bench:$PYTHONPATH" "$py" \
   python/bench/overhead.py "$work/bench/overhead_baseline"
 note "done ($(elapsed) s)"
