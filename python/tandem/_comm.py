@@ -111,7 +111,7 @@ class Communicator:
         self._opaddr = ctypes.addressof(self._op)
         self._pack = {name: st.pack_into for name, st in ARG_STRUCTS.items()}
         self._sizes = {name: st.size for name, st in ARG_STRUCTS.items()}
-        self._hits = HitCache()  # data_ptr -> (buffer, offset, bytes to its end), for daemon memory
+        self._hits = HitCache()  # data_ptr -> (buffer, offset, bytes to its end, Segment or None, base, buffer id)
         self._rows_cache: dict[int, int] = {}
         self.session.hit_caches[id(self._hits)] = self._hits
         self._staging: Buffer | None = None
@@ -949,6 +949,8 @@ _TENSOR_DESCRIPTORS = tuple(_inherited(n) for n in ("shape", "dtype", "is_contig
 def _raise_status(rc: int):
     """The C fast path's error: the op's status as its exception, with libtandem's message (this thread's)."""
     raise error_for(rc, _capi.last_error())
+
+
 from . import _ops  # noqa: E402  (it needs Communicator's module loaded first)
 
 
