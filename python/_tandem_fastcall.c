@@ -104,7 +104,8 @@ static PyObject* call_out(PyObject* self, PyObject* const* args, Py_ssize_t narg
  * Anything unusual returns None and the caller takes the Python path, which decides exactly as before (and raises
  * the ValueError naming the argument and the rule): another dtype, shape or layout, a tensor subclass, a pointer
  * the cache does not hold and resolve() (Communicator._resolve_fast) will not add, a dead segment (the cache is
- * cleared first, as _live does), a stream being captured into a CUDA graph, a closed communicator. Python errors
+ * cleared first, as _live does), a stream being captured into a CUDA graph (asked first, so a captured call makes
+ * no output of its own before the Python path makes its one), a closed communicator. Python errors
  * raised by the tensor reads are cleared for the same reason: the Python path reproduces them with its message.
  * Errors of the op itself (its status, or a poll's) are raised here, through raise_status(rc) / poll().
  *
@@ -578,6 +579,8 @@ static PyObject* gemmReduce(Hot* h, PyObject* const* argv, Py_ssize_t n, int op)
   PyObject *a = argv[0], *b = argv[1], *out = argv[2];
   int ia, ib, ic, r;
   int64_t m, k, nn, kb, r0, r1;
+  uint64_t st;
+  if ((r = stream(h, &st)) != 1) PYTHON_PATH(r); /* first: a capture takes the Python path before any allocation */
   if ((r = matrix(h, a, -1, &ia, &m, &k)) != 1) PYTHON_PATH(r);
   if ((r = matrix(h, b, ia, &ib, &nn, &kb)) != 1) PYTHON_PATH(r);
   if (kb != k || m < 0 || k < 0 || nn < 0) Py_RETURN_NONE;
@@ -594,9 +597,7 @@ static PyObject* gemmReduce(Hot* h, PyObject* const* argv, Py_ssize_t n, int op)
   if ((r = slotOf(h, a, (uint64_t)m * k * es, &s[0], MEMO_GEMM)) != 1) PYTHON_PATH(r);
   if ((r = slotOf(h, b, (uint64_t)nn * k * es, &s[1], MEMO_GEMM + 1)) != 1) PYTHON_PATH(r);
   if ((r = slotOf(h, out, rows * nn * es, &s[2], MEMO_GEMM + 2)) != 1) PYTHON_PATH(r);
-  uint64_t st;
   if (h->cuda && !live(h, s, 3)) PYTHON_PATH(0);
-  if ((r = stream(h, &st)) != 1) PYTHON_PATH(r);
   uint64_t* v = h->args[op];
   v[0] = h->size[op];
   v[1] = h->dtCode[ia];
@@ -629,7 +630,9 @@ static PyObject* hotAgGemm(Hot* h, PyObject* const* argv, Py_ssize_t n) {
   if (h->closed) Py_RETURN_NONE;
   PyObject *a = argv[0], *b = argv[1], *out = argv[2], *mo = argv[3], *g = argv[4];
   int ia, ib, ic, r;
-  int64_t rows, k, nn, kb, m = -1, r0, r1;
+  int64_t rows, k, nn, kb, m = -1, r0 = 0, r1 = 0;
+  uint64_t st;
+  if ((r = stream(h, &st)) != 1) PYTHON_PATH(r); /* first: a capture takes the Python path before any allocation */
   if ((r = matrix(h, a, -1, &ia, &rows, &k)) != 1) PYTHON_PATH(r);
   if ((r = matrix(h, b, ia, &ib, &nn, &kb)) != 1) PYTHON_PATH(r);
   if (kb != k || rows < 0 || k < 0 || nn < 0) Py_RETURN_NONE;
@@ -666,9 +669,7 @@ static PyObject* hotAgGemm(Hot* h, PyObject* const* argv, Py_ssize_t n) {
   if ((r = slotOf(h, b, (uint64_t)nn * k * es, &s[1], MEMO_AG_GEMM + 1)) != 1) PYTHON_PATH(r);
   if ((r = slotOf(h, out, (uint64_t)m * nn * es, &s[2], MEMO_AG_GEMM + 2)) != 1) PYTHON_PATH(r);
   if (g != Py_None && (r = slotOf(h, g, (uint64_t)m * k * es, &s[3], MEMO_AG_GEMM + 3)) != 1) PYTHON_PATH(r);
-  uint64_t st;
   if (h->cuda && !live(h, s, 4)) PYTHON_PATH(0);
-  if ((r = stream(h, &st)) != 1) PYTHON_PATH(r);
   uint64_t* v = h->args[OP_AG_GEMM];
   v[0] = h->size[OP_AG_GEMM];
   v[1] = h->dtCode[ia];
@@ -707,8 +708,9 @@ static PyObject* hotAllgather(Hot* h, PyObject* const* argv, Py_ssize_t n) {
   if (h->closed) Py_RETURN_NONE;
   PyObject *x = argv[0], *out = argv[1];
   int idx, r;
-  uint64_t nb, onb;
+  uint64_t nb, onb, st;
   if (!isTensor(h, x) || (out != Py_None && !isTensor(h, out))) Py_RETURN_NONE;
+  if ((r = stream(h, &st)) != 1) PYTHON_PATH(r); /* before any allocation, as the GEMMs */
   if ((r = dtypeOf(h, x, &dt, &idx)) != 1) PYTHON_PATH(r);
   if ((r = contiguous(h, x)) != 1 || (r = nbytesOf(h, x, &nb)) != 1) goto python_path;
   if (out == Py_None) {
@@ -762,12 +764,10 @@ static PyObject* hotAllgather(Hot* h, PyObject* const* argv, Py_ssize_t n) {
   if ((r = slotOf(h, x, nb, &s[0], MEMO_ALLGATHER)) != 1 ||
       (r = slotOf(h, out, nb * h->nranks, &s[1], MEMO_ALLGATHER + 1)) != 1)
     goto python_path;
-  uint64_t st;
   if (h->cuda && !live(h, s, 2)) {
     r = 0;
     goto python_path;
   }
-  if ((r = stream(h, &st)) != 1) goto python_path;
   Py_CLEAR(dt);
   uint64_t* v = h->args[OP_ALLGATHER];
   v[0] = h->size[OP_ALLGATHER];
