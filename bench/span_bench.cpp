@@ -1,11 +1,13 @@
-// span_bench: the fused GEMMs across two "nodes" against the same op on one node. Two private tandemds form a
-// two-node cluster over tcp on loopback (127.0.0.1 and 127.0.0.2), one rank each (both on GPU 0 where only one GPU
-// exists: they share it); a third private tandemd serves the one-node baseline, one rank with the whole op. Backend
-// cuda, executor client. Every rank process times each op with steady_clock from submission to its stream synchronised
-// and the op waited for, and reports the median of --iters (after --warmup).
+// span_bench: the fused GEMMs across two "nodes" against the same op on one node, with the bytes between the nodes
+// issued by the GPUs (cluster.gpu_exchange: on) and moved by tandemd's link thread through host memory (off), in the
+// same run. Each path: two private tandemds form a two-node cluster over tcp on loopback (127.0.0.1 and 127.0.0.2), one
+// rank each (both on GPU 0 where only one GPU exists: they share it); a fifth private tandemd serves the one-node
+// baseline, one rank with the whole op. Backend cuda, executor client. Every rank process times each op with
+// steady_clock from submission to its stream synchronised and the op waited for, and reports the median of --iters
+// (after --warmup). --paths picks the paths (gpu,staged).
 //
 //   span_bench [--tandemd PATH] [--iters 20] [--warmup 3] [--ms 1024,4096] [--nk 8192] [--ops ag-gemm,gemm-rs,gemm-ar]
-//              [--dtype bf16|fp16]
+//              [--dtype bf16|fp16] [--paths gpu,staged]
 //
 // Work per op: at one rank on one node, one GEMM M x N x K. Across two nodes, ag-gemm computes the whole C on every
 // rank (two GEMMs of M x N x K on the shared GPU) and moves M/2 x K of A each way; gemm-rs and gemm-ar compute a
@@ -16,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -164,6 +167,16 @@ int rankMain(uint32_t rank, uint32_t n, int up, int down, const std::string& soc
   return 0;
 }
 
+// printf into a std::string.
+__attribute__((format(printf, 1, 2))) std::string fmt(const char* format, ...) {
+  char buf[512];
+  va_list args;
+  va_start(args, format);
+  std::vsnprintf(buf, sizeof buf, format, args);
+  va_end(args);
+  return buf;
+}
+
 struct Timing {
   double median = -1, min = -1, max = -1;
 };
@@ -191,6 +204,7 @@ std::vector<Timing> run(const std::vector<std::string>& sockets, const std::vect
 int main(int argc, char** argv) {
   CLI::App app{"span_bench: fused GEMMs across two tandemd nodes (tcp loopback) vs one node"};
   std::string tandemd = TANDEMD_PATH, msList = "1024,4096", opsList = "ag-gemm,gemm-rs,gemm-ar", dtypeName = "bf16";
+  std::string pathsList = "gpu,staged";
   uint64_t nk = 8192;
   int iters = 20, warmup = 3;
   app.add_option("--tandemd", tandemd, "tandemd binary");
@@ -200,26 +214,43 @@ int main(int argc, char** argv) {
   app.add_option("--nk", nk, "N = K");
   app.add_option("--ops", opsList, "ops, comma separated");
   app.add_option("--dtype", dtypeName, "bf16 or fp16");
+  app.add_option("--paths", pathsList, "exchange paths across nodes, comma separated: gpu (cluster.gpu_exchange on), "
+                                       "staged (off)");
   CLI11_PARSE(app, argc, argv);
   const tandem_dtype_t dtype = dtypeName == "fp16" ? TANDEM_DTYPE_FP16 : TANDEM_DTYPE_BF16;
+  std::vector<std::string> paths;
+  for (const std::string& p : parseNames(pathsList)) {
+    if (p != "gpu" && p != "staged") {
+      std::fprintf(stderr, "--paths: '%s' is neither gpu nor staged\n", p.c_str());
+      return 2;
+    }
+    paths.push_back(p);
+  }
 
-  // staging_bytes: gemm-ar sends M x N fp32 to the peer; workspace_bytes: gemm-ar's partial, node sum, running sum and
-  // receive slot at the largest M (bytes per rank, rounded up).
+  // staging_bytes: gemm-ar sends M x N fp32 to the peer (and the GPU exchange keeps the node sum in its send area);
+  // workspace_bytes: gemm-ar's partial, node sum, running sum and receive slot at the largest M (bytes per rank,
+  // rounded up).
   uint64_t maxM = 0;
   for (uint64_t m : parseList(msList)) maxM = std::max(maxM, m);
   const uint64_t f32 = maxM * nk * 4, staging = f32 + (1u << 20), workspace = (f32 * 3 + maxM * nk * 2) + (64u << 20);
   const int port = 21000 + static_cast<int>(::getpid() % 8000);
-  std::vector<std::unique_ptr<tandem::bench::PrivateDaemon>> nodes;
+  // clusters[i]: the two nodes of paths[i] (each on its own port).
+  std::vector<std::vector<std::unique_ptr<tandem::bench::PrivateDaemon>>> clusters;
   std::unique_ptr<tandem::bench::PrivateDaemon> single;
   try {
-    for (int i = 0; i < 2; ++i) {
-      const std::string config =
-          "daemon:\n  backend: cuda\n  executor: client\n"
-          "cuda:\n  workspace_bytes: " + std::to_string(workspace) + "\n"
-          "cluster:\n  nodes: [\"127.0.0.1:" + std::to_string(port) + "\", \"127.0.0.2:" + std::to_string(port) + "\"]\n"
-          "  node_index: " + std::to_string(i) + "\n  secret: \"span-bench-secret-0123456789abcdef\"\n"
-          "  connect_timeout_ms: 15000\n  staging_bytes: " + std::to_string(staging) + "\n";
-      nodes.push_back(std::make_unique<tandem::bench::PrivateDaemon>(tandemd, config));
+    for (std::size_t p = 0; p < paths.size(); ++p) {
+      clusters.emplace_back();
+      const std::string portText = std::to_string(port + static_cast<int>(p));
+      for (int i = 0; i < 2; ++i) {
+        const std::string config =
+            "daemon:\n  backend: cuda\n  executor: client\n"
+            "cuda:\n  workspace_bytes: " + std::to_string(workspace) + "\n"
+            "cluster:\n  nodes: [\"127.0.0.1:" + portText + "\", \"127.0.0.2:" + portText + "\"]\n"
+            "  node_index: " + std::to_string(i) + "\n  secret: \"span-bench-secret-0123456789abcdef\"\n"
+            "  connect_timeout_ms: 15000\n  staging_bytes: " + std::to_string(staging) + "\n"
+            "  gpu_exchange: " + (paths[p] == "gpu" ? "on" : "off") + "\n";
+        clusters.back().push_back(std::make_unique<tandem::bench::PrivateDaemon>(tandemd, config));
+      }
     }
     single = std::make_unique<tandem::bench::PrivateDaemon>(
         tandemd, "daemon:\n  backend: cuda\n  executor: client\ncuda:\n  workspace_bytes: " + std::to_string(workspace) +
@@ -235,22 +266,43 @@ int main(int argc, char** argv) {
     for (uint64_t m : parseList(msList)) jobs.push_back({op, m, nk, nk, dtype, iters, warmup});
   }
   std::fflush(stdout);
-  // Two nodes first: for a run cut short, the new path's numbers.
-  const std::vector<Timing> two = run({nodes[0]->socket(), nodes[1]->socket()}, jobs);
+  // Two nodes first, each path in turn: for a run cut short, the new path's numbers.
+  std::vector<std::vector<Timing>> two;
+  for (std::size_t p = 0; p < paths.size(); ++p) {
+    std::printf("two nodes, %s exchange:\n", paths[p] == "gpu" ? "GPU-issued" : "staged (host)");
+    std::fflush(stdout);
+    two.push_back(run({clusters[p][0]->socket(), clusters[p][1]->socket()}, jobs));
+  }
   const std::vector<Timing> one = run({single->socket()}, jobs);
-  std::printf("| op | M | one node, 1 rank | two nodes, 1 rank each (min..max) | two nodes / one node |\n");
-  std::printf("|---|---|---|---|---|\n");
+  std::string header = "| op | M | one node, 1 rank |", rule = "|---|---|---|";
+  for (const std::string& p : paths) {
+    header += fmt(" two nodes, %s (min..max) | / one node |", p == "gpu" ? "GPU-issued" : "staged");
+    rule += "---|---|";
+  }
+  if (paths.size() == 2) {
+    header += " GPU-issued / staged |";
+    rule += "---|";
+  }
+  std::printf("%s\n%s\n", header.c_str(), rule.c_str());
   int rc = 0;
   for (std::size_t i = 0; i < jobs.size(); ++i) {
-    if (one[i].median < 0 || two[i].median < 0) rc = 2;
-    std::printf("| %s | %llu | %.3f | %.3f (%.3f..%.3f) | %.2fx |\n", jobs[i].op.c_str(),
-                static_cast<unsigned long long>(jobs[i].m), one[i].median, two[i].median, two[i].min, two[i].max,
-                one[i].median > 0 ? two[i].median / one[i].median : 0.0);
+    std::string row = fmt("| %s | %llu | %.3f |", jobs[i].op.c_str(), static_cast<unsigned long long>(jobs[i].m),
+                          one[i].median);
+    if (one[i].median < 0) rc = 2;
+    for (std::size_t p = 0; p < paths.size(); ++p) {
+      const Timing& t = two[p][i];
+      if (t.median < 0) rc = 2;
+      row += fmt(" %.3f (%.3f..%.3f) | %.2fx |", t.median, t.min, t.max, one[i].median > 0 ? t.median / one[i].median : 0.0);
+    }
+    if (paths.size() == 2) row += fmt(" %.2fx |", two[1][i].median > 0 ? two[0][i].median / two[1][i].median : 0.0);
+    std::printf("%s\n", row.c_str());
   }
   // The plan lines: which path each op took across the nodes.
-  std::istringstream log(nodes[0]->log());
-  for (std::string line; std::getline(log, line);) {
-    if (line.find(": plan ") != std::string::npos) std::printf("node 0: %s\n", line.c_str());
+  for (std::size_t p = 0; p < paths.size(); ++p) {
+    std::istringstream log(clusters[p][0]->log());
+    for (std::string line; std::getline(log, line);) {
+      if (line.find(": plan ") != std::string::npos) std::printf("%s, node 0: %s\n", paths[p].c_str(), line.c_str());
+    }
   }
   return rc;
 }

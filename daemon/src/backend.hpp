@@ -28,6 +28,9 @@ class FatalBackendError : public Error {
 class Cluster;
 class CommLink;
 class PlanTable;
+namespace transport {
+class DeviceCopier;
+}
 
 struct GpuPeerInfo {
   std::string uuid;
@@ -101,6 +104,9 @@ class Backend {
   // True when the backend's buffers are host memory the daemon maps (cpu): tandem_register then takes a memfd.
   virtual bool hostMemory() const { return false; }
   virtual std::vector<GpuInfo> gpus() const { return {}; }
+  // How the cluster's transport copies between this backend's GPU memory and the host (tcp stages kDevice regions
+  // through it); null for a backend without GPU memory. The cluster keeps it as long as its transport.
+  virtual std::shared_ptr<transport::DeviceCopier> deviceCopier() { return nullptr; }
   virtual void start() {}
   virtual void stop() {}
   // The plan table (plan_table.hpp), before start(): a backend that runs plans looks every fused op up in it.

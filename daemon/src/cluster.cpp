@@ -84,6 +84,12 @@ void CommLink::abort(ErrorCode code, const std::string& reason, uint64_t afterEp
   keysCv_.notify_all();
 }
 
+void CommLink::throwIfAborted(uint64_t epoch) {
+  if (!abortedFor(epoch)) return;
+  std::lock_guard lock(mutex_);
+  fail(abortCode_, "{}", abortReason_);
+}
+
 void CommLink::waitKeys(uint32_t timeoutMs) {
   const size_t peers = nodes_.size() - 1;
   std::unique_lock lock(mutex_);
@@ -181,8 +187,9 @@ void CommLink::exchange(uint64_t epoch, const std::function<uint64_t(NodeIndex, 
 
 // ---- Cluster -------------------------------------------------------------------------------------------
 
-Cluster::Cluster(const DaemonConfig& config, std::string backend, std::vector<GpuInfo> gpus)
-    : config_(config), backend_(std::move(backend)), gpus_(std::move(gpus)) {
+Cluster::Cluster(const DaemonConfig& config, std::string backend, std::vector<GpuInfo> gpus,
+                 std::shared_ptr<transport::DeviceCopier> deviceCopier)
+    : config_(config), backend_(std::move(backend)), gpus_(std::move(gpus)), deviceCopier_(std::move(deviceCopier)) {
   const ClusterSection& c = config.cluster;
   if (!isMultiNode(c)) fail(ErrorCode::kInvalidConfig, "cluster.nodes lists fewer than two nodes");
   self_ = static_cast<NodeIndex>(c.nodeIndex);
@@ -209,6 +216,7 @@ Cluster::Cluster(const DaemonConfig& config, std::string backend, std::vector<Gp
   to.connectTimeoutMs = c.connectTimeoutMs;
   to.heartbeatIntervalMs = c.heartbeatIntervalMs;
   to.peerDeadlineMs = config.communicators.peerLostDeadlineMs;
+  to.deviceCopier = deviceCopier_.get();
   transport_ = transport::createTransport(to);
   control_ = transport_->controlChannel();
   if (control_ == nullptr) {
@@ -281,6 +289,7 @@ std::string Cluster::helloBytes() const {
   h->set_hostname(hostName());
   h->set_backend(backend_);
   h->set_staging_bytes(config_.cluster.stagingBytes);
+  h->set_gpu_exchange(gpuExchangeName(config_.cluster.gpuExchange));
   for (const GpuInfo& g : gpus_) {
     auto* gi = h->add_gpus();
     gi->set_uuid(g.uuid);
@@ -439,6 +448,10 @@ void Cluster::handleHello(NodeIndex from, const v1::NodeHello& h) {
   } else if (h.staging_bytes() != config_.cluster.stagingBytes) {
     problem = fmt::format("its cluster.staging_bytes is {} and this node's {}; set the same value on every node",
                           h.staging_bytes(), config_.cluster.stagingBytes);
+  } else if (backend_ == "cuda" && h.gpu_exchange() != gpuExchangeName(config_.cluster.gpuExchange)) {
+    // The cpu backend has no GPU exchange: only cuda nodes must agree (every op's path depends on it).
+    problem = fmt::format("its cluster.gpu_exchange is {} and this node's {}; set the same value on every node",
+                          h.gpu_exchange(), gpuExchangeName(config_.cluster.gpuExchange));
   }
   {
     std::lock_guard lock(mutex_);

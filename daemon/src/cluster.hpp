@@ -60,7 +60,9 @@ struct GpuInfo;
 using transport::NodeIndex;
 
 /// Bump on any change in the meaning of cluster.proto messages or the staging layout.
-inline constexpr uint32_t kClusterProtocolVersion = 1;
+/// 2: NodeHello.gpu_exchange; a cuda communicator's first GPU-exchange op sends the GPU region's key through the
+/// staging (cuda/gpu_exchange.hpp).
+inline constexpr uint32_t kClusterProtocolVersion = 2;
 
 class Cluster;
 
@@ -83,6 +85,13 @@ class CommLink {
 
   const std::vector<NodeIndex>& nodes() const { return nodes_; }  // ascending, this node included
   NodeIndex self() const { return self_; }
+  /// The cluster this link belongs to (its transport carries a backend's own regions, e.g. the GPU exchange's).
+  Cluster& cluster() const { return cluster_; }
+
+  /// Whether the communicator failed for `epoch` (abort() with afterEpoch < epoch). Thread-safe.
+  bool abortedFor(uint64_t epoch) const { return epoch > abortAfter_.load(std::memory_order_acquire); }
+  /// Throws the abort's Error (code and reason) when abortedFor(epoch). Thread-safe.
+  void throwIfAborted(uint64_t epoch);
 
   /// One step of a collective across nodes. For every peer node p (ascending): `fill(p, outbox)` writes the
   /// payload for p into its outbox and returns its size (at most maxPayload(); it may be 0); the bytes go to
@@ -97,6 +106,9 @@ class CommLink {
   void abort(ErrorCode code, const std::string& reason, uint64_t afterEpoch = 0);
   /// The last epoch whose exchange finished here (its transfers are posted). Thread-safe.
   uint64_t completedEpoch() const { return completedEpoch_.load(std::memory_order_acquire); }
+  /// The exchange of `epoch` finished here by other means (the cuda backend's GPU-issued exchange, whose transfers
+  /// its GPU's proxy posted): a CommFail this node sends then tells the peers to finish that op. Executor thread only.
+  void markCompleted(uint64_t epoch) { completedEpoch_.store(epoch, std::memory_order_release); }
 
   /// Runs `work` on the communicator's own executor thread, in order. One thread per multi-node
   /// communicator: its collectives block on peers, and sharing a pool between communicators could deadlock
@@ -127,7 +139,6 @@ class CommLink {
   std::mutex mutex_;  // guards peerKeys_, abortCode_, abortReason_
   std::condition_variable keysCv_;
   std::map<NodeIndex, transport::RemoteKey> peerKeys_;
-  bool abortedFor(uint64_t epoch) const { return epoch > abortAfter_.load(std::memory_order_acquire); }
   std::atomic<uint64_t> abortAfter_{~uint64_t{0}};
   std::atomic<uint64_t> completedEpoch_{0};
   uint64_t currentEpoch_ = 0;  // the exchange in progress (executor thread only)
@@ -154,8 +165,10 @@ class Cluster {
   using NodeLostHandler = std::function<void(NodeIndex node, const std::string& reason)>;
 
   /// Validates the cluster section, reads the secret, binds the listen address. Throws Error(kInvalidConfig)
-  /// or Error(kSystem) (address in use, ...) naming the fix.
-  Cluster(const DaemonConfig& config, std::string backend, std::vector<GpuInfo> gpus);
+  /// or Error(kSystem) (address in use, ...) naming the fix. `deviceCopier` (the backend's, Backend::deviceCopier;
+  /// may be null): lets the tcp transport carry GPU memory regions (kDevice); kept until the transport is gone.
+  Cluster(const DaemonConfig& config, std::string backend, std::vector<GpuInfo> gpus,
+          std::shared_ptr<transport::DeviceCopier> deviceCopier = nullptr);
   ~Cluster();
   Cluster(const Cluster&) = delete;
   Cluster& operator=(const Cluster&) = delete;
@@ -184,6 +197,11 @@ class Cluster {
 
   void fillStatus(v1::ClusterInfo& out) const;
 
+  /// The transport, for a backend's own regions and proxies (the cuda backend's GPU exchange: cuda/gpu_exchange.hpp).
+  /// Valid until stop(); whoever posts through it stops doing so before the engine's communicators are gone.
+  transport::Transport& transport() const { return *transport_; }
+  const DaemonConfig& config() const { return config_; }
+
  private:
   friend class CommLink;
   enum class NodeState { kSelf, kConnecting, kConnected, kFailed, kClosed, kIncompatible };
@@ -211,6 +229,7 @@ class Cluster {
   const DaemonConfig& config_;
   std::string backend_;
   std::vector<GpuInfo> gpus_;
+  std::shared_ptr<transport::DeviceCopier> deviceCopier_;  // before transport_: outlives it (its io threads copy)
   NodeIndex self_;
   std::vector<transport::NodeAddress> addresses_;
   std::unique_ptr<transport::Transport> transport_;

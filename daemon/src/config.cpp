@@ -141,6 +141,8 @@ constexpr std::span<const EnumName<BackendKind>> namesOf(BackendKind) { return k
 constexpr std::span<const EnumName<ExecutorKind>> namesOf(ExecutorKind) { return kExecutorNames; }
 constexpr std::span<const EnumName<ClusterTransport>> namesOf(ClusterTransport) { return kClusterTransportNames; }
 constexpr std::span<const EnumName<PlanAutotune>> namesOf(PlanAutotune) { return kPlanAutotuneNames; }
+constexpr std::array<EnumName<GpuExchange>, 2> kGpuExchangeNames{{{GpuExchange::kOn, "on"}, {GpuExchange::kOff, "off"}}};
+constexpr std::span<const EnumName<GpuExchange>> namesOf(GpuExchange) { return kGpuExchangeNames; }
 
 // ---- the schema: one table per section ----
 
@@ -153,7 +155,7 @@ struct OctalMember {
 template <typename S>
 using Member = std::variant<std::string S::*, uint32_t S::*, uint64_t S::*, int32_t S::*, std::vector<uint32_t> S::*,
                             std::vector<std::string> S::*, BackendKind S::*, ExecutorKind S::*,
-                            ClusterTransport S::*, PlanAutotune S::*, OctalMember<S>>;
+                            ClusterTransport S::*, PlanAutotune S::*, GpuExchange S::*, OctalMember<S>>;
 
 // The values a numeric key (or each item of a numeric list) may take. The printed config states it under the
 // key's help, and checkConfig enforces it, so the two cannot disagree.
@@ -352,6 +354,14 @@ constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
      "Size of the inbox and of the outbox a multi-node communicator keeps for each peer node; memory\n"
      "grows with communicators x peer nodes.",
      &ClusterSection::stagingBytes, {kMinStagingBytes, kMaxStagingBytes}},
+    {"gpu_exchange",
+     "cuda backend: on lets the GPUs issue a communicator's transfers between nodes themselves (a proxy\n"
+     "thread per GPU posts them; the bytes go GPU -> transport -> GPU) for ag-gemm, gemm-rs, gemm-ar and\n"
+     "allgather over tcp; off moves them through host memory on tandemd's link thread (the path before).\n"
+     "Ops the GPU exchange cannot take use the host path either way, and each op's plan line names its path.\n"
+     "Must be the same on every node. Each communicator that uses it holds staging_bytes x its nodes of\n"
+     "GPU memory on its first local rank's GPU (an inbox per peer node and one send area).",
+     &ClusterSection::gpuExchange},
 });
 
 constexpr auto kPlansFields = std::to_array<Field<PlansSection>>({
@@ -1315,6 +1325,13 @@ const char* executorName(ExecutorKind kind) {
 
 const char* clusterTransportName(ClusterTransport kind) {
   for (const auto& entry : kClusterTransportNames) {
+    if (entry.value == kind) return entry.name.data();
+  }
+  return "unknown";
+}
+
+const char* gpuExchangeName(GpuExchange kind) {
+  for (const auto& entry : kGpuExchangeNames) {
     if (entry.value == kind) return entry.name.data();
   }
   return "unknown";

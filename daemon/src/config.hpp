@@ -75,6 +75,9 @@ struct CudaSection {
 
 // How op data travels between nodes (named so as not to clash with transport::TransportKind).
 enum class ClusterTransport { kTcp, kVerbs };
+// Who moves a cuda communicator's bytes between nodes (cuda_multinode.hpp): on, the GPUs issue them through a proxy
+// (the GPU-issued exchange, where the op and the transport allow it); off, tandemd's link thread through host memory.
+enum class GpuExchange { kOn, kOff };
 
 // Multi-node: the tandemd daemons of a cluster connect to each other. Single node when nodes has 0 or 1 entries.
 struct ClusterSection {
@@ -88,6 +91,7 @@ struct ClusterSection {
   uint32_t heartbeatIntervalMs = 100; // >= 10, and (multi-node) less than communicators.peer_lost_deadline_ms / 2
   uint64_t stagingBytes = uint64_t{64} << 20;  // per multi-node communicator and peer node: inbox and outbox size,
                                                // 4 KiB .. 16 GiB
+  GpuExchange gpuExchange = GpuExchange::kOn;  // cuda: GPU-issued exchange where available; the same on every node
 
   bool operator==(const ClusterSection&) const = default;
 };
@@ -145,6 +149,7 @@ const char* backendName(BackendKind kind);
 const char* executorName(ExecutorKind kind);
 const char* clusterTransportName(ClusterTransport kind);  // "tcp" | "verbs", as in the YAML
 const char* planAutotuneName(PlanAutotune kind);          // "off" | "on-first-use", as in the YAML
+const char* gpuExchangeName(GpuExchange kind);            // "on" | "off", as in the YAML
 
 // One entry of cluster.nodes.
 struct NodeEndpoint {

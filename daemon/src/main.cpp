@@ -228,7 +228,9 @@ int run(const Options& options, Logging& logging) {
   auto backend = makeBackend(config);
   // Multi-node: declared before the engine, so it outlives the engine's communicators and their staging.
   std::unique_ptr<td::Cluster> cluster;
-  if (td::isMultiNode(config.cluster)) cluster = std::make_unique<td::Cluster>(config, backend->name(), backend->gpus());
+  if (td::isMultiNode(config.cluster)) {
+    cluster = std::make_unique<td::Cluster>(config, backend->name(), backend->gpus(), backend->deviceCopier());
+  }
   td::Engine engine(config, std::move(backend));
   engine.attachCluster(cluster.get());
   // Loaded before the first op: its entries steer every fused op of a known shape (plan_table.hpp).

@@ -1,13 +1,18 @@
 // Multi-node communicators on the cuda backend: two tandemd daemons, each owning one GPU (cuda.devices; both the one
 // GPU where only one exists), connected as a two-node cluster over tcp on loopback (127.0.0.1 and 127.0.0.2). tandemd
 // runs these ops itself (daemon/src/cuda/cuda_multinode.hpp): the fused GEMMs and allgather whose shapes the GEMM core
-// takes on the GPUs, with the host moving one payload per node pair, and the rest (fp32, odd shapes, barriers) on the
-// host reference fallback. Every output is checked against the fp64 reference (common/reference.hpp), one op at a time
-// and back to back on one stream, with one rank per node; then the fused GEMMs at GPU shapes off the tile with 1 and 2
-// ranks per node (the ranks interleaved over the nodes, so a node's rows are not contiguous), 20 repeats bitwise
-// identical, gemm-ar bitwise identical on every rank, and the daemons' logs naming the GPU path. Then a rank killed
-// mid-op on one node must release the other node's stream with PEER_LOST.
+// takes on the GPUs, the bytes between the nodes issued by the GPUs (the GPU-issued exchange: kernels push transfer
+// commands to a proxy thread of their GPU, which posts them through tcp into the peer's GPU region), or, with
+// cluster.gpu_exchange off and for what the GPU exchange does not take, moved by the host (staged exchange); the rest
+// (fp32, odd shapes, barriers) on the host reference fallback. Every output is checked against the fp64 reference
+// (common/reference.hpp), one op at a time and back to back on one stream, with one rank per node; then the fused GEMMs
+// at GPU shapes off the tile with 1 and 2 ranks per node (the ranks interleaved over the nodes, so a node's rows are not
+// contiguous), 20 repeats bitwise identical, gemm-ar bitwise identical on every rank, the daemons' logs naming the path;
+// the same with the GPU exchange off, bitwise identical to it. Then a rank killed mid-op on one node must release the
+// other node's stream with PEER_LOST, before the first exchange and while the GPU's wait spins.
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -46,7 +51,7 @@ std::string gpuUuid(int ordinal) {
 struct TwoNodes {
   std::vector<std::unique_ptr<Daemon>> daemons;
 
-  explicit TwoNodes(const std::string& executor = "client") {
+  explicit TwoNodes(const std::string& executor = "client", const std::string& gpuExchange = "on") {
     const int port = 20000 + static_cast<int>((::getpid() + 7919) % 12000);
     const std::string nodes = fmt::format("\"127.0.0.1:{}\", \"127.0.0.2:{}\"", port, port);
     for (int i = 0; i < 2; ++i) {
@@ -55,8 +60,9 @@ struct TwoNodes {
           "cuda:\n  devices: [\"{}\"]\n"
           "communicators:\n  peer_lost_deadline_ms: 2000\n"
           "cluster:\n  nodes: [{}]\n  node_index: {}\n  secret: \"gpu-multinode-test-secret-0123456789\"\n"
-          "  connect_timeout_ms: 15000\n  heartbeat_interval_ms: 100\n  staging_bytes: 67108864\n",
-          executor, gpuUuid(rankDevice(static_cast<uint32_t>(i))), nodes, i);
+          "  connect_timeout_ms: 15000\n  heartbeat_interval_ms: 100\n  staging_bytes: 67108864\n"
+          "  gpu_exchange: {}\n",
+          executor, gpuUuid(rankDevice(static_cast<uint32_t>(i))), nodes, i, gpuExchange);
       daemons.push_back(std::make_unique<Daemon>(config, std::vector<std::string>{}, ""));
     }
   }
@@ -346,6 +352,10 @@ std::string spanBody(const std::string& socket, const tandem_unique_id_t& id, ui
   return "OK" + hashes;
 }
 
+// The plan lines' paths.
+const std::string kGpuExchangePlan = "GPU-issued exchange (proxy gpu";
+const std::string kStagedOffPlan = "staged exchange + GPU GEMM; not GPU-issued: cluster.gpu_exchange is off";
+
 // Whether `log` has a plan line for `shape` (k: rank 0's slice for gemm-rs/ar, as its descriptor says) at `nranks`
 // ranks that names `plan`.
 bool logShowsPlan(const std::string& log, const ref::OpShape& shape, uint32_t nranks, const std::string& plan) {
@@ -380,63 +390,145 @@ TEST_CASE("two nodes, one GPU each: ag-gemm, gemm-rs, gemm-ar, allgather and bar
     CHECK(result == "OK");
   }
   for (auto& r : ranks) r.reap();
-  const std::string gpuPlan = "staged exchange + GPU GEMM", hostPlan = "host reference fallback";
+  const std::string hostPlan = "host reference fallback";
   for (const auto& d : c.daemons) {
     INFO(d->log());
-    // Both paths: bf16/fp16 at GPU shapes on the GPUs, fp32 on the host reference.
-    CHECK(logShowsPlan(d->log(), shapeOf(OpKind::kAgGemm, DType::kBF16, 777, 520, 264), 2, gpuPlan));
-    CHECK(logShowsPlan(d->log(), shapeOf(OpKind::kGemmAr, DType::kF16, 29, 16, 48), 2, gpuPlan));
+    // Every path: bf16/fp16 at GPU shapes on the GPUs with the GPU-issued exchange (allgather too), fp32 on the host.
+    CHECK(logShowsPlan(d->log(), shapeOf(OpKind::kAgGemm, DType::kBF16, 777, 520, 264), 2, kGpuExchangePlan));
+    CHECK(logShowsPlan(d->log(), shapeOf(OpKind::kGemmAr, DType::kF16, 29, 16, 48), 2, kGpuExchangePlan));
     CHECK(logShowsPlan(d->log(), shapeOf(OpKind::kAgGemm, DType::kF32, 129, 33, 17), 2, hostPlan));
+    CHECK(d->log().find("allgather 1001 bytes on 2 ranks across 2 nodes (1 here): plan GPU-issued exchange (proxy gpu") !=
+          std::string::npos);
   }
-  // k = 49 splits into 25 and 24: node 0 computes on the host, node 1 on its GPU (n = 19: padded partials), and the
+  // k = 49 splits into 25 and 24: rank 0's slice is no GEMM core shape, so both nodes keep the host exchange (decided
+  // from every rank's dims alike); node 0 computes on the host, node 1 on its GPU (n = 19: padded partials), and the
   // results still match the reference: both paths send the same fp32 payloads.
   CHECK(logShowsPlan(c.daemons[0]->log(), shapeOf(OpKind::kGemmRs, DType::kBF16, 37, 19, 49), 2, hostPlan));
-  CHECK(logShowsPlan(c.daemons[1]->log(), shapeOf(OpKind::kGemmRs, DType::kBF16, 37, 19, 49), 2, gpuPlan));
+  CHECK(logShowsPlan(c.daemons[1]->log(), shapeOf(OpKind::kGemmRs, DType::kBF16, 37, 19, 49), 2,
+                     "staged exchange + GPU GEMM; not GPU-issued: k slice = 25 on rank 0"));
   for (const auto& d : c.daemons) {
     CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
   }
 }
 
+namespace {
+
+// The GPU cases at `perNode` ranks per node on `c` (each against the reference, 20 bitwise repeats, gemm-ar bitwise
+// alike on every rank), every daemon's plan line naming `plan`. Returns rank 0's C hash per case.
+std::vector<std::string> runGpuCases(TwoNodes& c, uint32_t perNode, const std::string& plan) {
+  const uint32_t n = 2 * perNode;
+  REQUIRE_MESSAGE(c.connected(), c.logs());
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  std::vector<Rank> ranks;
+  for (uint32_t r = 0; r < n; ++r) {
+    ranks.push_back(spawn([&, r](const Io&) { return spanBody(c.daemons[r % 2]->socket(), id, r, n); }));
+  }
+  std::vector<std::vector<std::string>> hashes(n);
+  for (uint32_t r = 0; r < n; ++r) {
+    const std::string result = ranks[r].read(300000);
+    INFO("rank " << r << " (node " << r % 2 << "): " << result);
+    INFO(c.logs());
+    REQUIRE(result.rfind("OK", 0) == 0);
+    std::istringstream in(result.substr(2));
+    for (std::string h; in >> h;) hashes[r].push_back(h);
+  }
+  for (auto& r : ranks) r.reap();
+  const auto all = gpuCases(n);
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    CAPTURE(describe(all[i]));
+    // gemm-ar: every rank on every node holds bitwise the same C.
+    if (all[i].kind == OpKind::kGemmAr) {
+      for (uint32_t r = 1; r < n; ++r) CHECK(hashes[r].at(i) == hashes[0].at(i));
+    }
+    for (const auto& d : c.daemons) {
+      INFO(d->log());
+      CHECK(logShowsPlan(d->log(), all[i], n, plan));
+    }
+  }
+  for (const auto& d : c.daemons) {
+    CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
+  }
+  return hashes[0];
+}
+
+}  // namespace
+
 TEST_CASE("two nodes: the fused GEMMs across nodes run on the GPUs at 1 and 2 ranks per node, match the fp64 reference "
           "and repeat bitwise") {
   for (uint32_t perNode : {1u, 2u}) {
-    const uint32_t n = 2 * perNode;
-    CAPTURE(n);
+    CAPTURE(perNode);
     TwoNodes c;
-    REQUIRE_MESSAGE(c.connected(), c.logs());
-    tandem_unique_id_t id;
-    REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-    std::vector<Rank> ranks;
-    for (uint32_t r = 0; r < n; ++r) {
-      ranks.push_back(spawn([&, r](const Io&) { return spanBody(c.daemons[r % 2]->socket(), id, r, n); }));
-    }
-    std::vector<std::vector<std::string>> hashes(n);
-    for (uint32_t r = 0; r < n; ++r) {
-      const std::string result = ranks[r].read(300000);
-      INFO("rank " << r << " (node " << r % 2 << "): " << result);
-      INFO(c.logs());
-      REQUIRE(result.rfind("OK", 0) == 0);
-      std::istringstream in(result.substr(2));
-      for (std::string h; in >> h;) hashes[r].push_back(h);
-    }
-    for (auto& r : ranks) r.reap();
-    const auto all = gpuCases(n);
-    for (std::size_t i = 0; i < all.size(); ++i) {
-      CAPTURE(describe(all[i]));
-      // gemm-ar: every rank on every node holds bitwise the same C.
-      if (all[i].kind == OpKind::kGemmAr) {
-        for (uint32_t r = 1; r < n; ++r) CHECK(hashes[r].at(i) == hashes[0].at(i));
-      }
-      for (const auto& d : c.daemons) {
-        INFO(d->log());
-        CHECK(logShowsPlan(d->log(), all[i], n, "staged exchange + GPU GEMM"));
-      }
-    }
-    for (const auto& d : c.daemons) {
-      CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
+    runGpuCases(c, perNode, kGpuExchangePlan);
+  }
+}
+
+TEST_CASE("two nodes: with cluster.gpu_exchange off the host moves the bytes, and the results are bitwise those of the "
+          "GPU-issued exchange") {
+  std::vector<std::string> on, off;
+  {
+    TwoNodes c("client", "on");
+    on = runGpuCases(c, 1, kGpuExchangePlan);
+  }
+  {
+    TwoNodes c("client", "off");
+    off = runGpuCases(c, 1, kStagedOffPlan);
+  }
+  CHECK(on == off);
+}
+
+namespace {
+
+// Rank of 2 whose communicator has run one op through the GPU exchange (its GPU regions and keys are set up), then
+// submits an ag-gemm behind an optional gate, as gatedRank does (same orders).
+std::string warmGatedRank(const Io& io, const std::string& socket, const tandem_unique_id_t& id, uint32_t rank,
+                          bool gate) {
+  CK(cudaSetDevice(rankDevice(rank)));
+  tandem_session_t s;
+  TK(tandem_connect(socket.c_str(), &s));
+  tandem_comm_t comm;
+  TK(tandem_comm_init(s, &id, 2, rank, 60000, &comm));
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  {
+    OpRun warm(s, allgatherOf(4096), rank, 2, 77);
+    if (std::string e = warm.submit(comm, stream); !e.empty()) return "FAIL warm-up " + e;
+    if (std::string synced = syncWithin(stream, 30000); synced != "synced") return "FAIL warm-up stream " + synced;
+    if (std::string e = warm.check(); !e.empty()) return "FAIL warm-up " + e;
+  }
+  constexpr uint64_t M = 2048, N = 2048, K = 2048;
+  tandem_buffer_t a, b, c;
+  TK(tandem_alloc(s, M * K, &a));  // this rank's half of A (bf16)
+  TK(tandem_alloc(s, N * K * 2, &b));
+  TK(tandem_alloc(s, M * N * 2, &c));
+  uint32_t* flag = nullptr;
+  if (gate) {
+    CK(cudaHostAlloc(reinterpret_cast<void**>(&flag), 4096, cudaHostAllocMapped | cudaHostAllocPortable));
+    *flag = 0;
+    const CUresult r = tandem::kernels::driver().streamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(flag), 1,
+                                                                   CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS) return "FAIL gate";
+  }
+  tandem_op_t op;
+  const tandem_ag_gemm_args_t args{sizeof args, TANDEM_DTYPE_BF16, M, N, K, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0},
+                                   stream};
+  TK(tandem_ag_gemm(comm, &args, &op));
+  io.say("submitted");
+  for (;;) {
+    const std::string order = io.hear();
+    if (order == "release") {
+      std::atomic_ref<uint32_t>(*flag).store(1);
+    } else if (order == "sync") {
+      const std::string synced = syncWithin(stream, 10000);
+      const tandem_status_t st = tandem_wait(op, 10000);
+      return fmt::format("{} {} {}", synced, static_cast<int>(st), tandem_last_error());
+    } else {
+      return "FAIL order '" + order + "'";
     }
   }
 }
+
+}  // namespace
 
 TEST_CASE("two nodes, daemon executor (MPS): the fused GEMMs across nodes run on the GPUs, match the fp64 reference "
           "and repeat bitwise") {
@@ -463,7 +555,7 @@ TEST_CASE("two nodes, daemon executor (MPS): the fused GEMMs across nodes run on
   for (auto& r : ranks) r.reap();
   for (const auto& d : c.daemons) {
     INFO(d->log());
-    CHECK(logShowsPlan(d->log(), gpuCases(2).front(), 2, "staged exchange + GPU GEMM"));
+    CHECK(logShowsPlan(d->log(), gpuCases(2).front(), 2, kGpuExchangePlan));
     CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
   }
 }
@@ -481,6 +573,30 @@ TEST_CASE("two nodes, one GPU each: a rank killed mid-op on one node releases th
   Rank survivor = spawn([&](const Io& io) { return gatedRank(io, c.daemons[0]->socket(), id, 0, false, GatedOp::kAgGemm); });
   Rank victim = spawn([&](const Io& io) { return gatedRank(io, c.daemons[1]->socket(), id, 1, true, GatedOp::kAgGemm); });
   expectStreamReleasedAfterKill(survivor, victim, false, [&] { return c.logs(); });
+  for (const auto& d : c.daemons) {
+    CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
+  }
+}
+
+TEST_CASE("two nodes, one GPU each: a rank killed while the other node's GPU waits for its data releases that stream "
+          "with PEER_LOST") {
+  if (mpsRunning()) {
+    MESSAGE("skipped: needs no MPS (a kill under MPS poisons the MPS server)");
+    return;
+  }
+  TwoNodes c;
+  REQUIRE_MESSAGE(c.connected(), c.logs());
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  // After a first op through the GPU exchange, the survivor's node pushes its shards and its GPU spins on node 1's
+  // arrived flag, which never comes: the victim's stream is gated. The kill must end that wait (the abort word).
+  Rank survivor = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[0]->socket(), id, 0, false); });
+  Rank victim = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[1]->socket(), id, 1, true); });
+  const auto t0 = std::chrono::steady_clock::now();
+  expectStreamReleasedAfterKill(survivor, victim, false, [&] { return c.logs(); });
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));  // not the kernels' 60 s deadline
+  CHECK(logShowsPlan(c.daemons[0]->log(), shapeOf(OpKind::kAgGemm, DType::kBF16, 2048, 2048, 2048), 2,
+                     kGpuExchangePlan));
   for (const auto& d : c.daemons) {
     CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
   }

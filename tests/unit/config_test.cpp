@@ -399,7 +399,8 @@ TEST_SUITE("config") {
         "  connections_per_peer: 4\n"
         "  connect_timeout_ms: 1000\n"
         "  heartbeat_interval_ms: 2499\n"
-        "  staging_bytes: 4096\n";
+        "  staging_bytes: 4096\n"
+        "  gpu_exchange: off\n";
     const DaemonConfig c = parseConfig(yaml, "cluster.yaml");
     CHECK(c.cluster.nodes == std::vector<std::string>{"10.0.0.1:7100", "node-b.example.com:7100", "[fd00::3]:7200"});
     CHECK(c.cluster.nodeIndex == 2);
@@ -410,6 +411,7 @@ TEST_SUITE("config") {
     CHECK(c.cluster.connectTimeoutMs == 1000);
     CHECK(c.cluster.heartbeatIntervalMs == 2499);
     CHECK(c.cluster.stagingBytes == 4096);
+    CHECK(c.cluster.gpuExchange == GpuExchange::kOff);
     CHECK(isMultiNode(c.cluster));
     CHECK(clusterSecret(c.cluster) == "a secret: with # odd chars");
     CHECK(parseConfig(configYaml(c), "printed.yaml") == c);
@@ -424,6 +426,10 @@ TEST_SUITE("config") {
     CHECK(defaults.connectTimeoutMs == 60000);
     CHECK(defaults.heartbeatIntervalMs == 100);
     CHECK(defaults.stagingBytes == uint64_t{64} << 20);
+    CHECK(defaults.gpuExchange == GpuExchange::kOn);
+    CHECK(std::string_view(gpuExchangeName(GpuExchange::kOn)) == "on");
+    CHECK(std::string_view(gpuExchangeName(GpuExchange::kOff)) == "off");
+    CHECK(parseConfig("cluster:\n  gpu_exchange: on\n", "on.yaml").cluster.gpuExchange == GpuExchange::kOn);
     CHECK(std::string_view(clusterTransportName(ClusterTransport::kTcp)) == "tcp");
     CHECK(std::string_view(clusterTransportName(ClusterTransport::kVerbs)) == "verbs");
 
@@ -644,6 +650,11 @@ TEST_SUITE("config") {
     checkError("cluster:\n  transport: ib\n",
                {"tandemd.yaml:2:14: cluster.transport: 'ib' is not one of tcp, verbs. Set cluster.transport to tcp or "
                 "verbs."});
+    // YAML 1.1 would read a bare off as false; the key takes only its two names.
+    checkError("cluster:\n  gpu_exchange: false\n",
+               {"tandemd.yaml:2:17: cluster.gpu_exchange: 'false' is not one of on, off. Set cluster.gpu_exchange to on "
+                "or off."});
+    checkError("cluster:\n  gpu_exchange: [on]\n", {"cluster.gpu_exchange: expected one of on, off"});
     checkError("cluster:\n  node_idx: 1\n",
                {"tandemd.yaml:2:3: cluster.node_idx: unknown key. Valid keys in cluster: nodes, node_index,",
                 "Did you mean 'node_index'?"});

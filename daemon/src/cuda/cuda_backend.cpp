@@ -55,6 +55,7 @@ class CudaBackend final : public Backend {
     return comm != nullptr ? static_cast<const CudaComm*>(comm)->ops() : k::executorOps(executor_);
   }
   std::vector<GpuInfo> gpus() const override { return gpus_; }
+  std::shared_ptr<transport::DeviceCopier> deviceCopier() override { return copiers_; }
   void attachPlans(std::shared_ptr<PlanTable> plans) override {
     ctx_.plans = std::move(plans);
     ctx_.gpuModel = planGpuModel(name(), gpus_);
@@ -71,6 +72,7 @@ class CudaBackend final : public Backend {
       }
     }
     if (executors_) executors_->stop();
+    hub_->shutdown();  // the GPU proxies stop posting before the cluster's transport goes (main stops it next)
   }
 
   // ---- memory ----
@@ -250,7 +252,7 @@ class CudaBackend final : public Backend {
       devices[r] = gpu(comm.devices[r], "join").ordinal;
       pages[r] = k::ControlPage::create(fmt::format("tandem-ctl-c{}", comm.handle));
     }
-    return std::make_shared<HostStagedComm>(comm.handle, std::move(pages), devices, workspaceBytes_);
+    return std::make_shared<HostStagedComm>(comm.handle, std::move(pages), devices, workspaceBytes_, hub_);
   }
 
   const GpuInfo& gpu(const std::string& uuid, const char* what) const {
@@ -294,6 +296,10 @@ class CudaBackend final : public Backend {
   // Declared in creation order (destroyed in reverse): a constructor that throws part way releases what it made.
   std::map<int, k::CudaStream> setupStreams_;
   std::unique_ptr<DaemonExecutor> executors_;  // executor daemon only: a persistent kernel per GPU
+  // The GPU-issued exchange of communicators that span nodes (gpu_exchange.hpp): the tcp transport's copier between
+  // GPU and host memory (the cluster keeps it as long as its transport), and the per-GPU proxies, made at first use.
+  std::shared_ptr<GpuCopiers> copiers_ = std::make_shared<GpuCopiers>();
+  std::shared_ptr<GpuExchangeHub> hub_ = std::make_shared<GpuExchangeHub>(copiers_);
   mutable std::mutex mutex_;
   std::vector<std::weak_ptr<CudaComm>> comms_;
 };
@@ -301,7 +307,10 @@ class CudaBackend final : public Backend {
 }  // namespace
 
 void prepareEnvironment(const DaemonConfig& config) {
-  if (config.daemon.executor == ExecutorKind::kDaemon ||
+  // The GPU exchange too: its kernels spin on a peer's flags while tandemd launches the GEMMs and sums of the same op,
+  // and a module loaded lazily then would wait for them (preload.hpp).
+  const bool gpuExchange = isMultiNode(config.cluster) && config.cluster.gpuExchange == GpuExchange::kOn;
+  if (gpuExchange || config.daemon.executor == ExecutorKind::kDaemon ||
       (config.daemon.executor == ExecutorKind::kAuto && mpsControlReachable())) {
     ::setenv("CUDA_MODULE_LOADING", "EAGER", 1);
   }

@@ -6,13 +6,17 @@
 
 #include <algorithm>
 #include <cstring>
+#include <chrono>
 #include <exception>
 #include <limits>
+#include <thread>
 
 #include "cluster.hpp"
 #include "cpu/cpu_ops.hpp"
 #include "tandem/common/validate.hpp"
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/preload.hpp"
+#include "tandem/kernels/span_exchange.hpp"
 #include "tandem/kernels/span_reduce.hpp"
 
 namespace tandem::daemon::cuda {
@@ -46,6 +50,15 @@ std::vector<uint32_t> localRanksOf(const Collective& c) {
     if (c.ops[r].local()) out.push_back(r);
   }
   return out;
+}
+
+// What the GPU exchange's rules and commands read: every rank's descriptor, its node, the communicator's nodes.
+ExchangeOp exchangeOpOf(const Collective& c) {
+  ExchangeOp x;
+  for (const PendingOp& op : c.ops) x.descs.push_back(op.desc);
+  x.nodeOfRank = c.nodeOfRank;
+  x.nodes = c.link->nodes();
+  return x;
 }
 
 // Slot `s` of local rank op `op` in tandemd's address space; null when absent.
@@ -143,13 +156,15 @@ void checkStaging(const Collective& c) {
 
 }  // namespace
 
-HostStaging::HostStaging(uint64_t handle, std::vector<LocalRank> local, uint64_t workspaceBytes)
-    : handle_(handle), local_(std::move(local)), workspaceBytes_(workspaceBytes) {
+HostStaging::HostStaging(uint64_t handle, std::vector<LocalRank> local, uint64_t workspaceBytes,
+                         std::shared_ptr<GpuExchangeHub> hub)
+    : handle_(handle), local_(std::move(local)), workspaceBytes_(workspaceBytes), hub_(std::move(hub)) {
   for (const LocalRank& l : local_) {
     if (!gpus_.contains(l.device)) {
       Gpu g;
       g.compute = k::CudaStream::create(l.device, "span compute");
       g.copy = k::CudaStream::create(l.device, "span copies");
+      g.exchange = k::CudaStream::create(l.device, "span exchange");
       g.event = k::CudaEvent::create(l.device, "span ordering");
       gpus_.emplace(l.device, std::move(g));
     }
@@ -244,6 +259,7 @@ void HostStaging::abort(ErrorCode code, const std::string& reason) {
     reason_ = reason;
     w = std::move(waiting_);
     waiting_.reset();
+    if (region_) region_->abort();  // the kernels of a running op stop waiting for the peers
   }
   // Not handed to the link thread yet: it never runs (the engine dispatches nothing more on a failed communicator).
   if (w) completeLocal(w->c, statusOf(code), reason);
@@ -262,8 +278,28 @@ void HostStaging::run(Collective& c) {
   std::string message;
   bool leftExchange = false;  // this node failed outside the exchange: its peers must hear of it
   try {
-    const std::string why = fallbackReason(c);
-    if (why.empty()) {
+    const OpKind kind = c.ops[0].desc.kind;
+    const ExchangeOp xop = exchangeOpOf(c);
+    // The exchange's path, alike on every node (gpu_exchange_plan.hpp); then the compute's, which may differ.
+    const std::string notGpu = gpuExchangeRefusal(xop, c.link->cluster().config().cluster);
+    const std::string why = notGpu.empty() ? std::string() : fallbackReason(c);
+    if (notGpu.empty()) {
+      try {
+        checkWorkspaces(c);
+        const int leadDev = deviceOf(localRanksOf(c).front());
+        logPlanOnce(c, fmt::format("GPU-issued exchange (proxy gpu{} {}) + GPU {}", leadDev,
+                                   clusterTransportName(c.link->cluster().config().cluster.transport),
+                                   kind == OpKind::kAllGather ? "copies" : "GEMM"));
+        runGpuExchange(c, xop);
+      } catch (const Error& e) {
+        // The peers wait for this node's flags: unless the communicator failed already, it must fail now.
+        leftExchange = e.code() != ErrorCode::kPeerLost && e.code() != ErrorCode::kAborted;
+        throw;
+      } catch (const std::exception&) {
+        leftExchange = true;
+        throw;
+      }
+    } else if (why.empty()) {
       checkStaging(c);  // alike on every node: the op fails everywhere, the communicator lives on
       try {
         checkWorkspaces(c);
@@ -271,8 +307,9 @@ void HostStaging::run(Collective& c) {
         leftExchange = true;
         throw;
       }
-      const OpKind kind = c.ops[0].desc.kind;
-      logPlanOnce(c, kind == OpKind::kAllGather ? "staged exchange + GPU copies" : "staged exchange + GPU GEMM");
+      logPlanOnce(c, fmt::format("{}; not GPU-issued: {}",
+                                 kind == OpKind::kAllGather ? "staged exchange + GPU copies" : "staged exchange + GPU GEMM",
+                                 notGpu));
       runOnGpus(c);
     } else {
       logPlanOnce(c, fmt::format("host reference fallback ({})", why));
@@ -294,6 +331,10 @@ void HostStaging::run(Collective& c) {
   } catch (const std::exception& e) {
     code = statusOf(ErrorCode::kInternal);
     message = fmt::format("{} failed inside tandemd: {}", opKindName(c.ops[0].desc.kind), e.what());
+    if (leftExchange) {
+      std::lock_guard lock(mutex_);
+      if (copyFailure_.empty()) copyFailure_ = message;
+    }
   }
   finish(c, code, std::move(message));
 }
@@ -381,7 +422,10 @@ void HostStaging::checkWorkspaces(const Collective& c) const {
   auto need = [&](uint32_t r) -> uint64_t {
     switch (d.kind) {
       case OpKind::kAgGemm:
-        return slotPtr(c.ops[r], slot::kAGathered) != nullptr ? 0 : alignUp(m * d.dims[dim::kK] * es, kAlign);
+        // A gathered A slot that is not 16-byte aligned is built in the workspace (GPU exchange) and copied there.
+        return slotPtr(c.ops[r], slot::kAGathered) != nullptr && aligned16(slotPtr(c.ops[r], slot::kAGathered))
+                   ? 0
+                   : alignUp(m * d.dims[dim::kK] * es, kAlign);
       case OpKind::kGemmRs:
       case OpKind::kGemmAr: {
         const uint64_t partial = alignUp(m * alignUp(n, 8) * es, kAlign);
@@ -446,6 +490,7 @@ void HostStaging::drain() noexcept {
       k::CudaDeviceGuard guard(device);
       k::reportRelease(cudaStreamSynchronize(g.compute.get()), "cudaStreamSynchronize(span compute)");
       k::reportRelease(cudaStreamSynchronize(g.copy.get()), "cudaStreamSynchronize(span copies)");
+      k::reportRelease(cudaStreamSynchronize(g.exchange.get()), "cudaStreamSynchronize(span exchange)");
     } catch (const std::exception& e) {
       spdlog::warn("communicator {:#x}: draining GPU {} after a failed op: {}", handle_, device, e.what());
     }
@@ -801,6 +846,502 @@ void HostStaging::gemmReduce(Collective& c) {
   syncStream(leadDev, leadStream, opKindName(d.kind).data());
 }
 
+// ---- the GPU-issued exchange -----------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr uint64_t kExchangeTimeoutNs = uint64_t{kExchangeTimeoutMs} * 1'000'000;
+
+// Tensors the GEMM core cannot take in place (not 16-byte aligned) on the GPU exchange, where a node-local fact must
+// not change the path: an input is copied aside before the GEMM reads it, an output is computed aside and copied back
+// after. Stream-ordered memory on the stream of the GEMM that uses it (no device-wide synchronisation, which a spinning
+// exchange kernel of another communicator could hold up), freed on that stream.
+class Aside {
+ public:
+  Aside() = default;
+  Aside(const Aside&) = delete;
+  Aside& operator=(const Aside&) = delete;
+  ~Aside() {
+    for (const Block& b : blocks_) {
+      k::CudaDeviceGuard guard(b.dev);
+      k::reportRelease(cudaFreeAsync(b.mem, b.stream), "cudaFreeAsync(aligned copy)");
+    }
+  }
+  const std::byte* input(int dev, cudaStream_t s, const std::byte* p, uint64_t bytes) {
+    if (p == nullptr || aligned16(p)) return p;
+    std::byte* q = allocate(dev, s, bytes, nullptr);
+    copyAsync(q, p, bytes, s, "input to an aligned copy");
+    return q;
+  }
+  std::byte* output(int dev, cudaStream_t s, std::byte* p, uint64_t bytes) {
+    if (p == nullptr || aligned16(p)) return p;
+    return allocate(dev, s, bytes, p);
+  }
+  // The outputs' copies back, each on its stream after what was queued there before.
+  void flush() {
+    for (const Block& b : blocks_) {
+      if (b.back == nullptr) continue;
+      k::CudaDeviceGuard guard(b.dev);
+      copyAsync(b.back, b.mem, b.bytes, b.stream, "aligned copy to the output");
+    }
+  }
+
+ private:
+  struct Block {
+    int dev;
+    cudaStream_t stream;
+    std::byte* mem;
+    std::byte* back;  // an output's home; null for an input
+    uint64_t bytes;
+  };
+  std::byte* allocate(int dev, cudaStream_t s, uint64_t bytes, std::byte* back) {
+    k::CudaDeviceGuard guard(dev);
+    void* mem = nullptr;
+    k::checkCuda(cudaMallocAsync(&mem, std::max<uint64_t>(bytes, 16), s), "cudaMallocAsync({} bytes, aligned copy)",
+                 bytes);
+    blocks_.push_back({dev, s, static_cast<std::byte*>(mem), back, bytes});
+    return static_cast<std::byte*>(mem);
+  }
+  std::vector<Block> blocks_;
+};
+
+}  // namespace
+
+bool HostStaging::failedNow() const {
+  std::lock_guard lock(mutex_);
+  return failed_;
+}
+
+void HostStaging::order(int fromDev, cudaStream_t from, cudaStream_t to) {
+  if (from == to) return;
+  Gpu& g = gpu(fromDev);
+  k::CudaDeviceGuard guard(fromDev);
+  k::checkCuda(cudaEventRecord(g.event.get(), from), "cudaEventRecord(span exchange order)");
+  k::checkCuda(cudaStreamWaitEvent(to, g.event.get()), "cudaStreamWaitEvent(span exchange order)");
+}
+
+GpuRegion& HostStaging::gpuRegion(Collective& c) {
+  if (region_) return *region_;
+  if (!hub_) fail(ErrorCode::kInternal, "GPU exchange: the backend gave no GPU proxies");
+  const int leadDev = deviceOf(localRanksOf(c).front());
+  // Never loaded lazily behind a spinning exchange kernel (tandem/kernels/preload.hpp).
+  for (auto& [device, g] : gpus_) {
+    k::preloadSpanExchangeKernels(device);
+    k::preloadGemmKernels(device);
+  }
+  Cluster& cluster = c.link->cluster();
+  const DaemonConfig& config = cluster.config();
+  const auto grace = std::chrono::milliseconds(std::max<uint32_t>(10000, 3 * config.communicators.peerLostDeadlineMs));
+  auto region = std::make_unique<GpuRegion>(
+      hub_->proxy(leadDev, cluster.transport()),
+      GpuRegionLayout::make(c.link->nodes(), c.link->self(), config.cluster.stagingBytes), c.link, grace);
+  // The keys through the host staging, once per communicator, at the first op every node sends through the GPUs.
+  const std::vector<std::byte> mine = region->key().encode();
+  std::map<transport::NodeIndex, transport::RemoteKey> keys;
+  c.link->exchange(
+      c.epoch,
+      [&](uint32_t, std::span<std::byte> out) {
+        if (out.size() < mine.size()) fail(ErrorCode::kInternal, "GPU exchange: no room for the region key");
+        std::memcpy(out.data(), mine.data(), mine.size());
+        return static_cast<uint64_t>(mine.size());
+      },
+      [&](uint32_t node, std::span<const std::byte> in) {
+        const transport::RemoteKey key = transport::RemoteKey::decode(in);
+        if (key.owner != node || key.bytes != region->layout().bytes()) {
+          fail(ErrorCode::kProtocol, "GPU exchange: node {} sent a region key of node {} with {} bytes (expected {})",
+               node, key.owner, key.bytes, region->layout().bytes());
+        }
+        keys[node] = key;
+      },
+      kExchangeTimeoutMs);
+  region->setPeerKeys(keys);
+  std::lock_guard lock(mutex_);
+  region_ = std::move(region);
+  if (failed_) region_->abort();
+  return *region_;
+}
+
+void HostStaging::waitGpuWork(Collective& c) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(2 * kExchangeTimeoutMs);
+  bool aborted = false;
+  for (uint32_t spins = 0;; ++spins) {
+    bool busy = false;
+    for (auto& [device, g] : gpus_) {
+      k::CudaDeviceGuard guard(device);
+      for (cudaStream_t s : {g.exchange.get(), g.compute.get(), g.copy.get()}) {
+        const cudaError_t e = cudaStreamQuery(s);
+        if (e == cudaErrorNotReady) {
+          busy = true;
+          break;
+        }
+        k::checkCuda(e, "the GPU work of {} across nodes", opKindName(c.ops[0].desc.kind));
+      }
+      if (busy) break;
+    }
+    if (!busy) break;
+    if (!aborted && (c.link->abortedFor(c.epoch) || failedNow())) {
+      aborted = true;
+      if (region_) region_->abort();  // the kernels' waits end; the rest of the op drains
+    }
+    if (spins % 256 == 255 && std::chrono::steady_clock::now() > deadline) {
+      fail(ErrorCode::kTimeout, "{} across nodes: the GPU work did not finish within {} ms",
+           opKindName(c.ops[0].desc.kind), 2 * kExchangeTimeoutMs);
+    }
+    if (spins < 2048) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  if (aborted) {
+    c.link->throwIfAborted(c.epoch);
+    std::lock_guard lock(mutex_);
+    fail(failCode_, "{}", reason_);
+  }
+}
+
+void HostStaging::finishGpuExchange(Collective& c) {
+  GpuRegion& region = *region_;
+  if (const std::string why = region.failure(); !why.empty()) {
+    c.link->throwIfAborted(c.epoch);
+    if (failedNow()) {
+      std::lock_guard lock(mutex_);
+      fail(failCode_, "{}", reason_);
+    }
+    fail(ErrorCode::kTimeout, "{} across nodes: {}; the peer daemon is alive but its data never came (check its log)",
+         opKindName(c.ops[0].desc.kind), why);
+  }
+  const uint64_t last = region.lastTicket();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kExchangeTimeoutMs);
+  for (uint32_t spins = 0; region.proxy().completed() < last; ++spins) {
+    c.link->throwIfAborted(c.epoch);
+    if (spins % 256 == 255 && std::chrono::steady_clock::now() > deadline) {
+      fail(ErrorCode::kTimeout, "{} across nodes: the GPU's proxy did not post this node's transfers within {} ms",
+           opKindName(c.ops[0].desc.kind), kExchangeTimeoutMs);
+    }
+    if (spins < 2048) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  prevGpuEpoch_ = c.epoch;
+  // A rank may destroy the communicator as soon as this op completes; the CommFail that sends must tell the peers
+  // that this node's part of it is done (they still finish it), as the host exchange's completion does.
+  c.link->markCompleted(c.epoch);
+}
+
+void HostStaging::runGpuExchange(Collective& c, const ExchangeOp& op) {
+  GpuRegion& region = gpuRegion(c);
+  region.preparePlan(op, c.epoch, prevGpuEpoch_, kExchangeTimeoutNs);
+  try {
+    switch (c.ops[0].desc.kind) {
+      case OpKind::kAgGemm: agGemmGpu(c, op); break;
+      case OpKind::kAllGather: allGatherGpu(c, op); break;
+      default: gemmReduceGpu(c, op); break;
+    }
+    waitGpuWork(c);
+  } catch (...) {
+    // Nothing of ours may still wait or write once the op completes; the communicator fails either way.
+    region.abort();
+    drain();
+    throw;
+  }
+  finishGpuExchange(c);
+}
+
+// As agGemm, with the exchange on the lead GPU's exchange stream: the local shards into the send area and the local
+// rows' GEMM, the push; then the wait, the remote shards from the inboxes into every gathered A, the remote rows' GEMM.
+void HostStaging::agGemmGpu(Collective& c, const ExchangeOp& op) {
+  const OpDescriptor& d = c.ops[0].desc;
+  const auto n = static_cast<uint32_t>(c.ops.size());
+  const uint64_t m = d.dims[dim::kM], cols = d.dims[dim::kN], kk = d.dims[dim::kK], es = dtypeSize(d.dtype);
+  const uint64_t rowBytes = kk * es;
+  auto shardBytes = [&](uint32_t r) { return rowsOf(m, r, n) * rowBytes; };
+  const std::vector<uint32_t> mine = localRanksOf(c);
+  const int leadDev = deviceOf(mine.front());
+  GpuRegion& region = *region_;
+  Gpu& lead = gpu(leadDev);
+  cudaStream_t exch = lead.exchange.get();
+  Aside aside;
+  std::vector<std::byte*> gathered(n, nullptr), home(n, nullptr), cOut(n, nullptr);
+  std::vector<const std::byte*> a(n, nullptr), b(n, nullptr);
+  std::set<int> devices;
+  for (uint32_t r : mine) {
+    const int dev = deviceOf(r);
+    devices.insert(dev);
+    cudaStream_t cs = gpu(dev).compute.get();
+    std::byte* g = slotPtr(c.ops[r], slot::kAGathered);
+    home[r] = g != nullptr && !aligned16(g) ? g : nullptr;  // a misaligned gathered A: built in the workspace
+    gathered[r] = g != nullptr && aligned16(g) ? g : workspace(r);
+    a[r] = slotPtr(c.ops[r], slot::kA);
+    b[r] = aside.input(dev, cs, slotPtr(c.ops[r], slot::kB), cols * kk * es);
+    cOut[r] = aside.output(dev, cs, slotPtr(c.ops[r], slot::kC), m * cols * es);
+  }
+  auto copiesThenCompute = [&] {
+    for (int dev : devices) order(dev, gpu(dev).copy.get(), gpu(dev).compute.get());
+  };
+  auto gemmRows = [&](const std::vector<std::pair<uint64_t, uint64_t>>& runs) {
+    for (uint32_t r : mine) {
+      const int dev = deviceOf(r);
+      k::CudaDeviceGuard guard(dev);
+      for (auto [first, rows] : runs) {
+        k::GemmParams p{};
+        p.a = gathered[r] + first * rowBytes;
+        p.b = b[r];
+        p.c = cOut[r] + first * cols * es;
+        p.m = static_cast<int64_t>(rows);
+        p.n = static_cast<int64_t>(cols);
+        p.k = static_cast<int64_t>(kk);
+        p.lda = p.ldb = static_cast<int64_t>(kk);
+        p.ldc = static_cast<int64_t>(cols);
+        p.dtype = d.dtype == DType::kBF16 ? k::GemmDtype::kBf16 : k::GemmDtype::kFp16;
+        gemm(p, gpu(dev).compute.get(), "ag-gemm");
+      }
+    }
+  };
+  // 1. This node's shards into the send area (packed in rank order) and into every local rank's gathered A.
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    uint64_t off = 0;
+    for (uint32_t q : mine) {
+      copyAsync(region.sendArea() + off, a[q], shardBytes(q), lead.copy.get(), "shard to the send area");
+      off += shardBytes(q);
+    }
+  }
+  for (uint32_t r : mine) {
+    k::CudaDeviceGuard guard(deviceOf(r));
+    for (uint32_t q : mine) {
+      if (shardBytes(q) == 0 || gathered[r] + rowOffset(m, q, n) * rowBytes == a[q]) continue;
+      copyAsync(gathered[r] + rowOffset(m, q, n) * rowBytes, a[q], shardBytes(q), gpu(deviceOf(r)).copy.get(),
+                "local shard to gathered A");
+    }
+  }
+  // 2. The push once the send area is filled, then the wait; meanwhile the local rows' GEMMs.
+  order(leadDev, lead.copy.get(), exch);
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
+    k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
+  }
+  copiesThenCompute();
+  gemmRows(rowRuns(c, m, true));
+  // 3. The peers' shards from the inboxes into every local rank's gathered A, once they arrived.
+  for (int dev : devices) order(leadDev, exch, gpu(dev).copy.get());
+  for (uint32_t p : region.layout().peers()) {
+    uint64_t off = 0;
+    for (uint32_t q : ranksOnNode(op, p)) {
+      for (uint32_t r : mine) {
+        k::CudaDeviceGuard guard(deviceOf(r));
+        copyAsync(gathered[r] + rowOffset(m, q, n) * rowBytes, region.inbox(p) + off, shardBytes(q),
+                  gpu(deviceOf(r)).copy.get(), "inbox to gathered A");
+      }
+      off += shardBytes(q);
+    }
+  }
+  // 4. The inboxes are read once those copies are done: tell the peers; the remote rows' GEMMs meanwhile.
+  for (int dev : devices) order(dev, gpu(dev).copy.get(), exch);
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    k::checkCuda(k::launchSpanConsumed(region.planDevice(), exch), "span exchange consumed");
+  }
+  copiesThenCompute();
+  gemmRows(rowRuns(c, m, false));
+  // 5. Outputs computed aside go home (on the compute streams, after the GEMMs).
+  aside.flush();
+  for (uint32_t r : mine) {
+    if (home[r] == nullptr) continue;
+    k::CudaDeviceGuard guard(deviceOf(r));
+    copyAsync(home[r], gathered[r], m * rowBytes, gpu(deviceOf(r)).compute.get(), "gathered A to its tensor");
+  }
+}
+
+// As allGather, with the exchange on the lead GPU's exchange stream.
+void HostStaging::allGatherGpu(Collective& c, const ExchangeOp& op) {
+  const uint64_t bytes = c.ops[0].desc.dims[dim::kBytes];
+  const std::vector<uint32_t> mine = localRanksOf(c);
+  const int leadDev = deviceOf(mine.front());
+  GpuRegion& region = *region_;
+  Gpu& lead = gpu(leadDev);
+  cudaStream_t exch = lead.exchange.get();
+  std::set<int> devices;
+  for (uint32_t r : mine) devices.insert(deviceOf(r));
+  auto recv = [&](uint32_t r) { return slotPtr(c.ops[r], slot::kRecv); };
+  auto send = [&](uint32_t r) { return slotPtr(c.ops[r], slot::kSend); };
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      copyAsync(region.sendArea() + i * bytes, send(mine[i]), bytes, lead.copy.get(), "send to the send area");
+    }
+  }
+  order(leadDev, lead.copy.get(), exch);
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
+    k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
+  }
+  for (uint32_t r : mine) {
+    k::CudaDeviceGuard guard(deviceOf(r));
+    for (uint32_t q : mine) copyAsync(recv(r) + q * bytes, send(q), bytes, gpu(deviceOf(r)).copy.get(), "local send");
+  }
+  for (int dev : devices) order(leadDev, exch, gpu(dev).copy.get());
+  for (uint32_t p : region.layout().peers()) {
+    const std::vector<uint32_t> from = ranksOnNode(op, p);
+    for (std::size_t i = 0; i < from.size(); ++i) {
+      for (uint32_t r : mine) {
+        k::CudaDeviceGuard guard(deviceOf(r));
+        copyAsync(recv(r) + from[i] * bytes, region.inbox(p) + i * bytes, bytes, gpu(deviceOf(r)).copy.get(),
+                  "inbox to recv");
+      }
+    }
+  }
+  for (int dev : devices) order(dev, gpu(dev).copy.get(), exch);
+  k::CudaDeviceGuard guard(leadDev);
+  k::checkCuda(k::launchSpanConsumed(region.planDevice(), exch), "span exchange consumed");
+}
+
+// As gemmReduce, with the node sum written into the send area (the push reads each peer's rows from it in place) and
+// the sum over nodes reading the inboxes in place: the same fp32 adds in the same order, bitwise the same results.
+void HostStaging::gemmReduceGpu(Collective& c, const ExchangeOp& op) {
+  const OpDescriptor& d = c.ops[0].desc;
+  const bool allReduce = d.kind == OpKind::kGemmAr;
+  const auto n = static_cast<uint32_t>(c.ops.size());
+  const uint64_t m = d.dims[dim::kM], cols = d.dims[dim::kN], es = dtypeSize(d.dtype), ldp = alignUp(cols, 8);
+  const k::SpanElem elem = spanElem(d.dtype);
+  const std::vector<uint32_t> mine = localRanksOf(c);
+  const uint32_t leadRank = mine.front();
+  const int leadDev = deviceOf(leadRank);
+  GpuRegion& region = *region_;
+  Gpu& lead = gpu(leadDev);
+  cudaStream_t exch = lead.exchange.get();
+  cudaStream_t leadStream = lead.compute.get();
+  const uint64_t partialBytes = alignUp(m * ldp * es, kAlign), f32Bytes = alignUp(m * cols * sizeof(float), kAlign);
+  // The lead's workspace: its partial, the sum over nodes, then the other GPUs' partials and their outputs' staging.
+  std::byte* ws = workspace(leadRank);
+  auto* nodeSum = reinterpret_cast<float*>(region.sendArea());
+  auto* total = reinterpret_cast<float*>(ws + partialBytes);
+  std::byte* next = ws + partialBytes + f32Bytes;
+  Aside aside;
+
+  // 1. The partials, each on its rank's GPU.
+  std::set<int> devices;
+  for (uint32_t r : mine) {
+    const int dev = deviceOf(r);
+    devices.insert(dev);
+    k::CudaDeviceGuard guard(dev);
+    cudaStream_t cs = gpu(dev).compute.get();
+    const uint64_t kr = c.ops[r].desc.dims[dim::kK];
+    if (kr == 0) {  // a rank without a k slice: its partial is zero
+      k::checkCuda(cudaMemsetAsync(workspace(r), 0, m * ldp * es, cs), "cudaMemsetAsync(partial)");
+      continue;
+    }
+    k::GemmParams p{};
+    p.a = aside.input(dev, cs, slotPtr(c.ops[r], slot::kA), m * kr * es);
+    p.b = aside.input(dev, cs, slotPtr(c.ops[r], slot::kB), cols * kr * es);
+    p.c = workspace(r);
+    p.m = static_cast<int64_t>(m);
+    p.n = static_cast<int64_t>(cols);
+    p.k = static_cast<int64_t>(kr);
+    p.lda = p.ldb = p.k;
+    p.ldc = static_cast<int64_t>(ldp);
+    p.dtype = d.dtype == DType::kBF16 ? k::GemmDtype::kBf16 : k::GemmDtype::kFp16;
+    gemm(p, cs, opKindName(d.kind).data());
+  }
+  // 2. The node sum in rank order on the lead's GPU, into the send area.
+  std::vector<const void*> partials;
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    for (int dev : devices) {
+      if (dev != leadDev) order(dev, gpu(dev).compute.get(), leadStream);
+    }
+    for (uint32_t r : mine) {
+      if (deviceOf(r) == leadDev) {
+        partials.push_back(workspace(r));
+      } else {
+        copyAsync(next, workspace(r), m * ldp * es, leadStream, "partial to the lead GPU");
+        partials.push_back(next);
+        next += partialBytes;
+      }
+    }
+    for (std::size_t i = 0; i < partials.size(); i += k::kSpanMaxSources) {
+      k::SpanSum s{};
+      s.count = static_cast<int32_t>(std::min<std::size_t>(k::kSpanMaxSources, partials.size() - i));
+      for (int j = 0; j < s.count; ++j) s.src[j] = partials[i + static_cast<std::size_t>(j)];
+      s.srcType = elem;
+      s.dst = nodeSum;
+      s.dstType = k::SpanElem::kF32;
+      s.accumulate = i != 0;
+      s.rows = static_cast<int64_t>(m);
+      s.cols = static_cast<int64_t>(cols);
+      s.srcLd = static_cast<int64_t>(ldp);
+      s.dstLd = static_cast<int64_t>(cols);
+      sum(s, leadStream, "node sum");
+    }
+  }
+  // 3. The push of each peer's rows once the node sum is written, then the wait.
+  order(leadDev, leadStream, exch);
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
+    k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
+  }
+  order(leadDev, exch, leadStream);
+  // 4. The sum over nodes in node order, reading our node sum at our rows and each peer's inbox packed.
+  const std::vector<uint32_t> nodes = region.layout().nodes;
+  const uint32_t self = region.layout().self;
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    uint64_t packed = 0;  // floats into each inbox
+    for (auto [first, rows] : ownedRows(op, self)) {
+      std::vector<const void*> src;
+      for (uint32_t node : nodes) {
+        src.push_back(node == self ? static_cast<const void*>(nodeSum + first * cols)
+                                   : static_cast<const void*>(reinterpret_cast<const float*>(region.inbox(node)) + packed));
+      }
+      for (std::size_t i = 0; i < src.size(); i += k::kSpanMaxSources) {
+        k::SpanSum s{};
+        s.count = static_cast<int32_t>(std::min<std::size_t>(k::kSpanMaxSources, src.size() - i));
+        for (int j = 0; j < s.count; ++j) s.src[j] = src[i + static_cast<std::size_t>(j)];
+        s.srcType = k::SpanElem::kF32;
+        s.dst = total + first * cols;
+        s.dstType = k::SpanElem::kF32;
+        s.accumulate = i != 0;
+        s.rows = static_cast<int64_t>(rows);
+        s.cols = static_cast<int64_t>(cols);
+        s.srcLd = s.dstLd = static_cast<int64_t>(cols);
+        sum(s, leadStream, "sum over nodes");
+      }
+      packed += rows * cols;
+    }
+  }
+  // The inboxes are read: tell the peers, while the outputs are rounded.
+  order(leadDev, leadStream, exch);
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    k::checkCuda(k::launchSpanConsumed(region.planDevice(), exch), "span exchange consumed");
+  }
+  // 5. One rounding into every local rank's C (gemm-rs: its own rows; gemm-ar: all of them), as gemmReduce.
+  std::byte* outStaging = next;
+  k::CudaDeviceGuard guard(leadDev);
+  for (uint32_t r : mine) {
+    const uint64_t first = allReduce ? 0 : rowOffset(m, r, n), rows = allReduce ? m : rowsOf(m, r, n);
+    if (rows == 0) continue;
+    std::byte* cr = slotPtr(c.ops[r], slot::kC);
+    const bool here = deviceOf(r) == leadDev;
+    k::SpanSum s{};
+    s.count = 1;
+    s.src[0] = total + first * cols;
+    s.srcType = k::SpanElem::kF32;
+    s.dst = here ? cr : outStaging;
+    s.dstType = elem;
+    s.rows = static_cast<int64_t>(rows);
+    s.cols = static_cast<int64_t>(cols);
+    s.srcLd = s.dstLd = static_cast<int64_t>(cols);
+    sum(s, leadStream, "output");
+    if (!here) copyAsync(cr, outStaging, rows * cols * es, leadStream, "output to its GPU");
+  }
+}
+
 void HostStaging::finish(Collective& c, int32_t code, std::string message) {
   {
     std::lock_guard lock(mutex_);
@@ -821,9 +1362,10 @@ void HostStaging::finish(Collective& c, int32_t code, std::string message) {
 // ---- HostStagedComm ------------------------------------------------------------------------------------------------
 
 HostStagedComm::HostStagedComm(uint64_t handle, std::vector<kernels::ControlPage> pages,
-                               const std::vector<int>& devices, uint64_t workspaceBytes)
+                               const std::vector<int>& devices, uint64_t workspaceBytes,
+                               std::shared_ptr<GpuExchangeHub> hub)
     : CudaComm(handle, std::move(pages)), workspaceBytes_(workspaceBytes),
-      staging_(handle, localRanks(devices), workspaceBytes) {}
+      staging_(handle, localRanks(devices), workspaceBytes, std::move(hub)) {}
 
 std::vector<HostStaging::LocalRank> HostStagedComm::localRanks(const std::vector<int>& devices) {
   std::vector<HostStaging::LocalRank> local;

@@ -1,15 +1,31 @@
-// Multi-node communicators on the cuda backend (the host-staged executor strategy): the host moves the bytes between
-// nodes, the GPUs compute.
+// Multi-node communicators on the cuda backend (the host-staged executor strategy): tandemd runs the op, the GPUs
+// compute, and the bytes between nodes take one of two paths.
 //
 // A communicator whose ranks live on several nodes gets no client-mapped workspaces and runs no tandem kernel from the
 // client: libtandem's "host" mode (JoinInfo.executor) only orders each op in the rank's stream, WriteValue32(ready, e)
 // then WaitValue32(done >= e) on the rank's control page, and tandemd runs the op itself:
 //   1. the accepted collective waits (polled by the pump) until every local rank's stream wrote ready >= e: the
 //      inputs are final and nothing in those streams touches the op's buffers until done;
-//   2. on the communicator's own thread (CommLink::post), one of two paths, logged once per shape ("plan ..."):
-//      staged exchange + GPU GEMM (ag-gemm, gemm-rs, gemm-ar in bf16/fp16 whose shapes the GEMM core takes; allgather
-//      as "staged exchange + GPU copies"): hierarchical, one payload per node pair, the same payloads as the cpu
-//      backend's (cpu_multinode.cpp), so each node may take either path for an op and the others cannot tell:
+//   2. on the communicator's own thread (CommLink::post), one of three paths, logged once per shape ("plan ..."):
+//      GPU-issued exchange + GPU GEMM (gpu_exchange_plan.hpp decides, alike on every node, from every rank's
+//      descriptor and the cluster section: ag-gemm, gemm-rs, gemm-ar in bf16/fp16 whose every rank's dims the GEMM
+//      core takes, and allgather, over tcp, cluster.gpu_exchange on, payloads within cluster.staging_bytes): the same
+//      payloads as below, filled and consumed on the GPUs in stream order, the transfers pushed by kernels of the
+//      first local rank's GPU into its proxy FIFO (gpu_exchange.hpp; kernels/span_exchange.cu) and landing in the
+//      peers' GPU regions; the link thread only launches, then waits for the streams:
+//        ag-gemm, allgather  the local shards into the send area (and every local rank's gathered A) and the local
+//                            rows' GEMM, the push, then the wait and the remote rows from the inboxes (copies into
+//                            each gathered A, the remote rows' GEMM): remote shards land while local ones compute;
+//        gemm-rs, gemm-ar    each local rank's partial, the node sum in rank order in fp32 written into the send area,
+//                            the push of the rows each peer owns straight out of it, the wait, the sum over nodes in
+//                            node order in fp32 reading the inboxes in place, one rounding (span_reduce.hpp): bitwise
+//                            the results of the staged path below;
+//        a local tensor that is not 16-byte aligned is copied aside (an input) or computed aside and copied back (an
+//        output), so that a node-local fact never changes the path, which both ends must share;
+//      staged exchange + GPU GEMM (the other ops the GPUs compute, and every op when the GPU exchange refuses it, the
+//      reason in the plan line; verbs always: its test double models no GPU memory): hierarchical, one payload per
+//      node pair, the same payloads as the cpu backend's (cpu_multinode.cpp), so each node may take this path or the
+//      host fallback for an op and the others cannot tell:
 //        ag-gemm, allgather  the local ranks' shards go GPU -> the CommLink outbox (pinned once, no other host copy)
 //                            -> every other node; each local rank gets the gathered A on its GPU (local shards GPU to
 //                            GPU before the exchange, remote ones host -> GPU from the inbox), and the GEMM core
@@ -21,20 +37,24 @@
 //                            the node partials in node order in fp32 and rounds once to the dtype: repeats are bitwise
 //                            identical, and gemm-ar is bitwise identical on every rank of every node;
 //      host reference fallback (barriers, fp32, shapes the GEMM core refuses: k or, for ag-gemm, n not a multiple of
-//      8, misaligned tensors): every local rank's input slots are copied GPU -> host, runCpuOpAcrossNodes exchanges and
-//      computes the outputs on one host core (the CPU reference's numerics), and the outputs are copied host -> GPU;
+//      8, misaligned tensors; never for an op the GPU exchange takes): every local rank's input slots are copied
+//      GPU -> host, runCpuOpAcrossNodes exchanges and computes the outputs on one host core (the CPU reference's
+//      numerics), and the outputs are copied host -> GPU;
 //   3. done = e on every local rank's control page (release), then the ops complete.
 // Resources, made once at setup: per local rank a GPU workspace of cuda.workspace_bytes (gathered A, partials, node
 // sums; an op that needs more is refused with the bytes it needs, naming cuda.workspace_bytes), per local GPU a
-// compute stream, a copy stream and an event. The outbox and inbox slots are registered with CUDA (pinned) at their
-// first use, growing with the largest payload seen; where that fails they are copied as pageable memory.
+// compute stream, a copy stream, an exchange stream and an event. The outbox and inbox slots are registered with CUDA
+// (pinned) at their first use, growing with the largest payload seen; where that fails they are copied as pageable
+// memory. The GPU region (gpu_exchange.hpp) at the first op that takes the GPU exchange: its key goes to the peers
+// through one host exchange of that op's epoch (the same op on every node), so the join protocol is unchanged.
 //
 // Failures. An op whose descriptors were rejected fails on every node alike and writes done at once. A failed
 // communicator (peer lost, a rank's session gone, abort) fails the collective waiting for ready at once, and the one
 // running on the link thread when it ends (its exchange ends with the reason; the GPU work it queued is drained
-// before the op completes); the backend's abort releases the streams (go/done jump ahead). A CUDA error, or an op this
-// node's workspace cannot hold, fails the op and then the communicator, so the other nodes learn of it through
-// CommFail instead of waiting for this node's payload.
+// before the op completes; on the GPU exchange the communicator's abort word ends its kernels' waits, which the link
+// thread sets when the link or the backend aborts); the backend's abort releases the streams (go/done jump ahead). A
+// CUDA error, a GPU-exchange wait past its deadline, or an op this node's workspace cannot hold, fails the op and
+// then the communicator, so the other nodes learn of it through CommFail instead of waiting for this node's payload.
 //
 // HostStagedComm is the strategy (cuda_comm.hpp); HostStaging is its part that the communicator's link thread shares.
 #pragma once
@@ -54,6 +74,7 @@
 
 #include "backend.hpp"
 #include "cuda/cuda_comm.hpp"
+#include "cuda/gpu_exchange.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/control_page.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
@@ -68,8 +89,10 @@ class HostStaging {
     kernels::ControlPage* page;  // the rank's control page (owned by the communicator, which outlives this)
   };
   // Creates the streams and event of every GPU of the local ranks, and a workspace of `workspaceBytes` per local rank
-  // (cuda.workspace_bytes). `handle`: the communicator's, for the log. Throws Error(kCuda).
-  HostStaging(uint64_t handle, std::vector<LocalRank> local, uint64_t workspaceBytes);
+  // (cuda.workspace_bytes). `handle`: the communicator's, for the log; `hub`: the backend's GPU proxies (the GPU
+  // exchange). Throws Error(kCuda).
+  HostStaging(uint64_t handle, std::vector<LocalRank> local, uint64_t workspaceBytes,
+              std::shared_ptr<GpuExchangeHub> hub);
   HostStaging(const HostStaging&) = delete;
   HostStaging& operator=(const HostStaging&) = delete;
 
@@ -94,6 +117,7 @@ class HostStaging {
   };
   struct Gpu {
     kernels::CudaStream compute, copy;  // GEMMs and sums; copies that may run beside them
+    kernels::CudaStream exchange;       // the GPU exchange's push, wait and consumed kernels (the lead GPU's)
     kernels::CudaEvent event;           // orders one stream after the other
   };
   // A CommLink slot (outbox or inbox) registered with CUDA from its start, `bytes` long.
@@ -108,6 +132,21 @@ class HostStaging {
   void agGemm(Collective& c);
   void allGather(Collective& c);
   void gemmReduce(Collective& c);
+  // The GPU-issued exchange (gpu_exchange.hpp). Throws Error with the reason; the caller fails the communicator for
+  // any error but the communicator's own failure.
+  void runGpuExchange(Collective& c, const ExchangeOp& op);
+  void agGemmGpu(Collective& c, const ExchangeOp& op);
+  void allGatherGpu(Collective& c, const ExchangeOp& op);
+  void gemmReduceGpu(Collective& c, const ExchangeOp& op);
+  GpuRegion& gpuRegion(Collective& c);  // made at the first GPU-exchange op (its key exchanged then)
+  // Records an event on `from` (of device fromDev) and makes `to` wait for it.
+  void order(int fromDev, cudaStream_t from, cudaStream_t to);
+  // Waits until every local GPU's streams are idle, polling for the communicator's failure: on one it sets the
+  // region's abort word (the kernels' waits end) and, once the streams are idle, throws the failure.
+  void waitGpuWork(Collective& c);
+  // After waitGpuWork: throws what the kernels reported, then waits until the GPU's proxy has posted every command
+  // of this op (the ranks may destroy the communicator right after, and the peers still need our data and flags).
+  void finishGpuExchange(Collective& c);
   // Why op `c` takes the host reference fallback; empty for the GPU path.
   std::string fallbackReason(const Collective& c) const;
   // Throws Error(kInvalidArgument), with the bytes needed and naming cuda.workspace_bytes, when some local rank's
@@ -120,6 +159,7 @@ class HostStaging {
   // Makes the slot holding [p, p + bytes) pinned (at least that far), where it can be.
   void pin(const Collective& c, const std::byte* p, uint64_t bytes);
   void drain() noexcept;  // waits for every stream, ignoring errors (after a failure mid-op)
+  bool failedNow() const;
   void finish(Collective& c, int32_t code, std::string message);
   void copy(int device, void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind, const char* what);
   void storeDoneLocked(uint64_t epoch);
@@ -134,6 +174,8 @@ class HostStaging {
   std::shared_ptr<CommLink> link_;                 // kept while its slots are registered
   std::map<const std::byte*, Pin> pins_;           // by slot start
   std::set<std::string> logged_;                   // plans logged (logPlanOnce)
+  std::shared_ptr<GpuExchangeHub> hub_;
+  uint64_t prevGpuEpoch_ = 0;                      // the previous op that took the GPU exchange (0: none)
   mutable std::mutex mutex_;             // guards everything below
   std::optional<Waiting> waiting_;
   uint64_t lastEpoch_ = 0;
@@ -142,6 +184,7 @@ class HostStaging {
   std::string reason_;
   std::string copyFailure_;  // a CUDA error in the copies, for poll() to report
   bool copyFailureReported_ = false;
+  std::unique_ptr<GpuRegion> region_;  // set (under the mutex: abort reads it) and used by the link thread
 };
 
 // A communicator with ranks on other nodes: a control page and a tandemd-private GPU workspace per local rank; the ops
@@ -149,10 +192,10 @@ class HostStaging {
 class HostStagedComm final : public CudaComm {
  public:
   // `pages`: one per rank, empty for the ranks on other nodes; `devices`: each rank's GPU (-1 on other nodes);
-  // `workspaceBytes`: each local rank's GPU workspace (cuda.workspace_bytes).
+  // `workspaceBytes`: each local rank's GPU workspace (cuda.workspace_bytes); `hub`: the backend's GPU proxies.
   // @throws Error(kCuda) when a stream, event or workspace cannot be created.
   HostStagedComm(uint64_t handle, std::vector<kernels::ControlPage> pages, const std::vector<int>& devices,
-                 uint64_t workspaceBytes);
+                 uint64_t workspaceBytes, std::shared_ptr<GpuExchangeHub> hub);
   kernels::Executor executor() const override { return kernels::Executor::kHost; }
   uint64_t bytesPerRank() const override { return workspaceBytes_ + kernels::kControlBytes; }
   CommMapping mapping(const std::shared_ptr<CommResources>& self, uint32_t rank) const override;

@@ -18,6 +18,7 @@ std::unique_ptr<Transport> createTransport(const TransportOptions& options) {
       tc.connectTimeoutMs = options.connectTimeoutMs;
       tc.heartbeatIntervalMs = options.heartbeatIntervalMs;
       tc.peerDeadlineMs = options.peerDeadlineMs;
+      tc.deviceCopier = options.deviceCopier;
       return std::make_unique<TcpTransport>(std::move(tc));
     }
     case TransportKind::kVerbs: {

@@ -22,6 +22,7 @@ struct TransportOptions {
   uint32_t connectTimeoutMs = 10000;     ///< cluster.connect_timeout_ms
   uint32_t heartbeatIntervalMs = 100;    ///< cluster.heartbeat_interval_ms
   uint32_t peerDeadlineMs = 2000;        ///< communicators.peer_lost_deadline_ms
+  DeviceCopier* deviceCopier = nullptr;  ///< tcp: stages kDevice regions (the cuda backend's); not owned; may be null
 };
 
 /// Creates (and, for tcp, binds) the transport of `options.kind`. Throws what that transport's constructor throws
