@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU-issued exchange across nodes (issue 18, helper xnode) on one H200, within 240 s (XNODE_LIMIT_S=N to change).
+# Assumes a Release build with everything built in $BUILD_DIR (default build-gpu): tandemd, tandem_gpu_tests,
+# tandem_span_exchange_gpu_tests, span_bench. Logs go to OUTDIR, one line per step to OUTDIR/summary.txt; every step
+# under `timeout`, and a failed step does not stop the later ones. Most wanted first:
+#   1. the exchange's pieces below tandemd (kernels, proxy, regions, abort word, deadlines): seconds;
+#   2. the two-node cases of tandem_gpu_tests one at a time (two tandemds sharing the GPU, no MPS): the GPU path at 1
+#      and 2 ranks per node, every path against the fp64 reference, cluster.gpu_exchange off bitwise equal to on, a
+#      killed rank before the first exchange and while the GPU waits;
+#   3. span_bench, both paths in one run (GPU-issued vs staged, each against one node);
+#   4. under a private MPS server: the pieces again, the daemon-executor case, and a short span_bench (the GPU path
+#      stalled under MPS in the helper's own calls: these steps say where).
+#   scripts/xnode-gpu-run.sh OUTDIR
+set -uo pipefail
+out=${1:?usage: scripts/xnode-gpu-run.sh OUTDIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+b=${BUILD_DIR:-build-gpu}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export TANDEM_OP_TIMEOUT_MS=${TANDEM_OP_TIMEOUT_MS:-20000}
+limit=${XNODE_LIMIT_S:-240}
+t0=$(date +%s)
+elapsed() { echo $(($(date +%s) - t0)); }
+left() { echo $((limit - $(elapsed))); }
+summary="$out/summary.txt"
+: > "$summary"
+say() { echo "$*" | tee -a "$summary"; }
+{
+  date -u
+  git rev-parse HEAD
+  git status --short | head -40
+  nvidia-smi --query-gpu=name,uuid,clocks.sm,memory.used,utilization.gpu --format=csv
+} > "$out/env.txt" 2>&1
+
+# step NAME CAP LOG CMD...: runs CMD under the smaller of CAP and the time left; one summary line.
+step() {
+  local name=$1 cap=$2 log=$3; shift 3
+  local t; t=$(left); [ "$t" -gt "$cap" ] && t=$cap
+  if [ "$t" -lt 5 ]; then say "$name: skipped (no time left, $(elapsed) s)"; return; fi
+  if [ ! -x "$1" ]; then say "$name: skipped ($1 not built)"; return; fi
+  timeout -k 5 "$t" stdbuf -oL "$@" > "$out/$log" 2>&1
+  local rc=$?
+  local tail; tail=$(grep -E "test cases:|Status:" "$out/$log" | tr '\n' ' ' | sed 's/  */ /g')
+  say "$name: rc=$rc$([ "$rc" = 124 ] && echo ' (timed out)') $tail($(elapsed) s)"
+}
+tests="./$b/tests/gpu/tandem_gpu_tests"
+pieces="./$b/tests/gpu/tandem_span_exchange_gpu_tests"
+bench="./$b/bench/span_bench"
+
+step "span exchange pieces" 25 pieces.log "$pieces" -d
+step "two nodes: GPU path at 1 and 2 ranks per node" 50 ranks_per_node.log "$tests" "-tc=*at 1 and 2 ranks per node*" -d
+step "two nodes: every path vs the reference" 25 paths.log "$tests" "-tc=*barriers across nodes match*" -d
+step "two nodes: gpu_exchange off bitwise = on" 35 off.log "$tests" "-tc=*gpu_exchange off*" -d
+step "two nodes: rank killed before the first exchange" 20 kill.log "$tests" "-tc=*rank killed mid-op*" -d
+step "two nodes: rank killed while the GPU waits" 25 kill_gpu_wait.log "$tests" "-tc=*waits for its data*" -d
+step "span_bench both paths" 50 span_bench.log "$bench" --iters 5 --warmup 1
+if [ -f "$out/span_bench.log" ]; then grep -E "^\||lost|rank process" "$out/span_bench.log" | tee -a "$summary"; fi
+
+if command -v nvidia-cuda-mps-control > /dev/null && [ "$(left)" -gt 25 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/xnode-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/xnode-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if timeout 20 nvidia-cuda-mps-control -d; then
+    sleep 1
+    say "MPS started ($(elapsed) s)"
+    step "MPS: span exchange pieces" 25 mps_pieces.log "$pieces" -d
+    step "MPS: two nodes, daemon executor" 40 mps_daemon.log "$tests" "-tc=*daemon executor (MPS)*" -d
+    step "MPS: span_bench ag-gemm M=1024" 30 mps_span_bench.log "$bench" --iters 3 --warmup 1 --ops ag-gemm --ms 1024
+    if [ -f "$out/mps_span_bench.log" ]; then grep -E "^\||lost|rank process" "$out/mps_span_bench.log" | tee -a "$summary"; fi
+    echo quit | timeout 20 nvidia-cuda-mps-control > /dev/null 2>&1 || say "MPS quit did not finish within 20 s"
+    tail -n 40 "$CUDA_MPS_LOG_DIRECTORY"/control.log > "$out/mps-control.log" 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  else
+    say "MPS: could not start a private server"
+  fi
+fi
+say "done ($(elapsed) s)"
