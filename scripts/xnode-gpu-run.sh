@@ -7,9 +7,11 @@
 #   2. the two-node cases of tandem_gpu_tests one at a time (two tandemds sharing the GPU, no MPS): the GPU path at 1
 #      and 2 ranks per node, every path against the fp64 reference, cluster.gpu_exchange off bitwise equal to on, a
 #      killed rank before the first exchange and while the GPU waits;
-#   3. span_bench, both paths in one run (GPU-issued vs staged, each against one node);
-#   4. under a private MPS server: the pieces again, the daemon-executor case, and a short span_bench (the GPU path
-#      stalled under MPS in the helper's own calls: these steps say where).
+#   3. span_bench, both paths in one run (GPU-issued vs staged, each against one node), then the GPU path again with
+#      its waits in the kernel (TANDEM_SPAN_WAIT=kernel) instead of stream waits;
+#   4. under a private MPS server: the pieces and the proxy GPU test, the daemon-executor case, and a short span_bench
+#      with every thread's stack after 15 s (mps_stacks.log): the GPU path stalled under MPS in the helper's calls,
+#      with kernel waits and with stream waits alike; these steps say where.
 #   scripts/xnode-gpu-run.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: scripts/xnode-gpu-run.sh OUTDIR}
@@ -56,6 +58,24 @@ step "two nodes: rank killed before the first exchange" 20 kill.log "$tests" "-t
 step "two nodes: rank killed while the GPU waits" 25 kill_gpu_wait.log "$tests" "-tc=*waits for its data*" -d
 step "span_bench both paths" 50 span_bench.log "$bench" --iters 5 --warmup 1
 if [ -f "$out/span_bench.log" ]; then grep -E "^\||lost|rank process" "$out/span_bench.log" | tee -a "$summary"; fi
+# The GPU path's waits in the one-warp kernel instead of stream waits (node-local knob, same protocol).
+TANDEM_SPAN_WAIT=kernel step "span_bench GPU path, kernel waits" 30 span_bench_kernel_wait.log "$bench" --iters 5 \
+  --warmup 1 --paths gpu
+if [ -f "$out/span_bench_kernel_wait.log" ]; then
+  grep -E "^\||lost|rank process" "$out/span_bench_kernel_wait.log" | tee -a "$summary"
+fi
+
+# Where every thread of every tandemd (and test process) sits after $1 s, into $2: for a step that hangs.
+stacks_after() {
+  sleep "$1"
+  {
+    for pid in $(pgrep -f "tandemd|tandem_span_exchange|span_bench" 2>/dev/null); do
+      echo "== pid $pid: $(tr '\0' ' ' < /proc/$pid/cmdline 2>/dev/null | cut -c1-120)"
+      for t in /proc/$pid/task/*; do echo "  $(cat $t/comm 2>/dev/null) wchan=$(cat $t/wchan 2>/dev/null)"; done
+      if command -v gdb > /dev/null; then timeout 15 gdb -p "$pid" -batch -ex "thread apply all bt 12" 2>/dev/null | grep -E "^#|^Thread" | head -150; fi
+    done
+  } > "$2" 2>&1
+}
 
 if command -v nvidia-cuda-mps-control > /dev/null && [ "$(left)" -gt 25 ]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/xnode-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/xnode-mps/log
@@ -64,8 +84,12 @@ if command -v nvidia-cuda-mps-control > /dev/null && [ "$(left)" -gt 25 ]; then
     sleep 1
     say "MPS started ($(elapsed) s)"
     step "MPS: span exchange pieces" 25 mps_pieces.log "$pieces" -d
+    step "MPS: proxy GPU test (GPU -> proxy -> tcp -> GPU, no tandemd)" 25 mps_proxy.log \
+      "./$b/tests/gpu/tandem_proxy_gpu_tests" -d
     step "MPS: two nodes, daemon executor" 40 mps_daemon.log "$tests" "-tc=*daemon executor (MPS)*" -d
+    stacks_after 15 "$out/mps_stacks.log" &
     step "MPS: span_bench ag-gemm M=1024" 30 mps_span_bench.log "$bench" --iters 3 --warmup 1 --ops ag-gemm --ms 1024
+    wait
     if [ -f "$out/mps_span_bench.log" ]; then grep -E "^\||lost|rank process" "$out/mps_span_bench.log" | tee -a "$summary"; fi
     echo quit | timeout 20 nvidia-cuda-mps-control > /dev/null 2>&1 || say "MPS quit did not finish within 20 s"
     tail -n 40 "$CUDA_MPS_LOG_DIRECTORY"/control.log > "$out/mps-control.log" 2>/dev/null

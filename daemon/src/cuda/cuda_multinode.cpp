@@ -5,7 +5,9 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <chrono>
 #include <exception>
 #include <limits>
@@ -14,6 +16,7 @@
 #include "cluster.hpp"
 #include "cpu/cpu_ops.hpp"
 #include "tandem/common/validate.hpp"
+#include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gemm.hpp"
 #include "tandem/kernels/preload.hpp"
 #include "tandem/kernels/span_exchange.hpp"
@@ -159,6 +162,10 @@ void checkStaging(const Collective& c) {
 HostStaging::HostStaging(uint64_t handle, std::vector<LocalRank> local, uint64_t workspaceBytes,
                          std::shared_ptr<GpuExchangeHub> hub)
     : handle_(handle), local_(std::move(local)), workspaceBytes_(workspaceBytes), hub_(std::move(hub)) {
+  // TANDEM_SPAN_WAIT=kernel: the GPU exchange waits in a one-warp kernel (abort word, %globaltimer deadline) instead
+  // of stream waits. Node-local (the protocol is the same either way): for comparing the two on one GPU.
+  const char* w = std::getenv("TANDEM_SPAN_WAIT");
+  streamWaits_ = w == nullptr || std::string_view(w) != "kernel";
   for (const LocalRank& l : local_) {
     if (!gpus_.contains(l.device)) {
       Gpu g;
@@ -961,9 +968,35 @@ GpuRegion& HostStaging::gpuRegion(Collective& c) {
   return *region_;
 }
 
+void HostStaging::pushThenWait(int leadDev, cudaStream_t exch) {
+  GpuRegion& region = *region_;
+  const k::SpanExchangePlan& plan = *region.plan();
+  k::CudaDeviceGuard guard(leadDev);
+  if (!streamWaits_) {
+    k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
+    k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
+    return;
+  }
+  // Stream waits (the GPU's front end polls the word; no SM, no time slice held): the consumed words first, so the
+  // push kernel finds them reached, then the push, then the arrived words. 32-bit, wrap-aware (>=): the low half of
+  // the 64-bit epochs, which stay far below 2^31 apart.
+  auto waitWord = [&](const uint64_t* word, uint64_t value, const char* what) {
+    const CUresult r = k::driver().streamWaitValue32(exch, reinterpret_cast<CUdeviceptr>(word),
+                                                     static_cast<cuuint32_t>(value), CU_STREAM_WAIT_VALUE_GEQ);
+    k::checkCuda(r, "cuStreamWaitValue32({})", what);
+  };
+  if (plan.prevEpoch != 0) {
+    for (uint32_t i = 0; i < plan.peers; ++i) waitWord(plan.consumed[i], plan.prevEpoch, "consumed");
+  }
+  k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
+  for (uint32_t i = 0; i < plan.peers; ++i) waitWord(plan.arrived[i], plan.epoch, "arrived");
+}
+
 void HostStaging::waitGpuWork(Collective& c) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(2 * kExchangeTimeoutMs);
-  bool aborted = false;
+  // Stream waits have no deadline of their own: past the kernels' timeout the host releases them (and fails the op).
+  const auto waitDeadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kExchangeTimeoutMs);
+  bool aborted = false, timedOut = false;
   for (uint32_t spins = 0;; ++spins) {
     bool busy = false;
     for (auto& [device, g] : gpus_) {
@@ -981,7 +1014,17 @@ void HostStaging::waitGpuWork(Collective& c) {
     if (!busy) break;
     if (!aborted && (c.link->abortedFor(c.epoch) || failedNow())) {
       aborted = true;
-      if (region_) region_->abort();  // the kernels' waits end; the rest of the op drains
+      if (region_) {
+        region_->abort();                   // the kernels' waits end; the rest of the op drains
+        region_->releaseWaits(c.epoch);     // and the stream waits
+      }
+    }
+    if (!aborted && !timedOut && streamWaits_ && spins % 256 == 255 && std::chrono::steady_clock::now() > waitDeadline) {
+      timedOut = true;
+      if (region_) {
+        region_->abort();
+        region_->releaseWaits(c.epoch);
+      }
     }
     if (spins % 256 == 255 && std::chrono::steady_clock::now() > deadline) {
       fail(ErrorCode::kTimeout, "{} across nodes: the GPU work did not finish within {} ms",
@@ -997,6 +1040,10 @@ void HostStaging::waitGpuWork(Collective& c) {
     c.link->throwIfAborted(c.epoch);
     std::lock_guard lock(mutex_);
     fail(failCode_, "{}", reason_);
+  }
+  if (timedOut) {
+    fail(ErrorCode::kTimeout, "{} across nodes: the peers' data or consumed flags did not come within {} ms (the peer "
+         "daemon is alive but silent; check its log)", opKindName(c.ops[0].desc.kind), kExchangeTimeoutMs);
   }
 }
 
@@ -1044,6 +1091,7 @@ void HostStaging::runGpuExchange(Collective& c, const ExchangeOp& op) {
   } catch (...) {
     // Nothing of ours may still wait or write once the op completes; the communicator fails either way.
     region.abort();
+    region.releaseWaits(c.epoch);
     drain();
     throw;
   }
@@ -1119,11 +1167,7 @@ void HostStaging::agGemmGpu(Collective& c, const ExchangeOp& op) {
   }
   // 2. The push once the send area is filled, then the wait; meanwhile the local rows' GEMMs.
   order(leadDev, lead.copy.get(), exch);
-  {
-    k::CudaDeviceGuard guard(leadDev);
-    k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
-    k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
-  }
+  pushThenWait(leadDev, exch);
   copiesThenCompute();
   gemmRows(rowRuns(c, m, true));
   // 3. The peers' shards from the inboxes into every local rank's gathered A, once they arrived.
@@ -1175,11 +1219,7 @@ void HostStaging::allGatherGpu(Collective& c, const ExchangeOp& op) {
     }
   }
   order(leadDev, lead.copy.get(), exch);
-  {
-    k::CudaDeviceGuard guard(leadDev);
-    k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
-    k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
-  }
+  pushThenWait(leadDev, exch);
   for (uint32_t r : mine) {
     k::CudaDeviceGuard guard(deviceOf(r));
     for (uint32_t q : mine) copyAsync(recv(r) + q * bytes, send(q), bytes, gpu(deviceOf(r)).copy.get(), "local send");
@@ -1280,11 +1320,7 @@ void HostStaging::gemmReduceGpu(Collective& c, const ExchangeOp& op) {
   }
   // 3. The push of each peer's rows once the node sum is written, then the wait.
   order(leadDev, leadStream, exch);
-  {
-    k::CudaDeviceGuard guard(leadDev);
-    k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
-    k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
-  }
+  pushThenWait(leadDev, exch);
   order(leadDev, exch, leadStream);
   // 4. The sum over nodes in node order, reading our node sum at our rows and each peer's inbox packed.
   const std::vector<uint32_t> nodes = region.layout().nodes;

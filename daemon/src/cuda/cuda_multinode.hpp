@@ -20,6 +20,12 @@
 //                            the push of the rows each peer owns straight out of it, the wait, the sum over nodes in
 //                            node order in fp32 reading the inboxes in place, one rounding (span_reduce.hpp): bitwise
 //                            the results of the staged path below;
+//        the waits (the peers' consumed flags before the push, their arrived flags after it) are stream waits
+//        (cuStreamWaitValue32 on the region's words: the GPU's front end polls, no SM or time slice is held), released
+//        by the host writing past them when the communicator fails or kExchangeTimeoutMs passes; TANDEM_SPAN_WAIT=kernel
+//        waits in the one-warp kernel instead (abort word, %globaltimer deadline, ErrorSlot). H200, span_bench, both
+//        "nodes" on one GPU without MPS: no faster either way at ag-gemm and gemm-rs, gemm-ar M=1024 20.8 vs 30.4 ms
+//        (3 runs each);
 //        a local tensor that is not 16-byte aligned is copied aside (an input) or computed aside and copied back (an
 //        output), so that a node-local fact never changes the path, which both ends must share;
 //      staged exchange + GPU GEMM (the other ops the GPUs compute, and every op when the GPU exchange refuses it, the
@@ -139,6 +145,8 @@ class HostStaging {
   void allGatherGpu(Collective& c, const ExchangeOp& op);
   void gemmReduceGpu(Collective& c, const ExchangeOp& op);
   GpuRegion& gpuRegion(Collective& c);  // made at the first GPU-exchange op (its key exchanged then)
+  // On the exchange stream: the push, then the wait for the peers' payloads (stream waits, or the wait kernel).
+  void pushThenWait(int leadDev, cudaStream_t exch);
   // Records an event on `from` (of device fromDev) and makes `to` wait for it.
   void order(int fromDev, cudaStream_t from, cudaStream_t to);
   // Waits until every local GPU's streams are idle, polling for the communicator's failure: on one it sets the
@@ -176,6 +184,7 @@ class HostStaging {
   std::set<std::string> logged_;                   // plans logged (logPlanOnce)
   std::shared_ptr<GpuExchangeHub> hub_;
   uint64_t prevGpuEpoch_ = 0;                      // the previous op that took the GPU exchange (0: none)
+  bool streamWaits_ = true;                        // GPU exchange waits: stream waits (else the wait kernel)
   mutable std::mutex mutex_;             // guards everything below
   std::optional<Waiting> waiting_;
   uint64_t lastEpoch_ = 0;

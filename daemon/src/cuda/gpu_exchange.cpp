@@ -203,6 +203,7 @@ struct GpuRegion::Page {
   uint32_t pushStatus;
   alignas(64) uint64_t lastTicket;
   alignas(64) k::ErrorSlot errorSlot;
+  alignas(64) uint64_t releaseValue;  // releaseWaits' source
   alignas(64) k::SpanExchangePlan plan;
 };
 
@@ -222,6 +223,7 @@ GpuRegion::GpuRegion(std::shared_ptr<GpuProxy> proxy, GpuRegionLayout layout, st
     k::checkCuda(cudaStreamSynchronize(stream.get()), "cudaStreamSynchronize(GPU exchange header)");
   }
   page_ = k::PinnedHostBuffer::allocate(sizeof(Page), "GPU exchange plan page");
+  releaseStream_ = k::CudaStream::create(dev, "GPU exchange release");
   std::memset(page_.get(), 0, sizeof(Page));
   Page* pg = page();
   id_ = proxy_->add(base(), layout_.bytes(), region_,
@@ -288,6 +290,26 @@ k::SpanExchangePlan* GpuRegion::preparePlan(const ExchangeOp& op, uint64_t epoch
 }
 
 const k::SpanExchangePlan* GpuRegion::planDevice() const { return &pageDevice()->plan; }
+const k::SpanExchangePlan* GpuRegion::plan() const { return &page()->plan; }
+
+void GpuRegion::releaseWaits(uint64_t epoch) {
+  // Past every epoch waited for, in the 32-bit wrap-aware compare of the stream waits (and >= for 64-bit readers).
+  page()->releaseValue = (epoch & 0xffffffffu) + (uint64_t{1} << 30);
+  try {
+    k::CudaDeviceGuard guard(device());
+    for (uint32_t n : layout_.nodes) {
+      if (n == layout_.self) continue;
+      for (uint64_t off : {GpuRegionLayout::arrivedOffset(n), GpuRegionLayout::consumedOffset(n)}) {
+        k::checkCuda(cudaMemcpyAsync(base() + off, &page()->releaseValue, 8, cudaMemcpyHostToDevice,
+                                     releaseStream_.get()),
+                     "cudaMemcpyAsync(GPU exchange release)");
+      }
+    }
+    k::checkCuda(cudaStreamSynchronize(releaseStream_.get()), "cudaStreamSynchronize(GPU exchange release)");
+  } catch (const std::exception& e) {
+    spdlog::error("GPU exchange: releasing the stream waits failed: {}", e.what());
+  }
+}
 
 std::string GpuRegion::failure() const {
   const Page* pg = page();

@@ -198,6 +198,10 @@ class GpuRegion {
   /// failure words. Call only while no kernel of this region runs.
   kernels::SpanExchangePlan* preparePlan(const ExchangeOp& op, uint64_t epoch, uint64_t prevEpoch, uint64_t timeoutNs);
   const kernels::SpanExchangePlan* planDevice() const;
+  const kernels::SpanExchangePlan* plan() const;  // the host view of the same
+  /// Releases stream waits on this region's arrived and consumed words for epochs up to `epoch` (writes a value past
+  /// them into every such word: the communicator is failing, the words mean nothing more). Link thread only.
+  void releaseWaits(uint64_t epoch);
   /// After the kernels: "" or what went wrong (the error slot or the push status).
   std::string failure() const;
   /// One past the last ticket the op's kernels pushed (0: none).
@@ -216,6 +220,7 @@ class GpuRegion {
   std::chrono::milliseconds grace_;
   std::shared_ptr<kernels::DeviceBuffer> memory_;
   kernels::PinnedHostBuffer page_;
+  kernels::CudaStream releaseStream_;  // releaseWaits' copies, beside every stream that may be waiting
   transport::LocalRegion region_;
   uint32_t id_ = 0;
 };

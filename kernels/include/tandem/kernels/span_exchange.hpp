@@ -4,6 +4,9 @@
 //             arrived[self] = epoch as one destination batch (proxyPushWritesThenFlag: one claim, one fence);
 //   wait      per peer: arrived[p] >= epoch;
 //   consumed  consumed[self] = epoch to every peer (flag commands only, one batch).
+// tandemd's HostStaging runs the push kernel with stream waits around it by default and the wait kernel only with
+// TANDEM_SPAN_WAIT=kernel (cuda_multinode.hpp); the wait kernel is the building block for an exchange inside a
+// fused kernel, where no stream wait can stand in.
 // Every command names the region's buffer id and offsets, never an address; the proxy validates them against its table.
 //
 // The plan they read lives in host memory mapped for the GPU (one per communicator; the host fills it before the
