@@ -9,9 +9,10 @@
 #      killed rank before the first exchange and while the GPU waits;
 #   3. span_bench, both paths in one run (GPU-issued vs staged, each against one node), then the GPU path again with
 #      its waits in the kernel (TANDEM_SPAN_WAIT=kernel) instead of stream waits;
-#   4. under a private MPS server: the pieces and the proxy GPU test, the daemon-executor case, and a short span_bench
-#      with every thread's stack after 15 s (mps_stacks.log): the GPU path stalled under MPS in the helper's calls,
-#      with kernel waits and with stream waits alike; these steps say where.
+#   4. under a private MPS server: the pieces and the proxy GPU test (in-process, no tandemd: do they stall under MPS?),
+#      the daemon-executor case, and a short span_bench with every thread's stack after 15 s (mps_stacks.log). The GPU
+#      path stalled under MPS in the helper's calls (kernel and stream waits alike), so tandemd keeps it off on MPS
+#      GPUs: the last two must pass on the staged path ("not GPU-issued: MPS").
 #   scripts/xnode-gpu-run.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: scripts/xnode-gpu-run.sh OUTDIR}

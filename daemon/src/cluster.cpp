@@ -199,6 +199,11 @@ Cluster::Cluster(const DaemonConfig& config, std::string backend, std::vector<Gp
     addresses_.push_back({e.host, e.port});
     nodes_[i].address = c.nodes[i];
   }
+  if (c.gpuExchange == GpuExchange::kOff) {
+    gpuExchangeOff_ = "cluster.gpu_exchange is off";
+  } else if (std::any_of(gpus_.begin(), gpus_.end(), [](const GpuInfo& g) { return g.mps; })) {
+    gpuExchangeOff_ = "MPS: the GPU exchange stalled under MPS on the H200 and stays off there until that is fixed";
+  }
   nodes_[self_].state = NodeState::kSelf;
   nodes_[self_].hostname = hostName();
   nodes_[self_].daemonVersion = TANDEM_VERSION_STRING;
@@ -289,7 +294,7 @@ std::string Cluster::helloBytes() const {
   h->set_hostname(hostName());
   h->set_backend(backend_);
   h->set_staging_bytes(config_.cluster.stagingBytes);
-  h->set_gpu_exchange(gpuExchangeName(config_.cluster.gpuExchange));
+  h->set_gpu_exchange(gpuExchangeOff_.empty() ? "on" : "off");
   for (const GpuInfo& g : gpus_) {
     auto* gi = h->add_gpus();
     gi->set_uuid(g.uuid);
@@ -448,10 +453,12 @@ void Cluster::handleHello(NodeIndex from, const v1::NodeHello& h) {
   } else if (h.staging_bytes() != config_.cluster.stagingBytes) {
     problem = fmt::format("its cluster.staging_bytes is {} and this node's {}; set the same value on every node",
                           h.staging_bytes(), config_.cluster.stagingBytes);
-  } else if (backend_ == "cuda" && h.gpu_exchange() != gpuExchangeName(config_.cluster.gpuExchange)) {
+  } else if (backend_ == "cuda" && h.gpu_exchange() != (gpuExchangeOff_.empty() ? "on" : "off")) {
     // The cpu backend has no GPU exchange: only cuda nodes must agree (every op's path depends on it).
-    problem = fmt::format("its cluster.gpu_exchange is {} and this node's {}; set the same value on every node",
-                          h.gpu_exchange(), gpuExchangeName(config_.cluster.gpuExchange));
+    problem = fmt::format("its GPU exchange is {} and this node's {} ({}); set cluster.gpu_exchange the same on every "
+                          "node, and run MPS on all nodes or none", h.gpu_exchange(),
+                          gpuExchangeOff_.empty() ? "on" : "off",
+                          gpuExchangeOff_.empty() ? "cluster.gpu_exchange on, no MPS" : gpuExchangeOff_);
   }
   {
     std::lock_guard lock(mutex_);

@@ -201,6 +201,10 @@ class Cluster {
   /// Valid until stop(); whoever posts through it stops doing so before the engine's communicators are gone.
   transport::Transport& transport() const { return *transport_; }
   const DaemonConfig& config() const { return config_; }
+  /// Empty when this node runs the cuda backend's GPU-issued exchange; else why not (cluster.gpu_exchange off, or its
+  /// GPUs under MPS, where the GPU exchange stalled on the H200 and is not run until that is found). NodeHello carries
+  /// it, and nodes that differ are incompatible: every op's path depends on it.
+  const std::string& gpuExchangeOff() const { return gpuExchangeOff_; }
 
  private:
   friend class CommLink;
@@ -230,6 +234,7 @@ class Cluster {
   std::string backend_;
   std::vector<GpuInfo> gpus_;
   std::shared_ptr<transport::DeviceCopier> deviceCopier_;  // before transport_: outlives it (its io threads copy)
+  std::string gpuExchangeOff_;
   NodeIndex self_;
   std::vector<transport::NodeAddress> addresses_;
   std::unique_ptr<transport::Transport> transport_;

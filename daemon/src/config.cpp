@@ -359,6 +359,7 @@ constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
      "thread per GPU posts them; the bytes go GPU -> transport -> GPU) for ag-gemm, gemm-rs, gemm-ar and\n"
      "allgather over tcp; off moves them through host memory on tandemd's link thread (the path before).\n"
      "Ops the GPU exchange cannot take use the host path either way, and each op's plan line names its path.\n"
+     "On GPUs under MPS it stays off for now (it stalled there on the H200).\n"
      "Must be the same on every node. Each communicator that uses it holds staging_bytes x its nodes of\n"
      "GPU memory on its first local rank's GPU (an inbox per peer node and one send area).",
      &ClusterSection::gpuExchange},

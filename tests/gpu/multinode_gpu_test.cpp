@@ -555,7 +555,8 @@ TEST_CASE("two nodes, daemon executor (MPS): the fused GEMMs across nodes run on
   for (auto& r : ranks) r.reap();
   for (const auto& d : c.daemons) {
     INFO(d->log());
-    CHECK(logShowsPlan(d->log(), gpuCases(2).front(), 2, kGpuExchangePlan));
+    // Under MPS the GPU exchange stays off (it stalled there on the H200): the host moves the bytes.
+    CHECK(logShowsPlan(d->log(), gpuCases(2).front(), 2, "staged exchange + GPU GEMM; not GPU-issued: MPS"));
     CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
   }
 }

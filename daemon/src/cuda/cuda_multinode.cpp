@@ -288,7 +288,8 @@ void HostStaging::run(Collective& c) {
     const OpKind kind = c.ops[0].desc.kind;
     const ExchangeOp xop = exchangeOpOf(c);
     // The exchange's path, alike on every node (gpu_exchange_plan.hpp); then the compute's, which may differ.
-    const std::string notGpu = gpuExchangeRefusal(xop, c.link->cluster().config().cluster);
+    const std::string off = c.link->cluster().gpuExchangeOff();
+    const std::string notGpu = off.empty() ? gpuExchangeRefusal(xop, c.link->cluster().config().cluster) : off;
     const std::string why = notGpu.empty() ? std::string() : fallbackReason(c);
     if (notGpu.empty()) {
       try {
