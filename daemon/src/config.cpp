@@ -357,7 +357,8 @@ constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
     {"gpu_exchange",
      "cuda backend: on lets the GPUs issue a communicator's transfers between nodes themselves (a proxy\n"
      "thread per GPU posts them; the bytes go GPU -> transport -> GPU) for ag-gemm, gemm-rs, gemm-ar and\n"
-     "allgather over tcp; off moves them through host memory on tandemd's link thread (the path before).\n"
+     "allgather over tcp; off (the default) moves them through host memory on tandemd's link thread. Off\n"
+     "is the default because on measured 1.5-2.3x slower over tcp on one H200 (bench/RESULTS.md, session 7).\n"
      "Ops the GPU exchange cannot take use the host path either way, and each op's plan line names its path.\n"
      "On GPUs under MPS it stays off for now (it stalled there on the H200).\n"
      "Must be the same on every node. Each communicator that uses it holds staging_bytes x its nodes of\n"
