@@ -505,6 +505,40 @@ void HostStaging::drain() noexcept {
   }
 }
 
+// The node's partials (each local rank's, in its workspace, row stride ldp, of the op's dtype `elem`) summed in rank
+// order in fp32 into nodeSum [m, cols] on the lead's GPU, on leadStream (already ordered after every GPU's partial).
+// Partials on other GPUs are first copied to `next` on the lead's GPU, partialBytes apart; returns the next free byte.
+// Shared by the staged and the GPU-issued exchange, so the two sum alike, bit for bit.
+std::byte* HostStaging::sumNodePartials(const std::vector<uint32_t>& mine, int leadDev, cudaStream_t leadStream,
+                                        std::byte* next, uint64_t partialBytes, uint64_t m, uint64_t cols,
+                                        uint64_t ldp, uint64_t es, k::SpanElem elem, float* nodeSum) {
+  std::vector<const void*> partials;
+    for (uint32_t r : mine) {
+      if (deviceOf(r) == leadDev) {
+        partials.push_back(workspace(r));
+      } else {
+        copyAsync(next, workspace(r), m * ldp * es, leadStream, "partial to the lead GPU");
+        partials.push_back(next);
+        next += partialBytes;
+      }
+    }
+    for (std::size_t i = 0; i < partials.size(); i += k::kSpanMaxSources) {
+      k::SpanSum s{};
+      s.count = static_cast<int32_t>(std::min<std::size_t>(k::kSpanMaxSources, partials.size() - i));
+      for (int j = 0; j < s.count; ++j) s.src[j] = partials[i + static_cast<std::size_t>(j)];
+      s.srcType = elem;
+      s.dst = nodeSum;
+      s.dstType = k::SpanElem::kF32;
+      s.accumulate = i != 0;
+      s.rows = static_cast<int64_t>(m);
+      s.cols = static_cast<int64_t>(cols);
+      s.srcLd = static_cast<int64_t>(ldp);
+      s.dstLd = static_cast<int64_t>(cols);
+      sum(s, leadStream, "node sum");
+    }
+  return next;
+}
+
 void HostStaging::runOnGpus(Collective& c) {
   try {
     switch (c.ops[0].desc.kind) {
@@ -719,41 +753,12 @@ void HostStaging::gemmReduce(Collective& c) {
     gemm(p, gpu(dev).compute.get(), opKindName(d.kind).data());
   }
   // 2. The node sum in rank order on the lead's GPU; the other GPUs' partials come over first.
-  std::vector<const void*> partials;
   {
     k::CudaDeviceGuard guard(leadDev);
     for (int dev : devices) {
-      if (dev == leadDev) continue;
-      Gpu& g = gpu(dev);
-      {
-        k::CudaDeviceGuard other(dev);
-        k::checkCuda(cudaEventRecord(g.event.get(), g.compute.get()), "cudaEventRecord(partials)");
-      }
-      k::checkCuda(cudaStreamWaitEvent(leadStream, g.event.get()), "cudaStreamWaitEvent(partials)");
+      if (dev != leadDev) order(dev, gpu(dev).compute.get(), leadStream);
     }
-    for (uint32_t r : mine) {
-      if (deviceOf(r) == leadDev) {
-        partials.push_back(workspace(r));
-      } else {
-        copyAsync(next, workspace(r), m * ldp * es, leadStream, "partial to the lead GPU");
-        partials.push_back(next);
-        next += partialBytes;
-      }
-    }
-    for (std::size_t i = 0; i < partials.size(); i += k::kSpanMaxSources) {
-      k::SpanSum s{};
-      s.count = static_cast<int32_t>(std::min<std::size_t>(k::kSpanMaxSources, partials.size() - i));
-      for (int j = 0; j < s.count; ++j) s.src[j] = partials[i + static_cast<std::size_t>(j)];
-      s.srcType = elem;
-      s.dst = nodeSum;
-      s.dstType = k::SpanElem::kF32;
-      s.accumulate = i != 0;
-      s.rows = static_cast<int64_t>(m);
-      s.cols = static_cast<int64_t>(cols);
-      s.srcLd = static_cast<int64_t>(ldp);
-      s.dstLd = static_cast<int64_t>(cols);
-      sum(s, leadStream, "node sum");
-    }
+    next = sumNodePartials(mine, leadDev, leadStream, next, partialBytes, m, cols, ldp, es, elem, nodeSum);
   }
   syncStream(leadDev, leadStream, "node sum");
 
@@ -1289,35 +1294,12 @@ void HostStaging::gemmReduceGpu(Collective& c, const ExchangeOp& op) {
     gemm(p, cs, opKindName(d.kind).data());
   }
   // 2. The node sum in rank order on the lead's GPU, into the send area.
-  std::vector<const void*> partials;
   {
     k::CudaDeviceGuard guard(leadDev);
     for (int dev : devices) {
       if (dev != leadDev) order(dev, gpu(dev).compute.get(), leadStream);
     }
-    for (uint32_t r : mine) {
-      if (deviceOf(r) == leadDev) {
-        partials.push_back(workspace(r));
-      } else {
-        copyAsync(next, workspace(r), m * ldp * es, leadStream, "partial to the lead GPU");
-        partials.push_back(next);
-        next += partialBytes;
-      }
-    }
-    for (std::size_t i = 0; i < partials.size(); i += k::kSpanMaxSources) {
-      k::SpanSum s{};
-      s.count = static_cast<int32_t>(std::min<std::size_t>(k::kSpanMaxSources, partials.size() - i));
-      for (int j = 0; j < s.count; ++j) s.src[j] = partials[i + static_cast<std::size_t>(j)];
-      s.srcType = elem;
-      s.dst = nodeSum;
-      s.dstType = k::SpanElem::kF32;
-      s.accumulate = i != 0;
-      s.rows = static_cast<int64_t>(m);
-      s.cols = static_cast<int64_t>(cols);
-      s.srcLd = static_cast<int64_t>(ldp);
-      s.dstLd = static_cast<int64_t>(cols);
-      sum(s, leadStream, "node sum");
-    }
+    next = sumNodePartials(mine, leadDev, leadStream, next, partialBytes, m, cols, ldp, es, elem, nodeSum);
   }
   // 3. The push of each peer's rows once the node sum is written, then the wait.
   order(leadDev, leadStream, exch);

@@ -84,6 +84,7 @@
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/control_page.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
+#include "tandem/kernels/span_reduce.hpp"
 
 namespace tandem::daemon::cuda {
 
@@ -138,6 +139,9 @@ class HostStaging {
   void agGemm(Collective& c);
   void allGather(Collective& c);
   void gemmReduce(Collective& c);
+  std::byte* sumNodePartials(const std::vector<uint32_t>& mine, int leadDev, cudaStream_t leadStream, std::byte* next,
+                             uint64_t partialBytes, uint64_t m, uint64_t cols, uint64_t ldp, uint64_t es,
+                             kernels::SpanElem elem, float* nodeSum);
   // The GPU-issued exchange (gpu_exchange.hpp). Throws Error with the reason; the caller fails the communicator for
   // any error but the communicator's own failure.
   void runGpuExchange(Collective& c, const ExchangeOp& op);
