@@ -109,19 +109,12 @@ void gemm(const k::GemmParams& p, cudaStream_t stream, const char* what) {
 
 // Contiguous row runs [first, first + rows) of the ranks that are (local) or are not (!local) on this node.
 std::vector<std::pair<uint64_t, uint64_t>> rowRuns(const Collective& c, uint64_t m, bool local) {
-  std::vector<std::pair<uint64_t, uint64_t>> runs;
   const auto n = static_cast<uint32_t>(c.ops.size());
+  std::vector<uint32_t> ranks;
   for (uint32_t r = 0; r < n; ++r) {
-    if (c.ops[r].local() != local) continue;
-    const uint64_t first = rowOffset(m, r, n), rows = rowsOf(m, r, n);
-    if (rows == 0) continue;
-    if (!runs.empty() && runs.back().first + runs.back().second == first) {
-      runs.back().second += rows;
-    } else {
-      runs.emplace_back(first, rows);
-    }
+    if (c.ops[r].local() == local) ranks.push_back(r);
   }
-  return runs;
+  return rowRunsOf(m, n, ranks);
 }
 
 // As runCpuOpAcrossNodes: the bytes node `from` sends node `to`, the same on every node and in either path, so all
@@ -539,6 +532,36 @@ std::byte* HostStaging::sumNodePartials(const std::vector<uint32_t>& mine, int l
   return next;
 }
 
+// The sum over nodes (`total`, fp32 [m, cols]) rounded once into every local rank's C on leadStream: gemm-rs its own
+// rows, gemm-ar all of them; a rank on another GPU through `outStaging` on the lead's GPU (stream order on
+// the lead keeps the staging's next writer behind each copy). Shared by the staged and the GPU-issued exchange.
+void HostStaging::roundOutputs(const Collective& c, const std::vector<uint32_t>& mine, int leadDev,
+                               cudaStream_t leadStream, const float* total, std::byte* outStaging) {
+  const OpDescriptor& d = c.ops[0].desc;
+  const bool allReduce = d.kind == OpKind::kGemmAr;
+  const k::SpanElem elem = spanElem(d.dtype);
+  const auto n = static_cast<uint32_t>(c.ops.size());
+  const uint64_t m = d.dims[dim::kM], cols = d.dims[dim::kN], es = dtypeSize(d.dtype);
+  k::CudaDeviceGuard guard(leadDev);
+  for (uint32_t r : mine) {
+    const uint64_t first = allReduce ? 0 : rowOffset(m, r, n), rows = allReduce ? m : rowsOf(m, r, n);
+    if (rows == 0) continue;
+    std::byte* cr = slotPtr(c.ops[r], slot::kC);
+    const bool here = deviceOf(r) == leadDev;
+    k::SpanSum s{};
+    s.count = 1;
+    s.src[0] = total + first * cols;
+    s.srcType = k::SpanElem::kF32;
+    s.dst = here ? cr : outStaging;
+    s.dstType = elem;
+    s.rows = static_cast<int64_t>(rows);
+    s.cols = static_cast<int64_t>(cols);
+    s.srcLd = s.dstLd = static_cast<int64_t>(cols);
+    sum(s, leadStream, "output");
+    if (!here) copyAsync(cr, outStaging, rows * cols * es, leadStream, "output to its GPU");
+  }
+}
+
 void HostStaging::runOnGpus(Collective& c) {
   try {
     switch (c.ops[0].desc.kind) {
@@ -836,26 +859,7 @@ void HostStaging::gemmReduce(Collective& c) {
       kExchangeTimeoutMs);
   if (!ownAdded) addToTotal(nodeSum, true);
   // 4. One rounding into every local rank's C (gemm-rs: its own rows; gemm-ar: all of them).
-  std::byte* outStaging = next;
-  k::CudaDeviceGuard guard(leadDev);
-  for (uint32_t r : mine) {
-    const uint64_t first = allReduce ? 0 : rowOffset(m, r, n), rows = allReduce ? m : rowsOf(m, r, n);
-    if (rows == 0) continue;
-    std::byte* cr = slotPtr(c.ops[r], slot::kC);
-    const bool here = deviceOf(r) == leadDev;
-    k::SpanSum s{};
-    s.count = 1;
-    s.src[0] = total + first * cols;
-    s.srcType = k::SpanElem::kF32;
-    s.dst = here ? cr : outStaging;
-    s.dstType = elem;
-    s.rows = static_cast<int64_t>(rows);
-    s.cols = static_cast<int64_t>(cols);
-    s.srcLd = s.dstLd = static_cast<int64_t>(cols);
-    sum(s, leadStream, "output");
-    // Stream order on the lead keeps the staging's next writer behind this copy.
-    if (!here) copyAsync(cr, outStaging, rows * cols * es, leadStream, "output to its GPU");
-  }
+  roundOutputs(c, mine, leadDev, leadStream, total, next);
   syncStream(leadDev, leadStream, opKindName(d.kind).data());
 }
 
@@ -1250,8 +1254,6 @@ void HostStaging::allGatherGpu(Collective& c, const ExchangeOp& op) {
 // the sum over nodes reading the inboxes in place: the same fp32 adds in the same order, bitwise the same results.
 void HostStaging::gemmReduceGpu(Collective& c, const ExchangeOp& op) {
   const OpDescriptor& d = c.ops[0].desc;
-  const bool allReduce = d.kind == OpKind::kGemmAr;
-  const auto n = static_cast<uint32_t>(c.ops.size());
   const uint64_t m = d.dims[dim::kM], cols = d.dims[dim::kN], es = dtypeSize(d.dtype), ldp = alignUp(cols, 8);
   const k::SpanElem elem = spanElem(d.dtype);
   const std::vector<uint32_t> mine = localRanksOf(c);
@@ -1340,25 +1342,7 @@ void HostStaging::gemmReduceGpu(Collective& c, const ExchangeOp& op) {
     k::checkCuda(k::launchSpanConsumed(region.planDevice(), exch), "span exchange consumed");
   }
   // 5. One rounding into every local rank's C (gemm-rs: its own rows; gemm-ar: all of them), as gemmReduce.
-  std::byte* outStaging = next;
-  k::CudaDeviceGuard guard(leadDev);
-  for (uint32_t r : mine) {
-    const uint64_t first = allReduce ? 0 : rowOffset(m, r, n), rows = allReduce ? m : rowsOf(m, r, n);
-    if (rows == 0) continue;
-    std::byte* cr = slotPtr(c.ops[r], slot::kC);
-    const bool here = deviceOf(r) == leadDev;
-    k::SpanSum s{};
-    s.count = 1;
-    s.src[0] = total + first * cols;
-    s.srcType = k::SpanElem::kF32;
-    s.dst = here ? cr : outStaging;
-    s.dstType = elem;
-    s.rows = static_cast<int64_t>(rows);
-    s.cols = static_cast<int64_t>(cols);
-    s.srcLd = s.dstLd = static_cast<int64_t>(cols);
-    sum(s, leadStream, "output");
-    if (!here) copyAsync(cr, outStaging, rows * cols * es, leadStream, "output to its GPU");
-  }
+  roundOutputs(c, mine, leadDev, leadStream, total, next);
 }
 
 void HostStaging::finish(Collective& c, int32_t code, std::string message) {

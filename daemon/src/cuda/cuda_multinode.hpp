@@ -142,6 +142,8 @@ class HostStaging {
   std::byte* sumNodePartials(const std::vector<uint32_t>& mine, int leadDev, cudaStream_t leadStream, std::byte* next,
                              uint64_t partialBytes, uint64_t m, uint64_t cols, uint64_t ldp, uint64_t es,
                              kernels::SpanElem elem, float* nodeSum);
+  void roundOutputs(const Collective& c, const std::vector<uint32_t>& mine, int leadDev, cudaStream_t leadStream,
+                    const float* total, std::byte* outStaging);
   // The GPU-issued exchange (gpu_exchange.hpp). Throws Error with the reason; the caller fails the communicator for
   // any error but the communicator's own failure.
   void runGpuExchange(Collective& c, const ExchangeOp& op);

@@ -54,9 +54,12 @@ std::vector<std::pair<uint64_t, uint64_t>> ownedRows(const ExchangeOp& op, uint3
   const OpDescriptor& d = op.descs.at(0);
   const uint64_t m = d.dims[dim::kM];
   if (d.kind == OpKind::kGemmAr) return m == 0 ? std::vector<std::pair<uint64_t, uint64_t>>{} : std::vector{std::pair{uint64_t{0}, m}};
-  const auto n = static_cast<uint32_t>(op.descs.size());
+  return rowRunsOf(m, static_cast<uint32_t>(op.descs.size()), ranksOnNode(op, node));
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> rowRunsOf(uint64_t m, uint32_t n, const std::vector<uint32_t>& ranks) {
   std::vector<std::pair<uint64_t, uint64_t>> runs;
-  for (uint32_t r : ranksOnNode(op, node)) {
+  for (uint32_t r : ranks) {
     const uint64_t first = rowOffset(m, r, n), rows = rowsOf(m, r, n);
     if (rows == 0) continue;
     if (!runs.empty() && runs.back().first + runs.back().second == first) {

@@ -95,5 +95,8 @@ std::vector<uint32_t> ranksOnNode(const ExchangeOp& op, uint32_t node);
 /// gemm-rs / gemm-ar: the rows a node's ranks own, (first row, rows) in rank order, empty runs dropped (gemm-ar: all
 /// rows, one run). The receiver's inbox holds them packed in this order.
 std::vector<std::pair<uint64_t, uint64_t>> ownedRows(const ExchangeOp& op, uint32_t node);
+/// The contiguous row runs [first, first + rows) that `ranks` (ascending) own of m rows split over n ranks
+/// (rows_of), adjacent ranks' rows merged.
+std::vector<std::pair<uint64_t, uint64_t>> rowRunsOf(uint64_t m, uint32_t n, const std::vector<uint32_t>& ranks);
 
 }  // namespace tandem::daemon::cuda
