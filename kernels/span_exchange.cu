@@ -36,16 +36,28 @@ __device__ __forceinline__ WaitCtx waitCtx(const SpanExchangePlan& p, Role role)
   return WaitCtx{p.abortWord, p.errorSlot, globaltimerNs() + p.timeoutNs, p.op, static_cast<uint32_t>(role), p.self};
 }
 
-// One thread: per peer, consumed >= prevEpoch, then its destination batch (writes, then the arrived flag).
+// One thread: per peer, consumed >= prevEpoch: the peer has read its inbox of the previous op, so it has every byte
+// we sent then. Runs before anything fills the send area: a transport may read a write's source after the post (verbs
+// always, tcp from a host region), so the previous op's payload must have reached every peer first.
+__global__ void spanFreeKernel(const SpanExchangePlan* plan) {
+  if (threadIdx.x != 0) return;
+  const SpanExchangePlan& p = *plan;
+  if (failedBefore(p) || p.prevEpoch == 0) return;
+  WaitCtx ctx = waitCtx(p, Role::kInterSend);
+  for (uint32_t i = 0; i < p.peers; ++i) {
+    // acquire (waitGeq): pairs with the peer's consumed flag, stored by its transport after it read its inbox.
+    if (!waitGeq(p.consumed[i], p.prevEpoch, ctx, p.peerNode[i])) return fail(p, kSpanFailedWait);
+  }
+}
+
+// One thread: per peer, its destination batch (writes, then the arrived flag), after the free wait and the fill
+// (stream order).
 __global__ void spanPushKernel(const SpanExchangePlan* plan) {
   if (threadIdx.x != 0) return;
   const SpanExchangePlan& p = *plan;
   if (failedBefore(p)) return;
-  WaitCtx ctx = waitCtx(p, Role::kInterSend);
   ProxyPusher pusher = makeProxyPusher(p.fifo, p.timeoutNs);
   for (uint32_t i = 0; i < p.peers; ++i) {
-    // acquire (waitGeq): pairs with the peer's consumed flag, stored by its transport after it read its inbox.
-    if (p.prevEpoch != 0 && !waitGeq(p.consumed[i], p.prevEpoch, ctx, p.peerNode[i])) return fail(p, kSpanFailedWait);
     uint64_t flagTicket = 0;
     const ProxyPushStatus s = proxyPushWritesThenFlag(
         pusher, static_cast<uint16_t>(p.peerNode[i]), reinterpret_cast<const ProxyWriteDesc*>(p.writes + p.firstWrite[i]),
@@ -86,6 +98,10 @@ __global__ void spanConsumedKernel(const SpanExchangePlan* plan) {
 
 }  // namespace
 
+cudaError_t launchSpanFree(const SpanExchangePlan* plan, cudaStream_t stream) {
+  spanFreeKernel<<<1, 32, 0, stream>>>(plan);
+  return cudaGetLastError();
+}
 cudaError_t launchSpanPush(const SpanExchangePlan* plan, cudaStream_t stream) {
   spanPushKernel<<<1, 32, 0, stream>>>(plan);
   return cudaGetLastError();
@@ -101,7 +117,7 @@ cudaError_t launchSpanConsumed(const SpanExchangePlan* plan, cudaStream_t stream
 
 void preloadSpanExchangeKernels(int device) {
   using Fn = void (*)(const SpanExchangePlan*);
-  static constexpr Fn kFns[] = {spanPushKernel, spanWaitKernel, spanConsumedKernel};
+  static constexpr Fn kFns[] = {spanFreeKernel, spanPushKernel, spanWaitKernel, spanConsumedKernel};
   preloadOn(device, kFns, "span exchange");
 }
 

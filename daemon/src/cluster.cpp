@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <string_view>
 
 #include "backend.hpp"
 #include "transport/factory.hpp"
@@ -202,7 +204,13 @@ Cluster::Cluster(const DaemonConfig& config, std::string backend, std::vector<Gp
   if (c.gpuExchange == GpuExchange::kOff) {
     gpuExchangeOff_ = "cluster.gpu_exchange is off";
   } else if (std::any_of(gpus_.begin(), gpus_.end(), [](const GpuInfo& g) { return g.mps; })) {
-    gpuExchangeOff_ = "MPS: the GPU exchange stalled under MPS on the H200 and stays off there until that is fixed";
+    // TANDEM_GPU_EXCHANGE_MPS=1 keeps it on (measurements of whether a change fixed the stall; not for production).
+    const char* force = std::getenv("TANDEM_GPU_EXCHANGE_MPS");
+    if (force == nullptr || std::string_view(force) != "1") {
+      gpuExchangeOff_ = "MPS: the GPU exchange stalled under MPS on the H200 and stays off there until that is fixed";
+    } else {
+      spdlog::warn("TANDEM_GPU_EXCHANGE_MPS=1: the GPU exchange stays on under MPS, where it stalled on the H200");
+    }
   }
   nodes_[self_].state = NodeState::kSelf;
   nodes_[self_].hostname = hostName();

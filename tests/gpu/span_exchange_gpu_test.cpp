@@ -1,6 +1,6 @@
 // The GPU-issued exchange's pieces on one GPU, in seconds, below tandemd: two "nodes" in this process, each with the
 // real GpuProxy (its FIFO mapped for the GPU, its ticket counter on the GPU, its proxy thread) on a real tcp transport
-// (loopback, kDevice regions staged through GpuCopiers), a real GpuRegion each, and the real span exchange kernels
+// (loopback; the regions in mapped pinned host memory, where tandemd puts them on tcp), a real GpuRegion each, and the real span exchange kernels
 // (kernels/span_exchange.cu) running the plans gpu_exchange_plan.hpp makes. Checked: payloads land in the peer's inbox
 // before its arrived flag is seen, over several epochs (the consumed handshake lets an inbox be reused); several writes
 // per destination batch (gemm-rs rows of interleaved ranks); a wait ends at the abort word and at its deadline, and says
@@ -61,7 +61,7 @@ bool streamFinishes(cudaStream_t s, std::chrono::milliseconds timeout) {
 template <typename T>
 std::vector<T> download(const void* device, uint64_t count) {
   std::vector<T> v(count);
-  cudaOk(cudaMemcpy(v.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy to the host");
+  cudaOk(cudaMemcpy(v.data(), device, count * sizeof(T), cudaMemcpyDefault), "cudaMemcpy to the host");  // GPU or pinned
   return v;
 }
 
@@ -161,10 +161,12 @@ TEST_CASE("span exchange: payloads land in the peer's GPU inbox before its arriv
       std::array<std::vector<uint8_t>, 2> sent;
       for (int n = 0; n < 2; ++n) {
         sent[n] = pattern(shape.bytes, static_cast<uint32_t>(epoch * 2 + n));
-        cudaOk(cudaMemcpy(regions[n]->sendArea(), sent[n].data(), shape.bytes, cudaMemcpyHostToDevice), "fill");
         const kernels::SpanExchangePlan* p = regions[n]->preparePlan(op, epoch, prev, kTimeoutNs);
         CHECK(p->peers == 1);
         CHECK(p->writeCount[0] == 1);
+        // The send area is refilled only once the peer consumed the previous epoch (the free kernel), as tandemd does.
+        cudaOk(kernels::launchSpanFree(regions[n]->planDevice(), st[n]), "free");
+        cudaOk(cudaMemcpyAsync(regions[n]->sendArea(), sent[n].data(), shape.bytes, cudaMemcpyDefault, st[n]), "fill");
         cudaOk(kernels::launchSpanPush(regions[n]->planDevice(), st[n]), "push");
         cudaOk(kernels::launchSpanWait(regions[n]->planDevice(), st[n]), "wait");
       }
@@ -201,7 +203,7 @@ TEST_CASE("span exchange: payloads land in the peer's GPU inbox before its arriv
     std::array<std::vector<uint8_t>, 2> sums;
     for (int n = 0; n < 2; ++n) {
       sums[n] = pattern(sumBytes, 40 + static_cast<uint32_t>(n));
-      cudaOk(cudaMemcpy(regions[n]->sendArea(), sums[n].data(), sumBytes, cudaMemcpyHostToDevice), "fill");
+      cudaOk(cudaMemcpy(regions[n]->sendArea(), sums[n].data(), sumBytes, cudaMemcpyDefault), "fill");
       const kernels::SpanExchangePlan* p = regions[n]->preparePlan(op, 1, 0, kTimeoutNs);
       CHECK(p->writeCount[0] == 2);
       cudaOk(kernels::launchSpanPush(regions[n]->planDevice(), st[n]), "push");
@@ -249,11 +251,12 @@ TEST_CASE("span exchange: a wait ends at the communicator's abort word or at its
     REQUIRE(streamFinishes(st[1], 5s));
     CHECK(regions[1]->lastTicket() == 0);
   }
-  SUBCASE("deadline: node 0's push waits for consumed of an epoch node 1 never read") {
+  SUBCASE("deadline: node 0's free wait for consumed of an epoch node 1 never read, and the push after it") {
     regions[0]->preparePlan(op, 2, 1, 300'000'000ull);  // prevEpoch 1 never consumed; 300 ms
     const auto t0 = Clock::now();
-    cudaOk(kernels::launchSpanPush(regions[0]->planDevice(), st[0]), "push");
-    REQUIRE_MESSAGE(streamFinishes(st[0], 10s), "the push did not give up at its deadline");
+    cudaOk(kernels::launchSpanFree(regions[0]->planDevice(), st[0]), "free");
+    cudaOk(kernels::launchSpanPush(regions[0]->planDevice(), st[0]), "push");  // returns at once: failed before
+    REQUIRE_MESSAGE(streamFinishes(st[0], 10s), "the free wait did not give up at its deadline");
     CHECK(Clock::now() - t0 >= 300ms);
     CHECK(regions[0]->failure().find("timed out waiting on the GPU for node 1's consumed flag >= 1") !=
           std::string::npos);
@@ -283,7 +286,7 @@ TEST_CASE("span exchange: a command the proxy rejects aborts its own communicato
   auto good = net.regions();
   const auto data = pattern(shape.bytes, 5);
   for (int n = 0; n < 2; ++n) {
-    cudaOk(cudaMemcpy(good[n]->sendArea(), data.data(), shape.bytes, cudaMemcpyHostToDevice), "fill");
+    cudaOk(cudaMemcpy(good[n]->sendArea(), data.data(), shape.bytes, cudaMemcpyDefault), "fill");
     good[n]->preparePlan(op, 1, 0, kTimeoutNs);
     cudaOk(kernels::launchSpanPush(good[n]->planDevice(), st[n]), "push");
     cudaOk(kernels::launchSpanWait(good[n]->planDevice(), st[n]), "wait");

@@ -978,28 +978,36 @@ GpuRegion& HostStaging::gpuRegion(Collective& c) {
   return *region_;
 }
 
+// Stream waits (the GPU's front end polls the word; no SM, no time slice held). 32-bit, wrap-aware (>=): the low half
+// of the 64-bit epochs, which stay far below 2^31 apart.
+void HostStaging::streamWait(cudaStream_t s, const uint64_t* word, uint64_t value, const char* what) {
+  const CUresult r = k::driver().streamWaitValue32(s, reinterpret_cast<CUdeviceptr>(word),
+                                                   static_cast<cuuint32_t>(value), CU_STREAM_WAIT_VALUE_GEQ);
+  k::checkCuda(r, "cuStreamWaitValue32({})", what);
+}
+
+void HostStaging::waitSendAreaFree(int leadDev, cudaStream_t s) {
+  GpuRegion& region = *region_;
+  const k::SpanExchangePlan& plan = *region.plan();
+  if (plan.prevEpoch == 0) return;
+  k::CudaDeviceGuard guard(leadDev);
+  if (!streamWaits_) {
+    k::checkCuda(k::launchSpanFree(region.planDevice(), s), "span exchange free");
+    return;
+  }
+  for (uint32_t i = 0; i < plan.peers; ++i) streamWait(s, plan.consumed[i], plan.prevEpoch, "consumed");
+}
+
 void HostStaging::pushThenWait(int leadDev, cudaStream_t exch) {
   GpuRegion& region = *region_;
   const k::SpanExchangePlan& plan = *region.plan();
   k::CudaDeviceGuard guard(leadDev);
+  k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
   if (!streamWaits_) {
-    k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
     k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
     return;
   }
-  // Stream waits (the GPU's front end polls the word; no SM, no time slice held): the consumed words first, so the
-  // push kernel finds them reached, then the push, then the arrived words. 32-bit, wrap-aware (>=): the low half of
-  // the 64-bit epochs, which stay far below 2^31 apart.
-  auto waitWord = [&](const uint64_t* word, uint64_t value, const char* what) {
-    const CUresult r = k::driver().streamWaitValue32(exch, reinterpret_cast<CUdeviceptr>(word),
-                                                     static_cast<cuuint32_t>(value), CU_STREAM_WAIT_VALUE_GEQ);
-    k::checkCuda(r, "cuStreamWaitValue32({})", what);
-  };
-  if (plan.prevEpoch != 0) {
-    for (uint32_t i = 0; i < plan.peers; ++i) waitWord(plan.consumed[i], plan.prevEpoch, "consumed");
-  }
-  k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
-  for (uint32_t i = 0; i < plan.peers; ++i) waitWord(plan.arrived[i], plan.epoch, "arrived");
+  for (uint32_t i = 0; i < plan.peers; ++i) streamWait(exch, plan.arrived[i], plan.epoch, "arrived");
 }
 
 void HostStaging::waitGpuWork(Collective& c) {
@@ -1158,7 +1166,9 @@ void HostStaging::agGemmGpu(Collective& c, const ExchangeOp& op) {
       }
     }
   };
-  // 1. This node's shards into the send area (packed in rank order) and into every local rank's gathered A.
+  // 1. This node's shards into the send area (packed in rank order, once it is free) and into every local rank's
+  //    gathered A.
+  waitSendAreaFree(leadDev, lead.copy.get());
   {
     k::CudaDeviceGuard guard(leadDev);
     uint64_t off = 0;
@@ -1222,6 +1232,7 @@ void HostStaging::allGatherGpu(Collective& c, const ExchangeOp& op) {
   for (uint32_t r : mine) devices.insert(deviceOf(r));
   auto recv = [&](uint32_t r) { return slotPtr(c.ops[r], slot::kRecv); };
   auto send = [&](uint32_t r) { return slotPtr(c.ops[r], slot::kSend); };
+  waitSendAreaFree(leadDev, lead.copy.get());
   {
     k::CudaDeviceGuard guard(leadDev);
     for (std::size_t i = 0; i < mine.size(); ++i) {
@@ -1295,7 +1306,8 @@ void HostStaging::gemmReduceGpu(Collective& c, const ExchangeOp& op) {
     p.dtype = d.dtype == DType::kBF16 ? k::GemmDtype::kBf16 : k::GemmDtype::kFp16;
     gemm(p, cs, opKindName(d.kind).data());
   }
-  // 2. The node sum in rank order on the lead's GPU, into the send area.
+  // 2. The node sum in rank order on the lead's GPU, into the send area once it is free.
+  waitSendAreaFree(leadDev, leadStream);
   {
     k::CudaDeviceGuard guard(leadDev);
     for (int dev : devices) {

@@ -9,10 +9,11 @@
 //   2. on the communicator's own thread (CommLink::post), one of three paths, logged once per shape ("plan ..."):
 //      GPU-issued exchange + GPU GEMM (gpu_exchange_plan.hpp decides, alike on every node, from every rank's
 //      descriptor and the cluster section: ag-gemm, gemm-rs, gemm-ar in bf16/fp16 whose every rank's dims the GEMM
-//      core takes, and allgather, over tcp, cluster.gpu_exchange on, payloads within cluster.staging_bytes): the same
-//      payloads as below, filled and consumed on the GPUs in stream order, the transfers pushed by kernels of the
-//      first local rank's GPU into its proxy FIFO (gpu_exchange.hpp; kernels/span_exchange.cu) and landing in the
-//      peers' GPU regions; the link thread only launches, then waits for the streams:
+//      core takes, and allgather, over tcp or verbs, cluster.gpu_exchange on, payloads within cluster.staging_bytes):
+//      the same payloads as below, filled and consumed on the GPUs in stream order, the transfers pushed by kernels of
+//      the first local rank's GPU into its proxy FIFO (gpu_exchange.hpp; kernels/span_exchange.cu) and landing in the
+//      peers' regions (GPU memory on verbs, mapped pinned host memory on tcp: gpu_exchange.hpp says why); the link
+//      thread only launches, then waits for the streams:
 //        ag-gemm, allgather  the local shards into the send area (and every local rank's gathered A) and the local
 //                            rows' GEMM, the push, then the wait and the remote rows from the inboxes (copies into
 //                            each gathered A, the remote rows' GEMM): remote shards land while local ones compute;
@@ -20,16 +21,17 @@
 //                            the push of the rows each peer owns straight out of it, the wait, the sum over nodes in
 //                            node order in fp32 reading the inboxes in place, one rounding (span_reduce.hpp): bitwise
 //                            the results of the staged path below;
-//        the waits (the peers' consumed flags before the push, their arrived flags after it) are stream waits
-//        (cuStreamWaitValue32 on the region's words: the GPU's front end polls, no SM or time slice is held), released
-//        by the host writing past them when the communicator fails or kExchangeTimeoutMs passes; TANDEM_SPAN_WAIT=kernel
-//        waits in the one-warp kernel instead (abort word, %globaltimer deadline, ErrorSlot). H200, span_bench, both
+//        the waits (the peers' consumed flags before the send area is filled, their arrived flags after the push)
+//        are stream waits (cuStreamWaitValue32 on the region's words: the GPU's front end polls, no SM or time slice
+//        is held), released by the host writing past them when the communicator fails or kExchangeTimeoutMs passes;
+//        TANDEM_SPAN_WAIT=kernel waits in the one-warp kernels instead (abort word, %globaltimer deadline,
+//        ErrorSlot). H200, span_bench, both
 //        "nodes" on one GPU without MPS: no faster either way at ag-gemm and gemm-rs, gemm-ar M=1024 20.8 vs 30.4 ms
 //        (3 runs each);
 //        a local tensor that is not 16-byte aligned is copied aside (an input) or computed aside and copied back (an
 //        output), so that a node-local fact never changes the path, which both ends must share;
 //      staged exchange + GPU GEMM (the other ops the GPUs compute, and every op when the GPU exchange refuses it, the
-//      reason in the plan line; verbs always: its test double models no GPU memory): hierarchical, one payload per
+//      reason in the plan line): hierarchical, one payload per
 //      node pair, the same payloads as the cpu backend's (cpu_multinode.cpp), so each node may take this path or the
 //      host fallback for an op and the others cannot tell:
 //        ag-gemm, allgather  the local ranks' shards go GPU -> the CommLink outbox (pinned once, no other host copy)
@@ -151,8 +153,12 @@ class HostStaging {
   void allGatherGpu(Collective& c, const ExchangeOp& op);
   void gemmReduceGpu(Collective& c, const ExchangeOp& op);
   GpuRegion& gpuRegion(Collective& c);  // made at the first GPU-exchange op (its key exchanged then)
+  // On `s`, before anything fills the send area: every peer's consumed flag reached the previous GPU-exchange op's
+  // epoch (stream waits, or the free kernel), so the transport has sent all of that op (gpu_exchange.hpp).
+  void waitSendAreaFree(int leadDev, cudaStream_t s);
   // On the exchange stream: the push, then the wait for the peers' payloads (stream waits, or the wait kernel).
   void pushThenWait(int leadDev, cudaStream_t exch);
+  static void streamWait(cudaStream_t s, const uint64_t* word, uint64_t value, const char* what);
   // Records an event on `from` (of device fromDev) and makes `to` wait for it.
   void order(int fromDev, cudaStream_t from, cudaStream_t to);
   // Waits until every local GPU's streams are idle, polling for the communicator's failure: on one it sets the

@@ -5,7 +5,9 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "cluster.hpp"
 
@@ -102,12 +104,12 @@ GpuProxy::GpuProxy(int device, transport::Transport& transport)
 
 GpuProxy::~GpuProxy() { shutdown(); }
 
-uint32_t GpuProxy::add(void* device, uint64_t bytes, transport::LocalRegion& region,
+uint32_t GpuProxy::add(void* base, uint64_t bytes, transport::MemoryKind kind, transport::LocalRegion& region,
                        std::function<void(ErrorCode, const std::string&)> onError) {
   std::lock_guard lock(mutex_);
   if (stopped_) fail(ErrorCode::kAborted, "GPU exchange: tandemd is shutting down");
   retireExpiredLocked(false);
-  region = cluster_.registerMemory(transport::MemoryDesc{transport::MemoryKind::kDevice, device, bytes});
+  region = cluster_.registerMemory(transport::MemoryDesc{kind, base, bytes});
   uint32_t id;
   if (!freeIds_.empty()) {
     id = freeIds_.back();
@@ -207,12 +209,40 @@ struct GpuRegion::Page {
   alignas(64) k::SpanExchangePlan plan;
 };
 
+RegionMemory regionMemoryFor(transport::TransportKind transport) {
+  if (const char* e = std::getenv("TANDEM_GPU_REGION"); e != nullptr && *e != '\0') {
+    const std::string_view v(e);
+    if (v == "device") return RegionMemory::kDevice;
+    if (v == "host") return RegionMemory::kHost;
+    spdlog::warn("TANDEM_GPU_REGION={} is neither device nor host; ignored", v);
+  }
+  return transport == transport::TransportKind::kTcp ? RegionMemory::kHost : RegionMemory::kDevice;
+}
+
 GpuRegion::GpuRegion(std::shared_ptr<GpuProxy> proxy, GpuRegionLayout layout, std::weak_ptr<CommLink> link,
-                     std::chrono::milliseconds grace)
+                     std::chrono::milliseconds grace, RegionMemory memory)
     : proxy_(std::move(proxy)), layout_(std::move(layout)), grace_(grace) {
   const int dev = proxy_->device();
-  memory_ = std::make_shared<k::DeviceBuffer>(k::DeviceBuffer::allocate(dev, layout_.bytes(), "GPU exchange region"));
-  {
+  if (memory == RegionMemory::kAuto) memory = regionMemoryFor(proxy_->transport().kind());
+  host_ = memory == RegionMemory::kHost;
+  if (host_) {
+    k::CudaDeviceGuard guard(dev);  // the allocation's context: the proxy's GPU
+    // Zeroed by allocate: the flags start at 0 (epochs start at 1) before any peer has our key.
+    auto pinned = std::make_shared<k::PinnedHostBuffer>(k::PinnedHostBuffer::allocate(layout_.bytes(),
+                                                                                       "GPU exchange region"));
+    // The plan hands the kernels host addresses of the flags and the node-sum kernels read the inboxes in place:
+    // that needs the GPU's view of the memory at the same address (unified addressing, every 64-bit Linux GPU).
+    if (pinned->devicePtr() != pinned->get()) {
+      fail(ErrorCode::kUnsupported, "GPU exchange: pinned host memory has another address on GPU {} (no unified "
+           "addressing); set TANDEM_GPU_REGION=device", dev);
+    }
+    base_ = static_cast<std::byte*>(pinned->get());
+    memory_ = std::move(pinned);
+  } else {
+    auto buffer = std::make_shared<k::DeviceBuffer>(k::DeviceBuffer::allocate(dev, layout_.bytes(),
+                                                                              "GPU exchange region"));
+    base_ = static_cast<std::byte*>(buffer->get());
+    memory_ = std::move(buffer);
     // The flags start at 0 (epochs start at 1), before the peers may write into it (once they have our key). On a
     // stream of its own, never a device-wide sync: the daemon executor's persistent kernel, or another communicator's
     // exchange kernel, may be running on this GPU.
@@ -226,7 +256,8 @@ GpuRegion::GpuRegion(std::shared_ptr<GpuProxy> proxy, GpuRegionLayout layout, st
   releaseStream_ = k::CudaStream::create(dev, "GPU exchange release");
   std::memset(page_.get(), 0, sizeof(Page));
   Page* pg = page();
-  id_ = proxy_->add(base(), layout_.bytes(), region_,
+  id_ = proxy_->add(base(), layout_.bytes(), host_ ? transport::MemoryKind::kHost : transport::MemoryKind::kDevice,
+                    region_,
                     [pg, link = std::move(link)](ErrorCode code, const std::string& reason) {
                       // release: pairs with the kernels' relaxed polls of the abort word (any later read sees it).
                       std::atomic_ref<uint64_t>(pg->abortWord).store(1, std::memory_order_release);
@@ -294,7 +325,18 @@ const k::SpanExchangePlan* GpuRegion::plan() const { return &page()->plan; }
 
 void GpuRegion::releaseWaits(uint64_t epoch) {
   // Past every epoch waited for, in the 32-bit wrap-aware compare of the stream waits (and >= for 64-bit readers).
-  page()->releaseValue = (epoch & 0xffffffffu) + (uint64_t{1} << 30);
+  const uint64_t value = (epoch & 0xffffffffu) + (uint64_t{1} << 30);
+  if (host_) {
+    // release: a plain store the GPU's stream waits and polls see (they read the host memory itself).
+    for (uint32_t n : layout_.nodes) {
+      if (n == layout_.self) continue;
+      for (uint64_t off : {GpuRegionLayout::arrivedOffset(n), GpuRegionLayout::consumedOffset(n)}) {
+        std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base() + off)).store(value, std::memory_order_release);
+      }
+    }
+    return;
+  }
+  page()->releaseValue = value;
   try {
     k::CudaDeviceGuard guard(device());
     for (uint32_t n : layout_.nodes) {

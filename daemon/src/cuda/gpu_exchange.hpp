@@ -11,8 +11,18 @@
 //                    and its own transport::Proxy thread on the cluster's transport, with a buffer table of every
 //                    communicator region on that GPU.
 //   GpuRegion        one per communicator (made at its first GPU-exchange op, on its first local rank's GPU): the
-//                    device region registered with the transport as kDevice, its buffer id in the GPU's table, and a
-//                    page of mapped pinned memory with the kernels' plan, the abort word and the error slot.
+//                    region (send area, inboxes, flags) registered with the transport, its buffer id in the GPU's
+//                    table, and a page of mapped pinned memory with the kernels' plan, the abort word and the error
+//                    slot.
+//
+// Where the region lives (RegionMemory). On verbs, in GPU memory (kDevice): the NIC writes into it and reads from it
+// directly (GPUDirect RDMA). On tcp, in mapped pinned host memory (kHost): tcp's bytes pass through the host's socket
+// buffers whatever the region is, and a kDevice region on tcp costs a staged copy per 512 KiB frame on both sides, each
+// waited for on the sending proxy thread or the receiving io thread (the H200 measured that path 1.4-2.3x slower than
+// the host-staged exchange, session 8). From host memory tcp sends zero-copy and receives straight into the inbox; the
+// GPU fills the send area and reads the inboxes by DMA (the copy engines) or in place (the node-sum kernels), over
+// PCIe, and polls the flags there as it polls the plan page. TANDEM_GPU_REGION=device|host overrides the choice (for
+// measurements).
 //
 // Two proxies on one transport. The cluster's own proxy (host producers) and each GPU's post through the same
 // transport. Posting from several threads is safe (tcp serialises per peer under its send mutex; a flag carries the
@@ -20,8 +30,10 @@
 // too). Completions are not: Transport::poll hands a completion to whichever thread polls first, and the cookies (FIFO
 // tickets) of two FIFOs collide. So a GPU's proxy posts through a PostOnlyTransport: every op unsignalled, poll empty.
 // Its FIFO's completed word then means "posted" (the proxy publishes the consumer index when nothing is outstanding),
-// which is what the exchange needs: tcp copies a kDevice source to the host when the write is posted, so the send area
-// is free once its commands are, and the peer's consumed flag, not a completion, frees the peer's inbox.
+// not "sent": verbs reads a write's source after the post, and so does tcp from a host region. The peers' consumed
+// flags stand in for completions: a peer stores consumed = e after it read its inbox of op e, which it could do only
+// after every byte of ours had landed, so the send area is refilled only after every peer's consumed flag reached the
+// previous op's epoch (the free wait, span_exchange.hpp), and the push into a peer's inbox comes after that too.
 //
 // Failures. Each communicator has its own abort word, which ends its kernels' waits (for the peer's consumed and
 // arrived flags) at once; the FIFO's stop word is set only when the hub shuts down, because the FIFO is shared: a push
@@ -114,9 +126,9 @@ class GpuProxy {
   uint64_t completed() const { return fifo_.view().completed(); }
   transport::Transport& transport() { return transport_; }
 
-  /// A communicator's region: registered, its id returned; `onError(code, reason)` runs (on the proxy thread) for a
+  /// A communicator's region (GPU or mapped host memory: `kind`): registered, its id returned; `onError(code, reason)` runs (on the proxy thread) for a
   /// command of it the proxy rejects or cannot post. Throws what registerMemory throws.
-  uint32_t add(void* device, uint64_t bytes, transport::LocalRegion& region,
+  uint32_t add(void* base, uint64_t bytes, transport::MemoryKind kind, transport::LocalRegion& region,
                std::function<void(ErrorCode, const std::string&)> onError);
   /// The peers' keys for region `id` (before the first push that names them).
   void setPeerKeys(uint32_t id, const std::map<transport::NodeIndex, transport::RemoteKey>& keys);
@@ -171,14 +183,20 @@ class GpuExchangeHub {
   bool stopped_ = false;
 };
 
+/// Where a GpuRegion's bytes live: see the file comment.
+enum class RegionMemory { kAuto, kHost, kDevice };
+/// kAuto resolved for `transport` (kHost on tcp, kDevice otherwise), unless TANDEM_GPU_REGION=device|host says.
+RegionMemory regionMemoryFor(transport::TransportKind transport);
+
 /// A communicator's GPU region and its kernels' plan page. Made on the link thread at the communicator's first
 /// GPU-exchange op; used by that thread only, except abort() (any thread).
 class GpuRegion {
  public:
-  /// Allocates and zeroes the region on the proxy's GPU, registers it. `link`: aborted when the proxy fails one of
-  /// its commands. Throws Error(kCuda) or the transport's error.
+  /// Allocates and zeroes the region (on the proxy's GPU, or in mapped pinned host memory: `memory`, kAuto by the
+  /// transport), registers it. `link`: aborted when the proxy fails one of its commands. Throws Error(kCuda) or the
+  /// transport's error.
   GpuRegion(std::shared_ptr<GpuProxy> proxy, GpuRegionLayout layout, std::weak_ptr<CommLink> link,
-            std::chrono::milliseconds grace);
+            std::chrono::milliseconds grace, RegionMemory memory = RegionMemory::kAuto);
   ~GpuRegion();
   GpuRegion(const GpuRegion&) = delete;
   GpuRegion& operator=(const GpuRegion&) = delete;
@@ -186,7 +204,8 @@ class GpuRegion {
   const GpuRegionLayout& layout() const { return layout_; }
   GpuProxy& proxy() { return *proxy_; }
   int device() const { return proxy_->device(); }
-  std::byte* base() const { return static_cast<std::byte*>(memory_->get()); }
+  bool hostResident() const { return host_; }  // in mapped pinned host memory (the same address for the GPU)
+  std::byte* base() const { return base_; }
   std::byte* sendArea() const { return base() + GpuRegionLayout::sendOffset(); }
   std::byte* inbox(uint32_t from) const { return base() + layout_.inboxOffset(layout_.self, from); }
   /// This node's key, for the peers.
@@ -218,7 +237,9 @@ class GpuRegion {
   std::shared_ptr<GpuProxy> proxy_;
   GpuRegionLayout layout_;
   std::chrono::milliseconds grace_;
-  std::shared_ptr<kernels::DeviceBuffer> memory_;
+  std::shared_ptr<void> memory_;  // a DeviceBuffer or a PinnedHostBuffer; kept past the region for the grace period
+  std::byte* base_ = nullptr;
+  bool host_ = false;
   kernels::PinnedHostBuffer page_;
   kernels::CudaStream releaseStream_;  // releaseWaits' copies, beside every stream that may be waiting
   transport::LocalRegion region_;

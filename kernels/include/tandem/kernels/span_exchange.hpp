@@ -1,11 +1,13 @@
 // The GPU-issued exchange between nodes (tandemd's cuda_multinode.cpp; the region layout and the protocol are in
-// daemon/src/cuda/gpu_exchange_plan.hpp): three one-warp kernels on the exchange stream of the communicator's GPU.
-//   push      per peer ascending: wait consumed[p] >= prevEpoch, then the peer's writes and its flag
-//             arrived[self] = epoch as one destination batch (proxyPushWritesThenFlag: one claim, one fence);
+// daemon/src/cuda/gpu_exchange_plan.hpp): four one-warp kernels on the streams of the communicator's GPU.
+//   free      per peer: consumed[p] >= prevEpoch (the peer read the previous op's payload), on the stream that fills
+//             the send area, before the fill: a transport may read a write's source after the post;
+//   push      per peer ascending: the peer's writes and its flag arrived[self] = epoch as one destination batch
+//             (proxyPushWritesThenFlag: one claim, one fence);
 //   wait      per peer: arrived[p] >= epoch;
 //   consumed  consumed[self] = epoch to every peer (flag commands only, one batch).
-// tandemd's HostStaging runs the push kernel with stream waits around it by default and the wait kernel only with
-// TANDEM_SPAN_WAIT=kernel (cuda_multinode.hpp); the wait kernel is the building block for an exchange inside a
+// tandemd's HostStaging runs the push kernel with stream waits in place of free and wait by default, and those two
+// kernels only with TANDEM_SPAN_WAIT=kernel (cuda_multinode.hpp); the wait kernel is the building block for an exchange inside a
 // fused kernel, where no stream wait can stand in.
 // Every command names the region's buffer id and offsets, never an address; the proxy validates them against its table.
 //
@@ -66,11 +68,12 @@ struct SpanExchangePlan {
 };
 
 // Each launches one warp on `stream` with the plan's device view; returns the launch's error.
+cudaError_t launchSpanFree(const SpanExchangePlan* plan, cudaStream_t stream);
 cudaError_t launchSpanPush(const SpanExchangePlan* plan, cudaStream_t stream);
 cudaError_t launchSpanWait(const SpanExchangePlan* plan, cudaStream_t stream);
 cudaError_t launchSpanConsumed(const SpanExchangePlan* plan, cudaStream_t stream);
 
-// Loads the three kernels on `device` now (tandem/kernels/preload.hpp says why). Throws std::runtime_error.
+// Loads the four kernels on `device` now (tandem/kernels/preload.hpp says why). Throws std::runtime_error.
 void preloadSpanExchangeKernels(int device);
 
 }  // namespace tandem::kernels
