@@ -27,8 +27,6 @@ out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 root=$(pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-# The C fast path (_tandem_fastcall.Hot) is opt-in on the cuda backend until a GPU run has checked it: this is that run.
-export TANDEM_FASTCALL_HOT=${TANDEM_FASTCALL_HOT:-1}
 build=build-gpu-py
 py=${PYTHON:-python3}
 user_pythonpath=${PYTHONPATH:-}  # the caller's, before this script adds the test dirs: the README step runs with it

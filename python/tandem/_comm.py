@@ -128,11 +128,9 @@ class Communicator:
         # The fast path of the GEMM ops, allgather and barrier: one C call each (_tandem_fastcall.Hot) where the
         # module is built, else the Python methods below (_gemm_fast, ...). Either returns None where the full path
         # must decide (it validates argument by argument, stages cpu tensors, records into a CUDA graph).
-        # On the cuda backend the C path has not yet run on a GPU (its cuda steps are tested in CI against stand-ins
-        # for libtandem and the driver): it is used there only with TANDEM_FASTCALL_HOT=1 (scripts/py-gpu-run.sh
-        # sets it) until a GPU run has checked it; the Python fast path, checked on an H200, is the default there.
-        use_c = (_capi.Hot is not None and _HOT_FITS
-                 and (not self.is_cuda or os.environ.get("TANDEM_FASTCALL_HOT") == "1"))
+        # Both backends (the cuda steps checked on an H200 at 1 and 2 ranks, bench/RESULTS.md session 8;
+        # TANDEM_NO_FASTCALL=1 keeps the Python path).
+        use_c = _capi.Hot is not None and _HOT_FITS
         self._hot = _capi.Hot() if use_c else _PyHot()
         if isinstance(self._hot, _PyHot):
             self._hot_gemm_ar = functools.partial(self._gemm_fast, "gemm_ar")
