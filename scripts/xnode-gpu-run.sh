@@ -8,11 +8,12 @@
 #      and 2 ranks per node, every path against the fp64 reference, cluster.gpu_exchange off bitwise equal to on, a
 #      killed rank before the first exchange and while the GPU waits;
 #   3. span_bench, both paths in one run (GPU-issued vs staged, each against one node), then the GPU path again with
-#      its waits in the kernel (TANDEM_SPAN_WAIT=kernel) instead of stream waits;
+#      its region in GPU memory (TANDEM_GPU_REGION=device; tcp's default is mapped pinned host memory) and with its
+#      waits in the kernels (TANDEM_SPAN_WAIT=kernel) instead of stream waits;
 #   4. under a private MPS server: the pieces and the proxy GPU test (in-process, no tandemd: do they stall under MPS?),
-#      the daemon-executor case, and a short span_bench with every thread's stack after 15 s (mps_stacks.log). The GPU
-#      path stalled under MPS in the helper's calls (kernel and stream waits alike), so tandemd keeps it off on MPS
-#      GPUs: the last two must pass on the staged path ("not GPU-issued: MPS").
+#      the daemon-executor case (on the staged path: tandemd keeps the GPU exchange off on MPS GPUs, "not GPU-issued:
+#      MPS", since it stalled there in session 7), and span_bench at M=1024 with the GPU path forced on
+#      (TANDEM_GPU_EXCHANGE_MPS=1) and every thread's stack after 15 s (mps_stacks.log).
 #   scripts/xnode-gpu-run.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: scripts/xnode-gpu-run.sh OUTDIR}
@@ -59,12 +60,15 @@ step "two nodes: rank killed before the first exchange" 20 kill.log "$tests" "-t
 step "two nodes: rank killed while the GPU waits" 25 kill_gpu_wait.log "$tests" "-tc=*waits for its data*" -d
 step "span_bench both paths" 50 span_bench.log "$bench" --iters 5 --warmup 1
 if [ -f "$out/span_bench.log" ]; then grep -E "^\||lost|rank process" "$out/span_bench.log" | tee -a "$summary"; fi
-# The GPU path's waits in the one-warp kernel instead of stream waits (node-local knob, same protocol).
+# The GPU path with its region in GPU memory (kDevice, staged by tcp per frame: the layout before session 8), and with
+# its waits in the one-warp kernels instead of stream waits (node-local knobs, same protocol).
+TANDEM_GPU_REGION=device step "span_bench GPU path, region in GPU memory" 35 span_bench_device_region.log "$bench" \
+  --iters 5 --warmup 1 --paths gpu
 TANDEM_SPAN_WAIT=kernel step "span_bench GPU path, kernel waits" 30 span_bench_kernel_wait.log "$bench" --iters 5 \
   --warmup 1 --paths gpu
-if [ -f "$out/span_bench_kernel_wait.log" ]; then
-  grep -E "^\||lost|rank process" "$out/span_bench_kernel_wait.log" | tee -a "$summary"
-fi
+for f in span_bench_device_region span_bench_kernel_wait; do
+  if [ -f "$out/$f.log" ]; then grep -E "^\||lost|rank process" "$out/$f.log" | sed "s/^/$f /" | tee -a "$summary"; fi
+done
 
 # Where every thread of every tandemd (and test process) sits after $1 s, into $2: for a step that hangs.
 stacks_after() {
@@ -88,8 +92,10 @@ if command -v nvidia-cuda-mps-control > /dev/null && [ "$(left)" -gt 25 ]; then
     step "MPS: proxy GPU test (GPU -> proxy -> tcp -> GPU, no tandemd)" 25 mps_proxy.log \
       "./$b/tests/gpu/tandem_proxy_gpu_tests" -d
     step "MPS: two nodes, daemon executor" 40 mps_daemon.log "$tests" "-tc=*daemon executor (MPS)*" -d
+    # The GPU path under MPS anyway (TANDEM_GPU_EXCHANGE_MPS=1): does the host-memory region end the stall?
     stacks_after 15 "$out/mps_stacks.log" &
-    step "MPS: span_bench ag-gemm M=1024" 30 mps_span_bench.log "$bench" --iters 3 --warmup 1 --ops ag-gemm --ms 1024
+    TANDEM_GPU_EXCHANGE_MPS=1 step "MPS: span_bench, GPU path forced on" 30 mps_span_bench.log "$bench" --iters 3 \
+      --warmup 1 --ms 1024
     wait
     if [ -f "$out/mps_span_bench.log" ]; then grep -E "^\||lost|rank process" "$out/mps_span_bench.log" | tee -a "$summary"; fi
     echo quit | timeout 20 nvidia-cuda-mps-control > /dev/null 2>&1 || say "MPS quit did not finish within 20 s"
