@@ -8,11 +8,14 @@
 // (common/reference.hpp), one op at a time and back to back on one stream, with one rank per node; then the fused GEMMs
 // at GPU shapes off the tile with 1 and 2 ranks per node (the ranks interleaved over the nodes, so a node's rows are not
 // contiguous), 20 repeats bitwise identical, gemm-ar bitwise identical on every rank, the daemons' logs naming the path;
-// the same with the GPU exchange off, bitwise identical to it. Then a rank killed mid-op on one node must release the
-// other node's stream with PEER_LOST, before the first exchange and while the GPU's wait spins.
+// the same with the GPU exchange off, bitwise identical to it; the GPU path again over cluster.transport: verbs, on the
+// verbs test double (tests/support/verbs_double, loaded by the daemons only), GPU memory registered with it. Then a
+// rank killed mid-op on one node must release the other node's stream with PEER_LOST, before the first exchange and
+// while the GPU's wait spins.
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -45,25 +48,44 @@ std::string gpuUuid(int ordinal) {
   return uuid;
 }
 
+// The daemons' argv prefix for cluster.transport `transport`: verbs runs them on the verbs test double (its directory
+// first in their LD_LIBRARY_PATH, so tandemd loads it in place of rdma-core; this process does not need it). Fails the
+// test where the build has no double: verbs would then need a real RDMA device, which the GPU hosts do not have.
+std::vector<std::string> transportPrefix(const std::string& transport) {
+  if (transport != "verbs") return {};
+#ifdef TANDEM_VERBS_DOUBLE_LIBDIR
+  const char* inherited = std::getenv("LD_LIBRARY_PATH");
+  std::string path = TANDEM_VERBS_DOUBLE_LIBDIR;
+  if (inherited != nullptr && *inherited != '\0') path += std::string(":") + inherited;  // e.g. where libcuda is
+  return {"/usr/bin/env", "LD_LIBRARY_PATH=" + path};
+#else
+  FAIL("cluster.transport: verbs needs the verbs test double, which this build of tandem_gpu_tests does not name "
+       "(TANDEM_VERBS_DOUBLE_LIBDIR: tests/gpu/CMakeLists.txt defines it where tests/transport.cmake builds the double)");
+  return {};
+#endif
+}
+
 // Two daemons on loopback, daemon i owning GPU rankDevice(i) (both the one GPU where only one exists), with
-// `executor` (daemon: under MPS). Ports derive from the pid (below the ephemeral range) so parallel test processes do
-// not collide.
+// `executor` (daemon: under MPS), over cluster.transport `transport` (verbs: on the verbs test double). Ports derive
+// from the pid (below the ephemeral range) so parallel test processes do not collide.
 struct TwoNodes {
   std::vector<std::unique_ptr<Daemon>> daemons;
 
-  explicit TwoNodes(const std::string& executor = "client", const std::string& gpuExchange = "on") {
+  explicit TwoNodes(const std::string& executor = "client", const std::string& gpuExchange = "on",
+                    const std::string& transport = "tcp") {
     const int port = 20000 + static_cast<int>((::getpid() + 7919) % 12000);
     const std::string nodes = fmt::format("\"127.0.0.1:{}\", \"127.0.0.2:{}\"", port, port);
+    const std::vector<std::string> prefix = transportPrefix(transport);
     for (int i = 0; i < 2; ++i) {
       const std::string config = fmt::format(
           "daemon:\n  backend: cuda\n  executor: {}\n"
           "cuda:\n  devices: [\"{}\"]\n"
           "communicators:\n  peer_lost_deadline_ms: 2000\n"
           "cluster:\n  nodes: [{}]\n  node_index: {}\n  secret: \"gpu-multinode-test-secret-0123456789\"\n"
-          "  connect_timeout_ms: 15000\n  heartbeat_interval_ms: 100\n  staging_bytes: 67108864\n"
+          "  transport: {}\n  connect_timeout_ms: 15000\n  heartbeat_interval_ms: 100\n  staging_bytes: 67108864\n"
           "  gpu_exchange: {}\n",
-          executor, gpuUuid(rankDevice(static_cast<uint32_t>(i))), nodes, i, gpuExchange);
-      daemons.push_back(std::make_unique<Daemon>(config, std::vector<std::string>{}, ""));
+          executor, gpuUuid(rankDevice(static_cast<uint32_t>(i))), nodes, i, transport, gpuExchange);
+      daemons.push_back(std::make_unique<Daemon>(config, std::vector<std::string>{}, "", prefix));
     }
   }
   bool connected(int timeoutMs = 20000) const { return clusterNodesIn(daemons, "connected", timeoutMs); }
@@ -460,6 +482,32 @@ TEST_CASE("two nodes: the fused GEMMs across nodes run on the GPUs at 1 and 2 ra
     CAPTURE(perNode);
     TwoNodes c;
     runGpuCases(c, perNode, kGpuExchangePlan);
+  }
+}
+
+TEST_CASE("two nodes over cluster.transport: verbs (the verbs test double): the fused GEMMs run with the GPU-issued "
+          "exchange, match the fp64 reference and repeat bitwise") {
+  for (uint32_t perNode : {1u, 2u}) {
+    CAPTURE(perNode);
+    TwoNodes c("client", "on", "verbs");
+    REQUIRE_MESSAGE(c.connected(), c.logs());
+    for (const auto& d : c.daemons) {
+      // On the double, not on rdma-core (whose device, if this host had one, would have another name).
+      REQUIRE_MESSAGE(d->log().find("verbs transport: node") != std::string::npos, d->log());
+      REQUIRE_MESSAGE(d->log().find("tandem_double0") != std::string::npos, d->log());
+    }
+    runGpuCases(c, perNode, kGpuExchangePlan);
+    for (const auto& d : c.daemons) {
+      const std::string log = d->log();
+      INFO(log);
+      // The plan lines name verbs, and the GPU regions were registered as GPU memory of the double (its device-copy
+      // path placed every byte the results were checked on): not host memory taken for it, no copy failed.
+      CHECK(log.find("GPU-issued exchange (proxy gpu") != std::string::npos);
+      CHECK(log.find(" verbs) + GPU GEMM") != std::string::npos);
+      CHECK(log.find(" tcp) + GPU") == std::string::npos);
+      CHECK(log.find("verbs double: registered GPU") != std::string::npos);
+      CHECK(log.find("enters the error state") == std::string::npos);
+    }
   }
 }
 

@@ -132,10 +132,6 @@ std::vector<ExchangeWrite> exchangeWrites(const ExchangeOp& op, const GpuRegionL
 
 std::string gpuExchangeRefusal(const ExchangeOp& op, const ClusterSection& cluster) {
   if (cluster.gpuExchange == GpuExchange::kOff) return "cluster.gpu_exchange is off";
-  if (cluster.transport != ClusterTransport::kTcp) {
-    return "cluster.transport is verbs: the GPU exchange runs over tcp here (the verbs test double models no GPU "
-           "memory)";
-  }
   if (op.descs.empty() || op.descs.size() != op.nodeOfRank.size()) return "no descriptors";
   const OpDescriptor& d = op.descs[0];
   const bool ag = d.kind == OpKind::kAgGemm;

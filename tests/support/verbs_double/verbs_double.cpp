@@ -24,9 +24,20 @@
 // What differs, on purpose: a responder that is gone is reported at once (IBV_WC_RETRY_EXC_ERR) instead of after
 // timeout x retry_cnt; post_send before RTS fails with EINVAL (real providers queue the WQE and never execute it);
 // no completion channels, SRQs, UD/UC, atomics or memory windows (tandem uses none). ibv_reg_dmabuf_mr maps the fd
-// (tests pass a memfd for the GPU memory a real dma-buf would name).
+// (tests pass a memfd for the GPU memory a real dma-buf would name); a CUDA dma-buf, which cannot be mapped, is
+// reached through its iova instead.
 //
-// Threads: the verbs calls and the HCA's service thread share one mutex; every socket is non-blocking.
+// GPU memory (namespace gpu below): in a process that has loaded libcuda, an MR over CUDA device memory (ibv_reg_mr
+// on a device pointer, as nvidia-peermem allows, or a CUDA dma-buf) is a device MR. Every byte the double moves in or
+// out of one (RDMA WRITE and SEND sources, WRITE and WRITE_WITH_IMM targets, receive buffers, both ends of an RDMA
+// READ) goes through a synchronous driver copy, so a packet's bytes are in GPU memory before the next packet of any
+// QP is looked at (and before its ACK): an 8-byte flag written after the data lands after it, for a GPU that polls the
+// flag. A failed copy fails the work request (IBV_WC_LOC_QP_OP_ERR locally, IBV_WC_REM_OP_ERR at the responder) and
+// moves the QP to the error state, as a DMA fault on a real HCA would, with a line on stderr. Without libcuda every
+// MR is host memory, as before.
+//
+// Threads: the verbs calls and the HCA's service thread share one mutex; every socket is non-blocking. The GPU copies
+// run on the service thread with the mutex held (the verbs calls wait for them).
 #include <infiniband/verbs.h>
 
 // The header turns these into inline wrappers; the library exports the functions themselves.
@@ -34,6 +45,7 @@
 #undef ibv_reg_mr
 #undef ibv_reg_mr_iova
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -132,6 +144,202 @@ bool parseFaults(const char* spec, Faults& out) {
   return true;
 }
 
+// ---- GPU memory: the CUDA driver API, reached through dlopen (the double never links CUDA) ----
+//
+// An MR over CUDA device memory is recognised at registration: ibv_reg_mr on a device pointer (as nvidia-peermem
+// lets real HCAs do) or ibv_reg_dmabuf_mr of an fd it cannot map (a CUDA dma-buf refuses mmap) whose iova is one
+// (the double runs in the registrant's process, so it takes iova for the CUDA VA of the dma-buf's bytes). Only a
+// process that has loaded libcuda can hold a device pointer, so the double looks for an already loaded libcuda.so.1
+// (RTLD_NOLOAD) at each registration until it finds one: without it (CI, the CPU backend) every address is host
+// memory, as before. Data moves between such an MR and the wire with cuMemcpyDtoHAsync / cuMemcpyHtoDAsync on a
+// non-blocking stream of the pointer's device's primary context, each followed by cuStreamSynchronize, on the
+// double's service thread: a copy engine does the "DMA", next to kernels that may be spinning on the same memory
+// (a non-blocking stream never waits for them; the legacy stream would).
+namespace gpu {
+
+using CUresult = int;
+using CUdeviceptr = unsigned long long;
+using CUdevice = int;
+using CUcontext = void*;
+using CUstream = void*;
+constexpr CUresult kSuccess = 0;
+constexpr int kAttrMemoryType = 2;     // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+constexpr int kAttrIsManaged = 8;      // CU_POINTER_ATTRIBUTE_IS_MANAGED
+constexpr int kAttrDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+constexpr unsigned kMemoryTypeDevice = 2;  // CU_MEMORYTYPE_DEVICE
+constexpr unsigned kStreamNonBlocking = 1;  // CU_STREAM_NON_BLOCKING
+
+// The driver entry points the double uses (the _v2 names are what cuda.h maps the plain ones to).
+struct Driver {
+  CUresult (*getErrorName)(CUresult, const char**) = nullptr;
+  CUresult (*getErrorString)(CUresult, const char**) = nullptr;
+  CUresult (*pointerGetAttribute)(void*, int, CUdeviceptr) = nullptr;
+  CUresult (*memGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr) = nullptr;
+  CUresult (*deviceGet)(CUdevice*, int) = nullptr;
+  CUresult (*primaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*ctxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*streamCreate)(CUstream*, unsigned) = nullptr;
+  CUresult (*streamSynchronize)(CUstream) = nullptr;
+  CUresult (*memcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+  CUresult (*memcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream) = nullptr;
+};
+
+// Guarded by the Hca's mutex (registration and every copy hold it).
+struct State {
+  void* lib = nullptr;
+  Driver d;
+  std::string missing;                          // a symbol libcuda lacks: device memory stays unknown
+  std::unordered_map<int, CUcontext> contexts;  // device ordinal -> its primary context, retained for good
+  std::unordered_map<CUcontext, CUstream> streams;  // the service thread's copy stream per context
+};
+State& state() {
+  static State* s = new State;  // leaked, as the Hca
+  return *s;
+}
+
+template <typename Fn>
+bool bind(void* lib, const char* name, Fn*& out, std::string& missing) {
+  out = reinterpret_cast<Fn*>(::dlsym(lib, name));
+  if (out == nullptr && missing.empty()) missing = name;
+  return out != nullptr;
+}
+
+// The driver, if this process has loaded it (and it has every entry point); null otherwise.
+const Driver* driver() {
+  State& s = state();
+  if (s.lib != nullptr) return s.missing.empty() ? &s.d : nullptr;
+  void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (lib == nullptr) return nullptr;  // not loaded (yet): looked for again at the next registration
+  s.lib = lib;
+  Driver& d = s.d;
+  bind(lib, "cuGetErrorName", d.getErrorName, s.missing);
+  bind(lib, "cuGetErrorString", d.getErrorString, s.missing);
+  bind(lib, "cuPointerGetAttribute", d.pointerGetAttribute, s.missing);
+  bind(lib, "cuMemGetAddressRange_v2", d.memGetAddressRange, s.missing);
+  bind(lib, "cuDeviceGet", d.deviceGet, s.missing);
+  bind(lib, "cuDevicePrimaryCtxRetain", d.primaryCtxRetain, s.missing);
+  bind(lib, "cuCtxSetCurrent", d.ctxSetCurrent, s.missing);
+  bind(lib, "cuStreamCreate", d.streamCreate, s.missing);
+  bind(lib, "cuStreamSynchronize", d.streamSynchronize, s.missing);
+  bind(lib, "cuMemcpyHtoDAsync_v2", d.memcpyHtoDAsync, s.missing);
+  bind(lib, "cuMemcpyDtoHAsync_v2", d.memcpyDtoHAsync, s.missing);
+  if (!s.missing.empty()) {
+    std::fprintf(stderr, "verbs double: libcuda.so.1 is loaded but has no %s; GPU memory is not modelled (device "
+                         "pointers are taken for host memory)\n", s.missing.c_str());
+    return nullptr;
+  }
+  return &d;
+}
+
+std::string describe(CUresult r) {
+  const Driver* d = driver();
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (d != nullptr) {
+    d->getErrorName(r, &name);
+    d->getErrorString(r, &text);
+  }
+  std::string out = std::string(name ? name : "CUDA error") + " " + std::to_string(r);
+  if (text != nullptr) out += std::string(" (") + text + ")";
+  return out;
+}
+
+// Where an MR's bytes are when they are GPU memory.
+struct Memory {
+  int ordinal = -1;
+  CUcontext ctx = nullptr;
+};
+
+enum class Probe { kHost, kDevice, kBad };
+
+// Whether [addr, addr + len) is CUDA device memory of this process. kBad (with `why`): it is, but not usable
+// (the range leaves its allocation, its context cannot be retained).
+Probe probe(uint64_t addr, uint64_t len, Memory& out, std::string& why) {
+  const Driver* d = driver();
+  if (d == nullptr || addr == 0) return Probe::kHost;
+  unsigned type = 0;
+  if (d->pointerGetAttribute(&type, kAttrMemoryType, addr) != kSuccess) return Probe::kHost;  // not CUDA's
+  if (type != kMemoryTypeDevice) return Probe::kHost;  // pinned (mapped) host memory: the CPU reaches it
+  int managed = 0;
+  if (d->pointerGetAttribute(&managed, kAttrIsManaged, addr) == kSuccess && managed != 0) return Probe::kHost;
+  int ordinal = -1;
+  if (CUresult r = d->pointerGetAttribute(&ordinal, kAttrDeviceOrdinal, addr); r != kSuccess) {
+    why = "cuPointerGetAttribute(DEVICE_ORDINAL) -> " + describe(r);
+    return Probe::kBad;
+  }
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (CUresult r = d->memGetAddressRange(&base, &size, addr); r != kSuccess) {
+    why = "cuMemGetAddressRange -> " + describe(r);
+    return Probe::kBad;
+  }
+  if (len > size || addr - base > size - len) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "[0x%llx, +%llu) leaves its allocation [0x%llx, +%zu) on GPU %d",
+                  static_cast<unsigned long long>(addr), static_cast<unsigned long long>(len), base, size, ordinal);
+    why = buf;
+    return Probe::kBad;
+  }
+  State& s = state();
+  auto it = s.contexts.find(ordinal);
+  if (it == s.contexts.end()) {
+    CUdevice dev = 0;
+    CUcontext ctx = nullptr;
+    if (CUresult r = d->deviceGet(&dev, ordinal); r != kSuccess) {
+      why = "cuDeviceGet(" + std::to_string(ordinal) + ") -> " + describe(r);
+      return Probe::kBad;
+    }
+    if (CUresult r = d->primaryCtxRetain(&ctx, dev); r != kSuccess) {
+      why = "cuDevicePrimaryCtxRetain(GPU " + std::to_string(ordinal) + ") -> " + describe(r);
+      return Probe::kBad;
+    }
+    it = s.contexts.emplace(ordinal, ctx).first;
+  }
+  out.ordinal = ordinal;
+  out.ctx = it->second;
+  return Probe::kDevice;
+}
+
+// The copy stream of `m`'s context, made current on this thread; "" or what failed.
+std::string enter(const Memory& m, CUstream& stream) {
+  const Driver* d = driver();
+  if (d == nullptr) return "libcuda.so.1 is no longer usable";
+  if (CUresult r = d->ctxSetCurrent(m.ctx); r != kSuccess) return "cuCtxSetCurrent -> " + describe(r);
+  State& s = state();
+  auto it = s.streams.find(m.ctx);
+  if (it == s.streams.end()) {
+    CUstream st = nullptr;
+    if (CUresult r = d->streamCreate(&st, kStreamNonBlocking); r != kSuccess) return "cuStreamCreate -> " + describe(r);
+    it = s.streams.emplace(m.ctx, st).first;
+  }
+  stream = it->second;
+  return "";
+}
+
+// Synchronous copies: when they return "", the bytes are at the destination (a later copy lands after them).
+std::string toDevice(const Memory& m, uint8_t* dst, const uint8_t* src, uint64_t n) {
+  CUstream st = nullptr;
+  if (std::string e = enter(m, st); !e.empty()) return e;
+  const Driver* d = driver();
+  if (CUresult r = d->memcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(dst), src, n, st); r != kSuccess)
+    return "cuMemcpyHtoDAsync -> " + describe(r);
+  if (CUresult r = d->streamSynchronize(st); r != kSuccess)
+    return "cuStreamSynchronize after cuMemcpyHtoDAsync -> " + describe(r);
+  return "";
+}
+std::string toHost(const Memory& m, uint8_t* dst, const uint8_t* src, uint64_t n) {
+  CUstream st = nullptr;
+  if (std::string e = enter(m, st); !e.empty()) return e;
+  const Driver* d = driver();
+  if (CUresult r = d->memcpyDtoHAsync(dst, reinterpret_cast<CUdeviceptr>(src), n, st); r != kSuccess)
+    return "cuMemcpyDtoHAsync -> " + describe(r);
+  if (CUresult r = d->streamSynchronize(st); r != kSuccess)
+    return "cuStreamSynchronize after cuMemcpyDtoHAsync -> " + describe(r);
+  return "";
+}
+
+}  // namespace gpu
+
 struct Pd;
 struct Cq;
 struct Qp;
@@ -159,7 +367,57 @@ struct Mr {
   int access = 0;
   void* mapped = nullptr;   // dmabuf: our mapping of the fd
   size_t mappedLength = 0;
+  bool device = false;      // `host` is a CUDA device pointer: bytes move with the driver's copies
+  gpu::Memory gpu;
+  uint64_t bytesIn = 0, bytesOut = 0;  // device MRs: what the double copied into and out of it (for the log)
 };
+
+// Bytes an SGE or a remote address names, inside MR `mr`: host memory of this process, or GPU memory.
+struct Place {
+  uint8_t* p = nullptr;
+  Mr* mr = nullptr;  // valid while the Hca's mutex is held (ibv_dereg_mr takes it too)
+  explicit operator bool() const { return p != nullptr; }
+  bool device() const { return mr != nullptr && mr->device; }
+};
+
+// A device copy failed: says so on stderr (tandemd's log), where a real HCA's fault would leave a vendor error.
+void reportCopyFailure(const char* what, bool into, uint64_t bytes, const Place& at, uint32_t qpn,
+                       const std::string& why) {
+  std::fprintf(stderr, "verbs double: %s: copying %llu bytes %s GPU %d memory at %p (MR key 0x%x) failed: %s; the "
+                       "work request fails and QP 0x%x enters the error state\n", what,
+               static_cast<unsigned long long>(bytes), into ? "into" : "out of", at.mr->gpu.ordinal,
+               static_cast<void*>(at.p), at.mr->mr.lkey, why.c_str(), qpn);
+}
+
+// `n` bytes from host memory into `to`: memcpy for host memory, a synchronous driver copy for GPU memory (so a
+// later packet's bytes, the flag after the data, land after these). False (reported) when the device copy failed.
+bool store(const Place& to, const uint8_t* from, uint64_t n, const char* what, uint32_t qpn) {
+  if (n == 0) return true;
+  if (!to.device()) {
+    std::memcpy(to.p, from, n);
+    return true;
+  }
+  if (std::string why = gpu::toDevice(to.mr->gpu, to.p, from, n); !why.empty()) {
+    reportCopyFailure(what, true, n, to, qpn, why);
+    return false;
+  }
+  to.mr->bytesIn += n;
+  return true;
+}
+// `n` bytes of `from` into host memory, as store.
+bool load(uint8_t* to, const Place& from, uint64_t n, const char* what, uint32_t qpn) {
+  if (n == 0) return true;
+  if (!from.device()) {
+    std::memcpy(to, from.p, n);
+    return true;
+  }
+  if (std::string why = gpu::toHost(from.mr->gpu, to, from.p, n); !why.empty()) {
+    reportCopyFailure(what, false, n, from, qpn, why);
+    return false;
+  }
+  from.mr->bytesOut += n;
+  return true;
+}
 
 struct Cqe {
   Clock::time_point visibleAt;
@@ -242,6 +500,7 @@ struct Conn {
   bool headerReady = false;   // a full header waits to be acted on (parked: INIT responder, RNR)
   uint8_t* dst = nullptr;     // kToMemory
   std::vector<uint8_t> temp;  // kToTemp
+  bool placeFromTemp = false; // an RDMA WRITE into GPU memory: the payload lands in temp, then the driver copies it
   uint64_t need = 0, got = 0;
   // what to do when the payload is in (responder): the NAK status (0 = ACK), the receive to complete
   uint32_t nakStatus = 0;
@@ -649,6 +908,7 @@ class Hca {
     const Packet& h = c.hdr;
     c.need = c.got = 0;
     c.nakStatus = 0;
+    c.placeFromTemp = false;
     if (c.outbound) return dispatchRequester(c);
     if (h.type == kHello) {
       Qp* q = qp(h.b);
@@ -688,13 +948,18 @@ class Hca {
           c.phase = Conn::Phase::kToMemory;
           return true;
         }
-        uint8_t* dst = resolveRemote(*q, h.addr, h.rkey, h.len, IBV_ACCESS_REMOTE_WRITE);
-        if (dst == nullptr) {
+        const Place dst = resolveRemote(*q, h.addr, h.rkey, h.len, IBV_ACCESS_REMOTE_WRITE);
+        if (!dst) {
           c.phase = Conn::Phase::kDiscard;
           c.nakStatus = IBV_WC_REM_ACCESS_ERR;
+        } else if (dst.device()) {
+          // The socket cannot read into GPU memory: the payload is gathered, then placed whole by finishPacket.
+          c.phase = Conn::Phase::kToTemp;
+          c.temp.resize(h.len);
+          c.placeFromTemp = true;
         } else {
           c.phase = Conn::Phase::kToMemory;
-          c.dst = dst;
+          c.dst = dst.p;
         }
         return true;
       }
@@ -704,19 +969,25 @@ class Hca {
         c.phase = Conn::Phase::kToTemp;
         return true;
       case kReadReq: {
-        const uint8_t* src = h.len ? resolveRemote(*q, h.addr, h.rkey, h.len, IBV_ACCESS_REMOTE_READ) : nullptr;
+        const Place src = h.len ? resolveRemote(*q, h.addr, h.rkey, h.len, IBV_ACCESS_REMOTE_READ) : Place{};
         Packet r{};
         r.seq = h.seq;
-        if (h.len != 0 && src == nullptr) {
+        uint32_t status = h.len != 0 && !src ? IBV_WC_REM_ACCESS_ERR : 0;
+        std::vector<uint8_t> staged;  // GPU memory: read out by the driver before the response is queued
+        if (status == 0 && src.device()) {
+          staged.resize(h.len);
+          if (!load(staged.data(), src, h.len, "RDMA READ (responder)", q->qp.qp_num)) status = IBV_WC_REM_OP_ERR;
+        }
+        if (status != 0) {
           r.type = kNak;
-          r.a = IBV_WC_REM_ACCESS_ERR;
+          r.a = status;
           queue(c, r);
           flushOut(c);
-          qpError(*q, nullptr, IBV_WC_REM_ACCESS_ERR);
+          qpError(*q, nullptr, static_cast<ibv_wc_status>(status));
         } else {
           r.type = kReadResp;
           r.len = h.len;
-          queue(c, r, src, h.len);
+          queue(c, r, src.device() ? staged.data() : src.p, h.len);
         }
         c.phase = Conn::Phase::kHeader;
         c.hdr.type = 0;  // nothing left to finish
@@ -737,23 +1008,23 @@ class Hca {
     c.hdr.type = 0;
   }
 
-  // Responder: the bytes of MR `rkey` at [addr, addr+len), if the QP and MR allow `access`; null otherwise.
-  uint8_t* resolveRemote(Qp& q, uint64_t addr, uint32_t rkey, uint64_t len, int access) {
+  // Responder: the bytes of MR `rkey` at [addr, addr+len), if the QP and MR allow `access`; empty otherwise.
+  Place resolveRemote(Qp& q, uint64_t addr, uint32_t rkey, uint64_t len, int access) {
     auto it = mrs_.find(rkey);
-    if (it == mrs_.end()) return nullptr;
+    if (it == mrs_.end()) return {};
     Mr& m = *it->second;
-    if (m.pd != q.pd || !(m.access & access) || !(q.accessFlags & static_cast<unsigned>(access))) return nullptr;
-    if (addr < m.iova || len > m.length || addr - m.iova > m.length - len) return nullptr;
-    return m.host + (addr - m.iova);
+    if (m.pd != q.pd || !(m.access & access) || !(q.accessFlags & static_cast<unsigned>(access))) return {};
+    if (addr < m.iova || len > m.length || addr - m.iova > m.length - len) return {};
+    return {m.host + (addr - m.iova), &m};
   }
-  // Local SGE: the bytes it names in an MR of `pd` (with LOCAL_WRITE when `write`); null otherwise.
-  uint8_t* resolveLocal(Pd* pd, const ibv_sge& s, bool write) {
+  // Local SGE: the bytes it names in an MR of `pd` (with LOCAL_WRITE when `write`); empty otherwise.
+  Place resolveLocal(Pd* pd, const ibv_sge& s, bool write) {
     auto it = mrs_.find(s.lkey);
-    if (it == mrs_.end()) return nullptr;
+    if (it == mrs_.end()) return {};
     Mr& m = *it->second;
-    if (m.pd != pd || (write && !(m.access & IBV_ACCESS_LOCAL_WRITE))) return nullptr;
-    if (s.addr < m.iova || s.length > m.length || s.addr - m.iova > m.length - s.length) return nullptr;
-    return m.host + (s.addr - m.iova);
+    if (m.pd != pd || (write && !(m.access & IBV_ACCESS_LOCAL_WRITE))) return {};
+    if (s.addr < m.iova || s.length > m.length || s.addr - m.iova > m.length - s.length) return {};
+    return {m.host + (s.addr - m.iova), &m};
   }
 
   // A packet's payload is in (or it had none): act on it and answer.
@@ -769,6 +1040,18 @@ class Hca {
       return;
     }
     uint32_t status = c.nakStatus;
+    if (status == 0 && c.placeFromTemp) {
+      // Looked up again: the MR may have been deregistered while the payload was arriving.
+      const Place dst = resolveRemote(*q, h.addr, h.rkey, h.len, IBV_ACCESS_REMOTE_WRITE);
+      if (!dst) {
+        status = IBV_WC_REM_ACCESS_ERR;
+      } else if (!store(dst, c.temp.data(), h.len, h.type == kWriteImm ? "RDMA WRITE with immediate (responder)"
+                                                                       : "RDMA WRITE (responder)", q->qp.qp_num)) {
+        status = IBV_WC_REM_OP_ERR;  // a DMA fault at the responder: its QP fails too (below)
+      }
+      c.temp.clear();
+      c.placeFromTemp = false;
+    }
     if (status == 0 && h.type == kWriteImm) {
       RecvWqe rw = std::move(q->rq.front());
       q->rq.pop_front();
@@ -786,14 +1069,18 @@ class Hca {
         uint64_t off = 0;
         for (const ibv_sge& s : rw.sges) {
           if (off >= h.len) break;
-          uint8_t* d = resolveLocal(q->pd, s, true);
-          if (d == nullptr) {
+          const Place d = resolveLocal(q->pd, s, true);
+          if (!d) {
             local = IBV_WC_LOC_PROT_ERR;
             status = IBV_WC_REM_OP_ERR;
             break;
           }
           const uint64_t n = std::min<uint64_t>(s.length, h.len - off);
-          std::memcpy(d, c.temp.data() + off, n);
+          if (!store(d, c.temp.data() + off, n, "SEND (receive buffer)", q->qp.qp_num)) {
+            local = IBV_WC_LOC_QP_OP_ERR;
+            status = IBV_WC_REM_OP_ERR;
+            break;
+          }
           off += n;
         }
       }
@@ -854,13 +1141,16 @@ class Hca {
     if (h.type == kReadResp) {
       uint64_t off = 0;
       for (const ibv_sge& s : w.sges) {
-        uint8_t* d = resolveLocal(q->pd, s, true);
-        if (d == nullptr) {
+        const Place d = resolveLocal(q->pd, s, true);
+        if (!d) {
           qpError(*q, &w, IBV_WC_LOC_PROT_ERR);
           return;
         }
         const uint64_t n = std::min<uint64_t>(s.length, h.len - off);
-        std::memcpy(d, c.temp.data() + off, n);
+        if (!store(d, c.temp.data() + off, n, "RDMA READ response (requester)", q->qp.qp_num)) {
+          qpError(*q, &w, IBV_WC_LOC_QP_OP_ERR);
+          return;
+        }
         off += n;
       }
       c.temp.clear();
@@ -934,18 +1224,32 @@ class Hca {
         queue(*q.out, p, w.inlineData.data(), w.inlineData.size());
       } else {
         // Gather at transmit time, as the HCA's DMA reads the source: it must stay unchanged until completion.
-        std::vector<const uint8_t*> srcs;
+        std::vector<Place> srcs;
         for (const ibv_sge& sg : w.sges) {
-          const uint8_t* src = sg.length ? resolveLocal(q.pd, sg, false) : nullptr;
-          if (sg.length && src == nullptr) {
+          const Place src = sg.length ? resolveLocal(q.pd, sg, false) : Place{};
+          if (sg.length && !src) {
             failInOrder(q, std::move(w), IBV_WC_LOC_PROT_ERR);
             return;
           }
           srcs.push_back(src);
         }
+        std::vector<uint8_t>& wbuf = q.out->wbuf;
+        const size_t mark = wbuf.size();
         queue(*q.out, p);
         for (size_t i = 0; i < w.sges.size(); ++i) {
-          if (w.sges[i].length) q.out->wbuf.insert(q.out->wbuf.end(), srcs[i], srcs[i] + w.sges[i].length);
+          const uint64_t n = w.sges[i].length;
+          if (n == 0) continue;
+          if (!srcs[i].device()) {
+            wbuf.insert(wbuf.end(), srcs[i].p, srcs[i].p + n);
+            continue;
+          }
+          const size_t at = wbuf.size();
+          wbuf.resize(at + n);
+          if (!load(wbuf.data() + at, srcs[i], n, "RDMA WRITE/SEND source (requester)", q.qp.qp_num)) {
+            wbuf.resize(mark);  // nothing of this packet goes out
+            failInOrder(q, std::move(w), IBV_WC_LOC_QP_OP_ERR);
+            return;
+          }
         }
       }
       q.inflight.push_back(std::move(w));
@@ -1341,8 +1645,11 @@ int ibv_dealloc_pd(ibv_pd* pd) {
   return 0;
 }
 
+// `mapped`: the double's own mapping of a dma-buf (host memory by construction). Otherwise [host, +length) is
+// probed: GPU memory of this process registers as a device MR. notDeviceErrno != 0: it must be GPU memory (a dma-buf
+// the double could not map), and registration fails with that errno where it is not.
 static ibv_mr* registerMr(ibv_pd* pd, uint8_t* host, size_t length, uint64_t iova, int access, void* mapped,
-                          size_t mappedLength) {
+                          size_t mappedLength, int notDeviceErrno = 0) {
   if (pd == nullptr || host == nullptr || length == 0) {
     errno = EINVAL;
     return nullptr;
@@ -1354,9 +1661,30 @@ static ibv_mr* registerMr(ibv_pd* pd, uint8_t* host, size_t length, uint64_t iov
   }
   Hca& h = hca();
   std::lock_guard lock(h.mu);
+  gpu::Memory mem;
+  bool device = false;
+  if (mapped == nullptr) {
+    std::string why;
+    switch (gpu::probe(toIova(host), length, mem, why)) {
+      case gpu::Probe::kHost: break;
+      case gpu::Probe::kDevice: device = true; break;
+      case gpu::Probe::kBad:
+        // As a real HCA whose peer-memory client cannot pin the range.
+        std::fprintf(stderr, "verbs double: cannot register %zu bytes of GPU memory at %p: %s\n", length,
+                     static_cast<void*>(host), why.c_str());
+        errno = EFAULT;
+        return nullptr;
+    }
+  }
+  if (notDeviceErrno != 0 && !device) {
+    errno = notDeviceErrno;
+    return nullptr;
+  }
   auto* m = new Mr;
   m->pd = pdOf(pd);
   m->host = host;
+  m->device = device;
+  m->gpu = mem;
   m->iova = iova;
   m->length = length;
   m->access = access;
@@ -1372,6 +1700,11 @@ static ibv_mr* registerMr(ibv_pd* pd, uint8_t* host, size_t length, uint64_t iov
   m->mr.handle = key;
   h.mrs()[key] = m;
   ++m->pd->mrs;
+  if (device) {
+    // In tandemd's log: the GPU path of the double is what ran (tests look for this line).
+    std::fprintf(stderr, "verbs double: registered GPU %d memory [%p, +%zu) as MR 0x%x (iova 0x%llx)\n",
+                 mem.ordinal, static_cast<void*>(host), length, key, static_cast<unsigned long long>(iova));
+  }
   return &m->mr;
 }
 
@@ -1397,7 +1730,13 @@ ibv_mr* ibv_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t i
   const uint64_t base = offset & ~(page - 1);
   const size_t mapLength = static_cast<size_t>(offset - base + length);
   void* p = ::mmap(nullptr, mapLength, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(base));
-  if (p == MAP_FAILED) return nullptr;  // errno from mmap: this fd is not memory the double can reach
+  if (p == MAP_FAILED) {
+    // A CUDA dma-buf cannot be mapped: the double runs in the registrant's process, so it takes iova for the CUDA
+    // VA of the fd's bytes (as tandem passes it) if that is GPU memory. Otherwise mmap's errno: memory it cannot reach.
+    const int err = errno;
+    return registerMr(pd, reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(iova)), length, iova,
+                      access & ~IBV_ACCESS_RELAXED_ORDERING, nullptr, 0, err ? err : ENODEV);
+  }
   ibv_mr* mr = registerMr(pd, static_cast<uint8_t*>(p) + (offset - base), length, iova,
                           access & ~IBV_ACCESS_RELAXED_ORDERING, p, mapLength);
   if (mr == nullptr) {
@@ -1415,6 +1754,11 @@ int ibv_dereg_mr(ibv_mr* mr) {
   h.mrs().erase(m->mr.lkey);
   --m->pd->mrs;
   if (m->mapped) ::munmap(m->mapped, m->mappedLength);
+  if (m->device) {
+    std::fprintf(stderr, "verbs double: deregistered MR 0x%x (GPU %d memory): %llu bytes copied into it, %llu out\n",
+                 m->mr.lkey, m->gpu.ordinal, static_cast<unsigned long long>(m->bytesIn),
+                 static_cast<unsigned long long>(m->bytesOut));
+  }
   delete m;
   return 0;
 }
