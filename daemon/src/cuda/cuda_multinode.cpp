@@ -799,24 +799,8 @@ void HostStaging::gemmReduce(Collective& c) {
   uint64_t myFloats = 0;
   for (auto [first, rows] : myRows) myFloats += rows * cols;
   bool started = false, ownAdded = false;
-  // total[my rows] (+)= src, src holding my rows in order (packed, or at their own rows when `inPlace`).
   auto addToTotal = [&](const float* src, bool atOwnRows) {
-    k::CudaDeviceGuard guard(leadDev);
-    uint64_t off = 0;
-    for (auto [first, rows] : myRows) {
-      k::SpanSum s{};
-      s.count = 1;
-      s.src[0] = src + (atOwnRows ? first * cols : off);
-      s.srcType = k::SpanElem::kF32;
-      s.dst = total + first * cols;
-      s.dstType = k::SpanElem::kF32;
-      s.accumulate = started;
-      s.rows = static_cast<int64_t>(rows);
-      s.cols = static_cast<int64_t>(cols);
-      s.srcLd = s.dstLd = static_cast<int64_t>(cols);
-      sum(s, leadStream, "sum over nodes");
-      off += rows * cols;
-    }
+    addRowsToTotal(leadDev, leadStream, myRows, cols, src, atOwnRows, started, total);
     started = true;
   };
   auto addOwnBefore = [&](uint32_t node) {
@@ -861,6 +845,26 @@ void HostStaging::gemmReduce(Collective& c) {
   // 4. One rounding into every local rank's C (gemm-rs: its own rows; gemm-ar: all of them).
   roundOutputs(c, mine, leadDev, leadStream, total, next);
   syncStream(leadDev, leadStream, opKindName(d.kind).data());
+}
+
+void HostStaging::addRowsToTotal(int leadDev, cudaStream_t s, const std::vector<std::pair<uint64_t, uint64_t>>& rows,
+                                 uint64_t cols, const float* src, bool atOwnRows, bool accumulate, float* total) {
+  k::CudaDeviceGuard guard(leadDev);
+  uint64_t off = 0;
+  for (auto [first, count] : rows) {
+    k::SpanSum sm{};
+    sm.count = 1;
+    sm.src[0] = src + (atOwnRows ? first * cols : off);
+    sm.srcType = k::SpanElem::kF32;
+    sm.dst = total + first * cols;
+    sm.dstType = k::SpanElem::kF32;
+    sm.accumulate = accumulate;
+    sm.rows = static_cast<int64_t>(count);
+    sm.cols = static_cast<int64_t>(cols);
+    sm.srcLd = sm.dstLd = static_cast<int64_t>(cols);
+    sum(sm, s, "sum over nodes");
+    off += count * cols;
+  }
 }
 
 // ---- the GPU-issued exchange -----------------------------------------------------------------------------------------
@@ -1261,8 +1265,11 @@ void HostStaging::allGatherGpu(Collective& c, const ExchangeOp& op) {
   k::checkCuda(k::launchSpanConsumed(region.planDevice(), exch), "span exchange consumed");
 }
 
-// As gemmReduce, with the node sum written into the send area (the push reads each peer's rows from it in place) and
-// the sum over nodes reading the inboxes in place: the same fp32 adds in the same order, bitwise the same results.
+// As gemmReduce, over the GPU region: the node sum goes into the send area (written there in place when the region is
+// GPU memory; computed in the workspace and the rows the peers get copied there by DMA when it is host memory, so
+// that the SMs never write or read it over PCIe), the push reads each peer's rows from it in place, and the sum over
+// nodes adds our node sum and each inbox (copied into the receive slot first when host memory) in node order: the
+// same fp32 adds in the same order as gemmReduce, bitwise the same results.
 void HostStaging::gemmReduceGpu(Collective& c, const ExchangeOp& op) {
   const OpDescriptor& d = c.ops[0].desc;
   const uint64_t m = d.dims[dim::kM], cols = d.dims[dim::kN], es = dtypeSize(d.dtype), ldp = alignUp(cols, 8);
@@ -1271,15 +1278,19 @@ void HostStaging::gemmReduceGpu(Collective& c, const ExchangeOp& op) {
   const uint32_t leadRank = mine.front();
   const int leadDev = deviceOf(leadRank);
   GpuRegion& region = *region_;
+  const bool host = region.hostResident();
   Gpu& lead = gpu(leadDev);
   cudaStream_t exch = lead.exchange.get();
   cudaStream_t leadStream = lead.compute.get();
   const uint64_t partialBytes = alignUp(m * ldp * es, kAlign), f32Bytes = alignUp(m * cols * sizeof(float), kAlign);
-  // The lead's workspace: its partial, the sum over nodes, then the other GPUs' partials and their outputs' staging.
+  // The lead's workspace, as gemmReduce lays it out: its partial, the node sum (unused when the send area holds it),
+  // the sum over nodes, the receive slot, then the other GPUs' partials and their outputs' staging.
   std::byte* ws = workspace(leadRank);
-  auto* nodeSum = reinterpret_cast<float*>(region.sendArea());
-  auto* total = reinterpret_cast<float*>(ws + partialBytes);
-  std::byte* next = ws + partialBytes + f32Bytes;
+  auto* sendSum = reinterpret_cast<float*>(region.sendArea());
+  auto* nodeSum = host ? reinterpret_cast<float*>(ws + partialBytes) : sendSum;
+  auto* total = reinterpret_cast<float*>(ws + partialBytes + f32Bytes);
+  auto* recvSlot = reinterpret_cast<float*>(ws + partialBytes + 2 * f32Bytes);
+  std::byte* next = ws + partialBytes + 3 * f32Bytes;
   Aside aside;
 
   // 1. The partials, each on its rank's GPU.
@@ -1307,45 +1318,50 @@ void HostStaging::gemmReduceGpu(Collective& c, const ExchangeOp& op) {
     gemm(p, cs, opKindName(d.kind).data());
   }
   // 2. The node sum in rank order on the lead's GPU, into the send area once it is free.
-  waitSendAreaFree(leadDev, leadStream);
+  const uint32_t self = region.layout().self;
+  const bool allReduce = d.kind == OpKind::kGemmAr;
   {
     k::CudaDeviceGuard guard(leadDev);
     for (int dev : devices) {
       if (dev != leadDev) order(dev, gpu(dev).compute.get(), leadStream);
     }
+    if (!host) waitSendAreaFree(leadDev, leadStream);
     next = sumNodePartials(mine, leadDev, leadStream, next, partialBytes, m, cols, ldp, es, elem, nodeSum);
+    if (host) {
+      // The rows the peers get (all of them for gemm-ar, each peer's own for gemm-rs) at their place in the send area.
+      waitSendAreaFree(leadDev, leadStream);
+      std::vector<std::pair<uint64_t, uint64_t>> sent;
+      if (allReduce) {
+        sent.emplace_back(0, m);
+      } else {
+        for (uint32_t p : region.layout().peers()) {
+          for (auto run : ownedRows(op, p)) sent.push_back(run);
+        }
+      }
+      for (auto [first, rows] : sent) {
+        copyAsync(sendSum + first * cols, nodeSum + first * cols, rows * cols * sizeof(float), leadStream,
+                  "node sum to the send area");
+      }
+    }
   }
   // 3. The push of each peer's rows once the node sum is written, then the wait.
   order(leadDev, leadStream, exch);
   pushThenWait(leadDev, exch);
   order(leadDev, exch, leadStream);
-  // 4. The sum over nodes in node order, reading our node sum at our rows and each peer's inbox packed.
-  const std::vector<uint32_t> nodes = region.layout().nodes;
-  const uint32_t self = region.layout().self;
-  {
-    k::CudaDeviceGuard guard(leadDev);
-    uint64_t packed = 0;  // floats into each inbox
-    for (auto [first, rows] : ownedRows(op, self)) {
-      std::vector<const void*> src;
-      for (uint32_t node : nodes) {
-        src.push_back(node == self ? static_cast<const void*>(nodeSum + first * cols)
-                                   : static_cast<const void*>(reinterpret_cast<const float*>(region.inbox(node)) + packed));
-      }
-      for (std::size_t i = 0; i < src.size(); i += k::kSpanMaxSources) {
-        k::SpanSum s{};
-        s.count = static_cast<int32_t>(std::min<std::size_t>(k::kSpanMaxSources, src.size() - i));
-        for (int j = 0; j < s.count; ++j) s.src[j] = src[i + static_cast<std::size_t>(j)];
-        s.srcType = k::SpanElem::kF32;
-        s.dst = total + first * cols;
-        s.dstType = k::SpanElem::kF32;
-        s.accumulate = i != 0;
-        s.rows = static_cast<int64_t>(rows);
-        s.cols = static_cast<int64_t>(cols);
-        s.srcLd = s.dstLd = static_cast<int64_t>(cols);
-        sum(s, leadStream, "sum over nodes");
-      }
-      packed += rows * cols;
+  // 4. The sum over nodes in node order: our node sum at our rows, each peer's inbox packed.
+  const auto myRows = ownedRows(op, self);
+  uint64_t myFloats = 0;
+  for (auto [first, rows] : myRows) myFloats += rows * cols;
+  bool started = false;
+  for (uint32_t node : region.layout().nodes) {
+    const float* src = node == self ? nodeSum : reinterpret_cast<const float*>(region.inbox(node));
+    if (node != self && host) {
+      k::CudaDeviceGuard guard(leadDev);
+      copyAsync(recvSlot, src, myFloats * sizeof(float), leadStream, "inbox to the receive slot");
+      src = recvSlot;
     }
+    addRowsToTotal(leadDev, leadStream, myRows, cols, src, node == self, started, total);
+    started = true;
   }
   // The inboxes are read: tell the peers, while the outputs are rounded.
   order(leadDev, leadStream, exch);

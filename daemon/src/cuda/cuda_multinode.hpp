@@ -144,6 +144,11 @@ class HostStaging {
   std::byte* sumNodePartials(const std::vector<uint32_t>& mine, int leadDev, cudaStream_t leadStream, std::byte* next,
                              uint64_t partialBytes, uint64_t m, uint64_t cols, uint64_t ldp, uint64_t es,
                              kernels::SpanElem elem, float* nodeSum);
+  // total[rows] (+)= src (accumulate: false for the first source) over `rows` (runs of (first row, count)) on the lead
+  // GPU's stream `s`, src holding those rows packed in order, or at their own rows when `atOwnRows`: one fp32 add per
+  // element and source, so the order of the calls fixes the result bit for bit.
+  void addRowsToTotal(int leadDev, cudaStream_t s, const std::vector<std::pair<uint64_t, uint64_t>>& rows,
+                      uint64_t cols, const float* src, bool atOwnRows, bool accumulate, float* total);
   void roundOutputs(const Collective& c, const std::vector<uint32_t>& mine, int leadDev, cudaStream_t leadStream,
                     const float* total, std::byte* outStaging);
   // The GPU-issued exchange (gpu_exchange.hpp). Throws Error with the reason; the caller fails the communicator for
