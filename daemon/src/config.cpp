@@ -355,14 +355,16 @@ constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
      "grows with communicators x peer nodes.",
      &ClusterSection::stagingBytes, {kMinStagingBytes, kMaxStagingBytes}},
     {"gpu_exchange",
-     "cuda backend: on lets the GPUs issue a communicator's transfers between nodes themselves (a proxy\n"
-     "thread per GPU posts them; the bytes go GPU -> transport -> GPU) for ag-gemm, gemm-rs, gemm-ar and\n"
-     "allgather over tcp; off (the default) moves them through host memory on tandemd's link thread. Off\n"
-     "is the default because on measured 1.5-2.3x slower over tcp on one H200 (bench/RESULTS.md, session 7).\n"
-     "Ops the GPU exchange cannot take use the host path either way, and each op's plan line names its path.\n"
-     "On GPUs under MPS it stays off for now (it stalled there on the H200).\n"
+     "cuda backend: on (the default) lets the GPUs issue a communicator's transfers between nodes\n"
+     "themselves for ag-gemm, gemm-rs, gemm-ar and allgather (a proxy thread per GPU posts them; verbs\n"
+     "writes GPU memory to GPU memory, tcp sends from and receives into mapped pinned host memory that the\n"
+     "GPUs fill and read by DMA); off moves them through host memory on tandemd's link thread (the staged\n"
+     "exchange). Over tcp on one H200 the two measured the same (0.97-1.11x, bench/RESULTS.md, session 8).\n"
+     "Ops the GPU exchange cannot take use the staged path either way, and each op's plan line names its\n"
+     "path. Under MPS it stays off on verbs (with its region in GPU memory it stalled there on the H200).\n"
      "Must be the same on every node. Each communicator that uses it holds staging_bytes x its nodes of\n"
-     "GPU memory on its first local rank's GPU (an inbox per peer node and one send area).",
+     "memory (pinned host memory on tcp, GPU memory on verbs) for its first local rank's GPU: an inbox per\n"
+     "peer node and one send area.",
      &ClusterSection::gpuExchange},
 });
 

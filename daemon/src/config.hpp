@@ -91,7 +91,7 @@ struct ClusterSection {
   uint32_t heartbeatIntervalMs = 100; // >= 10, and (multi-node) less than communicators.peer_lost_deadline_ms / 2
   uint64_t stagingBytes = uint64_t{64} << 20;  // per multi-node communicator and peer node: inbox and outbox size,
                                                // 4 KiB .. 16 GiB
-  GpuExchange gpuExchange = GpuExchange::kOff;  // cuda: on = GPU-issued exchange where available; the same on every node
+  GpuExchange gpuExchange = GpuExchange::kOn;  // cuda: on = GPU-issued exchange where available; the same on every node
 
   bool operator==(const ClusterSection&) const = default;
 };

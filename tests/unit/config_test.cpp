@@ -426,10 +426,10 @@ TEST_SUITE("config") {
     CHECK(defaults.connectTimeoutMs == 60000);
     CHECK(defaults.heartbeatIntervalMs == 100);
     CHECK(defaults.stagingBytes == uint64_t{64} << 20);
-    CHECK(defaults.gpuExchange == GpuExchange::kOff);  // on measured slower over tcp
+    CHECK(defaults.gpuExchange == GpuExchange::kOn);  // as fast as the staged path over tcp, the design's path
     CHECK(std::string_view(gpuExchangeName(GpuExchange::kOn)) == "on");
     CHECK(std::string_view(gpuExchangeName(GpuExchange::kOff)) == "off");
-    CHECK(parseConfig("cluster:\n  gpu_exchange: on\n", "on.yaml").cluster.gpuExchange == GpuExchange::kOn);
+    CHECK(parseConfig("cluster:\n  gpu_exchange: off\n", "off.yaml").cluster.gpuExchange == GpuExchange::kOff);
     CHECK(std::string_view(clusterTransportName(ClusterTransport::kTcp)) == "tcp");
     CHECK(std::string_view(clusterTransportName(ClusterTransport::kVerbs)) == "verbs");
 
