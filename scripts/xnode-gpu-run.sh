@@ -52,6 +52,8 @@ tests="./$b/tests/gpu/tandem_gpu_tests"
 pieces="./$b/tests/gpu/tandem_span_exchange_gpu_tests"
 bench="./$b/bench/span_bench"
 
+# XNODE_STEPS=mps runs only step 4 (the rest is in ctest -L gpu).
+if [ "${XNODE_STEPS:-all}" != mps ]; then
 step "span exchange pieces" 25 pieces.log "$pieces" -d
 step "two nodes: GPU path at 1 and 2 ranks per node" 50 ranks_per_node.log "$tests" "-tc=*at 1 and 2 ranks per node*" -d
 step "two nodes: every path vs the reference" 25 paths.log "$tests" "-tc=*barriers across nodes match*" -d
@@ -69,6 +71,7 @@ TANDEM_SPAN_WAIT=kernel step "span_bench GPU path, kernel waits" 30 span_bench_k
 for f in span_bench_device_region span_bench_kernel_wait; do
   if [ -f "$out/$f.log" ]; then grep -E "^\||lost|rank process" "$out/$f.log" | sed "s/^/$f /" | tee -a "$summary"; fi
 done
+fi
 
 # Where every thread of every tandemd (and test process) sits after $1 s, into $2: for a step that hangs.
 stacks_after() {
@@ -91,7 +94,10 @@ if command -v nvidia-cuda-mps-control > /dev/null && [ "$(left)" -gt 25 ]; then
     step "MPS: span exchange pieces" 25 mps_pieces.log "$pieces" -d
     step "MPS: proxy GPU test (GPU -> proxy -> tcp -> GPU, no tandemd)" 25 mps_proxy.log \
       "./$b/tests/gpu/tandem_proxy_gpu_tests" -d
-    step "MPS: two nodes, daemon executor" 40 mps_daemon.log "$tests" "-tc=*daemon executor (MPS)*" -d
+    step "MPS: two nodes, daemon executor (tcp: GPU path; verbs double: staged)" 80 mps_daemon.log "$tests" \
+      "-tc=*daemon executor (MPS)*" -d
+    TANDEM_GPU_EXCHANGE_MPS=1 step "MPS: two nodes, daemon executor, GPU path forced on verbs too" 80 \
+      mps_daemon_forced.log "$tests" "-tc=*daemon executor (MPS)*" -d
     # The GPU path under MPS anyway (TANDEM_GPU_EXCHANGE_MPS=1): does the host-memory region end the stall?
     stacks_after 15 "$out/mps_stacks.log" &
     TANDEM_GPU_EXCHANGE_MPS=1 step "MPS: span_bench, GPU path forced on" 30 mps_span_bench.log "$bench" --iters 3 \

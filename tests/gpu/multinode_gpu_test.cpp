@@ -2,16 +2,17 @@
 // GPU where only one exists), connected as a two-node cluster over tcp on loopback (127.0.0.1 and 127.0.0.2). tandemd
 // runs these ops itself (daemon/src/cuda/cuda_multinode.hpp): the fused GEMMs and allgather whose shapes the GEMM core
 // takes on the GPUs, the bytes between the nodes issued by the GPUs (the GPU-issued exchange: kernels push transfer
-// commands to a proxy thread of their GPU, which posts them through tcp into the peer's GPU region), or, with
+// commands to a proxy thread of their GPU, which posts them through the transport into the peer's region), or, with
 // cluster.gpu_exchange off and for what the GPU exchange does not take, moved by the host (staged exchange); the rest
 // (fp32, odd shapes, barriers) on the host reference fallback. Every output is checked against the fp64 reference
 // (common/reference.hpp), one op at a time and back to back on one stream, with one rank per node; then the fused GEMMs
 // at GPU shapes off the tile with 1 and 2 ranks per node (the ranks interleaved over the nodes, so a node's rows are not
 // contiguous), 20 repeats bitwise identical, gemm-ar bitwise identical on every rank, the daemons' logs naming the path;
 // the same with the GPU exchange off, bitwise identical to it; the GPU path again over cluster.transport: verbs, on the
-// verbs test double (tests/support/verbs_double, loaded by the daemons only), GPU memory registered with it. Then a
-// rank killed mid-op on one node must release the other node's stream with PEER_LOST, before the first exchange and
-// while the GPU's wait spins.
+// verbs test double (tests/support/verbs_double, loaded by the daemons only), GPU memory registered with it, and a QP
+// error it injects mid-op releasing both nodes' streams before the next communicator runs; under MPS the daemon
+// executor over tcp and verbs. Then a rank killed mid-op on one node must release the other node's stream with
+// PEER_LOST, before the first exchange and while the GPU's wait spins.
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -19,6 +20,8 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "gpu_harness.hpp"
@@ -71,12 +74,17 @@ std::vector<std::string> transportPrefix(const std::string& transport) {
 struct TwoNodes {
   std::vector<std::unique_ptr<Daemon>> daemons;
 
+  // faults[i]: node i's TANDEM_VERBS_DOUBLE_FAULTS (verbs only), e.g. "qp_error_after_writes=40".
   explicit TwoNodes(const std::string& executor = "client", const std::string& gpuExchange = "on",
-                    const std::string& transport = "tcp") {
+                    const std::string& transport = "tcp", const std::vector<std::string>& faults = {}) {
     const int port = 20000 + static_cast<int>((::getpid() + 7919) % 12000);
     const std::string nodes = fmt::format("\"127.0.0.1:{}\", \"127.0.0.2:{}\"", port, port);
-    const std::vector<std::string> prefix = transportPrefix(transport);
     for (int i = 0; i < 2; ++i) {
+      std::vector<std::string> prefix = transportPrefix(transport);
+      if (static_cast<std::size_t>(i) < faults.size() && !faults[i].empty()) {
+        REQUIRE_MESSAGE(!prefix.empty(), "verbs double faults need cluster.transport: verbs");
+        prefix.push_back("TANDEM_VERBS_DOUBLE_FAULTS=" + faults[i]);  // another NAME=VALUE for /usr/bin/env
+      }
       const std::string config = fmt::format(
           "daemon:\n  backend: cuda\n  executor: {}\n"
           "cuda:\n  devices: [\"{}\"]\n"
@@ -511,6 +519,73 @@ TEST_CASE("two nodes over cluster.transport: verbs (the verbs test double): the 
   }
 }
 
+namespace {
+
+// Rank `rank` of 2: a small gemm-ar on the GPU path, checked once, then again and again until an op fails (the test
+// injects a QP error). "released <status> <op> <message>", or "FAIL ..." when something else happened.
+std::string gemmArUntilFailure(const std::string& socket, const tandem_unique_id_t& id, uint32_t rank) {
+  CK(cudaSetDevice(rankDevice(rank)));
+  tandem_session_t s;
+  TK(tandem_connect(socket.c_str(), &s));
+  tandem_comm_t comm;
+  TK(tandem_comm_init(s, &id, 2, rank, 60000, &comm));
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  OpRun run(s, shapeOf(OpKind::kGemmAr, DType::kBF16, 256, 256, 512), rank, 2, 91);
+  for (int i = 0; i < 5000; ++i) {
+    if (std::string e = run.submit(comm, stream); !e.empty()) return fmt::format("released submit {} {}", i, e);
+    if (std::string synced = syncWithin(stream, 30000); synced != "synced") {
+      return fmt::format("FAIL op {}: stream {}", i, synced);
+    }
+    const tandem_status_t st = tandem_wait(run.op, 30000);
+    if (st != TANDEM_SUCCESS) return fmt::format("released {} {} {}", static_cast<int>(st), i, tandem_last_error());
+    if (i == 0) {
+      if (std::string e = run.check(); !e.empty()) return "FAIL first op: " + e;
+    }
+  }
+  return "FAIL no op failed in 5000";
+}
+
+}  // namespace
+
+TEST_CASE("two nodes over verbs (the verbs test double): a QP error mid-op on the GPU path releases both nodes' streams "
+          "with PEER_LOST, and the next communicator runs on the GPU path") {
+  // Node 1's 40th RDMA WRITE fails (its QP to node 0 enters the error state): about a dozen gemm-ar ops in (a data
+  // write, the arrived flag and the consumed flag per op).
+  TwoNodes c("client", "on", "verbs", {"", "qp_error_after_writes=40"});
+  REQUIRE_MESSAGE(c.connected(), c.logs());
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  std::vector<Rank> ranks;
+  for (uint32_t r = 0; r < 2; ++r) {
+    ranks.push_back(spawn([&, r](const Io&) { return gemmArUntilFailure(c.daemons[r]->socket(), id, r); }));
+  }
+  for (uint32_t r = 0; r < 2; ++r) {
+    const std::string result = ranks[r].read(120000);
+    INFO("rank " << r << ": " << result);
+    INFO(c.logs());
+    REQUIRE(result.rfind("released ", 0) == 0);
+    // The op that was running fails with the peer lost (or aborted, as the communicator fails); a later submission
+    // on the failed communicator is refused.
+    CHECK((result.find(" " + std::to_string(TANDEM_ERROR_PEER_LOST) + " ") != std::string::npos ||
+           result.find(" " + std::to_string(TANDEM_ERROR_ABORTED) + " ") != std::string::npos ||
+           result.rfind("released submit", 0) == 0));
+  }
+  for (auto& r : ranks) r.reap();
+  // Node 0 learns of it from node 1's "queue pairs down" message or from its own next write failing (as the CPU verbs
+  // cluster test says); either names node 1.
+  const std::string log0 = c.daemons[0]->log();
+  CHECK_MESSAGE((log0.find("node 1 lost its queue pairs") != std::string::npos ||
+                 log0.find("node 1 lost: work request") != std::string::npos),
+                log0);
+  for (const auto& d : c.daemons) {
+    CHECK(logShowsPlan(d->log(), shapeOf(OpKind::kGemmAr, DType::kBF16, 256, 256, 512), 2, kGpuExchangePlan));
+  }
+  // The leader sets up new queue pairs; the nodes serve the next communicator on the GPU path.
+  REQUIRE_MESSAGE(c.connected(30000), c.logs());
+  runGpuCases(c, 1, kGpuExchangePlan);
+}
+
 TEST_CASE("two nodes: with cluster.gpu_exchange off the host moves the bytes, and the results are bitwise those of the "
           "GPU-issued exchange") {
   std::vector<std::string> on, off;
@@ -584,29 +659,37 @@ TEST_CASE("two nodes, daemon executor (MPS): the fused GEMMs across nodes run on
     MESSAGE("skipped: MPS is not running (the daemon executor needs it)");
     return;
   }
-  // One rank per node: tandemd runs the op (the GPU-issued exchange) in its own context, beside the daemon executor's
-  // persistent kernel.
-  TwoNodes c("daemon");
-  REQUIRE_MESSAGE(c.connected(), c.logs());
-  for (const auto& d : c.daemons) REQUIRE(status(*d)["executor"] == "daemon");
-  tandem_unique_id_t id;
-  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-  std::vector<Rank> ranks;
-  for (uint32_t r = 0; r < 2; ++r) {
-    ranks.push_back(spawn([&, r](const Io&) { return spanBody(c.daemons[r]->socket(), id, r, 2); }));
-  }
-  for (uint32_t r = 0; r < 2; ++r) {
-    const std::string result = ranks[r].read(300000);
-    INFO("rank " << r << " (node " << r << "): " << result);
-    INFO(c.logs());
-    CHECK(result.rfind("OK", 0) == 0);
-  }
-  for (auto& r : ranks) r.reap();
-  for (const auto& d : c.daemons) {
-    INFO(d->log());
-    // Over tcp the GPU exchange runs under MPS too (its region in host memory; with it in GPU memory it stalled).
-    for (const auto& shape : gpuCases(2)) CHECK(logShowsPlan(d->log(), shape, 2, kGpuExchangePlan));
-    CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
+  // One rank per node: tandemd runs the op in its own context, beside the daemon executor's persistent kernel. Over
+  // tcp with the GPU-issued exchange (its region in host memory); over verbs on the double with the staged one, since
+  // tandemd keeps a GPU-memory region off under MPS (it stalled there on the H200), unless TANDEM_GPU_EXCHANGE_MPS=1
+  // in this test's environment (the daemons inherit it) forces the GPU path, to measure whether verbs is affected.
+  const char* force = std::getenv("TANDEM_GPU_EXCHANGE_MPS");
+  const bool forced = force != nullptr && std::string_view(force) == "1";
+  for (const std::string transport : {"tcp", "verbs"}) {
+    CAPTURE(transport);
+    TwoNodes c("daemon", "on", transport);
+    REQUIRE_MESSAGE(c.connected(), c.logs());
+    for (const auto& d : c.daemons) REQUIRE(status(*d)["executor"] == "daemon");
+    tandem_unique_id_t id;
+    REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+    std::vector<Rank> ranks;
+    for (uint32_t r = 0; r < 2; ++r) {
+      ranks.push_back(spawn([&, r](const Io&) { return spanBody(c.daemons[r]->socket(), id, r, 2); }));
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      const std::string result = ranks[r].read(300000);
+      INFO("rank " << r << " (node " << r << "): " << result);
+      INFO(c.logs());
+      CHECK(result.rfind("OK", 0) == 0);
+    }
+    for (auto& r : ranks) r.reap();
+    const std::string plan = transport == "tcp" || forced ? kGpuExchangePlan
+                                                          : "staged exchange + GPU GEMM; not GPU-issued: MPS";
+    for (const auto& d : c.daemons) {
+      INFO(d->log());
+      for (const auto& shape : gpuCases(2)) CHECK(logShowsPlan(d->log(), shape, 2, plan));
+      CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
+    }
   }
 }
 
