@@ -18,37 +18,10 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 b=${BUILD_DIR:-build-gpu}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export TANDEM_OP_TIMEOUT_MS=${TANDEM_OP_TIMEOUT_MS:-20000}
 limit=${VERBS_LIMIT_S:-120}
-t0=$(date +%s)
-elapsed() { echo $(($(date +%s) - t0)); }
-left() { echo $((limit - $(elapsed))); }
-summary="$out/summary.txt"
-: > "$summary"
-say() { echo "$*" | tee -a "$summary"; }
-{
-  date -u
-  git rev-parse HEAD
-  git status --short | head -40
-  nvidia-smi --query-gpu=name,uuid,clocks.sm,memory.used,utilization.gpu --format=csv
-  ls -l "$b/verbs-double" 2>&1
-} > "$out/env.txt" 2>&1
-
-# step NAME CAP LOG CMD...: runs CMD under the smaller of CAP and the time left; one summary line.
-step() {
-  local name=$1 cap=$2 log=$3; shift 3
-  local t; t=$(left); [ "$t" -gt "$cap" ] && t=$cap
-  if [ "$t" -lt 5 ]; then say "$name: skipped (no time left, $(elapsed) s)"; return; fi
-  if [ ! -x "$1" ]; then say "$name: skipped ($1 not built)"; return; fi
-  timeout -k 5 "$t" stdbuf -oL "$@" > "$out/$log" 2>&1
-  local rc=$?
-  local tail; tail=$(grep -E "test cases:|Status:" "$out/$log" | tr '\n' ' ' | sed 's/  */ /g')
-  local why=""
-  [ "$rc" = 124 ] && why=" (timed out)"
-  [ "$rc" = 77 ] && why=" (skipped: no GPU)"
-  say "$name: rc=$rc$why $tail($(elapsed) s)"
-}
+# shellcheck source=lib/steps.sh
+. scripts/lib/steps.sh
+ls -l "$b/verbs-double" >> "$out/env.txt" 2>&1
 case $b in /*) bdir=$b ;; *) bdir=$PWD/$b ;; esac
 tests="$bdir/tests/gpu/tandem_gpu_tests"
 cluster="$bdir/tests/tandem_verbs_cluster_tests"

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -245,16 +246,26 @@ std::string barrier(tandem_comm_t comm, cudaStream_t stream) {
   return "";
 }
 
+// A rank's process: on GPU `device`, connected to `socket`, rank `rank` of `n` in the communicator `id`, with a
+// non-blocking stream. Throws (CK/TK) what failed.
+struct JoinedRank {
+  tandem_session_t s;
+  tandem_comm_t comm;
+  cudaStream_t stream;
+};
+JoinedRank joinRank(int device, const std::string& socket, const tandem_unique_id_t& id, uint32_t rank, uint32_t n) {
+  JoinedRank j{};
+  CK(cudaSetDevice(device));
+  TK(tandem_connect(socket.c_str(), &j.s));
+  TK(tandem_comm_init(j.s, &id, n, rank, 60000, &j.comm));
+  CK(cudaStreamCreateWithFlags(&j.stream, cudaStreamNonBlocking));
+  return j;
+}
+
 // Rank `rank` of 2, on GPU `rank`, through its own node's daemon.
 std::string rankBody(const std::string& socket, const tandem_unique_id_t& id, uint32_t rank) {
   constexpr uint32_t n = 2;
-  CK(cudaSetDevice(rankDevice(rank)));
-  tandem_session_t s;
-  TK(tandem_connect(socket.c_str(), &s));
-  tandem_comm_t comm;
-  TK(tandem_comm_init(s, &id, n, rank, 60000, &comm));
-  cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto [s, comm, stream] = joinRank(rankDevice(rank), socket, id, rank, n);
   const auto all = cases();
 
   // One at a time.
@@ -342,13 +353,7 @@ constexpr int kRepeats = 20;
 // Rank `rank` of `n` on node rank % 2: every GPU case against the reference, then kRepeats more runs of it whose C
 // must be bitwise the first's (C is poisoned before each). Returns "OK" and one C hash per case.
 std::string spanBody(const std::string& socket, const tandem_unique_id_t& id, uint32_t rank, uint32_t n) {
-  CK(cudaSetDevice(rankDevice(rank % 2)));
-  tandem_session_t s;
-  TK(tandem_connect(socket.c_str(), &s));
-  tandem_comm_t comm;
-  TK(tandem_comm_init(s, &id, n, rank, 60000, &comm));
-  cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto [s, comm, stream] = joinRank(rankDevice(rank % 2), socket, id, rank, n);
   const auto all = gpuCases(n);
   std::string hashes;
   for (std::size_t i = 0; i < all.size(); ++i) {
@@ -399,6 +404,23 @@ bool logShowsPlan(const std::string& log, const ref::OpShape& shape, uint32_t nr
   return false;
 }
 
+// One rank per node, each a process of its own running body(its node's socket, id, rank) for a fresh communicator of 2;
+// their results in rank order, once both are read (each within timeoutMs) and reaped.
+std::vector<std::string> onePerNode(
+    const TwoNodes& c, const std::function<std::string(const std::string&, const tandem_unique_id_t&, uint32_t)>& body,
+    int timeoutMs) {
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  std::vector<Rank> ranks;
+  for (uint32_t r = 0; r < 2; ++r) {
+    ranks.push_back(spawn([&, r](const Io&) { return body(c.daemons[r]->socket(), id, r); }));
+  }
+  std::vector<std::string> results;
+  for (auto& rank : ranks) results.push_back(rank.read(timeoutMs));
+  for (auto& rank : ranks) rank.reap();
+  return results;
+}
+
 }  // namespace
 
 TEST_CASE("two nodes, one GPU each: ag-gemm, gemm-rs, gemm-ar, allgather and barriers across nodes match the fp64 "
@@ -407,19 +429,14 @@ TEST_CASE("two nodes, one GPU each: ag-gemm, gemm-rs, gemm-ar, allgather and bar
   REQUIRE_MESSAGE(c.connected(), c.logs());
   MESSAGE("cases (on the GPUs where the GEMM core takes them, else on the host reference fallback):");
   for (const auto& s : cases()) MESSAGE("  " << describe(s));
-  tandem_unique_id_t id;
-  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-  std::vector<Rank> ranks;
+  const auto results = onePerNode(
+      c, [](const std::string& socket, const tandem_unique_id_t& id, uint32_t r) { return rankBody(socket, id, r); },
+      120000);
   for (uint32_t r = 0; r < 2; ++r) {
-    ranks.push_back(spawn([&, r](const Io&) { return rankBody(c.daemons[r]->socket(), id, r); }));
-  }
-  for (uint32_t r = 0; r < 2; ++r) {
-    const std::string result = ranks[r].read(120000);
-    INFO("rank " << r << " (node " << r << "): " << result);
+    INFO("rank " << r << " (node " << r << "): " << results[r]);
     INFO(c.logs());
-    CHECK(result == "OK");
+    CHECK(results[r] == "OK");
   }
-  for (auto& r : ranks) r.reap();
   const std::string hostPlan = "host reference fallback";
   for (const auto& d : c.daemons) {
     INFO(d->log());
@@ -524,13 +541,7 @@ namespace {
 // Rank `rank` of 2: a small gemm-ar on the GPU path, checked once, then again and again until an op fails (the test
 // injects a QP error). "released <status> <op> <message>", or "FAIL ..." when something else happened.
 std::string gemmArUntilFailure(const std::string& socket, const tandem_unique_id_t& id, uint32_t rank) {
-  CK(cudaSetDevice(rankDevice(rank)));
-  tandem_session_t s;
-  TK(tandem_connect(socket.c_str(), &s));
-  tandem_comm_t comm;
-  TK(tandem_comm_init(s, &id, 2, rank, 60000, &comm));
-  cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto [s, comm, stream] = joinRank(rankDevice(rank), socket, id, rank, 2);
   OpRun run(s, shapeOf(OpKind::kGemmAr, DType::kBF16, 256, 256, 512), rank, 2, 91);
   for (int i = 0; i < 5000; ++i) {
     if (std::string e = run.submit(comm, stream); !e.empty()) return fmt::format("released submit {} {}", i, e);
@@ -554,14 +565,9 @@ TEST_CASE("two nodes over verbs (the verbs test double): a QP error mid-op on th
   // write, the arrived flag and the consumed flag per op).
   TwoNodes c("client", "on", "verbs", {"", "qp_error_after_writes=40"});
   REQUIRE_MESSAGE(c.connected(), c.logs());
-  tandem_unique_id_t id;
-  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-  std::vector<Rank> ranks;
+  const auto results = onePerNode(c, gemmArUntilFailure, 120000);
   for (uint32_t r = 0; r < 2; ++r) {
-    ranks.push_back(spawn([&, r](const Io&) { return gemmArUntilFailure(c.daemons[r]->socket(), id, r); }));
-  }
-  for (uint32_t r = 0; r < 2; ++r) {
-    const std::string result = ranks[r].read(120000);
+    const std::string& result = results[r];
     INFO("rank " << r << ": " << result);
     INFO(c.logs());
     REQUIRE(result.rfind("released ", 0) == 0);
@@ -571,7 +577,6 @@ TEST_CASE("two nodes over verbs (the verbs test double): a QP error mid-op on th
            result.find(" " + std::to_string(TANDEM_ERROR_ABORTED) + " ") != std::string::npos ||
            result.rfind("released submit", 0) == 0));
   }
-  for (auto& r : ranks) r.reap();
   // Node 0 learns of it from node 1's "queue pairs down" message or from its own next write failing (as the CPU verbs
   // cluster test says); either names node 1.
   const std::string log0 = c.daemons[0]->log();
@@ -606,13 +611,7 @@ namespace {
 // submits an ag-gemm behind an optional gate, as gatedRank does (same orders).
 std::string warmGatedRank(const Io& io, const std::string& socket, const tandem_unique_id_t& id, uint32_t rank,
                           bool gate) {
-  CK(cudaSetDevice(rankDevice(rank)));
-  tandem_session_t s;
-  TK(tandem_connect(socket.c_str(), &s));
-  tandem_comm_t comm;
-  TK(tandem_comm_init(s, &id, 2, rank, 60000, &comm));
-  cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto [s, comm, stream] = joinRank(rankDevice(rank), socket, id, rank, 2);
   {
     OpRun warm(s, allgatherOf(4096), rank, 2, 77);
     if (std::string e = warm.submit(comm, stream); !e.empty()) return "FAIL warm-up " + e;
@@ -670,19 +669,14 @@ TEST_CASE("two nodes, daemon executor (MPS): the fused GEMMs across nodes run on
     TwoNodes c("daemon", "on", transport);
     REQUIRE_MESSAGE(c.connected(), c.logs());
     for (const auto& d : c.daemons) REQUIRE(status(*d)["executor"] == "daemon");
-    tandem_unique_id_t id;
-    REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-    std::vector<Rank> ranks;
+    const auto results = onePerNode(
+        c, [](const std::string& socket, const tandem_unique_id_t& id, uint32_t r) { return spanBody(socket, id, r, 2); },
+        300000);
     for (uint32_t r = 0; r < 2; ++r) {
-      ranks.push_back(spawn([&, r](const Io&) { return spanBody(c.daemons[r]->socket(), id, r, 2); }));
-    }
-    for (uint32_t r = 0; r < 2; ++r) {
-      const std::string result = ranks[r].read(300000);
-      INFO("rank " << r << " (node " << r << "): " << result);
+      INFO("rank " << r << " (node " << r << "): " << results[r]);
       INFO(c.logs());
-      CHECK(result.rfind("OK", 0) == 0);
+      CHECK(results[r].rfind("OK", 0) == 0);
     }
-    for (auto& r : ranks) r.reap();
     const std::string plan = transport == "tcp" || forced ? kGpuExchangePlan
                                                           : "staged exchange + GPU GEMM; not GPU-issued: MPS";
     for (const auto& d : c.daemons) {
