@@ -359,7 +359,7 @@ constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
      "themselves for ag-gemm, gemm-rs, gemm-ar and allgather (a proxy thread per GPU posts them; verbs\n"
      "writes GPU memory to GPU memory, tcp sends from and receives into mapped pinned host memory that the\n"
      "GPUs fill and read by DMA); off moves them through host memory on tandemd's link thread (the staged\n"
-     "exchange). Over tcp on one H200 the two measured the same (0.97-1.11x, bench/RESULTS.md, session 8).\n"
+     "exchange). Over tcp on one H200 the two measured the same (0.97-1.11x, bench/RESULTS.md, session 9).\n"
      "Ops the GPU exchange cannot take use the staged path either way, and each op's plan line names its\n"
      "path. Under MPS it stays off on verbs (with its region in GPU memory it stalled there on the H200).\n"
      "Must be the same on every node. Each communicator that uses it holds staging_bytes x its nodes of\n"
