@@ -4,10 +4,10 @@
 //
 //   attention_bench [--iters N] [--warmup N] [--seqs 4096,8192,16384,32768] [--heads 16] [--hd 128] [--fp16]
 //                   [--variants default|all] [--check-rows N] [--causal both|0|1]
-//                   [--loop default|lane0|hoist|both] [--rounds N]
+//                   [--loop default|lane0] [--rounds N]
 // FLOPs counted as 4 * seq^2 * heads * hd, half of that with causal masking. One sequence of `seq` tokens.
-// --loop both: every configuration with both loop controls (AttentionParams::loopControl), alternating on the same
-// inputs; --rounds N repeats that N times (lane0, hoist, lane0, hoist, ...), so that an A/B sees the same clocks.
+// --loop: AttentionParams::loopControl 0 (default) or 2 (lane0, the only loop control built; hoist and both are
+// refused); --rounds N times every configuration N times in turn, so that the rounds' spread shows the noise.
 // Prints one "RESULT ..." line per (shape, variant) and a table at the end; exits 1 on any correctness failure.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -180,10 +180,12 @@ Options parse(int argc, char** argv) {
       const std::string v = next();
       if (v == "default") o.loops = {0};
       else if (v == "lane0") o.loops = {2};
-      else if (v == "hoist") o.loops = {3};
-      else if (v == "both") o.loops = {2, 3};
-      else {
-        std::fprintf(stderr, "--loop: default, lane0, hoist or both, got %s\n", v.c_str());
+      else if (v == "hoist" || v == "both") {
+        std::fprintf(stderr, "--loop %s: loop control hoist is no longer built (no faster than lane0 on the H200); "
+                     "use --loop default or --loop lane0\n", v.c_str());
+        std::exit(2);
+      } else {
+        std::fprintf(stderr, "--loop: default or lane0, got %s\n", v.c_str());
         std::exit(2);
       }
     }

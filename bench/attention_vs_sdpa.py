@@ -11,11 +11,11 @@ cuDNN and of flash, the default configuration (the first row of the shape) marke
   python3 bench/attention_vs_sdpa.py [--no-default] BENCH_LOG SDPA_JSON [BENCH_LOG ...]
 
 Run (--run BENCH): one driver process times torch SDPA (sdpa_baseline.py's timing: both layouts, the faster one
-counts) and, right after it on the same shape, runs BENCH (attention_bench) with --loop both --rounds R: the two loop
-controls of the core (lane0, the default, and hoist) alternate R times on the same inputs, each row checked against
-an fp32 reference. So cuDNN, lane0 and hoist of one shape are timed back to back, shape by shape. Prints one line
-per shape as it goes and a table at the end (each loop control's TFLOP/s: the mean of its rounds, with their min and
-max); writes bench logs and ab.json into --out.
+counts) and, right after it on the same shape, runs BENCH (attention_bench) with --loop lane0 --rounds R: the core's
+default configuration R times on the same inputs, each row checked against an fp32 reference. So cuDNN and the core
+of one shape are timed back to back, shape by shape. Prints one line per shape as it goes and a table at the end
+(the core's TFLOP/s: the mean of its rounds, with their min and max); writes bench logs and ab.json into --out.
+(lane0 is the only loop control built; the hoist A/B this mode ran before is in bench/RESULTS.md, session 8.)
 
   python3 bench/attention_vs_sdpa.py --run BENCH [--seqs 4096,8192,16384,32768] [--causal both|0|1] [--rounds 2]
                                      [--out DIR] [--bench-timeout S]
@@ -28,8 +28,8 @@ import subprocess
 import sys
 import time
 
-# The loop controls attention_bench --loop both times, as its config names end: the baseline first.
-BASE, NEW = "lane0", "hoist"
+# The loop control attention_bench --loop lane0 times, as its config names end.
+BASE = "lane0"
 ROW = re.compile(r"^RESULT seq=(\d+) causal=(\d) config=(\S+) median_ms=([\d.]+) .* tflops=([\d.]+) .* (ok|WRONG)$")
 
 
@@ -127,7 +127,7 @@ def run(argv):
 
         print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name(0)}",
               flush=True)
-    except Exception as e:  # no torch: the lane0 / hoist A/B still runs, without the SDPA columns
+    except Exception as e:  # no torch: the core still runs, without the SDPA columns
         print(f"NO TORCH ({type(e).__name__}: {e}): timing tandem only", flush=True)
         sb = None
     causals = [False, True] if args.causal == "both" else [args.causal == "1"]
@@ -139,9 +139,9 @@ def run(argv):
             if sb is not None:
                 try:
                     best = torch_best(sb, seq, causal, args.heads, args.hd, max(20, args.iters), args.warmup)
-                except Exception as e:  # a torch failure costs this shape's SDPA columns, not the A/B
+                except Exception as e:  # a torch failure costs this shape's SDPA columns, not the core's
                     print(f"SDPA FAILED seq={seq} causal={int(causal)}: {type(e).__name__}: {e}", flush=True)
-            cmd = [args.run, "--seqs", str(seq), "--causal", str(int(causal)), "--loop", "both", "--rounds",
+            cmd = [args.run, "--seqs", str(seq), "--causal", str(int(causal)), "--loop", BASE, "--rounds",
                    str(args.rounds), "--iters", str(args.iters), "--warmup", str(args.warmup), "--heads",
                    str(args.heads), "--hd", str(args.hd)]
             log = os.path.join(args.out, f"bench-{seq}-{'causal' if causal else 'full'}.log")
@@ -153,7 +153,7 @@ def run(argv):
                 text, rc = out + f"\n(timed out after {args.bench_timeout} s)\n", 124
             with open(log, "w") as f:
                 f.write(" ".join(cmd) + "\n" + text)
-            loops = {BASE: [], NEW: []}
+            loops = {BASE: []}
             checks = []
             config = ""
             for _, _, cfg, tf, check in parse_rows(text.splitlines()):
@@ -163,17 +163,15 @@ def run(argv):
                     config = cfg.rsplit("/", 1)[0]
                 checks.append(check)
             shape = dict(seq=seq, causal=causal, config=config, cudnn=best.get("cudnn"), flash=best.get("flash"),
-                         loops=[BASE, NEW], base=loops[BASE], new=loops[NEW], bench_rc=rc,
+                         loops=[BASE], base=loops[BASE], bench_rc=rc,
                          check="ok" if checks and all(c == "ok" for c in checks) else "WRONG" if checks else "none")
             shapes.append(shape)
             mean = lambda v: sum(v) / len(v) if v else None
-            bm, nm = mean(loops[BASE]), mean(loops[NEW])
-            cu = best.get("cudnn")
+            bm = mean(loops[BASE])
+            cu, fl = best.get("cudnn"), best.get("flash")
             print(f"SHAPE seq={seq} causal={int(causal)} cudnn={cu or 0:.1f} "
-                  f"flash={best.get('flash', 0):.1f} {BASE}={','.join(f'{x:.1f}' for x in loops[BASE])} "
-                  f"{NEW}={','.join(f'{x:.1f}' for x in loops[NEW])} "
-                  f"{NEW}/{BASE}={nm / bm if bm and nm else 0:.3f} "
-                  f"{BASE}/cudnn={bm / cu if bm and cu else 0:.3f} {NEW}/cudnn={nm / cu if nm and cu else 0:.3f} "
+                  f"flash={fl or 0:.1f} {BASE}={','.join(f'{x:.1f}' for x in loops[BASE])} "
+                  f"{BASE}/cudnn={bm / cu if bm and cu else 0:.3f} {BASE}/flash={bm / fl if bm and fl else 0:.3f} "
                   f"rc={rc} check={shape['check']} "
                   f"({time.time() - t0:.1f} s)", flush=True)
     with open(os.path.join(args.out, "ab.json"), "w") as f:
@@ -189,16 +187,14 @@ def run(argv):
         return f"{a / b:.3f}" if a and b else "-"
 
     print()
-    print(f"| seq | causal | config | cuDNN | flash | {BASE} | {NEW} | {NEW} / {BASE} | {BASE} / cuDNN | "
-          f"{NEW} / cuDNN | {NEW} / flash | check |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| seq | causal | config | cuDNN | flash | {BASE} | {BASE} / cuDNN | {BASE} / flash | check |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for s in shapes:
         bm = sum(s["base"]) / len(s["base"]) if s["base"] else None
-        nm = sum(s["new"]) / len(s["new"]) if s["new"] else None
         print(f"| {s['seq']} | {'yes' if s['causal'] else 'no'} | {s['config']} | {s['cudnn'] or 0:.1f} | "
-              f"{s['flash'] or 0:.1f} | {cell(s['base'])} | {cell(s['new'])} | {ratio(nm, bm)} | "
-              f"{ratio(bm, s['cudnn'])} | {ratio(nm, s['cudnn'])} | {ratio(nm, s['flash'])} | {s['check']} |")
-    bad = [s for s in shapes if s["check"] != "ok" or s["bench_rc"] != 0 or not s["base"] or not s["new"]]
+              f"{s['flash'] or 0:.1f} | {cell(s['base'])} | {ratio(bm, s['cudnn'])} | {ratio(bm, s['flash'])} | "
+              f"{s['check']} |")
+    bad = [s for s in shapes if s["check"] != "ok" or s["bench_rc"] != 0 or not s["base"]]
     return 1 if bad else 0
 
 

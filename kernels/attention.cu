@@ -25,17 +25,16 @@ struct Resolved {
   int headGroup;
   bool snake;
   bool dynamic;
-  bool hoist;
 };
 Resolved resolveAttention(const AttentionParams& p);
 }  // namespace attn_detail
 
 namespace attn {
 
-template <class T, int HD, int BN, bool Causal, bool Hoist>
+template <class T, int HD, int BN, bool Causal>
 __global__ void __launch_bounds__(kThreads, 1) attentionKernel(const __grid_constant__ AttnKernelParams p) {
   extern __shared__ uint8_t smemRaw[];
-  runAttentionCta<T, HD, BN, Causal, Hoist>(p, smemRaw);
+  runAttentionCta<T, HD, BN, Causal>(p, smemRaw);
 }
 
 namespace {
@@ -53,34 +52,28 @@ struct Variant {
   size_t smemBytes;
 };
 
-template <class T, int HD, int BN, bool Causal, bool Hoist>
+template <class T, int HD, int BN, bool Causal>
 Variant variant() {
-  return {&attentionKernel<T, HD, BN, Causal, Hoist>, kSmemBytes<HD, BN>};
-}
-
-template <class T, bool Hoist>
-Variant pickShape(int hd, int bn, bool causal) {
-  if (hd == 64) return causal ? variant<T, 64, 128, true, Hoist>() : variant<T, 64, 128, false, Hoist>();
-  if (bn == 176) return variant<T, 128, 176, false, Hoist>();
-  return causal ? variant<T, 128, 128, true, Hoist>() : variant<T, 128, 128, false, Hoist>();
+  return {&attentionKernel<T, HD, BN, Causal>, kSmemBytes<HD, BN>};
 }
 
 template <class T>
-Variant pickTyped(int hd, int bn, bool causal, bool hoist) {
-  return hoist ? pickShape<T, true>(hd, bn, causal) : pickShape<T, false>(hd, bn, causal);
+Variant pickShape(int hd, int bn, bool causal) {
+  if (hd == 64) return causal ? variant<T, 64, 128, true>() : variant<T, 64, 128, false>();
+  if (bn == 176) return variant<T, 128, 176, false>();
+  return causal ? variant<T, 128, 128, true>() : variant<T, 128, 128, false>();
 }
 
-Variant pickVariant(AttentionDtype dt, int hd, int bn, bool causal, bool hoist) {
-  return dt == AttentionDtype::kBf16 ? pickTyped<__nv_bfloat16>(hd, bn, causal, hoist)
-                                     : pickTyped<__half>(hd, bn, causal, hoist);
+Variant pickVariant(AttentionDtype dt, int hd, int bn, bool causal) {
+  return dt == AttentionDtype::kBf16 ? pickShape<__nv_bfloat16>(hd, bn, causal) : pickShape<__half>(hd, bn, causal);
 }
 
-// Every kernel of one dtype and loop control, in pickShape's set.
-template <class T, bool Hoist>
+// Every kernel of one dtype, in pickShape's set.
+template <class T>
 constexpr std::array<KernelFn, 5> kernelsOf() {
-  return {&attentionKernel<T, 64, 128, false, Hoist>, &attentionKernel<T, 64, 128, true, Hoist>,
-          &attentionKernel<T, 128, 128, false, Hoist>, &attentionKernel<T, 128, 128, true, Hoist>,
-          &attentionKernel<T, 128, 176, false, Hoist>};
+  return {&attentionKernel<T, 64, 128, false>, &attentionKernel<T, 64, 128, true>,
+          &attentionKernel<T, 128, 128, false>, &attentionKernel<T, 128, 128, true>,
+          &attentionKernel<T, 128, 176, false>};
 }
 
 // Per (device, kernel): the opt-in shared-memory limit is raised once and the SM count read once.
@@ -141,9 +134,8 @@ CUtensorMap encodeMap(const void* base, int64_t rows, int64_t cols, uint32_t box
 
 void preloadAttentionKernels(int device) {
   using namespace attn;
-  const std::array<std::array<KernelFn, 5>, 4> sets{kernelsOf<__nv_bfloat16, false>(), kernelsOf<__half, false>(),
-                                                    kernelsOf<__nv_bfloat16, true>(), kernelsOf<__half, true>()};
-  KernelFn fns[4 * 5];
+  const std::array<std::array<KernelFn, 5>, 2> sets{kernelsOf<__nv_bfloat16>(), kernelsOf<__half>()};
+  KernelFn fns[2 * 5];
   for (size_t i = 0; i < sets.size(); ++i) {
     for (size_t j = 0; j < sets[i].size(); ++j) fns[5 * i + j] = sets[i][j];
   }
@@ -157,7 +149,7 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   const attn_detail::Resolved r = attn_detail::resolveAttention(g);
   int device = 0;
   checkCuda(cudaGetDevice(&device), "cudaGetDevice");
-  const Variant v = pickVariant(g.dtype, g.headDim, r.blockN, g.causal, r.hoist);
+  const Variant v = pickVariant(g.dtype, g.headDim, r.blockN, g.causal);
   const LaunchInfo info = launchInfo(device, v);
 
   AttnKernelParams p;

@@ -25,7 +25,6 @@ struct Resolved {
   int headGroup;
   bool snake;
   bool dynamic;
-  bool hoist;
 };
 // Defaults measured on an H200 (bench/RESULTS.md, "Attention core"): 176-key blocks beat 128 by 2-5% without causal
 // masking at head_dim 128 (seq 4K-32K); ping-pong beats free-running consumers by 10-20% everywhere.
@@ -36,9 +35,8 @@ struct Resolved {
 // 16 heads of them outgrow L2), where the caller gave a tile counter; snake rounds over every head otherwise.
 constexpr int64_t kDynamicFromKvBytesPerHead = 8ll << 20;
 
-// TANDEM_ATTN_LOOP (lane0 | hoist), read once: the loop control of launches that leave loopControl at 0, so that
-// callers that build their own params (ring attention) run either kernel set without a code change. -1: set to
-// something else (validateAttention refuses the launch).
+// TANDEM_ATTN_LOOP (lane0, or unset), read once: the loop control of launches that leave loopControl at 0 (ring
+// attention's). 3: hoist, which is no longer built; -1: anything else (validateAttention refuses either).
 int envLoopControl() {
   static const int v = [] {
     const char* e = std::getenv("TANDEM_ATTN_LOOP");
@@ -51,16 +49,12 @@ int envLoopControl() {
 // Default lane0. Measured on an H200 (2026-12-02, commit bb837e7, scripts/attn-gpu-run.sh: 16 heads, head_dim 128,
 // bf16, the two alternating twice on the same inputs, one device call): lane0 / table 1.028 / 1.009 / 1.033 / 0.995
 // non-causal and 1.054 / 1.067 / 1.027 / 1.049 causal at 4K / 8K / 16K / 32K; the one loss is inside the spread of
-// lane0's own two rounds there (586.6 and 605.1 TFLOP/s). Table (loop control 1) is no longer built, so that a
-// third kernel set (hoist, the wgmma descriptors built once per kernel: device/attention_sm90.cuh, SmemDescWords)
-// costs no compile time; hoist is not measured on a GPU yet.
-constexpr int kDefaultLoopControl = 2;
-
-int loopControlOf(const AttentionParams& p) {
-  if (p.loopControl != 0) return p.loopControl;
-  const int env = envLoopControl();
-  return env != 0 ? env : kDefaultLoopControl;
-}
+// lane0's own two rounds there (586.6 and 605.1 TFLOP/s). Table (loop control 1) is no longer built. Neither is
+// hoist (loop control 3: lane0 with the wgmma descriptors built once per kernel; per-KV-block loop 812 SASS
+// instructions instead of 860 at bf16 hd128 bn176): hoist / lane0 measured 0.947-0.994 at 6 of 8 shapes and 1.006 /
+// 1.010 at the other two, inside the noise (bench/RESULTS.md, session 8, call 1), so a second kernel set would cost
+// compile time and code for nothing. lane0 is the only loop control built; loopControl and TANDEM_ATTN_LOOP stay
+// for the refusals.
 
 Resolved resolveAttention(const AttentionParams& p) {
   const int blockN = p.blockN != 0 ? p.blockN : (p.headDim == 128 && !p.causal ? 176 : 128);
@@ -76,7 +70,7 @@ Resolved resolveAttention(const AttentionParams& p) {
       snake = true;
     }
   }
-  return {blockN, p.pingPong != 2, group, snake, dynamic, loopControlOf(p) == 3};
+  return {blockN, p.pingPong != 2, group, snake, dynamic};
 }
 
 }  // namespace attn_detail
@@ -149,14 +143,23 @@ void validateAttention(const AttentionParams& p) {
   if (p.loopControl == 1) {
     throw Error(ErrorCode::kUnsupported,
                 "attention: loopControl 1 (table) is no longer built (slower than lane0 at 7 of 8 shapes on the "
-                "H200); use 0 (default), 2 (lane0) or 3 (hoist)");
+                "H200); use 0 (default) or 2 (lane0)");
   }
-  if (p.loopControl < 0 || p.loopControl > 3) {
-    rule("loop_control", "loopControl must be 0 (default), 2 (lane0) or 3 (hoist), got {}", p.loopControl);
+  if (p.loopControl == 3) {
+    throw Error(ErrorCode::kUnsupported,
+                "attention: loopControl 3 (hoist) is no longer built (no faster than lane0 on the H200: 0.95-1.01x); "
+                "use 0 (default) or 2 (lane0)");
+  }
+  if (p.loopControl != 0 && p.loopControl != 2) {
+    rule("loop_control", "loopControl must be 0 (default) or 2 (lane0), got {}", p.loopControl);
+  }
+  if (p.loopControl == 0 && attn_detail::envLoopControl() == 3) {
+    throw Error(ErrorCode::kUnsupported,
+                "attention: TANDEM_ATTN_LOOP=hoist: loop control hoist is no longer built (no faster than lane0 on "
+                "the H200); unset TANDEM_ATTN_LOOP or set it to lane0");
   }
   if (p.loopControl == 0 && attn_detail::envLoopControl() < 0) {
-    rule("loop_control", "TANDEM_ATTN_LOOP must be lane0 or hoist (or unset), got '{}'",
-         std::getenv("TANDEM_ATTN_LOOP"));
+    rule("loop_control", "TANDEM_ATTN_LOOP must be lane0 (or unset), got '{}'", std::getenv("TANDEM_ATTN_LOOP"));
   }
 
   const uint64_t rowBytes = static_cast<uint64_t>(p.heads) * static_cast<uint64_t>(p.headDim) * 2;
@@ -213,10 +216,10 @@ void validateAttention(const AttentionParams& p) {
 const char* attentionConfigName(const AttentionParams& p) {
   const attn_detail::Resolved r = attn_detail::resolveAttention(p);
   thread_local std::string name;
-  name = fmt::format("{}/hd{}/bn{}/{}/{}{}/{}", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim,
+  // Ends in the loop control, lane0 (the only one built), as it did when there were several.
+  name = fmt::format("{}/hd{}/bn{}/{}/{}{}/lane0", p.dtype == AttentionDtype::kBf16 ? "bf16" : "fp16", p.headDim,
                      r.blockN, p.causal ? fmt::format("causal/g{}", r.headGroup) : "full",
-                     r.pingPong ? "pingpong" : "free", r.snake ? "/snake" : r.dynamic ? "/dynamic" : "",
-                     r.hoist ? "hoist" : "lane0");
+                     r.pingPong ? "pingpong" : "free", r.snake ? "/snake" : r.dynamic ? "/dynamic" : "");
   return name.c_str();
 }
 

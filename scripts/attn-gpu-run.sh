@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
-# One device step for the attention core's loop control A/B: lane0 (the default) vs hoist (lane0 with the wgmma
-# descriptors built once per kernel, not before every GEMM batch) vs cuDNN (nvidia-h200, one GPU), within
-# ATTN_BUDGET_S (default 110) seconds. Assumes a Release build with everything built in $BUILD_DIR (default build-gpu;
-# the targets below are built there under a timeout if one is missing). Steps, each under `timeout`, each one line in
+# One device step for the attention core (loop control lane0, the only one built since hoist measured no faster:
+# bench/RESULTS.md, session 8) against cuDNN (nvidia-h200, one GPU), within ATTN_BUDGET_S (default 110) seconds.
+# Assumes a Release build with everything built in $BUILD_DIR (default build-gpu; the targets below are built there
+# under a timeout if one is missing). Steps, each under `timeout`, each one line in
 # OUT/summary.txt; a failed step does not stop the later ones:
 #   1. SASS of the attention object: per kernel, HGMMA / WARPSYNC / R2UR in the whole kernel and in the per-KV-block
-#      loop (its instruction count: lane0 vs hoist), and registers / stack / local memory (cuobjdump).
-#   2. tandem_attention_core_tests: every case with both loop controls (lane0, hoist) against the fp64 reference and
-#      against each other bitwise, repeats, shape rules (call 1 of 2026-12-02: 8 s).
-#   3. the same binary's environment case with TANDEM_ATTN_LOOP=lane0, then =hoist (the loop control of launches
-#      that leave AttentionParams::loopControl at 0, as ring attention's do).
-#   4. the A/B: bench/attention_vs_sdpa.py --run: per shape (16 heads, head_dim 128, bf16, seq 4K/8K/16K/32K, causal
-#      and not) torch SDPA cuDNN + flash, then attention_bench --loop both --rounds ATTN_ROUNDS (default 3): lane0
-#      and hoist alternating on the same inputs, each row checked against an fp32 reference (call 1: 19 s at 2
-#      rounds).
-#   5. tandem_ring_attention_gpu_tests, client executor (1, 2, 4 ranks sharing the GPU), TANDEM_ATTN_LOOP=hoist;
-#   6. the same with TANDEM_ATTN_LOOP=lane0 (in the time left; call 1: 5 s each);
-#   7. in the time left, unless ATTN_NCU=0: ncu of one launch of each loop control (non-causal 4K and 8K: tensor pipe,
-#      issue, stall reasons per instruction), the chosen metrics into OUT/summary.txt.
+#      loop (its instruction count), and registers / stack / local memory (cuobjdump).
+#   2. tandem_attention_core_tests: every case with lane0 against the fp64 reference, repeats, shape rules (loop
+#      controls 1 and 3 refused) (call 1 of 2026-12-02: 8 s).
+#   3. the same binary's environment case with TANDEM_ATTN_LOOP=lane0 (launches that leave
+#      AttentionParams::loopControl at 0, as ring attention's do, run lane0), then =hoist (refused, the fix named).
+#   4. bench/attention_vs_sdpa.py --run: per shape (16 heads, head_dim 128, bf16, seq 4K/8K/16K/32K, causal and not)
+#      torch SDPA cuDNN + flash, then attention_bench --loop lane0 --rounds ATTN_ROUNDS (default 3) on the same
+#      inputs, each row checked against an fp32 reference.
+#   5. tandem_ring_attention_gpu_tests, client executor (1, 2, 4 ranks sharing the GPU), TANDEM_ATTN_LOOP unset
+#      (call 1: 5 s);
+#   6. in the time left, unless ATTN_NCU=0: ncu of one launch (non-causal 4K and 8K: tensor pipe, issue, stall
+#      reasons per instruction), the chosen metrics into OUT/summary.txt.
 #   scripts/attn-gpu-run.sh OUT
 set -uo pipefail
 out=${1:?usage: $0 OUT}
@@ -57,52 +56,51 @@ if [ -n "$obj" ] && command -v cuobjdump > /dev/null; then
   nk=$(grep -c "Function.*attentionKernel" "$out/res-usage.txt")
   nbad=$(grep -A1 "Function.*attentionKernel" "$out/res-usage.txt" | grep -Ec "STACK:[1-9]|LOCAL:[1-9]")
   summary "sass: $nk attention kernels, $nbad with stack or local memory; per-KV-block loop of bf16 hd128 bn176 full:" \
-    "$(grep -E 'bfloat16, 128, 176, false, (false|true)>' "$out/sass-counts.txt" |
-      sed -E 's/.*false, false>.*innermost wgmma loop: /lane0: /; s/.*false, true>.*innermost wgmma loop: /hoist: /' |
+    "$(grep -E 'bfloat16, 128, 176, false>' "$out/sass-counts.txt" | sed -E 's/.*innermost wgmma loop: //' |
       tr '\n' ';')"
 else
   summary "sass: no attention.cu.o under $build/kernels or no cuobjdump"
 fi
 
-# 2. Core tests, both loop controls.
-timeout "$(cap 40 70)" stdbuf -oL "$core" > "$out/core_test.log" 2>&1
+# 2. Core tests.
+env -u TANDEM_ATTN_LOOP timeout "$(cap 40 70)" stdbuf -oL "$core" > "$out/core_test.log" 2>&1
 rc=$?
-summary "core tests (lane0 + hoist): rc=$rc ($(elapsed) s): $(grep -E '^\[doctest\] (test cases|assertions)' \
+summary "core tests (lane0): rc=$rc ($(elapsed) s): $(grep -E '^\[doctest\] (test cases|assertions)' \
   "$out/core_test.log" | tr -s ' ' | tr '\n' ' ')"
 grep -E "ERROR|FAILED|differ" "$out/core_test.log" | head -20 >> "$out/summary.txt"
 
-# 3. The environment's loop control.
+# 3. The environment's loop control: lane0 runs lane0, hoist is refused (the case passes when it is).
 for loop in lane0 hoist; do
   TANDEM_ATTN_LOOP=$loop timeout 15 "$core" -tc='*TANDEM_ATTN_LOOP*' -s > "$out/core_env_$loop.log" 2>&1
-  summary "core env case TANDEM_ATTN_LOOP=$loop: rc=$? $(grep -oE "TANDEM_ATTN_LOOP=$loop: \S+" \
-    "$out/core_env_$loop.log" | head -1)"
+  rc=$?
+  want=$([ "$loop" = hoist ] && echo 'refused' || echo 'runs lane0')
+  summary "core env case TANDEM_ATTN_LOOP=$loop ($want expected): rc=$rc $(grep -oE \
+    "TANDEM_ATTN_LOOP=$loop: (\S+|loop control hoist is no longer built)" "$out/core_env_$loop.log" | head -1)"
 done
 
-# 4. The A/B against cuDNN.
+# 4. The core against cuDNN.
 timeout "$(cap 70 25)" python3 bench/attention_vs_sdpa.py --run "$bench" --rounds "$rounds" --out "$out/ab" \
   --bench-timeout 30 > "$out/ab.log" 2>&1
-summary "A/B attention_vs_sdpa --run (rounds $rounds): rc=$? ($(elapsed) s)"
+summary "attention_vs_sdpa --run (rounds $rounds): rc=$? ($(elapsed) s)"
 grep -E "^SHAPE" "$out/ab.log" | sed 's/^/  /' >> "$out/summary.txt"
 grep -E "^\|" "$out/ab.log" > "$out/ab.md"
 tail -5 "$out/ab.log" | grep -iE "error|traceback" >> "$out/summary.txt"
 
-# 5, 6. Ring attention, client executor, each loop control through the environment.
-for loop in hoist lane0; do
-  if [ "$(left)" -lt 12 ]; then
-    summary "ring tests TANDEM_ATTN_LOOP=$loop: SKIPPED (budget)"
-    continue
-  fi
-  TANDEM_ATTN_LOOP=$loop TANDEM_OP_TIMEOUT_MS=20000 timeout "$(cap 40 3)" stdbuf -oL "$ring" \
-    -tc='*client executor*' > "$out/ring_$loop.log" 2>&1
-  summary "ring tests client executor TANDEM_ATTN_LOOP=$loop: rc=$? ($(elapsed) s): $(grep -E \
-    '^\[doctest\] (test cases|assertions)' "$out/ring_$loop.log" | tr -s ' ' | tr '\n' ' ')"
-  grep -E "ERROR|FAIL" "$out/ring_$loop.log" | head -10 >> "$out/summary.txt"
-done
-# 7. ncu, in the time left (ATTN_NCU=0: never): one launch per loop control and shape; the raw metrics that tell
-# tensor-pipe time from instruction issue and stalls go into the summary (the whole report stays in OUT).
+# 5. Ring attention, client executor, the default loop control (TANDEM_ATTN_LOOP unset).
+if [ "$(left)" -lt 12 ]; then
+  summary "ring tests: SKIPPED (budget)"
+else
+  env -u TANDEM_ATTN_LOOP TANDEM_OP_TIMEOUT_MS=20000 timeout "$(cap 40 3)" stdbuf -oL "$ring" \
+    -tc='*client executor*' > "$out/ring.log" 2>&1
+  summary "ring tests client executor: rc=$? ($(elapsed) s): $(grep -E \
+    '^\[doctest\] (test cases|assertions)' "$out/ring.log" | tr -s ' ' | tr '\n' ' ')"
+  grep -E "ERROR|FAIL" "$out/ring.log" | head -10 >> "$out/summary.txt"
+fi
+# 6. ncu, in the time left (ATTN_NCU=0: never): one launch per shape; the raw metrics that tell tensor-pipe time
+# from instruction issue and stalls go into the summary (the whole report stays in OUT).
 if [ "${ATTN_NCU:-1}" = 1 ]; then
   for seq in 4096 8192; do
-    for loop in lane0 hoist; do
+    for loop in lane0; do
       if [ "$(left)" -lt 20 ]; then
         summary "ncu $loop $seq: SKIPPED (budget)"
         continue

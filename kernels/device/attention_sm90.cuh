@@ -546,41 +546,19 @@ __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedSto
 // r = 16 (t / 32) + (t % 32) / 4 and r + 8, columns 8 j + 2 (t % 4) + {0, 1}: acc[4 j + {0, 1}] is row r,
 // acc[4 j + {2, 3}] row r + 8.
 // ---------------------------------------------------------------------------------------------------------------
-// A wgmma shared-memory descriptor split in its two 32-bit words. Loop control "hoist" builds the descriptors of Q,
-// K stage 0 and V stage 0 once per kernel and reaches every other stage and k-step by adding offset / 16 to the low
-// word (plus()): the start-address field is the low word's bits 0-13 (address / 16) and shared memory ends below
-// 256 KB, so the add never carries into the next field and gives the descriptor makeSmemDesc would build. Built per
-// wgmma instead (loop control "lane0"), each descriptor is a dependent chain of 4 uniform-datapath instructions
-// (add, mask, shift, or) plus a move of the high word, in front of each of the 19 wgmmas of a block. SASS (nvcc 13.0,
-// bf16, hd128, 176-key blocks): the per-KV-block loop is 860 instructions with lane0, 812 with hoist (one add and
-// one move per wgmma are left).
-struct SmemDescWords {
-  uint32_t lo, hi;
-  __device__ __forceinline__ static SmemDescWords of(uint64_t d) {
-    return {static_cast<uint32_t>(d), static_cast<uint32_t>(d >> 32)};
-  }
-  __device__ __forceinline__ SmemDescWords plus(uint32_t bytes) const { return {lo + (bytes >> 4), hi}; }
-  __device__ __forceinline__ uint64_t desc() const { return (static_cast<uint64_t>(hi) << 32) | lo; }
-};
-
-// S = Q K^T. Hoist: the descriptors from qd / kd (the words of qAddr's / kAddr's), else built from the addresses.
-template <class T, int HD, int BN, bool Hoist>
-__device__ __forceinline__ void issueS(float (&sacc)[BN / 2], uint32_t qAddr, uint32_t kAddr, SmemDescWords qd,
-                                       SmemDescWords kd) {
+// S = Q K^T. Each descriptor is built from its address per wgmma. (Building Q's, K's and V's once per kernel and
+// adding offset / 16 per stage and k-step, loop control "hoist", cut the per-KV-block loop from 860 to 812 SASS
+// instructions but measured 0.95-1.01x lane0 on the H200, so it is no longer built: attention_host.cpp.)
+template <class T, int HD, int BN>
+__device__ __forceinline__ void issueS(float (&sacc)[BN / 2], uint32_t qAddr, uint32_t kAddr) {
   gemm::wgmmaFence();
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
     // k-step kk: half kk / 4 of the head dim, 32 bytes further into the 128-byte row per step inside a half.
     const uint32_t off = static_cast<uint32_t>(kk % 4) * 32;
     const uint32_t offQ = (kk / 4) * (kBlockM * 128) + off, offK = (kk / 4) * (BN * 128) + off;
-    uint64_t descA, descB;
-    if constexpr (Hoist) {
-      descA = qd.plus(offQ).desc();
-      descB = kd.plus(offK).desc();
-    } else {
-      descA = gemm::makeSmemDesc(qAddr + offQ);
-      descB = gemm::makeSmemDesc(kAddr + offK);
-    }
+    const uint64_t descA = gemm::makeSmemDesc(qAddr + offQ);
+    const uint64_t descB = gemm::makeSmemDesc(kAddr + offK);
     WgmmaSS<T, BN>::run(sacc, descA, descB, kk > 0 ? 1u : 0u);
   }
   gemm::wgmmaCommit();
@@ -588,16 +566,14 @@ __device__ __forceinline__ void issueS(float (&sacc)[BN / 2], uint32_t qAddr, ui
 
 // O += P V. Always accumulates (O starts at zero): a run-time scale-d predicate on the first wgmma lets ptxas hoist
 // the following wgmma.wait_group above the softmax (it protects the predicate register), which was seen in SASS.
-// Hoist: the descriptors from vd (the words of vAddr's), else built from the address.
-template <class T, int HD, int BN, bool Hoist>
-__device__ __forceinline__ void issuePV(float (&oacc)[HD / 2], const uint32_t (&pfrag)[BN / 4], uint32_t vAddr,
-                                        SmemDescWords vd) {
+template <class T, int HD, int BN>
+__device__ __forceinline__ void issuePV(float (&oacc)[HD / 2], const uint32_t (&pfrag)[BN / 4], uint32_t vAddr) {
   gemm::wgmmaFence();
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) {
     // Keys 16 kk .. 16 kk + 15: two 8-row swizzle groups, 2048 bytes into each half.
     const uint32_t off = static_cast<uint32_t>(kk) * 2048;
-    const uint64_t descB = Hoist ? vd.plus(off).desc() : makeSmemDescNMajor(vAddr + off, BN * 128);
+    const uint64_t descB = makeSmemDescNMajor(vAddr + off, BN * 128);
     WgmmaRS<T, HD>::run(oacc, pfrag[4 * kk], pfrag[4 * kk + 1], pfrag[4 * kk + 2], pfrag[4 * kk + 3], descB, 1u);
   }
   gemm::wgmmaCommit();
@@ -713,8 +689,7 @@ __device__ __forceinline__ void storeRows(const AttnKernelParams& p, const float
 // thread using its own read, lost to lane0 at 7 of 8 shapes on the H200 and is no longer built: attention_host.cpp.)
 __device__ __forceinline__ int32_t warpUniform(int32_t v) { return __shfl_sync(0xffffffffu, v, 0); }
 
-// Hoist: loop control "hoist" (the wgmma descriptors built once, SmemDescWords), else "lane0".
-template <class T, int HD, int BN, bool Causal, bool Hoist>
+template <class T, int HD, int BN, bool Causal>
 __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedStorage<HD, BN>& s, int wg, int t) {
   float sacc[BN / 2];
   float oacc[HD / 2];
@@ -739,16 +714,8 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
   const uint32_t qAddr = gemm::smemAddr(s.q) + static_cast<uint32_t>(wg) * kRowsPerConsumer * 128;
   const uint32_t k0 = gemm::smemAddr(s.k[0]), v0 = gemm::smemAddr(s.v[0]);
   constexpr uint32_t kStageBytes = BN * HD * 2;  // s.k[i + 1] - s.k[i], and the same for v
-  static_assert(kSmemBytes<HD, BN> < (1u << 18), "SmemDescWords::plus: shared addresses fit the 14-bit field x 16");
-  const SmemDescWords qd = SmemDescWords::of(gemm::makeSmemDesc(qAddr));
-  const SmemDescWords kd = SmemDescWords::of(gemm::makeSmemDesc(k0));
-  const SmemDescWords vd = SmemDescWords::of(makeSmemDescNMajor(v0, BN * 128));
-  const auto issueSAt = [&](int stage) {
-    issueS<T, HD, BN, Hoist>(sacc, qAddr, k0 + stage * kStageBytes, qd, kd.plus(stage * kStageBytes));
-  };
-  const auto issuePVAt = [&](int stage) {
-    issuePV<T, HD, BN, Hoist>(oacc, pfrag, v0 + stage * kStageBytes, vd.plus(stage * kStageBytes));
-  };
+  const auto issueSAt = [&](int stage) { issueS<T, HD, BN>(sacc, qAddr, k0 + stage * kStageBytes); };
+  const auto issuePVAt = [&](int stage) { issuePV<T, HD, BN>(oacc, pfrag, v0 + stage * kStageBytes); };
 
   gemm::PipeState<2> ts;
   for (int32_t k = 0, w = warpUniform(consumeWork(p, s, 0, ts)); w < p.numWork;
@@ -854,7 +821,7 @@ __device__ __forceinline__ void runConsumer(const AttnKernelParams& p, SharedSto
 // A whole attention CTA: call from a __global__ with __launch_bounds__(kThreads, 1), kThreads threads and
 // kSmemBytes<HD, BN> of dynamic shared memory.
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, int HD, int BN, bool Causal, bool Hoist>
+template <class T, int HD, int BN, bool Causal>
 __device__ __forceinline__ void runAttentionCta(const AttnKernelParams& p, uint8_t* smemRaw) {
   static_assert(HD == 64 || HD == 128, "head dim");
   static_assert(BN % 16 == 0 && BN <= 256, "KV block: wgmma N and k-steps");
@@ -877,7 +844,7 @@ __device__ __forceinline__ void runAttentionCta(const AttnKernelParams& p, uint8
       break;
     case Role::kConsumer:
       gemm::setMaxNRegInc<kConsumerRegs>();
-      runConsumer<T, HD, BN, Causal, Hoist>(p, s, wg - 1, t);
+      runConsumer<T, HD, BN, Causal>(p, s, wg - 1, t);
       break;
   }
 }

@@ -77,10 +77,9 @@ struct AttentionParams {
   ErrorSlot* errorSlot;       // null = report nowhere
   uint64_t timeoutNs;         // deadline of the waits from the kernel's start; 0 = none
   uint32_t waitOp, waitRank;  // written into the error slot (op kind, rank)
-  // The consumer warps' loop control (the same results bitwise either way): 2 = lane0 (loop bounds from the KV walk
-  // in shared memory read by lane 0 and broadcast: ptxas sees a warp-uniform loop), 3 = hoist (lane0, and the wgmma
-  // descriptors built once per kernel instead of before every GEMM batch). 1 (table) is no longer built: refused.
-  // 0 = default: TANDEM_ATTN_LOOP=lane0|hoist when set in the environment, else lane0.
+  // The consumer warps' loop control: 2 = lane0 (loop bounds from the KV walk in shared memory read by lane 0 and
+  // broadcast: ptxas sees a warp-uniform loop), the only one built. 1 (table) and 3 (hoist) are no longer built:
+  // refused (kUnsupported). 0 = default: lane0 (TANDEM_ATTN_LOOP may be unset or lane0; hoist is refused likewise).
   int32_t loopControl;
 };
 
