@@ -50,21 +50,26 @@ __global__ void spanFreeKernel(const SpanExchangePlan* plan) {
   }
 }
 
-// One thread: per peer, its destination batch (writes, then the arrived flag), after the free wait and the fill
-// (stream order).
+// One thread: per peer, its destination batch (writes, then the arrived flag; a pass ahead of the last: its writes
+// only), after the free wait and the fill of those writes' data (stream order).
 __global__ void spanPushKernel(const SpanExchangePlan* plan) {
   if (threadIdx.x != 0) return;
   const SpanExchangePlan& p = *plan;
   if (failedBefore(p)) return;
   ProxyPusher pusher = makeProxyPusher(p.fifo, p.timeoutNs);
   for (uint32_t i = 0; i < p.peers; ++i) {
-    uint64_t flagTicket = 0;
-    const ProxyPushStatus s = proxyPushWritesThenFlag(
-        pusher, static_cast<uint16_t>(p.peerNode[i]), reinterpret_cast<const ProxyWriteDesc*>(p.writes + p.firstWrite[i]),
-        p.writeCount[i], p.bufferId, p.arrivedFlagOffset, p.epoch, false, &flagTicket);
+    const auto peer = static_cast<uint16_t>(p.peerNode[i]);
+    const auto* writes = reinterpret_cast<const ProxyWriteDesc*>(p.writes + p.firstWrite[i]);
+    if (p.flag == 0 && p.writeCount[i] == 0) continue;  // nothing of this pass for that peer
+    uint64_t last = 0;
+    const ProxyPushStatus s =
+        p.flag != 0 ? proxyPushWritesThenFlag(pusher, peer, writes, p.writeCount[i], p.bufferId, p.arrivedFlagOffset,
+                                              p.epoch, false, &last)
+                    : proxyPushWrites(pusher, peer, writes, p.writeCount[i], &last);
     if (s != ProxyPushStatus::kOk) return fail(p, kSpanFailedPush, static_cast<uint32_t>(s));
-    // release: the host reads it after the stream is done; ordered with nothing else.
-    stReleaseSys(p.lastTicket, flagTicket + 1);
+    // release: the host reads it after the stream is done; ordered with nothing else (the passes run in stream
+    // order, so the last pass's ticket is the largest).
+    stReleaseSys(p.lastTicket, last + 1);
   }
 }
 

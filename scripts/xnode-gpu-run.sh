@@ -72,8 +72,11 @@ if command -v nvidia-cuda-mps-control > /dev/null && [ "$(left)" -gt 25 ]; then
       "./$b/tests/gpu/tandem_proxy_gpu_tests" -d
     step "MPS: two nodes, daemon executor (tcp: GPU path; verbs double: staged)" 80 mps_daemon.log "$tests" \
       "-tc=*daemon executor (MPS)*" -d
-    TANDEM_GPU_EXCHANGE_MPS=1 step "MPS: two nodes, daemon executor, GPU path forced on verbs too" 80 \
-      mps_daemon_forced.log "$tests" "-tc=*daemon executor (MPS)*" -d
+    # XNODE_FORCED_VERBS=1: the GPU path forced on verbs under MPS too (it hung there in session 9's last call).
+    if [ "${XNODE_FORCED_VERBS:-0}" = 1 ]; then
+      TANDEM_GPU_EXCHANGE_MPS=1 step "MPS: two nodes, daemon executor, GPU path forced on verbs too" 80 \
+        mps_daemon_forced.log "$tests" "-tc=*daemon executor (MPS)*" -d
+    fi
     # The GPU path under MPS anyway (TANDEM_GPU_EXCHANGE_MPS=1): does the host-memory region end the stall?
     stacks_after 15 "$out/mps_stacks.log" &
     TANDEM_GPU_EXCHANGE_MPS=1 step "MPS: span_bench, GPU path forced on" 30 mps_span_bench.log "$bench" --iters 3 \

@@ -179,6 +179,35 @@ struct ProxyWriteDesc {
   uint32_t bytes;       ///< > 0
 };
 
+namespace detail {
+
+// n writes to `peer`, then `flag` if it is non-null: one claim, one fence (the batch forms of the two below).
+__device__ __forceinline__ ProxyPushStatus proxyPushWritesBatch(ProxyPusher& p, uint16_t peer,
+                                                                const ProxyWriteDesc* writes, uint32_t n,
+                                                                const ProxyCommand* flag, uint64_t* lastTicket) {
+  namespace f = ::tandem::proxy::fifo;
+  const uint32_t total = n + (flag != nullptr ? 1u : 0u);
+  if (total == 0) return ProxyPushStatus::kOk;
+  if (uint64_t{total} > p.fifo.capacity) return ProxyPushStatus::kTooLarge;
+  const uint64_t t = fetchAddRelaxedSys(p.fifo.head, total);  // relaxed: see proxyPush
+  const ProxyPushStatus s = proxyWaitForRoom(p, t + total - 1);
+  if (s != ProxyPushStatus::kOk) return s;
+  for (uint32_t i = 0; i < n; ++i) {
+    const ProxyWriteDesc& w = writes[i];
+    proxyWriteBody(proxySlot(p, t + i), f::makeWrite(peer, w.srcBuffer, w.srcOffset, w.dstBuffer, w.dstOffset, w.bytes));
+  }
+  if (flag != nullptr) proxyWriteBody(proxySlot(p, t + n), *flag);
+  // release (one fence for the destination batch): see proxyPushBatch (P1).
+  fenceAcqRelSys();
+  const uint64_t writeControl = f::packControl(0, ProxyOpcode::kWrite, 0, peer);
+  for (uint32_t i = 0; i < n; ++i) stRelaxedSys(&proxySlot(p, t + i)->control, proxyControlFor(t + i, writeControl));
+  if (flag != nullptr) stRelaxedSys(&proxySlot(p, t + n)->control, proxyControlFor(t + n, flag->control));
+  if (lastTicket != nullptr) *lastTicket = t + total - 1;
+  return ProxyPushStatus::kOk;
+}
+
+}  // namespace detail
+
 /// The destination batch: n writes to `peer`, then one flag store of flagValue at the peer's flagBuffer+flagOffset
 /// (8-byte aligned), which the transport orders after the writes (a receiver that acquires the flag sees their bytes).
 /// n+1 <= capacity. One claim, one fence. `signal` asks for a completion on the flag (proxyWaitCompleted on
@@ -188,28 +217,17 @@ __device__ __forceinline__ ProxyPushStatus proxyPushWritesThenFlag(ProxyPusher& 
                                                                    uint32_t flagBuffer, uint64_t flagOffset,
                                                                    uint64_t flagValue, bool signal,
                                                                    uint64_t* flagTicket = nullptr) {
-  namespace f = ::tandem::proxy::fifo;
-  if (uint64_t{n} + 1 > p.fifo.capacity) return ProxyPushStatus::kTooLarge;
-  const uint64_t t = fetchAddRelaxedSys(p.fifo.head, n + 1);  // relaxed: see proxyPush
-  const ProxyPushStatus s = detail::proxyWaitForRoom(p, t + n);
-  if (s != ProxyPushStatus::kOk) return s;
-  for (uint32_t i = 0; i < n; ++i) {
-    const ProxyWriteDesc& w = writes[i];
-    detail::proxyWriteBody(detail::proxySlot(p, t + i),
-                           f::makeWrite(peer, w.srcBuffer, w.srcOffset, w.dstBuffer, w.dstOffset, w.bytes));
-  }
-  const ProxyCommand flag = f::makeFlag(peer, flagBuffer, flagOffset, flagValue,
-                                        signal ? ::tandem::proxy::kProxyFlagSignal : uint8_t{0});
-  detail::proxyWriteBody(detail::proxySlot(p, t + n), flag);
-  // release (one fence for the destination batch): see proxyPushBatch (P1).
-  fenceAcqRelSys();
-  const uint64_t writeControl = f::packControl(0, ProxyOpcode::kWrite, 0, peer);
-  for (uint32_t i = 0; i < n; ++i) {
-    stRelaxedSys(&detail::proxySlot(p, t + i)->control, detail::proxyControlFor(t + i, writeControl));
-  }
-  stRelaxedSys(&detail::proxySlot(p, t + n)->control, detail::proxyControlFor(t + n, flag.control));
-  if (flagTicket != nullptr) *flagTicket = t + n;
-  return ProxyPushStatus::kOk;
+  const ProxyCommand flag = ::tandem::proxy::fifo::makeFlag(peer, flagBuffer, flagOffset, flagValue,
+                                                            signal ? ::tandem::proxy::kProxyFlagSignal : uint8_t{0});
+  return detail::proxyPushWritesBatch(p, peer, writes, n, &flag, flagTicket);
+}
+
+/// Part of a destination batch sent ahead of the rest (its data is ready before the rest's): n writes to `peer`,
+/// one claim, one fence, no flag; a later proxyPushWritesThenFlag to the same peer orders its flag after these too.
+/// n <= capacity; n = 0 pushes nothing. *lastTicket: the last write's ticket.
+__device__ __forceinline__ ProxyPushStatus proxyPushWrites(ProxyPusher& p, uint16_t peer, const ProxyWriteDesc* writes,
+                                                           uint32_t n, uint64_t* lastTicket = nullptr) {
+  return detail::proxyPushWritesBatch(p, peer, writes, n, nullptr, lastTicket);
 }
 
 /// Waits until proxyCompleted(fifo) > ticket (P3), checking the stop word and the pusher's timeout.

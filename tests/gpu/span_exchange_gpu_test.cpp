@@ -5,7 +5,8 @@
 // before its arrived flag is seen, over several epochs (the consumed handshake lets an inbox be reused); several writes
 // per destination batch (gemm-rs rows of interleaved ranks); a wait ends at the abort word and at its deadline, and says
 // so through the error slot; a command the proxy rejects aborts only its own region, and another region on the same GPU
-// proxy keeps working. Every wait has a deadline (kernels: their plan's timeout; host: the stream polls below).
+// proxy keeps working; a push in passes lands the whole payload. Every wait has a deadline (kernels: their plan's
+// timeout; host: the stream polls below).
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
@@ -222,6 +223,52 @@ TEST_CASE("span exchange: payloads land in the peer's GPU inbox before its arriv
       CHECK(want.size() == exchangePayloadBytes(op, 1 - n, n));
       CHECK(download<uint8_t>(regions[n]->inbox(1 - n), want.size()) == want);
     }
+  }
+}
+
+TEST_CASE("span exchange: a push in passes (writes cut where a pass starts, the flag with the last) lands the whole "
+          "payload") {
+  cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
+  kernels::preloadSpanExchangeKernels(kDevice);
+  TwoNodes net;
+  auto regions = net.regions();
+  Streams st;
+  // gemm-ar: every row of the node sum to the peer, one write of it cut into three passes at rows 100 and 333.
+  ref::OpShape shape;
+  shape.kind = OpKind::kGemmAr;
+  shape.m = 600;
+  shape.n = 72;
+  shape.k = 64;
+  const ExchangeOp op = opOf(shape, {0, 1});
+  const uint64_t rowBytes = shape.n * 4, sumBytes = shape.m * rowBytes;
+  const std::vector<uint64_t> cuts{GpuRegionLayout::sendOffset() + 100 * rowBytes,
+                                   GpuRegionLayout::sendOffset() + 333 * rowBytes};
+  std::array<std::vector<uint8_t>, 2> sums;
+  for (int n = 0; n < 2; ++n) {
+    sums[n] = pattern(sumBytes, 70 + static_cast<uint32_t>(n));
+    cudaOk(cudaMemcpy(regions[n]->sendArea(), sums[n].data(), sumBytes, cudaMemcpyDefault), "fill");
+    regions[n]->preparePlan(op, 1, 0, kTimeoutNs, cuts);
+    REQUIRE(regions[n]->passes() == 3);
+    uint64_t bytes = 0;
+    for (uint32_t q = 0; q < 3; ++q) {
+      const kernels::SpanExchangePlan* p = regions[n]->plan(q);
+      CAPTURE(q);
+      CHECK(p->flag == (q == 2 ? 1u : 0u));
+      REQUIRE(p->writeCount[0] == 1);
+      const kernels::SpanPlanWrite& w = p->writes[p->firstWrite[0]];
+      CHECK(w.srcOffset == GpuRegionLayout::sendOffset() + bytes);  // contiguous pieces, in order
+      bytes += w.bytes;
+    }
+    CHECK(bytes == sumBytes);
+    for (uint32_t q = 0; q < 3; ++q) cudaOk(kernels::launchSpanPush(regions[n]->planDevice(q), st[n]), "push");
+    cudaOk(kernels::launchSpanWait(regions[n]->planDevice(), st[n]), "wait");
+  }
+  for (int n = 0; n < 2; ++n) REQUIRE(streamFinishes(st[n], 20s));
+  for (int n = 0; n < 2; ++n) {
+    CAPTURE(n);
+    CHECK(regions[n]->failure() == "");
+    CHECK(download<uint8_t>(regions[n]->inbox(1 - n), sumBytes) == sums[1 - n]);
+    CHECK(waitFor([&] { return regions[n]->proxy().completed() >= regions[n]->lastTicket(); }, 5s));
   }
 }
 

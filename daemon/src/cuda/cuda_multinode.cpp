@@ -11,6 +11,8 @@
 #include <chrono>
 #include <exception>
 #include <limits>
+#include <map>
+#include <set>
 #include <thread>
 
 #include "cluster.hpp"
@@ -499,19 +501,21 @@ void HostStaging::drain() noexcept {
 }
 
 // The node's partials (each local rank's, in its workspace, row stride ldp, of the op's dtype `elem`) summed in rank
-// order in fp32 into nodeSum [m, cols] on the lead's GPU, on leadStream (already ordered after every GPU's partial).
-// Partials on other GPUs are first copied to `next` on the lead's GPU, partialBytes apart; returns the next free byte.
+// order in fp32 into nodeSum [m, cols] on the lead's GPU, on leadStream (already ordered after every GPU's partial),
+// rows [firstRow, firstRow + rows) of them. Partials on other GPUs are first copied (those rows) to `next` on the
+// lead's GPU, partialBytes apart; returns the next free byte (the same for every row range).
 // Shared by the staged and the GPU-issued exchange, so the two sum alike, bit for bit.
 std::byte* HostStaging::sumNodePartials(const std::vector<uint32_t>& mine, int leadDev, cudaStream_t leadStream,
-                                        std::byte* next, uint64_t partialBytes, uint64_t m, uint64_t cols,
-                                        uint64_t ldp, uint64_t es, k::SpanElem elem, float* nodeSum) {
-  std::vector<const void*> partials;
+                                        std::byte* next, uint64_t partialBytes, uint64_t firstRow, uint64_t rows,
+                                        uint64_t cols, uint64_t ldp, uint64_t es, k::SpanElem elem, float* nodeSum) {
+  const uint64_t skip = firstRow * ldp * es;  // bytes into each partial
+  std::vector<const std::byte*> partials;
     for (uint32_t r : mine) {
       if (deviceOf(r) == leadDev) {
-        partials.push_back(workspace(r));
+        partials.push_back(workspace(r) + skip);
       } else {
-        copyAsync(next, workspace(r), m * ldp * es, leadStream, "partial to the lead GPU");
-        partials.push_back(next);
+        copyAsync(next + skip, workspace(r) + skip, rows * ldp * es, leadStream, "partial to the lead GPU");
+        partials.push_back(next + skip);
         next += partialBytes;
       }
     }
@@ -520,10 +524,10 @@ std::byte* HostStaging::sumNodePartials(const std::vector<uint32_t>& mine, int l
       s.count = static_cast<int32_t>(std::min<std::size_t>(k::kSpanMaxSources, partials.size() - i));
       for (int j = 0; j < s.count; ++j) s.src[j] = partials[i + static_cast<std::size_t>(j)];
       s.srcType = elem;
-      s.dst = nodeSum;
+      s.dst = nodeSum + firstRow * cols;
       s.dstType = k::SpanElem::kF32;
       s.accumulate = i != 0;
-      s.rows = static_cast<int64_t>(m);
+      s.rows = static_cast<int64_t>(rows);
       s.cols = static_cast<int64_t>(cols);
       s.srcLd = static_cast<int64_t>(ldp);
       s.dstLd = static_cast<int64_t>(cols);
@@ -781,7 +785,7 @@ void HostStaging::gemmReduce(Collective& c) {
     for (int dev : devices) {
       if (dev != leadDev) order(dev, gpu(dev).compute.get(), leadStream);
     }
-    next = sumNodePartials(mine, leadDev, leadStream, next, partialBytes, m, cols, ldp, es, elem, nodeSum);
+    next = sumNodePartials(mine, leadDev, leadStream, next, partialBytes, 0, m, cols, ldp, es, elem, nodeSum);
   }
   syncStream(leadDev, leadStream, "node sum");
 
@@ -872,6 +876,16 @@ void HostStaging::addRowsToTotal(int leadDev, cudaStream_t s, const std::vector<
 namespace {
 
 constexpr uint64_t kExchangeTimeoutNs = uint64_t{kExchangeTimeoutMs} * 1'000'000;
+
+// gemm-rs/ar over the GPU exchange compute and push their rows in passes of at least kPassRows rows (up to
+// kSpanMaxPasses): the first row of each pass, ascending, starting at 0.
+constexpr uint64_t kPassRows = 256;
+std::vector<uint64_t> passRowStarts(uint64_t m) {
+  const uint64_t passes = std::clamp<uint64_t>(m / kPassRows, 1, k::kSpanMaxPasses);
+  std::vector<uint64_t> starts;
+  for (uint64_t q = 0; q < passes; ++q) starts.push_back(q * m / passes);
+  return starts;
+}
 
 // Tensors the GEMM core cannot take in place (not 16-byte aligned) on the GPU exchange, where a node-local fact must
 // not change the path: an input is copied aside before the GEMM reads it, an output is computed aside and copied back
@@ -1002,11 +1016,20 @@ void HostStaging::waitSendAreaFree(int leadDev, cudaStream_t s) {
   for (uint32_t i = 0; i < plan.peers; ++i) streamWait(s, plan.consumed[i], plan.prevEpoch, "consumed");
 }
 
+void HostStaging::push(int leadDev, cudaStream_t exch, uint32_t pass) {
+  k::CudaDeviceGuard guard(leadDev);
+  k::checkCuda(k::launchSpanPush(region_->planDevice(pass), exch), "span exchange push");
+}
+
 void HostStaging::pushThenWait(int leadDev, cudaStream_t exch) {
+  push(leadDev, exch, 0);
+  waitArrived(leadDev, exch);
+}
+
+void HostStaging::waitArrived(int leadDev, cudaStream_t exch) {
   GpuRegion& region = *region_;
   const k::SpanExchangePlan& plan = *region.plan();
   k::CudaDeviceGuard guard(leadDev);
-  k::checkCuda(k::launchSpanPush(region.planDevice(), exch), "span exchange push");
   if (!streamWaits_) {
     k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
     return;
@@ -1102,7 +1125,15 @@ void HostStaging::finishGpuExchange(Collective& c) {
 
 void HostStaging::runGpuExchange(Collective& c, const ExchangeOp& op) {
   GpuRegion& region = gpuRegion(c);
-  region.preparePlan(op, c.epoch, prevGpuEpoch_, kExchangeTimeoutNs);
+  std::vector<uint64_t> cuts;  // gemm-rs/ar push pass by pass (gemmReduceGpu); the node sum's rows at their places
+  const OpDescriptor& d = c.ops[0].desc;
+  if (d.kind == OpKind::kGemmRs || d.kind == OpKind::kGemmAr) {
+    const std::vector<uint64_t> starts = passRowStarts(d.dims[dim::kM]);
+    for (std::size_t q = 1; q < starts.size(); ++q) {
+      cuts.push_back(GpuRegionLayout::sendOffset() + starts[q] * d.dims[dim::kN] * sizeof(float));
+    }
+  }
+  region.preparePlan(op, c.epoch, prevGpuEpoch_, kExchangeTimeoutNs, cuts);
   try {
     switch (c.ops[0].desc.kind) {
       case OpKind::kAgGemm: agGemmGpu(c, op); break;
@@ -1293,60 +1324,85 @@ void HostStaging::gemmReduceGpu(Collective& c, const ExchangeOp& op) {
   std::byte* next = ws + partialBytes + 3 * f32Bytes;
   Aside aside;
 
-  // 1. The partials, each on its rank's GPU.
+  // The inputs, once (copied aside where misaligned).
   std::set<int> devices;
+  std::map<uint32_t, std::pair<const std::byte*, const std::byte*>> ab;  // rank -> (A, B)
   for (uint32_t r : mine) {
     const int dev = deviceOf(r);
     devices.insert(dev);
+    const uint64_t kr = c.ops[r].desc.dims[dim::kK];
+    if (kr == 0) continue;
     k::CudaDeviceGuard guard(dev);
     cudaStream_t cs = gpu(dev).compute.get();
-    const uint64_t kr = c.ops[r].desc.dims[dim::kK];
-    if (kr == 0) {  // a rank without a k slice: its partial is zero
-      k::checkCuda(cudaMemsetAsync(workspace(r), 0, m * ldp * es, cs), "cudaMemsetAsync(partial)");
-      continue;
-    }
-    k::GemmParams p{};
-    p.a = aside.input(dev, cs, slotPtr(c.ops[r], slot::kA), m * kr * es);
-    p.b = aside.input(dev, cs, slotPtr(c.ops[r], slot::kB), cols * kr * es);
-    p.c = workspace(r);
-    p.m = static_cast<int64_t>(m);
-    p.n = static_cast<int64_t>(cols);
-    p.k = static_cast<int64_t>(kr);
-    p.lda = p.ldb = p.k;
-    p.ldc = static_cast<int64_t>(ldp);
-    p.dtype = d.dtype == DType::kBF16 ? k::GemmDtype::kBf16 : k::GemmDtype::kFp16;
-    gemm(p, cs, opKindName(d.kind).data());
+    ab[r] = {aside.input(dev, cs, slotPtr(c.ops[r], slot::kA), m * kr * es),
+             aside.input(dev, cs, slotPtr(c.ops[r], slot::kB), cols * kr * es)};
   }
-  // 2. The node sum in rank order on the lead's GPU, into the send area once it is free.
   const uint32_t self = region.layout().self;
   const bool allReduce = d.kind == OpKind::kGemmAr;
-  {
-    k::CudaDeviceGuard guard(leadDev);
-    for (int dev : devices) {
-      if (dev != leadDev) order(dev, gpu(dev).compute.get(), leadStream);
-    }
-    if (!host) waitSendAreaFree(leadDev, leadStream);
-    next = sumNodePartials(mine, leadDev, leadStream, next, partialBytes, m, cols, ldp, es, elem, nodeSum);
-    if (host) {
-      // The rows the peers get (all of them for gemm-ar, each peer's own for gemm-rs) at their place in the send area.
-      waitSendAreaFree(leadDev, leadStream);
-      std::vector<std::pair<uint64_t, uint64_t>> sent;
-      if (allReduce) {
-        sent.emplace_back(0, m);
-      } else {
-        for (uint32_t p : region.layout().peers()) {
-          for (auto run : ownedRows(op, p)) sent.push_back(run);
-        }
-      }
-      for (auto [first, rows] : sent) {
-        copyAsync(sendSum + first * cols, nodeSum + first * cols, rows * cols * sizeof(float), leadStream,
-                  "node sum to the send area");
-      }
+  // The rows the peers get (all of them for gemm-ar, each peer's own for gemm-rs).
+  std::vector<std::pair<uint64_t, uint64_t>> sent;
+  if (allReduce) {
+    sent.emplace_back(0, m);
+  } else {
+    for (uint32_t p : region.layout().peers()) {
+      for (auto run : ownedRows(op, p)) sent.push_back(run);
     }
   }
-  // 3. The push of each peer's rows once the node sum is written, then the wait.
-  order(leadDev, leadStream, exch);
-  pushThenWait(leadDev, exch);
+  // Pass by pass over row blocks (the region's plans cut the writes alike: runGpuExchange), so that a block's rows
+  // go to the peers while the next block's GEMMs run: 1. each local rank's partial rows on its GPU; 2. their node sum
+  // in rank order on the lead's GPU (into the send area in place, or in the workspace and the sent rows copied to
+  // the send area by DMA); 3. the push of that pass's writes. The GEMM core computes each output element alike
+  // whatever the rows around it, so the results stay bitwise those of one pass (and of the staged path).
+  const std::vector<uint64_t> starts = passRowStarts(m);
+  for (uint32_t q = 0; q < starts.size(); ++q) {
+    const uint64_t r0 = starts[q], r1 = q + 1 < starts.size() ? starts[q + 1] : m;
+    for (uint32_t r : mine) {
+      const int dev = deviceOf(r);
+      k::CudaDeviceGuard guard(dev);
+      cudaStream_t cs = gpu(dev).compute.get();
+      const uint64_t kr = c.ops[r].desc.dims[dim::kK];
+      if (kr == 0) {  // a rank without a k slice: its partial is zero
+        k::checkCuda(cudaMemsetAsync(workspace(r) + r0 * ldp * es, 0, (r1 - r0) * ldp * es, cs),
+                     "cudaMemsetAsync(partial)");
+        continue;
+      }
+      k::GemmParams p{};
+      p.a = ab[r].first + r0 * kr * es;
+      p.b = ab[r].second;
+      p.c = workspace(r) + r0 * ldp * es;
+      p.m = static_cast<int64_t>(r1 - r0);
+      p.n = static_cast<int64_t>(cols);
+      p.k = static_cast<int64_t>(kr);
+      p.lda = p.ldb = p.k;
+      p.ldc = static_cast<int64_t>(ldp);
+      p.dtype = d.dtype == DType::kBF16 ? k::GemmDtype::kBf16 : k::GemmDtype::kFp16;
+      gemm(p, cs, opKindName(d.kind).data());
+    }
+    {
+      k::CudaDeviceGuard guard(leadDev);
+      for (int dev : devices) {
+        if (dev != leadDev) order(dev, gpu(dev).compute.get(), leadStream);
+      }
+      if (q == 0 && !host) waitSendAreaFree(leadDev, leadStream);  // the node sum goes into the send area itself
+      sumNodePartials(mine, leadDev, leadStream, next, partialBytes, r0, r1 - r0, cols, ldp, es, elem, nodeSum);
+      if (host) {
+        if (q == 0) waitSendAreaFree(leadDev, leadStream);
+        for (auto [first, rows] : sent) {
+          const uint64_t lo = std::max(first, r0), hi = std::min(first + rows, r1);
+          if (lo >= hi) continue;
+          copyAsync(sendSum + lo * cols, nodeSum + lo * cols, (hi - lo) * cols * sizeof(float), leadStream,
+                    "node sum to the send area");
+        }
+      }
+    }
+    order(leadDev, leadStream, exch);
+    push(leadDev, exch, q);
+  }
+  next += partialBytes * static_cast<uint64_t>(std::count_if(mine.begin(), mine.end(), [&](uint32_t r) {
+            return deviceOf(r) != leadDev;
+          }));  // past the other GPUs' partials, as sumNodePartials returns
+  // The wait for the peers' payloads, then the sum over nodes.
+  waitArrived(leadDev, exch);
   order(leadDev, exch, leadStream);
   // 4. The sum over nodes in node order: our node sum at our rows, each peer's inbox packed.
   const auto myRows = ownedRows(op, self);

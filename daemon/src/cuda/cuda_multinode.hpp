@@ -142,8 +142,8 @@ class HostStaging {
   void allGather(Collective& c);
   void gemmReduce(Collective& c);
   std::byte* sumNodePartials(const std::vector<uint32_t>& mine, int leadDev, cudaStream_t leadStream, std::byte* next,
-                             uint64_t partialBytes, uint64_t m, uint64_t cols, uint64_t ldp, uint64_t es,
-                             kernels::SpanElem elem, float* nodeSum);
+                             uint64_t partialBytes, uint64_t firstRow, uint64_t rows, uint64_t cols, uint64_t ldp,
+                             uint64_t es, kernels::SpanElem elem, float* nodeSum);
   // total[rows] (+)= src (accumulate: false for the first source) over `rows` (runs of (first row, count)) on the lead
   // GPU's stream `s`, src holding those rows packed in order, or at their own rows when `atOwnRows`: one fp32 add per
   // element and source, so the order of the calls fixes the result bit for bit.
@@ -161,7 +161,10 @@ class HostStaging {
   // On `s`, before anything fills the send area: every peer's consumed flag reached the previous GPU-exchange op's
   // epoch (stream waits, or the free kernel), so the transport has sent all of that op (gpu_exchange.hpp).
   void waitSendAreaFree(int leadDev, cudaStream_t s);
-  // On the exchange stream: the push, then the wait for the peers' payloads (stream waits, or the wait kernel).
+  // On the exchange stream: the push (pass `pass` of the region's plans), then the wait for the peers' payloads
+  // (stream waits, or the wait kernel). pushThenWait: one pass, then the wait.
+  void push(int leadDev, cudaStream_t exch, uint32_t pass);
+  void waitArrived(int leadDev, cudaStream_t exch);
   void pushThenWait(int leadDev, cudaStream_t exch);
   static void streamWait(cudaStream_t s, const uint64_t* word, uint64_t value, const char* what);
   // Records an event on `from` (of device fromDev) and makes `to` wait for it.

@@ -3,6 +3,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
@@ -206,7 +207,7 @@ struct GpuRegion::Page {
   alignas(64) uint64_t lastTicket;
   alignas(64) k::ErrorSlot errorSlot;
   alignas(64) uint64_t releaseValue;  // releaseWaits' source
-  alignas(64) k::SpanExchangePlan plan;
+  alignas(64) k::SpanExchangePlan plan[k::kSpanMaxPasses];  // the push's passes; [0] for every other kernel
 };
 
 RegionMemory regionMemoryFor(transport::TransportKind transport) {
@@ -277,10 +278,12 @@ transport::RemoteKey GpuRegion::key() const { return proxy_->transport().remoteK
 void GpuRegion::setPeerKeys(const std::map<NodeIndex, transport::RemoteKey>& keys) { proxy_->setPeerKeys(id_, keys); }
 
 k::SpanExchangePlan* GpuRegion::preparePlan(const ExchangeOp& op, uint64_t epoch, uint64_t prevEpoch,
-                                            uint64_t timeoutNs) {
+                                            uint64_t timeoutNs, const std::vector<uint64_t>& cuts) {
   Page* pg = page();
   Page* dev = pageDevice();
-  k::SpanExchangePlan& p = pg->plan;
+  const auto passes = static_cast<uint32_t>(cuts.size() + 1);
+  if (passes > k::kSpanMaxPasses) fail(ErrorCode::kInternal, "GPU exchange: {} passes", passes);
+  k::SpanExchangePlan& p = pg->plan[0];
   p = k::SpanExchangePlan{};
   p.fifo = proxy_->deviceRef();
   p.abortWord = &dev->abortWord;
@@ -299,18 +302,31 @@ k::SpanExchangePlan* GpuRegion::preparePlan(const ExchangeOp& op, uint64_t epoch
   const std::vector<uint32_t> peers = layout_.peers();
   if (peers.size() > k::kSpanPlanMaxPeers) fail(ErrorCode::kInternal, "GPU exchange: {} peers", peers.size());
   p.peers = static_cast<uint32_t>(peers.size());
-  uint32_t w = 0;
   for (uint32_t i = 0; i < p.peers; ++i) {
     p.peerNode[i] = peers[i];
     p.arrived[i] = reinterpret_cast<const uint64_t*>(base() + GpuRegionLayout::arrivedOffset(peers[i]));
     p.consumed[i] = reinterpret_cast<const uint64_t*>(base() + GpuRegionLayout::consumedOffset(peers[i]));
-    p.firstWrite[i] = w;
-    for (const ExchangeWrite& x : exchangeWrites(op, layout_, layout_.self, peers[i])) {
-      if (w == k::kSpanPlanMaxWrites) fail(ErrorCode::kInternal, "GPU exchange: more than {} writes", w);
-      p.writes[w++] = k::SpanPlanWrite{id_, id_, x.srcOffset, x.dstOffset, static_cast<uint32_t>(x.bytes)};
-    }
-    p.writeCount[i] = w - p.firstWrite[i];
   }
+  for (uint32_t q = 1; q < passes; ++q) pg->plan[q] = p;  // the same words and peers; writes below
+  // Each write cut where a pass starts (its bytes are contiguous on both ends), each piece in the pass that holds it.
+  uint32_t w[k::kSpanMaxPasses] = {};
+  for (uint32_t i = 0; i < p.peers; ++i) {
+    for (uint32_t q = 0; q < passes; ++q) pg->plan[q].firstWrite[i] = w[q];
+    for (const ExchangeWrite& x : exchangeWrites(op, layout_, layout_.self, peers[i])) {
+      const uint64_t end = x.srcOffset + x.bytes;
+      for (uint32_t q = 0; q < passes; ++q) {
+        const uint64_t lo = std::max(x.srcOffset, q == 0 ? 0 : cuts[q - 1]);
+        const uint64_t hi = std::min(end, q + 1 == passes ? end : cuts[q]);
+        if (lo >= hi) continue;
+        if (w[q] == k::kSpanPlanMaxWrites) fail(ErrorCode::kInternal, "GPU exchange: more than {} writes", w[q]);
+        pg->plan[q].writes[w[q]++] =
+            k::SpanPlanWrite{id_, id_, lo, x.dstOffset + (lo - x.srcOffset), static_cast<uint32_t>(hi - lo)};
+      }
+    }
+    for (uint32_t q = 0; q < passes; ++q) pg->plan[q].writeCount[i] = w[q] - pg->plan[q].firstWrite[i];
+  }
+  for (uint32_t q = 0; q < passes; ++q) pg->plan[q].flag = q + 1 == passes ? 1 : 0;
+  passes_ = passes;
   pg->failed = 0;
   pg->pushStatus = 0;
   pg->lastTicket = 0;
@@ -320,8 +336,8 @@ k::SpanExchangePlan* GpuRegion::preparePlan(const ExchangeOp& op, uint64_t epoch
   return &p;
 }
 
-const k::SpanExchangePlan* GpuRegion::planDevice() const { return &pageDevice()->plan; }
-const k::SpanExchangePlan* GpuRegion::plan() const { return &page()->plan; }
+const k::SpanExchangePlan* GpuRegion::planDevice(uint32_t pass) const { return &pageDevice()->plan[pass]; }
+const k::SpanExchangePlan* GpuRegion::plan(uint32_t pass) const { return &page()->plan[pass]; }
 
 void GpuRegion::releaseWaits(uint64_t epoch) {
   // Past every epoch waited for, in the 32-bit wrap-aware compare of the stream waits (and >= for 64-bit readers).

@@ -213,11 +213,16 @@ class GpuRegion {
   /// The peers' keys (the first op exchanges them through the host staging).
   void setPeerKeys(const std::map<transport::NodeIndex, transport::RemoteKey>& keys);
 
-  /// Fills the plan for op `op` of epoch `epoch` (prevEpoch: the previous GPU-exchange op's, 0 for none); clears the
-  /// failure words. Call only while no kernel of this region runs.
-  kernels::SpanExchangePlan* preparePlan(const ExchangeOp& op, uint64_t epoch, uint64_t prevEpoch, uint64_t timeoutNs);
-  const kernels::SpanExchangePlan* planDevice() const;
-  const kernels::SpanExchangePlan* plan() const;  // the host view of the same
+  /// Fills the plans for op `op` of epoch `epoch` (prevEpoch: the previous GPU-exchange op's, 0 for none); clears
+  /// the failure words. Call only while no kernel of this region runs. `cuts`: ascending source offsets (in the
+  /// region) where a pass of the push starts, at most kSpanMaxPasses - 1: the writes are cut there, pass q's plan
+  /// holds the pieces between cuts q-1 and q, and only the last pass sends the arrived flag. Returns plan 0.
+  kernels::SpanExchangePlan* preparePlan(const ExchangeOp& op, uint64_t epoch, uint64_t prevEpoch, uint64_t timeoutNs,
+                                         const std::vector<uint64_t>& cuts = {});
+  uint32_t passes() const { return passes_; }
+  /// Pass `pass`'s plan (the push's; every other kernel takes pass 0's): the device view and the host view.
+  const kernels::SpanExchangePlan* planDevice(uint32_t pass = 0) const;
+  const kernels::SpanExchangePlan* plan(uint32_t pass = 0) const;
   /// Releases stream waits on this region's arrived and consumed words for epochs up to `epoch` (writes a value past
   /// them into every such word: the communicator is failing, the words mean nothing more). Link thread only.
   void releaseWaits(uint64_t epoch);
@@ -244,6 +249,7 @@ class GpuRegion {
   kernels::CudaStream releaseStream_;  // releaseWaits' copies, beside every stream that may be waiting
   transport::LocalRegion region_;
   uint32_t id_ = 0;
+  uint32_t passes_ = 1;
 };
 
 }  // namespace tandem::daemon::cuda

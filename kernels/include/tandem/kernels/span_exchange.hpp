@@ -3,7 +3,8 @@
 //   free      per peer: consumed[p] >= prevEpoch (the peer read the previous op's payload), on the stream that fills
 //             the send area, before the fill: a transport may read a write's source after the post;
 //   push      per peer ascending: the peer's writes and its flag arrived[self] = epoch as one destination batch
-//             (proxyPushWritesThenFlag: one claim, one fence);
+//             (proxyPushWritesThenFlag: one claim, one fence); or, for a pass ahead of the last (plan.flag 0), the
+//             writes of that pass alone (proxyPushWrites), as soon as their rows are in the send area;
 //   wait      per peer: arrived[p] >= epoch;
 //   consumed  consumed[self] = epoch to every peer (flag commands only, one batch).
 // tandemd's HostStaging runs the push kernel with stream waits in place of free and wait by default, and those two
@@ -30,6 +31,9 @@ namespace tandem::kernels {
 
 inline constexpr uint32_t kSpanPlanMaxPeers = 64;
 inline constexpr uint32_t kSpanPlanMaxWrites = 512;
+// An op's push may come in passes (one plan each), each launched once the data of its writes is in the send area:
+// the writes of every pass but the last go out without the flag, the last pass's end with it.
+inline constexpr uint32_t kSpanMaxPasses = 4;
 
 // `failed` values: 0, or why the exchange stopped.
 inline constexpr uint32_t kSpanFailedWait = 1;      // a wait ended by the abort word or the deadline (see errorSlot)
@@ -62,6 +66,7 @@ struct SpanExchangePlan {
   uint32_t op;                // OpKind, for the error slot
   uint32_t self;              // this node's index (the error slot's rank)
   uint32_t peers;
+  uint32_t flag;              // push: non-zero ends each peer's writes with its arrived flag (the last pass)
   uint32_t peerNode[kSpanPlanMaxPeers];
   uint32_t firstWrite[kSpanPlanMaxPeers], writeCount[kSpanPlanMaxPeers];
   SpanPlanWrite writes[kSpanPlanMaxWrites];
