@@ -17,10 +17,12 @@
 //        ag-gemm, allgather  the local shards into the send area (and every local rank's gathered A) and the local
 //                            rows' GEMM, the push, then the wait and the remote rows from the inboxes (copies into
 //                            each gathered A, the remote rows' GEMM): remote shards land while local ones compute;
-//        gemm-rs, gemm-ar    each local rank's partial, the node sum in rank order in fp32 written into the send area,
-//                            the push of the rows each peer owns straight out of it, the wait, the sum over nodes in
-//                            node order in fp32 reading the inboxes in place, one rounding (span_reduce.hpp): bitwise
-//                            the results of the staged path below;
+//        gemm-rs, gemm-ar    in up to 4 passes over row blocks: each local rank's partial rows, their node sum in
+//                            rank order in fp32 into the send area (in place, or by DMA from the workspace on a host
+//                            region), and that pass's writes of the rows the peers own pushed at once (the arrived
+//                            flag with the last pass), so a block travels while the next computes; then the wait, the
+//                            sum over nodes in node order in fp32 (each inbox read in place, or copied to the receive
+//                            slot first), one rounding (span_reduce.hpp): bitwise the results of the staged path below;
 //        the waits (the peers' consumed flags before the send area is filled, their arrived flags after the push)
 //        are stream waits (cuStreamWaitValue32 on the region's words: the GPU's front end polls, no SM or time slice
 //        is held), released by the host writing past them when the communicator fails or kExchangeTimeoutMs passes;
