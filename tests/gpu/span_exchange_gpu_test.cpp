@@ -1,12 +1,12 @@
 // The GPU-issued exchange's pieces on one GPU, in seconds, below tandemd: two "nodes" in this process, each with the
 // real GpuProxy (its FIFO mapped for the GPU, its ticket counter on the GPU, its proxy thread) on a real tcp transport
-// (loopback; the regions in mapped pinned host memory, where tandemd puts them on tcp), a real GpuRegion each, and the real span exchange kernels
-// (kernels/span_exchange.cu) running the plans gpu_exchange_plan.hpp makes. Checked: payloads land in the peer's inbox
-// before its arrived flag is seen, over several epochs (the consumed handshake lets an inbox be reused); several writes
-// per destination batch (gemm-rs rows of interleaved ranks); a wait ends at the abort word and at its deadline, and says
-// so through the error slot; a command the proxy rejects aborts only its own region, and another region on the same GPU
-// proxy keeps working; a push in passes lands the whole payload. Every wait has a deadline (kernels: their plan's
-// timeout; host: the stream polls below).
+// (loopback; the regions in mapped pinned host memory, where tandemd puts them on tcp), a real GpuRegion each, and the
+// real span exchange kernels (kernels/span_exchange.cu) running the plans gpu_exchange_plan.hpp makes. Checked:
+// payloads land in the peer's inbox before its arrived flag is seen, over several epochs (the consumed handshake lets
+// an inbox be reused); several writes per destination batch (gemm-rs rows of interleaved ranks); a push in passes
+// lands the whole payload; a wait ends at the abort word and at its deadline, and says so through the error slot; a
+// command the proxy rejects aborts only its own region, and another region on the same GPU proxy keeps working. Every
+// wait has a deadline (kernels: their plan's timeout; host: the stream polls below).
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
@@ -143,14 +143,24 @@ struct Streams {
   cudaStream_t operator[](int n) const { return s[n].get(); }
 };
 
+// Every case: the GPU chosen and the kernels loaded (before any proxy thread runs), two nodes, a stream each;
+// WithRegions adds one communicator's region per node, keys exchanged.
+struct Net {
+  Net() {
+    cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
+    kernels::preloadSpanExchangeKernels(kDevice);
+  }
+  TwoNodes net;
+  Streams st;
+};
+struct WithRegions : Net {
+  std::array<std::unique_ptr<GpuRegion>, 2> regions = net.regions();
+};
+
 }  // namespace
 
-TEST_CASE("span exchange: payloads land in the peer's GPU inbox before its arrived flag, epoch after epoch") {
-  cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
-  kernels::preloadSpanExchangeKernels(kDevice);
-  TwoNodes net;
-  auto regions = net.regions();
-  Streams st;
+TEST_CASE_FIXTURE(WithRegions,
+                  "span exchange: payloads land in the peer's GPU inbox before its arrived flag, epoch after epoch") {
   SUBCASE("allgather: one write per peer, 3 MiB + 5 bytes (frames of 512 KiB on two connections)") {
     ref::OpShape shape;
     shape.kind = OpKind::kAllGather;
@@ -226,13 +236,8 @@ TEST_CASE("span exchange: payloads land in the peer's GPU inbox before its arriv
   }
 }
 
-TEST_CASE("span exchange: a push in passes (writes cut where a pass starts, the flag with the last) lands the whole "
-          "payload") {
-  cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
-  kernels::preloadSpanExchangeKernels(kDevice);
-  TwoNodes net;
-  auto regions = net.regions();
-  Streams st;
+TEST_CASE_FIXTURE(WithRegions, "span exchange: a push in passes (writes cut where a pass starts, the flag with the "
+                               "last) lands the whole payload") {
   // gemm-ar: every row of the node sum to the peer, one write of it cut into three passes at rows 100 and 333.
   ref::OpShape shape;
   shape.kind = OpKind::kGemmAr;
@@ -272,12 +277,8 @@ TEST_CASE("span exchange: a push in passes (writes cut where a pass starts, the 
   }
 }
 
-TEST_CASE("span exchange: a wait ends at the communicator's abort word or at its deadline, and says which") {
-  cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
-  kernels::preloadSpanExchangeKernels(kDevice);
-  TwoNodes net;
-  auto regions = net.regions();
-  Streams st;
+TEST_CASE_FIXTURE(WithRegions,
+                  "span exchange: a wait ends at the communicator's abort word or at its deadline, and says which") {
   ref::OpShape shape;
   shape.kind = OpKind::kAllGather;
   shape.bytes = 4096;
@@ -312,11 +313,7 @@ TEST_CASE("span exchange: a wait ends at the communicator's abort word or at its
   }
 }
 
-TEST_CASE("span exchange: a command the proxy rejects aborts its own communicator only") {
-  cudaOk(cudaSetDevice(kDevice), "cudaSetDevice");
-  kernels::preloadSpanExchangeKernels(kDevice);
-  TwoNodes net;
-  Streams st;
+TEST_CASE_FIXTURE(Net, "span exchange: a command the proxy rejects aborts its own communicator only") {
   ref::OpShape shape;
   shape.kind = OpKind::kAllGather;
   shape.bytes = 65536;
