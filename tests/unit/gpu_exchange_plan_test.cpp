@@ -1,6 +1,6 @@
 // The GPU-issued exchange's host-side rules (daemon/src/cuda/gpu_exchange_plan.hpp): the region layout, which ops take
 // it (decided from every rank's descriptor and the cluster section only, so every node decides alike), and the
-// transfer commands each node issues, checked against what the receiver reads.
+// transfer commands each node issues, checked against what the receiver reads, and their passes.
 #include <doctest/doctest.h>
 
 #include <set>
@@ -148,5 +148,51 @@ TEST_SUITE("gpu exchange plan") {
       CHECK(exchangePayloadBytes(op, 1, 0) == 0);
       CHECK(exchangeWrites(op, GpuRegionLayout::make({0, 1}, 1, 4096), 1, 0).empty());
     }
+  }
+
+  TEST_CASE("gemm-rs/ar push in passes over row blocks: the writes cut where a pass starts, every byte once, in order") {
+    // Passes of at least 256 rows, at most 4.
+    CHECK(passRowStarts(100) == std::vector<uint64_t>{0});
+    CHECK(passRowStarts(511) == std::vector<uint64_t>{0});
+    CHECK(passRowStarts(512) == std::vector<uint64_t>{0, 256});
+    CHECK(passRowStarts(1000) == std::vector<uint64_t>{0, 333, 666});
+    CHECK(passRowStarts(4096) == std::vector<uint64_t>{0, 1024, 2048, 3072});
+    CHECK(passRowStarts(100000).size() == kMaxExchangePasses);
+    // Only gemm-rs/ar are cut, at the node sum's rows (fp32, n columns) in the send area.
+    CHECK(exchangePassCuts(opOf(gemm(OpKind::kAgGemm, DType::kBF16, 4096, 64, 64), {0, 1})).empty());
+    const uint64_t s0 = GpuRegionLayout::sendOffset();
+    CHECK(exchangePassCuts(opOf(gemm(OpKind::kGemmAr, DType::kBF16, 1024, 64, 64), {0, 1})) ==
+          std::vector<uint64_t>{s0 + 256 * 256, s0 + 512 * 256, s0 + 768 * 256});
+    // gemm-rs with interleaved ranks (nodes 0 1 0 1): node 0 sends node 1 two runs of rows; cut into three passes.
+    const ExchangeOp op = opOf(gemm(OpKind::kGemmRs, DType::kF16, 1001, 40, 64), {0, 1, 0, 1});
+    const std::vector<uint64_t> cuts = exchangePassCuts(op);
+    REQUIRE(cuts.size() == 2);
+    const GpuRegionLayout l = GpuRegionLayout::make({0, 1}, 0, 1u << 20);
+    const std::vector<ExchangeWrite> whole = exchangeWrites(op, l, 0, 1);
+    const auto split = splitIntoPasses(whole, cuts);
+    REQUIRE(split.size() == 3);
+    std::vector<ExchangeWrite> pieces;
+    for (std::size_t q = 0; q < split.size(); ++q) {
+      CAPTURE(q);
+      CHECK_FALSE(split[q].empty());
+      for (const ExchangeWrite& x : split[q]) {
+        CHECK(x.bytes > 0);
+        if (q > 0) CHECK(x.srcOffset >= cuts[q - 1]);              // nothing before its pass starts
+        if (q + 1 < split.size()) CHECK(x.srcOffset + x.bytes <= cuts[q]);  // nor after it ends
+        pieces.push_back(x);
+      }
+    }
+    // Glued back where they touch on both ends, the pieces are the writes again.
+    std::vector<ExchangeWrite> glued;
+    for (const ExchangeWrite& x : pieces) {
+      if (!glued.empty() && glued.back().srcOffset + glued.back().bytes == x.srcOffset &&
+          glued.back().dstOffset + glued.back().bytes == x.dstOffset) {
+        glued.back().bytes += x.bytes;
+      } else {
+        glued.push_back(x);
+      }
+    }
+    CHECK(glued == whole);
+    CHECK(splitIntoPasses(whole, {}) == std::vector<std::vector<ExchangeWrite>>{whole});
   }
 }

@@ -877,16 +877,6 @@ namespace {
 
 constexpr uint64_t kExchangeTimeoutNs = uint64_t{kExchangeTimeoutMs} * 1'000'000;
 
-// gemm-rs/ar over the GPU exchange compute and push their rows in passes of at least kPassRows rows (up to
-// kSpanMaxPasses): the first row of each pass, ascending, starting at 0.
-constexpr uint64_t kPassRows = 256;
-std::vector<uint64_t> passRowStarts(uint64_t m) {
-  const uint64_t passes = std::clamp<uint64_t>(m / kPassRows, 1, k::kSpanMaxPasses);
-  std::vector<uint64_t> starts;
-  for (uint64_t q = 0; q < passes; ++q) starts.push_back(q * m / passes);
-  return starts;
-}
-
 // Tensors the GEMM core cannot take in place (not 16-byte aligned) on the GPU exchange, where a node-local fact must
 // not change the path: an input is copied aside before the GEMM reads it, an output is computed aside and copied back
 // after. Stream-ordered memory on the stream of the GEMM that uses it (no device-wide synchronisation, which a spinning
@@ -1125,15 +1115,8 @@ void HostStaging::finishGpuExchange(Collective& c) {
 
 void HostStaging::runGpuExchange(Collective& c, const ExchangeOp& op) {
   GpuRegion& region = gpuRegion(c);
-  std::vector<uint64_t> cuts;  // gemm-rs/ar push pass by pass (gemmReduceGpu); the node sum's rows at their places
-  const OpDescriptor& d = c.ops[0].desc;
-  if (d.kind == OpKind::kGemmRs || d.kind == OpKind::kGemmAr) {
-    const std::vector<uint64_t> starts = passRowStarts(d.dims[dim::kM]);
-    for (std::size_t q = 1; q < starts.size(); ++q) {
-      cuts.push_back(GpuRegionLayout::sendOffset() + starts[q] * d.dims[dim::kN] * sizeof(float));
-    }
-  }
-  region.preparePlan(op, c.epoch, prevGpuEpoch_, kExchangeTimeoutNs, cuts);
+  // gemm-rs/ar push pass by pass (gemmReduceGpu), the plans cut alike.
+  region.preparePlan(op, c.epoch, prevGpuEpoch_, kExchangeTimeoutNs, exchangePassCuts(op));
   try {
     switch (c.ops[0].desc.kind) {
       case OpKind::kAgGemm: agGemmGpu(c, op); break;

@@ -18,6 +18,7 @@ namespace {
 namespace k = tandem::kernels;
 using transport::NodeIndex;
 
+static_assert(kMaxExchangePasses == k::kSpanMaxPasses, "the plan module's pass limit is the kernels'");
 constexpr uint32_t kFifoCapacity = 4096;  // > kMaxExchangeWrites + 1: one destination batch always fits
 
 template <typename T>
@@ -308,22 +309,18 @@ k::SpanExchangePlan* GpuRegion::preparePlan(const ExchangeOp& op, uint64_t epoch
     p.consumed[i] = reinterpret_cast<const uint64_t*>(base() + GpuRegionLayout::consumedOffset(peers[i]));
   }
   for (uint32_t q = 1; q < passes; ++q) pg->plan[q] = p;  // the same words and peers; writes below
-  // Each write cut where a pass starts (its bytes are contiguous on both ends), each piece in the pass that holds it.
   uint32_t w[k::kSpanMaxPasses] = {};
   for (uint32_t i = 0; i < p.peers; ++i) {
-    for (uint32_t q = 0; q < passes; ++q) pg->plan[q].firstWrite[i] = w[q];
-    for (const ExchangeWrite& x : exchangeWrites(op, layout_, layout_.self, peers[i])) {
-      const uint64_t end = x.srcOffset + x.bytes;
-      for (uint32_t q = 0; q < passes; ++q) {
-        const uint64_t lo = std::max(x.srcOffset, q == 0 ? 0 : cuts[q - 1]);
-        const uint64_t hi = std::min(end, q + 1 == passes ? end : cuts[q]);
-        if (lo >= hi) continue;
+    const auto split = splitIntoPasses(exchangeWrites(op, layout_, layout_.self, peers[i]), cuts);
+    for (uint32_t q = 0; q < passes; ++q) {
+      k::SpanExchangePlan& plan = pg->plan[q];
+      plan.firstWrite[i] = w[q];
+      for (const ExchangeWrite& x : split[q]) {
         if (w[q] == k::kSpanPlanMaxWrites) fail(ErrorCode::kInternal, "GPU exchange: more than {} writes", w[q]);
-        pg->plan[q].writes[w[q]++] =
-            k::SpanPlanWrite{id_, id_, lo, x.dstOffset + (lo - x.srcOffset), static_cast<uint32_t>(hi - lo)};
+        plan.writes[w[q]++] = k::SpanPlanWrite{id_, id_, x.srcOffset, x.dstOffset, static_cast<uint32_t>(x.bytes)};
       }
+      plan.writeCount[i] = w[q] - plan.firstWrite[i];
     }
-    for (uint32_t q = 0; q < passes; ++q) pg->plan[q].writeCount[i] = w[q] - pg->plan[q].firstWrite[i];
   }
   for (uint32_t q = 0; q < passes; ++q) pg->plan[q].flag = q + 1 == passes ? 1 : 0;
   passes_ = passes;

@@ -130,6 +130,39 @@ std::vector<ExchangeWrite> exchangeWrites(const ExchangeOp& op, const GpuRegionL
   return out;
 }
 
+std::vector<uint64_t> passRowStarts(uint64_t m) {
+  const uint64_t passes = std::clamp<uint64_t>(m / kExchangePassRows, 1, kMaxExchangePasses);
+  std::vector<uint64_t> starts;
+  for (uint64_t q = 0; q < passes; ++q) starts.push_back(q * m / passes);
+  return starts;
+}
+
+std::vector<uint64_t> exchangePassCuts(const ExchangeOp& op) {
+  const OpDescriptor& d = op.descs.at(0);
+  std::vector<uint64_t> cuts;
+  if (d.kind != OpKind::kGemmRs && d.kind != OpKind::kGemmAr) return cuts;
+  const std::vector<uint64_t> starts = passRowStarts(d.dims[dim::kM]);
+  for (std::size_t q = 1; q < starts.size(); ++q) {
+    cuts.push_back(GpuRegionLayout::sendOffset() + starts[q] * d.dims[dim::kN] * sizeof(float));
+  }
+  return cuts;
+}
+
+std::vector<std::vector<ExchangeWrite>> splitIntoPasses(const std::vector<ExchangeWrite>& writes,
+                                                        const std::vector<uint64_t>& cuts) {
+  const std::size_t passes = cuts.size() + 1;
+  std::vector<std::vector<ExchangeWrite>> out(passes);
+  for (const ExchangeWrite& x : writes) {
+    const uint64_t end = x.srcOffset + x.bytes;
+    for (std::size_t q = 0; q < passes; ++q) {
+      const uint64_t lo = std::max(x.srcOffset, q == 0 ? 0 : cuts[q - 1]);
+      const uint64_t hi = std::min(end, q + 1 == passes ? end : cuts[q]);
+      if (lo < hi) out[q].push_back({lo, x.dstOffset + (lo - x.srcOffset), hi - lo});
+    }
+  }
+  return out;
+}
+
 std::string gpuExchangeRefusal(const ExchangeOp& op, const ClusterSection& cluster) {
   if (cluster.gpuExchange == GpuExchange::kOff) return "cluster.gpu_exchange is off";
   if (op.descs.empty() || op.descs.size() != op.nodeOfRank.size()) return "no descriptors";

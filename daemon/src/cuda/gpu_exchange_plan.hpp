@@ -90,6 +90,20 @@ uint64_t exchangeSendAreaBytes(const ExchangeOp& op, uint32_t node);
 std::vector<ExchangeWrite> exchangeWrites(const ExchangeOp& op, const GpuRegionLayout& layout, uint32_t from,
                                           uint32_t to);
 
+/// gemm-rs / gemm-ar push in passes over row blocks of at least kExchangePassRows rows, at most kMaxExchangePasses
+/// (span_exchange.hpp's kSpanMaxPasses): each block's rows go to the peers while the next block computes.
+inline constexpr uint64_t kExchangePassRows = 256;
+inline constexpr uint32_t kMaxExchangePasses = 4;
+/// The first row of each pass of an op of m rows, ascending from 0 (one pass below 2 x kExchangePassRows rows).
+std::vector<uint64_t> passRowStarts(uint64_t m);
+/// Where each pass after the first starts in the send area (source offsets in the region): gemm-rs/ar, the node
+/// sum's rows at their places; every other op has one pass (empty).
+std::vector<uint64_t> exchangePassCuts(const ExchangeOp& op);
+/// `writes` cut at `cuts` (ascending source offsets; each write's bytes are contiguous on both ends), each piece in
+/// the pass that holds it: cuts.size() + 1 lists, in order, together exactly the bytes of `writes`.
+std::vector<std::vector<ExchangeWrite>> splitIntoPasses(const std::vector<ExchangeWrite>& writes,
+                                                        const std::vector<uint64_t>& cuts);
+
 /// The ranks on `node`, ascending.
 std::vector<uint32_t> ranksOnNode(const ExchangeOp& op, uint32_t node);
 /// gemm-rs / gemm-ar: the rows a node's ranks own, (first row, rows) in rank order, empty runs dropped (gemm-ar: all
