@@ -203,18 +203,6 @@ Cluster::Cluster(const DaemonConfig& config, std::string backend, std::vector<Gp
   }
   if (c.gpuExchange == GpuExchange::kOff) {
     gpuExchangeOff_ = "cluster.gpu_exchange is off";
-  } else if (c.transport != ClusterTransport::kTcp &&
-             std::any_of(gpus_.begin(), gpus_.end(), [](const GpuInfo& g) { return g.mps; })) {
-    // With its region in GPU memory (verbs: gpu_exchange.hpp) the GPU exchange stalled under MPS on the H200 (session
-    // 7, then over tcp's per-frame staging copies); with the region in host memory (tcp) it runs there (session 9).
-    // TANDEM_GPU_EXCHANGE_MPS=1 keeps it on anyway, to measure whether verbs is affected; not for production.
-    const char* force = std::getenv("TANDEM_GPU_EXCHANGE_MPS");
-    if (force == nullptr || std::string_view(force) != "1") {
-      gpuExchangeOff_ = "MPS: the GPU exchange with its region in GPU memory stalled under MPS on the H200 and stays "
-                        "off there on verbs until that is checked";
-    } else {
-      spdlog::warn("TANDEM_GPU_EXCHANGE_MPS=1: the GPU exchange stays on under MPS on verbs (unchecked there)");
-    }
   }
   nodes_[self_].state = NodeState::kSelf;
   nodes_[self_].hostname = hostName();

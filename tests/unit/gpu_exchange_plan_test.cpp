@@ -196,3 +196,36 @@ TEST_SUITE("gpu exchange plan") {
     CHECK(splitIntoPasses(whole, {}) == std::vector<std::vector<ExchangeWrite>>{whole});
   }
 }
+
+TEST_CASE("GPU exchange region memory: tcp and MPS in host memory; GPU memory where GPUDirect writes are ordered for "
+          "their readers or the arrived wait can flush them; host memory otherwise") {
+  auto facts = [](int ordering, bool flush, bool others = false) {
+    RegionFacts f;
+    f.writesOrdering = ordering;
+    f.canFlushOnWait = flush;
+    f.otherGpusRead = others;
+    return f;
+  };
+  RegionFacts tcp = facts(200, true);
+  tcp.tcp = true;
+  CHECK(chooseRegionMemory(tcp).host);
+  RegionFacts mps = facts(200, true);
+  mps.mps = true;
+  CHECK(chooseRegionMemory(mps).host);
+  CHECK(chooseRegionMemory(mps).why.find("MPS") != std::string::npos);
+  // The H200 here: ordering 100 (owner), no stream-wait flush. Only the owner reads: GPU memory, nothing to flush.
+  const RegionChoice h200 = chooseRegionMemory(facts(100, false));
+  CHECK_FALSE(h200.host);
+  CHECK_FALSE(h200.flushOnArrival);
+  // Were other GPUs to read the inboxes, owner ordering would not do: a flush where it can, host memory where not.
+  CHECK(chooseRegionMemory(facts(100, false, true)).host);
+  const RegionChoice flushed = chooseRegionMemory(facts(100, true, true));
+  CHECK_FALSE(flushed.host);
+  CHECK(flushed.flushOnArrival);
+  CHECK_FALSE(chooseRegionMemory(facts(200, false, true)).host);
+  // No native ordering at all.
+  CHECK(chooseRegionMemory(facts(0, true)).flushOnArrival);
+  const RegionChoice none = chooseRegionMemory(facts(0, false));
+  CHECK(none.host);
+  CHECK(none.why.find("ordering 0 < 100") != std::string::npos);
+}

@@ -290,9 +290,10 @@ void HostStaging::run(Collective& c) {
       try {
         checkWorkspaces(c);
         const int leadDev = deviceOf(localRanksOf(c).front());
-        logPlanOnce(c, fmt::format("GPU-issued exchange (proxy gpu{} {}) + GPU {}", leadDev,
+        const GpuRegion& region = gpuRegion(c);
+        logPlanOnce(c, fmt::format("GPU-issued exchange (proxy gpu{} {}, {}) + GPU {}", leadDev,
                                    clusterTransportName(c.link->cluster().config().cluster.transport),
-                                   kind == OpKind::kAllGather ? "copies" : "GEMM"));
+                                   region.describe(), kind == OpKind::kAllGather ? "copies" : "GEMM"));
         runGpuExchange(c, xop);
       } catch (const Error& e) {
         // The peers wait for this node's flags: unless the communicator failed already, it must fail now.
@@ -988,9 +989,11 @@ GpuRegion& HostStaging::gpuRegion(Collective& c) {
 
 // Stream waits (the GPU's front end polls the word; no SM, no time slice held). 32-bit, wrap-aware (>=): the low half
 // of the 64-bit epochs, which stay far below 2^31 apart.
-void HostStaging::streamWait(cudaStream_t s, const uint64_t* word, uint64_t value, const char* what) {
+void HostStaging::streamWait(cudaStream_t s, const uint64_t* word, uint64_t value, const char* what, bool flush) {
+  const unsigned flags = static_cast<unsigned>(CU_STREAM_WAIT_VALUE_GEQ) |
+                         (flush ? static_cast<unsigned>(CU_STREAM_WAIT_VALUE_FLUSH) : 0u);
   const CUresult r = k::driver().streamWaitValue32(s, reinterpret_cast<CUdeviceptr>(word),
-                                                   static_cast<cuuint32_t>(value), CU_STREAM_WAIT_VALUE_GEQ);
+                                                   static_cast<cuuint32_t>(value), flags);
   k::checkCuda(r, "cuStreamWaitValue32({})", what);
 }
 
@@ -1020,11 +1023,13 @@ void HostStaging::waitArrived(int leadDev, cudaStream_t exch) {
   GpuRegion& region = *region_;
   const k::SpanExchangePlan& plan = *region.plan();
   k::CudaDeviceGuard guard(leadDev);
-  if (!streamWaits_) {
-    k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
-    return;
+  if (!streamWaits_) k::checkCuda(k::launchSpanWait(region.planDevice(), exch), "span exchange wait");
+  // Where GPUDirect writes need a flush before this GPU reads them (gpu_exchange_plan.hpp, chooseRegionMemory), a
+  // stream wait does it, also after the wait kernel (then already satisfied).
+  if (!streamWaits_ && !region.flushOnArrival()) return;
+  for (uint32_t i = 0; i < plan.peers; ++i) {
+    streamWait(exch, plan.arrived[i], plan.epoch, "arrived", region.flushOnArrival());
   }
-  for (uint32_t i = 0; i < plan.peers; ++i) streamWait(exch, plan.arrived[i], plan.epoch, "arrived");
 }
 
 void HostStaging::waitGpuWork(Collective& c) {
@@ -1208,26 +1213,29 @@ void HostStaging::agGemmGpu(Collective& c, const ExchangeOp& op) {
   pushThenWait(leadDev, exch);
   copiesThenCompute();
   gemmRows(rowRuns(c, m, true));
-  // 3. The peers' shards from the inboxes into every local rank's gathered A, once they arrived.
-  for (int dev : devices) order(leadDev, exch, gpu(dev).copy.get());
-  for (uint32_t p : region.layout().peers()) {
-    uint64_t off = 0;
-    for (uint32_t q : ranksOnNode(op, p)) {
-      for (uint32_t r : mine) {
-        k::CudaDeviceGuard guard(deviceOf(r));
-        copyAsync(gathered[r] + rowOffset(m, q, n) * rowBytes, region.inbox(p) + off, shardBytes(q),
-                  gpu(deviceOf(r)).copy.get(), "inbox to gathered A");
+  // 3. The peers' shards from the inboxes into every local rank's gathered A, once they arrived: on the lead's copy
+  //    stream, whatever GPU the destination is on (only the region's GPU reads its inboxes: chooseRegionMemory).
+  order(leadDev, exch, lead.copy.get());
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    for (uint32_t p : region.layout().peers()) {
+      uint64_t off = 0;
+      for (uint32_t q : ranksOnNode(op, p)) {
+        for (uint32_t r : mine) {
+          copyAsync(gathered[r] + rowOffset(m, q, n) * rowBytes, region.inbox(p) + off, shardBytes(q), lead.copy.get(),
+                    "inbox to gathered A");
+        }
+        off += shardBytes(q);
       }
-      off += shardBytes(q);
     }
   }
   // 4. The inboxes are read once those copies are done: tell the peers; the remote rows' GEMMs meanwhile.
-  for (int dev : devices) order(dev, gpu(dev).copy.get(), exch);
+  order(leadDev, lead.copy.get(), exch);
   {
     k::CudaDeviceGuard guard(leadDev);
     k::checkCuda(k::launchSpanConsumed(region.planDevice(), exch), "span exchange consumed");
   }
-  copiesThenCompute();
+  for (int dev : devices) order(leadDev, lead.copy.get(), gpu(dev).compute.get());
   gemmRows(rowRuns(c, m, false));
   // 5. Outputs computed aside go home (on the compute streams, after the GEMMs).
   aside.flush();
@@ -1263,14 +1271,14 @@ void HostStaging::allGatherGpu(Collective& c, const ExchangeOp& op) {
     k::CudaDeviceGuard guard(deviceOf(r));
     for (uint32_t q : mine) copyAsync(recv(r) + q * bytes, send(q), bytes, gpu(deviceOf(r)).copy.get(), "local send");
   }
-  for (int dev : devices) order(leadDev, exch, gpu(dev).copy.get());
+  // The inboxes into every local rank's recv on the lead's copy stream (only the region's GPU reads its inboxes).
+  order(leadDev, exch, lead.copy.get());
   for (uint32_t p : region.layout().peers()) {
     const std::vector<uint32_t> from = ranksOnNode(op, p);
     for (std::size_t i = 0; i < from.size(); ++i) {
       for (uint32_t r : mine) {
-        k::CudaDeviceGuard guard(deviceOf(r));
-        copyAsync(recv(r) + from[i] * bytes, region.inbox(p) + i * bytes, bytes, gpu(deviceOf(r)).copy.get(),
-                  "inbox to recv");
+        k::CudaDeviceGuard guard(leadDev);
+        copyAsync(recv(r) + from[i] * bytes, region.inbox(p) + i * bytes, bytes, lead.copy.get(), "inbox to recv");
       }
     }
   }

@@ -168,7 +168,7 @@ class HostStaging {
   void push(int leadDev, cudaStream_t exch, uint32_t pass);
   void waitArrived(int leadDev, cudaStream_t exch);
   void pushThenWait(int leadDev, cudaStream_t exch);
-  static void streamWait(cudaStream_t s, const uint64_t* word, uint64_t value, const char* what);
+  static void streamWait(cudaStream_t s, const uint64_t* word, uint64_t value, const char* what, bool flush = false);
   // Records an event on `from` (of device fromDev) and makes `to` wait for it.
   void order(int fromDev, cudaStream_t from, cudaStream_t to);
   // Waits until every local GPU's streams are idle, polling for the communicator's failure: on one it sets the

@@ -10,7 +10,11 @@
 #include <cstring>
 #include <string_view>
 
+#include <unistd.h>
+
 #include "cluster.hpp"
+#include "tandem/common/fd.hpp"
+#include "tandem/kernels/driver.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
@@ -106,12 +110,12 @@ GpuProxy::GpuProxy(int device, transport::Transport& transport)
 
 GpuProxy::~GpuProxy() { shutdown(); }
 
-uint32_t GpuProxy::add(void* base, uint64_t bytes, transport::MemoryKind kind, transport::LocalRegion& region,
-                       std::function<void(ErrorCode, const std::string&)> onError) {
+uint32_t GpuProxy::add(void* base, uint64_t bytes, transport::MemoryKind kind, int dmabufFd,
+                       transport::LocalRegion& region, std::function<void(ErrorCode, const std::string&)> onError) {
   std::lock_guard lock(mutex_);
   if (stopped_) fail(ErrorCode::kAborted, "GPU exchange: tandemd is shutting down");
   retireExpiredLocked(false);
-  region = cluster_.registerMemory(transport::MemoryDesc{kind, base, bytes});
+  region = cluster_.registerMemory(transport::MemoryDesc{kind, base, bytes, dmabufFd});
   uint32_t id;
   if (!freeIds_.empty()) {
     id = freeIds_.back();
@@ -211,22 +215,72 @@ struct GpuRegion::Page {
   alignas(64) k::SpanExchangePlan plan[k::kSpanMaxPasses];  // the push's passes; [0] for every other kernel
 };
 
-RegionMemory regionMemoryFor(transport::TransportKind transport) {
+namespace {
+
+int driverAttribute(CUdevice_attribute a, int dev) {
+  CUdevice d = 0;
+  int v = 0;
+  if (k::driver().deviceGet(&d, dev) != CUDA_SUCCESS || k::driver().deviceGetAttribute(&v, a, d) != CUDA_SUCCESS) {
+    return 0;  // an attribute the driver cannot report: the weakest answer
+  }
+  return v;
+}
+
+// A dma-buf fd for [base, base + bytes) of GPU memory (the NIC registers it with ibv_reg_dmabuf_mr), or why there is
+// none. `bytes` is a multiple of the host page, as the call requires of the range.
+Fd exportDmabuf(int dev, void* base, uint64_t bytes, std::string& why) {
+  if (driverAttribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev) == 0) {
+    why = "the driver reports no dma-buf support (an open kernel module and Linux >= 5.12 have it)";
+    return Fd();
+  }
+  int fd = -1;
+  const CUresult r = k::driver().memGetHandleForAddressRange(&fd, reinterpret_cast<CUdeviceptr>(base), bytes,
+                                                             CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+  if (r != CUDA_SUCCESS || fd < 0) {
+    why = fmt::format("cuMemGetHandleForAddressRange -> {}", k::driverErrorName(r));
+    return Fd();
+  }
+  return Fd(fd);
+}
+
+}  // namespace
+
+RegionChoice regionChoiceFor(transport::TransportKind transport, int dev) {
+  RegionFacts f;
+  f.tcp = transport == transport::TransportKind::kTcp;
+  int mps = 0;
+  f.mps = cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, dev) == cudaSuccess && mps != 0;
+  f.writesOrdering = driverAttribute(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, dev);
+  f.canFlushOnWait = (driverAttribute(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS, dev) &
+                      CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_MEMOPS) != 0;
+  f.otherGpusRead = false;  // cuda_multinode.cpp reads the inboxes on the region's GPU only
+  RegionChoice c = chooseRegionMemory(f);
   if (const char* e = std::getenv("TANDEM_GPU_REGION"); e != nullptr && *e != '\0') {
     const std::string_view v(e);
-    if (v == "device") return RegionMemory::kDevice;
-    if (v == "host") return RegionMemory::kHost;
-    spdlog::warn("TANDEM_GPU_REGION={} is neither device nor host; ignored", v);
+    if (v == "device" || v == "host") {
+      c.host = v == "host";
+      c.flushOnArrival = !c.host && !f.tcp && f.canFlushOnWait && f.writesOrdering < 100;
+      c.why = fmt::format("region in {} (TANDEM_GPU_REGION={})", c.host ? "mapped host memory" : "GPU memory", v);
+    } else {
+      spdlog::warn("TANDEM_GPU_REGION={} is neither device nor host; ignored", v);
+    }
   }
-  return transport == transport::TransportKind::kTcp ? RegionMemory::kHost : RegionMemory::kDevice;
+  return c;
 }
 
 GpuRegion::GpuRegion(std::shared_ptr<GpuProxy> proxy, GpuRegionLayout layout, std::weak_ptr<CommLink> link,
-                     std::chrono::milliseconds grace, RegionMemory memory)
+                     std::chrono::milliseconds grace, std::optional<bool> hostMemory)
     : proxy_(std::move(proxy)), layout_(std::move(layout)), grace_(grace) {
   const int dev = proxy_->device();
-  if (memory == RegionMemory::kAuto) memory = regionMemoryFor(proxy_->transport().kind());
-  host_ = memory == RegionMemory::kHost;
+  const transport::TransportKind kind = proxy_->transport().kind();
+  RegionChoice choice = regionChoiceFor(kind, dev);
+  if (hostMemory.has_value() && *hostMemory != choice.host) {
+    choice = {*hostMemory, false, fmt::format("region in {} (asked for)", *hostMemory ? "mapped host memory" : "GPU memory")};
+  }
+  host_ = choice.host;
+  flushOnArrival_ = choice.flushOnArrival;
+  describe_ = choice.why;
+  Fd dmabuf;
   if (host_) {
     k::CudaDeviceGuard guard(dev);  // the allocation's context: the proxy's GPU
     // Zeroed by allocate: the flags start at 0 (epochs start at 1) before any peer has our key.
@@ -241,8 +295,10 @@ GpuRegion::GpuRegion(std::shared_ptr<GpuProxy> proxy, GpuRegionLayout layout, st
     base_ = static_cast<std::byte*>(pinned->get());
     memory_ = std::move(pinned);
   } else {
-    auto buffer = std::make_shared<k::DeviceBuffer>(k::DeviceBuffer::allocate(dev, layout_.bytes(),
-                                                                              "GPU exchange region"));
+    // Whole host pages: a dma-buf covers page-aligned ranges only (cudaMalloc's base is aligned far beyond a page).
+    const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    const uint64_t allocBytes = (layout_.bytes() + page - 1) / page * page;
+    auto buffer = std::make_shared<k::DeviceBuffer>(k::DeviceBuffer::allocate(dev, allocBytes, "GPU exchange region"));
     base_ = static_cast<std::byte*>(buffer->get());
     memory_ = std::move(buffer);
     // The flags start at 0 (epochs start at 1), before the peers may write into it (once they have our key). On a
@@ -253,18 +309,29 @@ GpuRegion::GpuRegion(std::shared_ptr<GpuProxy> proxy, GpuRegionLayout layout, st
     k::checkCuda(cudaMemsetAsync(base(), 0, GpuRegionLayout::kHeaderBytes, stream.get()),
                  "cudaMemsetAsync(GPU exchange header)");
     k::checkCuda(cudaStreamSynchronize(stream.get()), "cudaStreamSynchronize(GPU exchange header)");
+    // A NIC reaches GPU memory through a dma-buf of it (ibv_reg_dmabuf_mr); without one the transport registers the
+    // pointer itself (ibv_reg_mr, which needs nvidia-peermem). Only verbs registers anything with a NIC.
+    if (kind == transport::TransportKind::kVerbs) {
+      std::string why;
+      dmabuf = exportDmabuf(dev, base_, allocBytes, why);
+      if (!dmabuf) spdlog::warn("GPU exchange region on GPU {}: no dma-buf ({}); the NIC gets the pointer", dev, why);
+    }
   }
   page_ = k::PinnedHostBuffer::allocate(sizeof(Page), "GPU exchange plan page");
   releaseStream_ = k::CudaStream::create(dev, "GPU exchange release");
   std::memset(page_.get(), 0, sizeof(Page));
   Page* pg = page();
   id_ = proxy_->add(base(), layout_.bytes(), host_ ? transport::MemoryKind::kHost : transport::MemoryKind::kDevice,
-                    region_,
+                    dmabuf.get(), region_,
                     [pg, link = std::move(link)](ErrorCode code, const std::string& reason) {
                       // release: pairs with the kernels' relaxed polls of the abort word (any later read sees it).
                       std::atomic_ref<uint64_t>(pg->abortWord).store(1, std::memory_order_release);
                       if (auto l = link.lock()) l->abort(code, reason);
                     });
+  // The registration holds its own reference to the dma-buf: our fd closes here (Fd's destructor).
+  if (const std::string how = proxy_->transport().registration(region_); !how.empty()) {
+    describe_ += fmt::format(", registered with the NIC through {}", how);
+  }
 }
 
 GpuRegion::~GpuRegion() {

@@ -15,14 +15,19 @@
 //                    table, and a page of mapped pinned memory with the kernels' plan, the abort word and the error
 //                    slot.
 //
-// Where the region lives (RegionMemory). On verbs, in GPU memory (kDevice): the NIC writes into it and reads from it
-// directly (GPUDirect RDMA). On tcp, in mapped pinned host memory (kHost): tcp's bytes pass through the host's socket
-// buffers whatever the region is, and a kDevice region on tcp costs a staged copy per 512 KiB frame on both sides, each
-// waited for on the sending proxy thread or the receiving io thread (the H200 measured that path 1.4-2.3x slower than
-// the host-staged exchange, session 8). From host memory tcp sends zero-copy and receives straight into the inbox; the
-// GPU fills the send area and reads the inboxes by DMA (the copy engines) or in place (the node-sum kernels), over
-// PCIe, and polls the flags there as it polls the plan page. TANDEM_GPU_REGION=device|host overrides the choice (for
-// measurements).
+// Where the region lives (regionChoiceFor; the rule in gpu_exchange_plan.hpp, chooseRegionMemory). On verbs, in GPU
+// memory: the NIC writes into it and reads from it directly (GPUDirect RDMA), registered through a dma-buf of it
+// (cuMemGetHandleForAddressRange, ibv_reg_dmabuf_mr) where the driver exports one, else as a pointer (ibv_reg_mr,
+// nvidia-peermem); only this GPU's engines read its inboxes, after the arrived wait, which holds the flag after the
+// data for writes ordering >= "owner" (the H200 reports 100), flushes below that where the GPU can, and where it
+// cannot the region is in host memory. Under MPS on verbs, in host memory too (a GPU-memory region stalled under MPS
+// on the verbs test double, cause unknown). On tcp, in mapped pinned host memory: tcp's bytes pass through the host's
+// socket buffers whatever the region is, and a GPU-memory region on tcp costs a staged copy per 512 KiB frame on both
+// sides, each waited for on the sending proxy thread or the receiving io thread (the H200 measured that path 1.4-2.3x
+// slower than the host-staged exchange, session 8). From host memory tcp sends zero-copy and receives straight into
+// the inbox; the GPU fills the send area and reads the inboxes by DMA (the copy engines) or in place (the node-sum
+// kernels), over PCIe, and polls the flags there as it polls the plan page. TANDEM_GPU_REGION=device|host overrides
+// the choice (for measurements).
 //
 // Two proxies on one transport. The cluster's own proxy (host producers) and each GPU's post through the same
 // transport. Posting from several threads is safe (tcp serialises per peer under its send mutex; a flag carries the
@@ -50,6 +55,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -97,6 +103,7 @@ class PostOnlyTransport final : public transport::Transport {
   }
   void deregisterMemory(transport::LocalRegion region) override { inner_.deregisterMemory(region); }
   transport::RemoteKey remoteKey(transport::LocalRegion region) const override { return inner_.remoteKey(region); }
+  std::string registration(transport::LocalRegion region) const override { return inner_.registration(region); }
   void write(transport::NodeIndex peer, transport::LocalRegion src, uint64_t srcOffset, const transport::RemoteKey& dst,
              uint64_t dstOffset, uint64_t bytes, uint64_t cookie, bool signal) override;
   void writeFlag(transport::NodeIndex peer, const transport::RemoteKey& dst, uint64_t dstOffset, uint64_t value,
@@ -126,9 +133,10 @@ class GpuProxy {
   uint64_t completed() const { return fifo_.view().completed(); }
   transport::Transport& transport() { return transport_; }
 
-  /// A communicator's region (GPU or mapped host memory: `kind`): registered, its id returned; `onError(code, reason)` runs (on the proxy thread) for a
-  /// command of it the proxy rejects or cannot post. Throws what registerMemory throws.
-  uint32_t add(void* base, uint64_t bytes, transport::MemoryKind kind, transport::LocalRegion& region,
+  /// A communicator's region (GPU or mapped host memory: `kind`; `dmabufFd` a dma-buf of GPU memory, or -1):
+  /// registered, its id returned; `onError(code, reason)` runs (on the proxy thread) for a command of it the proxy
+  /// rejects or cannot post. Throws what registerMemory throws.
+  uint32_t add(void* base, uint64_t bytes, transport::MemoryKind kind, int dmabufFd, transport::LocalRegion& region,
                std::function<void(ErrorCode, const std::string&)> onError);
   /// The peers' keys for region `id` (before the first push that names them).
   void setPeerKeys(uint32_t id, const std::map<transport::NodeIndex, transport::RemoteKey>& keys);
@@ -183,20 +191,20 @@ class GpuExchangeHub {
   bool stopped_ = false;
 };
 
-/// Where a GpuRegion's bytes live: see the file comment.
-enum class RegionMemory { kAuto, kHost, kDevice };
-/// kAuto resolved for `transport` (kHost on tcp, kDevice otherwise), unless TANDEM_GPU_REGION=device|host says.
-RegionMemory regionMemoryFor(transport::TransportKind transport);
+/// Where a GpuRegion's bytes live on `transport` and GPU `dev` (see the file comment): chooseRegionMemory
+/// (gpu_exchange_plan.hpp) on what the GPU reports (MPS, GPUDirect writes ordering, stream-wait flush), unless
+/// TANDEM_GPU_REGION=device|host says (for measurements).
+RegionChoice regionChoiceFor(transport::TransportKind transport, int dev);
 
 /// A communicator's GPU region and its kernels' plan page. Made on the link thread at the communicator's first
 /// GPU-exchange op; used by that thread only, except abort() (any thread).
 class GpuRegion {
  public:
-  /// Allocates and zeroes the region (on the proxy's GPU, or in mapped pinned host memory: `memory`, kAuto by the
-  /// transport), registers it. `link`: aborted when the proxy fails one of its commands. Throws Error(kCuda) or the
+  /// Allocates and zeroes the region (on the proxy's GPU, or in mapped pinned host memory: `hostMemory`, else
+  /// regionChoiceFor), registers it (GPU memory on verbs: through a dma-buf of it where the driver exports one). `link`: aborted when the proxy fails one of its commands. Throws Error(kCuda) or the
   /// transport's error.
   GpuRegion(std::shared_ptr<GpuProxy> proxy, GpuRegionLayout layout, std::weak_ptr<CommLink> link,
-            std::chrono::milliseconds grace, RegionMemory memory = RegionMemory::kAuto);
+            std::chrono::milliseconds grace, std::optional<bool> hostMemory = std::nullopt);
   ~GpuRegion();
   GpuRegion(const GpuRegion&) = delete;
   GpuRegion& operator=(const GpuRegion&) = delete;
@@ -205,6 +213,10 @@ class GpuRegion {
   GpuProxy& proxy() { return *proxy_; }
   int device() const { return proxy_->device(); }
   bool hostResident() const { return host_; }  // in mapped pinned host memory (the same address for the GPU)
+  /// The arrived waits must flush GPUDirect writes (CU_STREAM_WAIT_VALUE_FLUSH): RegionChoice::flushOnArrival.
+  bool flushOnArrival() const { return flushOnArrival_; }
+  /// Where the region lives, why, and how the NIC reaches it: for the plan log.
+  const std::string& describe() const { return describe_; }
   std::byte* base() const { return base_; }
   std::byte* sendArea() const { return base() + GpuRegionLayout::sendOffset(); }
   std::byte* inbox(uint32_t from) const { return base() + layout_.inboxOffset(layout_.self, from); }
@@ -245,6 +257,8 @@ class GpuRegion {
   std::shared_ptr<void> memory_;  // a DeviceBuffer or a PinnedHostBuffer; kept past the region for the grace period
   std::byte* base_ = nullptr;
   bool host_ = false;
+  bool flushOnArrival_ = false;
+  std::string describe_;
   kernels::PinnedHostBuffer page_;
   kernels::CudaStream releaseStream_;  // releaseWaits' copies, beside every stream that may be waiting
   transport::LocalRegion region_;

@@ -215,4 +215,23 @@ std::string gpuExchangeRefusal(const ExchangeOp& op, const ClusterSection& clust
   return "";
 }
 
+RegionChoice chooseRegionMemory(const RegionFacts& f) {
+  if (f.tcp) return {true, false, "region in mapped host memory (tcp: the bytes pass through the host's sockets)"};
+  if (f.mps) {
+    return {true, false, "region in mapped host memory (MPS: a GPU-memory region stalled under MPS on the verbs "
+                         "test double; unchecked on a real NIC)"};
+  }
+  const int needed = f.otherGpusRead ? 200 : 100;
+  if (f.writesOrdering >= needed) {
+    return {false, false, fmt::format("region in GPU memory (GPUDirect writes ordering {} >= {}: in order for its "
+                                      "readers)", f.writesOrdering, needed)};
+  }
+  if (f.canFlushOnWait) {
+    return {false, true, fmt::format("region in GPU memory, the arrived waits flush GPUDirect writes (writes ordering "
+                                     "{} < {})", f.writesOrdering, needed)};
+  }
+  return {true, false, fmt::format("region in mapped host memory (GPUDirect writes ordering {} < {} and no stream-wait "
+                                   "flush on this GPU)", f.writesOrdering, needed)};
+}
+
 }  // namespace tandem::daemon::cuda

@@ -104,6 +104,33 @@ std::vector<uint64_t> exchangePassCuts(const ExchangeOp& op);
 std::vector<std::vector<ExchangeWrite>> splitIntoPasses(const std::vector<ExchangeWrite>& writes,
                                                         const std::vector<uint64_t>& cuts);
 
+/// Where a communicator's region lives on the receiving node, and the rule that keeps "the flag after the data" true
+/// for whoever reads its inboxes. Local to each node (the peers only see its key), so nodes may choose differently.
+///
+/// GPUDirect RDMA writes (a NIC writing into GPU memory) are ordered on the wire (an RC QP places a WRITE's bytes
+/// before the next WRITE's, the arrived flag last), but the GPU may make them visible to its readers out of that
+/// order: CUDA reports per GPU the scope within which it consumes them in order (writes ordering: 0 none, 100 its own
+/// engines, 200 every GPU), and whether a stream wait can flush them (the MEMOPS flush option). The rule tandem
+/// follows: only the region's own GPU reads its inboxes (its kernels, and copies issued on its streams; another local
+/// GPU gets the bytes by a copy that the owner issues), after a wait on the arrived flag, so writes ordering >= 100
+/// needs nothing more; below that the wait on the flag flushes (CU_STREAM_WAIT_VALUE_FLUSH) where the GPU can, and
+/// where it cannot the region goes to pinned host memory, which a NIC writes in order as seen by any reader.
+struct RegionFacts {
+  bool tcp = false;               // the cluster's transport is tcp: its bytes pass through host sockets anyway
+  bool mps = false;               // the GPU is shared through MPS
+  int writesOrdering = 0;         // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING
+  bool canFlushOnWait = false;    // CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_MEMOPS in ..._FLUSH_WRITES_OPTIONS
+  bool otherGpusRead = false;     // engines of other GPUs read the inboxes (tandem never does: see above)
+};
+struct RegionChoice {
+  bool host = false;              // pinned host memory (else GPU memory)
+  bool flushOnArrival = false;    // the arrived waits flush GPUDirect writes
+  std::string why;                // for the plan log: why there, and what rule applies
+};
+/// The choice for `facts` (tcp: host; MPS: host, as GPU-memory regions stalled under MPS on the verbs test double;
+/// else GPU memory under the ordering rule above).
+RegionChoice chooseRegionMemory(const RegionFacts& facts);
+
 /// The ranks on `node`, ascending.
 std::vector<uint32_t> ranksOnNode(const ExchangeOp& op, uint32_t node);
 /// gemm-rs / gemm-ar: the rows a node's ranks own, (first row, rows) in rank order, empty runs dropped (gemm-ar: all

@@ -205,6 +205,8 @@ class Transport {
   virtual void deregisterMemory(LocalRegion region) = 0;
   /// The key to send to peers. Throws Error(kNotFound) for an unknown region.
   virtual RemoteKey remoteKey(LocalRegion region) const = 0;
+  /// How `region` is registered with the NIC, for logs ("dma-buf", "ibv_reg_mr"); empty where nothing is.
+  virtual std::string registration(LocalRegion) const { return {}; }
 
   /// Queues a write of `bytes` from `src`+srcOffset to the peer's region `dst`+dstOffset.
   /// Throws Error(kPeerLost) if the peer failed (the text names it and why), Error(kInvalidArgument) for

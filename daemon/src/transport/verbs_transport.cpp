@@ -368,10 +368,12 @@ LocalRegion VerbsTransport::registerMemory(const MemoryDesc& desc) {
   if (config_.relaxedOrdering) access |= IBV_ACCESS_RELAXED_ORDERING;
   const double mib = static_cast<double>(desc.bytes) / (1024.0 * 1024.0);
   verbs::IbvMr mr;
+  bool dmabuf = false;
   if (desc.kind == MemoryKind::kDevice && desc.dmabufFd >= 0) {
     // iova = the device pointer, so RemoteKey::addr + offset addresses the same bytes as on the GPU.
     mr.reset(ibv_reg_dmabuf_mr(pd_.get(), desc.dmabufOffset, desc.bytes, reinterpret_cast<uint64_t>(desc.addr),
                                desc.dmabufFd, access));
+    dmabuf = static_cast<bool>(mr);
     if (!mr)
       spdlog::warn("verbs transport: ibv_reg_dmabuf_mr of {:.1f} MiB on {} failed ({}); falling back to ibv_reg_mr, "
                    "which needs nvidia-peermem", mib, deviceName_, std::strerror(errno));
@@ -390,8 +392,17 @@ LocalRegion VerbsTransport::registerMemory(const MemoryDesc& desc) {
   }
   std::lock_guard lock(regionsMutex_);
   const uint32_t id = nextRegionId_++;
-  regions_.emplace(id, Region{std::move(mr), desc});
+  Region r{std::move(mr), desc, dmabuf};
+  r.desc.dmabufFd = -1;
+  regions_.emplace(id, std::move(r));
   return LocalRegion{id};
+}
+
+std::string VerbsTransport::registration(LocalRegion region) const {
+  std::lock_guard lock(regionsMutex_);
+  auto it = regions_.find(region.id);
+  if (it == regions_.end()) return {};
+  return it->second.dmabuf ? "dma-buf" : "ibv_reg_mr";
 }
 
 void VerbsTransport::deregisterMemory(LocalRegion region) {

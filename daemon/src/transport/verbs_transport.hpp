@@ -168,6 +168,7 @@ class VerbsTransport final : public Transport, public ControlChannel {
   LocalRegion registerMemory(const MemoryDesc& desc) override;
   void deregisterMemory(LocalRegion region) override;
   RemoteKey remoteKey(LocalRegion region) const override;
+  std::string registration(LocalRegion region) const override;
   void write(NodeIndex peer, LocalRegion src, uint64_t srcOffset, const RemoteKey& dst, uint64_t dstOffset,
              uint64_t bytes, uint64_t cookie, bool signal) override;
   void writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t dstOffset, uint64_t value, uint64_t cookie,
@@ -193,7 +194,8 @@ class VerbsTransport final : public Transport, public ControlChannel {
  private:
   struct Region {
     verbs::IbvMr mr;
-    MemoryDesc desc;
+    MemoryDesc desc;  // dmabufFd: not kept (the caller may close it)
+    bool dmabuf = false;  // registered with ibv_reg_dmabuf_mr
   };
   struct Qp {
     verbs::IbvQp qp;

@@ -37,6 +37,8 @@ struct DriverApi {
   CUresult (*getErrorString)(CUresult, const char**);
   CUresult (*deviceGet)(CUdevice*, int);
   CUresult (*devicePrimaryCtxGetState)(CUdevice, unsigned int*, int*);
+  CUresult (*deviceGetAttribute)(int*, CUdevice_attribute, CUdevice);
+  CUresult (*memGetHandleForAddressRange)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
   PFN_cuTensorMapEncodeTiled_v12000 tensorMapEncodeTiled;
 };
 
@@ -78,6 +80,8 @@ inline const DriverApi& driver() {
     loadDriverEntryPoint(a.getErrorString, "cuGetErrorString");
     loadDriverEntryPoint(a.deviceGet, "cuDeviceGet");
     loadDriverEntryPoint(a.devicePrimaryCtxGetState, "cuDevicePrimaryCtxGetState");
+    loadDriverEntryPoint(a.deviceGetAttribute, "cuDeviceGetAttribute");
+    loadDriverEntryPoint(a.memGetHandleForAddressRange, "cuMemGetHandleForAddressRange");
     loadDriverEntryPoint(a.tensorMapEncodeTiled, "cuTensorMapEncodeTiled");
     return a;
   }();
