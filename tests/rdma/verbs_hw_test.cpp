@@ -116,6 +116,10 @@ TEST_CASE("a dma-buf registration that the kernel refuses falls back to ibv_reg_
   const LocalRegion r = a.registerMemory({MemoryKind::kDevice, buf.data(), buf.size(), notDmabuf, 0});
   ::close(notDmabuf);
   CHECK(a.remoteKey(r).bytes == buf.size());
+  CHECK(a.registration(r) == "ibv_reg_mr");  // what the GPU exchange's plan line reports
+  const LocalRegion h = a.registerMemory({MemoryKind::kHost, buf.data(), buf.size()});
+  CHECK(a.registration(h) == "ibv_reg_mr");
+  CHECK(a.registration(LocalRegion{999}).empty());
 }
 
 TEST_CASE("a peer whose QPs vanish is reported lost and its signalled ops fail") {
