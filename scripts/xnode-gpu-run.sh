@@ -6,7 +6,8 @@
 #   1. the exchange's pieces below tandemd (kernels, proxy, regions, abort word, deadlines): seconds;
 #   2. the two-node cases of tandem_gpu_tests one at a time (two tandemds sharing the GPU, no MPS): the GPU path at 1
 #      and 2 ranks per node, every path against the fp64 reference, cluster.gpu_exchange off bitwise equal to on, a
-#      killed rank before the first exchange and while the GPU waits;
+#      killed rank before the first exchange and while the GPU waits, a killed (then restarted) tandemd and a hung node
+#      while the GPU waits;
 #   3. span_bench, both paths in one run (GPU-issued vs staged, each against one node), then the GPU path again with
 #      its region in GPU memory (TANDEM_GPU_REGION=device; tcp's default is mapped pinned host memory) and with its
 #      waits in the kernels (TANDEM_SPAN_WAIT=kernel) instead of stream waits;
@@ -36,6 +37,12 @@ step "two nodes: every path vs the reference" 25 paths.log "$tests" "-tc=*barrie
 step "two nodes: gpu_exchange off bitwise = on" 35 off.log "$tests" "-tc=*gpu_exchange off*" -d
 step "two nodes: rank killed before the first exchange" 20 kill.log "$tests" "-tc=*rank killed mid-op*" -d
 step "two nodes: rank killed while the GPU waits" 25 kill_gpu_wait.log "$tests" "-tc=*waits for its data*" -d
+# A node lost while node 0's GPU waits on its arrived flag: its tandemd killed, then restarted (the next communicator
+# runs across it on the GPU path); or hung (SIGSTOP, a cut link on loopback: found by the heartbeat deadline), then
+# continued (both nodes serve the next communicator).
+step "two nodes: tandemd killed while the GPU waits, then restarted" 35 kill_daemon.log "$tests" \
+  "-tc=*a tandemd killed while*" -d
+step "two nodes: hung node (cut link) while the GPU waits" 35 hung_node.log "$tests" "-tc=*a hung node (a cut link)*" -d
 step "span_bench both paths" 50 span_bench.log "$bench" --iters 5 --warmup 1
 if [ -f "$out/span_bench.log" ]; then grep -E "^\||lost|rank process" "$out/span_bench.log" | tee -a "$summary"; fi
 # The GPU path with its region in GPU memory (kDevice, staged by tcp per frame: the layout before session 8), and with

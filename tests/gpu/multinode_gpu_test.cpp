@@ -12,7 +12,10 @@
 // verbs test double (tests/support/verbs_double, loaded by the daemons only), GPU memory registered with it, and a QP
 // error it injects mid-op releasing both nodes' streams before the next communicator runs; under MPS the daemon
 // executor over tcp and verbs. Then a rank killed mid-op on one node must release the other node's stream with
-// PEER_LOST, before the first exchange and while the GPU's wait spins.
+// PEER_LOST, before the first exchange and while the GPU's wait spins; so must a node's tandemd killed (then restarted
+// with the same config: it rejoins, and the next communicator runs across it on the GPU path) and a hung node, which
+// stands in for a cut link on loopback (SIGSTOP: found by the heartbeat deadline; after SIGCONT both nodes serve the
+// next communicator).
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -23,6 +26,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "gpu_harness.hpp"
@@ -69,11 +73,17 @@ std::vector<std::string> transportPrefix(const std::string& transport) {
 #endif
 }
 
+// communicators.peer_lost_deadline_ms of TwoNodes' daemons (heartbeats every 100 ms): a silent node is lost after this.
+constexpr int kPeerLostDeadlineMs = 2000;
+
 // Two daemons on loopback, daemon i owning GPU rankDevice(i) (both the one GPU where only one exists), with
 // `executor` (daemon: under MPS), over cluster.transport `transport` (verbs: on the verbs test double). Ports derive
 // from the pid (below the ephemeral range) so parallel test processes do not collide.
 struct TwoNodes {
   std::vector<std::unique_ptr<Daemon>> daemons;
+  std::vector<std::string> configs;                 // node i's tandemd.yaml, kept for restart
+  std::vector<std::vector<std::string>> prefixes;   // and its argv prefix
+  std::string previousLogs;                         // the logs of daemons that restart replaced
 
   // faults[i]: node i's TANDEM_VERBS_DOUBLE_FAULTS (verbs only), e.g. "qp_error_after_writes=40".
   explicit TwoNodes(const std::string& executor = "client", const std::string& gpuExchange = "on",
@@ -89,16 +99,27 @@ struct TwoNodes {
       const std::string config = fmt::format(
           "daemon:\n  backend: cuda\n  executor: {}\n"
           "cuda:\n  devices: [\"{}\"]\n"
-          "communicators:\n  peer_lost_deadline_ms: 2000\n"
+          "communicators:\n  peer_lost_deadline_ms: {}\n"
           "cluster:\n  nodes: [{}]\n  node_index: {}\n  secret: \"gpu-multinode-test-secret-0123456789\"\n"
           "  transport: {}\n  connect_timeout_ms: 15000\n  heartbeat_interval_ms: 100\n  staging_bytes: 67108864\n"
           "  gpu_exchange: {}\n",
-          executor, gpuUuid(rankDevice(static_cast<uint32_t>(i))), nodes, i, transport, gpuExchange);
+          executor, gpuUuid(rankDevice(static_cast<uint32_t>(i))), kPeerLostDeadlineMs, nodes, i, transport,
+          gpuExchange);
+      configs.push_back(config);
+      prefixes.push_back(prefix);
       daemons.push_back(std::make_unique<Daemon>(config, std::vector<std::string>{}, "", prefix));
     }
   }
+  // Starts node i's daemon again (after it died or was killed) with the same config and prefix: the same address and
+  // port, so the other node's transport, which keeps re-dialing a lost node, finds it and it rejoins by itself. Its
+  // socket is a new one (a new temp dir); the old daemon's log is kept for logs().
+  void restart(int i) {
+    previousLogs += fmt::format("---- node {} log before its restart:\n{}\n", i, daemons[i]->log());
+    daemons[i].reset();  // reaps it (SIGKILL first if it still runs)
+    daemons[i] = std::make_unique<Daemon>(configs[i], std::vector<std::string>{}, "", prefixes[i]);
+  }
   bool connected(int timeoutMs = 20000) const { return clusterNodesIn(daemons, "connected", timeoutMs); }
-  std::string logs() const { return clusterLogs(daemons); }
+  std::string logs() const { return previousLogs + clusterLogs(daemons); }
 };
 
 ref::OpShape shapeOf(OpKind kind, DType dtype, uint64_t m, uint64_t n, uint64_t k) {
@@ -727,4 +748,185 @@ TEST_CASE("two nodes, one GPU each: a rank killed while the other node's GPU wai
   for (const auto& d : c.daemons) {
     CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
   }
+}
+
+namespace {
+
+// The next communicator after a failure case: a small ag-gemm and gemm-ar whose plan is the GPU-issued exchange (the
+// first case checks both shapes take it), each once against the fp64 reference. "OK" or "FAIL ...".
+std::vector<ref::OpShape> nextCommCases() {
+  return {shapeOf(OpKind::kAgGemm, DType::kBF16, 777, 520, 264), shapeOf(OpKind::kGemmAr, DType::kF16, 29, 16, 48)};
+}
+
+std::string nextCommBody(const std::string& socket, const tandem_unique_id_t& id, uint32_t rank) {
+  auto [s, comm, stream] = joinRank(rankDevice(rank), socket, id, rank, 2);
+  const auto all = nextCommCases();
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    OpRun run(s, all[i], rank, 2, 4000 + i);
+    if (std::string e = run.submit(comm, stream); !e.empty()) return fmt::format("FAIL {}: {}", describe(all[i]), e);
+    if (std::string synced = syncWithin(stream, 30000); synced != "synced") {
+      return fmt::format("FAIL {}: stream {}", describe(all[i]), synced);
+    }
+    if (std::string e = run.check(); !e.empty()) return fmt::format("FAIL {}: {}", describe(all[i]), e);
+  }
+  TK(tandem_comm_destroy(comm));
+  tandem_disconnect(s);
+  return "OK";
+}
+
+// The end of a node failure case: both nodes connected again, a fresh communicator across them runs on the GPU path
+// and matches the reference, and neither daemon keeps a communicator or a byte of it.
+void expectNextCommunicatorServed(TwoNodes& c) {
+  REQUIRE_MESSAGE(c.connected(20000), c.logs());
+  const auto results = onePerNode(c, nextCommBody, 60000);
+  for (uint32_t r = 0; r < 2; ++r) {
+    INFO("next communicator, rank " << r << " (node " << r << "): " << results[r]);
+    INFO(c.logs());
+    CHECK(results[r] == "OK");
+  }
+  for (const auto& d : c.daemons) {
+    INFO(d->log());
+    for (const auto& shape : nextCommCases()) CHECK(logShowsPlan(d->log(), shape, 2, kGpuExchangePlan));
+    CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
+  }
+}
+
+// Whether a warmGatedRank "sync" report says its stream came back and its op ended with `st`.
+bool releasedWith(const std::string& report, tandem_status_t st) {
+  return report.rfind("synced ", 0) == 0 && report.find(" " + std::to_string(st) + " ") != std::string::npos;
+}
+
+// Whether `log` has the cluster's line for node 1 being lost, containing `why` ("" for any reason).
+bool logShowsNode1Lost(const std::string& log, const std::string& why) {
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("cluster: node 1 (") != std::string::npos && line.find(" is lost: ") != std::string::npos &&
+        line.find(why) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("two nodes, one GPU each: a tandemd killed while the other node's GPU waits on its arrived flag releases "
+          "that stream with PEER_LOST, and the restarted node serves the next communicator on the GPU path") {
+  if (mpsRunning()) {
+    MESSAGE("skipped: needs no MPS (a kill under MPS poisons the MPS server)");
+    return;
+  }
+  TwoNodes c;
+  REQUIRE_MESSAGE(c.connected(), c.logs());
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  // As in the killed rank case: after a first op through the GPU exchange node 0 pushes its shards and its GPU spins
+  // on node 1's arrived flag, which never comes (node 1's rank is gated). This time node 1's daemon dies: node 0's
+  // transport sees its connections close, losing the node fails the communicator, and the abort word ends the wait.
+  Rank survivor = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[0]->socket(), id, 0, false); });
+  Rank victim = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[1]->socket(), id, 1, true); });
+  REQUIRE(survivor.read(60000) == "submitted");
+  REQUIRE(victim.read(60000) == "submitted");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto killedAt = Clock::now();
+  c.daemons[1]->signal(SIGKILL);
+  survivor.tell("sync");
+  const std::string result = survivor.read(30000);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - killedAt).count();
+  survivor.reap();
+  {
+    INFO("node 0's rank, " << ms << " ms after node 1's tandemd was killed: " << result);
+    INFO(c.logs());
+    CHECK(releasedWith(result, TANDEM_ERROR_PEER_LOST));
+    CHECK(ms < 20000);  // not the kernels' 60 s deadline
+    MESSAGE("node 0's stream released ", ms, " ms after the kill");
+  }
+  // Node 1's rank lost its daemon (its next call would say DAEMON_LOST) and its stream stays gated: it goes too, before
+  // the restarted daemon takes the GPU.
+  victim.kill();
+  victim.reap();
+  CHECK(c.daemons[1]->waitExit(5000) == -SIGKILL);
+  {
+    const std::string log0 = c.daemons[0]->log();
+    INFO(log0);
+    CHECK(logShowsPlan(log0, shapeOf(OpKind::kAgGemm, DType::kBF16, 2048, 2048, 2048), 2, kGpuExchangePlan));
+    CHECK(logShowsNode1Lost(log0, ""));
+    CHECK(eventually([&] { return status(*c.daemons[0])["cluster"]["nodes"][1]["state"] == "failed"; }, 5000));
+    CHECK(eventually([&] {
+      return status(*c.daemons[0])["total_bytes"] == 0 && status(*c.daemons[0])["communicators"].empty();
+    }, 10000));
+  }
+
+  // systemd's Restart=on-failure, in short: the same config, address and port; node 0 re-dials it and it rejoins.
+  const auto restartedAt = Clock::now();
+  c.restart(1);
+  expectNextCommunicatorServed(c);
+  MESSAGE("the next communicator ran ",
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - restartedAt).count(),
+          " ms after the restart began");
+}
+
+TEST_CASE("two nodes, one GPU each: a hung node (a cut link) while the other node's GPU waits on its arrived flag "
+          "releases that stream with PEER_LOST within the peer deadline, and both nodes serve the next communicator") {
+  if (mpsRunning()) {
+    MESSAGE("skipped: needs no MPS (a kill under MPS poisons the MPS server)");
+    return;
+  }
+  TwoNodes c;
+  REQUIRE_MESSAGE(c.connected(), c.logs());
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  // On loopback a hung node stands in for a cut link (tests/integration/multinode_test.cpp does the same): node 1's
+  // tandemd is stopped, not dead, so no connection closes and only the heartbeat deadline can find it.
+  Rank survivor = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[0]->socket(), id, 0, false); });
+  Rank victim = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[1]->socket(), id, 1, true); });
+  REQUIRE(survivor.read(60000) == "submitted");
+  REQUIRE(victim.read(60000) == "submitted");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto stoppedAt = Clock::now();
+  c.daemons[1]->signal(SIGSTOP);
+  // Until the SIGCONT below nothing may ask node 1's daemon anything (tandemctl would wait for it).
+  survivor.tell("sync");
+  const std::string result = survivor.read(30000);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - stoppedAt).count();
+  survivor.reap();
+  {
+    INFO("node 0's rank, " << ms << " ms after node 1's tandemd was stopped: " << result);
+    INFO(c.logs());
+    CHECK(releasedWith(result, TANDEM_ERROR_PEER_LOST));
+    CHECK(ms < kPeerLostDeadlineMs + 3000);  // the deadline, its heartbeat ticks and the release, as the CPU case
+    MESSAGE("node 0's stream released ", ms, " ms after node 1 hung");
+    const std::string log0 = c.daemons[0]->log();
+    CHECK(logShowsPlan(log0, shapeOf(OpKind::kAgGemm, DType::kBF16, 2048, 2048, 2048), 2, kGpuExchangePlan));
+    // Silence found it: the heartbeat deadline, not a closed connection.
+    CHECK(logShowsNode1Lost(log0, fmt::format("deadline {} ms", kPeerLostDeadlineMs)));
+    CHECK(status(*c.daemons[0])["cluster"]["nodes"][1]["state"] == "failed");
+    CHECK(eventually([&] {
+      return status(*c.daemons[0])["total_bytes"] == 0 && status(*c.daemons[0])["communicators"].empty();
+    }, 10000));
+  }
+
+  // The link comes back. Node 1 finds node 0 gone from under it (its connections closed, or silent for as long as it
+  // slept) and fails the communicator too: its rank's stream, released from the gate, must come back rather than wait
+  // for node 0's data for ever.
+  c.daemons[1]->signal(SIGCONT);
+  victim.tell("release");
+  victim.tell("sync");
+  const std::string victimResult = victim.read(30000);
+  victim.reap();
+  {
+    INFO("node 1's rank after the SIGCONT: " << victimResult);
+    INFO(c.logs());
+    MESSAGE("node 1's rank after the SIGCONT: ", victimResult);
+    CHECK(victimResult.rfind("synced ", 0) == 0);
+    CHECK((releasedWith(victimResult, TANDEM_ERROR_PEER_LOST) ||
+           releasedWith(victimResult, TANDEM_ERROR_ABORTED)));
+  }
+  for (const auto& d : c.daemons) {
+    INFO(d->log());
+    CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
+  }
+  // Node 0's transport kept re-dialing node 1; once node 1 runs again they connect (a new generation) and a new
+  // communicator spans them on the GPU path.
+  expectNextCommunicatorServed(c);
 }
