@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU-issued exchange across nodes (issue 18, helper xnode) on one H200, within 240 s (XNODE_LIMIT_S=N to change).
+# The GPU-issued exchange across nodes (issue 18, helper xnode) on one H200, within 380 s (XNODE_LIMIT_S=N to change).
 # Assumes a Release build with everything built in $BUILD_DIR (default build-gpu): tandemd, tandem_gpu_tests,
 # tandem_span_exchange_gpu_tests, span_bench. Logs go to OUTDIR, one line per step to OUTDIR/summary.txt; every step
 # under `timeout`, and a failed step does not stop the later ones. Most wanted first:
@@ -12,9 +12,9 @@
 #      its region in GPU memory (TANDEM_GPU_REGION=device; tcp's default is mapped pinned host memory) and with its
 #      waits in the kernels (TANDEM_SPAN_WAIT=kernel) instead of stream waits;
 #   4. under a private MPS server: the pieces and the proxy GPU test (in-process, no tandemd: do they stall under MPS?),
-#      the daemon-executor case (on the staged path: tandemd keeps the GPU exchange off on MPS GPUs, "not GPU-issued:
-#      MPS", since it stalled there in session 7), and span_bench at M=1024 with the GPU path forced on
-#      (TANDEM_GPU_EXCHANGE_MPS=1) and every thread's stack after 15 s (mps_stacks.log).
+#      the daemon-executor case (the GPU path over tcp and over the verbs double, both regions in host memory: a
+#      GPU-memory region stalled under MPS on the double), and span_bench at M=1024 with every thread's stack after
+#      15 s (mps_stacks.log).
 #   scripts/xnode-gpu-run.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: scripts/xnode-gpu-run.sh OUTDIR}
@@ -22,7 +22,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 b=${BUILD_DIR:-build-gpu}
-limit=${XNODE_LIMIT_S:-240}
+limit=${XNODE_LIMIT_S:-380}
 # shellcheck source=lib/steps.sh
 . scripts/lib/steps.sh
 tests="./$b/tests/gpu/tandem_gpu_tests"
@@ -77,17 +77,10 @@ if command -v nvidia-cuda-mps-control > /dev/null && [ "$(left)" -gt 25 ]; then
     step "MPS: span exchange pieces" 25 mps_pieces.log "$pieces" -d
     step "MPS: proxy GPU test (GPU -> proxy -> tcp -> GPU, no tandemd)" 25 mps_proxy.log \
       "./$b/tests/gpu/tandem_proxy_gpu_tests" -d
-    step "MPS: two nodes, daemon executor (tcp: GPU path; verbs double: staged)" 80 mps_daemon.log "$tests" \
+    step "MPS: two nodes, daemon executor (GPU path on tcp and on the verbs double, regions in host memory)" 80 mps_daemon.log "$tests" \
       "-tc=*daemon executor (MPS)*" -d
-    # XNODE_FORCED_VERBS=1: the GPU path forced on verbs under MPS too (it hung there in session 9's last call).
-    if [ "${XNODE_FORCED_VERBS:-0}" = 1 ]; then
-      TANDEM_GPU_EXCHANGE_MPS=1 step "MPS: two nodes, daemon executor, GPU path forced on verbs too" 80 \
-        mps_daemon_forced.log "$tests" "-tc=*daemon executor (MPS)*" -d
-    fi
-    # The GPU path under MPS anyway (TANDEM_GPU_EXCHANGE_MPS=1): does the host-memory region end the stall?
     stacks_after 15 "$out/mps_stacks.log" &
-    TANDEM_GPU_EXCHANGE_MPS=1 step "MPS: span_bench, GPU path forced on" 30 mps_span_bench.log "$bench" --iters 3 \
-      --warmup 1 --ms 1024
+    step "MPS: span_bench, GPU path vs staged" 30 mps_span_bench.log "$bench" --iters 3 --warmup 1 --ms 1024
     wait
     if [ -f "$out/mps_span_bench.log" ]; then grep -E "^\||lost|rank process" "$out/mps_span_bench.log" | tee -a "$summary"; fi
     echo quit | timeout 20 nvidia-cuda-mps-control > /dev/null 2>&1 || say "MPS quit did not finish within 20 s"

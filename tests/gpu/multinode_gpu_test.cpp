@@ -546,11 +546,15 @@ TEST_CASE("two nodes over cluster.transport: verbs (the verbs test double): the 
     for (const auto& d : c.daemons) {
       const std::string log = d->log();
       INFO(log);
-      // The plan lines name verbs, and the GPU regions were registered as GPU memory of the double (its device-copy
-      // path placed every byte the results were checked on): not host memory taken for it, no copy failed.
+      // The plan lines name verbs and a region in GPU memory registered through a dma-buf (the H200 exports one and
+      // orders NIC writes for its own reads: no flush), and the GPU regions were registered as GPU memory of the
+      // double (its device-copy path placed every byte the results were checked on): not host memory taken for it,
+      // no copy failed.
       CHECK(log.find("GPU-issued exchange (proxy gpu") != std::string::npos);
-      CHECK(log.find(" verbs) + GPU GEMM") != std::string::npos);
-      CHECK(log.find(" tcp) + GPU") == std::string::npos);
+      CHECK(log.find(" verbs, region in GPU memory (GPUDirect writes ordering") != std::string::npos);
+      CHECK(log.find("registered with the NIC through dma-buf) + GPU GEMM") != std::string::npos);
+      CHECK(log.find(" tcp, region") == std::string::npos);
+      CHECK(log.find("no dma-buf") == std::string::npos);
       CHECK(log.find("verbs double: registered GPU") != std::string::npos);
       CHECK(log.find("enters the error state") == std::string::npos);
     }
@@ -679,12 +683,9 @@ TEST_CASE("two nodes, daemon executor (MPS): the fused GEMMs across nodes run on
     MESSAGE("skipped: MPS is not running (the daemon executor needs it)");
     return;
   }
-  // One rank per node: tandemd runs the op in its own context, beside the daemon executor's persistent kernel. Over
-  // tcp with the GPU-issued exchange (its region in host memory); over verbs on the double with the staged one, since
-  // tandemd keeps a GPU-memory region off under MPS (it stalled there on the H200), unless TANDEM_GPU_EXCHANGE_MPS=1
-  // in this test's environment (the daemons inherit it) forces the GPU path, to measure whether verbs is affected.
-  const char* force = std::getenv("TANDEM_GPU_EXCHANGE_MPS");
-  const bool forced = force != nullptr && std::string_view(force) == "1";
+  // One rank per node: tandemd runs the op in its own context, beside the daemon executor's persistent kernel. The
+  // GPU-issued exchange over both transports, its region in host memory: on tcp always, on verbs because a
+  // GPU-memory region stalled under MPS on the double (chooseRegionMemory).
   for (const std::string transport : {"tcp", "verbs"}) {
     CAPTURE(transport);
     TwoNodes c("daemon", "on", transport);
@@ -698,11 +699,11 @@ TEST_CASE("two nodes, daemon executor (MPS): the fused GEMMs across nodes run on
       INFO(c.logs());
       CHECK(results[r].rfind("OK", 0) == 0);
     }
-    const std::string plan = transport == "tcp" || forced ? kGpuExchangePlan
-                                                          : "staged exchange + GPU GEMM; not GPU-issued: MPS";
+    const std::string plan = kGpuExchangePlan;
     for (const auto& d : c.daemons) {
       INFO(d->log());
       for (const auto& shape : gpuCases(2)) CHECK(logShowsPlan(d->log(), shape, 2, plan));
+      if (transport == "verbs") CHECK(d->log().find("region in mapped host memory (MPS") != std::string::npos);
       CHECK(eventually([&] { return status(*d)["total_bytes"] == 0 && status(*d)["communicators"].empty(); }, 10000));
     }
   }
