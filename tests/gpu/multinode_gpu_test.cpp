@@ -809,6 +809,35 @@ bool logShowsNode1Lost(const std::string& log, const std::string& why) {
   return false;
 }
 
+// The opening of both node failure cases: as in the killed rank case, after a first op through the GPU exchange
+// node 0 pushes its shards and its GPU spins on node 1's arrived flag, which never comes (node 1's rank is gated).
+// Then `sig` goes to node 1's tandemd, and node 0's stream must come back with PEER_LOST within `withinMs`, the GPU
+// path having run. Returns node 1's rank, still gated, for the case to finish.
+Rank expectReleasedWhenNode1Gets(TwoNodes& c, int sig, long long withinMs) {
+  tandem_unique_id_t id;
+  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
+  Rank survivor = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[0]->socket(), id, 0, false); });
+  Rank victim = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[1]->socket(), id, 1, true); });
+  REQUIRE(survivor.read(60000) == "submitted");
+  REQUIRE(victim.read(60000) == "submitted");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto hitAt = Clock::now();
+  c.daemons[1]->signal(sig);
+  // Nothing here asks node 1's daemon anything (stopped, tandemctl would wait for it).
+  survivor.tell("sync");
+  const std::string result = survivor.read(30000);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - hitAt).count();
+  survivor.reap();
+  INFO("node 0's rank, " << ms << " ms after signal " << sig << " to node 1's tandemd: " << result);
+  INFO(c.logs());
+  CHECK(releasedWith(result, TANDEM_ERROR_PEER_LOST));
+  CHECK(ms < withinMs);
+  MESSAGE("node 0's stream released ", ms, " ms after signal ", sig, " to node 1's tandemd");
+  CHECK(logShowsPlan(c.daemons[0]->log(), shapeOf(OpKind::kAgGemm, DType::kBF16, 2048, 2048, 2048), 2,
+                     kGpuExchangePlan));
+  return victim;
+}
+
 }  // namespace
 
 TEST_CASE("two nodes, one GPU each: a tandemd killed while the other node's GPU waits on its arrived flag releases "
@@ -819,29 +848,9 @@ TEST_CASE("two nodes, one GPU each: a tandemd killed while the other node's GPU 
   }
   TwoNodes c;
   REQUIRE_MESSAGE(c.connected(), c.logs());
-  tandem_unique_id_t id;
-  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
-  // As in the killed rank case: after a first op through the GPU exchange node 0 pushes its shards and its GPU spins
-  // on node 1's arrived flag, which never comes (node 1's rank is gated). This time node 1's daemon dies: node 0's
-  // transport sees its connections close, losing the node fails the communicator, and the abort word ends the wait.
-  Rank survivor = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[0]->socket(), id, 0, false); });
-  Rank victim = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[1]->socket(), id, 1, true); });
-  REQUIRE(survivor.read(60000) == "submitted");
-  REQUIRE(victim.read(60000) == "submitted");
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  const auto killedAt = Clock::now();
-  c.daemons[1]->signal(SIGKILL);
-  survivor.tell("sync");
-  const std::string result = survivor.read(30000);
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - killedAt).count();
-  survivor.reap();
-  {
-    INFO("node 0's rank, " << ms << " ms after node 1's tandemd was killed: " << result);
-    INFO(c.logs());
-    CHECK(releasedWith(result, TANDEM_ERROR_PEER_LOST));
-    CHECK(ms < 20000);  // not the kernels' 60 s deadline
-    MESSAGE("node 0's stream released ", ms, " ms after the kill");
-  }
+  // Node 1's daemon dies: node 0's transport sees its connections close, losing the node fails the communicator, and
+  // the abort word ends the GPU's wait (not the kernels' 60 s deadline).
+  Rank victim = expectReleasedWhenNode1Gets(c, SIGKILL, 20000);
   // Node 1's rank lost its daemon (its next call would say DAEMON_LOST) and its stream stays gated: it goes too, before
   // the restarted daemon takes the GPU.
   victim.kill();
@@ -850,7 +859,6 @@ TEST_CASE("two nodes, one GPU each: a tandemd killed while the other node's GPU 
   {
     const std::string log0 = c.daemons[0]->log();
     INFO(log0);
-    CHECK(logShowsPlan(log0, shapeOf(OpKind::kAgGemm, DType::kBF16, 2048, 2048, 2048), 2, kGpuExchangePlan));
     CHECK(logShowsNode1Lost(log0, ""));
     CHECK(eventually([&] { return status(*c.daemons[0])["cluster"]["nodes"][1]["state"] == "failed"; }, 5000));
     CHECK(eventually([&] {
@@ -875,30 +883,13 @@ TEST_CASE("two nodes, one GPU each: a hung node (a cut link) while the other nod
   }
   TwoNodes c;
   REQUIRE_MESSAGE(c.connected(), c.logs());
-  tandem_unique_id_t id;
-  REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
   // On loopback a hung node stands in for a cut link (tests/integration/multinode_test.cpp does the same): node 1's
-  // tandemd is stopped, not dead, so no connection closes and only the heartbeat deadline can find it.
-  Rank survivor = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[0]->socket(), id, 0, false); });
-  Rank victim = spawn([&](const Io& io) { return warmGatedRank(io, c.daemons[1]->socket(), id, 1, true); });
-  REQUIRE(survivor.read(60000) == "submitted");
-  REQUIRE(victim.read(60000) == "submitted");
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  const auto stoppedAt = Clock::now();
-  c.daemons[1]->signal(SIGSTOP);
-  // Until the SIGCONT below nothing may ask node 1's daemon anything (tandemctl would wait for it).
-  survivor.tell("sync");
-  const std::string result = survivor.read(30000);
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - stoppedAt).count();
-  survivor.reap();
+  // tandemd is stopped, not dead, so no connection closes and only the heartbeat deadline can find it (within the
+  // deadline, its heartbeat ticks and the release, as the CPU case).
+  Rank victim = expectReleasedWhenNode1Gets(c, SIGSTOP, kPeerLostDeadlineMs + 3000);
   {
-    INFO("node 0's rank, " << ms << " ms after node 1's tandemd was stopped: " << result);
-    INFO(c.logs());
-    CHECK(releasedWith(result, TANDEM_ERROR_PEER_LOST));
-    CHECK(ms < kPeerLostDeadlineMs + 3000);  // the deadline, its heartbeat ticks and the release, as the CPU case
-    MESSAGE("node 0's stream released ", ms, " ms after node 1 hung");
     const std::string log0 = c.daemons[0]->log();
-    CHECK(logShowsPlan(log0, shapeOf(OpKind::kAgGemm, DType::kBF16, 2048, 2048, 2048), 2, kGpuExchangePlan));
+    INFO(log0);
     // Silence found it: the heartbeat deadline, not a closed connection.
     CHECK(logShowsNode1Lost(log0, fmt::format("deadline {} ms", kPeerLostDeadlineMs)));
     CHECK(status(*c.daemons[0])["cluster"]["nodes"][1]["state"] == "failed");
