@@ -1273,12 +1273,14 @@ void HostStaging::allGatherGpu(Collective& c, const ExchangeOp& op) {
   }
   // The inboxes into every local rank's recv on the lead's copy stream (only the region's GPU reads its inboxes).
   order(leadDev, exch, lead.copy.get());
-  for (uint32_t p : region.layout().peers()) {
-    const std::vector<uint32_t> from = ranksOnNode(op, p);
-    for (std::size_t i = 0; i < from.size(); ++i) {
-      for (uint32_t r : mine) {
-        k::CudaDeviceGuard guard(leadDev);
-        copyAsync(recv(r) + from[i] * bytes, region.inbox(p) + i * bytes, bytes, lead.copy.get(), "inbox to recv");
+  {
+    k::CudaDeviceGuard guard(leadDev);
+    for (uint32_t p : region.layout().peers()) {
+      const std::vector<uint32_t> from = ranksOnNode(op, p);
+      for (std::size_t i = 0; i < from.size(); ++i) {
+        for (uint32_t r : mine) {
+          copyAsync(recv(r) + from[i] * bytes, region.inbox(p) + i * bytes, bytes, lead.copy.get(), "inbox to recv");
+        }
       }
     }
   }

@@ -258,8 +258,11 @@ RegionChoice regionChoiceFor(transport::TransportKind transport, int dev) {
   if (const char* e = std::getenv("TANDEM_GPU_REGION"); e != nullptr && *e != '\0') {
     const std::string_view v(e);
     if (v == "device" || v == "host") {
+      // Forced into GPU memory, it still flushes where the rule would for a NIC's writes (tcp's are the host's copies).
+      RegionFacts nic = f;
+      nic.tcp = nic.mps = false;
       c.host = v == "host";
-      c.flushOnArrival = !c.host && !f.tcp && f.canFlushOnWait && f.writesOrdering < 100;
+      c.flushOnArrival = !c.host && !f.tcp && chooseRegionMemory(nic).flushOnArrival;
       c.why = fmt::format("region in {} (TANDEM_GPU_REGION={})", c.host ? "mapped host memory" : "GPU memory", v);
     } else {
       spdlog::warn("TANDEM_GPU_REGION={} is neither device nor host; ignored", v);
@@ -269,14 +272,11 @@ RegionChoice regionChoiceFor(transport::TransportKind transport, int dev) {
 }
 
 GpuRegion::GpuRegion(std::shared_ptr<GpuProxy> proxy, GpuRegionLayout layout, std::weak_ptr<CommLink> link,
-                     std::chrono::milliseconds grace, std::optional<bool> hostMemory)
+                     std::chrono::milliseconds grace)
     : proxy_(std::move(proxy)), layout_(std::move(layout)), grace_(grace) {
   const int dev = proxy_->device();
   const transport::TransportKind kind = proxy_->transport().kind();
-  RegionChoice choice = regionChoiceFor(kind, dev);
-  if (hostMemory.has_value() && *hostMemory != choice.host) {
-    choice = {*hostMemory, false, fmt::format("region in {} (asked for)", *hostMemory ? "mapped host memory" : "GPU memory")};
-  }
+  const RegionChoice choice = regionChoiceFor(kind, dev);
   host_ = choice.host;
   flushOnArrival_ = choice.flushOnArrival;
   describe_ = choice.why;

@@ -55,7 +55,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -200,11 +199,11 @@ RegionChoice regionChoiceFor(transport::TransportKind transport, int dev);
 /// GPU-exchange op; used by that thread only, except abort() (any thread).
 class GpuRegion {
  public:
-  /// Allocates and zeroes the region (on the proxy's GPU, or in mapped pinned host memory: `hostMemory`, else
-  /// regionChoiceFor), registers it (GPU memory on verbs: through a dma-buf of it where the driver exports one). `link`: aborted when the proxy fails one of its commands. Throws Error(kCuda) or the
-  /// transport's error.
+  /// Allocates and zeroes the region (on the proxy's GPU or in mapped pinned host memory: regionChoiceFor),
+  /// registers it (GPU memory on verbs: through a dma-buf of it where the driver exports one). `link`: aborted when
+  /// the proxy fails one of its commands. Throws Error(kCuda) or the transport's error.
   GpuRegion(std::shared_ptr<GpuProxy> proxy, GpuRegionLayout layout, std::weak_ptr<CommLink> link,
-            std::chrono::milliseconds grace, std::optional<bool> hostMemory = std::nullopt);
+            std::chrono::milliseconds grace);
   ~GpuRegion();
   GpuRegion(const GpuRegion&) = delete;
   GpuRegion& operator=(const GpuRegion&) = delete;
