@@ -1,4 +1,4 @@
-# AllGather and empty-op round trip on the cuda backend (issue 4). Included from bench/CMakeLists.txt inside
+# AllGather and empty-op round trip on the cuda backend. Included from bench/CMakeLists.txt inside
 # if(TANDEM_HAVE_CUDA). Run on the GPU machine (scripts/gpu-check.sh does):
 #   allgather_bench [--ranks 2] [--executor client|daemon] [--json FILE]   vs ncclAllGather when NCCL is found
 #   roundtrip_bench [--executor client|daemon] [--ranks 1|2]

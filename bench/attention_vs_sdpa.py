@@ -15,7 +15,7 @@ counts) and, right after it on the same shape, runs BENCH (attention_bench) with
 default configuration R times on the same inputs, each row checked against an fp32 reference. So cuDNN and the core
 of one shape are timed back to back, shape by shape. Prints one line per shape as it goes and a table at the end
 (the core's TFLOP/s: the mean of its rounds, with their min and max); writes bench logs and ab.json into --out.
-(lane0 is the only loop control built; the hoist A/B this mode ran before is in bench/RESULTS.md, session 8.)
+(lane0 is the only loop control built; the earlier hoist A/B is in bench/RESULTS.md.)
 
   python3 bench/attention_vs_sdpa.py --run BENCH [--seqs 4096,8192,16384,32768] [--causal both|0|1] [--rounds 2]
                                      [--out DIR] [--bench-timeout S]

@@ -4,7 +4,7 @@
 //               several producers) 8 per claim (NullTransport, the shipped one)
 //   latency     push-to-post time per command: unloaded (one command in flight, ping-pong) and saturated
 //               (producers pushing flat out; includes queueing, so it mostly measures the ring depth)
-// Target (issue 7): >= 10 million commands/s per proxy thread. Results: bench/RESULTS.md.
+// Target: >= 10 million commands/s per proxy thread. Results: bench/RESULTS.md.
 //
 // Usage: tandem_fifo_bench [--commands N] [--capacity C] [--batch B] [--producers P[,P...]] [--push-batch N]
 //                          [--latency-samples N]

@@ -4,7 +4,7 @@
 It predicts, per op and shape, the time of the unfused path (the collective, then the GEMM, or the GEMM then the
 collective) and of tandem's hierarchical fused path (NVLink inside the node, one aggregated payload per node pair over
 the NICs, GPU-issued transfer commands through the proxy FIFO), from per-link rates. The inputs that can be measured on
-one H200 are measured (bench/RESULTS.md, session 6; ../shared/GPU.md); the NIC rates are assumptions, stated below and
+one H200 are measured (bench/RESULTS.md; ../shared/GPU.md, outside this repository); the NIC rates are assumptions, stated below and
 in the doc, to be replaced by a real cluster's measurements (--nic-gbps, --nic-eff, --nic-latency-us).
 
   python3 bench/multinode_model.py [--nodes 2,4,8,16] [--json FILE] [--nic-gbps 400] [--nic-eff 0.85] ...
@@ -22,7 +22,7 @@ GEMM_TFLOPS = 720.0
 # ../shared/GPU.md (nvidia-h200-x2, 2026-11-29): SM-driven peer copies reach 324 GB/s with 32 blocks; copier warps
 # inside the fused kernels (the winning "copy" transport) move partials at well under that without slowing the GEMM.
 NVLINK_GBS = 324.0
-# Session 6, call 2 (proxy_push_bench on one H200): a GPU producer's signalled command round trip to the proxy,
+# proxy_push_bench on one H200 (bench/RESULTS.md): a GPU producer's signalled command round trip to the proxy,
 # p50 3.36 us with the FIFO head in device memory; the proxy drains 23-27 M commands/s per thread.
 PROXY_RTT_US = 3.36
 PROXY_MCMDS = 23.0

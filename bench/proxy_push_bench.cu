@@ -21,7 +21,7 @@
 //               (pageable host memory <-> pinned bounce <-> GPU), against plain cudaMemcpy of the same memory.
 //
 // Usage: proxy_push_bench [--commands N] [--samples N] [--capacity C] [--json FILE]
-// Results: bench/RESULTS.md (the lead records them).
+// Results: bench/RESULTS.md.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>

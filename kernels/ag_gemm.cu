@@ -1,4 +1,4 @@
-// Fused AllGather + GEMM (issue 5): the persistent fused kernel (comm CTAs + compute CTAs from one role table), the
+// Fused AllGather + GEMM: the persistent fused kernel (comm CTAs + compute CTAs from one role table), the
 // all-gather kernel of the decomposed plan, and the host launcher. Device pieces: device/ag_gemm_sm90.cuh (which
 // reuses the GEMM core of device/gemm_sm90.cuh).
 #include <cuda.h>

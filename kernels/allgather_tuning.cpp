@@ -35,7 +35,7 @@ AgTuning allgatherTuning(uint64_t bytes, uint32_t maxCtas) {
   const uint64_t envChunk = envU64("TANDEM_AG_CHUNK", 0);
   const char* m = std::getenv("TANDEM_AG_MODE");
   const AgMode envMode = (m != nullptr && std::strcmp(m, "pull") == 0) ? AgMode::kPull : AgMode::kPush;
-  // Default CTA cap, measured on nvidia-h200-x2 (bench/RESULTS.md, session 1): from 64 MiB per rank 64 pushing CTAs
+  // Default CTA cap, measured on two H200s (bench/RESULTS.md): from 64 MiB per rank 64 pushing CTAs
   // beat 32 (241 vs 209 GB/s bus bandwidth at 64 MiB, 299 vs 228 at 256 MiB, 322 vs 233 at 1 GiB) and beat NCCL; below
   // 32 MiB the extra CTAs only add flag traffic.
   uint32_t cap = maxCtas != 0 ? maxCtas : (bytes >= (uint64_t{32} << 20) ? 64 : 32);

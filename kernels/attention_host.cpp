@@ -52,7 +52,7 @@ int envLoopControl() {
 // lane0's own two rounds there (586.6 and 605.1 TFLOP/s). Table (loop control 1) is no longer built. Neither is
 // hoist (loop control 3: lane0 with the wgmma descriptors built once per kernel; per-KV-block loop 812 SASS
 // instructions instead of 860 at bf16 hd128 bn176): hoist / lane0 measured 0.947-0.994 at 6 of 8 shapes and 1.006 /
-// 1.010 at the other two, inside the noise (bench/RESULTS.md, session 8, call 1), so a second kernel set would cost
+// 1.010 at the other two, inside the noise (bench/RESULTS.md), so a second kernel set would cost
 // compile time and code for nothing. lane0 is the only loop control built; loopControl and TANDEM_ATTN_LOOP stay
 // for the refusals.
 

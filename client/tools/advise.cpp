@@ -235,8 +235,8 @@ const std::vector<uint16_t>& randomBlock() {
 }
 
 // Allocates the buffers of `desc` and fills them: on a GPU with the inputs `tandemctl run` makes there (a distinct
-// uniform value per element and buffer, as fused_e2e_bench's fillUniform: call 1 of session 7 still read advise 8-18%
-// below fused_e2e_bench with randomBlock() tiled, whose 4 MiB repeat puts the same values in A and B); on the host with
+// uniform value per element and buffer, as fused_e2e_bench's fillUniform: advise read 8-18% below fused_e2e_bench
+// with randomBlock() tiled, whose 4 MiB repeat puts the same values in A and B); on the host with
 // randomBlock() tiled.
 void allocate(tandem_session_t session, bool cuda, const OpDescriptor& desc, OpBuffers& out) {
 #ifdef TANDEM_HAVE_CUDA
@@ -512,7 +512,7 @@ class Rank {
   // per op. Timed as fused_e2e_bench times (so that the two agree): one op at a time, each after a barrier of the
   // communicator and bracketed by CUDA events on its stream (cpu backend: the wall clock from submit to done), the
   // two buffer sets alternating. Back to back, with no barrier and one set, ops overlap their neighbours' launch and
-  // tail and hit a warm L2: that read 10-12% below fused_e2e_bench on the H200 (session 6).
+  // tail and hit a warm L2: that read 10-12% below fused_e2e_bench on the H200.
   double time(tandem_comm_t comm, const OpSets& s, const PlanKey& key, const PlanChoice& plan) {
     client::setCommPlan(comm, key, plan);
     if (hasTable_ && rank_ == 0) {

@@ -214,6 +214,11 @@ constexpr auto kDaemonFields = std::to_array<Field<DaemonSection>>({
     {"log_level", "Log verbosity: trace, debug, info, warn or error.", &DaemonSection::logLevel},
     {"worker_threads", "Threads the cpu backend runs ops on; 0 = one per hardware thread.",
      &DaemonSection::workerThreads, {0, kMaxWorkerThreads}},
+    {"stop_grace_ms",
+     "After SIGTERM or SIGINT, tandemd closes every session and finishes running ops; if that takes\n"
+     "longer than this, it exits at once (status 1) with the reason in its log, rather than hang the\n"
+     "node's shutdown. Keep it below the unit's TimeoutStopSec.",
+     &DaemonSection::stopGraceMs, {100, 3600000}},
 });
 
 constexpr auto kAccessFields = std::to_array<Field<AccessSection>>({
@@ -359,9 +364,9 @@ constexpr auto kClusterFields = std::to_array<Field<ClusterSection>>({
      "themselves for ag-gemm, gemm-rs, gemm-ar and allgather (a proxy thread per GPU posts them; verbs\n"
      "writes GPU memory to GPU memory, tcp sends from and receives into mapped pinned host memory that the\n"
      "GPUs fill and read by DMA); off moves them through host memory on tandemd's link thread (the staged\n"
-     "exchange). Over tcp on one H200 the two measured the same (0.97-1.11x, bench/RESULTS.md, session 9).\n"
-     "Ops the GPU exchange cannot take use the staged path either way, and each op's plan line names its\n"
-     "path. Under MPS it stays off on verbs (with its region in GPU memory it stalled there on the H200).\n"
+     "exchange). Over tcp on one H200 the two measured the same (bench/RESULTS.md). Ops the GPU\n"
+     "exchange cannot take use the staged path either way, and each op's plan line names its path. Under\n"
+     "MPS on verbs its region is in mapped pinned host memory (a GPU-memory region stalled there).\n"
      "Must be the same on every node. Each communicator that uses it holds staging_bytes x its nodes of\n"
      "memory (pinned host memory on tcp, GPU memory on verbs) for its first local rank's GPU: an inbox per\n"
      "peer node and one send area.",

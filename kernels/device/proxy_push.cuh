@@ -99,7 +99,7 @@ namespace detail {
 __device__ __forceinline__ ProxyPushStatus proxyWaitForRoom(ProxyPusher& p, uint64_t last) {
   if (!::tandem::proxy::fifo::looksFull(last, p.tailCache, p.fifo.capacity)) return ProxyPushStatus::kOk;
   const uint64_t start = globaltimerNs();
-  // No backoff between re-reads: one of 64 ns doubling to 2 us was measured on the H200 (call 3) and cut draining
+  // No backoff between re-reads: one of 64 ns doubling to 2 us was measured on the H200 (proxy_push_bench) and cut draining
   // with 8 and 32 CTAs x 4 warps from 24-27 to 20 M commands/s, without helping 132 CTAs (7 M/s either way;
   // likely cause: claimed tickets still waiting to be published, at which the consumer stalls).
   for (;;) {

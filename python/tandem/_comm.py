@@ -128,7 +128,7 @@ class Communicator:
         # The fast path of the GEMM ops, allgather and barrier: one C call each (_tandem_fastcall.Hot) where the
         # module is built, else the Python methods below (_gemm_fast, ...). Either returns None where the full path
         # must decide (it validates argument by argument, stages cpu tensors, records into a CUDA graph).
-        # Both backends (the cuda steps checked on an H200 at 1 and 2 ranks, bench/RESULTS.md session 8;
+        # Both backends (the cuda steps checked on an H200 at 1 and 2 ranks, bench/RESULTS.md;
         # TANDEM_NO_FASTCALL=1 keeps the Python path).
         use_c = _capi.Hot is not None and _HOT_FITS
         self._hot = _capi.Hot() if use_c else _PyHot()

@@ -1,4 +1,4 @@
-// Multi-node (issue 7): several tandemd processes, each one "node", connected by the tcp transport. Where the
+// Multi-node: several tandemd processes, each one "node", connected by the tcp transport. Where the
 // test may create network namespaces each node lives in its own, linked through a bridge, so a link can be
 // cut; otherwise the nodes use distinct loopback addresses and a hung node (SIGSTOP) stands in for a cut link.
 // Clients are tandemctl processes on every node, each running its share of one communicator's ranks.

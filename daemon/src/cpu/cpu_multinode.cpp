@@ -1,4 +1,4 @@
-// The CPU backend's collectives across nodes (issue 7): hierarchical, so that one payload per node pair
+// The CPU backend's collectives across nodes: hierarchical, so that one payload per node pair
 // crosses the network per op. Inside a node the ranks' memory is all mapped by this daemon (the CPU
 // backend's "NVLink"); between nodes every node exchanges one aggregated payload with every other through
 // CommLink::exchange (proxy FIFO -> transport -> the peer's staging inbox).

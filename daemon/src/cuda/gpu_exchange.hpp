@@ -24,7 +24,7 @@
 // on the verbs test double, cause unknown). On tcp, in mapped pinned host memory: tcp's bytes pass through the host's
 // socket buffers whatever the region is, and a GPU-memory region on tcp costs a staged copy per 512 KiB frame on both
 // sides, each waited for on the sending proxy thread or the receiving io thread (the H200 measured that path 1.4-2.3x
-// slower than the host-staged exchange, session 8). From host memory tcp sends zero-copy and receives straight into
+// slower than the host-staged exchange, bench/RESULTS.md). From host memory tcp sends zero-copy and receives straight into
 // the inbox; the GPU fills the send area and reads the inboxes by DMA (the copy engines) or in place (the node-sum
 // kernels), over PCIe, and polls the flags there as it polls the plan page. TANDEM_GPU_REGION=device|host overrides
 // the choice (for measurements).

@@ -1,4 +1,4 @@
-// Fused AllGather + GEMM over NVLink (issue 5). n ranks, one GPU each. Rank r holds the row shard
+// Fused AllGather + GEMM over NVLink. n ranks, one GPU each. Rank r holds the row shard
 // A[rowOffset(m, r, n) .. + rowsOf(m, r, n)) as [rows, k]; every rank has its own B [n_cols, k]; every rank gets
 // C = gather(A) · Bᵀ, [m, n_cols], and the gathered A [m, k] in its gathered buffer (workspace and output).
 //

@@ -1,4 +1,4 @@
-// Fused GEMM + AllReduce over NVLink (issue 6). Inputs as GEMM + ReduceScatter (gemm_rs.hpp: K split across ranks);
+// Fused GEMM + AllReduce over NVLink. Inputs as GEMM + ReduceScatter (gemm_rs.hpp: K split across ranks);
 // every rank receives the full C = Σ_r A_r · B_rᵀ, [m, n].
 //
 // Plans (GemmRsPlan; chooseGemmArPlan picks from measurements, see gemm_ar.cu):

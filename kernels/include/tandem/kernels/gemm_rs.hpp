@@ -1,4 +1,4 @@
-// Fused GEMM + ReduceScatter over NVLink (issue 6). n ranks, one GPU each. K is split across ranks: rank r holds
+// Fused GEMM + ReduceScatter over NVLink. n ranks, one GPU each. K is split across ranks: rank r holds
 // A_r [m, k_r] and B_r [n, k_r] (both K-major); C = Σ_r A_r · B_rᵀ (fp32 accumulation, rounded once to the output
 // dtype). ReduceScatter: rank r receives C[rows_of(m, r, nranks)] as [rows, n]. GEMM + AllReduce (gemm_ar.hpp) shares
 // the parameters, the workspace and most of the device code.
