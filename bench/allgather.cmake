@@ -1,5 +1,5 @@
 # AllGather and empty-op round trip on the cuda backend. Included from bench/CMakeLists.txt inside
-# if(TANDEM_HAVE_CUDA). Run on the GPU machine (scripts/gpu-check.sh does):
+# if(TANDEM_HAVE_CUDA). Run on a GPU host (`scripts/gpu-check.sh bench-comm` does):
 #   allgather_bench [--ranks 2] [--executor client|daemon] [--json FILE]   vs ncclAllGather when NCCL is found
 #   roundtrip_bench [--executor client|daemon] [--ranks 1|2]
 # Results: bench/RESULTS.md, "GPU runtime: AllGather and round trip".

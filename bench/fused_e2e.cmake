@@ -2,7 +2,7 @@
 # client, one process per GPU) vs NCCL + cuBLASLt in the same processes (included from bench/CMakeLists.txt inside
 # if(TANDEM_HAVE_CUDA)). NCCL is the baseline, so without nccl.h / libnccl the target is skipped with a message and the
 # rest of the project still configures and builds.
-# Run on nvidia-h200-x2 (scripts/gpu-check.sh does):
+# Run on a GPU host (`scripts/gpu-check.sh bench-fused` runs it at one rank):
 #   fused_e2e_bench [--iters 20] [--warmup 3] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--gathered] [--json FILE]
 # Exits 1 when tandem's output differs from the baseline's (rel. error >= 1e-2 or a non-finite value), 2 on errors.
 if(TANDEM_HAVE_CUDA)

@@ -5,8 +5,8 @@ compiled extension, where pybind11 is importable), and through tandem's public A
 usage: python overhead.py BASELINE_BINARY [--noop LIBTANDEM_NOOP] [--iters N]
   BASELINE_BINARY: overhead_baseline.c compiled against the same libtandem (python/bench/build.sh does it).
 Needs a running tandemd ($TANDEM_SOCKET or the default socket). One rank. Prints a table and one JSON line.
-It runs with the package on sys.path, whichever that is: scripts/py-gpu-run.sh also runs an older package's copy of
-this file against that package, as the same-call baseline.
+It runs with the package on sys.path, whichever that is, so an older package's copy of this file measures that
+package the same way. `scripts/gpu-check.sh bench-python` runs it on the cuda backend.
 
 cpu backend: every call submits and waits (the daemon round trip is in every row, and cancels in the differences).
 cuda backend: every call enqueues on the current stream (torch's default stream, the legacy stream the C loop uses);

@@ -126,7 +126,7 @@ void setBlocking(int fd) { REQUIRE(::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~
 }  // namespace
 
 // Attacks that reach paths every backend shares (wakeups, completions, admission, registration, fds, rendezvous).
-// TANDEM_HOSTILE_BACKEND=cuda runs them against a cuda tandemd (scripts/hostile-gpu-run.sh).
+// TANDEM_HOSTILE_BACKEND=cuda runs them against a cuda tandemd (`scripts/gpu-check.sh hostile`).
 TEST_SUITE("hostile clients (any backend)") {
   TEST_CASE("a client that blocks and floods its own wakeup channels cannot hang the daemon") {
     // Before: the completion eventfd was shared by fd; a client that saturated it and cleared O_NONBLOCK made the

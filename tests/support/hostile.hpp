@@ -48,7 +48,7 @@ inline constexpr const char* kFastLimits =
     "  frame_timeout_ms: 300\n";
 
 // The backend the attacks of the suite "hostile clients (any backend)" run against: cpu, or cuda when
-// TANDEM_HOSTILE_BACKEND=cuda (scripts/hostile-gpu-run.sh). The other cases are about the cpu backend or the
+// TANDEM_HOSTILE_BACKEND=cuda (`scripts/gpu-check.sh hostile`). The other cases are about the cpu backend or the
 // control plane alone and always run a cpu tandemd.
 inline std::string hostileBackend() {
   const char* b = std::getenv("TANDEM_HOSTILE_BACKEND");

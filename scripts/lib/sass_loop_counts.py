@@ -5,7 +5,7 @@ in its innermost loop that issues wgmma (the smallest span from a backward branc
 an HGMMA: the attention consumer's per-KV-block loop). A loop that ptxas takes for divergent shows a WARPSYNC and
 R2UR descriptor moves before its GEMM batches; a warp-uniform one has none.
 
-  cuobjdump -sass OBJ | python3 scripts/sass_loop_counts.py [NAME_REGEX]
+  cuobjdump -sass OBJ | python3 scripts/lib/sass_loop_counts.py [NAME_REGEX]
 """
 import re
 import subprocess
