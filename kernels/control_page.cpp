@@ -88,4 +88,11 @@ std::optional<ErrorSlot> ControlPage::failure() const noexcept {
   return e;
 }
 
+std::optional<OpFault> ControlPage::fault(uint64_t epoch) const noexcept {
+  const OpFault& f = memory()->faults[epoch % kVerdictRing];
+  // acquire: pairs with the kernel's stReleaseSys of `epoch` after it wrote the other fields (moe.cu reportMoeError).
+  if (ldAcquire(f.epoch) != epoch) return std::nullopt;
+  return f;
+}
+
 }  // namespace tandem::kernels

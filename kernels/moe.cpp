@@ -201,6 +201,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   p.verdictRejected = c.verdictRejected;
   p.abortWord = c.abortWord;
   p.errorSlot = c.errorSlot;
+  p.fault = c.fault;
   p.timeoutNs = c.timeoutNs;
   p.epoch = c.epoch;
   p.rank = static_cast<int32_t>(c.rank);

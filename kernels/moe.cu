@@ -40,11 +40,19 @@ __device__ __forceinline__ WaitCtx waitCtxOf(const MoeKernelParams& p) {
   return ctx;
 }
 
-// Reports an error of the op itself (not of a wait): `atFault` is the rank whose ids or capacity caused it.
+// Reports an error of the op itself (not of a wait) into its OpFault: the op fails, the communicator does not.
+// `atFault` is the rank whose ids or capacity caused it. One thread (the plan kernel's thread 0) calls it, once per op.
 __device__ __forceinline__ void reportMoeError(const MoeKernelParams& p, WaitError code, uint32_t atFault,
                                                uint32_t chunk, uint64_t observed) {
-  WaitCtx ctx{p.abortWord, p.errorSlot, 0, static_cast<uint32_t>(p.op), atFault, static_cast<uint32_t>(p.rank)};
-  reportWaitError(ctx, code, chunk, p.epoch, observed);
+  OpFault* const f = p.fault;
+  if (f == nullptr) return;
+  f->code = static_cast<uint32_t>(code);
+  f->atFault = atFault;
+  f->chunk = chunk;
+  f->op = static_cast<uint32_t>(p.op);
+  f->observed = observed;
+  // release: publishes the fields; pairs with ControlPage::fault's acquire load of `epoch` on the host.
+  stReleaseSys(&f->epoch, p.epoch);
 }
 
 __device__ __forceinline__ int32_t ldState(const MoeKernelParams& p) {

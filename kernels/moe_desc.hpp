@@ -107,7 +107,8 @@ struct MoeKernelParams {
   const uint64_t* verdictSlot;  // optional: this epoch's entry of the control page's verdict ring
   uint64_t verdictRejected;     // the value that entry holds when tandemd rejected the op
   const uint64_t* abortWord;
-  ErrorSlot* errorSlot;
+  ErrorSlot* errorSlot;  // a failed wait (fails the communicator)
+  OpFault* fault;        // optional: this op's data error (fails the op only)
   uint64_t timeoutNs;
   uint64_t epoch;
   int32_t rank, nranks;

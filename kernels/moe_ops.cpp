@@ -107,6 +107,8 @@ std::string launchMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, uint6
   const MoeParams p = paramsOf(d, ptrs);
   MoeComm c = commOf(p, env);
   c.epoch = epoch;
+  // A data error fails this op only: it goes to the epoch's entry of the fault ring, which tandemd reads at completion.
+  if (env.ctl != nullptr) c.fault = &env.ctl->faults[epoch % kVerdictRing];
   if (readVerdict && env.ctl != nullptr) {
     c.verdictSlot = &env.ctl->verdict[epoch % kVerdictRing];
     c.verdictRejected = epoch | kVerdictRejected;

@@ -206,38 +206,32 @@ bool NodeComm::releasePending() {
 
 namespace {
 
-// The MoE kernels' own errors (moe.cu: the plan kernel finds them in the routing table, alike on every rank).
-std::string moeErrorText(const k::ErrorSlot& e) {
-  const auto kind = static_cast<OpKind>(e.op);
-  if (e.code == static_cast<uint32_t>(k::WaitError::kMoeRouting)) {
-    const auto slotIndex = static_cast<uint32_t>((e.observed >> 32) & 0x3fffffffu);
-    const auto value = static_cast<int32_t>(static_cast<uint32_t>(e.observed));
-    if ((e.observed >> 62) & 1u) {
-      return fmt::format("{}: rank {} token {} names expert {} twice (topk_ids[{}][{}]); a token's top-k experts must "
-                         "be distinct", opKindName(kind), e.role, e.chunk, value, e.chunk, slotIndex);
-    }
-    return fmt::format("{}: rank {} topk_ids[{}][{}] = {} is out of range [0, experts); pass expert ids in [0, "
-                       "experts)", opKindName(kind), e.role, e.chunk, slotIndex, value);
-  }
-  if (kind == OpKind::kMoeDispatchFfnCombine) {
-    return fmt::format("{}: rank {} receives {} rows but its workspace holds {} receive rows; set cuda.workspace_bytes "
-                       "larger in tandemd's config (by at least {:.1f} times) and restart it, or split the op",
-                       opKindName(kind), e.role, e.observed, e.chunk,
-                       static_cast<double>(e.observed) / static_cast<double>(std::max<uint32_t>(e.chunk, 1)));
-  }
-  return fmt::format("{}: rank {} receives {} rows but capacity is {}; pass capacity >= {}", opKindName(kind), e.role,
-                     e.observed, e.chunk, e.observed);
-}
-
-bool isMoeError(const k::ErrorSlot& e) {
-  return e.code == static_cast<uint32_t>(k::WaitError::kMoeRouting) ||
-         e.code == static_cast<uint32_t>(k::WaitError::kMoeCapacity);
-}
-
 }  // namespace
 
+// The MoE kernels' data errors (moe.cu: the plan kernel finds them in the routing table, alike on every rank).
+std::string opFaultText(const k::OpFault& f) {
+  const auto kind = static_cast<OpKind>(f.op);
+  if (f.code == static_cast<uint32_t>(k::WaitError::kMoeRouting)) {
+    const auto slotIndex = static_cast<uint32_t>((f.observed >> 32) & 0x3fffffffu);
+    const auto value = static_cast<int32_t>(static_cast<uint32_t>(f.observed));
+    if ((f.observed >> 62) & 1u) {
+      return fmt::format("{}: rank {} token {} names expert {} twice (topk_ids[{}][{}]); a token's top-k experts must "
+                         "be distinct", opKindName(kind), f.atFault, f.chunk, value, f.chunk, slotIndex);
+    }
+    return fmt::format("{}: rank {} topk_ids[{}][{}] = {} is out of range [0, experts); pass expert ids in [0, "
+                       "experts)", opKindName(kind), f.atFault, f.chunk, slotIndex, value);
+  }
+  if (kind == OpKind::kMoeDispatchFfnCombine) {
+    return fmt::format("{}: rank {} receives {} rows but its workspace holds {} receive rows; nothing was written and "
+                       "the communicator is still usable: split the batch, or raise cuda.workspace_bytes (every "
+                       "communicator's starting workspace) in tandemd's config",
+                       opKindName(kind), f.atFault, f.observed, f.chunk);
+  }
+  return fmt::format("{}: rank {} receives {} rows but capacity is {}; pass capacity >= {}", opKindName(kind),
+                     f.atFault, f.observed, f.chunk, f.observed);
+}
+
 std::string NodeComm::errorText(uint32_t r, const k::ErrorSlot& e) const {
-  if (isMoeError(e)) return moeErrorText(e);
   const bool timedOut = e.code == static_cast<uint32_t>(k::WaitError::kTimeout);
   const auto kind = static_cast<OpKind>(e.op);
   // AllGather's flags count chunks; the fused GEMMs' name a flag (chunk or half tile) waited on by one role.
@@ -252,10 +246,13 @@ std::string NodeComm::errorText(uint32_t r, const k::ErrorSlot& e) const {
 
 void NodeComm::completeFromKernel(Gang& g, uint32_t r) {
   if (const auto e = page(r).failure(); e && failedEpoch(*e) <= g.epoch) {
-    const ErrorCode code = isMoeError(*e)                                            ? ErrorCode::kInvalidArgument
-                           : e->code == static_cast<uint32_t>(k::WaitError::kTimeout) ? ErrorCode::kTimeout
-                                                                                      : ErrorCode::kAborted;
+    const ErrorCode code =
+        e->code == static_cast<uint32_t>(k::WaitError::kTimeout) ? ErrorCode::kTimeout : ErrorCode::kAborted;
     return completeRank(g, r, statusOf(code), errorText(r, *e));
+  }
+  // A data error fails this op alone (its kernels wrote nothing, alike on every rank); the communicator runs on.
+  if (const auto f = page(r).fault(g.epoch)) {
+    return completeRank(g, r, statusOf(ErrorCode::kInvalidArgument), opFaultText(*f));
   }
   completeRank(g, r, 0, "");
 }

@@ -41,8 +41,11 @@ struct alignas(128) CommControl {
   ErrorSlot error;    // mirrored by a kernel whose wait failed (claimed last, with release)
   uint8_t pad1[64];
   uint64_t verdict[kVerdictRing];  // [e % kVerdictRing] = e (run) or e | kVerdictRejected (skip)
+  // [e % kVerdictRing]: op e's data error, if it had one (written by its kernels, read by tandemd when e completes).
+  // tandemd keeps a rank's undecided-or-unfinished ops within half the ring, so an entry is never reused while read.
+  OpFault faults[kVerdictRing];
 };
-static_assert(sizeof(CommControl) == 640 + 8 * kVerdictRing);
+static_assert(sizeof(CommControl) == 640 + (8 + sizeof(OpFault)) * kVerdictRing);
 inline constexpr uint64_t kControlBytes = (sizeof(CommControl) + 4095) & ~uint64_t{4095};
 
 // ---- the host's side ----------------------------------------------------------------------------------------------
@@ -90,6 +93,9 @@ class ControlPage {
   // ---- the error slot ----
   /// The report of the rank's first failed kernel wait, once the kernel published all of it; nullopt before.
   std::optional<ErrorSlot> failure() const noexcept;
+  /// Op `epoch`'s data error (OpFault), once its kernels published it; nullopt if the op had none. Read it after the
+  /// rank's done reached `epoch` (the kernels ran before done).
+  std::optional<OpFault> fault(uint64_t epoch) const noexcept;
 
  private:
   ControlPage(Fd fd, Mapping map) : fd_(std::move(fd)), map_(std::move(map)) {}

@@ -46,7 +46,8 @@ struct MoeComm {
   uint64_t scratchBytes = 0;                  ///< at least moeScratchBytes(tokens, topk, experts)
   uint64_t recvBytes = 0;                     ///< bytes of this rank's receive area
   const uint64_t* abortWord = nullptr;        ///< optional: non-zero ends every wait
-  ErrorSlot* errorSlot = nullptr;             ///< optional: the first failure is reported here
+  ErrorSlot* errorSlot = nullptr;             ///< optional: the first failed wait is reported here
+  OpFault* fault = nullptr;                   ///< optional: this op's data error (bad id, capacity) is reported here
   const uint64_t* verdictSlot = nullptr;      ///< optional (client executor): this epoch's verdict entry; the op
                                               ///< does nothing when it reads verdictRejected there
   uint64_t verdictRejected = 0;

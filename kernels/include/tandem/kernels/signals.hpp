@@ -11,8 +11,8 @@ namespace tandem::kernels {
 // client library writes it when the daemon dies, the daemon when a peer dies).
 inline constexpr uint64_t kAbortValue = ~uint64_t{0};
 
-// kMoeRouting / kMoeCapacity are not waits: the MoE kernels report a bad expert id or a capacity overflow found on
-// the GPU through the same slot (role = the rank at fault, chunk and observed say what; expected = the op's epoch).
+// kMoeRouting / kMoeCapacity are not waits but data errors of one op: the MoE kernels report a bad expert id or a
+// capacity overflow found on the GPU in that op's OpFault (below), never in the ErrorSlot, so the communicator lives on.
 enum class WaitError : uint32_t { kNone = 0, kTimeout = 1, kAborted = 2, kMoeRouting = 3, kMoeCapacity = 4 };
 
 // Roles a CTA can take in a persistent fused kernel (one role table per kernel family).
@@ -34,5 +34,20 @@ struct alignas(64) ErrorSlot {
   uint64_t observed;
 };
 static_assert(sizeof(ErrorSlot) == 64);
+
+// A data error of one op (a bad expert id, a capacity overflow): the op fails on every rank and writes nothing, and
+// the communicator stays usable. Unlike the ErrorSlot (one per rank, first failure wins, fails the communicator) there
+// is one per epoch in a ring (CommControl::faults), written by one thread: the fields, then `epoch` with release. The
+// host reads entry e % ring when it completes op e, and trusts it only if `epoch` equals e (an older op's fault in the
+// same entry carries an older epoch).
+struct alignas(32) OpFault {
+  uint64_t epoch;    // 0 = none; the failed op's epoch, stored last (release)
+  uint32_t code;     // WaitError::kMoeRouting or kMoeCapacity
+  uint32_t atFault;  // the rank whose ids or capacity caused it
+  uint32_t chunk;    // kMoeRouting: the token; kMoeCapacity: the rows the rank holds
+  uint32_t op;       // OpKind
+  uint64_t observed; // kMoeRouting: bit 62 repeat, bits 32..61 slot, low 32 bits the id; kMoeCapacity: rows received
+};
+static_assert(sizeof(OpFault) == 32);
 
 }  // namespace tandem::kernels
