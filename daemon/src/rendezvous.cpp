@@ -178,10 +178,22 @@ void Engine::completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_l
     entry->link.reset();
     return failJoin(entry, e.code(), fmt::format("setup failed: {}", e.what()), lock);
   }
+  const uint64_t perRank = comm.resources ? backend_->commBytesPerRank(*comm.resources) : 0;
+  // Each rank's workspace counts against its session's limits.max_session_bytes: over it, every joiner gets the error
+  // naming the key and the bytes, and the workspace goes with the communicator.
+  try {
+    for (auto& [r, j] : entry->joins) {
+      checkSessionRoomLocked(sessionLocked(j.sessionId), fmt::format("communicator {}: rank {}'s workspace of",
+                                                                     hexId(uniqueId), r), perRank, false);
+    }
+  } catch (const Error& e) {
+    if (comm.spansNodes()) tellPeersLocked(comm, failMessage(uniqueId, e.code(), e.what(), 0));
+    entry->link.reset();
+    return failJoin(entry, e.code(), e.what(), lock);
+  }
   auto joins = std::move(entry->joins);
   entry->joins.clear();
   comm.state = Communicator::State::kReady;
-  const uint64_t perRank = comm.resources ? backend_->commBytesPerRank(*comm.resources) : 0;
   for (auto& [r, j] : joins) {
     SessionState& s = sessionLocked(j.sessionId);
     s.comms.push_back(comm.handle);
