@@ -7,8 +7,8 @@
 // two input sets alternate so L2 holds neither): cuBLASLt, the GEMM core (launchGemm: what tandem runs at one rank),
 // gemm-rs auto (the chooser: the GEMM core at one rank), gemm-rs and gemm-ar forced fused (copy transport, bf16
 // partials, epilogue reduction: the plan that wins at two ranks) with each own-tile epilogue of the test knob
-// GemmRsParams::epilogue (default: TMA store at one rank; generic: the reducing path; legacy: the kernel as compiled
-// before its epilogue branch was made warp-uniform), and gemm-rs fused with 8 send CTAs.
+// GemmRsParams::epilogue (default: TMA store at one rank; generic: the reducing path), and gemm-rs fused with 8 send
+// CTAs.
 //
 // Two times per candidate: "us" has CUDA events around the host call (so it includes the launcher's host work, as
 // before), "gpu us" has the host call hidden behind a 200 us spin kernel queued first (the kernel's own time). Every
@@ -23,8 +23,8 @@
 // (no NVLink, half the SMs each); it checks the multi-rank paths (against the reference, bitwise across kernels and
 // repeats) and shows, from rank 0's trace, what an own tile's epilogue costs next to a sent one's; the candidates
 // there are the default (gemm-rs: the own tile adds the peer's partial in smem, then TMA store), kTmaPeerEarly (the
-// copier warps load the first chunks during the mainloop), the generic and legacy own-tile epilogues, and the
-// all-reduce with kTmaPeer and kTmaPeerEarly.
+// copier warps load the first chunks during the mainloop), the generic own-tile epilogue, and the all-reduce with
+// kTmaPeer and kTmaPeerEarly.
 //
 // --two-ranks-only skips the one-rank candidates; --no-early leaves out the kTmaPeerEarly candidates.
 //
@@ -205,12 +205,10 @@ bool runTwoRanks(const Shape& sh, void* const (&a)[2], void* const (&b)[2], cons
   };
   std::vector<Cand2> cands = {{"gemm-rs fused copy", false, GemmRsEpilogue::kDefault},
                               {"gemm-rs fused copy generic", false, GemmRsEpilogue::kGeneric},
-                              {"gemm-rs fused copy legacy", false, GemmRsEpilogue::kLegacy},
                               {"gemm-ar fused copy", true, GemmRsEpilogue::kDefault},
                               {"gemm-ar fused copy tma-peer", true, GemmRsEpilogue::kTmaPeer},
                               {"gemm-rs fused copy early", false, GemmRsEpilogue::kTmaPeerEarly},
-                              {"gemm-ar fused copy early", true, GemmRsEpilogue::kTmaPeerEarly},
-                              {"gemm-ar fused copy legacy", true, GemmRsEpilogue::kLegacy}};
+                              {"gemm-ar fused copy early", true, GemmRsEpilogue::kTmaPeerEarly}};
   if (!early) {
     cands.erase(std::remove_if(cands.begin(), cands.end(),
                                [](const Cand2& c) { return c.epi == GemmRsEpilogue::kTmaPeerEarly; }),
@@ -549,10 +547,8 @@ int main(int argc, char** argv) {
     addRs("gemm-rs auto (one rank)", GemmRsPlan{}, false, GemmRsEpilogue::kDefault);
     addRs("gemm-rs fused copy", copy, false, GemmRsEpilogue::kDefault);
     addRs("gemm-rs fused copy generic", copy, false, GemmRsEpilogue::kGeneric);
-    addRs("gemm-rs fused copy legacy", copy, false, GemmRsEpilogue::kLegacy);
     addRs("gemm-ar fused copy", copy, true, GemmRsEpilogue::kDefault);
     addRs("gemm-ar fused copy generic", copy, true, GemmRsEpilogue::kGeneric);
-    addRs("gemm-ar fused copy legacy", copy, true, GemmRsEpilogue::kLegacy);
     addRs("gemm-rs fused send8", fusedPlan(GemmRsTransport::kSend, 8), false, GemmRsEpilogue::kDefault);
 
     if (!oneRank) cands.clear();

@@ -13,10 +13,10 @@ namespace tandem::kernels {
 namespace rs {
 namespace {
 
-template <class T, class P, bool Legacy = false>
+template <class T, class P>
 __global__ void __launch_bounds__(gemm::kThreads, 1) gemmArFusedKernel(const __grid_constant__ FusedKernelParams kp) {
   extern __shared__ uint8_t smemRaw[];
-  runFusedCta<T, P, Legacy>(kp, smemRaw);
+  runFusedCta<T, P>(kp, smemRaw);
 }
 
 template <class T>
@@ -28,8 +28,7 @@ const KernelTable& kernels() {
   static const KernelTable kt = {
       {{&gemmArFusedKernel<__nv_bfloat16, float>, &gemmArFusedKernel<__nv_bfloat16, __nv_bfloat16>},
        {&gemmArFusedKernel<__half, float>, &gemmArFusedKernel<__half, __half>}},
-      {&gemmArReduceKernel<__nv_bfloat16>, &gemmArReduceKernel<__half>},
-      &gemmArFusedKernel<__nv_bfloat16, __nv_bfloat16, true>};
+      {&gemmArReduceKernel<__nv_bfloat16>, &gemmArReduceKernel<__half>}};
   return kt;
 }
 

@@ -16,10 +16,10 @@ namespace rs {
 namespace {
 
 // Roles from the role table: reduce, send, compute (one CTA per SM, all co-resident).
-template <class T, class P, bool Legacy = false>
+template <class T, class P>
 __global__ void __launch_bounds__(gemm::kThreads, 1) gemmRsFusedKernel(const __grid_constant__ FusedKernelParams kp) {
   extern __shared__ uint8_t smemRaw[];
-  runFusedCta<T, P, Legacy>(kp, smemRaw);
+  runFusedCta<T, P>(kp, smemRaw);
 }
 
 // Decomposed plan: runs after the GEMM core wrote this rank's bf16 partial into its outbox.
@@ -32,8 +32,7 @@ const KernelTable& kernels() {
   static const KernelTable kt = {
       {{&gemmRsFusedKernel<__nv_bfloat16, float>, &gemmRsFusedKernel<__nv_bfloat16, __nv_bfloat16>},
        {&gemmRsFusedKernel<__half, float>, &gemmRsFusedKernel<__half, __half>}},
-      {&gemmRsReduceKernel<__nv_bfloat16>, &gemmRsReduceKernel<__half>},
-      &gemmRsFusedKernel<__nv_bfloat16, __nv_bfloat16, true>};
+      {&gemmRsReduceKernel<__nv_bfloat16>, &gemmRsReduceKernel<__half>}};
   return kt;
 }
 

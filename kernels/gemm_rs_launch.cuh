@@ -25,13 +25,11 @@ namespace tandem::kernels::rs {
 using FusedFn = void (*)(FusedKernelParams);
 static_assert(kBlockM == kGemmRsTileM && kBlockN == kGemmRsTileN, "gemm_rs.hpp's public tile size is the core's");
 
-// The kernels one .cu instantiates: fused[dtype][partial] (dtype 0 bf16 / 1 fp16; partial 0 fp32 / 1 input dtype),
-// reduce[dtype] (decomposed plan), and fusedLegacy (bf16, bf16 partials, compiled as before the uniform-branch fix:
-// GemmRsEpilogue::kLegacy, for benchmarks).
+// The kernels one .cu instantiates: fused[dtype][partial] (dtype 0 bf16 / 1 fp16; partial 0 fp32 / 1 input dtype) and
+// reduce[dtype] (decomposed plan).
 struct KernelTable {
   FusedFn fused[2][2];
   FusedFn reduce[2];
-  FusedFn fusedLegacy;
 };
 
 [[noreturn]] inline void fail(const char* op, const std::string& msg) {
@@ -166,13 +164,8 @@ inline void validate(const char* op, const GemmRsParams& p, bool allReduce) {
   if (p.epoch == 0 || p.epoch == kAbortValue) fail(op, "epoch must be in [1, 2^64 - 2]");
   const auto knob = static_cast<int32_t>(p.epilogue);
   if (knob < 0 || knob > static_cast<int32_t>(GemmRsEpilogue::kTmaPeerEarly)) {
-    fail(op, "epilogue must be a GemmRsEpilogue (0 default, 1 generic, 2 legacy, 3 TMA with the peer's partial, 4 the "
-             "same with early loads), got " + str(knob) + "; leave it 0 outside benchmarks");
-  }
-  if (p.epilogue == GemmRsEpilogue::kLegacy && (p.dtype != GemmDtype::kBf16 || p.plan.kind != GemmRsPlanKind::kFused ||
-                                                p.plan.partial != GemmRsPartial::kInput)) {
-    fail(op, "epilogue kLegacy exists only for bf16 with a fused plan and bf16 partials (plan.partial kInput); "
-             "use kDefault or kGeneric");
+    fail(op, "epilogue must be a GemmRsEpilogue (0 default, 1 generic, 2 TMA with the peer's partial, 3 the same "
+             "with early loads), got " + str(knob) + "; leave it 0 outside benchmarks");
   }
   (void)allReduce;
 }
@@ -361,8 +354,7 @@ inline void launchPlan(const char* op, const KernelTable& kt, const GemmRsParams
     return;
   }
   const FusedKernelParams kp = buildParams(op, p, plan, allReduce);
-  const FusedFn fn = p.epilogue == GemmRsEpilogue::kLegacy ? kt.fusedLegacy
-                                                           : kt.fused[dt][plan.partial == GemmRsPartial::kFp32 ? 0 : 1];
+  const FusedFn fn = kt.fused[dt][plan.partial == GemmRsPartial::kFp32 ? 0 : 1];
   prepareFused(op, fn);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(plan.numReduce + plan.numSend + plan.numCompute), 1, 1);
@@ -393,7 +385,6 @@ inline GemmRsPlan plainGemmPlan() {
 
 // Loads every kernel of a family now (tandem/kernels/preload.hpp says why).
 inline void preloadTable(int device, const KernelTable& kt, const char* op) {
-  // Not fusedLegacy: only benchmarks run it, after a first (checked) launch.
   const FusedFn fns[] = {kt.fused[0][0], kt.fused[0][1], kt.fused[1][0], kt.fused[1][1], kt.reduce[0], kt.reduce[1]};
   preloadOn(device, fns, op);
 }

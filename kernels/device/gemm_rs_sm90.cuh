@@ -328,9 +328,7 @@ struct PhaseOrder {
 // Releases are deferred to the next tile's epilogue when the stores went over NVLink (deferRelease): by then they
 // have long completed and the system-scope fence is cheap.
 // ---------------------------------------------------------------------------------------------------------------
-// Legacy: the kernel as it was compiled before the epilogue's own-or-sent branch was made provably warp-uniform
-// (GemmRsEpilogue::kLegacy, kept to time the difference; no TMA-store path).
-template <class T, class P, bool Legacy = false>
+template <class T, class P>
 struct RsEpilogue {
   const FusedKernelParams* kp;
   uint64_t startNs;
@@ -443,17 +441,11 @@ struct RsEpilogue {
     if (t < kp->nranks && t != me) waitGeq(srcFlag(*kp, t, ht), kp->epoch, ctx, static_cast<uint32_t>(ht));
     // acquire by thread s (above), then this barrier: the partials of the half tile are visible to the warpgroup.
     gemm::namedBarSync(barrierOf(wg), 128);
-    if constexpr (Legacy) {
-      if (t == 0) trace(wg, 1, globaltimerNs());
-    } else {
-      if (t == 0) traceNow(wg, 1);
-    }
+    if (t == 0) traceNow(wg, 1);
     const FinalWriter<T> out(*kp, row0);
-    if constexpr (Legacy) {
-      reduceOwnBody<false>(acc, row0, n0, wg, t, out, cbuf);
-    } else if (__shfl_sync(0xffffffffu, out.single ? 1 : 0, 0) != 0) {
+    if (__shfl_sync(0xffffffffu, out.single ? 1 : 0, 0) != 0) {
       // The common case on its own, with no multi-destination code inlined 32 times between its stores: that made
-      // this path's code several times larger (the legacy kernel's: 28K instructions), fetched anew on every own tile.
+      // this path's code several times larger (28K instructions), fetched anew on every own tile.
       reduceOwnBody<true>(acc, row0, n0, wg, t, out, cbuf);
     } else {
       reduceOwnBody<false>(acc, row0, n0, wg, t, out, cbuf);
@@ -672,11 +664,7 @@ struct RsEpilogue {
 
   __device__ __forceinline__ void tile(float (&acc)[128], int32_t row0, int32_t n0, int wg, int t,
                                        uint16_t (&cbuf)[2][64 * 64]) {
-    if constexpr (Legacy) {
-      if (t == 0) trace(wg, 0, globaltimerNs());
-    } else {
-      if (t == 0) traceNow(wg, 0);
-    }
+    if (t == 0) traceNow(wg, 0);
     release(wg, t);  // the previous tile's deferred flag (its stores have long completed)
     const int32_t tr = row0 / kBlockM;
     const int32_t ht = (row0 / kHalfRows) * kp->tilesN + n0 / kBlockN;
@@ -689,11 +677,9 @@ struct RsEpilogue {
     // warpgroup.arrive; ncu: 1.66x the core's instructions). Broadcast from lane 0, it is provably uniform.
     const bool ownHere = kp->epiReduce && !kp->oneShot && red == kp->rank;
     int mode = ownHere ? 1 : 0;
-    if constexpr (!Legacy) {
-      if (ownHere && kp->ownTma == 1 && n0 + kBlockN <= kp->g.n) mode = 2;
-      if (ownHere && peerTile(*kp, row0, n0)) mode = 3;
-      mode = __shfl_sync(0xffffffffu, mode, 0);
-    }
+    if (ownHere && kp->ownTma == 1 && n0 + kBlockN <= kp->g.n) mode = 2;
+    if (ownHere && peerTile(*kp, row0, n0)) mode = 3;
+    mode = __shfl_sync(0xffffffffu, mode, 0);
     const bool own = mode != 0;
     if (mode == 2) {
       storeOwnTma(acc, row0, n0, wg, t, cbuf);
@@ -701,7 +687,7 @@ struct RsEpilogue {
     } else if (mode == 3) {
       if constexpr (sizeof(P) == 2) storeOwnTmaPeer(acc, row0, n0, wg, t, cbuf);  // the host sets 2 only then
     } else if (own) {
-      if constexpr (!Legacy) cbufForGeneric(wg, t);
+      cbufForGeneric(wg, t);
       reduceOwn(acc, row0, n0, ht, wg, t, cbuf);
       if (needFin(*kp, row0) && !kp->finViaCopier) {
         pendKind = 2;
@@ -709,7 +695,7 @@ struct RsEpilogue {
         pendHt = ht;
       }
     } else {
-      if constexpr (!Legacy) cbufForGeneric(wg, t);
+      cbufForGeneric(wg, t);
       pushPartial(acc, row0, n0, red, wg, t, cbuf);
       if (!isCopy(*kp)) {
         pendKind = 1;
@@ -725,11 +711,7 @@ struct RsEpilogue {
       if (t == 0) stReleaseCtaSharedU32(done + wg, seq + 1);
     }
     if (t == 0) {
-      if constexpr (Legacy) {
-        trace(wg, 2, globaltimerNs());
-      } else {
-        traceNow(wg, 2);
-      }
+      traceNow(wg, 2);
       trace(wg, 3, own ? 1 : 0);
     }
     ++seq;
@@ -1022,7 +1004,7 @@ inline constexpr size_t kExtraSmem = 64;
 
 // A compute CTA: the GEMM core's pieces (barriers, TMA producer, wgmma consumers with the RsEpilogue hook), plus the
 // copier warps in the producer warpgroup (transport kCopy) and the final waits in the consumer warpgroups.
-template <class T, class P, bool Legacy>
+template <class T, class P>
 __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8_t* smemRaw, int32_t cid,
                                               uint64_t startNs) {
   using namespace gemm;
@@ -1036,12 +1018,12 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
     initBarriers<kStages, 1>(s);
     prefetchTensorMap(&kp.g.tmA);
     prefetchTensorMap(&kp.g.tmB);
-    if (!Legacy && kp.ownTma) prefetchTensorMap(&kp.g.tmC);
+    if (kp.ownTma) prefetchTensorMap(&kp.g.tmC);
     done[0] = 0;
     done[1] = 0;
     done[2] = 0;
     done[3] = 0;
-    if (!Legacy && kp.ownTma >= 2) {
+    if (kp.ownTma >= 2) {
       prefetchTensorMap(&kp.tmPeer);
       uint64_t* const bars = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(done) + kPeerBarOffset);
       for (int i = 0; i < 4; ++i) mbarInit(&bars[i], 1);
@@ -1065,7 +1047,7 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
         kp.trace[(static_cast<int64_t>(blockIdx.x) * 2 + (wg - 1)) * (kp.traceTiles + 1) * 4] = startNs;
       }
       runConsumer<T, kStages, 1, Epilogue::kCustom>(kp.g, s, order, cid, kp.numCompute, 0u, wg - 1, t,
-                                                    RsEpilogue<T, P, Legacy>(&kp, startNs, done));
+                                                    RsEpilogue<T, P>(&kp, startNs, done));
       const int32_t cta = static_cast<int32_t>(blockIdx.x);
       runFinalWaits(kp, startNs, cta * (kThreads - 128) + static_cast<int32_t>(threadIdx.x) - 128,
                     static_cast<int32_t>(gridDim.x) * (kThreads - 128));
@@ -1077,14 +1059,14 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
 // ---------------------------------------------------------------------------------------------------------------
 // The fused kernel's body: role from the role table; every role ends with its share of the final waits.
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, class P, bool Legacy = false>
+template <class T, class P>
 __device__ __forceinline__ void runFusedCta(const FusedKernelParams& kp, uint8_t* smemRaw) {
   const uint64_t startNs = globaltimerNs();
   const GemmRsRoleLayout roles{kp.numReduce, kp.numSend, kp.numCompute};
   const int32_t cta = static_cast<int32_t>(blockIdx.x);
   const Role role = roles.roleOf(cta);
   if (role == Role::kCompute) {
-    runComputeCta<T, P, Legacy>(kp, smemRaw, roles.indexInRole(cta), startNs);
+    runComputeCta<T, P>(kp, smemRaw, roles.indexInRole(cta), startNs);
     return;
   }
   if (role == Role::kReduce) {

@@ -135,11 +135,9 @@ enum class GemmRsEpilogue : int32_t {
                  // add), and at two ranks for a reduce-scatter with 16-bit partials copied by the copier warps (the
                  // peer's partial TMA-loaded into smem and added there first); the rest take the reducing path
   kGeneric = 1,  // own tiles always take the reducing path (fp32 smem round trip, then 8-byte stores from registers)
-  kLegacy = 2,   // kGeneric in the kernel as compiled before its epilogue branch was made provably warp-uniform (the
-                 // mainloop then lost the uniform datapath); bf16 with bf16 partials only
-  kTmaPeer = 3,  // kDefault, and the two-rank path with the peer's partial for the all-reduce too (its copier warps then
+  kTmaPeer = 2,  // kDefault, and the two-rank path with the peer's partial for the all-reduce too (its copier warps then
                  // broadcast the TMA-stored rows)
-  kTmaPeerEarly = 4,  // kTmaPeer, with the copier warps issuing the first two chunks' TMA loads during the mainloop
+  kTmaPeerEarly = 3,  // kTmaPeer, with the copier warps issuing the first two chunks' TMA loads during the mainloop
 };
 
 // ---- parameters (POD; zero-initialise and fill). Shared with launchGemmAr (gemm_ar.hpp).
