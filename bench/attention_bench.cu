@@ -4,10 +4,9 @@
 //
 //   attention_bench [--iters N] [--warmup N] [--seqs 4096,8192,16384,32768] [--heads 16] [--hd 128] [--fp16]
 //                   [--variants default|all] [--check-rows N] [--causal both|0|1]
-//                   [--loop default|lane0] [--rounds N]
+//                   [--rounds N]
 // FLOPs counted as 4 * seq^2 * heads * hd, half of that with causal masking. One sequence of `seq` tokens.
-// --loop: AttentionParams::loopControl 0 (default) or 2 (lane0, the only loop control built; hoist and both are
-// refused); --rounds N times every configuration N times in turn, so that the rounds' spread shows the noise.
+// --rounds N times every configuration N times in turn, so that the rounds' spread shows the noise.
 // Prints one "RESULT ..." line per (shape, variant) and a table at the end; exits 1 on any correctness failure.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -137,7 +136,6 @@ struct Options {
   int checkRows = 1024;
   int causal = -1;  // -1: both
   std::vector<int> headGroups;  // causal: also time these head groups (AttentionParams::headGroup)
-  std::vector<int> loops{0};    // AttentionParams::loopControl values, in turn
   int rounds = 1;
 };
 
@@ -176,19 +174,6 @@ Options parse(int argc, char** argv) {
     else if (a == "--check-rows") o.checkRows = std::atoi(next());
     else if (a == "--head-groups") o.headGroups = parseList(next());
     else if (a == "--rounds") o.rounds = std::max(1, std::atoi(next()));
-    else if (a == "--loop") {
-      const std::string v = next();
-      if (v == "default") o.loops = {0};
-      else if (v == "lane0") o.loops = {2};
-      else if (v == "hoist" || v == "both") {
-        std::fprintf(stderr, "--loop %s: loop control hoist is no longer built (no faster than lane0 on the H200); "
-                     "use --loop default or --loop lane0\n", v.c_str());
-        std::exit(2);
-      } else {
-        std::fprintf(stderr, "--loop: default or lane0, got %s\n", v.c_str());
-        std::exit(2);
-      }
-    }
     else if (a == "--causal") {
       const std::string v = next();
       o.causal = v == "both" ? -1 : std::atoi(v.c_str());
@@ -300,13 +285,9 @@ int main(int argc, char** argv) {
           variants.push_back({176, 2});
         }
       }
-      std::vector<std::pair<Variant, int>> runs;  // (configuration, loop control) in timing order
-      for (int r = 0; r < opt.rounds; ++r) {
-        for (const Variant& var : variants) {
-          for (const int loop : opt.loops) runs.emplace_back(var, loop);
-        }
-      }
-      for (const auto& [var, loop] : runs) {
+      std::vector<Variant> runs;  // configurations in timing order
+      for (int r = 0; r < opt.rounds; ++r) runs.insert(runs.end(), variants.begin(), variants.end());
+      for (const Variant& var : runs) {
         AttentionParams p{};
         p.sq = seq;
         p.heads = opt.heads;
@@ -319,7 +300,6 @@ int main(int argc, char** argv) {
         p.headGroup = var.headGroup;
         p.tileOrder = var.tileOrder;
         p.tileCounter = tileCounter;
-        p.loopControl = loop;
         const auto bind = [&](int s) {
           p.q = q[s];
           p.out = out[s];

@@ -11,11 +11,10 @@ cuDNN and of flash, the default configuration (the first row of the shape) marke
   python3 bench/attention_vs_sdpa.py [--no-default] BENCH_LOG SDPA_JSON [BENCH_LOG ...]
 
 Run (--run BENCH): one driver process times torch SDPA (sdpa_baseline.py's timing: both layouts, the faster one
-counts) and, right after it on the same shape, runs BENCH (attention_bench) with --loop lane0 --rounds R: the core's
+counts) and, right after it on the same shape, runs BENCH (attention_bench) with --rounds R: the core's
 default configuration R times on the same inputs, each row checked against an fp32 reference. So cuDNN and the core
 of one shape are timed back to back, shape by shape. Prints one line per shape as it goes and a table at the end
 (the core's TFLOP/s: the mean of its rounds, with their min and max); writes bench logs and ab.json into --out.
-(lane0 is the only loop control built; the earlier hoist A/B is in bench/RESULTS.md.)
 
   python3 bench/attention_vs_sdpa.py --run BENCH [--seqs 4096,8192,16384,32768] [--causal both|0|1] [--rounds 2]
                                      [--out DIR] [--bench-timeout S]
@@ -28,7 +27,7 @@ import subprocess
 import sys
 import time
 
-# The loop control attention_bench --loop lane0 times, as its config names end.
+# The loop control attention_bench times (the only one built), as its config names end.
 BASE = "lane0"
 ROW = re.compile(r"^RESULT seq=(\d+) causal=(\d) config=(\S+) median_ms=([\d.]+) .* tflops=([\d.]+) .* (ok|WRONG)$")
 
@@ -141,9 +140,9 @@ def run(argv):
                     best = torch_best(sb, seq, causal, args.heads, args.hd, max(20, args.iters), args.warmup)
                 except Exception as e:  # a torch failure costs this shape's SDPA columns, not the core's
                     print(f"SDPA FAILED seq={seq} causal={int(causal)}: {type(e).__name__}: {e}", flush=True)
-            cmd = [args.run, "--seqs", str(seq), "--causal", str(int(causal)), "--loop", BASE, "--rounds",
-                   str(args.rounds), "--iters", str(args.iters), "--warmup", str(args.warmup), "--heads",
-                   str(args.heads), "--hd", str(args.hd)]
+            cmd = [args.run, "--seqs", str(seq), "--causal", str(int(causal)), "--rounds", str(args.rounds),
+                   "--iters", str(args.iters), "--warmup", str(args.warmup), "--heads", str(args.heads), "--hd",
+                   str(args.hd)]
             log = os.path.join(args.out, f"bench-{seq}-{'causal' if causal else 'full'}.log")
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "tandem/common/error.hpp"
@@ -35,26 +34,14 @@ struct Resolved {
 // 16 heads of them outgrow L2), where the caller gave a tile counter; snake rounds over every head otherwise.
 constexpr int64_t kDynamicFromKvBytesPerHead = 8ll << 20;
 
-// TANDEM_ATTN_LOOP (lane0, or unset), read once: the loop control of launches that leave loopControl at 0 (ring
-// attention's). 3: hoist, which is no longer built; -1: anything else (validateAttention refuses either).
-int envLoopControl() {
-  static const int v = [] {
-    const char* e = std::getenv("TANDEM_ATTN_LOOP");
-    if (e == nullptr || *e == '\0') return 0;
-    const std::string s(e);
-    return s == "lane0" ? 2 : s == "hoist" ? 3 : -1;
-  }();
-  return v;
-}
-// Default lane0. Measured on an H200 (2026-12-02, commit bb837e7, scripts/attn-gpu-run.sh: 16 heads, head_dim 128,
-// bf16, the two alternating twice on the same inputs, one device call): lane0 / table 1.028 / 1.009 / 1.033 / 0.995
-// non-causal and 1.054 / 1.067 / 1.027 / 1.049 causal at 4K / 8K / 16K / 32K; the one loss is inside the spread of
-// lane0's own two rounds there (586.6 and 605.1 TFLOP/s). Table (loop control 1) is no longer built. Neither is
-// hoist (loop control 3: lane0 with the wgmma descriptors built once per kernel; per-KV-block loop 812 SASS
-// instructions instead of 860 at bf16 hd128 bn176): hoist / lane0 measured 0.947-0.994 at 6 of 8 shapes and 1.006 /
-// 1.010 at the other two, inside the noise (bench/RESULTS.md), so a second kernel set would cost
-// compile time and code for nothing. lane0 is the only loop control built; loopControl and TANDEM_ATTN_LOOP stay
-// for the refusals.
+// The consumer warps' loop control is lane0 (loop bounds from the KV walk in shared memory read by lane 0 and
+// broadcast: ptxas sees a warp-uniform loop), the only one built. Measured on an H200 (2026-12-02, commit bb837e7: 16
+// heads, head_dim 128, bf16, the two alternating twice on the same inputs, one device call): lane0 / table 1.028 /
+// 1.009 / 1.033 / 0.995 non-causal and 1.054 / 1.067 / 1.027 / 1.049 causal at 4K / 8K / 16K / 32K; the one loss is
+// inside the spread of lane0's own two rounds there (586.6 and 605.1 TFLOP/s). Neither table nor hoist (lane0 with
+// the wgmma descriptors built once per kernel; per-KV-block loop 812 SASS instructions instead of 860 at bf16 hd128
+// bn176) is built: hoist / lane0 measured 0.947-0.994 at 6 of 8 shapes and 1.006 / 1.010 at the other two, inside the
+// noise (bench/RESULTS.md), so a second kernel set would cost compile time and code for nothing.
 
 Resolved resolveAttention(const AttentionParams& p) {
   const int blockN = p.blockN != 0 ? p.blockN : (p.headDim == 128 && !p.causal ? 176 : 128);
@@ -139,27 +126,6 @@ void validateAttention(const AttentionParams& p) {
   }
   if (p.pingPong < 0 || p.pingPong > 2) {
     rule("ping_pong", "pingPong must be 0 (default), 1 (on) or 2 (off), got {}", p.pingPong);
-  }
-  if (p.loopControl == 1) {
-    throw Error(ErrorCode::kUnsupported,
-                "attention: loopControl 1 (table) is no longer built (slower than lane0 at 7 of 8 shapes on the "
-                "H200); use 0 (default) or 2 (lane0)");
-  }
-  if (p.loopControl == 3) {
-    throw Error(ErrorCode::kUnsupported,
-                "attention: loopControl 3 (hoist) is no longer built (no faster than lane0 on the H200: 0.95-1.01x); "
-                "use 0 (default) or 2 (lane0)");
-  }
-  if (p.loopControl != 0 && p.loopControl != 2) {
-    rule("loop_control", "loopControl must be 0 (default) or 2 (lane0), got {}", p.loopControl);
-  }
-  if (p.loopControl == 0 && attn_detail::envLoopControl() == 3) {
-    throw Error(ErrorCode::kUnsupported,
-                "attention: TANDEM_ATTN_LOOP=hoist: loop control hoist is no longer built (no faster than lane0 on "
-                "the H200); unset TANDEM_ATTN_LOOP or set it to lane0");
-  }
-  if (p.loopControl == 0 && attn_detail::envLoopControl() < 0) {
-    rule("loop_control", "TANDEM_ATTN_LOOP must be lane0 (or unset), got '{}'", std::getenv("TANDEM_ATTN_LOOP"));
   }
 
   const uint64_t rowBytes = static_cast<uint64_t>(p.heads) * static_cast<uint64_t>(p.headDim) * 2;

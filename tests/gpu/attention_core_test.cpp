@@ -2,8 +2,7 @@
 // the same 16-bit inputs: bf16 and fp16, head_dim 64 and 128, causal and not, lengths that are no tile multiple,
 // several KV segments at arbitrary global positions, rows that see no key, the lse output, default and custom
 // scales, several tiles per CTA, every tuning variant; outputs are poisoned before each launch and a guard row past
-// sq must stay untouched. Every case runs with loop control lane0 (loopControl 2, the only one built; 1 and 3 are
-// refused). Then bitwise repeatability and the host-side shape rules.
+// sq must stay untouched. Then bitwise repeatability and the host-side shape rules.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
@@ -227,9 +226,6 @@ struct DeviceProblem {
 
 double tolerance(AttentionDtype dt) { return dt == AttentionDtype::kBf16 ? 1e-2 : 3e-3; }
 
-// The loop control the cases set (AttentionParams::loopControl): lane0, the only one built.
-constexpr int kLane0 = 2;
-
 // One launch's outputs: out with its guard row, and lse.
 struct Outputs {
   std::vector<uint16_t> out;
@@ -304,7 +300,6 @@ void checkCase(const Case& c, uint64_t seed) {
   INFO("case: " << c.name);
   const Problem pr = makeProblem(c, seed);
   DeviceProblem dp(c, pr);
-  dp.params.loopControl = kLane0;
   CHECK(std::string(attentionConfigName(dp.params)).ends_with("/lane0"));
   dp.run();
   checkOutputs(c, pr, fetch(dp), "lane0");
@@ -404,7 +399,6 @@ TEST_CASE("attention core: results repeat bitwise over 20 launches") {
   const Case c{.name = "repeat", .sq = 333, .causal = true, .kv = {{200, 0}, {133, 200}}};
   const Problem pr = makeProblem(c, 21);
   DeviceProblem dp(c, pr);
-  dp.params.loopControl = kLane0;
   dp.run();
   const Outputs first = fetch(dp);
   int differing = 0;
@@ -413,47 +407,6 @@ TEST_CASE("attention core: results repeat bitwise over 20 launches") {
     differing += !sameBits(fetch(dp), first);
   }
   CHECK_MESSAGE(differing == 0, differing << " of 20 launches differ from the first");
-}
-
-// loopControl 0 (what ring attention's launches, which leave it at 0, run with) is lane0 with TANDEM_ATTN_LOOP unset
-// or lane0; TANDEM_ATTN_LOOP=hoist (no longer built) is refused with the fix named. The library reads the variable
-// once per process, so the GPU script runs this case once per value: unset, lane0, hoist.
-TEST_CASE("attention core: loop control 0 is lane0 under TANDEM_ATTN_LOOP unset or lane0, refused under hoist") {
-  alignas(16) static uint16_t q[2 * 128 * 8], k[2 * 128 * 8], v[2 * 128 * 8], out[2 * 128 * 8];
-  AttentionParams p{};
-  p.q = q;
-  p.out = out;
-  p.sq = 8;
-  p.heads = 2;
-  p.headDim = 128;
-  p.numKv = 1;
-  p.kv[0].k = k;
-  p.kv[0].v = v;
-  p.kv[0].length = 8;
-  const char* env = std::getenv("TANDEM_ATTN_LOOP");
-  const std::string value = env != nullptr ? env : "";
-  if (value == "hoist") {
-    try {
-      validateAttention(p);
-      FAIL("TANDEM_ATTN_LOOP=hoist accepted");
-    } catch (const tandem::Error& e) {
-      CHECK(e.code() == ErrorCode::kUnsupported);
-      const std::string what = e.what();
-      MESSAGE("refused: " << what);
-      CHECK_MESSAGE(what.find("TANDEM_ATTN_LOOP=hoist") != std::string::npos, what);
-      CHECK_MESSAGE(what.find("unset TANDEM_ATTN_LOOP or set it to lane0") != std::string::npos, what);
-    }
-  } else {
-    REQUIRE_MESSAGE((value.empty() || value == "lane0"), "run with TANDEM_ATTN_LOOP unset, lane0 or hoist");
-    MESSAGE("TANDEM_ATTN_LOOP=" << (env != nullptr ? value : std::string("(unset)")) << ": "
-                                << std::string(attentionConfigName(p)));
-    CHECK_NOTHROW(validateAttention(p));
-    CHECK(std::string(attentionConfigName(p)).ends_with("/lane0"));
-  }
-  // An explicit loop control does not read the variable.
-  p.loopControl = kLane0;
-  CHECK_NOTHROW(validateAttention(p));
-  CHECK(std::string(attentionConfigName(p)).ends_with("/lane0"));
 }
 
 TEST_CASE("attention core: shape rules are refused with the rule named") {
@@ -523,18 +476,6 @@ TEST_CASE("attention core: shape rules are refused with the rule named") {
   p = ok;
   p.pingPong = 3;
   refused(p, "rule ping_pong");
-  p = ok;
-  p.loopControl = 4;
-  refused(p, "rule loop_control");
-  p = ok;
-  p.loopControl = 1;  // table: no longer built
-  refused(p, "loopControl 1 (table)", ErrorCode::kUnsupported);
-  refused(p, "use 0 (default) or 2 (lane0)", ErrorCode::kUnsupported);
-  p.loopControl = 3;  // hoist: no longer built
-  refused(p, "loopControl 3 (hoist)", ErrorCode::kUnsupported);
-  refused(p, "use 0 (default) or 2 (lane0)", ErrorCode::kUnsupported);
-  p.loopControl = 2;
-  CHECK_NOTHROW(validateAttention(p));
   p = ok;
   static const uint64_t flag = 0;
   p.kv[0].arrival = &flag;

@@ -77,10 +77,6 @@ struct AttentionParams {
   ErrorSlot* errorSlot;       // null = report nowhere
   uint64_t timeoutNs;         // deadline of the waits from the kernel's start; 0 = none
   uint32_t waitOp, waitRank;  // written into the error slot (op kind, rank)
-  // The consumer warps' loop control: 2 = lane0 (loop bounds from the KV walk in shared memory read by lane 0 and
-  // broadcast: ptxas sees a warp-uniform loop), the only one built. 1 (table) and 3 (hoist) are no longer built:
-  // refused (kUnsupported). 0 = default: lane0 (TANDEM_ATTN_LOOP may be unset or lane0; hoist is refused likewise).
-  int32_t loopControl;
 };
 
 /// Throws tandem::Error(kInvalidArgument) naming the broken rule ("rule head_dim: ..."), or kUnsupported for
