@@ -230,13 +230,6 @@ std::vector<GemmCase> mixedCases() {
   };
 }
 
-bool needsMps() {
-  if (mpsRunning()) return false;
-  MESSAGE("skipped: MPS is not running (the daemon executor needs it; scripts/gpu-check.sh runs this suite again "
-          "under MPS)");
-  return true;
-}
-
 }  // namespace
 
 TEST_CASE("ag-gemm, client executor: matches the fp64 reference at 1, 2, 3 and 4 ranks") {
@@ -258,16 +251,18 @@ TEST_CASE("fused GEMMs, client executor: different ops back to back on one strea
   runRanks(d, n, mixedCases(), {1, true});
 }
 
-TEST_CASE("fused GEMMs, daemon executor (MPS): every op matches the fp64 reference at 1 and 2 ranks, repeats bitwise") {
-  if (needsMps()) return;
+TEST_CASE("fused GEMMs, daemon executor (MPS): every op matches the fp64 reference at 1 and 2 ranks, repeats bitwise" *
+          doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
   for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
     CAPTURE(tandem::opKindName(kind));
     runOp(kind, "daemon", 10, ranksFor("daemon", 2) > 1 ? std::vector<uint32_t>{1, 2} : std::vector<uint32_t>{1});
   }
 }
 
-TEST_CASE("fused GEMMs, daemon executor (MPS): back to back with AllGathers, the persistent kernel yields each time") {
-  if (needsMps()) return;
+TEST_CASE("fused GEMMs, daemon executor (MPS): back to back with AllGathers, the persistent kernel yields each time" *
+          doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
   const uint32_t n = ranksFor("daemon", 2);
   Daemon d(config("daemon"), {}, "");
   REQUIRE(status(d)["executor"] == "daemon");
@@ -367,11 +362,9 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
   }
 }
 
-TEST_CASE("fused GEMMs, client executor: a rank SIGKILLed mid-op releases its peer's stream") {
-  if (mpsRunning()) {
-    MESSAGE("skipped: needs no MPS (a kill under MPS poisons the MPS server)");
-    return;
-  }
+TEST_CASE("fused GEMMs, client executor: a rank SIGKILLed mid-op releases its peer's stream" *
+          doctest::test_suite(kNeedsNoMps)) {
+  if (skipUnderMps()) return;
   for (GatedOp what : {GatedOp::kAgGemm, GatedOp::kGemmAr}) {
     CAPTURE(static_cast<int>(what));
     Daemon d(config("client"), {}, "");

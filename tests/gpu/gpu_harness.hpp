@@ -23,6 +23,7 @@
 #include <utility>
 
 #include "harness.hpp"
+#include "skip.hpp"
 #include "tandem/kernels/control_page.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/tandem.h"
@@ -48,6 +49,19 @@ inline bool mpsRunning() {
   const std::string dir = (env != nullptr && *env != '\0') ? env : "/tmp/nvidia-mps";
   struct stat st{};
   return ::stat((dir + "/control").c_str(), &st) == 0;
+}
+
+// The preconditions about MPS, for the cases of the suites kNeedsMps and kNeedsNoMps: each returns true, having
+// recorded the case as skipped with the reason, when the case must not run here (`if (skipWithoutMps()) return;`).
+inline bool skipWithoutMps() {
+  if (mpsRunning()) return false;
+  skipCase("MPS is not running (the daemon executor needs it; start it with nvidia-cuda-mps-control -d)");
+  return true;
+}
+inline bool skipUnderMps(const char* why = "a kill mid-kernel under MPS poisons the MPS server") {
+  if (!mpsRunning()) return false;
+  skipCase(std::string("MPS is running (") + why + "; run this case without MPS)");
+  return true;
 }
 
 inline std::string config(const std::string& executor) {

@@ -1,7 +1,8 @@
 // The cuda backend end to end: discovery, memory, registration, AllGather in both executors, and failures.
 // Every rank is a forked child (this process never initialises CUDA); the daemon is a real tandemd.
-// Under MPS (an MPS control pipe is present) the daemon-executor cases run and the kill cases are skipped:
-// killing an MPS client mid-kernel poisons the MPS server for every process on that GPU.
+// Under MPS (an MPS control pipe is present) the daemon-executor cases run and the kill cases skip, and the other way
+// round without MPS: killing an MPS client mid-kernel poisons the MPS server for every process on that GPU. A case
+// that skips says so (skip.hpp); CTest runs each of the two sets as an entry of its own (CMakeLists.txt).
 #include <algorithm>
 #include <random>
 #include <sstream>
@@ -186,11 +187,8 @@ TEST_CASE("backend cuda without a usable GPU exits 69 and says why") {
   CHECK((r.err + r.out).find("is not visible") != std::string::npos);
 }
 
-TEST_CASE("executor daemon needs MPS: refused with how to start it") {
-  if (mpsRunning()) {
-    MESSAGE("MPS is running: the refusal is checked in the run without MPS");
-    return;
-  }
+TEST_CASE("executor daemon needs MPS: refused with how to start it" * doctest::test_suite(kNeedsNoMps)) {
+  if (skipUnderMps("the refusal happens only without MPS")) return;
   TempDir dir;
   const std::string cfg = (dir.path() / "c.yaml").string();
   std::ofstream(cfg) << config("daemon");
@@ -343,11 +341,9 @@ TEST_CASE("allgather, client executor: bitwise exact at 1 and 2 ranks, 1 B .. 1 
   CHECK(eventually([&] { return status(d)["total_bytes"] == 0; }));
 }
 
-TEST_CASE("allgather, daemon executor (MPS): bitwise exact at 1 and 2 ranks, 1 B .. 1 GiB") {
-  if (!mpsRunning()) {
-    MESSAGE("skipped: MPS is not running (scripts/gpu-check.sh runs this suite again under MPS)");
-    return;
-  }
+TEST_CASE("allgather, daemon executor (MPS): bitwise exact at 1 and 2 ranks, 1 B .. 1 GiB" *
+          doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
   Daemon d(config("daemon"), {}, "");
   REQUIRE(status(d)["executor"] == "daemon");
   const auto sizes = testSizes();
@@ -361,11 +357,9 @@ TEST_CASE("allgather, daemon executor (MPS): bitwise exact at 1 and 2 ranks, 1 B
   SUBCASE("after the persistent kernel exited") { runAllGather(d, n, false, {4096, 8u << 20}); }
 }
 
-TEST_CASE("a client SIGKILLed mid-op (client executor, no MPS) leaves the daemon healthy") {
-  if (mpsRunning()) {
-    MESSAGE("skipped: needs no MPS (a kill under MPS poisons the MPS server)");
-    return;
-  }
+TEST_CASE("a client SIGKILLed mid-op (client executor, no MPS) leaves the daemon healthy" *
+          doctest::test_suite(kNeedsNoMps)) {
+  if (skipUnderMps()) return;
   Daemon d(config("client"), {}, "");
   tandem_unique_id_t id;
   tandem_get_unique_id(&id);
@@ -378,11 +372,8 @@ TEST_CASE("a client SIGKILLed mid-op (client executor, no MPS) leaves the daemon
   runAllGather(d, 2, false, {4096, 16u << 20});
 }
 
-TEST_CASE("a killed daemon leaves no client stream hanging") {
-  if (mpsRunning()) {
-    MESSAGE("skipped: needs no MPS");
-    return;
-  }
+TEST_CASE("a killed daemon leaves no client stream hanging" * doctest::test_suite(kNeedsNoMps)) {
+  if (skipUnderMps()) return;
   auto d = std::make_unique<Daemon>(config("client"), std::vector<std::string>{}, "");
   tandem_unique_id_t id;
   tandem_get_unique_id(&id);
@@ -435,45 +426,52 @@ TEST_CASE("a barrier holds a stream until every rank's stream reaches it (client
   late.reap();
 }
 
-TEST_CASE("barrier in stream order, both executors where available") {
-  std::vector<std::string> executors = {"client"};
-  if (mpsRunning()) executors.push_back("daemon");
-  for (const auto& ex : executors) {
-    CAPTURE(ex);
-    Daemon d(config(ex), {}, "");
-    tandem_unique_id_t id;
-    tandem_get_unique_id(&id);
-    std::vector<Rank> ranks;
-    const uint32_t n = ranksFor(ex, 2);
-    for (uint32_t r = 0; r < n; ++r) {
-      ranks.push_back(spawn([&, r](const Io&) -> std::string {
-        CK(cudaSetDevice(rankDevice(r)));
-        tandem_session_t s;
-        TK(tandem_connect(d.socket().c_str(), &s));
-        tandem_comm_t comm;
-        TK(tandem_comm_init(s, &id, n, r, 60000, &comm));
-        cudaStream_t stream;
-        CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-        tandem_op_t op{};
-        const tandem_barrier_args_t barrierArgs{sizeof barrierArgs, stream};
-        for (int i = 0; i < 200; ++i) TK(tandem_barrier_stream(comm, &barrierArgs, &op));
-        const std::string synced = syncWithin(stream, 30000);
-        if (synced != "synced") return "FAIL stream " + synced;
-        if (tandem_wait(op, 10000) != TANDEM_SUCCESS) return std::string("FAIL ") + tandem_last_error();
-        TK(tandem_barrier(comm, &op));  // the legacy default stream
-        CK(cudaDeviceSynchronize());
-        if (tandem_wait(op, 10000) != TANDEM_SUCCESS) return std::string("FAIL ") + tandem_last_error();
-        tandem_comm_destroy(comm);
-        tandem_disconnect(s);
-        return "OK";
-      }));
-    }
-    for (auto& r : ranks) {
-      const std::string out = r.read(60000);
-      INFO(out);
-      INFO(d.log());
-      CHECK(out == "OK");
-      r.reap();
-    }
+namespace {
+
+// 200 stream barriers then a host barrier at 2 ranks (one per GPU for the daemon executor).
+void runBarrierInStreamOrder(const std::string& ex) {
+  Daemon d(config(ex), {}, "");
+  tandem_unique_id_t id;
+  tandem_get_unique_id(&id);
+  std::vector<Rank> ranks;
+  const uint32_t n = ranksFor(ex, 2);
+  for (uint32_t r = 0; r < n; ++r) {
+    ranks.push_back(spawn([&, r](const Io&) -> std::string {
+      CK(cudaSetDevice(rankDevice(r)));
+      tandem_session_t s;
+      TK(tandem_connect(d.socket().c_str(), &s));
+      tandem_comm_t comm;
+      TK(tandem_comm_init(s, &id, n, r, 60000, &comm));
+      cudaStream_t stream;
+      CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      tandem_op_t op{};
+      const tandem_barrier_args_t barrierArgs{sizeof barrierArgs, stream};
+      for (int i = 0; i < 200; ++i) TK(tandem_barrier_stream(comm, &barrierArgs, &op));
+      const std::string synced = syncWithin(stream, 30000);
+      if (synced != "synced") return "FAIL stream " + synced;
+      if (tandem_wait(op, 10000) != TANDEM_SUCCESS) return std::string("FAIL ") + tandem_last_error();
+      TK(tandem_barrier(comm, &op));  // the legacy default stream
+      CK(cudaDeviceSynchronize());
+      if (tandem_wait(op, 10000) != TANDEM_SUCCESS) return std::string("FAIL ") + tandem_last_error();
+      tandem_comm_destroy(comm);
+      tandem_disconnect(s);
+      return "OK";
+    }));
   }
+  for (auto& r : ranks) {
+    const std::string out = r.read(60000);
+    INFO(out);
+    INFO(d.log());
+    CHECK(out == "OK");
+    r.reap();
+  }
+}
+
+}  // namespace
+
+TEST_CASE("barrier in stream order, client executor") { runBarrierInStreamOrder("client"); }
+
+TEST_CASE("barrier in stream order, daemon executor (MPS)" * doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
+  runBarrierInStreamOrder("daemon");
 }

@@ -233,12 +233,6 @@ void runOp(OpKind kind, const std::string& executor, std::vector<uint32_t> rankC
   CHECK(eventually([&] { return status(d)["total_bytes"] == 0; }));
 }
 
-bool needsMps() {
-  if (mpsRunning()) return false;
-  MESSAGE("skipped: MPS is not running (the daemon executor needs it)");
-  return true;
-}
-
 // A case whose op fails on the GPU: every rank's op must fail naming `needle`, and write nothing.
 void runFailing(
     const MoeCase& c, uint32_t nranks, const std::string& needle,
@@ -281,8 +275,9 @@ TEST_CASE(
   runOp(OpKind::kMoeDispatchFfnCombine, "client", {1, 2, 4});
 }
 
-TEST_CASE("moe ops, daemon executor (MPS): match the reference, 20 runs bitwise identical") {
-  if (needsMps()) return;
+TEST_CASE("moe ops, daemon executor (MPS): match the reference, 20 runs bitwise identical" *
+          doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
   std::vector<uint32_t> counts{1};
   if (gpuCount() >= 2) counts.push_back(2);  // the daemon executor runs one rank per GPU
   runOp(OpKind::kMoeDispatchGemm, "daemon", counts);

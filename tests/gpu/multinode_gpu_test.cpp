@@ -678,11 +678,9 @@ std::string warmGatedRank(const Io& io, const std::string& socket, const tandem_
 }  // namespace
 
 TEST_CASE("two nodes, daemon executor (MPS): the fused GEMMs across nodes run on the GPUs, match the fp64 reference "
-          "and repeat bitwise") {
-  if (!mpsRunning()) {
-    MESSAGE("skipped: MPS is not running (the daemon executor needs it)");
-    return;
-  }
+          "and repeat bitwise" *
+          doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
   // One rank per node: tandemd runs the op in its own context, beside the daemon executor's persistent kernel. The
   // GPU-issued exchange over both transports, its region in host memory: on tcp always, on verbs because a
   // GPU-memory region stalled under MPS on the double (chooseRegionMemory).
@@ -709,11 +707,9 @@ TEST_CASE("two nodes, daemon executor (MPS): the fused GEMMs across nodes run on
   }
 }
 
-TEST_CASE("two nodes, one GPU each: a rank killed mid-op on one node releases the other node's stream with PEER_LOST") {
-  if (mpsRunning()) {
-    MESSAGE("skipped: needs no MPS (a kill under MPS poisons the MPS server)");
-    return;
-  }
+TEST_CASE("two nodes, one GPU each: a rank killed mid-op on one node releases the other node's stream with PEER_LOST" *
+          doctest::test_suite(kNeedsNoMps)) {
+  if (skipUnderMps()) return;
   TwoNodes c;
   REQUIRE_MESSAGE(c.connected(), c.logs());
   tandem_unique_id_t id;
@@ -728,11 +724,9 @@ TEST_CASE("two nodes, one GPU each: a rank killed mid-op on one node releases th
 }
 
 TEST_CASE("two nodes, one GPU each: a rank killed while the other node's GPU waits for its data releases that stream "
-          "with PEER_LOST") {
-  if (mpsRunning()) {
-    MESSAGE("skipped: needs no MPS (a kill under MPS poisons the MPS server)");
-    return;
-  }
+          "with PEER_LOST" *
+          doctest::test_suite(kNeedsNoMps)) {
+  if (skipUnderMps()) return;
   TwoNodes c;
   REQUIRE_MESSAGE(c.connected(), c.logs());
   tandem_unique_id_t id;
@@ -841,11 +835,9 @@ Rank expectReleasedWhenNode1Gets(TwoNodes& c, int sig, long long withinMs) {
 }  // namespace
 
 TEST_CASE("two nodes, one GPU each: a tandemd killed while the other node's GPU waits on its arrived flag releases "
-          "that stream with PEER_LOST, and the restarted node serves the next communicator on the GPU path") {
-  if (mpsRunning()) {
-    MESSAGE("skipped: needs no MPS (a kill under MPS poisons the MPS server)");
-    return;
-  }
+          "that stream with PEER_LOST, and the restarted node serves the next communicator on the GPU path" *
+          doctest::test_suite(kNeedsNoMps)) {
+  if (skipUnderMps()) return;
   TwoNodes c;
   REQUIRE_MESSAGE(c.connected(), c.logs());
   // Node 1's daemon dies: node 0's transport sees its connections close, losing the node fails the communicator, and
@@ -876,11 +868,9 @@ TEST_CASE("two nodes, one GPU each: a tandemd killed while the other node's GPU 
 }
 
 TEST_CASE("two nodes, one GPU each: a hung node (a cut link) while the other node's GPU waits on its arrived flag "
-          "releases that stream with PEER_LOST within the peer deadline, and both nodes serve the next communicator") {
-  if (mpsRunning()) {
-    MESSAGE("skipped: needs no MPS (a kill under MPS poisons the MPS server)");
-    return;
-  }
+          "releases that stream with PEER_LOST within the peer deadline, and both nodes serve the next communicator" *
+          doctest::test_suite(kNeedsNoMps)) {
+  if (skipUnderMps()) return;
   TwoNodes c;
   REQUIRE_MESSAGE(c.connected(), c.logs());
   // On loopback a hung node stands in for a cut link (tests/integration/multinode_test.cpp does the same): node 1's

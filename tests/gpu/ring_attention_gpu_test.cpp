@@ -155,11 +155,9 @@ TEST_CASE("ring attention, client executor: matches the fp64 reference at 1, 2 a
 
 // Under MPS tandemd refuses two ranks on one GPU with the daemon executor, so one GPU runs 1 rank here; every GPU
 // count above 1 runs as many ranks as GPUs.
-TEST_CASE("ring attention, daemon executor (MPS): matches the fp64 reference, one rank per GPU") {
-  if (!mpsRunning()) {
-    MESSAGE("skipped: MPS is not running (the daemon executor needs it)");
-    return;
-  }
+TEST_CASE("ring attention, daemon executor (MPS): matches the fp64 reference, one rank per GPU" *
+          doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
   Daemon d(config("daemon"), {}, "");
   REQUIRE(status(d)["executor"] == "daemon");
   for (uint32_t n = 1; n <= static_cast<uint32_t>(gpuCount()); n *= 2) {
