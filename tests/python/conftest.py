@@ -9,62 +9,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
-import signal
-import socket as pysocket
-import subprocess
-import tempfile
 import time
 import traceback
-from pathlib import Path
 
 import pytest
 
-
-class Daemon:
-    """tandemd --foreground on a socket in a temp dir; its output goes to a log file there."""
-
-    def __init__(self, extra_args=(), backend="cpu"):
-        self.dir = tempfile.mkdtemp(prefix="tandem-py-")
-        self.socket = os.path.join(self.dir, "tandemd.sock")
-        self.log_path = os.path.join(self.dir, "tandemd.log")
-        argv = [os.environ["TANDEMD"], "--foreground", "--socket", self.socket, *extra_args]
-        if backend:
-            argv += ["--backend", backend]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while not self._accepts():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tandemd exited with {self.proc.returncode} before serving:\n{self.log()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"tandemd did not serve {self.socket} within 20 s:\n{self.log()}")
-            time.sleep(0.005)  # polling for readiness with a deadline, as tests/support/harness.hpp does
-
-    def _accepts(self) -> bool:
-        s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-        try:
-            s.connect(self.socket)
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
-
-    def log(self) -> str:
-        return Path(self.log_path).read_text(errors="replace")
-
-    def kill(self, sig=signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=20)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        self._log.close()
-        return self.proc.returncode
+from tandemd_process import Daemon  # noqa: F401  (test_api.py imports it from here)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The Python package on the cuda backend (scripts/py-gpu-run.sh runs it, under torchrun for 2 ranks).
+"""The Python package on the cuda backend (CTest runs it through run_gpu.py, label gpu; under torchrun for 2 ranks).
 
 usage: [torchrun --nproc-per-node N] python gpu_run.py SECTION...
   SECTION: ops attention compile graph cache hot dlpack jax, or all

@@ -2,7 +2,7 @@
 
 Each rank regenerates every rank's inputs from (op, rank) seeds, so it computes the reference of its own outputs
 without any communication, and compares. Used by the cpu-backend tests (test_ops.py) and, with device="cuda", by
-the GPU script (scripts/py-gpu-run.sh).
+the GPU tests (gpu_run.py).
 """
 
 from __future__ import annotations
