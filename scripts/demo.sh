@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# The main job on any machine: install what is missing, build, start tandemd on a private socket, run fused
-# ops across 4 client processes on it (checked against the fp64 reference), show the daemon's status, stop it.
+# The main job on any machine: install what is missing, build what the demo runs, start tandemd on a private socket,
+# run fused ops across 4 client processes on it (checked against the fp64 reference), show the daemon's status, stop
+# it.
+#
+# It builds tandemd, tandemctl (which also runs each rank: it re-executes itself) and libtandem, not the tests or the
+# benchmarks, in the same build tree and with the same options as scripts/build.sh (BUILD_DIR, default build/): so
+# scripts/demo-two-nodes.sh and `pip install ./python` find them there, and scripts/test.sh later builds only the
+# rest. PyTorch for the Python tests is not installed here (scripts/install-deps.sh does that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/install-deps.sh
-./scripts/build.sh
+TANDEM_PYTHON_TESTS=0 ./scripts/install-deps.sh
+./scripts/build.sh tandemd tandemctl tandem
 build="${BUILD_DIR:-build}"
 
 dir="$(mktemp -d /tmp/tandem-demo-XXXXXX)"

@@ -111,6 +111,30 @@ TEST_CASE("control page: a kernel's error report is read only once it is complet
   CHECK(f->observed == 4);
 }
 
+TEST_CASE("control page: an op's data error is read for that op only, once published") {
+  k::ControlPage page = k::ControlPage::create("tandem-test-ctl");
+  k::ControlPage writer = peerOf(page);
+  CHECK_FALSE(page.fault(5).has_value());
+  k::OpFault& f = writer.memory()->faults[5 % k::kVerdictRing];
+  f.code = static_cast<uint32_t>(k::WaitError::kMoeCapacity);
+  f.atFault = 1;
+  f.chunk = 64;
+  f.observed = 70;
+  CHECK_FALSE(page.fault(5).has_value());  // fields written, epoch not yet: not published
+  f.epoch = 5;
+  const auto got = page.fault(5);
+  REQUIRE(got.has_value());
+  CHECK(got->atFault == 1);
+  CHECK(got->chunk == 64);
+  CHECK(got->observed == 70);
+  // The ring entry's next user (epoch 5 + ring) sees no fault of its own, and the ops around 5 see none either.
+  CHECK_FALSE(page.fault(5 + k::kVerdictRing).has_value());
+  CHECK_FALSE(page.fault(4).has_value());
+  CHECK_FALSE(page.fault(6).has_value());
+  // A data error is not the rank's error slot: the communicator's failure report stays empty.
+  CHECK_FALSE(page.failure().has_value());
+}
+
 TEST_CASE("control page: libtandem refuses a page smaller than its layout") {
   k::ControlPage page = k::ControlPage::create("tandem-test-ctl");
   try {
