@@ -55,10 +55,10 @@ def hostile 150 gpu "tandemd tandem_hostile_tests" \
 def ctl 150 gpu "tandemd tandemctl" \
   "tandemctl run on a private cuda-backend tandemd: the argument checks (exit 2), then ag-gemm, gemm-rs, gemm-ar
    and allgather at 1 rank (8192^3) and 2 ranks sharing the GPU, with --check and --compare (NCCL + cuBLASLt)"
-def python 180 gpu "tandem tandemd tandem_py_fastcall" \
-  "the Python package on a private cuda-backend tandemd: tests/python/gpu_run.py at 1 rank (every op, attention,
-   registration cache, hot path, DLPack, torch.compile, CUDA graphs), at 2 ranks under torchrun, JAX through
-   DLPack; then the README's torchrun example, pip-installed into a venv over the machine's PyTorch"
+def python 180 gpu "tandem tandemd tandemctl tandem_py_fastcall" \
+  "the Python package on the cuda backend: ctest -R ^python_gpu_ (tests/python/gpu_run.py at 1 rank: every op,
+   attention, registration cache, hot path, torch.compile, CUDA graphs; at 2 ranks under torchrun; DLPack into
+   CuPy; JAX), then the README's torchrun example, pip-installed into a venv over the machine's PyTorch"
 def bench-python 60 gpu "tandem tandemd tandem_py_fastcall" \
   "python/bench/overhead.py: the package's per-call overhead against the C ABI (and pybind11 where installed),
    with the C fast path, then with ctypes alone (TANDEM_NO_FASTCALL=1)"
@@ -415,15 +415,10 @@ python_env() {
          TANDEM_LIBRARY="$B/client/libtandem.so" TANDEM_SOCKET="$SOCK")
 }
 step_python() {
-  python_env || return
-  # Each run ends with the graph section: a replay that goes wrong can leave the stream stuck; the limit ends it.
-  part 1rank 60 "${PYENV[@]}" python3 tests/python/gpu_run.py ops attention cache hot dlpack compile graph
-  show 'PASS|FAIL|Error'
-  part 2ranks 50 "${PYENV[@]}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-    tests/python/gpu_run.py ops attention graph
-  show 'PASS|FAIL|Error'
-  part jax 20 "${PYENV[@]}" XLA_PYTHON_CLIENT_PREALLOCATE=false python3 tests/python/gpu_run.py jax
-  show 'PASS|FAIL|Error'
+  needs_bins "$B/daemon/tandemd" "$B/client/libtandem.so" || return
+  part ctest 120 ctest --test-dir "$B" -R '^python_gpu_' --no-tests=error --output-on-failure --timeout 100
+  show '^ *[0-9]+/[0-9]+ Test|tests passed|PASS|FAIL' 30
+  daemon_start tandemd "$(printf 'daemon:\n  backend: cuda\n  executor: client')" || return
   # The README's example as a user runs it: a venv over the machine's PyTorch, `pip install ./python`, torchrun from
   # the repository root, with none of this script's Python settings.
   part readme 45 TANDEM_BUILD_DIR="$B" TANDEM_SOCKET="$SOCK" VENV="$TMP/venv" bash -c '
