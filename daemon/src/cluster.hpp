@@ -43,6 +43,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+
+#include "tandem/common/ranked_mutex.hpp"
 #include <span>
 #include <string>
 #include <thread>
@@ -136,8 +138,8 @@ class CommLink {
   std::unique_ptr<transport::ProxyFifoProducer> producer_;
   uint64_t lastEpoch_ = 0;  // the epoch of the previous exchange (0: none yet)
 
-  std::mutex mutex_;  // guards peerKeys_, abortCode_, abortReason_
-  std::condition_variable keysCv_;
+  RankedMutex mutex_{LockRank::kLink, "CommLink"};  // guards peerKeys_, abortCode_, abortReason_
+  std::condition_variable_any keysCv_;
   std::map<NodeIndex, transport::RemoteKey> peerKeys_;
   std::atomic<uint64_t> abortAfter_{~uint64_t{0}};
   std::atomic<uint64_t> completedEpoch_{0};
@@ -248,14 +250,14 @@ class Cluster {
   // while they report, and the engine calls back into the transport (send) under its own lock.
   void postEvent(std::function<void()> event);
   void eventLoop();
-  std::mutex eventMutex_;
-  std::condition_variable eventCv_;
+  RankedMutex eventMutex_{LockRank::kClusterEvents, "Cluster events"};
+  std::condition_variable_any eventCv_;
   std::deque<std::function<void()>> events_;
   bool eventsStopped_ = false;
   std::thread eventThread_;
 
   // Orders sends per node: queued messages, then direct ones once the link is up (hello first).
-  std::mutex sendMutex_;
+  RankedMutex sendMutex_{LockRank::kClusterSend, "Cluster send"};
   std::vector<bool> linkUp_;                     // guarded by sendMutex_
   std::vector<std::vector<std::string>> queued_;  // guarded by sendMutex_
 
@@ -265,7 +267,7 @@ class Cluster {
   transport::ProxyFifoView fifo_;
   std::unique_ptr<transport::Proxy> proxy_;
 
-  mutable std::mutex mutex_;  // guards nodes_, links_, retired_, freeIds_
+  mutable RankedMutex mutex_{LockRank::kCluster, "Cluster"};  // guards nodes_, links_, retired_, freeIds_
   std::vector<Node> nodes_;
   struct LinkEntry {
     CommLink* link;

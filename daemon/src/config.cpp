@@ -214,6 +214,11 @@ constexpr auto kDaemonFields = std::to_array<Field<DaemonSection>>({
     {"log_level", "Log verbosity: trace, debug, info, warn or error.", &DaemonSection::logLevel},
     {"worker_threads", "Threads the cpu backend runs ops on; 0 = one per hardware thread.",
      &DaemonSection::workerThreads, {0, kMaxWorkerThreads}},
+    {"stop_grace_ms",
+     "After SIGTERM or SIGINT, tandemd closes every session and finishes running ops; if that takes\n"
+     "longer than this, it exits at once (status 1) with the reason in its log, rather than hang the\n"
+     "node's shutdown. Keep it below the unit's TimeoutStopSec.",
+     &DaemonSection::stopGraceMs, {100, 3600000}},
 });
 
 constexpr auto kAccessFields = std::to_array<Field<AccessSection>>({

@@ -19,6 +19,7 @@ struct DaemonSection {
   ExecutorKind executor = ExecutorKind::kAuto; // auto: daemon when an MPS control daemon is reachable, else client
   std::string logLevel = "info";               // trace | debug | info | warn | error
   uint32_t workerThreads = 0;                  // CPU backend op threads; 0 = hardware concurrency
+  uint32_t stopGraceMs = 30000;                // SIGTERM's drain may take this long before tandemd exits anyway
 
   bool operator==(const DaemonSection&) const = default;
 };

@@ -3,7 +3,8 @@
 //
 // Threads: the control thread (Server) calls every public method except the pump's; the pump thread pops
 // descriptors and polls the backend; the backend executes ops (cpu: worker threads; cuda: GPUs). `mutex_`
-// guards all maps; op execution runs without it. Lock order: Engine::mutex_ before any backend lock.
+// guards all maps; op execution runs without it. `mutex_` is the outermost of the daemon's ranked locks, and nothing
+// calls back into a session or the server while it is held (docs/ARCHITECTURE.md, "Locks and callbacks").
 #pragma once
 
 #include <atomic>
@@ -24,6 +25,7 @@
 #include "state.hpp"
 #include "tandem/v1/cluster.pb.h"
 #include "tandem/common/error.hpp"
+#include "tandem/common/ranked_mutex.hpp"
 
 namespace tandem::daemon {
 
@@ -137,16 +139,20 @@ class Engine {
   };
 
   std::vector<std::shared_ptr<SessionChannel>> sessionChannels() const;
+  // Every join's reply goes through here, never under mutex_: the reply may close its session, which comes back
+  // into the engine.
+  void answerJoin(JoinDone& done, ErrorCode code, const std::string& message, uint64_t commHandle,
+                  const JoinInfo& info) const;
   bool progressBackend();
   void backendFailed(std::string why);
   void handleDescriptor(const OpDescriptor& desc, const std::shared_ptr<SessionChannel>& channel);
   void tryDispatchLocked(const std::shared_ptr<CommEntry>& entry);
   std::shared_ptr<CommEntry> entryForLocked(const std::array<uint8_t, 16>& uniqueId, uint32_t nranks);
   // Every rank is known: set the communicator up and answer the local joiners. Unlocks `lock`.
-  void completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_lock<std::mutex>& lock);
+  void completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_lock<RankedMutex>& lock);
   // A joining communicator cannot form: every local joiner gets the error and the id is spent. Unlocks.
   void failJoin(const std::shared_ptr<CommEntry>& entry, ErrorCode code, const std::string& reason,
-                std::unique_lock<std::mutex>& lock);
+                std::unique_lock<RankedMutex>& lock);
   void eraseEntryLocked(const Communicator& comm);
   // Multi-node: tell the communicator's other nodes (all of them while it is joining).
   void tellPeersLocked(const Communicator& comm, const v1::PeerMessage& message);
@@ -162,7 +168,7 @@ class Engine {
 
   const DaemonConfig& config_;
   std::unique_ptr<Backend> backend_;
-  mutable std::mutex mutex_;
+  mutable RankedMutex mutex_{LockRank::kEngine, "Engine"};
   std::map<uint64_t, SessionState> sessions_;
   std::map<uint64_t, std::shared_ptr<CommEntry>> comms_;          // by handle
   std::map<std::array<uint8_t, 16>, uint64_t> commByUniqueId_;

@@ -14,4 +14,12 @@ void notifySystemd(const std::string& state) {
 #endif
 }
 
+std::optional<std::chrono::microseconds> systemdWatchdogPeriod() {
+#ifdef TANDEM_HAVE_SYSTEMD
+  uint64_t usec = 0;
+  if (sd_watchdog_enabled(0, &usec) > 0 && usec > 0) return std::chrono::microseconds(usec / 2);
+#endif
+  return std::nullopt;
+}
+
 }  // namespace tandem::daemon

@@ -13,7 +13,9 @@
 
 #include <boost/asio/signal_set.hpp>
 #include <atomic>
+#include <algorithm>
 #include <charconv>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -198,6 +200,18 @@ void detachStdio() {
   ::close(null);
 }
 
+// TANDEM_TEST_STALL_CONTROL_LOOP_MS=N (tests only): N ms after serving starts, the control loop blocks for good, as a
+// loop wedged by a bug would. The watchdog and the SIGTERM grace period are tested against it.
+void stallControlLoopForTests(td::Server& server) {
+  const char* text = std::getenv("TANDEM_TEST_STALL_CONTROL_LOOP_MS");
+  if (text == nullptr || *text == '\0') return;
+  const long ms = std::strtol(text, nullptr, 10);
+  spdlog::warn("TANDEM_TEST_STALL_CONTROL_LOOP_MS is set: the control loop stops answering in {} ms (a test)", ms);
+  server.every(std::chrono::milliseconds(std::max(ms, 1L)), [] {
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  });
+}
+
 int run(const Options& options, Logging& logging) {
   td::DaemonConfig config;
   if (!options.configPath.empty()) config = td::loadConfigFile(options.configPath);
@@ -274,24 +288,56 @@ int run(const Options& options, Logging& logging) {
     ::close(readyFd);
   }
   td::notifySystemd("READY=1\nSTATUS=serving " + server.socketPath());
+  // The watchdog is fed from the control loop itself, so that a loop wedged for any reason stops feeding it and
+  // systemd restarts tandemd (WatchdogSec= in tandemd.service) instead of leaving the node's clients hanging.
+  if (const auto period = td::systemdWatchdogPeriod()) {
+    spdlog::info("systemd watchdog: WATCHDOG=1 every {} ms from the control loop", period->count() / 1000);
+    server.every(*period, [] { td::notifySystemd("WATCHDOG=1"); });
+  }
+  stallControlLoopForTests(server);
 
-  // SIGINT/SIGTERM drain and exit: the server closes every session, the engine finishes running ops.
-  std::thread signals([&server] {
+  // SIGINT/SIGTERM drain and exit: the server closes every session, the engine finishes running ops. The signal
+  // thread gives that daemon.stop_grace_ms; past it (the control loop no longer answers, an op never ends) it ends
+  // the process itself with the reason logged: a daemon that ignores SIGTERM holds up its node's shutdown.
+  struct {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool finished = false;
+  } drain;
+  const auto grace = std::chrono::milliseconds(config.daemon.stopGraceMs);
+  std::thread signals([&server, &drain, grace] {
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     int sig = 0;
     sigwait(&set, &sig);
-    if (sig != 0) {
-      spdlog::info("received {}, shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
-      server.stop();
+    {
+      std::lock_guard lock(drain.mutex);
+      if (drain.finished) return;  // the wake-up sent once shutdown was done
+    }
+    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    spdlog::info("received {}, shutting down", name);
+    server.stop();
+    std::unique_lock lock(drain.mutex);
+    if (!drain.cv.wait_for(lock, grace, [&] { return drain.finished; })) {
+      spdlog::critical("tandemd did not finish shutting down within daemon.stop_grace_ms ({} ms) of {}: its control "
+                       "loop or an op is not answering. Exiting now without draining; clients see DAEMON_LOST",
+                       grace.count(), name);
+      spdlog::default_logger()->flush();
+      td::notifySystemd("STATUS=stop grace period exceeded; exiting without draining");
+      std::_Exit(td::kExitFailure);
     }
   });
   server.run();
   td::notifySystemd("STOPPING=1");
   engine.stop();
   if (cluster) cluster->stop();  // before the server goes: its callbacks post to the server
+  {
+    std::lock_guard lock(drain.mutex);
+    drain.finished = true;
+  }
+  drain.cv.notify_all();
   // Wake the signal thread if shutdown came from a Shutdown request instead of a signal.
   ::kill(::getpid(), SIGTERM);
   signals.join();

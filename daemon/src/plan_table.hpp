@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+
+#include "tandem/common/ranked_mutex.hpp"
 #include <optional>
 #include <string>
 #include <string_view>
@@ -118,7 +120,7 @@ class PlanTable {
 
   std::string directory_, path_;
   PlanFingerprint fingerprint_;
-  mutable std::mutex mutex_;
+  mutable RankedMutex mutex_{LockRank::kPlanTable, "PlanTable"};
   std::map<PlanKey, PlanRecord> entries_;
   std::map<uint64_t, std::map<PlanKey, PlanChoice>> trials_;  // by communicator handle (handles only grow: oldest first)
   std::size_t trialCount_ = 0;

@@ -34,41 +34,47 @@ void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, u
   try {
     backend_->checkJoin(deviceUuid);
   } catch (const Error& e) {
-    return done(e.code(), e.what(), 0, none);
+    return answerJoin(done, e.code(), e.what(), 0, none);
   }
   std::unique_lock lock(mutex_);
+  // A refusal is decided under the lock and delivered after it: `done` writes to the client's connection, which
+  // may close the session and come back into the engine (docs/ARCHITECTURE.md, "Locks and callbacks").
+  auto refuse = [&](ErrorCode code, std::string message) {
+    lock.unlock();
+    answerJoin(done, code, message, 0, none);
+  };
   // Half-joined communicators cost memory until they form or time out: one session may hold only so many.
   uint32_t joining = 0;
   for (const auto& [handle, e] : comms_) {
     for (const auto& [r, j] : e->joins) joining += j.sessionId == sessionId ? 1 : 0;
   }
   if (joining >= config_.limits.maxJoiningCommsPerSession) {
-    return done(ErrorCode::kOutOfMemory,
-                fmt::format("join: this session already waits in {} communicators that have not formed, the most "
-                            "limits.max_joining_comms_per_session allows; let them form (start the other ranks) or "
-                            "time out, or raise the limit", joining), 0, none);
+    return refuse(ErrorCode::kOutOfMemory,
+                  fmt::format("join: this session already waits in {} communicators that have not formed, the most "
+                              "limits.max_joining_comms_per_session allows; let them form (start the other ranks) or "
+                              "time out, or raise the limit", joining));
   }
   std::shared_ptr<CommEntry> entry = entryForLocked(uniqueId, nranks);
   Communicator& comm = entry->comm;
   if (comm.state != Communicator::State::kJoining) {
-    return done(ErrorCode::kInvalidArgument,
-                fmt::format("communicator {} is no longer joinable (state {}: {}); create a new id with "
-                            "tandem_get_unique_id", hexId(uniqueId), commStateName(comm.state), comm.reason), 0, none);
+    return refuse(ErrorCode::kInvalidArgument,
+                  fmt::format("communicator {} is no longer joinable (state {}: {}); create a new id with "
+                              "tandem_get_unique_id", hexId(uniqueId), commStateName(comm.state), comm.reason));
   }
   if (comm.nranks != nranks) {
-    return done(ErrorCode::kInvalidArgument,
-                fmt::format("communicator {} was created with nranks {}, but this rank passed nranks {}; every rank "
-                            "must pass the same nranks", hexId(uniqueId), comm.nranks, nranks), 0, none);
+    return refuse(ErrorCode::kInvalidArgument,
+                  fmt::format("communicator {} was created with nranks {}, but this rank passed nranks {}; every rank "
+                              "must pass the same nranks", hexId(uniqueId), comm.nranks, nranks));
   }
   if (comm.members[rank]) {
-    return done(ErrorCode::kInvalidArgument,
-                fmt::format("rank {} of communicator {} is already taken by another session; give each process a "
-                            "distinct rank", rank, hexId(uniqueId)), 0, none);
+    return refuse(ErrorCode::kInvalidArgument,
+                  fmt::format("rank {} of communicator {} is already taken by another session; give each process a "
+                              "distinct rank", rank, hexId(uniqueId)));
   }
   if (comm.remote[rank]) {
-    return done(ErrorCode::kInvalidArgument,
-                fmt::format("rank {} of communicator {} already joined on node {}; give each process of the job a "
-                            "distinct rank", rank, hexId(uniqueId), *comm.remote[rank]), 0, none);
+    return refuse(ErrorCode::kInvalidArgument,
+                  fmt::format("rank {} of communicator {} already joined on node {}; give each process of the job a "
+                              "distinct rank", rank, hexId(uniqueId), *comm.remote[rank]));
   }
   comm.members[rank] = sessionId;
   comm.devices[rank] = deviceUuid;
@@ -84,6 +90,12 @@ void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, u
   }
   if (comm.joined() < comm.nranks) return;
   completeJoin(entry, lock);
+}
+
+void Engine::answerJoin(JoinDone& done, ErrorCode code, const std::string& message, uint64_t commHandle,
+                        const JoinInfo& info) const {
+  mutex_.assertNotHeld("a join's reply");
+  done(code, message, commHandle, info);
 }
 
 std::shared_ptr<Engine::CommEntry> Engine::entryForLocked(const std::array<uint8_t, 16>& uniqueId, uint32_t nranks) {
@@ -121,7 +133,7 @@ void Engine::tellPeersLocked(const Communicator& comm, const v1::PeerMessage& me
 }
 
 void Engine::failJoin(const std::shared_ptr<CommEntry>& entry, ErrorCode code, const std::string& reason,
-                      std::unique_lock<std::mutex>& lock) {
+                      std::unique_lock<RankedMutex>& lock) {
   Communicator& comm = entry->comm;
   auto joins = std::move(entry->joins);
   entry->joins.clear();
@@ -131,10 +143,10 @@ void Engine::failJoin(const std::shared_ptr<CommEntry>& entry, ErrorCode code, c
   eraseEntryLocked(comm);
   lock.unlock();
   if (!joins.empty()) spdlog::warn("communicator {}: {}", hexId(comm.uniqueId), reason);
-  for (auto& [r, j] : joins) j.done(code, reason, 0, JoinInfo{});
+  for (auto& [r, j] : joins) answerJoin(j.done, code, reason, 0, JoinInfo{});
 }
 
-void Engine::completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_lock<std::mutex>& lock) {
+void Engine::completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_lock<RankedMutex>& lock) {
   Communicator& comm = entry->comm;
   const std::array<uint8_t, 16> uniqueId = comm.uniqueId;
   const uint32_t nranks = comm.nranks;
@@ -217,7 +229,7 @@ void Engine::completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_l
   }
   auto keepAlive = comm.resources;  // the control fds in `infos` stay open while the replies go out
   lock.unlock();
-  for (auto& [r, j] : joins) j.done(ErrorCode::kOk, "", handle, infos[r]);
+  for (auto& [r, j] : joins) answerJoin(j.done, ErrorCode::kOk, "", handle, infos[r]);
 }
 
 CommMapping Engine::commMapping(uint64_t sessionId, uint64_t commHandle, uint32_t rank) {
@@ -251,9 +263,10 @@ void Engine::cancelJoin(uint64_t sessionId, const std::array<uint8_t, 16>& uniqu
   const uint32_t nranks = entry->comm.nranks;
   if (joined == 0) eraseEntryLocked(entry->comm);
   lock.unlock();
-  done(ErrorCode::kTimeout,
-       fmt::format("communicator rendezvous timed out after {} ms: {} of {} ranks had joined; start every rank with "
-                   "the same id and nranks, or pass a longer timeout", timeoutMs, joined + 1, nranks), 0, JoinInfo{});
+  answerJoin(done, ErrorCode::kTimeout,
+             fmt::format("communicator rendezvous timed out after {} ms: {} of {} ranks had joined; start every rank "
+                         "with the same id and nranks, or pass a longer timeout", timeoutMs, joined + 1, nranks),
+             0, JoinInfo{});
 }
 
 void Engine::destroyComm(uint64_t sessionId, uint64_t commHandle, bool abort) {

@@ -245,9 +245,19 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
 
   // Closes this connection because of what the client did, with the reason in the log.
   void drop(Server::WarnKind kind, const std::string& reason) {
-    if (closed_) return;
+    if (closed_ || closing_) return;
     server_.warnLimited(kind, fmt::format("{}: disconnected: it {}", who(), reason));
-    server_.closeSession(id_, reason);
+    closeLater(reason);
+  }
+
+  // Every close that starts inside this session (a reply that overflowed the backlog, a failed send, a bad frame,
+  // a hang-up) takes effect after the current handler returns: the handler may be running inside an engine call
+  // that is answering it (a join's reply), and closing the session goes back into the engine. From now on nothing
+  // more is read or sent.
+  void closeLater(const std::string& why) {
+    if (closed_ || closing_) return;
+    closing_ = true;
+    asio::post(socket_.get_executor(), [self = shared_from_this(), why] { self->server_.closeSession(self->id_, why); });
   }
 
   // A process that dies while another process still holds its connection (a child that inherited the fd
@@ -264,15 +274,14 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
     processExit_.async_wait(asio::posix::stream_descriptor::wait_read,
                             [self = shared_from_this()](boost::system::error_code ec) {
                               if (ec || self->closed_) return;
-                              self->server_.closeSession(
-                                  self->id_, fmt::format("process {} exited (its connection was still open, held by "
-                                                         "another process)", self->pid_));
+                              self->closeLater(fmt::format("process {} exited (its connection was still open, held by "
+                                                           "another process)", self->pid_));
                             });
   }
 
   void waitRead() {
     socket_.async_wait(stream_protocol::socket::wait_read, [self = shared_from_this()](boost::system::error_code ec) {
-      if (ec || self->closed_) return;
+      if (ec || self->closed_ || self->closing_) return;
       self->onReadable();
     });
   }
@@ -310,7 +319,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       const std::string why = n < 0 ? fmt::format("connection error: {}", std::strerror(errno))
                               : reader_.midFrame() ? "client disconnected in the middle of a frame"
                                                    : "client disconnected";
-      return server_.closeSession(id_, why);
+      return closeLater(why);
     }
     bool framesCompleted = false;
     try {
@@ -319,7 +328,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       framesCompleted = !frames.empty();
       for (InFrame& frame : frames) {
         handleFrame(frame);
-        if (closed_) return;
+        if (closed_ || closing_) return;
       }
       reader_.checkStream();
     } catch (const Error& e) {
@@ -357,7 +366,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
   // Replies go out without blocking: what the socket does not take now waits here, and a client that lets more
   // than limits.max_reply_backlog_bytes wait is disconnected instead of holding the control thread.
   void send(const pb::Response& response, std::span<const int> fds = {}) {
-    if (closed_) return;
+    if (closed_ || closing_) return;
     std::string frame;
     try {
       frame = encodeFrame(response.SerializeAsString(), server_.config_.limits.maxFrameBytes);
@@ -420,7 +429,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
     if (n >= 0) return static_cast<std::size_t>(n);
     if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
     const int err = errno;
-    server_.closeSession(id_, fmt::format("sending a reply failed: {}", std::strerror(err)));
+    closeLater(fmt::format("sending a reply failed: {}", std::strerror(err)));
     return std::nullopt;
   }
 
@@ -429,7 +438,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
     writeWaiting_ = true;
     socket_.async_wait(stream_protocol::socket::wait_write, [self = shared_from_this()](boost::system::error_code ec) {
       self->writeWaiting_ = false;
-      if (ec || self->closed_) return;
+      if (ec || self->closed_ || self->closing_) return;
       self->flush();
     });
   }
@@ -472,7 +481,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       server_.warnLimited(Server::WarnKind::kFds, fmt::format("{}: {}", who(), message));
       frame.fds.clear();  // closed before the answer, so a client that sees it sees them gone
       sendError(rid, ErrorCode::kInvalidArgument, message);
-      if (!helloDone_) server_.closeSession(id_, message);
+      if (!helloDone_) closeLater(message);
       return;
     }
     frameFds_ = &frame.fds;
@@ -482,7 +491,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
       sendError(rid, e.code(), e.what());
       // A peer that fails Hello (wrong version, not allowed, or something else first) gets no session.
       if (!helloDone_ || e.code() == ErrorCode::kVersionMismatch || e.code() == ErrorCode::kPermissionDenied) {
-        server_.closeSession(id_, e.what());
+        closeLater(e.what());
       }
     } catch (const std::exception& e) {
       sendError(rid, ErrorCode::kInternal, e.what());
@@ -805,6 +814,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
   bool writeWaiting_ = false;
   uint32_t pid_ = 0, uid_ = ~0u, gid_ = ~0u;
   bool helloDone_ = false;
+  bool closing_ = false;  // closeLater() posted the close; the session ignores its client from then on
   bool closed_ = false;
   std::shared_ptr<SessionChannel> channel_;
   std::map<uint64_t, std::shared_ptr<asio::steady_timer>> joinTimers_;  // pending joins, by nextJoinSeq_
@@ -950,11 +960,26 @@ void Server::run() {
   io_.run();
 }
 
+void Server::every(std::chrono::microseconds period, std::function<void()> tick) {
+  tickers_.push_back(std::make_unique<Ticker>(io_, period, std::move(tick)));
+  tickers_.back()->arm();
+}
+
+void Server::Ticker::arm() {
+  timer.expires_after(period);
+  timer.async_wait([this](boost::system::error_code ec) {
+    if (ec) return;  // cancelled by stop()
+    tick();
+    arm();
+  });
+}
+
 void Server::stop() {
   asio::post(io_, [this] {
     boost::system::error_code ec;
     acceptor_.close(ec);
     acceptRetry_.cancel();
+    for (auto& t : tickers_) t->timer.cancel();
     for (auto& [id, s] : std::map(sessions_)) s->close("tandemd is shutting down");
     sessions_.clear();
     for (auto& [id, r] : std::map(lingering_)) r->finish();

@@ -41,6 +41,9 @@ class Server {
   void stop();  // thread-safe
   // Runs `work` on the control thread (where every Engine call is made). Thread-safe.
   void post(std::function<void()> work) { boost::asio::post(io_, std::move(work)); }
+  // Runs `tick` on the control thread every `period` while serving (the systemd watchdog: it proves the loop
+  // turns, not merely that the process lives). Call before run().
+  void every(std::chrono::microseconds period, std::function<void()> tick);
   const std::string& socketPath() const { return socketPath_; }
 
  private:
@@ -74,6 +77,15 @@ class Server {
   boost::asio::io_context io_;
   boost::asio::local::stream_protocol::acceptor acceptor_;
   boost::asio::steady_timer acceptRetry_{io_};
+  struct Ticker {
+    Ticker(boost::asio::io_context& io, std::chrono::microseconds p, std::function<void()> t)
+        : timer(io), period(p), tick(std::move(t)) {}
+    void arm();
+    boost::asio::steady_timer timer;
+    std::chrono::microseconds period;
+    std::function<void()> tick;
+  };
+  std::vector<std::unique_ptr<Ticker>> tickers_;
   std::chrono::milliseconds acceptBackoff_{0};
   // Held open so that, when accept() fails for want of fds, one can be freed to take the waiting connections and
   // tell them why instead of leaving them hanging.

@@ -12,6 +12,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+
+#include "tandem/common/ranked_mutex.hpp"
 #include <optional>
 #include <string>
 #include <vector>
@@ -101,7 +103,7 @@ class SessionChannel {
   SessionRings rings_;
   WakeupPair completionWake_;
   WakeupPair submitWake_;
-  std::mutex mutex_;  // one producer at a time on the completion ring
+  RankedMutex mutex_{LockRank::kChannel, "SessionChannel"};  // one producer at a time on the completion ring
   std::deque<Completion> overflow_;
   std::atomic<bool> overflowed_{false};
   uint64_t completed_ = 0;

@@ -14,6 +14,7 @@
 
 #include "cluster.hpp"
 #include "cpu/cpu_ops.hpp"
+#include "tandem/common/ranked_mutex.hpp"
 
 namespace tandem::daemon {
 namespace {
@@ -255,8 +256,8 @@ class CpuBackend final : public Backend {
   const DaemonConfig& config_;
   bool running_ = false;
   std::vector<std::thread> workers_;
-  std::mutex workMutex_;
-  std::condition_variable workCv_;
+  RankedMutex workMutex_{LockRank::kBackend, "CpuBackend"};
+  std::condition_variable_any workCv_;
   std::deque<Work> work_;
   std::map<uint64_t, uint32_t> active_;  // session -> workers running its ops
   uint32_t maxPerSession_ = 1;

@@ -15,6 +15,7 @@
 #include "cuda/gpu.hpp"
 #include "cuda/node_comm.hpp"
 #include "tandem/common/error.hpp"
+#include "tandem/common/ranked_mutex.hpp"
 #include "tandem/kernels/allgather.hpp"
 #include "tandem/kernels/control_page.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
@@ -300,7 +301,7 @@ class CudaBackend final : public Backend {
   // GPU and host memory (the cluster keeps it as long as its transport), and the per-GPU proxies, made at first use.
   std::shared_ptr<GpuCopiers> copiers_ = std::make_shared<GpuCopiers>();
   std::shared_ptr<GpuExchangeHub> hub_ = std::make_shared<GpuExchangeHub>(copiers_);
-  mutable std::mutex mutex_;
+  mutable RankedMutex mutex_{LockRank::kBackend, "CudaBackend"};
   std::vector<std::weak_ptr<CudaComm>> comms_;
 };
 
