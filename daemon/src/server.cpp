@@ -226,6 +226,8 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
 
   uint64_t id() const { return id_; }
   uint32_t uid() const { return uid_; }
+  // Its close is posted (closeLater): it no longer counts against the connection caps.
+  bool closing() const { return closing_; }
   // Connected this long ago without saying Hello (nullopt once it has).
   std::optional<Clock::duration> silentFor() const {
     if (helloDone_) return std::nullopt;
@@ -1011,12 +1013,16 @@ void Server::onAccepted(stream_protocol::socket socket) {
   }
   // Connections count from accept, before Hello: silent ones hold fds and memory as sessions do.
   const auto& l = config_.limits;
-  uint32_t ofUid = 0;
-  for (const auto& [id, s] : sessions_) ofUid += s->uid() == cred.uid ? 1 : 0;
+  uint32_t ofUid = 0, open = 0;
+  for (const auto& [id, s] : sessions_) {
+    if (s->closing()) continue;
+    ++open;
+    ofUid += s->uid() == cred.uid ? 1 : 0;
+  }
   std::string refusal;
-  if (sessions_.size() >= l.maxSessions) {
+  if (open >= l.maxSessions) {
     refusal = fmt::format("tandemd already serves {} connections (limits.max_sessions); close idle clients, retry "
-                          "later, or raise limits.max_sessions in tandemd.yaml", sessions_.size());
+                          "later, or raise limits.max_sessions in tandemd.yaml", open);
   } else if (ofUid >= l.maxSessionsPerUid) {
     refusal = fmt::format("uid {} already has {} connections to tandemd (limits.max_sessions_per_uid); close some of "
                           "them, or raise limits.max_sessions_per_uid in tandemd.yaml", cred.uid, ofUid);
