@@ -32,6 +32,7 @@
 #include "cuda_client.hpp"
 namespace gpu = tandem::client::gpu;
 #endif
+#include "tandem/common/op_spec.hpp"
 #include "tandem/common/paths.hpp"
 #include "tandem/common/validate.hpp"
 #include "tandem/tandem.h"
@@ -410,6 +411,11 @@ const char* tandem_strerror(tandem_status_t status) {
 
 const char* tandem_last_error(void) { return lastError.c_str(); }
 const char* tandem_version(void) { return TANDEM_VERSION_STRING; }
+
+const char* tandem_op_table(void) {
+  static const std::string json = tandem::opTableJson();
+  return json.c_str();
+}
 
 int tandem_get_version(int* major, int* minor, int* patch) {
   if (major != nullptr) *major = TANDEM_VERSION_MAJOR;

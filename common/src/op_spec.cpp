@@ -1,10 +1,12 @@
 // The op table. Adding an op starts here: one entry (and its OpKind value in descriptor.hpp); validation, naming,
-// `tandemctl run`, the reference's and the backends' dispatch and the unsupported-op messages follow from it.
+// `tandemctl run`, the reference's and the backends' dispatch, the unsupported-op messages, the Python bindings and
+// the cross-node payload follow from it.
 #include "tandem/common/op_spec.hpp"
 
 #include <fmt/format.h>
 
 #include <array>
+#include <nlohmann/json.hpp>
 
 #include "tandem/common/error.hpp"
 
@@ -62,6 +64,52 @@ struct Builder {
     s.checkDims = f;
     return *this;
   }
+  // The last slot's axes, as Python shapes it (SlotSpec::axes).
+  Builder& axes(std::array<uint8_t, 4> a) {
+    s.slots[s.slotCount - 1U].axes = a;
+    return *this;
+  }
+  Builder& readsVerdict() {
+    s.readsVerdict = true;
+    return *this;
+  }
+  Builder& deviceError(ErrorCode e) {
+    s.deviceError = e;
+    return *this;
+  }
+  // The C argument struct and the Python method; `fields` names the struct's fields after struct_size in tandem.h's
+  // order, each resolved against the entry: "dtype", "cuda_stream", "scale", a flag's field ("causal", "layout"), a
+  // dim or a slot. Call it after the dims and slots.
+  Builder& c(std::string_view cStruct, std::string_view pyName, std::string_view fields,
+             std::string_view cArgsFunction = {}) {
+    s.cStruct = cStruct;
+    s.cArgsFunction = cArgsFunction.empty() ? s.cFunction : cArgsFunction;
+    s.pyName = pyName;
+    while (!fields.empty()) {
+      const std::size_t space = fields.find(' ');
+      const std::string_view f = fields.substr(0, space);
+      fields = space == std::string_view::npos ? std::string_view{} : fields.substr(space + 1);
+      s.cFields[s.cFieldCount++] = resolve(f);
+    }
+    return *this;
+  }
+
+ private:
+  CField resolve(std::string_view f) const {
+    using K = CField::Kind;
+    if (f == "dtype") return {K::kDtype, 0, f};
+    if (f == "cuda_stream") return {K::kStream, 0, f};
+    if (f == "scale") return {K::kScale, 0, f};
+    if (f == "causal") return {K::kFlag, 0, f};        // kFlagCausal
+    if (f == "layout") return {K::kFlag, 1, f, true};  // kFlagZigzag: TANDEM_ATTENTION_ZIGZAG
+    for (uint8_t i = 0; i < s.dimCount; ++i) {
+      if (s.dims[i].name == f) return {K::kDim, i, f};
+    }
+    for (uint8_t i = 0; i < s.slotCount; ++i) {
+      if (s.slots[i].name == f) return {K::kTensor, i, f};
+    }
+    fail(ErrorCode::kInternal, "op table: {}'s C field {} is no dim, slot or known field", s.name, f);
+  }
 };
 
 void checkMoe(const OpDescriptor& d) {
@@ -95,7 +143,9 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
           .slot("b", D, {dimT(d::kN), dimT(d::kK)}, "[n, k]")
           .slot("c", D, {dimT(d::kM), dimT(d::kN)}, "[m, n]", true)
           .slot("a_gathered", D, {dimT(d::kM), dimT(d::kK)}, "[m, k]", true, true)
-          .crossNode(CrossNode::kGather, slot::kA));
+          .crossNode(CrossNode::kGather, slot::kA)
+          .deviceError(ErrorCode::kTimeout)
+          .c("tandem_ag_gemm_args_t", "ag_gemm", "dtype m n k a b c a_gathered cuda_stream"));
   for (const bool ar : {false, true}) {
     Builder b(ar ? OpKind::kGemmAr : OpKind::kGemmRs, ar ? "gemm-ar" : "gemm-rs",
               ar ? "tandem_gemm_ar" : "tandem_gemm_rs",
@@ -110,6 +160,9 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
       b.slot("c", D, {shardT(d::kM), dimT(d::kN)}, "this rank's rows [rows_of(m, rank, nranks), n]", true)
           .crossNode(CrossNode::kReduceScatter, slot::kC);
     }
+    b.deviceError(ErrorCode::kTimeout)
+        .c(ar ? "tandem_gemm_ar_args_t" : "tandem_gemm_rs_args_t", ar ? "gemm_ar" : "gemm_rs",
+           "dtype m n k a b c cuda_stream");
     put(b);
   }
   // MoE: tandemctl's --m is tokens per rank, --k the hidden size and --n the output (or ffn) width.
@@ -125,7 +178,12 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
           .slot("row_info", I32, {dimT(d::kCapacity), constT(4)}, "[capacity, 4] int32", true)
           .slot("expert_counts", I32, {perRankT(d::kExperts)}, "[experts/nranks] int32", true)
           .crossNode(CrossNode::kReplicate)
-          .check(checkMoe));
+          .check(checkMoe)
+          .readsVerdict()
+          .deviceError(ErrorCode::kTimeout)
+          .c("tandem_moe_dispatch_gemm_args_t", "moe_dispatch_gemm",
+             "dtype tokens hidden n_out experts topk capacity x topk_ids topk_weights w out row_info expert_counts "
+             "cuda_stream"));
   put(Builder(OpKind::kMoeDispatchFfnCombine, "moe-dispatch-ffn-combine", "tandem_moe_dispatch_ffn_combine",
               "MoE layer: dispatch, SwiGLU FFN on the experts' ranks, weighted combine back in token order")
           .dim("tokens", "m", kPerRank, true).dim("hidden", "k").dim("ffn", "n").dim("experts", "experts")
@@ -135,10 +193,15 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
           .slot("topk_weights", F32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] fp32")
           .slot("w1", D, {perRankT(d::kExperts), constT(2), dimT(d::kFfn), dimT(d::kHidden)},
                 "[experts/nranks, 2*ffn, hidden]")
+          .axes({1, 2, 1, 0})
           .slot("w2", D, {perRankT(d::kExperts), dimT(d::kHidden), dimT(d::kFfn)}, "[experts/nranks, hidden, ffn]")
           .slot("out", D, {dimT(d::kTokens), dimT(d::kHidden)}, "[tokens, hidden]", true)
           .crossNode(CrossNode::kReplicate)
-          .check(checkMoe));
+          .check(checkMoe)
+          .readsVerdict()
+          .deviceError(ErrorCode::kTimeout)
+          .c("tandem_moe_ffn_args_t", "moe_ffn",
+             "dtype tokens hidden ffn experts topk x topk_ids topk_weights w1 w2 out cuda_stream"));
   {
     const std::initializer_list<T> qkv{dimT(d::kSeq), dimT(d::kHeads), dimT(d::kHeadDim)};
     put(Builder(OpKind::kRingAttention, "ring-attention", "tandem_ring_attention",
@@ -151,16 +214,25 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
             .slot("lse", F32, {dimT(d::kHeads), dimT(d::kSeq)}, "[heads, seq] fp32", true, true)
             .flags(kFlagCausal | kFlagZigzag)
             .scale()
-            .crossNode(CrossNode::kReplicate));
+            .crossNode(CrossNode::kReplicate)
+            .deviceError(ErrorCode::kTimeout)
+            // lse and layout come after cuda_stream: they were appended to the struct in tandem 0.2.x.
+            .c("tandem_ring_attention_args_t", "ring_attention",
+               "dtype seq heads head_dim causal scale q k v out cuda_stream lse layout"));
   }
   put(Builder(OpKind::kAllGather, "allgather", "tandem_allgather", "AllGather of raw bytes, in rank order")
           .dim("bytes", "bytes")
           .slot("send", Raw, {dimT(d::kBytes)}, "[bytes]")
           .slot("recv", Raw, {nranksT(), dimT(d::kBytes)}, "[nranks * bytes]", true)
           .untyped()
-          .crossNode(CrossNode::kGather, slot::kSend));
+          .crossNode(CrossNode::kGather, slot::kSend)
+          .readsVerdict()
+          .deviceError(ErrorCode::kTimeout)
+          .c("tandem_allgather_args_t", "allgather", "send recv bytes cuda_stream"));
+  // tandem_barrier(comm, op) takes no argument struct; tandem_barrier_stream is its form with one.
   put(Builder(OpKind::kNop, "barrier", "tandem_barrier", "Barrier: completes once every rank has submitted it")
-          .untyped());
+          .untyped()
+          .c("tandem_barrier_args_t", "barrier", "cuda_stream", "tandem_barrier_stream"));
   return t;
 }
 
@@ -227,6 +299,115 @@ OpSet OpSet::all() {
   OpSet s;
   for (const OpSpec& o : table()) s.add(o.kind);
   return s;
+}
+
+CArgsLayout cArgsLayout(const OpSpec& spec) {
+  CArgsLayout l;
+  std::size_t at = sizeof(uint64_t);  // size_t struct_size
+  std::size_t align = alignof(uint64_t);
+  for (int i = 0; i < spec.cFieldCount; ++i) {
+    std::size_t size = 8;  // uint64_t dims, pointers, and tandem_tensor_t's pointer-aligned 16 bytes below
+    switch (spec.cFields[static_cast<std::size_t>(i)].kind) {
+      case CField::Kind::kDtype:
+      case CField::Kind::kFlag:
+      case CField::Kind::kScale: size = 4; break;
+      case CField::Kind::kDim:
+      case CField::Kind::kStream: break;
+      case CField::Kind::kTensor: size = 16; break;
+    }
+    const std::size_t fieldAlign = size == 4 ? 4 : 8;
+    at = (at + fieldAlign - 1) / fieldAlign * fieldAlign;
+    l.offsets[static_cast<std::size_t>(i)] = static_cast<uint16_t>(at);
+    at += size;
+  }
+  l.size = static_cast<uint16_t>((at + align - 1) / align * align);
+  return l;
+}
+
+std::string opTableJson() {
+  using nlohmann::json;
+  static constexpr std::array<const char*, 6> kFieldKinds{"dtype", "dim", "flag", "scale", "tensor", "stream"};
+  static constexpr std::array<const char*, 4> kElementTypes{"op_dtype", "i32", "f32", "raw"};
+  static constexpr std::array<const char*, 5> kTermKinds{"dim", "shard", "per_rank", "nranks", "const"};
+  static constexpr std::array<const char*, 4> kSplits{"global", "split", "per_rank", "capacity"};
+  static constexpr std::array<const char*, 5> kCross{"none", "gather", "reduce_scatter", "all_reduce", "replicate"};
+  json ops = json::array();
+  for (const OpSpec& op : table()) {
+    json dims = json::array();
+    for (int d = 0; d < op.dimCount; ++d) {
+      const DimSpec& ds = op.dims[static_cast<std::size_t>(d)];
+      dims.push_back({{"name", ds.name}, {"cli", ds.cli}, {"split", kSplits[static_cast<std::size_t>(ds.split)]},
+                      {"may_be_zero", ds.mayBeZero}});
+    }
+    json slots = json::array();
+    for (int s = 0; s < op.slotCount; ++s) {
+      const SlotSpec& sl = op.slots[static_cast<std::size_t>(s)];
+      json terms = json::array();
+      for (int t = 0; t < sl.termCount; ++t) {
+        const ExtentTerm& term = sl.terms[static_cast<std::size_t>(t)];
+        terms.push_back({{"kind", kTermKinds[static_cast<std::size_t>(term.kind)]}, {"dim", term.dim},
+                         {"value", term.value}});
+      }
+      json axes = json::array();
+      for (uint8_t a : sl.axes) {
+        if (a != 0) axes.push_back(a);
+      }
+      if (axes.empty()) axes = json(std::vector<int>(sl.termCount, 1));
+      slots.push_back({{"name", sl.name}, {"type", kElementTypes[static_cast<std::size_t>(sl.type)]},
+                       {"terms", terms}, {"axes", axes}, {"shape", sl.shape}, {"output", sl.output},
+                       {"optional", sl.optional}});
+    }
+    const CArgsLayout layout = cArgsLayout(op);
+    json fields = json::array();
+    for (int f = 0; f < op.cFieldCount; ++f) {
+      const CField& cf = op.cFields[static_cast<std::size_t>(f)];
+      fields.push_back({{"name", cf.name}, {"kind", kFieldKinds[static_cast<std::size_t>(cf.kind)]},
+                        {"index", cf.index}, {"offset", layout.offsets[static_cast<std::size_t>(f)]},
+                        {"enum", cf.isEnum}});
+    }
+    ops.push_back({{"kind", static_cast<int>(op.kind)}, {"name", op.name}, {"py_name", op.pyName},
+                   {"c_function", op.cArgsFunction}, {"c_struct", op.cStruct}, {"struct_size", layout.size},
+                   {"summary", op.summary}, {"typed", op.typed}, {"flags", op.flags}, {"scale", op.scale},
+                   {"cross_node", kCross[static_cast<std::size_t>(op.crossNode)]}, {"cross_slot", op.crossSlot},
+                   {"reads_verdict", op.readsVerdict}, {"device_error", static_cast<int>(op.deviceError)},
+                   {"dims", dims}, {"slots", slots}, {"fields", fields}});
+  }
+  return json{{"version", 1}, {"ops", ops}}.dump();
+}
+
+uint64_t crossNodeBytes(std::span<const OpDescriptor* const> ranks, std::span<const uint32_t> nodeOf, uint32_t from,
+                        uint32_t to) {
+  const OpSpec& op = opSpec(ranks[0]->kind);
+  const auto slot = static_cast<std::size_t>(op.crossSlot);
+  // fp32 partial sums of the cross slot, as rank d.rank owns them.
+  auto floats = [&](const OpDescriptor& d) { return slotElements(op, op.crossSlot, d, nullptr) * sizeof(float); };
+  uint64_t bytes = 0;
+  for (uint32_t r = 0; r < ranks.size(); ++r) {
+    OpDescriptor d = *ranks[r];
+    d.rank = r;  // rank r's share, whatever its copy of the descriptor says
+    d.nranks = static_cast<uint32_t>(ranks.size());
+    switch (op.crossNode) {
+      case CrossNode::kReplicate:  // every input of `from`'s ranks
+        if (nodeOf[r] != from) break;
+        for (int s = 0; s < op.slotCount; ++s) {
+          if (!op.slots[static_cast<std::size_t>(s)].output) bytes += d.bufs[static_cast<std::size_t>(s)].bytes;
+        }
+        break;
+      case CrossNode::kGather:  // `from`'s ranks' shares
+        if (nodeOf[r] == from) {
+          bytes += slotElements(op, op.crossSlot, d, nullptr) * elementSize(op.slots[slot].type, d.dtype);
+        }
+        break;
+      case CrossNode::kReduceScatter:  // the partials of the rows `to`'s ranks own
+        if (nodeOf[r] == to) bytes += floats(d);
+        break;
+      case CrossNode::kAllReduce:  // one partial of the whole output
+        if (nodeOf[r] == from) return floats(d);
+        break;
+      case CrossNode::kNone: return 0;
+    }
+  }
+  return bytes;
 }
 
 std::string unsupportedOpMessage(std::string_view backend, const OpSet& runs, OpKind kind) {

@@ -101,3 +101,20 @@ def barrier(comm: Communicator):
 for _f in (ag_gemm, gemm_rs, gemm_ar, moe_dispatch_gemm, moe_ffn, ring_attention, allgather, barrier):
     _f.__doc__ = getattr(Communicator, _f.__name__).__doc__
 del _f
+
+
+def _module_form(name: str):
+    def op(comm: Communicator, *inputs, **kw):
+        return getattr(comm, name)(*inputs, **kw)
+
+    op.__name__ = name
+    op.__doc__ = getattr(Communicator, name).__doc__
+    return op
+
+
+# An op of the library's table with no function above gets the generic one: tandem.<op>(comm, ...) is comm.<op>(...).
+for _name in _capi.OPS:
+    if _name not in globals():
+        globals()[_name] = _module_form(_name)
+        __all__.append(_name)
+del _name

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
 import struct
 import sys
@@ -46,34 +47,6 @@ LAYOUTS = {"contiguous": 0, "zigzag": 1}
 
 # dtype codes (tandem_dtype_t).
 DTYPE_FP32, DTYPE_FP16, DTYPE_BF16, DTYPE_INT32 = 1, 2, 3, 4
-
-# Argument struct layouts (x86-64 / aarch64 LP64): size_t struct_size, then the fields in tandem.h's order. A tensor
-# is {buffer pointer, uint64 offset}; the dtype enum is 4 bytes followed by 4 bytes of padding before the uint64s.
-# 'Q' = uint64/size_t/pointer, 'i' = int/enum, 'f' = float, 'x' = pad byte.
-_T = "QQ"  # tandem_tensor_t
-ARG_FORMATS = {
-    "ag_gemm": "=Qi4x" + "QQQ" + _T * 4 + "Q",
-    "gemm_rs": "=Qi4x" + "QQQ" + _T * 3 + "Q",
-    "gemm_ar": "=Qi4x" + "QQQ" + _T * 3 + "Q",
-    "moe_dispatch_gemm": "=Qi4x" + "QQQQQQ" + _T * 7 + "Q",
-    "moe_ffn": "=Qi4x" + "QQQQQ" + _T * 6 + "Q",
-    # ... cuda_stream, then the fields appended after 0.2.0: lse (a tensor) and layout (an enum, padded to 8).
-    "ring_attention": "=Qi4x" + "QQQ" + "if" + _T * 4 + "Q" + _T + "i4x",
-    "allgather": "=Q" + _T * 2 + "QQ",
-    "barrier": "=QQ",
-}
-ARG_STRUCTS = {name: struct.Struct(fmt) for name, fmt in ARG_FORMATS.items()}
-C_FUNCTIONS = {
-    "ag_gemm": "tandem_ag_gemm",
-    "gemm_rs": "tandem_gemm_rs",
-    "gemm_ar": "tandem_gemm_ar",
-    "moe_dispatch_gemm": "tandem_moe_dispatch_gemm",
-    "moe_ffn": "tandem_moe_dispatch_ffn_combine",
-    "ring_attention": "tandem_ring_attention",
-    "allgather": "tandem_allgather",
-    "barrier": "tandem_barrier_stream",
-}
-
 
 class LibraryNotFound(ImportError):
     pass
@@ -152,9 +125,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn("tandem_comm_nranks", c_uint32, c_void_p)
     fn("tandem_wait", c_int, Op, c_int64)
     fn("tandem_op_status", c_int, Op, c_char_p, c_size_t)
-    for cname in C_FUNCTIONS.values():
-        # (comm, const args*, op*): the args pointer is passed as an address (int) into a preallocated buffer.
-        fn(cname, c_int, c_void_p, c_void_p, ctypes.POINTER(Op))
+    fn("tandem_op_table", c_char_p)
 
 
 lib, library_path = load_library()
@@ -168,6 +139,38 @@ if library_version[:2] != (ABI_MAJOR, ABI_MINOR):
         f"tandem: {library_path} is libtandem {'.'.join(map(str, library_version))}, but this package speaks the "
         f"{ABI_MAJOR}.{ABI_MINOR} ABI. Install the matching package (pip install ./python from the same checkout), "
         "or point TANDEM_LIBRARY at a 0.2 library.")
+
+
+# The ops, as the library describes them (tandem_op_table): every op's argument struct, C function, dims and slots come
+# from there, so an op the library gains appears here without an edit.
+OPS: dict = {op["py_name"]: op for op in json.loads(lib.tandem_op_table())["ops"]}
+
+# Argument struct layouts: size_t struct_size, then each field at the offset the library gives (its C compiler's, on
+# LP64), padded to the struct's size. A tensor is {buffer pointer, uint64 offset}.
+# 'Q' = uint64/size_t/pointer, 'i' = int/enum, 'f' = float, 'x' = pad byte.
+_FIELD_CODES = {"dtype": "i", "flag": "i", "scale": "f", "dim": "Q", "stream": "Q", "tensor": "QQ"}
+
+
+def _arg_format(op: dict) -> str:
+    fmt, at = "=Q", 8
+    for f in op["fields"]:
+        code = _FIELD_CODES[f["kind"]]
+        if f["offset"] > at:
+            fmt += f"{f['offset'] - at}x"
+        fmt += code
+        at = f["offset"] + struct.calcsize("=" + code)
+    if op["struct_size"] > at:
+        fmt += f"{op['struct_size'] - at}x"
+    return fmt
+
+
+ARG_FORMATS = {name: _arg_format(op) for name, op in OPS.items()}
+ARG_STRUCTS = {name: struct.Struct(fmt) for name, fmt in ARG_FORMATS.items()}
+C_FUNCTIONS = {name: op["c_function"] for name, op in OPS.items()}
+for _cname in C_FUNCTIONS.values():
+    # (comm, const args*, op*): the args pointer is passed as an address (int) into a preallocated buffer.
+    _f = getattr(lib, _cname)
+    _f.restype, _f.argtypes = c_int, [c_void_p, c_void_p, ctypes.POINTER(Op)]
 
 
 def address(fn) -> int:

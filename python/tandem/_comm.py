@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from . import _capi
+from . import _capi, _optable
 from ._capi import ARG_STRUCTS, C_FUNCTIONS, lib
 from ._errors import TandemError, error_for
 from ._memory import Buffer, HitCache, Session, check
@@ -829,6 +829,84 @@ class Communicator:
         self._submit(op, (ARG_STRUCTS[op].size, *slots, x.nbytes, self._stream()), staged)
         return out
 
+    def _eager_table_op(self, op: str, inputs, kw: dict):
+        """Any op of the table, checked, shaped and packed from it alone: the eager path of an op with no hand-written
+        one above. inputs: its input tensors in slot order. kw: outputs by keyword (`out` for the first, the others by
+        name; None: allocated, an optional one only with return_<name>=True), free dims by name (None: the default),
+        flags and scale by field name. Returns the outputs it wrote (the required ones, then the optional ones given or
+        asked for): one tensor alone, several as a tuple, none as None."""
+        spec = _optable.SPECS[op]
+        kw = dict(kw)
+        outs = {s: kw.pop(spec.out_name(s), None) for s in spec.outputs}
+        want = {s for s in spec.outputs if s.optional and (kw.pop("return_" + s.name, False) or outs[s] is not None)}
+        frees = {spec.dim_names[i]: kw.pop(spec.dim_names[i], None) for i in spec.free_dims}
+        scal = {f["name"]: kw.pop(f["name"], None) for f in spec.scalars}
+        if kw:
+            raise TypeError(f"tandem.{op}: unexpected keyword argument(s) {', '.join(sorted(kw))}")
+        if len(inputs) != len(spec.inputs):
+            raise TypeError(f"tandem.{op}: takes {len(spec.inputs)} tensors ({', '.join(s.name for s in spec.inputs)}),"
+                            f" got {len(inputs)}")
+        like = raw = None
+        for t, s in zip(inputs, spec.inputs):
+            if s.type == "op_dtype" and like is not None:
+                self._check(t, s.name, op, like.dtype)
+            else:
+                self._check(t, s.name, op, None if s.type in ("raw", "op_dtype") else s.dtype(None))
+            if s.type == "op_dtype" and like is None:
+                like = t
+            if s.type == "raw" and raw is None:
+                raw = t
+        dt = _dtype_code(like, op) if like is not None else 0
+        tensors = {s.name: t for s, t in zip(spec.inputs, inputs)}
+        given = {**tensors, **{s.name: t for s, t in outs.items() if t is not None}}
+        dims, share = spec.bind(given, frees, nranks=lambda: self.world_size)
+        for i in spec.free_dims:
+            if i not in dims:
+                dims[i] = spec.default_dim(i, tensors, dims, self.world_size)
+        rank, size = (lambda: self.rank), (lambda: self.world_size)
+        for t, s in zip(inputs, spec.inputs):
+            if s.type != "raw":
+                self._shape(t, s.name, op, spec.shape(s, dims, share, rank, size), s.shape_text)
+        for s in spec.outputs:
+            shape = spec.shape(s, dims, share, rank, size, like=raw)
+            dtype = raw.dtype if s.type == "raw" else s.dtype(like.dtype if like is not None else None)
+            t = outs[s]
+            if t is None and (not s.optional or s in want):
+                outs[s] = self._out(shape, dtype)
+            elif t is not None:
+                self._check(t, spec.out_name(s), op, dtype)
+                if s.type == "raw":
+                    n = 1
+                    for x in shape:
+                        n *= x
+                    if t.numel() != n:
+                        raise ValueError(f"tandem.{op}: argument '{spec.out_name(s)}' must hold {n} elements (e.g. "
+                                         f"shape {list(shape)}), got shape {list(t.shape)}")
+                else:
+                    self._shape(t, spec.out_name(s), op, shape, s.shape_text)
+        ordered = [tensors.get(s.name) if not s.output else outs[s] for s in spec.slots]
+        slots, staged = self._resolve(ordered, [s.name for s in spec.slots], op)
+        fields = [ARG_STRUCTS[op].size]
+        for f in spec.fields:
+            k, i = f["kind"], f["index"]
+            if k == "dtype":
+                fields.append(dt)
+            elif k == "dim":
+                fields.append(dims[i])
+            elif k == "flag":
+                v = scal[f["name"]]
+                fields.append(_layout_code(v if v is not None else 0, op) if f["enum"] else (1 if v else 0))
+            elif k == "scale":
+                v = scal[f["name"]]
+                fields.append(0.0 if v is None else float(v))
+            elif k == "tensor":
+                fields += slots[2 * i:2 * i + 2]
+            else:  # stream
+                fields.append(self._stream())
+        self._submit(op, fields, staged)
+        ret = [outs[s] for s in spec.outputs if not s.optional or s in want]
+        return tuple(ret) if len(ret) > 1 else (ret[0] if ret else None)
+
     def barrier(self) -> None:
         """Completes once every rank reached it (cuda: in stream order on the current stream)."""
         if _tc._is_compiling_flag or _dynamo_compiling():
@@ -957,6 +1035,27 @@ def _raise_status(rc: int):
 from . import _ops  # noqa: E402  (it needs Communicator's module loaded first)
 
 
+def _table_method(name: str):
+    """Communicator.<op> for an op of the table with no hand-written method: the generic eager path, or the
+    torch.library op under torch.compile."""
+    def method(self, *inputs, **kw):
+        if _tc._is_compiling_flag or _dynamo_compiling():
+            return _ops.call(name, self, *inputs, **kw)
+        return self._eager_table_op(name, inputs, kw)
+
+    spec = _optable.SPECS[name]
+    method.__name__ = name
+    method.__doc__ = (f"{spec.op['summary']}. Tensors: {', '.join(f'{s.name} {s.shape_text}' for s in spec.inputs)}"
+                      f"; returns {', '.join(f'{s.name} {s.shape_text}' for s in spec.outputs) or 'nothing'}.")
+    return method
+
+
+for _name in _optable.SPECS:
+    if not hasattr(Communicator, _name):
+        setattr(Communicator, _name, _table_method(_name))
+del _name
+
+
 def _dtype_code(t, op):
     dt = _DTYPES.get(t.dtype)
     if dt is None:
@@ -976,10 +1075,13 @@ def _capi_elsize(dtype) -> int:
     return s
 
 
-_OUTPUTS = frozenset(("out", "a_gathered", "row_info", "expert_counts", "lse"))
+_OUTPUTS = _optable.OUTPUT_NAMES
 
 
 def _layout_code(layout, op) -> int:
+    """A layout's code from its name; a code passes through (the torch.library ops carry codes)."""
+    if isinstance(layout, int) and not isinstance(layout, bool) and layout in _capi.LAYOUTS.values():
+        return layout
     code = _capi.LAYOUTS.get(layout) if isinstance(layout, str) else None
     if code is None:
         raise ValueError(f"tandem.{op}: layout must be 'contiguous' or 'zigzag', got {layout!r}")

@@ -1,22 +1,24 @@
 """The ops as torch.library custom ops (namespace `tandem`), with fake implementations, for torch.compile.
 
-Each op has a functional form (`tandem::gemm_ar(a, b, comm) -> Tensor`, output allocated by the op) and an out form
-(`tandem::gemm_ar_out(a, b, comm, out) -> ()`, which mutates `out`). The communicator travels as its integer id
-(Communicator.id): torch.library schemas take tensors and scalars, not Python objects. The fake implementations
-compute output shapes only (they run on FakeTensors while tracing), from the shapes and the communicator's rank and
-size. Eager calls skip all of this and go straight to the C ABI (Communicator.<op>); these ops are what Dynamo puts
-into a graph, so a compiled function holds every tandem call whole (fullgraph=True).
+Every op of the library's table (_optable) gets, generated from it:
+- a functional form, `tandem::<op>(inputs..., comm, free dims..., flags and scale...) -> outputs` (outputs allocated
+  by the op; gemm_ar(a, b, comm), ag_gemm(a, b, comm, m), ring_attention(q, k, v, comm, causal, scale, layout));
+- for each optional output, a functional form that also returns it, `tandem::<op>_<output>` (ring_attention_lse);
+- an out form, `tandem::<op>_out(..., outputs...) -> ()`, which mutates its outputs (an op with no outputs, barrier,
+  has none, and is marked as having a side effect so it is never removed as dead code).
+The communicator travels as its integer id (Communicator.id): torch.library schemas take tensors and scalars, not
+Python objects. The fake implementations compute output shapes only (they run on FakeTensors while tracing), from the
+table's extents, the input shapes and, where a shape needs them, the communicator's rank and size. Eager calls skip
+all of this and go straight to the C ABI (Communicator.<op>); these ops are what Dynamo puts into a graph, so a
+compiled function holds every tandem call whole (fullgraph=True).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-from torch import Tensor
 
-from . import _capi, _comm
-from ._comm import rows_of
+from . import _capi, _comm, _optable
+from ._optable import SPECS
 
 _lib = "tandem::"
 
@@ -28,27 +30,139 @@ def _c(comm_id: int) -> "_comm.Communicator":
     return c
 
 
-# ---- ag_gemm
-@torch.library.custom_op(_lib + "ag_gemm", mutates_args=())
-def _ag_gemm(a: Tensor, b: Tensor, comm: int, m: int) -> Tensor:
-    return _c(comm)._eager_ag_gemm(a, b, m=m)
+def _scalar_type(f: dict) -> str:
+    return "float" if f["kind"] == "scale" else "int" if f["enum"] else "bool"
 
 
-@_ag_gemm.register_fake
-def _(a, b, comm, m):
-    return a.new_empty((m, b.shape[0]))
+def _register(spec: _optable.Spec) -> None:
+    name = spec.name
+    ins = [s.name for s in spec.inputs]
+    free = [spec.dim_names[i] for i in spec.free_dims]
+    scalars = [f["name"] for f in spec.scalars]
+    head = ", ".join([f"Tensor {n}" for n in ins] + ["int comm"] + [f"int {n}" for n in free] +
+                     [f"{_scalar_type(f)} {f['name']}" for f in spec.scalars])
+    n_head = len(ins) + 1 + len(free) + len(scalars)
+
+    def split(args):
+        inputs = args[:len(ins)]
+        comm = args[len(ins)]
+        frees = dict(zip(free, args[len(ins) + 1:len(ins) + 1 + len(free)]))
+        scal = dict(zip(scalars, args[len(ins) + 1 + len(free):n_head]))
+        return inputs, comm, frees, scal
+
+    def shapes(inputs, comm, frees, slots):
+        tensors = dict(zip(ins, inputs))
+        dims, share = spec.bind(tensors, frees)
+        cache = {}
+
+        def c():
+            if "c" not in cache:
+                cache["c"] = _c(comm)
+            return cache["c"]
+
+        like = next((t for t, s in zip(inputs, spec.inputs) if s.type == "op_dtype"), None)
+        raw = next((t for t, s in zip(inputs, spec.inputs) if s.type == "raw"), None)
+        dtype = like.dtype if like is not None else None
+        out = []
+        for s in slots:
+            shape = spec.shape(s, dims, share, lambda: c().rank, lambda: c().world_size, like=raw)
+            out.append((shape, raw.dtype if s.type == "raw" else s.dtype(dtype)))
+        return out
+
+    def eager(comm, inputs, frees, scal, outs):
+        c = _c(comm)
+        kw = {**frees, **scal, **{spec.out_name(s): t for s, t in outs.items()}}
+        method = getattr(c, "_eager_" + name, None)
+        if method is not None:
+            method(*inputs, **kw)
+        else:
+            c._eager_table_op(name, inputs, kw)
+
+    def functional(extra):
+        slots = [s for s in spec.outputs if not s.optional] + extra
+
+        def impl(*args):
+            inputs, comm, frees, scal = split(args)
+            c = _c(comm)
+            outs = {s: c._out(shape, dtype) for s, (shape, dtype) in zip(slots, shapes(inputs, comm, frees, slots))}
+            eager(comm, inputs, frees, scal, outs)
+            return tuple(outs.values()) if len(outs) > 1 else next(iter(outs.values()), None)
+
+        def fake(*args):
+            inputs, comm, frees, _ = split(args)
+            out = [inputs[0].new_empty(shape, dtype=dtype) for shape, dtype in shapes(inputs, comm, frees, slots)]
+            return tuple(out) if len(out) > 1 else (out[0] if out else None)
+
+        ret = "()" if not slots else "Tensor" if len(slots) == 1 else "(" + ", ".join(["Tensor"] * len(slots)) + ")"
+        op_name = name + "".join("_" + s.name for s in extra)
+        op = torch.library.custom_op(_lib + op_name, impl, mutates_args=(), schema=f"({head}) -> {ret}")
+        op.register_fake(fake)
+        if not slots:
+            torch.fx.node.has_side_effect(getattr(torch.ops.tandem, op_name).default)
+
+    functional([])
+    for s in spec.outputs:
+        if s.optional:
+            functional([s])
+    if not spec.outputs:
+        return
+
+    outs = spec.outputs
+    alias = "abcdefghijklmnopqrstuvwxyz"
+    tail = ", ".join(f"Tensor({alias[i]}!){'?' if s.optional else ''} {spec.out_name(s)}" for i, s in enumerate(outs))
+
+    def out_impl(*args):
+        inputs, comm, frees, scal = split(args)
+        eager(comm, inputs, frees, scal, {s: t for s, t in zip(outs, args[n_head:]) if t is not None})
+
+    op = torch.library.custom_op(_lib + name + "_out", out_impl, mutates_args=tuple(spec.out_name(s) for s in outs),
+                                 schema=f"({head}, {tail}) -> ()")
+    op.register_fake(lambda *args: None)
 
 
-@torch.library.custom_op(_lib + "ag_gemm_out", mutates_args=("out", "a_gathered"))
-def _ag_gemm_out(a: Tensor, b: Tensor, comm: int, m: int, out: Tensor, a_gathered: Optional[Tensor]) -> None:
-    _c(comm)._eager_ag_gemm(a, b, m=m, out=out, a_gathered=a_gathered)
+for _spec in SPECS.values():
+    _register(_spec)
+del _spec
 
 
-@_ag_gemm_out.register_fake
-def _(a, b, comm, m, out, a_gathered):
-    return None
+def call(name: str, comm, *inputs, **kw):
+    """Any op of the table under torch.compile, with the keywords of its Communicator method: outputs (`out`, then
+    the others by name), `return_<optional output>`, free dims, flags and scale."""
+    spec = SPECS[name]
+    outs = {s: kw.pop(spec.out_name(s), None) for s in spec.outputs}
+    want = [s for s in spec.outputs if s.optional and (kw.pop("return_" + s.name, False) or outs[s] is not None)]
+    frees = {spec.dim_names[i]: kw.pop(spec.dim_names[i], None) for i in spec.free_dims}
+    scal = {f["name"]: kw.pop(f["name"], None) for f in spec.scalars}
+    if kw:
+        raise TypeError(f"tandem.{name}: unexpected keyword argument(s) {', '.join(sorted(kw))}")
+    tensors = {s.name: t for s, t in zip(spec.inputs, inputs)}
+    tensors.update({s.name: t for s, t in outs.items() if t is not None})
+    dims, _ = spec.bind(tensors, frees, nranks=lambda: comm.world_size)
+    for i in spec.free_dims:
+        if i not in dims:
+            dims[i] = spec.default_dim(i, tensors, dims, comm.world_size)
+    args = [*inputs, comm.id, *(dims[i] for i in spec.free_dims)]
+    for f in spec.scalars:
+        v = scal[f["name"]]
+        args.append(0.0 if v is None else float(v) if f["kind"] == "scale" else
+                    _comm._layout_code(v, name) if f["enum"] else bool(v))
+    ops = torch.ops.tandem
+    if all(t is None for t in outs.values()):
+        return getattr(ops, name + "".join("_" + s.name for s in want))(*args)
+    dims_, share = spec.bind(tensors, {spec.dim_names[i]: dims[i] for i in spec.free_dims})
+    like = next((t for t, s in zip(inputs, spec.inputs) if s.type == "op_dtype"), None)
+    raw = next((t for t, s in zip(inputs, spec.inputs) if s.type == "raw"), None)
+    for s in spec.outputs:
+        if outs[s] is None and (not s.optional or s in want):
+            shape = spec.shape(s, dims_, share, lambda: comm.rank, lambda: comm.world_size, like=raw)
+            outs[s] = (raw if s.type == "raw" else like).new_empty(shape, dtype=raw.dtype if s.type == "raw" else
+                                                                    s.dtype(like.dtype))
+    getattr(ops, name + "_out")(*args, *outs.values())
+    ret = [outs[s] for s in spec.outputs if not s.optional or s in want]
+    return tuple(ret) if len(ret) > 1 else (ret[0] if ret else None)
 
 
+# ---- the public functions under torch.compile, with each op's own keywords (Communicator.<op> calls them)
 def ag_gemm(comm, a, b, *, out=None, m=None, a_gathered=None):
     if m is None:
         m = out.shape[0] if out is not None else a.shape[0] * comm.world_size
@@ -60,228 +174,33 @@ def ag_gemm(comm, a, b, *, out=None, m=None, a_gathered=None):
     return out
 
 
-# ---- gemm_rs / gemm_ar
-@torch.library.custom_op(_lib + "gemm_rs", mutates_args=())
-def _gemm_rs(a: Tensor, b: Tensor, comm: int) -> Tensor:
-    return _c(comm)._eager_gemm_rs(a, b)
-
-
-@_gemm_rs.register_fake
-def _(a, b, comm):
-    c = _c(comm)
-    return a.new_empty((rows_of(a.shape[0], c.rank, c.world_size)[1], b.shape[0]))
-
-
-@torch.library.custom_op(_lib + "gemm_rs_out", mutates_args=("out",))
-def _gemm_rs_out(a: Tensor, b: Tensor, comm: int, out: Tensor) -> None:
-    _c(comm)._eager_gemm_rs(a, b, out=out)
-
-
-@_gemm_rs_out.register_fake
-def _(a, b, comm, out):
-    return None
-
-
 def gemm_rs(comm, a, b, *, out=None):
-    if out is None:
-        return torch.ops.tandem.gemm_rs(a, b, comm.id)
-    torch.ops.tandem.gemm_rs_out(a, b, comm.id, out)
-    return out
-
-
-@torch.library.custom_op(_lib + "gemm_ar", mutates_args=())
-def _gemm_ar(a: Tensor, b: Tensor, comm: int) -> Tensor:
-    return _c(comm)._eager_gemm_ar(a, b)
-
-
-@_gemm_ar.register_fake
-def _(a, b, comm):
-    return a.new_empty((a.shape[0], b.shape[0]))
-
-
-@torch.library.custom_op(_lib + "gemm_ar_out", mutates_args=("out",))
-def _gemm_ar_out(a: Tensor, b: Tensor, comm: int, out: Tensor) -> None:
-    _c(comm)._eager_gemm_ar(a, b, out=out)
-
-
-@_gemm_ar_out.register_fake
-def _(a, b, comm, out):
-    return None
+    return call("gemm_rs", comm, a, b, out=out)
 
 
 def gemm_ar(comm, a, b, *, out=None):
-    if out is None:
-        return torch.ops.tandem.gemm_ar(a, b, comm.id)
-    torch.ops.tandem.gemm_ar_out(a, b, comm.id, out)
-    return out
-
-
-# ---- moe_dispatch_gemm
-@torch.library.custom_op(_lib + "moe_dispatch_gemm", mutates_args=())
-def _moe_dispatch_gemm(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w: Tensor, comm: int,
-                       capacity: int) -> tuple[Tensor, Tensor, Tensor]:
-    return _c(comm)._eager_moe_dispatch_gemm(x, topk_ids, topk_weights, w, capacity=capacity)
-
-
-@_moe_dispatch_gemm.register_fake
-def _(x, topk_ids, topk_weights, w, comm, capacity):
-    return (x.new_empty((capacity, w.shape[1])), x.new_empty((capacity, 4), dtype=torch.int32),
-            x.new_empty((w.shape[0],), dtype=torch.int32))
-
-
-@torch.library.custom_op(_lib + "moe_dispatch_gemm_out", mutates_args=("out", "row_info", "expert_counts"))
-def _moe_dispatch_gemm_out(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w: Tensor, comm: int, out: Tensor,
-                           row_info: Tensor, expert_counts: Tensor) -> None:
-    _c(comm)._eager_moe_dispatch_gemm(x, topk_ids, topk_weights, w, capacity=out.shape[0], out=out,
-                                      row_info=row_info, expert_counts=expert_counts)
-
-
-@_moe_dispatch_gemm_out.register_fake
-def _(x, topk_ids, topk_weights, w, comm, out, row_info, expert_counts):
-    return None
+    return call("gemm_ar", comm, a, b, out=out)
 
 
 def moe_dispatch_gemm(comm, x, topk_ids, topk_weights, w, *, capacity=None, out=None, row_info=None,
                       expert_counts=None):
-    if capacity is None:
-        capacity = out.shape[0] if out is not None else x.shape[0] * topk_ids.shape[1] * comm.world_size
-    if out is None and row_info is None and expert_counts is None:
-        return torch.ops.tandem.moe_dispatch_gemm(x, topk_ids, topk_weights, w, comm.id, capacity)
-    if out is None:
-        out = x.new_empty((capacity, w.shape[1]))
-    if row_info is None:
-        row_info = x.new_empty((capacity, 4), dtype=torch.int32)
-    if expert_counts is None:
-        expert_counts = x.new_empty((w.shape[0],), dtype=torch.int32)
-    torch.ops.tandem.moe_dispatch_gemm_out(x, topk_ids, topk_weights, w, comm.id, out, row_info, expert_counts)
-    return out, row_info, expert_counts
-
-
-# ---- moe_ffn
-@torch.library.custom_op(_lib + "moe_ffn", mutates_args=())
-def _moe_ffn(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor, comm: int) -> Tensor:
-    return _c(comm)._eager_moe_ffn(x, topk_ids, topk_weights, w1, w2)
-
-
-@_moe_ffn.register_fake
-def _(x, topk_ids, topk_weights, w1, w2, comm):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op(_lib + "moe_ffn_out", mutates_args=("out",))
-def _moe_ffn_out(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w2: Tensor, comm: int,
-                 out: Tensor) -> None:
-    _c(comm)._eager_moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out)
-
-
-@_moe_ffn_out.register_fake
-def _(x, topk_ids, topk_weights, w1, w2, comm, out):
-    return None
+    return call("moe_dispatch_gemm", comm, x, topk_ids, topk_weights, w, capacity=capacity, out=out,
+                row_info=row_info, expert_counts=expert_counts)
 
 
 def moe_ffn(comm, x, topk_ids, topk_weights, w1, w2, *, out=None):
-    if out is None:
-        return torch.ops.tandem.moe_ffn(x, topk_ids, topk_weights, w1, w2, comm.id)
-    torch.ops.tandem.moe_ffn_out(x, topk_ids, topk_weights, w1, w2, comm.id, out)
-    return out
-
-
-# ---- ring_attention (scale 0.0: 1/sqrt(head_dim), as in tandem.h; layout: 0 contiguous, 1 zigzag)
-@torch.library.custom_op(_lib + "ring_attention", mutates_args=())
-def _ring_attention(q: Tensor, k: Tensor, v: Tensor, comm: int, causal: bool, scale: float, layout: int) -> Tensor:
-    return _c(comm)._eager_ring_attention(q, k, v, causal=causal, scale=scale, layout=_LAYOUT_NAMES[layout])
-
-
-@_ring_attention.register_fake
-def _(q, k, v, comm, causal, scale, layout):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op(_lib + "ring_attention_lse", mutates_args=())
-def _ring_attention_lse(q: Tensor, k: Tensor, v: Tensor, comm: int, causal: bool, scale: float,
-                        layout: int) -> tuple[Tensor, Tensor]:
-    return _c(comm)._eager_ring_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
-                                          layout=_LAYOUT_NAMES[layout])
-
-
-@_ring_attention_lse.register_fake
-def _(q, k, v, comm, causal, scale, layout):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op(_lib + "ring_attention_out", mutates_args=("out", "lse"))
-def _ring_attention_out(q: Tensor, k: Tensor, v: Tensor, comm: int, causal: bool, scale: float, layout: int,
-                        out: Tensor, lse: Optional[Tensor]) -> None:
-    _c(comm)._eager_ring_attention(q, k, v, causal=causal, scale=scale, out=out, lse=lse,
-                                   layout=_LAYOUT_NAMES[layout])
-
-
-@_ring_attention_out.register_fake
-def _(q, k, v, comm, causal, scale, layout, out, lse):
-    return None
-
-
-_LAYOUT_NAMES = {code: name for name, code in _capi.LAYOUTS.items()}
+    return call("moe_ffn", comm, x, topk_ids, topk_weights, w1, w2, out=out)
 
 
 def ring_attention(comm, q, k, v, *, causal=False, scale=None, out=None, lse=None, return_lse=False,
                    layout="contiguous"):
-    s = 0.0 if scale is None else float(scale)
-    lay = _comm._layout_code(layout, "ring_attention")
-    if out is None and lse is None:
-        if return_lse:
-            return torch.ops.tandem.ring_attention_lse(q, k, v, comm.id, bool(causal), s, lay)
-        return torch.ops.tandem.ring_attention(q, k, v, comm.id, bool(causal), s, lay)
-    if out is None:
-        out = torch.empty_like(q)
-    if lse is None and return_lse:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    torch.ops.tandem.ring_attention_out(q, k, v, comm.id, bool(causal), s, lay, out, lse)
-    return (out, lse) if lse is not None else out
-
-
-# ---- allgather
-@torch.library.custom_op(_lib + "allgather", mutates_args=())
-def _allgather(x: Tensor, comm: int) -> Tensor:
-    return _c(comm)._eager_allgather(x)
-
-
-@_allgather.register_fake
-def _(x, comm):
-    n = _c(comm).world_size
-    return x.new_empty((n * x.shape[0], *x.shape[1:]) if x.dim() else (n,))
-
-
-@torch.library.custom_op(_lib + "allgather_out", mutates_args=("out",))
-def _allgather_out(x: Tensor, comm: int, out: Tensor) -> None:
-    _c(comm)._eager_allgather(x, out=out)
-
-
-@_allgather_out.register_fake
-def _(x, comm, out):
-    return None
+    return call("ring_attention", comm, q, k, v, causal=causal, scale=scale, out=out, lse=lse, return_lse=return_lse,
+                layout=layout)
 
 
 def allgather(comm, x, *, out=None):
-    if out is None:
-        return torch.ops.tandem.allgather(x, comm.id)
-    torch.ops.tandem.allgather_out(x, comm.id, out)
-    return out
-
-
-# ---- barrier: no tensors in or out, so it is marked as having a side effect (never removed as dead code)
-@torch.library.custom_op(_lib + "barrier", mutates_args=())
-def _barrier(comm: int) -> None:
-    _c(comm)._submit("barrier", (_comm.ARG_STRUCTS["barrier"].size, _c(comm)._stream()))
-
-
-@_barrier.register_fake
-def _(comm):
-    return None
-
-
-torch.fx.node.has_side_effect(torch.ops.tandem.barrier.default)
+    return call("allgather", comm, x, out=out)
 
 
 def barrier(comm):
-    torch.ops.tandem.barrier(comm.id)
+    return call("barrier", comm)

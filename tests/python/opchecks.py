@@ -241,8 +241,20 @@ def check_allgather(comm, dtype, place, use_out):
     assert torch.equal(got.cpu(), torch.cat(parts)), "allgather must copy bytes exactly"
 
 
-CHECKS = [check_ag_gemm, check_gemm_rs, check_gemm_ar, check_moe_dispatch_gemm, check_moe_ffn, check_ring_attention,
-          check_allgather]
+def check_barrier(comm, dtype, place, use_out):
+    comm.barrier()
+
+
+def _checks():
+    """check_<op> for every op of the library's table: an op without one fails here, naming this layer."""
+    missing = [name for name in tandem._capi.OPS if "check_" + name not in globals()]
+    if missing:
+        raise AssertionError(f"tests/python/opchecks.py has no check for {', '.join(missing)}: add check_<op>, so "
+                             "the op is checked from Python")
+    return [globals()["check_" + name] for name in tandem._capi.OPS]
+
+
+CHECKS = _checks()
 
 
 def run_all(comm, dtypes=(torch.float32, torch.bfloat16), mems=("torch", "tandem"), device="cpu", checks=CHECKS):

@@ -96,3 +96,42 @@ def test_custom_ops_are_registered_with_fake_implementations():
         o, lse = torch.ops.tandem.ring_attention_lse(q, q, q, 0, True, 0.0, 1)
         assert o.shape == q.shape and o.dtype == q.dtype
         assert lse.shape == (2, 5) and lse.dtype == torch.float32
+
+
+def test_every_op_of_the_table_has_custom_ops_fakes_a_method_and_a_function():
+    """The library's op table drives the Python layer: an op it has without these fails here, naming it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from tandem import _capi, _optable
+    assert _capi.OPS, "tandem_op_table() listed no ops"
+    for name, op in _capi.OPS.items():
+        spec = _optable.SPECS[name]
+        assert callable(getattr(tandem.Communicator, name, None)), f"tandem.Communicator has no method {name}"
+        assert callable(getattr(tandem, name, None)), f"tandem has no function {name}"
+        assert _capi.ARG_STRUCTS[name].size == op["struct_size"], name
+        forms = [name] + [name + "_" + s.name for s in spec.outputs if s.optional]
+        if spec.outputs:
+            forms.append(name + "_out")
+        for form in forms:
+            assert hasattr(torch.ops.tandem, form), f"torch.ops.tandem has no {form} (op {op['name']})"
+        # The functional forms' fakes give every output a shape from the table: every dim 2, on FakeTensors (comm id
+        # 0 is never registered: a fake that needs the communicator's rank says so, which still proves it ran).
+        dims = {i: 2 for i in range(len(spec.dim_names))}
+        share = dict(dims)
+        args = []
+        with FakeTensorMode():
+            for s in spec.inputs:
+                shape = (8,) if s.type == "raw" else spec.shape(s, dims, share, lambda: 0, lambda: 1)
+                args.append(torch.empty(shape, dtype=torch.uint8 if s.type == "raw" else s.dtype(torch.bfloat16)))
+            args.append(0)
+            args += [2] * len(spec.free_dims)
+            args += [0.0 if f["kind"] == "scale" else 0 if f["enum"] else False for f in spec.scalars]
+            for form in forms[:1 + sum(s.optional for s in spec.outputs)]:
+                try:
+                    got = getattr(torch.ops.tandem, form)(*args)
+                except ValueError as e:
+                    assert "communicator 0 was closed" in str(e), f"{form}: {e}"
+                    continue
+                got = got if isinstance(got, tuple) else (got,) if got is not None else ()
+                want = [s for s in spec.outputs if not s.optional] + [s for s in spec.outputs
+                                                                      if form == name + "_" + s.name]
+                assert len(got) == len(want), form

@@ -154,49 +154,35 @@ struct HonestShape {
   ref::OpShape shape;
 };
 
+// Every op of the table, each with its soak shape: an op without one stops the soak, naming it.
 std::vector<HonestShape> honestShapes() {
-  auto s = [](tandem::OpKind kind, tandem::DType dtype) {
-    ref::OpShape o;
-    o.kind = kind;
-    o.dtype = dtype;
-    return o;
+  const std::map<std::string_view, void (*)(ref::OpShape&)> shapes = {
+      {"ag-gemm", [](ref::OpShape& o) { o.m = 48, o.n = 32, o.k = 64; }},
+      {"gemm-rs", [](ref::OpShape& o) { o.dtype = tandem::DType::kF32, o.m = 40, o.n = 24, o.k = 96; }},
+      {"gemm-ar", [](ref::OpShape& o) { o.m = 32, o.n = 32, o.k = 64; }},
+      {"allgather", [](ref::OpShape& o) { o.bytes = 64 * 1024; }},
+      {"barrier", [](ref::OpShape&) {}},
+      {"ring-attention", [](ref::OpShape& o) { o.seq = 64, o.heads = 2, o.headDim = 32, o.causal = true; }},
+      {"moe-dispatch-gemm", [](ref::OpShape& o) { o.m = 8, o.n = 16, o.k = 32, o.experts = 4, o.topk = 2; }},
+      {"moe-dispatch-ffn-combine", [](ref::OpShape& o) { o.m = 8, o.n = 16, o.k = 32, o.experts = 4, o.topk = 2; }},
   };
   std::vector<HonestShape> v;
-  {
-    auto o = s(tandem::OpKind::kAgGemm, tandem::DType::kBF16);
-    o.m = 48, o.n = 32, o.k = 64;
-    v.push_back({"ag-gemm", o});
-  }
-  {
-    auto o = s(tandem::OpKind::kGemmRs, tandem::DType::kF32);
-    o.m = 40, o.n = 24, o.k = 96;
-    v.push_back({"gemm-rs", o});
-  }
-  {
-    auto o = s(tandem::OpKind::kGemmAr, tandem::DType::kBF16);
-    o.m = 32, o.n = 32, o.k = 64;
-    v.push_back({"gemm-ar", o});
-  }
-  {
-    auto o = s(tandem::OpKind::kAllGather, tandem::DType::kBF16);
-    o.bytes = 64 * 1024;
-    v.push_back({"allgather", o});
-  }
-  v.push_back({"barrier", s(tandem::OpKind::kNop, tandem::DType::kBF16)});
-  {
-    auto o = s(tandem::OpKind::kRingAttention, tandem::DType::kBF16);
-    o.seq = 64, o.heads = 2, o.headDim = 32, o.causal = true;
-    v.push_back({"ring-attention", o});
-  }
-  {
-    auto o = s(tandem::OpKind::kMoeDispatchFfnCombine, tandem::DType::kBF16);
-    o.m = 8, o.n = 16, o.k = 32, o.experts = 4, o.topk = 2;
-    v.push_back({"moe-ffn", o});
+  for (const tandem::OpSpec& op : tandem::ops()) {
+    const auto it = shapes.find(op.name);
+    if (it == shapes.end()) {
+      throw std::runtime_error(fmt::format("the soak has no shape for {}: add one to honestShapes()", op.name));
+    }
+    ref::OpShape o;
+    o.kind = op.kind;
+    o.dtype = tandem::DType::kBF16;
+    it->second(o);
+    v.push_back({op.name.data(), o});
   }
   return v;
 }
 
-// Submits a descriptor's op through the public C API, as a user would. The kinds of honestShapes() only.
+// Submits a descriptor's op through the public C API, as a user would. An op of the table without a case here fails
+// the soak with TANDEM_ERROR_UNSUPPORTED.
 tandem_status_t submitPublic(tandem_comm_t comm, const tandem::OpDescriptor& d, const std::vector<tandem_tensor_t>& t,
                              tandem_op_t* op) {
   const auto dt = static_cast<tandem_dtype_t>(d.dtype);
@@ -212,6 +198,11 @@ tandem_status_t submitPublic(tandem_comm_t comm, const tandem::OpDescriptor& d, 
     case tandem::OpKind::kGemmAr: {
       tandem_gemm_ar_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], nullptr};
       return tandem_gemm_ar(comm, &a, op);
+    }
+    case tandem::OpKind::kMoeDispatchGemm: {
+      tandem_moe_dispatch_gemm_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], d.dims[3], d.dims[4], d.dims[5],
+                                        t[0], t[1], t[2], t[3], t[4], t[5], t[6], nullptr};
+      return tandem_moe_dispatch_gemm(comm, &a, op);
     }
     case tandem::OpKind::kMoeDispatchFfnCombine: {
       tandem_moe_ffn_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], d.dims[3], d.dims[4],

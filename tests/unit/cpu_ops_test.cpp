@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tandem/common/error.hpp"
+#include "tandem/common/op_spec.hpp"
 #include "tandem/common/reference.hpp"
 #include "tandem/common/validate.hpp"
 
@@ -154,8 +155,8 @@ std::string runExpectingError(Harness& h) {
 }  // namespace
 
 TEST_CASE("every cpu op matches the reference for every dtype and rank count") {
-  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kMoeDispatchGemm,
-                      OpKind::kMoeDispatchFfnCombine, OpKind::kRingAttention, OpKind::kAllGather, OpKind::kNop}) {
+  for (const tandem::OpSpec& op : tandem::ops()) {  // every op of the table: one the cpu backend lacks fails here
+    const OpKind kind = op.kind;
     for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
       for (uint32_t nranks : {1u, 2u, 3u, 4u, 8u}) {
         for (bool causal : {true, false}) {
@@ -431,8 +432,11 @@ TEST_CASE("moe ops reject bad expert ids before writing anything") {
 }
 
 TEST_CASE("cpu ops are deterministic: the same inputs give bitwise the same outputs") {
-  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kMoeDispatchGemm,
-                      OpKind::kMoeDispatchFfnCombine, OpKind::kRingAttention, OpKind::kAllGather}) {
+  for (const tandem::OpSpec& op : tandem::ops()) {
+    if (std::none_of(op.slots.begin(), op.slots.begin() + op.slotCount, [](const auto& s) { return s.output; })) {
+      continue;  // writes nothing (barrier)
+    }
+    const OpKind kind = op.kind;
     INFO(tandem::opKindName(kind));
     Harness h(shapeFor(kind, DType::kBF16, 3), 3, 17);
     h.run();

@@ -104,6 +104,11 @@ TANDEM_API const char* tandem_version(void);
  * NULL. A program built against this header can check TANDEM_VERSION_CODE == tandem_get_version(0, 0, 0)
  * (or, within 0.x, equal major and minor) before calling anything else. */
 TANDEM_API int tandem_get_version(int* major, int* minor, int* patch);
+/* Every op this library runs, as one JSON document: each op's name, dims, tensor slots (element type, extent as a
+ * product of terms, which are outputs), the fields of its argument struct with their offsets and the struct's size,
+ * and its C function. Bindings build themselves from it (the Python package does). A static string, valid for the
+ * library's lifetime; thread-safe. */
+TANDEM_API const char* tandem_op_table(void);
 TANDEM_API size_t tandem_dtype_size(tandem_dtype_t dtype);
 
 /* ---- sessions ---------------------------------------------------------------------------------------

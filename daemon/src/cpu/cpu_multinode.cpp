@@ -56,32 +56,11 @@ std::vector<std::pair<int, uint64_t>> inputSlots(const OpDescriptor& d) {
   return out;
 }
 
-// Bytes node `from` sends node `to` in this op, by the op table's CrossNode rule. The same function on every
-// node, so all nodes agree whether the op fits the staging before any of them starts.
+// Bytes node `from` sends node `to` in this op (the op table's crossNodeBytes).
 uint64_t payloadBytes(const Layout& l, uint32_t from, uint32_t to) {
-  const OpDescriptor& d = l.ranks[0].desc;
-  const OpSpec& op = opSpec(d.kind);
-  uint64_t bytes = 0;
-  auto slotBytes = [&](uint32_t r) { return l.ranks[r].desc.bufs[static_cast<std::size_t>(op.crossSlot)].bytes; };
-  auto slotFloats = [&](uint32_t r) {
-    return slotElements(op, op.crossSlot, l.ranks[r].desc, nullptr) * sizeof(float);
-  };
-  switch (op.crossNode) {
-    case CrossNode::kReplicate:
-      for (uint32_t r : l.ranksOn(from)) {
-        for (auto& [s, b] : inputSlots(l.ranks[r].desc)) bytes += b;
-      }
-      return bytes;
-    case CrossNode::kGather:
-      for (uint32_t r : l.ranksOn(from)) bytes += slotBytes(r);
-      return bytes;
-    case CrossNode::kReduceScatter:
-      for (uint32_t r : l.ranksOn(to)) bytes += slotFloats(r);  // fp32 partials of the rows `to`'s ranks own
-      return bytes;
-    case CrossNode::kAllReduce: return slotFloats(l.ranksOn(from).front());
-    case CrossNode::kNone: return 0;
-  }
-  return 0;
+  std::vector<const OpDescriptor*> descs;
+  for (const RankOp& r : l.ranks) descs.push_back(&r.desc);
+  return crossNodeBytes(descs, l.nodeOf, from, to);
 }
 
 std::vector<float> loadFloats(const std::byte* p, DType dtype, std::size_t count) {

@@ -123,22 +123,9 @@ std::vector<std::pair<uint64_t, uint64_t>> rowRuns(const Collective& c, uint64_t
 // nodes agree whether the op fits the staging before any of them starts.
 void checkStaging(const Collective& c) {
   const OpDescriptor& d = c.ops[0].desc;
-  const auto n = static_cast<uint32_t>(c.ops.size());
-  const uint64_t m = d.dims[dim::kM], cols = d.dims[dim::kN];
-  auto payload = [&](uint32_t from, uint32_t to) -> uint64_t {
-    uint64_t bytes = 0;
-    switch (d.kind) {
-      case OpKind::kAgGemm:
-        for (uint32_t r : ranksOn(c, from)) bytes += rowsOf(m, r, n) * d.dims[dim::kK] * dtypeSize(d.dtype);
-        return bytes;
-      case OpKind::kAllGather: return ranksOn(c, from).size() * d.dims[dim::kBytes];
-      case OpKind::kGemmRs:
-        for (uint32_t r : ranksOn(c, to)) bytes += rowsOf(m, r, n) * cols * sizeof(float);
-        return bytes;
-      case OpKind::kGemmAr: return m * cols * sizeof(float);
-      default: return 0;
-    }
-  };
+  std::vector<const OpDescriptor*> descs;
+  for (const auto& op : c.ops) descs.push_back(&op.desc);
+  auto payload = [&](uint32_t from, uint32_t to) { return crossNodeBytes(descs, c.nodeOfRank, from, to); };
   for (uint32_t from : c.link->nodes()) {
     for (uint32_t to : c.link->nodes()) {
       if (from == to) continue;

@@ -72,21 +72,9 @@ std::vector<std::pair<uint64_t, uint64_t>> rowRunsOf(uint64_t m, uint32_t n, con
 }
 
 uint64_t exchangePayloadBytes(const ExchangeOp& op, uint32_t from, uint32_t to) {
-  const OpDescriptor& d = op.descs.at(0);
-  const auto n = static_cast<uint32_t>(op.descs.size());
-  const uint64_t m = d.dims[dim::kM], cols = d.dims[dim::kN];
-  uint64_t bytes = 0;
-  switch (d.kind) {
-    case OpKind::kAgGemm:
-      for (uint32_t r : ranksOnNode(op, from)) bytes += rowsOf(m, r, n) * d.dims[dim::kK] * dtypeSize(d.dtype);
-      return bytes;
-    case OpKind::kAllGather: return ranksOnNode(op, from).size() * d.dims[dim::kBytes];
-    case OpKind::kGemmRs:
-    case OpKind::kGemmAr:
-      for (auto [first, rows] : ownedRows(op, to)) bytes += rows * cols * sizeof(float);
-      return bytes;
-    default: return 0;
-  }
+  std::vector<const OpDescriptor*> descs;
+  for (const OpDescriptor& d : op.descs) descs.push_back(&d);
+  return crossNodeBytes(descs, op.nodeOfRank, from, to);  // the op table's rule, as the cpu backend's
 }
 
 uint64_t exchangeSendAreaBytes(const ExchangeOp& op, uint32_t node) {

@@ -1,10 +1,13 @@
 // The op table: everything tandem knows about an op apart from its implementations. Each entry names the op, its
 // dims, its tensor slots and their extents as functions of the dims, which dims are per rank, its dtype rules and
-// what it sends between nodes. Descriptor naming, validation (validate.hpp), `tandemctl run`, the reference's
-// dispatch and every "this backend does not run X" message are derived from it. Backends say which ops they run
-// as an OpSet; the daemon refuses the rest when a descriptor is admitted.
+// what it sends between nodes, its C argument struct field by field, and what its kernels need from the executors.
+// Descriptor naming, validation (validate.hpp), `tandemctl run`, the reference's dispatch, every "this backend does
+// not run X" message, the Python bindings (through tandem_op_table(), opTableJson) and the cross-node payload rule
+// (crossPayload) are derived from it. Backends say which ops they run as an OpSet; the daemon refuses the rest when a
+// descriptor is admitted.
 #pragma once
 
+#include <array>
 #include <bitset>
 #include <cstdint>
 #include <initializer_list>
@@ -13,6 +16,7 @@
 #include <string_view>
 
 #include "tandem/common/descriptor.hpp"
+#include "tandem/common/error.hpp"
 
 namespace tandem {
 
@@ -47,6 +51,9 @@ struct SlotSpec {
   std::string_view shape;      // as tandem.h writes it, for error messages ("[rows_of(m, rank, nranks), k]")
   bool output = false;         // written by the op
   bool optional = false;       // bufferId 0 allowed: the op then skips that output
+  // How the terms group into a tensor's axes, as Python shapes it: axes[i] terms make axis i (w1's
+  // [experts/nranks, 2*ffn, hidden] is {1, 2, 1}). All zero: one axis per term.
+  std::array<uint8_t, 4> axes{};
 };
 
 // How `tandemctl run` (and the tests' shape helper) turn a user's global size into each rank's dim.
@@ -74,10 +81,35 @@ enum class CrossNode : uint8_t {
   kReplicate,      // every node sends its ranks' inputs to every other node, which run the op whole (reference path)
 };
 
+// One field of the op's C argument struct (tandem.h), after its leading `size_t struct_size`, in declaration order.
+struct CField {
+  enum class Kind : uint8_t {
+    kDtype,   // tandem_dtype_t: the descriptor's dtype
+    kDim,     // uint64_t: dims[index]
+    kFlag,    // int (or an int-sized enum): nonzero sets flag bit `index` (1u << index)
+    kScale,   // float: OpDescriptor::scale
+    kTensor,  // tandem_tensor_t: slots[index]
+    kStream,  // void* cuda_stream
+  };
+  Kind kind = Kind::kDim;
+  uint8_t index = 0;
+  std::string_view name;  // as tandem.h names the field
+  bool isEnum = false;    // kFlag: an enum of named values (tandem_attention_layout_t), not a boolean int
+};
+
+// Where each field of an op's C argument struct lies on LP64 (x86-64, aarch64), by C's alignment rules.
+struct CArgsLayout {
+  std::array<uint16_t, 24> offsets{};  // of cFields[i]; struct_size is at 0
+  uint16_t size = 0;                   // sizeof the struct
+};
+
 struct OpSpec {
   OpKind kind = OpKind::kInvalid;
   std::string_view name;        // "ag-gemm": descriptors, messages, `tandemctl run OP`
   std::string_view cFunction;   // its entry point in tandem.h
+  std::string_view cStruct;     // its argument struct in tandem.h
+  std::string_view cArgsFunction;  // the entry point that takes cStruct: cFunction, but tandem_barrier_stream
+  std::string_view pyName;      // its method in the Python package ("moe_ffn")
   std::string_view summary;     // one line for --help
   std::array<DimSpec, kMaxOpDims> dims{};
   uint8_t dimCount = 0;
@@ -91,6 +123,15 @@ struct OpSpec {
   // Rules across dims that the table cannot say (MoE: experts % nranks, topk <= experts). Throws
   // Error(kInvalidArgument). Null: none.
   void (*checkDims)(const OpDescriptor&) = nullptr;
+  std::array<CField, 24> cFields{};
+  uint8_t cFieldCount = 0;
+  // On the cuda backend's client executor: its kernels read tandemd's verdict themselves (a rejected op does nothing
+  // on the device), so the stream need not wait for go and a rejected op needs no abort. False: once go opens, the
+  // kernels run, so a rejected op aborts the communicator (client_gate.cpp).
+  bool readsVerdict = false;
+  // What its kernels can report on the device beyond a CUDA error: a wait past its deadline (a peer's flag never
+  // came: kTimeout, or kPeerLost once the peer is known gone). kOk: none (the op's kernels wait on no other rank).
+  ErrorCode deviceError = ErrorCode::kOk;
 };
 
 // Every op, in OpKind order (kAgGemm first). ops()[i].kind == OpKind(i + 1).
@@ -103,6 +144,18 @@ bool knownOp(OpKind kind);
 // Elements of slot `s` of `d` (the slot's terms evaluated), with overflow reported through `overflow`.
 uint64_t slotElements(const OpSpec& spec, int s, const OpDescriptor& d, bool* overflow);
 std::size_t elementSize(ElementType type, DType dtype);
+// Each field's offset in the op's C argument struct, and its size.
+CArgsLayout cArgsLayout(const OpSpec& spec);
+// Every op of the table as JSON, for bindings that build themselves from it (Python): names, dims, slots with their
+// extents and axes, flags, the C struct's fields with their offsets, the cross-node rule. tandem_op_table() returns it.
+std::string opTableJson();
+
+// The bytes node `from` sends node `to` for one op across nodes, by the op's CrossNode rule: ranks[r] is rank r's
+// descriptor and nodeOf[r] its node. The same on every node, so all nodes agree whether an op fits the staging
+// before any of them starts; the cpu backend's cross-node path, the cuda backend's host staging and the GPU exchange
+// plan all take it from here.
+uint64_t crossNodeBytes(std::span<const OpDescriptor* const> ranks, std::span<const uint32_t> nodeOf, uint32_t from,
+                        uint32_t to);
 
 // A set of op kinds (a backend's or an executor's capabilities).
 class OpSet {
