@@ -15,12 +15,9 @@
 #include "tandem/common/error.hpp"
 #include "tandem/common/gpu_uuid.hpp"
 #include "tandem/common/op_spec.hpp"
-#include "tandem/kernels/allgather.hpp"
 #include "tandem/kernels/driver.hpp"
-#include "tandem/kernels/moe.hpp"
-#include "tandem/kernels/moe_ops.hpp"
+#include "tandem/kernels/gpu_ops.hpp"
 #include "tandem/kernels/preload.hpp"
-#include "tandem/kernels/ring_attention.hpp"
 
 namespace tandem::client::gpu {
 namespace {
@@ -237,14 +234,13 @@ class CommStrategy {
 
 namespace {
 
-// Refuses what neither single-node strategy runs, then checks the fused GEMMs' shape, alignment and workspace rules.
+// Refuses what neither single-node strategy runs, then checks the op's kernels' shape, alignment and workspace rules
+// (its entry in gpu_ops.hpp).
 void checkOnNode(k::Executor executor, const OpDescriptor& d, const DevicePointers& ptrs, const k::FusedEnv& env,
                  const PlanChoice& plan = {}) {
   const OpSet ops = k::executorOps(executor);
   if (!ops.contains(d.kind)) fail(ErrorCode::kUnsupported, "{}", unsupportedOpMessage("cuda", ops, d.kind));
-  if (k::isFusedGemm(d.kind)) k::checkFusedGemm(d, ptrs, env, plan);
-  if (k::isMoeOp(d.kind)) k::checkMoeOp(d, ptrs, env);
-  if (d.kind == OpKind::kRingAttention) k::checkRingAttention(d, ptrs, env);
+  if (const auto check = k::gpuOp(d.kind).check) check(d, ptrs, env, plan);
 }
 
 // executor client: the kernels go into the caller's stream, behind tandemd's gate.
@@ -252,15 +248,13 @@ class ClientGateStrategy final : public CommStrategy {
  public:
   ClientGateStrategy(int device, uint32_t rank, uint32_t nranks, uint32_t maxCtas,
                      std::vector<std::unique_ptr<DeviceMapping>> workspaces, k::CommControl* ctlDev)
-      : rank_(rank), nranks_(nranks), maxCtas_(maxCtas), workspaces_(std::move(workspaces)), ctlDev_(ctlDev),
+      : nranks_(nranks), workspaces_(std::move(workspaces)), ctlDev_(ctlDev),
         env_(fusedEnvOf(rank, nranks, maxCtas, workspaces_, ctlDev)), gpuModel_(gpuModelOf(device)) {
     // Before any op: a kernel loaded lazily behind one of our own stream waits would hang (preload.hpp). Only this
     // strategy launches kernels from libtandem.
     try {
       k::preloadRuntimeKernels(device);
-      k::preloadFusedGemmKernels(device);
-      k::preloadMoeKernels(device);
-      k::preloadRingAttentionKernels(device);
+      k::preloadGpuOps(device);
     } catch (const std::exception& e) {
       fail(ErrorCode::kCuda, "communicator init on device {}: {}", device, e.what());
     }
@@ -273,29 +267,24 @@ class ClientGateStrategy final : public CommStrategy {
   // tandemd opens go once every rank submitted the op (for a gang, once every rank's stream reached it and wrote
   // ready); the kernels run; done tells tandemd the op finished on this rank.
   void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, CUstream s) override {
-    if (d.kind == OpKind::kNop && nranks_ == 1) {
-      // Nothing to meet: the stream need not wait for tandemd's go (tandemd still validates and completes it).
+    const k::GpuOp& op = k::gpuOp(d.kind);
+    if (op.launch == nullptr && nranks_ == 1) {
+      // No kernel and nothing to meet (a lone barrier): the stream need not wait for tandemd's go (tandemd still
+      // validates and completes it).
       writeWord(s, ctlDev_->done, e, "cuStreamWriteValue32(done)");
       return;
     }
     if (k::needsGang(d)) writeWord(s, ctlDev_->ready, e, "cuStreamWriteValue32(ready)");
     // AllGather's kernel waits for tandemd's verdict itself (device/allgather.cuh, opGate): one stream memop less.
-    if (d.kind != OpKind::kAllGather) waitWord(s, ctlDev_->go, e, "cuStreamWaitValue32(go)");
+    if (!op.kernelWaitsForGo) waitWord(s, ctlDev_->go, e, "cuStreamWaitValue32(go)");
     const auto stream = reinterpret_cast<cudaStream_t>(s);
     try {
-      switch (d.kind) {
-        case OpKind::kNop: break;
-        case OpKind::kAllGather: launchAllGather(d, ptrs, e, stream); break;
-        case OpKind::kAgGemm:
-        case OpKind::kGemmRs:
-        case OpKind::kGemmAr:
-          logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, stream, planOf(d, gpuModel_, "client")));
-          break;
-        // The MoE kernels read tandemd's verdict themselves (a rejected op does nothing), as AllGather's do.
-        case OpKind::kMoeDispatchGemm:
-        case OpKind::kMoeDispatchFfnCombine: logPlanOnce(d, k::launchMoeOp(d, ptrs, e, env_, stream, true)); break;
-        case OpKind::kRingAttention: logPlanOnce(d, k::launchRingAttention(d, ptrs, e, env_, stream)); break;
-        default: fail(ErrorCode::kInternal, "{} reached the cuda enqueue unchecked", opKindName(d.kind));
+      if (op.launch != nullptr) {
+        // The kernels read tandemd's verdict where they can (AllGather, MoE: a rejected op does nothing); the fused
+        // GEMMs and ring attention cannot, so tandemd aborts the communicator instead (client_gate.cpp).
+        const PlanChoice plan = op.fusedGemm ? planOf(d, gpuModel_, "client") : PlanChoice{};
+        const std::string ran = op.launch({d, ptrs, e, env_, stream, plan, true});
+        if (!ran.empty()) logPlanOnce(d, ran);
       }
     } catch (const Error&) {
       throw;
@@ -306,30 +295,10 @@ class ClientGateStrategy final : public CommStrategy {
   }
 
  private:
-  // AllGather's kernel on `stream`, between the stream words that order it.
-  void launchAllGather(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, cudaStream_t stream) {
-    k::AllGatherParams p{};
-    p.send = ptrs[slot::kSend];
-    p.recv = ptrs[slot::kRecv];
-    p.bytes = d.dims[dim::kBytes];
-    p.epoch = e;
-    p.timeoutNs = env_.timeoutNs;
-    for (uint32_t r = 0; r < nranks_; ++r) p.workspaces[r] = workspaces_[r]->ptr();
-    p.ctl = ctlDev_;
-    p.rank = rank_;
-    p.nranks = nranks_;
-    const k::AgTuning t = k::allgatherTuning(p.bytes, maxCtas_);
-    p.chunkBytes = t.chunkBytes;
-    p.numCtas = t.numCtas;
-    p.mode = t.mode;
-    p.checkVerdict = 1;  // a rejected op is skipped inside the kernel
-    k::launchAllGather(p, stream);
-  }
-
-  uint32_t rank_, nranks_, maxCtas_;
+  uint32_t nranks_;
   std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
   k::CommControl* ctlDev_;
-  k::FusedEnv env_;  // the workspaces, their layout, the control page and the deadline, for the fused GEMMs
+  k::FusedEnv env_;  // workspaces, their layout, the control page, the deadline, the CTA budget: every launch
   std::string gpuModel_;
 };
 
@@ -361,14 +330,15 @@ class PersistentStrategy final : public CommStrategy {
     checkOnNode(k::Executor::kDaemon, d, ptrs, env_, nranks_ == 1 ? planOf(d, gpuModel_, "daemon") : PlanChoice{});
   }
   void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, CUstream s) override {
-    if (nranks_ != 1 || !k::isFusedGemm(d.kind)) {
+    const k::GpuOp& op = k::gpuOp(d.kind);
+    if (nranks_ != 1 || !op.fusedGemm) {
       enqueueReadyThenWaitDone(ctlDev_, e, s);
       return;
     }
     try {
       // Only a trial plan (tandemctl tune / advise forcing the fused kernel) changes the GEMM core's plan here.
-      logPlanOnce(d, k::launchFusedGemm(d, ptrs, e, env_, reinterpret_cast<cudaStream_t>(s),
-                                        planOf(d, gpuModel_, "daemon")));
+      logPlanOnce(d, op.launch({d, ptrs, e, env_, reinterpret_cast<cudaStream_t>(s), planOf(d, gpuModel_, "daemon"),
+                                false}));
     } catch (const Error&) {
       throw;
     } catch (const std::exception& ex) {

@@ -7,9 +7,12 @@
 #include <string>
 
 #include "tandem/common/error.hpp"
+#include "tandem/common/op_spec.hpp"
+#include "tandem/common/plan_key.hpp"
 #include "tandem/kernels/control_page.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
 #include "tandem/kernels/executor.hpp"
+#include "tandem/kernels/gpu_ops.hpp"
 
 namespace k = tandem::kernels;
 
@@ -162,6 +165,29 @@ TEST_CASE("executor strategies: wire names round-trip, and each runs the GPU ops
     CHECK(ops.contains(tandem::OpKind::kRingAttention) == (e != k::Executor::kHost));  // one node's GPUs
   }
   CHECK_FALSE(k::executorFromName("gpu").has_value());
+}
+
+TEST_CASE("both GPU executors run every op of the table, each through its entry in gpu_ops.cpp") {
+  for (const tandem::OpSpec& op : tandem::ops()) {
+    CAPTURE(op.name);
+    const k::GpuOp* entry = k::findGpuOp(op.kind);
+    REQUIRE_MESSAGE(entry != nullptr, "the cuda backend has no entry for ", op.name,
+                    " (kernels/gpu_ops.cpp): neither the client nor the daemon executor runs it");
+    CHECK(k::executorOps(k::Executor::kClient).contains(op.kind));
+    CHECK(k::executorOps(k::Executor::kDaemon).contains(op.kind));
+    // An op with kernels either reads tandemd's verdict in them (the table's readsVerdict) or is aborted when rejected
+    // (client_gate.cpp); a kernel that waits for go itself must read the verdict.
+    if (entry->kernelWaitsForGo) CHECK(op.readsVerdict);
+    if (entry->launch == nullptr) {
+      CHECK(entry->daemonRun == k::DaemonRun::kWorkItem);  // no kernel: the daemon completes it (a barrier)
+      CHECK(op.slotCount == 0);
+    } else {
+      CHECK((entry->preload != nullptr));  // never loaded lazily behind a waiting stream
+      CHECK(op.deviceError == tandem::ErrorCode::kTimeout);  // its kernels wait on peers' flags with a deadline
+    }
+    if (entry->daemonRun == k::DaemonRun::kLaunchMapped) CHECK((entry->launchMapped != nullptr));
+    CHECK(entry->fusedGemm == tandem::plannedOp(op.kind));
+  }
 }
 
 TEST_CASE("checkCuda: success passes, an error throws Error(kCuda) naming what failed and the CUDA error") {

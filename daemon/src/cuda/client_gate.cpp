@@ -1,6 +1,8 @@
 #include "cuda/client_gate.hpp"
 
+#include "tandem/common/op_spec.hpp"
 #include "tandem/kernels/fused_ops.hpp"
+#include "tandem/kernels/gpu_ops.hpp"
 
 namespace tandem::daemon::cuda {
 
@@ -10,10 +12,12 @@ namespace tandem::daemon::cuda {
 bool ClientGateComm::needsReady(const Gang& g) const { return kernels::needsGang(g.c.ops[0].desc); }
 
 NodeComm::Release ClientGateComm::release(const std::shared_ptr<Gang>& g) {
-  if (g->rejected && (kernels::isFusedGemm(g->kind) || g->kind == OpKind::kRingAttention)) {
-    // Unlike AllGather's kernel, the fused GEMMs read no verdict: once go opens they run, and ranks that disagree on
-    // the shape would wait on each other's flags until their deadline. Abort the communicator before go opens (the
-    // abort word set first, so the kernels unwind at once); every rank already has the rejection's error.
+  const kernels::GpuOp* op = kernels::findGpuOp(g->kind);
+  if (g->rejected && op != nullptr && op->launch != nullptr && !opSpec(g->kind).readsVerdict) {
+    // Unlike AllGather's and the MoE ops' kernels, these (the fused GEMMs, ring attention) read no verdict: once go
+    // opens they run, and ranks that disagree on the shape would wait on each other's flags until their deadline.
+    // Abort the communicator before go opens (the abort word set first, so the kernels unwind at once); every rank
+    // already has the rejection's error.
     abortFromBackend(ErrorCode::kAborted,
                      fmt::format("{} (op epoch {}) was rejected: {}; a fused GEMM cannot be skipped once its stream "
                                  "reaches it, so the communicator was aborted",

@@ -10,11 +10,9 @@
 
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/driver.hpp"
+#include "tandem/kernels/gpu_ops.hpp"
 #include "tandem/kernels/host_ordering.hpp"
-#include "tandem/kernels/moe.hpp"
-#include "tandem/kernels/moe_ops.hpp"
 #include "tandem/kernels/preload.hpp"
-#include "tandem/kernels/ring_attention.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
@@ -38,9 +36,7 @@ GpuExecutor::GpuExecutor(int device, uint32_t numCtas, uint64_t lingerNs)
     : device_(device), numCtas_(numCtas), lingerNs_(lingerNs) {
   k::CudaDeviceGuard guard(device_);
   k::preloadRuntimeKernels(device_);  // never loaded lazily behind a waiting stream (preload.hpp)
-  k::preloadFusedGemmKernels(device_);
-  k::preloadMoeKernels(device_);
-  k::preloadRingAttentionKernels(device_);
+  k::preloadGpuOps(device_);
   stream_ = k::CudaStream::create(device_, "daemon executor");
   queueMemory_ = k::PinnedHostBuffer::allocate(sizeof(k::WorkQueue), "work queue");  // zeroed
   queue_ = static_cast<k::WorkQueue*>(queueMemory_.get());
@@ -215,24 +211,27 @@ PersistentComm::PersistentComm(uint64_t handle, std::vector<Rank> ranks, std::ve
   layout_ = k::WorkspaceLayout::fit(workspaceBytes_, nranks());
 }
 
-bool PersistentComm::runsInCallerStream(OpKind kind) const { return nranks() == 1 && k::isFusedGemm(kind); }
+namespace {
+bool fusedGemm(OpKind kind) {
+  const k::GpuOp* op = k::findGpuOp(kind);
+  return op != nullptr && op->fusedGemm;
+}
+}  // namespace
+
+bool PersistentComm::runsInCallerStream(OpKind kind) const { return nranks() == 1 && fusedGemm(kind); }
 
 void PersistentComm::admit(Collective& c) {
   const OpKind kind = c.ops[0].desc.kind;
   if (runsInCallerStream(kind)) return;  // libtandem's own kernels on its own mappings: nothing here to protect or plan
-  const PlanChoice choice = k::isFusedGemm(kind) ? decidePlan(c.ops[0].desc, c.ops[0].epoch) : PlanChoice{};
-  if (!k::isFusedGemm(kind) && !k::isMoeOp(kind) && kind != OpKind::kRingAttention) return;
+  const k::GpuOp* op = k::findGpuOp(kind);
+  if (op == nullptr) return;
+  const PlanChoice choice = op->fusedGemm ? decidePlan(c.ops[0].desc, c.ops[0].epoch) : PlanChoice{};
+  if (op->check == nullptr) return;
   // libtandem checked the same before submitting; the kernels run in tandemd's context here, so a client that did not
   // must not get them to write past a workspace.
   for (uint32_t r = 0; r < c.ops.size() && c.errorCode == 0; ++r) {
     try {
-      if (k::isMoeOp(kind)) {
-        k::checkMoeOp(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r));
-      } else if (kind == OpKind::kRingAttention) {
-        k::checkRingAttention(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r));
-      } else {
-        k::checkFusedGemm(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r), choice);
-      }
+      op->check(c.ops[r].desc, devicePointers(c.ops[r]), fusedEnv(r), choice);
     } catch (const Error& e) {
       c.errorCode = statusOf(e.code());
       c.error = fmt::format("rank {}: {}", r, e.what());
@@ -245,7 +244,7 @@ bool PersistentComm::launchAhead(const Gang& g) const {
     const char* v = std::getenv("TANDEM_LAUNCH_AHEAD");
     return v != nullptr && *v == '1';
   }();
-  if (!enabled || g.rejected || !k::isFusedGemm(g.kind) || runsInCallerStream(g.kind)) return false;
+  if (!enabled || g.rejected || !fusedGemm(g.kind) || runsInCallerStream(g.kind)) return false;
   for (uint32_t r = 0; r < nranks(); ++r) {
     if (!executors_.gpu(rank(r).device).onlyMine(handle())) return false;
   }
@@ -269,7 +268,8 @@ NodeComm::Release PersistentComm::release(const std::shared_ptr<Gang>& g) {
     page(0).publishDone(g->epoch);
     return Release::kReleased;
   }
-  if (g->kind == OpKind::kNop && !g->rejected && hostDone) {
+  const k::GpuOp& gpu = k::gpuOp(g->kind);
+  if (gpu.launch == nullptr && !g->rejected && hostDone) {  // a barrier: no kernel
     // Every rank's stream wrote ready >= epoch (checked before release), which it does only once its WaitValue(done >=
     // epoch - 1) passed: every earlier op of every rank has finished and nothing is left for a GPU to order. So tandemd
     // writes done itself (a store to host memory) instead of a work item the persistent kernel would find, read and
@@ -277,10 +277,10 @@ NodeComm::Release PersistentComm::release(const std::shared_ptr<Gang>& g) {
     for (uint32_t r = 0; r < nranks(); ++r) page(r).publishDone(g->epoch);
     return Release::kReleased;
   }
-  if (g->kind == OpKind::kRingAttention && !g->rejected) {
-    if (!launchRingAttention(g)) return Release::kAborted;
-  } else if ((k::isFusedGemm(g->kind) || k::isMoeOp(g->kind)) && !g->rejected) {
-    if (!launchFused(g)) return Release::kAborted;
+  if (gpu.daemonRun == k::DaemonRun::kLaunchMapped && !g->rejected) {
+    if (!launchMapped(g, gpu)) return Release::kAborted;
+  } else if (gpu.daemonRun == k::DaemonRun::kLaunch && !g->rejected) {
+    if (!launchFused(g, gpu)) return Release::kAborted;
   } else {
     for (uint32_t r = 0; r < nranks(); ++r) pushItem(*g, r, g);
   }
@@ -413,7 +413,7 @@ void PlanTuner::poll(PlanTable& table) {
   }
 }
 
-bool PersistentComm::launchFused(const std::shared_ptr<Gang>& g) {
+bool PersistentComm::launchFused(const std::shared_ptr<Gang>& g, const k::GpuOp& gpu) {
   uint32_t r = 0;
   try {
     // The plan admit() checked the workspace for (decided_ holds every admitted gang's; older ones were rejected).
@@ -445,8 +445,7 @@ bool PersistentComm::launchFused(const std::shared_ptr<Gang>& g) {
               end.emplace(k::CudaEvent::createTimed(rank(r).device, "autotune end"));
               k::checkCuda(cudaEventRecord(start->get(), s), "cudaEventRecord(autotune start)");
             }
-            plan = k::isMoeOp(desc.kind) ? k::launchMoeOp(desc, ptrs[r], g->epoch, env, s, false)
-                                         : k::launchFusedGemm(desc, ptrs[r], g->epoch, env, s, choice);
+            plan = gpu.launch({desc, ptrs[r], g->epoch, env, s, choice, false});
             if (timed) {
               k::checkCuda(cudaEventRecord(end->get(), s), "cudaEventRecord(autotune end)");
               executors_.tuner().record(planKeyOf(desc, ctx().gpuModel, "daemon"), choice, std::move(*start),
@@ -469,11 +468,12 @@ bool PersistentComm::launchFused(const std::shared_ptr<Gang>& g) {
   return true;
 }
 
-// Ring attention released to every rank: each rank's kernel reads every rank's k and v where tandemd maps them
-// (ring_attention.hpp, launchRingAttentionMapped). No rank's done may be written before every rank's kernel has
-// finished (its k and v are still being read): each GPU's stream waits for every rank's kernel, then writes its ranks'
-// done. Ranks that share a GPU run one after the other on its stream; nothing in them waits on another rank.
-bool PersistentComm::launchRingAttention(const std::shared_ptr<Gang>& g) {
+// An op whose kernels read every rank's tensors where tandemd maps them (DaemonRun::kLaunchMapped: ring attention, each
+// rank's kernel reading every rank's k and v; ring_attention.hpp, launchRingAttentionMapped). No rank's done may be
+// written before every rank's kernel has finished (its inputs are still being read): each GPU's stream waits for every
+// rank's kernel, then writes its ranks' done. Ranks that share a GPU run one after the other on its stream; nothing in
+// them waits on another rank.
+bool PersistentComm::launchMapped(const std::shared_ptr<Gang>& g, const k::GpuOp& gpu) {
   uint32_t r = 0;
   try {
     std::vector<OpDescriptor> descs;
@@ -487,7 +487,7 @@ bool PersistentComm::launchRingAttention(const std::shared_ptr<Gang>& g) {
       std::string plan;
       executors_.gpu(rank(r).device).runExclusive(
           [&](cudaStream_t s) {
-            plan = k::launchRingAttentionMapped(descs, ptrs, r, s);
+            plan = gpu.launchMapped(descs, ptrs, r, s);
             finished.push_back(k::CudaEvent::create(rank(r).device, "after a ring attention kernel"));
             k::checkCuda(cudaEventRecord(finished.back().get(), s), "cudaEventRecord(ring attention, rank {})", r);
           },

@@ -27,6 +27,7 @@
 #include "cuda/node_comm.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
 #include "tandem/kernels/fused_ops.hpp"
+#include "tandem/kernels/gpu_ops.hpp"
 #include "tandem/kernels/persistent.hpp"
 
 namespace tandem::daemon::cuda {
@@ -178,8 +179,8 @@ class PersistentComm final : public NodeComm {
   // by both the workspace check and the launch.
   PlanChoice decidePlan(const OpDescriptor& rank0, uint64_t epoch);
   bool progress(std::vector<std::pair<uint64_t, std::string>>& failed) override;
-  bool launchFused(const std::shared_ptr<Gang>& g);
-  bool launchRingAttention(const std::shared_ptr<Gang>& g);
+  bool launchFused(const std::shared_ptr<Gang>& g, const kernels::GpuOp& gpu);
+  bool launchMapped(const std::shared_ptr<Gang>& g, const kernels::GpuOp& gpu);
   void pushItem(Gang& g, uint32_t r, const std::shared_ptr<Gang>& keepAlive);
   void logPlanOnce(const OpDescriptor& d, const std::string& plan);
 

@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "tandem/common/op_spec.hpp"
+#include "tandem/kernels/gpu_ops.hpp"
 
 namespace tandem::kernels {
 
@@ -41,18 +42,19 @@ inline std::optional<Executor> executorFromName(std::string_view name) {
   return std::nullopt;
 }
 
-/// The ops a strategy runs. Every one runs the fused GEMMs, AllGather and barriers today: the client and daemon
-/// executors launch the same kernels (fused_ops.hpp, allgather.hpp), and host staging runs exactly these in tandemd, on
-/// the GPUs or through the cpu backend's code (tandemd's cuda_multinode.hpp).
+/// The ops a strategy runs. The client and daemon executors run every op with an entry in gpu_ops.cpp (they launch the
+/// same kernels); host staging runs the fused GEMMs, AllGather and barriers in tandemd, on the GPUs or through the
+/// cpu backend's code (tandemd's cuda_multinode.hpp): it has no MoE or attention code.
 inline OpSet executorOps(Executor e) {
   switch (e) {
     case Executor::kClient:
-    case Executor::kDaemon:
-      // The MoE ops run on one node's GPUs (moe_ops.hpp); host staging has no MoE code.
-      return OpSet{OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kAllGather, OpKind::kNop}
-          .add(OpKind::kMoeDispatchGemm)
-          .add(OpKind::kMoeDispatchFfnCombine)
-          .add(OpKind::kRingAttention);  // ring_attention.hpp: one node's GPUs, both executors
+    case Executor::kDaemon: {
+      OpSet s;
+      for (const OpSpec& op : ops()) {
+        if (findGpuOp(op.kind) != nullptr) s.add(op.kind);
+      }
+      return s;
+    }
     case Executor::kHost: return {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kAllGather, OpKind::kNop};
   }
   return {};
