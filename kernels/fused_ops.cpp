@@ -187,6 +187,12 @@ std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, 
 
 }  // namespace
 
+std::string workspaceRemedy(uint64_t bytes) {
+  return fmt::format("create the communicator with tandem_comm_config_t.workspace_bytes >= {} ({} MiB; "
+                     "tandem_comm_init_config, within tandemd's limits.max_session_bytes)",
+                     bytes, (bytes + (1u << 20) - 1) >> 20);
+}
+
 WorkspaceLayout WorkspaceLayout::fit(uint64_t bytes, uint32_t nranks) {
   const uint64_t base = workspaceBytes(nranks);
   const uint64_t room = bytes > base + kMoeControlBytes ? bytes - base - kMoeControlBytes : 0;
@@ -261,9 +267,8 @@ void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const Fus
   if (need > env.layout.rsMatBytes) {
     const uint64_t bytes = WorkspaceLayout::bytesFor(need, env.nranks);
     fail(ErrorCode::kInvalidArgument, "{}: m = {}, n = {}, k = {} on {} ranks needs a workspace of {} bytes ({} MiB) "
-         "per rank, but this communicator's is {} bytes; set cuda.workspace_bytes: {} (or more) in tandemd's config "
-         "(default 512 MiB) and restart it, or split the op", op, m, n, kk,
-         env.nranks, bytes, (bytes + (1u << 20) - 1) >> 20, env.workspaceBytes, bytes);
+         "per rank, but this communicator's is {} bytes; {}, or split the op", op, m, n, kk,
+         env.nranks, bytes, (bytes + (1u << 20) - 1) >> 20, env.workspaceBytes, workspaceRemedy(bytes));
   }
 }
 

@@ -130,8 +130,8 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
   if (scratch > c.scratchBytes || recv > c.recvBytes) {
     fail(kBad,
          "{}: tokens = {}, hidden = {}, {} = {} need {} bytes of receive rows and {} of scratch on this rank, "
-         "but the communicator's workspace leaves {} and {}; set cuda.workspace_bytes larger in tandemd's config and "
-         "restart it, or split the op",
+         "but the communicator's workspace leaves {} and {}; ask for a larger workspace when the communicator is "
+         "created (tandem_comm_config_t.workspace_bytes), or split the op",
          op, p.tokens, p.hidden, p.ffn ? "ffn" : "capacity", p.ffn ? p.ffnDim : p.capacity, recv, scratch, c.recvBytes,
          c.scratchBytes);
   }

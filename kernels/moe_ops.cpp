@@ -78,8 +78,9 @@ void checkMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEn
   if (env.workspaceBytes < env.layout.moeOff + kMoeControlBytes) {
     fail(ErrorCode::kInvalidArgument,
          "{}: the communicator's workspace ({} bytes per rank) has no room for the MoE "
-         "ops' control area ({} bytes); set cuda.workspace_bytes larger in tandemd's config and restart it",
-         op, env.workspaceBytes, kMoeControlBytes);
+         "ops' control area ({} bytes); {}",
+         op, env.workspaceBytes, kMoeControlBytes,
+         workspaceRemedy(WorkspaceLayout::bytesFor(0, env.nranks)));
   }
   const MoeParams p = paramsOf(d, ptrs);
   if (d.dims[dim::kCapacity] >= (uint64_t{1} << 31) && !p.ffn) {
@@ -96,9 +97,8 @@ void checkMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEn
     const uint64_t bytes = WorkspaceLayout::bytesFor((need + 1) / 2, env.nranks);
     fail(ErrorCode::kInvalidArgument,
          "{}: capacity = {} rows of hidden = {} need {} bytes of receive rows on this "
-         "rank, but the communicator's workspace leaves {}; set cuda.workspace_bytes: {} (or more) in tandemd's "
-         "config and restart it, or lower capacity",
-         op, p.capacity, p.hidden, need, c.recvBytes, bytes);
+         "rank, but the communicator's workspace leaves {}; {}, or lower capacity",
+         op, p.capacity, p.hidden, need, c.recvBytes, workspaceRemedy(bytes));
   }
 }
 

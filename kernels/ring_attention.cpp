@@ -84,9 +84,8 @@ void checkRingAttention(const OpDescriptor& d, const DevicePointers& ptrs, const
     // The data region is two matrices of rsMatBytes: k fills (most of) the first, v the second.
     const uint64_t bytes = WorkspaceLayout::bytesFor(seq * rowBytes(d) + kRowAlign, env.nranks);
     fail(ErrorCode::kInvalidArgument, "{}: seq {} x heads {} x head_dim {} on this rank needs {} bytes of k and v in "
-         "the workspace, but this communicator's workspace holds {} rows; set cuda.workspace_bytes: {} (or more) in "
-         "tandemd's config and restart it, or split the sequence over more ranks", op, seq, heads, hd,
-         2 * seq * rowBytes(d), kvCapacityRows(d, env), bytes);
+         "the workspace, but this communicator's workspace holds {} rows; {}, or split the sequence over more ranks",
+         op, seq, heads, hd, 2 * seq * rowBytes(d), kvCapacityRows(d, env), workspaceRemedy(bytes));
   }
 }
 

@@ -649,8 +649,16 @@ tandem_status_t tandem_get_unique_id(tandem_unique_id_t* out) {
 
 tandem_status_t tandem_comm_init(tandem_session_t session, const tandem_unique_id_t* id, uint32_t nranks,
                                  uint32_t rank, uint32_t timeout_ms, tandem_comm_t* out) {
+  return tandem_comm_init_config(session, id, nranks, rank, timeout_ms, nullptr, out);
+}
+
+tandem_status_t tandem_comm_init_config(tandem_session_t session, const tandem_unique_id_t* id, uint32_t nranks,
+                                        uint32_t rank, uint32_t timeout_ms, const tandem_comm_config_t* config,
+                                        tandem_comm_t* out) {
   return guarded([&] {
     require(session != nullptr && id != nullptr && out != nullptr, "session, id and out must not be NULL");
+    require(config == nullptr || config->struct_size >= sizeof(tandem_comm_config_t),
+            "config->struct_size is not sizeof(tandem_comm_config_t)");
     SessionCore& core = *session->core;
     const Use use(core, "tandem_comm_init", Handle::kSession);
     onCore(core, "tandem_comm_init", [&] {
@@ -660,6 +668,7 @@ tandem_status_t tandem_comm_init(tandem_session_t session, const tandem_unique_i
       join->set_nranks(nranks);
       join->set_rank(rank);
       join->set_timeout_ms(timeout_ms);
+      if (config != nullptr) join->set_workspace_bytes(config->workspace_bytes);
       [[maybe_unused]] int device = -1;
       if (core.cuda) {
 #ifdef TANDEM_HAVE_CUDA

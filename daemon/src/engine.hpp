@@ -87,8 +87,9 @@ class Engine {
 
   // Communicators. `done` runs exactly once: when every rank has joined (on the control thread of the last
   // joiner), or from cancelJoin/closeSession.
+  // `workspaceBytes`: the workspace per rank the joiner asks for (0: none; the communicator gets the largest asked).
   void join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, uint32_t nranks, uint32_t rank,
-            const std::string& deviceUuid, JoinDone done);
+            const std::string& deviceUuid, JoinDone done, uint64_t workspaceBytes = 0);
   // One rank's workspace of a communicator this session joined (cuda backend).
   CommMapping commMapping(uint64_t sessionId, uint64_t commHandle, uint32_t rank);
   // Called when a join's timer fires; a no-op if the join already finished.

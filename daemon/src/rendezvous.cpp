@@ -21,7 +21,7 @@ using namespace detail;
 // ---- communicators -----------------------------------------------------------------------------------
 
 void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, uint32_t nranks, uint32_t rank,
-                  const std::string& deviceUuid, JoinDone done) {
+                  const std::string& deviceUuid, JoinDone done, uint64_t workspaceBytes) {
   const JoinInfo none;
   if (nranks == 0 || nranks > kMaxRanks) {
     return done(ErrorCode::kInvalidArgument, fmt::format("nranks {} is out of range; pass 1..{}", nranks, kMaxRanks), 0,
@@ -78,6 +78,7 @@ void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, u
   }
   comm.members[rank] = sessionId;
   comm.devices[rank] = deviceUuid;
+  comm.workspaceBytes = std::max(comm.workspaceBytes, workspaceBytes);
   entry->joins[rank] = PendingJoin{sessionId, std::move(done)};
   if (cluster_) {
     // Every node learns where every rank lives; the nodes that complete the set form the communicator.
@@ -182,6 +183,11 @@ void Engine::completeJoin(const std::shared_ptr<CommEntry>& entry, std::unique_l
         cluster_->setPeerKey(*entry->link, node, std::as_bytes(std::span(bytes.data(), bytes.size())));
       }
       entry->earlyKeys.clear();
+    }
+    // A workspace asked for at the join is checked against the quota before the backend allocates it.
+    for (auto& [r, j] : entry->joins) {
+      checkSessionRoomLocked(sessionLocked(j.sessionId), fmt::format("communicator {}: rank {}'s workspace of",
+                                                                     hexId(uniqueId), r), comm.workspaceBytes, false);
     }
     comm.resources = backend_->setupComm(comm);
   } catch (const Error& e) {

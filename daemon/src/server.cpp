@@ -724,7 +724,8 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
                              return self->reply(rid, response, fds);
                            }
                            self->reply(rid, response);
-                         });
+                         },
+                         join.workspace_bytes());
     timer->async_wait([weak, uniqueId, rank = join.rank(), timeoutMs, seq](boost::system::error_code ec) {
       auto self = weak.lock();
       if (ec || !self) return;

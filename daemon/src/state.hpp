@@ -150,6 +150,7 @@ struct Communicator {
   std::vector<std::deque<PendingOp>> queues;  // per rank, in submission order
   std::vector<uint64_t> submitted;            // per rank: descriptors accepted into the queue (the last epoch)
   std::vector<std::string> devices;           // per rank: GPU UUID it joined with (cuda backend)
+  uint64_t workspaceBytes = 0;  // the largest workspace per rank a joiner asked for (0: the backend's default)
   std::shared_ptr<CommResources> resources;   // backend state, set when the communicator becomes ready
   std::atomic<uint64_t> opsCompleted{0};
   uint32_t joined() const;       // ranks known, local and remote

@@ -314,10 +314,10 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
       if (n > 1) {
         ar = {sizeof ar, TANDEM_DTYPE_BF16, 2048, 2048, 64, {a, 0}, {b, 0}, {c, 0}, stream};
         expect("past the workspace", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_INVALID_ARGUMENT,
-               "cuda.workspace_bytes: ");
+               "tandem_comm_config_t.workspace_bytes >= ");
         const tandem_ag_gemm_args_t ag{sizeof ag, TANDEM_DTYPE_BF16, 4096, 256, 1024, {a, 0}, {b, 0}, {c, 0}, {}, stream};
         expect("ag-gemm past the workspace", tandem_ag_gemm(comm, &ag, &op), TANDEM_ERROR_INVALID_ARGUMENT,
-               "cuda.workspace_bytes: ");
+               "tandem_comm_config_t.workspace_bytes >= ");
       }
       const tandem_moe_dispatch_gemm_args_t moe{sizeof moe, TANDEM_DTYPE_FP32, 8, 64, 64, 2 * n, 1, 16,
                                                 {a, 0}, {b, 0}, {c, 0}, {a, 1u << 20}, {b, 1u << 20}, {c, 1u << 20},

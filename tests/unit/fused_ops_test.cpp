@@ -112,7 +112,7 @@ TEST_CASE("fused ops: what the kernels cannot run is refused with the remedy, th
   CHECK(refusal(gemmDesc(OpKind::kGemmRs, 256, 256, 120, 2), ptrs, env, nullptr).find("slice") != std::string::npos);
 }
 
-TEST_CASE("fused ops: an op too large for the workspace names the cuda.workspace_bytes that fits it") {
+TEST_CASE("fused ops: an op too large for the workspace names the workspace_bytes to create the communicator with") {
   const k::DevicePointers ptrs = alignedPointers();
   for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
     CAPTURE(tandem::opKindName(kind));
@@ -121,7 +121,7 @@ TEST_CASE("fused ops: an op too large for the workspace names the cuda.workspace
     const std::string why = refusal(big, ptrs, envWith(48u << 20, 2), &code);
     CHECK(code == ErrorCode::kInvalidArgument);
     std::smatch match;
-    REQUIRE(std::regex_search(why, match, std::regex("cuda\\.workspace_bytes: ([0-9]+)")));
+    REQUIRE(std::regex_search(why, match, std::regex("tandem_comm_config_t\\.workspace_bytes >= ([0-9]+)")));
     const uint64_t suggested = std::stoull(match[1].str());
     CHECK(refusal(big, ptrs, envWith(suggested, 2), nullptr).empty());  // the remedy works
   }

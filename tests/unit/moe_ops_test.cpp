@@ -110,7 +110,7 @@ TEST_CASE("moe ops: what the kernels cannot run is refused with the remedy, the 
   OpDescriptor big = moeDesc(OpKind::kMoeDispatchGemm, 100, 7168, 200, 8, 2, 2);
   big.dims[dim::kCapacity] = 1u << 20;
   const std::string why = refusal(big, ptrs, env, &code);
-  CHECK(why.find("cuda.workspace_bytes: ") != std::string::npos);
+  CHECK(why.find("tandem_comm_config_t.workspace_bytes >= ") != std::string::npos);
   CHECK(code == ErrorCode::kInvalidArgument);
   // A workspace too small for even the control area says so.
   const k::FusedEnv tiny = envWith(1u << 20, 2);

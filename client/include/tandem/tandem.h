@@ -162,6 +162,20 @@ TANDEM_API tandem_status_t tandem_get_unique_id(tandem_unique_id_t* out);
 TANDEM_API tandem_status_t tandem_comm_init(tandem_session_t session, const tandem_unique_id_t* id,
                                             uint32_t nranks, uint32_t rank, uint32_t timeout_ms,
                                             tandem_comm_t* out);
+/* A communicator's options. Zero-initialise, set struct_size = sizeof(tandem_comm_config_t), then fill:
+ * workspace_bytes (cuda backend, ranks on one node): GPU memory per rank that this rank's largest ops need in the
+ *   communicator's workspace (peers' rows, flags, staging; an op refused for lack of workspace names the bytes it
+ *   needs). The communicator gets the largest any rank asks, at least tandemd's cuda.workspace_bytes. It counts
+ *   against each rank's limits.max_session_bytes: a join over it fails with TANDEM_ERROR_OUT_OF_MEMORY naming that
+ *   key and the bytes. 0: cuda.workspace_bytes. */
+typedef struct tandem_comm_config {
+  size_t struct_size;
+  uint64_t workspace_bytes;
+} tandem_comm_config_t;
+/* tandem_comm_init with options; config NULL is tandem_comm_init. */
+TANDEM_API tandem_status_t tandem_comm_init_config(tandem_session_t session, const tandem_unique_id_t* id,
+                                                   uint32_t nranks, uint32_t rank, uint32_t timeout_ms,
+                                                   const tandem_comm_config_t* config, tandem_comm_t* out);
 /* Aborts the communicator: every rank's pending and future ops fail with TANDEM_ERROR_ABORTED. */
 TANDEM_API tandem_status_t tandem_comm_abort(tandem_comm_t comm);
 /* Leaves the communicator and frees the handle (also when it fails). Other ranks' later ops fail with
@@ -250,7 +264,8 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const ta
  * (y is not rounded to dtype; the cpu backend sums the slots in fp32 in slot order).
  * cuda backend (ranks on one node): as tandem_moe_dispatch_gemm, ffn a multiple of 8; y is rounded to dtype
  * before the weighted sum (fp32, slot order, bitwise repeatable); the experts' rows live in the communicator's
- * workspace (cuda.workspace_bytes), and an op whose rows do not fit fails saying how much more it needs. */
+ * workspace (tandem_comm_config_t.workspace_bytes, at least cuda.workspace_bytes), and an op whose rows do not
+ * fit fails alone saying how many rows arrived; the communicator stays usable. */
 typedef struct tandem_moe_ffn_args {
   size_t struct_size;
   tandem_dtype_t dtype;

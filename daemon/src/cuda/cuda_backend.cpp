@@ -223,8 +223,10 @@ class CudaBackend final : public Backend {
       ranks[r].uuid = g.uuid;
     }
     if (executor_ == Executor::kDaemon) PersistentComm::checkPlacement(ranks);
-    // AllGather's region at least, whatever the budget (the fused GEMMs then refuse every shape, saying why).
-    const uint64_t wsBytes = std::max(workspaceBytes_, k::workspaceBytes(comm.nranks));
+    // cuda.workspace_bytes is the starting size: a rank that declared more at its join (tandem_comm_config_t) gets it
+    // for every rank (the quota was checked at the join). AllGather's region at least, whatever the budget (the fused
+    // GEMMs then refuse every shape, saying why).
+    const uint64_t wsBytes = std::max({workspaceBytes_, comm.workspaceBytes, k::workspaceBytes(comm.nranks)});
     std::vector<k::ControlPage> pages;
     for (auto& rr : ranks) {
       rr.workspace = createExportable(rr.device, wsBytes, accessFor(rr.device), &rr.workspaceFd);

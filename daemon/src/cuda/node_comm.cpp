@@ -6,6 +6,7 @@
 
 #include "tandem/kernels/control_page.hpp"
 #include "tandem/kernels/fused_ops.hpp"
+#include "tandem/kernels/moe.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
@@ -209,7 +210,7 @@ namespace {
 }  // namespace
 
 // The MoE kernels' data errors (moe.cu: the plan kernel finds them in the routing table, alike on every rank).
-std::string opFaultText(const k::OpFault& f) {
+std::string opFaultText(const k::OpFault& f, const OpDescriptor& d) {
   const auto kind = static_cast<OpKind>(f.op);
   if (f.code == static_cast<uint32_t>(k::WaitError::kMoeRouting)) {
     const auto slotIndex = static_cast<uint32_t>((f.observed >> 32) & 0x3fffffffu);
@@ -222,10 +223,16 @@ std::string opFaultText(const k::OpFault& f) {
                        "experts)", opKindName(kind), f.atFault, f.chunk, slotIndex, value);
   }
   if (kind == OpKind::kMoeDispatchFfnCombine) {
+    // The workspace that holds those rows (as checkMoeOp sizes it: receive rows and scratch in the data region).
+    const auto hidden = static_cast<int64_t>(d.dims[dim::kHidden]);
+    const uint64_t need = k::moeRecvBytes(static_cast<int64_t>(f.observed), hidden,
+                                          static_cast<int64_t>(d.dims[dim::kFfn])) +
+                          k::moeScratchBytes(static_cast<int64_t>(d.dims[dim::kTokens]),
+                                             static_cast<int64_t>(d.dims[dim::kTopk]),
+                                             static_cast<int64_t>(d.dims[dim::kExperts])) + 256;
     return fmt::format("{}: rank {} receives {} rows but its workspace holds {} receive rows; nothing was written and "
-                       "the communicator is still usable: split the batch, or raise cuda.workspace_bytes (every "
-                       "communicator's starting workspace) in tandemd's config",
-                       opKindName(kind), f.atFault, f.observed, f.chunk);
+                       "the communicator is still usable: split the batch, or {}", opKindName(kind), f.atFault,
+                       f.observed, f.chunk, k::workspaceRemedy(k::WorkspaceLayout::bytesFor((need + 1) / 2, d.nranks)));
   }
   return fmt::format("{}: rank {} receives {} rows but capacity is {}; pass capacity >= {}", opKindName(kind),
                      f.atFault, f.observed, f.chunk, f.observed);
@@ -252,7 +259,7 @@ void NodeComm::completeFromKernel(Gang& g, uint32_t r) {
   }
   // A data error fails this op alone (its kernels wrote nothing, alike on every rank); the communicator runs on.
   if (const auto f = page(r).fault(g.epoch)) {
-    return completeRank(g, r, statusOf(ErrorCode::kInvalidArgument), opFaultText(*f));
+    return completeRank(g, r, statusOf(ErrorCode::kInvalidArgument), opFaultText(*f, g.c.ops[r].desc));
   }
   completeRank(g, r, 0, "");
 }

@@ -120,7 +120,7 @@ class NodeComm : public CudaComm {
 // Completes rank r's op of `g` once (status 0: success).
 void completeRank(Gang& g, uint32_t r, int32_t status, const std::string& message);
 void failGang(Gang& g, ErrorCode code, const std::string& reason);
-// The message of an op's data error (kernels::OpFault), as every rank's op fails with it.
-std::string opFaultText(const kernels::OpFault& f);
+// The message of an op's data error (kernels::OpFault) for the rank whose descriptor is `d`.
+std::string opFaultText(const kernels::OpFault& f, const OpDescriptor& d);
 
 }  // namespace tandem::daemon::cuda

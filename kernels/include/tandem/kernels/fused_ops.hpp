@@ -44,6 +44,10 @@ struct WorkspaceLayout {
   static uint64_t bytesFor(uint64_t matBytes, uint32_t nranks);
 };
 
+// What an op refused for lack of workspace tells its caller to do: ask for `bytes` per rank when the communicator is
+// created (tandem_comm_config_t.workspace_bytes), which each rank's limits.max_session_bytes bounds.
+std::string workspaceRemedy(uint64_t bytes);
+
 // One rank's view of its communicator, as mapped in the process that launches the kernels.
 struct FusedEnv {
   uint32_t rank = 0, nranks = 0;
