@@ -193,6 +193,26 @@ std::string workspaceRemedy(uint64_t bytes) {
                      bytes, (bytes + (1u << 20) - 1) >> 20);
 }
 
+uint64_t workspaceBytesFor(const OpDescriptor& d, uint32_t nranks, uint64_t moeRows) {
+  const auto dimOf = [&](int i) { return static_cast<int64_t>(d.dims[i]); };
+  if (isFusedGemm(d.kind)) return WorkspaceLayout::bytesFor(roundUp(matBytesNeeded(d, nranks, {}), kMatUnit), nranks);
+  if (d.kind == OpKind::kRingAttention) {
+    // k and v rows of this rank's sequence, the v half on a 256-byte boundary (ring_attention.cpp kvCapacityRows).
+    const uint64_t kv = d.dims[dim::kSeq] * d.dims[dim::kHeads] * d.dims[dim::kHeadDim] * 2 + 256;
+    return WorkspaceLayout::bytesFor(nranks > 1 ? kv : 0, nranks);
+  }
+  if (d.kind == OpKind::kMoeDispatchGemm || d.kind == OpKind::kMoeDispatchFfnCombine) {
+    // The receive rows and this rank's scratch share the data region (moe_ops.cpp commOf), two matrices long.
+    const bool ffn = d.kind == OpKind::kMoeDispatchFfnCombine;
+    const int64_t rows = !ffn ? dimOf(dim::kCapacity)
+                              : static_cast<int64_t>(moeRows != 0 ? moeRows : d.dims[dim::kTokens] * d.dims[dim::kTopk]);
+    const uint64_t need = moeRecvBytes(rows, dimOf(dim::kHidden), ffn ? dimOf(dim::kFfn) : 0) +
+                          moeScratchBytes(dimOf(dim::kTokens), dimOf(dim::kTopk), dimOf(dim::kExperts)) + 256;
+    return WorkspaceLayout::bytesFor((need + 1) / 2, nranks);
+  }
+  return WorkspaceLayout::bytesFor(0, nranks);
+}
+
 WorkspaceLayout WorkspaceLayout::fit(uint64_t bytes, uint32_t nranks) {
   const uint64_t base = workspaceBytes(nranks);
   const uint64_t room = bytes > base + kMoeControlBytes ? bytes - base - kMoeControlBytes : 0;

@@ -3,8 +3,10 @@
 // fp64 reference (common/reference.hpp: the cpu backend's layout, exactly, for row_info and expert_counts), each case
 // 20 times bitwise identical; uniform, skewed (80% of the tokens to expert 0) and sparse (a third of the experts
 // empty) routings, ranks with no tokens, top-k 1 to 8, bf16 and fp16, sizes that are multiples of 8 but not of the
-// tiles. Then a capacity overflow (the error names the rows needed, nothing is written), bad expert ids, the shapes the
-// kernels refuse before submission (the communicator lives on), and the daemon executor (under MPS).
+// tiles. Then a capacity overflow (the error names the rows needed, nothing is written) and bad expert ids, each
+// followed by a correct op on the same communicator in both executors (a data error fails the op, not the
+// communicator), the shapes the kernels refuse before submission (the communicator lives on), and the daemon executor
+// (under MPS).
 #include <algorithm>
 #include <array>
 #include <memory>
@@ -233,11 +235,14 @@ void runOp(OpKind kind, const std::string& executor, std::vector<uint32_t> rankC
   CHECK(eventually([&] { return status(d)["total_bytes"] == 0; }));
 }
 
-// A case whose op fails on the GPU: every rank's op must fail naming `needle`, and write nothing.
+// A case whose op fails on the GPU: every rank's op must fail naming `needle` and write nothing; then a correct op on
+// the same communicator must pass (a data error fails the op, not the communicator), on `executor`.
 void runFailing(
     const MoeCase& c, uint32_t nranks, const std::string& needle,
-    const std::function<void(std::vector<std::array<std::vector<std::byte>, tandem::kMaxOpBuffers>>&)>& corrupt = {}) {
-  Daemon d(config("client"), {}, "");
+    const std::function<void(std::vector<std::array<std::vector<std::byte>, tandem::kMaxOpBuffers>>&)>& corrupt = {},
+    const std::string& executor = "client") {
+  Daemon d(config(executor), {}, "");
+  REQUIRE(status(d)["executor"] == executor);
   runRankProcesses(d, nranks, 120000, [&](const tandem_unique_id_t& id, uint32_t r) -> std::string {
     Joined j(d.socket(), id, nranks, r);
     RankOp op(j.s, c, r, nranks, 77, false);
@@ -257,6 +262,17 @@ void runFailing(
     }
     op.download();
     if (std::string e = op.untouched(); !e.empty()) return "FAIL after the error: " + e;
+    // The communicator lives on: the next op, a correct one, runs and matches the reference.
+    MoeCase good = c;
+    good.capacityDelta = 0;
+    RankOp next(j.s, good, r, nranks, 78, true);
+    next.poison(j.stream);
+    if (next.submit(j.comm, j.stream, &h) != TANDEM_SUCCESS) {
+      return std::string("FAIL the op after the error: submit: ") + tandem_last_error();
+    }
+    if (std::string e = finishOp(j.stream, h); !e.empty()) return "FAIL the op after the error: " + e;
+    next.download();
+    if (std::string e = next.compare(); !e.empty()) return "FAIL the op after the error: " + e;
     return "OK";
   });
 }
@@ -284,23 +300,56 @@ TEST_CASE("moe ops, daemon executor (MPS): match the reference, 20 runs bitwise 
   runOp(OpKind::kMoeDispatchFfnCombine, "daemon", counts);
 }
 
-TEST_CASE("moe-dispatch-gemm: a capacity overflow fails every rank's op naming the rows needed, and writes nothing") {
-  for (uint32_t n : {1u, 2u}) {
+namespace {
+
+// A capacity overflow at every rank count `executor` can run here (the daemon's: one rank per GPU).
+void runCapacityOverflow(const std::string& executor) {
+  for (uint32_t n : {1u, 2u, 4u}) {
+    if (ranksFor(executor, n) != n) continue;
     CAPTURE(n);
     MoeCase c{OpKind::kMoeDispatchGemm, DType::kBF16, {64, 48}, 64, 32, 4, 2, Routing::kSkewed, -1};
     const uint64_t rows = rowsFor(c, 0, n, 77);
     runFailing(c, n,
-               fmt::format("rank 0 receives {} rows but capacity is {}; pass capacity >= {}", rows, rows - 1, rows));
+               fmt::format("rank 0 receives {} rows but capacity is {}; pass capacity >= {}", rows, rows - 1, rows),
+               {}, executor);
   }
 }
 
-TEST_CASE("moe ops: a bad expert id fails every rank's op naming it, and writes nothing") {
+// A bad expert id on rank 1 of 2.
+void runBadExpertId(const std::string& executor) {
   MoeCase c{OpKind::kMoeDispatchFfnCombine, DType::kBF16, {16}, 64, 32, 4, 2, Routing::kUniform};
   runFailing(c, 2, "rank 1 topk_ids[5][1] = 9 is out of range", [](auto& host) {
     auto& ids = host[1][slot::kTopkIds];
     const int32_t bad = 9;
     std::memcpy(ids.data() + (5 * 2 + 1) * 4, &bad, 4);
-  });
+  }, executor);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "moe-dispatch-gemm, client executor: a capacity overflow fails every rank's op naming the rows needed and writes "
+    "nothing; the next op on the communicator runs") {
+  runCapacityOverflow("client");
+}
+
+TEST_CASE(
+    "moe-dispatch-gemm, daemon executor (MPS): a capacity overflow fails every rank's op naming the rows needed and "
+    "writes nothing; the next op on the communicator runs" * doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
+  runCapacityOverflow("daemon");
+}
+
+TEST_CASE("moe ops, client executor: a bad expert id fails every rank's op naming it and writes nothing; the next op "
+          "runs") {
+  runBadExpertId("client");
+}
+
+TEST_CASE("moe ops, daemon executor (MPS): a bad expert id fails every rank's op naming it and writes nothing; the "
+          "next op runs" * doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
+  if (ranksFor("daemon", 2) < 2) return skipCase("the daemon executor runs one rank per GPU: this case needs 2 GPUs");
+  runBadExpertId("daemon");
 }
 
 TEST_CASE("moe ops: what the cuda backend cannot run is refused before submission, and the communicator lives on") {

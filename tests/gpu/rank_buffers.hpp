@@ -129,10 +129,12 @@ struct Joined {
   tandem_session_t s = nullptr;
   tandem_comm_t comm = nullptr;
   cudaStream_t stream = nullptr;
-  Joined(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank) {
+  // `config`: the communicator's options (tandem_comm_init_config); null: the defaults.
+  Joined(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
+         const tandem_comm_config_t* config = nullptr) {
     CK(cudaSetDevice(rankDevice(rank)));
     TK(tandem_connect(socket.c_str(), &s));
-    TK(tandem_comm_init(s, &id, nranks, rank, 60000, &comm));
+    TK(tandem_comm_init_config(s, &id, nranks, rank, 60000, config, &comm));
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   }
   ~Joined() {

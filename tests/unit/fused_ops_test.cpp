@@ -124,6 +124,7 @@ TEST_CASE("fused ops: an op too large for the workspace names the workspace_byte
     REQUIRE(std::regex_search(why, match, std::regex("tandem_comm_config_t\\.workspace_bytes >= ([0-9]+)")));
     const uint64_t suggested = std::stoull(match[1].str());
     CHECK(refusal(big, ptrs, envWith(suggested, 2), nullptr).empty());  // the remedy works
+    CHECK(k::workspaceBytesFor(big, 2) == suggested);                    // and is what a rank would declare
   }
   // One rank exchanges nothing: any workspace will do.
   CHECK(refusal(gemmDesc(OpKind::kGemmAr, 8192, 8192, 8192, 1), ptrs, envWith(16u << 20, 1), nullptr).empty());

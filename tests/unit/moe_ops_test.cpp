@@ -112,6 +112,10 @@ TEST_CASE("moe ops: what the kernels cannot run is refused with the remedy, the 
   const std::string why = refusal(big, ptrs, env, &code);
   CHECK(why.find("tandem_comm_config_t.workspace_bytes >= ") != std::string::npos);
   CHECK(code == ErrorCode::kInvalidArgument);
+  // The workspace workspaceBytesFor declares for it fits it, for dispatch+GEMM and for the FFN's balanced rows.
+  CHECK(refusal(big, ptrs, envWith(k::workspaceBytesFor(big, 2), 2), nullptr).empty());
+  const OpDescriptor ffn = moeDesc(OpKind::kMoeDispatchFfnCombine, 4096, 4096, 14336, 8, 2, 2);
+  CHECK(refusal(ffn, ptrs, envWith(k::workspaceBytesFor(ffn, 2), 2), nullptr).empty());
   // A workspace too small for even the control area says so.
   const k::FusedEnv tiny = envWith(1u << 20, 2);
   CHECK(refusal(moeDesc(OpKind::kMoeDispatchGemm, 1, 8, 8, 2, 1, 2), ptrs, tiny, nullptr).find("workspace") !=

@@ -48,6 +48,11 @@ struct WorkspaceLayout {
 // created (tandem_comm_config_t.workspace_bytes), which each rank's limits.max_session_bytes bounds.
 std::string workspaceRemedy(uint64_t bytes);
 
+// The workspace per rank (tandem_comm_config_t.workspace_bytes) that op `d` of `nranks` ranks needs: what a rank
+// declares for its largest op. The MoE FFN's receive rows depend on the routing: `moeRows` is the most a rank is
+// expected to receive (0: tokens x topk, a balanced routing).
+uint64_t workspaceBytesFor(const OpDescriptor& d, uint32_t nranks, uint64_t moeRows = 0);
+
 // One rank's view of its communicator, as mapped in the process that launches the kernels.
 struct FusedEnv {
   uint32_t rank = 0, nranks = 0;
