@@ -189,6 +189,46 @@ std::pair<double, unsigned long long> relErr(const void* out, const float* ref, 
   return {std::sqrt(h[0] / std::max(h[1], 1e-300)), bad};
 }
 
+// Decode shapes: every swap-AB tile width that needs at most 4 column tiles, at 1, 2 and 4 K splits and the rule's
+// count, each checked against the reference and timed alone (median), so that a run shows where the rule stands.
+template <class T, class Params>
+void sweepPlans(const Case& c, int iters, const Params& params, int sets, void* cOurs, const float* ref, double* dSums,
+                unsigned long long* dBad, cudaStream_t s) {
+  const GemmLayoutPlan rule = tandem::kernels::gemmLayoutDefaultPlan(params(0));
+  const double bytes = 2.0 * double(c.m * c.k + c.n * c.k) + 2.0 * double(c.m * c.n);
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int tileN : {16, 64, 128, 256}) {
+    if (int64_t(tileN) * 4 < c.m) continue;
+    std::vector<int> splitCounts{1, 2, 4};
+    if (rule.splits > 4) splitCounts.push_back(rule.splits);
+    for (int splits : splitCounts) {
+      const GemmLayoutPlan plan{tandem::kernels::GemmPath::kSwapAB, tileN, splits};
+      CK(cudaMemsetAsync(cOurs, 0xFF, size_t(c.m) * c.n * 2, s));
+      tandem::kernels::launchGemmLayout(params(0), s, &plan);
+      const auto err = relErr<T>(cOurs, ref, c, dSums, dBad, s);
+      const bool ok = err.second == 0 && std::isfinite(err.first) && err.first < 1e-2;
+      if (!ok) gFailed = true;
+      std::vector<float> t(iters);
+      for (int i = 0; i < 3; ++i) tandem::kernels::launchGemmLayout(params(i % sets), s, &plan);
+      for (int i = 0; i < iters; ++i) {
+        CK(cudaEventRecord(e0, s));
+        tandem::kernels::launchGemmLayout(params(i % sets), s, &plan);
+        CK(cudaEventRecord(e1, s));
+        syncOrDie(s, 30, "plan sweep");
+        CK(cudaEventElapsedTime(&t[i], e0, e1));
+      }
+      const double ms = median(t);
+      std::printf("    plan %-20s %8.4f ms %6.0f GB/s  err %.1e%s%s\n", tandem::kernels::gemmPlanName(plan).c_str(), ms,
+                  bytes / (ms * 1e6), err.first, ok ? "" : "  FAIL",
+                  plan.tileN == rule.tileN && plan.splits == rule.splits ? "  (rule)" : "");
+    }
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+
 template <class T>
 Row runCase(const Case& c, GemmDtype dt, int iters, cublasLtHandle_t lt, void* ourWs, void* ltWs, double* dSums,
             unsigned long long* dBad, cudaStream_t s) {
@@ -283,6 +323,7 @@ Row runCase(const Case& c, GemmDtype dt, int iters, cublasLtHandle_t lt, void* o
     for (auto& e : ev) cudaEventDestroy(e);
     row.ours = median(tOurs);
     row.blas = median(tBlas);
+    if (c.decode) sweepPlans<T>(c, iters, params, sets, cOurs, ref, dSums, dBad, s);
   } catch (const std::exception& e) {
     std::printf("FAIL %s %lldx%lldx%lld: %s\n", layoutName(c.layout), (long long)c.m, (long long)c.n, (long long)c.k,
                 e.what());

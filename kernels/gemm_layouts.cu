@@ -67,6 +67,7 @@ struct Variant {
 
 template <class T, class Out, int BN, bool Swapped, Major MX, Major MY>
 Variant variant() {
+  static_assert(kSmemBytes<BN, !Swapped> <= kSmemLimit, "shared memory over the H100/H200 opt-in limit");
   return {&gemmLayoutKernel<T, Out, BN, Swapped, MX, MY>, kSmemBytes<BN, !Swapped>};
 }
 
@@ -310,7 +311,9 @@ GemmLayoutPlan gemmPlanFor(GemmLayout layout, int64_t m, int64_t n, int64_t k, i
   numSms = std::max(1, numSms);
   if (layout != GemmLayout::kAtB && m <= kSwapMaxM) {
     plan.path = GemmPath::kSwapAB;
-    plan.tileN = m <= 16 ? 16 : m <= 64 ? 64 : m <= 128 ? 128 : 256;
+    // Column tiles rather than K splits past 64 rows: the second column tile re-reads the weight from L2 (its row
+    // band runs at the same time), where a split would round-trip fp32 partial tiles through memory.
+    plan.tileN = m <= 16 ? 16 : m <= 128 ? 64 : 128;
   }
   const bool swap = plan.path == GemmPath::kSwapAB;
   const int64_t tiles = ceilDiv(std::max<int64_t>(1, swap ? n : m), kBlockRows) *

@@ -303,8 +303,8 @@ TEST_CASE("the plan rule: swap-AB tiles at small M, split-K to fill the SMs, til
   CHECK(name(GemmLayout::kABt, 1, 8192, 8192) == "swapab/n16/split2");
   CHECK(name(GemmLayout::kAB, 16, 8192, 8192) == "swapab/n16/split2");
   CHECK(name(GemmLayout::kABt, 64, 8192, 8192) == "swapab/n64/split2");
-  CHECK(name(GemmLayout::kAB, 128, 8192, 8192) == "swapab/n128/split2");
-  CHECK(name(GemmLayout::kABt, 256, 8192, 8192) == "swapab/n256/split2");
+  CHECK(name(GemmLayout::kAB, 128, 8192, 8192) == "swapab/n64/split1");    // 2 column tiles: 128 tiles
+  CHECK(name(GemmLayout::kABt, 256, 8192, 8192) == "swapab/n128/split1");  // 2 column tiles
   CHECK(name(GemmLayout::kABt, 257, 8192, 8192) == "tiled/n256/split4");  // 96 tiles: 4 splits fill 97%
   CHECK(name(GemmLayout::kAtB, 1, 8192, 8192) == "tiled/n256/split4");  // wgrad never swaps; 1 x 32 tiles
   CHECK(name(GemmLayout::kABt, 8192, 8192, 8192) == "tiled/n256/split1");

@@ -51,8 +51,9 @@ struct GemmLayoutPlan {
   int32_t splits = 1;   ///< 1..64 K splits per tile; clamped so that every split gets at least one k-block
 };
 
-/// The rule (host logic, no device needed): kSwapAB for M <= 256 in layouts kABt and kAB, with the smallest tileN
-/// that holds M; else kTiled. Then K splits: the fewest that fill `numSms` SMs to within 90% of whole waves of work
+/// The rule (host logic, no device needed): kSwapAB for M <= 256 in layouts kABt and kAB, tileN 16 for M <= 16, 64
+/// for M <= 128 (two column tiles past 64), 128 for M <= 256 (two column tiles past 128); else kTiled. Then K splits,
+/// only while there are fewer tiles than SMs: the fewest that fill `numSms` SMs to within 90% of whole waves of work
 /// units, keeping at least 4 k-blocks (of 64) per split. numSms: the device's multiprocessor count (132 on H100/H200).
 GemmLayoutPlan gemmPlanFor(GemmLayout layout, int64_t m, int64_t n, int64_t k, int numSms);
 
