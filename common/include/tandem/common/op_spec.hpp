@@ -16,9 +16,11 @@
 #include <string_view>
 
 #include "tandem/common/descriptor.hpp"
-#include "tandem/common/error.hpp"
 
 namespace tandem {
+
+// error.hpp's; declared here only, so that this header (which nvcc reads through plan_key.hpp) does not pull in fmt.
+enum class ErrorCode : int32_t;
 
 // What a slot's elements are.
 enum class ElementType : uint8_t {
@@ -130,8 +132,8 @@ struct OpSpec {
   // kernels run, so a rejected op aborts the communicator (client_gate.cpp).
   bool readsVerdict = false;
   // What its kernels can report on the device beyond a CUDA error: a wait past its deadline (a peer's flag never
-  // came: kTimeout, or kPeerLost once the peer is known gone). kOk: none (the op's kernels wait on no other rank).
-  ErrorCode deviceError = ErrorCode::kOk;
+  // came: kTimeout, or kPeerLost once the peer is known gone). ErrorCode{} (kOk): none (no kernel waits on a peer).
+  ErrorCode deviceError{};
 };
 
 // Every op, in OpKind order (kAgGemm first). ops()[i].kind == OpKind(i + 1).
