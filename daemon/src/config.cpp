@@ -312,8 +312,10 @@ constexpr auto kCudaFields = std::to_array<Field<CudaSection>>({
      "gemm-ar choose their own plan); 0 = chosen per shape, which measured best (bench/RESULTS.md).",
      &CudaSection::commSms, {0, kMaxCommSms}},
     {"workspace_bytes",
-     "GPU memory per communicator rank that peers write into (gathered A, reduce-scatter staging, flags).\n"
-     "It bounds the largest fused op: one that needs more fails with the size to set here.",
+     "GPU memory per communicator rank that peers write into (gathered A, reduce-scatter staging, flags,\n"
+     "MoE rows): the starting size. A communicator gets more when a rank declares more as it creates it\n"
+     "(tandem_comm_config_t.workspace_bytes; an op that needs more fails naming the bytes to declare).\n"
+     "Every rank's workspace counts against its session's limits.max_session_bytes.",
      &CudaSection::workspaceBytes, {kMinWorkspaceBytes, kMaxWorkspaceBytes}},
 });
 
