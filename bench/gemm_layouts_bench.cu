@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_kernels.cuh"
@@ -190,7 +191,8 @@ std::pair<double, unsigned long long> relErr(const void* out, const float* ref, 
 }
 
 // Decode shapes: every swap-AB tile width that needs at most 4 column tiles, at 1, 2 and 4 K splits and the rule's
-// count, each checked against the reference and timed alone (median), so that a run shows where the rule stands.
+// count, each timed alone (median) and checked against the reference before and after its timed launches (all plans
+// share one workspace), so that a run shows where the rule stands.
 template <class T, class Params>
 void sweepPlans(const Case& c, int iters, const Params& params, int sets, void* cOurs, const float* ref, double* dSums,
                 unsigned long long* dBad, cudaStream_t s) {
@@ -205,11 +207,13 @@ void sweepPlans(const Case& c, int iters, const Params& params, int sets, void* 
     if (rule.splits > 4) splitCounts.push_back(rule.splits);
     for (int splits : splitCounts) {
       const GemmLayoutPlan plan{tandem::kernels::GemmPath::kSwapAB, tileN, splits};
-      CK(cudaMemsetAsync(cOurs, 0xFF, size_t(c.m) * c.n * 2, s));
-      tandem::kernels::launchGemmLayout(params(0), s, &plan);
-      const auto err = relErr<T>(cOurs, ref, c, dSums, dBad, s);
-      const bool ok = err.second == 0 && std::isfinite(err.first) && err.first < 1e-2;
-      if (!ok) gFailed = true;
+      const auto check = [&] {
+        CK(cudaMemsetAsync(cOurs, 0xFF, size_t(c.m) * c.n * 2, s));
+        tandem::kernels::launchGemmLayout(params(0), s, &plan);
+        const auto e = relErr<T>(cOurs, ref, c, dSums, dBad, s);
+        return std::make_pair(e.first, e.second == 0 && std::isfinite(e.first) && e.first < 1e-2);
+      };
+      const auto [err, okBefore] = check();
       std::vector<float> t(iters);
       for (int i = 0; i < 3; ++i) tandem::kernels::launchGemmLayout(params(i % sets), s, &plan);
       for (int i = 0; i < iters; ++i) {
@@ -220,8 +224,10 @@ void sweepPlans(const Case& c, int iters, const Params& params, int sets, void* 
         CK(cudaEventElapsedTime(&t[i], e0, e1));
       }
       const double ms = median(t);
+      const bool ok = okBefore && check().second;
+      if (!ok) gFailed = true;
       std::printf("    plan %-20s %8.4f ms %6.0f GB/s  err %.1e%s%s\n", tandem::kernels::gemmPlanName(plan).c_str(), ms,
-                  bytes / (ms * 1e6), err.first, ok ? "" : "  FAIL",
+                  bytes / (ms * 1e6), err, ok ? "" : "  FAIL",
                   plan.tileN == rule.tileN && plan.splits == rule.splits ? "  (rule)" : "");
     }
   }
@@ -323,6 +329,15 @@ Row runCase(const Case& c, GemmDtype dt, int iters, cublasLtHandle_t lt, void* o
     for (auto& e : ev) cudaEventDestroy(e);
     row.ours = median(tOurs);
     row.blas = median(tBlas);
+    // Again after the timed launches: a launch must leave the workspace fit for the next one.
+    CK(cudaMemsetAsync(cOurs, 0xFF, cBytes, s));
+    tandem::kernels::launchGemmLayout(params(0), s);
+    const auto after = c.out == GemmOut::kFp32 ? relErr<float>(cOurs, ref, c, dSums, dBad, s)
+                                               : relErr<T>(cOurs, ref, c, dSums, dBad, s);
+    if (!(after.second == 0 && std::isfinite(after.first) && after.first < tol)) {
+      row.ok = false;
+      gFailed = true;
+    }
     if (c.decode) sweepPlans<T>(c, iters, params, sets, cOurs, ref, dSums, dBad, s);
   } catch (const std::exception& e) {
     std::printf("FAIL %s %lldx%lldx%lld: %s\n", layoutName(c.layout), (long long)c.m, (long long)c.n, (long long)c.k,

@@ -1,5 +1,6 @@
-// The GEMM core in every operand layout (gemm_layouts.hpp): the kernels, the plan rule and the host launcher
-// (validation, TMA descriptors, launch geometry). Device building blocks: device/gemm_layouts_sm90.cuh.
+// The GEMM core in every operand layout (gemm_layouts.hpp): the kernels and the host launcher (validation, TMA
+// descriptors, launch geometry). The plan rule: gemm_layouts_plan.cpp. Device building blocks:
+// device/gemm_layouts_sm90.cuh.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -29,10 +30,17 @@ __global__ void __launch_bounds__(kThreads, 1) gemmLayoutKernel(const __grid_con
 namespace {
 
 constexpr int kTiledN = 256;
-constexpr int kMaxSplits = 64;
-constexpr int kMinKBlocksPerSplit = 4;  // below this the fixed cost of a split (fill, partial round trip) dominates
-constexpr int kSwapMaxM = 256;          // the largest wgmma N
-constexpr int kGroupRows = 16;          // raster group height in 128-row tiles (L2 reuse), as the forward core
+constexpr int kMaxSplits = kGemmLayoutMaxSplits;
+constexpr int kGroupRows = 16;  // raster group height in 128-row tiles (L2 reuse), as the forward core
+// The rule (gemm_layouts_plan.cpp) plans in the kernels' geometry.
+static_assert(kGemmLayoutBlockRows == kBlockRows && kGemmLayoutBlockK == kBlockK);
+
+// Split-K workspace: the arrival counters live in a fixed area at its start, the same for every plan and shape, and
+// the partial tiles after it. A counter area sized per plan would let one plan's partial tiles land on another plan's
+// counters when the two share a workspace: those counters would never count to the split count and their tiles
+// would never be stored.
+constexpr size_t kCounterAreaBytes = static_cast<size_t>(kGemmLayoutMaxSplitTiles) * sizeof(uint64_t);
+static_assert(kCounterAreaBytes % 256 == 0, "partials start 256-byte aligned");
 
 [[noreturn]] void invalid(const std::string& msg) { throw std::invalid_argument("tandem gemm_layouts: " + msg); }
 [[noreturn]] void fail(const std::string& msg) { throw std::runtime_error("tandem gemm_layouts: " + msg); }
@@ -249,7 +257,9 @@ Tiling tilingOf(const GemmLayoutParams& g, const GemmLayoutPlan& plan) {
   t.tilesRows = ceilDiv(t.rows, kBlockRows);
   t.tilesCols = ceilDiv(t.cols, plan.tileN);
   t.numKBlocks = std::max<int64_t>(1, ceilDiv(g.k, kBlockK));
-  const int64_t want = std::clamp<int64_t>(plan.splits, 1, std::min<int64_t>(kMaxSplits, t.numKBlocks));
+  // More tiles than the counter area holds: no split (such a GEMM fills the GPU many times over without one).
+  const int64_t maxSplits = t.tiles() > kGemmLayoutMaxSplitTiles ? 1 : std::min<int64_t>(kMaxSplits, t.numKBlocks);
+  const int64_t want = std::clamp<int64_t>(plan.splits, 1, maxSplits);
   t.kBlocksPerSplit = ceilDiv(t.numKBlocks, want);
   t.splits = ceilDiv(t.numKBlocks, t.kBlocksPerSplit);
   return t;
@@ -271,61 +281,15 @@ void validatePlan(const GemmLayoutParams& g, const GemmLayoutPlan& plan) {
   }
 }
 
-constexpr size_t kCounterAlign = 256;
-
-size_t counterBytes(const Tiling& t) {
-  return (static_cast<size_t>(t.tiles()) * sizeof(uint64_t) + kCounterAlign - 1) / kCounterAlign * kCounterAlign;
-}
-
 size_t workspaceBytes(const Tiling& t, const GemmLayoutPlan& plan) {
   if (t.splits <= 1) return 0;
   const size_t tileFloats = static_cast<size_t>(kBlockRows) * static_cast<size_t>(plan.tileN);
-  return counterBytes(t) + static_cast<size_t>(t.tiles()) * static_cast<size_t>(t.splits) * tileFloats * sizeof(float);
-}
-
-// The fewest K splits that fill the SMs to within 90% of whole waves, when there are fewer tiles than SMs.
-int32_t chooseSplits(int64_t tiles, int64_t numKBlocks, int numSms) {
-  if (tiles >= numSms) return 1;
-  int32_t best = 1;
-  double bestEff = 0.0;
-  for (int32_t s = 1; s <= kMaxSplits; ++s) {
-    if (s > 1 && numKBlocks < static_cast<int64_t>(kMinKBlocksPerSplit) * s) break;
-    const int64_t units = tiles * s;
-    const int64_t waves = ceilDiv(units, numSms);
-    const double eff = static_cast<double>(units) / static_cast<double>(waves * numSms);
-    if (eff > bestEff + 1e-9) {
-      best = s;
-      bestEff = eff;
-    }
-    if (eff >= 0.9) break;
-  }
-  return best;
+  return kCounterAreaBytes +
+         static_cast<size_t>(t.tiles()) * static_cast<size_t>(t.splits) * tileFloats * sizeof(float);
 }
 
 }  // namespace
 }  // namespace gemm_layouts
-
-GemmLayoutPlan gemmPlanFor(GemmLayout layout, int64_t m, int64_t n, int64_t k, int numSms) {
-  using namespace gemm_layouts;
-  GemmLayoutPlan plan;
-  numSms = std::max(1, numSms);
-  if (layout != GemmLayout::kAtB && m <= kSwapMaxM) {
-    plan.path = GemmPath::kSwapAB;
-    // Column tiles rather than K splits past 64 rows: the second column tile re-reads the weight from L2 (its row
-    // band runs at the same time), where a split would round-trip fp32 partial tiles through memory.
-    plan.tileN = m <= 16 ? 16 : m <= 128 ? 64 : 128;
-  }
-  const bool swap = plan.path == GemmPath::kSwapAB;
-  const int64_t tiles = ceilDiv(std::max<int64_t>(1, swap ? n : m), kBlockRows) *
-                        ceilDiv(std::max<int64_t>(1, swap ? m : n), plan.tileN);
-  plan.splits = chooseSplits(tiles, std::max<int64_t>(1, ceilDiv(k, kBlockK)), numSms);
-  return plan;
-}
-
-std::string gemmPlanName(const GemmLayoutPlan& plan) {
-  return std::string(plan.path == GemmPath::kSwapAB ? "swapab" : "tiled") + "/n" + std::to_string(plan.tileN) +
-         "/split" + std::to_string(plan.splits);
-}
 
 size_t gemmLayoutWorkspaceBytes(const GemmLayoutParams& params, const GemmLayoutPlan& plan) {
   using namespace gemm_layouts;
@@ -393,7 +357,7 @@ void launchGemmLayout(const GemmLayoutParams& g, cudaStream_t stream, const Gemm
   p.ldc = g.ldc;
   if (wsNeeded > 0) {
     p.counters = static_cast<uint64_t*>(g.workspace);
-    p.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(g.workspace) + counterBytes(t));
+    p.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(g.workspace) + kCounterAreaBytes);
   }
   p.rows = static_cast<int32_t>(t.rows);
   p.cols = static_cast<int32_t>(t.cols);

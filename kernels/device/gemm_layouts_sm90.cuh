@@ -89,8 +89,9 @@ struct KernelParams {
   CUtensorMap tmY;  // wgmma B operand: K-major {k, cols} box {64, BN}; MN-major {cols, k} box {64, 64}
   CUtensorMap tmC;  // output (TMA-store epilogue): {n, m} box {128 bytes of elements, 64}
   void* c;          // output base (transposed direct epilogue)
-  float* partials;  // split-K: [tile][split][fragment-ordered 128 x BN fp32]
-  uint64_t* counters;  // split-K: one per tile, zero between launches (the finishing CTA resets it)
+  float* partials;  // split-K: [tile][split][fragment-ordered 128 x BN fp32], after the counter area
+  uint64_t* counters;  // split-K: one per tile at the workspace's start, zero between launches (the finishing CTA
+                       // resets it); no plan's partial tiles overlap this area
   int64_t ldc;         // elements
   int32_t rows, cols;  // D extents: wgmma M and N directions
   int32_t numKBlocks;

@@ -1,8 +1,10 @@
 // The GEMM core's layouts (tandem/kernels/gemm_layouts.hpp) against an fp32 reference on the GPU: every layout x
 // dtype x output type, M, N and K off the tiles (M = 1, 7, 64, 128, 1000; K not a multiple of 8 where the layout
 // allows it; padded row strides), each plan path (the rule's choice, the tiled path with K splits, the swap-AB path
-// with several column tiles), C's padding columns left untouched, split-K bitwise repeatable over 20 launches, the
-// plan rule, and the argument checks. This process initialises CUDA itself, so it is its own executable.
+// with several column tiles and 2 to 4 K splits), C's padding columns left untouched, split-K bitwise repeatable over
+// 20 launches, plans of different tile counts sharing one workspace back to back, and the argument checks. The plan
+// rule's own test is CPU-only (tests/unit/gemm_plan_test.cpp). This process initialises CUDA itself, so it is its
+// own executable.
 #include <doctest/doctest.h>
 
 #include <cuda_bf16.h>
@@ -169,13 +171,16 @@ std::string describe(const Problem& pr, GemmOut out, const GemmLayoutPlan& plan)
          "x" + std::to_string(pr.shape.k) + " pad " + std::to_string(pr.shape.pad) + " plan " + gemmPlanName(plan);
 }
 
-// Launches with `plan` over a poisoned C; returns C's bytes (m rows of ldc elements).
-std::vector<uint8_t> runOnce(const Problem& pr, GemmOut out, const GemmLayoutPlan& plan, void* ws, cudaStream_t s) {
+// Launches with `plan` `launches` times back to back over a poisoned C; returns C's bytes (m rows of ldc elements).
+// exactWorkspace: pass the plan's own workspace size (gemmLayoutWorkspaceBytes), not the whole allocation.
+std::vector<uint8_t> runOnce(const Problem& pr, GemmOut out, const GemmLayoutPlan& plan, void* ws, cudaStream_t s,
+                             int launches = 1, bool exactWorkspace = false) {
   const size_t elem = out == GemmOut::kFp32 ? 4 : 2;
   const size_t bytes = pr.st.cElems * elem;
   ck(cudaMemsetAsync(pr.c.p, kPoisonByte, bytes, s), "poison C");
-  const GemmLayoutParams p = pr.params(out, ws);
-  REQUIRE_NOTHROW(launchGemmLayout(p, s, &plan));
+  GemmLayoutParams p = pr.params(out, ws);
+  if (exactWorkspace) p.workspaceBytes = gemmLayoutWorkspaceBytes(p, plan);
+  for (int i = 0; i < launches; ++i) REQUIRE_NOTHROW(launchGemmLayout(p, s, &plan));
   ck(cudaGetLastError(), "launch");
   syncWithin(s, 30, describe(pr, out, plan));
   std::vector<uint8_t> host(bytes);
@@ -230,12 +235,17 @@ void checkAgainstReference(const Problem& pr, GemmOut out, const GemmLayoutPlan&
   CHECK(rel < tol);
 }
 
-// The plans to try for a problem: the rule's, the tiled path with 3 K splits, and for kABt / kAB the swap-AB path
-// with 64-wide token tiles (several column tiles when M > 64) and 2 splits.
+// The plans to try for a problem, in an order where the tile count changes from one split plan to the next (all share
+// one workspace): the rule's, the tiled path with 3 K splits, and for kABt / kAB the swap-AB path with several column
+// tiles when M > the tile width (16 wide with 4 splits, 64 wide with 2, 128 wide with 3).
 std::vector<GemmLayoutPlan> plansFor(GemmLayout l, const Shape& s) {
   std::vector<GemmLayoutPlan> plans{gemmPlanFor(l, s.m, s.n, s.k, 132)};
   plans.push_back({GemmPath::kTiled, 256, 3});
-  if (l != GemmLayout::kAtB) plans.push_back({GemmPath::kSwapAB, 64, 2});
+  if (l != GemmLayout::kAtB) {
+    plans.push_back({GemmPath::kSwapAB, 64, 2});
+    plans.push_back({GemmPath::kSwapAB, 16, 4});
+    plans.push_back({GemmPath::kSwapAB, 128, 3});
+  }
   return plans;
 }
 
@@ -298,20 +308,37 @@ TEST_CASE("split-K results are bitwise repeatable over 20 launches") {
   }
 }
 
-TEST_CASE("the plan rule: swap-AB tiles at small M, split-K to fill the SMs, tiled otherwise") {
-  const auto name = [](GemmLayout l, int64_t m, int64_t n, int64_t k) { return gemmPlanName(gemmPlanFor(l, m, n, k, 132)); };
-  CHECK(name(GemmLayout::kABt, 1, 8192, 8192) == "swapab/n16/split2");
-  CHECK(name(GemmLayout::kAB, 16, 8192, 8192) == "swapab/n16/split2");
-  CHECK(name(GemmLayout::kABt, 64, 8192, 8192) == "swapab/n64/split2");
-  CHECK(name(GemmLayout::kAB, 128, 8192, 8192) == "swapab/n64/split1");    // 2 column tiles: 128 tiles
-  CHECK(name(GemmLayout::kABt, 256, 8192, 8192) == "swapab/n128/split1");  // 2 column tiles
-  CHECK(name(GemmLayout::kABt, 257, 8192, 8192) == "tiled/n256/split4");  // 96 tiles: 4 splits fill 97%
-  CHECK(name(GemmLayout::kAtB, 1, 8192, 8192) == "tiled/n256/split4");  // wgrad never swaps; 1 x 32 tiles
-  CHECK(name(GemmLayout::kABt, 8192, 8192, 8192) == "tiled/n256/split1");
-  CHECK(name(GemmLayout::kAtB, 8192, 8192, 16384) == "tiled/n256/split1");
-  CHECK(name(GemmLayout::kABt, 16, 28672, 8192) == "swapab/n16/split1");  // 224 tiles: no split
-  CHECK(name(GemmLayout::kABt, 16, 8192, 128) == "swapab/n16/split1");    // 2 k-blocks: too few to split
-  CHECK(name(GemmLayout::kABt, 16, 14336, 4096) == "swapab/n16/split7");   // 112 tiles x 7 = 784 of 792 slots
+// One workspace, plans whose tile counts rise and fall from one launch to the next (each launch given exactly its
+// plan's workspace size), each launched several times back to back: every result matches the reference, and a
+// second pass in the opposite order gives the same bytes.
+TEST_CASE("plans of different tile counts share one workspace back to back, bitwise repeatable") {
+  Stream stream;
+  Workspace ws(stream.s);
+  const std::vector<GemmLayoutPlan> plans = {
+      {GemmPath::kTiled, 256, 3},    // 2 x 8 = 16 tiles
+      {GemmPath::kSwapAB, 16, 4},    // 16 row tiles x 16 column tiles = 256 tiles
+      {GemmPath::kSwapAB, 256, 2},   // 16 tiles
+      {GemmPath::kSwapAB, 64, 2},    // 64 tiles
+      {GemmPath::kSwapAB, 16, 2},    // 256 tiles
+      {GemmPath::kSwapAB, 128, 4},   // 32 tiles
+      {GemmPath::kSwapAB, 64, 4},    // 64 tiles
+      {GemmPath::kTiled, 256, 2},    // 16 tiles
+      {GemmPath::kSwapAB, 16, 1},    // no workspace
+      {GemmPath::kSwapAB, 16, 3},    // 256 tiles
+  };
+  for (GemmLayout l : {GemmLayout::kABt, GemmLayout::kAB}) {
+    const Problem pr(l, GemmDtype::kBf16, {256, 2048, 2048, 0}, stream.s, 123);
+    std::vector<std::vector<uint8_t>> first(plans.size());
+    for (size_t i = 0; i < plans.size(); ++i) {
+      first[i] = runOnce(pr, GemmOut::kInput, plans[i], ws.mem.p, stream.s, 3, true);
+      checkAgainstReference(pr, GemmOut::kInput, plans[i], first[i]);
+    }
+    for (size_t j = plans.size(); j-- > 0;) {
+      const std::vector<uint8_t> again = runOnce(pr, GemmOut::kInput, plans[j], ws.mem.p, stream.s, 2, true);
+      INFO(describe(pr, GemmOut::kInput, plans[j]) << ", second pass in reverse order");
+      CHECK(again == first[j]);
+    }
+  }
 }
 
 TEST_CASE("bad arguments are rejected with the field named") {

@@ -18,47 +18,16 @@
 #include <cstdint>
 #include <string>
 
-#include "tandem/kernels/gemm.hpp"  // GemmDtype
+#include "tandem/kernels/gemm.hpp"               // GemmDtype
+#include "tandem/kernels/gemm_layouts_plan.hpp"  // GemmLayout, GemmPath, GemmLayoutPlan, gemmPlanFor
 
 namespace tandem::kernels {
-
-/// Which operand is K-major; see the table above.
-enum class GemmLayout : uint8_t {
-  kABt = 0,  ///< C = A * B^T; A [M, K], B [N, K]: both K-major (the forward GEMM, gemm.hpp's layout)
-  kAB = 1,   ///< C = A * B;   A [M, K] K-major, B [K, N] N-major (dgrad)
-  kAtB = 2,  ///< C = A^T * B; A [K, M] M-major, B [K, N] N-major (wgrad)
-};
 
 /// The type of C.
 enum class GemmOut : uint8_t {
   kInput = 0,  ///< the input dtype (bf16 or fp16), rounded to nearest even
   kFp32 = 1,   ///< fp32 (e.g. weight gradients accumulated across micro-batches)
 };
-
-/// How a GEMM is tiled.
-enum class GemmPath : uint8_t {
-  kTiled = 0,   ///< 128 x 256 tiles of C, persistent grid; any layout
-  kSwapAB = 1,  ///< small M: C^T = B' * A' with the weight's N as wgmma M (128-row tiles, no padding rows) and the M
-                ///< token rows as wgmma N (tileN = 16, 64, 128 or 256); layouts kABt and kAB only
-};
-
-/// A plan: the path, its tile width along the wgmma N direction, and the K splits per tile. splits > 1 needs a
-/// workspace (gemmLayoutWorkspaceBytes); the partial tiles are summed in split order, so results are bitwise
-/// repeatable.
-struct GemmLayoutPlan {
-  GemmPath path = GemmPath::kTiled;
-  int32_t tileN = 256;  ///< kTiled: 256; kSwapAB: 16, 64, 128 or 256 (>= M is one column of tiles)
-  int32_t splits = 1;   ///< 1..64 K splits per tile; clamped so that every split gets at least one k-block
-};
-
-/// The rule (host logic, no device needed): kSwapAB for M <= 256 in layouts kABt and kAB, tileN 16 for M <= 16, 64
-/// for M <= 128 (two column tiles past 64), 128 for M <= 256 (two column tiles past 128); else kTiled. Then K splits,
-/// only while there are fewer tiles than SMs: the fewest that fill `numSms` SMs to within 90% of whole waves of work
-/// units, keeping at least 4 k-blocks (of 64) per split. numSms: the device's multiprocessor count (132 on H100/H200).
-GemmLayoutPlan gemmPlanFor(GemmLayout layout, int64_t m, int64_t n, int64_t k, int numSms);
-
-/// "swapab/n16/split2", "tiled/n256/split1".
-std::string gemmPlanName(const GemmLayoutPlan& plan);
 
 // POD; zero-initialise (GemmLayoutParams p{}) and fill.
 struct GemmLayoutParams {
@@ -72,14 +41,15 @@ struct GemmLayoutParams {
   // Row strides in elements of the matrices as stored: each >= that matrix's row length (k, m or n, by layout), and
   // a multiple of 8 (16-byte TMA strides; 4 suffices for an fp32 C).
   int64_t lda, ldb, ldc;
-  // Split-K scratch: partial tiles and one counter per tile. Must be zero-filled once before its first use
-  // (cudaMemsetAsync); every launch leaves it zero-filled again. Launches that share a workspace must be ordered
-  // (one stream). May be null when the plan has splits == 1.
+  // Split-K scratch: a fixed area of kGemmLayoutMaxSplitTiles arrival counters at its start, then the partial tiles.
+  // Must be zero-filled once before its first use (cudaMemsetAsync); every launch leaves the counter area zero again
+  // and writes each partial tile before reading it, so launches of any plans and shapes may share one workspace.
+  // Launches that share a workspace must be ordered (one stream). May be null when the plan has splits == 1.
   void* workspace;
   size_t workspaceBytes;
 };
 
-/// Bytes of workspace `plan` needs for these params (0 when plan.splits == 1). 16-byte aligned base required.
+/// Bytes of workspace `plan` needs for these params (0 when it runs without K splits). 16-byte aligned base required.
 size_t gemmLayoutWorkspaceBytes(const GemmLayoutParams& params, const GemmLayoutPlan& plan);
 
 /// The plan launchGemmLayout would use without an explicit one, for the current device.
