@@ -1,3 +1,6 @@
+// The verbs transport (verbs_transport.hpp): opening the device, memory registration, the data path (writes, flags,
+// selective signalling, completions), the GPUDirect flush and the control messages on QP 0. The QPs' set-up and the
+// bootstrap are in verbs_bootstrap.cpp, the handles and device list in verbs_device.cpp.
 #include "transport/verbs_transport.hpp"
 
 #include <spdlog/spdlog.h>
@@ -5,91 +8,13 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <climits>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
+#include <optional>
 #include <thread>
 
 #include "transport/tcp_transport.hpp"
 
 namespace tandem::daemon::transport {
-
-namespace verbs {
-
-void DeviceListDeleter::operator()(ibv_device** list) const noexcept { ibv_free_device_list(list); }
-void ContextDeleter::operator()(ibv_context* ctx) const noexcept {
-  if (int rc = ibv_close_device(ctx); rc != 0) spdlog::error("verbs: ibv_close_device -> {}", std::strerror(rc));
-}
-void PdDeleter::operator()(ibv_pd* pd) const noexcept {
-  if (int rc = ibv_dealloc_pd(pd); rc != 0)
-    spdlog::error("verbs: ibv_dealloc_pd -> {} (an MR or QP still uses it)", std::strerror(rc));
-}
-void MrDeleter::operator()(ibv_mr* mr) const noexcept {
-  if (int rc = ibv_dereg_mr(mr); rc != 0) spdlog::error("verbs: ibv_dereg_mr -> {}", std::strerror(rc));
-}
-void CqDeleter::operator()(ibv_cq* cq) const noexcept {
-  if (int rc = ibv_destroy_cq(cq); rc != 0)
-    spdlog::error("verbs: ibv_destroy_cq -> {} (a QP still uses it)", std::strerror(rc));
-}
-void QpDeleter::operator()(ibv_qp* qp) const noexcept {
-  if (int rc = ibv_destroy_qp(qp); rc != 0) spdlog::error("verbs: ibv_destroy_qp -> {}", std::strerror(rc));
-}
-
-void checkVerbs(int rc, std::string_view what, std::string_view call) {
-  if (rc == 0) return;
-  // Most verbs calls return an errno value; a few return -1 and set errno.
-  const int err = rc < 0 ? errno : rc;
-  fail(err == ENOMEM ? ErrorCode::kOutOfMemory : ErrorCode::kRdma, "{}: {} [{} -> errno {}]", what,
-       std::strerror(err), call, err);
-}
-
-DeviceList getDeviceList() {
-  DeviceList d;
-  errno = 0;
-  int n = 0;
-  d.list.reset(ibv_get_device_list(&n));
-  d.savedErrno = errno;
-  d.count = d.list ? n : 0;
-  return d;
-}
-
-namespace {
-std::string realPath(const std::string& path) {
-  std::array<char, PATH_MAX> buf{};
-  if (::realpath(path.c_str(), buf.data()) == nullptr) return {};
-  return std::string(buf.data());
-}
-int readNumaNode(const std::string& devicePath) {
-  std::ifstream in(devicePath + "/numa_node");
-  int node = -1;
-  if (!(in >> node)) return -1;
-  return node;
-}
-}  // namespace
-
-std::vector<NicDesc> discoverNics() {
-  std::vector<NicDesc> nics;
-  DeviceList devices = getDeviceList();
-  for (int i = 0; i < devices.count; ++i) {
-    ibv_device* dev = devices.list.get()[i];
-    NicDesc nic;
-    nic.pci.name = ibv_get_device_name(dev);
-    const std::string sysfs = "/sys/class/infiniband/" + nic.pci.name + "/device";
-    nic.pci.pciPath = realPath(sysfs);
-    nic.pci.numaNode = readNumaNode(sysfs);
-    nic.active = false;
-    IbvContext ctx(ibv_open_device(dev));
-    if (ctx) {
-      ibv_port_attr attr{};
-      nic.active = ibv_query_port(ctx.get(), nic.port, &attr) == 0 && attr.state == IBV_PORT_ACTIVE;
-    }
-    nics.push_back(std::move(nic));
-  }
-  return nics;
-}
-
-}  // namespace verbs
 
 using verbs::checkVerbs;
 
@@ -220,145 +145,11 @@ VerbsTransport::~VerbsTransport() {
   peers_.clear();
 }
 
-verbs::IbvQp VerbsTransport::createQp(ibv_cq* sendCq, ibv_cq* recvCq, uint32_t sendDepth, uint32_t recvDepth) {
-  ibv_qp_init_attr init{};
-  init.send_cq = sendCq;
-  init.recv_cq = recvCq;
-  init.cap.max_send_wr = sendDepth;
-  // QP 0 receives control messages; the others none, but some providers reject 0.
-  init.cap.max_recv_wr = std::max<uint32_t>(recvDepth, 1);
-  init.cap.max_send_sge = 1;
-  init.cap.max_recv_sge = 1;
-  init.cap.max_inline_data = config_.maxInlineBytes;
-  init.qp_type = IBV_QPT_RC;
-  init.sq_sig_all = 0;  // selective signalling: only WRs with IBV_SEND_SIGNALED complete visibly
-  verbs::IbvQp qp(ibv_create_qp(pd_.get(), &init));
-  if (!qp) checkVerbs(-1, fmt::format("create an RC QP ({} send WRs) on {}", sendDepth, deviceName_), "ibv_create_qp");
-  if (init.cap.max_inline_data < sizeof(uint64_t))
-    fail(ErrorCode::kRdma, "verbs transport: {} gives QPs {} bytes of inline data; flags need 8", deviceName_,
-         init.cap.max_inline_data);
-  const auto t = verbs::buildInitAttr(config_.path, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
-                                                        IBV_ACCESS_REMOTE_READ);
-  auto attr = t.attr;
-  checkVerbs(ibv_modify_qp(qp.get(), &attr, t.mask), "move QP to INIT", "ibv_modify_qp");
-  return qp;
-}
-
-verbs::QpInfo VerbsTransport::describeQp(const ibv_qp* qp) const {
-  verbs::QpInfo info;
-  info.lid = portAttr_.lid;
-  info.port = config_.path.port;
-  info.mtu = config_.path.activeMtu;
-  info.linkLayer = portAttr_.link_layer;
-  info.qpn = qp->qp_num;
-  info.psn = verbs::randomPsn();
-  std::copy(std::begin(gid_.raw), std::end(gid_.raw), info.gid.begin());
-  return info;
-}
-
 VerbsTransport::Peer& VerbsTransport::peerRef(NodeIndex peer) const {
   if (peer >= peers_.size() || peer == config_.self)
     fail(ErrorCode::kInvalidArgument, "verbs transport: node {} is not a peer of node {} ({} nodes)", peer,
          config_.self, config_.nodeCount);
   return *peers_[peer];
-}
-
-void VerbsTransport::createQpsLocked(Peer& p, NodeIndex peer) {
-  teardownQpsLocked(p);
-  auto pool = std::make_unique<RecvPool>();
-  pool->bytes.resize(std::size_t{config_.recvSlots} * config_.recvSlotBytes);
-  pool->mr.reset(ibv_reg_mr(pd_.get(), pool->bytes.data(), pool->bytes.size(), IBV_ACCESS_LOCAL_WRITE));
-  if (!pool->mr)
-    checkVerbs(-1, fmt::format("register {} receive buffers for node {} on {}; set LimitMEMLOCK=infinity in the unit",
-                               config_.recvSlots, peer, deviceName_), "ibv_reg_mr");
-  p.recv = std::move(pool);
-  for (uint32_t i = 0; i < config_.qpsPerPeer; ++i) {
-    auto q = std::make_unique<Qp>(Qp{createQp(cq_.get(), recvCq_.get(), config_.sendQueueDepth,
-                                              i == 0 ? config_.recvSlots : 1),
-                                     {}, verbs::SendQueueTracker(config_.sendQueueDepth, config_.signalEvery), {}, 0});
-    q->local = describeQp(q->qp.get());
-    {
-      std::lock_guard mapLock(qpMapMutex_);
-      qpOwner_[q->qp->qp_num] = {peer, i};
-    }
-    p.qps.push_back(std::move(q));
-  }
-  // Receives go up in INIT, before the peer can send anything (a SEND that finds none waits on RNR NAKs).
-  for (uint32_t slot = 0; slot < config_.recvSlots; ++slot) postRecvLocked(p, slot);
-}
-
-void VerbsTransport::teardownQpsLocked(Peer& p) {
-  {
-    std::lock_guard mapLock(qpMapMutex_);
-    for (const auto& q : p.qps) qpOwner_.erase(q->qp->qp_num);
-  }
-  p.qps.clear();  // destroys the QPs first: their work requests name the buffers below
-  p.outMessages.clear();
-  p.recv.reset();
-  p.deferred.clear();
-  p.completions.clear();
-  p.assembling.clear();
-  p.setup = Setup::kNone;
-}
-
-void VerbsTransport::postRecvLocked(Peer& p, uint32_t slot) {
-  ibv_sge sge{};
-  sge.addr = reinterpret_cast<uint64_t>(p.recv->bytes.data()) + uint64_t{slot} * config_.recvSlotBytes;
-  sge.length = config_.recvSlotBytes;
-  sge.lkey = p.recv->mr->lkey;
-  ibv_recv_wr wr{};
-  wr.wr_id = wrTag(p) | slot;
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  ibv_recv_wr* bad = nullptr;
-  checkVerbs(ibv_post_recv(p.qps[0]->qp.get(), &wr, &bad), "post a control-message receive", "ibv_post_recv");
-}
-
-void VerbsTransport::connectQpsLocked(Peer& p, NodeIndex peer, std::span<const verbs::QpInfo> remote) {
-  if (p.qps.empty())
-    fail(ErrorCode::kInvalidArgument, "verbs transport: connectPeer({}) before localQpInfo({})", peer, peer);
-  if (remote.size() != p.qps.size())
-    fail(ErrorCode::kInvalidConfig, "verbs transport: node {} sent {} QPs, this node has {}; set "
-         "cluster.connections_per_peer identically on every node", peer, remote.size(), p.qps.size());
-  for (std::size_t i = 0; i < remote.size(); ++i) {
-    Qp& q = *p.qps[i];
-    auto rtr = verbs::buildRtrAttr(config_.path, q.local, remote[i]);
-    checkVerbs(ibv_modify_qp(q.qp.get(), &rtr.attr, rtr.mask),
-               fmt::format("connect QP {:#x} to node {} QP {:#x} (RTR)", q.local.qpn, peer, remote[i].qpn),
-               "ibv_modify_qp");
-    auto rts = verbs::buildRtsAttr(config_.path, q.local.psn);
-    checkVerbs(ibv_modify_qp(q.qp.get(), &rts.attr, rts.mask),
-               fmt::format("start QP {:#x} to node {} (RTS)", q.local.qpn, peer), "ibv_modify_qp");
-  }
-}
-
-std::vector<verbs::QpInfo> VerbsTransport::localQpInfo(NodeIndex peer, LocalRegion control) {
-  RemoteKey controlKey;
-  if (control) controlKey = remoteKey(control);
-  Peer& p = peerRef(peer);
-  std::lock_guard lock(p.mutex);
-  if (p.qps.empty()) createQpsLocked(p, peer);
-  std::vector<verbs::QpInfo> infos;
-  for (const auto& q : p.qps) {
-    verbs::QpInfo info = q->local;
-    info.rkey = controlKey.rkey;
-    info.addr = controlKey.addr;
-    infos.push_back(info);
-  }
-  return infos;
-}
-
-void VerbsTransport::connectPeer(NodeIndex peer, std::span<const verbs::QpInfo> remote) {
-  Peer& p = peerRef(peer);
-  {
-    std::lock_guard lock(p.mutex);
-    connectQpsLocked(p, peer, remote);
-    p.status = PeerStatus{PeerState::kConnected, {}};
-    p.setup = Setup::kUp;
-    p.generation.fetch_add(1);
-  }
-  { std::lock_guard lock(channelMutex_); }  // a connect() waiter between its check and its wait gets the notify
-  connectCv_.notify_all();
 }
 
 LocalRegion VerbsTransport::registerMemory(const MemoryDesc& desc) {
@@ -410,12 +201,18 @@ void VerbsTransport::deregisterMemory(LocalRegion region) {
   regions_.erase(region.id);
 }
 
-RemoteKey VerbsTransport::remoteKey(LocalRegion region) const {
+std::optional<VerbsTransport::RegionView> VerbsTransport::regionView(LocalRegion region) const {
   std::lock_guard lock(regionsMutex_);
   auto it = regions_.find(region.id);
-  if (it == regions_.end()) fail(ErrorCode::kNotFound, "verbs transport: unknown local region {}", region.id);
-  return RemoteKey{TransportKind::kVerbs, config_.self, region.id, it->second.mr->rkey,
-                   reinterpret_cast<uint64_t>(it->second.desc.addr), it->second.desc.bytes};
+  if (it == regions_.end()) return std::nullopt;
+  return RegionView{reinterpret_cast<uint64_t>(it->second.desc.addr), it->second.desc.bytes, it->second.mr->lkey,
+                    it->second.mr->rkey};
+}
+
+RemoteKey VerbsTransport::remoteKey(LocalRegion region) const {
+  const auto r = regionView(region);
+  if (!r) fail(ErrorCode::kNotFound, "verbs transport: unknown local region {}", region.id);
+  return RemoteKey{TransportKind::kVerbs, config_.self, region.id, r->rkey, r->addr, r->bytes};
 }
 
 void VerbsTransport::checkAlive(const Peer& p, NodeIndex peer) const {
@@ -430,19 +227,12 @@ void VerbsTransport::write(NodeIndex peer, LocalRegion src, uint64_t srcOffset, 
   if (dst.transport != TransportKind::kVerbs || dst.owner != peer)
     fail(ErrorCode::kInvalidArgument, "verbs transport: key of node {} ({}) used for a write to node {}", dst.owner,
          transportKindName(dst.transport), peer);
-  uint64_t localBase = 0, localBytes = 0;
-  uint32_t lkey = 0;
-  {
-    std::lock_guard lock(regionsMutex_);
-    auto it = regions_.find(src.id);
-    if (it == regions_.end()) fail(ErrorCode::kInvalidArgument, "verbs transport: unknown local region {}", src.id);
-    localBase = reinterpret_cast<uint64_t>(it->second.desc.addr);
-    localBytes = it->second.desc.bytes;
-    lkey = it->second.mr->lkey;
-  }
+  const auto local = regionView(src);
+  if (!local) fail(ErrorCode::kInvalidArgument, "verbs transport: unknown local region {}", src.id);
   const uint64_t stripe = std::min(config_.stripeBytes, config_.maxMessageBytes);
   std::vector<verbs::WorkRequestPlan> plans;
-  verbs::planWrite(localBase, localBytes, lkey, srcOffset, dst, dstOffset, bytes, stripe, signal, cookie, plans);
+  verbs::planWrite(local->addr, local->bytes, local->lkey, srcOffset, dst, dstOffset, bytes, stripe, signal, cookie,
+                   plans);
   Peer& p = peerRef(peer);
   std::lock_guard lock(p.mutex);
   checkAlive(p, peer);
@@ -486,6 +276,22 @@ std::vector<uint64_t> VerbsTransport::coverAllLocked(Peer& p) {
   return required;
 }
 
+std::vector<uint64_t> VerbsTransport::markOtherQpsLocked(Peer& p) {
+  // QP 0 carries flags and messages, so RC order covers QP 0's writes. Other QPs get a signalled marker after their
+  // last queued WR; what goes on QP 0 waits until each has retired everything up to and including that marker.
+  std::vector<uint64_t> required(p.qps.size(), 0);
+  for (std::size_t i = 1; i < p.qps.size(); ++i) {
+    Qp& q = *p.qps[i];
+    if (q.enqueued == q.tracker.retired()) continue;  // nothing outstanding there
+    verbs::WorkRequestPlan marker;
+    marker.kind = verbs::WrKind::kMarker;
+    q.pending.push_back(marker);
+    q.enqueued += 1;
+    required[i] = q.enqueued;
+  }
+  return required;
+}
+
 void VerbsTransport::collectCompletions(Peer& p, NodeIndex peer, std::vector<Completion>& out) {
   while (!p.completions.empty()) {
     const PendingCompletion& c = p.completions.front();
@@ -508,20 +314,9 @@ void VerbsTransport::writeFlag(NodeIndex peer, const RemoteKey& dst, uint64_t ds
   checkAlive(p, peer);
   Deferred f;
   f.plans.push_back(plan);
-  f.required.assign(p.qps.size(), 0);
+  f.required = markOtherQpsLocked(p);
   f.signal = signal;
   f.cookie = cookie;
-  // QP 0 carries every flag, so RC order covers QP 0's writes. Other QPs get a signalled marker after their
-  // last queued WR; the flag waits until each has retired everything up to and including that marker.
-  for (std::size_t i = 1; i < p.qps.size(); ++i) {
-    Qp& q = *p.qps[i];
-    if (q.enqueued == q.tracker.retired()) continue;  // nothing outstanding there
-    verbs::WorkRequestPlan marker;
-    marker.kind = verbs::WrKind::kMarker;
-    q.pending.push_back(marker);
-    q.enqueued += 1;
-    f.required[i] = q.enqueued;
-  }
   p.deferred.push_back(std::move(f));
 }
 
@@ -628,6 +423,18 @@ std::size_t VerbsTransport::poll(std::span<Completion> out) {
   }
   std::array<ibv_wc, 32> wcs;
   std::vector<Completion> ready;  // successes and failures, in CQ order
+  // Into `out` while it has room, the rest kept for the next poll.
+  const auto deliver = [&] {
+    for (const Completion& c : ready) {
+      if (n < out.size()) {
+        out[n++] = c;
+      } else {
+        std::lock_guard lock(completionsMutex_);
+        extraCompletions_.push_back(c);
+      }
+    }
+    ready.clear();
+  };
   while (n < out.size()) {
     const int got = ibv_poll_cq(cq_.get(), static_cast<int>(wcs.size()), wcs.data());
     if (got < 0) fail(ErrorCode::kRdma, "verbs transport: ibv_poll_cq on {} failed ({})", deviceName_, got);
@@ -660,15 +467,7 @@ std::size_t VerbsTransport::poll(std::span<Completion> out) {
       q.tracker.complete(wc.wr_id & ((uint64_t{1} << 40) - 1));
       collectCompletions(p, owner.first, ready);
     }
-    for (const Completion& c : ready) {
-      if (n < out.size()) {
-        out[n++] = c;
-      } else {
-        std::lock_guard lock(completionsMutex_);
-        extraCompletions_.push_back(c);
-      }
-    }
-    ready.clear();
+    deliver();
   }
   // Completions freed send-queue room and may have released deferred entries; those may complete at once.
   for (NodeIndex i = 0; i < peers_.size(); ++i) {
@@ -678,14 +477,7 @@ std::size_t VerbsTransport::poll(std::span<Completion> out) {
     postPending(p, i, ready);
     collectCompletions(p, i, ready);
   }
-  for (const Completion& c : ready) {
-    if (n < out.size()) {
-      out[n++] = c;
-    } else {
-      std::lock_guard lock(completionsMutex_);
-      extraCompletions_.push_back(c);
-    }
-  }
+  deliver();
   return n;
 }
 
@@ -701,16 +493,8 @@ void VerbsTransport::setPeerFailureHandler(std::function<void(NodeIndex, const P
 }
 
 void VerbsTransport::flush(LocalRegion region, std::chrono::milliseconds timeout) {
-  uint64_t addr = 0, bytes = 0;
-  uint32_t rkey = 0;
-  {
-    std::lock_guard lock(regionsMutex_);
-    auto it = regions_.find(region.id);
-    if (it == regions_.end()) fail(ErrorCode::kNotFound, "verbs transport: flush of unknown region {}", region.id);
-    addr = reinterpret_cast<uint64_t>(it->second.desc.addr);
-    bytes = it->second.desc.bytes;
-    rkey = it->second.mr->rkey;
-  }
+  const auto target = regionView(region);
+  if (!target) fail(ErrorCode::kNotFound, "verbs transport: flush of unknown region {}", region.id);
   std::lock_guard lock(flushMutex_);
   if (!flushQp_) {
     // A loopback RC QP connected to itself: the READ it issues travels NIC -> PCIe -> GPU memory and back.
@@ -726,9 +510,9 @@ void VerbsTransport::flush(LocalRegion region, std::chrono::milliseconds timeout
   plan.kind = verbs::WrKind::kFlushRead;
   plan.localAddr = reinterpret_cast<uint64_t>(&flushLanding_);
   plan.lkey = flushLandingMr_->lkey;
-  plan.length = static_cast<uint32_t>(std::min<uint64_t>(bytes, sizeof flushLanding_));
-  plan.remoteAddr = addr;
-  plan.rkey = rkey;
+  plan.length = static_cast<uint32_t>(std::min<uint64_t>(target->bytes, sizeof flushLanding_));
+  plan.remoteAddr = target->addr;
+  plan.rkey = target->rkey;
   ibv_send_wr wr{};
   ibv_sge sge{};
   verbs::encodeWorkRequest(plan, 0, true, wr, sge);
@@ -749,8 +533,6 @@ void VerbsTransport::flush(LocalRegion region, std::chrono::milliseconds timeout
     fail(ErrorCode::kRdma, "verbs transport: GPUDirect flush of region {} failed: {} (vendor error {:#x})", region.id,
          ibv_wc_status_str(wc.status), wc.vendor_err);
 }
-
-// ---- control channel ---------------------------------------------------------------------------------
 
 void VerbsTransport::sendMessage(NodeIndex peer, std::span<const std::byte> payload) {
   if (payload.size() > kMaxMessageBytes)
@@ -778,121 +560,12 @@ void VerbsTransport::sendMessage(NodeIndex peer, std::span<const std::byte> payl
       plan.userSignal = i + 1 == lengths.size();  // signalled, so the buffer is known free once it completes
       d.plans.push_back(plan);
     }
-    // As a flag: on QP 0, after markers on the other QPs have retired what was queued there before it.
-    d.required.assign(p.qps.size(), 0);
-    for (std::size_t i = 1; i < p.qps.size(); ++i) {
-      Qp& q = *p.qps[i];
-      if (q.enqueued == q.tracker.retired()) continue;
-      verbs::WorkRequestPlan marker;
-      marker.kind = verbs::WrKind::kMarker;
-      q.pending.push_back(marker);
-      q.enqueued += 1;
-      d.required[i] = q.enqueued;
-    }
+    d.required = markOtherQpsLocked(p);  // as a flag: on QP 0, after the other QPs' earlier WRs
     p.outMessages.push_back(std::move(m));
     p.deferred.push_back(std::move(d));
     postPending(p, peer, failed);  // starts at once: no submit() needed
   }
   addExtraCompletions(failed);
-}
-
-uint16_t VerbsTransport::bootstrapPort() const { return bootstrap_ ? bootstrap_->listenPort() : 0; }
-
-void VerbsTransport::setMessageHandler(MessageHandler handler) {
-  std::lock_guard lock(channelMutex_);
-  messageHandler_ = std::move(handler);
-}
-
-void VerbsTransport::setPeerRejoinHandler(std::function<void(NodeIndex)> handler) {
-  std::lock_guard lock(channelMutex_);
-  rejoinHandler_ = std::move(handler);
-}
-
-uint64_t VerbsTransport::peerGeneration(NodeIndex peer) const {
-  if (peer == config_.self || peer >= peers_.size()) return 0;
-  return peers_[peer]->generation.load();
-}
-
-void VerbsTransport::connect(const std::vector<NodeAddress>& nodes) {
-  if (!bootstrap_)
-    fail(ErrorCode::kUnavailable, "verbs transport: connect() needs a bootstrap (VerbsConfig::bootstrap); without "
-         "one, connect peers with localQpInfo and connectPeer");
-  if (nodes.size() != config_.nodeCount)
-    fail(ErrorCode::kInvalidArgument, "verbs transport: {} node addresses for {} nodes", nodes.size(),
-         config_.nodeCount);
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.bootstrap.connectTimeoutMs);
-  std::optional<Error> bootstrapError;
-  try {
-    bootstrap_->connect(nodes);
-  } catch (const Error& e) {
-    bootstrapError = e;  // peers it reached still get their QPs; those it did not join later, as rejoins
-  }
-  std::vector<NodeIndex> reached;
-  for (NodeIndex n = 0; n < config_.nodeCount; ++n) {
-    if (n == config_.self || bootstrap_->peerStatus(n).state != PeerState::kConnected) continue;
-    reached.push_back(n);
-    if (leads(n)) postEvent(Event{Event::Kind::kStartRound, n, {}, {}, 0});
-  }
-  std::unique_lock lock(channelMutex_);
-  connectCv_.wait_until(lock, deadline, [&] {
-    return std::all_of(reached.begin(), reached.end(),
-                       [&](NodeIndex n) { return peerStatus(n).state == PeerState::kConnected; });
-  });
-  connectReturned_ = true;
-  lock.unlock();
-  if (bootstrapError) throw *bootstrapError;
-  std::string missing;
-  for (NodeIndex n : reached) {
-    if (peerStatus(n).state != PeerState::kConnected)
-      missing += fmt::format("{}node {}", missing.empty() ? "" : ", ", n);
-  }
-  if (!missing.empty())
-    fail(ErrorCode::kTimeout, "verbs transport: the queue pairs to {} did not come up within {} ms (cluster."
-         "connect_timeout_ms); they join when they do. Check those daemons' logs", missing,
-         config_.bootstrap.connectTimeoutMs);
-}
-
-void VerbsTransport::postEvent(Event e) {
-  if (stopping_.load()) return;
-  {
-    std::lock_guard lock(eventMutex_);
-    events_.push_back(std::move(e));
-  }
-  eventCv_.notify_one();
-}
-
-void VerbsTransport::controlLoop() {
-  pthread_setname_np(pthread_self(), "verbs control");
-  auto idleWait = std::chrono::microseconds(20);
-  while (!stopping_.load()) {
-    std::deque<Event> batch;
-    {
-      std::lock_guard lock(eventMutex_);
-      batch.swap(events_);
-    }
-    for (Event& e : batch) {
-      try {
-        handleEvent(e);
-      } catch (const std::exception& ex) {
-        spdlog::error("verbs transport: handling a bootstrap event for node {} failed: {}", e.peer, ex.what());
-      }
-    }
-    bool received = false;
-    try {
-      received = pollRecv();
-    } catch (const std::exception& ex) {
-      spdlog::error("verbs transport: {}", ex.what());
-    }
-    if (!batch.empty() || received) {
-      idleWait = std::chrono::microseconds(20);
-      continue;
-    }
-    // Receive completions have no event here (no completion channel), so the wait for one backs off to 1 ms.
-    std::unique_lock lock(eventMutex_);
-    eventCv_.wait_for(lock, idleWait, [this] { return stopping_.load() || !events_.empty(); });
-    idleWait = std::min<std::chrono::microseconds>(idleWait * 2, std::chrono::milliseconds(1));
-  }
 }
 
 bool VerbsTransport::pollRecv() {
@@ -956,185 +629,6 @@ bool VerbsTransport::pollRecv() {
     }
   }
   return got > 0;
-}
-
-namespace {
-// The bootstrap's messages: u32 magic "TVB1" | u8 type | u64 round | body.
-constexpr uint32_t kBootstrapMagic = 0x31425654;
-enum BootstrapType : uint8_t { kOffer = 1, kAnswer = 2, kReady = 3, kDown = 4 };
-}  // namespace
-
-void VerbsTransport::sendBootstrap(NodeIndex peer, uint8_t type, uint64_t round, std::span<const std::byte> body) {
-  std::vector<std::byte> out;
-  detail::WireWriter w(out);
-  w.put<uint32_t>(kBootstrapMagic);
-  w.put<uint8_t>(type);
-  w.put<uint64_t>(round);
-  w.putBytes(body);
-  try {
-    bootstrap_->sendMessage(peer, out);
-  } catch (const Error& e) {
-    // The bootstrap lost the peer: its failure event follows, and the next round starts when it is back.
-    spdlog::debug("verbs transport: bootstrap message to node {} dropped: {}", peer, e.what());
-  }
-}
-
-void VerbsTransport::handleEvent(Event& e) {
-  using Kind = Event::Kind;
-  switch (e.kind) {
-    case Kind::kBootstrapMessage: return onBootstrapMessage(e.peer, e.payload);
-    case Kind::kStartRound: return startRound(e.peer);
-    case Kind::kBootstrapRejoined:
-      if (leads(e.peer)) startRound(e.peer);
-      return;
-    case Kind::kBootstrapFailed: {
-      Peer& p = peerRef(e.peer);
-      std::vector<Completion> failed;
-      {
-        std::lock_guard lock(p.mutex);
-        failPeerLocked(p, e.peer, e.status.reason, failed,
-                       e.status.state == PeerState::kClosed ? PeerState::kClosed : PeerState::kFailed);
-        p.setup = Setup::kNone;
-      }
-      addExtraCompletions(failed);
-      return;
-    }
-    case Kind::kLocalFailure: {
-      std::function<void(NodeIndex, const PeerStatus&)> handler;
-      {
-        std::lock_guard lock(handlerMutex_);
-        handler = failureHandler_;
-      }
-      if (handler) handler(e.peer, e.status);
-      if (!bootstrap_ || stopping_.load()) return;
-      if (bootstrap_->peerStatus(e.peer).state != PeerState::kConnected) return;  // it rejoins through the bootstrap
-      std::vector<std::byte> reason;
-      detail::WireWriter w(reason);
-      w.putBytes(std::as_bytes(std::span(e.status.reason.data(), std::min<std::size_t>(e.status.reason.size(), 4096))));
-      sendBootstrap(e.peer, kDown, e.round, reason);
-      if (leads(e.peer)) {
-        Peer& p = peerRef(e.peer);
-        bool current;
-        {
-          std::lock_guard lock(p.mutex);
-          current = p.round == e.round;  // a newer round already replaced the failed one
-        }
-        if (current) startRound(e.peer);
-      }
-      return;
-    }
-  }
-}
-
-void VerbsTransport::startRound(NodeIndex peer) {
-  if (!bootstrap_ || stopping_.load() || bootstrap_->peerStatus(peer).state != PeerState::kConnected) return;
-  Peer& p = peerRef(peer);
-  std::vector<Completion> failed;
-  std::vector<verbs::QpInfo> infos;
-  const uint64_t round = ++nextRound_;
-  {
-    std::lock_guard lock(p.mutex);
-    if (p.status.state == PeerState::kConnected)
-      failPeerLocked(p, peer, "this node set up new queue pairs for it", failed);
-    p.round = round;
-    createQpsLocked(p, peer);
-    p.setup = Setup::kOffered;
-    for (const auto& q : p.qps) infos.push_back(q->local);
-  }
-  addExtraCompletions(failed);
-  sendBootstrap(peer, kOffer, round, verbs::encodeQpInfoList(infos));
-}
-
-void VerbsTransport::onBootstrapMessage(NodeIndex peer, std::span<const std::byte> bytes) {
-  detail::WireReader r(bytes, "verbs bootstrap message");
-  if (r.get<uint32_t>() != kBootstrapMagic)
-    fail(ErrorCode::kProtocol, "verbs bootstrap message from node {}: bad magic (is it running the tcp transport? "
-         "set cluster.transport identically on every node)", peer);
-  const auto type = r.get<uint8_t>();
-  const auto round = r.get<uint64_t>();
-  const auto body = r.getBytes(r.remaining());
-  Peer& p = peerRef(peer);
-  std::vector<Completion> failed;
-  bool connected = false;
-  std::vector<verbs::QpInfo> answer;
-  {
-    std::lock_guard lock(p.mutex);
-    switch (type) {
-      case kOffer: {
-        if (leads(peer)) fail(ErrorCode::kProtocol, "node {} offered queue pairs but this node leads the pair", peer);
-        const auto remote = verbs::decodeQpInfoList(body);
-        if (p.status.state == PeerState::kConnected)
-          failPeerLocked(p, peer, fmt::format("node {} set up new queue pairs (its side of the old ones failed)", peer),
-                         failed);
-        p.round = round;
-        createQpsLocked(p, peer);
-        try {
-          connectQpsLocked(p, peer, remote);
-        } catch (const Error& e) {
-          teardownQpsLocked(p);
-          failPeerLocked(p, peer, e.what(), failed);
-          break;
-        }
-        p.setup = Setup::kAnswered;
-        for (const auto& q : p.qps) answer.push_back(q->local);
-        break;
-      }
-      case kAnswer: {
-        if (round != p.round || p.setup != Setup::kOffered) break;  // answers an offer this node replaced
-        const auto remote = verbs::decodeQpInfoList(body);
-        try {
-          connectQpsLocked(p, peer, remote);
-        } catch (const Error& e) {
-          teardownQpsLocked(p);
-          p.status = PeerStatus{PeerState::kFailed, e.what()};
-          spdlog::error("verbs transport: node {}: {}", peer, e.what());
-          break;
-        }
-        p.setup = Setup::kUp;
-        p.status = PeerStatus{PeerState::kConnected, {}};
-        p.generation.fetch_add(1);
-        connected = true;
-        break;
-      }
-      case kReady:
-        if (round != p.round || p.setup != Setup::kAnswered) break;
-        p.setup = Setup::kUp;
-        p.status = PeerStatus{PeerState::kConnected, {}};
-        p.generation.fetch_add(1);
-        connected = true;
-        break;
-      case kDown: {
-        if (round != p.round) break;  // about queue pairs already replaced
-        std::string why = fmt::format("node {} lost its queue pairs to this node: {}", peer,
-                                      std::string(reinterpret_cast<const char*>(body.data()), body.size()));
-        if (p.status.state == PeerState::kConnected) {
-          failPeerLocked(p, peer, std::move(why), failed);
-        } else {
-          p.status.reason = std::move(why);  // a round that never came up: keep why, for peerStatus and the log
-          spdlog::error("verbs transport: {}", p.status.reason);
-        }
-        break;
-      }
-      default:
-        fail(ErrorCode::kProtocol, "verbs bootstrap message from node {}: unknown type {}", peer, type);
-    }
-  }
-  addExtraCompletions(failed);
-  if (!answer.empty()) sendBootstrap(peer, kAnswer, round, verbs::encodeQpInfoList(answer));
-  if (connected && type == kAnswer) sendBootstrap(peer, kReady, round, {});
-  if (connected) peerConnected(peer);
-}
-
-void VerbsTransport::peerConnected(NodeIndex peer) {
-  spdlog::info("verbs transport: node {} connected on {} (queue pairs of incarnation {})", peer, deviceName_,
-               peerGeneration(peer));
-  std::function<void(NodeIndex)> rejoin;
-  {
-    std::lock_guard lock(channelMutex_);
-    if (connectReturned_) rejoin = rejoinHandler_;
-  }
-  connectCv_.notify_all();
-  if (rejoin) rejoin(peer);
 }
 
 }  // namespace tandem::daemon::transport

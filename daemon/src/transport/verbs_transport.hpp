@@ -52,6 +52,10 @@
 // Without a bootstrap (tests, tools) localQpInfo/connectPeer set up the QPs by hand and messages work the same.
 //
 // Thread-safety: as Transport. Internally one mutex per peer (QP queues), one for the registry, one for flush.
+//
+// Files: verbs_device.cpp (the RAII handles, the device list, NIC discovery), verbs_bootstrap.cpp (QP creation and
+// connection, the bootstrap's rounds and the verbs control thread), verbs_transport.cpp (opening the device, memory
+// registration, the data path, completions, flush and control messages); the pure logic is in verbs_logic.hpp.
 #pragma once
 
 #include <infiniband/verbs.h>
@@ -254,6 +258,12 @@ class VerbsTransport final : public Transport, public ControlChannel {
     uint64_t round = 0;
   };
 
+  // A registered region's address, size and keys, read under regionsMutex_; nullopt for an unknown id.
+  struct RegionView {
+    uint64_t addr = 0, bytes = 0;
+    uint32_t lkey = 0, rkey = 0;
+  };
+  std::optional<RegionView> regionView(LocalRegion region) const;
   Peer& peerRef(NodeIndex peer) const;
   void checkAlive(const Peer& p, NodeIndex peer) const;  // throws kPeerLost; p.mutex held
   // Marks the peer failed (or closed), fails its signalled ops into failedOut and tells the control thread, which
@@ -264,6 +274,9 @@ class VerbsTransport final : public Transport, public ControlChannel {
   // Snapshot of every QP's queued WRs, appending a signalled marker where the last one would not complete
   // visibly: the completion it builds covers everything queued to the peer so far. p.mutex held.
   std::vector<uint64_t> coverAllLocked(Peer& p);
+  // Appends a signalled marker to every QP but QP 0 that has WRs outstanding, for a flag or message that goes on
+  // QP 0 after them: per QP, the count tracker.retired() must reach first (0: none). p.mutex held.
+  std::vector<uint64_t> markOtherQpsLocked(Peer& p);
   void collectCompletions(Peer& p, NodeIndex peer, std::vector<Completion>& out);  // p.mutex held
   verbs::IbvQp createQp(ibv_cq* sendCq, ibv_cq* recvCq, uint32_t sendDepth, uint32_t recvDepth);
   // QPs of a new round (INIT, receives posted), replacing the old ones. p.mutex held.
