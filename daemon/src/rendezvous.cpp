@@ -24,12 +24,13 @@ void Engine::join(uint64_t sessionId, const std::array<uint8_t, 16>& uniqueId, u
                   const std::string& deviceUuid, JoinDone done, uint64_t workspaceBytes) {
   const JoinInfo none;
   if (nranks == 0 || nranks > kMaxRanks) {
-    return done(ErrorCode::kInvalidArgument, fmt::format("nranks {} is out of range; pass 1..{}", nranks, kMaxRanks), 0,
-                none);
+    return answerJoin(done, ErrorCode::kInvalidArgument,
+                      fmt::format("nranks {} is out of range; pass 1..{}", nranks, kMaxRanks), 0, none);
   }
   if (rank >= nranks) {
-    return done(ErrorCode::kInvalidArgument, fmt::format("rank {} is out of range for nranks {}; pass 0..{}", rank,
-                                                         nranks, nranks - 1), 0, none);
+    return answerJoin(done, ErrorCode::kInvalidArgument,
+                      fmt::format("rank {} is out of range for nranks {}; pass 0..{}", rank, nranks, nranks - 1), 0,
+                      none);
   }
   try {
     backend_->checkJoin(deviceUuid);
