@@ -94,7 +94,7 @@ static PyObject* call_out(PyObject* self, PyObject* const* args, Py_ssize_t narg
 /* ---- Hot: the whole fast path of the GEMM ops, allgather and barrier, one C call per op ---------------------------
  *
  * Why: with the foreign calls already cheap, what an op call cost on top of libtandem was the interpreter running
- * the Python fast path (tandem/_comm.py: _gemm_fast, _ag_gemm_fast, _allgather_fast, _go, _live), about 1.8 us per
+ * the Python fast path (tandem/_fastpath.py: _gemm_fast, _ag_gemm_fast, _allgather_fast, _go, _live), about 1.8 us per
  * gemm_ar on the CI machine and 4.9 us on the H200's host. Here the same steps run in C against CPython's API: the
  * tensor reads (exact torch.Tensor / nn.Parameter only: shape, dtype, is_contiguous(), data_ptr(), nbytes), the
  * communicator's pointer cache (its HitCache dict, probed with data_ptr's int), the segment liveness check (one
@@ -110,7 +110,7 @@ static PyObject* call_out(PyObject* self, PyObject* const* args, Py_ssize_t narg
  * Errors of the op itself (its status, or a poll's) are raised here, through raise_status(rc) / poll().
  *
  * The argument structs are written as 8-byte slots in tandem.h's field order (every field of these four structs is
- * 8 bytes; the dtype enum is 4 bytes plus 4 of padding, written as a little-endian uint64): tandem/_comm.py checks
+ * 8 bytes; the dtype enum is 4 bytes plus 4 of padding, written as a little-endian uint64): tandem/_fastpath.py checks
  * each struct's size against its slot count and uses Hot only on a little-endian machine. */
 
 enum { OP_GEMM_AR, OP_GEMM_RS, OP_AG_GEMM, OP_ALLGATHER, OP_BARRIER, OP_COUNT };
@@ -126,7 +126,7 @@ typedef int (*PtrAttrFn)(void* value, int attribute, uint64_t ptr); /* cuPointer
 
 /* A tensor attribute read: through the attribute's descriptor in torch's C tensor type when configure() was given it
  * (a getset's getter or a method's C function, called directly: no attribute lookup, no bound method), else a
- * generic getattr / method call by name. tandem/_comm.py passes a descriptor only where torch.Tensor and
+ * generic getattr / method call by name. tandem/_fastpath.py passes a descriptor only where torch.Tensor and
  * torch.nn.Parameter both inherit it unchanged, and Hot reads only tensors of exactly those two types. */
 enum { READ_GETATTR, READ_CALL, READ_GETSET, READ_NOARGS, READ_VARARGS, READ_VARARGS_KW, READ_FAST, READ_FAST_KW };
 enum { A_SHAPE, A_DTYPE, A_IS_CONTIGUOUS, A_DATA_PTR, A_NBYTES, A_COUNT };
@@ -143,7 +143,7 @@ typedef struct {
 } Read;
 
 /* A tensor's place in memory, from the communicator's pointer cache (entries (buffer, offset, bytes to its end,
- * Segment or None, segment base, segment buffer id), see _comm.py) or, on a miss, resolve(ptr, nbytes). */
+ * Segment or None, segment base, segment buffer id), see _fastpath.py) or, on a miss, resolve(ptr, nbytes). */
 typedef struct {
   uint64_t buf, off, base, bid;
   int seg; /* a registered cudaMalloc segment: live() before use */

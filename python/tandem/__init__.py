@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from . import _capi
-from ._comm import Communicator, new_id, rows_of
+from ._bootstrap import new_id
+from ._comm import Communicator, rows_of
 from ._errors import (Aborted, DaemonLost, InternalError, InvalidArgument, NotFound, OutOfMemory, PeerLost,
                       PermissionDenied, ProtocolError, RingFull, TandemError, Timeout, Unavailable, Unsupported,
                       VersionMismatch)

@@ -181,7 +181,7 @@ def address(fn) -> int:
 # The hot path's foreign calls go through _tandem_fastcall where it was built (pip install compiles it when a C
 # compiler and Python's headers are there): about 0.1 us a call instead of ctypes' 1 us. TANDEM_NO_FASTCALL=1
 # uses ctypes alone.
-# Hot: the module's whole fast path of the GEMM ops, allgather and barrier (one C call per op; tandem/_comm.py).
+# Hot: the module's whole fast path of the GEMM ops, allgather and barrier (one C call per op; tandem/_fastpath.py).
 fastcall = None
 fastcall_out = None  # fn(&uint64, a1, a2, a3) -> the uint64 or None (the cuda backend's per-segment driver query)
 Hot = None

@@ -1,4 +1,4 @@
-"""The fast path of the GEMM ops, allgather and barrier (tandem/_comm.py; in C: _tandem_fastcall.Hot) against the
+"""The fast path of the GEMM ops, allgather and barrier (tandem/_fastpath.py; in C: _tandem_fastcall.Hot) against the
 full path it stands in for: the same results, the same ValueError for a bad tensor (also when its data pointer is
 already cached), and no stale cache entry after daemon memory is freed and its address reused.
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tandem
-from tandem import _capi, _comm
+from tandem import _capi, _fastpath
 
 
 @pytest.fixture(params=["c", "python"])
@@ -164,8 +164,8 @@ def test_hot_refuses_a_configuration_that_does_not_fit(comm):
     assert h.closed and h.gemm_ar(None, None, None) is None and h.barrier() is None  # unconfigured: always None
     with pytest.raises(TypeError):
         h.gemm_ar(1, 2)
-    # The struct layout it writes: every field an 8-byte slot (the check _comm makes before using Hot).
-    assert _comm._HOT_FITS
+    # The struct layout it writes: every field an 8-byte slot (the check _fastpath makes before using Hot).
+    assert _fastpath._HOT_FITS
 
 
 def test_hot_in_cuda_mode_with_stand_ins_for_libtandem_and_the_driver_query(comm):
@@ -178,7 +178,7 @@ def test_hot_in_cuda_mode_with_stand_ins_for_libtandem_and_the_driver_query(comm
     import struct
     if type(comm._hot).__name__ != "Hot":
         pytest.skip("the C fast path only")
-    ops = _comm._HOT_OPS
+    ops = _fastpath._HOT_OPS
     bufs = {n: ctypes.create_string_buffer(256) for n in ops}
     op = _capi.Op()
     submitted, queries, bids, polls, resolved = [], [], {}, [], []
@@ -203,11 +203,11 @@ def test_hot_in_cuda_mode_with_stand_ins_for_libtandem_and_the_driver_query(comm
                   ptr_attr=_capi.address(ptr_attr), cuda=True, devidx=0, rank=0, nranks=1, timeout_ms=-1,
                   poll_every=16, keep=(bufs, op), hits=hits, resolve=lambda p, n: resolved.append(p),
                   alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype),
-                  poll=lambda: (polls.append(1), setattr(hot, "since_poll", 0)), raise_status=_comm._raise_status,
+                  poll=lambda: (polls.append(1), setattr(hot, "since_poll", 0)), raise_status=_fastpath._raise_status,
                   raw_stream=lambda dev: stream[0], capturing=lambda: capturing[0],
                   tensor_types=(torch.Tensor, torch.nn.Parameter),
-                  dtypes=tuple((d, c, _comm._ELSIZE[d]) for d, c in _comm._DTYPES.items()),
-                  descriptors=_comm._TENSOR_DESCRIPTORS)
+                  dtypes=tuple((d, c, _fastpath._ELSIZE[d]) for d, c in _fastpath._DTYPES.items()),
+                  descriptors=_fastpath._TENSOR_DESCRIPTORS)
     bf = torch.bfloat16
     a, b, o, g = torch.zeros(4, 8, dtype=bf), torch.zeros(3, 8, dtype=bf), torch.zeros(4, 3, dtype=bf), \
         torch.zeros(4, 8, dtype=bf)
