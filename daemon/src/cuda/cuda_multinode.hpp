@@ -67,6 +67,11 @@
 // then the communicator, so the other nodes learn of it through CommFail instead of waiting for this node's payload.
 //
 // HostStagedComm is the strategy (cuda_comm.hpp); HostStaging is its part that the communicator's link thread shares.
+// One file per path: cuda_multinode.cpp the communicator, the wait for the streams, the choice of path and the op
+// table (each op's two GPU paths); multinode_gpu_exchange.cpp the GPU-issued exchange; multinode_staged.cpp the
+// staged exchange and the host reference fallback; multinode_compute.cpp the GPU work both exchanges share (gathered
+// A and GEMMs, partials, node sum, sum over nodes, rounding), so that they compute alike; multinode_common.hpp the
+// helpers of all four.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -91,6 +96,10 @@
 #include "tandem/kernels/span_reduce.hpp"
 
 namespace tandem::daemon::cuda {
+
+namespace multinode {
+class Aside;  // multinode_common.hpp
+}
 
 class HostStaging {
  public:
@@ -137,25 +146,81 @@ class HostStaging {
     uint64_t bytes = 0;
     bool failed = false;  // registration refused: copies stay pageable
   };
-  void run(Collective& c);  // the link thread
-  void runStaged(Collective& c);
-  void runOnGpus(Collective& c);
-  void agGemm(Collective& c);
-  void allGather(Collective& c);
-  void gemmReduce(Collective& c);
-  std::byte* sumNodePartials(const std::vector<uint32_t>& mine, int leadDev, cudaStream_t leadStream, std::byte* next,
-                             uint64_t partialBytes, uint64_t firstRow, uint64_t rows, uint64_t cols, uint64_t ldp,
-                             uint64_t es, kernels::SpanElem elem, float* nodeSum);
-  // total[rows] (+)= src (accumulate: false for the first source) over `rows` (runs of (first row, count)) on the lead
-  // GPU's stream `s`, src holding those rows packed in order, or at their own rows when `atOwnRows`: one fp32 add per
-  // element and source, so the order of the calls fixes the result bit for bit.
-  void addRowsToTotal(int leadDev, cudaStream_t s, const std::vector<std::pair<uint64_t, uint64_t>>& rows,
-                      uint64_t cols, const float* src, bool atOwnRows, bool accumulate, float* total);
-  void roundOutputs(const Collective& c, const std::vector<uint32_t>& mine, int leadDev, cudaStream_t leadStream,
-                    const float* total, std::byte* outStaging);
-  // The GPU-issued exchange (gpu_exchange.hpp). Throws Error with the reason; the caller fails the communicator for
-  // any error but the communicator's own failure.
-  void runGpuExchange(Collective& c, const ExchangeOp& op);
+  // One op's two GPU paths, looked up by kind (the table is in cuda_multinode.cpp): the ops the GPUs compute across
+  // nodes. A new op there gets both exchanges and the plan line; fallbackReason and checkWorkspaces read its kind.
+  struct OpPaths {
+    OpKind kind;
+    const char* compute;  // what the GPUs do beside the exchange, for the plan line: "GEMM" or "copies"
+    bool gemm;            // runs the GEMM core: fallbackReason checks the dtype, dims and alignment it takes
+    void (HostStaging::*staged)(Collective&);
+    void (HostStaging::*gpuIssued)(Collective&, const ExchangeOp&);
+  };
+  // ag-gemm's tensors on this node, alike on both exchanges (agGemmTensors).
+  struct AgGemmTensors {
+    uint32_t n = 0;  // ranks
+    uint64_t m = 0, cols = 0, kk = 0, es = 0, rowBytes = 0;
+    DType dtype = DType::kBF16;
+    std::vector<uint32_t> mine;              // the local ranks; mine.front() is the lead
+    std::vector<std::byte*> gathered;        // by rank: its gathered A (its tensor, or its workspace)
+    std::vector<std::byte*> home;            // by rank: a misaligned gathered A's tensor (built in the workspace)
+    std::vector<std::byte*> c;               // by rank: where its GEMM writes C (aside when misaligned)
+    std::vector<const std::byte*> a, b;      // by rank: its A shard (null without rows), its B (aside when misaligned)
+    std::set<int> devices;                   // the local ranks' GPUs
+    uint64_t shardBytes(uint32_t r) const;   // rank r's A shard
+  };
+  // gemm-rs / gemm-ar on this node, alike on both exchanges (reduceTensors): the shape and the lead's workspace, as
+  // checkWorkspaces sizes it: its partial, the node sum, the running sum over nodes, the receive slot, then the other
+  // GPUs' partials and the staging of their outputs.
+  struct ReduceTensors {
+    uint64_t m = 0, cols = 0, es = 0, ldp = 0;  // ldp: the partials' row stride
+    DType dtype = DType::kBF16;
+    kernels::SpanElem elem = kernels::SpanElem::kF32;
+    const char* name = "";  // the op's name, for messages
+    std::vector<uint32_t> mine;
+    int leadDev = -1;
+    cudaStream_t leadStream = nullptr;  // the lead GPU's compute stream: sums, roundings
+    uint64_t partialBytes = 0, f32Bytes = 0;
+    float* nodeSum = nullptr;
+    float* total = nullptr;
+    float* recvSlot = nullptr;
+    std::byte* next = nullptr;  // the other GPUs' partials
+    std::set<int> devices;
+    std::map<uint32_t, std::pair<const std::byte*, const std::byte*>> ab;  // rank -> (A, B), ranks with a k slice
+  };
+  static const OpPaths* pathsOf(OpKind kind);  // null: the GPUs compute no such op across nodes
+
+  // ---- cuda_multinode.cpp: the dispatch ----
+  void run(Collective& c);  // the link thread: picks the path, runs it, finishes the op
+  // Why op `c` takes the host reference fallback; empty for the GPU path.
+  std::string fallbackReason(const Collective& c) const;
+  // Throws Error(kInvalidArgument), with the bytes needed and naming cuda.workspace_bytes, when some local rank's
+  // workspace cannot hold what `c` keeps there.
+  void checkWorkspaces(const Collective& c) const;
+  void logPlanOnce(const Collective& c, const std::string& plan);
+  // Records an event on `from` (of device fromDev) and makes `to` wait for it.
+  void order(int fromDev, cudaStream_t from, cudaStream_t to);
+  void drain() noexcept;  // waits for every stream, ignoring errors (after a failure mid-op)
+  bool failedNow() const;
+  void finish(Collective& c, int32_t code, std::string message);
+  void storeDoneLocked(uint64_t epoch);
+  std::byte* workspace(uint32_t rank) const;
+  int deviceOf(uint32_t rank) const;
+  Gpu& gpu(int device) { return gpus_.at(device); }
+
+  // ---- multinode_staged.cpp: the exchange through host memory (CommLink), the GPUs computing ----
+  void runStaged(Collective& c, const OpPaths& paths);
+  void agGemmStaged(Collective& c);
+  void allGatherStaged(Collective& c);
+  void gemmReduceStaged(Collective& c);
+  // Makes the slot holding [p, p + bytes) pinned (at least that far), where it can be.
+  void pin(const Collective& c, const std::byte* p, uint64_t bytes);
+  // The host reference fallback: the inputs to the host, the cpu backend's exchange and compute, the outputs back.
+  void runHostReference(Collective& c);
+  void copy(int device, void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind, const char* what);
+
+  // ---- multinode_gpu_exchange.cpp: the GPU-issued exchange (gpu_exchange.hpp) ----
+  // Throws Error with the reason; the caller fails the communicator for any error but the communicator's own failure.
+  void runGpuExchange(Collective& c, const ExchangeOp& op, const OpPaths& paths);
   void agGemmGpu(Collective& c, const ExchangeOp& op);
   void allGatherGpu(Collective& c, const ExchangeOp& op);
   void gemmReduceGpu(Collective& c, const ExchangeOp& op);
@@ -168,31 +233,43 @@ class HostStaging {
   void push(int leadDev, cudaStream_t exch, uint32_t pass);
   void waitArrived(int leadDev, cudaStream_t exch);
   void pushThenWait(int leadDev, cudaStream_t exch);
+  // On the exchange stream: this node read its inboxes (the consumed kernel).
+  void markConsumed(int leadDev, cudaStream_t exch);
   static void streamWait(cudaStream_t s, const uint64_t* word, uint64_t value, const char* what, bool flush = false);
-  // Records an event on `from` (of device fromDev) and makes `to` wait for it.
-  void order(int fromDev, cudaStream_t from, cudaStream_t to);
   // Waits until every local GPU's streams are idle, polling for the communicator's failure: on one it sets the
   // region's abort word (the kernels' waits end) and, once the streams are idle, throws the failure.
   void waitGpuWork(Collective& c);
   // After waitGpuWork: throws what the kernels reported, then waits until the GPU's proxy has posted every command
   // of this op (the ranks may destroy the communicator right after, and the peers still need our data and flags).
   void finishGpuExchange(Collective& c);
-  // Why op `c` takes the host reference fallback; empty for the GPU path.
-  std::string fallbackReason(const Collective& c) const;
-  // Throws Error(kInvalidArgument), with the bytes needed and naming cuda.workspace_bytes, when some local rank's
-  // workspace cannot hold what `c` keeps there.
-  void checkWorkspaces(const Collective& c) const;
-  void logPlanOnce(const Collective& c, const std::string& plan);
-  std::byte* workspace(uint32_t rank) const;
-  int deviceOf(uint32_t rank) const;
-  Gpu& gpu(int device) { return gpus_.at(device); }
-  // Makes the slot holding [p, p + bytes) pinned (at least that far), where it can be.
-  void pin(const Collective& c, const std::byte* p, uint64_t bytes);
-  void drain() noexcept;  // waits for every stream, ignoring errors (after a failure mid-op)
-  bool failedNow() const;
-  void finish(Collective& c, int32_t code, std::string message);
-  void copy(int device, void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind, const char* what);
-  void storeDoneLocked(uint64_t epoch);
+
+  // ---- multinode_compute.cpp: the GPU work both exchanges share, so that the two compute alike, bit for bit ----
+  // `aside` (the GPU exchange's): misaligned B and C there; null on the staged exchange, which never sees one
+  // (fallbackReason sends such an op to the host reference).
+  AgGemmTensors agGemmTensors(const Collective& c, multinode::Aside* aside);
+  // This node's shards into every local rank's gathered A, GPU to GPU on the destinations' copy streams.
+  void copyLocalShards(const AgGemmTensors& t);
+  // Each GPU's compute stream after what its copy stream holds.
+  void copiesThenCompute(const std::set<int>& devices);
+  // Every local rank's GEMM of the gathered A's rows `runs` on its compute stream.
+  void gemmRows(const AgGemmTensors& t, const std::vector<std::pair<uint64_t, uint64_t>>& runs);
+  // allgather: every local rank's send into every local rank's recv, on the destinations' copy streams.
+  void copyLocalSends(const Collective& c, const std::vector<uint32_t>& mine, uint64_t bytes);
+  ReduceTensors reduceTensors(const Collective& c, multinode::Aside* aside);
+  // Rank r's partial product, rows [r0, r1), into its workspace on its compute stream (zeros without a k slice).
+  void partialRows(const Collective& c, const ReduceTensors& t, uint32_t r, uint64_t r0, uint64_t r1);
+  // The lead's stream after every other GPU's partials (the lead's device current).
+  void orderAfterPartials(const ReduceTensors& t);
+  // The node's partials summed in rank order in fp32 into t.nodeSum, rows [firstRow, firstRow + rows), on the lead's
+  // stream; returns the first byte past the other GPUs' partials (the outputs' staging).
+  std::byte* sumNodePartials(const ReduceTensors& t, uint64_t firstRow, uint64_t rows);
+  // t.total[rows] (+)= src (accumulate: false for the first source) over `rows` (runs of (first row, count)) on the
+  // lead's stream, src holding those rows packed in order, or at their own rows when `atOwnRows`: one fp32 add per
+  // element and source, so the order of the calls fixes the result bit for bit.
+  void addRowsToTotal(const ReduceTensors& t, const std::vector<std::pair<uint64_t, uint64_t>>& rows, const float* src,
+                      bool atOwnRows, bool accumulate);
+  // The sum over nodes rounded once into every local rank's C (gemm-rs: its own rows; gemm-ar: all of them).
+  void roundOutputs(const Collective& c, const ReduceTensors& t, std::byte* outStaging);
 
   uint64_t handle_;
   std::vector<LocalRank> local_;
