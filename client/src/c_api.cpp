@@ -25,13 +25,10 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "client_backend.hpp"
 #include "plan_hook.hpp"
 #include "session.hpp"
 #include "submit.hpp"
-#ifdef TANDEM_HAVE_CUDA
-#include "cuda_client.hpp"
-namespace gpu = tandem::client::gpu;
-#endif
 #include "tandem/common/op_spec.hpp"
 #include "tandem/common/paths.hpp"
 #include "tandem/common/validate.hpp"
@@ -74,7 +71,8 @@ namespace tandem::client {
 struct SessionCore {
   uint64_t serial = 0;  // process-unique, never reused: how tandem_op_t names its session
   std::unique_ptr<tandem::client::Session> impl;
-  bool cuda = false;  // the daemon runs the cuda backend: buffers are GPU memory, ops are stream-ordered
+  // tandemd's backend as this process sees it (cpu, cuda): buffers' memory, registration, communicator ranks.
+  std::unique_ptr<tandem::client::ClientBackend> backend;
   // Shared by every call on the session or one of its handles; exclusive in tandem_disconnect, which therefore waits
   // for calls in flight and leaves no call half done on released state.
   std::shared_mutex life;
@@ -83,11 +81,9 @@ struct SessionCore {
   std::mutex handlesMutex;           // buffers and comms: calls holding life shared add and remove handles
   std::unordered_set<tandem_buffer*> buffers;
   std::unordered_set<tandem_comm*> comms;
-#ifdef TANDEM_HAVE_CUDA
-  std::unique_ptr<gpu::SessionWatch> watch;  // aborts every stream's waits when tandemd dies
-#endif
   std::mutex registrationMutex;
-  std::map<std::pair<uintptr_t, uint64_t>, tandem_buffer*> registrations;  // cuda: (ptr, bytes) -> buffer
+  // Where the backend shares registrations of one range (sharesRegistrations): (ptr, bytes) -> buffer.
+  std::map<std::pair<uintptr_t, uint64_t>, tandem_buffer*> registrations;
 };
 }  // namespace tandem::client
 using tandem::client::SessionCore;
@@ -101,12 +97,9 @@ struct tandem_buffer {
   uint64_t id;
   uint64_t bytes;
   bool registered;
-  tandem::Mapping mapping;  // cpu allocations: our mapping of the daemon's memfd
-  void* userPtr;            // registrations: the caller's memory
-#ifdef TANDEM_HAVE_CUDA
-  std::unique_ptr<gpu::DeviceMapping> device;  // cuda allocations: the daemon's cuMem memory, mapped here
-#endif
-  int refs = 1;  // cuda registrations of the same range share one buffer
+  std::unique_ptr<tandem::client::BufferMemory> memory;  // allocations: the daemon's memory, mapped here
+  void* userPtr;                                         // registrations: the caller's memory
+  int refs = 1;  // registrations of the same range share one buffer (where the backend shares them)
 };
 
 struct tandem_comm {
@@ -115,9 +108,7 @@ struct tandem_comm {
   uint32_t rank;
   uint32_t nranks;
   std::string executor = "cpu";  // tandemd's JoinCommunicatorReply.executor (cuda backend)
-#ifdef TANDEM_HAVE_CUDA
-  std::shared_ptr<gpu::CommGpu> gpu;  // cuda: control page, workspaces, epochs
-#endif
+  std::unique_ptr<tandem::client::CommExecutor> exec;  // this rank's side of the backend; reset by tandem_disconnect
 };
 
 namespace {
@@ -221,10 +212,6 @@ void onCore(SessionCore& core, std::string_view call, F&& body) {
   }
 }
 
-[[maybe_unused]] constexpr const char* kNoCuda =
-    "tandemd runs the cuda backend, but this libtandem was built without CUDA (nvcc was not found when it was "
-    "configured); rebuild libtandem with the CUDA toolkit";
-
 void addHandle(SessionCore& core, tandem_buffer* b) {
   std::lock_guard lock(core.handlesMutex);
   core.buffers.insert(b);
@@ -245,10 +232,7 @@ void dropHandle(SessionCore& core, tandem_comm* c) {
 // The buffer's memory in this process. Caller holds its core's `life`, open.
 void* mappedPtr(const tandem_buffer& b) {
   if (b.registered) return b.userPtr;
-#ifdef TANDEM_HAVE_CUDA
-  if (b.device) return b.device->ptr();
-#endif
-  return b.mapping.data();
+  return b.memory ? b.memory->ptr() : nullptr;
 }
 
 tandem::BufferRef ref(const SessionCore& core, const tandem_tensor_t& t, const tandem::SlotRule& rule) {
@@ -269,12 +253,12 @@ void undoQuietly(SessionCore& core, tandem::v1::Request& undo) {
   }
 }
 
-// Fills every slot's BufferRef from the tensors, validates the descriptor as the daemon will, and submits. cuda
-// backend: also checks that this rank's GPU can run the op (before submitting: a refused op changes nothing), then
-// enqueues its stream work on `stream` (a cudaStream_t; null = the legacy default stream).
+// Fills every slot's BufferRef from the tensors, validates the descriptor as the daemon will, and submits through
+// the communicator's executor: on the cuda backend it also checks that this rank's GPU can run the op (before
+// submitting: a refused op changes nothing), then enqueues its stream work on `stream` (a cudaStream_t; null = the
+// legacy default stream).
 tandem_status_t submitOp(const char* call, tandem_comm_t comm, tandem::OpDescriptor desc,
-                         std::span<const tandem_tensor_t> tensors, tandem_op_t* op,
-                         [[maybe_unused]] void* stream = nullptr) {
+                         std::span<const tandem_tensor_t> tensors, tandem_op_t* op, void* stream = nullptr) {
   return guarded([&] {
     require(comm != nullptr && op != nullptr, "comm and op must not be NULL");
     SessionCore& core = *comm->core;
@@ -304,35 +288,23 @@ tandem_status_t submitOp(const char* call, tandem_comm_t comm, tandem::OpDescrip
                t.offset + desc.bufs[s].bytes, t.buffer->bytes);
         }
       }
-#ifdef TANDEM_HAVE_CUDA
-      if (comm->gpu) {
-        gpu::DevicePointers ptrs{};
-        for (std::size_t s = 0; s < i; ++s) {
-          const tandem_tensor_t& t = tensors.begin()[s];
-          if (t.buffer != nullptr) ptrs[s] = static_cast<char*>(mappedPtr(*t.buffer)) + t.offset;
-        }
-        comm->gpu->check(desc, ptrs, stream);
-        // Ring order = epoch order = stream order: one submitter at a time on this communicator.
-        std::lock_guard lock(comm->gpu->mutex);
-        op->session_serial = core.serial;
-        op->seq = core.impl->submit(desc);
-        const uint64_t epoch = ++comm->gpu->epoch;
-        try {
-          comm->gpu->enqueue(desc, ptrs, epoch, stream);
-        } catch (...) {
-          // The op is submitted but this rank's stream will not run it: abort the communicator, or the peers' kernels
-          // would wait for ours until their deadline. The CUDA error is what the caller needs to see.
-          tandem::v1::Request abort;
-          abort.mutable_destroy_comm()->set_comm_handle(comm->handle);
-          abort.mutable_destroy_comm()->set_abort(true);
-          undoQuietly(core, abort);
-          throw;
-        }
-        return;
+      tandem::client::TensorPointers ptrs{};
+      for (std::size_t s = 0; s < i; ++s) {
+        const tandem_tensor_t& t = tensors.begin()[s];
+        if (t.buffer != nullptr) ptrs[s] = static_cast<char*>(mappedPtr(*t.buffer)) + t.offset;
       }
-#endif
-      op->session_serial = core.serial;
-      op->seq = core.impl->submit(desc);
+      comm->exec->submit(
+          desc, ptrs, stream,
+          [&] {
+            op->session_serial = core.serial;
+            op->seq = core.impl->submit(desc);
+          },
+          [&] {
+            tandem::v1::Request abort;
+            abort.mutable_destroy_comm()->set_comm_handle(comm->handle);
+            abort.mutable_destroy_comm()->set_abort(true);
+            undoQuietly(core, abort);
+          });
     });
   });
 }
@@ -364,12 +336,7 @@ std::shared_ptr<SessionCore> coreOf(const tandem_op_t& op, std::string_view call
 
 // Releases a buffer's mapping in this process; the daemon's memory is freed by the caller's request or by the end
 // of the session.
-void unmap(tandem_buffer& b) {
-  b.mapping.reset();
-#ifdef TANDEM_HAVE_CUDA
-  b.device.reset();
-#endif
-}
+void unmap(tandem_buffer& b) { b.memory.reset(); }
 
 // Frees a buffer handle: asks the daemon to release it (free or deregister), and unmaps it. The handle is freed
 // whatever happens, as tandem.h promises.
@@ -432,10 +399,7 @@ tandem_status_t tandem_connect(const char* socket_path, tandem_session_t* out) {
     const std::string path = socket_path != nullptr ? socket_path : tandem::clientSocketPath();
     auto core = std::make_shared<SessionCore>();
     core->impl = tandem::client::Session::connect(path);
-    core->cuda = core->impl->backend() == "cuda";
-#ifdef TANDEM_HAVE_CUDA
-    if (core->cuda) core->watch = std::make_unique<gpu::SessionWatch>(core->impl->socketFd());
-#endif
+    core->backend = tandem::client::makeClientBackend(*core->impl);
     auto session = std::make_unique<tandem_session>();
     session->core = core;
     Registry& r = registry();
@@ -464,14 +428,10 @@ tandem_status_t tandem_disconnect(tandem_session_t session) {
     core->impl->hangUp();
     std::unique_lock life(core->life);
     core->closed = true;
-#ifdef TANDEM_HAVE_CUDA
-    core->watch.reset();  // joins its thread before the socket it polls is closed below
-#endif
+    core->backend->close();  // stops watching the socket before it is closed below
     {
       std::lock_guard lock(core->handlesMutex);
-#ifdef TANDEM_HAVE_CUDA
-      for (tandem_comm* c : core->comms) c->gpu.reset();  // unregisters and unmaps the control page and workspaces
-#endif
+      for (tandem_comm* c : core->comms) c->exec.reset();  // cuda: unregisters and unmaps the control page, workspaces
       for (tandem_buffer* b : core->buffers) unmap(*b);
       core->comms.clear();
       core->buffers.clear();
@@ -496,15 +456,7 @@ tandem_status_t tandem_alloc(tandem_session_t session, uint64_t bytes, tandem_bu
     onCore(core, "tandem_alloc", [&] {
       tandem::v1::Request request;
       request.mutable_allocate()->set_bytes(bytes);
-      [[maybe_unused]] int device = -1;
-      if (core.cuda) {
-#ifdef TANDEM_HAVE_CUDA
-        device = gpu::currentDevice();
-        request.mutable_allocate()->set_device_uuid(gpu::deviceUuid(device));
-#else
-        fail(ErrorCode::kUnsupported, "tandem_alloc: {}", kNoCuda);
-#endif
-      }
+      const int device = core.backend->prepareAllocate(*request.mutable_allocate());
       std::vector<tandem::Fd> fds;
       const auto response = core.impl->call(request, {}, &fds, 1);
       auto buffer = std::make_unique<tandem_buffer>();
@@ -514,14 +466,7 @@ tandem_status_t tandem_alloc(tandem_session_t session, uint64_t bytes, tandem_bu
       buffer->registered = false;
       buffer->userPtr = nullptr;
       try {
-#ifdef TANDEM_HAVE_CUDA
-        if (core.cuda) {
-          buffer->device = gpu::DeviceMapping::import(fds[0], response.allocate().mapped_bytes(), device);
-        } else
-#endif
-        {
-          buffer->mapping = tandem::Mapping::shared(fds[0].get(), buffer->bytes);
-        }
+        buffer->memory = core.backend->mapAllocation(fds[0], response.allocate(), device);
         addHandle(core, buffer.get());
       } catch (...) {
         tandem::v1::Request undo;
@@ -547,7 +492,7 @@ tandem_status_t tandem_deregister(tandem_buffer_t buffer) {
     return record(ErrorCode::kInvalidArgument, "tandem_deregister: this buffer was allocated; release it with "
                   "tandem_free");
   }
-  if (buffer != nullptr && buffer->core->cuda) {
+  if (buffer != nullptr && buffer->core->backend->sharesRegistrations()) {
     SessionCore& core = *buffer->core;
     const std::shared_lock life(core.life);
     std::lock_guard lock(core.registrationMutex);
@@ -583,51 +528,28 @@ tandem_status_t tandem_register(tandem_session_t session, void* ptr, uint64_t by
     SessionCore& core = *session->core;
     const Use use(core, "tandem_register", Handle::kSession);
     onCore(core, "tandem_register", [&] {
-      if (core.cuda) {
-#ifdef TANDEM_HAVE_CUDA
-        std::lock_guard lock(core.registrationMutex);
-        const auto key = std::make_pair(reinterpret_cast<uintptr_t>(ptr), bytes);
+      const bool shared = core.backend->sharesRegistrations();
+      std::unique_lock<std::mutex> lock(core.registrationMutex, std::defer_lock);
+      const auto key = std::make_pair(reinterpret_cast<uintptr_t>(ptr), bytes);
+      if (shared) {
+        lock.lock();
         if (auto it = core.registrations.find(key); it != core.registrations.end()) {
           ++it->second->refs;  // the same range again: the same buffer (and id)
           *out = it->second;
           return;
         }
-        const gpu::RegisterDescription d = gpu::describeForRegister(ptr, bytes, fd, fd_offset);
-        tandem::v1::Request request;
-        auto* reg = request.mutable_register_buffer();
-        reg->set_offset(d.offset);
-        reg->set_bytes(bytes);
-        reg->set_kind(static_cast<tandem::v1::RegisterKind>(d.kind));
-        reg->set_ipc_handle(d.ipcHandle);
-        reg->set_device_uuid(d.deviceUuid);
-        const int fds[] = {fd};
-        const auto response = core.impl->call(request, fd >= 0 ? std::span<const int>(fds) : std::span<const int>());
-        auto buffer = std::make_unique<tandem_buffer>();
-        buffer->core = session->core;
-        buffer->id = response.register_buffer().buffer_id();
-        buffer->bytes = bytes;
-        buffer->registered = true;
-        buffer->userPtr = ptr;
-        core.registrations[key] = buffer.get();
-        addHandle(core, buffer.get());
-        *out = buffer.release();
-        return;
-#else
-        fail(ErrorCode::kUnsupported, "tandem_register: {}", kNoCuda);
-#endif
       }
-      require(fd >= 0, "tandem_register needs the memfd that backs ptr (cpu backend); pass it as fd");
       tandem::v1::Request request;
-      request.mutable_register_buffer()->set_offset(fd_offset);
-      request.mutable_register_buffer()->set_bytes(bytes);
+      core.backend->describeRegistration(*request.mutable_register_buffer(), ptr, bytes, fd, fd_offset);
       const int fds[] = {fd};
-      const auto response = core.impl->call(request, fds);
+      const auto response = core.impl->call(request, fd >= 0 ? std::span<const int>(fds) : std::span<const int>());
       auto buffer = std::make_unique<tandem_buffer>();
       buffer->core = session->core;
       buffer->id = response.register_buffer().buffer_id();
       buffer->bytes = bytes;
       buffer->registered = true;
       buffer->userPtr = ptr;
+      if (shared) core.registrations[key] = buffer.get();
       addHandle(core, buffer.get());
       *out = buffer.release();
     });
@@ -669,59 +591,25 @@ tandem_status_t tandem_comm_init_config(tandem_session_t session, const tandem_u
       join->set_rank(rank);
       join->set_timeout_ms(timeout_ms);
       if (config != nullptr) join->set_workspace_bytes(config->workspace_bytes);
-      [[maybe_unused]] int device = -1;
-      if (core.cuda) {
-#ifdef TANDEM_HAVE_CUDA
-        device = gpu::currentDevice();
-        join->set_device_uuid(gpu::deviceUuid(device));
-#else
-        fail(ErrorCode::kUnsupported, "tandem_comm_init: {}", kNoCuda);
-#endif
-      }
+      const int device = core.backend->prepareJoin(*join);
       // The daemon enforces the rendezvous timeout; our own only guards against a daemon that stops answering.
       const int64_t waitMs = (timeout_ms == 0 ? 300000 : int64_t{timeout_ms}) + 5000;
       std::vector<tandem::Fd> fds;
-      const auto response = core.impl->call(request, {}, &fds, core.cuda ? 1 : 0, waitMs);
+      const auto response = core.impl->call(request, {}, &fds, core.backend->joinFds(), waitMs);
       auto comm = std::make_unique<tandem_comm>();
       comm->core = session->core;
       comm->handle = response.join_comm().comm_handle();
       comm->rank = rank;
       comm->nranks = nranks;
-#ifdef TANDEM_HAVE_CUDA
-      if (core.cuda) {
-        try {
-          const auto& j = response.join_comm();
-          const gpu::CommGpu::Mode mode = gpu::CommGpu::modeOf(j.executor());
-          // Map every rank's workspace (ours included) with access for our GPU; a communicator that spans nodes (host
-          // mode) has none.
-          std::vector<std::unique_ptr<gpu::DeviceMapping>> workspaces;
-          for (uint32_t r = 0; mode != gpu::CommGpu::Mode::kHost && r < nranks; ++r) {
-            tandem::v1::Request m;
-            m.mutable_comm_mapping()->set_comm_handle(comm->handle);
-            m.mutable_comm_mapping()->set_rank(r);
-            std::vector<tandem::Fd> wsFd;
-            const auto reply = core.impl->call(m, {}, &wsFd, 1);
-            workspaces.push_back(gpu::DeviceMapping::import(wsFd[0], reply.comm_mapping().bytes(), device));
-          }
-          comm->gpu = std::make_shared<gpu::CommGpu>(device, mode, rank, nranks, j.comm_ctas(),
-                                                     std::move(fds[0]), j.control_bytes(), std::move(workspaces));
-          comm->executor = j.executor();
-          // executor client: the plan table's entries for this communicator, applied to the ops this rank launches.
-          for (const auto& e : j.plans()) {
-            if (auto p = tandem::planFromNames(e.op(), e.dtype(), e.ranks(), e.bucket(), e.gpu(), e.executor(),
-                                               e.kind(), e.comm_sms(), e.chunk_bytes())) {
-              comm->gpu->setPlan(p->first, p->second);
-            }
-          }
-          core.watch->add(comm->gpu);
-        } catch (...) {
-          tandem::v1::Request undo;
-          undo.mutable_destroy_comm()->set_comm_handle(comm->handle);
-          undoQuietly(core, undo);
-          throw;
-        }
+      try {
+        comm->exec = core.backend->attach(*core.impl, comm->handle, rank, nranks, response.join_comm(), fds, device);
+        comm->executor = core.backend->executorName(response.join_comm());
+      } catch (...) {
+        tandem::v1::Request undo;
+        undo.mutable_destroy_comm()->set_comm_handle(comm->handle);
+        undoQuietly(core, undo);
+        throw;
       }
-#endif
       addHandle(core, comm.get());
       *out = comm.release();
     });
@@ -928,16 +816,7 @@ uint64_t commHandle(tandem_comm_t comm) { return comm->handle; }
 const char* commExecutor(tandem_comm_t comm) { return comm->executor.c_str(); }
 
 void setCommPlan(tandem_comm_t comm, const PlanKey& key, const PlanChoice& plan) {
-#ifdef TANDEM_HAVE_CUDA
-  if (comm->gpu) {
-    std::lock_guard lock(comm->gpu->mutex);
-    comm->gpu->setPlan(key, plan);
-  }
-#else
-  (void)comm;
-  (void)key;
-  (void)plan;
-#endif
+  if (comm->exec) comm->exec->setPlan(key, plan);
 }
 
 }  // namespace tandem::client

@@ -474,4 +474,112 @@ void SessionWatch::run() {
   }
 }
 
+// ---- the cuda backend's client strategy ----------------------------------------------------------------------------
+
+namespace {
+
+class DeviceMemory final : public BufferMemory {
+ public:
+  explicit DeviceMemory(std::unique_ptr<DeviceMapping> mapping) : mapping_(std::move(mapping)) {}
+  void* ptr() const override { return mapping_->ptr(); }
+
+ private:
+  std::unique_ptr<DeviceMapping> mapping_;
+};
+
+class CudaCommExecutor final : public CommExecutor {
+ public:
+  explicit CudaCommExecutor(std::shared_ptr<CommGpu> gpu) : gpu_(std::move(gpu)) {}
+  void submit(const OpDescriptor& desc, const TensorPointers& ptrs, void* stream,
+              const std::function<void()>& submitToDaemon, const std::function<void()>& abortComm) override {
+    gpu_->check(desc, ptrs, stream);
+    // Ring order = epoch order = stream order: one submitter at a time on this communicator.
+    std::lock_guard lock(gpu_->mutex);
+    submitToDaemon();
+    const uint64_t epoch = ++gpu_->epoch;
+    try {
+      gpu_->enqueue(desc, ptrs, epoch, stream);
+    } catch (...) {
+      // The op is submitted but this rank's stream will not run it: abort the communicator, or the peers' kernels
+      // would wait for ours until their deadline. The CUDA error is what the caller needs to see.
+      abortComm();
+      throw;
+    }
+  }
+  void setPlan(const PlanKey& key, const PlanChoice& plan) override {
+    std::lock_guard lock(gpu_->mutex);
+    gpu_->setPlan(key, plan);
+  }
+
+ private:
+  std::shared_ptr<CommGpu> gpu_;  // shared with the session's watch (a weak reference there)
+};
+
+class CudaBackend final : public ClientBackend {
+ public:
+  explicit CudaBackend(int socketFd) : watch_(std::make_unique<SessionWatch>(socketFd)) {}
+
+  int prepareAllocate(v1::AllocateBuffer& request) const override {
+    const int device = currentDevice();
+    request.set_device_uuid(deviceUuid(device));
+    return device;
+  }
+  std::unique_ptr<BufferMemory> mapAllocation(const Fd& fd, const v1::AllocateBufferReply& reply,
+                                              int device) const override {
+    return std::make_unique<DeviceMemory>(DeviceMapping::import(fd, reply.mapped_bytes(), device));
+  }
+  bool sharesRegistrations() const override { return true; }
+  void describeRegistration(v1::RegisterBuffer& request, void* ptr, uint64_t bytes, int fd,
+                            uint64_t fdOffset) const override {
+    const RegisterDescription d = describeForRegister(ptr, bytes, fd, fdOffset);
+    request.set_offset(d.offset);
+    request.set_bytes(bytes);
+    request.set_kind(static_cast<v1::RegisterKind>(d.kind));
+    request.set_ipc_handle(d.ipcHandle);
+    request.set_device_uuid(d.deviceUuid);
+  }
+  int prepareJoin(v1::JoinCommunicator& join) const override {
+    const int device = currentDevice();
+    join.set_device_uuid(deviceUuid(device));
+    return device;
+  }
+  std::size_t joinFds() const override { return 1; }  // this rank's control page
+  std::unique_ptr<CommExecutor> attach(Session& session, uint64_t handle, uint32_t rank, uint32_t nranks,
+                                       const v1::JoinCommunicatorReply& j, std::vector<Fd>& fds,
+                                       int device) override {
+    const CommGpu::Mode mode = CommGpu::modeOf(j.executor());
+    // Map every rank's workspace (ours included) with access for our GPU; a communicator that spans nodes (host
+    // mode) has none.
+    std::vector<std::unique_ptr<DeviceMapping>> workspaces;
+    for (uint32_t r = 0; mode != CommGpu::Mode::kHost && r < nranks; ++r) {
+      v1::Request m;
+      m.mutable_comm_mapping()->set_comm_handle(handle);
+      m.mutable_comm_mapping()->set_rank(r);
+      std::vector<Fd> wsFd;
+      const auto reply = session.call(m, {}, &wsFd, 1);
+      workspaces.push_back(DeviceMapping::import(wsFd[0], reply.comm_mapping().bytes(), device));
+    }
+    auto gpu = std::make_shared<CommGpu>(device, mode, rank, nranks, j.comm_ctas(), std::move(fds[0]),
+                                         j.control_bytes(), std::move(workspaces));
+    // executor client: the plan table's entries for this communicator, applied to the ops this rank launches.
+    for (const auto& e : j.plans()) {
+      if (auto p = planFromNames(e.op(), e.dtype(), e.ranks(), e.bucket(), e.gpu(), e.executor(), e.kind(),
+                                 e.comm_sms(), e.chunk_bytes())) {
+        gpu->setPlan(p->first, p->second);
+      }
+    }
+    watch_->add(gpu);
+    return std::make_unique<CudaCommExecutor>(std::move(gpu));
+  }
+  std::string executorName(const v1::JoinCommunicatorReply& reply) const override { return reply.executor(); }
+  void close() override { watch_.reset(); }  // joins its thread before the socket it polls is closed
+
+ private:
+  std::unique_ptr<SessionWatch> watch_;  // aborts every stream's waits when tandemd dies
+};
+
+}  // namespace
+
+std::unique_ptr<ClientBackend> makeCudaBackend(int socketFd) { return std::make_unique<CudaBackend>(socketFd); }
+
 }  // namespace tandem::client::gpu

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "client_backend.hpp"
 #include "tandem/common/descriptor.hpp"
 #include "tandem/common/fd.hpp"
 #include "tandem/common/plan_key.hpp"
@@ -126,5 +127,9 @@ class SessionWatch {
   bool lost_ = false;
   std::thread thread_;
 };
+
+// The cuda backend's client strategy (client_backend.hpp) for the session connected on `socketFd`: cuMem imports,
+// registration by IPC handle or fd, a CommGpu per communicator rank, and a SessionWatch on the socket.
+std::unique_ptr<ClientBackend> makeCudaBackend(int socketFd);
 
 }  // namespace tandem::client::gpu
