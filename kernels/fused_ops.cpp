@@ -202,13 +202,17 @@ uint64_t workspaceBytesFor(const OpDescriptor& d, uint32_t nranks, uint64_t moeR
     return WorkspaceLayout::bytesFor(nranks > 1 ? kv : 0, nranks);
   }
   if (d.kind == OpKind::kMoeDispatchGemm || d.kind == OpKind::kMoeDispatchFfnCombine) {
-    // The receive rows and this rank's scratch share the data region (moe_ops.cpp commOf), two matrices long.
-    const bool ffn = d.kind == OpKind::kMoeDispatchFfnCombine;
-    const int64_t rows = !ffn ? dimOf(dim::kCapacity)
-                              : static_cast<int64_t>(moeRows != 0 ? moeRows : d.dims[dim::kTokens] * d.dims[dim::kTopk]);
-    const uint64_t need = moeRecvBytes(rows, dimOf(dim::kHidden), ffn ? dimOf(dim::kFfn) : 0) +
-                          moeScratchBytes(dimOf(dim::kTokens), dimOf(dim::kTopk), dimOf(dim::kExperts)) + 256;
-    return WorkspaceLayout::bytesFor((need + 1) / 2, nranks);
+    // This rank's scratch at the end of the data region, on a 256-byte boundary (moe_ops.cpp commOf).
+    const uint64_t scratch = moeScratchBytes(dimOf(dim::kTokens), dimOf(dim::kTopk), dimOf(dim::kExperts)) + 256;
+    if (d.kind == OpKind::kMoeDispatchGemm) {
+      // The receive rows and the scratch share the data region, two matrices long.
+      return WorkspaceLayout::bytesFor((moeRecvBytes(dimOf(dim::kCapacity), dimOf(dim::kHidden), 0) + scratch + 1) / 2,
+                                       nranks);
+    }
+    // The FFN's receive rows (x, h and y) fill the span before the scratch.
+    const int64_t rows = static_cast<int64_t>(moeRows != 0 ? moeRows : d.dims[dim::kTokens] * d.dims[dim::kTopk]);
+    return WorkspaceLayout::bytesForSpan(moeRecvBytes(rows, dimOf(dim::kHidden), dimOf(dim::kFfn)) + scratch, scratch,
+                                         nranks);
   }
   return WorkspaceLayout::bytesFor(0, nranks);
 }
@@ -229,13 +233,21 @@ WorkspaceLayout WorkspaceLayout::fit(uint64_t bytes, uint32_t nranks) {
   l.rsOff = base + roundUp(l.agFlagWords * 8, kMatUnit);
   l.dataOff = l.rsOff + gemmRsFixedWorkspaceBytes(static_cast<int64_t>(l.rsMatBytes), static_cast<int>(nranks));
   l.dataBytes = 2 * l.rsMatBytes;
+  l.spanOff = l.rsOff + gemmRsFixedFlagsBytes(static_cast<int64_t>(l.rsMatBytes), static_cast<int>(nranks));
   l.moeOff = l.dataOff + l.dataBytes;
+  l.spanBytes = l.moeOff - l.spanOff;
   return l;
 }
 
 uint64_t WorkspaceLayout::bytesFor(uint64_t matBytes, uint32_t nranks) {
   return roundUp(workspaceBytes(nranks) + gemmAreaBytes(roundUp(matBytes, kMatUnit), nranks) + kMoeControlBytes,
                  kGranularity);
+}
+
+uint64_t WorkspaceLayout::bytesForSpan(uint64_t spanBytes, uint64_t dataBytes, uint32_t nranks) {
+  // The span is the 2 nranks + 2 staging matrices (gemm_rs.hpp: inbox and outbox by parity) and the 2 of data.
+  const uint64_t perMat = 2 * uint64_t{nranks} + 4;
+  return bytesFor(std::max((spanBytes + perMat - 1) / perMat, (dataBytes + 1) / 2), nranks);
 }
 
 void preloadFusedGemmKernels(int device) {

@@ -43,6 +43,7 @@ constexpr const char* kOp = "gemm_rs";
 
 size_t gemmRsWorkspaceBytes(int64_t maxM, int64_t maxN, int nranks) { return rs::layoutFor(maxM, maxN, nranks).total; }
 size_t gemmRsFixedWorkspaceBytes(int64_t matBytes, int nranks) { return rs::layoutFixed(matBytes, nranks).total; }
+size_t gemmRsFixedFlagsBytes(int64_t matBytes, int nranks) { return rs::layoutFixed(matBytes, nranks).stagingOff; }
 
 const char* gemmRsPlanName(const GemmRsPlan& plan, bool allReduce) {
   thread_local std::string name;

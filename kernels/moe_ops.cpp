@@ -47,15 +47,20 @@ MoeComm commOf(const MoeParams& p, const FusedEnv& env) {
   c.rank = env.rank;
   c.nranks = env.nranks;
   const WorkspaceLayout& l = env.layout;
+  // The scratch at the end of the data region (written before the plan kernel's wait for every rank, so outside the
+  // gemm-rs/ar staging); the receive rows before it, from the data region's start or, for the FFN, the span's
+  // (fused_ops.hpp says why the FFN may share the staging matrices).
   const uint64_t scratch = moeScratchBytes(p.tokens, p.topk, p.experts);
-  const uint64_t recv = l.dataBytes >= scratch ? (l.dataBytes - scratch) / kAlign * kAlign : 0;
+  const uint64_t scratchOff =
+      l.dataBytes >= scratch ? l.dataOff + (l.dataBytes - scratch) / kAlign * kAlign : l.dataOff;
+  const uint64_t recvOff = p.ffn ? l.spanOff : l.dataOff;
   for (uint32_t q = 0; q < env.nranks; ++q) {
     c.control[q] = env.workspaces[q] + l.moeOff;
-    c.recv[q] = env.workspaces[q] + l.dataOff;
+    c.recv[q] = env.workspaces[q] + recvOff;
   }
-  c.scratch = env.workspaces[env.rank] + l.dataOff + recv;
-  c.scratchBytes = l.dataBytes - recv;
-  c.recvBytes = recv;
+  c.scratch = env.workspaces[env.rank] + scratchOff;
+  c.scratchBytes = l.dataOff + l.dataBytes - scratchOff;
+  c.recvBytes = scratchOff - recvOff;
   c.abortWord = env.ctl != nullptr ? &env.ctl->abort : nullptr;
   c.errorSlot = env.ctl != nullptr ? &env.ctl->error : nullptr;
   c.timeoutNs = env.timeoutNs;
@@ -94,7 +99,7 @@ void checkMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEn
   } catch (const Error& e) {
     if (p.ffn || moeRecvBytes(p.capacity, p.hidden, 0) <= c.recvBytes) throw;
     const uint64_t need = moeRecvBytes(p.capacity, p.hidden, 0) + moeScratchBytes(p.tokens, p.topk, p.experts) + kAlign;
-    const uint64_t bytes = WorkspaceLayout::bytesFor((need + 1) / 2, env.nranks);
+    const uint64_t bytes = workspaceBytesFor(d, env.nranks);
     fail(ErrorCode::kInvalidArgument,
          "{}: capacity = {} rows of hidden = {} need {} bytes of receive rows on this "
          "rank, but the communicator's workspace leaves {}; {}, or lower capacity",

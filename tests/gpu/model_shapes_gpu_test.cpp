@@ -6,10 +6,14 @@
 // communicator (tandem_comm_config_t.workspace_bytes from kernels::workspaceBytesFor; the FFN's receive rows at 1.25x
 // a balanced routing), as a model would. Every op must succeed and write its outputs; the values are not
 // compared with the fp64 reference (at these sizes the host reference takes hours: tandem_moe_gpu_tests and
-// tandem_gpu_tests check the values at smaller shapes of the same kernels).
+// tandem_gpu_tests check the values at smaller shapes of the same kernels). A shape whose ranks would not fit their GPU's
+// free memory (each rank's workspace, its op's buffers and a CUDA context, summed over the ranks sharing the GPU) is
+// not run: its case reports itself skipped with the bytes needed and free, and the shapes that fit still run.
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "rank_buffers.hpp"
@@ -133,17 +137,18 @@ struct BigOp {
   }
 };
 
-// A case: its name and rank r's descriptor of n ranks.
+// A case: its name and rank r's descriptor of n ranks. The name is a std::string: doctest streams a const char* as a
+// pointer (DOCTEST_CONFIG_TREAT_CHAR_STAR_AS_STRING is off).
 struct Shape {
-  const char* name;
+  std::string name;
   std::function<tandem::OpDescriptor(uint32_t r, uint32_t n)> desc;
 };
 
 // An MoE layer with `tokens` per rank. dispatch+GEMM: capacity 1.25 x the balanced rows (tokens x topk), as
 // capacity-factor routers size it; routeUniform sends each rank exactly the balanced rows.
-Shape moe(const char* name, OpKind kind, uint64_t tokens, uint64_t hidden, uint64_t ffnOrNOut, uint64_t experts,
+Shape moe(std::string name, OpKind kind, uint64_t tokens, uint64_t hidden, uint64_t ffnOrNOut, uint64_t experts,
           uint64_t topk) {
-  return {name, [=](uint32_t r, uint32_t n) {
+  return {std::move(name), [=](uint32_t r, uint32_t n) {
             tandem::reference::OpShape s;
             s.kind = kind;
             s.dtype = DType::kBF16;
@@ -163,18 +168,74 @@ Shape moe(const char* name, OpKind kind, uint64_t tokens, uint64_t hidden, uint6
           }};
 }
 
+// The workspace rank r of n declares: what its op needs, with the FFN's receive rows at 1.25x a balanced routing.
+uint64_t declaredWorkspace(const tandem::OpDescriptor& desc, uint32_t n) {
+  const uint64_t rows = desc.dims[tandem::dim::kTokens] * desc.dims[tandem::dim::kTopk] * 5 / 4;
+  return tandem::kernels::workspaceBytesFor(desc, n, rows);
+}
+
+constexpr uint64_t kDefaultWorkspace = 512ull << 20;  // cuda.workspace_bytes: the least a communicator gets
+constexpr uint64_t kContextBytes = 1ull << 30;        // a rank process's CUDA context and kernels, with room to spare
+
+// Free bytes on `device` now (tandemd's own use already taken), asked in a child: this process must not initialise
+// CUDA, since its rank processes are forked from it.
+uint64_t freeBytesOn(int device) {
+  Rank probe = spawn([device](const Io&) -> std::string {
+    size_t freeBytes = 0, totalBytes = 0;
+    CK(cudaSetDevice(device));
+    CK(cudaMemGetInfo(&freeBytes, &totalBytes));
+    return std::to_string(freeBytes);
+  });
+  const std::string line = probe.read(60000);
+  probe.reap();
+  INFO("free-memory probe on GPU " << device << ": " << line);
+  REQUIRE(!line.empty());
+  REQUIRE(std::isdigit(static_cast<unsigned char>(line[0])));
+  return std::stoull(line);
+}
+
+// "" when every GPU has room for the ranks that share it, else the GPU, the bytes needed and the bytes free.
+std::string wontFit(const Shape& sh, uint32_t n) {
+  std::vector<uint64_t> need(static_cast<std::size_t>(gpuCount()), 0);
+  uint64_t workspace = kDefaultWorkspace;  // the communicator's: the largest any rank declares
+  for (uint32_t r = 0; r < n; ++r) workspace = std::max(workspace, declaredWorkspace(sh.desc(r, n), n));
+  for (uint32_t r = 0; r < n; ++r) {
+    const tandem::OpDescriptor desc = sh.desc(r, n);
+    uint64_t buffers = 0;
+    for (const auto& b : desc.bufs) buffers += b.bytes;
+    need[static_cast<std::size_t>(rankDevice(r))] += workspace + buffers + kContextBytes;
+  }
+  for (std::size_t g = 0; g < need.size(); ++g) {
+    if (need[g] == 0) continue;
+    const uint64_t freeBytes = freeBytesOn(static_cast<int>(g));
+    if (need[g] > freeBytes) {
+      return fmt::format("{} at {} rank(s): GPU {} needs {} bytes ({:.1f} GiB: {} bytes of workspace per rank, the "
+                         "op's buffers and a {} GiB context per rank) but has {} bytes ({:.1f} GiB) free",
+                         sh.name, n, g, need[g], static_cast<double>(need[g]) / (1ull << 30), workspace,
+                         kContextBytes >> 30, freeBytes, static_cast<double>(freeBytes) / (1ull << 30));
+    }
+  }
+  return "";
+}
+
 // Every rank count of `shapes` on one tandemd with the default configuration (the backend and executor excepted).
+// Those that do not fit their GPUs are skipped: the case then reports itself skipped, naming each of them.
 void runDefault(const std::vector<Shape>& shapes) {
   Daemon d(config("client"), {}, "");
+  std::vector<std::string> skipped;
   for (const Shape& sh : shapes) {
     for (uint32_t n : {1u, 2u, 4u}) {
       CAPTURE(sh.name);
       CAPTURE(n);
+      if (std::string why = wontFit(sh, n); !why.empty()) {
+        MESSAGE("SKIPPED " << why);
+        skipped.push_back(std::move(why));
+        continue;
+      }
       MESSAGE(sh.name << " at " << n << " rank(s) on " << gpuCount() << " GPU(s)");
       runRankProcesses(d, n, 590000, [&](const tandem_unique_id_t& id, uint32_t r) -> std::string {
         const tandem::OpDescriptor desc = sh.desc(r, n);
-        const uint64_t rows = desc.dims[tandem::dim::kTokens] * desc.dims[tandem::dim::kTopk] * 5 / 4;
-        const tandem_comm_config_t declare{sizeof declare, tandem::kernels::workspaceBytesFor(desc, n, rows)};
+        const tandem_comm_config_t declare{sizeof declare, declaredWorkspace(desc, n)};
         Joined j(d.socket(), id, n, r, &declare);
         BigOp op(j.s, desc, j.stream);
         tandem_op_t h;
@@ -184,6 +245,11 @@ void runDefault(const std::vector<Shape>& shapes) {
         return "OK";
       });
     }
+  }
+  if (!skipped.empty()) {
+    std::string reason = fmt::format("{} shape(s) do not fit the GPU memory and were not run", skipped.size());
+    for (const std::string& why : skipped) reason += "; " + why;
+    skipCase(reason);
   }
 }
 

@@ -71,6 +71,10 @@ TEST_CASE("fused ops: the workspace layout keeps every region apart and inside t
       CHECK(l.rsOff + k::gemmRsFixedWorkspaceBytes(static_cast<int64_t>(l.rsMatBytes), static_cast<int>(n)) ==
             l.dataOff);
       CHECK(l.dataBytes == 2 * l.rsMatBytes);
+      // The span: the gemm-rs/ar staging matrices (after their flags) through the end of data.
+      CHECK(l.spanOff == l.rsOff + k::gemmRsFixedFlagsBytes(static_cast<int64_t>(l.rsMatBytes), static_cast<int>(n)));
+      CHECK(l.spanOff + l.spanBytes == l.dataOff + l.dataBytes);
+      CHECK(l.spanBytes == (2 * n + 4) * l.rsMatBytes);
       CHECK(l.rsMatBytes % (64u << 10) == 0);
       if (bytes >= k::workspaceBytes(n)) CHECK(l.dataOff + l.dataBytes <= bytes);
       CHECK(l.rsMatBytes >= lastMat);  // a larger budget never holds less
@@ -82,6 +86,15 @@ TEST_CASE("fused ops: the workspace layout keeps every region apart and inside t
       const uint64_t bytes = k::WorkspaceLayout::bytesFor(mat, n);
       CHECK(bytes % (2u << 20) == 0);
       CHECK(k::WorkspaceLayout::fit(bytes, n).rsMatBytes >= mat);
+    }
+    // bytesForSpan likewise, for the span and the data region, and no larger than the span asks.
+    for (uint64_t span : {uint64_t{1}, uint64_t{100} << 20, uint64_t{5} << 30}) {
+      CAPTURE(span);
+      const uint64_t bytes = k::WorkspaceLayout::bytesForSpan(span, 1u << 20, n);
+      const k::WorkspaceLayout l = k::WorkspaceLayout::fit(bytes, n);
+      CHECK(l.spanBytes >= span);
+      CHECK(l.dataBytes >= (1u << 20));
+      if (span >= (100u << 20)) CHECK(bytes <= span + span / 64 + k::workspaceBytes(n) + (4u << 20));
     }
   }
 }

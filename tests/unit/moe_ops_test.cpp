@@ -81,8 +81,31 @@ TEST_CASE("moe ops: the workspace keeps the MoE control area apart from every ot
   for (uint32_t n = 1; n <= 8; ++n) {
     const k::WorkspaceLayout l = k::WorkspaceLayout::fit(512u << 20, n);
     CHECK(l.moeOff >= l.dataOff + l.dataBytes);
+    CHECK(l.spanOff + l.spanBytes == l.moeOff);  // the FFN's receive rows end where the control area begins
     CHECK(l.moeOff + k::kMoeControlBytes <= (512u << 20));
     CHECK(l.moeOff % 128 == 0);
+  }
+}
+
+TEST_CASE("moe ops: the FFN's workspace is its receive rows and scratch plus the flags, at 1, 2 and 4 ranks") {
+  // DeepSeek-V3's routed experts at 16384 tokens per rank, the receive rows at 1.25x a balanced routing. The rows fill
+  // the span (the gemm-rs/ar staging matrices and the data region): sized into the data region alone (2 of the
+  // 2 nranks + 4 matrices), the workspace was nranks + 2 times the rows, 16.2, 21.6 and 32.4 GB at 1, 2 and 4 ranks.
+  const int64_t tokens = 16384, hidden = 7168, ffn = 2048, experts = 256, topk = 8, rows = tokens * topk * 5 / 4;
+  const uint64_t recv = k::moeRecvBytes(rows, hidden, ffn), scratch = k::moeScratchBytes(tokens, topk, experts);
+  CHECK(recv == 5371330560);  // x and y of hidden, h of ffn (SwiGLU's output), 16 bytes of row info, bf16
+  const uint64_t expected[] = {0, 5410652160, 5425332224, 0, 5456789504};
+  for (uint32_t n : {1u, 2u, 4u}) {
+    CAPTURE(n);
+    const OpDescriptor d = moeDesc(OpKind::kMoeDispatchFfnCombine, tokens, hidden, ffn, experts, topk, n);
+    const uint64_t bytes = k::workspaceBytesFor(d, n, rows);
+    CHECK(bytes == expected[n]);
+    // On top of the rows: AllGather's region, the flags (1/64 of a matrix), the MoE control area, 2 MiB rounding.
+    CHECK(bytes <= recv + scratch + recv / 64 + k::workspaceBytes(n) + (4u << 20));
+    const k::WorkspaceLayout l = k::WorkspaceLayout::fit(bytes, n);
+    CHECK(k::moeRecvRows(l.spanBytes - scratch - 256, hidden, ffn) >= rows);
+    CHECK(l.dataBytes >= scratch + 256);
+    CHECK(refusal(d, alignedPointers(), envWith(bytes, n), nullptr).empty());
   }
 }
 

@@ -223,16 +223,10 @@ std::string opFaultText(const k::OpFault& f, const OpDescriptor& d) {
                        "experts)", opKindName(kind), f.atFault, f.chunk, slotIndex, value);
   }
   if (kind == OpKind::kMoeDispatchFfnCombine) {
-    // The workspace that holds those rows (as checkMoeOp sizes it: receive rows and scratch in the data region).
-    const auto hidden = static_cast<int64_t>(d.dims[dim::kHidden]);
-    const uint64_t need = k::moeRecvBytes(static_cast<int64_t>(f.observed), hidden,
-                                          static_cast<int64_t>(d.dims[dim::kFfn])) +
-                          k::moeScratchBytes(static_cast<int64_t>(d.dims[dim::kTokens]),
-                                             static_cast<int64_t>(d.dims[dim::kTopk]),
-                                             static_cast<int64_t>(d.dims[dim::kExperts])) + 256;
+    // The workspace that holds those rows.
     return fmt::format("{}: rank {} receives {} rows but its workspace holds {} receive rows; nothing was written and "
                        "the communicator is still usable: split the batch, or {}", opKindName(kind), f.atFault,
-                       f.observed, f.chunk, k::workspaceRemedy(k::WorkspaceLayout::bytesFor((need + 1) / 2, d.nranks)));
+                       f.observed, f.chunk, k::workspaceRemedy(k::workspaceBytesFor(d, d.nranks, f.observed)));
   }
   return fmt::format("{}: rank {} receives {} rows but capacity is {}; pass capacity >= {}", opKindName(kind),
                      f.atFault, f.observed, f.chunk, f.observed);

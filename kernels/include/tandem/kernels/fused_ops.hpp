@@ -30,18 +30,28 @@ using DevicePointers = std::array<void*, kMaxOpBuffers>;
 //   data            2 * rsMatBytes: ag-gemm's gathered A, or gemm-rs/ar's output staging, or the MoE ops' receive
 //                   rows and scratch (moe_ops.hpp)
 //   moe             kMoeControlBytes: the MoE ops' flags and routing table (moe.hpp), written by no other op
-// The gemm-rs/ar inbox receives peers' partials of op e + 1 while this rank may still run op e, so it shares no byte
-// with the other ops. Gathered A and the output staging share: peers write them only once this rank has started the
-// op (ag-gemm pushes after the destination's arrive flag; a reduced tile needs the destination's own partial first).
+// The gemm-rs/ar inbox receives peers' partials of op e + 1 while this rank may still run op e, and a peer may still
+// read this rank's outbox of op e - 1 once this rank has moved on, so the staging matrices are shared only with an op
+// that no rank enters before every rank has left op e - 1 and no rank leaves before every rank is done with them.
+// Gathered A and the output staging share: peers write them only once this rank has started the op (ag-gemm pushes
+// after the destination's arrive flag; a reduced tile needs the destination's own partial first).
+// The span, from the gemm-rs/ar staging matrices to the end of data ((2 nranks + 4) x rsMatBytes), holds the MoE FFN's
+// receive rows: its rows, h and y are written only after its plan kernel saw every rank's counts of this op (every rank
+// left its previous op), and its combine ends with a barrier over every rank after the last read of y. The FFN's
+// scratch, written before that plan, stays at the end of data. Without the span its receive rows would be sized into
+// 2 x rsMatBytes and the workspace would be nranks + 2 times as large as they are.
 struct WorkspaceLayout {
   uint64_t agFlagsOff = 0, agFlagWords = 0;
   uint64_t rsOff = 0, rsMatBytes = 0;
   uint64_t dataOff = 0, dataBytes = 0;
-  uint64_t moeOff = 0;  // kMoeControlBytes from here
+  uint64_t spanOff = 0, spanBytes = 0;  // the gemm-rs/ar staging matrices through the end of data
+  uint64_t moeOff = 0;                  // kMoeControlBytes from here
   // The largest layout that fits `bytes` per rank.
   static WorkspaceLayout fit(uint64_t bytes, uint32_t nranks);
   // Workspace bytes per rank whose layout holds `matBytes` matrices (rounded up to tandemd's 2 MiB granularity).
   static uint64_t bytesFor(uint64_t matBytes, uint32_t nranks);
+  // Workspace bytes per rank whose span holds `spanBytes` and whose data region holds `dataBytes` (at its end).
+  static uint64_t bytesForSpan(uint64_t spanBytes, uint64_t dataBytes, uint32_t nranks);
 };
 
 // What an op refused for lack of workspace tells its caller to do: ask for `bytes` per rank when the communicator is

@@ -101,6 +101,8 @@ size_t gemmRsWorkspaceBytes(int64_t maxM, int64_t maxN, int nranks);
 // shape: for a runtime that runs ops of many shapes on one workspace. The flags then never move, which matters because
 // they are never reset: a layout that moved with the shape could put a flag on bytes that held an earlier op's data.
 size_t gemmRsFixedWorkspaceBytes(int64_t matBytes, int nranks);
+// Where that layout's staging matrices begin: the bytes of its flags (a multiple of 64 KiB).
+size_t gemmRsFixedFlagsBytes(int64_t matBytes, int nranks);
 // Bytes of one staging matrix that an op of this shape and plan needs under the fixed layout (its partials padded to
 // whole 128 x 256 tiles: fp32 for fused plans with fp32 partials, else the 16-bit input dtype).
 constexpr int64_t gemmRsMatBytesNeeded(int64_t m, int64_t n, const GemmRsPlan& plan) {
