@@ -21,7 +21,6 @@ import sys
 # History's own homes, where numbered work items and runs are the point.
 HISTORY_FILES = {"CHANGELOG.md", "bench/RESULTS.md"}
 # The per-topic GPU runners that scripts/gpu-check.sh takes over; they are not product text and go with it.
-NOT_PRODUCT = re.compile(r"^scripts/[^/]+-gpu-run\.sh$")
 SELF = "tests/docs_check.py"  # its own patterns and samples
 TEXT_SUFFIXES = (".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh", ".py", ".sh", ".yaml", ".yml", ".txt", ".cmake",
                  ".in", ".md", ".proto", ".service", ".socket", ".toml", ".cfg")
@@ -32,7 +31,6 @@ HISTORY = re.compile(r"\b(?:issue|session|call|stop|helper|PR)s?\s+#?\d+(?:\s*(?
                      re.IGNORECASE)
 
 # Variables the sources still read that the table leaves out on purpose: read only to refuse, and being removed.
-PENDING_REMOVAL = {"TANDEM_ATTN_LOOP"}
 
 ENV_READS = [
     # C and C++: getenv and the small env helpers built on it (envU64("TANDEM_AG_CTAS", 0)).
@@ -90,7 +88,7 @@ def check_product_text(root):
         assert not HISTORY.search(good), good
     failures = []
     for rel in repo_files(root):
-        if rel in HISTORY_FILES or NOT_PRODUCT.match(rel) or not is_text(rel, root):
+        if rel in HISTORY_FILES or not is_text(rel, root):
             continue
         for n, line in enumerate(read_lines(root, rel), 1):
             m = HISTORY.search(line)
@@ -125,7 +123,7 @@ def check_env_table(root):
         return [f"{ENV_DOC}: no '## Environment variables' table with `TANDEM_*` names in its first column"]
     read = {}
     for rel in repo_files(root):
-        if rel in HISTORY_FILES or NOT_PRODUCT.match(rel) or rel == SELF:
+        if rel in HISTORY_FILES or rel == SELF:
             continue
         for suffixes, pattern in ENV_READS:
             if rel.endswith(suffixes) or os.path.basename(rel) in suffixes:
@@ -134,7 +132,7 @@ def check_env_table(root):
                         name = next(g for g in m.groups() if g)
                         read.setdefault(name, f"{rel}:{n}")
     failures = [f"{where}: {name} is read from the environment but has no row in {ENV_DOC}'s table"
-                for name, where in sorted(read.items()) if name not in documented and name not in PENDING_REMOVAL]
+                for name, where in sorted(read.items()) if name not in documented]
     failures += [f"{ENV_DOC}:{line}: {name} is documented but nothing reads it (remove the row)"
                  for name, line in sorted(documented.items()) if name not in read]
     return failures
