@@ -33,6 +33,11 @@ class Op(ctypes.Structure):
     _fields_ = [("session_serial", c_uint64), ("seq", c_uint64)]
 
 
+class CommConfig(ctypes.Structure):
+    """tandem_comm_config_t."""
+    _fields_ = [("struct_size", ctypes.c_size_t), ("workspace_bytes", ctypes.c_uint64)]
+
+
 class UniqueId(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_uint8 * 16)]
 
@@ -119,6 +124,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn("tandem_get_unique_id", c_int, ctypes.POINTER(UniqueId))
     fn("tandem_comm_init", c_int, c_void_p, ctypes.POINTER(UniqueId), c_uint32, c_uint32, c_uint32,
        ctypes.POINTER(c_void_p))
+    fn("tandem_comm_init_config", c_int, c_void_p, ctypes.POINTER(UniqueId), c_uint32, c_uint32, c_uint32,
+       ctypes.POINTER(CommConfig), ctypes.POINTER(c_void_p))
     fn("tandem_comm_abort", c_int, c_void_p)
     fn("tandem_comm_destroy", c_int, c_void_p)
     fn("tandem_comm_rank", c_uint32, c_void_p)

@@ -47,7 +47,7 @@ class Communicator(FastPath):
 
     def __init__(self, group=None, *, rank: int | None = None, world_size: int | None = None,
                  unique_id: str | bytes | None = None, socket: str | None = None, device=None,
-                 timeout_ms: int = 0, op_timeout_ms: int = -1):
+                 timeout_ms: int = 0, op_timeout_ms: int = -1, workspace_bytes: int = 0):
         self.session = Session.get(socket)
         self.backend = self.session.backend
         self.is_cuda = self.session.is_cuda
@@ -65,8 +65,11 @@ class Communicator(FastPath):
         uid = _capi.UniqueId()
         ctypes.memmove(uid.bytes, raw, 16)
         h = ctypes.c_void_p()
-        check(lib.tandem_comm_init(self.session.handle, ctypes.byref(uid), world_size, rank, int(timeout_ms),
-                                   ctypes.byref(h)))
+        # workspace_bytes: the GPU workspace per rank this rank's largest ops need (tandem_comm_config_t); an op
+        # refused for want of workspace names the bytes to ask for. 0: tandemd's cuda.workspace_bytes.
+        config = _capi.CommConfig(ctypes.sizeof(_capi.CommConfig), int(workspace_bytes))
+        check(lib.tandem_comm_init_config(self.session.handle, ctypes.byref(uid), world_size, rank, int(timeout_ms),
+                                          ctypes.byref(config), ctypes.byref(h)))
         self.handle = h.value
         self.rank = lib.tandem_comm_rank(self.handle)
         self.world_size = lib.tandem_comm_nranks(self.handle)

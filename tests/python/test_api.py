@@ -291,3 +291,14 @@ def test_the_hot_path_calls_through_fastcall_where_built_and_ctypes_otherwise(da
     env = dict(os.environ, TANDEM_NO_FASTCALL="1", TANDEM_SOCKET=daemon.socket)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_a_declared_workspace_over_the_session_quota_fails_the_join_naming_the_key(daemon):
+    # 1 PiB per rank: far over limits.max_session_bytes (64 GiB by default), so the join fails before anything is
+    # allocated, naming the key and the bytes; the daemon and later communicators are unaffected.
+    with pytest.raises(tandem.TandemError) as e:
+        tandem.Communicator(socket=daemon.socket, workspace_bytes=1 << 50)
+    assert "limits.max_session_bytes" in str(e.value) and str(1 << 50) in str(e.value)
+    comm = tandem.Communicator(socket=daemon.socket, workspace_bytes=1 << 20)
+    comm.barrier()
+    comm.close()
