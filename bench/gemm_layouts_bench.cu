@@ -23,6 +23,7 @@
 
 #include "bench_kernels.cuh"
 #include "checks.hpp"  // after <cublasLt.h>: defines BK
+#include "ref_gemm.cuh"
 #include "tandem/kernels/gemm_layouts.hpp"
 
 using tandem::kernels::GemmDtype;
@@ -34,6 +35,7 @@ using tandem::kernels::GemmOut;
 namespace {
 
 using tandem::bench::fillUniform;
+using tandem::bench::refGemmStrided;
 using tandem::bench::relErrorKernel;
 using tandem::bench::syncOrDie;
 using tandem::bench::toFloat;
@@ -43,43 +45,6 @@ constexpr size_t kLtWorkspace = size_t(64) << 20;
 
 const char* layoutName(GemmLayout l) {
   return l == GemmLayout::kABt ? "A*B^T (fwd)" : l == GemmLayout::kAB ? "A*B (dgrad)" : "A^T*B (wgrad)";
-}
-
-// fp32 reference, 64 x 64 tiles through shared memory: A(i, kk) = a[i * sam + kk * sak], B(kk, j) = b[kk * sbk +
-// j * sbn]; ref [m, n] dense. Grid ((n + 63) / 64, (m + 63) / 64), block (16, 16).
-template <class T>
-__global__ void refGemmStrided(const T* a, int64_t sam, int64_t sak, const T* b, int64_t sbk, int64_t sbn, float* ref,
-                               int m, int n, int k) {
-  __shared__ float as[16][65];
-  __shared__ float bs[16][65];
-  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 16 + tx;
-  const int m0 = blockIdx.y * 64, n0 = blockIdx.x * 64;
-  float acc[4][4] = {};
-  for (int k0 = 0; k0 < k; k0 += 16) {
-    for (int i = tid; i < 64 * 16; i += 256) {
-      // Consecutive threads walk the operand's contiguous direction, so both layouts load coalesced.
-      const int r = sak == 1 ? i / 16 : i % 64, kk = sak == 1 ? i % 16 : i / 64;
-      as[kk][r] = (m0 + r < m && k0 + kk < k) ? toFloat(a[int64_t(m0 + r) * sam + int64_t(k0 + kk) * sak]) : 0.0f;
-      const int c = sbk == 1 ? i / 16 : i % 64, kb = sbk == 1 ? i % 16 : i / 64;
-      bs[kb][c] = (n0 + c < n && k0 + kb < k) ? toFloat(b[int64_t(k0 + kb) * sbk + int64_t(n0 + c) * sbn]) : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < 16; ++kk) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(as[kk][ty + 16 * i], bs[kk][tx + 16 * j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = m0 + ty + 16 * i, col = n0 + tx + 16 * j;
-      if (r < m && col < n) ref[int64_t(r) * n + col] = acc[i][j];
-    }
 }
 
 struct Case {
