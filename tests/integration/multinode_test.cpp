@@ -22,17 +22,7 @@ TEST_CASE("three nodes run every op across nodes (ag-gemm, gemm-rs, gemm-ar, all
   // Two ranks per node, then an uneven split (1 + 3 + 2) with odd shapes.
   const std::vector<std::vector<std::string>> splits = {{"0,1", "2,3", "4,5"}, {"0", "1-3", "4,5"}};
   // Every op of the table crosses the nodes here: one without arguments fails, naming this test.
-  const auto ops = everyOp({
-      {"ag-gemm", {"--ranks", "6", "--m", "37", "--n", "19", "--k", "24"}},
-      {"gemm-rs", {"--ranks", "6", "--m", "37", "--n", "19", "--k", "48"}},
-      {"gemm-ar", {"--ranks", "6", "--m", "29", "--n", "16", "--k", "48", "--dtype", "fp16"}},
-      {"allgather", {"--ranks", "6", "--bytes", "1001"}},
-      {"barrier", {"--ranks", "6"}},
-      {"moe-dispatch-gemm", {"--ranks", "6", "--m", "5", "--k", "16", "--n", "12", "--experts", "12", "--topk", "2"}},
-      {"moe-dispatch-ffn-combine",
-       {"--ranks", "6", "--m", "4", "--k", "16", "--n", "24", "--experts", "6", "--topk", "2"}},
-      {"ring-attention", {"--ranks", "6", "--seq", "29", "--heads", "2", "--head-dim", "8"}},
-  }, "multinode_test (the tcp cross-node path)");
+  const auto ops = everyOpAcrossNodes("multinode_test (the tcp cross-node path)");
   for (const auto& split : splits) {
     for (auto op : ops) {
       op.insert(op.end(), {"--check", "--iters", "3"});

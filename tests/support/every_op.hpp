@@ -34,4 +34,23 @@ inline std::vector<std::vector<std::string>> everyOp(const std::map<std::string,
   return out;
 }
 
+/// Every op at six ranks with odd shapes, for the cross-node tests (three nodes, each transport): one argument list
+/// serves them all, so the transports are checked on the same work.
+inline std::vector<std::vector<std::string>> everyOpAcrossNodes(std::string_view layer) {
+  return everyOp(
+      {
+          {"ag-gemm", {"--ranks", "6", "--m", "37", "--n", "19", "--k", "24"}},
+          {"gemm-rs", {"--ranks", "6", "--m", "37", "--n", "19", "--k", "48"}},
+          {"gemm-ar", {"--ranks", "6", "--m", "29", "--n", "16", "--k", "48", "--dtype", "fp16"}},
+          {"allgather", {"--ranks", "6", "--bytes", "1001"}},
+          {"barrier", {"--ranks", "6"}},
+          {"moe-dispatch-gemm",
+           {"--ranks", "6", "--m", "5", "--k", "16", "--n", "12", "--experts", "12", "--topk", "2"}},
+          {"moe-dispatch-ffn-combine",
+           {"--ranks", "6", "--m", "4", "--k", "16", "--n", "24", "--experts", "6", "--topk", "2"}},
+          {"ring-attention", {"--ranks", "6", "--seq", "29", "--heads", "2", "--head-dim", "8"}},
+      },
+      layer);
+}
+
 }  // namespace tandem::testing
