@@ -89,37 +89,46 @@ void sendFrame(int socketFd, std::string_view payload, std::span<const int> fds,
   }
 }
 
-ReadResult readInto(int socketFd, FrameDecoder& decoder) {
-  std::byte data[16384];
-  iovec iov{data, sizeof data};
+Received recvWithFds(int socketFd, std::span<std::byte> data) {
+  iovec iov{data.data(), data.size()};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
+  // Fixed size: however many fds a peer sends, one read takes at most kMaxFdsPerFrame; the kernel closes the rest
+  // (MSG_CTRUNC), so they cannot pile up here.
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerFrame)];
   msg.msg_control = control;
   msg.msg_controllen = sizeof control;
-  ssize_t n;
+  Received r;
   do {
-    n = ::recvmsg(socketFd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-  } while (n < 0 && errno == EINTR);
-  if (n < 0) {
+    r.n = ::recvmsg(socketFd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  } while (r.n < 0 && errno == EINTR);
+  if (r.n < 0) return r;  // errno as recvmsg left it
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (std::size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      r.fds.emplace_back(fd);
+    }
+  }
+  r.truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
+  return r;
+}
+
+ReadResult readInto(int socketFd, FrameDecoder& decoder) {
+  std::byte data[16384];
+  Received r = recvWithFds(socketFd, data);
+  if (r.n < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK) return ReadResult::kWouldBlock;
     if (errno == ECONNRESET) return ReadResult::kClosed;
     checkErrno(-1, "recvmsg");
   }
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-      const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (std::size_t i = 0; i < count; ++i) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-        decoder.appendFd(Fd(fd));
-      }
-    }
-  }
-  if (msg.msg_flags & MSG_CTRUNC) fail(ErrorCode::kProtocol, "peer sent more than {} file descriptors at once", kMaxFdsPerFrame);
-  if (n == 0) return ReadResult::kClosed;
-  decoder.append({data, static_cast<std::size_t>(n)});
+  for (Fd& fd : r.fds) decoder.appendFd(std::move(fd));
+  if (r.truncated) fail(ErrorCode::kProtocol, "peer sent more than {} file descriptors at once", kMaxFdsPerFrame);
+  if (r.n == 0) return ReadResult::kClosed;
+  decoder.append({data, static_cast<std::size_t>(r.n)});
   return ReadResult::kData;
 }
 

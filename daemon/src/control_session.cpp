@@ -113,32 +113,10 @@ void ControlSession::waitRead() {
 // One recvmsg per wakeup, so that every connection gets its turn on the control thread.
 void ControlSession::onReadable() {
   std::vector<char> data(kReadChunkBytes);
-  iovec iov{data.data(), data.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  // Fixed size: however many fds a client sends, one read takes at most kMaxFdsPerFrame; the kernel closes the
-  // rest (MSG_CTRUNC), so they cannot pile up here.
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerFrame)];
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  ssize_t n;
-  do {
-    n = ::recvmsg(socket_.native_handle(), &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-  } while (n < 0 && errno == EINTR);
+  // At most kMaxFdsPerFrame fds per read (the kernel closes the rest); the reader marks the frame they belong to.
+  Received r = recvWithFds(socket_.native_handle(), std::as_writable_bytes(std::span(data)));
+  const long n = r.n;
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return waitRead();
-  std::vector<Fd> fds;
-  if (n >= 0) {
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (std::size_t i = 0; i < count; ++i) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-        fds.emplace_back(fd);
-      }
-    }
-  }
   if (n <= 0) {
     const std::string why = n < 0 ? fmt::format("connection error: {}", std::strerror(errno))
                             : reader_.midFrame() ? "client disconnected in the middle of a frame"
@@ -147,8 +125,8 @@ void ControlSession::onReadable() {
   }
   bool framesCompleted = false;
   try {
-    std::vector<InFrame> frames = reader_.add({data.data(), static_cast<std::size_t>(n)}, std::move(fds),
-                                              (msg.msg_flags & MSG_CTRUNC) != 0);
+    std::vector<InFrame> frames = reader_.add({data.data(), static_cast<std::size_t>(n)}, std::move(r.fds),
+                                              r.truncated);
     framesCompleted = !frames.empty();
     for (InFrame& frame : frames) {
       handleFrame(frame);

@@ -46,6 +46,18 @@ class FrameDecoder {
 // Error(kDaemonLost-like kSystem) on a broken connection: EPIPE is reported as Error(kUnavailable).
 void sendFrame(int socketFd, std::string_view payload, std::span<const int> fds, std::size_t maxFrameBytes);
 
+// What one recvmsg brought: `n` as recvmsg returns it (bytes read, 0 at end of stream, -1 with errno set), the fds
+// attached to those bytes (taken only when n >= 0), and whether the peer attached more than kMaxFdsPerFrame (the
+// kernel closed the rest: MSG_CTRUNC).
+struct Received {
+  long n = 0;
+  std::vector<Fd> fds;
+  bool truncated = false;
+};
+// One recvmsg into `data` with MSG_DONTWAIT and MSG_CMSG_CLOEXEC, retried on EINTR; each caller decides what a
+// truncated fd list and an error mean for its connection.
+Received recvWithFds(int socketFd, std::span<std::byte> data);
+
 enum class ReadResult { kData, kWouldBlock, kClosed };
 // One recvmsg into the decoder (bytes and any fds). Never blocks when the socket is non-blocking.
 ReadResult readInto(int socketFd, FrameDecoder& decoder);
