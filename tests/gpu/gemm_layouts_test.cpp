@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_test_util.hpp"
 #include "gemm_layouts_ref.hpp"
 #include "tandem/kernels/gemm_layouts.hpp"
 
@@ -39,36 +40,10 @@ namespace {
 constexpr uint8_t kPoisonByte = 0xFF;  // all-ones: NaN in bf16, fp16 and fp32
 constexpr size_t kWorkspaceBytes = size_t(256) << 20;
 
-void ck(cudaError_t e, const char* what) {
-  REQUIRE_MESSAGE(e == cudaSuccess, what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")");
-}
-
-// Waits for the stream with a deadline: a kernel that hangs fails the test instead of the whole run.
-void syncWithin(cudaStream_t s, double seconds, const std::string& what) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(s);
-    if (e == cudaSuccess) return;
-    REQUIRE_MESSAGE(e == cudaErrorNotReady, what << ": stream failed: " << cudaGetErrorString(e));
-    REQUIRE_MESSAGE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds,
-                    what << ": still running after " << seconds << " s (hang?)");
-    std::this_thread::yield();
-  }
-}
-
-struct DeviceMem {
-  void* p = nullptr;
-  explicit DeviceMem(size_t bytes) { ck(cudaMalloc(&p, bytes == 0 ? 16 : bytes), "cudaMalloc"); }
-  ~DeviceMem() { cudaFree(p); }
-  DeviceMem(const DeviceMem&) = delete;
-  DeviceMem& operator=(const DeviceMem&) = delete;
-};
-
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"); }
-  ~Stream() { cudaStreamDestroy(s); }
-};
+using tandem::gputest::ck;
+using tandem::gputest::DeviceMem;
+using tandem::gputest::Stream;
+using tandem::gputest::syncWithin;
 
 // The split-K workspace: zero-filled once, as the API asks; every launch leaves it zero-filled.
 struct Workspace {

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_test_util.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/common/numeric.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
@@ -33,40 +34,10 @@ namespace {
 
 constexpr uint16_t kPoison = 0xFFFF;  // NaN in bf16 and in fp16
 
-void ck(cudaError_t e, const char* what) {
-  REQUIRE_MESSAGE(e == cudaSuccess, what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")");
-}
-
-// Waits for the stream with a deadline: a kernel that hangs fails the test instead of the whole run.
-void syncWithin(cudaStream_t s, double seconds) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(s);
-    if (e == cudaSuccess) return;
-    REQUIRE_MESSAGE(e == cudaErrorNotReady, "grouped GEMM stream failed: " << cudaGetErrorString(e));
-    REQUIRE_MESSAGE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds,
-                    "grouped GEMM still running after " << seconds << " s (hang?)");
-    std::this_thread::yield();
-  }
-}
-
-struct DeviceMem {
-  void* p = nullptr;
-  explicit DeviceMem(size_t bytes) { ck(cudaMalloc(&p, bytes == 0 ? 16 : bytes), "cudaMalloc"); }
-  ~DeviceMem() { cudaFree(p); }
-  DeviceMem(const DeviceMem&) = delete;
-  DeviceMem& operator=(const DeviceMem&) = delete;
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
-
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"); }
-  ~Stream() { cudaStreamDestroy(s); }
-};
+using tandem::gputest::ck;
+using tandem::gputest::DeviceMem;
+using tandem::gputest::Stream;
+using tandem::gputest::syncWithin;
 
 float toF(GemmDtype dt, uint16_t v) { return dt == GemmDtype::kBf16 ? tandem::bf16ToFloat(v) : tandem::halfToFloat(v); }
 uint16_t fromF(GemmDtype dt, float v) { return dt == GemmDtype::kBf16 ? tandem::floatToBf16(v) : tandem::floatToHalf(v); }
@@ -230,7 +201,7 @@ std::vector<uint16_t> runOnce(const Problem& pr, cudaStream_t s, int numSms, uin
   }
   launchGroupedGemm(g, s, numSms);
   ck(cudaGetLastError(), "launch");
-  syncWithin(s, 20);
+  syncWithin(s, 20, "grouped GEMM");
   return pr.fetch(s);
 }
 
@@ -391,7 +362,7 @@ TEST_CASE("grouped gemm: arrival counters gate the tiles") {
     for (int64_t i = 0; i < tiles; ++i) counters[i] = kReady;
     pr.poison(st.s);
     launchGroupedGemm(p, st.s, 4);
-    syncWithin(st.s, 20);
+    syncWithin(st.s, 20, "grouped GEMM");
     pr.check(pr.fetch(st.s));
     CHECK(slot->claimed == 0);
   }
@@ -403,7 +374,7 @@ TEST_CASE("grouped gemm: arrival counters gate the tiles") {
       // release: publishes nothing but readiness (x was copied before the launch); pairs with the kernel's acquire.
       std::atomic_ref<uint64_t>(counters[i]).store(kReady, std::memory_order_release);
     }
-    syncWithin(st.s, 20);
+    syncWithin(st.s, 20, "grouped GEMM");
     pr.check(pr.fetch(st.s));
     CHECK_MESSAGE(slot->claimed == 0, "wait failed: code " << slot->code << " chunk " << slot->chunk);
   }
@@ -412,7 +383,7 @@ TEST_CASE("grouped gemm: arrival counters gate the tiles") {
     std::atomic_ref<uint64_t>(*abortWord).store(1, std::memory_order_release);
     pr.poison(st.s);
     launchGroupedGemm(p, st.s, 4);
-    syncWithin(st.s, 20);
+    syncWithin(st.s, 20, "grouped GEMM");
     REQUIRE(std::atomic_ref<uint32_t>(slot->claimed).load(std::memory_order_acquire) == tandem::kernels::kErrorSlotReady);
     CHECK(slot->code == static_cast<uint32_t>(WaitError::kAborted));
     CHECK(slot->chunk >= 1);
@@ -426,7 +397,7 @@ TEST_CASE("grouped gemm: arrival counters gate the tiles") {
     p.timeoutNs = 2'000'000;              // 2 ms
     pr.poison(st.s);
     launchGroupedGemm(p, st.s, 4);
-    syncWithin(st.s, 20);
+    syncWithin(st.s, 20, "grouped GEMM");
     REQUIRE(std::atomic_ref<uint32_t>(slot->claimed).load(std::memory_order_acquire) == tandem::kernels::kErrorSlotReady);
     CHECK(slot->code == static_cast<uint32_t>(WaitError::kTimeout));
     CHECK(slot->chunk == rowTiles - 1);
