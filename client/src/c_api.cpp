@@ -25,6 +25,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "c_args.hpp"
 #include "client_backend.hpp"
 #include "plan_hook.hpp"
 #include "session.hpp"
@@ -319,6 +320,18 @@ tandem::OpDescriptor descriptor(tandem::OpKind kind, tandem_dtype_t dtype) {
   desc.kind = kind;
   desc.dtype = static_cast<tandem::DType>(dtype);
   return desc;
+}
+
+// A tandem_<op> entry point: reads its argument struct through the op table (c_args.hpp) and submits it. The struct
+// is checked before comm and op, so a bad struct is reported first whatever else is wrong.
+tandem_status_t submitArgs(tandem::OpKind kind, tandem_comm_t comm, const void* args, tandem_op_t* op) {
+  const tandem::OpSpec& spec = tandem::opSpec(kind);
+  tandem::client::CArgs a;
+  const tandem_status_t s = guarded([&] { a = tandem::client::unpackArgs(spec, args); });
+  if (s != TANDEM_SUCCESS) return s;
+  const std::string call(spec.cArgsFunction);
+  return submitOp(call.c_str(), comm, a.desc, std::span<const tandem_tensor_t>(a.tensors.data(), a.tensorCount), op,
+                  a.stream);
 }
 
 // The open session an op names, or the error that says why there is none.
@@ -700,91 +713,37 @@ tandem_status_t tandem_op_status(tandem_op_t op, char* message, size_t message_l
 
 // ---- ops ---------------------------------------------------------------------------------------------
 
-#define TANDEM_CHECK_ARGS(args, type)                                                                  \
-  if ((args) == nullptr || (args)->struct_size < sizeof(type))                                         \
-    return record(ErrorCode::kInvalidArgument, "args is NULL or args->struct_size is not sizeof(" #type ")");
-
 tandem_status_t tandem_ag_gemm(tandem_comm_t comm, const tandem_ag_gemm_args_t* args, tandem_op_t* op) {
-  TANDEM_CHECK_ARGS(args, tandem_ag_gemm_args_t)
-  auto desc = descriptor(tandem::OpKind::kAgGemm, args->dtype);
-  desc.dims[0] = args->m, desc.dims[1] = args->n, desc.dims[2] = args->k;
-  return submitOp("tandem_ag_gemm", comm, desc, {args->a, args->b, args->c, args->a_gathered}, op, args->cuda_stream);
+  return submitArgs(tandem::OpKind::kAgGemm, comm, args, op);
 }
 
 tandem_status_t tandem_gemm_rs(tandem_comm_t comm, const tandem_gemm_rs_args_t* args, tandem_op_t* op) {
-  TANDEM_CHECK_ARGS(args, tandem_gemm_rs_args_t)
-  auto desc = descriptor(tandem::OpKind::kGemmRs, args->dtype);
-  desc.dims[0] = args->m, desc.dims[1] = args->n, desc.dims[2] = args->k;
-  return submitOp("tandem_gemm_rs", comm, desc, {args->a, args->b, args->c}, op, args->cuda_stream);
+  return submitArgs(tandem::OpKind::kGemmRs, comm, args, op);
 }
 
 tandem_status_t tandem_gemm_ar(tandem_comm_t comm, const tandem_gemm_ar_args_t* args, tandem_op_t* op) {
-  TANDEM_CHECK_ARGS(args, tandem_gemm_ar_args_t)
-  auto desc = descriptor(tandem::OpKind::kGemmAr, args->dtype);
-  desc.dims[0] = args->m, desc.dims[1] = args->n, desc.dims[2] = args->k;
-  return submitOp("tandem_gemm_ar", comm, desc, {args->a, args->b, args->c}, op, args->cuda_stream);
+  return submitArgs(tandem::OpKind::kGemmAr, comm, args, op);
 }
 
 tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const tandem_moe_dispatch_gemm_args_t* args,
                                          tandem_op_t* op) {
-  TANDEM_CHECK_ARGS(args, tandem_moe_dispatch_gemm_args_t)
-  auto desc = descriptor(tandem::OpKind::kMoeDispatchGemm, args->dtype);
-  desc.dims = {args->tokens, args->hidden, args->n_out, args->experts, args->topk, args->capacity, 0, 0};
-  return submitOp("tandem_moe_dispatch_gemm", comm, desc,
-                  {args->x, args->topk_ids, args->topk_weights, args->w, args->out, args->row_info, args->expert_counts},
-                  op, args->cuda_stream);
+  return submitArgs(tandem::OpKind::kMoeDispatchGemm, comm, args, op);
 }
 
 tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, const tandem_moe_ffn_args_t* args, tandem_op_t* op) {
-  TANDEM_CHECK_ARGS(args, tandem_moe_ffn_args_t)
-  auto desc = descriptor(tandem::OpKind::kMoeDispatchFfnCombine, args->dtype);
-  desc.dims = {args->tokens, args->hidden, args->ffn, args->experts, args->topk, 0, 0, 0};
-  return submitOp("tandem_moe_dispatch_ffn_combine", comm, desc,
-                  {args->x, args->topk_ids, args->topk_weights, args->w1, args->w2, args->out}, op, args->cuda_stream);
+  return submitArgs(tandem::OpKind::kMoeDispatchFfnCombine, comm, args, op);
 }
 
 tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_attention_args_t* args, tandem_op_t* op) {
-  // Callers built against 0.2 pass the struct without lse and layout (it ended at cuda_stream): accept that size,
-  // and read each newer field only when struct_size covers it.
-  constexpr std::size_t kSize02 = offsetof(tandem_ring_attention_args_t, cuda_stream) + sizeof(void*);
-  if (args == nullptr || args->struct_size < kSize02) {
-    return record(ErrorCode::kInvalidArgument,
-                  "args is NULL or args->struct_size is smaller than the 0.2 tandem_ring_attention_args_t; set "
-                  "struct_size = sizeof(tandem_ring_attention_args_t)");
-  }
-  const auto has = [&](std::size_t offset, std::size_t bytes) { return args->struct_size >= offset + bytes; };
-  const tandem_tensor_t lse = has(offsetof(tandem_ring_attention_args_t, lse), sizeof(tandem_tensor_t))
-                                  ? args->lse
-                                  : tandem_tensor_t{nullptr, 0};
-  const tandem_attention_layout_t layout =
-      has(offsetof(tandem_ring_attention_args_t, layout), sizeof(tandem_attention_layout_t))
-          ? args->layout
-          : TANDEM_ATTENTION_CONTIGUOUS;
-  if (layout != TANDEM_ATTENTION_CONTIGUOUS && layout != TANDEM_ATTENTION_ZIGZAG) {
-    return record(ErrorCode::kInvalidArgument,
-                  "tandem_ring_attention: layout " + std::to_string(static_cast<int>(layout)) +
-                      " is unknown; pass TANDEM_ATTENTION_CONTIGUOUS (0) or TANDEM_ATTENTION_ZIGZAG (1)");
-  }
-  auto desc = descriptor(tandem::OpKind::kRingAttention, args->dtype);
-  desc.dims[0] = args->seq, desc.dims[1] = args->heads, desc.dims[2] = args->head_dim;
-  desc.flags = static_cast<uint16_t>((args->causal ? tandem::kFlagCausal : 0) |
-                                     (layout == TANDEM_ATTENTION_ZIGZAG ? tandem::kFlagZigzag : 0));
-  desc.scale = args->scale;
-  return submitOp("tandem_ring_attention", comm, desc, {args->q, args->k, args->v, args->out, lse}, op,
-                  args->cuda_stream);
+  return submitArgs(tandem::OpKind::kRingAttention, comm, args, op);
 }
 
 tandem_status_t tandem_allgather(tandem_comm_t comm, const tandem_allgather_args_t* args, tandem_op_t* op) {
-  TANDEM_CHECK_ARGS(args, tandem_allgather_args_t)
-  auto desc = descriptor(tandem::OpKind::kAllGather, TANDEM_DTYPE_INVALID);
-  desc.dims[0] = args->bytes;
-  return submitOp("tandem_allgather", comm, desc, {args->send, args->recv}, op, args->cuda_stream);
+  return submitArgs(tandem::OpKind::kAllGather, comm, args, op);
 }
 
 tandem_status_t tandem_barrier_stream(tandem_comm_t comm, const tandem_barrier_args_t* args, tandem_op_t* op) {
-  TANDEM_CHECK_ARGS(args, tandem_barrier_args_t)
-  return submitOp("tandem_barrier_stream", comm, descriptor(tandem::OpKind::kNop, TANDEM_DTYPE_INVALID), {}, op,
-                  args->cuda_stream);
+  return submitArgs(tandem::OpKind::kNop, comm, args, op);
 }
 
 tandem_status_t tandem_barrier(tandem_comm_t comm, tandem_op_t* op) {

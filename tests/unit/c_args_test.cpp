@@ -1,0 +1,198 @@
+// The C entry points read their argument structs through the op table (client/src/c_args.hpp). For every op of the
+// table: a struct filled with distinct values unpacks to exactly what a hand-written copy of each field gives.
+#include <doctest/doctest.h>
+
+#include <cstddef>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "c_args.hpp"
+#include "tandem/common/error.hpp"
+#include "tandem/common/op_spec.hpp"
+
+namespace {
+
+using tandem::OpKind;
+using tandem::client::CArgs;
+
+// A fake buffer handle: unpacking only copies it.
+tandem_tensor_t tensor(int i) {
+  return {reinterpret_cast<tandem_buffer_t>(static_cast<uintptr_t>(0x1000 + 0x100 * i)), uint64_t(7000 + i)};
+}
+void* stream() { return reinterpret_cast<void*>(uintptr_t{0xabcd00}); }
+
+// The field-by-field copy, written out per op: what the C entry points did by hand.
+CArgs expected(OpKind kind, tandem_dtype_t dtype, std::vector<uint64_t> dims, std::vector<tandem_tensor_t> tensors,
+               void* cudaStream, uint16_t flags = 0, float scale = 0) {
+  CArgs c;
+  c.desc.kind = kind;
+  c.desc.dtype = static_cast<tandem::DType>(dtype);
+  for (std::size_t i = 0; i < dims.size(); ++i) c.desc.dims[i] = dims[i];
+  for (std::size_t i = 0; i < tensors.size(); ++i) c.tensors[i] = tensors[i];
+  c.tensorCount = static_cast<uint8_t>(tensors.size());
+  c.desc.flags = flags;
+  c.desc.scale = scale;
+  c.stream = cudaStream;
+  return c;
+}
+
+struct Case {
+  std::function<CArgs()> unpack;  // fills the struct with distinct values and unpacks it
+  CArgs want;
+};
+
+template <typename T>
+T sized() {
+  T t{};
+  t.struct_size = sizeof t;
+  return t;
+}
+
+std::map<std::string, Case> cases() {
+  std::map<std::string, Case> m;
+  const auto unpack = [](OpKind k, const auto& a) { return tandem::client::unpackArgs(tandem::opSpec(k), &a); };
+  {
+    auto a = sized<tandem_ag_gemm_args_t>();
+    a.dtype = TANDEM_DTYPE_BF16, a.m = 11, a.n = 12, a.k = 13;
+    a.a = tensor(0), a.b = tensor(1), a.c = tensor(2), a.a_gathered = tensor(3), a.cuda_stream = stream();
+    m["tandem_ag_gemm_args_t"] = {[=] { return unpack(OpKind::kAgGemm, a); },
+                                  expected(OpKind::kAgGemm, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c, a.a_gathered},
+                                           a.cuda_stream)};
+  }
+  {
+    auto a = sized<tandem_gemm_rs_args_t>();
+    a.dtype = TANDEM_DTYPE_FP16, a.m = 21, a.n = 22, a.k = 23;
+    a.a = tensor(4), a.b = tensor(5), a.c = tensor(6), a.cuda_stream = stream();
+    m["tandem_gemm_rs_args_t"] = {[=] { return unpack(OpKind::kGemmRs, a); },
+                                  expected(OpKind::kGemmRs, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c}, a.cuda_stream)};
+  }
+  {
+    auto a = sized<tandem_gemm_ar_args_t>();
+    a.dtype = TANDEM_DTYPE_FP32, a.m = 31, a.n = 32, a.k = 33;
+    a.a = tensor(7), a.b = tensor(8), a.c = tensor(9), a.cuda_stream = stream();
+    m["tandem_gemm_ar_args_t"] = {[=] { return unpack(OpKind::kGemmAr, a); },
+                                  expected(OpKind::kGemmAr, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c}, a.cuda_stream)};
+  }
+  {
+    auto a = sized<tandem_moe_dispatch_gemm_args_t>();
+    a.dtype = TANDEM_DTYPE_BF16, a.tokens = 41, a.hidden = 42, a.n_out = 43, a.experts = 44, a.topk = 45,
+    a.capacity = 46;
+    a.x = tensor(10), a.topk_ids = tensor(11), a.topk_weights = tensor(12), a.w = tensor(13), a.out = tensor(14),
+    a.row_info = tensor(15), a.expert_counts = tensor(16), a.cuda_stream = stream();
+    m["tandem_moe_dispatch_gemm_args_t"] = {
+        [=] { return unpack(OpKind::kMoeDispatchGemm, a); },
+        expected(OpKind::kMoeDispatchGemm, a.dtype, {a.tokens, a.hidden, a.n_out, a.experts, a.topk, a.capacity},
+                 {a.x, a.topk_ids, a.topk_weights, a.w, a.out, a.row_info, a.expert_counts}, a.cuda_stream)};
+  }
+  {
+    auto a = sized<tandem_moe_ffn_args_t>();
+    a.dtype = TANDEM_DTYPE_FP16, a.tokens = 51, a.hidden = 52, a.ffn = 53, a.experts = 54, a.topk = 55;
+    a.x = tensor(17), a.topk_ids = tensor(18), a.topk_weights = tensor(19), a.w1 = tensor(20), a.w2 = tensor(21),
+    a.out = tensor(22), a.cuda_stream = stream();
+    m["tandem_moe_ffn_args_t"] = {
+        [=] { return unpack(OpKind::kMoeDispatchFfnCombine, a); },
+        expected(OpKind::kMoeDispatchFfnCombine, a.dtype, {a.tokens, a.hidden, a.ffn, a.experts, a.topk},
+                 {a.x, a.topk_ids, a.topk_weights, a.w1, a.w2, a.out}, a.cuda_stream)};
+  }
+  {
+    auto a = sized<tandem_ring_attention_args_t>();
+    a.dtype = TANDEM_DTYPE_BF16, a.seq = 61, a.heads = 62, a.head_dim = 63, a.causal = 5, a.scale = 0.375F;
+    a.q = tensor(23), a.k = tensor(24), a.v = tensor(25), a.out = tensor(26), a.cuda_stream = stream();
+    a.lse = tensor(27), a.layout = TANDEM_ATTENTION_ZIGZAG;
+    m["tandem_ring_attention_args_t"] = {
+        [=] { return unpack(OpKind::kRingAttention, a); },
+        expected(OpKind::kRingAttention, a.dtype, {a.seq, a.heads, a.head_dim}, {a.q, a.k, a.v, a.out, a.lse},
+                 a.cuda_stream, tandem::kFlagCausal | tandem::kFlagZigzag, a.scale)};
+  }
+  {
+    auto a = sized<tandem_allgather_args_t>();
+    a.send = tensor(28), a.recv = tensor(29), a.bytes = 71, a.cuda_stream = stream();
+    m["tandem_allgather_args_t"] = {
+        [=] { return unpack(OpKind::kAllGather, a); },
+        expected(OpKind::kAllGather, TANDEM_DTYPE_INVALID, {a.bytes}, {a.send, a.recv}, a.cuda_stream)};
+  }
+  {
+    auto a = sized<tandem_barrier_args_t>();
+    a.cuda_stream = stream();
+    m["tandem_barrier_args_t"] = {[=] { return unpack(OpKind::kNop, a); },
+                                  expected(OpKind::kNop, TANDEM_DTYPE_INVALID, {}, {}, a.cuda_stream)};
+  }
+  return m;
+}
+
+void checkSame(const CArgs& got, const CArgs& want) {
+  CHECK(got.desc.kind == want.desc.kind);
+  CHECK(got.desc.dtype == want.desc.dtype);
+  CHECK(got.desc.flags == want.desc.flags);
+  CHECK(got.desc.scale == want.desc.scale);
+  CHECK(got.desc.dims == want.desc.dims);
+  CHECK(got.stream == want.stream);
+  REQUIRE(got.tensorCount == want.tensorCount);
+  for (std::size_t i = 0; i < got.tensors.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got.tensors[i].buffer == want.tensors[i].buffer);
+    CHECK(got.tensors[i].offset == want.tensors[i].offset);
+  }
+}
+
+std::string messageOf(const std::function<CArgs()>& f) {
+  try {
+    f();
+  } catch (const tandem::Error& e) {
+    CHECK(e.code() == tandem::ErrorCode::kInvalidArgument);
+    return e.what();
+  }
+  FAIL("no error");
+  return {};
+}
+
+TEST_CASE("capi args: the C argument structs unpack through the op table as the field-by-field copy does") {
+  const auto all = cases();
+  for (const tandem::OpSpec& op : tandem::ops()) {
+    CAPTURE(op.name);
+    const auto it = all.find(std::string(op.cStruct));
+    REQUIRE_MESSAGE(it != all.end(), "c_args_test's cases() has no entry for ", op.cStruct,
+                    ": fill its struct and write its field-by-field copy");
+    checkSame(it->second.unpack(), it->second.want);
+  }
+}
+
+TEST_CASE("capi args: struct_size, NULL and enum rules") {
+  const tandem::OpSpec& ag = tandem::opSpec(OpKind::kAgGemm);
+  const tandem::OpSpec& ra = tandem::opSpec(OpKind::kRingAttention);
+  CHECK(messageOf([&] { return tandem::client::unpackArgs(ag, nullptr); }) ==
+        "args is NULL or args->struct_size is not sizeof(tandem_ag_gemm_args_t)");
+  auto g = sized<tandem_ag_gemm_args_t>();
+  g.struct_size = sizeof g - 1;
+  CHECK(messageOf([&] { return tandem::client::unpackArgs(ag, &g); }) ==
+        "args is NULL or args->struct_size is not sizeof(tandem_ag_gemm_args_t)");
+
+  // A caller built against the struct that ended at cuda_stream: no lse, contiguous, whatever lies beyond.
+  auto a = sized<tandem_ring_attention_args_t>();
+  a.dtype = TANDEM_DTYPE_BF16, a.seq = 8, a.heads = 2, a.head_dim = 16, a.causal = 1;
+  a.q = tensor(1), a.lse = tensor(5), a.layout = TANDEM_ATTENTION_ZIGZAG, a.cuda_stream = stream();
+  a.struct_size = offsetof(tandem_ring_attention_args_t, cuda_stream) + sizeof(void*);
+  const CArgs old = tandem::client::unpackArgs(ra, &a);
+  CHECK(old.desc.flags == tandem::kFlagCausal);
+  CHECK(old.tensors[4].buffer == nullptr);
+  CHECK(old.tensors[4].offset == 0);
+  CHECK(old.stream == stream());
+  // lse covered, layout not.
+  a.struct_size = offsetof(tandem_ring_attention_args_t, layout);
+  const CArgs mid = tandem::client::unpackArgs(ra, &a);
+  CHECK(mid.tensors[4].buffer == a.lse.buffer);
+  CHECK(mid.desc.flags == tandem::kFlagCausal);
+  a.struct_size -= sizeof(tandem_tensor_t) + sizeof(void*);
+  CHECK(messageOf([&] { return tandem::client::unpackArgs(ra, &a); }) ==
+        "args is NULL or args->struct_size is smaller than the 0.2 tandem_ring_attention_args_t; set struct_size = "
+        "sizeof(tandem_ring_attention_args_t)");
+  a.struct_size = sizeof a;
+  a.layout = static_cast<tandem_attention_layout_t>(7);
+  CHECK(messageOf([&] { return tandem::client::unpackArgs(ra, &a); }) ==
+        "tandem_ring_attention: layout 7 is unknown; pass TANDEM_ATTENTION_CONTIGUOUS (0) or TANDEM_ATTENTION_ZIGZAG "
+        "(1)");
+}
+
+}  // namespace
