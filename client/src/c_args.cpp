@@ -8,19 +8,6 @@
 namespace tandem::client {
 namespace {
 
-// Bytes of one field, as cArgsLayout lays it out.
-std::size_t fieldBytes(CField::Kind kind) {
-  switch (kind) {
-    case CField::Kind::kDtype:
-    case CField::Kind::kFlag:
-    case CField::Kind::kScale: return 4;
-    case CField::Kind::kDim:
-    case CField::Kind::kStream: return 8;
-    case CField::Kind::kTensor: return sizeof(tandem_tensor_t);
-  }
-  return 0;
-}
-
 template <typename T>
 T read(const void* args, std::size_t offset) {
   T v;
@@ -38,7 +25,7 @@ CArgs unpackArgs(const OpSpec& spec, const void* args) {
   for (int f = 0; f < spec.cFieldCount; ++f) {
     const auto i = static_cast<std::size_t>(f);
     if (spec.cFields[i].kind == CField::Kind::kStream) {
-      required = layout.offsets[i] + fieldBytes(CField::Kind::kStream);
+      required = layout.offsets[i] + cFieldBytes(CField::Kind::kStream);
       appended = f + 1 < spec.cFieldCount;
     }
   }
@@ -58,7 +45,7 @@ CArgs unpackArgs(const OpSpec& spec, const void* args) {
   for (int f = 0; f < spec.cFieldCount; ++f) {
     const CField& cf = spec.cFields[static_cast<std::size_t>(f)];
     const std::size_t at = layout.offsets[static_cast<std::size_t>(f)];
-    if (structSize < at + fieldBytes(cf.kind)) continue;  // appended after the caller's version: 0, absent
+    if (structSize < at + cFieldBytes(cf.kind)) continue;  // appended after the caller's version: 0, absent
     switch (cf.kind) {
       case CField::Kind::kDtype: out.desc.dtype = static_cast<DType>(read<tandem_dtype_t>(args, at)); break;
       case CField::Kind::kDim: out.desc.dims[cf.index] = read<uint64_t>(args, at); break;

@@ -301,20 +301,24 @@ OpSet OpSet::all() {
   return s;
 }
 
+std::size_t cFieldBytes(CField::Kind kind) {
+  switch (kind) {
+    case CField::Kind::kDtype:
+    case CField::Kind::kFlag:
+    case CField::Kind::kScale: return 4;
+    case CField::Kind::kDim:
+    case CField::Kind::kStream: return 8;  // uint64_t dims and pointers
+    case CField::Kind::kTensor: return 16;  // tandem_tensor_t: a pointer-aligned handle and offset
+  }
+  return 8;
+}
+
 CArgsLayout cArgsLayout(const OpSpec& spec) {
   CArgsLayout l;
   std::size_t at = sizeof(uint64_t);  // size_t struct_size
   std::size_t align = alignof(uint64_t);
   for (int i = 0; i < spec.cFieldCount; ++i) {
-    std::size_t size = 8;  // uint64_t dims, pointers, and tandem_tensor_t's pointer-aligned 16 bytes below
-    switch (spec.cFields[static_cast<std::size_t>(i)].kind) {
-      case CField::Kind::kDtype:
-      case CField::Kind::kFlag:
-      case CField::Kind::kScale: size = 4; break;
-      case CField::Kind::kDim:
-      case CField::Kind::kStream: break;
-      case CField::Kind::kTensor: size = 16; break;
-    }
+    const std::size_t size = cFieldBytes(spec.cFields[static_cast<std::size_t>(i)].kind);
     const std::size_t fieldAlign = size == 4 ? 4 : 8;
     at = (at + fieldAlign - 1) / fieldAlign * fieldAlign;
     l.offsets[static_cast<std::size_t>(i)] = static_cast<uint16_t>(at);

@@ -346,7 +346,7 @@ TEST_CASE("moe ops, client executor: a bad expert id fails every rank's op namin
 }
 
 TEST_CASE("moe ops, daemon executor (MPS): a bad expert id fails every rank's op naming it and writes nothing; the "
-          "next op runs" * doctest::test_suite(kNeedsMps)) {
+          "next op runs" * doctest::test_suite(kNeedsMpsTwoGpus)) {
   if (skipWithoutMps()) return;
   if (ranksFor("daemon", 2) < 2) return skipCase("the daemon executor runs one rank per GPU: this case needs 2 GPUs");
   runBadExpertId("daemon");

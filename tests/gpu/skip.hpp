@@ -12,6 +12,7 @@ namespace tandem::gputest {
 // Doctest test suites of the cases with a precondition; tandem_add_gpu_test (CMakeLists.txt) names the same ones.
 inline constexpr const char* kNeedsMps = "mps";       // the daemon executor (one persistent kernel per GPU under MPS)
 inline constexpr const char* kNeedsNoMps = "no_mps";  // a kill mid-kernel, or the refusal without MPS
+inline constexpr const char* kNeedsMpsTwoGpus = "mps_two_gpus";  // the daemon executor with 2 ranks: one per GPU
 
 // Records the running case as skipped and prints why (once per case, whatever its subcases). The caller returns.
 void skipCase(const std::string& reason);

@@ -148,6 +148,8 @@ uint64_t slotElements(const OpSpec& spec, int s, const OpDescriptor& d, bool* ov
 std::size_t elementSize(ElementType type, DType dtype);
 // Each field's offset in the op's C argument struct, and its size.
 CArgsLayout cArgsLayout(const OpSpec& spec);
+// The bytes one C argument field of this kind takes in its struct (cArgsLayout's sizes).
+std::size_t cFieldBytes(CField::Kind kind);
 // Every op of the table as JSON, for bindings that build themselves from it (Python): names, dims, slots with their
 // extents and axes, flags, the C struct's fields with their offsets, the cross-node rule. tandem_op_table() returns it.
 std::string opTableJson();
