@@ -272,6 +272,11 @@ void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const Fus
     fail(ErrorCode::kUnsupported, "{}: the cuda backend's GEMM kernels take bf16 or fp16, not {}; convert the "
          "tensors, or run {} on a tandemd with daemon.backend: cpu", op, dtypeName(d.dtype), dtypeName(d.dtype));
   }
+  if (const GemmOperands layout = gemmOperandsOf(d.flags); layout != GemmOperands::kNT) {
+    fail(ErrorCode::kUnsupported, "{}: layout {} is not on the cuda backend's fused kernels yet (they take NT "
+         "operands); transpose the operands to NT, or run it on a tandemd with daemon.backend: cpu", op,
+         gemmLayoutName(layout));
+  }
   const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], kk = d.dims[dim::kK];
   if (n % 8 != 0) {
     fail(ErrorCode::kInvalidArgument, "{}: n = {} is not a multiple of 8; the cuda backend's kernels move whole "

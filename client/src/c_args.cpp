@@ -51,12 +51,12 @@ CArgs unpackArgs(const OpSpec& spec, const void* args) {
       case CField::Kind::kDim: out.desc.dims[cf.index] = read<uint64_t>(args, at); break;
       case CField::Kind::kFlag: {
         const int v = read<int>(args, at);
-        // The one enum field the table knows is ring attention's layout (op_spec.cpp's resolve): 0 or 1.
-        if (cf.isEnum && v != TANDEM_ATTENTION_CONTIGUOUS && v != TANDEM_ATTENTION_ZIGZAG) {
-          fail(ErrorCode::kInvalidArgument, "{}: {} {} is unknown; pass TANDEM_ATTENTION_CONTIGUOUS (0) or "
-               "TANDEM_ATTENTION_ZIGZAG (1)", spec.cArgsFunction, cf.name, v);
+        if (cf.isEnum && (v < 0 || v > cf.maxValue)) {
+          fail(ErrorCode::kInvalidArgument, "{}: {} {} is unknown; pass {}", spec.cArgsFunction, cf.name, v,
+               cf.values);
         }
-        if (v != 0) out.desc.flags = static_cast<uint16_t>(out.desc.flags | (1U << cf.index));
+        const unsigned bits = cf.isEnum ? static_cast<unsigned>(v) : (v != 0 ? 1U : 0U);
+        out.desc.flags = static_cast<uint16_t>(out.desc.flags | (bits << cf.index));
         break;
       }
       case CField::Kind::kScale: out.desc.scale = read<float>(args, at); break;

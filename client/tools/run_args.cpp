@@ -121,6 +121,7 @@ std::vector<std::string> optionsOf(const OpSpec& op) {
   if (op.typed) out.emplace_back("dtype");
   if ((op.flags & kFlagCausal) != 0) out.emplace_back("causal");
   if ((op.flags & kFlagZigzag) != 0) out.emplace_back("zigzag");
+  if ((op.flags & kFlagGemmLayout) != 0) out.emplace_back("layout");
   return out;
 }
 
@@ -211,6 +212,7 @@ std::vector<std::string> rankArgs(const RunOptions& o) {
   if (op.typed) a.insert(a.end(), {"--dtype", o.dtype});
   if ((op.flags & kFlagCausal) != 0) a.emplace_back(o.shape.causal ? "--causal" : "--no-causal");
   if ((op.flags & kFlagZigzag) != 0) a.emplace_back(o.shape.zigzag ? "--zigzag" : "--contiguous");
+  if ((op.flags & kFlagGemmLayout) != 0) a.insert(a.end(), {"--layout", std::string(gemmLayoutName(o.shape.layout))});
   a.insert(a.end(), {"--iters", std::to_string(o.iters), "--warmup", std::to_string(o.warmup), "--seed",
                      std::to_string(o.seed), "--timeout-ms", std::to_string(o.timeoutMs), "--id", o.idHex});
   if (o.check) a.emplace_back("--check");

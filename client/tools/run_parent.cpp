@@ -403,6 +403,7 @@ int runParent(const RunOptions& o, const std::string& socket) {
   }
   if ((o.op->flags & kFlagCausal) != 0) shape["causal"] = o.shape.causal;
   if ((o.op->flags & kFlagZigzag) != 0) shape["zigzag"] = o.shape.zigzag;
+  if ((o.op->flags & kFlagGemmLayout) != 0) shape["layout"] = gemmLayoutName(o.shape.layout);
   summary["shape"] = shape;
   // The plan as libtandem names it (one per rank; usually the same).
   std::map<std::string, std::vector<uint32_t>> plans;

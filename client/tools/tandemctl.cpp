@@ -110,6 +110,14 @@ int main(int argc, char** argv) {
   shapeFlags["zigzag"] = run->add_flag("--zigzag,!--contiguous", o.shape.zigzag,
                                        "ring attention: zigzag layout, rank r holding chunks r and 2n-1-r (default: "
                                        "contiguous)");
+  shapeFlags["layout"] =
+      run->add_option("--layout", o.shape.layout,
+                      "ag-gemm, gemm-rs, gemm-ar: how A and B are stored: nt (a [m,k], b [n,k]; the forward), nn "
+                      "(b [k,n]; the input gradient) or tn (a [k,m], b [k,n]; the weight gradient) (default: nt)")
+          ->transform(CLI::CheckedTransformer(
+              std::map<std::string, tandem::GemmOperands>{
+                  {"nt", tandem::GemmOperands::kNT}, {"nn", tandem::GemmOperands::kNN}, {"tn", tandem::GemmOperands::kTN}},
+              CLI::ignore_case));
   shapeFlags["dtype"] = run->add_option("--dtype", o.dtype, "bf16 | fp16 | fp32")->check(CLI::IsMember(kDtypes));
   run->add_flag("--check", o.check,
                 "check every local rank's outputs: against the fp64 host reference (each rank regenerates the inputs "

@@ -6,6 +6,15 @@ namespace tandem {
 
 std::string_view opKindName(OpKind kind) { return knownOp(kind) ? opSpec(kind).name : "invalid"; }
 
+std::string_view gemmLayoutName(GemmOperands layout) {
+  switch (layout) {
+    case GemmOperands::kNT: return "nt";
+    case GemmOperands::kNN: return "nn";
+    case GemmOperands::kTN: return "tn";
+  }
+  return "invalid";
+}
+
 std::string_view dtypeName(DType dtype) {
   switch (dtype) {
     case DType::kF32: return "fp32";

@@ -47,10 +47,6 @@ struct Builder {
     s.typed = false;
     return *this;
   }
-  Builder& flags(uint16_t f) {
-    s.flags = f;
-    return *this;
-  }
   Builder& scale() {
     s.scale = true;
     return *this;
@@ -67,6 +63,21 @@ struct Builder {
   // The last slot's axes, as Python shapes it (SlotSpec::axes).
   Builder& axes(std::array<uint8_t, 4> a) {
     s.slots[s.slotCount - 1U].axes = a;
+    return *this;
+  }
+  // The last slot is a GEMM operand the layout flag may transpose (SlotSpec::operand).
+  Builder& operand(SlotSpec::Operand o, std::string_view shapeTransposed) {
+    SlotSpec& sl = s.slots[s.slotCount - 1U];
+    sl.operand = o;
+    sl.shapeTransposed = shapeTransposed;
+    return *this;
+  }
+  // A flag field of the C struct: `name` fills flag bits [bit, bit + bits). An enum (values non-empty) takes
+  // 0..maxValue, named by `values` in messages; otherwise a boolean int sets the one bit.
+  Builder& flagField(std::string_view name, uint8_t bit, uint8_t bits = 1, uint8_t maxValue = 1,
+                     std::string_view values = {}) {
+    flagFields_[flagFieldCount_++] = CField{CField::Kind::kFlag, bit, name, !values.empty(), bits, maxValue, values};
+    for (uint8_t b = 0; b < bits; ++b) s.flags = static_cast<uint16_t>(s.flags | (1U << (bit + b)));
     return *this;
   }
   Builder& readsVerdict() {
@@ -100,8 +111,9 @@ struct Builder {
     if (f == "dtype") return {K::kDtype, 0, f};
     if (f == "cuda_stream") return {K::kStream, 0, f};
     if (f == "scale") return {K::kScale, 0, f};
-    if (f == "causal") return {K::kFlag, 0, f};        // kFlagCausal
-    if (f == "layout") return {K::kFlag, 1, f, true};  // kFlagZigzag: TANDEM_ATTENTION_ZIGZAG
+    for (uint8_t i = 0; i < flagFieldCount_; ++i) {
+      if (flagFields_[i].name == f) return flagFields_[i];
+    }
     for (uint8_t i = 0; i < s.dimCount; ++i) {
       if (s.dims[i].name == f) return {K::kDim, i, f};
     }
@@ -110,7 +122,12 @@ struct Builder {
     }
     fail(ErrorCode::kInternal, "op table: {}'s C field {} is no dim, slot or known field", s.name, f);
   }
+  std::array<CField, 4> flagFields_{};
+  uint8_t flagFieldCount_ = 0;
 };
+
+// tandem_gemm_layout_t, in flags bits 2-3 (descriptor.hpp's GemmOperands).
+constexpr std::string_view kGemmLayoutValues = "TANDEM_GEMM_NT (0), TANDEM_GEMM_NN (1) or TANDEM_GEMM_TN (2)";
 
 void checkMoe(const OpDescriptor& d) {
   const std::string_view kind = opKindName(d.kind);
@@ -137,15 +154,22 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
   std::array<OpSpec, kOpKindCount - 1> t{};
   auto put = [&t](const Builder& b) { t[static_cast<std::size_t>(b.s.kind) - 1] = b.s; };
 
-  put(Builder(OpKind::kAgGemm, "ag-gemm", "tandem_ag_gemm", "AllGather + GEMM: A sharded by rows, C = gather(A) * B^T")
+  using Op = SlotSpec::Operand;
+  put(Builder(OpKind::kAgGemm, "ag-gemm", "tandem_ag_gemm",
+              "AllGather + GEMM: A sharded by rows, C = gather(A) * B^T (or * B, A^T * B by layout)")
           .dim("m", "m").dim("n", "n").dim("k", "k")
           .slot("a", D, {shardT(d::kM), dimT(d::kK)}, "this rank's shard [rows_of(m, rank, nranks), k]")
+          .operand(Op::kA, "this rank's shard [k, rows_of(m, rank, nranks)] (layout TN)")
           .slot("b", D, {dimT(d::kN), dimT(d::kK)}, "[n, k]")
+          .operand(Op::kB, "[k, n] (layout NN or TN)")
           .slot("c", D, {dimT(d::kM), dimT(d::kN)}, "[m, n]", true)
-          .slot("a_gathered", D, {dimT(d::kM), dimT(d::kK)}, "[m, k]", true, true)
+          .slot("a_gathered", D, {dimT(d::kM), dimT(d::kK)}, "[m, k] (layout TN: the shards [k, rows] in rank order)",
+                true, true)
+          .flagField("layout", kGemmLayoutShift, 2, 2, kGemmLayoutValues)
           .crossNode(CrossNode::kGather, slot::kA)
           .deviceError(ErrorCode::kTimeout)
-          .c("tandem_ag_gemm_args_t", "ag_gemm", "dtype m n k a b c a_gathered cuda_stream"));
+          // layout comes after cuda_stream: it was appended to the struct after 0.2.x.
+          .c("tandem_ag_gemm_args_t", "ag_gemm", "dtype m n k a b c a_gathered cuda_stream layout"));
   for (const bool ar : {false, true}) {
     Builder b(ar ? OpKind::kGemmAr : OpKind::kGemmRs, ar ? "gemm-ar" : "gemm-rs",
               ar ? "tandem_gemm_ar" : "tandem_gemm_rs",
@@ -153,7 +177,10 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
                  : "GEMM + ReduceScatter: K split over ranks, rank r gets its rows of the sum");
     b.dim("m", "m").dim("n", "n").dim("k", "k", kSplit)
         .slot("a", D, {dimT(d::kM), dimT(d::kK)}, "[m, k] (k: this rank's slice)")
-        .slot("b", D, {dimT(d::kN), dimT(d::kK)}, "[n, k] (k: this rank's slice)");
+        .operand(Op::kA, "[k, m] (layout TN; k: this rank's slice)")
+        .slot("b", D, {dimT(d::kN), dimT(d::kK)}, "[n, k] (k: this rank's slice)")
+        .operand(Op::kB, "[k, n] (layout NN or TN; k: this rank's slice)")
+        .flagField("layout", kGemmLayoutShift, 2, 2, kGemmLayoutValues);
     if (ar) {
       b.slot("c", D, {dimT(d::kM), dimT(d::kN)}, "[m, n]", true).crossNode(CrossNode::kAllReduce, slot::kC);
     } else {
@@ -162,7 +189,7 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
     }
     b.deviceError(ErrorCode::kTimeout)
         .c(ar ? "tandem_gemm_ar_args_t" : "tandem_gemm_rs_args_t", ar ? "gemm_ar" : "gemm_rs",
-           "dtype m n k a b c cuda_stream");
+           "dtype m n k a b c cuda_stream layout");
     put(b);
   }
   // MoE: tandemctl's --m is tokens per rank, --k the hidden size and --n the output (or ffn) width.
@@ -212,7 +239,8 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
             .slot("v", D, qkv, "[seq, heads, head_dim]")
             .slot("out", D, qkv, "[seq, heads, head_dim]", true)
             .slot("lse", F32, {dimT(d::kHeads), dimT(d::kSeq)}, "[heads, seq] fp32", true, true)
-            .flags(kFlagCausal | kFlagZigzag)
+            .flagField("causal", 0)
+            .flagField("layout", 1, 1, 1, "TANDEM_ATTENTION_CONTIGUOUS (0) or TANDEM_ATTENTION_ZIGZAG (1)")
             .scale()
             .crossNode(CrossNode::kReplicate)
             .deviceError(ErrorCode::kTimeout)
@@ -263,6 +291,15 @@ const OpSpec* findOp(std::string_view name) {
     if (s.name == name) return &s;
   }
   return name == "nop" ? &table()[static_cast<std::size_t>(OpKind::kNop) - 1] : nullptr;
+}
+
+bool slotTransposed(const SlotSpec& s, uint16_t flags) {
+  switch (s.operand) {
+    case SlotSpec::Operand::kA: return aTransposed(gemmOperandsOf(flags));
+    case SlotSpec::Operand::kB: return !bKMajor(gemmOperandsOf(flags));
+    case SlotSpec::Operand::kNone: return false;
+  }
+  return false;
 }
 
 std::size_t elementSize(ElementType type, DType dtype) {
@@ -359,7 +396,11 @@ std::string opTableJson() {
       if (axes.empty()) axes = json(std::vector<int>(sl.termCount, 1));
       slots.push_back({{"name", sl.name}, {"type", kElementTypes[static_cast<std::size_t>(sl.type)]},
                        {"terms", terms}, {"axes", axes}, {"shape", sl.shape}, {"output", sl.output},
-                       {"optional", sl.optional}});
+                       {"optional", sl.optional},
+                       {"operand", sl.operand == SlotSpec::Operand::kA   ? "a"
+                                   : sl.operand == SlotSpec::Operand::kB ? "b"
+                                                                         : ""},
+                       {"shape_transposed", sl.shapeTransposed}});
     }
     const CArgsLayout layout = cArgsLayout(op);
     json fields = json::array();
@@ -367,7 +408,7 @@ std::string opTableJson() {
       const CField& cf = op.cFields[static_cast<std::size_t>(f)];
       fields.push_back({{"name", cf.name}, {"kind", kFieldKinds[static_cast<std::size_t>(cf.kind)]},
                         {"index", cf.index}, {"offset", layout.offsets[static_cast<std::size_t>(f)]},
-                        {"enum", cf.isEnum}});
+                        {"enum", cf.isEnum}, {"bits", cf.bits}, {"max", cf.maxValue}, {"values", cf.values}});
     }
     ops.push_back({{"kind", static_cast<int>(op.kind)}, {"name", op.name}, {"py_name", op.pyName},
                    {"c_function", op.cArgsFunction}, {"c_struct", op.cStruct}, {"struct_size", layout.size},

@@ -88,18 +88,31 @@ using In = std::span<const std::array<const std::byte*, kMaxOpBuffers>>;
 constexpr int64_t kAll = -1;
 bool wanted(int64_t only, uint32_t r) { return only == kAll || only == int64_t{r}; }
 
+// A GEMM operand as [rows, k] (K-major), from its storage: [k, rows] when `transposed` (kFlagGemmLayout).
+std::vector<double> loadKMajor(const std::byte* p, DType t, uint64_t rows, uint64_t k, bool transposed) {
+  std::vector<double> v = load(p, t, rows * k);
+  if (!transposed) return v;
+  std::vector<double> out(rows * k);
+  for (uint64_t i = 0; i < rows; ++i)
+    for (uint64_t p2 = 0; p2 < k; ++p2) out[i * k + p2] = v[p2 * rows + i];
+  return out;
+}
+
 void agGemm(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const uint64_t M = descs[0].dims[dim::kM], N = descs[0].dims[dim::kN], K = descs[0].dims[dim::kK];
-  std::vector<double> a(M * K);
+  const GemmOperands layout = gemmOperandsOf(descs[0].flags);
+  std::vector<double> a(M * K), gathered(M * K);  // op(A) [M, K]; the shards as stored, in rank order
   for (uint32_t r = 0; r < n; ++r) {
     const uint64_t rows = rowsOf(M, r, n), first = rowOffset(M, r, n);
-    const std::vector<double> shard = load(in[r][slot::kA], descs[r].dtype, rows * K);
+    const std::vector<double> shard = loadKMajor(in[r][slot::kA], descs[r].dtype, rows, K, aTransposed(layout));
     std::copy(shard.begin(), shard.end(), a.begin() + static_cast<std::ptrdiff_t>(first * K));
+    const std::vector<double> stored = load(in[r][slot::kA], descs[r].dtype, rows * K);
+    std::copy(stored.begin(), stored.end(), gathered.begin() + static_cast<std::ptrdiff_t>(first * K));
   }
   for (uint32_t r = 0; r < n; ++r) {
     if (!wanted(only, r)) continue;
-    const std::vector<double> b = load(in[r][slot::kB], descs[r].dtype, N * K);
+    const std::vector<double> b = loadKMajor(in[r][slot::kB], descs[r].dtype, N, K, !bKMajor(layout));
     std::vector<double> c(M * N);
     for (uint64_t i = 0; i < M; ++i)
       for (uint64_t j = 0; j < N; ++j) {
@@ -108,18 +121,19 @@ void agGemm(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t o
         c[i * N + j] = sum;
       }
     out[r][slot::kC] = std::move(c);
-    if (present(descs[r], slot::kAGathered)) out[r][slot::kAGathered] = a;
+    if (present(descs[r], slot::kAGathered)) out[r][slot::kAGathered] = gathered;
   }
 }
 
 void gemmReduce(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const uint64_t M = descs[0].dims[dim::kM], N = descs[0].dims[dim::kN];
+  const GemmOperands layout = gemmOperandsOf(descs[0].flags);
   std::vector<double> c(M * N, 0.0);
   for (uint32_t r = 0; r < n; ++r) {
     const uint64_t K = descs[r].dims[dim::kK];
-    const std::vector<double> a = load(in[r][slot::kA], descs[r].dtype, M * K);
-    const std::vector<double> b = load(in[r][slot::kB], descs[r].dtype, N * K);
+    const std::vector<double> a = loadKMajor(in[r][slot::kA], descs[r].dtype, M, K, aTransposed(layout));
+    const std::vector<double> b = loadKMajor(in[r][slot::kB], descs[r].dtype, N, K, !bKMajor(layout));
     for (uint64_t i = 0; i < M; ++i)
       for (uint64_t j = 0; j < N; ++j)
         for (uint64_t p = 0; p < K; ++p) c[i * N + j] += a[i * K + p] * b[j * K + p];
@@ -374,6 +388,7 @@ OpDescriptor makeDescriptor(const OpShape& shape, uint32_t rank, uint32_t nranks
   d.nranks = nranks;
   if ((op.flags & kFlagCausal) != 0 && shape.causal) d.flags |= kFlagCausal;
   if ((op.flags & kFlagZigzag) != 0 && shape.zigzag) d.flags |= kFlagZigzag;
+  if ((op.flags & kFlagGemmLayout) != 0) d.flags |= gemmLayoutFlags(shape.layout);
   auto dimNamed = [&](std::string_view name) {
     for (int i = 0; i < op.dimCount; ++i) {
       if (op.dims[static_cast<std::size_t>(i)].name == name) return d.dims[static_cast<std::size_t>(i)];

@@ -87,9 +87,19 @@ void checkHeader(const OpDescriptor& d, std::string_view kind, const OpSpec& ks)
   }
   if ((d.flags & ~ks.flags) != 0) {
     fail(ErrorCode::kInvalidArgument,
-         "{}: flags 0x{:x} has bits 0x{:x} this op does not define; ring-attention takes only kFlagCausal (0x1) "
-         "and kFlagZigzag (0x2), other ops 0",
-         kind, d.flags, d.flags & ~ks.flags);
+         "{}: flags 0x{:x} has bits 0x{:x} this op does not define; it takes 0x{:x} (ring-attention kFlagCausal "
+         "and kFlagZigzag; the GEMM ops their layout, kFlagGemmLayout; other ops none)",
+         kind, d.flags, d.flags & ~ks.flags, ks.flags);
+  }
+  // Enum flag fields take only their named values (the C entry points check the same before packing).
+  for (int f = 0; f < ks.cFieldCount; ++f) {
+    const CField& cf = ks.cFields[static_cast<std::size_t>(f)];
+    if (cf.kind != CField::Kind::kFlag || !cf.isEnum) continue;
+    const unsigned v = (d.flags >> cf.index) & ((1U << cf.bits) - 1U);
+    if (v > cf.maxValue) {
+      fail(ErrorCode::kInvalidArgument, "{}: {} {} (flags 0x{:x}) is unknown; pass {}", kind, cf.name, v, d.flags,
+           cf.values);
+    }
   }
   if (d.nranks == 0 || d.nranks > kMaxRanks) {
     fail(ErrorCode::kInvalidArgument, "{}: nranks {} is out of range; a communicator has 1..{} ranks", kind, d.nranks,
@@ -179,6 +189,7 @@ void checkBuffers(const OpDescriptor& d, const OpSpec& op, const SlotRules& rule
       continue;
     }
     const SlotSpec& s = op.slots[i];
+    const std::string_view shape = slotTransposed(s, d.flags) ? s.shapeTransposed : s.shape;
     const uint64_t bytes = rules[i].bytes;
     const std::size_t elementBytes = elementSize(s.type, d.dtype);
     if (b.bufferId == 0) {
@@ -187,13 +198,13 @@ void checkBuffers(const OpDescriptor& d, const OpSpec& op, const SlotRules& rule
           fail(ErrorCode::kInvalidArgument,
                "{}: buffer {} is absent (bufferId 0) but has offset {} and bytes {}; zero them, or pass the tensor "
                "of {}",
-               kind, s.name, b.offset, b.bytes, s.shape);
+               kind, s.name, b.offset, b.bytes, shape);
         }
         continue;
       }
       if (bytes != 0) {
         fail(ErrorCode::kInvalidArgument, "{}: buffer {} is absent (bufferId 0) but required; pass the tensor of {}",
-             kind, s.name, s.shape);
+             kind, s.name, shape);
       }
       // An empty extent (a rank that owns no rows) needs no memory; any bufferId, 0 included, is fine.
     }
@@ -201,7 +212,7 @@ void checkBuffers(const OpDescriptor& d, const OpSpec& op, const SlotRules& rule
       const std::vector<Factor> factors = factorsOf(op, s, d);
       fail(ErrorCode::kInvalidArgument, "{}: buffer {} claims {} bytes but {} = {} for {} [{}]; pass the tensor of {}",
            kind, s.name, b.bytes, factorExpr(factors, elementBytes), bytes, elementText(s, d.dtype),
-           factorValues(factors), s.shape);
+           factorValues(factors), shape);
     }
     if (b.offset % elementBytes != 0) {
       fail(ErrorCode::kInvalidArgument,

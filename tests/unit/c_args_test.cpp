@@ -57,23 +57,26 @@ std::map<std::string, Case> cases() {
     auto a = sized<tandem_ag_gemm_args_t>();
     a.dtype = TANDEM_DTYPE_BF16, a.m = 11, a.n = 12, a.k = 13;
     a.a = tensor(0), a.b = tensor(1), a.c = tensor(2), a.a_gathered = tensor(3), a.cuda_stream = stream();
+    a.layout = TANDEM_GEMM_TN;
     m["tandem_ag_gemm_args_t"] = {[=] { return unpack(OpKind::kAgGemm, a); },
                                   expected(OpKind::kAgGemm, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c, a.a_gathered},
-                                           a.cuda_stream)};
+                                           a.cuda_stream, tandem::gemmLayoutFlags(tandem::GemmOperands::kTN))};
   }
   {
     auto a = sized<tandem_gemm_rs_args_t>();
     a.dtype = TANDEM_DTYPE_FP16, a.m = 21, a.n = 22, a.k = 23;
-    a.a = tensor(4), a.b = tensor(5), a.c = tensor(6), a.cuda_stream = stream();
+    a.a = tensor(4), a.b = tensor(5), a.c = tensor(6), a.cuda_stream = stream(), a.layout = TANDEM_GEMM_NN;
     m["tandem_gemm_rs_args_t"] = {[=] { return unpack(OpKind::kGemmRs, a); },
-                                  expected(OpKind::kGemmRs, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c}, a.cuda_stream)};
+                                  expected(OpKind::kGemmRs, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c}, a.cuda_stream,
+                                           tandem::gemmLayoutFlags(tandem::GemmOperands::kNN))};
   }
   {
     auto a = sized<tandem_gemm_ar_args_t>();
     a.dtype = TANDEM_DTYPE_FP32, a.m = 31, a.n = 32, a.k = 33;
-    a.a = tensor(7), a.b = tensor(8), a.c = tensor(9), a.cuda_stream = stream();
+    a.a = tensor(7), a.b = tensor(8), a.c = tensor(9), a.cuda_stream = stream(), a.layout = TANDEM_GEMM_TN;
     m["tandem_gemm_ar_args_t"] = {[=] { return unpack(OpKind::kGemmAr, a); },
-                                  expected(OpKind::kGemmAr, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c}, a.cuda_stream)};
+                                  expected(OpKind::kGemmAr, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c}, a.cuda_stream,
+                                           tandem::gemmLayoutFlags(tandem::GemmOperands::kTN))};
   }
   {
     auto a = sized<tandem_moe_dispatch_gemm_args_t>();
@@ -162,12 +165,25 @@ TEST_CASE("capi args: the C argument structs unpack through the op table as the 
 TEST_CASE("capi args: struct_size, NULL and enum rules") {
   const tandem::OpSpec& ag = tandem::opSpec(OpKind::kAgGemm);
   const tandem::OpSpec& ra = tandem::opSpec(OpKind::kRingAttention);
+  const tandem::OpSpec& ar = tandem::opSpec(OpKind::kGemmAr);
   CHECK(messageOf([&] { return tandem::client::unpackArgs(ag, nullptr); }) ==
-        "args is NULL or args->struct_size is not sizeof(tandem_ag_gemm_args_t)");
+        "args is NULL or args->struct_size is smaller than the 0.2 tandem_ag_gemm_args_t; set struct_size = "
+        "sizeof(tandem_ag_gemm_args_t)");
+  // A caller built against the GEMM structs that ended at cuda_stream: the NT layout, whatever lies beyond.
   auto g = sized<tandem_ag_gemm_args_t>();
-  g.struct_size = sizeof g - 1;
+  g.layout = TANDEM_GEMM_NN;
+  g.struct_size = offsetof(tandem_ag_gemm_args_t, layout);
+  CHECK(tandem::client::unpackArgs(ag, &g).desc.flags == 0);
+  g.struct_size = sizeof g;
+  CHECK(tandem::client::unpackArgs(ag, &g).desc.flags == tandem::gemmLayoutFlags(tandem::GemmOperands::kNN));
+  g.struct_size = offsetof(tandem_ag_gemm_args_t, cuda_stream);
   CHECK(messageOf([&] { return tandem::client::unpackArgs(ag, &g); }) ==
-        "args is NULL or args->struct_size is not sizeof(tandem_ag_gemm_args_t)");
+        "args is NULL or args->struct_size is smaller than the 0.2 tandem_ag_gemm_args_t; set struct_size = "
+        "sizeof(tandem_ag_gemm_args_t)");
+  auto r = sized<tandem_gemm_ar_args_t>();
+  r.layout = static_cast<tandem_gemm_layout_t>(3);
+  CHECK(messageOf([&] { return tandem::client::unpackArgs(ar, &r); }) ==
+        "tandem_gemm_ar: layout 3 is unknown; pass TANDEM_GEMM_NT (0), TANDEM_GEMM_NN (1) or TANDEM_GEMM_TN (2)");
 
   // A caller built against the struct that ended at cuda_stream: no lse, contiguous, whatever lies beyond.
   auto a = sized<tandem_ring_attention_args_t>();

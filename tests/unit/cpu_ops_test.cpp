@@ -21,6 +21,7 @@ using tandem::DType;
 using tandem::kMaxOpBuffers;
 using tandem::OpDescriptor;
 using tandem::OpKind;
+using tandem::GemmOperands;
 using tandem::daemon::RankOp;
 namespace dim = tandem::dim;
 namespace slot = tandem::slot;
@@ -161,14 +162,63 @@ TEST_CASE("every cpu op matches the reference for every dtype and rank count") {
       for (uint32_t nranks : {1u, 2u, 3u, 4u, 8u}) {
         for (bool causal : {true, false}) {
           if (!causal && kind != OpKind::kRingAttention) continue;
-          ref::OpShape shape = shapeFor(kind, dtype, nranks);
-          shape.causal = causal;
-          const std::string what = fmt::format("{} {} nranks {}{}", tandem::opKindName(kind), tandem::dtypeName(dtype),
-                                               nranks, causal ? "" : " non-causal");
-          INFO(what);
-          Harness h(shape, nranks, 1000 + nranks);
-          h.run();
-          h.checkAgainstReference();
+          for (const GemmOperands layout : {GemmOperands::kNT, GemmOperands::kNN, GemmOperands::kTN}) {
+            if (layout != GemmOperands::kNT && (op.flags & tandem::kFlagGemmLayout) == 0) continue;
+            ref::OpShape shape = shapeFor(kind, dtype, nranks);
+            shape.causal = causal;
+            shape.layout = layout;
+            const std::string what =
+                fmt::format("{} {} nranks {}{} layout {}", tandem::opKindName(kind), tandem::dtypeName(dtype), nranks,
+                            causal ? "" : " non-causal", tandem::gemmLayoutName(layout));
+            INFO(what);
+            Harness h(shape, nranks, 1000 + nranks);
+            h.run();
+            h.checkAgainstReference();
+          }
+        }
+      }
+    }
+  }
+}
+
+// The layouts' meaning, checked without the reference: the same product with its operands stored transposed gives the
+// same c (and, for ag-gemm, a_gathered holds each rank's shard as that rank stored it).
+TEST_CASE("every GEMM layout is the NT product of its operands as the layout stores them") {
+  // Element (i, j) of a row-major [rows, cols] matrix of `es`-byte elements, moved to (j, i) of [cols, rows].
+  const auto transpose = [](const std::vector<std::byte>& in, std::size_t rows, std::size_t cols, std::size_t es) {
+    std::vector<std::byte> out(in.size());
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < cols; ++j) std::memcpy(&out[(j * rows + i) * es], &in[(i * cols + j) * es], es);
+    return out;
+  };
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    for (const GemmOperands layout : {GemmOperands::kNN, GemmOperands::kTN}) {
+      const uint32_t nranks = 3;
+      CAPTURE(tandem::opKindName(kind));
+      CAPTURE(tandem::gemmLayoutName(layout));
+      ref::OpShape shape = shapeFor(kind, DType::kBF16, nranks);
+      Harness nt(shape, nranks, 77);
+      shape.layout = layout;
+      Harness other(shape, nranks, 78);
+      const std::size_t es = 2;
+      for (uint32_t r = 0; r < nranks; ++r) {
+        const OpDescriptor& d = nt.descs()[r];
+        const std::size_t m = d.dims[tandem::dim::kM], n = d.dims[tandem::dim::kN], k = d.dims[tandem::dim::kK];
+        const std::size_t aRows = kind == OpKind::kAgGemm ? tandem::rowsOf(m, r, nranks) : m;
+        other.memory(r, slot::kA) = tandem::aTransposed(layout) ? transpose(nt.memory(r, slot::kA), aRows, k, es)
+                                                                : nt.memory(r, slot::kA);
+        other.memory(r, slot::kB) = transpose(nt.memory(r, slot::kB), n, k, es);
+      }
+      nt.run();
+      other.run();
+      for (uint32_t r = 0; r < nranks; ++r) {
+        CHECK(other.memory(r, slot::kC) == nt.memory(r, slot::kC));
+        if (kind == OpKind::kAgGemm) {
+          std::vector<std::byte> want;
+          for (uint32_t src = 0; src < nranks; ++src) {
+            want.insert(want.end(), other.memory(src, slot::kA).begin(), other.memory(src, slot::kA).end());
+          }
+          CHECK(other.memory(r, slot::kAGathered) == want);
         }
       }
     }

@@ -219,6 +219,11 @@ TEST_CASE("validateDescriptor rejects bad headers, naming the field") {
     OpDescriptor attn = good(OpKind::kRingAttention);
     attn.flags = 0x7;  // causal and zigzag are ring attention's
     rejects(attn, {"ring-attention: flags 0x7 has bits 0x4"});
+    OpDescriptor rs = good(OpKind::kGemmRs);
+    rs.flags = tandem::kFlagGemmLayout;  // layout 3
+    rejects(rs, {"gemm-rs: layout 3 (flags 0xc) is unknown; pass TANDEM_GEMM_NT (0)"});
+    rs.flags = tandem::gemmLayoutFlags(tandem::GemmOperands::kTN);
+    CHECK_NOTHROW(tandem::validateDescriptor(rs));
   }
   SUBCASE("nranks 0 or above 64") {
     d.nranks = 0;

@@ -200,26 +200,45 @@ TANDEM_API tandem_status_t tandem_op_status(tandem_op_t op, char* message, size_
  * ring and returns; the daemon checks the descriptor again (ownership, bounds, shapes) and runs the op
  * once every rank has submitted. Outputs are written only by a successful op. */
 
-/* AllGather + GEMM. A is sharded by rows: rank r holds a = A[rows_of(m, r, n)] as [rows, k].
- * b is this rank's [n, k]. c = gather(A) · bᵀ, [m, n] on every rank. a_gathered (optional) receives the
- * gathered A, [m, k]. dtype: bf16, fp16 or fp32 for a, b, c and a_gathered. */
+/* How the GEMM ops' operands lie in memory (row-major, the last axis contiguous). C = op(A) · op(B) is
+ * [m, n] in every layout:
+ *   TANDEM_GEMM_NT (0, the default): a [m, k], b [n, k]; C = a · bᵀ. The forward, Y = X · Wᵀ.
+ *   TANDEM_GEMM_NN: a [m, k], b [k, n]; C = a · b. The input gradient, dX = dY · W.
+ *   TANDEM_GEMM_TN: a [k, m], b [k, n]; C = aᵀ · b. The weight gradient, dW = dYᵀ · X.
+ * `layout` was appended to the GEMM ops' structs after 0.2.x (CHANGELOG.md): a caller whose struct_size ends
+ * before it gets TANDEM_GEMM_NT. */
+typedef enum tandem_gemm_layout {
+  TANDEM_GEMM_NT = 0,
+  TANDEM_GEMM_NN = 1,
+  TANDEM_GEMM_TN = 2,
+} tandem_gemm_layout_t;
+
+/* AllGather + GEMM. A is sharded by rows of op(A): rank r holds rows_of(m, r, n) of them, as [rows, k]
+ * (as [k, rows] in TANDEM_GEMM_TN). b is this rank's [n, k] ([k, n] in NN and TN). c = gather(op(A)) · op(b),
+ * [m, n] on every rank. a_gathered (optional) receives every rank's shard as stored, in rank order: [m, k]
+ * (in TN, n blocks [k, rows_r]). dtype: bf16, fp16 or fp32 for a, b, c and a_gathered. */
 typedef struct tandem_ag_gemm_args {
   size_t struct_size;
   tandem_dtype_t dtype;
   uint64_t m, n, k; /* global m */
   tandem_tensor_t a, b, c, a_gathered;
   void* cuda_stream; /* cuda backend: the caller's cudaStream_t; ignored by the cpu backend */
+  /* appended after 0.2.x; struct_size tells whether a caller has it */
+  tandem_gemm_layout_t layout;
 } tandem_ag_gemm_args_t;
 TANDEM_API tandem_status_t tandem_ag_gemm(tandem_comm_t comm, const tandem_ag_gemm_args_t* args, tandem_op_t* op);
 
-/* GEMM + ReduceScatter. K is split across ranks: a is [m, k] and b is [n, k] on this rank, where k is this
- * rank's slice (ranks may differ). C = Σ_r a_r · b_rᵀ; this rank receives c = C[rows_of(m, r, n)], [rows, n]. */
+/* GEMM + ReduceScatter. K is split across ranks: a is [m, k] and b is [n, k] on this rank (as `layout` says:
+ * b [k, n] in NN and TN, a [k, m] in TN), where k is this rank's slice (ranks may differ).
+ * C = Σ_r op(a_r) · op(b_r); this rank receives c = C[rows_of(m, r, n)], [rows, n]. */
 typedef struct tandem_gemm_rs_args {
   size_t struct_size;
   tandem_dtype_t dtype;
   uint64_t m, n, k; /* k: this rank's slice */
   tandem_tensor_t a, b, c;
   void* cuda_stream;
+  /* appended after 0.2.x; struct_size tells whether a caller has it */
+  tandem_gemm_layout_t layout;
 } tandem_gemm_rs_args_t;
 TANDEM_API tandem_status_t tandem_gemm_rs(tandem_comm_t comm, const tandem_gemm_rs_args_t* args, tandem_op_t* op);
 
@@ -230,6 +249,8 @@ typedef struct tandem_gemm_ar_args {
   uint64_t m, n, k; /* k: this rank's slice */
   tandem_tensor_t a, b, c;
   void* cuda_stream;
+  /* appended after 0.2.x; struct_size tells whether a caller has it */
+  tandem_gemm_layout_t layout;
 } tandem_gemm_ar_args_t;
 TANDEM_API tandem_status_t tandem_gemm_ar(tandem_comm_t comm, const tandem_gemm_ar_args_t* args, tandem_op_t* op);
 

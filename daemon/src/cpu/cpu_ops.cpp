@@ -72,6 +72,17 @@ void requireMemory(std::span<const RankOp> ranks, int s) {
   }
 }
 
+// A GEMM operand as [rows, k] (K-major) in fp32, from its storage: [k, rows] when `transposed` (kFlagGemmLayout),
+// so every layout runs on gemmNT.
+Floats loadKMajor(const std::byte* p, DType dtype, std::size_t rows, std::size_t k, bool transposed) {
+  Floats v = load(p, dtype, rows * k);
+  if (!transposed) return v;
+  Floats out(rows * k);
+  for (std::size_t p2 = 0; p2 < k; ++p2)
+    for (std::size_t i = 0; i < rows; ++i) out[i * k + p2] = v[p2 * rows + i];
+  return out;
+}
+
 // ---- ag-gemm ----------------------------------------------------------------------------------------
 
 void agGemm(std::span<const RankOp> ranks) {
@@ -84,21 +95,24 @@ void agGemm(std::span<const RankOp> ranks) {
   requireMemory(ranks, slot::kB);
   requireMemory(ranks, slot::kC);
 
-  // Gather A once, in fp32, before any output is touched.
+  const GemmOperands layout = gemmOperandsOf(d0.flags);
+  // Gather op(A) once, in fp32, before any output is touched.
   Floats a(m * k);
   for (uint32_t r = 0; r < n; ++r) {
     const std::size_t rows = rowsOf(m, r, n);
-    if (rows != 0) loadElements(ranks[r].data[slot::kA], dtype, rows * k, a.data() + rowOffset(m, r, n) * k);
+    if (rows == 0) continue;
+    const Floats shard = loadKMajor(ranks[r].data[slot::kA], dtype, rows, k, aTransposed(layout));
+    std::copy(shard.begin(), shard.end(), a.begin() + static_cast<std::ptrdiff_t>(rowOffset(m, r, n) * k));
   }
   std::vector<Floats> b(n);
-  for (uint32_t r = 0; r < n; ++r) b[r] = load(ranks[r].data[slot::kB], dtype, nCols * k);
+  for (uint32_t r = 0; r < n; ++r) b[r] = loadKMajor(ranks[r].data[slot::kB], dtype, nCols, k, !bKMajor(layout));
 
   Floats c(m * nCols);
   for (uint32_t r = 0; r < n; ++r) {
     gemmNT(a.data(), b[r].data(), c.data(), m, nCols, k);
     store(ranks[r].data[slot::kC], dtype, c.data(), m * nCols);
     if (std::byte* gathered = ranks[r].data[slot::kAGathered]; gathered != nullptr) {
-      // The shards are copied bit for bit; they are already in dtype.
+      // The shards are copied bit for bit, as stored (in every layout a_gathered is the shards in rank order).
       for (uint32_t src = 0; src < n; ++src) {
         const std::size_t rows = rowsOf(m, src, n);
         if (rows != 0) std::memcpy(gathered + rowOffset(m, src, n) * k * es, ranks[src].data[slot::kA], rows * k * es);
@@ -118,12 +132,13 @@ void gemmReduce(std::span<const RankOp> ranks) {
   requireMemory(ranks, slot::kB);
   requireMemory(ranks, slot::kC);
 
-  // C = Σ_r a_r · b_rᵀ: each rank's partial in fp32, summed in rank order (the reduction order is fixed).
+  // C = Σ_r op(a_r) · op(b_r): each rank's partial in fp32, summed in rank order (the reduction order is fixed).
+  const GemmOperands layout = gemmOperandsOf(d0.flags);
   Floats c(m * nCols, 0.0f), partial(m * nCols);
   for (uint32_t r = 0; r < n; ++r) {
     const std::size_t k = ranks[r].desc.dims[dim::kK];
-    const Floats a = load(ranks[r].data[slot::kA], dtype, m * k);
-    const Floats b = load(ranks[r].data[slot::kB], dtype, nCols * k);
+    const Floats a = loadKMajor(ranks[r].data[slot::kA], dtype, m, k, aTransposed(layout));
+    const Floats b = loadKMajor(ranks[r].data[slot::kB], dtype, nCols, k, !bKMajor(layout));
     gemmNT(a.data(), b.data(), partial.data(), m, nCols, k);
     for (std::size_t i = 0; i < c.size(); ++i) c[i] += partial[i];
   }

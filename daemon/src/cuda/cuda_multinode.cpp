@@ -174,8 +174,14 @@ void HostStaging::run(Collective& c) {
     const ExchangeOp xop = exchangeOpOf(c);
     // The exchange's path, alike on every node (gpu_exchange_plan.hpp); then the compute's, which may differ.
     const std::string off = c.link->cluster().gpuExchangeOff();
-    const std::string notGpu = off.empty() ? gpuExchangeRefusal(xop, c.link->cluster().config().cluster) : off;
-    const std::string why = notGpu.empty() ? std::string() : fallbackReason(c);
+    // The GPU paths across nodes multiply NT operands only; the host reference runs every layout.
+    const GemmOperands layout = gemmOperandsOf(c.ops[0].desc.flags);
+    const std::string layoutWhy = layout == GemmOperands::kNT ? std::string() :
+        fmt::format("the {} layout: the GPU paths across nodes take NT operands only", gemmLayoutName(layout));
+    const std::string notGpu = !layoutWhy.empty() ? layoutWhy
+                               : off.empty()      ? gpuExchangeRefusal(xop, c.link->cluster().config().cluster)
+                                                  : off;
+    const std::string why = !layoutWhy.empty() ? layoutWhy : notGpu.empty() ? std::string() : fallbackReason(c);
     const OpPaths* paths = pathsOf(kind);  // set wherever why is empty: fallbackReason refuses the other ops
     if (notGpu.empty()) {
       try {

@@ -43,8 +43,8 @@ struct BufferRef {
 static_assert(sizeof(BufferRef) == 24);
 
 // Dims and buffer slots per kind (everything else must be zero):
-//   kAgGemm:       dims {m, n, k}                      bufs {a, b, c, a_gathered?}
-//   kGemmRs/Ar:    dims {m, n, k_local}                bufs {a, b, c}
+//   kAgGemm:       dims {m, n, k}, flags kFlagGemmLayout  bufs {a, b, c, a_gathered?}
+//   kGemmRs/Ar:    dims {m, n, k_local}, flags kFlagGemmLayout  bufs {a, b, c}
 //   kMoeDispatchGemm: dims {tokens, hidden, n_out, experts, topk, capacity}
 //                                                     bufs {x, topk_ids, topk_weights, w, out, row_info, expert_counts}
 //   kMoeDispatchFfnCombine: dims {tokens, hidden, ffn, experts, topk}
@@ -81,6 +81,27 @@ inline constexpr uint16_t kFlagCausal = 1u << 0;
 // Ring attention, zigzag layout: the sequence is cut into 2 * nranks chunks and rank r holds chunks r and
 // 2 * nranks - 1 - r (its first ceil(seq / 2) rows, then the rest), so causal work is balanced over ranks.
 inline constexpr uint16_t kFlagZigzag = 1u << 1;
+
+// ag-gemm, gemm-rs, gemm-ar: how A and B are stored (tandem_gemm_layout_t), in flags bits 2-3. C[m, n] = op(A) op(B)
+// is row-major in every layout; the layout changes only how the operands lie in memory:
+//   kNT (0): A [m, k], B [n, k] (C = A B^T, the forward: both K-major)
+//   kNN (1): A [m, k], B [k, n] (C = A B, the dgrad dX = dY W)
+//   kTN (2): A [k, m], B [k, n] (C = A^T B, the wgrad dW = dY^T X)
+// ag-gemm gathers along m: rank r's shard is A's rows_of(m, r, n) rows of op(A), stored as the layout says
+// ([rows, k], or [k, rows] in kTN), and a_gathered holds the shards one after another in rank order (in kTN, blocks
+// [k, rows_r]; in the others that is [m, k]). The value 3 is refused.
+enum class GemmOperands : uint8_t { kNT = 0, kNN = 1, kTN = 2 };
+inline constexpr int kGemmLayoutShift = 2;
+inline constexpr uint16_t kFlagGemmLayout = 0x3u << kGemmLayoutShift;
+inline constexpr GemmOperands gemmOperandsOf(uint16_t flags) {
+  return static_cast<GemmOperands>((flags & kFlagGemmLayout) >> kGemmLayoutShift);
+}
+inline constexpr uint16_t gemmLayoutFlags(GemmOperands layout) {
+  return static_cast<uint16_t>(static_cast<unsigned>(layout) << kGemmLayoutShift);
+}
+std::string_view gemmLayoutName(GemmOperands layout);  // "nt", "nn", "tn"; "invalid" otherwise
+inline constexpr bool aTransposed(GemmOperands l) { return l == GemmOperands::kTN; }  // A stored [k, m]
+inline constexpr bool bKMajor(GemmOperands l) { return l == GemmOperands::kNT; }      // B stored [n, k]
 
 // One submission. 64-byte aligned and a whole number of cache lines, so ring slots never share a line.
 struct alignas(64) OpDescriptor {

@@ -56,7 +56,16 @@ struct SlotSpec {
   // How the terms group into a tensor's axes, as Python shapes it: axes[i] terms make axis i (w1's
   // [experts/nranks, 2*ffn, hidden] is {1, 2, 1}). All zero: one axis per term.
   std::array<uint8_t, 4> axes{};
+  // A GEMM operand whose storage the op's layout flag (kFlagGemmLayout) may transpose: kA is stored [k, m] in kTN,
+  // kB [k, n] in kNN and kTN. Such a slot has two axes (two term groups), which the transposed storage swaps;
+  // shapeTransposed is its shape text then.
+  enum class Operand : uint8_t { kNone, kA, kB };
+  Operand operand = Operand::kNone;
+  std::string_view shapeTransposed;
 };
+
+// Whether slot `s` is stored transposed under `flags` (SlotSpec::operand).
+bool slotTransposed(const SlotSpec& s, uint16_t flags);
 
 // How `tandemctl run` (and the tests' shape helper) turn a user's global size into each rank's dim.
 enum class DimSplit : uint8_t {
@@ -88,7 +97,8 @@ struct CField {
   enum class Kind : uint8_t {
     kDtype,   // tandem_dtype_t: the descriptor's dtype
     kDim,     // uint64_t: dims[index]
-    kFlag,    // int (or an int-sized enum): nonzero sets flag bit `index` (1u << index)
+    kFlag,    // int (or an int-sized enum): the value goes into flag bits [index, index + bits); a boolean int
+              // (bits 1) sets the bit when nonzero, an enum must be <= maxValue
     kScale,   // float: OpDescriptor::scale
     kTensor,  // tandem_tensor_t: slots[index]
     kStream,  // void* cuda_stream
@@ -97,6 +107,9 @@ struct CField {
   uint8_t index = 0;
   std::string_view name;  // as tandem.h names the field
   bool isEnum = false;    // kFlag: an enum of named values (tandem_attention_layout_t), not a boolean int
+  uint8_t bits = 1;       // kFlag: how many flag bits the value takes
+  uint8_t maxValue = 1;   // kFlag enum: the largest valid value
+  std::string_view values;  // kFlag enum: its valid values, for messages ("TANDEM_GEMM_NT (0), ...")
 };
 
 // Where each field of an op's C argument struct lies on LP64 (x86-64, aarch64), by C's alignment rules.

@@ -28,6 +28,7 @@ struct OpShape {
   uint64_t headDim = 64;
   bool causal = true;
   bool zigzag = false;      // ring attention: zigzag layout (kFlagZigzag)
+  GemmOperands layout = GemmOperands::kNT;  // ag-gemm, gemm-rs, gemm-ar: how A and B are stored (kFlagGemmLayout)
   uint64_t bytes = 1 << 20;  // allgather: bytes per rank
 
   // The size a `tandemctl run --<option>` sets, by the option's name ("m", "head-dim"; OpSpec's DimSpec::cli).
