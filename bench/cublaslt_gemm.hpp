@@ -30,19 +30,27 @@ struct LtGemm {
   // Packed operands: lda = ldb = k, ldc = n.
   LtGemm(cublasLtHandle_t h, int64_t m, int64_t n, int64_t k, void* workspace, size_t workspaceSize)
       : LtGemm(h, m, n, k, k, k, n, workspace, workspaceSize) {}
+  // Packed operands in another layout: aKM stores A [k, m] (else [m, k]), bKN stores B [k, n] (else [n, k]).
+  LtGemm(cublasLtHandle_t h, int64_t m, int64_t n, int64_t k, bool aKM, bool bKN, void* workspace, size_t workspaceSize)
+      : handle(h), ws(workspace), wsSize(workspaceSize) {
+    init(m, n, k, aKM ? m : k, bKN ? n : k, n, aKM, bKN);
+  }
   // Row strides in elements.
   LtGemm(cublasLtHandle_t h, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, void* workspace,
          size_t workspaceSize)
       : handle(h), ws(workspace), wsSize(workspaceSize) {
+    init(m, n, k, lda, ldb, ldc, false, false);
+  }
+  void init(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool aKM, bool bKN) {
     ltCheck(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    // cuBLAS's A is our B, its B our A (column-major views of row-major storage); a K-major operand is transposed.
+    const cublasOperation_t ta = bKN ? CUBLAS_OP_N : CUBLAS_OP_T, tb = aKM ? CUBLAS_OP_T : CUBLAS_OP_N;
     ltCheck(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "TRANSA");
     ltCheck(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "TRANSB");
     // Column-major views: our B is cuBLAS's A (k x n), our A its B (k x m), our C its C (n x m).
-    ltCheck(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, static_cast<uint64_t>(k), static_cast<uint64_t>(n), ldb),
-            "layout B");
-    ltCheck(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, static_cast<uint64_t>(k), static_cast<uint64_t>(m), lda),
-            "layout A");
+    const auto u = [](int64_t x) { return static_cast<uint64_t>(x); };
+    ltCheck(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, bKN ? u(n) : u(k), bKN ? u(k) : u(n), ldb), "layout B");
+    ltCheck(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, aKM ? u(m) : u(k), aKM ? u(k) : u(m), lda), "layout A");
     ltCheck(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, static_cast<uint64_t>(n), static_cast<uint64_t>(m), ldc),
             "layout C");
     cublasLtMatmulPreference_t pref;

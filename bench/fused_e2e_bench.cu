@@ -5,7 +5,7 @@
 //
 //   fused_e2e_bench [--iters 20] [--warmup 3] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--ranks 2]
 //                   [--executor client|daemon] [--alloc tandem|cudamalloc] [--gathered] [--workspace BYTES]
-//                   [--json FILE] [--socket PATH]
+//                   [--json FILE] [--socket PATH] [--layout nt|nn|tn] [--decode]
 //
 // Shapes M x K x N (K is the full K; bf16 in and out, fp32 accumulation, C = A·Bᵀ with A [M,K] and B [N,K]):
 //   ag-gemm (A sharded by rows): 8192x8192x8192, 4096x8192x8192, 16384x8192x14336, 1024x8192x8192, 2048x8192x8192
@@ -13,6 +13,10 @@
 //   gemm-rs / gemm-ar (K split, k = K / ranks per rank): 8192x8192x8192, 4096x8192x8192, 16384x8192x14336,
 //     1024x8192x8192; baseline: cuBLASLt on the local K slice into a bf16 [M, N] partial, then ncclReduceScatter /
 //     ncclAllReduce (as bench/gemm_rs_bench.cu)
+// --layout: the operands' layout (tandem_gemm_layout_t: NT A [M,K] B [N,K]; NN A [M,K] B [K,N]; TN A [K,M] B [K,N]),
+// the baseline's cuBLASLt in the same layout (ag-gemm TN runs at one rank only: its gathered A is per-rank blocks).
+// --decode: the decode shapes of a tensor-parallel layer instead, M = 1, 2, 4, ..., 256 at N x K = 8192 x 8192,
+// 28672 x 8192, 8192 x 28672 and 14336 x 4096 (K the full K).
 // --alloc cudamalloc gives every tensor cudaMalloc memory registered with tandem_register (default: tandem_alloc,
 // tandemd's cuMem memory); --shape I runs shape I of each selected op; --gathered makes ag-gemm also write the gathered A (the baseline has it
 // anyway); --workspace overrides the per-rank workspace given to tandemd (default: computed from the shapes, with room).
@@ -67,6 +71,8 @@ struct Shape {
 const Shape kAgShapes[] = {{8192, 8192, 8192}, {4096, 8192, 8192}, {16384, 8192, 14336}, {1024, 8192, 8192},
                            {2048, 8192, 8192}};
 const Shape kReduceShapes[] = {{8192, 8192, 8192}, {4096, 8192, 8192}, {16384, 8192, 14336}, {1024, 8192, 8192}};
+// --decode: N x K of a TP layer's GEMMs, each at M = 1 .. 256.
+const std::pair<uint64_t, uint64_t> kDecodeNK[] = {{8192, 8192}, {28672, 8192}, {8192, 28672}, {14336, 4096}};
 
 struct Case {
   Op op;
@@ -85,12 +91,26 @@ struct Options {
   std::string executor = "client";
   bool registered = false;  // --alloc cudamalloc: tensors from cudaMalloc, registered (tandem_register) instead of
                             // tandem_alloc'd (tandemd's cuMem pool)
+  tandem_gemm_layout_t layout = TANDEM_GEMM_NT;
+  bool decode = false;
 };
+const char* layoutName(tandem_gemm_layout_t l) { return l == TANDEM_GEMM_NN ? "nn" : l == TANDEM_GEMM_TN ? "tn" : "nt"; }
 
 std::vector<Case> casesOf(const Options& o) {
   std::vector<Case> v;
   for (Op op : {Op::kAgGemm, Op::kGemmRs, Op::kGemmAr}) {
     if (!o.op.empty() && o.op != opName(op)) continue;
+    if (o.decode) {
+      int i = 0;
+      for (const auto& [n, k] : kDecodeNK) {
+        for (uint64_t m = 1; m <= 256; m *= 2, ++i) {
+          // TN stores A [k, m]: m (ag-gemm: every rank's rows) a multiple of 8, as tandem requires.
+          if (o.layout == TANDEM_GEMM_TN && m % (op == Op::kAgGemm ? 8 * o.ranks : 8) != 0) continue;
+          if (o.shape < 0 || o.shape == i) v.push_back({op, {m, k, n}, i});
+        }
+      }
+      continue;
+    }
     const Shape* list = op == Op::kAgGemm ? kAgShapes : kReduceShapes;
     const int count = op == Op::kAgGemm ? static_cast<int>(std::size(kAgShapes)) : static_cast<int>(std::size(kReduceShapes));
     for (int i = 0; i < count; ++i) {
@@ -212,7 +232,8 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
   fillUniform<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(tandem_buffer_ptr(st.b)), e.bElems,
                                         uint64_t{seed} * 64 + 32 + st.rank);
   CK(cudaGetLastError());
-  const LtGemm gemm(st.lt, s.m, s.n, e.kLocal, st.ltWs, 64u << 20);
+  const LtGemm gemm(st.lt, s.m, s.n, e.kLocal, o.layout == TANDEM_GEMM_TN, o.layout != TANDEM_GEMM_NT, st.ltWs,
+                    64u << 20);
   const size_t es = sizeof(__nv_bfloat16);
   void* aPtr = tandem_buffer_ptr(st.a);
   void* bPtr = tandem_buffer_ptr(st.b);
@@ -220,16 +241,16 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
   const auto submitTandem = [&](tandem_op_t* op) -> tandem_status_t {
     if (c.op == Op::kAgGemm) {
       const tandem_ag_gemm_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, s.k, {st.a, 0}, {st.b, 0},
-                                       {st.c, 0}, {o.gathered ? st.gathered : nullptr, 0}, stream};
+                                       {st.c, 0}, {o.gathered ? st.gathered : nullptr, 0}, stream, o.layout};
       return tandem_ag_gemm(st.comm, &args, op);
     }
     if (c.op == Op::kGemmRs) {
       const tandem_gemm_rs_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, e.kLocal, {st.a, 0}, {st.b, 0},
-                                       {st.c, 0}, stream};
+                                       {st.c, 0}, stream, o.layout};
       return tandem_gemm_rs(st.comm, &args, op);
     }
     const tandem_gemm_ar_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, e.kLocal, {st.a, 0}, {st.b, 0},
-                                     {st.c, 0}, stream};
+                                     {st.c, 0}, stream, o.layout};
     return tandem_gemm_ar(st.comm, &args, op);
   };
   // The baseline's GEMM alone (for ag-gemm on the A the baseline gathered last time).
@@ -456,7 +477,7 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
                 "rotate; NCCL 1-float all-reduce barrier before each op; gemm ms = the baseline's cuBLASLt GEMM alone, "
                 "tand/gemm = tandem's time as a fraction of it (1.0 = communication fully hidden)\n",
                 o.iters, o.warmup);
-    std::printf("%-8s %-19s %10s %11s %10s %10s %10s %9s %9s %9s %s\n", "op", "M x K x N", "tandem ms", "baseline ms",
+    std::printf("%-11s %-19s %10s %11s %10s %10s %10s %9s %9s %9s %s\n", "op", "M x K x N", "tandem ms", "baseline ms",
                 "base/tand", "tand TF/s", "base TF/s", "gemm ms", "tand/gemm", "rel.err", "check");
     std::fflush(stdout);
   }
@@ -476,7 +497,8 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
                   static_cast<unsigned long long>(c.s.k), static_cast<unsigned long long>(c.s.n));
     const double ratio = r.tandemMs > 0 ? r.baselineMs / r.tandemMs : 0.0;
     const double ofGemm = r.gemmMs > 0 ? r.tandemMs / r.gemmMs : 0.0;
-    std::printf("%-8s %-19s %10.4f %11.4f %10.3f %10.0f %10.0f %9.4f %9.3f %9.2e %s\n", opName(c.op), shape, r.tandemMs,
+    const std::string opText = std::string(opName(c.op)) + "/" + layoutName(o.layout);
+    std::printf("%-11s %-19s %10.4f %11.4f %10.3f %10.0f %10.0f %9.4f %9.3f %9.2e %s\n", opText.c_str(), shape, r.tandemMs,
                 r.baselineMs, ratio, tflops(r.tandemMs), tflops(r.baselineMs), r.gemmMs, ofGemm,
                 static_cast<double>(r.relErr), r.failure.empty() ? "ok" : "FAIL");
     std::fflush(stdout);
@@ -530,7 +552,7 @@ int main(int argc, char** argv) {
   const char* usage =
       "usage: fused_e2e_bench [--iters N] [--warmup N] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--ranks N] "
       "[--executor client|daemon] [--alloc tandem|cudamalloc] [--gathered] [--workspace BYTES] [--json FILE] "
-      "[--socket PATH]\n";
+      "[--socket PATH] [--layout nt|nn|tn] [--decode]\n";
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -544,6 +566,12 @@ int main(int argc, char** argv) {
       else if (a == "--shape") o.shape = std::stoi(next());
       else if (a == "--ranks") o.ranks = static_cast<uint32_t>(std::stoul(next()));
       else if (a == "--gathered") o.gathered = true;
+      else if (a == "--decode") o.decode = true;
+      else if (a == "--layout") {
+        const std::string v = next();
+        if (v != "nt" && v != "nn" && v != "tn") throw std::invalid_argument("--layout " + v + ": expected nt, nn or tn");
+        o.layout = v == "nn" ? TANDEM_GEMM_NN : v == "tn" ? TANDEM_GEMM_TN : TANDEM_GEMM_NT;
+      }
       else if (a == "--executor") o.executor = next();
       else if (a == "--alloc") {
         const std::string v = next();
@@ -576,6 +604,11 @@ int main(int argc, char** argv) {
   if (cases.empty()) {
     std::fprintf(stderr, "no shape selected (--shape %d: ag-gemm has %zu shapes, gemm-rs/ar %zu)\n", o.shape,
                  std::size(kAgShapes), std::size(kReduceShapes));
+    return 2;
+  }
+  if (o.layout == TANDEM_GEMM_TN && o.ranks > 1 && (o.op.empty() || o.op == "ag-gemm")) {
+    std::fprintf(stderr, "--layout tn: ag-gemm's gathered A is per-rank [k, rows] blocks, which the cuBLASLt baseline "
+                 "does not take; run it with --ranks 1 or --op gemm-rs / gemm-ar\n");
     return 2;
   }
   for (const Case& c : cases) {  // NCCL's collectives need equal shards; the kernels need k slices % 8 == 0

@@ -15,6 +15,7 @@
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_layouts.hpp"
 #include "tandem/kernels/preload.hpp"
 
 namespace tandem::kernels {
@@ -144,6 +145,39 @@ DeviceInfo deviceInfo(int device) {
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The GEMM on the layouts core, A the gathered rows `a` (or the shard at one rank): one GEMM, or for kAtB one per
+// rank's [k, rows_r] block into C's rows of that rank. The split-K plan fits p.splitK (bitwise repeatable).
+void layoutsCoreGemm(const AgGemmParams& p, const void* a, cudaStream_t stream) {
+  GemmLayoutParams g{};
+  g.layout = p.layout;
+  g.dtype = p.dtype;
+  g.out = GemmOut::kInput;
+  g.b = p.b;
+  g.n = p.n;
+  g.k = p.k;
+  g.ldb = p.layout == GemmLayout::kABt ? p.k : p.n;
+  g.ldc = p.n;
+  g.workspace = p.splitK;
+  g.workspaceBytes = p.splitK != nullptr ? p.splitKBytes : 0;
+  const auto run = [&](int64_t row0, int64_t rows, int64_t lda) {
+    if (rows == 0) return;
+    g.a = static_cast<const uint16_t*>(a) + row0 * p.k;
+    g.c = static_cast<uint16_t*>(p.c) + row0 * p.n;
+    g.m = rows;
+    g.lda = lda;
+    const GemmLayoutPlan plan = gemmLayoutPlanWithin(g);
+    launchGemmLayout(g, stream, &plan);
+  };
+  if (p.layout != GemmLayout::kAtB) {
+    run(0, p.m, p.k);
+    return;
+  }
+  for (int q = 0; q < p.nranks; ++q) {
+    const int64_t rows = agRowsOf(p.m, q, p.nranks);
+    run(agRowOffset(p.m, q, p.nranks), rows, rows);
+  }
+}
+
 void validate(const AgGemmParams& p) {
   const auto str = [](int64_t v) { return std::to_string(v); };
   if (p.nranks < 1 || p.nranks > kAgGemmMaxRanks) fail("nranks must be in [1, 8], got " + str(p.nranks));
@@ -156,6 +190,20 @@ void validate(const AgGemmParams& p) {
   if (p.plan < 0 || p.plan > 2) fail("plan must be 0 (auto), 1 (fused) or 2 (decomposed)");
   if (p.commSms < 0 || p.groupM < 0) fail("commSms and groupM must be >= 0");
   if (p.commMode < 0 || p.commMode > 2) fail("commMode must be 0 (auto), 1 (LSU copy) or 2 (TMA bulk copy)");
+  if (p.layout != GemmLayout::kABt && p.layout != GemmLayout::kAB && p.layout != GemmLayout::kAtB) {
+    fail("layout must be kABt, kAB or kAtB");
+  }
+  if (agGemmOnLayoutsCore(p) && p.plan == 1) {
+    fail("the fused plan takes layout kABt on the forward core only; use plan 0 or 2 with this layout or layoutsCore");
+  }
+  if (p.layout == GemmLayout::kAtB) {
+    for (int q = 0; q < p.nranks; ++q) {
+      if (agRowsOf(p.m, q, p.nranks) % 8 != 0) {
+        fail("layout kAtB stores every shard [k, rows]: each rank's rows must be a multiple of 8 (16-byte TMA "
+             "strides), rank " + str(q) + " has " + str(agRowsOf(p.m, q, p.nranks)) + " (m = " + str(p.m) + ")");
+      }
+    }
+  }
   if (p.m == 0 || p.n == 0) return;
   const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   if (p.c == nullptr || !aligned(p.c)) fail("c must be non-null and 16-byte aligned");
@@ -183,6 +231,7 @@ void validate(const AgGemmParams& p) {
 
 AgGemmPlanChoice resolveAgGemmPlan(const AgGemmParams& p) {
   if (p.nranks <= 1) return {AgGemmPlan::kLocal, 0, 0};
+  if (agGemmOnLayoutsCore(p)) return {AgGemmPlan::kDecomposed, p.commSms > 0 ? p.commSms : 132, 1, 0};
   const AgGemmPlanChoice chosen = chooseAgGemmPlan(p.m, p.n, p.k, p.nranks);
   AgGemmPlanChoice r = chosen;
   if (p.plan == 1 && chosen.plan != AgGemmPlan::kFused) r = {AgGemmPlan::kFused, 4, 2};
@@ -213,6 +262,10 @@ AgGemmPlanChoice launchAgGemm(const AgGemmParams& p, cudaStream_t stream) {
       checkCuda(cudaMemcpyAsync(p.aGathered, p.a, static_cast<size_t>(p.m) * static_cast<size_t>(p.k) * 2,
                                 cudaMemcpyDeviceToDevice, stream),
                 "cudaMemcpyAsync (gathered copy)");
+    }
+    if (agGemmOnLayoutsCore(p)) {
+      layoutsCoreGemm(p, p.a, stream);
+      return choice;
     }
     GemmParams g{};
     g.a = p.a;
@@ -350,6 +403,10 @@ AgGemmPlanChoice launchAgGemm(const AgGemmParams& p, cudaStream_t stream) {
   choice.commSms = ctas;
   agGatherKernel<<<ctas, kGatherThreads, 0, stream>>>(kp);
   checkCuda(cudaGetLastError(), "launching the all-gather kernel");
+  if (agGemmOnLayoutsCore(p)) {
+    layoutsCoreGemm(p, p.aGathered, stream);
+    return choice;
+  }
   kp.g.groupM = p.groupM > 0 ? p.groupM : 16;  // the core's default raster
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(info.numSms, numWork)));
   if (p.dtype == GemmDtype::kBf16) {

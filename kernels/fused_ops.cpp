@@ -6,6 +6,7 @@
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
 #include "tandem/kernels/gemm_ar.hpp"
+#include "tandem/kernels/gemm_layouts.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
 #include "tandem/kernels/moe.hpp"
 #include "tandem/kernels/preload.hpp"
@@ -48,8 +49,19 @@ GemmRsPlan explicitReducePlan(const PlanChoice& c) {
   return p;
 }
 
-// The plan gemm-rs/ar runs for this shape: chosen once per op, used both to size the workspace and to launch.
+GemmLayout coreLayoutOf(GemmOperands o) {
+  return o == GemmOperands::kNN ? GemmLayout::kAB : (o == GemmOperands::kTN ? GemmLayout::kAtB : GemmLayout::kABt);
+}
+
+// The plan gemm-rs/ar runs for this shape: chosen once per op, used both to size the workspace and to launch. On the
+// layouts core: the decomposed plan (its GEMM, then the reduction CTAs; commSms of them if the plan table says so).
 GemmRsPlan gemmReducePlan(const OpDescriptor& d, const PlanChoice& choice) {
+  if (fusedGemmOnLayoutsCore(d, choice)) {
+    GemmRsPlan p{};
+    p.kind = GemmRsPlanKind::kDecomposed;
+    if (choice.kind == PlanKind::kDecomposed) p.numReduce = static_cast<int16_t>(choice.commSms);
+    return p;
+  }
   if (choice.kind != PlanKind::kAuto) return explicitReducePlan(choice);
   const auto m = static_cast<int64_t>(d.dims[dim::kM]), n = static_cast<int64_t>(d.dims[dim::kN]);
   const auto k = static_cast<int64_t>(d.dims[dim::kK]);
@@ -90,6 +102,11 @@ void fillGemmCommon(Params& p, const OpDescriptor& d, const DevicePointers& ptrs
   p.dtype = gemmDtype(d.dtype);
   p.a = ptrs[slot::kA];
   p.b = ptrs[slot::kB];
+  p.layout = coreLayoutOf(gemmOperandsOf(d.flags));
+  if (env.layout.splitKBytes > 0) {  // this rank's split-K scratch (WorkspaceLayout)
+    p.splitK = env.workspaces[env.rank] + env.layout.splitKOff;
+    p.splitKBytes = env.layout.splitKBytes;
+  }
   // The fused GEMMs cannot skip an op the daemon rejected (nothing in them reads the verdict): the daemon aborts the
   // communicator instead, so they find the abort word set and unwind. Every wait reports into this rank's control
   // page and polls its abort word, as AllGather's do.
@@ -105,7 +122,11 @@ std::string launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint
   fillGemmCommon(p, d, ptrs, e, env);
   p.c = ptrs[slot::kC];
   p.commSms = static_cast<int32_t>(env.commSms);  // 0: the launcher chooses per shape
-  if (choice.kind != PlanKind::kAuto && env.nranks > 1) {  // one rank gathers nothing: its local plan stays
+  p.layoutsCore = fusedGemmOnLayoutsCore(d, choice) ? 1 : 0;
+  if (p.layoutsCore != 0) {
+    // The whole gather (commSms CTAs: the plan table's, else cuda.comm_sms, else every SM), then the layouts core.
+    if (choice.kind == PlanKind::kDecomposed && choice.commSms > 0) p.commSms = static_cast<int32_t>(choice.commSms);
+  } else if (choice.kind != PlanKind::kAuto && env.nranks > 1) {  // one rank gathers nothing: its local plan stays
     p.plan = choice.kind == PlanKind::kFused ? 1 : 2;
     p.commSms = static_cast<int32_t>(choice.commSms);
   }
@@ -125,6 +146,7 @@ std::string launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint
   }
   const AgGemmPlanChoice plan = kernels::launchAgGemm(p, s);  // plan 0: the launcher chooses
   std::string name = agGemmPlanName(plan.plan);
+  if (agGemmOnLayoutsCore(p)) name += fmt::format(" ({} on the layouts core)", gemmLayoutName(gemmOperandsOf(d.flags)));
   if (plan.plan == AgGemmPlan::kFused) {
     name += fmt::format(" ({} comm SMs, {} copies, {} tail tiles)", plan.commSms, plan.commMode == 2 ? "TMA" : "LSU",
                         plan.tailTiles);
@@ -145,8 +167,9 @@ std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, 
   const bool allReduce = d.kind == OpKind::kGemmAr;
   GemmRsParams p{};
   fillGemmCommon(p, d, ptrs, e, env);
-  p.lda = p.k;
-  p.ldb = p.k;
+  p.layoutsCore = fusedGemmOnLayoutsCore(d, choice) ? 1 : 0;
+  p.lda = p.layout == GemmLayout::kAtB ? p.m : p.k;  // A [k, m] or [m, k]
+  p.ldb = p.layout == GemmLayout::kABt ? p.k : p.n;  // B [n, k] or [k, n]
   p.ldOut = p.n;
   // Reduced rows that go into another rank's output must land in memory mapped here. With every rank's output mapped
   // (env.outputs, executor daemon) they go straight there. Otherwise (executor client: only this rank's own tensors are
@@ -174,6 +197,7 @@ std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, 
   std::string name = env.nranks == 1 && ran.kind == GemmRsPlanKind::kDecomposed
                          ? std::string("the GEMM alone (one rank: nothing to reduce)")
                          : std::string(gemmRsPlanName(ran, allReduce));
+  if (gemmRsOnLayoutsCore(p)) name += fmt::format(" ({} on the layouts core)", gemmLayoutName(gemmOperandsOf(d.flags)));
   if (staged) {
     const uint64_t rows = allReduce ? d.dims[dim::kM] : rowsOf(d.dims[dim::kM], env.rank, env.nranks);
     if (rows > 0) {
@@ -219,7 +243,10 @@ uint64_t workspaceBytesFor(const OpDescriptor& d, uint32_t nranks, uint64_t moeR
 
 WorkspaceLayout WorkspaceLayout::fit(uint64_t bytes, uint32_t nranks) {
   const uint64_t base = workspaceBytes(nranks);
-  const uint64_t room = bytes > base + kMoeControlBytes ? bytes - base - kMoeControlBytes : 0;
+  // The split-K scratch comes before any matrix: a budget too small for it holds no matrices either (so a larger
+  // budget never holds less).
+  const uint64_t fixed = base + kMoeControlBytes + kFusedSplitKBytes;
+  const uint64_t room = bytes > fixed ? bytes - fixed : 0;
   // The largest matrix size whose area fits; the area grows with it, so bisect over 64 KiB units (lo fits, hi not).
   uint64_t lo = 0, hi = room / 2 / kMatUnit + 1;
   while (hi - lo > 1) {
@@ -236,11 +263,14 @@ WorkspaceLayout WorkspaceLayout::fit(uint64_t bytes, uint32_t nranks) {
   l.spanOff = l.rsOff + gemmRsFixedFlagsBytes(static_cast<int64_t>(l.rsMatBytes), static_cast<int>(nranks));
   l.moeOff = l.dataOff + l.dataBytes;
   l.spanBytes = l.moeOff - l.spanOff;
+  l.splitKOff = l.moeOff + kMoeControlBytes;
+  l.splitKBytes = l.splitKOff + kFusedSplitKBytes <= bytes ? kFusedSplitKBytes : 0;
   return l;
 }
 
 uint64_t WorkspaceLayout::bytesFor(uint64_t matBytes, uint32_t nranks) {
-  return roundUp(workspaceBytes(nranks) + gemmAreaBytes(roundUp(matBytes, kMatUnit), nranks) + kMoeControlBytes,
+  return roundUp(workspaceBytes(nranks) + gemmAreaBytes(roundUp(matBytes, kMatUnit), nranks) + kMoeControlBytes +
+                     kFusedSplitKBytes,
                  kGranularity);
 }
 
@@ -255,9 +285,19 @@ void preloadFusedGemmKernels(int device) {
   preloadAgGemmKernels(device);
   preloadGemmRsKernels(device);
   preloadGemmArKernels(device);
+  preloadGemmLayoutKernels(device);
 }
 
 bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind::kGemmRs || kind == OpKind::kGemmAr; }
+
+// Small M (decode): the fused kernels' 128 x 256 tiles leave most SMs idle (M <= 128 is one tile row: N / 256 tiles,
+// 32 at N = 8192 on 132 SMs) and measured 0.6x of cuBLASLt + NCCL; the layouts core's swap-AB tiles put the weight's N
+// on the 128-row side and split K to fill the SMs, so its GEMM then the collective (a few microseconds of data at
+// these sizes) is taken. A plan table entry that names the fused plan keeps it (tandemctl tune measured it faster).
+bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan) {
+  if (gemmOperandsOf(d.flags) != GemmOperands::kNT) return true;
+  return d.dims[dim::kM] <= kFusedSmallM && plan.kind != PlanKind::kFused;
+}
 
 bool needsGang(const OpDescriptor& d) {
   return (d.kind == OpKind::kNop && d.nranks > 1) ||
@@ -272,12 +312,29 @@ void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const Fus
     fail(ErrorCode::kUnsupported, "{}: the cuda backend's GEMM kernels take bf16 or fp16, not {}; convert the "
          "tensors, or run {} on a tandemd with daemon.backend: cpu", op, dtypeName(d.dtype), dtypeName(d.dtype));
   }
-  if (const GemmOperands layout = gemmOperandsOf(d.flags); layout != GemmOperands::kNT) {
-    fail(ErrorCode::kUnsupported, "{}: layout {} is not on the cuda backend's fused kernels yet (they take NT "
-         "operands); transpose the operands to NT, or run it on a tandemd with daemon.backend: cpu", op,
-         gemmLayoutName(layout));
+  const GemmOperands layout = gemmOperandsOf(d.flags);
+  if (layout != GemmOperands::kNT && layout != GemmOperands::kNN && layout != GemmOperands::kTN) {
+    fail(ErrorCode::kInvalidArgument, "{}: operand layout {} (descriptor flags bits 2-3) is none of nt, nn, tn", op,
+         static_cast<int>(layout));
   }
   const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], kk = d.dims[dim::kK];
+  if (aTransposed(layout)) {
+    // A is stored [k, rows]: its rows of k are rows long, and TMA moves whole 16-byte rows.
+    if (d.kind == OpKind::kAgGemm) {
+      for (uint32_t r = 0; r < env.nranks; ++r) {
+        if (rowsOf(m, r, env.nranks) % 8 != 0) {
+          fail(ErrorCode::kInvalidArgument, "{}: layout tn stores each rank's shard of a as [k, rows]; rank {} has "
+               "rows = {} (m = {} over {} ranks), not a multiple of 8, and the cuda backend's kernels move whole "
+               "16-byte rows: make m a multiple of 8 x {} = {} (pad a with zero rows), or use layout nt or nn", op, r,
+               rowsOf(m, r, env.nranks), m, env.nranks, env.nranks, 8 * env.nranks);
+        }
+      }
+    } else if (m % 8 != 0) {
+      fail(ErrorCode::kInvalidArgument, "{}: layout tn stores a as [k, m] and m = {} is not a multiple of 8; the cuda "
+           "backend's kernels move whole 16-byte rows, so pad m to a multiple of 8 (zero columns of a), or use layout "
+           "nt or nn", op, m);
+    }
+  }
   if (n % 8 != 0) {
     fail(ErrorCode::kInvalidArgument, "{}: n = {} is not a multiple of 8; the cuda backend's kernels move whole "
          "16-byte rows (tensor memory accelerator), so pad n to a multiple of 8", op, n);

@@ -304,6 +304,44 @@ GemmLayoutPlan gemmLayoutDefaultPlan(const GemmLayoutParams& params) {
   return gemmPlanFor(params.layout, params.m, params.n, params.k, gemm_layouts::deviceSms(device));
 }
 
+GemmLayoutPlan gemmLayoutPlanWithin(const GemmLayoutParams& params) {
+  GemmLayoutPlan plan = gemmLayoutDefaultPlan(params);
+  const size_t room = params.workspace != nullptr ? params.workspaceBytes : 0;
+  while (plan.splits > 1 && gemmLayoutWorkspaceBytes(params, plan) > room) --plan.splits;
+  return plan;
+}
+
+void preloadGemmLayoutKernels(int device) {
+  using namespace gemm_layouts;
+  int previous = 0;
+  checkCuda(cudaGetDevice(&previous), "cudaGetDevice");
+  checkCuda(cudaSetDevice(device), "cudaSetDevice");
+  GemmLayoutParams g{};
+  const GemmLayout layouts[] = {GemmLayout::kABt, GemmLayout::kAB, GemmLayout::kAtB};
+  const GemmDtype dtypes[] = {GemmDtype::kBf16, GemmDtype::kFp16};
+  const GemmOut outs[] = {GemmOut::kInput, GemmOut::kFp32};
+  const int swapTiles[] = {16, 64, 128, 256};
+  cudaError_t e = cudaSuccess;
+  const auto load = [&](const Variant& v) {
+    cudaFuncAttributes fa{};
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(v.fn));
+  };
+  for (GemmLayout l : layouts) {
+    for (GemmDtype dt : dtypes) {
+      g.layout = l;
+      g.dtype = dt;
+      for (GemmOut o : outs) {
+        g.out = o;
+        load(pickVariant(g, GemmLayoutPlan{GemmPath::kTiled, kTiledN, 1}));
+      }
+      if (l == GemmLayout::kAtB) continue;
+      for (int n : swapTiles) load(pickVariant(g, GemmLayoutPlan{GemmPath::kSwapAB, n, 1}));
+    }
+  }
+  cudaSetDevice(previous);
+  checkCuda(e, "loading the layout GEMM kernels");
+}
+
 void launchGemmLayout(const GemmLayoutParams& g, cudaStream_t stream, const GemmLayoutPlan* planIn) {
   using namespace gemm_layouts;
   validate(g);

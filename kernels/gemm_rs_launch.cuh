@@ -17,6 +17,7 @@
 #include "preload_on.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_layouts.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
 #include "tandem/kernels/tensor_map_cache.hpp"
 
@@ -147,8 +148,19 @@ inline void validate(const char* op, const GemmRsParams& p, bool allReduce) {
   if (p.a == nullptr || p.b == nullptr || p.out == nullptr) fail(op, "a, b or out is null");
   const auto misaligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 != 0; };
   if (misaligned(p.a) || misaligned(p.b) || misaligned(p.out)) fail(op, "a, b and out must be 16-byte aligned");
-  if (p.lda < p.k || p.lda % 8 != 0) fail(op, "lda must be >= k and a multiple of 8, got " + str(p.lda));
-  if (p.ldb < p.k || p.ldb % 8 != 0) fail(op, "ldb must be >= k and a multiple of 8, got " + str(p.ldb));
+  if (p.layout != GemmLayout::kABt && p.layout != GemmLayout::kAB && p.layout != GemmLayout::kAtB) {
+    fail(op, "layout must be kABt, kAB or kAtB");
+  }
+  // Row lengths of A and B as stored (gemm_layouts.hpp's table).
+  const bool aKM = p.layout == GemmLayout::kAtB;
+  const bool bKN = p.layout != GemmLayout::kABt;
+  const int64_t aRow = aKM ? p.m : p.k, bRow = bKN ? p.n : p.k;
+  if (p.lda < aRow || p.lda % 8 != 0) {
+    fail(op, std::string("lda must be >= ") + (aKM ? "m" : "k") + " and a multiple of 8, got " + str(p.lda));
+  }
+  if (p.ldb < bRow || p.ldb % 8 != 0) {
+    fail(op, std::string("ldb must be >= ") + (bKN ? "n" : "k") + " and a multiple of 8, got " + str(p.ldb));
+  }
   if (p.ldOut < p.n || p.ldOut % 8 != 0) fail(op, "ldOut must be >= n and a multiple of 8, got " + str(p.ldOut));
   if (p.wsMatBytes < 0 || p.wsMatBytes % 65536 != 0) {
     fail(op, "wsMatBytes must be 0 or a multiple of 64 KiB, got " + str(p.wsMatBytes));
@@ -215,8 +227,10 @@ inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, cons
                  std::to_string(gemmRsMatBytesNeeded(p.m, p.n, plan)) + " (see gemmRsFixedWorkspaceBytes)");
   }
 
-  kp.g.tmA = encodeMap(op, p.a, p.m, p.k, p.lda, kBlockM, p.dtype);
-  kp.g.tmB = encodeMap(op, p.b, p.n, p.k, p.ldb, kBlockN, p.dtype);
+  if (p.layout == GemmLayout::kABt) {  // the forward core's maps; the layouts core encodes its own
+    kp.g.tmA = encodeMap(op, p.a, p.m, p.k, p.lda, kBlockM, p.dtype);
+    kp.g.tmB = encodeMap(op, p.b, p.n, p.k, p.ldb, kBlockN, p.dtype);
+  }
   kp.g.c = p.out;
   kp.g.ldc = p.ldOut;
   kp.g.m = static_cast<int32_t>(p.m);
@@ -322,9 +336,44 @@ inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, cons
 }
 
 // Enqueues a resolved plan (finishPlan) on `stream`.
+// The decomposed plan's GEMM on the layouts core into c (row stride ldc), K splits fitted to p.splitK.
+inline void layoutsCoreGemm(const GemmRsParams& p, void* c, int64_t ldc, cudaStream_t stream) {
+  GemmLayoutParams g{};
+  g.layout = p.layout;
+  g.dtype = p.dtype;
+  g.out = GemmOut::kInput;
+  g.a = p.a;
+  g.b = p.b;
+  g.c = c;
+  g.m = p.m;
+  g.n = p.n;
+  g.k = p.k;
+  g.lda = p.lda;
+  g.ldb = p.ldb;
+  g.ldc = ldc;
+  g.workspace = p.splitK;
+  g.workspaceBytes = p.splitK != nullptr ? p.splitKBytes : 0;
+  const GemmLayoutPlan plan = gemmLayoutPlanWithin(g);
+  launchGemmLayout(g, stream, &plan);
+}
+
 inline void launchPlan(const char* op, const KernelTable& kt, const GemmRsParams& p, const GemmRsPlan& plan,
                        bool allReduce, cudaStream_t stream) {
   const int dt = p.dtype == GemmDtype::kBf16 ? 0 : 1;
+  if (plan.kind == GemmRsPlanKind::kDecomposed && gemmRsOnLayoutsCore(p)) {
+    if (p.nranks == 1) {  // nothing to reduce: the GEMM writes the output
+      layoutsCoreGemm(p, p.out, p.ldOut, stream);
+      return;
+    }
+    const FusedKernelParams kp = buildParams(op, p, plan, allReduce);
+    layoutsCoreGemm(p, kp.outbox[p.rank], kp.ldP, stream);
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(plan.numReduce), 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.stream = stream;
+    checkCuda(op, cudaLaunchKernelEx(&cfg, kt.reduce[dt], kp), "launching the reduction kernel");
+    return;
+  }
   if (plan.kind == GemmRsPlanKind::kDecomposed) {
     GemmParams g{};
     g.a = p.a;
@@ -395,6 +444,13 @@ inline GemmRsPlan launchFamily(const char* op, const KernelTable& kt, const Gemm
   validate(op, params, allReduce);
   const int sms = smCount(op);
   GemmRsPlan plan = params.plan.kind == GemmRsPlanKind::kAuto ? chosen : params.plan;
+  if (gemmRsOnLayoutsCore(params)) {
+    if (params.plan.kind == GemmRsPlanKind::kFused) {
+      fail(op, "the fused plans take layout kABt on the forward core only; use the decomposed plan (or kAuto) with "
+               "this layout or layoutsCore");
+    }
+    if (params.plan.kind == GemmRsPlanKind::kAuto) plan = GemmRsPlan{GemmRsPlanKind::kDecomposed};
+  }
   plan = finishPlan(op, plan, allReduce, params.nranks, sms);
   launchPlan(op, kt, params, plan, allReduce, stream);
   return plan;

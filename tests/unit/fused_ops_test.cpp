@@ -3,6 +3,7 @@
 // only, so it runs (and guards the layout) on machines without a GPU; built where nvcc is.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <regex>
 #include <string>
 
@@ -14,6 +15,7 @@
 namespace k = tandem::kernels;
 using tandem::DType;
 using tandem::ErrorCode;
+using tandem::GemmOperands;
 using tandem::OpDescriptor;
 using tandem::OpKind;
 
@@ -77,6 +79,15 @@ TEST_CASE("fused ops: the workspace layout keeps every region apart and inside t
       CHECK(l.spanBytes == (2 * n + 4) * l.rsMatBytes);
       CHECK(l.rsMatBytes % (64u << 10) == 0);
       if (bytes >= k::workspaceBytes(n)) CHECK(l.dataOff + l.dataBytes <= bytes);
+      // The split-K scratch after the MoE control area, inside the budget.
+      CHECK(l.splitKOff == l.moeOff + k::kMoeControlBytes);
+      if (bytes >= l.splitKOff + k::kFusedSplitKBytes) {
+        CHECK(l.splitKBytes == k::kFusedSplitKBytes);
+      } else {
+        CHECK(l.splitKBytes == 0);
+        CHECK(l.rsMatBytes == 0);  // the scratch comes before any matrix
+      }
+      CHECK(l.splitKOff + l.splitKBytes <= std::max(bytes, l.splitKOff));
       CHECK(l.rsMatBytes >= lastMat);  // a larger budget never holds less
       lastMat = l.rsMatBytes;
     }
@@ -94,7 +105,9 @@ TEST_CASE("fused ops: the workspace layout keeps every region apart and inside t
       const k::WorkspaceLayout l = k::WorkspaceLayout::fit(bytes, n);
       CHECK(l.spanBytes >= span);
       CHECK(l.dataBytes >= (1u << 20));
-      if (span >= (100u << 20)) CHECK(bytes <= span + span / 64 + k::workspaceBytes(n) + (4u << 20));
+      if (span >= (100u << 20)) {
+        CHECK(bytes <= span + span / 64 + k::workspaceBytes(n) + k::kFusedSplitKBytes + (4u << 20));
+      }
     }
   }
 }
@@ -123,6 +136,50 @@ TEST_CASE("fused ops: what the kernels cannot run is refused with the remedy, th
   // k: ag-gemm's whole K, gemm-rs/ar this rank's slice (K 120 over 2 ranks: slices of 60).
   CHECK(refusal(gemmDesc(OpKind::kAgGemm, 256, 256, 60, 2), ptrs, env, nullptr).find("k = 60") != std::string::npos);
   CHECK(refusal(gemmDesc(OpKind::kGemmRs, 256, 256, 120, 2), ptrs, env, nullptr).find("slice") != std::string::npos);
+}
+
+TEST_CASE("fused ops: NN and TN are accepted; TN's stored [k, m] A needs 16-byte rows, named with the fix") {
+  const k::FusedEnv env = envWith(512u << 20, 2);
+  const k::DevicePointers ptrs = alignedPointers();
+  const auto withLayout = [](OpDescriptor d, GemmOperands l) {
+    d.flags = static_cast<uint16_t>((d.flags & ~tandem::kFlagGemmLayout) | tandem::gemmLayoutFlags(l));
+    return d;
+  };
+  ErrorCode code = ErrorCode::kOk;
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    CAPTURE(tandem::opKindName(kind));
+    for (GemmOperands l : {GemmOperands::kNN, GemmOperands::kTN}) {
+      CHECK(refusal(withLayout(gemmDesc(kind, 1008, 1024, 512, 2), l), ptrs, env, nullptr).empty());
+      CHECK(k::fusedGemmOnLayoutsCore(withLayout(gemmDesc(kind, 4096, 1024, 512, 2), l)));
+    }
+    // NN keeps A [m, k]: any m. TN stores A [k, m]: m (ag-gemm: every rank's rows) a multiple of 8.
+    CHECK(refusal(withLayout(gemmDesc(kind, 1001, 1024, 512, 2), GemmOperands::kNN), ptrs, env, nullptr).empty());
+    const std::string why = refusal(withLayout(gemmDesc(kind, 1001, 1024, 512, 2), GemmOperands::kTN), ptrs, env, &code);
+    CHECK(code == ErrorCode::kInvalidArgument);
+    CHECK(why.find("layout tn") != std::string::npos);
+    CHECK(why.find("multiple of 8") != std::string::npos);
+  }
+  // ag-gemm TN: m = 1000 gives 500 rows per rank (not a multiple of 8): the remedy names m's multiple of 16.
+  const std::string ag =
+      refusal(withLayout(gemmDesc(OpKind::kAgGemm, 1000, 1024, 512, 2), GemmOperands::kTN), ptrs, env, &code);
+  CHECK(code == ErrorCode::kInvalidArgument);
+  CHECK(ag.find("8 x 2 = 16") != std::string::npos);
+  CHECK(refusal(withLayout(gemmDesc(OpKind::kGemmRs, 1000, 1024, 512, 2), GemmOperands::kTN), ptrs, env, nullptr)
+            .empty());
+}
+
+TEST_CASE("fused ops: small M (decode) runs NT on the layouts core unless the plan table forces the fused kernels") {
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    CAPTURE(tandem::opKindName(kind));
+    for (uint32_t n : {1u, 2u, 4u}) {
+      CHECK(k::fusedGemmOnLayoutsCore(gemmDesc(kind, 1, 8192, 8192, n)));
+      CHECK(k::fusedGemmOnLayoutsCore(gemmDesc(kind, k::kFusedSmallM, 8192, 8192, n)));
+      CHECK_FALSE(k::fusedGemmOnLayoutsCore(gemmDesc(kind, k::kFusedSmallM + 1, 8192, 8192, n)));
+      tandem::PlanChoice fused;
+      fused.kind = tandem::PlanKind::kFused;
+      CHECK_FALSE(k::fusedGemmOnLayoutsCore(gemmDesc(kind, 64, 8192, 8192, n), fused));
+    }
+  }
 }
 
 TEST_CASE("fused ops: an op too large for the workspace names the workspace_bytes to create the communicator with") {

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_layouts_plan.hpp"  // GemmLayout
 #include "tandem/kernels/signals.hpp"
 
 #if defined(__CUDACC__)
@@ -132,6 +133,18 @@ struct AgGemmParams {
   int32_t groupM;    // raster group height in tiles (0 = 8 fused, 16 decomposed)
   int32_t commMode;  // fused: 0 = the chooser's, 1 = LSU copy loop, 2 = TMA bulk copies
   int32_t commTail;  // fused: 0 = auto (see launchAgGemm), < 0 = none, > 0 = that many tiles for the comm CTAs
+  // Operand layout (gemm_layouts_plan.hpp), C = op(A) op(B) with C [m, n] row-major:
+  //   kABt: shard [rows, k], B [n, k] (the fields above); kAB: shard [rows, k], B [k, n];
+  //   kAtB: shard [k, rows] (rows % 8 == 0 on every rank), B [k, n]; the gathered buffer then holds the shards one
+  //   after another in rank order as stored (rank r's [k, rows_r] block at element offset agRowOffset(m, r) * k).
+  GemmLayout layout;
+  // 1: the GEMM runs on the layouts core (gemm_layouts.hpp: swap-AB small-M path, deterministic split-K) after the
+  // whole gather (the decomposed plan at nranks > 1; plan must be 0 or 2). Layouts other than kABt always do.
+  int32_t layoutsCore;
+  // The layouts core's split-K scratch (GemmLayoutParams::workspace: zeroed once, left zeroed by every launch; this
+  // rank's stream only). Null: no K splits.
+  void* splitK;
+  size_t splitKBytes;
 };
 
 // Enqueues the op on `stream` (the current device must own stream and every local pointer). Throws
@@ -144,6 +157,9 @@ struct AgGemmParams {
 // On a failed wait (abort word set, or no progress within timeoutNs) the kernels unwind without trapping, C is
 // garbage and errorSlot says which flag and which role.
 AgGemmPlanChoice launchAgGemm(const AgGemmParams& params, cudaStream_t stream);
+
+// Whether launchAgGemm runs the GEMM on the layouts core for these params.
+constexpr bool agGemmOnLayoutsCore(const AgGemmParams& p) { return p.layout != GemmLayout::kABt || p.layoutsCore != 0; }
 
 // What launchAgGemm would run for these params (resolving plan 0 and commSms 0), without launching.
 AgGemmPlanChoice resolveAgGemmPlan(const AgGemmParams& params);

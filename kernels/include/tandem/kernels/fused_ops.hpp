@@ -30,6 +30,9 @@ using DevicePointers = std::array<void*, kMaxOpBuffers>;
 //   data            2 * rsMatBytes: ag-gemm's gathered A, or gemm-rs/ar's output staging, or the MoE ops' receive
 //                   rows and scratch (moe_ops.hpp)
 //   moe             kMoeControlBytes: the MoE ops' flags and routing table (moe.hpp), written by no other op
+//   split-K         kFusedSplitKBytes: the layouts core's split-K scratch (gemm_layouts.hpp) for the fused GEMMs that
+//                   run on it; its counters are zero between launches (zeroed once, left zeroed by every launch), and
+//                   only this rank's stream uses it. Absent (splitKBytes 0) in a workspace too small for it.
 // The gemm-rs/ar inbox receives peers' partials of op e + 1 while this rank may still run op e, and a peer may still
 // read this rank's outbox of op e - 1 once this rank has moved on, so the staging matrices are shared only with an op
 // that no rank enters before every rank has left op e - 1 and no rank leaves before every rank is done with them.
@@ -46,6 +49,7 @@ struct WorkspaceLayout {
   uint64_t dataOff = 0, dataBytes = 0;
   uint64_t spanOff = 0, spanBytes = 0;  // the gemm-rs/ar staging matrices through the end of data
   uint64_t moeOff = 0;                  // kMoeControlBytes from here
+  uint64_t splitKOff = 0, splitKBytes = 0;
   // The largest layout that fits `bytes` per rank.
   static WorkspaceLayout fit(uint64_t bytes, uint32_t nranks);
   // Workspace bytes per rank whose layout holds `matBytes` matrices (rounded up to tandemd's 2 MiB granularity).
@@ -78,6 +82,18 @@ struct FusedEnv {
 };
 
 bool isFusedGemm(OpKind kind);
+
+// The split-K scratch each rank's workspace keeps for the fused GEMMs on the layouts core (WorkspaceLayout).
+inline constexpr uint64_t kFusedSplitKBytes = 4u << 20;
+
+// The largest M (rows of C) at which the fused GEMMs run NT operands on the layouts core's small-M path (swap-AB tiles,
+// split-K) followed by the collective, instead of the 128-row tiles of the fused kernels: gemm_layouts_plan.hpp's
+// swap-AB limit.
+inline constexpr uint64_t kFusedSmallM = 256;
+
+// Whether fused GEMM `d` runs on the layouts core (its GEMM, then the collective) rather than the fused kernels:
+// layouts NN and TN always; NT at m <= kFusedSmallM unless `plan` forces the fused kernels.
+bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan = {});
 
 // Loads every fused GEMM kernel on `device` (preload.hpp says why); cheap after the first call per device.
 void preloadFusedGemmKernels(int device);

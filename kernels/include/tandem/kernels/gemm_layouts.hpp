@@ -56,6 +56,15 @@ size_t gemmLayoutWorkspaceBytes(const GemmLayoutParams& params, const GemmLayout
 /// @throws std::runtime_error when no CUDA device is current.
 GemmLayoutPlan gemmLayoutDefaultPlan(const GemmLayoutParams& params);
 
+/// gemmLayoutDefaultPlan with its K splits cut to what params.workspace holds (params.workspaceBytes; none when the
+/// workspace is null): for callers with a fixed scratch area. The result stays bitwise repeatable for a given shape and
+/// workspace size. @throws std::runtime_error when no CUDA device is current.
+GemmLayoutPlan gemmLayoutPlanWithin(const GemmLayoutParams& params);
+
+/// Loads every kernel variant on `device` now (tandem/kernels/preload.hpp says why); cheap after the first call.
+/// @throws std::runtime_error if loading fails.
+void preloadGemmLayoutKernels(int device);
+
 /// Enqueues C = op(A) * op(B) on `stream` with `plan` (nullptr: gemmLayoutDefaultPlan). M or N == 0 enqueues
 /// nothing; K == 0 zeroes C. Thread-safe.
 /// @throws std::invalid_argument on bad arguments (the message names the field: sizes past 2^31 - 1, strides, null or

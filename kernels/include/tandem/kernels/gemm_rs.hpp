@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_layouts_plan.hpp"  // GemmLayout
 #include "tandem/kernels/signals.hpp"
 
 #if defined(__CUDACC__)
@@ -170,7 +171,22 @@ struct GemmRsParams {
   // gemmRsFixedWorkspaceBytes(wsMatBytes, nranks), wsMaxM and wsMaxN unused. The same on every rank.
   int64_t wsMatBytes;
   GemmRsEpilogue epilogue;  // test knob (see GemmRsEpilogue); kDefault outside benchmarks
+  // Operand layout (gemm_layouts_plan.hpp), C = sum_r op(A_r) op(B_r): kABt as above (a [m, k], b [n, k]); kAB: a
+  // [m, k], b [k, n]; kAtB: a [k, m], b [k, n]; lda and ldb are the stored row strides (>= that row's length).
+  GemmLayout layout;
+  // 1: the GEMM runs on the layouts core (gemm_layouts.hpp: swap-AB small-M path, deterministic split-K) in the
+  // decomposed plan (the only plan it takes; kAuto then means decomposed). Layouts other than kABt always do.
+  int32_t layoutsCore;
+  // The layouts core's split-K scratch (GemmLayoutParams::workspace: zeroed once, left zeroed by every launch; this
+  // rank's stream only). Null: no K splits.
+  void* splitK;
+  size_t splitKBytes;
 };
+
+// Whether launchGemmRs / launchGemmAr run the GEMM on the layouts core for these params.
+constexpr bool gemmRsOnLayoutsCore(const GemmRsParams& p) {
+  return p.layout != GemmLayout::kABt || p.layoutsCore != 0;
+}
 
 // The plan tandem runs for this shape (measured on nvidia-h200-x2, bench/gemm_rs_bench.cu, bench/RESULTS.md).
 GemmRsPlan chooseGemmRsPlan(int64_t m, int64_t n, int64_t k, int nranks, GemmDtype dtype);
