@@ -78,6 +78,12 @@ size_t at(int64_t row, int head, int heads, int hd, int d) {
   return (static_cast<size_t>(row) * heads + head) * hd + d;
 }
 
+std::vector<double> widen(const std::vector<uint16_t>& bits, AttentionDtype dt) {
+  std::vector<double> out(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) out[i] = fromBits(bits[i], dt);
+  return out;
+}
+
 // Random inputs; o and lse from an fp64 forward (o rounded to 16 bits, as the forward stores it).
 Problem makeProblem(const Case& c, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -96,6 +102,7 @@ Problem makeProblem(const Case& c, uint64_t seed) {
   pr.lse.assign(static_cast<size_t>(c.heads) * c.sq, -std::numeric_limits<float>::infinity());
   const double scale = scaleOf(c);
   const int group = c.heads / c.kvHeads, hd = c.headDim;
+  const std::vector<double> q = widen(pr.q, c.dtype), k = widen(pr.k, c.dtype), v = widen(pr.v, c.dtype);
   std::vector<double> s(static_cast<size_t>(c.sk)), acc(hd);
   for (int h = 0; h < c.heads; ++h) {
     const int hk = h / group;
@@ -105,8 +112,7 @@ Problem makeProblem(const Case& c, uint64_t seed) {
         s[j] = -std::numeric_limits<double>::infinity();
         if (c.causal && c.kStart + j > c.qStart + i) continue;
         double dot = 0;
-        for (int d = 0; d < hd; ++d) dot += fromBits(pr.q[at(i, h, c.heads, hd, d)], c.dtype) *
-                                            fromBits(pr.k[at(j, hk, c.kvHeads, hd, d)], c.dtype);
+        for (int d = 0; d < hd; ++d) dot += q[at(i, h, c.heads, hd, d)] * k[at(j, hk, c.kvHeads, hd, d)];
         s[j] = dot * scale;
         m = std::max(m, s[j]);
       }
@@ -117,7 +123,7 @@ Problem makeProblem(const Case& c, uint64_t seed) {
         if (s[j] == -std::numeric_limits<double>::infinity()) continue;
         const double p = std::exp(s[j] - m);
         l += p;
-        for (int d = 0; d < hd; ++d) acc[d] += p * fromBits(pr.v[at(j, hk, c.kvHeads, hd, d)], c.dtype);
+        for (int d = 0; d < hd; ++d) acc[d] += p * v[at(j, hk, c.kvHeads, hd, d)];
       }
       for (int d = 0; d < hd; ++d) pr.o[at(i, h, c.heads, hd, d)] = toBits(acc[d] / l, c.dtype);
       pr.lse[h * c.sq + i] = static_cast<float>(m + std::log(l));
@@ -133,6 +139,7 @@ void referenceGradients(const Case& c, Problem& pr) {
   pr.dq.assign(pr.q.size(), 0.0);
   pr.dk.assign(pr.k.size(), 0.0);
   pr.dv.assign(pr.v.size(), 0.0);
+  const std::vector<double> k = widen(pr.k, c.dtype), v = widen(pr.v, c.dtype);
   std::vector<double> qi(hd), doi(hd);
   for (int h = 0; h < c.heads; ++h) {
     const int hk = h / group;
@@ -149,13 +156,13 @@ void referenceGradients(const Case& c, Problem& pr) {
         if (c.causal && c.kStart + j > c.qStart + i) continue;
         double sdot = 0, dp = 0;
         for (int d = 0; d < hd; ++d) {
-          sdot += qi[d] * fromBits(pr.k[at(j, hk, c.kvHeads, hd, d)], c.dtype);
-          dp += doi[d] * fromBits(pr.v[at(j, hk, c.kvHeads, hd, d)], c.dtype);
+          sdot += qi[d] * k[at(j, hk, c.kvHeads, hd, d)];
+          dp += doi[d] * v[at(j, hk, c.kvHeads, hd, d)];
         }
         const double p = std::exp(sdot * scale - lse);
         const double ds = p * (dp - dsum);
         for (int d = 0; d < hd; ++d) {
-          pr.dq[at(i, h, c.heads, hd, d)] += scale * ds * fromBits(pr.k[at(j, hk, c.kvHeads, hd, d)], c.dtype);
+          pr.dq[at(i, h, c.heads, hd, d)] += scale * ds * k[at(j, hk, c.kvHeads, hd, d)];
           pr.dk[at(j, hk, c.kvHeads, hd, d)] += scale * ds * qi[d];
           pr.dv[at(j, hk, c.kvHeads, hd, d)] += p * doi[d];
         }
