@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import re
 import struct
 import sys
 from pathlib import Path
@@ -46,9 +47,6 @@ class UniqueId(ctypes.Structure):
 SUCCESS = 0
 NOT_FOUND = 5
 IN_PROGRESS = 15
-
-# tandem_attention_layout_t.
-LAYOUTS = {"contiguous": 0, "zigzag": 1}
 
 # dtype codes (tandem_dtype_t).
 DTYPE_FP32, DTYPE_FP16, DTYPE_BF16, DTYPE_INT32 = 1, 2, 3, 4
@@ -170,6 +168,22 @@ def _arg_format(op: dict) -> str:
         fmt += f"{op['struct_size'] - at}x"
     return fmt
 
+
+def enum_names(values: str) -> dict:
+    """An enum field's values from the table's text ("TANDEM_GEMM_NT (0), TANDEM_GEMM_NN (1) or TANDEM_GEMM_TN (2)"):
+    {name: code}, each name lower case without the prefix all share ({"nt": 0, "nn": 1, "tn": 2})."""
+    pairs = re.findall(r"([A-Za-z_][A-Za-z0-9_]*) \((\d+)\)", values)
+    prefix = os.path.commonprefix([p[0] for p in pairs])
+    prefix = prefix[:prefix.rfind("_") + 1]
+    return {name[len(prefix):].lower(): int(code) for name, code in pairs}
+
+
+# Each op's enum fields, {op: {field: {name: code}}} (ring_attention's layout, the GEMM ops' layout), so Python
+# accepts the names the library lists and an enum the library gains needs no edit here.
+ENUMS = {name: {f["name"]: enum_names(f["values"]) for f in op["fields"] if f["kind"] == "flag" and f["enum"]}
+         for name, op in OPS.items()}
+# tandem_attention_layout_t.
+LAYOUTS = ENUMS.get("ring_attention", {}).get("layout") or {"contiguous": 0, "zigzag": 1}
 
 ARG_FORMATS = {name: _arg_format(op) for name, op in OPS.items()}
 ARG_STRUCTS = {name: struct.Struct(fmt) for name, fmt in ARG_FORMATS.items()}

@@ -335,23 +335,44 @@ class Communicator(FastPath):
         return r
 
     # ---- ops (eager; under torch.compile the public functions call the torch.library ops instead)
-    def _eager_ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None):
-        """AllGather + GEMM: a [rows, k] is this rank's row shard of A [m, k] (rows = rows_of(m, rank)), b [n, k];
-        returns out = gather(A) @ b.T, [m, n] on every rank. a_gathered, if given, receives A [m, k]."""
-        op = "ag_gemm"
+    def _gemm_operands(self, op: str, a, b, layout):
+        """The GEMM ops' operands under `layout` (a name or code): (layout code, dtype code, a's rows of op(A), n, k),
+        a and b checked, b's k against a's."""
+        lay = _enum_code(layout, op)
         self._check(a, "a", op, ndim=2)
         dt = _dtype_code(a, op)
         self._check(b, "b", op, a.dtype, 2)
-        rows, k = a.shape
-        n = b.shape[0]
-        if b.shape[1] != k:
-            raise ValueError(f"tandem.{op}: argument 'b' must have shape [n, {k}] (k of 'a'), got {list(b.shape)}")
+        spec = _optable.SPECS[op]
+        sa, sb = spec.inputs[0], spec.inputs[1]
+        rows, k = (a.shape[1], a.shape[0]) if spec.transposed(sa, lay) else a.shape
+        tb = spec.transposed(sb, lay)
+        kb, n = b.shape if tb else (b.shape[1], b.shape[0])
+        if kb != k:
+            want = f"[{k}, n]" if tb else f"[n, {k}]"
+            raise ValueError(f"tandem.{op}: argument 'b' must have shape {want} (layout {_enum_name(op, lay)!r}: b is "
+                             f"{spec.text_of(sb, lay)}; k = {k} from 'a' {list(a.shape)}, which is "
+                             f"{spec.text_of(sa, lay)}), got {list(b.shape)}")
+        return lay, dt, rows, n, k
+
+    def _eager_ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None, layout="nt"):
+        """AllGather + GEMM: C = gather(op(A)) op(b), [m, n] on every rank. A is sharded by rows of op(A): this rank
+        holds rows = rows_of(m, rank) of them. layout (the same on every rank; a name or its code):
+        - "nt" (0, default): a [rows, k], b [n, k]; C = gather(A) @ b.T (the forward, Y = X W^T);
+        - "nn" (1): a [rows, k], b [k, n]; C = gather(A) @ b (the input gradient, dX = dY W);
+        - "tn" (2): a [k, rows], b [k, n]; C = gather(A^T) @ b: op(A) = a.T.
+        a_gathered, if given ([m, k]), receives every rank's shard as stored, in rank order: gather(A) in "nt" and
+        "nn"; in "tn" the shards [k, rows_r] one after another (a_gathered.view(-1))."""
+        op = "ag_gemm"
+        lay, dt, rows, n, k = self._gemm_operands(op, a, b, layout)
         if m is None:
             m = out.shape[0] if out is not None and out.dim() == 2 else rows * self.world_size
         _, want_rows = rows_of(m, self.rank, self.world_size)
         if rows != want_rows:
-            raise ValueError(f"tandem.{op}: argument 'a' must have {want_rows} rows (rows_of(m={m}, rank {self.rank}, "
-                             f"{self.world_size} ranks)), got {rows}; pass m= when the shards differ in size")
+            want = f"[{k}, {want_rows}]" if lay == _TN else f"[{want_rows}, {k}]"
+            raise ValueError(f"tandem.{op}: argument 'a' must have shape {want} (layout {_enum_name(op, lay)!r}: "
+                             f"{_optable.SPECS[op].text_of(_optable.SPECS[op].inputs[0], lay)}; rows_of(m={m}, rank "
+                             f"{self.rank}, {self.world_size} ranks) = {want_rows}), got {list(a.shape)}; pass m= when "
+                             "the shards differ in size")
         if out is None:
             out = self._out((m, n), a.dtype)
         else:
@@ -359,23 +380,18 @@ class Communicator(FastPath):
             self._shape(out, "out", op, (m, n), "[m, n]")
         if a_gathered is not None:
             self._check(a_gathered, "a_gathered", op, a.dtype)
-            self._shape(a_gathered, "a_gathered", op, (m, k), "[m, k]")
+            self._shape(a_gathered, "a_gathered", op, (m, k), "[m, k]" if lay != _TN else
+                        "[m, k], holding the shards [k, rows] in rank order")
         slots, staged = self._resolve((a, b, out, a_gathered), ("a", "b", "out", "a_gathered"), op)
-        self._submit(op, (ARG_STRUCTS[op].size, dt, m, n, k, *slots, self._stream()), staged)
+        self._submit(op, (ARG_STRUCTS[op].size, dt, m, n, k, *slots, self._stream(), lay), staged)
         return out
 
-    def _gemm_reduce(self, op, a, b, out):
-        fast = self._gemm_fast(op, a, b, out)
-        if fast is not None:
-            return fast
-        self._check(a, "a", op, ndim=2)
-        dt = _dtype_code(a, op)
-        self._check(b, "b", op, a.dtype, 2)
-        m, k = a.shape
-        n = b.shape[0]
-        if b.shape[1] != k:
-            raise ValueError(f"tandem.{op}: argument 'b' must have shape [n, {k}] (this rank's k slice, as 'a'), "
-                             f"got {list(b.shape)}")
+    def _gemm_reduce(self, op, a, b, out, layout):
+        if layout == 0 or layout == "nt":
+            fast = self._gemm_fast(op, a, b, out)
+            if fast is not None:
+                return fast
+        lay, dt, m, n, k = self._gemm_operands(op, a, b, layout)
         shape = (rows_of(m, self.rank, self.world_size)[1], n) if op == "gemm_rs" else (m, n)
         if out is None:
             out = self._out(shape, a.dtype)
@@ -383,17 +399,21 @@ class Communicator(FastPath):
             self._check(out, "out", op, a.dtype)
             self._shape(out, "out", op, shape, "[rows_of(m, rank), n]" if op == "gemm_rs" else "[m, n]")
         slots, staged = self._resolve((a, b, out), ("a", "b", "out"), op)
-        self._submit(op, (ARG_STRUCTS[op].size, dt, m, n, k, *slots, self._stream()), staged)
+        self._submit(op, (ARG_STRUCTS[op].size, dt, m, n, k, *slots, self._stream(), lay), staged)
         return out
 
-    def _eager_gemm_rs(self, a, b, *, out=None):
-        """GEMM + ReduceScatter: a [m, k_r], b [n, k_r] (this rank's K slice); returns this rank's rows of
-        C = sum over ranks of a_r @ b_r.T: out [rows_of(m, rank), n]."""
-        return self._gemm_reduce("gemm_rs", a, b, out)
+    def _eager_gemm_rs(self, a, b, *, out=None, layout="nt"):
+        """GEMM + ReduceScatter: K is split over the ranks (k: this rank's slice; ranks may differ); returns this
+        rank's rows of C = sum over ranks of op(a_r) op(b_r): out [rows_of(m, rank), n]. layout (the same on every
+        rank; a name or its code): "nt" (0, default): a [m, k], b [n, k], op(a) op(b) = a @ b.T; "nn" (1): a [m, k],
+        b [k, n], a @ b (the input gradient of a column-parallel linear); "tn" (2): a [k, m], b [k, n], a.T @ b."""
+        return self._gemm_reduce("gemm_rs", a, b, out, layout)
 
-    def _eager_gemm_ar(self, a, b, *, out=None):
-        """GEMM + AllReduce: a [m, k_r], b [n, k_r]; returns C = sum over ranks of a_r @ b_r.T, [m, n], everywhere."""
-        return self._gemm_reduce("gemm_ar", a, b, out)
+    def _eager_gemm_ar(self, a, b, *, out=None, layout="nt"):
+        """GEMM + AllReduce: as gemm_rs, but every rank receives the whole C = sum over ranks of op(a_r) op(b_r),
+        [m, n]. layout: "nt" (0, default): a [m, k], b [n, k]; "nn" (1): a [m, k], b [k, n]; "tn" (2): a [k, m],
+        b [k, n]."""
+        return self._gemm_reduce("gemm_ar", a, b, out, layout)
 
     def _moe_route(self, op, x, topk_ids, topk_weights, w, wname):
         self._check(x, "x", op, ndim=2)
@@ -490,7 +510,7 @@ class Communicator(FastPath):
         self._shape(k, "k", op, tuple(q.shape), "[seq, heads, head_dim], as q")
         self._check(v, "v", op, q.dtype)
         self._shape(v, "v", op, tuple(q.shape), "[seq, heads, head_dim], as q")
-        lay = _layout_code(layout, op)
+        lay = _enum_code(layout, op)
         if out is None:
             out = self._out(tuple(q.shape), q.dtype)
         else:
@@ -557,16 +577,17 @@ class Communicator(FastPath):
         dt = _dtype_code(like, op) if like is not None else 0
         tensors = {s.name: t for s, t in zip(spec.inputs, inputs)}
         given = {**tensors, **{s.name: t for s, t in outs.items() if t is not None}}
-        dims, share = spec.bind(given, frees, nranks=lambda: self.world_size)
+        lay = _enum_code(scal.get("layout") or 0, op) if spec.transposes else None
+        dims, share = spec.bind(given, frees, nranks=lambda: self.world_size, layout=lay)
         for i in spec.free_dims:
             if i not in dims:
-                dims[i] = spec.default_dim(i, tensors, dims, self.world_size)
+                dims[i] = spec.default_dim(i, tensors, dims, self.world_size, layout=lay)
         rank, size = (lambda: self.rank), (lambda: self.world_size)
         for t, s in zip(inputs, spec.inputs):
             if s.type != "raw":
-                self._shape(t, s.name, op, spec.shape(s, dims, share, rank, size), s.shape_text)
+                self._shape(t, s.name, op, spec.shape(s, dims, share, rank, size, layout=lay), spec.text_of(s, lay))
         for s in spec.outputs:
-            shape = spec.shape(s, dims, share, rank, size, like=raw)
+            shape = spec.shape(s, dims, share, rank, size, like=raw, layout=lay)
             dtype = raw.dtype if s.type == "raw" else s.dtype(like.dtype if like is not None else None)
             t = outs[s]
             if t is None and (not s.optional or s in want):
@@ -581,7 +602,7 @@ class Communicator(FastPath):
                         raise ValueError(f"tandem.{op}: argument '{spec.out_name(s)}' must hold {n} elements (e.g. "
                                          f"shape {list(shape)}), got shape {list(t.shape)}")
                 else:
-                    self._shape(t, spec.out_name(s), op, shape, s.shape_text)
+                    self._shape(t, spec.out_name(s), op, shape, spec.text_of(s, lay))
         ordered = [tensors.get(s.name) if not s.output else outs[s] for s in spec.slots]
         slots, staged = self._resolve(ordered, [s.name for s in spec.slots], op)
         fields = [ARG_STRUCTS[op].size]
@@ -593,7 +614,7 @@ class Communicator(FastPath):
                 fields.append(dims[i])
             elif k == "flag":
                 v = scal[f["name"]]
-                fields.append(_layout_code(v if v is not None else 0, op) if f["enum"] else (1 if v else 0))
+                fields.append(_enum_code(v if v is not None else 0, op, f["name"]) if f["enum"] else (1 if v else 0))
             elif k == "scale":
                 v = scal[f["name"]]
                 fields.append(0.0 if v is None else float(v))
@@ -616,29 +637,33 @@ class Communicator(FastPath):
 
     # ---- the public ops: eager calls go straight to the C ABI; under torch.compile they become torch.library ops
     # (tandem::<op>, with fake implementations), so graphs hold them whole (fullgraph=True).
-    def ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None):
+    # The fast paths serve the default layout ("nt"); another goes to the full path.
+    def ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None, layout="nt"):
         if _tc._is_compiling_flag or _dynamo_compiling():
-            return _ops.ag_gemm(self, a, b, out=out, m=m, a_gathered=a_gathered)
-        r = self._hot_ag_gemm(a, b, out, m, a_gathered)
-        if r is not None:
-            return r
-        return self._eager_ag_gemm(a, b, out=out, m=m, a_gathered=a_gathered)
+            return _ops.ag_gemm(self, a, b, out=out, m=m, a_gathered=a_gathered, layout=layout)
+        if layout == 0 or layout == "nt":
+            r = self._hot_ag_gemm(a, b, out, m, a_gathered)
+            if r is not None:
+                return r
+        return self._eager_ag_gemm(a, b, out=out, m=m, a_gathered=a_gathered, layout=layout)
 
-    def gemm_rs(self, a, b, *, out=None):
+    def gemm_rs(self, a, b, *, out=None, layout="nt"):
         if _tc._is_compiling_flag or _dynamo_compiling():
-            return _ops.gemm_rs(self, a, b, out=out)
-        r = self._hot_gemm_rs(a, b, out)
-        if r is not None:
-            return r
-        return self._eager_gemm_rs(a, b, out=out)
+            return _ops.gemm_rs(self, a, b, out=out, layout=layout)
+        if layout == 0 or layout == "nt":
+            r = self._hot_gemm_rs(a, b, out)
+            if r is not None:
+                return r
+        return self._eager_gemm_rs(a, b, out=out, layout=layout)
 
-    def gemm_ar(self, a, b, *, out=None):
+    def gemm_ar(self, a, b, *, out=None, layout="nt"):
         if _tc._is_compiling_flag or _dynamo_compiling():
-            return _ops.gemm_ar(self, a, b, out=out)
-        r = self._hot_gemm_ar(a, b, out)
-        if r is not None:
-            return r
-        return self._eager_gemm_ar(a, b, out=out)
+            return _ops.gemm_ar(self, a, b, out=out, layout=layout)
+        if layout == 0 or layout == "nt":
+            r = self._hot_gemm_ar(a, b, out)
+            if r is not None:
+                return r
+        return self._eager_gemm_ar(a, b, out=out, layout=layout)
 
     def moe_dispatch_gemm(self, x, topk_ids, topk_weights, w, *, capacity: int | None = None, out=None,
                           row_info=None, expert_counts=None):
@@ -721,14 +746,27 @@ def _capi_elsize(dtype) -> int:
 _OUTPUTS = _optable.OUTPUT_NAMES
 
 
-def _layout_code(layout, op) -> int:
-    """A layout's code from its name; a code passes through (the torch.library ops carry codes)."""
-    if isinstance(layout, int) and not isinstance(layout, bool) and layout in _capi.LAYOUTS.values():
-        return layout
-    code = _capi.LAYOUTS.get(layout) if isinstance(layout, str) else None
-    if code is None:
-        raise ValueError(f"tandem.{op}: layout must be 'contiguous' or 'zigzag', got {layout!r}")
-    return code
+def _enum_code(value, op: str, field: str = "layout") -> int:
+    """An enum field's code (ring attention's layout, the GEMM ops' layout) from its name, as the library's op table
+    lists them (case-insensitive); a code passes through (the torch.library ops carry codes)."""
+    codes = _capi.ENUMS[op][field]
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value in codes.values():
+            return value
+    elif isinstance(value, str):
+        code = codes.get(value.lower())
+        if code is not None:
+            return code
+    names = [f"{name!r} ({code})" for name, code in codes.items()]
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+    raise ValueError(f"tandem.{op}: argument '{field}' must be {listed}, got {value!r}")
+
+
+def _enum_name(op: str, code: int, field: str = "layout") -> str:
+    return next((name for name, c in _capi.ENUMS[op][field].items() if c == code), str(code))
+
+
+_TN = _capi.ENUMS.get("ag_gemm", {}).get("layout", {}).get("tn", 2)
 
 
 def _align(n: int) -> int:

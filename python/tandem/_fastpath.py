@@ -36,7 +36,21 @@ _NO_SLOT = (0, 0, 0, None, 0, 0)
 # writes them so: every field of these structs is 8 bytes, the dtype enum with its padding as a little-endian one).
 _HOT_OPS = ("gemm_ar", "gemm_rs", "ag_gemm", "allgather", "barrier")
 _HOT_SLOTS = {"gemm_ar": 12, "gemm_rs": 12, "ag_gemm": 14, "allgather": 7, "barrier": 2}
-_HOT_FITS = sys.byteorder == "little" and all(ARG_STRUCTS[n].size == 8 * k for n, k in _HOT_SLOTS.items())
+
+
+def _hot_size(name: str) -> int | None:
+    """The struct_size the C fast path passes for `name`: its slots' bytes. The GEMM ops' structs end with `layout`,
+    appended after the slots it writes; a struct_size that ends before a field gives the field's default (tandem.h),
+    here the "nt" layout, the one layout the fast paths serve. None: the struct does not start with those slots."""
+    op, size = _capi.OPS[name], 8 * _HOT_SLOTS[name]
+    past = [f for f in op["fields"] if f["offset"] >= size]
+    if op["struct_size"] < size or any(not (f["kind"] == "flag" and f["enum"]) for f in past):
+        return None
+    return size
+
+
+_HOT_SIZES = {n: _hot_size(n) for n in _HOT_OPS}
+_HOT_FITS = sys.byteorder == "little" and all(v is not None for v in _HOT_SIZES.values())
 
 
 class _PyHot:
@@ -102,7 +116,7 @@ class FastPath:
         segs = self.session.segments
         self._hot.configure(
             comm=self.handle, fns=tuple(self._fnaddr[n] for n in _HOT_OPS),
-            args=tuple(self._argaddr[n] for n in _HOT_OPS), sizes=tuple(ARG_STRUCTS[n].size for n in _HOT_OPS),
+            args=tuple(self._argaddr[n] for n in _HOT_OPS), sizes=tuple(_HOT_SIZES[n] for n in _HOT_OPS),
             op=self._opaddr, wait=self._wait_addr, ptr_attr=segs._get1_addr if segs is not None else 0,
             cuda=self.is_cuda, devidx=self._devidx, rank=self.rank, nranks=self.world_size,
             timeout_ms=self._op_timeout_ms, poll_every=_POLL_EVERY, keep=(self._args, self._op), hits=self._hits,
@@ -216,7 +230,7 @@ class FastPath:
                 return None
             stream = _raw_stream(self._devidx) if _raw_stream is not None else self._stream()
         plan = self._plans[op]
-        plan[1](plan[2], 0, plan[5], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1], stream)
+        plan[1](plan[2], 0, plan[5], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1], stream, 0)  # layout "nt"
         self._go(plan, stream)
         return out
 
@@ -282,7 +296,8 @@ class FastPath:
                 return None
             stream = _raw_stream(self._devidx) if _raw_stream is not None else self._stream()
         plan = self._plans["ag_gemm"]
-        plan[1](plan[2], 0, plan[5], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1], eg[0], eg[1], stream)
+        plan[1](plan[2], 0, plan[5], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1], eg[0], eg[1], stream,
+                0)  # layout "nt"
         self._go(plan, stream)
         return out
 

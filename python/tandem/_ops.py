@@ -34,6 +34,14 @@ def _scalar_type(f: dict) -> str:
     return "float" if f["kind"] == "scale" else "int" if f["enum"] else "bool"
 
 
+def _scalar_default_value(f: dict):
+    return 0.0 if f["kind"] == "scale" else 0 if f["enum"] else False
+
+
+def _scalar_default(f: dict) -> str:
+    return "0.0" if f["kind"] == "scale" else "0" if f["enum"] else "False"
+
+
 def _register(spec: _optable.Spec) -> None:
     name = spec.name
     ins = [s.name for s in spec.inputs]
@@ -42,17 +50,23 @@ def _register(spec: _optable.Spec) -> None:
     head = ", ".join([f"Tensor {n}" for n in ins] + ["int comm"] + [f"int {n}" for n in free] +
                      [f"{_scalar_type(f)} {f['name']}" for f in spec.scalars])
     n_head = len(ins) + 1 + len(free) + len(scalars)
+    # The functional forms give the flags and scale their defaults (0, False, 0.0), so a field the library appends
+    # (the GEMM ops' layout) keeps older positional calls valid. (The out forms cannot: their outputs follow.)
+    head_defaults = ", ".join([f"Tensor {n}" for n in ins] + ["int comm"] + [f"int {n}" for n in free] +
+                              [f"{_scalar_type(f)} {f['name']}={_scalar_default(f)}" for f in spec.scalars])
 
     def split(args):
         inputs = args[:len(ins)]
         comm = args[len(ins)]
         frees = dict(zip(free, args[len(ins) + 1:len(ins) + 1 + len(free)]))
-        scal = dict(zip(scalars, args[len(ins) + 1 + len(free):n_head]))
+        scal = {f["name"]: _scalar_default_value(f) for f in spec.scalars}
+        scal.update(zip(scalars, args[len(ins) + 1 + len(free):n_head]))
         return inputs, comm, frees, scal
 
-    def shapes(inputs, comm, frees, slots):
+    def shapes(inputs, comm, frees, scal, slots):
         tensors = dict(zip(ins, inputs))
-        dims, share = spec.bind(tensors, frees)
+        lay = scal.get("layout") if spec.transposes else None
+        dims, share = spec.bind(tensors, frees, layout=lay)
         cache = {}
 
         def c():
@@ -65,7 +79,7 @@ def _register(spec: _optable.Spec) -> None:
         dtype = like.dtype if like is not None else None
         out = []
         for s in slots:
-            shape = spec.shape(s, dims, share, lambda: c().rank, lambda: c().world_size, like=raw)
+            shape = spec.shape(s, dims, share, lambda: c().rank, lambda: c().world_size, like=raw, layout=lay)
             out.append((shape, raw.dtype if s.type == "raw" else s.dtype(dtype)))
         return out
 
@@ -84,18 +98,19 @@ def _register(spec: _optable.Spec) -> None:
         def impl(*args):
             inputs, comm, frees, scal = split(args)
             c = _c(comm)
-            outs = {s: c._out(shape, dtype) for s, (shape, dtype) in zip(slots, shapes(inputs, comm, frees, slots))}
+            outs = {s: c._out(shape, dtype)
+                    for s, (shape, dtype) in zip(slots, shapes(inputs, comm, frees, scal, slots))}
             eager(comm, inputs, frees, scal, outs)
             return tuple(outs.values()) if len(outs) > 1 else next(iter(outs.values()), None)
 
         def fake(*args):
-            inputs, comm, frees, _ = split(args)
-            out = [inputs[0].new_empty(shape, dtype=dtype) for shape, dtype in shapes(inputs, comm, frees, slots)]
+            inputs, comm, frees, scal = split(args)
+            out = [inputs[0].new_empty(shape, dtype=dtype) for shape, dtype in shapes(inputs, comm, frees, scal, slots)]
             return tuple(out) if len(out) > 1 else (out[0] if out else None)
 
         ret = "()" if not slots else "Tensor" if len(slots) == 1 else "(" + ", ".join(["Tensor"] * len(slots)) + ")"
         op_name = name + "".join("_" + s.name for s in extra)
-        op = torch.library.custom_op(_lib + op_name, impl, mutates_args=(), schema=f"({head}) -> {ret}")
+        op = torch.library.custom_op(_lib + op_name, impl, mutates_args=(), schema=f"({head_defaults}) -> {ret}")
         op.register_fake(fake)
         if not slots:
             torch.fx.node.has_side_effect(getattr(torch.ops.tandem, op_name).default)
@@ -135,26 +150,27 @@ def call(name: str, comm, *inputs, **kw):
     scal = {f["name"]: kw.pop(f["name"], None) for f in spec.scalars}
     if kw:
         raise TypeError(f"tandem.{name}: unexpected keyword argument(s) {', '.join(sorted(kw))}")
+    for f in spec.scalars:  # names to codes first: the layout decides how the tensors' axes read
+        v = scal[f["name"]]
+        scal[f["name"]] = (0.0 if v is None else float(v) if f["kind"] == "scale" else
+                           _comm._enum_code(0 if v is None else v, name, f["name"]) if f["enum"] else bool(v))
+    lay = scal.get("layout") if spec.transposes else None
     tensors = {s.name: t for s, t in zip(spec.inputs, inputs)}
     tensors.update({s.name: t for s, t in outs.items() if t is not None})
-    dims, _ = spec.bind(tensors, frees, nranks=lambda: comm.world_size)
+    dims, _ = spec.bind(tensors, frees, nranks=lambda: comm.world_size, layout=lay)
     for i in spec.free_dims:
         if i not in dims:
-            dims[i] = spec.default_dim(i, tensors, dims, comm.world_size)
-    args = [*inputs, comm.id, *(dims[i] for i in spec.free_dims)]
-    for f in spec.scalars:
-        v = scal[f["name"]]
-        args.append(0.0 if v is None else float(v) if f["kind"] == "scale" else
-                    _comm._layout_code(v, name) if f["enum"] else bool(v))
+            dims[i] = spec.default_dim(i, tensors, dims, comm.world_size, layout=lay)
+    args = [*inputs, comm.id, *(dims[i] for i in spec.free_dims), *(scal[f["name"]] for f in spec.scalars)]
     ops = torch.ops.tandem
     if all(t is None for t in outs.values()):
         return getattr(ops, name + "".join("_" + s.name for s in want))(*args)
-    dims_, share = spec.bind(tensors, {spec.dim_names[i]: dims[i] for i in spec.free_dims})
+    dims_, share = spec.bind(tensors, {spec.dim_names[i]: dims[i] for i in spec.free_dims}, layout=lay)
     like = next((t for t, s in zip(inputs, spec.inputs) if s.type == "op_dtype"), None)
     raw = next((t for t, s in zip(inputs, spec.inputs) if s.type == "raw"), None)
     for s in spec.outputs:
         if outs[s] is None and (not s.optional or s in want):
-            shape = spec.shape(s, dims_, share, lambda: comm.rank, lambda: comm.world_size, like=raw)
+            shape = spec.shape(s, dims_, share, lambda: comm.rank, lambda: comm.world_size, like=raw, layout=lay)
             outs[s] = (raw if s.type == "raw" else like).new_empty(shape, dtype=raw.dtype if s.type == "raw" else
                                                                     s.dtype(like.dtype))
     getattr(ops, name + "_out")(*args, *outs.values())
@@ -163,23 +179,26 @@ def call(name: str, comm, *inputs, **kw):
 
 
 # ---- the public functions under torch.compile, with each op's own keywords (Communicator.<op> calls them)
-def ag_gemm(comm, a, b, *, out=None, m=None, a_gathered=None):
+def ag_gemm(comm, a, b, *, out=None, m=None, a_gathered=None, layout="nt"):
+    lay = _comm._enum_code(layout, "ag_gemm")
+    spec = SPECS["ag_gemm"]
     if m is None:
-        m = out.shape[0] if out is not None else a.shape[0] * comm.world_size
+        m = out.shape[0] if out is not None else \
+            a.shape[1 if spec.transposed(spec.inputs[0], lay) else 0] * comm.world_size
     if out is None and a_gathered is None:
-        return torch.ops.tandem.ag_gemm(a, b, comm.id, m)
+        return torch.ops.tandem.ag_gemm(a, b, comm.id, m, lay)
     if out is None:
-        out = a.new_empty((m, b.shape[0]))
-    torch.ops.tandem.ag_gemm_out(a, b, comm.id, m, out, a_gathered)
+        out = a.new_empty((m, b.shape[1 if spec.transposed(spec.inputs[1], lay) else 0]))
+    torch.ops.tandem.ag_gemm_out(a, b, comm.id, m, lay, out, a_gathered)
     return out
 
 
-def gemm_rs(comm, a, b, *, out=None):
-    return call("gemm_rs", comm, a, b, out=out)
+def gemm_rs(comm, a, b, *, out=None, layout="nt"):
+    return call("gemm_rs", comm, a, b, out=out, layout=layout)
 
 
-def gemm_ar(comm, a, b, *, out=None):
-    return call("gemm_ar", comm, a, b, out=out)
+def gemm_ar(comm, a, b, *, out=None, layout="nt"):
+    return call("gemm_ar", comm, a, b, out=out, layout=layout)
 
 
 def moe_dispatch_gemm(comm, x, topk_ids, topk_weights, w, *, capacity=None, out=None, row_info=None,

@@ -6,12 +6,18 @@ How a tensor's shape follows from the table: each slot's extent is a product of 
 sharded dim, a dim's per-rank share, the rank count, a constant), grouped into axes. Dims are read off the input
 tensors' axes where an axis is one dim (or a dim's per-rank share, or a constant times a dim); the rest (ag_gemm's m,
 moe_dispatch_gemm's capacity) are passed as integers.
+
+GEMM operand slots (the table's "operand": "a" or "b") are stored transposed under some values of the op's layout
+field: the slot's two axes swap (`shape_transposed` is its text then). Which layouts transpose which operand follows
+from the layout names themselves: a name's first letter is op(A)'s, its second op(B)'s, and an operand is stored
+transposed where its letter differs from the default layout's (code 0, "nt": a [m, k], b [n, k]).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import _capi
 from ._capi import OPS
 
 _FIXED_DTYPES = {"i32": torch.int32, "f32": torch.float32}
@@ -27,6 +33,8 @@ class Slot:
     def __init__(self, s: dict, index: int):
         self.name, self.index = s["name"], index
         self.type, self.output, self.optional, self.shape_text = s["type"], s["output"], s["optional"], s["shape"]
+        self.operand: str = s.get("operand", "")
+        self.shape_transposed: str = s.get("shape_transposed", "")
         terms = s["terms"]
         self.axes: list[list[dict]] = []
         at = 0
@@ -51,6 +59,16 @@ class Spec:
         self.raw = any(s.type == "raw" for s in self.slots)
         self.fields: list[dict] = op["fields"]
         self.scalars = [f for f in self.fields if f["kind"] in ("flag", "scale")]
+        # The GEMM layout: the enum field named "layout" of an op with operand slots, and per code the operands it
+        # stores transposed.
+        self.enums: dict = _capi.ENUMS.get(self.name, {})
+        self.transposes: dict[int, frozenset] = {}
+        if any(s.operand for s in self.slots) and "layout" in self.enums:
+            names = {code: name for name, code in self.enums["layout"].items()}
+            base = names.get(0, "")
+            for code, name in names.items():
+                self.transposes[code] = frozenset(op_ for i, op_ in enumerate("ab")
+                                                  if i < len(name) and i < len(base) and name[i] != base[i])
         bound = set()
         for s in self.inputs:
             for axis in s.axes:
@@ -66,9 +84,21 @@ class Spec:
         """The Python keyword of an output: the first output is `out`, the others keep the table's name."""
         return "out" if slot is self.outputs[0] else slot.name
 
-    def bind(self, tensors: dict, free: dict, nranks=None) -> tuple[dict, dict]:
+    def transposed(self, slot: Slot, layout: int | None) -> bool:
+        """Whether `slot` is stored with its two axes swapped under the layout code (None: the default)."""
+        return bool(layout) and slot.operand in self.transposes.get(layout, ())
+
+    def axes_of(self, slot: Slot, layout: int | None) -> list:
+        return slot.axes[::-1] if self.transposed(slot, layout) else slot.axes
+
+    def text_of(self, slot: Slot, layout: int | None) -> str:
+        """The slot's shape as the table words it, under the layout."""
+        return slot.shape_transposed if self.transposed(slot, layout) else slot.shape_text
+
+    def bind(self, tensors: dict, free: dict, nranks=None, layout: int | None = None) -> tuple[dict, dict]:
         """Dims from the tensors given (by slot name; inputs and any outputs) and the free dims' values (by name):
-        (dims by index, per-rank shares by index). `nranks` is a callable, asked only where a share needs it."""
+        (dims by index, per-rank shares by index). `nranks` is a callable, asked only where a share needs it.
+        `layout`: the op's layout code (operand slots' axes swap where it stores them transposed)."""
         dims: dict[int, int] = {}
         share: dict[int, int] = {}
         for i in self.free_dims:
@@ -85,7 +115,7 @@ class Spec:
                 continue
             if t.dim() != len(s.axes):
                 continue
-            for axis, n in zip(s.axes, t.shape):
+            for axis, n in zip(self.axes_of(s, layout), t.shape):
                 d = _binds(axis)
                 if d is None:
                     continue
@@ -99,7 +129,7 @@ class Spec:
                 dims[i] = n * nranks()
         return dims, share
 
-    def default_dim(self, i: int, tensors: dict, dims: dict, nranks: int) -> int:
+    def default_dim(self, i: int, tensors: dict, dims: dict, nranks: int, layout: int | None = None) -> int:
         """A free dim's default: capacity the worst case nranks * tokens * topk; a sharded dim every rank's shard
         the size of this one's."""
         split = self.op["dims"][i]["split"]
@@ -107,14 +137,15 @@ class Spec:
             return nranks * dims[self.dim_names.index("tokens")] * dims[self.dim_names.index("topk")]
         for s in self.inputs:
             t = tensors.get(s.name)
-            for ax, axis in enumerate(s.axes):
+            for ax, axis in enumerate(self.axes_of(s, layout)):
                 if t is not None and len(axis) == 1 and axis[0]["kind"] == "shard" and axis[0]["dim"] == i:
                     return int(t.shape[ax]) * nranks
         raise ValueError(f"tandem.{self.name}: pass {self.dim_names[i]}=")
 
-    def shape(self, slot: Slot, dims: dict, share: dict, rank, nranks, like=None) -> tuple:
+    def shape(self, slot: Slot, dims: dict, share: dict, rank, nranks, like=None, layout: int | None = None) -> tuple:
         """The shape of `slot`. rank and nranks are callables, asked only where a term needs them. A raw output is
-        shaped as its raw input `like`, the first axis scaled (allgather: [nranks * x.shape[0], *x.shape[1:]])."""
+        shaped as its raw input `like`, the first axis scaled (allgather: [nranks * x.shape[0], *x.shape[1:]]).
+        `layout`: the op's layout code, as in bind."""
         def term(t):
             k, d = t["kind"], t["dim"]
             if k == "dim":
@@ -135,7 +166,7 @@ class Spec:
                         scale *= term(t)
             return (scale * like.shape[0], *like.shape[1:]) if like.dim() else (scale,)
         out = []
-        for axis in slot.axes:
+        for axis in self.axes_of(slot, layout):
             n = 1
             for t in axis:
                 n *= term(t)

@@ -104,7 +104,7 @@ def test_wrong_topk_dtype_names_topk_ids(comm):
 
 def test_ring_attention_rejects_a_bad_layout_and_a_bad_lse(comm):
     q = torch.ones(3, 2, 8)
-    with pytest.raises(ValueError, match=r"layout must be 'contiguous' or 'zigzag', got 'snake'"):
+    with pytest.raises(ValueError, match=r"argument 'layout' must be 'contiguous' \(0\) or 'zigzag' \(1\), got 'snake'"):
         comm.ring_attention(q, q, q, layout="snake")
     with pytest.raises(ValueError, match=r"argument 'lse' must have shape \[2, 3\] \(\[heads, seq\] float32\)"):
         comm.ring_attention(q, q, q, lse=torch.empty(3, 2))

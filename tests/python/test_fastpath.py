@@ -199,7 +199,7 @@ def test_hot_in_cuda_mode_with_stand_ins_for_libtandem_and_the_driver_query(comm
     hot, hits, stream, capturing = _capi.Hot(), {}, [0], [False]
     fn = _capi.address(submit)
     hot.configure(comm=1, fns=(fn,) * len(ops), args=tuple(ctypes.addressof(bufs[n]) for n in ops),
-                  sizes=tuple(_capi.ARG_STRUCTS[n].size for n in ops), op=ctypes.addressof(op), wait=fn,
+                  sizes=tuple(_fastpath._HOT_SIZES[n] for n in ops), op=ctypes.addressof(op), wait=fn,
                   ptr_attr=_capi.address(ptr_attr), cuda=True, devidx=0, rank=0, nranks=1, timeout_ms=-1,
                   poll_every=16, keep=(bufs, op), hits=hits, resolve=lambda p, n: resolved.append(p),
                   alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype),
