@@ -222,6 +222,8 @@ void launchGemmFp8(const GemmFp8Params& g, cudaStream_t stream) {
   }
   p.scaleA = g.scaleA;
   p.scaleB = g.scaleB;
+  p.c = g.c;
+  p.ldc = g.ldc;
   p.rows = static_cast<int32_t>(g.m);
   p.cols = static_cast<int32_t>(g.n);
   p.numKBlocks = static_cast<int32_t>(numKBlocks);

@@ -103,10 +103,12 @@ struct KernelParams {
   CUtensorMap tmSfa;  // block: A's scales [k-blocks, ldsa] fp32: {m, k-blocks}, box {128, 1}; unused per tensor
   const float* scaleA;  // per tensor: one fp32
   const float* scaleB;  // per tensor: one fp32; block: [ceil(n / 128), numKBlocks]
+  void* c;              // C's base and row stride (elements), for the direct stores of a ragged last chunk
+  int64_t ldc;
   int32_t rows, cols;   // m, n
   int32_t numKBlocks;
   int32_t tilesRows, tilesCols, groupRows;
-  int32_t pad0[6];
+  int32_t pad0[2];
 };
 static_assert(sizeof(KernelParams) % 64 == 0);
 
@@ -232,8 +234,40 @@ __device__ __forceinline__ void runProducer(const KernelParams& p, SharedStorage
 // ---------------------------------------------------------------------------------------------------------------
 // Epilogue: one consumer warpgroup's 64 x 256 fp32 accumulators (wgmma m64n256 layout) to C rows
 // [rowBase, rowBase + 64) from column col0, through 64 x 128-byte swizzled chunks and TMA stores (which clip at C's
-// edges). Bufs chunk buffers per warpgroup, used round robin; epiChunks counts this warpgroup's committed chunks.
+// last row). Bufs chunk buffers per warpgroup, used round robin; epiChunks counts this warpgroup's committed chunks.
+// NOTE: a TMA store clips columns only to 16-byte granules (seen on an H100: with n = 257 a bf16 store wrote columns
+// up to 263 of a padded C), so the chunk that holds C's last column, when n * sizeof(Out) is not a multiple of 16,
+// goes out through masked direct stores instead, leaving C's padding columns untouched.
 // ---------------------------------------------------------------------------------------------------------------
+template <class Out>
+__device__ __forceinline__ void storeChunkDirect(const KernelParams& p, const float (&acc)[128], int c, int32_t rowBase,
+                                                 int32_t col0, int r, uint32_t q) {
+  constexpr int kCols = 128 / static_cast<int>(sizeof(Out));
+  Out* const out = static_cast<Out*>(p.c);
+  // j runs over the whole tile so that acc is indexed by constants only (a run-time index would put it in local
+  // memory); the columns before chunk c are skipped, those past n masked.
+#pragma unroll
+  for (int j = 0; j < kBlockCols / 8; ++j) {
+    if (j * 8 < c * kCols) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int32_t row = rowBase + r + 8 * h;
+        const int32_t col = col0 + j * 8 + static_cast<int32_t>(q) * 2 + e;
+        if (row < p.rows && col < p.cols) {
+          const float v = acc[4 * j + 2 * h + e];
+          if constexpr (sizeof(Out) == 2) {
+            out[static_cast<int64_t>(row) * p.ldc + col] = __float2bfloat16_rn(v);
+          } else {
+            out[static_cast<int64_t>(row) * p.ldc + col] = v;
+          }
+        }
+      }
+    }
+  }
+}
+
 template <class Out, int Bufs>
 __device__ __forceinline__ void storeTile(const KernelParams& p, uint8_t (&cbuf)[Bufs][kChunkBytes],
                                           const float (&acc)[128], int32_t rowBase, int32_t col0, int t,
@@ -246,9 +280,14 @@ __device__ __forceinline__ void storeTile(const KernelParams& p, uint8_t (&cbuf)
   const uint32_t rowOff1 = static_cast<uint32_t>(r + 8) * 128;
   const uint32_t phase = static_cast<uint32_t>(r & 7);
   const uint32_t q = static_cast<uint32_t>(lane & 3);
+  const bool ragged = p.cols % (16 / static_cast<int>(sizeof(Out))) != 0;
 #pragma unroll
   for (int c = 0; c < kBlockCols / kCols; ++c) {
     if (col0 + c * kCols >= p.cols) break;  // uniform: the rest of the tile lies past the edge
+    if (ragged && col0 + (c + 1) * kCols > p.cols) {  // uniform: the chunk of C's last column (see the NOTE above)
+      storeChunkDirect<Out>(p, acc, c, rowBase, col0, r, q);
+      break;
+    }
     const uint32_t buf = epiChunks % Bufs;
     if (epiChunks >= static_cast<uint32_t>(Bufs)) {
       // The store issued from this buffer Bufs chunks ago must have finished reading it.

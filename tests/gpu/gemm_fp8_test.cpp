@@ -1,6 +1,7 @@
 // The FP8 GEMM core (tandem/kernels/gemm_fp8.hpp) against an fp64 host reference of the dequantized inputs: both
 // scaling modes, every pair of fp8 formats, bf16 and fp32 output, M and N off the 128 x 256 tile, K off the 128-wide
-// k-block (a multiple of 16 only), padded row strides, every C element written and finite and C's padding untouched;
+// k-block (a multiple of 16 only), padded row strides, more tiles than SMs, every C element written and finite and
+// C's padding untouched (n with ragged 16-byte granules);
 // bitwise repeatable over 5 launches; K == 0 zeroes C; bad arguments refused with the field named. This process
 // initialises CUDA itself, so it is its own executable.
 #include <doctest/doctest.h>
@@ -252,6 +253,7 @@ TEST_CASE("FP8 GEMM matches the fp64 reference of the dequantized inputs in both
       {{129, 257, 144, 2}, false},   // one past the tile in M and N, padded strides
       {{64, 1000, 4096, 0}, false},  // long K (32 k-blocks)
       {{300, 136, 16, 0}, false},    // K = 16: one partial k-step
+      {{2048, 2600, 256, 0}, false}, // 176 tiles: more than the SMs, so CTAs run several tiles (persistent loop)
   };
   uint64_t seed = 1;
   for (const Case& cs : cases) {

@@ -38,7 +38,8 @@ struct GemmFp8Params {
   Fp8Out out;
   const void* a;  // [m, k] fp8, row stride lda bytes; 16-byte aligned
   const void* b;  // [n, k] fp8, row stride ldb bytes; 16-byte aligned
-  void* c;        // [m, n], row stride ldc elements; 16-byte aligned; must not overlap a, b or the scales
+  void* c;        // [m, n], row stride ldc elements; 16-byte aligned; must not overlap a, b or the scales;
+                  // its padding columns [n, ldc) are never written
   // kPerTensor: one fp32 each (4-byte aligned), read by the kernel (stream-ordered after whatever wrote them).
   // kBlock: scaleA is [ceil(k / 128), ldsa] fp32, M-major: the scales of k-block kb for rows 0..m-1 are contiguous at
   //   scaleA + kb * ldsa (as DeepGEMM's transposed LHS scales, so that one TMA copy moves a tile's 128 row scales);
