@@ -19,7 +19,7 @@ namespace ref = tandem::reference;
 
 namespace {
 
-// One op: kind, layout, dtype, global m and n, and k (ag-gemm: the whole K; gemm-rs/ar: every rank's slice).
+// One op: kind, layout, dtype, global m, n and k (gemm-rs/ar: K split evenly over the ranks).
 struct LayoutCase {
   OpKind kind;
   GemmOperands layout;
@@ -120,12 +120,13 @@ std::vector<LayoutCase> layoutCases(uint32_t nranks) {
   std::vector<LayoutCase> v;
   const uint64_t tnUnit = 8 * nranks;
   for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    const uint64_t kUnit = kind == OpKind::kAgGemm ? 8 : 8 * nranks;  // every rank's k slice a multiple of 8
     for (GemmOperands l : {GemmOperands::kNT, GemmOperands::kNN, GemmOperands::kTN}) {
       const bool tn = l == GemmOperands::kTN;
-      v.push_back({kind, l, DType::kBF16, tn ? tnUnit * 38 : 300, 264, 72});
-      v.push_back({kind, l, DType::kF16, tn ? tnUnit * 97 : 777, 520, 136});
+      v.push_back({kind, l, DType::kBF16, tn ? tnUnit * 38 : 300, 264, kUnit * 9});
+      v.push_back({kind, l, DType::kF16, tn ? tnUnit * 97 : 777, 520, kUnit * 17});
       v.push_back({kind, l, DType::kBF16, 1536, 1024, 512});
-      v.push_back({kind, l, DType::kBF16, tn ? tnUnit : 1, 8, 8});
+      v.push_back({kind, l, DType::kBF16, tn ? tnUnit : 1, 8, kUnit});
     }
   }
   return v;
