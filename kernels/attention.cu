@@ -155,14 +155,16 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   AttnKernelParams p;
   std::memset(&p, 0, sizeof(p));
   const int64_t cols = static_cast<int64_t>(g.heads) * g.headDim;
+  const int32_t kvHeads = g.kvHeads == 0 ? g.heads : g.kvHeads;
+  const int64_t kvCols = static_cast<int64_t>(kvHeads) * g.headDim;
   p.tmQ = encodeMap(g.q, g.sq, cols, kBlockM, g.dtype);
   // One tensor map pair per non-empty segment, in segment order; the kernel splits each into its runs.
   int maps = 0;
   for (int i = 0; i < g.numKv; ++i) {
     const AttentionKvSegment& s = g.kv[i];
     if (s.length == 0) continue;  // nothing to see: leave it out of the walk
-    p.tmK[maps] = encodeMap(s.k, s.length, cols, static_cast<uint32_t>(r.blockN), g.dtype);
-    p.tmV[maps] = encodeMap(s.v, s.length, cols, static_cast<uint32_t>(r.blockN), g.dtype);
+    p.tmK[maps] = encodeMap(s.k, s.length, kvCols, static_cast<uint32_t>(r.blockN), g.dtype);
+    p.tmV[maps] = encodeMap(s.v, s.length, kvCols, static_cast<uint32_t>(r.blockN), g.dtype);
     AttnKvMap& m = p.maps[maps++];
     m.start = s.start;
     m.start2 = s.start2;
@@ -191,6 +193,7 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   p.qStart = g.qStart;
   p.sq = static_cast<int32_t>(g.sq);
   p.heads = g.heads;
+  p.kvGroup = g.heads / kvHeads;
   p.numQTiles = static_cast<int32_t>((g.sq + kBlockM - 1) / kBlockM);
   const int64_t work = static_cast<int64_t>(p.numQTiles) * g.heads;
   if (work > 0x7fffffff) attn_detail::failUnsupported("more than 2^31 - 1 query tiles x heads; split the launch");

@@ -90,6 +90,10 @@ void validateAttention(const AttentionParams& p) {
     rule("head_dim", "headDim must be 64 or 128, got {}; pad the head dimension to one of them", p.headDim);
   }
   if (p.heads < 1 || p.heads > (1 << 20)) rule("heads", "heads must be in [1, 2^20], got {}", p.heads);
+  if (p.kvHeads < 0 || (p.kvHeads > 0 && p.heads % p.kvHeads != 0)) {
+    rule("kv_heads", "kvHeads must divide heads = {} (grouped-query attention) or be 0 (= heads), got {}", p.heads,
+         p.kvHeads);
+  }
   if (p.sq < 0 || p.sq > kMaxRows) rule("sq", "sq must be in [0, 2^31 - 1], got {}; split the queries", p.sq);
   if (p.qStart < -kMaxPosition || p.qStart > kMaxPosition) {
     rule("q_start", "qStart must be within +-2^62, got {}", p.qStart);
@@ -129,9 +133,15 @@ void validateAttention(const AttentionParams& p) {
   }
 
   const uint64_t rowBytes = static_cast<uint64_t>(p.heads) * static_cast<uint64_t>(p.headDim) * 2;
+  const uint64_t kvRowBytes =
+      static_cast<uint64_t>(p.kvHeads > 0 ? p.kvHeads : p.heads) * static_cast<uint64_t>(p.headDim) * 2;
   const auto span = [&](const void* base, int64_t rows) {
     const auto lo = reinterpret_cast<uintptr_t>(base);
     return Range{lo, lo + static_cast<uintptr_t>(rows) * rowBytes};
+  };
+  const auto kvSpan = [&](const void* base, int64_t rows) {
+    const auto lo = reinterpret_cast<uintptr_t>(base);
+    return Range{lo, lo + static_cast<uintptr_t>(rows) * kvRowBytes};
   };
   if (p.sq > 0) {
     if (p.q == nullptr || p.out == nullptr) rule("pointers", "q and out must be non-null when sq > 0");
@@ -172,8 +182,8 @@ void validateAttention(const AttentionParams& p) {
     if (s.length == 0) continue;
     if (s.k == nullptr || s.v == nullptr) rule("pointers", "kv[{}].k and .v must be non-null when length > 0", i);
     if (!aligned16(s.k) || !aligned16(s.v)) rule("alignment", "kv[{}].k and .v must be 16-byte aligned (TMA)", i);
-    if (p.sq > 0 && (overlaps(span(p.out, p.sq), span(s.k, s.length)) ||
-                     overlaps(span(p.out, p.sq), span(s.v, s.length)))) {
+    if (p.sq > 0 && (overlaps(span(p.out, p.sq), kvSpan(s.k, s.length)) ||
+                     overlaps(span(p.out, p.sq), kvSpan(s.v, s.length)))) {
       rule("aliasing", "out must not overlap kv[{}].k or .v", i);
     }
   }

@@ -20,10 +20,11 @@ namespace {
 
 constexpr uint64_t kRowAlign = 256;  // the V half of the data region starts on a TMA-friendly boundary
 
-uint64_t rowBytes(const OpDescriptor& d) { return d.dims[dim::kHeads] * d.dims[dim::kHeadDim] * 2; }
+// Bytes of one row of k or v: kv_heads heads (grouped-query attention moves only the KV heads around the ring).
+uint64_t rowBytes(const OpDescriptor& d) { return d.dims[dim::kKvHeads] * d.dims[dim::kHeadDim] * 2; }
 
 // Rows of KV one rank's half of the data region holds: k in the first half, v in the second, the same on every rank
-// (the layout depends only on the workspace and the global heads and head_dim, so peers agree on it).
+// (the layout depends only on the workspace and the global kv_heads and head_dim, so peers agree on it).
 uint64_t kvCapacityRows(const OpDescriptor& d, const FusedEnv& env) {
   const uint64_t half = env.layout.dataBytes / 2 / kRowAlign * kRowAlign;
   const uint64_t rows = half / rowBytes(d);
@@ -83,9 +84,9 @@ void checkRingAttention(const OpDescriptor& d, const DevicePointers& ptrs, const
   if (env.nranks > 1 && seq > kvCapacityRows(d, env)) {
     // The data region is two matrices of rsMatBytes: k fills (most of) the first, v the second.
     const uint64_t bytes = WorkspaceLayout::bytesFor(seq * rowBytes(d) + kRowAlign, env.nranks);
-    fail(ErrorCode::kInvalidArgument, "{}: seq {} x heads {} x head_dim {} on this rank needs {} bytes of k and v in "
-         "the workspace, but this communicator's workspace holds {} rows; {}, or split the sequence over more ranks",
-         op, seq, heads, hd, 2 * seq * rowBytes(d), kvCapacityRows(d, env), workspaceRemedy(bytes));
+    fail(ErrorCode::kInvalidArgument, "{}: seq {} x kv_heads {} x head_dim {} on this rank needs {} bytes of k and v "
+         "in the workspace, but this communicator's workspace holds {} rows; {}, or split the sequence over more ranks",
+         op, seq, d.dims[dim::kKvHeads], hd, 2 * seq * rowBytes(d), kvCapacityRows(d, env), workspaceRemedy(bytes));
   }
 }
 
@@ -101,6 +102,7 @@ std::string launchRingAttention(const OpDescriptor& d, const DevicePointers& ptr
   p.lse = static_cast<float*>(ptrs[slot::kAttnLse]);
   p.sq = static_cast<int64_t>(seq);
   p.heads = static_cast<int32_t>(d.dims[dim::kHeads]);
+  p.kvHeads = static_cast<int32_t>(d.dims[dim::kKvHeads]);
   p.headDim = static_cast<int32_t>(d.dims[dim::kHeadDim]);
   p.dtype = attentionDtype(d.dtype);
   p.causal = (d.flags & kFlagCausal) != 0;
@@ -197,6 +199,7 @@ std::string launchRingAttentionMapped(std::span<const OpDescriptor> descs, std::
   p.lse = static_cast<float*>(ptrs[rank][slot::kAttnLse]);
   p.sq = static_cast<int64_t>(seq);
   p.heads = static_cast<int32_t>(d.dims[dim::kHeads]);
+  p.kvHeads = static_cast<int32_t>(d.dims[dim::kKvHeads]);
   p.headDim = static_cast<int32_t>(d.dims[dim::kHeadDim]);
   p.dtype = attentionDtype(d.dtype);
   p.causal = (d.flags & kFlagCausal) != 0;

@@ -64,6 +64,12 @@ CArgs unpackArgs(const OpSpec& spec, const void* args) {
       case CField::Kind::kStream: out.stream = read<void*>(args, at); break;
     }
   }
+  for (int i = 0; i < spec.dimCount; ++i) {
+    const DimSpec& ds = spec.dims[static_cast<std::size_t>(i)];
+    if (ds.zeroMeans >= 0 && out.desc.dims[static_cast<std::size_t>(i)] == 0) {
+      out.desc.dims[static_cast<std::size_t>(i)] = out.desc.dims[static_cast<std::size_t>(ds.zeroMeans)];
+    }
+  }
   return out;
 }
 

@@ -23,6 +23,7 @@ const std::vector<ShapeOption>& shapeOptions() {
       {"seq", "ring attention: total sequence length, split over ranks"},
       {"heads", "ring attention: heads"},
       {"head-dim", "ring attention: head dimension"},
+      {"kv-heads", "ring attention: KV heads, dividing --heads (grouped-query attention; default: --heads)"},
       {"bytes", "allgather: bytes per rank"},
   };
   return options;

@@ -102,6 +102,7 @@ int main(int argc, char** argv) {
     else if (name == "seq") target = &o.shape.seq;
     else if (name == "heads") target = &o.shape.heads;
     else if (name == "head-dim") target = &o.shape.headDim;
+    else if (name == "kv-heads") target = &o.shape.kvHeads;
     else if (name == "bytes") target = &o.shape.bytes;
     shapeFlags[name] = run->add_option("--" + name, *target, s.help)->check(kCount);
   }

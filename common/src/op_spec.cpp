@@ -29,7 +29,16 @@ struct Builder {
     s.summary = summary;
   }
   Builder& dim(std::string_view name, std::string_view cli, DimSplit split = DimSplit::kGlobal, bool mayBeZero = false) {
-    s.dims[s.dimCount++] = DimSpec{name, cli, split, mayBeZero};
+    DimSpec& ds = s.dims[s.dimCount++];
+    ds.name = name;
+    ds.cli = cli;
+    ds.split = split;
+    ds.mayBeZero = mayBeZero;
+    return *this;
+  }
+  // The last dim, when a C caller passes 0 (or predates it), is dim `other`'s value.
+  Builder& zeroMeans(int other) {
+    s.dims[s.dimCount - 1U].zeroMeans = static_cast<int8_t>(other);
     return *this;
   }
   Builder& slot(std::string_view name, ElementType type, std::initializer_list<T> terms, std::string_view shape,
@@ -108,17 +117,24 @@ struct Builder {
  private:
   CField resolve(std::string_view f) const {
     using K = CField::Kind;
-    if (f == "dtype") return {K::kDtype, 0, f};
-    if (f == "cuda_stream") return {K::kStream, 0, f};
-    if (f == "scale") return {K::kScale, 0, f};
+    const auto plain = [f](K kind, uint8_t index) {
+      CField c;
+      c.kind = kind;
+      c.index = index;
+      c.name = f;
+      return c;
+    };
+    if (f == "dtype") return plain(K::kDtype, 0);
+    if (f == "cuda_stream") return plain(K::kStream, 0);
+    if (f == "scale") return plain(K::kScale, 0);
     for (uint8_t i = 0; i < flagFieldCount_; ++i) {
       if (flagFields_[i].name == f) return flagFields_[i];
     }
     for (uint8_t i = 0; i < s.dimCount; ++i) {
-      if (s.dims[i].name == f) return {K::kDim, i, f};
+      if (s.dims[i].name == f) return plain(K::kDim, i);
     }
     for (uint8_t i = 0; i < s.slotCount; ++i) {
-      if (s.slots[i].name == f) return {K::kTensor, i, f};
+      if (s.slots[i].name == f) return plain(K::kTensor, i);
     }
     fail(ErrorCode::kInternal, "op table: {}'s C field {} is no dim, slot or known field", s.name, f);
   }
@@ -128,6 +144,16 @@ struct Builder {
 
 // tandem_gemm_layout_t, in flags bits 2-3 (descriptor.hpp's GemmOperands).
 constexpr std::string_view kGemmLayoutValues = "TANDEM_GEMM_NT (0), TANDEM_GEMM_NN (1) or TANDEM_GEMM_TN (2)";
+
+void checkAttention(const OpDescriptor& d) {
+  const uint64_t heads = d.dims[dim::kHeads], kvHeads = d.dims[dim::kKvHeads];
+  if (heads % kvHeads != 0) {
+    fail(ErrorCode::kInvalidArgument,
+         "{}: kv_heads {} does not divide heads {}; pass a kv_heads that divides heads (grouped-query attention: each "
+         "KV head serves heads / kv_heads query heads), or kv_heads = heads",
+         opKindName(d.kind), kvHeads, heads);
+  }
+}
 
 void checkMoe(const OpDescriptor& d) {
   const std::string_view kind = opKindName(d.kind);
@@ -231,12 +257,14 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
              "dtype tokens hidden ffn experts topk x topk_ids topk_weights w1 w2 out cuda_stream"));
   {
     const std::initializer_list<T> qkv{dimT(d::kSeq), dimT(d::kHeads), dimT(d::kHeadDim)};
+    const std::initializer_list<T> kv{dimT(d::kSeq), dimT(d::kKvHeads), dimT(d::kHeadDim)};
     put(Builder(OpKind::kRingAttention, "ring-attention", "tandem_ring_attention",
                 "Ring attention: the sequence sharded in rank order, softmax(q K^T * scale) V over all of it")
             .dim("seq", "seq", kSplit, true).dim("heads", "heads").dim("head_dim", "head-dim")
+            .dim("kv_heads", "kv-heads").zeroMeans(d::kHeads)
             .slot("q", D, qkv, "[seq, heads, head_dim]")
-            .slot("k", D, qkv, "[seq, heads, head_dim]")
-            .slot("v", D, qkv, "[seq, heads, head_dim]")
+            .slot("k", D, kv, "[seq, kv_heads, head_dim]")
+            .slot("v", D, kv, "[seq, kv_heads, head_dim]")
             .slot("out", D, qkv, "[seq, heads, head_dim]", true)
             .slot("lse", F32, {dimT(d::kHeads), dimT(d::kSeq)}, "[heads, seq] fp32", true, true)
             .flagField("causal", 0)
@@ -244,9 +272,11 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
             .scale()
             .crossNode(CrossNode::kReplicate)
             .deviceError(ErrorCode::kTimeout)
-            // lse and layout come after cuda_stream: they were appended to the struct in tandem 0.2.x.
+            .check(checkAttention)
+            // lse and layout come after cuda_stream: they were appended to the struct in tandem 0.2.x; kv_heads
+            // after 0.2.x.
             .c("tandem_ring_attention_args_t", "ring_attention",
-               "dtype seq heads head_dim causal scale q k v out cuda_stream lse layout"));
+               "dtype seq heads head_dim causal scale q k v out cuda_stream lse layout kv_heads"));
   }
   put(Builder(OpKind::kAllGather, "allgather", "tandem_allgather", "AllGather of raw bytes, in rank order")
           .dim("bytes", "bytes")
@@ -378,7 +408,7 @@ std::string opTableJson() {
     for (int d = 0; d < op.dimCount; ++d) {
       const DimSpec& ds = op.dims[static_cast<std::size_t>(d)];
       dims.push_back({{"name", ds.name}, {"cli", ds.cli}, {"split", kSplits[static_cast<std::size_t>(ds.split)]},
-                      {"may_be_zero", ds.mayBeZero}});
+                      {"may_be_zero", ds.mayBeZero}, {"zero_means", ds.zeroMeans}});
     }
     json slots = json::array();
     for (int s = 0; s < op.slotCount; ++s) {

@@ -263,6 +263,7 @@ void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out, in
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const DType dtype = descs[0].dtype;
   const uint64_t heads = descs[0].dims[dim::kHeads], D = descs[0].dims[dim::kHeadDim];
+  const uint64_t kvHeads = descs[0].dims[dim::kKvHeads];
   const bool causal = (descs[0].flags & kFlagCausal) != 0;
   const bool zigzag = (descs[0].flags & kFlagZigzag) != 0;
   const double scale = descs[0].scale != 0.0f ? double(descs[0].scale) : 1.0 / std::sqrt(double(D));
@@ -282,11 +283,20 @@ void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out, in
       for (uint64_t i = lo; i < hi; ++i) pos[r][i] = S++;
     }
   }
+  // k and v widened to one KV head per query head: query head h reads KV head h / (heads / kvHeads).
   std::vector<double> q(S * heads * D), k(S * heads * D), v(S * heads * D);
   for (uint32_t r = 0; r < n; ++r) {
     const uint64_t seq = descs[r].dims[dim::kSeq], row = heads * D;
     for (auto [dst, s] : {std::pair{&q, slot::kQ}, std::pair{&k, slot::kKey}, std::pair{&v, slot::kValue}}) {
-      const std::vector<double> part = load(in[r][static_cast<std::size_t>(s)], dtype, seq * row);
+      const uint64_t stored = s == slot::kQ ? heads : kvHeads;
+      std::vector<double> part = load(in[r][static_cast<std::size_t>(s)], dtype, seq * stored * D);
+      if (stored != heads) {
+        std::vector<double> wide(seq * row);
+        for (uint64_t i = 0; i < seq; ++i)
+          for (uint64_t h = 0; h < heads; ++h)
+            for (uint64_t c = 0; c < D; ++c) wide[(i * heads + h) * D + c] = part[(i * kvHeads + h / (heads / kvHeads)) * D + c];
+        part = std::move(wide);
+      }
       for (uint64_t i = 0; i < seq; ++i) {
         std::copy_n(part.begin() + static_cast<std::ptrdiff_t>(i * row), row,
                     dst->begin() + static_cast<std::ptrdiff_t>(pos[r][i] * row));
@@ -374,6 +384,7 @@ uint64_t OpShape::value(std::string_view option) const {
   if (option == "seq") return seq;
   if (option == "heads") return heads;
   if (option == "head-dim") return headDim;
+  if (option == "kv-heads") return kvHeads == 0 ? heads : kvHeads;
   if (option == "bytes") return bytes;
   fail(ErrorCode::kInternal, "OpShape has no size named --{}; add it to OpShape (reference.hpp)", option);
 }

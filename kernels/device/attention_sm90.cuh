@@ -95,7 +95,7 @@ struct AttnKvMap {
 
 struct AttnKernelParams {
   CUtensorMap tmQ;              // q [sq, heads * hd]: dims {heads * hd, sq}, box {64, kBlockM}, 128B swizzle
-  CUtensorMap tmK[kMaxKvMaps];  // KV tensor m's k [rows, heads * hd]: box {64, BN}
+  CUtensorMap tmK[kMaxKvMaps];  // KV tensor m's k [rows, kvHeads * hd]: box {64, BN}
   CUtensorMap tmV[kMaxKvMaps];  // its v, same
   AttnKvMap maps[kMaxKvMaps];   // the walk, in order (local tensors first)
   const uint64_t* abortWord;    // polled by the waits; null = none
@@ -109,6 +109,7 @@ struct AttnKernelParams {
   int32_t numMaps;
   int32_t sq;
   int32_t heads;
+  int32_t kvGroup;    // query heads per KV head (grouped-query attention; 1: one KV head per query head)
   int32_t numQTiles;  // ceil(sq / kBlockM)
   int32_t numWork;    // numQTiles * heads
   float scaleLog2;    // scale * log2(e): softmax runs in exp2
@@ -511,6 +512,7 @@ __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedSto
     const int32_t n = countBlocks<BN, Causal>(s.runs, maxQ);
     if (n == 0) continue;  // the consumers write zeros without waiting on anything
     const int32_t col = tc.head * HD;
+    const int32_t kvCol = (tc.head / p.kvGroup) * HD;  // the KV head this query head reads
     gemm::mbarWait(&s.emptyQ, qPhase ^ 1);  // pairs with the consumers' arrive after their last QK^T
     gemm::mbarArriveExpectTx(&s.fullQ, kBlockM * HD * 2);
 #pragma unroll
@@ -527,17 +529,17 @@ __device__ __forceinline__ void runProducer(const AttnKernelParams& p, SharedSto
       const AttnKvRun& run = s.runs.run[c.seg];
       const int32_t row = run.row0 + c.blk * BN;
       awaitKvMap(p, s, run.map, readyMaps);
-      loadKvTile<HD, BN>(&p.tmK[run.map], s.k, s.fullK, s.emptyK, ks, col, row);
+      loadKvTile<HD, BN>(&p.tmK[run.map], s.k, s.fullK, s.emptyK, ks, kvCol, row);
       nextBlock<BN, Causal>(s.runs, c, maxQ);
       return At{run.map, row};
     };
     At prev = loadK();
     for (int32_t i = 1; i < n; ++i) {
       const At cur = loadK();
-      loadKvTile<HD, BN>(&p.tmV[prev.map], s.v, s.fullV, s.emptyV, vs, col, prev.row);
+      loadKvTile<HD, BN>(&p.tmV[prev.map], s.v, s.fullV, s.emptyV, vs, kvCol, prev.row);
       prev = cur;
     }
-    loadKvTile<HD, BN>(&p.tmV[prev.map], s.v, s.fullV, s.emptyV, vs, col, prev.row);
+    loadKvTile<HD, BN>(&p.tmV[prev.map], s.v, s.fullV, s.emptyV, vs, kvCol, prev.row);
   }
 }
 

@@ -1,7 +1,8 @@
 // Ring attention on the cuda backend end to end: real rank processes run tandem_ring_attention through libtandem on
 // one tandemd, and every output (and lse) is checked against the fp64 reference (common/reference.hpp) at 1, 2 and 4
 // ranks (ranks share the GPUs round robin): causal and not, both layouts, bf16 and fp16, head_dim 64 and 128,
-// sequence shards that are not tile multiples and differ per rank, a rank with no rows, scale 0 and a custom one.
+// sequence shards that are not tile multiples and differ per rank, a rank with no rows, scale 0 and a custom one,
+// grouped-query attention (kv_heads 1 and 2 of 4 query heads).
 // Outputs must repeat bit for bit over 20 runs and never hold a NaN.
 #include <array>
 #include <memory>
@@ -29,13 +30,15 @@ struct AttnCase {
   float scale;       // 0: 1/sqrt(head_dim)
   bool lse = true;   // ask for lse
   int repeats = 1;   // runs after the first that must reproduce it bit for bit
+  uint64_t kvHeads = 0;  // 0: heads
 };
 
 std::string describe(const AttnCase& c, uint32_t n) {
   std::string seqs;
   for (uint32_t r = 0; r < n; ++r) seqs += (r == 0 ? "" : "/") + std::to_string(c.seqs[r % c.seqs.size()]);
-  return fmt::format("{} heads={} hd={} seq={} {}{} scale={}{}", tandem::dtypeName(c.dtype), c.heads, c.headDim, seqs,
-                     c.causal ? "causal" : "full", c.zigzag ? " zigzag" : "", c.scale, c.lse ? "" : " (no lse)");
+  return fmt::format("{} heads={} kv_heads={} hd={} seq={} {}{} scale={}{}", tandem::dtypeName(c.dtype), c.heads,
+                     c.kvHeads == 0 ? c.heads : c.kvHeads, c.headDim, seqs, c.causal ? "causal" : "full",
+                     c.zigzag ? " zigzag" : "", c.scale, c.lse ? "" : " (no lse)");
 }
 
 OpDescriptor descriptorOf(const AttnCase& c, uint32_t r, uint32_t n) {
@@ -44,6 +47,7 @@ OpDescriptor descriptorOf(const AttnCase& c, uint32_t r, uint32_t n) {
   shape.dtype = c.dtype;
   shape.heads = c.heads;
   shape.headDim = c.headDim;
+  shape.kvHeads = c.kvHeads;
   shape.causal = c.causal;
   shape.zigzag = c.zigzag;
   shape.seq = n;  // replaced below
@@ -51,8 +55,10 @@ OpDescriptor descriptorOf(const AttnCase& c, uint32_t r, uint32_t n) {
   const uint64_t seq = c.seqs[r % c.seqs.size()], es = tandem::dtypeSize(c.dtype);
   d.dims[dim::kSeq] = seq;
   d.scale = c.scale;
+  const uint64_t kvHeads = c.kvHeads == 0 ? c.heads : c.kvHeads;
   for (int s : {slot::kQ, slot::kKey, slot::kValue, slot::kAttnOut}) {
-    d.bufs[static_cast<std::size_t>(s)].bytes = seq * c.heads * c.headDim * es;
+    const bool kv = s == slot::kKey || s == slot::kValue;
+    d.bufs[static_cast<std::size_t>(s)].bytes = seq * (kv ? kvHeads : c.heads) * c.headDim * es;
   }
   d.bufs[slot::kAttnLse].bytes = c.lse ? c.heads * seq * 4 : 0;
   return d;
@@ -81,6 +87,7 @@ tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t st
   a.cuda_stream = stream;
   a.lse = b.tensor(slot::kAttnLse);
   a.layout = (d.flags & tandem::kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
+  a.kv_heads = d.dims[dim::kKvHeads];
   return tandem_ring_attention(comm, &a, op);
 }
 
@@ -129,6 +136,10 @@ std::vector<AttnCase> casesFor(uint32_t n) {
   v.push_back({fp16, 1, 128, {180, 260, 0, 150}, true, true, 0.0f, false});
   v.push_back({bf16, 2, 128, {333, 0, 128, 5}, true, false, 0.3f});
   if (n > 1) v.push_back({bf16, 2, 128, {0, 250, 99, 0}, true, true, 0.0f});  // rank 0 empty: the rest go on
+  // Grouped-query attention: 4 query heads over 1 and 2 KV heads, both layouts, repeats bit for bit.
+  v.push_back({bf16, 4, 128, {300, 177, 64, 251}, true, false, 0.0f, true, 20, 1});
+  v.push_back({fp16, 4, 64, {257, 100, 190, 33}, false, true, 0.0f, true, 1, 2});
+  v.push_back({bf16, 4, 128, {129, 0, 300, 77}, true, true, 0.0f, true, 1, 2});
   return v;
 }
 

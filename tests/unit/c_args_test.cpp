@@ -103,10 +103,10 @@ std::map<std::string, Case> cases() {
     auto a = sized<tandem_ring_attention_args_t>();
     a.dtype = TANDEM_DTYPE_BF16, a.seq = 61, a.heads = 62, a.head_dim = 63, a.causal = 5, a.scale = 0.375F;
     a.q = tensor(23), a.k = tensor(24), a.v = tensor(25), a.out = tensor(26), a.cuda_stream = stream();
-    a.lse = tensor(27), a.layout = TANDEM_ATTENTION_ZIGZAG;
+    a.lse = tensor(27), a.layout = TANDEM_ATTENTION_ZIGZAG, a.kv_heads = 31;
     m["tandem_ring_attention_args_t"] = {
         [=] { return unpack(OpKind::kRingAttention, a); },
-        expected(OpKind::kRingAttention, a.dtype, {a.seq, a.heads, a.head_dim}, {a.q, a.k, a.v, a.out, a.lse},
+        expected(OpKind::kRingAttention, a.dtype, {a.seq, a.heads, a.head_dim, a.kv_heads}, {a.q, a.k, a.v, a.out, a.lse},
                  a.cuda_stream, tandem::kFlagCausal | tandem::kFlagZigzag, a.scale)};
   }
   {
@@ -199,6 +199,13 @@ TEST_CASE("capi args: struct_size, NULL and enum rules") {
   a.struct_size = offsetof(tandem_ring_attention_args_t, layout);
   const CArgs mid = tandem::client::unpackArgs(ra, &a);
   CHECK(mid.tensors[4].buffer == a.lse.buffer);
+  CHECK(mid.desc.dims[tandem::dim::kKvHeads] == a.heads);  // predates kv_heads: one KV head per query head
+  a.struct_size = sizeof a;
+  a.kv_heads = 0;  // a zero-initialised struct: the same
+  CHECK(tandem::client::unpackArgs(ra, &a).desc.dims[tandem::dim::kKvHeads] == a.heads);
+  a.kv_heads = 1;
+  CHECK(tandem::client::unpackArgs(ra, &a).desc.dims[tandem::dim::kKvHeads] == 1);
+  a.struct_size = offsetof(tandem_ring_attention_args_t, layout);
   CHECK(mid.desc.flags == tandem::kFlagCausal);
   a.struct_size -= sizeof(tandem_tensor_t) + sizeof(void*);
   CHECK(messageOf([&] { return tandem::client::unpackArgs(ra, &a); }) ==

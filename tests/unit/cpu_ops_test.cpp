@@ -225,6 +225,59 @@ TEST_CASE("every GEMM layout is the NT product of its operands as the layout sto
   }
 }
 
+TEST_CASE("ring attention with grouped-query attention, at every rank count and layout") {
+  for (uint32_t nranks : {1u, 2u, 3u, 4u}) {
+    for (uint64_t kvHeads : {1u, 2u, 3u, 6u}) {
+      for (bool zigzag : {false, true}) {
+        for (bool causal : {true, false}) {
+          CAPTURE(nranks);
+          CAPTURE(kvHeads);
+          CAPTURE(zigzag);
+          CAPTURE(causal);
+          ref::OpShape shape = shapeFor(OpKind::kRingAttention, DType::kF32, nranks);
+          shape.heads = 6;
+          shape.kvHeads = kvHeads;
+          shape.zigzag = zigzag;
+          shape.causal = causal;
+          Harness h(shape, nranks, 500 + kvHeads);
+          h.run();
+          h.checkAgainstReference();
+        }
+      }
+    }
+  }
+}
+
+// Grouped-query attention's meaning, checked without the reference: each KV head repeated for its group of query
+// heads gives the same output as the grouped op.
+TEST_CASE("grouped-query ring attention is attention with each KV head repeated over its group") {
+  const uint32_t nranks = 2;
+  ref::OpShape shape = shapeFor(OpKind::kRingAttention, DType::kBF16, nranks);
+  shape.heads = 4;
+  shape.kvHeads = 2;
+  Harness gqa(shape, nranks, 9);
+  shape.kvHeads = 4;
+  Harness mha(shape, nranks, 10);
+  const std::size_t es = 2, hd = shape.headDim;
+  for (uint32_t r = 0; r < nranks; ++r) {
+    mha.memory(r, slot::kQ) = gqa.memory(r, slot::kQ);
+    const std::size_t seq = gqa.descs()[r].dims[dim::kSeq];
+    for (int s : {slot::kKey, slot::kValue}) {
+      const std::vector<std::byte>& in = gqa.memory(r, s);
+      std::vector<std::byte>& out = mha.memory(r, s);
+      for (std::size_t i = 0; i < seq; ++i)
+        for (std::size_t h = 0; h < 4; ++h)
+          std::memcpy(&out[(i * 4 + h) * hd * es], &in[(i * 2 + h / 2) * hd * es], hd * es);
+    }
+  }
+  gqa.run();
+  mha.run();
+  for (uint32_t r = 0; r < nranks; ++r) {
+    CHECK(gqa.memory(r, slot::kAttnOut) == mha.memory(r, slot::kAttnOut));
+    CHECK(gqa.memory(r, slot::kAttnLse) == mha.memory(r, slot::kAttnLse));
+  }
+}
+
 TEST_CASE("cheap ops run at 64 ranks, including ranks that own no rows") {
   for (OpKind kind : {OpKind::kAgGemm, OpKind::kAllGather, OpKind::kNop}) {
     INFO(tandem::opKindName(kind));

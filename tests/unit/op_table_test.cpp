@@ -148,7 +148,7 @@ const std::map<std::string, CStructFacts>& cStructs() {
           {TANDEM_FIELD(T, dtype), TANDEM_FIELD(T, seq), TANDEM_FIELD(T, heads), TANDEM_FIELD(T, head_dim),
            TANDEM_FIELD(T, causal), TANDEM_FIELD(T, scale), TANDEM_FIELD(T, q), TANDEM_FIELD(T, k),
            TANDEM_FIELD(T, v), TANDEM_FIELD(T, out), TANDEM_FIELD(T, cuda_stream), TANDEM_FIELD(T, lse),
-           TANDEM_FIELD(T, layout)}};
+           TANDEM_FIELD(T, layout), TANDEM_FIELD(T, kv_heads)}};
     }
     {
       using T = tandem_allgather_args_t;

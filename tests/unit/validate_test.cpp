@@ -225,6 +225,14 @@ TEST_CASE("validateDescriptor rejects bad headers, naming the field") {
     rs.flags = tandem::gemmLayoutFlags(tandem::GemmOperands::kTN);
     CHECK_NOTHROW(tandem::validateDescriptor(rs));
   }
+  SUBCASE("grouped-query attention") {
+    OpDescriptor attn = good(OpKind::kRingAttention);
+    attn.dims[tandem::dim::kKvHeads] = 0;
+    rejects(attn, {"kv_heads"});
+    attn.dims[tandem::dim::kHeads] = 8;
+    attn.dims[tandem::dim::kKvHeads] = 3;
+    rejects(attn, {"ring-attention: kv_heads 3 does not divide heads 8"});
+  }
   SUBCASE("nranks 0 or above 64") {
     d.nranks = 0;
     rejects(d, {"nranks 0"});
@@ -278,6 +286,7 @@ TEST_CASE("validateDescriptor rejects bad dims, naming the dim and the limit") {
     OpDescriptor a = good(OpKind::kRingAttention, DType::kF32);
     a.dims[dim::kSeq] = uint64_t{1} << 20;
     a.dims[dim::kHeads] = 1024;
+    a.dims[dim::kKvHeads] = 1024;
     a.dims[dim::kHeadDim] = 512;  // 2^20 * 2^10 * 2^9 * 4 = 2^41
     rejects(a, {"buffer q would need 2199023255552 bytes", "2^40"});
   }

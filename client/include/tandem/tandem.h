@@ -325,6 +325,10 @@ typedef struct tandem_ring_attention_args {
   /* appended after 0.2.0; struct_size tells whether a caller has them */
   tandem_tensor_t lse;
   tandem_attention_layout_t layout;
+  /* appended after 0.2.x: grouped-query attention. k and v are [seq, kv_heads, head_dim]; kv_heads divides
+   * heads and query head h attends with KV head h / (heads / kv_heads). 0 (or a struct_size that ends before
+   * it) means kv_heads = heads. */
+  uint64_t kv_heads;
 } tandem_ring_attention_args_t;
 TANDEM_API tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_attention_args_t* args,
                                                  tandem_op_t* op);

@@ -363,6 +363,7 @@ void ringAttention(std::span<const RankOp> ranks) {
   const OpDescriptor& d0 = ranks[0].desc;
   const DType dtype = d0.dtype;
   const std::size_t heads = d0.dims[dim::kHeads], headDim = d0.dims[dim::kHeadDim];
+  const std::size_t kvHeads = d0.dims[dim::kKvHeads], group = heads / kvHeads;  // query heads per KV head
   const bool causal = (d0.flags & kFlagCausal) != 0;
   const float scale = d0.scale != 0.0f ? d0.scale : 1.0f / std::sqrt(static_cast<float>(headDim));
   for (int s : {slot::kQ, slot::kKey, slot::kValue, slot::kAttnOut}) requireMemory(ranks, s);
@@ -372,20 +373,20 @@ void ringAttention(std::span<const RankOp> ranks) {
   std::vector<std::size_t> seq(n);
   for (uint32_t r = 0; r < n; ++r) {
     seq[r] = ranks[r].desc.dims[dim::kSeq];
-    const std::size_t count = seq[r] * heads * headDim;
-    q[r] = load(ranks[r].data[slot::kQ], dtype, count);
-    k[r] = load(ranks[r].data[slot::kKey], dtype, count);
-    v[r] = load(ranks[r].data[slot::kValue], dtype, count);
+    q[r] = load(ranks[r].data[slot::kQ], dtype, seq[r] * heads * headDim);
+    k[r] = load(ranks[r].data[slot::kKey], dtype, seq[r] * kvHeads * headDim);
+    v[r] = load(ranks[r].data[slot::kValue], dtype, seq[r] * kvHeads * headDim);
   }
 
   constexpr std::size_t kBlockRows = 16;  // query rows per block, as one CTA tile would hold
-  const std::size_t stride = heads * headDim;
+  const std::size_t stride = heads * headDim, kvStride = kvHeads * headDim;
   Floats out, lse, scores, acc(kBlockRows * headDim);
   float rowMax[kBlockRows], rowSum[kBlockRows];
   for (uint32_t r = 0; r < n; ++r) {
     out.assign(seq[r] * stride, 0.0f);
     lse.assign(seq[r] * heads, 0.0f);
     for (std::size_t h = 0; h < heads; ++h) {
+      const std::size_t kvCol = (h / group) * headDim;
       for (const AttnRun& qr : runs[r]) {
         for (std::size_t b0 = 0; b0 < qr.rows; b0 += kBlockRows) {
           const std::size_t rows = std::min(kBlockRows, qr.rows - b0);
@@ -410,7 +411,7 @@ void ringAttention(std::span<const RankOp> ranks) {
                 const float* qi = q[r].data() + (i0 + i) * stride + h * headDim;
                 float chunkMax = -std::numeric_limits<float>::infinity();
                 for (std::size_t j = 0; j < keys; ++j) {
-                  scores[j] = dot(qi, k[src].data() + (kr.local + j) * stride + h * headDim, headDim) * scale;
+                  scores[j] = dot(qi, k[src].data() + (kr.local + j) * kvStride + kvCol, headDim) * scale;
                   chunkMax = std::max(chunkMax, scores[j]);
                 }
                 const float newMax = std::max(rowMax[i], chunkMax);
@@ -421,7 +422,7 @@ void ringAttention(std::span<const RankOp> ranks) {
                 for (std::size_t j = 0; j < keys; ++j) {
                   const float p = std::exp(scores[j] - newMax);
                   rowSum[i] += p;
-                  const float* vj = v[src].data() + (kr.local + j) * stride + h * headDim;
+                  const float* vj = v[src].data() + (kr.local + j) * kvStride + kvCol;
                   for (std::size_t c = 0; c < headDim; ++c) a[c] += p * vj[c];
                 }
                 rowMax[i] = newMax;

@@ -49,8 +49,10 @@ static_assert(sizeof(BufferRef) == 24);
 //                                                     bufs {x, topk_ids, topk_weights, w, out, row_info, expert_counts}
 //   kMoeDispatchFfnCombine: dims {tokens, hidden, ffn, experts, topk}
 //                                                     bufs {x, topk_ids, topk_weights, w1, w2, out}
-//   kRingAttention: dims {seq, heads, head_dim}, flags kFlagCausal | kFlagZigzag, scale
+//   kRingAttention: dims {seq, heads, head_dim, kv_heads}, flags kFlagCausal | kFlagZigzag, scale
 //                                                     bufs {q, k, v, out, lse?}
+//                  k and v have kv_heads heads (kv_heads divides heads: grouped-query attention; query head h
+//                  reads KV head h / (heads / kv_heads))
 //   kAllGather:    dims {bytes}                        bufs {send, recv}
 //   kNop:          no dims, no bufs
 // Rules (validate.hpp enforces them; the messages name the field):
@@ -66,7 +68,7 @@ static_assert(sizeof(BufferRef) == 24);
 namespace dim {
 inline constexpr int kM = 0, kN = 1, kK = 2;
 inline constexpr int kTokens = 0, kHidden = 1, kNOut = 2, kFfn = 2, kExperts = 3, kTopk = 4, kCapacity = 5;
-inline constexpr int kSeq = 0, kHeads = 1, kHeadDim = 2;
+inline constexpr int kSeq = 0, kHeads = 1, kHeadDim = 2, kKvHeads = 3;
 inline constexpr int kBytes = 0;
 }  // namespace dim
 namespace slot {

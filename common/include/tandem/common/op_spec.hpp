@@ -80,6 +80,7 @@ struct DimSpec {
   std::string_view cli;      // the `tandemctl run` option that supplies it ("m" for --m), empty: derived
   DimSplit split = DimSplit::kGlobal;
   bool mayBeZero = false;    // a per-rank row count: a rank may own no rows
+  int8_t zeroMeans = -1;     // >= 0: a C caller's 0 (or a field its struct_size ends before) means dims[zeroMeans]
   bool perRank() const { return split != DimSplit::kGlobal; }  // may differ between ranks
 };
 

@@ -26,6 +26,7 @@ struct OpShape {
   uint64_t seq = 256;      // ring attention: total sequence, split with rowsOf
   uint64_t heads = 4;
   uint64_t headDim = 64;
+  uint64_t kvHeads = 0;    // ring attention: KV heads (grouped-query attention); 0 = heads
   bool causal = true;
   bool zigzag = false;      // ring attention: zigzag layout (kFlagZigzag)
   GemmOperands layout = GemmOperands::kNT;  // ag-gemm, gemm-rs, gemm-ar: how A and B are stored (kFlagGemmLayout)

@@ -17,7 +17,7 @@ enum class AttentionDtype : uint8_t { kBf16 = 0, kFp16 = 1 };
 /// Most KV segments one launch takes (ring attention: one per rank of a node).
 inline constexpr int kMaxAttentionKvSegments = 8;
 
-/// One run of consecutive key positions. k and v are [length, heads, headDim], row-major (position, then head,
+/// One run of consecutive key positions. k and v are [length, kvHeads, headDim], row-major (position, then head,
 /// then dim), 16-byte aligned, in the launch's dtype; they must stay valid until the launch completes.
 struct AttentionKvSegment {
   const void* k;
@@ -50,6 +50,9 @@ struct AttentionParams {
   int64_t sq;     // query rows (0: nothing is launched)
   int32_t heads;
   int32_t headDim;  // 64 or 128
+  // Grouped-query attention: k and v have kvHeads heads (dividing heads); query head h reads KV head
+  // h / (heads / kvHeads). 0: kvHeads = heads.
+  int32_t kvHeads;
   int64_t qStart;   // global position of q row 0 (causal)
   int64_t qSplit;   // 0: one run; else rows [qSplit, sq) sit at qStart2 + (row - qSplit) (zigzag), after the first run
   int64_t qStart2;
