@@ -222,7 +222,7 @@ uint64_t workspaceBytesFor(const OpDescriptor& d, uint32_t nranks, uint64_t moeR
   if (isFusedGemm(d.kind)) return WorkspaceLayout::bytesFor(roundUp(matBytesNeeded(d, nranks, {}), kMatUnit), nranks);
   if (d.kind == OpKind::kRingAttention) {
     // k and v rows of this rank's sequence, the v half on a 256-byte boundary (ring_attention.cpp kvCapacityRows).
-    const uint64_t kv = d.dims[dim::kSeq] * d.dims[dim::kHeads] * d.dims[dim::kHeadDim] * 2 + 256;
+    const uint64_t kv = d.dims[dim::kSeq] * d.dims[dim::kKvHeads] * d.dims[dim::kHeadDim] * 2 + 256;
     return WorkspaceLayout::bytesFor(nranks > 1 ? kv : 0, nranks);
   }
   if (d.kind == OpKind::kMoeDispatchGemm || d.kind == OpKind::kMoeDispatchFfnCombine) {
