@@ -17,7 +17,8 @@ namespace tandem::kernels {
 /// How dq is accumulated over the KV blocks.
 enum class AttentionBwdDq : uint8_t {
   /// Bitwise repeatable (the default): a second kernel, parallel over query blocks, recomputes P and dS and sums
-  /// dS K over the KV blocks in order. About 1.4x the matrix work of kAtomic, no dq workspace.
+  /// dS K over the KV blocks in order. 1.4x the matrix work of kAtomic, no dq workspace; measured 1.04-1.17x its
+  /// time (H100, 16 heads, seq 4K-16K, head_dim 64 and 128).
   kDeterministic = 0,
   /// The dk/dv kernel adds each KV block's dS K into an fp32 workspace with atomic adds (order varies from run to run,
   /// so dq varies in its last bits); a last pass rounds it into dq.
