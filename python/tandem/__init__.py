@@ -30,7 +30,7 @@ __all__ = [
     "ag_gemm", "gemm_rs", "gemm_ar", "moe_dispatch_gemm", "moe_ffn", "ring_attention", "allgather", "barrier",
     "TandemError", "InvalidArgument", "ProtocolError", "VersionMismatch", "PermissionDenied", "NotFound",
     "OutOfMemory", "Timeout", "PeerLost", "DaemonLost", "Aborted", "Unsupported", "Unavailable", "InternalError",
-    "RingFull", "library_path", "library_version",
+    "RingFull", "library_path", "library_version", "nn",
 ]
 
 
@@ -119,3 +119,5 @@ for _name in _capi.OPS:
         globals()[_name] = _module_form(_name)
         __all__.append(_name)
 del _name
+
+from . import nn  # noqa: E402  (tensor-parallel layers; needs the ops above)

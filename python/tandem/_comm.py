@@ -94,6 +94,8 @@ class Communicator(FastPath):
         self.session.hit_caches[id(self._hits)] = self._hits
         self._staging: Buffer | None = None
         self._staging_tensor: torch.Tensor | None = None
+        self._defer: list | None = None  # set by _start while it submits
+        self._inflight: Pending | None = None  # a started op whose staged outputs still sit in the staging buffer
         # cuda: ops complete in stream order; their completions are drained (and an op's failure reported) every
         # _POLL_EVERY calls, without waiting, so the session's completion ring never fills (see poll()). The count
         # (since_poll) lives in self._hot, which every path shares: the C fast path's object, or _PyHot.
@@ -190,6 +192,9 @@ class Communicator(FastPath):
         return self._stage(slots, staged)
 
     def _stage(self, slots, staged):
+        if self._inflight is not None:
+            raise RuntimeError(f"tandem.{self._inflight.op}: started and not waited for, and its outputs are staged "
+                               "in this communicator's staging buffer; call wait() before the next op")
         need = sum(_align(t.nbytes) for _, t, _ in staged)
         if self._staging is None or self._staging.nbytes < need:
             size = 1 << max(need - 1, 4095).bit_length()
@@ -213,12 +218,34 @@ class Communicator(FastPath):
         if self._closed:
             raise ValueError(f"tandem.{op}: this communicator was closed")
         ARG_STRUCTS[op].pack_into(self._args[op], 0, *fields)
+        if self._defer is not None:
+            self._call(op, self._stream(), wait=False)
+            self._defer.append((_capi.Op(self._op.session_serial, self._op.seq), staged))
+            return
         self._call(op, self._stream())
         if staged:
             for t, view in staged:
                 t.copy_(view)
 
-    def _call(self, op: str, stream: int) -> None:
+    def _start(self, op: str, *inputs, **kw) -> "Pending":
+        """Submits `op` (the full path, any layout) and returns before it completes: Pending.wait() waits for it and
+        returns what the op returns. What runs in between overlaps the op's communication (the layers' weight
+        gradients). cpu backend: the op runs in tandemd while this process goes on; its staged outputs are copied
+        back by wait(), and no other op of this communicator may be submitted before it. cuda backend: ops are
+        asynchronous anyway (the current stream); wait() returns at once."""
+        if self._defer is not None:
+            raise RuntimeError(f"tandem.{op}: another op was started on this communicator and not waited for")
+        self._defer = []
+        try:
+            out = getattr(self, "_eager_" + op)(*inputs, **kw)
+            pending = Pending(self, op, out, self._defer)
+            if any(staged for _, staged in self._defer):
+                self._inflight = pending
+            return pending
+        finally:
+            self._defer = None
+
+    def _call(self, op: str, stream: int, wait: bool = True) -> None:
         """Submits the packed op; cpu backend: waits for it. Raises the C status's exception.
 
         cuda: the op is enqueued on `stream` and not waited for; every _POLL_EVERY ops poll() drains the completion
@@ -240,6 +267,8 @@ class Communicator(FastPath):
                 hot.since_poll += 1
                 if hot.since_poll >= _POLL_EVERY:
                     self.poll()
+            return
+        if not wait:
             return
         o = self._op
         if fast is not None:  # tandem_wait(tandem_op_t by value = two integer registers, timeout)
@@ -387,7 +416,7 @@ class Communicator(FastPath):
         return out
 
     def _gemm_reduce(self, op, a, b, out, layout):
-        if layout == 0 or layout == "nt":
+        if (layout == 0 or layout == "nt") and self._defer is None:  # (the fast path waits; _start must not)
             fast = self._gemm_fast(op, a, b, out)
             if fast is not None:
                 return fast
@@ -727,6 +756,26 @@ for _name in _optable.SPECS:
     if not hasattr(Communicator, _name):
         setattr(Communicator, _name, _table_method(_name))
 del _name
+
+
+class Pending:
+    """An op Communicator._start submitted: wait() waits for it (cpu backend; cuda: nothing to wait for, the
+    stream orders it), copies its staged outputs back, and returns what the op returns."""
+
+    def __init__(self, comm: Communicator, op: str, out, ops: list):
+        self.comm, self.op, self.out, self._ops = comm, op, out, ops
+
+    def wait(self):
+        ops, self._ops = self._ops, []
+        if self.comm._inflight is self:
+            self.comm._inflight = None
+        for o, staged in ops:
+            rc = lib.tandem_wait(o, self.comm._op_timeout_ms)
+            if rc:
+                raise error_for(rc, _capi.last_error())
+            for t, view in staged or ():
+                t.copy_(view)
+        return self.out
 
 
 def _dtype_code(t, op):
