@@ -1,7 +1,7 @@
 """The Python package on the cuda backend (CTest runs it through run_gpu.py, label gpu; under torchrun for 2 ranks).
 
 usage: [torchrun --nproc-per-node N] python gpu_run.py SECTION...
-  SECTION: ops attention compile graph cache hot dlpack jax, or all
+  SECTION: ops attention compile graph cache hot dlpack jax tp, or all
 Each section prints one "PASS <section>" or "FAIL <section>: <reason>" line (rank 0, or every rank that failed);
 the exit code is the number of failed sections. Needs tandemd (cuda backend) at $TANDEM_SOCKET.
 Ranks share the GPU given by LOCAL_RANK % device_count (2 ranks on one H200 share it).
@@ -328,8 +328,22 @@ def section_hot(comm):
             "bad tensors named")
 
 
+def section_tp(comm):
+    """tandem.nn's tensor-parallel layers (column-parallel, GELU, row-parallel) in bf16 against torch's own bf16
+    autograd of the unsharded nn.Linear pair: input, weight and bias gradients, sequence parallel on and off, weight
+    gradients bitwise repeatable, and once under torch.compile(fullgraph=True)."""
+    import tpchecks
+    checked = 0
+    for sp in (False, True):
+        checked += tpchecks.check_layers(comm, sp, dtype=torch.bfloat16, device=comm.device)
+    checked += tpchecks.check_layers(comm, True, dtype=torch.bfloat16, device=comm.device, compiled=True)
+    checked += tpchecks.check_row_replicated_input(comm, dtype=torch.bfloat16, device=comm.device)
+    comm.synchronize()
+    return f"{checked} tensors matched torch's bf16 autograd"
+
+
 SECTIONS = {"ops": section_ops, "attention": section_attention, "compile": section_compile, "graph": section_graph,
-            "cache": section_cache, "hot": section_hot, "dlpack": section_dlpack, "jax": section_jax}
+            "cache": section_cache, "hot": section_hot, "dlpack": section_dlpack, "jax": section_jax, "tp": section_tp}
 
 
 def main(argv) -> int:

@@ -61,7 +61,7 @@ def check_layers(comm, sequence_parallel: bool, dtype=torch.float32, device="cpu
     """One forward and backward through ColumnParallelLinear -> GELU -> RowParallelLinear against the nn.Linear pair;
     the weight gradients of a second run must be bitwise those of the first. Returns the number of tensors checked."""
     r, n = comm.rank, comm.world_size
-    in_f, hid, out_f, seq, batch = 12, 8 * n, 10, 2 * n, 3
+    in_f, hid, out_f, seq, batch = 16, 8 * n, 24, 2 * n, 3  # (the cuda GEMMs: n and k multiples of 8)
     ref_col, ref_row = reference_pair(in_f, hid, out_f, dtype, device, bias)
     x = opchecks.gen("tp.x", 0, (seq, batch, in_f)).to(device, dtype).requires_grad_()
     dy = opchecks.gen("tp.dy", 0, (seq, batch, out_f)).to(device, dtype)
@@ -105,7 +105,7 @@ def check_layers(comm, sequence_parallel: bool, dtype=torch.float32, device="cpu
 def check_row_replicated_input(comm, dtype=torch.float32, device="cpu"):
     """RowParallelLinear(input_is_parallel=False): a replicated input split here, its gradient gathered back."""
     r, n = comm.rank, comm.world_size
-    hid, out_f = 8 * n, 10
+    hid, out_f = 8 * n, 24
     _, ref_row = reference_pair(4, hid, out_f, dtype, device)
     x = opchecks.gen("tp.xr", 0, (5, hid)).to(device, dtype).requires_grad_()
     dy = opchecks.gen("tp.dyr", 0, (5, out_f)).to(device, dtype)
