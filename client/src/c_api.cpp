@@ -738,6 +738,11 @@ tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_atte
   return submitArgs(tandem::OpKind::kRingAttention, comm, args, op);
 }
 
+tandem_status_t tandem_ring_attention_backward(tandem_comm_t comm, const tandem_ring_attention_backward_args_t* args,
+                                               tandem_op_t* op) {
+  return submitArgs(tandem::OpKind::kRingAttentionBackward, comm, args, op);
+}
+
 tandem_status_t tandem_allgather(tandem_comm_t comm, const tandem_allgather_args_t* args, tandem_op_t* op) {
   return submitArgs(tandem::OpKind::kAllGather, comm, args, op);
 }

@@ -278,6 +278,31 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
             .c("tandem_ring_attention_args_t", "ring_attention",
                "dtype seq heads head_dim causal scale q k v out cuda_stream lse layout kv_heads"));
   }
+  {
+    const std::initializer_list<T> qkv{dimT(d::kSeq), dimT(d::kHeads), dimT(d::kHeadDim)};
+    const std::initializer_list<T> kv{dimT(d::kSeq), dimT(d::kKvHeads), dimT(d::kHeadDim)};
+    put(Builder(OpKind::kRingAttentionBackward, "ring-attention-backward", "tandem_ring_attention_backward",
+                "Ring attention's backward: dq, dk and dv of the ring attention forward, from its out and lse")
+            .dim("seq", "seq", kSplit, true).dim("heads", "heads").dim("head_dim", "head-dim")
+            .dim("kv_heads", "kv-heads").zeroMeans(d::kHeads)
+            .slot("q", D, qkv, "[seq, heads, head_dim]")
+            .slot("k", D, kv, "[seq, kv_heads, head_dim]")
+            .slot("v", D, kv, "[seq, kv_heads, head_dim]")
+            .slot("o", D, qkv, "the forward's out [seq, heads, head_dim]")
+            .slot("dout", D, qkv, "the gradient of out [seq, heads, head_dim]")
+            .slot("lse", F32, {dimT(d::kHeads), dimT(d::kSeq)}, "the forward's lse [heads, seq] fp32")
+            .slot("dq", D, qkv, "[seq, heads, head_dim]", true)
+            .slot("dk", D, kv, "[seq, kv_heads, head_dim]", true)
+            .slot("dv", D, kv, "[seq, kv_heads, head_dim]", true)
+            .flagField("causal", 0)
+            .flagField("layout", 1, 1, 1, "TANDEM_ATTENTION_CONTIGUOUS (0) or TANDEM_ATTENTION_ZIGZAG (1)")
+            .scale()
+            .crossNode(CrossNode::kReplicate)
+            .check(checkAttention)
+            .deviceError(ErrorCode::kTimeout)
+            .c("tandem_ring_attention_backward_args_t", "ring_attention_backward",
+               "dtype seq heads head_dim kv_heads causal layout scale q k v o dout lse dq dk dv cuda_stream"));
+  }
   put(Builder(OpKind::kAllGather, "allgather", "tandem_allgather", "AllGather of raw bytes, in rank order")
           .dim("bytes", "bytes")
           .slot("send", Raw, {dimT(d::kBytes)}, "[bytes]")

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "tandem/common/error.hpp"
@@ -259,6 +260,27 @@ void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t o
   }
 }
 
+// Global position of every rank's rows; S receives the total. Contiguous: rank after rank. Zigzag: 2n chunks in order;
+// chunk c < n is the first ceil(seq_c / 2) rows of rank c, chunk c >= n the remaining rows of rank 2n - 1 - c.
+std::vector<std::vector<uint64_t>> attentionPositions(std::span<const OpDescriptor> descs, bool zigzag, uint64_t& S) {
+  const uint32_t n = static_cast<uint32_t>(descs.size());
+  std::vector<std::vector<uint64_t>> pos(n);
+  S = 0;
+  if (!zigzag) {
+    for (uint32_t r = 0; r < n; ++r)
+      for (uint64_t i = 0; i < descs[r].dims[dim::kSeq]; ++i) pos[r].push_back(S++);
+    return pos;
+  }
+  for (uint32_t c = 0; c < 2 * n; ++c) {
+    const uint32_t r = c < n ? c : 2 * n - 1 - c;
+    const uint64_t seq = descs[r].dims[dim::kSeq], first = seq - seq / 2;
+    const uint64_t lo = c < n ? 0 : first, hi = c < n ? first : seq;
+    pos[r].resize(seq);
+    for (uint64_t i = lo; i < hi; ++i) pos[r][i] = S++;
+  }
+  return pos;
+}
+
 void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const DType dtype = descs[0].dtype;
@@ -267,22 +289,8 @@ void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out, in
   const bool causal = (descs[0].flags & kFlagCausal) != 0;
   const bool zigzag = (descs[0].flags & kFlagZigzag) != 0;
   const double scale = descs[0].scale != 0.0f ? double(descs[0].scale) : 1.0 / std::sqrt(double(D));
-  // Global position of every rank's rows. Contiguous: rank after rank. Zigzag: 2n chunks in order; chunk c < n is
-  // the first ceil(seq_c / 2) rows of rank c, chunk c >= n the remaining rows of rank 2n - 1 - c.
-  std::vector<std::vector<uint64_t>> pos(n);
   uint64_t S = 0;
-  if (!zigzag) {
-    for (uint32_t r = 0; r < n; ++r)
-      for (uint64_t i = 0; i < descs[r].dims[dim::kSeq]; ++i) pos[r].push_back(S++);
-  } else {
-    for (uint32_t c = 0; c < 2 * n; ++c) {
-      const uint32_t r = c < n ? c : 2 * n - 1 - c;
-      const uint64_t seq = descs[r].dims[dim::kSeq], first = seq - seq / 2;
-      const uint64_t lo = c < n ? 0 : first, hi = c < n ? first : seq;
-      pos[r].resize(seq);
-      for (uint64_t i = lo; i < hi; ++i) pos[r][i] = S++;
-    }
-  }
+  const std::vector<std::vector<uint64_t>> pos = attentionPositions(descs, zigzag, S);
   // k and v widened to one KV head per query head: query head h reads KV head h / (heads / kvHeads).
   std::vector<double> q(S * heads * D), k(S * heads * D), v(S * heads * D);
   for (uint32_t r = 0; r < n; ++r) {
@@ -342,6 +350,79 @@ void ringAttention(std::span<const OpDescriptor> descs, In in, Expected& out, in
   }
 }
 
+// FlashAttention's backward from the forward's out and lse (tandem.h): P = exp(scale q.k - lse), D = dout.out,
+// dV = P^T dout, dS = P (dout V^T - D), dQ = scale dS K, dK = scale dS^T Q; KV head g sums its query heads.
+void ringAttentionBackward(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
+  const uint32_t n = static_cast<uint32_t>(descs.size());
+  const DType dtype = descs[0].dtype;
+  const uint64_t heads = descs[0].dims[dim::kHeads], D = descs[0].dims[dim::kHeadDim];
+  const uint64_t kvHeads = descs[0].dims[dim::kKvHeads], group = heads / kvHeads;
+  const bool causal = (descs[0].flags & kFlagCausal) != 0;
+  const double scale = descs[0].scale != 0.0f ? double(descs[0].scale) : 1.0 / std::sqrt(double(D));
+  uint64_t S = 0;
+  const std::vector<std::vector<uint64_t>> pos = attentionPositions(descs, (descs[0].flags & kFlagZigzag) != 0, S);
+  // Every rank's rows at their global positions.
+  const auto gather = [&](int s, uint64_t h) {
+    std::vector<double> all(S * h * D);
+    for (uint32_t r = 0; r < n; ++r) {
+      const uint64_t seq = descs[r].dims[dim::kSeq];
+      const std::vector<double> part = load(in[r][static_cast<std::size_t>(s)], dtype, seq * h * D);
+      for (uint64_t i = 0; i < seq; ++i)
+        std::copy_n(part.begin() + static_cast<std::ptrdiff_t>(i * h * D), h * D,
+                    all.begin() + static_cast<std::ptrdiff_t>(pos[r][i] * h * D));
+    }
+    return all;
+  };
+  const std::vector<double> q = gather(slot::kQ, heads), o = gather(slot::kAttnOut, heads),
+                            dout = gather(slot::kDout, heads), k = gather(slot::kKey, kvHeads),
+                            v = gather(slot::kValue, kvHeads);
+  std::vector<double> lse(S * heads);
+  for (uint32_t r = 0; r < n; ++r) {
+    const uint64_t seq = descs[r].dims[dim::kSeq];
+    const std::vector<double> part = load(in[r][slot::kBwdLse], DType::kF32, heads * seq);
+    for (uint64_t h = 0; h < heads; ++h)
+      for (uint64_t i = 0; i < seq; ++i) lse[pos[r][i] * heads + h] = part[h * seq + i];
+  }
+  std::vector<double> dq(S * heads * D, 0.0), dk(S * kvHeads * D, 0.0), dv(S * kvHeads * D, 0.0);
+  for (uint64_t i = 0; i < S; ++i)
+    for (uint64_t h = 0; h < heads; ++h) {
+      const double* qi = &q[(i * heads + h) * D];
+      const double* oi = &o[(i * heads + h) * D];
+      const double* gi = &dout[(i * heads + h) * D];
+      double delta = 0;
+      for (uint64_t c = 0; c < D; ++c) delta += gi[c] * oi[c];
+      const uint64_t g = h / group;
+      for (uint64_t j = 0; j < (causal ? i + 1 : S); ++j) {
+        const double* kj = &k[(j * kvHeads + g) * D];
+        const double* vj = &v[(j * kvHeads + g) * D];
+        double s = 0, dp = 0;
+        for (uint64_t c = 0; c < D; ++c) {
+          s += qi[c] * kj[c];
+          dp += gi[c] * vj[c];
+        }
+        const double p = std::exp(s * scale - lse[i * heads + h]);
+        const double ds = p * (dp - delta);
+        for (uint64_t c = 0; c < D; ++c) {
+          dv[(j * kvHeads + g) * D + c] += p * gi[c];
+          dq[(i * heads + h) * D + c] += scale * ds * kj[c];
+          dk[(j * kvHeads + g) * D + c] += scale * ds * qi[c];
+        }
+      }
+    }
+  for (uint32_t r = 0; r < n; ++r) {
+    if (!wanted(only, r)) continue;
+    const uint64_t seq = descs[r].dims[dim::kSeq];
+    for (auto [s, src, h] : {std::tuple{slot::kDq, &dq, heads}, std::tuple{slot::kDk, &dk, kvHeads},
+                             std::tuple{slot::kDv, &dv, kvHeads}}) {
+      std::vector<double>& dst = out[r][static_cast<std::size_t>(s)];
+      dst.resize(seq * h * D);
+      for (uint64_t i = 0; i < seq; ++i)
+        std::copy_n(src->begin() + static_cast<std::ptrdiff_t>(pos[r][i] * h * D), h * D,
+                    dst.begin() + static_cast<std::ptrdiff_t>(i * h * D));
+    }
+  }
+}
+
 void allGather(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint64_t bytes = descs[0].dims[dim::kBytes];
   std::vector<double> all;
@@ -364,6 +445,7 @@ Implementation implementation(OpKind kind) {
     case OpKind::kMoeDispatchGemm: return moeGemm;
     case OpKind::kMoeDispatchFfnCombine: return moeFfn;
     case OpKind::kRingAttention: return ringAttention;
+    case OpKind::kRingAttentionBackward: return ringAttentionBackward;
     case OpKind::kAllGather: return allGather;
     case OpKind::kNop: return barrier;
     case OpKind::kInvalid: break;

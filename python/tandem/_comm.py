@@ -522,8 +522,10 @@ class Communicator(FastPath):
 
     def _eager_ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None,
                               lse=None, return_lse: bool = False, layout: str = "contiguous"):
-        """Ring attention over the sequence sharded over the ranks: q, k, v [seq, heads, head_dim] for this rank's
-        positions (ranks may differ in seq; seq may be 0). Returns out [seq, heads, head_dim] =
+        """Ring attention over the sequence sharded over the ranks: q [seq, heads, head_dim] and k, v
+        [seq, kv_heads, head_dim] for this rank's positions (ranks may differ in seq; seq may be 0; kv_heads divides
+        heads: grouped-query attention, query head h reading KV head h // (heads // kv_heads)). Returns
+        out [seq, heads, head_dim] =
         softmax(q K.T * scale [+ causal mask]) V over the whole sequence; scale None means 1/sqrt(head_dim).
         layout (the same on every rank) says which global positions this rank's rows are:
         - "contiguous": rank order, after the lower ranks' rows;
@@ -535,10 +537,15 @@ class Communicator(FastPath):
         op = "ring_attention"
         self._check(q, "q", op, ndim=3)
         dt = _dtype_code(q, op)
-        self._check(k, "k", op, q.dtype)
-        self._shape(k, "k", op, tuple(q.shape), "[seq, heads, head_dim], as q")
+        self._check(k, "k", op, q.dtype, ndim=3)
+        kv_heads = k.shape[1]  # grouped-query attention: k and v may have fewer heads, dividing q's
+        if kv_heads == 0 or q.shape[1] % kv_heads:
+            raise ValueError(f"tandem.{op}: k has {kv_heads} heads, which does not divide q's {q.shape[1]}; pass k and "
+                             "v with kv_heads heads, kv_heads dividing heads (grouped-query attention)")
+        kv_shape = (q.shape[0], kv_heads, q.shape[2])
+        self._shape(k, "k", op, kv_shape, "[seq, kv_heads, head_dim], kv_heads dividing q's heads")
         self._check(v, "v", op, q.dtype)
-        self._shape(v, "v", op, tuple(q.shape), "[seq, heads, head_dim], as q")
+        self._shape(v, "v", op, kv_shape, "[seq, kv_heads, head_dim], as k")
         lay = _enum_code(layout, op)
         if out is None:
             out = self._out(tuple(q.shape), q.dtype)
@@ -554,7 +561,8 @@ class Communicator(FastPath):
             self._shape(lse, "lse", op, (heads, seq), "[heads, seq] float32")
         slots, staged = self._resolve((q, k, v, out, lse), ("q", "k", "v", "out", "lse"), op)
         self._submit(op, (ARG_STRUCTS[op].size, dt, seq, heads, head_dim, 1 if causal else 0,
-                          0.0 if scale is None else float(scale), *slots[:8], self._stream(), *slots[8:], lay),
+                          0.0 if scale is None else float(scale), *slots[:8], self._stream(), *slots[8:], lay,
+                          kv_heads),
                      staged)
         return (out, lse) if want_lse else out
 

@@ -38,6 +38,7 @@ const std::map<std::string, std::vector<std::string>> kOpShapes = {
     {"moe-dispatch-gemm", {"--m", "13", "--n", "12", "--k", "16", "--experts", "8", "--topk", "2"}},
     {"moe-dispatch-ffn-combine", {"--m", "11", "--n", "10", "--k", "16", "--experts", "8", "--topk", "2"}},
     {"ring-attention", {"--seq", "29", "--heads", "2", "--head-dim", "16"}},
+    {"ring-attention-backward", {"--seq", "29", "--heads", "4", "--head-dim", "16", "--kv-heads", "2"}},
     {"allgather", {"--bytes", "1000"}},
     {"barrier", {}},
 };

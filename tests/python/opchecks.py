@@ -181,41 +181,67 @@ def zigzag_positions(seqs, r):
     return list(range(head, head + first[r])) + list(range(tail, tail + seqs[r] // 2))
 
 
-def attention_reference(q_, k_, v_, seqs, r, causal, scale, layout):
-    """out [seq_r, heads, hd] and lse [heads, seq_r] of rank r, in float64, from every rank's q, k, v."""
+def attention_positions(seqs, layout):
+    """Global positions of every rank's rows."""
     n = len(seqs)
     if layout == "zigzag":
-        pos = [zigzag_positions(seqs, p) for p in range(n)]
-    else:
-        starts = [sum(seqs[:p]) for p in range(n)]
-        pos = [list(range(starts[p], starts[p] + seqs[p])) for p in range(n)]
+        return [zigzag_positions(seqs, p) for p in range(n)]
+    starts = [sum(seqs[:p]) for p in range(n)]
+    return [list(range(starts[p], starts[p] + seqs[p])) for p in range(n)]
+
+
+def attention_whole(q_, k_, v_, seqs, causal, scale, layout, grad=None):
+    """The whole sequence's attention in float64 under torch.autograd, every rank's rows at their global positions:
+    (positions, out [total, heads, hd], lse [heads, total]), and with `grad` (every rank's dout) also the gradients
+    (dq, dk, dv) of the whole sequence. k and v may have fewer heads (grouped-query attention)."""
+    pos = attention_positions(seqs, layout)
     total = sum(seqs)
-    heads, hd = q_[0].shape[1], q_[0].shape[2]
-    Q, K, V = (torch.zeros((total, heads, hd), dtype=torch.float64) for _ in range(3))
-    for p in range(n):
+    heads, kv_heads, hd = q_[0].shape[1], k_[0].shape[1], q_[0].shape[2]
+    Q = torch.zeros((total, heads, hd), dtype=torch.float64)
+    K, V = (torch.zeros((total, kv_heads, hd), dtype=torch.float64) for _ in range(2))
+    for p in range(len(seqs)):
         idx = torch.tensor(pos[p], dtype=torch.long)
         if len(pos[p]):
             Q[idx], K[idx], V[idx] = q_[p].double(), k_[p].double(), v_[p].double()
+    for t in (Q, K, V):
+        t.requires_grad_(grad is not None)
     s = scale if scale is not None else hd ** -0.5
-    scores = torch.einsum("ihd,jhd->hij", Q, K) * s
+    group = heads // kv_heads
+    scores = torch.einsum("ihd,jhd->hij", Q, K.repeat_interleave(group, dim=1)) * s
     if causal:
         scores = scores.masked_fill(torch.ones(total, total, dtype=torch.bool).triu(1), float("-inf"))
-    o = torch.einsum("hij,jhd->ihd", scores.softmax(-1), V)
+    o = torch.einsum("hij,jhd->ihd", scores.softmax(-1), V.repeat_interleave(group, dim=1))
     lse = torch.logsumexp(scores, dim=-1)  # [heads, total]
+    if grad is None:
+        return pos, o, lse, None
+    G = torch.zeros((total, heads, hd), dtype=torch.float64)
+    for p in range(len(seqs)):
+        if len(pos[p]):
+            G[torch.tensor(pos[p], dtype=torch.long)] = grad[p].double()
+    o.backward(G)
+    return pos, o.detach(), lse.detach(), (Q.grad, K.grad, V.grad)
+
+
+def attention_reference(q_, k_, v_, seqs, r, causal, scale, layout):
+    """out [seq_r, heads, hd] and lse [heads, seq_r] of rank r, in float64, from every rank's q, k, v."""
+    pos, o, lse, _ = attention_whole(q_, k_, v_, seqs, causal, scale, layout)
     mine = torch.tensor(pos[r], dtype=torch.long)
     return o[mine], lse[:, mine]
 
 
 def check_ring_attention(comm, dtype, place, use_out, causal=False, scale=None, layout="contiguous", lse=False,
-                         heads=2, hd=8, seqs=None):
+                         heads=2, hd=8, seqs=None, kv_heads=None):
     r, n = comm.rank, comm.world_size
     seqs = seqs or [2 + q for q in range(n)]  # ranks differ (odd and even: zigzag halves of unequal length)
-    q_, k_, v_ = ([gen(f"ra.{t}.{hd}", p, (seqs[p], heads, hd), dtype) for p in range(n)] for t in "qkv")
+    kv_heads = kv_heads or heads
+    q_ = [gen(f"ra.q.{hd}", p, (seqs[p], heads, hd), dtype) for p in range(n)]
+    k_, v_ = ([gen(f"ra.{t}.{hd}", p, (seqs[p], kv_heads, hd), dtype) for p in range(n)] for t in "kv")
     want, want_lse = attention_reference(q_, k_, v_, seqs, r, causal, scale, layout)
     args = (place.put(q_[r]), place.put(k_[r]), place.put(v_[r]))
     out = place.empty(tuple(q_[r].shape), dtype) if use_out else None
     lse_t = place.empty((heads, seqs[r]), torch.float32) if (lse and use_out) else None
-    what = f"ring_attention (causal={causal}, scale={scale}, layout={layout}, hd={hd}, seqs={seqs})"
+    what = (f"ring_attention (causal={causal}, scale={scale}, layout={layout}, hd={hd}, heads={heads}, "
+            f"kv_heads={kv_heads}, seqs={seqs})")
     got = comm.ring_attention(*args, causal=causal, scale=scale, out=out, lse=lse_t, return_lse=lse, layout=layout)
     if lse:
         got, got_lse = got
@@ -230,6 +256,31 @@ def check_ring_attention(comm, dtype, place, use_out, causal=False, scale=None, 
         assert got is out
     assert got.shape == q_[r].shape
     close(got, want, dtype, f"{what} out")
+
+
+def check_ring_attention_backward(comm, dtype, place, use_out, causal=True, layout="contiguous", heads=4, kv_heads=2,
+                                  hd=8, scale=None, seqs=None):
+    """The backward through the op table's generic path (no hand-written method), against torch.autograd of the
+    whole sequence's attention in float64; o and lse are the forward's, rounded as the forward writes them."""
+    r, n = comm.rank, comm.world_size
+    seqs = seqs or [3 + q for q in range(n)]
+    q_ = [gen("rab.q", p, (seqs[p], heads, hd), dtype) for p in range(n)]
+    k_, v_ = ([gen(f"rab.{t}", p, (seqs[p], kv_heads, hd), dtype) for p in range(n)] for t in "kv")
+    g_ = [gen("rab.g", p, (seqs[p], heads, hd), dtype) for p in range(n)]
+    pos, o, lse, (dq, dk, dv) = attention_whole(q_, k_, v_, seqs, causal, scale, layout, grad=g_)
+    mine = torch.tensor(pos[r], dtype=torch.long)
+    o_r, lse_r = o[mine].to(dtype), lse[:, mine].to(torch.float32).contiguous()
+    args = [place.put(t) for t in (q_[r], k_[r], v_[r], o_r, g_[r], lse_r)]
+    outs = {}
+    if use_out:
+        outs = dict(out=place.empty(tuple(q_[r].shape), dtype), dk=place.empty(tuple(k_[r].shape), dtype),
+                    dv=place.empty(tuple(k_[r].shape), dtype))
+    got = comm.ring_attention_backward(*args, causal=causal, layout=layout, scale=scale, **outs)
+    what = f"ring_attention_backward (causal={causal}, layout={layout}, heads={heads}/{kv_heads}, seqs={seqs})"
+    if use_out:
+        assert got[0] is outs["out"] and got[1] is outs["dk"] and got[2] is outs["dv"]
+    for name, g, want in zip(("dq", "dk", "dv"), got, (dq[mine], dk[mine], dv[mine])):
+        close(g, want, dtype, f"{what} {name}")
 
 
 def check_allgather(comm, dtype, place, use_out):
@@ -273,11 +324,17 @@ def run_all(comm, dtypes=(torch.float32, torch.bfloat16), mems=("torch", "tandem
                     check_ring_attention(comm, dtype, place, use_out, causal=True, layout="zigzag", lse=True)
                     check_ring_attention(comm, dtype, place, use_out, layout="zigzag", lse=True)
                     check_ring_attention(comm, dtype, place, use_out, causal=True, lse=True)
-                    ran += 5
+                    check_ring_attention(comm, dtype, place, use_out, causal=True, lse=True, heads=4, kv_heads=1)
+                    check_ring_attention(comm, dtype, place, use_out, layout="zigzag", heads=4, kv_heads=2)
+                    ran += 7
                     if comm.world_size > 1:  # the last rank holds no rows
                         check_ring_attention(comm, dtype, place, use_out, causal=True, layout="zigzag", lse=True,
                                              seqs=[0 if q == comm.world_size - 1 else 3 + q
                                                    for q in range(comm.world_size)])
                         ran += 1
+                if check_ring_attention_backward in checks:
+                    check_ring_attention_backward(comm, dtype, place, use_out, causal=False, layout="zigzag")
+                    check_ring_attention_backward(comm, dtype, place, use_out, heads=2, kv_heads=2, scale=0.3)
+                    ran += 2
     comm.barrier()
     return ran + 1

@@ -163,6 +163,8 @@ std::vector<HonestShape> honestShapes() {
       {"allgather", [](ref::OpShape& o) { o.bytes = 64 * 1024; }},
       {"barrier", [](ref::OpShape&) {}},
       {"ring-attention", [](ref::OpShape& o) { o.seq = 64, o.heads = 2, o.headDim = 32, o.causal = true; }},
+      {"ring-attention-backward",
+       [](ref::OpShape& o) { o.seq = 48, o.heads = 4, o.kvHeads = 2, o.headDim = 32, o.causal = true; }},
       {"moe-dispatch-gemm", [](ref::OpShape& o) { o.m = 8, o.n = 16, o.k = 32, o.experts = 4, o.topk = 2; }},
       {"moe-dispatch-ffn-combine", [](ref::OpShape& o) { o.m = 8, o.n = 16, o.k = 32, o.experts = 4, o.topk = 2; }},
   };
@@ -213,6 +215,17 @@ tandem_status_t submitPublic(tandem_comm_t comm, const tandem::OpDescriptor& d, 
       tandem_ring_attention_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], (d.flags & tandem::kFlagCausal) != 0,
                                      d.scale, t[0], t[1], t[2], t[3], nullptr, t[4], TANDEM_ATTENTION_CONTIGUOUS};
       return tandem_ring_attention(comm, &a, op);
+    }
+    case tandem::OpKind::kRingAttentionBackward: {
+      tandem_ring_attention_backward_args_t a{};
+      a.struct_size = sizeof a;
+      a.dtype = dt;
+      a.seq = d.dims[0], a.heads = d.dims[1], a.head_dim = d.dims[2], a.kv_heads = d.dims[3];
+      a.causal = (d.flags & tandem::kFlagCausal) != 0;
+      a.scale = d.scale;
+      a.q = t[0], a.k = t[1], a.v = t[2], a.o = t[3], a.dout = t[4], a.lse = t[5], a.dq = t[6], a.dk = t[7];
+      a.dv = t[8];
+      return tandem_ring_attention_backward(comm, &a, op);
     }
     case tandem::OpKind::kAllGather: {
       tandem_allgather_args_t a{sizeof a, t[0], t[1], d.dims[0], nullptr};

@@ -49,6 +49,8 @@ inline std::vector<std::vector<std::string>> everyOpAcrossNodes(std::string_view
           {"moe-dispatch-ffn-combine",
            {"--ranks", "6", "--m", "4", "--k", "16", "--n", "24", "--experts", "6", "--topk", "2"}},
           {"ring-attention", {"--ranks", "6", "--seq", "29", "--heads", "2", "--head-dim", "8"}},
+          {"ring-attention-backward",
+           {"--ranks", "6", "--seq", "29", "--heads", "2", "--head-dim", "8", "--kv-heads", "1", "--zigzag"}},
       },
       layer);
 }

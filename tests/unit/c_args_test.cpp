@@ -79,6 +79,18 @@ std::map<std::string, Case> cases() {
                                            tandem::gemmLayoutFlags(tandem::GemmOperands::kTN))};
   }
   {
+    auto a = sized<tandem_ring_attention_backward_args_t>();
+    a.dtype = TANDEM_DTYPE_FP16, a.seq = 71, a.heads = 72, a.head_dim = 73, a.kv_heads = 0, a.causal = 1;
+    a.layout = TANDEM_ATTENTION_ZIGZAG, a.scale = 0.25F;
+    a.q = tensor(30), a.k = tensor(31), a.v = tensor(32), a.o = tensor(33), a.dout = tensor(34);
+    a.lse = tensor(35), a.dq = tensor(36), a.dk = tensor(37), a.dv = tensor(38), a.cuda_stream = stream();
+    m["tandem_ring_attention_backward_args_t"] = {
+        [=] { return unpack(OpKind::kRingAttentionBackward, a); },
+        expected(OpKind::kRingAttentionBackward, a.dtype, {a.seq, a.heads, a.head_dim, a.heads},  // kv_heads 0: heads
+                 {a.q, a.k, a.v, a.o, a.dout, a.lse, a.dq, a.dk, a.dv}, a.cuda_stream,
+                 tandem::kFlagCausal | tandem::kFlagZigzag, a.scale)};
+  }
+  {
     auto a = sized<tandem_moe_dispatch_gemm_args_t>();
     a.dtype = TANDEM_DTYPE_BF16, a.tokens = 41, a.hidden = 42, a.n_out = 43, a.experts = 44, a.topk = 45,
     a.capacity = 46;

@@ -151,6 +151,16 @@ const std::map<std::string, CStructFacts>& cStructs() {
            TANDEM_FIELD(T, layout), TANDEM_FIELD(T, kv_heads)}};
     }
     {
+      using T = tandem_ring_attention_backward_args_t;
+      out["tandem_ring_attention_backward_args_t"] = {
+          sizeof(T),
+          {TANDEM_FIELD(T, dtype), TANDEM_FIELD(T, seq), TANDEM_FIELD(T, heads), TANDEM_FIELD(T, head_dim),
+           TANDEM_FIELD(T, kv_heads), TANDEM_FIELD(T, causal), TANDEM_FIELD(T, layout), TANDEM_FIELD(T, scale),
+           TANDEM_FIELD(T, q), TANDEM_FIELD(T, k), TANDEM_FIELD(T, v), TANDEM_FIELD(T, o), TANDEM_FIELD(T, dout),
+           TANDEM_FIELD(T, lse), TANDEM_FIELD(T, dq), TANDEM_FIELD(T, dk), TANDEM_FIELD(T, dv),
+           TANDEM_FIELD(T, cuda_stream)}};
+    }
+    {
       using T = tandem_allgather_args_t;
       out["tandem_allgather_args_t"] = {sizeof(T), {TANDEM_FIELD(T, send), TANDEM_FIELD(T, recv),
                                                     TANDEM_FIELD(T, bytes), TANDEM_FIELD(T, cuda_stream)}};

@@ -185,8 +185,9 @@ TEST_CASE("validateDescriptor accepts ranks that own no rows and absent optional
 TEST_CASE("validateDescriptor rejects bad headers, naming the field") {
   OpDescriptor d = good(OpKind::kAgGemm);
   SUBCASE("unknown version") {
-    d.version = 2;
-    rejects(d, {"version 2"});
+    d.version = tandem::kDescriptorVersion + 1;
+    const std::string what = "version " + std::to_string(tandem::kDescriptorVersion + 1) + " is not supported";
+    rejects(d, {what});
   }
   SUBCASE("unknown kind") {
     d.kind = static_cast<OpKind>(42);
@@ -258,6 +259,9 @@ TEST_CASE("validateDescriptor rejects bad headers, naming the field") {
     d.reserved0 = 0;
     d.reserved1[7] = 1;
     rejects(d, {"reserved1[7] is 1"});
+    d.reserved1[7] = 0;
+    d.bufs[tandem::kMaxOpBuffers - 1].bytes = 8;  // a slot past the op's last
+    rejects(d, {"unused"});
   }
 }
 

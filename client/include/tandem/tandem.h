@@ -333,6 +333,29 @@ typedef struct tandem_ring_attention_args {
 TANDEM_API tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_attention_args_t* args,
                                                  tandem_op_t* op);
 
+/* Ring attention's backward. Given the forward's inputs q, k, v (as tandem_ring_attention took them: this
+ * rank's rows, the same heads, kv_heads, causal, layout and scale on every rank), its output o and lse, and
+ * dout, the gradient of the loss with respect to o, this rank receives dq (the gradient of its q rows), and dk
+ * and dv (of its k and v rows, summed over every rank's queries and, with kv_heads < heads, over each KV head's
+ * group of query heads). Every tensor is this rank's rows; lse is [heads, seq] fp32, as the forward wrote it
+ * (pass the forward's o and lse unchanged: the gradients are computed from them). The sums run in a fixed
+ * order, so the results repeat bit for bit. seq may be 0 on a rank. */
+typedef struct tandem_ring_attention_backward_args {
+  size_t struct_size;
+  tandem_dtype_t dtype;
+  uint64_t seq, heads, head_dim; /* seq: this rank's rows */
+  uint64_t kv_heads;             /* 0: heads */
+  int causal;
+  tandem_attention_layout_t layout;
+  float scale; /* the forward's: 0 means 1/sqrt(head_dim) */
+  tandem_tensor_t q, k, v, o, dout, lse; /* o: the forward's out */
+  tandem_tensor_t dq, dk, dv; /* outputs: [seq, heads, head_dim], [seq, kv_heads, head_dim] twice */
+  void* cuda_stream;
+} tandem_ring_attention_backward_args_t;
+TANDEM_API tandem_status_t tandem_ring_attention_backward(tandem_comm_t comm,
+                                                          const tandem_ring_attention_backward_args_t* args,
+                                                          tandem_op_t* op);
+
 /* Barrier: completes once every rank has submitted it (ops before it on this communicator have completed).
  * cuda backend: in stream order on cuda_stream (a cudaStream_t; NULL = the legacy default stream): the stream
  * proceeds once every rank's stream has reached it. The cpu backend ignores cuda_stream. */

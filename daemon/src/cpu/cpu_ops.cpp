@@ -448,6 +448,80 @@ void ringAttention(std::span<const RankOp> ranks) {
   }
 }
 
+// The backward of ringAttention from the forward's out and lse (tandem.h), FlashAttention's recomputation in fp32:
+// each rank's query rows against every rank's KV runs in rank order, P = exp(scale q.k - lse), D = dout.out,
+// dS = P (dout.v - D); dq sums dS k over the keys, and every KV row's dk (dS q) and dv (P dout) over the query rows of
+// rank 0, 1, ... in turn, a fixed order, so the outputs repeat bit for bit.
+void ringAttentionBackward(std::span<const RankOp> ranks) {
+  const auto n = static_cast<uint32_t>(ranks.size());
+  const OpDescriptor& d0 = ranks[0].desc;
+  const DType dtype = d0.dtype;
+  const std::size_t heads = d0.dims[dim::kHeads], hd = d0.dims[dim::kHeadDim];
+  const std::size_t kvHeads = d0.dims[dim::kKvHeads], group = heads / kvHeads;
+  const bool causal = (d0.flags & kFlagCausal) != 0;
+  const float scale = d0.scale != 0.0f ? d0.scale : 1.0f / std::sqrt(static_cast<float>(hd));
+  for (int s : {slot::kQ, slot::kKey, slot::kValue, slot::kAttnOut, slot::kDout, slot::kBwdLse, slot::kDq, slot::kDk,
+                slot::kDv}) {
+    requireMemory(ranks, s);
+  }
+  const std::vector<std::vector<AttnRun>> runs = attentionRuns(ranks, (d0.flags & kFlagZigzag) != 0);
+  std::vector<Floats> q(n), k(n), v(n), o(n), dout(n), lse(n), dq(n), dk(n), dv(n);
+  std::vector<std::size_t> seq(n);
+  for (uint32_t r = 0; r < n; ++r) {
+    seq[r] = ranks[r].desc.dims[dim::kSeq];
+    q[r] = load(ranks[r].data[slot::kQ], dtype, seq[r] * heads * hd);
+    o[r] = load(ranks[r].data[slot::kAttnOut], dtype, seq[r] * heads * hd);
+    dout[r] = load(ranks[r].data[slot::kDout], dtype, seq[r] * heads * hd);
+    lse[r] = load(ranks[r].data[slot::kBwdLse], DType::kF32, heads * seq[r]);
+    k[r] = load(ranks[r].data[slot::kKey], dtype, seq[r] * kvHeads * hd);
+    v[r] = load(ranks[r].data[slot::kValue], dtype, seq[r] * kvHeads * hd);
+    dq[r].assign(seq[r] * heads * hd, 0.0f);
+    dk[r].assign(seq[r] * kvHeads * hd, 0.0f);
+    dv[r].assign(seq[r] * kvHeads * hd, 0.0f);
+  }
+  const std::size_t stride = heads * hd, kvStride = kvHeads * hd;
+  for (uint32_t r = 0; r < n; ++r) {
+    for (const AttnRun& qr : runs[r]) {
+      for (std::size_t i = qr.local; i < qr.local + qr.rows; ++i) {
+        const std::size_t queryPos = qr.global + (i - qr.local);
+        for (std::size_t h = 0; h < heads; ++h) {
+          const float* qi = q[r].data() + i * stride + h * hd;
+          const float* gi = dout[r].data() + i * stride + h * hd;
+          const float delta = dot(gi, o[r].data() + i * stride + h * hd, hd);
+          const float l = lse[r][h * seq[r] + i];
+          const std::size_t kvCol = (h / group) * hd;
+          float* dqi = dq[r].data() + i * stride + h * hd;
+          for (uint32_t src = 0; src < n; ++src) {
+            for (const AttnRun& kr : runs[src]) {
+              std::size_t keys = kr.rows;
+              if (causal) keys = queryPos < kr.global ? 0 : std::min(keys, queryPos - kr.global + 1);
+              for (std::size_t j = kr.local; j < kr.local + keys; ++j) {
+                const float* kj = k[src].data() + j * kvStride + kvCol;
+                const float* vj = v[src].data() + j * kvStride + kvCol;
+                const float p = std::exp(dot(qi, kj, hd) * scale - l);
+                const float ds = p * (dot(gi, vj, hd) - delta) * scale;
+                float* dkj = dk[src].data() + j * kvStride + kvCol;
+                float* dvj = dv[src].data() + j * kvStride + kvCol;
+                for (std::size_t c = 0; c < hd; ++c) {
+                  dqi[c] += ds * kj[c];
+                  dkj[c] += ds * qi[c];
+                  dvj[c] += p * gi[c];
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // Written only after every rank's inputs were read.
+  for (uint32_t r = 0; r < n; ++r) {
+    store(ranks[r].data[slot::kDq], dtype, dq[r].data(), dq[r].size());
+    store(ranks[r].data[slot::kDk], dtype, dk[r].data(), dk[r].size());
+    store(ranks[r].data[slot::kDv], dtype, dv[r].data(), dv[r].size());
+  }
+}
+
 // ---- allgather ------------------------------------------------------------------------------------------
 
 void allGather(std::span<const RankOp> ranks) {
@@ -471,6 +545,7 @@ Implementation implementation(OpKind kind) {
     case OpKind::kMoeDispatchGemm: return moeDispatchGemm;
     case OpKind::kMoeDispatchFfnCombine: return moeDispatchFfnCombine;
     case OpKind::kRingAttention: return ringAttention;
+    case OpKind::kRingAttentionBackward: return ringAttentionBackward;
     case OpKind::kAllGather: return allGather;
     case OpKind::kNop: return barrier;
     case OpKind::kInvalid: break;

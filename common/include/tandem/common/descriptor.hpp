@@ -9,8 +9,8 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kDescriptorVersion = 1;
-inline constexpr std::size_t kMaxOpBuffers = 8;
+inline constexpr uint16_t kDescriptorVersion = 2;  // 2: eleven buffer slots (reserved1 gave 72 bytes)
+inline constexpr std::size_t kMaxOpBuffers = 11;
 inline constexpr std::size_t kMaxOpDims = 8;
 inline constexpr uint32_t kMaxRanks = 64;
 
@@ -24,8 +24,9 @@ enum class OpKind : uint16_t {
   kRingAttention = 6,
   kAllGather = 7,
   kNop = 8,  // completes once every rank submitted it; measures the submission path
+  kRingAttentionBackward = 9,
 };
-inline constexpr uint16_t kOpKindCount = 9;
+inline constexpr uint16_t kOpKindCount = 10;
 
 // Values equal tandem_dtype_t.
 enum class DType : uint16_t { kInvalid = 0, kF32 = 1, kF16 = 2, kBF16 = 3, kI32 = 4 };
@@ -53,6 +54,8 @@ static_assert(sizeof(BufferRef) == 24);
 //                                                     bufs {q, k, v, out, lse?}
 //                  k and v have kv_heads heads (kv_heads divides heads: grouped-query attention; query head h
 //                  reads KV head h / (heads / kv_heads))
+//   kRingAttentionBackward: dims and flags as kRingAttention
+//                                                     bufs {q, k, v, o, dout, lse, dq, dk, dv}
 //   kAllGather:    dims {bytes}                        bufs {send, recv}
 //   kNop:          no dims, no bufs
 // Rules (validate.hpp enforces them; the messages name the field):
@@ -76,6 +79,7 @@ inline constexpr int kA = 0, kB = 1, kC = 2, kAGathered = 3;
 inline constexpr int kX = 0, kTopkIds = 1, kTopkWeights = 2, kW = 3, kW1 = 3, kW2 = 4, kMoeOut = 4, kFfnOut = 5,
                      kRowInfo = 5, kExpertCounts = 6;
 inline constexpr int kQ = 0, kKey = 1, kValue = 2, kAttnOut = 3, kAttnLse = 4;
+inline constexpr int kDout = 4, kBwdLse = 5, kDq = 6, kDk = 7, kDv = 8;  // ring attention backward
 inline constexpr int kSend = 0, kRecv = 1;
 }  // namespace slot
 
@@ -119,7 +123,7 @@ struct alignas(64) OpDescriptor {
   uint32_t reserved0;
   std::array<uint64_t, kMaxOpDims> dims;
   std::array<BufferRef, kMaxOpBuffers> bufs;
-  std::array<uint8_t, 88> reserved1;  // named padding: room to grow without changing the ring layout
+  std::array<uint8_t, 16> reserved1;  // named padding: room to grow without changing the ring layout
 };
 static_assert(sizeof(OpDescriptor) == 384, "OpDescriptor is part of the ring ABI; bump kDescriptorVersion");
 static_assert(alignof(OpDescriptor) == 64);
