@@ -1,7 +1,7 @@
 """The Python package on the cuda backend (CTest runs it through run_gpu.py, label gpu; under torchrun for 2 ranks).
 
 usage: [torchrun --nproc-per-node N] python gpu_run.py SECTION...
-  SECTION: ops attention compile graph cache hot dlpack jax tp, or all
+  SECTION: ops attention compile graph cache hot dlpack jax tp cp, or all
 Each section prints one "PASS <section>" or "FAIL <section>: <reason>" line (rank 0, or every rank that failed);
 the exit code is the number of failed sections. Needs tandemd (cuda backend) at $TANDEM_SOCKET.
 Ranks share the GPU given by LOCAL_RANK % device_count (2 ranks on one H200 share it).
@@ -342,8 +342,42 @@ def section_tp(comm):
     return f"{checked} tensors matched torch's bf16 autograd"
 
 
+def section_cp(comm):
+    """tandem.nn's context-parallel attention (ring attention with autograd) in bf16: out, dq, dk, dv within twice
+    torch's own bf16 scaled_dot_product_attention error of float64 (head_dim 64 and 128, both layouts, causal and not,
+    1, 2 and 4 query heads per KV head, uneven shares, a rank with no rows), ContextParallelAttention once under
+    torch.compile(fullgraph=True), and a head_dim the cuda attention core lacks refused by the library itself."""
+    import cpchecks
+    n, bf16 = comm.world_size, torch.bfloat16
+    seqs = [37 + 21 * q for q in range(n)]
+    checked = 0
+    for hd in (64, 128):
+        for layout in ("contiguous", "zigzag"):
+            for causal in (False, True):
+                for kv_heads in (4, 2, 1):
+                    checked += cpchecks.check_gradients(comm, seqs, layout, causal, 4, kv_heads, hd, dtype=bf16,
+                                                        device=comm.device)
+    if n > 1:
+        empty = [0 if q == 1 else 9 + q for q in range(n)]
+        checked += cpchecks.check_gradients(comm, empty, "zigzag", True, 4, 2, 64, dtype=bf16, device=comm.device)
+    checked += cpchecks.check_gradients(comm, [130 + 3 * q for q in range(n)], "zigzag", True, 4, 1, 128, scale=0.05,
+                                        dtype=bf16, device=comm.device, compiled=True, module=True)
+    comm.synchronize()
+    q = torch.zeros((16, 2, 32), dtype=bf16, device=comm.device)
+    try:
+        tandem.nn.functional.ring_attention(q, q, q, comm)
+        comm.synchronize()
+    except tandem.TandemError as e:
+        if "head_dim 32" not in str(e):
+            raise AssertionError(f"head_dim 32 refused without naming it: {e}") from e
+    else:
+        raise AssertionError("head_dim 32 (not in the cuda attention core) was accepted")
+    return f"{checked} tensors matched (bf16, within 2x torch's own error); head_dim 32 refused by the library"
+
+
 SECTIONS = {"ops": section_ops, "attention": section_attention, "compile": section_compile, "graph": section_graph,
-            "cache": section_cache, "hot": section_hot, "dlpack": section_dlpack, "jax": section_jax, "tp": section_tp}
+            "cache": section_cache, "hot": section_hot, "dlpack": section_dlpack, "jax": section_jax, "tp": section_tp,
+            "cp": section_cp}
 
 
 def main(argv) -> int:

@@ -1,11 +1,16 @@
-"""Tensor-parallel layers over tandem's fused GEMM ops, named as in Megatron-LM and TransformerEngine.
+"""Tensor-parallel layers over tandem's fused GEMM ops, named as in Megatron-LM and TransformerEngine, and
+context-parallel attention over its ring attention.
 
     comm = tandem.Communicator()
     up = tandem.nn.ColumnParallelLinear(hidden, ffn, comm, sequence_parallel=True)    # weight [ffn/world, hidden]
     down = tandem.nn.RowParallelLinear(ffn, hidden, comm, sequence_parallel=True)     # weight [hidden, ffn/world]
     y = down(torch.relu(up(x)))     # x, y: this rank's rows of the sequence
 
-How each layer runs forward and backward (which tandem op, which layout, what overlaps what): functional.py.
+    attn = tandem.nn.ContextParallelAttention(comm, heads, head_dim, num_kv_heads=kv_heads, causal=True)
+    o = attn(q, k, v)   # q [seq_r, heads, head_dim], k, v [seq_r, kv_heads, head_dim]: this rank's rows
+
+How each layer runs forward and backward (which tandem op, which layout, what overlaps what): functional.py and
+attention.py.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import math
 import torch
 
 from . import functional
-from .functional import column_parallel_linear, row_parallel_linear
+from .attention import ContextParallelAttention, context_parallel_positions
+from .functional import column_parallel_linear, ring_attention, row_parallel_linear
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "functional", "column_parallel_linear",
-           "row_parallel_linear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ContextParallelAttention", "functional",
+           "column_parallel_linear", "row_parallel_linear", "ring_attention", "context_parallel_positions"]
 
 
 def _split(what: str, name: str, features: int, world: int) -> int:

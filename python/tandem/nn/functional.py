@@ -330,3 +330,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     y = torch.ops.tandem.row_parallel_linear(x_in.reshape(-1, in_r).contiguous(), weight.contiguous(), bias,
                                              comm.id, bool(sequence_parallel))
     return y.view(*lead, weight.shape[0])
+
+
+# Context-parallel attention (ring attention with autograd) lives in attention.py; its functional form is here too.
+from .attention import ring_attention  # noqa: E402,F401  (attention.py imports _c and _saved from above)
