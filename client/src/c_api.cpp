@@ -738,6 +738,11 @@ tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tandem_ring_atte
   return submitArgs(tandem::OpKind::kRingAttention, comm, args, op);
 }
 
+tandem_status_t tandem_moe_dispatch_ffn_combine_backward(tandem_comm_t comm, const tandem_moe_ffn_backward_args_t* args,
+                                                         tandem_op_t* op) {
+  return submitArgs(tandem::OpKind::kMoeFfnBackward, comm, args, op);
+}
+
 tandem_status_t tandem_ring_attention_backward(tandem_comm_t comm, const tandem_ring_attention_backward_args_t* args,
                                                tandem_op_t* op) {
   return submitArgs(tandem::OpKind::kRingAttentionBackward, comm, args, op);

@@ -97,6 +97,11 @@ struct Builder {
     s.deviceError = e;
     return *this;
   }
+  // The cuda backend does not run the op yet: `why` says what its GPU implementation needs (OpSpec::cudaPending).
+  Builder& cudaPending(std::string_view why) {
+    s.cudaPending = why;
+    return *this;
+  }
   // The C argument struct and the Python method; `fields` names the struct's fields after struct_size in tandem.h's
   // order, each resolved against the entry: "dtype", "cuda_stream", "scale", a flag's field ("causal", "layout"), a
   // dim or a slot. Call it after the dims and slots.
@@ -303,6 +308,35 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
             .c("tandem_ring_attention_backward_args_t", "ring_attention_backward",
                "dtype seq heads head_dim kv_heads causal layout scale q k v o dout lse dq dk dv cuda_stream"));
   }
+  put(Builder(OpKind::kMoeFfnBackward, "moe-ffn-backward", "tandem_moe_dispatch_ffn_combine_backward",
+              "MoE layer's backward: dx, dtopk_weights, dw1 and dw2 of moe-dispatch-ffn-combine, the experts' "
+              "activations recomputed")
+          .dim("tokens", "m", kPerRank, true).dim("hidden", "k").dim("ffn", "n").dim("experts", "experts")
+          .dim("topk", "topk")
+          .slot("x", D, {dimT(d::kTokens), dimT(d::kHidden)}, "[tokens, hidden]")
+          .slot("topk_ids", I32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] int32")
+          .slot("topk_weights", F32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] fp32")
+          .slot("w1", D, {perRankT(d::kExperts), constT(2), dimT(d::kFfn), dimT(d::kHidden)},
+                "[experts/nranks, 2*ffn, hidden]")
+          .axes({1, 2, 1, 0})
+          .slot("w2", D, {perRankT(d::kExperts), dimT(d::kHidden), dimT(d::kFfn)}, "[experts/nranks, hidden, ffn]")
+          .slot("dout", D, {dimT(d::kTokens), dimT(d::kHidden)}, "the gradient of out [tokens, hidden]")
+          .slot("dx", D, {dimT(d::kTokens), dimT(d::kHidden)}, "[tokens, hidden]", true)
+          .slot("dtopk_weights", F32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] fp32", true)
+          .slot("dw1", D, {perRankT(d::kExperts), constT(2), dimT(d::kFfn), dimT(d::kHidden)},
+                "[experts/nranks, 2*ffn, hidden]", true)
+          .axes({1, 2, 1, 0})
+          .slot("dw2", D, {perRankT(d::kExperts), dimT(d::kHidden), dimT(d::kFfn)}, "[experts/nranks, hidden, ffn]",
+                true)
+          .crossNode(CrossNode::kReplicate)
+          .check(checkMoe)
+          .readsVerdict()
+          .deviceError(ErrorCode::kTimeout)
+          .cudaPending("the grouped GEMM core has no NN (dh = dy w2, dx = dgate_up w1) or TN (dw1, dw2 over the routed "
+                       "rows) layouts yet, and the combine has no backward (dy and dtopk_weights to the experts' rows)")
+          .c("tandem_moe_ffn_backward_args_t", "moe_ffn_backward",
+             "dtype tokens hidden ffn experts topk x topk_ids topk_weights w1 w2 dout dx dtopk_weights dw1 dw2 "
+             "cuda_stream"));
   put(Builder(OpKind::kAllGather, "allgather", "tandem_allgather", "AllGather of raw bytes, in rank order")
           .dim("bytes", "bytes")
           .slot("send", Raw, {dimT(d::kBytes)}, "[bytes]")
@@ -470,6 +504,7 @@ std::string opTableJson() {
                    {"summary", op.summary}, {"typed", op.typed}, {"flags", op.flags}, {"scale", op.scale},
                    {"cross_node", kCross[static_cast<std::size_t>(op.crossNode)]}, {"cross_slot", op.crossSlot},
                    {"reads_verdict", op.readsVerdict}, {"device_error", static_cast<int>(op.deviceError)},
+                   {"cuda_pending", op.cudaPending},
                    {"dims", dims}, {"slots", slots}, {"fields", fields}});
   }
   return json{{"version", 1}, {"ops", ops}}.dump();
@@ -515,9 +550,11 @@ std::string unsupportedOpMessage(std::string_view backend, const OpSet& runs, Op
   for (const OpSpec& o : table()) {
     if (runs.contains(o.kind)) list += fmt::format("{}{}", list.empty() ? "" : ", ", o.name);
   }
-  return fmt::format("{}: the {} backend does not run this op (it runs {}); run it on the cpu backend "
+  const std::string_view pending = knownOp(kind) ? opSpec(kind).cudaPending : std::string_view{};
+  return fmt::format("{}: the {} backend does not run this op (it runs {}){}; run it on the cpu backend "
                      "(daemon.backend: cpu), which runs every op",
-                     opKindName(kind), backend, list.empty() ? std::string("none") : list);
+                     opKindName(kind), backend, list.empty() ? std::string("none") : list,
+                     pending.empty() ? std::string() : fmt::format(" and has no GPU implementation yet: {}", pending));
 }
 
 }  // namespace tandem

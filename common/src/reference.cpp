@@ -260,6 +260,77 @@ void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t o
   }
 }
 
+// The backward of moeFfn (tandem.h), straight from the chain rule: for each routed (token, slot), y = h w2^T with
+// h = silu(a) * b rounded as the forward rounds it; dtopk_weight = dout.y, dh = weight * dout w2,
+// da = dh * b * silu'(a), db = dh * silu(a), dx += da w1_gate + db w1_up, dw1 += [da; db] x^T, dw2 += weight dout h^T.
+void moeFfnBackward(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
+  const uint32_t n = static_cast<uint32_t>(descs.size());
+  const DType dtype = descs[0].dtype;
+  const uint64_t H = descs[0].dims[dim::kHidden], F = descs[0].dims[dim::kFfn], E = descs[0].dims[dim::kExperts];
+  const uint64_t topk = descs[0].dims[dim::kTopk], L = E / n;
+  const std::vector<std::vector<Route>> routes = route(descs, in);
+  std::vector<std::vector<double>> x(n), weights(n), dout(n), dx(n), dweights(n), dw1(n), dw2(n);
+  for (uint32_t s = 0; s < n; ++s) {
+    const uint64_t tokens = descs[s].dims[dim::kTokens];
+    x[s] = load(in[s][slot::kX], dtype, tokens * H);
+    weights[s] = load(in[s][slot::kTopkWeights], DType::kF32, tokens * topk);
+    dout[s] = load(in[s][slot::kMoeDout], dtype, tokens * H);
+    dx[s].assign(tokens * H, 0.0);
+    dweights[s].assign(tokens * topk, 0.0);
+    dw1[s].assign(L * 2 * F * H, 0.0);
+    dw2[s].assign(L * H * F, 0.0);
+  }
+  std::vector<double> a(F), b(F), h(F);
+  for (uint64_t e = 0; e < E; ++e) {
+    const uint32_t d = static_cast<uint32_t>(e / L);
+    const uint64_t le = e % L;
+    const std::vector<double> w1 = load(in[d][slot::kW1] + le * 2 * F * H * dtypeSize(dtype), dtype, 2 * F * H);
+    const std::vector<double> w2 = load(in[d][slot::kW2] + le * H * F * dtypeSize(dtype), dtype, H * F);
+    double* gw1 = &dw1[d][le * 2 * F * H];
+    double* gw2 = &dw2[d][le * H * F];
+    for (const Route& rt : routes[e]) {
+      const double* xt = &x[rt.srcRank][rt.token * H];
+      const double* gt = &dout[rt.srcRank][rt.token * H];
+      const double weight = weights[rt.srcRank][rt.token * topk + rt.slotIndex];
+      for (uint64_t f = 0; f < F; ++f) {
+        a[f] = b[f] = 0;
+        for (uint64_t i = 0; i < H; ++i) {
+          a[f] += xt[i] * w1[f * H + i];
+          b[f] += xt[i] * w1[(F + f) * H + i];
+        }
+        h[f] = roundTo(dtype, static_cast<float>(a[f] / (1.0 + std::exp(-a[f])) * b[f]));
+      }
+      double dweight = 0;
+      for (uint64_t o = 0; o < H; ++o) {
+        double y = 0;
+        for (uint64_t f = 0; f < F; ++f) y += h[f] * w2[o * F + f];
+        dweight += gt[o] * y;
+        for (uint64_t f = 0; f < F; ++f) gw2[o * F + f] += weight * gt[o] * h[f];
+      }
+      dweights[rt.srcRank][rt.token * topk + rt.slotIndex] = dweight;
+      double* dxt = &dx[rt.srcRank][rt.token * H];
+      for (uint64_t f = 0; f < F; ++f) {
+        double dh = 0;
+        for (uint64_t o = 0; o < H; ++o) dh += weight * gt[o] * w2[o * F + f];
+        const double sig = 1.0 / (1.0 + std::exp(-a[f]));
+        const double da = dh * b[f] * sig * (1.0 + a[f] * (1.0 - sig)), db = dh * a[f] * sig;
+        for (uint64_t i = 0; i < H; ++i) {
+          dxt[i] += da * w1[f * H + i] + db * w1[(F + f) * H + i];
+          gw1[f * H + i] += da * xt[i];
+          gw1[(F + f) * H + i] += db * xt[i];
+        }
+      }
+    }
+  }
+  for (uint32_t s = 0; s < n; ++s) {
+    if (!wanted(only, s)) continue;
+    out[s][slot::kMoeDx] = std::move(dx[s]);
+    out[s][slot::kMoeDtopkWeights] = std::move(dweights[s]);
+    out[s][slot::kMoeDw1] = std::move(dw1[s]);
+    out[s][slot::kMoeDw2] = std::move(dw2[s]);
+  }
+}
+
 // Global position of every rank's rows; S receives the total. Contiguous: rank after rank. Zigzag: 2n chunks in order;
 // chunk c < n is the first ceil(seq_c / 2) rows of rank c, chunk c >= n the remaining rows of rank 2n - 1 - c.
 std::vector<std::vector<uint64_t>> attentionPositions(std::span<const OpDescriptor> descs, bool zigzag, uint64_t& S) {
@@ -446,6 +517,7 @@ Implementation implementation(OpKind kind) {
     case OpKind::kMoeDispatchFfnCombine: return moeFfn;
     case OpKind::kRingAttention: return ringAttention;
     case OpKind::kRingAttentionBackward: return ringAttentionBackward;
+    case OpKind::kMoeFfnBackward: return moeFfnBackward;
     case OpKind::kAllGather: return allGather;
     case OpKind::kNop: return barrier;
     case OpKind::kInvalid: break;

@@ -37,6 +37,7 @@ const std::map<std::string, std::vector<std::string>> kOpShapes = {
     {"gemm-ar", {"--m", "21", "--n", "13", "--k", "36"}},
     {"moe-dispatch-gemm", {"--m", "13", "--n", "12", "--k", "16", "--experts", "8", "--topk", "2"}},
     {"moe-dispatch-ffn-combine", {"--m", "11", "--n", "10", "--k", "16", "--experts", "8", "--topk", "2"}},
+    {"moe-ffn-backward", {"--m", "11", "--n", "10", "--k", "16", "--experts", "8", "--topk", "3"}},
     {"ring-attention", {"--seq", "29", "--heads", "2", "--head-dim", "16"}},
     {"ring-attention-backward", {"--seq", "29", "--heads", "4", "--head-dim", "16", "--kv-heads", "2"}},
     {"allgather", {"--bytes", "1000"}},

@@ -171,6 +171,67 @@ def check_moe_ffn(comm, dtype, place, use_out, hidden=8, ffn=6, round_y=False):
     close(got, want, dtype, "moe_ffn out")
 
 
+def moe_whole(x, ids, wts, w1, w2, local, dtype, grad):
+    """The MoE layer over every rank's tokens in float64 with torch.autograd, h rounded to dtype as tandem.h says
+    (its gradient passed through): (out per rank, dx per rank, dtopk_weights per rank, dw1 per rank, dw2 per rank)."""
+    n = len(x)
+    xs = [t.double().requires_grad_() for t in x]
+    ws = [t.double().requires_grad_() for t in wts]
+    w1s = [t.double().requires_grad_() for t in w1]
+    w2s = [t.double().requires_grad_() for t in w2]
+    ffn = w1[0].shape[1] // 2
+    outs, loss = [], 0
+    for s in range(n):
+        rows = []
+        for t in range(x[s].shape[0]):
+            o = torch.zeros(x[s].shape[1], dtype=torch.float64)
+            for j in range(ids[s].shape[1]):
+                d, le = divmod(int(ids[s][t, j]), local)
+                gate_up = w1s[d][le] @ xs[s][t]
+                h = F.silu(gate_up[:ffn]) * gate_up[ffn:]
+                h = h + (h.detach().float().to(dtype).double() - h.detach())
+                o = o + ws[s][t, j] * (w2s[d][le] @ h)
+            rows.append(o)
+        out = torch.stack(rows) if rows else torch.zeros((0, x[s].shape[1]), dtype=torch.float64)
+        outs.append(out)
+        loss = loss + (out * grad[s].double()).sum()
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:  # no token anywhere: every gradient is 0
+        loss.backward()
+
+    def grads(ts):
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in ts]
+    return outs, grads(xs), grads(ws), grads(w1s), grads(w2s)
+
+
+def check_moe_ffn_backward(comm, dtype, place, use_out, hidden=8, ffn=6, topk=2, tokens=None):
+    """The MoE layer's backward through the op table's generic path (no hand-written method), against
+    torch.autograd of the whole layer over every rank's tokens in float64."""
+    r, n = comm.rank, comm.world_size
+    experts, local, toks, x, ids, wts = _moe_inputs("mfb", n, hidden, dtype, topk=topk)
+    if tokens is not None:
+        toks = tokens
+        x = [gen("mfb.x", q, (toks[q], hidden), dtype) for q in range(n)]
+        ids = [topk_ids("mfb", q, toks[q], experts, min(topk, experts)) for q in range(n)]
+        wts = [gen("mfb.wt", q, (toks[q], ids[q].shape[1])).abs() for q in range(n)]
+    w1 = [gen(f"mfb.w1.{hidden}.{ffn}", q, (local, 2 * ffn, hidden), dtype, 0.5) for q in range(n)]
+    w2 = [gen(f"mfb.w2.{hidden}.{ffn}", q, (local, hidden, ffn), dtype, 0.5) for q in range(n)]
+    g = [gen("mfb.g", q, (toks[q], hidden), dtype) for q in range(n)]
+    _, dx, dwts, dw1, dw2 = moe_whole(x, ids, wts, w1, w2, local, dtype, g)
+    args = [place.put(t) for t in (x[r], ids[r], wts[r], w1[r], w2[r], g[r])]
+    outs = {}
+    if use_out:
+        outs = dict(out=place.empty(tuple(x[r].shape), dtype), dtopk_weights=place.empty(tuple(wts[r].shape),
+                                                                                        torch.float32),
+                    dw1=place.empty(tuple(w1[r].shape), dtype), dw2=place.empty(tuple(w2[r].shape), dtype))
+    got = comm.moe_ffn_backward(*args, **outs)
+    if use_out:
+        assert got[0] is outs["out"] and got[1] is outs["dtopk_weights"] and got[2] is outs["dw1"]
+    assert got[1].dtype == torch.float32
+    what = f"moe_ffn_backward (tokens={toks}, topk={topk})"
+    for name, gt, want in zip(("dx", "dtopk_weights", "dw1", "dw2"), got, (dx[r], dwts[r], dw1[r], dw2[r])):
+        close(gt, want, dtype, f"{what} {name}")
+
+
 def zigzag_positions(seqs, r):
     """Global positions of rank r's rows under the zigzag layout: chunk r (its first ceil(seq_r / 2) rows) and
     chunk 2n-1-r (the rest) of the sequence cut into 2n chunks, chunk c < n being rank c's first rows."""
@@ -332,6 +393,11 @@ def run_all(comm, dtypes=(torch.float32, torch.bfloat16), mems=("torch", "tandem
                                              seqs=[0 if q == comm.world_size - 1 else 3 + q
                                                    for q in range(comm.world_size)])
                         ran += 1
+                if check_moe_ffn_backward in checks:
+                    check_moe_ffn_backward(comm, dtype, place, use_out, topk=1)
+                    check_moe_ffn_backward(comm, dtype, place, use_out, topk=3,
+                                           tokens=[0 if q == 0 else 2 + q for q in range(comm.world_size)])
+                    ran += 2
                 if check_ring_attention_backward in checks:
                     check_ring_attention_backward(comm, dtype, place, use_out, causal=False, layout="zigzag")
                     check_ring_attention_backward(comm, dtype, place, use_out, heads=2, kv_heads=2, scale=0.3)

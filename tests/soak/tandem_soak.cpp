@@ -167,6 +167,7 @@ std::vector<HonestShape> honestShapes() {
        [](ref::OpShape& o) { o.seq = 48, o.heads = 4, o.kvHeads = 2, o.headDim = 32, o.causal = true; }},
       {"moe-dispatch-gemm", [](ref::OpShape& o) { o.m = 8, o.n = 16, o.k = 32, o.experts = 4, o.topk = 2; }},
       {"moe-dispatch-ffn-combine", [](ref::OpShape& o) { o.m = 8, o.n = 16, o.k = 32, o.experts = 4, o.topk = 2; }},
+      {"moe-ffn-backward", [](ref::OpShape& o) { o.m = 8, o.n = 16, o.k = 32, o.experts = 4, o.topk = 2; }},
   };
   std::vector<HonestShape> v;
   for (const tandem::OpSpec& op : tandem::ops()) {
@@ -210,6 +211,11 @@ tandem_status_t submitPublic(tandem_comm_t comm, const tandem::OpDescriptor& d, 
       tandem_moe_ffn_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], d.dims[3], d.dims[4],
                               t[0], t[1], t[2], t[3], t[4], t[5], nullptr};
       return tandem_moe_dispatch_ffn_combine(comm, &a, op);
+    }
+    case tandem::OpKind::kMoeFfnBackward: {
+      tandem_moe_ffn_backward_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], d.dims[3], d.dims[4],
+                                       t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], nullptr};
+      return tandem_moe_dispatch_ffn_combine_backward(comm, &a, op);
     }
     case tandem::OpKind::kRingAttention: {
       tandem_ring_attention_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], (d.flags & tandem::kFlagCausal) != 0,

@@ -48,6 +48,8 @@ inline std::vector<std::vector<std::string>> everyOpAcrossNodes(std::string_view
            {"--ranks", "6", "--m", "5", "--k", "16", "--n", "12", "--experts", "12", "--topk", "2"}},
           {"moe-dispatch-ffn-combine",
            {"--ranks", "6", "--m", "4", "--k", "16", "--n", "24", "--experts", "6", "--topk", "2"}},
+          {"moe-ffn-backward",
+           {"--ranks", "6", "--m", "3", "--k", "16", "--n", "8", "--experts", "12", "--topk", "3"}},
           {"ring-attention", {"--ranks", "6", "--seq", "29", "--heads", "2", "--head-dim", "8"}},
           {"ring-attention-backward",
            {"--ranks", "6", "--seq", "29", "--heads", "2", "--head-dim", "8", "--kv-heads", "1", "--zigzag"}},

@@ -112,6 +112,18 @@ std::map<std::string, Case> cases() {
                  {a.x, a.topk_ids, a.topk_weights, a.w1, a.w2, a.out}, a.cuda_stream)};
   }
   {
+    auto a = sized<tandem_moe_ffn_backward_args_t>();
+    a.dtype = TANDEM_DTYPE_BF16, a.tokens = 81, a.hidden = 82, a.ffn = 83, a.experts = 84, a.topk = 85;
+    a.x = tensor(40), a.topk_ids = tensor(41), a.topk_weights = tensor(42), a.w1 = tensor(43), a.w2 = tensor(44);
+    a.dout = tensor(45), a.dx = tensor(46), a.dtopk_weights = tensor(47), a.dw1 = tensor(48), a.dw2 = tensor(49);
+    a.cuda_stream = stream();
+    m["tandem_moe_ffn_backward_args_t"] = {
+        [=] { return unpack(OpKind::kMoeFfnBackward, a); },
+        expected(OpKind::kMoeFfnBackward, a.dtype, {a.tokens, a.hidden, a.ffn, a.experts, a.topk},
+                 {a.x, a.topk_ids, a.topk_weights, a.w1, a.w2, a.dout, a.dx, a.dtopk_weights, a.dw1, a.dw2},
+                 a.cuda_stream)};
+  }
+  {
     auto a = sized<tandem_ring_attention_args_t>();
     a.dtype = TANDEM_DTYPE_BF16, a.seq = 61, a.heads = 62, a.head_dim = 63, a.causal = 5, a.scale = 0.375F;
     a.q = tensor(23), a.k = tensor(24), a.v = tensor(25), a.out = tensor(26), a.cuda_stream = stream();

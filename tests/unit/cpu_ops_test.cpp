@@ -118,7 +118,7 @@ ref::OpShape shapeFor(OpKind kind, DType dtype, uint32_t nranks) {
   s.m = 37;
   s.n = 19;
   s.k = 23;
-  if (kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine) {
+  if (kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine || kind == OpKind::kMoeFfnBackward) {
     s.m = 13;  // tokens per rank
     s.experts = nranks == 3 ? 6 : 8;
     s.topk = 2;
@@ -447,7 +447,7 @@ TEST_CASE("ring attention lse of a lone position is scale times q.k") {
 }
 
 TEST_CASE("moe ops with a different number of tokens on every rank") {
-  for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine}) {
+  for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine, OpKind::kMoeFfnBackward}) {
     INFO(tandem::opKindName(kind));
     const uint64_t tokens[4] = {13, 1, 0, 6};
     std::vector<OpDescriptor> descs;
@@ -513,7 +513,7 @@ TEST_CASE("moe-dispatch-gemm with too small a capacity fails before writing anyt
 }
 
 TEST_CASE("moe ops reject bad expert ids before writing anything") {
-  for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine}) {
+  for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine, OpKind::kMoeFfnBackward}) {
     INFO(tandem::opKindName(kind));
     {  // an id out of range
       Harness h(shapeFor(kind, DType::kBF16, 4), 4, 3);

@@ -85,6 +85,14 @@ TEST_CASE("a backend's unsupported-op message names exactly the ops it runs") {
     const std::string listed = tandem::unsupportedOpMessage("x", OpSet{op.kind}, OpKind::kInvalid);
     CHECK(listed.find(fmt::format("(it runs {})", op.name)) != std::string::npos);
   }
+  // An op the cuda backend does not run yet says why (the table's cudaPending); the others say nothing of it.
+  for (const OpSpec& op : tandem::ops()) {
+    const std::string refused = tandem::unsupportedOpMessage("cuda", cudaOps, op.kind);
+    CAPTURE(refused);
+    CHECK((refused.find("has no GPU implementation yet") != std::string::npos) == !op.cudaPending.empty());
+    if (!op.cudaPending.empty()) CHECK(refused.find(std::string(op.cudaPending)) != std::string::npos);
+  }
+  CHECK_FALSE(tandem::opSpec(OpKind::kMoeFfnBackward).cudaPending.empty());
   // The cpu backend runs every op of the table.
   tandem::daemon::DaemonConfig config;
   CHECK(tandem::daemon::makeCpuBackend(config)->ops(nullptr) == OpSet::all());
@@ -158,6 +166,16 @@ const std::map<std::string, CStructFacts>& cStructs() {
            TANDEM_FIELD(T, kv_heads), TANDEM_FIELD(T, causal), TANDEM_FIELD(T, layout), TANDEM_FIELD(T, scale),
            TANDEM_FIELD(T, q), TANDEM_FIELD(T, k), TANDEM_FIELD(T, v), TANDEM_FIELD(T, o), TANDEM_FIELD(T, dout),
            TANDEM_FIELD(T, lse), TANDEM_FIELD(T, dq), TANDEM_FIELD(T, dk), TANDEM_FIELD(T, dv),
+           TANDEM_FIELD(T, cuda_stream)}};
+    }
+    {
+      using T = tandem_moe_ffn_backward_args_t;
+      out["tandem_moe_ffn_backward_args_t"] = {
+          sizeof(T),
+          {TANDEM_FIELD(T, dtype), TANDEM_FIELD(T, tokens), TANDEM_FIELD(T, hidden), TANDEM_FIELD(T, ffn),
+           TANDEM_FIELD(T, experts), TANDEM_FIELD(T, topk), TANDEM_FIELD(T, x), TANDEM_FIELD(T, topk_ids),
+           TANDEM_FIELD(T, topk_weights), TANDEM_FIELD(T, w1), TANDEM_FIELD(T, w2), TANDEM_FIELD(T, dout),
+           TANDEM_FIELD(T, dx), TANDEM_FIELD(T, dtopk_weights), TANDEM_FIELD(T, dw1), TANDEM_FIELD(T, dw2),
            TANDEM_FIELD(T, cuda_stream)}};
     }
     {

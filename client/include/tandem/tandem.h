@@ -297,6 +297,37 @@ typedef struct tandem_moe_ffn_args {
 TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, const tandem_moe_ffn_args_t* args,
                                                            tandem_op_t* op);
 
+/* The backward of tandem_moe_dispatch_ffn_combine (expert-parallel training). Every rank passes the forward's
+ * inputs as it passed them (x, topk_ids, topk_weights, w1, w2, the same dims) and dout [tokens, hidden], the
+ * gradient of the loss with respect to the forward's out. With a = x·w1_gateᵀ, b = x·w1_upᵀ, h = silu(a) * b
+ * (rounded to dtype, as the forward) and y = h·w2ᵀ for each (token, slot) routed to expert e, this rank receives:
+ *   dx [tokens, hidden]: Σ_slot (da·w1_gate + db·w1_up), summed over the token's slots in slot order, where
+ *     dh = weight * (dout_t·w2), da = dh * b * silu'(a), db = dh * silu(a) (the rounding of h passes the gradient
+ *     through unchanged);
+ *   dtopk_weights [tokens, topk] fp32: dout_t·y = (dout_t·w2)·h;
+ *   dw1 [E/n, 2*ffn, hidden] and dw2 [E/n, hidden, ffn]: the gradients of this rank's experts, summed over every
+ *     rank's (token, slot) routed to them in (source rank, token, slot) order: dw1_gate += da xᵀ, dw1_up += db xᵀ,
+ *     dw2 += (weight * dout_t) hᵀ. An expert that receives no row gets zeros.
+ * The sums run in that fixed order (fp32 on the cpu backend, each output rounded to its dtype once), so the
+ * results repeat bit for bit. Routing, its checks and their messages are the forward's: a bad or repeated expert
+ * id fails the op alone, nothing is written, and the communicator stays usable. tokens may be 0 on a rank.
+ * Nothing is kept from the forward (tandemd holds no state between ops): the op dispatches x and dout to the
+ * experts' ranks (2 * hidden values per routed row, the forward's one) and recomputes a, b and h there: per routed
+ * row 2*ffn*hidden multiply-adds to recompute, then 6*ffn*hidden for dout·w2, dw2, dw1 and dx, 8*ffn*hidden in
+ * all, about 2.7 times the forward's 3*ffn*hidden. It sends back hidden + 1 values per row (dx, dtopk_weights).
+ * The cuda backend does not run this op yet (it refuses it, saying why); the cpu backend runs it. */
+typedef struct tandem_moe_ffn_backward_args {
+  size_t struct_size;
+  tandem_dtype_t dtype;
+  uint64_t tokens, hidden, ffn, experts, topk;
+  tandem_tensor_t x, topk_ids, topk_weights, w1, w2, dout; /* the forward's inputs, and out's gradient */
+  tandem_tensor_t dx, dtopk_weights, dw1, dw2;             /* outputs */
+  void* cuda_stream;
+} tandem_moe_ffn_backward_args_t;
+TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine_backward(tandem_comm_t comm,
+                                                                    const tandem_moe_ffn_backward_args_t* args,
+                                                                    tandem_op_t* op);
+
 /* Ring attention. The sequence is sharded over the ranks: this rank holds q, k, v [seq, heads, head_dim] for
  * its `seq` positions (ranks may differ). out [seq, heads, head_dim] = softmax(q·Kᵀ * scale [+ causal mask])
  * · V over the whole sequence, per head. scale 0 means 1/sqrt(head_dim). causal: position i attends to

@@ -326,6 +326,114 @@ void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
   }
 }
 
+// The backward of moeDispatchFfnCombine (tandem.h), in fp32. Expert side: each local expert's rows (in (source rank,
+// token, slot) order) are gathered with their dout rows, a, b and h recomputed as the forward computes them, then per
+// row u = dout w2, dtopk_weight = u.h, dh = weight * u, da and db; dx of the row is [da; db] w1, and dw1, dw2 grow by
+// one outer product per row in row order. Source side: dx sums the token's slots in slot order. Every sum has one
+// fixed order, so the outputs repeat bit for bit.
+void moeFfnBackward(std::span<const RankOp> ranks) {
+  const auto n = static_cast<uint32_t>(ranks.size());
+  const OpDescriptor& d0 = ranks[0].desc;
+  const DType dtype = d0.dtype;
+  const std::size_t hidden = d0.dims[dim::kHidden], ffn = d0.dims[dim::kFfn], topk = d0.dims[dim::kTopk];
+  const std::size_t local = d0.dims[dim::kExperts] / n;
+  for (int s : {slot::kX, slot::kTopkIds, slot::kTopkWeights, slot::kW1, slot::kW2, slot::kMoeDout, slot::kMoeDx,
+                slot::kMoeDtopkWeights, slot::kMoeDw1, slot::kMoeDw2}) {
+    requireMemory(ranks, s);
+  }
+
+  const std::vector<std::vector<Route>> routes = routeTokens(ranks);
+  const std::vector<Floats> x = loadTokens(ranks, hidden);
+  std::vector<Floats> weights(n), dout(n), dxSlots(n), dweights(n), dw1(n), dw2(n);
+  for (uint32_t s = 0; s < n; ++s) {
+    const std::size_t tokens = ranks[s].desc.dims[dim::kTokens];
+    weights[s] = load(ranks[s].data[slot::kTopkWeights], DType::kF32, tokens * topk);
+    dout[s] = load(ranks[s].data[slot::kMoeDout], dtype, tokens * hidden);
+    dxSlots[s].assign(tokens * topk * hidden, 0.0f);  // dx of every (token, slot), summed on the source side
+    dweights[s].assign(tokens * topk, 0.0f);
+  }
+
+  Floats gateUp, h, u, dGateUp;
+  for (uint32_t d = 0; d < n; ++d) {
+    const Floats w1 = load(ranks[d].data[slot::kW1], dtype, local * 2 * ffn * hidden);
+    const Floats w2 = load(ranks[d].data[slot::kW2], dtype, local * hidden * ffn);
+    dw1[d].assign(w1.size(), 0.0f);
+    dw2[d].assign(w2.size(), 0.0f);
+    for (std::size_t le = 0; le < local; ++le) {
+      const std::vector<Route>& group = routes[d * local + le];
+      if (group.empty()) continue;
+      const std::size_t rows = group.size();
+      const float* w1e = w1.data() + le * 2 * ffn * hidden;
+      const float* w2e = w2.data() + le * hidden * ffn;
+      float* dw1e = dw1[d].data() + le * 2 * ffn * hidden;
+      float* dw2e = dw2[d].data() + le * hidden * ffn;
+      const Floats xe = gatherRows(group, x, hidden);
+      const Floats ge = gatherRows(group, dout, hidden);
+      gateUp.resize(rows * 2 * ffn);
+      gemmNT(xe.data(), w1e, gateUp.data(), rows, 2 * ffn, hidden);
+      h.resize(ffn);
+      u.resize(ffn);
+      dGateUp.resize(2 * ffn);
+      for (std::size_t i = 0; i < rows; ++i) {
+        const Route& rt = group[i];
+        const float weight = weights[rt.srcRank][rt.token * topk + rt.slotIndex];
+        const float* a = gateUp.data() + i * 2 * ffn;
+        const float* b = a + ffn;
+        const float* xi = xe.data() + i * hidden;
+        const float* gi = ge.data() + i * hidden;
+        for (std::size_t f = 0; f < ffn; ++f) h[f] = roundTo(dtype, a[f] / (1.0f + std::exp(-a[f])) * b[f]);
+        // u = dout_t w2, over w2's rows in order.
+        std::fill(u.begin(), u.end(), 0.0f);
+        for (std::size_t o = 0; o < hidden; ++o) {
+          const float* w2o = w2e + o * ffn;
+          for (std::size_t f = 0; f < ffn; ++f) u[f] += gi[o] * w2o[f];
+        }
+        dweights[rt.srcRank][rt.token * topk + rt.slotIndex] = dot(u.data(), h.data(), ffn);
+        for (std::size_t f = 0; f < ffn; ++f) {
+          const float dh = weight * u[f];
+          const float sig = 1.0f / (1.0f + std::exp(-a[f]));
+          dGateUp[f] = dh * b[f] * sig * (1.0f + a[f] * (1.0f - sig));
+          dGateUp[ffn + f] = dh * a[f] * sig;
+        }
+        // dx of this (token, slot) = [da; db] w1, over w1's rows in order.
+        float* dxi = dxSlots[rt.srcRank].data() + (rt.token * topk + rt.slotIndex) * hidden;
+        for (std::size_t k = 0; k < 2 * ffn; ++k) {
+          const float gk = dGateUp[k];
+          const float* w1k = w1e + k * hidden;
+          float* dw1k = dw1e + k * hidden;
+          for (std::size_t c = 0; c < hidden; ++c) {
+            dxi[c] += gk * w1k[c];
+            dw1k[c] += gk * xi[c];
+          }
+        }
+        for (std::size_t o = 0; o < hidden; ++o) {
+          const float go = weight * gi[o];
+          float* dw2o = dw2e + o * ffn;
+          for (std::size_t f = 0; f < ffn; ++f) dw2o[f] += go * h[f];
+        }
+      }
+    }
+  }
+
+  // Every input is read: now write. dx sums each token's slots in slot order.
+  Floats dx;
+  for (uint32_t s = 0; s < n; ++s) {
+    const std::size_t tokens = ranks[s].desc.dims[dim::kTokens];
+    dx.assign(tokens * hidden, 0.0f);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      float* o = dx.data() + t * hidden;
+      for (std::size_t j = 0; j < topk; ++j) {
+        const float* part = dxSlots[s].data() + (t * topk + j) * hidden;
+        for (std::size_t c = 0; c < hidden; ++c) o[c] += part[c];
+      }
+    }
+    store(ranks[s].data[slot::kMoeDx], dtype, dx.data(), dx.size());
+    store(ranks[s].data[slot::kMoeDtopkWeights], DType::kF32, dweights[s].data(), dweights[s].size());
+    store(ranks[s].data[slot::kMoeDw1], dtype, dw1[s].data(), dw1[s].size());
+    store(ranks[s].data[slot::kMoeDw2], dtype, dw2[s].data(), dw2[s].size());
+  }
+}
+
 // ---- ring attention -----------------------------------------------------------------------------------
 
 // Mirrors the GPU algorithm: each rank keeps its query blocks and sees the KV chunks in ring order (its
@@ -546,6 +654,7 @@ Implementation implementation(OpKind kind) {
     case OpKind::kMoeDispatchFfnCombine: return moeDispatchFfnCombine;
     case OpKind::kRingAttention: return ringAttention;
     case OpKind::kRingAttentionBackward: return ringAttentionBackward;
+    case OpKind::kMoeFfnBackward: return moeFfnBackward;
     case OpKind::kAllGather: return allGather;
     case OpKind::kNop: return barrier;
     case OpKind::kInvalid: break;
@@ -579,6 +688,17 @@ uint64_t cpuScratchBytes(std::span<const OpDescriptor> descs) {
     uint64_t longest = 0;
     for (const OpDescriptor& d : descs) longest = std::max(longest, d.dims[dim::kSeq]);
     bytes += (16 * descs[0].dims[dim::kHeadDim] + longest) * sizeof(float);
+  }
+  if (descs[0].kind == OpKind::kMoeFfnBackward) {
+    // Beyond the slots: dx of every (token, slot), and the routed rows of x, dout and a, b gathered per expert.
+    const uint64_t perRow = 3 * descs[0].dims[dim::kHidden] + 2 * descs[0].dims[dim::kFfn];
+    for (const OpDescriptor& d : descs) {
+      uint64_t extra = 0;
+      if (__builtin_mul_overflow(d.dims[dim::kTokens] * d.dims[dim::kTopk], perRow * sizeof(float), &extra) ||
+          __builtin_add_overflow(bytes, extra, &bytes)) {
+        return UINT64_MAX;
+      }
+    }
   }
   return bytes;
 }

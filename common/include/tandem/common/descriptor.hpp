@@ -25,8 +25,9 @@ enum class OpKind : uint16_t {
   kAllGather = 7,
   kNop = 8,  // completes once every rank submitted it; measures the submission path
   kRingAttentionBackward = 9,
+  kMoeFfnBackward = 10,
 };
-inline constexpr uint16_t kOpKindCount = 10;
+inline constexpr uint16_t kOpKindCount = 11;
 
 // Values equal tandem_dtype_t.
 enum class DType : uint16_t { kInvalid = 0, kF32 = 1, kF16 = 2, kBF16 = 3, kI32 = 4 };
@@ -56,6 +57,8 @@ static_assert(sizeof(BufferRef) == 24);
 //                  reads KV head h / (heads / kv_heads))
 //   kRingAttentionBackward: dims and flags as kRingAttention
 //                                                     bufs {q, k, v, o, dout, lse, dq, dk, dv}
+//   kMoeFfnBackward: dims as kMoeDispatchFfnCombine   bufs {x, topk_ids, topk_weights, w1, w2, dout, dx,
+//                                                           dtopk_weights, dw1, dw2}
 //   kAllGather:    dims {bytes}                        bufs {send, recv}
 //   kNop:          no dims, no bufs
 // Rules (validate.hpp enforces them; the messages name the field):
@@ -80,6 +83,7 @@ inline constexpr int kX = 0, kTopkIds = 1, kTopkWeights = 2, kW = 3, kW1 = 3, kW
                      kRowInfo = 5, kExpertCounts = 6;
 inline constexpr int kQ = 0, kKey = 1, kValue = 2, kAttnOut = 3, kAttnLse = 4;
 inline constexpr int kDout = 4, kBwdLse = 5, kDq = 6, kDk = 7, kDv = 8;  // ring attention backward
+inline constexpr int kMoeDout = 5, kMoeDx = 6, kMoeDtopkWeights = 7, kMoeDw1 = 8, kMoeDw2 = 9;  // MoE FFN backward
 inline constexpr int kSend = 0, kRecv = 1;
 }  // namespace slot
 

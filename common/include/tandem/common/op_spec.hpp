@@ -148,6 +148,10 @@ struct OpSpec {
   // What its kernels can report on the device beyond a CUDA error: a wait past its deadline (a peer's flag never
   // came: kTimeout, or kPeerLost once the peer is known gone). ErrorCode{} (kOk): none (no kernel waits on a peer).
   ErrorCode deviceError{};
+  // Non-empty: the cuda backend does not run this op yet, and why (what its GPU implementation still needs). The
+  // cuda backend's refusal quotes it, and the CUDA builds' "every op" test accepts a missing gpu_ops.cpp entry only
+  // for such an op. Empty: the cuda backend must run it.
+  std::string_view cudaPending;
 };
 
 // Every op, in OpKind order (kAgGemm first). ops()[i].kind == OpKind(i + 1).
