@@ -312,6 +312,7 @@ AgGemmPlanChoice launchAgGemm(const AgGemmParams& p, cudaStream_t stream) {
   kp.abortWord = p.abortWord;
   kp.errorSlot = p.errorSlot;
   kp.epoch = p.epoch;
+  kp.epochWord = p.epochWord;
   kp.timeoutNs = p.timeoutNs > 0 ? p.timeoutNs : 10ull * 1000 * 1000 * 1000;
   kp.rowWords = p.k / 8;
   kp.rank = p.rank;

@@ -81,6 +81,12 @@ void ControlPage::holdLead(uint32_t lead) noexcept {
   if (ldAcquire(done) != lead) stRelease(done, lead);
 }
 
+void ControlPage::markDeviceEpochs() noexcept {
+  stRelease(memory()->deviceEpochs, uint64_t{1});  // release: nothing to publish but the word; pairs with deviceEpochs()
+}
+
+bool ControlPage::deviceEpochs() const noexcept { return ldAcquire(memory()->deviceEpochs) != 0; }
+
 std::optional<ErrorSlot> ControlPage::failure() const noexcept {
   const ErrorSlot& e = memory()->error;
   // acquire: pairs with the kernel's stReleaseSysU32 of `claimed` after it wrote the other fields.

@@ -111,6 +111,7 @@ void fillGemmCommon(Params& p, const OpDescriptor& d, const DevicePointers& ptrs
   // communicator instead, so they find the abort word set and unwind. Every wait reports into this rank's control
   // page and polls its abort word, as AllGather's do.
   p.epoch = epoch;
+  p.epochWord = env.epochWord;
   p.abortWord = &env.ctl->abort;
   p.errorSlot = &env.ctl->error;
   p.timeoutNs = env.timeoutNs;

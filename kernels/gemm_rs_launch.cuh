@@ -293,6 +293,7 @@ inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, cons
   kp.srcStride = static_cast<int64_t>(l.matBytes / psize);
   kp.flagStride = l.maxHalf;
   kp.epoch = p.epoch;
+  kp.epochWord = p.epochWord;
   kp.timeoutNs = p.timeoutNs ? p.timeoutNs : 10ull * 1000 * 1000 * 1000;
   const size_t parity = p.epoch & 1;
   for (int q = 0; q < p.nranks; ++q) {

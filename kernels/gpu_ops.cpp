@@ -45,6 +45,7 @@ std::string launchAllGatherOp(const GpuLaunch& l) {
   p.recv = l.ptrs[slot::kRecv];
   p.bytes = l.desc.dims[dim::kBytes];
   p.epoch = l.epoch;
+  p.epochWord = l.env.epochWord;
   p.timeoutNs = l.env.timeoutNs;
   for (uint32_t r = 0; r < l.env.nranks; ++r) p.workspaces[r] = l.env.workspaces[r];
   p.ctl = l.env.ctl;

@@ -32,6 +32,7 @@ struct AgGemmKernelParams {
   const uint64_t* abortWord;
   ErrorSlot* errorSlot;
   uint64_t epoch;
+  const uint64_t* epochWord;  // device-epoch mode: the epoch is *epochWord (opEpoch, wait.cuh); null: epoch
   uint64_t timeoutNs;
   int64_t rowWords;  // 16-byte words per row of A (k / 8)
   int32_t rank, nranks;
@@ -99,7 +100,7 @@ __device__ __forceinline__ bool waitRows(const AgGemmKernelParams& kp, int32_t r
     for (int32_t c = c0; c <= c1; ++c) {
       const int32_t idx = chunkFlagIndex(kp, s, c);
       // acquire: pairs with the pushing rank's stReleaseSys in pushChunk (after its data stores to us).
-      if (!waitGeq(kp.flags[kp.rank] + idx, kp.epoch, ctx, static_cast<uint32_t>(idx))) return false;
+      if (!waitGeq(kp.flags[kp.rank] + idx, opEpoch(kp), ctx, static_cast<uint32_t>(idx))) return false;
     }
   }
   // The rows were written by generic-proxy stores (a peer's SMs over NVLink, or ours); TMA reads them next.
@@ -283,7 +284,7 @@ __device__ __forceinline__ void tmaCopyChunk(TmaPushState& st, const uint8_t* sr
 // stream order already finished our previous op's reads of the gathered buffer).
 __device__ __forceinline__ void announceArrival(const AgGemmKernelParams& kp) {
   for (int32_t q = 0; q < kp.nranks; ++q) {
-    if (q != kp.rank) stReleaseSys(kp.flags[q] + kp.rank, kp.epoch);
+    if (q != kp.rank) stReleaseSys(kp.flags[q] + kp.rank, opEpoch(kp));
   }
 }
 
@@ -317,7 +318,7 @@ __device__ __forceinline__ void runComm(const AgGemmKernelParams& kp, int32_t co
       uint32_t ok = 1;
       if (!(arrivedMask & (1u << dest))) {
         // acquire: pairs with announceArrival on rank `dest`.
-        ok = waitGeq(kp.flags[kp.rank] + dest, kp.epoch, ctx, static_cast<uint32_t>(dest)) ? 1u : 0u;
+        ok = waitGeq(kp.flags[kp.rank] + dest, opEpoch(kp), ctx, static_cast<uint32_t>(dest)) ? 1u : 0u;
         arrivedMask |= 1u << dest;
       }
       *bcast = ok;
@@ -347,9 +348,9 @@ __device__ __forceinline__ void runComm(const AgGemmKernelParams& kp, int32_t co
       fenceAcqRelSys();  // cumulative: the CTA's stores (ordered by the barrier) before the flags, at system scope
       const int32_t idx = chunkFlagIndex(kp, kp.rank, c);
       // release: publishes the chunk in dest's gathered buffer; pairs with waitRows (fused) / waitIncoming on dest.
-      stReleaseSys(kp.flags[dest] + idx, kp.epoch);
+      stReleaseSys(kp.flags[dest] + idx, opEpoch(kp));
       // release: publishes our own copy; pairs with waitRows / waitIncoming on this rank.
-      if (d == 1) stReleaseSys(kp.flags[kp.rank] + idx, kp.epoch);
+      if (d == 1) stReleaseSys(kp.flags[kp.rank] + idx, opEpoch(kp));
     }
   }
   if constexpr (kMode == CommMode::kTma) {
@@ -374,7 +375,7 @@ __device__ __forceinline__ void waitIncoming(const AgGemmKernelParams& kp, int32
       if (j % num != id) continue;
       const int32_t idx = chunkFlagIndex(kp, s, c);
       // acquire: pairs with the stReleaseSys in runComm of rank s (or ours for s == rank).
-      if (!waitGeq(kp.flags[kp.rank] + idx, kp.epoch, ctx, static_cast<uint32_t>(idx))) return;
+      if (!waitGeq(kp.flags[kp.rank] + idx, opEpoch(kp), ctx, static_cast<uint32_t>(idx))) return;
     }
   }
 }

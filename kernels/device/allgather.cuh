@@ -136,6 +136,9 @@ __device__ inline void mirrorError(const WorkspaceHeader* hdr, CommControl* ctl)
   // Still being written by another CTA: that CTA's thread 0 made the claim and mirrors it when it unwinds.
   if (d.claimed != kErrorSlotReady || ctl == nullptr) return;
   ErrorSlot& h = ctl->error;
+  // The rank's first failure stays: an op entry that found the ranks diverged reported there before it set the abort
+  // word this kernel then saw (op_entry.cu).
+  if (ldAcquireSysU32(&h.claimed) != 0) return;
   h.code = d.code;
   h.op = d.op;
   h.role = d.role;
@@ -147,7 +150,8 @@ __device__ inline void mirrorError(const WorkspaceHeader* hdr, CommControl* ctl)
 }
 
 // One CTA's share of one AllGather. Returns false if a wait failed (already reported through ctx).
-__device__ inline bool allgatherCta(const AllGatherParams& p, uint32_t cta, uint32_t ncta, WaitCtx& ctx) {
+__device__ inline bool allgatherCta(const AllGatherParams& p, uint64_t epoch, uint32_t cta, uint32_t ncta,
+                                    WaitCtx& ctx) {
   __shared__ int sFail;
   const uint32_t tid = threadIdx.x;
   const uint64_t S = p.bytes;
@@ -164,7 +168,7 @@ __device__ inline bool allgatherCta(const AllGatherParams& p, uint32_t cta, uint
     const uint64_t u = i / kAgSlots;
     const uint64_t off = i * C;
     const uint64_t len = (S - off < C) ? S - off : C;
-    const uint64_t val = (p.epoch << 32) | (u + 1);
+    const uint64_t val = (epoch << 32) | (u + 1);
     if (n == 1) {
       char* const d1[1] = {recv + off};
       copyMulti<1>(d1, 1, send + off, len);
@@ -172,7 +176,7 @@ __device__ inline bool allgatherCta(const AllGatherParams& p, uint32_t cta, uint
     }
     // ---- produce ----
     if (tid == 0) {
-      const uint64_t prev = u == 0 ? mine->lastFill[s] : ((p.epoch << 32) | u);
+      const uint64_t prev = u == 0 ? mine->lastFill[s] : ((epoch << 32) | u);
       bool ok = true;
       for (uint32_t q = 0; q < n && ok; ++q) {
         // acquire: pairs with consumer q's stReleaseSys of acked[q][s] after it read the slot.
@@ -235,10 +239,12 @@ __device__ inline bool allgatherCta(const AllGatherParams& p, uint32_t cta, uint
 inline constexpr uint32_t kGateSpinsPerCheck = 1024;
 
 // Whether op e may run, for thread 0 of every CTA: 1 run, 0 rejected by the daemon (client executor: its verdict),
-// -1 aborted (reported) or failed. Only CTA 0 reads the host-mapped abort word and verdict: host-mapped reads from many
+// -1 aborted (reported) or failed. `epoch` is the op's flag epoch (p.epoch, or the device epoch): it tags the gate
+// word, which must differ from one replay to the next; the verdict is tandemd's, of p.epoch. Only CTA 0 reads the
+// host-mapped abort word and verdict: host-mapped reads from many
 // CTAs queue behind each other (about 1 us per CTA, measured), so the other CTAs take the outcome from the gate word
 // in this rank's workspace header, tagged with the epoch.
-__device__ inline int opGate(const AllGatherParams& p, uint32_t cta, uint32_t ncta, WaitCtx& ctx) {
+__device__ inline int opGate(const AllGatherParams& p, uint64_t epoch, uint32_t cta, uint32_t ncta, WaitCtx& ctx) {
   WorkspaceHeader* mine = header(p.workspaces[p.rank]);
   int run = 1;
   if (cta == 0) {
@@ -252,7 +258,7 @@ __device__ inline int opGate(const AllGatherParams& p, uint32_t cta, uint32_t nc
       // acquire: pairs with the daemon's release of the verdict.
       const uint64_t verdict = p.checkVerdict != 0 ? ldAcquireSys(&p.ctl->verdict[p.epoch % kVerdictRing]) : p.epoch;
       if (abortWord != 0) {
-        reportWaitError(ctx, WaitError::kAborted, ~0u, p.epoch << 32, abortWord);
+        reportWaitError(ctx, WaitError::kAborted, ~0u, epoch << 32, abortWord);
         run = -1;
         break;
       }
@@ -261,30 +267,30 @@ __device__ inline int opGate(const AllGatherParams& p, uint32_t cta, uint32_t nc
         break;
       }
       if (polls % 64 == 0 && ctx.deadlineNs != 0 && globaltimerNs() > ctx.deadlineNs) {
-        reportWaitError(ctx, WaitError::kTimeout, ~0u, p.epoch << 32, verdict);
+        reportWaitError(ctx, WaitError::kTimeout, ~0u, epoch << 32, verdict);
         run = -1;
         break;
       }
     }
     // release: publishes the outcome (and orders the reads above) for the op's other CTAs.
-    if (ncta > 1) stReleaseGpu(&mine->gate, (p.epoch << 2) | static_cast<uint64_t>(run + 1));
+    if (ncta > 1) stReleaseGpu(&mine->gate, (epoch << 2) | static_cast<uint64_t>(run + 1));
     return run;
   }
   // CTA 0 publishes without waiting for anything; the deadline only guards against it never being scheduled.
   for (uint32_t spins = 1;; ++spins) {
     const uint64_t g = ldAcquireGpu(&mine->gate);  // acquire: pairs with CTA 0's stReleaseGpu
-    if (g >> 2 == (p.epoch & (~uint64_t{0} >> 2))) return static_cast<int>(g & 3) - 1;
+    if (g >> 2 == (epoch & (~uint64_t{0} >> 2))) return static_cast<int>(g & 3) - 1;
     if (spins % kGateSpinsPerCheck == 0 && ctx.deadlineNs != 0 && globaltimerNs() > ctx.deadlineNs) {
-      reportWaitError(ctx, WaitError::kTimeout, ~0u, p.epoch << 32, g);
+      reportWaitError(ctx, WaitError::kTimeout, ~0u, epoch << 32, g);
       return -1;
     }
   }
 }
 
 // opGate for the whole CTA, before the chunked protocol touches any flag.
-__device__ inline int opMayRun(const AllGatherParams& p, uint32_t cta, uint32_t ncta, WaitCtx& ctx) {
+__device__ inline int opMayRun(const AllGatherParams& p, uint64_t epoch, uint32_t cta, uint32_t ncta, WaitCtx& ctx) {
   __shared__ int sRun;
-  if (threadIdx.x == 0) sRun = opGate(p, cta, ncta, ctx);
+  if (threadIdx.x == 0) sRun = opGate(p, epoch, cta, ncta, ctx);
   __syncthreads();
   return sRun;
 }
@@ -359,7 +365,8 @@ __device__ __forceinline__ bool llWait(const uint4* line, uint4& v, uint32_t fla
 // opMayRun's checks itself, overlapped with the first writes, and in CTA 0 only (host-mapped reads from many CTAs
 // queue behind each other, about 1 us per CTA). Returns false if the op was aborted or a wait failed (reported
 // through ctx); true if it ran or was rejected.
-__device__ inline bool allgatherLLCta(const AllGatherParams& p, uint32_t cta, uint32_t ncta, WaitCtx& ctx) {
+__device__ inline bool allgatherLLCta(const AllGatherParams& p, uint64_t epoch, uint32_t cta, uint32_t ncta,
+                                      WaitCtx& ctx) {
   __shared__ int sRun;          // 1 run, 0 rejected, -1 aborted (or failed)
   __shared__ uint32_t sStop;    // the watchdog saw the abort word set (and reported)
   __shared__ uint32_t sActive;  // copying warps still waiting for lines
@@ -367,7 +374,7 @@ __device__ inline bool allgatherLLCta(const AllGatherParams& p, uint32_t cta, ui
   const uint64_t S = p.bytes;
   const uint64_t lines = S == 0 ? 1 : (S + 7) / 8;  // line 0 travels even without payload: every LL op exchanges
   const uint32_t me = p.rank, n = p.nranks;
-  const uint32_t flag = static_cast<uint32_t>(p.epoch);
+  const uint32_t flag = static_cast<uint32_t>(epoch);
   WorkspaceHeader* mine = header(p.workspaces[me]);
   // Written by this CTA index's previous LL op on this GPU (ordered by the kernel or item boundary); L2, not L1.
   const uint32_t count = __ldcg(&mine->llCount[cta]);
@@ -381,7 +388,7 @@ __device__ inline bool allgatherLLCta(const AllGatherParams& p, uint32_t cta, ui
   // ---- produce: warps 1.. write our lines into every peer; thread 0 learns whether the op runs meanwhile ----
   if (tid < 32) {
     if (tid == 0) {
-      const int run = opGate(p, cta, ncta, ctx);
+      const int run = opGate(p, epoch, cta, ncta, ctx);
       sRun = run;
       sStop = 0;
       sActive = nthr / 32 - 1;
@@ -434,7 +441,7 @@ __device__ inline bool allgatherLLCta(const AllGatherParams& p, uint32_t cta, ui
         next = now + kLLAbortPeriodNs;
         const uint64_t abortWord = ldRelaxedSys(&p.ctl->abort);
         if (abortWord != 0) {
-          reportWaitError(ctx, WaitError::kAborted, ~0u, p.epoch << 32, abortWord);
+          reportWaitError(ctx, WaitError::kAborted, ~0u, epoch << 32, abortWord);
           stReleaseCtaSharedU32(&sStop, 1);  // release: after the report; pairs with the copiers' acquire
           ok = false;
           break;
@@ -457,7 +464,7 @@ __device__ inline bool allgatherLLCta(const AllGatherParams& p, uint32_t cta, ui
         for (int u = 0; u < kLLBatch; ++u) {
           const uint64_t j = j0 + u * stride;
           if (ok && j < lines) {
-            ok = llWait(src + j, v[u], flag, p.epoch, j, &sStop, ctx);
+            ok = llWait(src + j, v[u], flag, epoch, j, &sStop, ctx);
             if (ok && j * 8 < S) storePayload(dst + j * 8, uint64_t{v[u].x} | (uint64_t{v[u].z} << 32), S - j * 8);
           }
         }
@@ -481,12 +488,14 @@ __device__ __forceinline__ void allgatherShare(const AllGatherParams& p, uint32_
   WorkspaceHeader* mine = header(p.workspaces[p.rank]);
   WaitCtx ctx{&p.ctl->abort, &mine->errorClaim, globaltimerNs() + p.timeoutNs, kOpAllGather,
               static_cast<uint32_t>(Role::kIntraComm), p.rank};
+  // Device-epoch mode: the op's entry wrote the epoch before this kernel (stream order); L2, not L1.
+  const uint64_t epoch = p.epochWord != nullptr ? __ldcg(p.epochWord) : p.epoch;
   bool ok;
   if (p.mode == AgMode::kLL && p.nranks > 1) {
-    ok = allgatherLLCta(p, cta, ncta, ctx);  // reads the verdict itself, off the critical path
+    ok = allgatherLLCta(p, epoch, cta, ncta, ctx);  // reads the verdict itself, off the critical path
   } else {
-    const int run = opMayRun(p, cta, ncta, ctx);
-    ok = run > 0 ? allgatherCta(p, cta, ncta, ctx) : run == 0;  // rejected: nothing to do or report
+    const int run = opMayRun(p, epoch, cta, ncta, ctx);
+    ok = run > 0 ? allgatherCta(p, epoch, cta, ncta, ctx) : run == 0;  // rejected: nothing to do or report
   }
   if (!ok && threadIdx.x == 0) mirrorError(mine, p.ctl);
 }

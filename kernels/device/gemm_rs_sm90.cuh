@@ -47,6 +47,7 @@ struct FusedKernelParams {
   int64_t srcStride;   // elements of the partial type between the inbox matrices of consecutive sources
   int64_t flagStride;  // words between the per-source rows of inFlags / finFlags
   uint64_t epoch;
+  const uint64_t* epochWord;  // device-epoch mode: the epoch is *epochWord (opEpoch, wait.cuh); null: epoch
   uint64_t timeoutNs;
   void* inbox[kMaxRanks];      // rank q's inbox (this parity): [src][tilesM * 128][ldP]
   void* outbox[kMaxRanks];     // rank q's outbox (this parity): [tilesM * 128][ldP]
@@ -153,7 +154,7 @@ __device__ __forceinline__ void releaseFin(const FusedKernelParams& kp, int32_t 
   const RankRange r = finTargets(kp, row0);
   for (int32_t q = r.lo; q <= r.hi; ++q) {
     // release: publishes this rank's stores of the half tile into q's output; pairs with waitGeq in runFinalWaits.
-    if (q != kp.rank) stReleaseSys(kp.finFlags[q] + kp.rank * kp.flagStride + ht, kp.epoch);
+    if (q != kp.rank) stReleaseSys(kp.finFlags[q] + kp.rank * kp.flagStride + ht, opEpoch(kp));
   }
 }
 
@@ -372,7 +373,7 @@ struct RsEpilogue {
       if (pendKind == 1) {
         // release: publishes the partial half tile; pairs with waitGeq(srcFlag) in the reducer (epilogue or reduce
         // CTA) or with the send CTA's waitGeq(outFlags).
-        stReleaseSys(dstFlag(*kp, pendRed, pendHt), kp->epoch);
+        stReleaseSys(dstFlag(*kp, pendRed, pendHt), opEpoch(*kp));
       } else {
         releaseFin(*kp, pendRow0, pendHt);
       }
@@ -438,7 +439,7 @@ struct RsEpilogue {
                                             uint16_t (&cbuf)[2][64 * 64]) {
     const int32_t me = kp->rank;
     WaitCtx ctx = makeWaitCtx(*kp, Role::kCompute, startNs);
-    if (t < kp->nranks && t != me) waitGeq(srcFlag(*kp, t, ht), kp->epoch, ctx, static_cast<uint32_t>(ht));
+    if (t < kp->nranks && t != me) waitGeq(srcFlag(*kp, t, ht), opEpoch(*kp), ctx, static_cast<uint32_t>(ht));
     // acquire by thread s (above), then this barrier: the partials of the half tile are visible to the warpgroup.
     gemm::namedBarSync(barrierOf(wg), 128);
     if (t == 0) traceNow(wg, 1);
@@ -731,7 +732,7 @@ template <class T, class P>
 __device__ __forceinline__ void reduceHalfTile(const FusedKernelParams& kp, int32_t row0, int32_t n0, int32_t ht,
                                                bool waitFlags, WaitCtx& ctx) {
   const int tid = static_cast<int>(threadIdx.x);
-  if (waitFlags && tid < kp.nranks) waitGeq(srcFlag(kp, tid, ht), kp.epoch, ctx, static_cast<uint32_t>(ht));
+  if (waitFlags && tid < kp.nranks) waitGeq(srcFlag(kp, tid, ht), opEpoch(kp), ctx, static_cast<uint32_t>(ht));
   __syncthreads();  // acquire by thread s, then the barrier: every partial of the half tile is visible to the CTA
   constexpr int kQuads = kHalfRows * (kBlockN / 4);
   const FinalWriter<T> out(kp, row0);
@@ -824,7 +825,7 @@ __device__ __forceinline__ void runSendRole(const FusedKernelParams& kp, int32_t
       if (row0 >= kp.g.m) continue;
       const int32_t ht = (row0 / kHalfRows) * kp.tilesN + tc.tileN;
       const int32_t red = reducerOf(kp, tc.unitM);
-      if (tid == 0) waitGeq(kp.outFlags[me] + ht, kp.epoch, ctx, static_cast<uint32_t>(ht));
+      if (tid == 0) waitGeq(kp.outFlags[me] + ht, opEpoch(kp), ctx, static_cast<uint32_t>(ht));
       __syncthreads();  // acquire by thread 0, then the barrier: the local partial is visible to the CTA
       const uint4* const src = reinterpret_cast<const uint4*>(static_cast<const P*>(kp.outbox[me]) +
                                                               static_cast<int64_t>(row0) * kp.ldP + tc.tileN * kBlockN);
@@ -855,7 +856,7 @@ __device__ __forceinline__ void runSendRole(const FusedKernelParams& kp, int32_t
         if (row0 >= kp.g.m) continue;
         const int32_t ht = (row0 / kHalfRows) * kp.tilesN + tc.tileN;
         // release: publishes the copied half tile; pairs with waitGeq(srcFlag) in the reducer.
-        stReleaseSys(kp.inFlags[reducerOf(kp, tc.unitM)] + me * kp.flagStride + ht, kp.epoch);
+        stReleaseSys(kp.inFlags[reducerOf(kp, tc.unitM)] + me * kp.flagStride + ht, opEpoch(kp));
       }
     }
   }
@@ -914,13 +915,13 @@ __device__ __forceinline__ void runCopier(const FusedKernelParams& kp, uint32_t*
         fenceAcqRelSys();  // this thread's NVLink stores are performed at system scope
         copierSync();      // ... for all copier threads, before one publishes
         // release: publishes the partial half tile in the reducer's inbox; pairs with waitGeq(srcFlag) there.
-        if (ct == 0) stReleaseSys(kp.inFlags[red] + me * kp.flagStride + ht, kp.epoch);
+        if (ct == 0) stReleaseSys(kp.inFlags[red] + me * kp.flagStride + ht, opEpoch(kp));
       } else if (kp.nranks > 1) {
         // Prefetch the peers' partials of this half tile into L2 once its mainloop runs (the previous one is done).
         waitSmemGeq(done + h, mySeq - 1);
         if (ct < kp.nranks && ct != me) {
           WaitCtx ctx = makeWaitCtx(kp, Role::kIntraComm, startNs);
-          waitGeq(srcFlag(kp, ct, ht), kp.epoch, ctx, static_cast<uint32_t>(ht));
+          waitGeq(srcFlag(kp, ct, ht), opEpoch(kp), ctx, static_cast<uint32_t>(ht));
         }
         copierSync();  // acquire by thread s, then the barrier
         // ownTma 2: tell the consumer warpgroup that the peer's partial is here (it acquires this instead of the flag).
@@ -989,7 +990,7 @@ __device__ __forceinline__ void runFinalWaits(const FusedKernelParams& kp, uint6
       const RankRange r = finTargets(kp, row0);
       if (kp.rank < r.lo || kp.rank > r.hi) continue;
     }
-    waitGeq(kp.finFlags[kp.rank] + red * kp.flagStride + j, kp.epoch, ctx, static_cast<uint32_t>(j));
+    waitGeq(kp.finFlags[kp.rank] + red * kp.flagStride + j, opEpoch(kp), ctx, static_cast<uint32_t>(j));
   }
 }
 
@@ -1092,9 +1093,9 @@ __device__ __forceinline__ void runDecomposedReduce(const FusedKernelParams& kp)
   if (blockIdx.x == 0 && tid < kp.nranks && tid != me) {
     // release: this rank's partial (written by the GEMM kernel before this one in its stream) is complete; pairs with
     // the waitGeq below on rank tid.
-    stReleaseSys(kp.ready[tid] + me, kp.epoch);
+    stReleaseSys(kp.ready[tid] + me, opEpoch(kp));
   }
-  if (tid < kp.nranks && tid != me) waitGeq(kp.ready[me] + tid, kp.epoch, ctx, 0);
+  if (tid < kp.nranks && tid != me) waitGeq(kp.ready[me] + tid, opEpoch(kp), ctx, 0);
   __syncthreads();
   const bool all = kp.allReduce && kp.oneShot;
   const int32_t hr0 = all ? 0 : kp.redTr0[me] * 2;

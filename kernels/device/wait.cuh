@@ -35,6 +35,14 @@ __device__ __forceinline__ void reportWaitError(WaitCtx& ctx, WaitError code, ui
   }
 }
 
+// The flag epoch of the op a kernel runs: its params' epoch, or in device-epoch mode (tandem/kernels/op_entry.hpp) the
+// one the op's entry wrote into this rank's workspace before the kernel (stream order; L2, not L1). A graph replays
+// the params as captured, so only the word changes from one replay to the next.
+template <class KernelParams>
+__device__ __forceinline__ uint64_t opEpoch(const KernelParams& kp) {
+  return kp.epochWord != nullptr ? __ldcg(kp.epochWord) : kp.epoch;
+}
+
 // Waits until *flag >= expected (acquire, system scope: pairs with stReleaseSys/redAddReleaseSys by the
 // producer, local or on a peer GPU). Returns false on abort or deadline, after reporting.
 __device__ __forceinline__ bool waitGeq(const uint64_t* flag, uint64_t expected, WaitCtx& ctx, uint32_t chunk = 0) {

@@ -124,6 +124,7 @@ struct AgGemmParams {
   uint64_t* peerFlags[kAgGemmMaxRanks];  // rank q's flag array, mapped here (entry [rank] unused)
   int64_t flagWords;                     // capacity of every rank's flag array, in words (checked)
   uint64_t epoch;              // the same on every rank for one op; larger than every epoch used before on these flags
+  const uint64_t* epochWord;   // device-epoch mode (op_entry.hpp): the kernels' epoch is *epochWord; null: epoch
   const uint64_t* abortWord;   // optional; non-zero aborts every wait
   ErrorSlot* errorSlot;        // optional, host-mapped: the first failed wait reports here
   uint64_t timeoutNs;          // per-wait deadline from the kernel's start; 0 = 10 s

@@ -65,7 +65,10 @@ struct AllGatherParams {
   const void* send;   // [bytes]
   void* recv;         // [nranks * bytes]
   uint64_t bytes;     // per rank
-  uint64_t epoch;     // e (>= 1)
+  uint64_t epoch;     // e (>= 1): tandemd's verdict for it (checkVerdict), and its flags unless epochWord is set
+  // Device-epoch mode (op_entry.hpp): the flags' epoch is *epochWord, which the op's entry wrote on the stream; null:
+  // p.epoch. A replayed graph keeps p.epoch as captured, so only epochWord changes from one replay to the next.
+  const uint64_t* epochWord;
   uint64_t timeoutNs; // every wait's deadline, from the kernel's start
   void* workspaces[kMaxLocalRanks];  // every rank's workspace in this address space
   CommControl* ctl;   // this rank's control page (host-mapped)

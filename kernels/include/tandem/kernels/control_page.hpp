@@ -36,8 +36,10 @@ struct alignas(128) CommControl {
   StreamWord go;      // tandemd -> client stream (client executor): ops <= go are decided
   StreamWord ready;   // client stream -> tandemd: the stream reached op `ready`
   StreamWord done;    // client stream (client executor), tandemd's kernel or tandemd -> tandemd: op `done` finished
-  uint64_t abort;     // tandemd (peer lost) or libtandem (tandemd lost) -> kernels: non-zero aborts every wait
-  uint8_t pad0[120];
+  uint64_t abort;     // tandemd (peer lost), libtandem (tandemd lost) or an op entry (ranks diverged) -> kernels:
+                      // non-zero aborts every wait
+  uint64_t deviceEpochs;  // libtandem -> tandemd: non-zero once the rank captured an op into a CUDA graph (op_entry.hpp)
+  uint8_t pad0[112];
   ErrorSlot error;    // mirrored by a kernel whose wait failed (claimed last, with release)
   uint8_t pad1[64];
   uint64_t verdict[kVerdictRing];  // [e % kVerdictRing] = e (run) or e | kVerdictRejected (skip)
@@ -89,6 +91,13 @@ class ControlPage {
   uint32_t abort(uint64_t lastEpoch) noexcept;
   /// After abort: a kernel or stream that finished late may have written an older done; writes the lead again.
   void holdLead(uint32_t lead) noexcept;
+
+  // ---- device-epoch mode (op_entry.hpp) ----
+  /// libtandem: the rank captured an op into a CUDA graph, so its streams may run ops that tandemd never sees (replays).
+  void markDeviceEpochs() noexcept;
+  /// tandemd: whether the rank did; a rank that leaves such a communicator then aborts the others, whose replays may be
+  /// waiting for it with nothing in tandemd's queues to say so.
+  bool deviceEpochs() const noexcept;
 
   // ---- the error slot ----
   /// The report of the rank's first failed kernel wait, once the kernel published all of it; nullopt before.

@@ -75,6 +75,10 @@ struct FusedEnv {
   WorkspaceLayout layout;                          // WorkspaceLayout::fit(workspaceBytes, nranks)
   CommControl* ctl = nullptr;                      // this rank's control page (abort word, error slot), device view
   uint64_t timeoutNs = 0;                          // every kernel wait's deadline
+  // Device-epoch mode (op_entry.hpp; libtandem, executor client, once the communicator captured an op into a CUDA
+  // graph): this rank's OpEntryWords::epoch, which AllGather and the fused GEMMs take their flags' epoch from. Null:
+  // the launch's epoch (tandemd's count), as ever.
+  const uint64_t* epochWord = nullptr;
   uint32_t commSms = 0;  // cuda.comm_sms: ag-gemm's communication SMs (0: chosen per shape); gemm-rs/ar choose their own
   // Every rank's output C, mapped here, when the launcher has them all (tandemd, executor daemon): gemm-rs/ar then write
   // reduced rows straight into the peers' outputs instead of staging them in the workspace and copying them out.

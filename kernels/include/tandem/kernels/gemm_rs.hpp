@@ -157,6 +157,7 @@ struct GemmRsParams {
   void* workspace[kGemmRsMaxRanks];  // every rank's workspace, mapped here ([rank] is this rank's)
   int64_t wsMaxM, wsMaxN;            // the shape the workspaces were sized for (m <= wsMaxM, n <= wsMaxN)
   uint64_t epoch;              // the same on every rank for one op; larger than every epoch used on this workspace
+  const uint64_t* epochWord;   // device-epoch mode (op_entry.hpp): the kernels' epoch is *epochWord; null: epoch
   const uint64_t* abortWord;   // optional; non-zero aborts every wait
   ErrorSlot* errorSlot;        // optional, host-mapped: the first failed wait reports here
   uint64_t timeoutNs;          // per-wait deadline from the kernel's start; 0 = 10 s

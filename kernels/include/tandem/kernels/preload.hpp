@@ -10,12 +10,14 @@
 namespace tandem::kernels {
 
 // The runtime's kernels, in tandem_runtime_kernels: AllGather's (allgather.cu) and the daemon executor's persistent
-// kernel (persistent.cu).
+// kernel (persistent.cu), and the op entry of device-epoch mode (op_entry.cu, op_entry.hpp).
 void preloadAllGatherKernels(int device);
 void preloadPersistentKernels(int device);
+void preloadOpEntryKernel(int device);
 inline void preloadRuntimeKernels(int device) {
   preloadAllGatherKernels(device);
   preloadPersistentKernels(device);
+  preloadOpEntryKernel(device);
 }
 // Each fused GEMM family: in tandem_kernels.
 void preloadGemmKernels(int device);

@@ -13,7 +13,9 @@ inline constexpr uint64_t kAbortValue = ~uint64_t{0};
 
 // kMoeRouting / kMoeCapacity are not waits but data errors of one op: the MoE kernels report a bad expert id or a
 // capacity overflow found on the GPU in that op's OpFault (below), never in the ErrorSlot, so the communicator lives on.
-enum class WaitError : uint32_t { kNone = 0, kTimeout = 1, kAborted = 2, kMoeRouting = 3, kMoeCapacity = 4 };
+// kDiverged: an op's entry in device-epoch mode (op_entry.hpp) found a peer on another op (another epoch or shape).
+enum class WaitError : uint32_t { kNone = 0, kTimeout = 1, kAborted = 2, kMoeRouting = 3, kMoeCapacity = 4,
+                                  kDiverged = 5 };
 
 // Roles a CTA can take in a persistent fused kernel (one role table per kernel family).
 enum class Role : uint32_t { kCompute = 0, kIntraComm = 1, kInterSend = 2, kInterReduce = 3, kReduce = 4 };
