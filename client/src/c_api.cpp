@@ -294,6 +294,10 @@ tandem_status_t submitOp(const char* call, tandem_comm_t comm, tandem::OpDescrip
         const tandem_tensor_t& t = tensors.begin()[s];
         if (t.buffer != nullptr) ptrs[s] = static_cast<char*>(mappedPtr(*t.buffer)) + t.offset;
       }
+      // An op captured into a CUDA graph on a multi-rank communicator is not submitted to tandemd (its stream is its
+      // completion): its handle keeps seq 0, which tandem_wait and tandem_test answer with NOT_FOUND.
+      op->session_serial = core.serial;
+      op->seq = 0;
       comm->exec->submit(
           desc, ptrs, stream,
           [&] {

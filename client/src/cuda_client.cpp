@@ -14,9 +14,11 @@
 
 #include "tandem/common/error.hpp"
 #include "tandem/common/gpu_uuid.hpp"
+#include "tandem/common/graph_capture.hpp"
 #include "tandem/common/op_spec.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gpu_ops.hpp"
+#include "tandem/kernels/op_entry.hpp"
 #include "tandem/kernels/preload.hpp"
 
 namespace tandem::client::gpu {
@@ -203,6 +205,12 @@ class CommStrategy {
   virtual void check(const OpDescriptor& d, const DevicePointers& ptrs) const = 0;
   // On the communicator's device (current already).
   virtual void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, CUstream s) = 0;
+  // A multi-rank op captured into a CUDA graph, after `epoch` eager ops (CommGpu::enqueueCaptured). Only the client
+  // executor gets here: captureRefusal refuses the others before.
+  virtual void enqueueCaptured(const OpDescriptor& d, const DevicePointers& /*ptrs*/, uint64_t /*epoch*/,
+                               CUstream /*s*/) {
+    fail(ErrorCode::kInternal, "{}: this executor cannot replay ops from a CUDA graph", opKindName(d.kind));
+  }
 
   // A plan for the fused ops this rank launches itself: the plan table's (executor client, from the join) or a
   // trial plan of tandemctl tune / advise; kAuto drops it.
@@ -279,6 +287,9 @@ class ClientGateStrategy final : public CommStrategy {
     if (!op.kernelWaitsForGo) waitWord(s, ctlDev_->go, e, "cuStreamWaitValue32(go)");
     const auto stream = reinterpret_cast<cudaStream_t>(s);
     try {
+      // Device-epoch mode (a graph was captured): the op takes its flags' epoch from device memory, as a replayed op
+      // does, so the two stay in step. tandemd validated the collective: no fingerprint to compare.
+      if (env_.epochWord != nullptr && op.launch != nullptr) enterOp(d, e, 0, stream);
       if (op.launch != nullptr) {
         // The kernels read tandemd's verdict where they can (AllGather, MoE: a rejected op does nothing); the fused
         // GEMMs and ring attention cannot, so tandemd aborts the communicator instead (client_gate.cpp).
@@ -294,7 +305,49 @@ class ClientGateStrategy final : public CommStrategy {
     writeWord(s, ctlDev_->done, e, "cuStreamWriteValue32(done)");
   }
 
+  // No stream word: a replay has no tandemd step (go, verdict, done). The op's entry takes a fresh epoch from device
+  // memory at every replay and meets the peers there; the kernels read it (env_.epochWord). The kernels' own epoch
+  // (the host's, fixed at capture) only picks gemm-rs/ar's staging parity, which the entry's barrier makes moot.
+  void enqueueCaptured(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, CUstream s) override {
+    const k::GpuOp& op = k::gpuOp(d.kind);
+    const auto stream = reinterpret_cast<cudaStream_t>(s);
+    if (env_.epochWord == nullptr) {
+      // From this op on, eager ops enter too (enqueue): every rank switches at the same op, since every rank
+      // captures at the same place in its sequence. The words are zero until then; the floor lifts the first device
+      // epoch past every host epoch used before.
+      env_.epochWord = &k::opEntryWords(env_.workspaces[env_.rank])->epoch;
+    }
+    try {
+      enterOp(d, epoch + 1, collectiveFingerprint(d), stream);
+      if (op.launch != nullptr) {
+        const PlanChoice plan = op.fusedGemm ? planOf(d, gpuModel_, "client") : PlanChoice{};
+        const std::string ran = op.launch({d, ptrs, epoch + 1, env_, stream, plan, false});
+        if (!ran.empty()) logPlanOnce(d, ran + " (captured into a CUDA graph)");
+      }
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& ex) {
+      fail(ErrorCode::kCuda, "{} (captured into a CUDA graph): {}", opKindName(d.kind), ex.what());
+    }
+  }
+
  private:
+  // The op's entry (op_entry.hpp): epoch from device memory, at least `floor`; a barrier over the ranks that checks
+  // `fingerprint` (0: none).
+  void enterOp(const OpDescriptor& d, uint64_t floor, uint64_t fingerprint, cudaStream_t stream) const {
+    k::OpEntryParams p{};
+    for (uint32_t r = 0; r < env_.nranks; ++r) p.words[r] = k::opEntryWords(env_.workspaces[r]);
+    p.floor = floor;
+    p.fingerprint = fingerprint;
+    p.timeoutNs = env_.timeoutNs;
+    p.abortWord = &ctlDev_->abort;
+    p.errorSlot = &ctlDev_->error;
+    p.rank = env_.rank;
+    p.nranks = env_.nranks;
+    p.op = static_cast<uint32_t>(d.kind);
+    k::launchOpEntry(p, stream);
+  }
+
   uint32_t nranks_;
   std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
   k::CommControl* ctlDev_;
@@ -388,7 +441,7 @@ CommGpu::Mode CommGpu::modeOf(const std::string& executor) {
 
 CommGpu::CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t maxCtas, Fd control,
                  uint64_t controlBytes, std::vector<std::unique_ptr<DeviceMapping>> workspaces)
-    : device_(device), page_(k::ControlPage::open(std::move(control), controlBytes)) {
+    : device_(device), mode_(mode), page_(k::ControlPage::open(std::move(control), controlBytes)) {
   k::CudaDeviceGuard guard(device_);
   registration_ = k::HostRegistration::create(page_.memory(), page_.bytes(), "control page");
   auto* ctlDev = static_cast<k::CommControl*>(registration_.devicePtr());
@@ -405,20 +458,22 @@ CommGpu::CommGpu(int device, Mode mode, uint32_t rank, uint32_t nranks, uint32_t
 
 CommGpu::~CommGpu() = default;
 
-void CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs, void* stream) const {
+bool CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs, void* stream) const {
+  bool captured = false;
   if (d.nranks > 1) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     const cudaError_t queried = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture);
     // A legacy-stream query while another thread captures globally fails; that error is ours, not the caller's.
     if (queried != cudaSuccess) (void)cudaGetLastError();
-    if (queried == cudaSuccess && capture != cudaStreamCaptureStatusNone) {
-      fail(ErrorCode::kUnsupported, "{}: the stream is being captured into a CUDA graph, and an op of a {}-rank "
-           "communicator would replay with the epoch it was captured with (tandemd sees no replay), out of step with "
-           "the other ranks; enqueue multi-rank tandem ops outside the graph (capture is fine for one-rank "
-           "communicators)", opKindName(d.kind), d.nranks);
+    captured = queried == cudaSuccess && capture != cudaStreamCaptureStatusNone;
+    if (captured) {
+      if (const std::string why = captureRefusal(k::executorName(mode_), d); !why.empty()) {
+        fail(ErrorCode::kUnsupported, "{}", why);
+      }
     }
   }
   strategy_->check(d, ptrs);
+  return captured;
 }
 
 void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
@@ -428,6 +483,15 @@ void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_
   std::optional<k::CudaDeviceGuard> guard;
   if (current != device_) guard.emplace(device_);
   strategy_->enqueue(d, ptrs, e, static_cast<CUstream>(stream));
+}
+
+void CommGpu::enqueueCaptured(const OpDescriptor& d, const DevicePointers& ptrs, void* stream) {
+  int current = -1;
+  checkCuda(cudaGetDevice(&current), "cudaGetDevice");
+  std::optional<k::CudaDeviceGuard> guard;
+  if (current != device_) guard.emplace(device_);
+  page_.markDeviceEpochs();  // tandemd: a rank that leaves now aborts the others (their replays may wait for it)
+  strategy_->enqueueCaptured(d, ptrs, epoch, static_cast<CUstream>(stream));
 }
 
 void CommGpu::setPlan(const PlanKey& key, const PlanChoice& plan) { strategy_->setPlan(key, plan); }
@@ -492,9 +556,15 @@ class CudaCommExecutor final : public CommExecutor {
   explicit CudaCommExecutor(std::shared_ptr<CommGpu> gpu) : gpu_(std::move(gpu)) {}
   void submit(const OpDescriptor& desc, const TensorPointers& ptrs, void* stream,
               const std::function<void()>& submitToDaemon, const std::function<void()>& abortComm) override {
-    gpu_->check(desc, ptrs, stream);
+    const bool captured = gpu_->check(desc, ptrs, stream);
     // Ring order = epoch order = stream order: one submitter at a time on this communicator.
     std::lock_guard lock(gpu_->mutex);
+    if (captured) {
+      // Not submitted: tandemd never sees a replay, and the graph holds no word it would read (op_entry.hpp). A
+      // failure here breaks only the capture (CUDA invalidates it); the communicator and its peers are untouched.
+      gpu_->enqueueCaptured(desc, ptrs, stream);
+      return;
+    }
     submitToDaemon();
     const uint64_t epoch = ++gpu_->epoch;
     try {

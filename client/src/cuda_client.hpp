@@ -86,13 +86,19 @@ class CommGpu {
   // Throws Error (kUnsupported, kInvalidArgument) with the remedy when this rank cannot run `desc` (already checked by
   // validateDescriptor) here: the kind, dtype or executor, the kernels' shape and alignment rules, or the workspace.
   // Called before the op is submitted, so a refused op changes nothing. Depends only on what every rank checks alike
-  // (global dims, the workspace size), except this rank's own k slice and pointers. With more than one rank it also
-  // refuses a `stream` that is being captured into a CUDA graph: a replay would run with the epoch it was captured
-  // with (tandemd sees no replay), out of step with the other ranks, and read stale data instead of failing.
-  void check(const OpDescriptor& desc, const DevicePointers& ptrs, void* stream) const;
+  // (global dims, the workspace size), except this rank's own k slice and pointers. With more than one rank and a
+  // `stream` that is being captured into a CUDA graph, it refuses what cannot replay (captureRefusal,
+  // common/graph_capture.hpp: the daemon and host executors, the ops without a device-epoch path) and returns true: the
+  // op is then enqueued with enqueueCaptured, not submitted to tandemd.
+  bool check(const OpDescriptor& desc, const DevicePointers& ptrs, void* stream) const;
   // Enqueues the stream work of op `epoch` (checked and submitted) on `stream` (a cudaStream_t; null = the legacy
   // default stream). Throws Error(kCuda) if CUDA refused part of it; the stream is then out of step with the peers.
   void enqueue(const OpDescriptor& desc, const DevicePointers& ptrs, uint64_t epoch, void* stream);
+  // Enqueues a multi-rank op that `check` found captured (executor client): its entry and kernels in device-epoch mode
+  // (kernels/include/tandem/kernels/op_entry.hpp), with no word tandemd reads or writes, so every replay runs it with
+  // a fresh epoch from device memory. From here on this communicator's eager ops use device epochs too. Under `mutex`.
+  // Throws Error(kCuda); the capture is then broken, the communicator unchanged.
+  void enqueueCaptured(const OpDescriptor& desc, const DevicePointers& ptrs, void* stream);
   // tandemd is gone: releases every wait of this rank's streams and kernels.
   void abortLocal();
   // The fused ops this rank launches itself run `key` with `plan`: executor client, the plan table's entry tandemd
@@ -101,10 +107,11 @@ class CommGpu {
   void setPlan(const PlanKey& key, const PlanChoice& plan);
 
   std::mutex mutex;
-  uint64_t epoch = 0;  // ops submitted on this communicator by this rank
+  uint64_t epoch = 0;  // ops submitted on this communicator by this rank (captured ops are not submitted)
 
  private:
   int device_;
+  Mode mode_;
   // Declared in creation order, so destroyed in reverse: the strategy, then the registration, then the mapping.
   kernels::ControlPage page_;
   kernels::HostRegistration registration_;  // the page as this rank's streams and kernels address it

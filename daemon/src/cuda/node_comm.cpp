@@ -129,8 +129,11 @@ void NodeComm::leave(uint32_t rank, ErrorCode code, const std::string& reason) {
   // With its stream past every op it was in and no gang forming, the leaver owes its peers nothing more: its
   // sends are done, and ops that read peers' memory end with a handshake, so the ops they still run finish (a rank
   // that finished first and destroyed its communicator must not fail its peers' last op). Otherwise some stream
-  // waits for it: abort, which releases every wait.
-  if (!pending_.empty() || !rs.inflight.empty()) return abort(code, reason);
+  // waits for it: abort, which releases every wait. A communicator whose ranks captured ops into CUDA graphs may have
+  // replays in flight that tandemd never sees (op_entry.hpp): abort it too.
+  bool replays = false;
+  for (uint32_t r = 0; r < nranks(); ++r) replays = replays || page(r).deviceEpochs();
+  if (!pending_.empty() || !rs.inflight.empty() || replays) return abort(code, reason);
   closed_.emplace(code, reason);
 }
 
@@ -235,6 +238,13 @@ std::string opFaultText(const k::OpFault& f, const OpDescriptor& d) {
 std::string NodeComm::errorText(uint32_t r, const k::ErrorSlot& e) const {
   const bool timedOut = e.code == static_cast<uint32_t>(k::WaitError::kTimeout);
   const auto kind = static_cast<OpKind>(e.op);
+  if (e.code == static_cast<uint32_t>(k::WaitError::kDiverged)) {
+    return fmt::format("{} on rank {} (GPU {}): rank {} entered the same op of a CUDA graph replay (device epoch) with "
+                       "another op (fingerprint {:#x}, this rank's {:#x}): the ranks replayed different graphs or ran "
+                       "different sequences of ops on the communicator; every rank must capture, replay and enqueue "
+                       "the same ops in the same order", opKindName(kind), e.rank, ranks_[r].uuid, e.chunk, e.observed,
+                       e.expected);
+  }
   // AllGather's flags count chunks; the fused GEMMs' name a flag (chunk or half tile) waited on by one role.
   const std::string where = kind == OpKind::kAllGather ? fmt::format("chunk {}", e.chunk)
                                                        : fmt::format("{} role, flag {}", roleName(e.role), e.chunk);
