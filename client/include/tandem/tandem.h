@@ -21,6 +21,24 @@
  * M/n + (r < M%n ? 1 : 0) rows, starting at row r*(M/n) + min(r, M%n). All matrices are row-major and
  * contiguous. GEMMs follow nn.Linear: C = A · Bᵀ with A [M, K] and B [N, K] (both K-major). Accumulation
  * is fp32 for every dtype; outputs are rounded once to the output dtype.
+ *
+ * CUDA graphs (cuda backend): an op enqueued on a stream that is being captured is recorded into the graph.
+ * On a one-rank communicator every op may be captured. On a communicator of several ranks, with tandemd's
+ * executor client, tandem_allgather, tandem_ag_gemm, tandem_gemm_rs, tandem_gemm_ar and tandem_barrier_stream
+ * may be captured (replayed ops take their epoch from device memory: ARCHITECTURE.md, "CUDA graphs"); any
+ * other op, and every op under executor daemon or across nodes, fails with TANDEM_ERROR_UNSUPPORTED and the
+ * reason, and nothing is recorded. The contract:
+ *   - A captured op is not submitted to tandemd: its tandem_op_t has seq 0 (tandem_wait and tandem_op_status
+ *     answer TANDEM_ERROR_NOT_FOUND), and its completion is the stream's. Its buffers are tandem buffers,
+ *     allocated or registered before the capture (registration talks to tandemd, which a capture cannot hold).
+ *   - Every rank captures, replays and enqueues the same ops in the same order (eager ops and replays of any
+ *     number of graphs may interleave). A rank that replays another op than its peers at the same place fails
+ *     the communicator (its error names the divergence) instead of exchanging wrong data; a rank that stops
+ *     midway leaves its peers' replays to their deadline (TANDEM_OP_TIMEOUT_MS), or, when it dies, to
+ *     tandemd's PEER_LOST. A failure inside a replay shows in the communicator's next eager op.
+ *   - Each replayed op starts with a barrier over the ranks (a few microseconds); eager ops on a communicator
+ *     that captured ops start with it too. Destroy such a communicator only once every rank's stream finished
+ *     (e.g. after a tandem_barrier): a rank that leaves aborts its peers' replays.
  */
 #ifndef TANDEM_TANDEM_H_
 #define TANDEM_TANDEM_H_
