@@ -116,3 +116,9 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel,
                                    self.input_is_parallel)
+
+
+# Expert parallelism: the MoE layer and its functional form (moe.py).
+from .moe import MoE, moe_ffn, moe_ffn_torch  # noqa: E402
+
+__all__ += ["MoE", "moe_ffn", "moe_ffn_torch"]

@@ -259,6 +259,10 @@ _scatter.register_autograd(lambda ctx, g: (torch.ops.tandem.gather_from_parallel
                            setup_context=lambda ctx, inputs, output: setattr(ctx, "comm", inputs[1]))
 
 
+# The expert-parallel MoE FFN with autograd lives in moe.py; its functional form is here too.
+from .moe import moe_ffn  # noqa: E402,F401  (moe.py imports _c and _saved from above)
+
+
 # ---- the public functions
 def _check(comm, x, weight, bias, what: str, in_dim: int, out_dim: int, bias_what: str):
     if not isinstance(comm, _comm.Communicator):
