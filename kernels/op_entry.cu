@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kEntryThreads) opEntryKernel(const __grid_cons
     fenceAcqRelSys();
     for (uint32_t q = 0; q < p.nranks; ++q) {
       if (q == p.rank) continue;
-      stRelaxedSys(&p.words[q]->print[p.rank], p.fingerprint);
+      stRelaxedSys(&p.words[q]->print[f & 1][p.rank], p.fingerprint);
       stReleaseSys(&p.words[q]->seq[p.rank], f);  // release: after print; pairs with the peer's waitGeq below
     }
     sEpoch = f;
@@ -50,17 +50,22 @@ __global__ void __launch_bounds__(kEntryThreads) opEntryKernel(const __grid_cons
   if (tid < p.nranks && tid != p.rank) {
     ok = waitGeq(&mine->seq[tid], f, ctx, tid);  // acquire: pairs with peer tid's release of seq[tid]
     if (ok) {
+      // A peer that passed this entry (it needed us at f) is at f + 1 at most: further means its epochs differ from
+      // ours (another count of ops before the first capture), whatever its fingerprints say.
       const uint64_t seen = ldAcquireSys(&mine->seq[tid]);
-      // seen > f: the peer already passed this entry, which it could only do having seen us at f: it agreed.
-      const uint64_t print = ldRelaxedSys(&mine->print[tid]);
-      if (seen == f && p.fingerprint != 0 && print != 0 && print != p.fingerprint) {
+      // The peer's fingerprint of op f, even if it already entered f + 1 (the other parity's word; op_entry.hpp).
+      const uint64_t print = ldRelaxedSys(&mine->print[f & 1][tid]);
+      if (seen > f + 1) {
+        reportWaitError(ctx, WaitError::kDiverged, tid, f, seen);
+        ok = false;
+      } else if (p.fingerprint != 0 && print != 0 && print != p.fingerprint) {
         reportWaitError(ctx, WaitError::kDiverged, tid, p.fingerprint, print);
         ok = false;
       }
     }
   }
-  // One rank ahead by whole ops, or behind, never reaches f exactly: its waits time out (reported as kTimeout) here or
-  // in the op's kernels. Every failure stops this rank's op.
+  // A peer behind by whole ops never reaches f: the wait above times out (kTimeout). Every failure stops this rank's
+  // op.
   if (__syncthreads_or(ok ? 0 : 1) != 0 && tid == 0) abortRank(p.abortWord);
 }
 

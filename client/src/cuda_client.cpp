@@ -288,8 +288,9 @@ class ClientGateStrategy final : public CommStrategy {
     const auto stream = reinterpret_cast<cudaStream_t>(s);
     try {
       // Device-epoch mode (a graph was captured): the op takes its flags' epoch from device memory, as a replayed op
-      // does, so the two stay in step. tandemd validated the collective: no fingerprint to compare.
-      if (env_.epochWord != nullptr && op.launch != nullptr) enterOp(d, e, 0, stream);
+      // does, so the two stay in step. Its fingerprint is compared too: a peer replaying a graph where this rank runs
+      // an eager op would otherwise meet it there (and a collective tandemd rejects now fails the communicator).
+      if (env_.epochWord != nullptr && op.launch != nullptr) enterOp(d, e, collectiveFingerprint(d), stream);
       if (op.launch != nullptr) {
         // The kernels read tandemd's verdict where they can (AllGather, MoE: a rejected op does nothing); the fused
         // GEMMs and ring attention cannot, so tandemd aborts the communicator instead (client_gate.cpp).
@@ -333,7 +334,7 @@ class ClientGateStrategy final : public CommStrategy {
 
  private:
   // The op's entry (op_entry.hpp): epoch from device memory, at least `floor`; a barrier over the ranks that checks
-  // `fingerprint` (0: none).
+  // `fingerprint`.
   void enterOp(const OpDescriptor& d, uint64_t floor, uint64_t fingerprint, cudaStream_t stream) const {
     k::OpEntryParams p{};
     for (uint32_t r = 0; r < env_.nranks; ++r) p.words[r] = k::opEntryWords(env_.workspaces[r]);

@@ -35,7 +35,9 @@
  *     number of graphs may interleave). A rank that replays another op than its peers at the same place fails
  *     the communicator (its error names the divergence) instead of exchanging wrong data; a rank that stops
  *     midway leaves its peers' replays to their deadline (TANDEM_OP_TIMEOUT_MS), or, when it dies, to
- *     tandemd's PEER_LOST. A failure inside a replay shows in the communicator's next eager op.
+ *     tandemd's PEER_LOST. A failure inside a replay shows in the communicator's next eager op. Once a
+ *     communicator captured an op, an eager collective whose ranks disagree (shapes, dtype) fails the
+ *     communicator too, not only the op.
  *   - Each replayed op starts with a barrier over the ranks (a few microseconds); eager ops on a communicator
  *     that captured ops start with it too. Destroy such a communicator only once every rank's stream finished
  *     (e.g. after a tandem_barrier): a rank that leaves aborts its peers' replays.

@@ -239,8 +239,8 @@ std::string NodeComm::errorText(uint32_t r, const k::ErrorSlot& e) const {
   const bool timedOut = e.code == static_cast<uint32_t>(k::WaitError::kTimeout);
   const auto kind = static_cast<OpKind>(e.op);
   if (e.code == static_cast<uint32_t>(k::WaitError::kDiverged)) {
-    return fmt::format("{} on rank {} (GPU {}): rank {} entered the same op of a CUDA graph replay (device epoch) with "
-                       "another op (fingerprint {:#x}, this rank's {:#x}): the ranks replayed different graphs or ran "
+    return fmt::format("{} on rank {} (GPU {}): rank {} entered this op (device epoch, CUDA graphs) as another op "
+                       "or at another epoch (its {:#x}, this rank's {:#x}): the ranks replayed different graphs or ran "
                        "different sequences of ops on the communicator; every rank must capture, replay and enqueue "
                        "the same ops in the same order", opKindName(kind), e.rank, ranks_[r].uuid, e.chunk, e.observed,
                        e.expected);

@@ -5,10 +5,11 @@
 // more ranks starts with one small kernel, the op's entry (launchOpEntry), that takes the epoch from device memory:
 //   1. F = max(epoch + 1, floor), where `epoch` is this rank's OpEntryWords::epoch in its own workspace and `floor` a
 //      launch parameter (the host's epoch of the op, or the next one for a captured op), then epoch = F;
-//   2. it writes print[me] = the op's fingerprint, then seq[me] = F (release), into every peer's OpEntryWords;
-//   3. it waits until every peer's seq reached F, and checks that the peer entered this op with the same epoch and,
-//      where both sides give one, the same fingerprint: a rank whose sequence of ops differs gets kDiverged (its abort
-//      word is set, so the op's kernels unwind) instead of meeting its peers on another op's flags.
+//   2. it writes print[F % 2][me] = the op's fingerprint, then seq[me] = F (release), into every peer's OpEntryWords;
+//   3. it waits until every peer's seq reached F, and checks that the peer entered this op with the same fingerprint:
+//      a rank whose sequence of ops differs gets kDiverged (its abort word is set, so the op's kernels unwind) instead
+//      of meeting its peers on another op's flags. The fingerprints alternate by F's parity: a peer that passed F may
+//      write F + 1's while this rank still reads F's, never F + 2's (that entry needs this rank at F + 1).
 // The op's kernels then read F from OpEntryWords::epoch (their params' epochWord) instead of their params' epoch.
 // Every rank runs the same sequence of ops, so every rank computes the same F for the same op, eager or replayed.
 //
@@ -38,7 +39,7 @@ struct alignas(128) OpEntryWords {
   uint64_t pad0[15];
   uint64_t seq[kMaxLocalRanks];    // [q] = F of the op rank q entered last; written by q with release, after print
   uint64_t pad1[16 - kMaxLocalRanks];
-  uint64_t print[kMaxLocalRanks];  // [q] = that op's fingerprint on rank q (0: q does not check fingerprints)
+  uint64_t print[2][kMaxLocalRanks];  // [F % 2][q] = the fingerprint of rank q's op F (0: do not compare)
 };
 static_assert(sizeof(WorkspaceHeader) <= kOpEntryOffset, "the op entry words overlap the AllGather header");
 static_assert(kOpEntryOffset + sizeof(OpEntryWords) <= (60u << 10), "the op entry words overlap ring attention's flags");
@@ -47,7 +48,7 @@ static_assert(kOpEntryOffset + sizeof(OpEntryWords) <= (60u << 10), "the op entr
 struct OpEntryParams {
   OpEntryWords* words[kMaxLocalRanks];  // every rank's OpEntryWords (its workspace + kOpEntryOffset)
   uint64_t floor;        // F >= floor: the host's epoch for this op, so that F passes every epoch an eager op used
-  uint64_t fingerprint;  // the op's shape as every rank sees it alike (0: do not compare, tandemd validates it)
+  uint64_t fingerprint;  // the op's shape as every rank sees it alike (collectiveFingerprint; 0: do not compare)
   uint64_t timeoutNs;    // the waits' deadline from the kernel's start; 0 = none
   uint64_t* abortWord;   // this rank's control page (host-mapped): polled, and set when the ranks diverged
   ErrorSlot* errorSlot;  // this rank's control page (host-mapped)
