@@ -324,15 +324,18 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
                                                 {a, 2u << 20}, stream};
       expect("moe-dispatch-gemm in fp32", tandem_moe_dispatch_gemm(comm, &moe, &op), TANDEM_ERROR_UNSUPPORTED,
              "bf16 or fp16");
-      // A multi-rank op inside a CUDA graph capture would replay out of step with the peers: refused, and the capture
-      // holds none of it.
+      // A multi-rank op that cannot replay from a CUDA graph (the MoE ops report data errors through tandemd's
+      // completion of each op): refused during capture, and the capture holds none of it. (The ops that replay:
+      // graph_replay_gpu_test.cpp.)
       {
         cudaStream_t capture;
         CK(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
         CK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
-        ar = {sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, capture};
-        expect("gemm-ar during graph capture", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_UNSUPPORTED,
-               "captured into a CUDA graph");
+        tandem_moe_dispatch_gemm_args_t captured = moe;
+        captured.dtype = TANDEM_DTYPE_BF16;
+        captured.cuda_stream = capture;
+        expect("moe-dispatch-gemm during graph capture", tandem_moe_dispatch_gemm(comm, &captured, &op),
+               TANDEM_ERROR_UNSUPPORTED, "cannot replay");
         cudaGraph_t graph = nullptr;
         CK(cudaStreamEndCapture(capture, &graph));
         size_t nodes = 0;
