@@ -11,6 +11,7 @@
 #include "tandem/common/reference.hpp"
 #include "tandem/kernels/fused_ops.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
+#include "tandem/kernels/moe.hpp"  // kMoeControlBytes
 
 namespace k = tandem::kernels;
 using tandem::DType;
