@@ -8,7 +8,8 @@ usage (one GPU, a tandemd on the cuda backend at $TANDEM_SOCKET):
 several GPUs of one node (tandemd on the node; NCCL for the baseline):
     torchrun --nproc-per-node N python/bench/tp_mlp_step.py --sequence-parallel ...
 torchrun sets RANK, WORLD_SIZE and MASTER_ADDR/PORT; tandem bootstraps over the same torch.distributed group.
-Prints one line per variant (median ms over --iters after --warmup, CUDA events) and one JSON line.
+Prints one line per variant (median ms over --iters after --warmup, CUDA events) and one JSON line. --device cpu
+runs it on the cpu backend with gloo: a check that the program works, not a speed claim.
 """
 
 from __future__ import annotations
@@ -16,29 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import tandem
-
-
-def timed(step, iters: int, warmup: int) -> float:
-    """Median ms of `step` over `iters` runs after `warmup`, each bracketed by CUDA events on the current stream."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from _steptime import timed
 
 
 def main() -> int:
@@ -46,22 +31,26 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=8192)
     ap.add_argument("--ffn", type=int, default=28672, help="the whole layer's; each rank holds ffn / world_size")
     ap.add_argument("--tokens", type=int, default=8192, help="rows of the whole sequence (M)")
-    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--sequence-parallel", action="store_true", help="Megatron's sequence parallelism (default off)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the cpu backend with gloo (a check that the program works, not a speed claim)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("tp_mlp_step: needs a GPU (and tandemd on the cuda backend)", file=sys.stderr)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("tp_mlp_step: no GPU here; pass --device cpu to check the program on the cpu backend", file=sys.stderr)
         return 2
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     group = None
     if world > 1:
         import torch.distributed as dist
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl" if cuda else "gloo")
         group = dist.group.WORLD
     comm = tandem.Communicator(group) if group is not None else tandem.Communicator()
     if args.ffn % world or args.tokens % world:
@@ -123,10 +112,10 @@ def main() -> int:
 
     results = {}
     for name, fn in (("tandem", tandem_step), ("torch", torch_step), ("gemms", gemms_step)):
-        results[name] = timed(fn, args.iters, args.warmup)
+        results[name] = timed(fn, args.iters, args.warmup, cuda)
     flops = 2 * args.tokens * args.hidden * (args.ffn // world) * 3 * 3  # 3 GEMMs forward, 6 backward
     if rank == 0:
-        card = torch.cuda.get_device_name()
+        card = torch.cuda.get_device_name() if cuda else "cpu"
         for name, ms in results.items():
             print(f"{name:7s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s")
         print(f"torch / tandem {results['torch'] / results['tandem']:.3f}x;  tandem / gemms "
