@@ -19,7 +19,9 @@ constexpr T shardT(int d) { return {T::Kind::kShard, static_cast<uint8_t>(d), 1}
 constexpr T perRankT(int d) { return {T::Kind::kPerRank, static_cast<uint8_t>(d), 1}; }
 constexpr T nranksT() { return {T::Kind::kNranks, 0, 1}; }
 constexpr T constT(uint32_t v) { return {T::Kind::kConst, 0, v}; }
-constexpr T blocksT(int d) { return {T::Kind::kBlocks, static_cast<uint8_t>(d), static_cast<uint32_t>(kFp8ScaleBlock)}; }
+constexpr T blocksT(int d) {
+  return {T::Kind::kBlocks, static_cast<uint8_t>(d), static_cast<uint32_t>(kFp8ScaleBlock)};
+}
 
 constexpr std::string_view kOutDtypeValues =
     "0 (dtype's), TANDEM_DTYPE_FP32 (1), TANDEM_DTYPE_FP16 (2) or TANDEM_DTYPE_BF16 (3)";
@@ -554,7 +556,8 @@ std::string opTableJson() {
     }
     ops.push_back({{"kind", static_cast<int>(op.kind)}, {"name", op.name}, {"py_name", op.pyName},
                    {"c_function", op.cArgsFunction}, {"c_struct", op.cStruct}, {"struct_size", layout.size},
-                   {"summary", op.summary}, {"typed", op.typed}, {"fp8", op.fp8}, {"flags", op.flags}, {"scale", op.scale},
+                   {"summary", op.summary}, {"typed", op.typed}, {"fp8", op.fp8}, {"flags", op.flags},
+                   {"scale", op.scale},
                    {"cross_node", kCross[static_cast<std::size_t>(op.crossNode)]}, {"cross_slot", op.crossSlot},
                    {"reads_verdict", op.readsVerdict}, {"device_error", static_cast<int>(op.deviceError)},
                    {"cuda_pending", op.cudaPending},

@@ -99,8 +99,7 @@ std::vector<double> operand(const OpDescriptor& d, const std::array<const std::b
   const int s = isB ? slot::kB : slot::kA;
   std::vector<double> v = loadKMajor(in[s], d.dtype, rows, k, isB ? !bKMajor(layout) : aTransposed(layout));
   if (!isFp8(d.dtype)) return v;
-  const bool ag = d.kind == OpKind::kAgGemm;
-  const std::byte* scale = in[isB ? (ag ? slot::kAgBScale : slot::kReduceBScale) : (ag ? slot::kAgAScale : slot::kReduceAScale)];
+  const std::byte* scale = in[static_cast<std::size_t>(gemmScaleSlot(d.kind, isB))];
   const bool block = (d.flags & kFlagFp8BlockScale) != 0;
   const uint64_t kBlocks = (k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
   for (uint64_t i = 0; i < rows; ++i)

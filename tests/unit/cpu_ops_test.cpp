@@ -590,18 +590,21 @@ TEST_CASE("FP8 block scales apply per 1x128 of A and per 128x128 of B") {
   REQUIRE(h.memory(0, slot::kReduceAScale).size() == kb * m * 4);
   REQUIRE(h.memory(0, slot::kReduceBScale).size() == 2 * kb * 4);
   h.run();
-  const auto at = [&](int s, std::size_t i, DType t) { return tandem::loadElement(h.memory(0, s).data(), t, i); };
+  const auto at = [&](int s, std::size_t i, DType t = DType::kF32) {
+    return tandem::loadElement(h.memory(0, s).data(), t, i);
+  };
+  const DType f8 = DType::kF8E4M3;
   for (std::size_t i = 0; i < m; ++i)
     for (std::size_t j = 0; j < n; ++j) {
       double want = 0;
       for (std::size_t p = 0; p < k; ++p) {
-        const double a = at(slot::kA, i * k + p, DType::kF8E4M3) * at(slot::kReduceAScale, (p / 128) * m + i, DType::kF32);
-        const double b = at(slot::kB, j * k + p, DType::kF8E4M3) * at(slot::kReduceBScale, (j / 128) * kb + p / 128, DType::kF32);
+        const double a = at(slot::kA, i * k + p, f8) * at(slot::kReduceAScale, (p / 128) * m + i);
+        const double b = at(slot::kB, j * k + p, f8) * at(slot::kReduceBScale, (j / 128) * kb + p / 128);
         want += a * b;
       }
       CAPTURE(i);
       CAPTURE(j);
-      CHECK(at(slot::kC, i * n + j, DType::kF32) == doctest::Approx(want).epsilon(1e-5));
+      CHECK(at(slot::kC, i * n + j) == doctest::Approx(want).epsilon(1e-5));
     }
 }
 

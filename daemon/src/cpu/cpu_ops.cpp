@@ -88,10 +88,10 @@ Floats loadKMajor(const std::byte* p, DType dtype, std::size_t rows, std::size_t
 Floats operand(const RankOp& r, bool isB, std::size_t rows, std::size_t k) {
   const OpDescriptor& d = r.desc;
   const GemmOperands layout = gemmOperandsOf(d.flags);
-  Floats v = loadKMajor(r.data[isB ? slot::kB : slot::kA], d.dtype, rows, k, isB ? !bKMajor(layout) : aTransposed(layout));
+  const bool transposed = isB ? !bKMajor(layout) : aTransposed(layout);
+  Floats v = loadKMajor(r.data[isB ? slot::kB : slot::kA], d.dtype, rows, k, transposed);
   if (!isFp8(d.dtype) || rows * k == 0) return v;
-  const bool ag = d.kind == OpKind::kAgGemm;
-  const int s = isB ? (ag ? slot::kAgBScale : slot::kReduceBScale) : (ag ? slot::kAgAScale : slot::kReduceAScale);
+  const int s = gemmScaleSlot(d.kind, isB);
   const Floats scale = load(r.data[s], DType::kF32, d.bufs[static_cast<std::size_t>(s)].bytes / sizeof(float));
   if ((d.flags & kFlagFp8BlockScale) == 0) {
     for (float& x : v) x *= scale[0];
@@ -110,9 +110,8 @@ Floats operand(const RankOp& r, bool isB, std::size_t rows, std::size_t k) {
 
 void requireScales(std::span<const RankOp> ranks) {
   if (!isFp8(ranks[0].desc.dtype)) return;
-  const bool ag = ranks[0].desc.kind == OpKind::kAgGemm;
-  requireMemory(ranks, ag ? slot::kAgAScale : slot::kReduceAScale);
-  requireMemory(ranks, ag ? slot::kAgBScale : slot::kReduceBScale);
+  requireMemory(ranks, gemmScaleSlot(ranks[0].desc.kind, false));
+  requireMemory(ranks, gemmScaleSlot(ranks[0].desc.kind, true));
 }
 
 // ---- ag-gemm ----------------------------------------------------------------------------------------

@@ -93,6 +93,12 @@ inline constexpr int kAgAScale = 4, kAgBScale = 5;            // ag-gemm's FP8 s
 inline constexpr int kReduceAScale = 3, kReduceBScale = 4;    // gemm-rs's and gemm-ar's
 }  // namespace slot
 
+// The slot of a GEMM op's a_scale, or its b_scale when `b`.
+inline constexpr int gemmScaleSlot(OpKind kind, bool b) {
+  if (kind == OpKind::kAgGemm) return b ? slot::kAgBScale : slot::kAgAScale;
+  return b ? slot::kReduceBScale : slot::kReduceAScale;
+}
+
 inline constexpr uint16_t kFlagCausal = 1u << 0;
 // Ring attention, zigzag layout: the sequence is cut into 2 * nranks chunks and rank r holds chunks r and
 // 2 * nranks - 1 - r (its first ceil(seq / 2) rows, then the rest), so causal work is balanced over ranks.
