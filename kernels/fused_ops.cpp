@@ -309,6 +309,11 @@ bool needsGang(const OpDescriptor& d) {
 void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env, const PlanChoice& plan) {
   const std::string_view op = opKindName(d.kind);
   if (!isFusedGemm(d.kind)) fail(ErrorCode::kInternal, "{} is not a fused GEMM", op);
+  if (isFp8(d.dtype)) {
+    fail(ErrorCode::kUnsupported, "{}: the cuda backend does not run {} inputs: the fused kernels take bf16/fp16; the "
+         "FP8 core (tandem_gemm_fp8) is not wired into them yet. Run it on a tandemd with daemon.backend: cpu, or "
+         "pass bf16 inputs", op, dtypeName(d.dtype));
+  }
   if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
     fail(ErrorCode::kUnsupported, "{}: the cuda backend's GEMM kernels take bf16 or fp16, not {}; convert the "
          "tensors, or run {} on a tandemd with daemon.backend: cpu", op, dtypeName(d.dtype), dtypeName(d.dtype));

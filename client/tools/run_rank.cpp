@@ -76,7 +76,7 @@ uint64_t hostCheckBytes(const RunOptions& o, uint32_t rank) {
     for (int s = 0; s < op.slotCount; ++s) {
       const SlotSpec& sl = op.slots[static_cast<std::size_t>(s)];
       const uint64_t b = d.bufs[static_cast<std::size_t>(s)].bytes;
-      const uint64_t elements = b / std::max<std::size_t>(1, elementSize(sl.type, d.dtype));
+      const uint64_t elements = b / std::max<std::size_t>(1, slotElementSize(sl, d));
       if (!sl.output) bytes += b + 8 * elements;                // the inputs, and the reference's doubles of them
       if (sl.output && r == rank) bytes += b + 16 * elements;  // this rank's outputs, expected values as doubles
     }

@@ -21,6 +21,8 @@ std::string_view dtypeName(DType dtype) {
     case DType::kF16: return "fp16";
     case DType::kBF16: return "bf16";
     case DType::kI32: return "int32";
+    case DType::kF8E4M3: return "fp8-e4m3";
+    case DType::kF8E5M2: return "fp8-e5m2";
     case DType::kInvalid: break;
   }
   return "invalid";
@@ -32,6 +34,8 @@ std::size_t dtypeSize(DType dtype) {
     case DType::kI32: return 4;
     case DType::kF16:
     case DType::kBF16: return 2;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: return 1;
     case DType::kInvalid: break;
   }
   return 0;

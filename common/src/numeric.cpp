@@ -1,5 +1,6 @@
 #include "tandem/common/numeric.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -76,6 +77,56 @@ float halfToFloat(uint16_t bits) {
 
 namespace {
 
+// An OCP FP8 format: 1 sign, kExp exponent and kMan mantissa bits. e4m3 ("fn": finite, no infinities; S.1111.111 is
+// NaN, the largest finite 448) or e5m2 (IEEE-like: S.11111.00 is Inf, the largest finite 57344).
+struct Fp8Format {
+  int exp, man, bias;
+  bool ieee;  // e5m2: has Inf; e4m3fn: only the all-ones code is NaN
+};
+constexpr Fp8Format kE4M3{4, 3, 7, false};
+constexpr Fp8Format kE5M2{5, 2, 15, true};
+
+float fp8ToFloat(uint8_t bits, Fp8Format f) {
+  const float sign = (bits & 0x80u) != 0 ? -1.0f : 1.0f;
+  const int e = (bits >> f.man) & ((1 << f.exp) - 1);
+  const int m = bits & ((1 << f.man) - 1);
+  const int eMax = (1 << f.exp) - 1;
+  if (f.ieee && e == eMax) return m == 0 ? sign * std::numeric_limits<float>::infinity()
+                                         : std::numeric_limits<float>::quiet_NaN();
+  if (!f.ieee && e == eMax && m == (1 << f.man) - 1) return std::numeric_limits<float>::quiet_NaN();
+  if (e == 0) return sign * std::ldexp(static_cast<float>(m), 1 - f.bias - f.man);  // subnormal
+  return sign * std::ldexp(static_cast<float>(m + (1 << f.man)), e - f.bias - f.man);
+}
+
+// Round to nearest even, as the GPUs' non-saturating conversion does (and torch's): past the largest finite value
+// by more than half a step, e5m2 gives Inf and e4m3 NaN (it has no Inf).
+uint8_t floatToFp8(float value, Fp8Format f) {
+  const uint8_t sign = std::signbit(value) ? 0x80u : 0x00u;
+  const auto overflowed = [&] {  // Inf (e5m2) or NaN (e4m3, which has no Inf)
+    return static_cast<uint8_t>(sign | (f.ieee ? (((1 << f.exp) - 1) << f.man) : 0x7F));
+  };
+  if (std::isnan(value)) return static_cast<uint8_t>(sign | 0x7Fu);
+  const float mag = std::fabs(value);
+  if (std::isinf(mag)) return overflowed();
+  const int eMax = (1 << f.exp) - 1;
+  const int maxExp = (f.ieee ? eMax - 1 : eMax) - f.bias;  // the largest finite value's exponent
+  const int maxMan = f.ieee ? (2 << f.man) - 1 : (2 << f.man) - 2;  // and its significand, in units of 2^-man
+  const float maxFinite = std::ldexp(static_cast<float>(maxMan), maxExp - f.man);
+  const int minExp = 1 - f.bias;  // the smallest normal's exponent
+  int e = 0;
+  std::frexp(mag, &e);  // mag = x * 2^e with x in [0.5, 1): its leading bit is 2^(e - 1)
+  const int quantumExp = std::max(e - 1, minExp) - f.man;
+  const float q = std::nearbyint(std::ldexp(mag, -quantumExp));  // ties to even (the default rounding mode)
+  const float rounded = std::ldexp(q, quantumExp);
+  if (rounded > maxFinite) return overflowed();
+  if (rounded == 0.0f) return sign;
+  int re = 0;
+  std::frexp(rounded, &re);
+  if (re - 1 < minExp) return static_cast<uint8_t>(sign | static_cast<uint8_t>(q));  // subnormal: the mantissa alone
+  const int m = static_cast<int>(std::ldexp(rounded, f.man - (re - 1))) - (1 << f.man);
+  return static_cast<uint8_t>(sign | ((re - 1 + f.bias) << f.man) | m);
+}
+
 int32_t floatToInt32(float value) {
   if (std::isnan(value)) return 0;
   // NOTE: 2^31 is exactly representable as float; anything at or above it saturates.
@@ -104,6 +155,8 @@ float loadElement(const std::byte* base, DType dtype, std::size_t index) {
       std::memcpy(&v, base + index * 4, 4);
       return static_cast<float>(v);
     }
+    case DType::kF8E4M3: return fp8ToFloat(std::to_integer<uint8_t>(base[index]), kE4M3);
+    case DType::kF8E5M2: return fp8ToFloat(std::to_integer<uint8_t>(base[index]), kE5M2);
     case DType::kInvalid: break;
   }
   return std::numeric_limits<float>::quiet_NaN();
@@ -127,6 +180,8 @@ void storeElement(std::byte* base, DType dtype, std::size_t index, float value) 
       std::memcpy(base + index * 4, &v, 4);
       return;
     }
+    case DType::kF8E4M3: base[index] = std::byte{floatToFp8(value, kE4M3)}; return;
+    case DType::kF8E5M2: base[index] = std::byte{floatToFp8(value, kE5M2)}; return;
     case DType::kInvalid: return;
   }
 }
@@ -137,6 +192,8 @@ float roundTo(DType dtype, float value) {
     case DType::kF16: return halfToFloat(floatToHalf(value));
     case DType::kBF16: return bf16ToFloat(floatToBf16(value));
     case DType::kI32: return static_cast<float>(floatToInt32(value));
+    case DType::kF8E4M3: return fp8ToFloat(floatToFp8(value, kE4M3), kE4M3);
+    case DType::kF8E5M2: return fp8ToFloat(floatToFp8(value, kE5M2), kE5M2);
     case DType::kInvalid: break;
   }
   return std::numeric_limits<float>::quiet_NaN();
@@ -161,6 +218,8 @@ void loadElements(const std::byte* base, DType dtype, std::size_t count, float* 
       }
       return;
     case DType::kI32:
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
     case DType::kInvalid:
       for (std::size_t i = 0; i < count; ++i) out[i] = loadElement(base, dtype, i);
       return;
@@ -183,6 +242,8 @@ void storeElements(std::byte* base, DType dtype, std::size_t count, const float*
       }
       return;
     case DType::kI32:
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
     case DType::kInvalid:
       for (std::size_t i = 0; i < count; ++i) storeElement(base, dtype, i, in[i]);
       return;

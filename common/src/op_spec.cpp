@@ -19,6 +19,12 @@ constexpr T shardT(int d) { return {T::Kind::kShard, static_cast<uint8_t>(d), 1}
 constexpr T perRankT(int d) { return {T::Kind::kPerRank, static_cast<uint8_t>(d), 1}; }
 constexpr T nranksT() { return {T::Kind::kNranks, 0, 1}; }
 constexpr T constT(uint32_t v) { return {T::Kind::kConst, 0, v}; }
+constexpr T blocksT(int d) {
+  return {T::Kind::kBlocks, static_cast<uint8_t>(d), static_cast<uint32_t>(kFp8ScaleBlock)};
+}
+
+constexpr std::string_view kOutDtypeValues =
+    "0 (dtype's), TANDEM_DTYPE_FP32 (1), TANDEM_DTYPE_FP16 (2) or TANDEM_DTYPE_BF16 (3)";
 
 struct Builder {
   OpSpec s;
@@ -88,6 +94,17 @@ struct Builder {
     flagFields_[flagFieldCount_++] = CField{CField::Kind::kFlag, bit, name, !values.empty(), bits, maxValue, values};
     for (uint8_t b = 0; b < bits; ++b) s.flags = static_cast<uint16_t>(s.flags | (1U << (bit + b)));
     return *this;
+  }
+  // The last slot is an FP8 scale (SlotSpec::fp8Scale).
+  Builder& fp8Scale() {
+    s.slots[s.slotCount - 1U].fp8Scale = true;
+    return *this;
+  }
+  // The op takes FP8 inputs: its out_dtype and scaling fields (flags bits 4-5 and 6).
+  Builder& fp8() {
+    s.fp8 = true;
+    return flagField("out_dtype", kGemmOutDtypeShift, 2, 3, kOutDtypeValues)
+        .flagField("scaling", 6, 1, 1, "TANDEM_FP8_SCALE_TENSOR (0) or TANDEM_FP8_SCALE_BLOCK (1)");
   }
   Builder& readsVerdict() {
     s.readsVerdict = true;
@@ -178,6 +195,7 @@ constexpr auto D = ElementType::kOpDtype;
 constexpr auto I32 = ElementType::kI32;
 constexpr auto F32 = ElementType::kF32;
 constexpr auto Raw = ElementType::kRaw;
+constexpr auto Out = ElementType::kOutDtype;
 
 std::array<OpSpec, kOpKindCount - 1> buildTable() {
   using enum DimSplit;
@@ -193,14 +211,22 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
           .operand(Op::kA, "this rank's shard [k, rows_of(m, rank, nranks)] (layout TN)")
           .slot("b", D, {dimT(d::kN), dimT(d::kK)}, "[n, k]")
           .operand(Op::kB, "[k, n] (layout NN or TN)")
-          .slot("c", D, {dimT(d::kM), dimT(d::kN)}, "[m, n]", true)
+          .slot("c", Out, {dimT(d::kM), dimT(d::kN)}, "[m, n]", true)
           .slot("a_gathered", D, {dimT(d::kM), dimT(d::kK)}, "[m, k] (layout TN: the shards [k, rows] in rank order)",
                 true, true)
+          .slot("a_scale", F32, {blocksT(d::kK), shardT(d::kM)},
+                "fp32 [1] (per tensor) or [ceil(k/128), rows_of(m, rank, nranks)] (block)")
+          .fp8Scale()
+          .slot("b_scale", F32, {blocksT(d::kN), blocksT(d::kK)}, "fp32 [1] (per tensor) or [ceil(n/128), ceil(k/128)] "
+                "(block)")
+          .fp8Scale()
           .flagField("layout", kGemmLayoutShift, 2, 2, kGemmLayoutValues)
+          .fp8()
           .crossNode(CrossNode::kGather, slot::kA)
           .deviceError(ErrorCode::kTimeout)
-          // layout comes after cuda_stream: it was appended to the struct after 0.2.x.
-          .c("tandem_ag_gemm_args_t", "ag_gemm", "dtype m n k a b c a_gathered cuda_stream layout"));
+          // layout comes after cuda_stream: it was appended to the struct after 0.2.x; the FP8 fields after it later.
+          .c("tandem_ag_gemm_args_t", "ag_gemm",
+             "dtype m n k a b c a_gathered cuda_stream layout out_dtype scaling a_scale b_scale"));
   for (const bool ar : {false, true}) {
     Builder b(ar ? OpKind::kGemmAr : OpKind::kGemmRs, ar ? "gemm-ar" : "gemm-rs",
               ar ? "tandem_gemm_ar" : "tandem_gemm_rs",
@@ -213,14 +239,21 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
         .operand(Op::kB, "[k, n] (layout NN or TN; k: this rank's slice)")
         .flagField("layout", kGemmLayoutShift, 2, 2, kGemmLayoutValues);
     if (ar) {
-      b.slot("c", D, {dimT(d::kM), dimT(d::kN)}, "[m, n]", true).crossNode(CrossNode::kAllReduce, slot::kC);
+      b.slot("c", Out, {dimT(d::kM), dimT(d::kN)}, "[m, n]", true).crossNode(CrossNode::kAllReduce, slot::kC);
     } else {
-      b.slot("c", D, {shardT(d::kM), dimT(d::kN)}, "this rank's rows [rows_of(m, rank, nranks), n]", true)
+      b.slot("c", Out, {shardT(d::kM), dimT(d::kN)}, "this rank's rows [rows_of(m, rank, nranks), n]", true)
           .crossNode(CrossNode::kReduceScatter, slot::kC);
     }
-    b.deviceError(ErrorCode::kTimeout)
+    b.slot("a_scale", F32, {blocksT(d::kK), dimT(d::kM)}, "fp32 [1] (per tensor) or [ceil(k/128), m] (block; k: this "
+           "rank's slice)")
+        .fp8Scale()
+        .slot("b_scale", F32, {blocksT(d::kN), blocksT(d::kK)}, "fp32 [1] (per tensor) or [ceil(n/128), ceil(k/128)] "
+              "(block; k: this rank's slice)")
+        .fp8Scale()
+        .fp8()
+        .deviceError(ErrorCode::kTimeout)
         .c(ar ? "tandem_gemm_ar_args_t" : "tandem_gemm_rs_args_t", ar ? "gemm_ar" : "gemm_rs",
-           "dtype m n k a b c cuda_stream layout");
+           "dtype m n k a b c cuda_stream layout out_dtype scaling a_scale b_scale");
     put(b);
   }
   // MoE: tandemctl's --m is tokens per rank, --k the hidden size and --n the output (or ffn) width.
@@ -393,9 +426,25 @@ bool slotTransposed(const SlotSpec& s, uint16_t flags) {
   return false;
 }
 
+DType slotDtype(const SlotSpec& s, const OpDescriptor& d) {
+  switch (s.type) {
+    case ElementType::kOpDtype: return d.dtype;
+    case ElementType::kOutDtype: return gemmOutDtype(d.dtype, d.flags);
+    case ElementType::kI32: return DType::kI32;
+    case ElementType::kF32: return DType::kF32;
+    case ElementType::kRaw: break;
+  }
+  return DType::kInvalid;
+}
+
+std::size_t slotElementSize(const SlotSpec& s, const OpDescriptor& d) {
+  return s.type == ElementType::kRaw ? 1 : dtypeSize(slotDtype(s, d));
+}
+
 std::size_t elementSize(ElementType type, DType dtype) {
   switch (type) {
-    case ElementType::kOpDtype: return dtypeSize(dtype);
+    case ElementType::kOpDtype:
+    case ElementType::kOutDtype: return dtypeSize(dtype);
     case ElementType::kI32:
     case ElementType::kF32: return 4;
     case ElementType::kRaw: return 1;
@@ -405,6 +454,9 @@ std::size_t elementSize(ElementType type, DType dtype) {
 
 uint64_t slotElements(const OpSpec& spec, int s, const OpDescriptor& d, bool* overflow) {
   const SlotSpec& sl = spec.slots[static_cast<std::size_t>(s)];
+  if (overflow != nullptr) *overflow = false;
+  if (sl.fp8Scale && !isFp8(d.dtype)) return 0;
+  if (sl.fp8Scale && (d.flags & kFlagFp8BlockScale) == 0) return 1;
   uint64_t n = 1;
   bool over = false;
   for (int i = 0; i < sl.termCount; ++i) {
@@ -416,6 +468,7 @@ uint64_t slotElements(const OpSpec& spec, int s, const OpDescriptor& d, bool* ov
       case ExtentTerm::Kind::kPerRank: v = d.nranks == 0 ? 0 : d.dims[t.dim] / d.nranks; break;
       case ExtentTerm::Kind::kNranks: v = d.nranks; break;
       case ExtentTerm::Kind::kConst: v = t.value; break;
+      case ExtentTerm::Kind::kBlocks: v = (d.dims[t.dim] + t.value - 1) / t.value; break;
     }
     over |= __builtin_mul_overflow(n, v, &n);
   }
@@ -459,8 +512,8 @@ CArgsLayout cArgsLayout(const OpSpec& spec) {
 std::string opTableJson() {
   using nlohmann::json;
   static constexpr std::array<const char*, 6> kFieldKinds{"dtype", "dim", "flag", "scale", "tensor", "stream"};
-  static constexpr std::array<const char*, 4> kElementTypes{"op_dtype", "i32", "f32", "raw"};
-  static constexpr std::array<const char*, 5> kTermKinds{"dim", "shard", "per_rank", "nranks", "const"};
+  static constexpr std::array<const char*, 5> kElementTypes{"op_dtype", "i32", "f32", "raw", "out_dtype"};
+  static constexpr std::array<const char*, 6> kTermKinds{"dim", "shard", "per_rank", "nranks", "const", "blocks"};
   static constexpr std::array<const char*, 4> kSplits{"global", "split", "per_rank", "capacity"};
   static constexpr std::array<const char*, 5> kCross{"none", "gather", "reduce_scatter", "all_reduce", "replicate"};
   json ops = json::array();
@@ -491,7 +544,7 @@ std::string opTableJson() {
                        {"operand", sl.operand == SlotSpec::Operand::kA   ? "a"
                                    : sl.operand == SlotSpec::Operand::kB ? "b"
                                                                          : ""},
-                       {"shape_transposed", sl.shapeTransposed}});
+                       {"shape_transposed", sl.shapeTransposed}, {"fp8_scale", sl.fp8Scale}});
     }
     const CArgsLayout layout = cArgsLayout(op);
     json fields = json::array();
@@ -503,7 +556,8 @@ std::string opTableJson() {
     }
     ops.push_back({{"kind", static_cast<int>(op.kind)}, {"name", op.name}, {"py_name", op.pyName},
                    {"c_function", op.cArgsFunction}, {"c_struct", op.cStruct}, {"struct_size", layout.size},
-                   {"summary", op.summary}, {"typed", op.typed}, {"flags", op.flags}, {"scale", op.scale},
+                   {"summary", op.summary}, {"typed", op.typed}, {"fp8", op.fp8}, {"flags", op.flags},
+                   {"scale", op.scale},
                    {"cross_node", kCross[static_cast<std::size_t>(op.crossNode)]}, {"cross_slot", op.crossSlot},
                    {"reads_verdict", op.readsVerdict}, {"device_error", static_cast<int>(op.deviceError)},
                    {"cuda_pending", op.cudaPending},
@@ -532,7 +586,7 @@ uint64_t crossNodeBytes(std::span<const OpDescriptor* const> ranks, std::span<co
         break;
       case CrossNode::kGather:  // `from`'s ranks' shares
         if (nodeOf[r] == from) {
-          bytes += slotElements(op, op.crossSlot, d, nullptr) * elementSize(op.slots[slot].type, d.dtype);
+          bytes += slotElements(op, op.crossSlot, d, nullptr) * slotElementSize(op.slots[slot], d);
         }
         break;
       case CrossNode::kReduceScatter:  // the partials of the rows `to`'s ranks own

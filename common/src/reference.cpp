@@ -47,15 +47,7 @@ SplitMix64 streamFor(uint64_t seed, uint32_t rank, std::size_t slotIndex) {
 }
 
 // Element type of a slot, from the op table (kInvalid for the untyped bytes of allgather).
-DType slotType(const OpDescriptor& d, int s) {
-  switch (opSpec(d.kind).slots[static_cast<std::size_t>(s)].type) {
-    case ElementType::kOpDtype: return d.dtype;
-    case ElementType::kI32: return DType::kI32;
-    case ElementType::kF32: return DType::kF32;
-    case ElementType::kRaw: break;
-  }
-  return DType::kInvalid;
-}
+DType slotType(const OpDescriptor& d, int s) { return slotDtype(opSpec(d.kind).slots[static_cast<std::size_t>(s)], d); }
 
 bool isOutput(OpKind kind, int s) { return opSpec(kind).slots[static_cast<std::size_t>(s)].output; }
 std::string_view slotName(OpKind kind, int s) { return opSpec(kind).slots[static_cast<std::size_t>(s)].name; }
@@ -99,21 +91,40 @@ std::vector<double> loadKMajor(const std::byte* p, DType t, uint64_t rows, uint6
   return out;
 }
 
+// Rank r's GEMM operand dequantized: op(A) (rows of A) or op(B) (`isB`, rows = n), as [rows, k] in double. FP8 inputs
+// are multiplied by their scale (descriptor.hpp's kFlagFp8BlockScale); other dtypes load as they are.
+std::vector<double> operand(const OpDescriptor& d, const std::array<const std::byte*, kMaxOpBuffers>& in, bool isB,
+                            uint64_t rows, uint64_t k) {
+  const GemmOperands layout = gemmOperandsOf(d.flags);
+  const int s = isB ? slot::kB : slot::kA;
+  std::vector<double> v = loadKMajor(in[s], d.dtype, rows, k, isB ? !bKMajor(layout) : aTransposed(layout));
+  if (!isFp8(d.dtype)) return v;
+  const std::byte* scale = in[static_cast<std::size_t>(gemmScaleSlot(d.kind, isB))];
+  const bool block = (d.flags & kFlagFp8BlockScale) != 0;
+  const uint64_t kBlocks = (k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  for (uint64_t i = 0; i < rows; ++i)
+    for (uint64_t p = 0; p < k; ++p) {
+      const uint64_t kb = p / kFp8ScaleBlock;
+      const uint64_t at = !block ? 0 : isB ? (i / kFp8ScaleBlock) * kBlocks + kb : kb * rows + i;
+      v[i * k + p] *= loadElement(scale, DType::kF32, at);
+    }
+  return v;
+}
+
 void agGemm(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const uint64_t M = descs[0].dims[dim::kM], N = descs[0].dims[dim::kN], K = descs[0].dims[dim::kK];
-  const GemmOperands layout = gemmOperandsOf(descs[0].flags);
   std::vector<double> a(M * K), gathered(M * K);  // op(A) [M, K]; the shards as stored, in rank order
   for (uint32_t r = 0; r < n; ++r) {
     const uint64_t rows = rowsOf(M, r, n), first = rowOffset(M, r, n);
-    const std::vector<double> shard = loadKMajor(in[r][slot::kA], descs[r].dtype, rows, K, aTransposed(layout));
+    const std::vector<double> shard = operand(descs[r], in[r], false, rows, K);
     std::copy(shard.begin(), shard.end(), a.begin() + static_cast<std::ptrdiff_t>(first * K));
     const std::vector<double> stored = load(in[r][slot::kA], descs[r].dtype, rows * K);
     std::copy(stored.begin(), stored.end(), gathered.begin() + static_cast<std::ptrdiff_t>(first * K));
   }
   for (uint32_t r = 0; r < n; ++r) {
     if (!wanted(only, r)) continue;
-    const std::vector<double> b = loadKMajor(in[r][slot::kB], descs[r].dtype, N, K, !bKMajor(layout));
+    const std::vector<double> b = operand(descs[r], in[r], true, N, K);
     std::vector<double> c(M * N);
     for (uint64_t i = 0; i < M; ++i)
       for (uint64_t j = 0; j < N; ++j) {
@@ -129,12 +140,11 @@ void agGemm(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t o
 void gemmReduce(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const uint64_t M = descs[0].dims[dim::kM], N = descs[0].dims[dim::kN];
-  const GemmOperands layout = gemmOperandsOf(descs[0].flags);
   std::vector<double> c(M * N, 0.0);
   for (uint32_t r = 0; r < n; ++r) {
     const uint64_t K = descs[r].dims[dim::kK];
-    const std::vector<double> a = loadKMajor(in[r][slot::kA], descs[r].dtype, M, K, aTransposed(layout));
-    const std::vector<double> b = loadKMajor(in[r][slot::kB], descs[r].dtype, N, K, !bKMajor(layout));
+    const std::vector<double> a = operand(descs[r], in[r], false, M, K);
+    const std::vector<double> b = operand(descs[r], in[r], true, N, K);
     for (uint64_t i = 0; i < M; ++i)
       for (uint64_t j = 0; j < N; ++j)
         for (uint64_t p = 0; p < K; ++p) c[i * N + j] += a[i * K + p] * b[j * K + p];
@@ -554,6 +564,11 @@ OpDescriptor makeDescriptor(const OpShape& shape, uint32_t rank, uint32_t nranks
   if ((op.flags & kFlagCausal) != 0 && shape.causal) d.flags |= kFlagCausal;
   if ((op.flags & kFlagZigzag) != 0 && shape.zigzag) d.flags |= kFlagZigzag;
   if ((op.flags & kFlagGemmLayout) != 0) d.flags |= gemmLayoutFlags(shape.layout);
+  if (op.fp8 && isFp8(shape.dtype)) {  // FP8 inputs need an output dtype: bf16 unless the shape says
+    const DType out = shape.outDtype == DType::kInvalid ? DType::kBF16 : shape.outDtype;
+    d.flags |= static_cast<uint16_t>(static_cast<unsigned>(out) << kGemmOutDtypeShift);
+    if (shape.blockScale) d.flags |= kFlagFp8BlockScale;
+  }
   auto dimNamed = [&](std::string_view name) {
     for (int i = 0; i < op.dimCount; ++i) {
       if (op.dims[static_cast<std::size_t>(i)].name == name) return d.dims[static_cast<std::size_t>(i)];
@@ -572,7 +587,7 @@ OpDescriptor makeDescriptor(const OpShape& shape, uint32_t rank, uint32_t nranks
   }
   for (int s = 0; s < op.slotCount; ++s) {
     const SlotSpec& sl = op.slots[static_cast<std::size_t>(s)];
-    d.bufs[static_cast<std::size_t>(s)].bytes = slotElements(op, s, d, nullptr) * elementSize(sl.type, d.dtype);
+    d.bufs[static_cast<std::size_t>(s)].bytes = slotElements(op, s, d, nullptr) * slotElementSize(sl, d);
   }
   return d;
 }
@@ -610,6 +625,8 @@ void fillInputs(const OpDescriptor& desc, std::span<std::byte* const> slots, uin
         for (double& x : w) sum += (x = 0.1 + 0.9 * rng.uniform());
         for (uint64_t j = 0; j < topk; ++j) storeElement(p, DType::kF32, tk * topk + j, static_cast<float>(w[j] / sum));
       }
+    } else if (opSpec(desc.kind).slots[s].fp8Scale) {  // positive scales around 1, so the product stays O(1)
+      for (uint64_t i = 0; i < bytes / 4; ++i) storeElement(p, DType::kF32, i, static_cast<float>(0.5 + rng.uniform()));
     } else {
       const uint64_t count = bytes / dtypeSize(t);
       for (uint64_t i = 0; i < count; ++i) storeElement(p, t, i, static_cast<float>(2.0 * rng.uniform() - 1.0));
@@ -662,7 +679,8 @@ double tolerance(DType dtype) {
 Comparison compareRank(const OpDescriptor& desc, std::span<const std::byte* const> slots,
                        const std::array<std::vector<double>, kMaxOpBuffers>& expected) {
   Comparison result;
-  result.tolerance = tolerance(desc.dtype);
+  // FP8 inputs are compared with their dequantized values, so the output's rounding sets the tolerance.
+  result.tolerance = tolerance(isFp8(desc.dtype) ? gemmOutDtype(desc.dtype, desc.flags) : desc.dtype);
   std::string problems;
   auto problem = [&problems](const std::string& text) {
     if (problems.empty()) problems = text;

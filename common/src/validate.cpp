@@ -21,7 +21,7 @@ namespace {
 constexpr uint64_t kMaxDim = uint64_t{1} << 32;
 constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 40;
 
-bool knownDtype(DType dtype) { return static_cast<uint16_t>(dtype) <= static_cast<uint16_t>(DType::kI32); }
+bool knownDtype(DType dtype) { return static_cast<uint16_t>(dtype) <= static_cast<uint16_t>(DType::kF8E5M2); }
 
 // A slot's terms as the error messages name them, with their values for this descriptor.
 struct Factor {
@@ -32,6 +32,10 @@ struct Factor {
 
 std::vector<Factor> factorsOf(const OpSpec& op, const SlotSpec& s, const OpDescriptor& d) {
   std::vector<Factor> out;
+  if (s.fp8Scale && (d.flags & kFlagFp8BlockScale) == 0) {  // per tensor (or none: not FP8)
+    out.push_back({isFp8(d.dtype) ? "1" : "0", isFp8(d.dtype) ? 1U : 0U, true});
+    return out;
+  }
   for (int i = 0; i < s.termCount; ++i) {
     const ExtentTerm& t = s.terms[static_cast<std::size_t>(i)];
     const std::string_view dimName = op.dims[t.dim].name;
@@ -41,6 +45,9 @@ std::vector<Factor> factorsOf(const OpSpec& op, const SlotSpec& s, const OpDescr
       case ExtentTerm::Kind::kPerRank: out.push_back({fmt::format("{}/nranks", dimName), d.dims[t.dim] / d.nranks}); break;
       case ExtentTerm::Kind::kNranks: out.push_back({"nranks", d.nranks}); break;
       case ExtentTerm::Kind::kConst: out.push_back({fmt::format("{}", t.value), t.value, true}); break;
+      case ExtentTerm::Kind::kBlocks:
+        out.push_back({fmt::format("ceil({}/{})", dimName, t.value), (d.dims[t.dim] + t.value - 1) / t.value});
+        break;
     }
   }
   return out;
@@ -62,18 +69,33 @@ std::string factorValues(const std::vector<Factor>& factors) {
   return out;
 }
 
-DType slotDtype(const SlotSpec& s, DType opDtype) {
-  switch (s.type) {
-    case ElementType::kOpDtype: return opDtype;
-    case ElementType::kI32: return DType::kI32;
-    case ElementType::kF32: return DType::kF32;
-    case ElementType::kRaw: break;
-  }
-  return DType::kInvalid;
+std::string_view elementText(const SlotSpec& s, const OpDescriptor& d) {
+  return s.type == ElementType::kRaw ? std::string_view("raw bytes") : dtypeName(slotDtype(s, d));
 }
 
-std::string_view elementText(const SlotSpec& s, DType opDtype) {
-  return s.type == ElementType::kRaw ? std::string_view("raw bytes") : dtypeName(slotDtype(s, opDtype));
+// FP8 inputs (OpSpec::fp8): the output dtype, the scaling flag and the layouts they allow.
+void checkFp8(const OpDescriptor& d, std::string_view kind) {
+  const auto outBits = static_cast<uint16_t>((d.flags & kFlagGemmOutDtype) >> kGemmOutDtypeShift);
+  const DType out = gemmOutDtype(d.dtype, d.flags);
+  if (!isFp8(d.dtype)) {
+    if (outBits != 0 && out != d.dtype) {
+      fail(ErrorCode::kInvalidArgument,
+           "{}: out_dtype is {} but dtype is {}; only FP8 inputs take another output dtype, so pass out_dtype 0 (or "
+           "dtype)", kind, dtypeName(out), dtypeName(d.dtype));
+    }
+    if ((d.flags & kFlagFp8BlockScale) != 0) {
+      fail(ErrorCode::kInvalidArgument,
+           "{}: scaling is TANDEM_FP8_SCALE_BLOCK but dtype is {}; scales apply to FP8 inputs only, so pass scaling 0",
+           kind, dtypeName(d.dtype));
+    }
+    return;
+  }
+  if (out != DType::kBF16 && out != DType::kF32) {
+    fail(ErrorCode::kInvalidArgument,
+         "{}: out_dtype is {} with {} inputs; c of an FP8 GEMM is bf16 or fp32, so pass out_dtype "
+         "TANDEM_DTYPE_BF16 (3) or TANDEM_DTYPE_FP32 (1)",
+         kind, outBits == 0 ? std::string("0 (dtype's)") : std::string(dtypeName(out)), dtypeName(d.dtype));
+  }
 }
 
 void checkHeader(const OpDescriptor& d, std::string_view kind, const OpSpec& ks) {
@@ -82,8 +104,14 @@ void checkHeader(const OpDescriptor& d, std::string_view kind, const OpSpec& ks)
          static_cast<uint16_t>(d.dtype), static_cast<uint16_t>(DType::kBF16), static_cast<uint16_t>(DType::kF16),
          static_cast<uint16_t>(DType::kF32));
   }
-  if (ks.typed && d.dtype != DType::kBF16 && d.dtype != DType::kF16 && d.dtype != DType::kF32) {
-    fail(ErrorCode::kInvalidArgument, "{}: dtype {} not supported; use bf16, fp16 or fp32", kind, dtypeName(d.dtype));
+  if (ks.typed && isFp8(d.dtype) && !ks.fp8) {
+    fail(ErrorCode::kInvalidArgument,
+         "{}: dtype {} not supported; this op has no FP8 path (ag-gemm, gemm-rs and gemm-ar take FP8 inputs), so "
+         "use bf16, fp16 or fp32", kind, dtypeName(d.dtype));
+  }
+  if (ks.typed && !isFp8(d.dtype) && d.dtype != DType::kBF16 && d.dtype != DType::kF16 && d.dtype != DType::kF32) {
+    fail(ErrorCode::kInvalidArgument, "{}: dtype {} not supported; use bf16, fp16 or fp32{}", kind, dtypeName(d.dtype),
+         ks.fp8 ? " (or fp8-e4m3, fp8-e5m2)" : "");
   }
   if ((d.flags & ~ks.flags) != 0) {
     fail(ErrorCode::kInvalidArgument,
@@ -109,6 +137,7 @@ void checkHeader(const OpDescriptor& d, std::string_view kind, const OpSpec& ks)
     fail(ErrorCode::kInvalidArgument, "{}: rank {} is not below nranks {}; pass the rank tandem_comm_init gave", kind,
          d.rank, d.nranks);
   }
+  if (ks.fp8) checkFp8(d, kind);
   if (ks.scale) {
     if (!std::isfinite(d.scale)) {
       fail(ErrorCode::kInvalidArgument, "{}: scale {} is not finite; pass a finite scale or 0 for 1/sqrt(head_dim)",
@@ -163,7 +192,7 @@ SlotRules computeRules(const OpSpec& op, const OpDescriptor& d) {
     bool overflow = false;
     const uint64_t elements = slotElements(op, static_cast<int>(i), d, &overflow);
     uint64_t bytes = 0;
-    overflow |= __builtin_mul_overflow(elements, elementSize(s.type, d.dtype), &bytes);
+    overflow |= __builtin_mul_overflow(elements, slotElementSize(s, d), &bytes);
     if (overflow || bytes > kMaxTensorBytes) {
       fail(ErrorCode::kInvalidArgument,
            "{}: buffer {} would need {} bytes [{}], above 2^40; each tensor is capped at 2^40 bytes (1 TiB), so "
@@ -171,7 +200,7 @@ SlotRules computeRules(const OpSpec& op, const OpDescriptor& d) {
            op.name, s.name, overflow ? std::string("more than 2^64") : fmt::format("{}", bytes),
            factorValues(factorsOf(op, s, d)));
     }
-    rules[i] = SlotRule{s.name, slotDtype(s, d.dtype), bytes, s.optional, s.output};
+    rules[i] = SlotRule{s.name, slotDtype(s, d), bytes, s.optional, s.output};
   }
   return rules;
 }
@@ -191,7 +220,11 @@ void checkBuffers(const OpDescriptor& d, const OpSpec& op, const SlotRules& rule
     const SlotSpec& s = op.slots[i];
     const std::string_view shape = slotTransposed(s, d.flags) ? s.shapeTransposed : s.shape;
     const uint64_t bytes = rules[i].bytes;
-    const std::size_t elementBytes = elementSize(s.type, d.dtype);
+    const std::size_t elementBytes = slotElementSize(s, d);
+    if (s.fp8Scale && !isFp8(d.dtype) && (b.bufferId != 0 || b.bytes != 0)) {
+      fail(ErrorCode::kInvalidArgument, "{}: {} is set but dtype is {}; scales apply to FP8 inputs only, so pass none",
+           kind, s.name, dtypeName(d.dtype));
+    }
     if (b.bufferId == 0) {
       if (s.optional) {
         if (b.offset != 0 || b.bytes != 0) {
@@ -211,13 +244,13 @@ void checkBuffers(const OpDescriptor& d, const OpSpec& op, const SlotRules& rule
     if (b.bytes != bytes) {
       const std::vector<Factor> factors = factorsOf(op, s, d);
       fail(ErrorCode::kInvalidArgument, "{}: buffer {} claims {} bytes but {} = {} for {} [{}]; pass the tensor of {}",
-           kind, s.name, b.bytes, factorExpr(factors, elementBytes), bytes, elementText(s, d.dtype),
+           kind, s.name, b.bytes, factorExpr(factors, elementBytes), bytes, elementText(s, d),
            factorValues(factors), shape);
     }
     if (b.offset % elementBytes != 0) {
       fail(ErrorCode::kInvalidArgument,
            "{}: buffer {} offset {} is not a multiple of the {} element size {}; align the tensor to {} bytes", kind,
-           s.name, b.offset, dtypeName(slotDtype(s, d.dtype)), elementBytes, elementBytes);
+           s.name, b.offset, dtypeName(slotDtype(s, d)), elementBytes, elementBytes);
     }
     if (b.offset > UINT64_MAX - b.bytes) {
       fail(ErrorCode::kInvalidArgument, "{}: buffer {} offset {} + bytes {} overflows; pass an offset inside the buffer",

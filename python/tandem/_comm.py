@@ -17,6 +17,8 @@ from ._fastpath import _DTYPES, _ELSIZE, _POLL_EVERY, FastPath, _capturing_strea
 from ._memory import Buffer, HitCache, Session, check
 
 _DTYPE_NAMES = "torch.bfloat16, torch.float16 or torch.float32"
+# FP8 inputs of the GEMM ops (tandem_dtype_t codes); not in _DTYPES, so the fast paths leave them to the full path.
+_FP8_DTYPES = {torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
 
 # Communicators by id, so torch.library ops (which take ints, not Python objects) can find theirs.
 _registry: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
@@ -369,7 +371,7 @@ class Communicator(FastPath):
         a and b checked, b's k against a's."""
         lay = _enum_code(layout, op)
         self._check(a, "a", op, ndim=2)
-        dt = _dtype_code(a, op)
+        dt = _dtype_code(a, op, fp8=True)
         self._check(b, "b", op, a.dtype, 2)
         spec = _optable.SPECS[op]
         sa, sb = spec.inputs[0], spec.inputs[1]
@@ -383,16 +385,57 @@ class Communicator(FastPath):
                              f"{spec.text_of(sa, lay)}), got {list(b.shape)}")
         return lay, dt, rows, n, k
 
-    def _eager_ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None, layout="nt"):
+    def _fp8(self, op: str, a, rows: int, n: int, k: int, a_scale, b_scale, out_dtype, scaling):
+        """The GEMM ops' FP8 arguments, checked: (c's torch dtype, out_dtype code, scaling code, a_scale, b_scale).
+        FP8 a and b (torch.float8_e4m3fn, torch.float8_e5m2) need fp32 a_scale and b_scale: one value each (per
+        tensor), or block scales a_scale [ceil(k/128), rows] and b_scale [ceil(n/128), ceil(k/128)] (scaling "block",
+        the default when either scale is 2-D); c is out_dtype, torch.bfloat16 (default) or torch.float32. Other
+        dtypes take none of these (out_dtype may be a's own dtype)."""
+        if a.dtype not in _FP8_DTYPES:
+            for name, v in (("a_scale", a_scale), ("b_scale", b_scale), ("scaling", scaling)):
+                if v is not None:
+                    raise ValueError(f"tandem.{op}: argument '{name}' applies to FP8 inputs (torch.float8_e4m3fn, "
+                                     f"torch.float8_e5m2) only; a is {a.dtype}")
+            if out_dtype is not None and out_dtype != a.dtype:
+                raise ValueError(f"tandem.{op}: out_dtype={out_dtype} differs from a's dtype {a.dtype}; only FP8 "
+                                 "inputs take another output dtype")
+            return a.dtype, 0, 0, None, None
+        out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"tandem.{op}: out_dtype must be torch.bfloat16 or torch.float32 with {a.dtype} inputs, "
+                             f"got {out_dtype}")
+        for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
+            if t is None:
+                raise ValueError(f"tandem.{op}: argument '{name}' is required with {a.dtype} inputs: an fp32 tensor of "
+                                 "one value (per tensor) or of block scales (see the docstring)")
+            self._check(t, name, op, torch.float32)
+        if scaling is None:
+            scaling = "block" if a_scale.dim() == 2 or b_scale.dim() == 2 else "tensor"
+        code = _enum_code(scaling, op, "scaling")
+        kb = -(-k // 128)
+        wants = (((kb, rows), f"[ceil(k/128), rows] = [{kb}, {rows}]"), ((-(-n // 128), kb), f"[ceil(n/128), "
+                 f"ceil(k/128)] = [{-(-n // 128)}, {kb}]")) if code else ((None, "one value"), (None, "one value"))
+        for name, t, (shape, text) in zip(("a_scale", "b_scale"), (a_scale, b_scale), wants):
+            if (t.numel() != 1) if shape is None else tuple(t.shape) != shape:
+                raise ValueError(f"tandem.{op}: argument '{name}' must hold {text} (scaling "
+                                 f"{'block' if code else 'tensor'!r}), got shape {list(t.shape)}")
+        return out_dtype, _DTYPES[out_dtype], code, a_scale, b_scale
+
+    def _eager_ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None, layout="nt", a_scale=None,
+                       b_scale=None, out_dtype=None, scaling=None):
         """AllGather + GEMM: C = gather(op(A)) op(b), [m, n] on every rank. A is sharded by rows of op(A): this rank
         holds rows = rows_of(m, rank) of them. layout (the same on every rank; a name or its code):
         - "nt" (0, default): a [rows, k], b [n, k]; C = gather(A) @ b.T (the forward, Y = X W^T);
         - "nn" (1): a [rows, k], b [k, n]; C = gather(A) @ b (the input gradient, dX = dY W);
         - "tn" (2): a [k, rows], b [k, n]; C = gather(A^T) @ b: op(A) = a.T.
         a_gathered, if given ([m, k]), receives every rank's shard as stored, in rank order: gather(A) in "nt" and
-        "nn"; in "tn" the shards [k, rows_r] one after another (a_gathered.view(-1))."""
+        "nn"; in "tn" the shards [k, rows_r] one after another (a_gathered.view(-1)).
+        FP8: a and b torch.float8_e4m3fn or torch.float8_e5m2 with fp32 a_scale and b_scale (one value each, or
+        block scales a_scale [ceil(k/128), rows], b_scale [ceil(n/128), ceil(k/128)]); the product of the dequantized
+        values (value * scale) in fp32, c in out_dtype (torch.bfloat16, the default, or torch.float32)."""
         op = "ag_gemm"
         lay, dt, rows, n, k = self._gemm_operands(op, a, b, layout)
+        odt, ocode, scode, a_scale, b_scale = self._fp8(op, a, rows, n, k, a_scale, b_scale, out_dtype, scaling)
         if m is None:
             m = out.shape[0] if out is not None and out.dim() == 2 else rows * self.world_size
         _, want_rows = rows_of(m, self.rank, self.world_size)
@@ -403,46 +446,55 @@ class Communicator(FastPath):
                              f"{self.rank}, {self.world_size} ranks) = {want_rows}), got {list(a.shape)}; pass m= when "
                              "the shards differ in size")
         if out is None:
-            out = self._out((m, n), a.dtype)
+            out = self._out((m, n), odt)
         else:
-            self._check(out, "out", op, a.dtype)
+            self._check(out, "out", op, odt)
             self._shape(out, "out", op, (m, n), "[m, n]")
         if a_gathered is not None:
             self._check(a_gathered, "a_gathered", op, a.dtype)
             self._shape(a_gathered, "a_gathered", op, (m, k), "[m, k]" if lay != _TN else
                         "[m, k], holding the shards [k, rows] in rank order")
-        slots, staged = self._resolve((a, b, out, a_gathered), ("a", "b", "out", "a_gathered"), op)
-        self._submit(op, (ARG_STRUCTS[op].size, dt, m, n, k, *slots, self._stream(), lay), staged)
+        slots, staged = self._resolve((a, b, out, a_gathered, a_scale, b_scale),
+                                      ("a", "b", "out", "a_gathered", "a_scale", "b_scale"), op)
+        self._submit(op, (ARG_STRUCTS[op].size, dt, m, n, k, *slots[:8], self._stream(), lay, ocode, scode,
+                          *slots[8:]), staged)
         return out
 
-    def _gemm_reduce(self, op, a, b, out, layout):
-        if (layout == 0 or layout == "nt") and self._defer is None:  # (the fast path waits; _start must not)
+    def _gemm_reduce(self, op, a, b, out, layout, a_scale=None, b_scale=None, out_dtype=None, scaling=None):
+        fp8 = a_scale is not None or b_scale is not None or out_dtype is not None or scaling is not None
+        # (the fast path waits; _start must not)
+        if (layout == 0 or layout == "nt") and self._defer is None and not fp8:
             fast = self._gemm_fast(op, a, b, out)
             if fast is not None:
                 return fast
         lay, dt, m, n, k = self._gemm_operands(op, a, b, layout)
+        odt, ocode, scode, a_scale, b_scale = self._fp8(op, a, m, n, k, a_scale, b_scale, out_dtype, scaling)
         shape = (rows_of(m, self.rank, self.world_size)[1], n) if op == "gemm_rs" else (m, n)
         if out is None:
-            out = self._out(shape, a.dtype)
+            out = self._out(shape, odt)
         else:
-            self._check(out, "out", op, a.dtype)
+            self._check(out, "out", op, odt)
             self._shape(out, "out", op, shape, "[rows_of(m, rank), n]" if op == "gemm_rs" else "[m, n]")
-        slots, staged = self._resolve((a, b, out), ("a", "b", "out"), op)
-        self._submit(op, (ARG_STRUCTS[op].size, dt, m, n, k, *slots, self._stream(), lay), staged)
+        slots, staged = self._resolve((a, b, out, a_scale, b_scale), ("a", "b", "out", "a_scale", "b_scale"), op)
+        self._submit(op, (ARG_STRUCTS[op].size, dt, m, n, k, *slots[:6], self._stream(), lay, ocode, scode,
+                          *slots[6:]), staged)
         return out
 
-    def _eager_gemm_rs(self, a, b, *, out=None, layout="nt"):
+    def _eager_gemm_rs(self, a, b, *, out=None, layout="nt", a_scale=None, b_scale=None, out_dtype=None,
+                       scaling=None):
         """GEMM + ReduceScatter: K is split over the ranks (k: this rank's slice; ranks may differ); returns this
         rank's rows of C = sum over ranks of op(a_r) op(b_r): out [rows_of(m, rank), n]. layout (the same on every
         rank; a name or its code): "nt" (0, default): a [m, k], b [n, k], op(a) op(b) = a @ b.T; "nn" (1): a [m, k],
-        b [k, n], a @ b (the input gradient of a column-parallel linear); "tn" (2): a [k, m], b [k, n], a.T @ b."""
-        return self._gemm_reduce("gemm_rs", a, b, out, layout)
+        b [k, n], a @ b (the input gradient of a column-parallel linear); "tn" (2): a [k, m], b [k, n], a.T @ b.
+        FP8 inputs as ag_gemm's (a_scale's rows: m; k: this rank's slice), reduced in fp32."""
+        return self._gemm_reduce("gemm_rs", a, b, out, layout, a_scale, b_scale, out_dtype, scaling)
 
-    def _eager_gemm_ar(self, a, b, *, out=None, layout="nt"):
+    def _eager_gemm_ar(self, a, b, *, out=None, layout="nt", a_scale=None, b_scale=None, out_dtype=None,
+                       scaling=None):
         """GEMM + AllReduce: as gemm_rs, but every rank receives the whole C = sum over ranks of op(a_r) op(b_r),
         [m, n]. layout: "nt" (0, default): a [m, k], b [n, k]; "nn" (1): a [m, k], b [k, n]; "tn" (2): a [k, m],
-        b [k, n]."""
-        return self._gemm_reduce("gemm_ar", a, b, out, layout)
+        b [k, n]. FP8 inputs as gemm_rs's."""
+        return self._gemm_reduce("gemm_ar", a, b, out, layout, a_scale, b_scale, out_dtype, scaling)
 
     def _moe_route(self, op, x, topk_ids, topk_weights, w, wname):
         self._check(x, "x", op, ndim=2)
@@ -596,6 +648,7 @@ class Communicator(FastPath):
         want = {s for s in spec.outputs if s.optional and (kw.pop("return_" + s.name, False) or outs[s] is not None)}
         frees = {spec.dim_names[i]: kw.pop(spec.dim_names[i], None) for i in spec.free_dims}
         scal = {f["name"]: kw.pop(f["name"], None) for f in spec.scalars}
+        fp8 = {k: kw.pop(k, None) for k in ("a_scale", "b_scale", "out_dtype", "scaling")} if spec.fp8 else {}
         if kw:
             raise TypeError(f"tandem.{op}: unexpected keyword argument(s) {', '.join(sorted(kw))}")
         if len(inputs) != len(spec.inputs):
@@ -611,7 +664,7 @@ class Communicator(FastPath):
                 like = t
             if s.type == "raw" and raw is None:
                 raw = t
-        dt = _dtype_code(like, op) if like is not None else 0
+        dt = _dtype_code(like, op, fp8=spec.fp8) if like is not None else 0
         tensors = {s.name: t for s, t in zip(spec.inputs, inputs)}
         given = {**tensors, **{s.name: t for s, t in outs.items() if t is not None}}
         lay = _enum_code(scal.get("layout") or 0, op) if spec.transposes else None
@@ -623,9 +676,16 @@ class Communicator(FastPath):
         for t, s in zip(inputs, spec.inputs):
             if s.type != "raw":
                 self._shape(t, s.name, op, spec.shape(s, dims, share, rank, size, layout=lay), spec.text_of(s, lay))
+        out_dt, codes, scales = like.dtype if like is not None else None, {}, {}
+        if spec.fp8:  # a_scale's block shape is [ceil(k/128), rows of A]; b_scale's [ceil(n/128), ceil(k/128)]
+            rows = spec.shape(spec.fp8_scales[0], dims, share, rank, size)[1]
+            k, n = dims[spec.dim_names.index("k")], dims[spec.dim_names.index("n")]
+            out_dt, codes["out_dtype"], codes["scaling"], scales["a_scale"], scales["b_scale"] = self._fp8(
+                op, like, rows, n, k, fp8["a_scale"], fp8["b_scale"], fp8["out_dtype"], fp8["scaling"])
         for s in spec.outputs:
             shape = spec.shape(s, dims, share, rank, size, like=raw, layout=lay)
-            dtype = raw.dtype if s.type == "raw" else s.dtype(like.dtype if like is not None else None)
+            dtype = (raw.dtype if s.type == "raw" else out_dt if s.type == "out_dtype" else
+                     s.dtype(like.dtype if like is not None else None))
             t = outs[s]
             if t is None and (not s.optional or s in want):
                 outs[s] = self._out(shape, dtype)
@@ -640,7 +700,8 @@ class Communicator(FastPath):
                                          f"shape {list(shape)}), got shape {list(t.shape)}")
                 else:
                     self._shape(t, spec.out_name(s), op, shape, spec.text_of(s, lay))
-        ordered = [tensors.get(s.name) if not s.output else outs[s] for s in spec.slots]
+        ordered = [scales.get(s.name) if s.fp8_scale else tensors.get(s.name) if not s.output else outs[s]
+                   for s in spec.slots]
         slots, staged = self._resolve(ordered, [s.name for s in spec.slots], op)
         fields = [ARG_STRUCTS[op].size]
         for f in spec.fields:
@@ -649,8 +710,10 @@ class Communicator(FastPath):
                 fields.append(dt)
             elif k == "dim":
                 fields.append(dims[i])
+            elif k == "flag" and f["name"] in codes:  # FP8's out_dtype and scaling
+                fields.append(codes[f["name"]])
             elif k == "flag":
-                v = scal[f["name"]]
+                v = scal.get(f["name"])
                 fields.append(_enum_code(v if v is not None else 0, op, f["name"]) if f["enum"] else (1 if v else 0))
             elif k == "scale":
                 v = scal[f["name"]]
@@ -675,32 +738,36 @@ class Communicator(FastPath):
     # ---- the public ops: eager calls go straight to the C ABI; under torch.compile they become torch.library ops
     # (tandem::<op>, with fake implementations), so graphs hold them whole (fullgraph=True).
     # The fast paths serve the default layout ("nt"); another goes to the full path.
-    def ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None, layout="nt"):
+    # FP8 inputs (a_scale, b_scale, out_dtype, scaling) take the full eager path; torch.compile does not take them yet.
+    def ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None, layout="nt", **fp8):
         if _tc._is_compiling_flag or _dynamo_compiling():
+            _no_fp8_compiled("ag_gemm", fp8)
             return _ops.ag_gemm(self, a, b, out=out, m=m, a_gathered=a_gathered, layout=layout)
-        if layout == 0 or layout == "nt":
+        if (layout == 0 or layout == "nt") and not fp8:
             r = self._hot_ag_gemm(a, b, out, m, a_gathered)
             if r is not None:
                 return r
-        return self._eager_ag_gemm(a, b, out=out, m=m, a_gathered=a_gathered, layout=layout)
+        return self._eager_ag_gemm(a, b, out=out, m=m, a_gathered=a_gathered, layout=layout, **fp8)
 
-    def gemm_rs(self, a, b, *, out=None, layout="nt"):
+    def gemm_rs(self, a, b, *, out=None, layout="nt", **fp8):
         if _tc._is_compiling_flag or _dynamo_compiling():
+            _no_fp8_compiled("gemm_rs", fp8)
             return _ops.gemm_rs(self, a, b, out=out, layout=layout)
-        if layout == 0 or layout == "nt":
+        if (layout == 0 or layout == "nt") and not fp8:
             r = self._hot_gemm_rs(a, b, out)
             if r is not None:
                 return r
-        return self._eager_gemm_rs(a, b, out=out, layout=layout)
+        return self._eager_gemm_rs(a, b, out=out, layout=layout, **fp8)
 
-    def gemm_ar(self, a, b, *, out=None, layout="nt"):
+    def gemm_ar(self, a, b, *, out=None, layout="nt", **fp8):
         if _tc._is_compiling_flag or _dynamo_compiling():
+            _no_fp8_compiled("gemm_ar", fp8)
             return _ops.gemm_ar(self, a, b, out=out, layout=layout)
-        if layout == 0 or layout == "nt":
+        if (layout == 0 or layout == "nt") and not fp8:
             r = self._hot_gemm_ar(a, b, out)
             if r is not None:
                 return r
-        return self._eager_gemm_ar(a, b, out=out, layout=layout)
+        return self._eager_gemm_ar(a, b, out=out, layout=layout, **fp8)
 
     def moe_dispatch_gemm(self, x, topk_ids, topk_weights, w, *, capacity: int | None = None, out=None,
                           row_info=None, expert_counts=None):
@@ -786,11 +853,19 @@ class Pending:
         return self.out
 
 
-def _dtype_code(t, op):
-    dt = _DTYPES.get(t.dtype)
+def _dtype_code(t, op, fp8: bool = False):
+    dt = _DTYPES.get(t.dtype) or (_FP8_DTYPES.get(t.dtype) if fp8 else None)
     if dt is None:
-        raise ValueError(f"tandem.{op}: dtype {t.dtype} is not supported; use {_DTYPE_NAMES}")
+        more = "" if fp8 or t.dtype not in _FP8_DTYPES else " (FP8 inputs are taken by ag_gemm, gemm_rs and gemm_ar)"
+        raise ValueError(f"tandem.{op}: dtype {t.dtype} is not supported; use {_DTYPE_NAMES}"
+                         f"{' (or torch.float8_e4m3fn, torch.float8_e5m2)' if fp8 else ''}{more}")
     return dt
+
+
+def _no_fp8_compiled(op: str, fp8: dict) -> None:
+    if fp8:
+        raise NotImplementedError(f"tandem.{op}: FP8 arguments ({', '.join(sorted(fp8))}) are not taken under "
+                                  "torch.compile yet; call it eagerly (torch.compiler.disable)")
 
 
 def _capi_elsize(dtype) -> int:

@@ -44,7 +44,8 @@ def _hot_size(name: str) -> int | None:
     here the "nt" layout, the one layout the fast paths serve. None: the struct does not start with those slots."""
     op, size = _capi.OPS[name], 8 * _HOT_SLOTS[name]
     past = [f for f in op["fields"] if f["offset"] >= size]
-    if op["struct_size"] < size or any(not (f["kind"] == "flag" and f["enum"]) for f in past):
+    # (past the slots: enums read as 0 and tensors as absent, e.g. the GEMM ops' FP8 scales)
+    if op["struct_size"] < size or any(not (f["kind"] == "flag" and f["enum"] or f["kind"] == "tensor") for f in past):
         return None
     return size
 
@@ -230,7 +231,8 @@ class FastPath:
                 return None
             stream = _raw_stream(self._devidx) if _raw_stream is not None else self._stream()
         plan = self._plans[op]
-        plan[1](plan[2], 0, plan[5], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1], stream, 0)  # layout "nt"
+        # layout "nt"; no FP8 fields (out_dtype, scaling, a_scale, b_scale)
+        plan[1](plan[2], 0, plan[5], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1], stream, 0, 0, 0, 0, 0, 0, 0)
         self._go(plan, stream)
         return out
 
@@ -297,7 +299,7 @@ class FastPath:
             stream = _raw_stream(self._devidx) if _raw_stream is not None else self._stream()
         plan = self._plans["ag_gemm"]
         plan[1](plan[2], 0, plan[5], dt, m, n, k, ea[0], ea[1], eb[0], eb[1], ec[0], ec[1], eg[0], eg[1], stream,
-                0)  # layout "nt"
+                0, 0, 0, 0, 0, 0, 0)  # layout "nt"; no FP8 fields
         self._go(plan, stream)
         return out
 

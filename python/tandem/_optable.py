@@ -34,6 +34,8 @@ class Slot:
         self.name, self.index = s["name"], index
         self.type, self.output, self.optional, self.shape_text = s["type"], s["output"], s["optional"], s["shape"]
         self.operand: str = s.get("operand", "")
+        # An FP8 scale (a_scale, b_scale of the GEMM ops): one fp32 per tensor, or the block shape of its terms.
+        self.fp8_scale: bool = s.get("fp8_scale", False)
         self.shape_transposed: str = s.get("shape_transposed", "")
         terms = s["terms"]
         self.axes: list[list[dict]] = []
@@ -54,11 +56,16 @@ class Spec:
         self.name: str = op["py_name"]
         self.dim_names: list[str] = [d["name"] for d in op["dims"]]
         self.slots = [Slot(s, i) for i, s in enumerate(op["slots"])]
-        self.inputs = [s for s in self.slots if not s.output]
+        # FP8 scales and the out_dtype and scaling fields are keywords of the eager paths only (FP8 inputs); the
+        # torch.library ops' schemas leave them out.
+        self.fp8: bool = op.get("fp8", False)
+        self.fp8_scales = [s for s in self.slots if s.fp8_scale]
+        self.inputs = [s for s in self.slots if not s.output and not s.fp8_scale]
         self.outputs = [s for s in self.slots if s.output]
         self.raw = any(s.type == "raw" for s in self.slots)
         self.fields: list[dict] = op["fields"]
-        self.scalars = [f for f in self.fields if f["kind"] in ("flag", "scale")]
+        fp8_fields = ("out_dtype", "scaling") if self.fp8 else ()
+        self.scalars = [f for f in self.fields if f["kind"] in ("flag", "scale") and f["name"] not in fp8_fields]
         # The GEMM layout: the enum field named "layout" of an op with operand slots, and per code the operands it
         # stores transposed.
         self.enums: dict = _capi.ENUMS.get(self.name, {})
@@ -156,6 +163,8 @@ class Spec:
                 return share[d] if d in share else dims[d] // nranks()
             if k == "nranks":
                 return nranks()
+            if k == "blocks":
+                return -(-dims[d] // t["value"])
             return t["value"]
 
         if slot.type == "raw":

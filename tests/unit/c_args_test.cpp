@@ -58,25 +58,44 @@ std::map<std::string, Case> cases() {
     a.dtype = TANDEM_DTYPE_BF16, a.m = 11, a.n = 12, a.k = 13;
     a.a = tensor(0), a.b = tensor(1), a.c = tensor(2), a.a_gathered = tensor(3), a.cuda_stream = stream();
     a.layout = TANDEM_GEMM_TN;
-    m["tandem_ag_gemm_args_t"] = {[=] { return unpack(OpKind::kAgGemm, a); },
-                                  expected(OpKind::kAgGemm, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c, a.a_gathered},
-                                           a.cuda_stream, tandem::gemmLayoutFlags(tandem::GemmOperands::kTN))};
+    m["tandem_ag_gemm_args_t"] = {
+        [=] { return unpack(OpKind::kAgGemm, a); },
+        expected(OpKind::kAgGemm, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c, a.a_gathered, {}, {}}, a.cuda_stream,
+                 tandem::gemmLayoutFlags(tandem::GemmOperands::kTN))};
+  }
+  {  // FP8 inputs: the output dtype and the scaling mode go into the flags, the scales into slots 4 and 5
+    auto a = sized<tandem_ag_gemm_args_t>();
+    a.dtype = TANDEM_DTYPE_FP8_E4M3, a.m = 14, a.n = 15, a.k = 16;
+    a.a = tensor(40), a.b = tensor(41), a.c = tensor(42), a.a_gathered = tensor(43), a.cuda_stream = stream();
+    a.layout = TANDEM_GEMM_NN, a.out_dtype = TANDEM_DTYPE_FP32, a.scaling = TANDEM_FP8_SCALE_BLOCK;
+    a.a_scale = tensor(44), a.b_scale = tensor(45);
+    m["tandem_ag_gemm_args_t fp8"] = {
+        [=] { return unpack(OpKind::kAgGemm, a); },
+        expected(OpKind::kAgGemm, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c, a.a_gathered, a.a_scale, a.b_scale},
+                 a.cuda_stream,
+                 tandem::gemmLayoutFlags(tandem::GemmOperands::kNN) | (1U << tandem::kGemmOutDtypeShift) |
+                     tandem::kFlagFp8BlockScale)};
   }
   {
     auto a = sized<tandem_gemm_rs_args_t>();
     a.dtype = TANDEM_DTYPE_FP16, a.m = 21, a.n = 22, a.k = 23;
     a.a = tensor(4), a.b = tensor(5), a.c = tensor(6), a.cuda_stream = stream(), a.layout = TANDEM_GEMM_NN;
-    m["tandem_gemm_rs_args_t"] = {[=] { return unpack(OpKind::kGemmRs, a); },
-                                  expected(OpKind::kGemmRs, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c}, a.cuda_stream,
-                                           tandem::gemmLayoutFlags(tandem::GemmOperands::kNN))};
+    a.out_dtype = TANDEM_DTYPE_FP16, a.a_scale = tensor(46), a.b_scale = tensor(47);
+    m["tandem_gemm_rs_args_t"] = {
+        [=] { return unpack(OpKind::kGemmRs, a); },
+        expected(OpKind::kGemmRs, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c, a.a_scale, a.b_scale}, a.cuda_stream,
+                 tandem::gemmLayoutFlags(tandem::GemmOperands::kNN) | (2U << tandem::kGemmOutDtypeShift))};
   }
   {
     auto a = sized<tandem_gemm_ar_args_t>();
     a.dtype = TANDEM_DTYPE_FP32, a.m = 31, a.n = 32, a.k = 33;
     a.a = tensor(7), a.b = tensor(8), a.c = tensor(9), a.cuda_stream = stream(), a.layout = TANDEM_GEMM_TN;
-    m["tandem_gemm_ar_args_t"] = {[=] { return unpack(OpKind::kGemmAr, a); },
-                                  expected(OpKind::kGemmAr, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c}, a.cuda_stream,
-                                           tandem::gemmLayoutFlags(tandem::GemmOperands::kTN))};
+    a.dtype = TANDEM_DTYPE_FP8_E5M2, a.out_dtype = TANDEM_DTYPE_BF16, a.scaling = TANDEM_FP8_SCALE_TENSOR;
+    a.a_scale = tensor(48), a.b_scale = tensor(49);
+    m["tandem_gemm_ar_args_t"] = {
+        [=] { return unpack(OpKind::kGemmAr, a); },
+        expected(OpKind::kGemmAr, a.dtype, {a.m, a.n, a.k}, {a.a, a.b, a.c, a.a_scale, a.b_scale}, a.cuda_stream,
+                 tandem::gemmLayoutFlags(tandem::GemmOperands::kTN) | (3U << tandem::kGemmOutDtypeShift))};
   }
   {
     auto a = sized<tandem_ring_attention_backward_args_t>();
@@ -184,6 +203,32 @@ TEST_CASE("capi args: the C argument structs unpack through the op table as the 
                     ": fill its struct and write its field-by-field copy");
     checkSame(it->second.unpack(), it->second.want);
   }
+}
+
+TEST_CASE("capi args: the GEMM structs' FP8 fields (out_dtype, scaling, a_scale, b_scale)") {
+  const auto all = cases();
+  const auto it = all.find("tandem_ag_gemm_args_t fp8");
+  REQUIRE(it != all.end());
+  checkSame(it->second.unpack(), it->second.want);
+
+  // A caller built before the FP8 fields (its struct ends after layout): no output dtype, per tensor, no scales.
+  const tandem::OpSpec& rs = tandem::opSpec(OpKind::kGemmRs);
+  auto g = sized<tandem_gemm_rs_args_t>();
+  g.layout = TANDEM_GEMM_NN, g.out_dtype = TANDEM_DTYPE_FP32, g.scaling = TANDEM_FP8_SCALE_BLOCK;
+  g.a_scale = tensor(1), g.b_scale = tensor(2);
+  g.struct_size = offsetof(tandem_gemm_rs_args_t, out_dtype);
+  const CArgs old = tandem::client::unpackArgs(rs, &g);
+  CHECK(old.desc.flags == tandem::gemmLayoutFlags(tandem::GemmOperands::kNN));
+  CHECK(old.tensors[tandem::slot::kReduceAScale].buffer == nullptr);
+  CHECK(old.tensors[tandem::slot::kReduceBScale].buffer == nullptr);
+  g.struct_size = sizeof g;
+  g.out_dtype = TANDEM_DTYPE_INT32;
+  CHECK(messageOf([&] { return tandem::client::unpackArgs(rs, &g); }) ==
+        "tandem_gemm_rs: out_dtype 4 is unknown; pass 0 (dtype's), TANDEM_DTYPE_FP32 (1), TANDEM_DTYPE_FP16 (2) or "
+        "TANDEM_DTYPE_BF16 (3)");
+  g.out_dtype = TANDEM_DTYPE_BF16, g.scaling = static_cast<tandem_fp8_scaling_t>(2);
+  CHECK(messageOf([&] { return tandem::client::unpackArgs(rs, &g); }) ==
+        "tandem_gemm_rs: scaling 2 is unknown; pass TANDEM_FP8_SCALE_TENSOR (0) or TANDEM_FP8_SCALE_BLOCK (1)");
 }
 
 TEST_CASE("capi args: struct_size, NULL and enum rules") {

@@ -5,12 +5,14 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "tandem/common/error.hpp"
+#include "tandem/common/numeric.hpp"
 #include "tandem/common/op_spec.hpp"
 #include "tandem/common/reference.hpp"
 #include "tandem/common/validate.hpp"
@@ -65,8 +67,9 @@ class Harness {
     tandem::daemon::runCpuOp(ops);
   }
 
-  // Runs the reference and compares every rank; fails the test with the comparison's detail.
-  void checkAgainstReference() {
+  // Runs the reference and compares every rank; fails the test with the comparison's detail. Returns the worst
+  // relative error.
+  double checkAgainstReference() {
     std::vector<std::array<const std::byte*, kMaxOpBuffers>> inputs(descs_.size());
     for (std::size_t r = 0; r < descs_.size(); ++r) {
       const auto p = pointers(r);
@@ -74,6 +77,7 @@ class Harness {
     }
     const ref::Expected expected = ref::compute(descs_, inputs);
     REQUIRE(expected.size() == descs_.size());
+    double worst = 0;
     for (std::size_t r = 0; r < descs_.size(); ++r) {
       const auto p = pointers(r);
       std::array<const std::byte*, kMaxOpBuffers> cp{};
@@ -81,7 +85,9 @@ class Harness {
       const ref::Comparison c = ref::compareRank(descs_[r], cp, expected[r]);
       INFO(c.detail);
       CHECK(c.ok);
+      worst = std::max(worst, c.relError);
     }
+    return worst;
   }
 
   // Every byte of every output slot, for determinism and "nothing written" checks.
@@ -549,5 +555,89 @@ TEST_CASE("cpu ops are deterministic: the same inputs give bitwise the same outp
     h.poisonOutputs();
     h.run();
     CHECK(first == h.outputBytes());
+  }
+}
+
+// FP8 inputs: the cpu backend against the reference on the dequantized inputs (value * scale) in fp64, per tensor and
+// block-scaled, in every layout, with K and N off the 128 tile (the last k- and n-blocks partial).
+TEST_CASE("the GEMM ops take FP8 inputs: per tensor and block-scaled, against the dequantized fp64 reference") {
+  double worstBf16 = 0, worstF32 = 0;
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    for (DType dtype : {DType::kF8E4M3, DType::kF8E5M2}) {
+      for (uint32_t nranks : {1u, 2u, 3u, 4u}) {
+        for (bool block : {false, true}) {
+          for (DType out : {DType::kBF16, DType::kF32}) {
+            for (const GemmOperands layout : {GemmOperands::kNT, GemmOperands::kNN, GemmOperands::kTN}) {
+              ref::OpShape shape = shapeFor(kind, dtype, nranks);
+              shape.m = 37, shape.n = 131, shape.k = kind == OpKind::kAgGemm ? 300 : 300 * nranks / 2 + 7;
+              shape.blockScale = block, shape.outDtype = out, shape.layout = layout;
+              INFO(fmt::format("{} {} nranks {} {} out {} layout {}", tandem::opKindName(kind),
+                               tandem::dtypeName(dtype), nranks, block ? "block" : "per tensor",
+                               tandem::dtypeName(out), tandem::gemmLayoutName(layout)));
+              Harness h(shape, nranks, 77 + nranks);
+              h.run();
+              double& worst = out == DType::kBF16 ? worstBf16 : worstF32;
+              worst = std::max(worst, h.checkAgainstReference());
+            }
+          }
+        }
+      }
+    }
+  }
+  MESSAGE("FP8 GEMM ops, worst relative error vs the dequantized fp64 product: bf16 c " << worstBf16 << ", fp32 c "
+                                                                                         << worstF32);
+}
+
+// The scales' layout, written out by hand here rather than through the reference: a_scale [ceil(k/128), m] M-major,
+// b_scale [ceil(n/128), ceil(k/128)].
+TEST_CASE("FP8 block scales apply per 1x128 of A and per 128x128 of B") {
+  ref::OpShape shape = shapeFor(OpKind::kGemmAr, DType::kF8E4M3, 1);
+  shape.m = 3, shape.n = 130, shape.k = 200, shape.blockScale = true, shape.outDtype = DType::kF32;
+  Harness h(shape, 1, 5);
+  const std::size_t m = 3, n = 130, k = 200, kb = 2;
+  REQUIRE(h.memory(0, slot::kReduceAScale).size() == kb * m * 4);
+  REQUIRE(h.memory(0, slot::kReduceBScale).size() == 2 * kb * 4);
+  h.run();
+  const auto at = [&](int s, std::size_t i, DType t = DType::kF32) {
+    return tandem::loadElement(h.memory(0, s).data(), t, i);
+  };
+  const DType f8 = DType::kF8E4M3;
+  for (std::size_t i = 0; i < m; ++i)
+    for (std::size_t j = 0; j < n; ++j) {
+      double want = 0;
+      for (std::size_t p = 0; p < k; ++p) {
+        const double a = at(slot::kA, i * k + p, f8) * at(slot::kReduceAScale, (p / 128) * m + i);
+        const double b = at(slot::kB, j * k + p, f8) * at(slot::kReduceBScale, (j / 128) * kb + p / 128);
+        want += a * b;
+      }
+      CAPTURE(i);
+      CAPTURE(j);
+      CHECK(at(slot::kC, i * n + j) == doctest::Approx(want).epsilon(1e-5));
+    }
+}
+
+TEST_CASE("fp8 conversions round to nearest even and do not saturate") {
+  using tandem::roundTo;
+  CHECK(roundTo(DType::kF8E4M3, 448.0f) == 448.0f);
+  CHECK(roundTo(DType::kF8E4M3, 464.0f) == 448.0f);        // the tie rounds to the even 448
+  CHECK(std::isnan(roundTo(DType::kF8E4M3, 465.0f)));      // e4m3 has no Inf
+  CHECK(roundTo(DType::kF8E4M3, 0.0625f * 1.0625f) == 0.0625f);  // 1.0625 ties to 1.0 (even mantissa)
+  CHECK(roundTo(DType::kF8E4M3, 1.0f / 512.0f) == 1.0f / 512.0f);  // the smallest subnormal, 2^-9
+  CHECK(roundTo(DType::kF8E4M3, 1.0f / 2048.0f) == 0.0f);
+  CHECK(roundTo(DType::kF8E4M3, -3.3f) == -3.25f);
+  CHECK(roundTo(DType::kF8E5M2, 57344.0f) == 57344.0f);
+  CHECK(std::isinf(roundTo(DType::kF8E5M2, 61440.0f)));     // the tie above the largest finite goes to Inf
+  CHECK(roundTo(DType::kF8E5M2, 1.0f / 65536.0f) == 1.0f / 65536.0f);  // the smallest subnormal, 2^-16
+  CHECK(roundTo(DType::kF8E5M2, 0.3f) == 0.3125f);
+  // every code decodes and re-encodes to itself (NaNs aside)
+  for (DType t : {DType::kF8E4M3, DType::kF8E5M2}) {
+    for (int code = 0; code < 256; ++code) {
+      std::byte in{static_cast<uint8_t>(code)}, out{};
+      const float v = tandem::loadElement(&in, t, 0);
+      if (std::isnan(v)) continue;
+      tandem::storeElement(&out, t, 0, v);
+      CAPTURE(code);
+      CHECK(std::to_integer<int>(out) == code);
+    }
   }
 }

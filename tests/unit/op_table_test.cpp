@@ -115,21 +115,27 @@ const std::map<std::string, CStructFacts>& cStructs() {
       out["tandem_ag_gemm_args_t"] = {sizeof(T), {TANDEM_FIELD(T, dtype), TANDEM_FIELD(T, m), TANDEM_FIELD(T, n),
                                                   TANDEM_FIELD(T, k), TANDEM_FIELD(T, a), TANDEM_FIELD(T, b),
                                                   TANDEM_FIELD(T, c), TANDEM_FIELD(T, a_gathered),
-                                                  TANDEM_FIELD(T, cuda_stream), TANDEM_FIELD(T, layout)}};
+                                                  TANDEM_FIELD(T, cuda_stream), TANDEM_FIELD(T, layout),
+                                                  TANDEM_FIELD(T, out_dtype), TANDEM_FIELD(T, scaling),
+                                                  TANDEM_FIELD(T, a_scale), TANDEM_FIELD(T, b_scale)}};
     }
     {
       using T = tandem_gemm_rs_args_t;
       out["tandem_gemm_rs_args_t"] = {sizeof(T), {TANDEM_FIELD(T, dtype), TANDEM_FIELD(T, m), TANDEM_FIELD(T, n),
                                                   TANDEM_FIELD(T, k), TANDEM_FIELD(T, a), TANDEM_FIELD(T, b),
                                                   TANDEM_FIELD(T, c), TANDEM_FIELD(T, cuda_stream),
-                                                  TANDEM_FIELD(T, layout)}};
+                                                  TANDEM_FIELD(T, layout), TANDEM_FIELD(T, out_dtype),
+                                                  TANDEM_FIELD(T, scaling), TANDEM_FIELD(T, a_scale),
+                                                  TANDEM_FIELD(T, b_scale)}};
     }
     {
       using T = tandem_gemm_ar_args_t;
       out["tandem_gemm_ar_args_t"] = {sizeof(T), {TANDEM_FIELD(T, dtype), TANDEM_FIELD(T, m), TANDEM_FIELD(T, n),
                                                   TANDEM_FIELD(T, k), TANDEM_FIELD(T, a), TANDEM_FIELD(T, b),
                                                   TANDEM_FIELD(T, c), TANDEM_FIELD(T, cuda_stream),
-                                                  TANDEM_FIELD(T, layout)}};
+                                                  TANDEM_FIELD(T, layout), TANDEM_FIELD(T, out_dtype),
+                                                  TANDEM_FIELD(T, scaling), TANDEM_FIELD(T, a_scale),
+                                                  TANDEM_FIELD(T, b_scale)}};
     }
     {
       using T = tandem_moe_dispatch_gemm_args_t;

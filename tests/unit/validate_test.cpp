@@ -124,7 +124,10 @@ TEST_CASE("validateDescriptor returns the slot rules of tandem.h") {
   CHECK_FALSE(ag[slot::kA].output);
   CHECK(ag[slot::kC].output);
   CHECK(ag[slot::kAGathered].optional);
-  CHECK(ag[4].name.empty());
+  CHECK(ag[slot::kAgAScale].name == "a_scale");  // FP8 scales: none (0 bytes) for fp16 inputs
+  CHECK(ag[slot::kAgAScale].bytes == 0);
+  CHECK(ag[slot::kAgBScale].dtype == DType::kF32);
+  CHECK(ag[6].name.empty());
   const tandem::SlotRules moe = tandem::validateDescriptor(good(OpKind::kMoeDispatchGemm, DType::kBF16, 0, 4));
   CHECK(moe[slot::kTopkIds].dtype == DType::kI32);
   CHECK(moe[slot::kTopkWeights].dtype == DType::kF32);
@@ -210,8 +213,8 @@ TEST_CASE("validateDescriptor rejects bad headers, naming the field") {
         CHECK_NOTHROW(tandem::validateDescriptor(g));
       }
       OpDescriptor g = good(kind);
-      g.dtype = static_cast<DType>(5);
-      rejects(g, {"dtype 5 is unknown"});
+      g.dtype = static_cast<DType>(7);
+      rejects(g, {"dtype 7 is unknown"});
     }
   }
   SUBCASE("unknown flags") {
@@ -439,7 +442,12 @@ struct ExpectedSlots {
 
 ExpectedSlots independentSlots(const OpDescriptor& d) {
   ExpectedSlots x;
-  const U128 es = d.dtype == DType::kF32 ? 4 : 2;
+  // FP8 (dtype 5, 6): one byte, c in the output dtype of flags bits 4-5 (1 fp32, 2 fp16, 3 bf16), fp32 scales.
+  const bool fp8 = d.dtype == DType::kF8E4M3 || d.dtype == DType::kF8E5M2;
+  const U128 es = fp8 ? 1 : d.dtype == DType::kF32 ? 4 : 2;
+  const unsigned outCode = (d.flags >> 4) & 3U;
+  const U128 outEs = outCode == 0 ? es : outCode == 1 ? 4 : 2;
+  const bool blockScales = (d.flags & 0x40U) != 0;
   const auto& v = d.dims;
   auto set = [&x](int s, U128 bytes, uint64_t align, bool optional = false) {
     x.used[static_cast<std::size_t>(s)] = true;
@@ -449,18 +457,28 @@ ExpectedSlots independentSlots(const OpDescriptor& d) {
   };
   const uint64_t myRows = d.nranks == 0 ? 0 : v[0] / d.nranks + (d.rank < v[0] % d.nranks ? 1 : 0);
   const auto esAlign = static_cast<uint64_t>(es);
+  const auto outAlign = static_cast<uint64_t>(outEs);
+  const auto blocks = [](uint64_t extent) { return (U128{extent} + 127) / 128; };
+  // a_scale [ceil(k/128), rows] and b_scale [ceil(n/128), ceil(k/128)] when block-scaled, one fp32 each per tensor,
+  // none unless FP8.
+  const auto scales = [&](int s, uint64_t rows) {
+    set(s, !fp8 ? 0 : !blockScales ? 4 : blocks(v[2]) * rows * 4, 4);
+    set(s + 1, !fp8 ? 0 : !blockScales ? 4 : blocks(v[1]) * blocks(v[2]) * 4, 4);
+  };
   switch (d.kind) {
     case OpKind::kAgGemm:
       set(0, U128{myRows} * v[2] * es, esAlign);
       set(1, U128{v[1]} * v[2] * es, esAlign);
-      set(2, U128{v[0]} * v[1] * es, esAlign);
+      set(2, U128{v[0]} * v[1] * outEs, outAlign);
       set(3, U128{v[0]} * v[2] * es, esAlign, true);
+      scales(4, myRows);
       break;
     case OpKind::kGemmRs:
     case OpKind::kGemmAr:
       set(0, U128{v[0]} * v[2] * es, esAlign);
       set(1, U128{v[1]} * v[2] * es, esAlign);
-      set(2, U128{d.kind == OpKind::kGemmRs ? myRows : v[0]} * v[1] * es, esAlign);
+      set(2, U128{d.kind == OpKind::kGemmRs ? myRows : v[0]} * v[1] * outEs, outAlign);
+      scales(3, v[0]);
       break;
     case OpKind::kMoeDispatchGemm:
     case OpKind::kMoeDispatchFfnCombine: {
@@ -517,6 +535,13 @@ TEST_CASE("validateDescriptor never crashes and never accepts bytes that disagre
     for (DType t : {DType::kBF16, DType::kF32})
       for (uint32_t nranks : {1u, 3u, 4u})
         for (uint32_t rank = 0; rank < nranks; ++rank) pool.push_back(good(kind, t, rank, nranks));
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {  // FP8, per tensor and block-scaled
+    for (bool block : {false, true}) {
+      ref::OpShape shape = smallShape(kind, DType::kF8E4M3);
+      shape.blockScale = block;
+      for (uint32_t rank = 0; rank < 3; ++rank) pool.push_back(withBuffers(ref::makeDescriptor(shape, rank, 3)));
+    }
+  }
 
   std::mt19937_64 rng(20240607);
   int accepted = 0, mutatedAccepted = 0;
@@ -550,7 +575,7 @@ TEST_CASE("validateDescriptor never crashes and never accepts bytes that disagre
           break;
         case 6:
           d.kind = static_cast<OpKind>(rng() % 10);
-          d.dtype = static_cast<DType>(rng() % 6);
+          d.dtype = static_cast<DType>(rng() % 8);
           d.flags = static_cast<uint16_t>(rng() % 3);
           break;
         default: fixBytes(d); break;  // a consistent shape change: these should often pass
@@ -591,4 +616,68 @@ TEST_CASE("validateDescriptor never crashes and never accepts bytes that disagre
   }
   MESSAGE("fuzz: " << accepted << " of 100000 accepted, " << mutatedAccepted << " of them mutated");
   CHECK(mutatedAccepted > 1000);  // the accept path was exercised, not only rejections
+}
+
+TEST_CASE("the GEMM ops' FP8 inputs: accepted with their scales, bad ones refused naming the argument") {
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    const std::string op(tandem::opKindName(kind));
+    const bool ag = kind == OpKind::kAgGemm;
+    const int aScale = ag ? tandem::slot::kAgAScale : tandem::slot::kReduceAScale;
+    const int bScale = ag ? tandem::slot::kAgBScale : tandem::slot::kReduceBScale;
+    CAPTURE(op);
+    ref::OpShape shape = smallShape(kind, DType::kF8E5M2);
+    shape.k = 300, shape.n = 131;
+    const OpDescriptor perTensor = withBuffers(ref::makeDescriptor(shape, 1, 4));
+    CHECK_NOTHROW(tandem::validateDescriptor(perTensor));
+    CHECK(perTensor.bufs[static_cast<std::size_t>(aScale)].bytes == 4);
+    CHECK(perTensor.bufs[tandem::slot::kC].bytes % 2 == 0);  // bf16 c by default
+    shape.blockScale = true;
+    shape.outDtype = DType::kF32;
+    const OpDescriptor block = withBuffers(ref::makeDescriptor(shape, 1, 4));
+    CHECK_NOTHROW(tandem::validateDescriptor(block));
+    const uint64_t rows = ag ? tandem::rowsOf(37, 1, 4) : 37, kLocal = block.dims[tandem::dim::kK];
+    CHECK(block.bufs[static_cast<std::size_t>(aScale)].bytes == (kLocal + 127) / 128 * rows * 4);
+    CHECK(block.bufs[static_cast<std::size_t>(bScale)].bytes == 2 * ((kLocal + 127) / 128) * 4);
+
+    OpDescriptor d = perTensor;
+    {  // a missing scale
+      d = perTensor;
+      d.bufs[static_cast<std::size_t>(aScale)] = {};
+      rejects(d, {op + ": buffer a_scale is absent (bufferId 0) but required", "fp32 [1] (per tensor)"});
+    }
+    {  // a scale of the wrong shape
+      d = block;
+      d.bufs[static_cast<std::size_t>(bScale)].bytes = 4;
+      rejects(d, {op + ": buffer b_scale claims 4 bytes but ceil(n/128)*ceil(k/128)*4 = " +
+                     std::to_string(block.bufs[static_cast<std::size_t>(bScale)].bytes)});
+      d = perTensor;
+      d.bufs[static_cast<std::size_t>(aScale)].bytes = 8;
+      rejects(d, {op + ": buffer a_scale claims 8 bytes but 1*4 = 4"});
+    }
+    {  // no output dtype, or an FP8 or fp16 one
+      d = perTensor;
+      d.flags &= static_cast<uint16_t>(~tandem::kFlagGemmOutDtype);
+      rejects(d, {op + ": out_dtype is 0 (dtype's) with fp8-e5m2 inputs; c of an FP8 GEMM is bf16 or fp32"});
+      d.flags |= static_cast<uint16_t>(2U << tandem::kGemmOutDtypeShift);
+      rejects(d, {"out_dtype is fp16 with fp8-e5m2 inputs"});
+    }
+    {  // scales, an output dtype or block scaling without FP8 inputs
+      OpDescriptor bf = good(kind);
+      bf.bufs[static_cast<std::size_t>(aScale)] = {7, 0, 4};
+      rejects(bf, {op + ": a_scale is set but dtype is bf16; scales apply to FP8 inputs only"});
+      bf = good(kind);
+      bf.flags |= static_cast<uint16_t>(1U << tandem::kGemmOutDtypeShift);
+      rejects(bf, {op + ": out_dtype is fp32 but dtype is bf16; only FP8 inputs take another output dtype"});
+      bf = good(kind);
+      bf.flags |= static_cast<uint16_t>(3U << tandem::kGemmOutDtypeShift);  // bf16 = its own dtype: fine
+      CHECK_NOTHROW(tandem::validateDescriptor(bf));
+      bf.flags |= tandem::kFlagFp8BlockScale;
+      rejects(bf, {op + ": scaling is TANDEM_FP8_SCALE_BLOCK but dtype is bf16"});
+    }
+  }
+  {  // an op without an FP8 path
+    OpDescriptor moe = good(OpKind::kMoeDispatchFfnCombine);
+    moe.dtype = DType::kF8E4M3;
+    rejects(moe, {"moe-dispatch-ffn-combine: dtype fp8-e4m3 not supported; this op has no FP8 path"});
+  }
 }

@@ -90,7 +90,11 @@ typedef enum tandem_dtype {
   TANDEM_DTYPE_FP32 = 1,
   TANDEM_DTYPE_FP16 = 2,
   TANDEM_DTYPE_BF16 = 3,
-  TANDEM_DTYPE_INT32 = 4 /* index tensors only (MoE top-k expert ids) */
+  TANDEM_DTYPE_INT32 = 4, /* index tensors only (MoE top-k expert ids) */
+  /* OCP FP8, one byte: a and b of ag-gemm, gemm-rs and gemm-ar only, with fp32 scales (tandem_fp8_scaling_t) and a
+   * bf16 or fp32 c (out_dtype). e4m3: max 448, for weights and activations; e5m2: max 57344, for gradients. */
+  TANDEM_DTYPE_FP8_E4M3 = 5,
+  TANDEM_DTYPE_FP8_E5M2 = 6
 } tandem_dtype_t;
 
 typedef struct tandem_session* tandem_session_t; /* one connection to tandemd */
@@ -233,10 +237,26 @@ typedef enum tandem_gemm_layout {
   TANDEM_GEMM_TN = 2,
 } tandem_gemm_layout_t;
 
+/* FP8 inputs (dtype TANDEM_DTYPE_FP8_*) of the GEMM ops: how the fp32 a_scale and b_scale apply. They scale the
+ * logical operands op(a) [rows, k] and op(b) [n, k], so every layout takes them alike; the product is computed in
+ * fp32 from the dequantized values (value * scale) and c is written in out_dtype (TANDEM_DTYPE_BF16 or _FP32).
+ *   TANDEM_FP8_SCALE_TENSOR (0): a_scale and b_scale are one fp32 each.
+ *   TANDEM_FP8_SCALE_BLOCK (1), blocks of 128 as DeepSeek-V3 (and tandem's FP8 GEMM core): a_scale is
+ *     [ceil(k/128), rows] (M-major: k-block kb's scales of all rows are contiguous), op(a)[i][p] scaled by
+ *     a_scale[p/128][i]; b_scale is [ceil(n/128), ceil(k/128)], op(b)[j][p] scaled by b_scale[j/128][p/128].
+ *     rows: this rank's rows of a (ag-gemm's shard, m for gemm-rs/ar); k: this rank's k (gemm-rs/ar: its slice).
+ * Other dtypes take out_dtype 0 (or dtype), scaling 0 and no scales. The cuda backend refuses FP8 inputs for now
+ * (TANDEM_ERROR_UNSUPPORTED); the cpu backend runs them on one node. */
+typedef enum tandem_fp8_scaling {
+  TANDEM_FP8_SCALE_TENSOR = 0,
+  TANDEM_FP8_SCALE_BLOCK = 1,
+} tandem_fp8_scaling_t;
+
 /* AllGather + GEMM. A is sharded by rows of op(A): rank r holds rows_of(m, r, n) of them, as [rows, k]
  * (as [k, rows] in TANDEM_GEMM_TN). b is this rank's [n, k] ([k, n] in NN and TN). c = gather(op(A)) · op(b),
  * [m, n] on every rank. a_gathered (optional) receives every rank's shard as stored, in rank order: [m, k]
- * (in TN, n blocks [k, rows_r]). dtype: bf16, fp16 or fp32 for a, b, c and a_gathered. */
+ * (in TN, n blocks [k, rows_r]). dtype: bf16, fp16 or fp32 for a, b, c and a_gathered; or FP8 for a, b and
+ * a_gathered, with c in out_dtype (tandem_fp8_scaling_t). */
 typedef struct tandem_ag_gemm_args {
   size_t struct_size;
   tandem_dtype_t dtype;
@@ -245,6 +265,10 @@ typedef struct tandem_ag_gemm_args {
   void* cuda_stream; /* cuda backend: the caller's cudaStream_t; ignored by the cpu backend */
   /* appended after 0.2.x; struct_size tells whether a caller has it */
   tandem_gemm_layout_t layout;
+  /* appended after layout: FP8 inputs (tandem_fp8_scaling_t). out_dtype: c's dtype, 0 = dtype. */
+  tandem_dtype_t out_dtype;
+  tandem_fp8_scaling_t scaling;
+  tandem_tensor_t a_scale, b_scale; /* fp32; FP8 dtypes only */
 } tandem_ag_gemm_args_t;
 TANDEM_API tandem_status_t tandem_ag_gemm(tandem_comm_t comm, const tandem_ag_gemm_args_t* args, tandem_op_t* op);
 
@@ -259,6 +283,10 @@ typedef struct tandem_gemm_rs_args {
   void* cuda_stream;
   /* appended after 0.2.x; struct_size tells whether a caller has it */
   tandem_gemm_layout_t layout;
+  /* appended after layout: FP8 inputs (tandem_fp8_scaling_t). out_dtype: c's dtype, 0 = dtype. */
+  tandem_dtype_t out_dtype;
+  tandem_fp8_scaling_t scaling;
+  tandem_tensor_t a_scale, b_scale; /* fp32; FP8 dtypes only */
 } tandem_gemm_rs_args_t;
 TANDEM_API tandem_status_t tandem_gemm_rs(tandem_comm_t comm, const tandem_gemm_rs_args_t* args, tandem_op_t* op);
 
@@ -271,6 +299,10 @@ typedef struct tandem_gemm_ar_args {
   void* cuda_stream;
   /* appended after 0.2.x; struct_size tells whether a caller has it */
   tandem_gemm_layout_t layout;
+  /* appended after layout: FP8 inputs (tandem_fp8_scaling_t). out_dtype: c's dtype, 0 = dtype. */
+  tandem_dtype_t out_dtype;
+  tandem_fp8_scaling_t scaling;
+  tandem_tensor_t a_scale, b_scale; /* fp32; FP8 dtypes only */
 } tandem_gemm_ar_args_t;
 TANDEM_API tandem_status_t tandem_gemm_ar(tandem_comm_t comm, const tandem_gemm_ar_args_t* args, tandem_op_t* op);
 

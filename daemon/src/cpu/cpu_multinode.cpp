@@ -266,6 +266,11 @@ void runCpuOpAcrossNodes(std::span<const RankOp> ranks, std::span<const uint32_t
   const Layout l{ranks, nodeOfRank, link.self()};
   const OpKind kind = ranks[0].desc.kind;
   const OpSpec& op = opSpec(kind);
+  // Every node sees the same dtype, so all refuse alike before any exchange.
+  if (isFp8(ranks[0].desc.dtype)) {
+    fail(ErrorCode::kUnsupported, "{} with {} inputs across nodes: the cross-node path does not carry the FP8 scales "
+         "yet; run it on one node, or with bf16 inputs", opKindName(kind), dtypeName(ranks[0].desc.dtype));
+  }
   for (uint32_t from : link.nodes()) {
     for (uint32_t to : link.nodes()) {
       if (from == to) continue;

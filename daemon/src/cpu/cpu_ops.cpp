@@ -83,6 +83,37 @@ Floats loadKMajor(const std::byte* p, DType dtype, std::size_t rows, std::size_t
   return out;
 }
 
+// Rank `r`'s GEMM operand as [rows, k] fp32: op(A) (rows of A) or op(B) (`isB`, rows = n). FP8 inputs are
+// dequantized with their fp32 scales (value * scale, descriptor.hpp's kFlagFp8BlockScale).
+Floats operand(const RankOp& r, bool isB, std::size_t rows, std::size_t k) {
+  const OpDescriptor& d = r.desc;
+  const GemmOperands layout = gemmOperandsOf(d.flags);
+  const bool transposed = isB ? !bKMajor(layout) : aTransposed(layout);
+  Floats v = loadKMajor(r.data[isB ? slot::kB : slot::kA], d.dtype, rows, k, transposed);
+  if (!isFp8(d.dtype) || rows * k == 0) return v;
+  const int s = gemmScaleSlot(d.kind, isB);
+  const Floats scale = load(r.data[s], DType::kF32, d.bufs[static_cast<std::size_t>(s)].bytes / sizeof(float));
+  if ((d.flags & kFlagFp8BlockScale) == 0) {
+    for (float& x : v) x *= scale[0];
+    return v;
+  }
+  const std::size_t kBlocks = (k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  for (std::size_t i = 0; i < rows; ++i) {
+    float* row = v.data() + i * k;
+    for (std::size_t p = 0; p < k; ++p) {
+      const std::size_t kb = p / kFp8ScaleBlock;
+      row[p] *= isB ? scale[(i / kFp8ScaleBlock) * kBlocks + kb] : scale[kb * rows + i];
+    }
+  }
+  return v;
+}
+
+void requireScales(std::span<const RankOp> ranks) {
+  if (!isFp8(ranks[0].desc.dtype)) return;
+  requireMemory(ranks, gemmScaleSlot(ranks[0].desc.kind, false));
+  requireMemory(ranks, gemmScaleSlot(ranks[0].desc.kind, true));
+}
+
 // ---- ag-gemm ----------------------------------------------------------------------------------------
 
 void agGemm(std::span<const RankOp> ranks) {
@@ -94,23 +125,24 @@ void agGemm(std::span<const RankOp> ranks) {
   requireMemory(ranks, slot::kA);
   requireMemory(ranks, slot::kB);
   requireMemory(ranks, slot::kC);
+  requireScales(ranks);
+  const DType out = gemmOutDtype(dtype, d0.flags);
 
-  const GemmOperands layout = gemmOperandsOf(d0.flags);
-  // Gather op(A) once, in fp32, before any output is touched.
+  // Gather op(A) once, in fp32 (dequantized), before any output is touched.
   Floats a(m * k);
   for (uint32_t r = 0; r < n; ++r) {
     const std::size_t rows = rowsOf(m, r, n);
     if (rows == 0) continue;
-    const Floats shard = loadKMajor(ranks[r].data[slot::kA], dtype, rows, k, aTransposed(layout));
+    const Floats shard = operand(ranks[r], false, rows, k);
     std::copy(shard.begin(), shard.end(), a.begin() + static_cast<std::ptrdiff_t>(rowOffset(m, r, n) * k));
   }
   std::vector<Floats> b(n);
-  for (uint32_t r = 0; r < n; ++r) b[r] = loadKMajor(ranks[r].data[slot::kB], dtype, nCols, k, !bKMajor(layout));
+  for (uint32_t r = 0; r < n; ++r) b[r] = operand(ranks[r], true, nCols, k);
 
   Floats c(m * nCols);
   for (uint32_t r = 0; r < n; ++r) {
     gemmNT(a.data(), b[r].data(), c.data(), m, nCols, k);
-    store(ranks[r].data[slot::kC], dtype, c.data(), m * nCols);
+    store(ranks[r].data[slot::kC], out, c.data(), m * nCols);
     if (std::byte* gathered = ranks[r].data[slot::kAGathered]; gathered != nullptr) {
       // The shards are copied bit for bit, as stored (in every layout a_gathered is the shards in rank order).
       for (uint32_t src = 0; src < n; ++src) {
@@ -131,22 +163,23 @@ void gemmReduce(std::span<const RankOp> ranks) {
   requireMemory(ranks, slot::kA);
   requireMemory(ranks, slot::kB);
   requireMemory(ranks, slot::kC);
+  requireScales(ranks);
+  const DType out = gemmOutDtype(dtype, d0.flags);
 
   // C = Σ_r op(a_r) · op(b_r): each rank's partial in fp32, summed in rank order (the reduction order is fixed).
-  const GemmOperands layout = gemmOperandsOf(d0.flags);
   Floats c(m * nCols, 0.0f), partial(m * nCols);
   for (uint32_t r = 0; r < n; ++r) {
     const std::size_t k = ranks[r].desc.dims[dim::kK];
-    const Floats a = loadKMajor(ranks[r].data[slot::kA], dtype, m, k, aTransposed(layout));
-    const Floats b = loadKMajor(ranks[r].data[slot::kB], dtype, nCols, k, !bKMajor(layout));
+    const Floats a = operand(ranks[r], false, m, k);
+    const Floats b = operand(ranks[r], true, nCols, k);
     gemmNT(a.data(), b.data(), partial.data(), m, nCols, k);
     for (std::size_t i = 0; i < c.size(); ++i) c[i] += partial[i];
   }
   for (uint32_t r = 0; r < n; ++r) {
     if (d0.kind == OpKind::kGemmAr) {
-      store(ranks[r].data[slot::kC], dtype, c.data(), m * nCols);
+      store(ranks[r].data[slot::kC], out, c.data(), m * nCols);
     } else {
-      store(ranks[r].data[slot::kC], dtype, c.data() + rowOffset(m, r, n) * nCols, rowsOf(m, r, n) * nCols);
+      store(ranks[r].data[slot::kC], out, c.data() + rowOffset(m, r, n) * nCols, rowsOf(m, r, n) * nCols);
     }
   }
 }

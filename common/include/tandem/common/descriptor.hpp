@@ -30,7 +30,9 @@ enum class OpKind : uint16_t {
 inline constexpr uint16_t kOpKindCount = 11;
 
 // Values equal tandem_dtype_t.
-enum class DType : uint16_t { kInvalid = 0, kF32 = 1, kF16 = 2, kBF16 = 3, kI32 = 4 };
+// kF8E4M3 and kF8E5M2 (OCP FP8, one byte) are inputs of the GEMM ops only (OpSpec::fp8); their C is bf16 or fp32.
+enum class DType : uint16_t { kInvalid = 0, kF32 = 1, kF16 = 2, kBF16 = 3, kI32 = 4, kF8E4M3 = 5, kF8E5M2 = 6 };
+inline constexpr bool isFp8(DType d) { return d == DType::kF8E4M3 || d == DType::kF8E5M2; }
 
 std::string_view opKindName(OpKind kind);  // "ag-gemm", ...; "invalid" for unknown values
 std::string_view dtypeName(DType dtype);
@@ -45,8 +47,10 @@ struct BufferRef {
 static_assert(sizeof(BufferRef) == 24);
 
 // Dims and buffer slots per kind (everything else must be zero):
-//   kAgGemm:       dims {m, n, k}, flags kFlagGemmLayout  bufs {a, b, c, a_gathered?}
-//   kGemmRs/Ar:    dims {m, n, k_local}, flags kFlagGemmLayout  bufs {a, b, c}
+//   kAgGemm:       dims {m, n, k}, flags kFlagGemmLayout | kFlagGemmOutDtype | kFlagFp8BlockScale
+//                                                     bufs {a, b, c, a_gathered?, a_scale, b_scale}
+//   kGemmRs/Ar:    dims {m, n, k_local}, flags as kAgGemm  bufs {a, b, c, a_scale, b_scale}
+//                  a_scale and b_scale (fp32) have extent 0 unless dtype is FP8 (kFlagFp8BlockScale says their shape)
 //   kMoeDispatchGemm: dims {tokens, hidden, n_out, experts, topk, capacity}
 //                                                     bufs {x, topk_ids, topk_weights, w, out, row_info, expert_counts}
 //   kMoeDispatchFfnCombine: dims {tokens, hidden, ffn, experts, topk}
@@ -85,7 +89,15 @@ inline constexpr int kQ = 0, kKey = 1, kValue = 2, kAttnOut = 3, kAttnLse = 4;
 inline constexpr int kDout = 4, kBwdLse = 5, kDq = 6, kDk = 7, kDv = 8;  // ring attention backward
 inline constexpr int kMoeDout = 5, kMoeDx = 6, kMoeDtopkWeights = 7, kMoeDw1 = 8, kMoeDw2 = 9;  // MoE FFN backward
 inline constexpr int kSend = 0, kRecv = 1;
+inline constexpr int kAgAScale = 4, kAgBScale = 5;            // ag-gemm's FP8 scales
+inline constexpr int kReduceAScale = 3, kReduceBScale = 4;    // gemm-rs's and gemm-ar's
 }  // namespace slot
+
+// The slot of a GEMM op's a_scale, or its b_scale when `b`.
+inline constexpr int gemmScaleSlot(OpKind kind, bool b) {
+  if (kind == OpKind::kAgGemm) return b ? slot::kAgBScale : slot::kAgAScale;
+  return b ? slot::kReduceBScale : slot::kReduceAScale;
+}
 
 inline constexpr uint16_t kFlagCausal = 1u << 0;
 // Ring attention, zigzag layout: the sequence is cut into 2 * nranks chunks and rank r holds chunks r and
@@ -110,6 +122,24 @@ inline constexpr uint16_t gemmLayoutFlags(GemmOperands layout) {
   return static_cast<uint16_t>(static_cast<unsigned>(layout) << kGemmLayoutShift);
 }
 std::string_view gemmLayoutName(GemmOperands layout);  // "nt", "nn", "tn"; "invalid" otherwise
+// The GEMM ops' C dtype (tandem_dtype_t), in flags bits 4-5: 0 = the descriptor's dtype, else kF32, kF16 or kBF16.
+// FP8 inputs need kF32 or kBF16 (validate.cpp); other inputs 0 or their own dtype.
+inline constexpr int kGemmOutDtypeShift = 4;
+inline constexpr uint16_t kFlagGemmOutDtype = 0x3u << kGemmOutDtypeShift;
+inline constexpr DType gemmOutDtype(DType dtype, uint16_t flags) {
+  const auto v = static_cast<uint16_t>((flags & kFlagGemmOutDtype) >> kGemmOutDtypeShift);
+  return v == 0 ? dtype : static_cast<DType>(v);
+}
+// FP8 scaling (tandem_fp8_scaling_t), flags bit 6, as the FP8 GEMM core (kernels/gemm_fp8.hpp) takes it. The scales
+// are fp32 and apply to the logical operands op(A) [rows, k] and op(B) [n, k] in every layout:
+//   clear (per tensor): a_scale and b_scale hold one value each; op(A) = a * a_scale, op(B) = b * b_scale.
+//   set (block, 128): a_scale is [ceil(k / 128), rows] (M-major: k-block kb's scales of all rows are contiguous),
+//     op(A)[i][p] = a[i][p] * a_scale[p / 128][i]; b_scale is [ceil(n / 128), ceil(k / 128)],
+//     op(B)[j][p] = b[j][p] * b_scale[j / 128][p / 128]. rows: ag-gemm's shard rows, m for gemm-rs/ar; k: the
+//     rank's own k (gemm-rs/ar's slice), so blocks start at the rank's first k.
+inline constexpr uint16_t kFlagFp8BlockScale = 1u << 6;
+inline constexpr uint64_t kFp8ScaleBlock = 128;
+
 inline constexpr bool aTransposed(GemmOperands l) { return l == GemmOperands::kTN; }  // A stored [k, m]
 inline constexpr bool bKMajor(GemmOperands l) { return l == GemmOperands::kNT; }      // B stored [n, k]
 

@@ -1,4 +1,5 @@
-// Element conversions for the dtypes tandem carries. bf16 and fp16 round to nearest even, as GPUs do.
+// Element conversions for the dtypes tandem carries. bf16, fp16 and fp8 round to nearest even, as GPUs do; fp8 (OCP
+// e4m3fn and e5m2) does not saturate: past its largest finite value e5m2 gives Inf and e4m3 NaN, as torch's casts.
 #pragma once
 
 #include <cstddef>

@@ -26,8 +26,9 @@ enum class ErrorCode : int32_t;
 enum class ElementType : uint8_t {
   kOpDtype,  // the descriptor's dtype (bf16, fp16 or fp32)
   kI32,      // int32 whatever the op's dtype (expert ids, row info)
-  kF32,      // fp32 whatever the op's dtype (routing weights)
+  kF32,      // fp32 whatever the op's dtype (routing weights, FP8 scales)
   kRaw,      // untyped bytes (allgather): element size 1, no alignment
+  kOutDtype,  // the GEMM ops' c: the dtype in the flags' kFlagGemmOutDtype, else the descriptor's (gemmOutDtype)
 };
 
 // One factor of a slot's extent, as a function of the descriptor.
@@ -38,6 +39,7 @@ struct ExtentTerm {
     kPerRank,    // dims[dim] / nranks: this rank's share of a dim spread evenly (MoE experts)
     kNranks,     // nranks
     kConst,      // value
+    kBlocks,     // ceil(dims[dim] / value): blocks of `value` (FP8 block scales)
   };
   Kind kind = Kind::kConst;
   uint8_t dim = 0;
@@ -62,10 +64,16 @@ struct SlotSpec {
   enum class Operand : uint8_t { kNone, kA, kB };
   Operand operand = Operand::kNone;
   std::string_view shapeTransposed;
+  // An FP8 scale (a_scale, b_scale): its terms hold only under kFlagFp8BlockScale; per-tensor scaling takes one
+  // element, and a dtype that is not FP8 none (extent 0).
+  bool fp8Scale = false;
 };
 
 // Whether slot `s` is stored transposed under `flags` (SlotSpec::operand).
 bool slotTransposed(const SlotSpec& s, uint16_t flags);
+// The element type of slot `s` in descriptor `d` (kInvalid for raw bytes), and its size (1 for raw bytes).
+DType slotDtype(const SlotSpec& s, const OpDescriptor& d);
+std::size_t slotElementSize(const SlotSpec& s, const OpDescriptor& d);
 
 // How `tandemctl run` (and the tests' shape helper) turn a user's global size into each rank's dim.
 enum class DimSplit : uint8_t {
@@ -132,6 +140,7 @@ struct OpSpec {
   std::array<SlotSpec, kMaxOpBuffers> slots{};
   uint8_t slotCount = 0;
   bool typed = true;            // false: carries no typed data, so any known dtype value (0 included) is accepted
+  bool fp8 = false;             // takes FP8 inputs (dtype kF8E4M3/kF8E5M2) with a_scale and b_scale slots
   uint16_t flags = 0;           // the kFlag* bits it takes
   bool scale = false;           // uses OpDescriptor::scale
   CrossNode crossNode = CrossNode::kNone;
@@ -163,6 +172,7 @@ const OpSpec* findOp(std::string_view name);
 bool knownOp(OpKind kind);
 // Elements of slot `s` of `d` (the slot's terms evaluated), with overflow reported through `overflow`.
 uint64_t slotElements(const OpSpec& spec, int s, const OpDescriptor& d, bool* overflow);
+// Without the descriptor's flags: kOutDtype counts as the op dtype; slotElementSize is exact.
 std::size_t elementSize(ElementType type, DType dtype);
 // Each field's offset in the op's C argument struct, and its size.
 CArgsLayout cArgsLayout(const OpSpec& spec);

@@ -30,6 +30,8 @@ struct OpShape {
   bool causal = true;
   bool zigzag = false;      // ring attention: zigzag layout (kFlagZigzag)
   GemmOperands layout = GemmOperands::kNT;  // ag-gemm, gemm-rs, gemm-ar: how A and B are stored (kFlagGemmLayout)
+  DType outDtype = DType::kInvalid;  // the GEMM ops with FP8 inputs: c's dtype (kInvalid: bf16)
+  bool blockScale = false;           // the GEMM ops with FP8 inputs: block scales (kFlagFp8BlockScale), else per tensor
   uint64_t bytes = 1 << 20;  // allgather: bytes per rank
 
   // The size a `tandemctl run --<option>` sets, by the option's name ("m", "head-dim"; OpSpec's DimSpec::cli).
