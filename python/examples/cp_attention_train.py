@@ -22,13 +22,13 @@ each a rank of one tandem communicator on the node's tandemd ($TANDEM_SOCKET or 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import tandem
+from _ranks import run_ranks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -170,29 +170,8 @@ def main(argv=None) -> int:
         p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.head_dim % 2:
         p.error(f"--head-dim {args.head_dim} must be even (RoPE rotates pairs)")
-    ctx = multiprocessing.get_context("spawn" if args.device == "cuda" else "fork")
-    uid = tandem.new_id()
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args, uid, results)) for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    try:
-        while len(got) < args.ranks:
-            try:
-                rank, value = results.get(timeout=600)
-            except Exception:  # noqa: BLE001  (queue.Empty: a rank hung or died)
-                print(f"FAIL: {args.ranks - len(got)} rank(s) did not finish", file=sys.stderr)
-                return 1
-            got[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    failed = [v for v in got.values() if isinstance(v, str)]
-    if failed:
-        print("\n".join(failed), file=sys.stderr)
+    got = run_ranks(rank_main, args, args.device)
+    if got is None:
         return 1
     lines = got[0][0]
     print(f"Llama attention block, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads of "

@@ -21,13 +21,13 @@ allgather for the norm). It exits 1 when a loss or, at the end, a weight differs
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import tandem
+from _ranks import run_ranks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -166,29 +166,8 @@ def main(argv=None) -> int:
         p.error(f"--experts {args.experts} must be a multiple of --ranks {args.ranks}")
     if not 1 <= args.topk <= args.experts:
         p.error(f"--topk {args.topk} must be in [1, --experts]")
-    ctx = multiprocessing.get_context("fork")
-    uid = tandem.new_id()
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args, uid, results)) for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    try:
-        while len(got) < args.ranks:
-            try:
-                rank, value = results.get(timeout=600)
-            except Exception:  # noqa: BLE001  (queue.Empty: a rank hung or died)
-                print(f"FAIL: {args.ranks - len(got)} rank(s) did not finish", file=sys.stderr)
-                return 1
-            got[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    failed = [v for v in got.values() if isinstance(v, str)]
-    if failed:
-        print("\n".join(failed), file=sys.stderr)
+    got = run_ranks(rank_main, args, "cpu")
+    if got is None:
         return 1
     lines, _, _ = got[0]
     print(f"Mixtral MoE block, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts top-{args.topk}, "

@@ -17,7 +17,6 @@ tolerance of the dtype (float32: 1e-4 relative; bfloat16: 5e-2), else 0.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import sys
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import tandem
+from _ranks import run_ranks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -142,29 +142,8 @@ def main(argv=None) -> int:
     for name, v in (("--ffn", args.ffn), ("--seq", args.seq)):
         if v % args.ranks:
             p.error(f"{name} {v} must be a multiple of --ranks {args.ranks}")
-    ctx = multiprocessing.get_context("spawn" if args.device == "cuda" else "fork")
-    uid = tandem.new_id()
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args, uid, results)) for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    try:
-        while len(got) < args.ranks:
-            try:
-                rank, value = results.get(timeout=600)
-            except Exception:  # noqa: BLE001  (queue.Empty: a rank hung or died)
-                print(f"FAIL: {args.ranks - len(got)} rank(s) did not finish", file=sys.stderr)
-                return 1
-            got[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    failed = [v for v in got.values() if isinstance(v, str)]
-    if failed:
-        print("\n".join(failed), file=sys.stderr)
+    got = run_ranks(rank_main, args, args.device)
+    if got is None:
         return 1
     lines, worst, _ = got[0]
     print(f"Llama MLP block, hidden {args.hidden}, ffn {args.ffn}, {args.ranks} ranks "
