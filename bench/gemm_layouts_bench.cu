@@ -2,7 +2,7 @@
 // process: correctness of both against an fp32 reference, then timing (CUDA events, median of interleaved launches,
 // input sets rotated so that L2 holds none of the next launch's operands). Exits 1 on any correctness failure.
 //
-//   gemm_layouts_bench [--iters N (>= 20, default 30)] [--only big|decode] [--dtype bf16|fp16]
+//   gemm_layouts_bench [--iters N (>= 20, default 30)] [--only big|llama|decode] [--dtype bf16|fp16]
 //
 // ratio = cuBLASLt time / ours (above 1: ours is faster). Decode rows also show GB/s: the bytes of A, B and C once
 // over the time, against the device-to-device copy bandwidth measured first.
@@ -357,9 +357,13 @@ int main(int argc, char** argv) {
     else if (arg == "--only" && i + 1 < argc) only = argv[++i];
     else if (arg == "--dtype" && i + 1 < argc) dtypeName = argv[++i];
     else {
-      std::fprintf(stderr, "usage: %s [--iters N>=20] [--only big|decode] [--dtype bf16|fp16]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--iters N>=20] [--only big|llama|decode] [--dtype bf16|fp16]\n", argv[0]);
       return 2;
     }
+  }
+  if (!only.empty() && only != "big" && only != "llama" && only != "decode") {
+    std::fprintf(stderr, "--only must be big, llama or decode\n");
+    return 2;
   }
   if (dtypeName != "bf16" && dtypeName != "fp16") {
     std::fprintf(stderr, "--dtype must be bf16 or fp16\n");
@@ -375,18 +379,35 @@ int main(int argc, char** argv) {
               prop.multiProcessorCount, prop.l2CacheSize >> 20, dtypeName.c_str(), copyGBs);
 
   std::vector<Case> cases;
-  if (only != "decode") {
+  if (only.empty() || only == "big") {
     for (GemmLayout l : {GemmLayout::kABt, GemmLayout::kAB, GemmLayout::kAtB}) {
       cases.push_back({l, 8192, 8192, 8192, GemmOut::kInput, false});
       cases.push_back({l, 4096, 8192, 8192, GemmOut::kInput, false});
     }
+    for (GemmLayout l : {GemmLayout::kABt, GemmLayout::kAB, GemmLayout::kAtB})
+      cases.push_back({l, 16384, 14336, 8192, GemmOut::kInput, false});
     cases.push_back({GemmLayout::kAtB, 8192, 8192, 16384, GemmOut::kInput, false});
     cases.push_back({GemmLayout::kAtB, 8192, 8192, 16384, GemmOut::kFp32, false});
   }
-  if (only != "big") {
-    for (GemmLayout l : {GemmLayout::kABt, GemmLayout::kAB}) {
-      for (int64_t m : {1, 16, 64, 128, 256}) cases.push_back({l, m, 8192, 8192, GemmOut::kInput, true});
+  if (only.empty() || only == "llama") {
+    // The backward GEMMs of a Llama-70B MLP (hidden 8192, ffn 28672, gate and up fused) over 8192 tokens, sliced for
+    // tensor parallelism t: the column-parallel gate/up weight is [2*ffn/t, hidden], the row-parallel down weight
+    // [hidden, ffn/t]. dgrad is A*B, wgrad A^T*B (the tokens are the reduction).
+    constexpr int64_t kHidden = 8192, kFfn = 28672, kTokens = 8192;
+    for (int64_t t : {2, 4, 8}) {
+      cases.push_back({GemmLayout::kAB, kTokens, kHidden, 2 * kFfn / t, GemmOut::kInput, false});   // gate/up dX
+      cases.push_back({GemmLayout::kAtB, 2 * kFfn / t, kHidden, kTokens, GemmOut::kInput, false});  // gate/up dW
+      cases.push_back({GemmLayout::kAB, kTokens, kFfn / t, kHidden, GemmOut::kInput, false});       // down dA
+      cases.push_back({GemmLayout::kAtB, kHidden, kFfn / t, kTokens, GemmOut::kInput, false});      // down dW
     }
+  }
+  if (only.empty() || only == "decode") {
+    // The decode shapes of TP linear layers (N, K): square, Llama-70B's up and down projections, Llama-8B's MLP.
+    const std::pair<int64_t, int64_t> decodeNK[] = {{8192, 8192}, {28672, 8192}, {8192, 28672}, {14336, 4096}};
+    for (const auto& [n, k] : decodeNK)
+      for (int64_t m : {1, 2, 4, 8, 16, 32, 64, 128, 256})
+        cases.push_back({GemmLayout::kABt, m, n, k, GemmOut::kInput, true});
+    for (int64_t m : {1, 16, 64, 128, 256}) cases.push_back({GemmLayout::kAB, m, 8192, 8192, GemmOut::kInput, true});
   }
 
   cublasLtHandle_t lt;
