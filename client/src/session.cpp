@@ -173,6 +173,10 @@ void Session::drainCompletionsLocked() {
     if (r == SpscRing<Completion>::Pop::kEmpty) break;
     if (r == SpscRing<Completion>::Pop::kCorrupt) fail(ErrorCode::kProtocol, "completion ring is corrupt");
     const auto len = std::min<std::size_t>(c.messageLen, sizeof c.message);
+    if (c.status == kCompletionContinues) {  // the rest of the message of the record before it (same seq)
+      if (const auto it = results_.find(c.seq); it != results_.end()) it->second.message.append(c.message, len);
+      continue;
+    }
     results_[c.seq] = OpResult{static_cast<ErrorCode>(c.status), std::string(c.message, len)};
   }
   while (results_.size() > kMaxKeptResults) results_.erase(results_.begin());

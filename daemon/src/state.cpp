@@ -1,6 +1,7 @@
 #include "state.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "tandem/common/error.hpp"
@@ -26,19 +27,29 @@ bool SessionChannel::tryPostLocked(const Completion& c) {
 }
 
 void SessionChannel::complete(uint64_t seq, int32_t status, std::string_view message) {
-  Completion c{};
-  c.seq = seq;
-  c.status = status;
-  c.messageLen = static_cast<uint32_t>(std::min(message.size(), sizeof c.message));
-  std::memcpy(c.message, message.data(), c.messageLen);
-  std::lock_guard lock(mutex_);
-  // Keep completion order: nothing may overtake what is already queued.
-  if (overflow_.empty() && tryPostLocked(c)) return;
-  if (overflow_.size() >= maxPending_) {
-    overflowed_.store(true, std::memory_order_relaxed);
-    return;
+  // The first record, then (for a message longer than one record) its continuations (descriptor.hpp, Completion).
+  message = message.substr(0, kMaxCompletionMessage);
+  constexpr std::size_t kPart = sizeof Completion::message;
+  const std::size_t records = message.size() <= kPart ? 1 : (message.size() + kPart - 1) / kPart;
+  std::array<Completion, (kMaxCompletionMessage + kPart - 1) / kPart> parts{};
+  for (std::size_t i = 0; i < records; ++i) {
+    Completion& c = parts[i];
+    c.seq = seq;
+    c.status = i == 0 ? status : kCompletionContinues;
+    const std::string_view text = message.substr(i * kPart, kPart);
+    c.messageLen = static_cast<uint32_t>(i == 0 ? message.size() : text.size());
+    std::memcpy(c.message, text.data(), text.size());
   }
-  overflow_.push_back(c);
+  std::lock_guard lock(mutex_);
+  for (std::size_t i = 0; i < records; ++i) {
+    // Keep completion order: nothing may overtake what is already queued.
+    if (overflow_.empty() && tryPostLocked(parts[i])) continue;
+    if (overflow_.size() >= maxPending_) {
+      overflowed_.store(true, std::memory_order_relaxed);
+      return;
+    }
+    overflow_.push_back(parts[i]);
+  }
 }
 
 void SessionChannel::flushPending() {

@@ -106,7 +106,8 @@ struct RawSession {
         [&] {
           tandem::Completion c;
           while (rings.completion.tryPop(c) == decltype(rings.completion)::Pop::kItem) {
-            if (c.seq == seq) found = c;
+            // The op's own record, not the continuations of a long message after it.
+            if (c.seq == seq && c.status != tandem::kCompletionContinues && !found) found = c;
           }
           return found.has_value();
         },

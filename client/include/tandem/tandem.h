@@ -55,7 +55,7 @@ extern "C" {
 #define TANDEM_API __attribute__((visibility("default")))
 
 /* Bumped when the wire protocol changes incompatibly. */
-#define TANDEM_PROTOCOL_VERSION 2u
+#define TANDEM_PROTOCOL_VERSION 3u
 
 /* The version of this header, equal to the CMake project version the library was built from (the build
  * checks it). TANDEM_VERSION_CODE orders versions as one number: major * 10000 + minor * 100 + patch (minor

@@ -162,14 +162,18 @@ struct alignas(64) OpDescriptor {
 static_assert(sizeof(OpDescriptor) == 384, "OpDescriptor is part of the ring ABI; bump kDescriptorVersion");
 static_assert(alignof(OpDescriptor) == 64);
 
-// One completion, written by the daemon.
+// One completion, written by the daemon. A message longer than one record's `message` continues in the records right
+// after it: same seq, status kCompletionContinues, each with its next bytes (messageLen: the bytes in that record).
+// The first record's messageLen is then the whole length, at most kMaxCompletionMessage (longer text is cut there).
 struct alignas(64) Completion {
   uint64_t seq;         // the OpDescriptor::seq it completes
-  int32_t status;       // tandem_status_t
-  uint32_t messageLen;  // bytes used in message (not NUL-terminated)
+  int32_t status;       // tandem_status_t, or kCompletionContinues
+  uint32_t messageLen;  // bytes of message text (see above; not NUL-terminated)
   char message[176];    // error text; empty on success
 };
 static_assert(sizeof(Completion) == 192, "Completion is part of the ring ABI");
+inline constexpr int32_t kCompletionContinues = -0x7fffffff - 1;
+inline constexpr uint32_t kMaxCompletionMessage = 4 * sizeof(Completion::message);
 
 // The balanced row split used by every sharded op: rank r of n owns rowsOf(total, r, n) rows starting
 // at rowOffset(total, r, n).

@@ -7,6 +7,7 @@
 namespace tandem {
 
 // Bumped when the protocol between libtandem and tandemd changes incompatibly (Hello refuses other versions).
-inline constexpr uint32_t kProtocolVersion = 2;
+// 3: a completion's message longer than one record continues in the records after it (descriptor.hpp).
+inline constexpr uint32_t kProtocolVersion = 3;
 
 }  // namespace tandem
