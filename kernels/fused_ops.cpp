@@ -198,7 +198,11 @@ std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, 
   std::string name = env.nranks == 1 && ran.kind == GemmRsPlanKind::kDecomposed
                          ? std::string("the GEMM alone (one rank: nothing to reduce)")
                          : std::string(gemmRsPlanName(ran, allReduce));
-  if (gemmRsOnLayoutsCore(p)) name += fmt::format(" ({} on the layouts core)", gemmLayoutName(gemmOperandsOf(d.flags)));
+  if (ran.kind == GemmRsPlanKind::kDecomposed && gemmRsOnLayoutsCore(p)) {
+    name += fmt::format(" ({} on the layouts core)", gemmLayoutName(gemmOperandsOf(d.flags)));
+  } else if (p.layout == GemmLayout::kAB) {
+    name += " (NN: the weight loaded MN-major)";
+  }
   if (staged) {
     const uint64_t rows = allReduce ? d.dims[dim::kM] : rowsOf(d.dims[dim::kM], env.rank, env.nranks);
     if (rows > 0) {
@@ -295,8 +299,11 @@ bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind
 // 32 at N = 8192 on 132 SMs) and measured 0.6x of cuBLASLt + NCCL; the layouts core's swap-AB tiles put the weight's N
 // on the 128-row side and split K to fill the SMs, so its GEMM then the collective (a few microseconds of data at
 // these sizes) is taken. A plan table entry that names the fused plan keeps it (tandemctl tune measured it faster).
+// The other layouts: TN (wgrad) always, since the fused kernels load A K-major only; NN (dgrad) on ag-gemm, whose
+// fused producer loads the weight K-major only (gemm-rs and gemm-ar's fused kernel loads it MN-major).
 bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan) {
-  if (gemmOperandsOf(d.flags) != GemmOperands::kNT) return true;
+  const GemmOperands layout = gemmOperandsOf(d.flags);
+  if (layout == GemmOperands::kTN || (layout == GemmOperands::kNN && d.kind == OpKind::kAgGemm)) return true;
   return d.dims[dim::kM] <= kFusedSmallM && plan.kind != PlanKind::kFused;
 }
 

@@ -13,10 +13,10 @@ namespace tandem::kernels {
 namespace rs {
 namespace {
 
-template <class T, class P>
+template <class T, class P, bool BMn>
 __global__ void __launch_bounds__(gemm::kThreads, 1) gemmArFusedKernel(const __grid_constant__ FusedKernelParams kp) {
   extern __shared__ uint8_t smemRaw[];
-  runFusedCta<T, P>(kp, smemRaw);
+  runFusedCta<T, P, BMn>(kp, smemRaw);
 }
 
 template <class T>
@@ -26,8 +26,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemmArReduceKernel(const __grid_c
 
 const KernelTable& kernels() {
   static const KernelTable kt = {
-      {{&gemmArFusedKernel<__nv_bfloat16, float>, &gemmArFusedKernel<__nv_bfloat16, __nv_bfloat16>},
-       {&gemmArFusedKernel<__half, float>, &gemmArFusedKernel<__half, __half>}},
+      {{{&gemmArFusedKernel<__nv_bfloat16, float, false>, &gemmArFusedKernel<__nv_bfloat16, float, true>},
+        {&gemmArFusedKernel<__nv_bfloat16, __nv_bfloat16, false>, &gemmArFusedKernel<__nv_bfloat16, __nv_bfloat16, true>}},
+       {{&gemmArFusedKernel<__half, float, false>, &gemmArFusedKernel<__half, float, true>},
+        {&gemmArFusedKernel<__half, __half, false>, &gemmArFusedKernel<__half, __half, true>}}},
       {&gemmArReduceKernel<__nv_bfloat16>, &gemmArReduceKernel<__half>}};
   return kt;
 }

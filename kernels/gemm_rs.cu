@@ -16,10 +16,10 @@ namespace rs {
 namespace {
 
 // Roles from the role table: reduce, send, compute (one CTA per SM, all co-resident).
-template <class T, class P>
+template <class T, class P, bool BMn>
 __global__ void __launch_bounds__(gemm::kThreads, 1) gemmRsFusedKernel(const __grid_constant__ FusedKernelParams kp) {
   extern __shared__ uint8_t smemRaw[];
-  runFusedCta<T, P>(kp, smemRaw);
+  runFusedCta<T, P, BMn>(kp, smemRaw);
 }
 
 // Decomposed plan: runs after the GEMM core wrote this rank's bf16 partial into its outbox.
@@ -30,8 +30,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemmRsReduceKernel(const __grid_c
 
 const KernelTable& kernels() {
   static const KernelTable kt = {
-      {{&gemmRsFusedKernel<__nv_bfloat16, float>, &gemmRsFusedKernel<__nv_bfloat16, __nv_bfloat16>},
-       {&gemmRsFusedKernel<__half, float>, &gemmRsFusedKernel<__half, __half>}},
+      {{{&gemmRsFusedKernel<__nv_bfloat16, float, false>, &gemmRsFusedKernel<__nv_bfloat16, float, true>},
+        {&gemmRsFusedKernel<__nv_bfloat16, __nv_bfloat16, false>, &gemmRsFusedKernel<__nv_bfloat16, __nv_bfloat16, true>}},
+       {{&gemmRsFusedKernel<__half, float, false>, &gemmRsFusedKernel<__half, float, true>},
+        {&gemmRsFusedKernel<__half, __half, false>, &gemmRsFusedKernel<__half, __half, true>}}},
       {&gemmRsReduceKernel<__nv_bfloat16>, &gemmRsReduceKernel<__half>}};
   return kt;
 }

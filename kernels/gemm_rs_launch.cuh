@@ -29,7 +29,7 @@ static_assert(kBlockM == kGemmRsTileM && kBlockN == kGemmRsTileN, "gemm_rs.hpp's
 // The kernels one .cu instantiates: fused[dtype][partial] (dtype 0 bf16 / 1 fp16; partial 0 fp32 / 1 input dtype) and
 // reduce[dtype] (decomposed plan).
 struct KernelTable {
-  FusedFn fused[2][2];
+  FusedFn fused[2][2][2];  // [bf16, fp16][fp32 partials, input-type partials][B stored [N, K], B stored [K, N]]
   FusedFn reduce[2];
 };
 
@@ -227,9 +227,11 @@ inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, cons
                  std::to_string(gemmRsMatBytesNeeded(p.m, p.n, plan)) + " (see gemmRsFixedWorkspaceBytes)");
   }
 
-  if (p.layout == GemmLayout::kABt) {  // the forward core's maps; the layouts core encodes its own
+  if (gemmRsFusedTakes(p)) {  // the fused kernel's maps; the layouts core encodes its own
     kp.g.tmA = encodeMap(op, p.a, p.m, p.k, p.lda, kBlockM, p.dtype);
-    kp.g.tmB = encodeMap(op, p.b, p.n, p.k, p.ldb, kBlockN, p.dtype);
+    // kABt: B [n, k], 256-row boxes. kAB: B [k, n] loaded MN-major, {64 columns, 64 k} boxes (gemm_sm90.cuh tmaLoadB).
+    kp.g.tmB = p.layout == GemmLayout::kABt ? encodeMap(op, p.b, p.n, p.k, p.ldb, kBlockN, p.dtype)
+                                            : encodeMap(op, p.b, p.k, p.n, p.ldb, gemm::kBlockK, p.dtype);
   }
   kp.g.c = p.out;
   kp.g.ldc = p.ldOut;
@@ -404,7 +406,7 @@ inline void launchPlan(const char* op, const KernelTable& kt, const GemmRsParams
     return;
   }
   const FusedKernelParams kp = buildParams(op, p, plan, allReduce);
-  const FusedFn fn = kt.fused[dt][plan.partial == GemmRsPartial::kFp32 ? 0 : 1];
+  const FusedFn fn = kt.fused[dt][plan.partial == GemmRsPartial::kFp32 ? 0 : 1][p.layout == GemmLayout::kAB ? 1 : 0];
   prepareFused(op, fn);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(plan.numReduce + plan.numSend + plan.numCompute), 1, 1);
@@ -435,7 +437,9 @@ inline GemmRsPlan plainGemmPlan() {
 
 // Loads every kernel of a family now (tandem/kernels/preload.hpp says why).
 inline void preloadTable(int device, const KernelTable& kt, const char* op) {
-  const FusedFn fns[] = {kt.fused[0][0], kt.fused[0][1], kt.fused[1][0], kt.fused[1][1], kt.reduce[0], kt.reduce[1]};
+  const FusedFn fns[] = {kt.fused[0][0][0], kt.fused[0][0][1], kt.fused[0][1][0], kt.fused[0][1][1],
+                         kt.fused[1][0][0], kt.fused[1][0][1], kt.fused[1][1][0], kt.fused[1][1][1],
+                         kt.reduce[0],      kt.reduce[1]};
   preloadOn(device, fns, op);
 }
 
@@ -445,10 +449,10 @@ inline GemmRsPlan launchFamily(const char* op, const KernelTable& kt, const Gemm
   validate(op, params, allReduce);
   const int sms = smCount(op);
   GemmRsPlan plan = params.plan.kind == GemmRsPlanKind::kAuto ? chosen : params.plan;
-  if (gemmRsOnLayoutsCore(params)) {
+  if (!gemmRsFusedTakes(params)) {
     if (params.plan.kind == GemmRsPlanKind::kFused) {
-      fail(op, "the fused plans take layout kABt on the forward core only; use the decomposed plan (or kAuto) with "
-               "this layout or layoutsCore");
+      fail(op, "the fused plans take layouts kABt and kAB on the forward core only; use the decomposed plan (or "
+               "kAuto) with kAtB or layoutsCore");
     }
     if (params.plan.kind == GemmRsPlanKind::kAuto) plan = GemmRsPlan{GemmRsPlanKind::kDecomposed};
   }

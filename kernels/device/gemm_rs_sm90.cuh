@@ -1005,7 +1005,7 @@ inline constexpr size_t kExtraSmem = 64;
 
 // A compute CTA: the GEMM core's pieces (barriers, TMA producer, wgmma consumers with the RsEpilogue hook), plus the
 // copier warps in the producer warpgroup (transport kCopy) and the final waits in the consumer warpgroups.
-template <class T, class P>
+template <class T, class P, bool BMn>
 __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8_t* smemRaw, int32_t cid,
                                               uint64_t startNs) {
   using namespace gemm;
@@ -1037,7 +1037,7 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
     case gemm::Role::kProducer:
       setMaxNRegDec<kProducerRegs>();
       if (t == 0) {
-        runProducer<kStages, 1>(kp.g, s, order, NoRowWait{}, cid, kp.numCompute, 0u);
+        runProducer<kStages, 1, PhaseOrder, NoRowWait, BMn>(kp.g, s, order, NoRowWait{}, cid, kp.numCompute, 0u);
       } else if (t >= 32 && isCopy(kp)) {
         runCopier<P>(kp, done, &s.c[0][0][0], cid, startNs, t - 32);
       }
@@ -1047,8 +1047,8 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
       if (t == 0 && kp.trace != nullptr) {
         kp.trace[(static_cast<int64_t>(blockIdx.x) * 2 + (wg - 1)) * (kp.traceTiles + 1) * 4] = startNs;
       }
-      runConsumer<T, kStages, 1, Epilogue::kCustom>(kp.g, s, order, cid, kp.numCompute, 0u, wg - 1, t,
-                                                    RsEpilogue<T, P>(&kp, startNs, done));
+      runConsumer<T, kStages, 1, Epilogue::kCustom, PhaseOrder, RsEpilogue<T, P>, BMn>(
+          kp.g, s, order, cid, kp.numCompute, 0u, wg - 1, t, RsEpilogue<T, P>(&kp, startNs, done));
       const int32_t cta = static_cast<int32_t>(blockIdx.x);
       runFinalWaits(kp, startNs, cta * (kThreads - 128) + static_cast<int32_t>(threadIdx.x) - 128,
                     static_cast<int32_t>(gridDim.x) * (kThreads - 128));
@@ -1058,16 +1058,17 @@ __device__ __forceinline__ void runComputeCta(const FusedKernelParams& kp, uint8
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The fused kernel's body: role from the role table; every role ends with its share of the final waits.
+// The fused kernel's body: role from the role table; every role ends with its share of the final waits. BMn: B is
+// stored [K, N] (the NN layout's weight, MN-major in shared memory); otherwise [N, K].
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, class P>
+template <class T, class P, bool BMn>
 __device__ __forceinline__ void runFusedCta(const FusedKernelParams& kp, uint8_t* smemRaw) {
   const uint64_t startNs = globaltimerNs();
   const GemmRsRoleLayout roles{kp.numReduce, kp.numSend, kp.numCompute};
   const int32_t cta = static_cast<int32_t>(blockIdx.x);
   const Role role = roles.roleOf(cta);
   if (role == Role::kCompute) {
-    runComputeCta<T, P>(kp, smemRaw, roles.indexInRole(cta), startNs);
+    runComputeCta<T, P, BMn>(kp, smemRaw, roles.indexInRole(cta), startNs);
     return;
   }
   if (role == Role::kReduce) {

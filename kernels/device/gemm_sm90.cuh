@@ -266,10 +266,46 @@ __device__ __forceinline__ uint64_t makeSmemDesc(uint32_t addr) {
   return d;
 }
 
-template <class T>
+// The same for an MN-major operand (stored [K, N]: each row of the stored matrix holds one k for many columns), as
+// TMA writes it in {64 columns, 64 k} boxes of 8 KiB: leading byte offset 8 KiB = the next 64 columns, stride byte
+// offset 1024 = the next 8 k. One k-step of 16 advances 16 rows of 128 bytes (2048 bytes, 128 in the address field).
+__device__ __forceinline__ uint64_t makeSmemDescMn(uint32_t addr) {
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>((64 * 128) >> 4) << 16;
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;
+  d |= static_cast<uint64_t>(1) << 62;
+  return d;
+}
+
+// B's shared-memory form: the forward stores B as [N, K] (K-major, one TMA box of 256 rows per k-block); the
+// dgrad's weight is [K, N] (MN-major, four {64 columns, 64 k} boxes per k-block, and wgmma's transpose bit for B).
+template <bool BMn>
+__device__ __forceinline__ uint64_t makeBDesc(uint32_t addr) {
+  if constexpr (BMn) {
+    return makeSmemDescMn(addr);
+  } else {
+    return makeSmemDesc(addr);
+  }
+}
+template <bool BMn>
+inline constexpr uint64_t kBDescKStep = BMn ? (kMmaK * 128) >> 4 : (kMmaK * 2) >> 4;
+
+template <bool BMn>
+__device__ __forceinline__ void tmaLoadB(const CUtensorMap* map, uint16_t* dst, uint64_t* bar, int32_t k0,
+                                         int32_t n0) {
+  if constexpr (BMn) {
+#pragma unroll
+    for (int j = 0; j < kBlockN / 64; ++j) tmaLoad2d(map, dst + j * 64 * kBlockK, bar, n0 + 64 * j, k0);
+  } else {
+    tmaLoad2d(map, dst, bar, k0, n0);
+  }
+}
+
+template <class T, bool BMn = false>
 struct Wgmma64x256;
 
-#define TANDEM_WGMMA_64x256_SS(TY)                                                                    \
+#define TANDEM_WGMMA_64x256_SS(TY, TB)                                                                  \
   asm volatile(                                                                                      \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                \
       "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "                                   \
@@ -281,7 +317,7 @@ struct Wgmma64x256;
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "    \
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "    \
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "    \
-      "%128, %129, p, 1, 1, 0, 0;\n}\n"\
+      "%128, %129, p, 1, 1, 0, " TB ";\n}\n"\
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
@@ -300,17 +336,26 @@ struct Wgmma64x256;
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
       : "l"(descA), "l"(descB), "r"(scaleD))
 
-// D[64x256] (+)= A[64x16] * B[256x16]^T, both from shared memory (K-major); scaleD == 0 overwrites D.
-template <>
-struct Wgmma64x256<__nv_bfloat16> {
+// D[64x256] (+)= A[64x16] * B[256x16]^T, both from shared memory, A K-major, B K-major (BMn false) or MN-major
+// (true: the instruction's transpose bit for B); scaleD == 0 overwrites D.
+template <bool BMn>
+struct Wgmma64x256<__nv_bfloat16, BMn> {
   __device__ __forceinline__ static void run(float (&d)[128], uint64_t descA, uint64_t descB, uint32_t scaleD) {
-    TANDEM_WGMMA_64x256_SS("bf16");
+    if constexpr (BMn) {
+      TANDEM_WGMMA_64x256_SS("bf16", "1");
+    } else {
+      TANDEM_WGMMA_64x256_SS("bf16", "0");
+    }
   }
 };
-template <>
-struct Wgmma64x256<__half> {
+template <bool BMn>
+struct Wgmma64x256<__half, BMn> {
   __device__ __forceinline__ static void run(float (&d)[128], uint64_t descA, uint64_t descB, uint32_t scaleD) {
-    TANDEM_WGMMA_64x256_SS("f16");
+    if constexpr (BMn) {
+      TANDEM_WGMMA_64x256_SS("f16", "1");
+    } else {
+      TANDEM_WGMMA_64x256_SS("f16", "0");
+    }
   }
 };
 #undef TANDEM_WGMMA_64x256_SS
@@ -359,10 +404,11 @@ __device__ __forceinline__ void initBarriers(SharedStorage<Stages>& s) {
 // Producer: ONE thread. For each tile of this cluster, waits on rowWait for its A rows, then streams k-blocks into
 // the ring: wait for the stage to be empty (in every CTA of the cluster), announce the bytes, issue the TMA loads.
 // ---------------------------------------------------------------------------------------------------------------
-template <int Stages, int ClusterM, class Order, class RowWait>
+template <int Stages, int ClusterM, class Order, class RowWait, bool BMn = false>
 __device__ __forceinline__ void runProducer(const GemmKernelParams& p, SharedStorage<Stages>& s, const Order& order,
                                             const RowWait& rowWait, int32_t firstWork, int32_t workStride,
                                             uint32_t ctaRank) {
+  static_assert(!BMn || ClusterM == 1, "an MN-major B is loaded whole by each CTA (no multicast halves)");
   constexpr int kBRowsPerCta = kBlockN / ClusterM;
   constexpr uint32_t kBHalfBytes = kBBytes / ClusterM;
   PipeState<Stages> ps;
@@ -385,7 +431,7 @@ __device__ __forceinline__ void runProducer(const GemmKernelParams& p, SharedSto
       const int32_t k0 = kb * kBlockK;
       if (aValid) tmaLoad2d(&p.tmA, s.a[ps.stage], &s.full[ps.stage], k0, m0);
       if constexpr (ClusterM == 1) {
-        tmaLoad2d(&p.tmB, s.b[ps.stage], &s.full[ps.stage], k0, n0);
+        tmaLoadB<BMn>(&p.tmB, s.b[ps.stage], &s.full[ps.stage], k0, n0);
       } else {
         if (myBValid) {
           tmaLoad2dMulticast(&p.tmB, s.b[ps.stage] + ctaRank * kBRowsPerCta * kBlockK, &s.full[ps.stage], k0,
@@ -412,7 +458,7 @@ __device__ __forceinline__ void releaseStage(SharedStorage<Stages>& s, int stage
   }
 }
 
-template <class T, int Stages, int ClusterM, Epilogue Epi, class Order, class EpiHook = NoEpiHook>
+template <class T, int Stages, int ClusterM, Epilogue Epi, class Order, class EpiHook = NoEpiHook, bool BMn = false>
 __device__ __forceinline__ void runConsumer(const GemmKernelParams& p, SharedStorage<Stages>& s, const Order& order,
                                             int32_t firstWork, int32_t workStride, uint32_t ctaRank, int wg, int t,
                                             EpiHook epiHook = EpiHook{}) {
@@ -436,12 +482,12 @@ __device__ __forceinline__ void runConsumer(const GemmKernelParams& p, SharedSto
     for (int32_t kb = 0; kb < p.numKBlocks; ++kb) {
       mbarWait(&s.full[ps.stage], ps.phase);  // acquire: TMA bytes of this stage landed
       const uint64_t descA = makeSmemDesc(smemAddr(s.a[ps.stage]) + aOffset);
-      const uint64_t descB = makeSmemDesc(smemAddr(s.b[ps.stage]));
+      const uint64_t descB = makeBDesc<BMn>(smemAddr(s.b[ps.stage]));
       fenceAccumulators(acc);
       wgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / kMmaK; ++kk) {
-        Wgmma64x256<T>::run(acc, descA + 2 * kk, descB + 2 * kk, (kb > 0 || kk > 0) ? 1u : 0u);
+        Wgmma64x256<T, BMn>::run(acc, descA + 2 * kk, descB + kBDescKStep<BMn> * kk, (kb > 0 || kk > 0) ? 1u : 0u);
       }
       wgmmaCommit();
       fenceAccumulators(acc);

@@ -176,7 +176,8 @@ struct GemmRsParams {
   // [m, k], b [k, n]; kAtB: a [k, m], b [k, n]; lda and ldb are the stored row strides (>= that row's length).
   GemmLayout layout;
   // 1: the GEMM runs on the layouts core (gemm_layouts.hpp: swap-AB small-M path, deterministic split-K) in the
-  // decomposed plan (the only plan it takes; kAuto then means decomposed). Layouts other than kABt always do.
+  // decomposed plan (the only plan it takes; kAuto then means decomposed). kAtB always does (the fused kernel loads A
+  // K-major only); kAB takes the fused plans too (its weight is loaded MN-major) and the layouts core when decomposed.
   int32_t layoutsCore;
   // The layouts core's split-K scratch (GemmLayoutParams::workspace: zeroed once, left zeroed by every launch; this
   // rank's stream only). Null: no K splits.
@@ -184,9 +185,16 @@ struct GemmRsParams {
   size_t splitKBytes;
 };
 
-// Whether launchGemmRs / launchGemmAr run the GEMM on the layouts core for these params.
+// Whether the decomposed plan runs its GEMM on the layouts core for these params (the forward core's own GEMM
+// multiplies in kABt only).
 constexpr bool gemmRsOnLayoutsCore(const GemmRsParams& p) {
   return p.layout != GemmLayout::kABt || p.layoutsCore != 0;
+}
+
+// Whether the fused plans take these params: the fused kernel's core loads A [m, k] K-major and B either way (kABt's
+// [n, k], kAB's [k, n]).
+constexpr bool gemmRsFusedTakes(const GemmRsParams& p) {
+  return p.layout != GemmLayout::kAtB && p.layoutsCore == 0;
 }
 
 // The plan tandem runs for this shape (measured on nvidia-h200-x2, bench/gemm_rs_bench.cu, bench/RESULTS.md).
