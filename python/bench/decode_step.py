@@ -96,17 +96,17 @@ class Bench:
         return timed(fn, self.args.iters, self.args.warmup, self.cuda)
 
     def variants(self, label: str, fns: dict, graphs: dict) -> dict:
-        """Times each eager fn, then (cuda) each graph of it: {"<name>_eager": ms, "<name>_graph": ms or None}.
+        """Times each eager fn, then (cuda) each graph of it: {"<name>_eager_ms": ms, "<name>_graph_ms": ms or None}.
         `graphs` maps a name to False (not graphed), a reason string (printed instead), or True. A capture that
         raises is printed with the error's text and left out."""
         out = {}
         for name, fn in fns.items():
-            out[f"{name}_eager"] = self.time(fn)
+            out[f"{name}_eager_ms"] = self.time(fn)
         if not self.cuda:
             return out
         for name, fn in fns.items():
             how = graphs.get(name, True)
-            out[f"{name}_graph"] = None
+            out[f"{name}_graph_ms"] = None
             if isinstance(how, str):
                 self.say(f"  {label} {name} graph: not captured: {how}")
                 continue
@@ -115,7 +115,7 @@ class Bench:
             except Exception as e:  # tandem's refusal (tandem.Unsupported) or the capture's own error
                 self.say(f"  {label} {name} graph: refused: {type(e).__name__}: {e}")
                 continue
-            out[f"{name}_graph"] = self.time(g.replay)
+            out[f"{name}_graph_ms"] = self.time(g.replay)
             del g
         return out
 
@@ -209,7 +209,7 @@ def tp_part(b: Bench, shapes, tokens) -> None:
 def report(b: Bench, op, n, k, m, err, res) -> None:
     row = {"op": op, "n": n, "k": k, "m": m, "rel_err": err, **res}
     b.rows["tp"].append(row)
-    te, tg, pe, pg = (res.get(f"{w}_{v}") for w in ("tandem", "torch") for v in ("eager", "graph"))
+    te, tg, pe, pg = (res.get(f"{w}_{v}_ms") for w in ("tandem", "torch") for v in ("eager", "graph"))
     ratios = f"{pe / te:6.3f}x" + (f" {pg / tg:6.3f}x" if tg and pg else "")
     b.say(f"  {op:8s} {n:6d} {k:6d} {m:4d}  {fmt(te)} {fmt(tg)}  {fmt(pe)} {fmt(pg)}  {ratios}")
 
@@ -375,11 +375,11 @@ def moe_part(b: Bench, tokens, shape) -> None:
         res = b.variants(f"moe tokens={t}", fns, graphs)
         row = {"tokens": t, "rel_err": err, "capacity": cap if world > 1 else None, **res}
         b.rows["moe"].append(row)
-        te, tg, pe = res.get("tandem_eager"), res.get("tandem_graph"), res.get("torch_eager")
-        pg = res.get("torch_fixed_capacity_graph") if world > 1 else res.get("torch_graph")
+        te, tg, pe = res.get("tandem_eager_ms"), res.get("tandem_graph_ms"), res.get("torch_eager_ms")
+        pg = res.get("torch_fixed_capacity_graph_ms") if world > 1 else res.get("torch_graph_ms")
         ratios = f"{pe / te:6.3f}x" + (f" {pg / tg:6.3f}x" if tg and pg else "")
         b.say(f"  {t:6d}  {fmt(te)} {fmt(tg)}  {fmt(pe)} {fmt(pg)}  {ratios}"
-              + (f"   (torch fixed-capacity eager {fmt(res.get('torch_fixed_capacity_eager')).strip()} ms, "
+              + (f"   (torch fixed-capacity eager {fmt(res.get('torch_fixed_capacity_eager_ms')).strip()} ms, "
                  f"capacity {cap} rows per rank)" if world > 1 else ""))
 
 

@@ -8,7 +8,8 @@ torch._scaled_mm plus NCCL (torch.distributed), and the same ops in bf16 on both
   sum; torch: torch._scaled_mm to bf16, then reduce_scatter_tensor.
 - gemm_ar (row-parallel, replicated): as gemm_rs, every rank gets the summed [M, hidden]; torch: torch._scaled_mm,
   then all_reduce.
-At one rank the baseline is torch._scaled_mm alone. Quantizing (amax / 448 per tensor) happens before the timing.
+At one rank the baseline is torch._scaled_mm alone. Quantizing (amax / 448 per tensor; ag_gemm's A shards share
+one scale, their amax reduced over the ranks) happens before the timing.
 
 usage (one GPU, a tandemd on the cuda backend at $TANDEM_SOCKET):
     python python/bench/fp8_gemm_step.py [--tokens 8192] [--hidden 8192] [--ffn 28672] [--iters 20]
@@ -36,9 +37,14 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def quantize(x):
-    """(FP8 tensor, fp32 scale [1]) of x, one scale for the whole tensor."""
-    scale = (x.abs().max().float() / FP8_MAX).clamp_min(1e-12).reshape(1)
+def quantize(x, shared: bool = False):
+    """(FP8 tensor, fp32 scale [1]) of x, one scale for the whole tensor; shared: one scale for every rank's shard
+    (the amax reduced over the ranks, as FP8 recipes do for a sequence-parallel input), so that the gathered A has
+    one scale, as torch._scaled_mm needs."""
+    amax = x.abs().max().float().reshape(1)
+    if shared and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+    scale = (amax / FP8_MAX).clamp_min(1e-12)
     return (x.float() / scale).to(FP8), scale
 
 
@@ -93,7 +99,8 @@ def main() -> int:
     # Inputs per op (bf16, then their FP8 forms), outputs allocated once.
     x_ag, w_ag = rand(rows, hidden), rand(fr, hidden, scale=hidden ** -0.5)
     x_red, w_red = rand(m, fr), rand(hidden, fr, scale=fr ** -0.5)
-    q = {name: quantize(t) for name, t in (("x_ag", x_ag), ("w_ag", w_ag), ("x_red", x_red), ("w_red", w_red))}
+    q = {name: quantize(t, name == "x_ag") for name, t in (("x_ag", x_ag), ("w_ag", w_ag), ("x_red", x_red),
+                                                             ("w_red", w_red))}
     gathered8 = torch.empty(m, hidden, device=dev, dtype=FP8)
     gathered = torch.empty(m, hidden, device=dev, dtype=bf16)
     full = torch.empty(m, hidden, device=dev, dtype=bf16)
