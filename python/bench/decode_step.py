@@ -85,6 +85,7 @@ class Bench:
         self.args, self.comm, self.world, self.rank, self.dtype = args, comm, world, rank, dtype
         self.cuda = args.device == "cuda"
         self.dev = comm.device
+        self.sync = torch.cuda.synchronize if self.cuda else (lambda: None)
         self.rows: dict[str, list] = {"tp": [], "moe": [], "replay_cost": []}
         self.wrong: list[str] = []
 
@@ -358,9 +359,13 @@ def moe_part(b: Bench, tokens, shape) -> None:
         def torch_graph(x=x, ids=ids, weights=weights, cap=cap):
             return torch_moe(x, ids, weights, w1, w2, world, cap)
 
-        tandem_moe()
         want = torch_eager()
-        b.sync()
+        try:  # e.g. refused for want of workspace: the message names the bytes to pass as --workspace-bytes
+            tandem_moe()
+            b.sync()
+        except tandem.TandemError as e:
+            b.say(f"  moe tokens={t} tandem: refused: {type(e).__name__}: {e}")
+            continue
         err = b.check(f"moe tokens={t}", out, want, tol)
         # The eager baseline reads its counts on the host; its graph form is the fixed-capacity chain.
         fns = {"tandem": tandem_moe, "torch": torch_eager}
@@ -420,7 +425,6 @@ def main() -> int:
         dist.init_process_group("nccl" if cuda else "gloo")
     comm = tandem.Communicator(dist.group.WORLD if world > 1 else None, workspace_bytes=args.workspace_bytes)
     b = Bench(args, comm, world, rank, dtype)
-    b.sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
     card = torch.cuda.get_device_name() if cuda else "cpu"
     b.say(f"decode_step: {world} rank(s), {card}, {args.dtype}; {'eager and CUDA-graph replay' if cuda else 'eager'}")
     shapes = [tuple(int(v) for v in s.split("x")) for s in (args.shapes or (GPU_SHAPES if cuda else CPU_SHAPES))
