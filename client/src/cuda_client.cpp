@@ -45,8 +45,7 @@ void logPlanOnce(const OpDescriptor& d, const std::string& plan) {
   if (!enabled) return;
   static std::mutex mu;
   static std::set<std::string> seen;
-  const std::string shape = fmt::format("{} {} m={} n={} k={} on {} ranks", opKindName(d.kind), dtypeName(d.dtype),
-                                        d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], d.nranks);
+  const std::string shape = planShapeName(d);
   std::lock_guard lock(mu);
   if (seen.insert(shape).second) std::fprintf(stderr, "tandem: rank %u: %s: plan %s\n", d.rank, shape.c_str(), plan.c_str());
 }

@@ -1,10 +1,20 @@
 #include "tandem/common/descriptor.hpp"
 
+#include <fmt/format.h>
+
 #include "tandem/common/op_spec.hpp"
 
 namespace tandem {
 
 std::string_view opKindName(OpKind kind) { return knownOp(kind) ? opSpec(kind).name : "invalid"; }
+
+std::string planShapeName(const OpDescriptor& d) {
+  const bool gemm = d.kind == OpKind::kAgGemm || d.kind == OpKind::kGemmRs || d.kind == OpKind::kGemmAr;
+  const GemmOperands layout = gemmOperandsOf(d.flags);
+  return fmt::format("{} {} m={} n={} k={}{}{} on {} ranks", opKindName(d.kind), dtypeName(d.dtype), d.dims[dim::kM],
+                     d.dims[dim::kN], d.dims[dim::kK], gemm && layout != GemmOperands::kNT ? " " : "",
+                     gemm && layout != GemmOperands::kNT ? gemmLayoutName(layout) : "", d.nranks);
+}
 
 std::string_view gemmLayoutName(GemmOperands layout) {
   switch (layout) {

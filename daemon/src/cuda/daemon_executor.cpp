@@ -520,8 +520,7 @@ bool PersistentComm::launchMapped(const std::shared_ptr<Gang>& g, const k::GpuOp
 // Which plan a fused GEMM ran, once per (op, shape), at debug level.
 void PersistentComm::logPlanOnce(const OpDescriptor& d, const std::string& plan) {
   if (!spdlog::should_log(spdlog::level::debug)) return;  // no formatting on every op otherwise
-  const std::string shape = fmt::format("{} {} m={} n={} k={} on {} ranks", opKindName(d.kind), dtypeName(d.dtype),
-                                        d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], d.nranks);
+  const std::string shape = planShapeName(d);
   if (executors_.firstPlan(shape)) spdlog::debug("rank {}: {}: plan {}", d.rank, shape, plan);
 }
 

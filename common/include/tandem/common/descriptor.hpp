@@ -5,6 +5,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 namespace tandem {
@@ -184,5 +185,9 @@ constexpr uint64_t rowOffset(uint64_t total, uint32_t rank, uint32_t nranks) {
   const uint64_t rem = total % nranks;
   return rank * (total / nranks) + (rank < rem ? rank : rem);
 }
+
+// "gemm-rs bf16 m=1536 n=1024 k=512 nn on 2 ranks": an op's kind, dtype, dims and (GEMM ops in NN or TN) layout, the
+// key under which the executors log the plan a shape ran once.
+std::string planShapeName(const OpDescriptor& d);
 
 }  // namespace tandem
