@@ -19,16 +19,17 @@ __global__ void __launch_bounds__(gemm::kThreads, 1) gemmArFusedKernel(const __g
   runFusedCta<T, P>(kp, smemRaw);
 }
 
-template <class T>
+template <class T, class P>
 __global__ void __launch_bounds__(kThreads, 1) gemmArReduceKernel(const __grid_constant__ FusedKernelParams kp) {
-  runDecomposedReduce<T>(kp);
+  runDecomposedReduce<T, P>(kp);
 }
 
 const KernelTable& kernels() {
   static const KernelTable kt = {
       {{&gemmArFusedKernel<__nv_bfloat16, float>, &gemmArFusedKernel<__nv_bfloat16, __nv_bfloat16>},
        {&gemmArFusedKernel<__half, float>, &gemmArFusedKernel<__half, __half>}},
-      {&gemmArReduceKernel<__nv_bfloat16>, &gemmArReduceKernel<__half>}};
+      {&gemmArReduceKernel<__nv_bfloat16, __nv_bfloat16>, &gemmArReduceKernel<__half, __half>},
+      {&gemmArReduceKernel<__nv_bfloat16, float>, &gemmArReduceKernel<float, float>}};
   return kt;
 }
 

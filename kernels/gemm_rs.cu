@@ -23,16 +23,17 @@ __global__ void __launch_bounds__(gemm::kThreads, 1) gemmRsFusedKernel(const __g
 }
 
 // Decomposed plan: runs after the GEMM core wrote this rank's bf16 partial into its outbox.
-template <class T>
+template <class T, class P>
 __global__ void __launch_bounds__(kThreads, 1) gemmRsReduceKernel(const __grid_constant__ FusedKernelParams kp) {
-  runDecomposedReduce<T>(kp);
+  runDecomposedReduce<T, P>(kp);
 }
 
 const KernelTable& kernels() {
   static const KernelTable kt = {
       {{&gemmRsFusedKernel<__nv_bfloat16, float>, &gemmRsFusedKernel<__nv_bfloat16, __nv_bfloat16>},
        {&gemmRsFusedKernel<__half, float>, &gemmRsFusedKernel<__half, __half>}},
-      {&gemmRsReduceKernel<__nv_bfloat16>, &gemmRsReduceKernel<__half>}};
+      {&gemmRsReduceKernel<__nv_bfloat16, __nv_bfloat16>, &gemmRsReduceKernel<__half, __half>},
+      {&gemmRsReduceKernel<__nv_bfloat16, float>, &gemmRsReduceKernel<float, float>}};
   return kt;
 }
 
