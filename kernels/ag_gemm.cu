@@ -260,7 +260,8 @@ void gatherRows(const AgGemmParams& p, const void* shard, int64_t m, int64_t row
   kp.g.m = static_cast<int32_t>(m);
   kp.shard = static_cast<const uint4*>(shard);
   for (int q = 0; q < p.nranks; ++q) {
-    kp.gathered[q] = reinterpret_cast<uint4*>(static_cast<char*>(q == p.rank ? p.aGathered : p.peerGathered[q]) + dstOff);
+    char* const base = static_cast<char*>(q == p.rank ? p.aGathered : p.peerGathered[q]);
+    kp.gathered[q] = reinterpret_cast<uint4*>(base + dstOff);
     kp.flags[q] = (q == p.rank ? p.flags : p.peerFlags[q]) + flagOff;
   }
   kp.abortWord = p.abortWord;

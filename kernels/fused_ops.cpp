@@ -345,15 +345,15 @@ bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan) {
 
 namespace {
 
-// FP8 inputs on one node (ops across nodes take the multi-node path, which refuses FP8): the FP8 core's rules, beyond the shared ones
-// below. Its wgmma reads K-major operands only, so NT alone; its rows of k fp8 bytes move as whole 16-byte words.
+// FP8 inputs on one node (ops across nodes take the multi-node path, which refuses FP8): the FP8 core's rules, beyond
+// the shared ones below. Its wgmma reads K-major operands only, so NT alone; rows of k fp8 bytes move as 16-byte words.
 void checkFp8Gemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env) {
   const std::string_view op = opKindName(d.kind);
   const GemmOperands layout = gemmOperandsOf(d.flags);
   if (layout != GemmOperands::kNT) {
     fail(ErrorCode::kUnsupported, "{}: layout {} with {} inputs: the cuda backend's FP8 core reads both operands "
-         "K-major (fp8 wgmma has no transpose), so it takes layout nt only. Transpose in the kernel that writes the fp8 "
-         "tensors (quantize into a [rows, k] a and an [n, k] b) and pass layout nt, or run it on a tandemd with "
+         "K-major (fp8 wgmma has no transpose), so it takes layout nt only. Transpose in the kernel that writes the "
+         "fp8 tensors (quantize into a [rows, k] a and an [n, k] b) and pass layout nt, or run it on a tandemd with "
          "daemon.backend: cpu", op, gemmLayoutName(layout), dtypeName(d.dtype));
   }
   const uint64_t m = d.dims[dim::kM], kk = d.dims[dim::kK];
@@ -378,9 +378,9 @@ void checkFp8Gemm(const OpDescriptor& d, const DevicePointers& ptrs, const Fused
   if ((d.flags & kFlagFp8BlockScale) != 0 && inPlace &&
       (m % 4 != 0 || reinterpret_cast<uintptr_t>(aScale) % 16 != 0)) {
     fail(ErrorCode::kInvalidArgument, "{}: block-scaled {} inputs on the cuda backend need m a multiple of 4 (m = {}) "
-         "and a_scale 16-byte aligned ({}): the FP8 core copies a_scale [ceil(k/128), m] 16 bytes at a time. Pad m with "
-         "zero rows to a multiple of 4, and use an a_scale offset that is a multiple of 16", op, dtypeName(d.dtype), m,
-         aScale);
+         "and a_scale 16-byte aligned ({}): the FP8 core copies a_scale [ceil(k/128), m] 16 bytes at a time. Pad m "
+         "with zero rows to a multiple of 4, and use an a_scale offset that is a multiple of 16", op,
+         dtypeName(d.dtype), m, aScale);
   }
 }
 

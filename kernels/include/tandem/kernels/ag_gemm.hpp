@@ -71,7 +71,8 @@ constexpr int64_t agGemmFlagWords(int64_t m, int nranks) {
 // scales' (agGemmFlagWords(nranks * scaleWords, nranks)).
 constexpr int64_t agGemmFp8Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 constexpr int64_t agGemmFp8ScaleWords(int64_t m, int64_t k, int nranks, Fp8Scaling s) {
-  const int64_t floats = s == Fp8Scaling::kBlock ? (k + kFp8ScaleBlock - 1) / kFp8ScaleBlock * agRowsOf(m, 0, nranks) : 1;
+  const int64_t kBlocks = (k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const int64_t floats = s == Fp8Scaling::kBlock ? kBlocks * agRowsOf(m, 0, nranks) : 1;
   return floats > 0 ? (floats + 3) / 4 : 1;
 }
 struct AgGemmFp8Layout {
