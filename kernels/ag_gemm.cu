@@ -15,6 +15,7 @@
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_fp8.hpp"
 #include "tandem/kernels/gemm_layouts.hpp"
 #include "tandem/kernels/preload.hpp"
 
@@ -224,6 +225,150 @@ void validate(const AgGemmParams& p) {
     if (p.peerFlags[q] == nullptr) fail("peerFlags[" + str(q) + "] is null");
   }
   if (p.epoch == 0 || p.epoch == kAbortValue) fail("epoch must be in [1, 2^64 - 2]");
+  if (p.fp8.enabled != 0) {
+    const Fp8Scaling s = p.fp8.scaling;
+    if (p.flagWords < agGemmFp8FlagWords(p.m, p.k, p.nranks, s)) {
+      fail("flag arrays hold " + str(p.flagWords) + " words, this FP8 shape needs " +
+           str(agGemmFp8FlagWords(p.m, p.k, p.nranks, s)) + " (agGemmFp8FlagWords)");
+    }
+  }
+}
+
+// FP8 operands: what the all-gather and the FP8 core need beyond validate()'s rules.
+void validateFp8(const AgGemmParams& p) {
+  const auto str = [](int64_t v) { return std::to_string(v); };
+  if (p.layout != GemmLayout::kABt) {
+    fail("FP8 operands take layout kABt only (fp8 wgmma reads K-major operands): transpose in the producer");
+  }
+  if (p.plan == 1) fail("FP8 operands run the decomposed plan: plan 0 or 2");
+  if (p.k % 16 != 0) fail("FP8 operands need k a multiple of 16 (16-byte rows of fp8), got " + str(p.k));
+  if (p.fp8.aScale == nullptr || p.fp8.bScale == nullptr) fail("FP8 operands need aScale and bScale");
+  if (p.nranks == 1 && p.fp8.scaling == Fp8Scaling::kBlock &&
+      (p.m % 4 != 0 || reinterpret_cast<uintptr_t>(p.fp8.aScale) % 16 != 0)) {
+    fail("block scaling at one rank reads aScale [k/128, m] in place: m must be a multiple of 4 and aScale 16-byte "
+         "aligned, got m = " + str(p.m));
+  }
+}
+
+// The all-gather kernel over an [m, rowWords x 16 bytes] matrix whose rank-q rows start at `dstOff` bytes in rank q's
+// gathered buffer, with its flags at word `flagOff` of every flag array: pushes this rank's rows (`shard`) and returns
+// once every rank's rows have landed here (in stream order). `ctas` all-gather CTAs.
+void gatherRows(const AgGemmParams& p, const void* shard, int64_t m, int64_t rowWords, int64_t dstOff, int64_t flagOff,
+                int ctas, cudaStream_t stream) {
+  AgGemmKernelParams kp;
+  std::memset(&kp, 0, sizeof(kp));
+  kp.g.m = static_cast<int32_t>(m);
+  kp.shard = static_cast<const uint4*>(shard);
+  for (int q = 0; q < p.nranks; ++q) {
+    char* const base = static_cast<char*>(q == p.rank ? p.aGathered : p.peerGathered[q]);
+    kp.gathered[q] = reinterpret_cast<uint4*>(base + dstOff);
+    kp.flags[q] = (q == p.rank ? p.flags : p.peerFlags[q]) + flagOff;
+  }
+  kp.abortWord = p.abortWord;
+  kp.errorSlot = p.errorSlot;
+  kp.epoch = p.epoch;
+  kp.epochWord = p.epochWord;
+  kp.timeoutNs = p.timeoutNs > 0 ? p.timeoutNs : 10ull * 1000 * 1000 * 1000;
+  kp.rowWords = rowWords;
+  kp.rank = p.rank;
+  kp.nranks = p.nranks;
+  kp.localRow0 = static_cast<int32_t>(agRowOffset(m, p.rank, p.nranks));
+  kp.localRow1 = static_cast<int32_t>(agRowOffset(m, p.rank, p.nranks) + agRowsOf(m, p.rank, p.nranks));
+  kp.maxChunks = static_cast<int32_t>(agGemmMaxChunks(m, p.nranks));
+  kp.chunkRows = static_cast<int32_t>(agGemmChunkRows(m, p.nranks, ctas));
+  agGatherKernel<<<ctas, kGatherThreads, 0, stream>>>(kp);
+  checkCuda(cudaGetLastError(), "launching the all-gather kernel");
+}
+
+// The FP8 core on rows [row0, row0 + rows) of A (row stride k bytes) into the same rows of C.
+void fp8Gemm(const AgGemmParams& p, const void* a, int64_t row0, int64_t rows, const float* scaleA, int64_t ldsa,
+             cudaStream_t stream) {
+  if (rows == 0) return;
+  GemmFp8Params g{};
+  g.aFormat = p.fp8.aFormat;
+  g.bFormat = p.fp8.bFormat;
+  g.scaling = p.fp8.scaling;
+  g.out = p.fp8.out;
+  g.a = static_cast<const uint8_t*>(a) + row0 * p.k;
+  g.b = p.b;
+  g.c = static_cast<char*>(p.c) + row0 * p.n * fp8OutBytes(p.fp8.out);
+  g.scaleA = scaleA;
+  g.scaleB = p.fp8.bScale;
+  g.m = rows;
+  g.n = p.n;
+  g.k = p.k;
+  g.lda = p.k;
+  g.ldb = p.k;
+  g.ldc = p.n;
+  g.ldsa = ldsa;
+  try {
+    launchGemmFp8(g, stream);
+  } catch (const std::exception& e) {  // launchGemmFp8 throws std::invalid_argument too
+    fail(e.what());
+  }
+}
+
+// FP8 operands (AgGemmParams::fp8; ag_gemm.hpp's FP8 section has the design).
+AgGemmPlanChoice launchFp8(const AgGemmParams& p, AgGemmPlanChoice choice, cudaStream_t stream) {
+  validateFp8(p);
+  const bool block = p.fp8.scaling == Fp8Scaling::kBlock;
+  if (p.k == 0) {
+    checkCuda(cudaMemsetAsync(p.c, 0, static_cast<size_t>(p.m * p.n * fp8OutBytes(p.fp8.out)), stream),
+              "cudaMemsetAsync");
+    return choice;
+  }
+  if (p.nranks == 1) {
+    if (p.aGathered != nullptr && p.aGathered != p.a) {
+      checkCuda(cudaMemcpyAsync(p.aGathered, p.a, static_cast<size_t>(p.m * p.k), cudaMemcpyDeviceToDevice, stream),
+                "cudaMemcpyAsync (gathered copy)");
+    }
+    fp8Gemm(p, p.a, 0, p.m, p.fp8.aScale, p.m, stream);
+    return choice;
+  }
+  int device = 0;
+  checkCuda(cudaGetDevice(&device), "cudaGetDevice");
+  const int ctas = std::max(1, std::min(choice.commSms, deviceInfo(device).numSms));
+  choice.commSms = ctas;
+  const AgGemmFp8Layout l = agGemmFp8Layout(p.m, p.k, p.nranks, p.fp8.scaling);
+  char* const mine = static_cast<char*>(p.aGathered);
+  const int64_t rows = agRowsOf(p.m, p.rank, p.nranks);
+  const int64_t kBlocks = ceilDiv(p.k, kFp8ScaleBlock);
+  // This rank's scales into its stage, padded to whole words: the all-gather kernel reads whole 16-byte words, which
+  // the caller's scale tensor need not hold. Peers never touch the stage, and our previous op read it in stream order.
+  const int64_t scaleBytes = block ? kBlocks * rows * 4 : 4;
+  if (scaleBytes > 0) {
+    checkCuda(cudaMemcpyAsync(mine + l.stageOff, p.fp8.aScale, static_cast<size_t>(scaleBytes),
+                              cudaMemcpyDeviceToDevice, stream),
+              "cudaMemcpyAsync (A scales into the stage)");
+  }
+  // A's fp8 rows (k / 16 words each), then the scales (scaleWords one-word rows per rank): the second gather's flags
+  // follow the first's, so neither sees the other's epoch as its own.
+  gatherRows(p, p.a, p.m, p.k / 16, 0, 0, ctas, stream);
+  gatherRows(p, mine + l.stageOff, p.nranks * l.scaleWords, 1, l.scalesOff, agGemmFlagWords(p.m, p.nranks), ctas,
+             stream);
+  const float* const scales = reinterpret_cast<const float*>(mine + l.scalesOff);
+  if (!block) {
+    // Each rank's rows with that rank's scale: one launch per rank (a shared scale would need the ranks to agree,
+    // which nothing checks on the device).
+    for (int q = 0; q < p.nranks; ++q) {
+      fp8Gemm(p, p.aGathered, agRowOffset(p.m, q, p.nranks), agRowsOf(p.m, q, p.nranks), scales + q * l.scaleWords * 4,
+              0, stream);
+    }
+    return choice;
+  }
+  // Block scales: rank q's [kBlocks, rows_q] into columns [row0_q, row0_q + rows_q) of the core's [kBlocks, ldsa].
+  float* const blockScales = reinterpret_cast<float*>(mine + l.blockOff);
+  const int64_t ldsa = gemmFp8ScaleALd(p.m);
+  for (int q = 0; q < p.nranks; ++q) {
+    const int64_t rq = agRowsOf(p.m, q, p.nranks);
+    if (rq == 0) continue;
+    checkCuda(cudaMemcpy2DAsync(blockScales + agRowOffset(p.m, q, p.nranks), static_cast<size_t>(ldsa * 4),
+                                scales + q * l.scaleWords * 4, static_cast<size_t>(rq * 4), static_cast<size_t>(rq * 4),
+                                static_cast<size_t>(kBlocks), cudaMemcpyDeviceToDevice, stream),
+              "cudaMemcpy2DAsync (block scales of one rank)");
+  }
+  fp8Gemm(p, p.aGathered, 0, p.m, blockScales, ldsa, stream);
+  return choice;
 }
 
 }  // namespace
@@ -231,6 +376,7 @@ void validate(const AgGemmParams& p) {
 
 AgGemmPlanChoice resolveAgGemmPlan(const AgGemmParams& p) {
   if (p.nranks <= 1) return {AgGemmPlan::kLocal, 0, 0};
+  if (p.fp8.enabled != 0) return {AgGemmPlan::kDecomposed, p.commSms > 0 ? p.commSms : 132, 1, 0};
   if (agGemmOnLayoutsCore(p)) return {AgGemmPlan::kDecomposed, p.commSms > 0 ? p.commSms : 132, 1, 0};
   const AgGemmPlanChoice chosen = chooseAgGemmPlan(p.m, p.n, p.k, p.nranks);
   AgGemmPlanChoice r = chosen;
@@ -249,6 +395,7 @@ AgGemmPlanChoice launchAgGemm(const AgGemmParams& p, cudaStream_t stream) {
   validate(p);
   AgGemmPlanChoice choice = resolveAgGemmPlan(p);
   if (p.m == 0 || p.n == 0) return choice;
+  if (p.fp8.enabled != 0) return launchFp8(p, choice, stream);
   const int64_t rows = agRowsOf(p.m, p.rank, p.nranks);
   const int64_t row0 = agRowOffset(p.m, p.rank, p.nranks);
 

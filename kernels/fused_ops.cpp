@@ -6,6 +6,7 @@
 #include "tandem/kernels/ag_gemm.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
 #include "tandem/kernels/gemm_ar.hpp"
+#include "tandem/kernels/gemm_fp8.hpp"
 #include "tandem/kernels/gemm_layouts.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
 #include "tandem/kernels/moe.hpp"
@@ -30,6 +31,27 @@ uint64_t gemmAreaBytes(uint64_t matBytes, uint32_t nranks) {
 }
 
 GemmDtype gemmDtype(DType t) { return t == DType::kF16 ? GemmDtype::kFp16 : GemmDtype::kBf16; }
+
+Fp8Scaling fp8ScalingOf(const OpDescriptor& d) {
+  return (d.flags & kFlagFp8BlockScale) != 0 ? Fp8Scaling::kBlock : Fp8Scaling::kPerTensor;
+}
+// Bytes of one element of C (FP8 inputs: out_dtype's).
+uint64_t outBytesOf(const OpDescriptor& d) { return dtypeSize(gemmOutDtype(d.dtype, d.flags)); }
+
+// The FP8 operands of `d` for the kernels (disabled unless its dtype is FP8).
+Fp8Operands fp8OperandsOf(const OpDescriptor& d, const DevicePointers& ptrs) {
+  Fp8Operands f{};
+  if (!isFp8(d.dtype)) return f;
+  const auto format = [](DType t) { return t == DType::kF8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3; };
+  f.enabled = 1;
+  f.aFormat = format(d.dtype);
+  f.bFormat = format(d.dtype);
+  f.scaling = fp8ScalingOf(d);
+  f.out = gemmOutDtype(d.dtype, d.flags) == DType::kF32 ? Fp8Out::kFp32 : Fp8Out::kBf16;
+  f.aScale = static_cast<const float*>(ptrs[static_cast<std::size_t>(gemmScaleSlot(d.kind, false))]);
+  f.bScale = static_cast<const float*>(ptrs[static_cast<std::size_t>(gemmScaleSlot(d.kind, true))]);
+  return f;
+}
 
 // An explicit plan (PlanChoice, from the plan table) as the gemm-rs/ar kernels take it. Fused: partials in the input
 // dtype, own rows reduced in the epilogue, copied by the compute CTAs' producer warps (commSms 0: the measured best,
@@ -56,7 +78,7 @@ GemmLayout coreLayoutOf(GemmOperands o) {
 // The plan gemm-rs/ar runs for this shape: chosen once per op, used both to size the workspace and to launch. On the
 // layouts core: the decomposed plan (its GEMM, then the reduction CTAs; commSms of them if the plan table says so).
 GemmRsPlan gemmReducePlan(const OpDescriptor& d, const PlanChoice& choice) {
-  if (fusedGemmOnLayoutsCore(d, choice)) {
+  if (isFp8(d.dtype) || fusedGemmOnLayoutsCore(d, choice)) {  // FP8: the FP8 core, then the reduction CTAs
     GemmRsPlan p{};
     p.kind = GemmRsPlanKind::kDecomposed;
     if (choice.kind == PlanKind::kDecomposed) p.numReduce = static_cast<int16_t>(choice.commSms);
@@ -74,17 +96,26 @@ GemmRsPlan gemmReducePlan(const OpDescriptor& d, const PlanChoice& choice) {
 uint64_t matBytesNeeded(const OpDescriptor& d, uint32_t nranks, const PlanChoice& choice) {
   if (nranks == 1) return 0;  // one rank exchanges nothing: its kernels touch no workspace
   const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], kk = d.dims[dim::kK];
+  const auto mi = static_cast<int64_t>(m), ki = static_cast<int64_t>(kk);
+  const auto ranks = static_cast<int>(nranks);
+  if (d.kind == OpKind::kAgGemm && isFp8(d.dtype)) {
+    // The gathered fp8 A, every rank's scales and the core's block scales (ag_gemm.hpp's FP8 layout) in the two data
+    // matrices; A's and the scales' chunk flags in the flag words.
+    const Fp8Scaling s = fp8ScalingOf(d);
+    const auto bytes = static_cast<uint64_t>(agGemmFp8Layout(mi, ki, ranks, s).bytes);
+    return std::max((bytes + 1) / 2, 512 * static_cast<uint64_t>(agGemmFp8FlagWords(mi, ki, ranks, s)));
+  }
   if (d.kind == OpKind::kAgGemm) {
     // Gathered A [m, k] in the two data matrices; its chunk flags in the flag words (1/512 of a matrix).
-    const auto words = static_cast<uint64_t>(agGemmFlagWords(static_cast<int64_t>(m), static_cast<int>(nranks)));
+    const auto words = static_cast<uint64_t>(agGemmFlagWords(mi, ranks));
     return std::max(m * kk, 512 * words);
   }
   const bool allReduce = d.kind == OpKind::kGemmAr;
   uint64_t need = static_cast<uint64_t>(
-      gemmRsMatBytesNeeded(static_cast<int64_t>(m), static_cast<int64_t>(n), gemmReducePlan(d, choice)));
-  if (gemmRsWritesPeerOutputs(static_cast<int64_t>(m), static_cast<int>(nranks), allReduce)) {
-    // The output [rows, n] (16-bit) in the two data matrices; rank 0's rows, the most, so that every rank decides alike.
-    need = std::max(need, (allReduce ? m : rowsOf(m, 0, nranks)) * n);
+      gemmRsMatBytesNeeded(mi, static_cast<int64_t>(n), gemmReducePlan(d, choice), isFp8(d.dtype)));
+  if (gemmRsWritesPeerOutputs(mi, ranks, allReduce)) {
+    // The output [rows, n] in the two data matrices; rank 0's rows, the most, so that every rank decides alike.
+    need = std::max(need, ((allReduce ? m : rowsOf(m, 0, nranks)) * n * outBytesOf(d) + 1) / 2);
   }
   return need;
 }
@@ -103,6 +134,7 @@ void fillGemmCommon(Params& p, const OpDescriptor& d, const DevicePointers& ptrs
   p.a = ptrs[slot::kA];
   p.b = ptrs[slot::kB];
   p.layout = coreLayoutOf(gemmOperandsOf(d.flags));
+  p.fp8 = fp8OperandsOf(d, ptrs);
   if (env.layout.splitKBytes > 0) {  // this rank's split-K scratch (WorkspaceLayout)
     p.splitK = env.workspaces[env.rank] + env.layout.splitKOff;
     p.splitKBytes = env.layout.splitKBytes;
@@ -124,7 +156,10 @@ std::string launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint
   p.c = ptrs[slot::kC];
   p.commSms = static_cast<int32_t>(env.commSms);  // 0: the launcher chooses per shape
   p.layoutsCore = fusedGemmOnLayoutsCore(d, choice) ? 1 : 0;
-  if (p.layoutsCore != 0) {
+  if (p.fp8.enabled != 0) {
+    // The whole gather (fp8 rows, then the scales), then the FP8 core; commSms as the layouts core's path takes it.
+    if (choice.kind == PlanKind::kDecomposed && choice.commSms > 0) p.commSms = static_cast<int32_t>(choice.commSms);
+  } else if (p.layoutsCore != 0) {
     // The whole gather (commSms CTAs: the plan table's, else cuda.comm_sms, else every SM), then the layouts core.
     if (choice.kind == PlanKind::kDecomposed && choice.commSms > 0) p.commSms = static_cast<int32_t>(choice.commSms);
   } else if (choice.kind != PlanKind::kAuto && env.nranks > 1) {  // one rank gathers nothing: its local plan stays
@@ -148,15 +183,20 @@ std::string launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint
   const AgGemmPlanChoice plan = kernels::launchAgGemm(p, s);  // plan 0: the launcher chooses
   std::string name = agGemmPlanName(plan.plan);
   if (agGemmOnLayoutsCore(p)) name += fmt::format(" ({} on the layouts core)", gemmLayoutName(gemmOperandsOf(d.flags)));
-  if (plan.plan == AgGemmPlan::kFused) {
+  if (p.fp8.enabled != 0) {
+    name += plan.plan == AgGemmPlan::kDecomposed
+                ? fmt::format(" ({} all-gather CTAs for the fp8 rows and their scales, then the FP8 core)", plan.commSms)
+                : std::string(" (the FP8 core)");
+  } else if (plan.plan == AgGemmPlan::kFused) {
     name += fmt::format(" ({} comm SMs, {} copies, {} tail tiles)", plan.commSms, plan.commMode == 2 ? "TMA" : "LSU",
                         plan.tailTiles);
   } else if (plan.plan == AgGemmPlan::kDecomposed) {
     name += fmt::format(" ({} all-gather CTAs, then the GEMM)", plan.commSms);
   }
   if (env.nranks > 1 && userGathered != nullptr) {
-    // Cost: m * k * 2 bytes read and written once more, after the GEMM (the gathered A exists only in the workspace).
-    checkCuda(cudaMemcpyAsync(userGathered, p.aGathered, static_cast<size_t>(p.m * p.k * 2), cudaMemcpyDeviceToDevice, s),
+    // Cost: m * k elements read and written once more, after the GEMM (the gathered A exists only in the workspace).
+    checkCuda(cudaMemcpyAsync(userGathered, p.aGathered, static_cast<size_t>(p.m * p.k) * dtypeSize(d.dtype),
+                              cudaMemcpyDeviceToDevice, s),
               "cudaMemcpyAsync(gathered A into a_gathered)");
     name += ", a_gathered copied out of the workspace";
   }
@@ -168,7 +208,7 @@ std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, 
   const bool allReduce = d.kind == OpKind::kGemmAr;
   GemmRsParams p{};
   fillGemmCommon(p, d, ptrs, e, env);
-  p.layoutsCore = fusedGemmOnLayoutsCore(d, choice) ? 1 : 0;
+  p.layoutsCore = p.fp8.enabled == 0 && fusedGemmOnLayoutsCore(d, choice) ? 1 : 0;
   p.lda = p.layout == GemmLayout::kAtB ? p.m : p.k;  // A [k, m] or [m, k]
   p.ldb = p.layout == GemmLayout::kABt ? p.k : p.n;  // B [n, k] or [k, n]
   p.ldOut = p.n;
@@ -200,13 +240,15 @@ std::string launchGemmReduce(const OpDescriptor& d, const DevicePointers& ptrs, 
                          : std::string(gemmRsPlanName(ran, allReduce));
   if (ran.kind == GemmRsPlanKind::kDecomposed && gemmRsOnLayoutsCore(p)) {
     name += fmt::format(" ({} on the layouts core)", gemmLayoutName(gemmOperandsOf(d.flags)));
+  } else if (p.fp8.enabled != 0) {
+    name += " (the FP8 core, fp32 partials)";
   } else if (p.layout == GemmLayout::kAB) {
     name += " (NN: the weight loaded MN-major)";
   }
   if (staged) {
     const uint64_t rows = allReduce ? d.dims[dim::kM] : rowsOf(d.dims[dim::kM], env.rank, env.nranks);
     if (rows > 0) {
-      checkCuda(cudaMemcpyAsync(userOut, p.out, rows * d.dims[dim::kN] * 2, cudaMemcpyDeviceToDevice, s),
+      checkCuda(cudaMemcpyAsync(userOut, p.out, rows * d.dims[dim::kN] * outBytesOf(d), cudaMemcpyDeviceToDevice, s),
                 "cudaMemcpyAsync(output out of the workspace)");
     }
     name += ", output staged in the workspace and copied out";
@@ -291,6 +333,7 @@ void preloadFusedGemmKernels(int device) {
   preloadGemmRsKernels(device);
   preloadGemmArKernels(device);
   preloadGemmLayoutKernels(device);
+  preloadGemmFp8Kernels(device);
 }
 
 bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind::kGemmRs || kind == OpKind::kGemmAr; }
@@ -302,10 +345,54 @@ bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind
 // The other layouts: TN (wgrad) always, since the fused kernels load A K-major only; NN (dgrad) on ag-gemm, whose
 // fused producer loads the weight K-major only (gemm-rs and gemm-ar's fused kernel loads it MN-major).
 bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan) {
+  if (isFp8(d.dtype)) return false;  // FP8 operands run on the FP8 core (NT only)
   const GemmOperands layout = gemmOperandsOf(d.flags);
   if (layout == GemmOperands::kTN || (layout == GemmOperands::kNN && d.kind == OpKind::kAgGemm)) return true;
   return d.dims[dim::kM] <= kFusedSmallM && plan.kind != PlanKind::kFused;
 }
+
+namespace {
+
+// FP8 inputs on one node (ops across nodes take the multi-node path, which refuses FP8): the FP8 core's rules, beyond
+// the shared ones below. Its wgmma reads K-major operands only, so NT alone; rows of k fp8 bytes move as 16-byte words.
+void checkFp8Gemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env) {
+  const std::string_view op = opKindName(d.kind);
+  const GemmOperands layout = gemmOperandsOf(d.flags);
+  if (layout != GemmOperands::kNT) {
+    fail(ErrorCode::kUnsupported, "{}: layout {} with {} inputs: the cuda backend's FP8 core reads both operands "
+         "K-major (fp8 wgmma has no transpose), so it takes layout nt only. Transpose in the kernel that writes the "
+         "fp8 tensors (quantize into a [rows, k] a and an [n, k] b) and pass layout nt, or run it on a tandemd with "
+         "daemon.backend: cpu", op, gemmLayoutName(layout), dtypeName(d.dtype));
+  }
+  const uint64_t m = d.dims[dim::kM], kk = d.dims[dim::kK];
+  if (kk % 16 != 0) {
+    fail(ErrorCode::kInvalidArgument, "{}: {} = {} is not a multiple of 16; the cuda backend's FP8 core moves whole "
+         "16-byte rows of fp8, so pad K with zeros{}", op, d.kind == OpKind::kAgGemm ? "k" : "this rank's k slice", kk,
+         d.kind == OpKind::kAgGemm ? "" : " (and split it so that every rank's slice is a multiple of 16)");
+  }
+  const void* const aScale = ptrs[static_cast<std::size_t>(gemmScaleSlot(d.kind, false))];
+  const void* const bScale = ptrs[static_cast<std::size_t>(gemmScaleSlot(d.kind, true))];
+  if (aScale == nullptr || bScale == nullptr) {
+    fail(ErrorCode::kInvalidArgument, "{}: {} inputs need a_scale and b_scale (fp32)", op, dtypeName(d.dtype));
+  }
+  for (const void* sp : {aScale, bScale}) {
+    if (reinterpret_cast<uintptr_t>(sp) % 4 != 0) {
+      fail(ErrorCode::kInvalidArgument, "{}: a scale tensor starts at {}, which is not 4-byte aligned (fp32)", op, sp);
+    }
+  }
+  // Block scales are read in place where no gather copies them (gemm-rs/ar, ag-gemm at one rank): the core's TMA copies
+  // a_scale [k/128, m] 16 bytes at a time.
+  const bool inPlace = d.kind != OpKind::kAgGemm || env.nranks == 1;
+  if ((d.flags & kFlagFp8BlockScale) != 0 && inPlace &&
+      (m % 4 != 0 || reinterpret_cast<uintptr_t>(aScale) % 16 != 0)) {
+    fail(ErrorCode::kInvalidArgument, "{}: block-scaled {} inputs on the cuda backend need m a multiple of 4 (m = {}) "
+         "and a_scale 16-byte aligned ({}): the FP8 core copies a_scale [ceil(k/128), m] 16 bytes at a time. Pad m "
+         "with zero rows to a multiple of 4, and use an a_scale offset that is a multiple of 16", op,
+         dtypeName(d.dtype), m, aScale);
+  }
+}
+
+}  // namespace
 
 bool needsGang(const OpDescriptor& d) {
   return (d.kind == OpKind::kNop && d.nranks > 1) ||
@@ -316,12 +403,8 @@ bool needsGang(const OpDescriptor& d) {
 void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env, const PlanChoice& plan) {
   const std::string_view op = opKindName(d.kind);
   if (!isFusedGemm(d.kind)) fail(ErrorCode::kInternal, "{} is not a fused GEMM", op);
-  if (isFp8(d.dtype)) {
-    fail(ErrorCode::kUnsupported, "{}: the cuda backend does not run {} inputs: the fused kernels take bf16/fp16; the "
-         "FP8 core (tandem_gemm_fp8) is not wired into them yet. Run it on a tandemd with daemon.backend: cpu, or "
-         "pass bf16 inputs", op, dtypeName(d.dtype));
-  }
-  if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
+  if (isFp8(d.dtype)) checkFp8Gemm(d, ptrs, env);
+  if (!isFp8(d.dtype) && d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
     fail(ErrorCode::kUnsupported, "{}: the cuda backend's GEMM kernels take bf16 or fp16, not {}; convert the "
          "tensors, or run {} on a tandemd with daemon.backend: cpu", op, dtypeName(d.dtype), dtypeName(d.dtype));
   }
@@ -363,7 +446,9 @@ void checkFusedGemm(const OpDescriptor& d, const DevicePointers& ptrs, const Fus
          n, kk);
   }
   static constexpr const char* kSlotNames[] = {"a", "b", "c", "a_gathered"};
-  for (std::size_t s = 0; s < std::size(kSlotNames); ++s) {
+  // Slot 3 is gemm-rs/ar's a_scale (FP8 only; checkFp8Gemm checks the scales).
+  const std::size_t slots = d.kind == OpKind::kAgGemm ? std::size(kSlotNames) : 3;
+  for (std::size_t s = 0; s < slots; ++s) {
     if (ptrs[s] != nullptr && reinterpret_cast<uintptr_t>(ptrs[s]) % 16 != 0) {
       fail(ErrorCode::kInvalidArgument, "{}: tensor {} starts at {}, which is not 16-byte aligned; the cuda backend's "
            "kernels read and write 16 bytes at a time: use an offset that is a multiple of 16", op, kSlotNames[s],

@@ -19,9 +19,9 @@ __global__ void __launch_bounds__(gemm::kThreads, 1) gemmArFusedKernel(const __g
   runFusedCta<T, P, BMn>(kp, smemRaw);
 }
 
-template <class T>
+template <class T, class P>
 __global__ void __launch_bounds__(kThreads, 1) gemmArReduceKernel(const __grid_constant__ FusedKernelParams kp) {
-  runDecomposedReduce<T>(kp);
+  runDecomposedReduce<T, P>(kp);
 }
 
 const KernelTable& kernels() {
@@ -30,7 +30,8 @@ const KernelTable& kernels() {
         {&gemmArFusedKernel<__nv_bfloat16, __nv_bfloat16, false>, &gemmArFusedKernel<__nv_bfloat16, __nv_bfloat16, true>}},
        {{&gemmArFusedKernel<__half, float, false>, &gemmArFusedKernel<__half, float, true>},
         {&gemmArFusedKernel<__half, __half, false>, &gemmArFusedKernel<__half, __half, true>}}},
-      {&gemmArReduceKernel<__nv_bfloat16>, &gemmArReduceKernel<__half>}};
+      {&gemmArReduceKernel<__nv_bfloat16, __nv_bfloat16>, &gemmArReduceKernel<__half, __half>},
+      {&gemmArReduceKernel<__nv_bfloat16, float>, &gemmArReduceKernel<float, float>}};
   return kt;
 }
 

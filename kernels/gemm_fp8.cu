@@ -181,6 +181,28 @@ void validate(const GemmFp8Params& g) {
 }  // namespace
 }  // namespace gemm_fp8
 
+void preloadGemmFp8Kernels(int device) {
+  using namespace gemm_fp8;
+  int previous = 0;
+  checkCuda(cudaGetDevice(&previous), "cudaGetDevice");
+  checkCuda(cudaSetDevice(device), "cudaSetDevice");
+  for (const Fp8Format a : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (const Fp8Format b : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      for (const Fp8Out out : {Fp8Out::kBf16, Fp8Out::kFp32}) {
+        for (const Fp8Scaling s : {Fp8Scaling::kPerTensor, Fp8Scaling::kBlock}) {
+          GemmFp8Params g{};
+          g.aFormat = a;
+          g.bFormat = b;
+          g.out = out;
+          g.scaling = s;
+          prepareKernel(device, pickVariant(g));  // cudaFuncSetAttribute loads the kernel
+        }
+      }
+    }
+  }
+  checkCuda(cudaSetDevice(previous), "cudaSetDevice");
+}
+
 void launchGemmFp8(const GemmFp8Params& g, cudaStream_t stream) {
   using namespace gemm_fp8;
   validate(g);

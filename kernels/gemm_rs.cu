@@ -23,9 +23,9 @@ __global__ void __launch_bounds__(gemm::kThreads, 1) gemmRsFusedKernel(const __g
 }
 
 // Decomposed plan: runs after the GEMM core wrote this rank's bf16 partial into its outbox.
-template <class T>
+template <class T, class P>
 __global__ void __launch_bounds__(kThreads, 1) gemmRsReduceKernel(const __grid_constant__ FusedKernelParams kp) {
-  runDecomposedReduce<T>(kp);
+  runDecomposedReduce<T, P>(kp);
 }
 
 const KernelTable& kernels() {
@@ -34,7 +34,8 @@ const KernelTable& kernels() {
         {&gemmRsFusedKernel<__nv_bfloat16, __nv_bfloat16, false>, &gemmRsFusedKernel<__nv_bfloat16, __nv_bfloat16, true>}},
        {{&gemmRsFusedKernel<__half, float, false>, &gemmRsFusedKernel<__half, float, true>},
         {&gemmRsFusedKernel<__half, __half, false>, &gemmRsFusedKernel<__half, __half, true>}}},
-      {&gemmRsReduceKernel<__nv_bfloat16>, &gemmRsReduceKernel<__half>}};
+      {&gemmRsReduceKernel<__nv_bfloat16, __nv_bfloat16>, &gemmRsReduceKernel<__half, __half>},
+      {&gemmRsReduceKernel<__nv_bfloat16, float>, &gemmRsReduceKernel<float, float>}};
   return kt;
 }
 

@@ -17,6 +17,7 @@
 #include "preload_on.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_fp8.hpp"
 #include "tandem/kernels/gemm_layouts.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
 #include "tandem/kernels/tensor_map_cache.hpp"
@@ -26,11 +27,13 @@ namespace tandem::kernels::rs {
 using FusedFn = void (*)(FusedKernelParams);
 static_assert(kBlockM == kGemmRsTileM && kBlockN == kGemmRsTileN, "gemm_rs.hpp's public tile size is the core's");
 
-// The kernels one .cu instantiates: fused[dtype][partial] (dtype 0 bf16 / 1 fp16; partial 0 fp32 / 1 input dtype) and
-// reduce[dtype] (decomposed plan).
+// The kernels one .cu instantiates: fused[dtype][partial] (dtype 0 bf16 / 1 fp16; partial 0 fp32 / 1 input dtype),
+// reduce[dtype] (decomposed plan) and reduceFp8[out] (decomposed plan with FP8 operands: fp32 partials, output 0 bf16 /
+// 1 fp32).
 struct KernelTable {
   FusedFn fused[2][2][2];  // [bf16, fp16][fp32 partials, input-type partials][B stored [N, K], B stored [K, N]]
   FusedFn reduce[2];
+  FusedFn reduceFp8[2];
 };
 
 [[noreturn]] inline void fail(const char* op, const std::string& msg) {
@@ -179,6 +182,19 @@ inline void validate(const char* op, const GemmRsParams& p, bool allReduce) {
     fail(op, "epilogue must be a GemmRsEpilogue (0 default, 1 generic, 2 TMA with the peer's partial, 3 the same "
              "with early loads), got " + str(knob) + "; leave it 0 outside benchmarks");
   }
+  if (p.fp8.enabled != 0) {
+    if (p.layout != GemmLayout::kABt) {
+      fail(op, "FP8 operands take layout kABt only (fp8 wgmma reads K-major operands): transpose in the producer");
+    }
+    if (p.plan.kind == GemmRsPlanKind::kFused) fail(op, "FP8 operands run the decomposed plan (or kAuto)");
+    if (p.k % 16 != 0) fail(op, "FP8 operands need this rank's k slice a multiple of 16, got " + str(p.k));
+    if (p.lda % 16 != 0 || p.ldb % 16 != 0) fail(op, "FP8 operands need lda and ldb multiples of 16 bytes");
+    if (p.fp8.aScale == nullptr || p.fp8.bScale == nullptr) fail(op, "FP8 operands need aScale and bScale");
+    if (p.fp8.scaling == Fp8Scaling::kBlock && (p.m % 4 != 0 || reinterpret_cast<uintptr_t>(p.fp8.aScale) % 16 != 0)) {
+      fail(op, "block scaling reads aScale [k/128, m] in place: m must be a multiple of 4 and aScale 16-byte aligned, "
+               "got m = " + str(p.m));
+    }
+  }
   (void)allReduce;
 }
 
@@ -219,15 +235,17 @@ inline FusedKernelParams buildParams(const char* op, const GemmRsParams& p, cons
   const int64_t tilesN = (p.n + kBlockN - 1) / kBlockN;
   if (tilesM * tilesN > 0x7fffffff / 2) fail(op, "too many tiles");
   const bool decomposed = plan.kind == GemmRsPlanKind::kDecomposed;
-  const size_t psize = (!decomposed && plan.partial == GemmRsPartial::kFp32) ? 4 : 2;
+  const bool fp8 = p.fp8.enabled != 0;
+  const auto psize = static_cast<size_t>(gemmRsPartialBytes(plan, fp8));
+  const int64_t need = gemmRsMatBytesNeeded(p.m, p.n, plan, fp8);
   // One rank stages nothing (its partials stay in registers), so only the fixed layout of a real exchange must fit.
-  if (p.wsMatBytes > 0 && p.nranks > 1 && gemmRsMatBytesNeeded(p.m, p.n, plan) > p.wsMatBytes) {
+  if (p.wsMatBytes > 0 && p.nranks > 1 && need > p.wsMatBytes) {
     fail(op, "the workspace's staging matrices hold " + std::to_string(p.wsMatBytes) + " bytes; m=" + std::to_string(p.m) +
-                 " n=" + std::to_string(p.n) + " with this plan needs " +
-                 std::to_string(gemmRsMatBytesNeeded(p.m, p.n, plan)) + " (see gemmRsFixedWorkspaceBytes)");
+                 " n=" + std::to_string(p.n) + " with this plan needs " + std::to_string(need) +
+                 " (see gemmRsFixedWorkspaceBytes)");
   }
 
-  if (gemmRsFusedTakes(p)) {  // the fused kernel's maps; the layouts core encodes its own
+  if (gemmRsFusedTakes(p)) {  // the fused kernel's maps; the layouts and FP8 cores encode their own
     kp.g.tmA = encodeMap(op, p.a, p.m, p.k, p.lda, kBlockM, p.dtype);
     // kABt: B [n, k], 256-row boxes. kAB: B [k, n] loaded MN-major, {64 columns, 64 k} boxes (gemm_sm90.cuh tmaLoadB).
     kp.g.tmB = p.layout == GemmLayout::kABt ? encodeMap(op, p.b, p.n, p.k, p.ldb, kBlockN, p.dtype)
@@ -360,9 +378,54 @@ inline void layoutsCoreGemm(const GemmRsParams& p, void* c, int64_t ldc, cudaStr
   launchGemmLayout(g, stream, &plan);
 }
 
+// The decomposed plan's GEMM with FP8 operands into c (row stride ldc elements of `out`).
+inline void fp8CoreGemm(const char* op, const GemmRsParams& p, void* c, int64_t ldc, Fp8Out out, cudaStream_t stream) {
+  GemmFp8Params g{};
+  g.aFormat = p.fp8.aFormat;
+  g.bFormat = p.fp8.bFormat;
+  g.scaling = p.fp8.scaling;
+  g.out = out;
+  g.a = p.a;
+  g.b = p.b;
+  g.c = c;
+  g.scaleA = p.fp8.aScale;
+  g.scaleB = p.fp8.bScale;
+  g.m = p.m;
+  g.n = p.n;
+  g.k = p.k;
+  g.lda = p.lda;
+  g.ldb = p.ldb;
+  g.ldc = ldc;
+  g.ldsa = p.m;  // aScale [ceil(k / 128), m] as the op lays it out (validate: m % 4 == 0 in block scaling)
+  try {
+    launchGemmFp8(g, stream);
+  } catch (const std::exception& e) {  // launchGemmFp8 throws std::invalid_argument too
+    fail(op, e.what());
+  }
+}
+
+inline void launchReduction(const char* op, FusedFn fn, const FusedKernelParams& kp, int numReduce,
+                            cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(numReduce), 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.stream = stream;
+  checkCuda(op, cudaLaunchKernelEx(&cfg, fn, kp), "launching the reduction kernel");
+}
+
 inline void launchPlan(const char* op, const KernelTable& kt, const GemmRsParams& p, const GemmRsPlan& plan,
                        bool allReduce, cudaStream_t stream) {
   const int dt = p.dtype == GemmDtype::kBf16 ? 0 : 1;
+  if (p.fp8.enabled != 0) {  // launchFamily made the plan decomposed
+    if (p.nranks == 1) {     // nothing to reduce: the core writes the output
+      fp8CoreGemm(op, p, p.out, p.ldOut, p.fp8.out, stream);
+      return;
+    }
+    const FusedKernelParams kp = buildParams(op, p, plan, allReduce);
+    fp8CoreGemm(op, p, kp.outbox[p.rank], kp.ldP, Fp8Out::kFp32, stream);
+    launchReduction(op, kt.reduceFp8[p.fp8.out == Fp8Out::kFp32 ? 1 : 0], kp, plan.numReduce, stream);
+    return;
+  }
   if (plan.kind == GemmRsPlanKind::kDecomposed && gemmRsOnLayoutsCore(p)) {
     if (p.nranks == 1) {  // nothing to reduce: the GEMM writes the output
       layoutsCoreGemm(p, p.out, p.ldOut, stream);
@@ -370,11 +433,7 @@ inline void launchPlan(const char* op, const KernelTable& kt, const GemmRsParams
     }
     const FusedKernelParams kp = buildParams(op, p, plan, allReduce);
     layoutsCoreGemm(p, kp.outbox[p.rank], kp.ldP, stream);
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(plan.numReduce), 1, 1);
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.stream = stream;
-    checkCuda(op, cudaLaunchKernelEx(&cfg, kt.reduce[dt], kp), "launching the reduction kernel");
+    launchReduction(op, kt.reduce[dt], kp, plan.numReduce, stream);
     return;
   }
   if (plan.kind == GemmRsPlanKind::kDecomposed) {
@@ -397,12 +456,7 @@ inline void launchPlan(const char* op, const KernelTable& kt, const GemmRsParams
     g.c = kp.outbox[p.rank];
     g.ldc = kp.ldP;
     launchGemm(g, stream);
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(plan.numReduce), 1, 1);
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    checkCuda(op, cudaLaunchKernelEx(&cfg, kt.reduce[dt], kp), "launching the reduction kernel");
+    launchReduction(op, kt.reduce[dt], kp, plan.numReduce, stream);
     return;
   }
   const FusedKernelParams kp = buildParams(op, p, plan, allReduce);
@@ -439,7 +493,7 @@ inline GemmRsPlan plainGemmPlan() {
 inline void preloadTable(int device, const KernelTable& kt, const char* op) {
   const FusedFn fns[] = {kt.fused[0][0][0], kt.fused[0][0][1], kt.fused[0][1][0], kt.fused[0][1][1],
                          kt.fused[1][0][0], kt.fused[1][0][1], kt.fused[1][1][0], kt.fused[1][1][1],
-                         kt.reduce[0],      kt.reduce[1]};
+                         kt.reduce[0],      kt.reduce[1],      kt.reduceFp8[0],   kt.reduceFp8[1]};
   preloadOn(device, fns, op);
 }
 
@@ -451,8 +505,8 @@ inline GemmRsPlan launchFamily(const char* op, const KernelTable& kt, const Gemm
   GemmRsPlan plan = params.plan.kind == GemmRsPlanKind::kAuto ? chosen : params.plan;
   if (!gemmRsFusedTakes(params)) {
     if (params.plan.kind == GemmRsPlanKind::kFused) {
-      fail(op, "the fused plans take layouts kABt and kAB on the forward core only; use the decomposed plan (or "
-               "kAuto) with kAtB or layoutsCore");
+      fail(op, "the fused plans take 16-bit layouts kABt and kAB on the forward core only; use the decomposed plan "
+               "(or kAuto) with FP8 operands, kAtB or layoutsCore");
     }
     if (params.plan.kind == GemmRsPlanKind::kAuto) plan = GemmRsPlan{GemmRsPlanKind::kDecomposed};
   }

@@ -213,24 +213,34 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
   return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
 
+// 4 consecutive final values rounded once to T (16-bit: packed in pairs; fp32, the FP8 ops' fp32 output: as they are)
+// and stored at dst.
+template <class T>
+__device__ __forceinline__ void storeQuad(T* dst, float4 v) {
+  if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<float4*>(dst) = v;
+  } else {
+    uint2 w;
+    w.x = gemm::packPair<T>(v.x, v.y);
+    w.y = gemm::packPair<T>(v.z, v.w);
+    *reinterpret_cast<uint2*>(dst) = w;
+  }
+}
+
 // Final values of 4 consecutive columns of one row, rounded once to T, into the output(s) that hold the row.
 template <class T>
 __device__ __forceinline__ void storeFinal4(const FusedKernelParams& kp, int32_t row, int32_t col, float4 v) {
   if (row >= kp.g.m || col >= kp.g.n) return;
-  uint2 w;
-  w.x = gemm::packPair<T>(v.x, v.y);
-  w.y = gemm::packPair<T>(v.z, v.w);
   const int64_t off = static_cast<int64_t>(row) * kp.ldOut + col;
   if (kp.allReduce) {
     if (kp.oneShot || kp.finViaCopier) {
-      *reinterpret_cast<uint2*>(static_cast<T*>(kp.out[kp.rank]) + off) = w;
+      storeQuad<T>(static_cast<T*>(kp.out[kp.rank]) + off, v);
     } else {
-      for (int q = 0; q < kp.nranks; ++q) *reinterpret_cast<uint2*>(static_cast<T*>(kp.out[q]) + off) = w;
+      for (int q = 0; q < kp.nranks; ++q) storeQuad<T>(static_cast<T*>(kp.out[q]) + off, v);
     }
   } else {
     const int32_t q = ownerOf(kp, row);
-    T* const dst = static_cast<T*>(kp.out[q]) + static_cast<int64_t>(row - rowOffsetOf(kp, q)) * kp.ldOut + col;
-    *reinterpret_cast<uint2*>(dst) = w;
+    storeQuad<T>(static_cast<T*>(kp.out[q]) + static_cast<int64_t>(row - rowOffsetOf(kp, q)) * kp.ldOut + col, v);
   }
 }
 
@@ -266,10 +276,7 @@ struct FinalWriter {
       }
     }
     if (row >= kp->g.m || col >= kp->g.n) return;
-    uint2 w;
-    w.x = gemm::packPair<T>(v.x, v.y);
-    w.y = gemm::packPair<T>(v.z, v.w);
-    *reinterpret_cast<uint2*>(base + static_cast<int64_t>(row) * kp->ldOut + col) = w;
+    storeQuad<T>(base + static_cast<int64_t>(row) * kp->ldOut + col, v);
   }
 };
 
@@ -1082,10 +1089,10 @@ __device__ __forceinline__ void runFusedCta(const FusedKernelParams& kp, uint8_t
   }
 }
 
-// The decomposed plan's reduction kernel body (after the GEMM core wrote each rank's bf16 partial into its outbox):
-// a barrier on the ranks' "GEMM finished" flags, then the half tiles this rank reduces (all of them one-shot),
-// pulling the peers' partials over NVLink.
-template <class T>
+// The decomposed plan's reduction kernel body (after the GEMM core wrote each rank's partial of type P into its outbox:
+// the 16-bit input dtype, or fp32 from the FP8 core): a barrier on the ranks' "GEMM finished" flags, then the half
+// tiles this rank reduces (all of them one-shot), pulling the peers' partials over NVLink, summed in fp32, output T.
+template <class T, class P = T>
 __device__ __forceinline__ void runDecomposedReduce(const FusedKernelParams& kp) {
   const uint64_t startNs = globaltimerNs();
   WaitCtx ctx = makeWaitCtx(kp, Role::kReduce, startNs);
@@ -1106,7 +1113,7 @@ __device__ __forceinline__ void runDecomposedReduce(const FusedKernelParams& kp)
     const int32_t j = hr0 * kp.tilesN + i;
     const int32_t row0 = (j / kp.tilesN) * kHalfRows;
     if (row0 >= kp.g.m) continue;
-    reduceHalfTile<T, T>(kp, row0, (j % kp.tilesN) * kBlockN, j, false, ctx);
+    reduceHalfTile<T, P>(kp, row0, (j % kp.tilesN) * kBlockN, j, false, ctx);
   }
   runFinalWaits(kp, startNs, static_cast<int32_t>(blockIdx.x) * kThreads + tid,
                 static_cast<int32_t>(gridDim.x) * kThreads);

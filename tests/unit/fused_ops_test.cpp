@@ -2,6 +2,7 @@
 // compute alike, and the checks that refuse an op before any kernel could write past a workspace. Host arithmetic
 // only, so it runs (and guards the layout) on machines without a GPU; built where nvcc is.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <regex>
@@ -9,6 +10,7 @@
 
 #include "tandem/common/error.hpp"
 #include "tandem/common/reference.hpp"
+#include "tandem/kernels/ag_gemm.hpp"  // agGemmFp8Layout
 #include "tandem/kernels/fused_ops.hpp"
 #include "tandem/kernels/gemm_rs.hpp"
 #include "tandem/kernels/moe.hpp"  // kMoeControlBytes
@@ -201,6 +203,108 @@ TEST_CASE("fused ops: an op too large for the workspace names the workspace_byte
   }
   // One rank exchanges nothing: any workspace will do.
   CHECK(refusal(gemmDesc(OpKind::kGemmAr, 8192, 8192, 8192, 1), ptrs, envWith(16u << 20, 1), nullptr).empty());
+}
+
+namespace {
+
+// Rank 0's descriptor of a fused GEMM with FP8 inputs (e4m3, c in `out`), per-tensor or block scales.
+OpDescriptor fp8Desc(OpKind kind, uint64_t m, uint64_t n, uint64_t kk, uint32_t nranks, bool block,
+                     DType out = DType::kBF16) {
+  tandem::reference::OpShape shape;
+  shape.kind = kind;
+  shape.dtype = DType::kF8E4M3;
+  shape.m = m;
+  shape.n = n;
+  shape.k = kk;
+  shape.outDtype = out;
+  shape.blockScale = block;
+  return tandem::reference::makeDescriptor(shape, 0, nranks);
+}
+
+// Aligned stand-ins for every slot, the scales included.
+k::DevicePointers fp8Pointers() {
+  k::DevicePointers p{};
+  for (std::size_t s = 0; s < 6; ++s) p[s] = reinterpret_cast<void*>(uintptr_t{1} << 20 << s);
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("fused ops: FP8 inputs run in layout nt on one node; nn and tn refused naming the layout and the fix") {
+  const k::DevicePointers ptrs = fp8Pointers();
+  ErrorCode code = ErrorCode::kOk;
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    CAPTURE(tandem::opKindName(kind));
+    const uint64_t kUnit = kind == OpKind::kAgGemm ? 16 : 32;  // every rank's k slice a multiple of 16 at 2 ranks
+    for (uint32_t n : {1u, 2u, 4u}) {
+      const k::FusedEnv env = envWith(512u << 20, n);
+      for (bool block : {false, true}) {
+        for (DType out : {DType::kBF16, DType::kF32}) {
+          CHECK(refusal(fp8Desc(kind, 1000, 1024, kUnit * 32, n, block, out), ptrs, env, nullptr).empty());
+        }
+      }
+      // Never the layouts core, small M included: the FP8 core runs them.
+      CHECK_FALSE(k::fusedGemmOnLayoutsCore(fp8Desc(kind, 1, 8192, 8192, n, false)));
+    }
+    const k::FusedEnv env = envWith(512u << 20, 2);
+    for (GemmOperands l : {GemmOperands::kNN, GemmOperands::kTN}) {
+      OpDescriptor d = fp8Desc(kind, 1008, 1024, 512, 2, true);
+      d.flags = static_cast<uint16_t>((d.flags & ~tandem::kFlagGemmLayout) | tandem::gemmLayoutFlags(l));
+      const std::string why = refusal(d, ptrs, env, &code);
+      CHECK(code == ErrorCode::kUnsupported);
+      CHECK(why.find(fmt::format("layout {}", tandem::gemmLayoutName(l))) != std::string::npos);
+      CHECK(why.find("layout nt") != std::string::npos);
+      CHECK(why.find("Transpose") != std::string::npos);
+    }
+    // fp8 rows move in 16-byte words: k (gemm-rs/ar: the slice) a multiple of 16.
+    CHECK(refusal(fp8Desc(kind, 256, 256, kind == OpKind::kAgGemm ? 40 : 80, 2, false), ptrs, env, &code)
+              .find("not a multiple of 16") != std::string::npos);
+    CHECK(code == ErrorCode::kInvalidArgument);
+    // The scales are required.
+    k::DevicePointers noScale = ptrs;
+    noScale[static_cast<std::size_t>(tandem::gemmScaleSlot(kind, true))] = nullptr;
+    CHECK(refusal(fp8Desc(kind, 256, 256, 256, 2, false), noScale, env, nullptr).find("b_scale") != std::string::npos);
+  }
+  // Block scales read in place (gemm-rs/ar; ag-gemm at one rank) need m % 4 == 0; ag-gemm's gather repacks them.
+  for (OpKind kind : {OpKind::kGemmRs, OpKind::kGemmAr}) {
+    CHECK(refusal(fp8Desc(kind, 1002, 1024, 512, 2, true), ptrs, envWith(512u << 20, 2), &code)
+              .find("multiple of 4") != std::string::npos);
+    CHECK(refusal(fp8Desc(kind, 1002, 1024, 512, 2, false), ptrs, envWith(512u << 20, 2), nullptr).empty());
+  }
+  CHECK(refusal(fp8Desc(OpKind::kAgGemm, 1002, 1024, 512, 1, true), ptrs, envWith(512u << 20, 1), nullptr)
+            .find("multiple of 4") != std::string::npos);
+  CHECK(refusal(fp8Desc(OpKind::kAgGemm, 1002, 1024, 512, 2, true), ptrs, envWith(512u << 20, 2), nullptr).empty());
+}
+
+TEST_CASE("fused ops: the workspace an FP8 op needs (fp8 rows and their scales, fp32 partials) is what it asks for") {
+  const k::DevicePointers ptrs = fp8Pointers();
+  for (OpKind kind : {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr}) {
+    for (bool block : {false, true}) {
+      for (DType out : {DType::kBF16, DType::kF32}) {
+        CAPTURE(tandem::opKindName(kind));
+        CAPTURE(block);
+        const OpDescriptor big = fp8Desc(kind, 8192, 8192, 8192, 4, block, out);
+        ErrorCode code = ErrorCode::kOk;
+        const std::string why = refusal(big, ptrs, envWith(48u << 20, 4), &code);
+        CHECK(code == ErrorCode::kInvalidArgument);
+        std::smatch match;
+        REQUIRE(std::regex_search(why, match, std::regex("tandem_comm_config_t\\.workspace_bytes >= ([0-9]+)")));
+        const uint64_t suggested = std::stoull(match[1].str());
+        CHECK(refusal(big, ptrs, envWith(suggested, 4), nullptr).empty());
+        CHECK(k::workspaceBytesFor(big, 4) == suggested);
+        const k::WorkspaceLayout l = k::WorkspaceLayout::fit(suggested, 4);
+        if (kind == OpKind::kAgGemm) {
+          // The gathered fp8 A (one byte a value) and the scales fit the data region, their flags the flag words.
+          const auto fp8 = k::agGemmFp8Layout(8192, 8192, 4, block ? k::Fp8Scaling::kBlock : k::Fp8Scaling::kPerTensor);
+          CHECK(static_cast<uint64_t>(fp8.bytes) <= l.dataBytes);
+          CHECK(static_cast<uint64_t>(fp8.bytes) > 8192ull * 8192);
+        } else {
+          // fp32 partials: 4 bytes an element in each staging matrix.
+          CHECK(l.rsMatBytes >= 8192ull * 8192 * 4);
+        }
+      }
+    }
+  }
 }
 
 TEST_CASE("fused ops: which ops wait for every rank's stream (gang) before they are released") {

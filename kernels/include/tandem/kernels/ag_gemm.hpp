@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_fp8.hpp"
 #include "tandem/kernels/gemm_layouts_plan.hpp"  // GemmLayout
 #include "tandem/kernels/signals.hpp"
 
@@ -53,6 +54,43 @@ constexpr int64_t agGemmMaxChunks(int64_t m, int nranks) {
 }
 constexpr int64_t agGemmFlagWords(int64_t m, int nranks) {
   return kAgGemmMaxRanks + static_cast<int64_t>(nranks) * agGemmMaxChunks(m, nranks);
+}
+
+// ---- FP8 operands (AgGemmParams::fp8). The decomposed plan: the all-gather kernel moves the fp8 rows (k bytes each,
+// half the bytes of bf16), then moves every rank's A scales the same way, and the FP8 core (gemm_fp8.hpp) runs on the
+// gathered A. The scales cross as each rank's whole scale tensor, padded to 16-byte words (the all-gather kernel's
+// unit), agGemmFp8ScaleWords(...) words per rank; block scales are then copied into one [ceil(k / 128), ldsa] M-major
+// tensor for the core (a strided copy per rank), per-tensor scales stay one per rank and the core runs once per rank's
+// rows with that rank's scale (each rank's A keeps its own scale, as the op table defines it). Layout of the gathered
+// buffer (every rank's alike):
+//   [0, m k)        gathered A, fp8
+//   scales          nranks x agGemmFp8ScaleWords 16-byte words: rank q's scales at word q * agGemmFp8ScaleWords
+//   stage           this rank's scales padded to whole words (the all-gather kernel's source)
+//   block scales    kBlock: [ceil(k / 128), gemmFp8ScaleALd(m)] fp32, this rank's only
+// Each region starts on a 256-byte boundary. The flag array holds A's flags (agGemmFlagWords(m, nranks)), then the
+// scales' (agGemmFlagWords(nranks * scaleWords, nranks)).
+constexpr int64_t agGemmFp8Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+constexpr int64_t agGemmFp8ScaleWords(int64_t m, int64_t k, int nranks, Fp8Scaling s) {
+  const int64_t kBlocks = (k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const int64_t floats = s == Fp8Scaling::kBlock ? kBlocks * agRowsOf(m, 0, nranks) : 1;
+  return floats > 0 ? (floats + 3) / 4 : 1;
+}
+struct AgGemmFp8Layout {
+  int64_t scalesOff, stageOff, blockOff, bytes;  // bytes of the whole gathered buffer
+  int64_t scaleWords;                            // 16-byte words of one rank's scales
+};
+constexpr AgGemmFp8Layout agGemmFp8Layout(int64_t m, int64_t k, int nranks, Fp8Scaling s) {
+  AgGemmFp8Layout l{};
+  l.scaleWords = agGemmFp8ScaleWords(m, k, nranks, s);
+  l.scalesOff = agGemmFp8Align(m * k);
+  l.stageOff = l.scalesOff + agGemmFp8Align(nranks * l.scaleWords * 16);
+  l.blockOff = l.stageOff + agGemmFp8Align(l.scaleWords * 16);
+  const int64_t kBlocks = (k + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  l.bytes = l.blockOff + (s == Fp8Scaling::kBlock ? agGemmFp8Align(kBlocks * gemmFp8ScaleALd(m) * 4) : 0);
+  return l;
+}
+constexpr int64_t agGemmFp8FlagWords(int64_t m, int64_t k, int nranks, Fp8Scaling s) {
+  return agGemmFlagWords(m, nranks) + agGemmFlagWords(nranks * agGemmFp8ScaleWords(m, k, nranks, s), nranks);
 }
 
 // ---- role table of the fused kernel: CTAs [0, commCtas) communicate, the rest compute (one CTA per SM).
@@ -146,6 +184,11 @@ struct AgGemmParams {
   // rank's stream only). Null: no K splits.
   void* splitK;
   size_t splitKBytes;
+  // FP8 operands (gemm_fp8.hpp; dtype is then unused): layout kABt, k % 16 == 0, the decomposed plan (plan 0 or 2, not
+  // layoutsCore); for nranks > 1 every rank's gathered buffer holds agGemmFp8Layout(...).bytes and every flag array
+  // agGemmFp8FlagWords(...) words. c is [m, n] of fp8.out. At one rank, block scaling needs rows % 4 == 0 and a
+  // 16-byte aligned aScale (the core reads it in place, gemm_fp8.hpp's ldsa).
+  Fp8Operands fp8;
 };
 
 // Enqueues the op on `stream` (the current device must own stream and every local pointer). Throws
@@ -160,7 +203,9 @@ struct AgGemmParams {
 AgGemmPlanChoice launchAgGemm(const AgGemmParams& params, cudaStream_t stream);
 
 // Whether launchAgGemm runs the GEMM on the layouts core for these params.
-constexpr bool agGemmOnLayoutsCore(const AgGemmParams& p) { return p.layout != GemmLayout::kABt || p.layoutsCore != 0; }
+constexpr bool agGemmOnLayoutsCore(const AgGemmParams& p) {
+  return p.fp8.enabled == 0 && (p.layout != GemmLayout::kABt || p.layoutsCore != 0);
+}
 
 // What launchAgGemm would run for these params (resolving plan 0 and commSms 0), without launching.
 AgGemmPlanChoice resolveAgGemmPlan(const AgGemmParams& params);

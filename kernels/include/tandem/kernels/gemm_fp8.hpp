@@ -55,6 +55,24 @@ struct GemmFp8Params {
 /// The smallest valid ldsa for m rows: m rounded up to a multiple of 4 (16-byte TMA strides).
 constexpr int64_t gemmFp8ScaleALd(int64_t m) { return (m + 3) / 4 * 4; }
 
+/// FP8 operands of a fused GEMM op (AgGemmParams::fp8, GemmRsParams::fp8). With `enabled` set the op's GEMM runs on
+/// this core instead of the 16-bit cores: its a and b (and ag-gemm's gathered buffer) hold fp8 bytes, both K-major
+/// (layout kABt only), and its C is `out`. The scales are this rank's, laid out as the op table says
+/// (common/descriptor.hpp, kFlagFp8BlockScale): kPerTensor one fp32 each; kBlock aScale [ceil(k / 128), rows] M-major
+/// with row stride rows (ag-gemm: this rank's shard rows; gemm-rs/ar: m) and bScale [ceil(n / 128), ceil(k / 128)].
+/// POD; zero-initialise.
+struct Fp8Operands {
+  uint8_t enabled;
+  Fp8Format aFormat, bFormat;
+  Fp8Scaling scaling;
+  Fp8Out out;
+  const float* aScale;
+  const float* bScale;
+};
+
+/// Bytes of one element of C.
+constexpr int64_t fp8OutBytes(Fp8Out out) { return out == Fp8Out::kFp32 ? 4 : 2; }
+
 /// Enqueues C = A * B^T with the scaling of `params` on `stream`. M or N == 0 enqueues nothing; K == 0 zeroes C.
 /// Needs no workspace; results are bitwise repeatable (no split-K, a fixed summation order per element). Thread-safe.
 /// K must be a multiple of 16: packed operands (lda = ldb = k) then meet TMA's 16-byte row-stride rule, and the last
@@ -63,5 +81,9 @@ constexpr int64_t gemmFp8ScaleALd(int64_t m) { return (m + 3) / 4 * 4; }
 ///         multiple of 16, strides, null or misaligned pointers, C aliasing an input);
 ///         std::runtime_error on a CUDA failure or a non-sm_90 device.
 void launchGemmFp8(const GemmFp8Params& params, cudaStream_t stream);
+
+/// Loads every FP8 core kernel on `device` now and sets its shared-memory size (tandem/kernels/preload.hpp says why:
+/// the fused GEMM ops launch it after kernels that wait on peers). Idempotent. @throws std::runtime_error.
+void preloadGemmFp8Kernels(int device);
 
 }  // namespace tandem::kernels

@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_fp8.hpp"
 #include "tandem/kernels/gemm_layouts_plan.hpp"  // GemmLayout
 #include "tandem/kernels/signals.hpp"
 
@@ -104,10 +105,15 @@ size_t gemmRsWorkspaceBytes(int64_t maxM, int64_t maxN, int nranks);
 size_t gemmRsFixedWorkspaceBytes(int64_t matBytes, int nranks);
 // Where that layout's staging matrices begin: the bytes of its flags (a multiple of 64 KiB).
 size_t gemmRsFixedFlagsBytes(int64_t matBytes, int nranks);
+// Bytes of one partial element: fp32 for fused plans with fp32 partials and for FP8 operands (GemmRsParams::fp8: the
+// FP8 core writes fp32 partials, summed in fp32 and rounded once to the output dtype), else the 16-bit input dtype.
+constexpr int64_t gemmRsPartialBytes(const GemmRsPlan& plan, bool fp8) {
+  return fp8 || (plan.kind != GemmRsPlanKind::kDecomposed && plan.partial == GemmRsPartial::kFp32) ? 4 : 2;
+}
 // Bytes of one staging matrix that an op of this shape and plan needs under the fixed layout (its partials padded to
-// whole 128 x 256 tiles: fp32 for fused plans with fp32 partials, else the 16-bit input dtype).
-constexpr int64_t gemmRsMatBytesNeeded(int64_t m, int64_t n, const GemmRsPlan& plan) {
-  const int64_t psize = (plan.kind != GemmRsPlanKind::kDecomposed && plan.partial == GemmRsPartial::kFp32) ? 4 : 2;
+// whole 128 x 256 tiles, gemmRsPartialBytes each).
+constexpr int64_t gemmRsMatBytesNeeded(int64_t m, int64_t n, const GemmRsPlan& plan, bool fp8 = false) {
+  const int64_t psize = gemmRsPartialBytes(plan, fp8);
   return (m + kGemmRsTileM - 1) / kGemmRsTileM * kGemmRsTileM * ((n + kGemmRsTileN - 1) / kGemmRsTileN * kGemmRsTileN) *
          psize;
 }
@@ -183,18 +189,25 @@ struct GemmRsParams {
   // rank's stream only). Null: no K splits.
   void* splitK;
   size_t splitKBytes;
+  // FP8 operands (gemm_fp8.hpp; dtype is then unused: leave it kBf16): layout kABt,
+  // k % 16 == 0, the decomposed plan (kAuto means it). The FP8 core writes this rank's partial in fp32 into its
+  // outbox, and the reduction kernel sums the ranks' partials in rank order in fp32 and rounds once to fp8.out (out's
+  // dtype, ldOut in its elements): partials rounded to bf16 first would add a rounding per rank that the cpu backend
+  // and the reference do not have. One rank: the core writes out directly. Block scaling reads aScale
+  // [ceil(k / 128), m] in place: m % 4 == 0 and aScale 16-byte aligned.
+  Fp8Operands fp8;
 };
 
 // Whether the decomposed plan runs its GEMM on the layouts core for these params (the forward core's own GEMM
 // multiplies in kABt only).
 constexpr bool gemmRsOnLayoutsCore(const GemmRsParams& p) {
-  return p.layout != GemmLayout::kABt || p.layoutsCore != 0;
+  return p.fp8.enabled == 0 && (p.layout != GemmLayout::kABt || p.layoutsCore != 0);
 }
 
 // Whether the fused plans take these params: the fused kernel's core loads A [m, k] K-major and B either way (kABt's
 // [n, k], kAB's [k, n]).
 constexpr bool gemmRsFusedTakes(const GemmRsParams& p) {
-  return p.layout != GemmLayout::kAtB && p.layoutsCore == 0;
+  return p.fp8.enabled == 0 && p.layout != GemmLayout::kAtB && p.layoutsCore == 0;
 }
 
 // The plan tandem runs for this shape (measured on nvidia-h200-x2, bench/gemm_rs_bench.cu, bench/RESULTS.md).
