@@ -39,7 +39,8 @@ TEST_CASE("gemm plan rule: K splits fill the SMs, wide swap-AB tiles half of the
   CHECK(planName(GemmLayout::kABt, 16, 28672, 8192) == "swapab/n16/split1");  // 224 tiles: no split
   CHECK(planName(GemmLayout::kABt, 16, 8192, 128) == "swapab/n16/split1");    // 2 k-blocks: too few to split
   CHECK(planName(GemmLayout::kABt, 16, 8192, 512) == "swapab/n16/split2");    // 8 k-blocks: 4 per split
-  CHECK(planName(GemmLayout::kABt, 16, 14336, 4096) == "swapab/n16/split7");  // 112 tiles x 7 = 784 of 792 slots
+  CHECK(planName(GemmLayout::kABt, 16, 14336, 4096) == "swapab/n16/split1");  // 112 tiles: 85% of the SMs, no split
+  CHECK(planName(GemmLayout::kABt, 16, 12288, 4096) == "swapab/n16/split4");  // 96 tiles (73%): 384 of 396 slots
   CHECK(planName(GemmLayout::kABt, 16, 4096, 4096) == "swapab/n16/split4");   // 32 tiles x 4 = 128 of 132
   CHECK(planName(GemmLayout::kAB, 64, 4096, 4096) == "swapab/n64/split2");    // 32 tiles x 2 = 64 of 66
   CHECK(planName(GemmLayout::kAB, 128, 2048, 8192) == "swapab/n128/split4");  // 16 tiles x 4 = 64 of 66
