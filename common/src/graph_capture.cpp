@@ -14,7 +14,7 @@ OpSet graphReplayableOps() {
 namespace {
 
 // Why an op outside graphReplayableOps cannot replay yet, for the refusal.
-std::string hostStepOf(OpKind kind) {
+std::string whyNotReplayable(OpKind kind) {
   // An op the cuda backend does not run at all (OpSpec::cudaPending) has no kernels to replay; the strategy's check
   // would refuse it anyway, but the capture refusal comes first and should say the real reason.
   if (knownOp(kind) && !opSpec(kind).cudaPending.empty()) {
@@ -45,7 +45,7 @@ std::string captureRefusal(std::string_view executor, const OpDescriptor& d) {
   return fmt::format("{}: the stream is being captured into a CUDA graph, and {} cannot replay on a {}-rank "
                      "communicator yet: {}; enqueue it outside the graph (between replays), or capture it on a "
                      "one-rank communicator",
-                     op, op, d.nranks, hostStepOf(d.kind));
+                     op, op, d.nranks, whyNotReplayable(d.kind));
 }
 
 uint64_t collectiveFingerprint(const OpDescriptor& d) {
