@@ -397,7 +397,8 @@ __device__ __forceinline__ void buildRuns(const AttnKernelParams& p, AttnRunTabl
     const AttnKvMap& mp = p.maps[m];
     int32_t len = mp.length;
     if (mp.lengthWord != nullptr) {
-      // acquire: the peer's length word; pairs with its stream's write of lengthReady after it (stream memops).
+      // acquire: the peer's length word; pairs with its stream's write of lengthReady after it (stream memops, or in
+      // device-epoch mode ringPublishKernel's release).
       const bool ok = waitGeq(mp.lengthReady, readyValueOf(p, mp.lengthReadyValue), ctx, static_cast<uint32_t>(m));
       const uint64_t rows = ok ? ldRelaxedSys(mp.lengthWord) : 0;
       len = rows < static_cast<uint64_t>(mp.length) ? static_cast<int32_t>(rows) : mp.length;
@@ -462,7 +463,8 @@ __device__ __forceinline__ void runKvWaiter(const AttnKernelParams& p, SharedSto
     const int m = mapAt(p, i);  // in walk order
     if (p.maps[m].ready == nullptr) continue;
     // acquire: the peer's KV; pairs with the write of its ready word, which its stream makes after copying its KV
-    // in (a stream memory operation: a system-wide fence, then the write).
+    // in (a stream memory operation: a system-wide fence, then the write; in device-epoch mode ringPublishKernel's
+    // fence and release).
     if (!failed) {
       failed = !waitGeq(p.maps[m].ready, readyValueOf(p, p.maps[m].readyValue), ctx, static_cast<uint32_t>(m));
     }
