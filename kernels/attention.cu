@@ -188,6 +188,7 @@ void launchAttention(const AttentionParams& g, cudaStream_t stream) {
   p.timeoutNs = g.timeoutNs;
   p.waitOp = g.waitOp;
   p.waitRank = g.waitRank;
+  p.epochWord = g.epochWord;
   p.out = g.out;
   p.lse = g.lse;
   p.qStart = g.qStart;

@@ -101,4 +101,20 @@ std::optional<OpFault> ControlPage::fault(uint64_t epoch) const noexcept {
   return f;
 }
 
+std::optional<OpFault> ControlPage::takeReplayFault() noexcept {
+  OpFault& f = memory()->replayFault;
+  // acquire: pairs with reportMoeError's stReleaseSys of `epoch` after the fields (moe.cu).
+  if (ldAcquire(f.epoch) == 0) return std::nullopt;
+  const OpFault out = f;  // no kernel writes the slot while `epoch` is non-zero
+  // release: the reads above happen before a kernel sees the slot empty and writes it again; pairs with
+  // reportMoeError's ldAcquireSys of `epoch`.
+  stRelease(f.epoch, uint64_t{0});
+  return out;
+}
+
+uint64_t ControlPage::replayFaultsDropped() const noexcept {
+  // A count the kernels bump; no other word depends on it (host_ordering.hpp has no relaxed load).
+  return ldAcquire(memory()->replayFaultsDropped);
+}
+
 }  // namespace tandem::kernels

@@ -25,7 +25,7 @@ void checkFused(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEn
 }
 
 std::string launchMoe(const GpuLaunch& l) {
-  return launchMoeOp(l.desc, l.ptrs, l.epoch, l.env, l.stream, l.readVerdict);
+  return launchMoeOp(l.desc, l.ptrs, l.epoch, l.env, l.stream, l.readVerdict, l.replayed);
 }
 
 void checkMoe(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env, const PlanChoice&) {

@@ -202,6 +202,8 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   p.abortWord = c.abortWord;
   p.errorSlot = c.errorSlot;
   p.fault = c.fault;
+  p.faultsDropped = c.faultsDropped;
+  p.epochWord = c.epochWord;
   p.timeoutNs = c.timeoutNs;
   p.epoch = c.epoch;
   p.rank = static_cast<int32_t>(c.rank);

@@ -42,16 +42,25 @@ __device__ __forceinline__ WaitCtx waitCtxOf(const MoeKernelParams& p) {
 
 // Reports an error of the op itself (not of a wait) into its OpFault: the op fails, the communicator does not.
 // `atFault` is the rank whose ids or capacity caused it. One thread (the plan kernel's thread 0) calls it, once per op.
+// A replayed op (faultsDropped set) reports into the control page's one replay fault, which keeps the first error
+// until the host took it (ControlPage::takeReplayFault); a later one while it is full only counts.
 __device__ __forceinline__ void reportMoeError(const MoeKernelParams& p, WaitError code, uint32_t atFault,
                                                uint32_t chunk, uint64_t observed) {
   OpFault* const f = p.fault;
   if (f == nullptr) return;
+  // acquire: pairs with the host's release store of 0 after it read the fields (takeReplayFault), so these writes
+  // come after its reads. Only this rank's ops write here, one at a time (the op entry orders them), so no atomic.
+  if (p.faultsDropped != nullptr && ldAcquireSys(&f->epoch) != 0) {
+    stRelaxedSys(p.faultsDropped, ldRelaxedSys(p.faultsDropped) + 1);
+    return;
+  }
   f->code = static_cast<uint32_t>(code);
   f->atFault = atFault;
   f->chunk = chunk;
   f->op = static_cast<uint32_t>(p.op);
   f->observed = observed;
-  // release: publishes the fields; pairs with ControlPage::fault's acquire load of `epoch` on the host.
+  // release: publishes the fields; pairs with ControlPage::fault's (or takeReplayFault's) acquire load of `epoch` on
+  // the host. The host's epoch of the op: the ring entry's (tandemd compares it); any non-zero value for a replay.
   stReleaseSys(&f->epoch, p.epoch);
 }
 
@@ -185,11 +194,12 @@ __global__ void __launch_bounds__(kPlanThreads) moePlanKernel(const __grid_const
   if (tid == 0) {
     fenceAcqRelSys();
     // release: publishes this rank's table row; pairs with waitGeq below on every rank
-    for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->countsFlag[p.rank], p.epoch);
+    for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->countsFlag[p.rank], opEpoch(p));
   }
   if (tid < p.nranks) {
     WaitCtx ctx = waitCtxOf(p);
-    if (!waitGeq(&p.ctl[p.rank]->countsFlag[tid], p.epoch, ctx, static_cast<uint32_t>(tid))) atomicExch(&sFail, 1);
+    const bool ok = waitGeq(&p.ctl[p.rank]->countsFlag[tid], opEpoch(p), ctx, static_cast<uint32_t>(tid));
+    if (!ok) atomicExch(&sFail, 1);
   }
   __syncthreads();  // the acquires above happen before every thread's table reads below
   if (sFail != 0) {
@@ -316,7 +326,7 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeDispatchKernel(const __gri
     if (done == gridDim.x) {
       fenceAcqRelSys();  // acquire: every CTA's rows (each fenced before its add)
       // release: this rank's rows for every owner; pairs with moeArriveKernel's waitGeq
-      for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->dispatchFlag[p.rank], p.epoch);
+      for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->dispatchFlag[p.rank], opEpoch(p));
     }
   }
 }
@@ -334,13 +344,13 @@ __global__ void __launch_bounds__(kPlanThreads) moeArriveKernel(const __grid_con
   if (waitY != 0 && tid == 0) {
     fenceAcqRelSys();
     // release: this owner's y rows; pairs with the waitGeq below on every source
-    for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->yFlag[p.rank], p.epoch);
+    for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->yFlag[p.rank], opEpoch(p));
   }
   __syncthreads();
   if (tid < p.nranks) {
     WaitCtx ctx = waitCtxOf(p);
     const uint64_t* flag = waitY != 0 ? &p.ctl[p.rank]->yFlag[tid] : &p.ctl[p.rank]->dispatchFlag[tid];
-    if (!waitGeq(flag, p.epoch, ctx, static_cast<uint32_t>(tid))) atomicExch(&sFail, 1);
+    if (!waitGeq(flag, opEpoch(p), ctx, static_cast<uint32_t>(tid))) atomicExch(&sFail, 1);
   }
   __syncthreads();  // the acquires happen before every thread's reads (and, by kernel order, the GEMM's)
   if (waitY != 0 || state != kRun || sFail != 0 || p.rowInfo == nullptr) return;
@@ -448,10 +458,10 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeCombineKernel(const __grid
     const uint32_t done = atomicAdd(&p.status->combineCtasDone, 1u) + 1u;
     if (done == gridDim.x) {
       // release: every y read of this rank is done; pairs with the waitGeq below on every owner
-      for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->finFlag[p.rank], p.epoch);
+      for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->finFlag[p.rank], opEpoch(p));
       WaitCtx ctx = waitCtxOf(p);
       for (int s = 0; s < p.nranks; ++s) {
-        if (!waitGeq(&p.ctl[p.rank]->finFlag[s], p.epoch, ctx, static_cast<uint32_t>(s))) break;
+        if (!waitGeq(&p.ctl[p.rank]->finFlag[s], opEpoch(p), ctx, static_cast<uint32_t>(s))) break;
       }
     }
   }

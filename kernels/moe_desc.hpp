@@ -109,6 +109,8 @@ struct MoeKernelParams {
   const uint64_t* abortWord;
   ErrorSlot* errorSlot;  // a failed wait (fails the communicator)
   OpFault* fault;        // optional: this op's data error (fails the op only)
+  uint64_t* faultsDropped;    // replayed op: `fault` is the replay fault, kept while full; this counts the rest
+  const uint64_t* epochWord;  // device-epoch mode (op_entry.hpp): the flags' epoch is *epochWord (opEpoch); null: epoch
   uint64_t timeoutNs;
   uint64_t epoch;
   int32_t rank, nranks;

@@ -108,12 +108,19 @@ void checkMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEn
 }
 
 std::string launchMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, const FusedEnv& env,
-                        cudaStream_t stream, bool readVerdict) {
+                        cudaStream_t stream, bool readVerdict, bool replayed) {
   const MoeParams p = paramsOf(d, ptrs);
   MoeComm c = commOf(p, env);
   c.epoch = epoch;
-  // A data error fails this op only: it goes to the epoch's entry of the fault ring, which tandemd reads at completion.
-  if (env.ctl != nullptr) c.fault = &env.ctl->faults[epoch % kVerdictRing];
+  c.epochWord = env.epochWord;
+  // A data error fails this op only: it goes to the epoch's entry of the fault ring, which tandemd reads at completion,
+  // or for a replay (no completion) to the replay fault, which libtandem reports at the next eager op.
+  if (env.ctl != nullptr && replayed) {
+    c.fault = &env.ctl->replayFault;
+    c.faultsDropped = &env.ctl->replayFaultsDropped;
+  } else if (env.ctl != nullptr) {
+    c.fault = &env.ctl->faults[epoch % kVerdictRing];
+  }
   if (readVerdict && env.ctl != nullptr) {
     c.verdictSlot = &env.ctl->verdict[epoch % kVerdictRing];
     c.verdictRejected = epoch | kVerdictRejected;
@@ -125,6 +132,30 @@ std::string launchMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, uint6
   } catch (const std::exception& ex) {  // the grouped GEMM's launcher may throw std::runtime_error
     fail(ErrorCode::kCuda, "{}: {}", opKindName(d.kind), ex.what());
   }
+}
+
+// The plan kernel finds these in the routing table, alike on every rank (moe.cu); tandemd reports an eager op's,
+// libtandem a replayed op's.
+std::string moeFaultText(const OpFault& f, const OpDescriptor& d) {
+  const auto kind = static_cast<OpKind>(f.op);
+  if (f.code == static_cast<uint32_t>(WaitError::kMoeRouting)) {
+    const auto slotIndex = static_cast<uint32_t>((f.observed >> 32) & 0x3fffffffu);
+    const auto value = static_cast<int32_t>(static_cast<uint32_t>(f.observed));
+    if ((f.observed >> 62) & 1u) {
+      return fmt::format("{}: rank {} token {} names expert {} twice (topk_ids[{}][{}]); a token's top-k experts must "
+                         "be distinct", opKindName(kind), f.atFault, f.chunk, value, f.chunk, slotIndex);
+    }
+    return fmt::format("{}: rank {} topk_ids[{}][{}] = {} is out of range [0, experts); pass expert ids in [0, "
+                       "experts)", opKindName(kind), f.atFault, f.chunk, slotIndex, value);
+  }
+  if (kind == OpKind::kMoeDispatchFfnCombine) {
+    // The workspace that holds those rows.
+    return fmt::format("{}: rank {} receives {} rows but its workspace holds {} receive rows; nothing was written and "
+                       "the communicator is still usable: split the batch, or {}", opKindName(kind), f.atFault,
+                       f.observed, f.chunk, workspaceRemedy(workspaceBytesFor(d, d.nranks, f.observed)));
+  }
+  return fmt::format("{}: rank {} receives {} rows but capacity is {}; pass capacity >= {}", opKindName(kind),
+                     f.atFault, f.observed, f.chunk, f.observed);
 }
 
 }  // namespace tandem::kernels

@@ -127,19 +127,29 @@ std::string launchRingAttention(const OpDescriptor& d, const DevicePointers& ptr
     return plan + "one rank";
   }
 
-  // 1-2: what peers read of this rank.
+  // 1-2: what peers read of this rank. Device-epoch mode: a kernel writes the words with the op entry's epoch (a
+  // graph would replay a stream memory operation's value as captured).
   RingAttentionFlags* mine = flagsOf(env, me);
   const uint64_t kvBytes = seq * rowBytes(d);
   char* const data = env.workspaces[me] + env.layout.dataOff;
-  writeWord32(stream, &mine->kvLength, seq, "ring attention kvLength");
-  writeWord32(stream, &mine->started, value, "ring attention started");
+  const bool deviceEpoch = env.epochWord != nullptr;
+  if (deviceEpoch) {
+    launchRingPublish(RingPublishParams{mine, env.epochWord, seq, 0}, stream);
+  } else {
+    writeWord32(stream, &mine->kvLength, seq, "ring attention kvLength");
+    writeWord32(stream, &mine->started, value, "ring attention started");
+  }
   if (kvBytes > 0) {
     checkCuda(cudaMemcpyAsync(data, local.k, kvBytes, cudaMemcpyDeviceToDevice, stream),
               "cudaMemcpyAsync(k into the workspace)");
     checkCuda(cudaMemcpyAsync(data + kvHalfBytes(env), local.v, kvBytes, cudaMemcpyDeviceToDevice, stream),
               "cudaMemcpyAsync(v into the workspace)");
   }
-  writeWord32(stream, &mine->kvReady, value, "ring attention kvReady");
+  if (deviceEpoch) {
+    launchRingPublish(RingPublishParams{mine, env.epochWord, seq, 1}, stream);
+  } else {
+    writeWord32(stream, &mine->kvReady, value, "ring attention kvReady");
+  }
 
   // 3: the core over the local KV, then every peer's, nearest lower rank first (contiguous causal: the ones this
   // rank's rows see in full).
@@ -167,6 +177,7 @@ std::string launchRingAttention(const OpDescriptor& d, const DevicePointers& ptr
   p.timeoutNs = env.timeoutNs;
   p.waitOp = static_cast<uint32_t>(d.kind);
   p.waitRank = me;
+  p.epochWord = env.epochWord;  // device-epoch mode: the waits' values are the op entry's epoch
   launchAttention(p, stream);  // nothing when seq is 0: this rank's peers still read its (empty) KV words
 
   // 4: the end-of-op handshake.
@@ -179,6 +190,7 @@ std::string launchRingAttention(const OpDescriptor& d, const DevicePointers& ptr
   f.abortWord = &env.ctl->abort;
   f.errorSlot = &env.ctl->error;
   f.value = value;
+  f.epochWord = env.epochWord;
   f.timeoutNs = env.timeoutNs;
   f.rank = me;
   f.nranks = n;

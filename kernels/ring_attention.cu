@@ -20,13 +20,33 @@ namespace {
 __global__ void __launch_bounds__(32) ringFinishKernel(const __grid_constant__ RingFinishParams p) {
   const uint32_t q = threadIdx.x;
   if (q >= p.nranks || q == p.rank) return;
+  // Device-epoch mode: the op entry's epoch, written earlier in this stream (L2, not L1).
+  const uint64_t value = p.epochWord != nullptr ? __ldcg(p.epochWord) : p.value;
   // release: this rank's reads of q's KV (the attention kernel before this one, complete in stream order) happen
   // before q may reuse its workspace; pairs with q's waitGeq on its done[rank] below.
-  stReleaseSys(p.peerDone[q], p.value);
+  stReleaseSys(p.peerDone[q], value);
   WaitCtx ctx{p.abortWord, p.errorSlot, p.timeoutNs != 0 ? globaltimerNs() + p.timeoutNs : 0, p.op,
               static_cast<uint32_t>(Role::kCompute), p.rank};
   // acquire: q has finished reading this rank's KV; pairs with q's stReleaseSys above. A failed wait has reported.
-  waitGeq(p.myDone[q], p.value, ctx, q);
+  waitGeq(p.myDone[q], value, ctx, q);
+}
+
+// One thread: the words of steps 1 and 2 with the op entry's epoch (device-epoch mode; ring_attention.hpp).
+__global__ void __launch_bounds__(32) ringPublishKernel(const __grid_constant__ RingPublishParams p) {
+  if (threadIdx.x != 0) return;
+  // Written by this op's entry kernel, earlier in this stream (a kernel boundary orders it); L2, not L1.
+  const uint64_t epoch = __ldcg(p.epochWord);
+  if (p.kvReady == 0) {
+    stRelaxedSys(&p.mine->kvLength, p.kvLength);
+    // release: publishes kvLength; pairs with the peers' attention kernels' waitGeq on `started` (buildRuns).
+    stReleaseSys(&p.mine->started, epoch);
+    return;
+  }
+  // release: the KV copies into this rank's workspace (earlier in this stream, complete at this kernel's start) happen
+  // before the peers see kvReady = F; pairs with their attention kernels' waitGeq on kvReady (runKvWaiter). The fence
+  // makes the release cumulative over the copies, as the stream memory operation's system fence did.
+  fenceAcqRelSys();
+  stReleaseSys(&p.mine->kvReady, epoch);
 }
 
 }  // namespace
@@ -38,9 +58,16 @@ void launchRingFinish(const RingFinishParams& p, cudaStream_t stream) {
                                               cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
+void launchRingPublish(const RingPublishParams& p, cudaStream_t stream) {
+  ringPublishKernel<<<1, 32, 0, stream>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) ring_detail::failCuda(std::string("launching the ring attention publish kernel: ") +
+                                              cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
 void preloadRingFinishKernel(int device) {
-  using Fn = void (*)(RingFinishParams);
-  const Fn fns[] = {&ringFinishKernel};
+  const void* fns[] = {reinterpret_cast<const void*>(&ringFinishKernel),
+                       reinterpret_cast<const void*>(&ringPublishKernel)};
   preloadOn(device, fns, "preloadRingFinishKernel");
 }
 

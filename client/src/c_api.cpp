@@ -15,9 +15,11 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <span>
 #include <string>
@@ -85,6 +87,15 @@ struct SessionCore {
   std::mutex registrationMutex;
   // Where the backend shares registrations of one range (sharesRegistrations): (ptr, bytes) -> buffer.
   std::map<std::pair<uintptr_t, uint64_t>, tandem_buffer*> registrations;
+  // Eager ops of communicators whose graph replays can fail on their own (CommExecutor::replayFaultProbe): seq -> its
+  // communicator's probe, called once the op's result is final, and then the result it gave (reportReplayFault).
+  // Bounded, oldest dropped: a failure stays in its communicator until a later op's result takes it.
+  struct ReplayProbe {
+    std::function<std::string()> probe;
+    std::optional<tandem::client::OpResult> result;  // set once the probe was asked: what this op reports from then on
+  };
+  std::mutex probesMutex;
+  std::map<uint64_t, ReplayProbe> replayProbes;
 };
 }  // namespace tandem::client
 using tandem::client::SessionCore;
@@ -254,6 +265,35 @@ void undoQuietly(SessionCore& core, tandem::v1::Request& undo) {
   }
 }
 
+constexpr std::size_t kMaxReplayProbes = 4096;  // eager ops awaiting a wait, per session (replayProbes)
+
+// An eager op's final result: a replay on its communicator that failed on its own since the last report (an MoE op's
+// bad expert id or row overflow; every replay before this op in its stream has finished by now) turns a success into
+// that error. Only the caller's view changes: the op ran, and nothing collective depends on when this is seen.
+// The result sticks to the op: tandem_wait and tandem_op_status of it say the same every time.
+void reportReplayFault(SessionCore& core, uint64_t seq, tandem::client::OpResult& r) {
+  if (r.code == ErrorCode::kInProgress || r.code == ErrorCode::kTimeout) return;  // not final yet
+  std::lock_guard lock(core.probesMutex);  // the probe takes its communicator's lock only, never this one
+  const auto it = core.replayProbes.find(seq);
+  if (it == core.replayProbes.end()) return;
+  if (r.code != ErrorCode::kOk) {  // its own failure first; the replay's stays for a later op
+    core.replayProbes.erase(it);
+    return;
+  }
+  if (!it->second.result) {
+    const std::string fault = it->second.probe();
+    if (fault.empty()) {
+      core.replayProbes.erase(it);
+      return;
+    }
+    it->second.result = tandem::client::OpResult{
+        ErrorCode::kInvalidArgument,
+        fmt::format("op {} completed, but on its communicator {}. That replay wrote no output; this op ran, and the "
+                    "communicator is still usable: correct the graph's inputs before replaying it again", seq, fault)};
+  }
+  r = *it->second.result;
+}
+
 // Fills every slot's BufferRef from the tensors, validates the descriptor as the daemon will, and submits through
 // the communicator's executor: on the cuda backend it also checks that this rank's GPU can run the op (before
 // submitting: a refused op changes nothing), then enqueues its stream work on `stream` (a cudaStream_t; null = the
@@ -310,6 +350,13 @@ tandem_status_t submitOp(const char* call, tandem_comm_t comm, tandem::OpDescrip
             abort.mutable_destroy_comm()->set_abort(true);
             undoQuietly(core, abort);
           });
+      if (op->seq != 0) {
+        if (auto probe = comm->exec->replayFaultProbe()) {
+          std::lock_guard lock(core.probesMutex);
+          core.replayProbes[op->seq] = {std::move(probe), std::nullopt};
+          if (core.replayProbes.size() > kMaxReplayProbes) core.replayProbes.erase(core.replayProbes.begin());
+        }
+      }
     });
   });
 }
@@ -685,6 +732,7 @@ tandem_status_t tandem_wait(tandem_op_t op, int64_t timeout_ms) {
     const Use use(*core, "tandem_wait", Handle::kOp);
     onCore(*core, "tandem_wait", [&] {
       r = core->impl->wait(op.seq, timeout_ms);
+      reportReplayFault(*core, op.seq, r);
       // Cut short by tandem_disconnect: the hang-up, or the failure tandemd posted as it ended the session.
       if (r.code != ErrorCode::kOk && core->closing.load()) throw Error(r.code, r.message);
     });
@@ -700,6 +748,7 @@ tandem_status_t tandem_op_status(tandem_op_t op, char* message, size_t message_l
     const Use use(*core, "tandem_op_status", Handle::kOp);
     onCore(*core, "tandem_op_status", [&] {
       r = core->impl->status(op.seq);
+      reportReplayFault(*core, op.seq, r);
       if (r.code != ErrorCode::kOk && r.code != ErrorCode::kInProgress && core->closing.load()) {
         throw Error(r.code, r.message);
       }

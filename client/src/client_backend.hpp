@@ -49,6 +49,11 @@ class CommExecutor {
   /// The fused ops this rank launches itself run `key` with `plan` (tandemctl tune and advise); a no-op where this
   /// rank launches nothing.
   virtual void setPlan(const PlanKey& key, const PlanChoice& plan) = 0;
+  /// Where replays of ops captured into CUDA graphs can fail without failing the communicator (MoE data errors): a
+  /// probe that returns the message of such a failure since it was last called ("" if none), for tandem_wait and
+  /// tandem_op_status to report with the next eager op of the communicator; empty where no replay can. The probe may
+  /// outlive this executor (it then returns ""). Thread-safe.
+  virtual std::function<std::string()> replayFaultProbe() const { return {}; }
 };
 
 /// The session's strategy. Lives as long as the session's core; used under its `life` lock.

@@ -18,6 +18,7 @@
 #include "tandem/common/op_spec.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/gpu_ops.hpp"
+#include "tandem/kernels/moe_ops.hpp"
 #include "tandem/kernels/op_entry.hpp"
 #include "tandem/kernels/preload.hpp"
 
@@ -321,7 +322,7 @@ class ClientGateStrategy final : public CommStrategy {
       enterOp(d, epoch + 1, collectiveFingerprint(d), stream);
       if (op.launch != nullptr) {
         const PlanChoice plan = op.fusedGemm ? planOf(d, gpuModel_, "client") : PlanChoice{};
-        const std::string ran = op.launch({d, ptrs, epoch + 1, env_, stream, plan, false});
+        const std::string ran = op.launch({d, ptrs, epoch + 1, env_, stream, plan, false, true});
         if (!ran.empty()) logPlanOnce(d, ran + " (captured into a CUDA graph)");
       }
     } catch (const Error&) {
@@ -492,6 +493,32 @@ void CommGpu::enqueueCaptured(const OpDescriptor& d, const DevicePointers& ptrs,
   if (current != device_) guard.emplace(device_);
   page_.markDeviceEpochs();  // tandemd: a rank that leaves now aborts the others (their replays may wait for it)
   strategy_->enqueueCaptured(d, ptrs, epoch, static_cast<CUstream>(stream));
+  if (k::isMoeOp(d.kind)) capturedMoe_[d.kind] = d;
+}
+
+std::string CommGpu::takeReplayFault() {
+  const std::optional<k::OpFault> f = page_.takeReplayFault();
+  const uint64_t dropped = page_.replayFaultsDropped();
+  const uint64_t more = dropped - replayFaultsDroppedSeen_;
+  replayFaultsDroppedSeen_ = dropped;
+  if (!f && more == 0) return {};
+  const std::string also = more == 0 ? std::string()
+                                     : fmt::format(" ({} more replayed MoE op{} failed after it)", more,
+                                                   more == 1 ? "" : "s");
+  if (!f) {
+    // The fault they were dropped for was taken before they were counted.
+    return fmt::format("{} replayed MoE op{} failed with a bad expert id or too many rows after the error reported "
+                       "last", more, more == 1 ? "" : "s");
+  }
+  const auto kind = static_cast<OpKind>(f->op);
+  const auto it = capturedMoe_.find(kind);
+  OpDescriptor d{};
+  if (it != capturedMoe_.end()) {
+    d = it->second;
+  } else {
+    d.kind = kind;
+  }
+  return fmt::format("a replay of {} from a CUDA graph failed: {}{}", opKindName(kind), k::moeFaultText(*f, d), also);
 }
 
 void CommGpu::setPlan(const PlanKey& key, const PlanChoice& plan) { strategy_->setPlan(key, plan); }
@@ -579,6 +606,18 @@ class CudaCommExecutor final : public CommExecutor {
   void setPlan(const PlanKey& key, const PlanChoice& plan) override {
     std::lock_guard lock(gpu_->mutex);
     gpu_->setPlan(key, plan);
+  }
+  // Only once the communicator captured an MoE op (the only ops whose replays report data errors). Weak: the probe
+  // may outlive the communicator, and must not keep its mappings.
+  std::function<std::string()> replayFaultProbe() const override {
+    std::lock_guard lock(gpu_->mutex);
+    if (!gpu_->capturedMoe()) return {};
+    return [weak = std::weak_ptr<CommGpu>(gpu_)]() -> std::string {
+      const std::shared_ptr<CommGpu> gpu = weak.lock();
+      if (gpu == nullptr) return {};
+      std::lock_guard held(gpu->mutex);
+      return gpu->takeReplayFault();
+    };
   }
 
  private:

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -99,6 +100,12 @@ class CommGpu {
   // a fresh epoch from device memory. From here on this communicator's eager ops use device epochs too. Under `mutex`.
   // Throws Error(kCuda); the capture is then broken, the communicator unchanged.
   void enqueueCaptured(const OpDescriptor& desc, const DevicePointers& ptrs, void* stream);
+  // The data error a replayed MoE op left in the control page since the last call (a bad expert id, too many rows),
+  // as a message that names the op, the rank and the id or rows, and how many more replays failed after it; "" if
+  // none. Taking it empties the slot. Under `mutex`.
+  std::string takeReplayFault();
+  // Whether an MoE op was captured (only their replays report data errors). Under `mutex`.
+  bool capturedMoe() const { return !capturedMoe_.empty(); }
   // tandemd is gone: releases every wait of this rank's streams and kernels.
   void abortLocal();
   // The fused ops this rank launches itself run `key` with `plan`: executor client, the plan table's entry tandemd
@@ -116,6 +123,10 @@ class CommGpu {
   kernels::ControlPage page_;
   kernels::HostRegistration registration_;  // the page as this rank's streams and kernels address it
   std::unique_ptr<CommStrategy> strategy_;
+  // Replays' data errors: the last captured descriptor of each MoE op (a fault's rows remedy needs its dims), and
+  // how many dropped faults were already reported.
+  std::map<OpKind, OpDescriptor> capturedMoe_;
+  uint64_t replayFaultsDroppedSeen_ = 0;
 };
 
 // Watches the session's socket: when tandemd hangs up, aborts every communicator's streams.

@@ -7,24 +7,20 @@
 namespace tandem {
 
 OpSet graphReplayableOps() {
-  return OpSet{OpKind::kAllGather, OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kNop};
+  return OpSet{OpKind::kAllGather, OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kRingAttention,
+               OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine, OpKind::kNop};
 }
 
 namespace {
 
-// Why an op outside graphReplayableOps still needs a host step per run, for the refusal.
-std::string_view hostStepOf(OpKind kind) {
-  switch (kind) {
-    case OpKind::kRingAttention:
-    case OpKind::kRingAttentionBackward:
-      return "its stream publishes each rank's KV with stream memory operations that carry the host's epoch, which a "
-             "replay would repeat";
-    case OpKind::kMoeDispatchGemm:
-    case OpKind::kMoeDispatchFfnCombine:
-      return "its routing and capacity errors reach the caller through tandemd's completion of each op, which a "
-             "replay does not have";
-    default: return "its kernels take their epoch from the host (no device-epoch path yet)";
+// Why an op outside graphReplayableOps cannot replay yet, for the refusal.
+std::string whyNotReplayable(OpKind kind) {
+  // An op the cuda backend does not run at all (OpSpec::cudaPending) has no kernels to replay; the strategy's check
+  // would refuse it anyway, but the capture refusal comes first and should say the real reason.
+  if (knownOp(kind) && !opSpec(kind).cudaPending.empty()) {
+    return fmt::format("the cuda backend has no GPU implementation of it ({})", opSpec(kind).cudaPending);
   }
+  return "its kernels take their epoch from the host (no device-epoch path yet)";
 }
 
 }  // namespace
@@ -49,7 +45,7 @@ std::string captureRefusal(std::string_view executor, const OpDescriptor& d) {
   return fmt::format("{}: the stream is being captured into a CUDA graph, and {} cannot replay on a {}-rank "
                      "communicator yet: {}; enqueue it outside the graph (between replays), or capture it on a "
                      "one-rank communicator",
-                     op, op, d.nranks, hostStepOf(d.kind));
+                     op, op, d.nranks, whyNotReplayable(d.kind));
 }
 
 uint64_t collectiveFingerprint(const OpDescriptor& d) {

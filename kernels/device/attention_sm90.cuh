@@ -101,6 +101,7 @@ struct AttnKernelParams {
   const uint64_t* abortWord;    // polled by the waits; null = none
   ErrorSlot* errorSlot;         // where a failed wait reports; null = nowhere
   uint64_t timeoutNs;           // the waits' deadline from the kernel's start; 0 = none
+  const uint64_t* epochWord;    // non-null: every map's readyValue and lengthReadyValue are *epochWord (device epoch)
   void* out;                    // [sq, heads, hd]
   float* lse;                   // [heads, sq] or null
   int64_t qStart;               // global position of q row 0
@@ -381,6 +382,12 @@ __device__ __forceinline__ int mapAt(const AttnKernelParams& p, int i) {
   return p.rotateFrom + (i - p.rotateFrom + static_cast<int>(blockIdx.x % static_cast<uint32_t>(count))) % count;
 }
 
+// The value a peer's ready or length word must reach: the map's own, or in device-epoch mode the op entry's epoch,
+// written earlier in this stream (a kernel boundary orders it; L2, not L1).
+__device__ __forceinline__ uint64_t readyValueOf(const AttnKernelParams& p, uint64_t own) {
+  return p.epochWord != nullptr ? __ldcg(p.epochWord) : own;
+}
+
 __device__ __forceinline__ void buildRuns(const AttnKernelParams& p, AttnRunTable& rt) {
   WaitCtx ctx{p.abortWord, p.errorSlot, p.timeoutNs != 0 ? globaltimerNs() + p.timeoutNs : 0, p.waitOp,
               static_cast<uint32_t>(tandem::kernels::Role::kCompute), p.waitRank};
@@ -390,8 +397,9 @@ __device__ __forceinline__ void buildRuns(const AttnKernelParams& p, AttnRunTabl
     const AttnKvMap& mp = p.maps[m];
     int32_t len = mp.length;
     if (mp.lengthWord != nullptr) {
-      // acquire: the peer's length word; pairs with its stream's write of lengthReady after it (stream memops).
-      const bool ok = waitGeq(mp.lengthReady, mp.lengthReadyValue, ctx, static_cast<uint32_t>(m));
+      // acquire: the peer's length word; pairs with its stream's write of lengthReady after it (stream memops, or in
+      // device-epoch mode ringPublishKernel's release).
+      const bool ok = waitGeq(mp.lengthReady, readyValueOf(p, mp.lengthReadyValue), ctx, static_cast<uint32_t>(m));
       const uint64_t rows = ok ? ldRelaxedSys(mp.lengthWord) : 0;
       len = rows < static_cast<uint64_t>(mp.length) ? static_cast<int32_t>(rows) : mp.length;
     }
@@ -455,8 +463,11 @@ __device__ __forceinline__ void runKvWaiter(const AttnKernelParams& p, SharedSto
     const int m = mapAt(p, i);  // in walk order
     if (p.maps[m].ready == nullptr) continue;
     // acquire: the peer's KV; pairs with the write of its ready word, which its stream makes after copying its KV
-    // in (a stream memory operation: a system-wide fence, then the write).
-    if (!failed) failed = !waitGeq(p.maps[m].ready, p.maps[m].readyValue, ctx, static_cast<uint32_t>(m));
+    // in (a stream memory operation: a system-wide fence, then the write; in device-epoch mode ringPublishKernel's
+    // fence and release).
+    if (!failed) {
+      failed = !waitGeq(p.maps[m].ready, readyValueOf(p, p.maps[m].readyValue), ctx, static_cast<uint32_t>(m));
+    }
     gemm::mbarArrive(&s.kvReady[m]);  // release (CTA): pairs with the producer's mbarWait in awaitKvMap
   }
 }

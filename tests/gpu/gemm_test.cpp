@@ -324,18 +324,33 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
                                                 {a, 2u << 20}, stream};
       expect("moe-dispatch-gemm in fp32", tandem_moe_dispatch_gemm(comm, &moe, &op), TANDEM_ERROR_UNSUPPORTED,
              "bf16 or fp16");
-      // A multi-rank op that cannot replay from a CUDA graph (the MoE ops report data errors through tandemd's
-      // completion of each op): refused during capture, and the capture holds none of it. (The ops that replay:
-      // graph_replay_gpu_test.cpp.)
+      // A multi-rank op that cannot replay from a CUDA graph (ring attention's backward, which the cuda backend does
+      // not run yet): refused during capture, and the capture holds none of it. (The ops that replay, ring attention
+      // and the MoE ops among them: graph_replay_gpu_test.cpp.)
       {
         cudaStream_t capture;
         CK(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
         CK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
-        tandem_moe_dispatch_gemm_args_t captured = moe;
-        captured.dtype = TANDEM_DTYPE_BF16;
-        captured.cuda_stream = capture;
-        expect("moe-dispatch-gemm during graph capture", tandem_moe_dispatch_gemm(comm, &captured, &op),
-               TANDEM_ERROR_UNSUPPORTED, "cannot replay");
+        tandem_ring_attention_backward_args_t bwd{};
+        bwd.struct_size = sizeof bwd;
+        bwd.dtype = TANDEM_DTYPE_BF16;
+        bwd.seq = 64;
+        bwd.heads = 2;
+        bwd.head_dim = 64;
+        bwd.causal = 1;
+        bwd.layout = TANDEM_ATTENTION_CONTIGUOUS;
+        bwd.q = {a, 0};
+        bwd.k = {a, 1u << 20};
+        bwd.v = {a, 2u << 20};
+        bwd.o = {b, 0};
+        bwd.dout = {b, 1u << 20};
+        bwd.lse = {b, 2u << 20};
+        bwd.dq = {c, 0};
+        bwd.dk = {c, 1u << 20};
+        bwd.dv = {c, 2u << 20};
+        bwd.cuda_stream = capture;
+        expect("ring-attention-backward during graph capture", tandem_ring_attention_backward(comm, &bwd, &op),
+               TANDEM_ERROR_UNSUPPORTED, "no GPU implementation");
         cudaGraph_t graph = nullptr;
         CK(cudaStreamEndCapture(capture, &graph));
         size_t nodes = 0;

@@ -1,11 +1,13 @@
 // CUDA graphs on multi-rank communicators (client executor, device-resident epochs: kernels/include/tandem/kernels/
 // op_entry.hpp). Real rank processes through tandemd, 2 and 4 ranks sharing the GPUs (rankDevice): every op that
-// replays (allgather on its LL and chunked paths, ag-gemm, gemm-rs and gemm-ar on their small-M and fused plans, the
-// barrier) is captured into a graph of its own and replayed TANDEM_TEST_REPLAYS times (1000) with new inputs written
-// between replays, every replay bitwise equal to the eager op on the same inputs (the eager result checked against
-// the fp64 reference); eager ops run between replays and the graphs of one communicator replay in turns. Then the
-// failures: a rank SIGKILLed mid-replay releases its peer with PEER_LOST (not the deadline), ranks replaying different
-// graphs fail with an error instead of meeting on each other's flags, and tandemd serves the next communicator.
+// replays (allgather on its LL and chunked paths, ag-gemm, gemm-rs and gemm-ar on their small-M and fused plans, ring
+// attention contiguous and zigzag, the two MoE ops, the barrier) is captured into a graph of its own and replayed
+// TANDEM_TEST_REPLAYS times (1000) with new inputs written between replays, every replay bitwise equal to the eager
+// op on the same inputs (the eager result checked against the fp64 reference); eager ops run between replays and the
+// graphs of one communicator replay in turns. Then the failures: a rank SIGKILLed mid-replay releases its peer with
+// PEER_LOST (not the deadline), ranks replaying different graphs fail with an error instead of meeting on each
+// other's flags, and tandemd serves the next communicator; an MoE replay with a bad expert id writes nothing, its
+// error comes with the next eager op's wait, and the next ops work.
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -28,13 +30,22 @@ namespace {
 
 struct GraphCase {
   OpKind kind;
-  uint64_t m = 0, n = 0, k = 0;  // the GEMMs (gemm-rs/ar: K over all ranks)
+  uint64_t m = 0, n = 0, k = 0;  // the GEMMs (gemm-rs/ar: K over all ranks); MoE: tokens per rank, n_out or ffn, hidden
   uint64_t bytes = 0;            // allgather: per rank
+  uint64_t seq = 0;              // ring attention: over all ranks (4 heads, 2 KV heads, head_dim 128, causal)
+  bool zigzag = false;
 };
+
+bool isMoe(OpKind kind) { return kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine; }
 
 std::string describe(const GraphCase& c) {
   if (c.kind == OpKind::kAllGather) return fmt::format("allgather {} bytes", c.bytes);
   if (c.kind == OpKind::kNop) return "barrier";
+  if (c.kind == OpKind::kRingAttention) return fmt::format("ring-attention seq={}{}", c.seq, c.zigzag ? " zigzag" : "");
+  if (isMoe(c.kind)) {
+    return fmt::format("{} tokens={} hidden={} {}={} experts=8 topk=2", tandem::opKindName(c.kind), c.m, c.k,
+                       c.kind == OpKind::kMoeDispatchGemm ? "n_out" : "ffn", c.n);
+  }
   return fmt::format("{} m={} n={} k={}", tandem::opKindName(c.kind), c.m, c.n, c.k);
 }
 
@@ -46,6 +57,16 @@ std::vector<OpDescriptor> descriptorsOf(const GraphCase& c, uint32_t n) {
   shape.n = c.n;
   shape.k = c.k;
   shape.bytes = c.bytes;
+  if (c.kind == OpKind::kRingAttention) {
+    shape.seq = c.seq;
+    shape.heads = 4;
+    shape.kvHeads = 2;
+    shape.headDim = 128;
+    shape.causal = true;
+    shape.zigzag = c.zigzag;
+  }
+  shape.experts = 8;  // MoE: 8 experts, top 2; capacity the worst case (makeDescriptor)
+  shape.topk = 2;
   std::vector<OpDescriptor> v;
   for (uint32_t q = 0; q < n; ++q) v.push_back(ref::makeDescriptor(shape, q, n));
   return v;
@@ -76,6 +97,61 @@ tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t st
                                     b.tensor(slot::kC), stream, nt};
       return tandem_gemm_rs(comm, &a, op);
     }
+    case OpKind::kRingAttention: {
+      tandem_ring_attention_args_t a{};
+      a.struct_size = sizeof a;
+      a.dtype = dtype;
+      a.seq = d.dims[dim::kSeq];
+      a.heads = d.dims[dim::kHeads];
+      a.head_dim = d.dims[dim::kHeadDim];
+      a.kv_heads = d.dims[dim::kKvHeads];
+      a.causal = (d.flags & tandem::kFlagCausal) != 0;
+      a.layout = (d.flags & tandem::kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
+      a.scale = d.scale;
+      a.q = b.tensor(slot::kQ);
+      a.k = b.tensor(slot::kKey);
+      a.v = b.tensor(slot::kValue);
+      a.out = b.tensor(slot::kAttnOut);
+      a.lse = b.tensor(slot::kAttnLse);
+      a.cuda_stream = stream;
+      return tandem_ring_attention(comm, &a, op);
+    }
+    case OpKind::kMoeDispatchGemm: {
+      const tandem_moe_dispatch_gemm_args_t a{sizeof a,
+                                              dtype,
+                                              d.dims[dim::kTokens],
+                                              d.dims[dim::kHidden],
+                                              d.dims[dim::kNOut],
+                                              d.dims[dim::kExperts],
+                                              d.dims[dim::kTopk],
+                                              d.dims[dim::kCapacity],
+                                              b.tensor(slot::kX),
+                                              b.tensor(slot::kTopkIds),
+                                              b.tensor(slot::kTopkWeights),
+                                              b.tensor(slot::kW),
+                                              b.tensor(slot::kMoeOut),
+                                              b.tensor(slot::kRowInfo),
+                                              b.tensor(slot::kExpertCounts),
+                                              stream};
+      return tandem_moe_dispatch_gemm(comm, &a, op);
+    }
+    case OpKind::kMoeDispatchFfnCombine: {
+      const tandem_moe_ffn_args_t a{sizeof a,
+                                    dtype,
+                                    d.dims[dim::kTokens],
+                                    d.dims[dim::kHidden],
+                                    d.dims[dim::kFfn],
+                                    d.dims[dim::kExperts],
+                                    d.dims[dim::kTopk],
+                                    b.tensor(slot::kX),
+                                    b.tensor(slot::kTopkIds),
+                                    b.tensor(slot::kTopkWeights),
+                                    b.tensor(slot::kW1),
+                                    b.tensor(slot::kW2),
+                                    b.tensor(slot::kFfnOut),
+                                    stream};
+      return tandem_moe_dispatch_ffn_combine(comm, &a, op);
+    }
     default: {
       const tandem_gemm_ar_args_t a{sizeof a, dtype, m, n, k, b.tensor(slot::kA), b.tensor(slot::kB),
                                     b.tensor(slot::kC), stream, nt};
@@ -85,7 +161,8 @@ tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t st
 }
 
 // Every op that replays, on each of its paths: LL and chunked allgather; small M (the layouts core, then the
-// collective) and the fused kernels for each GEMM; the barrier (the op entry alone).
+// collective) and the fused kernels for each GEMM; ring attention contiguous and zigzag (its KV published by a kernel
+// with the device epoch); both MoE ops (new expert ids with every input set); the barrier (the op entry alone).
 std::vector<GraphCase> graphCases(uint32_t nranks) {
   const uint64_t kUnit = 8 * nranks;  // gemm-rs/ar: every rank's k slice a multiple of 8
   return {{OpKind::kAllGather, 0, 0, 0, 64u << 10},
@@ -96,6 +173,10 @@ std::vector<GraphCase> graphCases(uint32_t nranks) {
           {OpKind::kGemmRs, 1024, 512, kUnit * 32},
           {OpKind::kGemmAr, 16, 1024, kUnit * 64},
           {OpKind::kGemmAr, 512, 512, kUnit * 32},
+          {OpKind::kRingAttention, 0, 0, 0, 0, 256 * nranks},
+          {OpKind::kRingAttention, 0, 0, 0, 0, 512 * nranks, true},
+          {OpKind::kMoeDispatchGemm, 128, 256, 256},
+          {OpKind::kMoeDispatchFfnCombine, 128, 256, 256},
           {OpKind::kNop}};
 }
 
@@ -172,6 +253,21 @@ std::string eagerRun(Captured& c, tandem_comm_t comm, cudaStream_t stream, int s
   return finishOp(stream, op);
 }
 
+// Captures `c`'s op on the rank's stream into its graph and instantiates it; "" or what went wrong.
+std::string capture(Captured& c, const Joined& j) {
+  // Global mode, as torch.cuda.graph captures: any CUDA call libtandem makes that a capture forbids fails here.
+  CK(cudaStreamBeginCapture(j.stream, cudaStreamCaptureModeGlobal));
+  tandem_op_t op;
+  const tandem_status_t st = submit(c.b, j.comm, j.stream, &op);
+  const std::string why = st == TANDEM_SUCCESS ? std::string() : tandem_last_error();
+  const cudaError_t ended = cudaStreamEndCapture(j.stream, &c.graph);
+  if (st != TANDEM_SUCCESS) return fmt::format("capture refused: {}", why);
+  if (op.seq != 0) return fmt::format("a captured op was submitted to tandemd (seq {})", op.seq);
+  CK(ended);
+  CK(cudaGraphInstantiate(&c.exec, c.graph, 0));
+  return "";
+}
+
 // One rank of the replay case. Every rank runs the same sequence: eager runs of every op (the references), the
 // captures, then per op its replays with an eager run every 250, then every graph in turns with eager runs between.
 std::string replayRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
@@ -190,16 +286,7 @@ std::string replayRank(const std::string& socket, const tandem_unique_id_t& id, 
     }
   }
   for (auto& c : ops) {
-    // Global mode, as torch.cuda.graph captures: any CUDA call libtandem makes that a capture forbids fails here.
-    CK(cudaStreamBeginCapture(j.stream, cudaStreamCaptureModeGlobal));
-    tandem_op_t op;
-    const tandem_status_t st = submit(c->b, j.comm, j.stream, &op);
-    const std::string why = st == TANDEM_SUCCESS ? std::string() : tandem_last_error();
-    const cudaError_t ended = cudaStreamEndCapture(j.stream, &c->graph);
-    if (st != TANDEM_SUCCESS) return fmt::format("FAIL {}: capture refused: {}", c->what, why);
-    if (op.seq != 0) return fmt::format("FAIL {}: a captured op was submitted to tandemd (seq {})", c->what, op.seq);
-    CK(ended);
-    CK(cudaGraphInstantiate(&c->exec, c->graph, 0));
+    if (std::string e = capture(*c, j); !e.empty()) return fmt::format("FAIL {}: {}", c->what, e);
   }
   for (auto& c : ops) {
     for (int i = 0; i < count; ++i) {
@@ -293,6 +380,61 @@ std::string failureRank(const Io& io, const std::string& socket, const tandem_un
   }
 }
 
+// One rank of the MoE replay-error case (2 ranks): `kind` captured and replayed with good inputs; then rank 1's
+// topk_ids[3][0] = 13 (of 8 experts) in the graph's input: the replay writes nothing on any rank, and the wait of the
+// next eager op (a barrier, which itself ran) reports the replay's error; then the good inputs again, eager and
+// replayed, match the first run, and a last barrier reports nothing.
+std::string moeFaultRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t rank, OpKind kind) {
+  Joined j(socket, id, 2, rank);
+  Captured c(j.s, GraphCase{kind, 64, 256, 256}, 2, rank, 4242);
+  const std::string what = c.what;
+  if (std::string e = eagerRun(c, j.comm, j.stream, 0); !e.empty()) return fmt::format("FAIL {} eager: {}", what, e);
+  c.eager[0] = c.outputs(j.stream);
+  if (std::string e = c.b.compare(); !e.empty()) return fmt::format("FAIL {} (eager): {}", what, e);
+  if (std::string e = capture(c, j); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
+  c.prepare(0, j.stream);
+  CK(cudaGraphLaunch(c.exec, j.stream));
+  if (c.outputs(j.stream) != c.eager[0]) return fmt::format("FAIL {}: the good replay differs from eager", what);
+
+  static const int32_t kBadId = 13;  // static: the pageable source of the async copy outlives it
+  c.prepare(0, j.stream);
+  if (rank == 1) {
+    auto* ids = static_cast<char*>(c.b.ptr(slot::kTopkIds));
+    CK(cudaMemcpyAsync(ids + (3 * 2 + 0) * sizeof(int32_t), &kBadId, sizeof kBadId, cudaMemcpyHostToDevice, j.stream));
+  }
+  CK(cudaGraphLaunch(c.exec, j.stream));
+  (void)c.outputs(j.stream);  // synchronises, downloads
+  if (std::string e = c.b.untouched(); !e.empty()) return fmt::format("FAIL {}: the failed replay wrote: {}", what, e);
+
+  tandem_op_t op;
+  const tandem_barrier_args_t a{sizeof a, j.stream};
+  TK(tandem_barrier_stream(j.comm, &a, &op));
+  if (syncWithin(j.stream, 60000) != "synced") return "FAIL the barrier after the failed replay: stream";
+  const tandem_status_t st = tandem_wait(op, 60000);
+  const std::string msg = st == TANDEM_SUCCESS ? std::string() : tandem_last_error();
+  const std::string needle = fmt::format("a replay of {} from a CUDA graph failed: {}: rank 1 topk_ids[3][0] = 13 is "
+                                         "out of range", tandem::opKindName(kind), tandem::opKindName(kind));
+  if (st != TANDEM_ERROR_INVALID_ARGUMENT || msg.find(needle) == std::string::npos) {
+    return fmt::format("FAIL {}: the barrier after the failed replay: status {} message '{}' (want '{}' in it)", what,
+                       static_cast<int>(st), msg, needle);
+  }
+  // The op's result sticks (Python reads the status, then the message): the same error again.
+  if (tandem_wait(op, 60000) != TANDEM_ERROR_INVALID_ARGUMENT || tandem_last_error() != msg) {
+    return "FAIL a second wait of the barrier did not report the same error";
+  }
+
+  if (std::string e = eagerRun(c, j.comm, j.stream, 0); !e.empty()) {
+    return fmt::format("FAIL {} eager after the error: {}", what, e);
+  }
+  if (c.outputs(j.stream) != c.eager[0]) return fmt::format("FAIL {}: the eager run after the error differs", what);
+  c.prepare(0, j.stream);
+  CK(cudaGraphLaunch(c.exec, j.stream));
+  if (c.outputs(j.stream) != c.eager[0]) return fmt::format("FAIL {}: the replay after the error differs", what);
+  TK(tandem_barrier_stream(j.comm, &a, &op));
+  if (std::string e = finishOp(j.stream, op); !e.empty()) return "FAIL the last barrier: " + e;
+  return "OK";
+}
+
 // A fresh communicator after the failures: an eager allgather, then 10 replays of it, checked.
 void expectNextCommunicatorServed(const Daemon& d) {
   runRankProcesses(d, 2, 120000, [&](const tandem_unique_id_t& id, uint32_t r) {
@@ -380,4 +522,16 @@ TEST_CASE("CUDA graphs: ranks replaying different graphs get an error within the
     r->reap();
   }
   expectNextCommunicatorServed(d);
+}
+
+TEST_CASE("CUDA graphs: an MoE replay with a bad expert id writes nothing, the next eager op's wait reports it, and "
+          "the communicator goes on") {
+  Daemon d(config("client"), {}, "");
+  for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine}) {
+    CAPTURE(tandem::opKindName(kind));
+    runRankProcesses(d, 2, 300000, [&](const tandem_unique_id_t& id, uint32_t r) {
+      return moeFaultRank(d.socket(), id, r, kind);
+    });
+  }
+  CHECK(eventually([&] { return status(d)["total_bytes"] == 0; }));
 }

@@ -215,3 +215,30 @@ TEST_CASE("checkCuda: success passes, an error throws Error(kCuda) naming what f
     CHECK(what.rfind("cudaMalloc(64 bytes) on GPU 3: cudaErrorInvalidValue", 0) == 0);
   }
 }
+
+TEST_CASE("control page: a replay's data error is taken once, and later ones while it is held only count") {
+  k::ControlPage client = k::ControlPage::create("tandem-test-ctl");
+  k::ControlPage kernels = peerOf(client);  // the replay's kernels write through the registration
+  CHECK_FALSE(client.takeReplayFault().has_value());
+  CHECK(client.replayFaultsDropped() == 0);
+  k::OpFault& f = kernels.memory()->replayFault;
+  f.code = static_cast<uint32_t>(k::WaitError::kMoeRouting);
+  f.atFault = 1;
+  f.chunk = 3;
+  f.op = static_cast<uint32_t>(tandem::OpKind::kMoeDispatchGemm);
+  f.observed = 99;
+  CHECK_FALSE(client.takeReplayFault().has_value());  // fields written, epoch not yet: not published
+  f.epoch = 7;
+  const auto got = client.takeReplayFault();
+  REQUIRE(got.has_value());
+  CHECK(got->atFault == 1);
+  CHECK(got->chunk == 3);
+  CHECK(got->observed == 99);
+  CHECK(f.epoch == 0);  // emptied: the next failed replay may report into it
+  CHECK_FALSE(client.takeReplayFault().has_value());
+  kernels.memory()->replayFaultsDropped = 2;
+  CHECK(client.replayFaultsDropped() == 2);
+  // Neither the communicator's failure report nor tandemd's per-op faults hold it.
+  CHECK_FALSE(client.failure().has_value());
+  CHECK_FALSE(client.fault(7).has_value());
+}

@@ -145,3 +145,31 @@ TEST_CASE("moe ops: what the kernels cannot run is refused with the remedy, the 
   CHECK(refusal(moeDesc(OpKind::kMoeDispatchGemm, 1, 8, 8, 2, 1, 2), ptrs, tiny, nullptr).find("workspace") !=
         std::string::npos);
 }
+
+TEST_CASE("moe ops: a data error's text names the op, the rank and the bad id or the rows") {
+  const OpDescriptor d = moeDesc(OpKind::kMoeDispatchGemm, 64, 256, 256, 8, 2, 2);
+  k::OpFault f{};
+  f.epoch = 1;
+  f.code = static_cast<uint32_t>(k::WaitError::kMoeRouting);
+  f.op = static_cast<uint32_t>(OpKind::kMoeDispatchGemm);
+  f.atFault = 1;
+  f.chunk = 5;                                  // the token
+  f.observed = (uint64_t{1} << 32) | 13u;       // slot 1, id 13 (out of range for 8 experts)
+  std::string text = k::moeFaultText(f, d);
+  INFO(text);
+  CHECK(text.find("moe-dispatch-gemm: rank 1 topk_ids[5][1] = 13 is out of range") == 0);
+  f.observed = (uint64_t{1} << 62) | 4u;        // slot 0 repeats expert 4
+  text = k::moeFaultText(f, d);
+  CHECK(text.find("token 5 names expert 4 twice") != std::string::npos);
+  f.code = static_cast<uint32_t>(k::WaitError::kMoeCapacity);
+  f.atFault = 0;
+  f.chunk = 100;  // capacity
+  f.observed = 130;
+  text = k::moeFaultText(f, d);
+  CHECK(text.find("rank 0 receives 130 rows but capacity is 100; pass capacity >= 130") != std::string::npos);
+  const OpDescriptor ffn = moeDesc(OpKind::kMoeDispatchFfnCombine, 64, 256, 256, 8, 2, 2);
+  f.op = static_cast<uint32_t>(OpKind::kMoeDispatchFfnCombine);
+  text = k::moeFaultText(f, ffn);
+  CHECK(text.find("moe-dispatch-ffn-combine: rank 0 receives 130 rows but its workspace holds 100") == 0);
+  CHECK(text.find("still usable") != std::string::npos);
+}

@@ -24,10 +24,11 @@
  *
  * CUDA graphs (cuda backend): an op enqueued on a stream that is being captured is recorded into the graph.
  * On a one-rank communicator every op may be captured. On a communicator of several ranks, with tandemd's
- * executor client, tandem_allgather, tandem_ag_gemm, tandem_gemm_rs, tandem_gemm_ar and tandem_barrier_stream
- * may be captured (replayed ops take their epoch from device memory: ARCHITECTURE.md, "CUDA graphs"); any
- * other op, and every op under executor daemon or across nodes, fails with TANDEM_ERROR_UNSUPPORTED and the
- * reason, and nothing is recorded. The contract:
+ * executor client, tandem_allgather, tandem_ag_gemm, tandem_gemm_rs, tandem_gemm_ar, tandem_ring_attention,
+ * tandem_moe_dispatch_gemm, tandem_moe_dispatch_ffn_combine and tandem_barrier_stream may be captured
+ * (replayed ops take their epoch from device memory: ARCHITECTURE.md, "CUDA graphs"); the backward ops
+ * (not on GPUs yet), and every op under executor daemon or across nodes, fail with
+ * TANDEM_ERROR_UNSUPPORTED and the reason, and nothing is recorded. The contract:
  *   - A captured op is not submitted to tandemd: its tandem_op_t has seq 0 (tandem_wait and tandem_op_status
  *     answer TANDEM_ERROR_NOT_FOUND), and its completion is the stream's. Its buffers are tandem buffers,
  *     allocated or registered before the capture (registration talks to tandemd, which a capture cannot hold).
@@ -35,7 +36,11 @@
  *     number of graphs may interleave). A rank that replays another op than its peers at the same place fails
  *     the communicator (its error names the divergence) instead of exchanging wrong data; a rank that stops
  *     midway leaves its peers' replays to their deadline (TANDEM_OP_TIMEOUT_MS), or, when it dies, to
- *     tandemd's PEER_LOST. A failure inside a replay shows in the communicator's next eager op. Once a
+ *     tandemd's PEER_LOST. A failure inside a replay shows in the communicator's next eager op. A replayed
+ *     MoE op whose expert ids are bad or whose rows overflow a rank writes nothing and fails alone: the next
+ *     tandem_wait or tandem_op_status of an eager op of that communicator that would succeed returns
+ *     TANDEM_ERROR_INVALID_ARGUMENT naming the op, the rank and the id or rows instead (that op ran), and the
+ *     communicator stays usable. Once a
  *     communicator captured an op, an eager collective whose ranks disagree (shapes, dtype) fails the
  *     communicator too, not only the op.
  *   - Each replayed op starts with a barrier over the ranks (a few microseconds); eager ops on a communicator

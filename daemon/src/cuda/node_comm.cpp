@@ -7,6 +7,7 @@
 #include "tandem/kernels/control_page.hpp"
 #include "tandem/kernels/fused_ops.hpp"
 #include "tandem/kernels/moe.hpp"
+#include "tandem/kernels/moe_ops.hpp"
 
 namespace tandem::daemon::cuda {
 namespace {
@@ -212,28 +213,8 @@ namespace {
 
 }  // namespace
 
-// The MoE kernels' data errors (moe.cu: the plan kernel finds them in the routing table, alike on every rank).
-std::string opFaultText(const k::OpFault& f, const OpDescriptor& d) {
-  const auto kind = static_cast<OpKind>(f.op);
-  if (f.code == static_cast<uint32_t>(k::WaitError::kMoeRouting)) {
-    const auto slotIndex = static_cast<uint32_t>((f.observed >> 32) & 0x3fffffffu);
-    const auto value = static_cast<int32_t>(static_cast<uint32_t>(f.observed));
-    if ((f.observed >> 62) & 1u) {
-      return fmt::format("{}: rank {} token {} names expert {} twice (topk_ids[{}][{}]); a token's top-k experts must "
-                         "be distinct", opKindName(kind), f.atFault, f.chunk, value, f.chunk, slotIndex);
-    }
-    return fmt::format("{}: rank {} topk_ids[{}][{}] = {} is out of range [0, experts); pass expert ids in [0, "
-                       "experts)", opKindName(kind), f.atFault, f.chunk, slotIndex, value);
-  }
-  if (kind == OpKind::kMoeDispatchFfnCombine) {
-    // The workspace that holds those rows.
-    return fmt::format("{}: rank {} receives {} rows but its workspace holds {} receive rows; nothing was written and "
-                       "the communicator is still usable: split the batch, or {}", opKindName(kind), f.atFault,
-                       f.observed, f.chunk, k::workspaceRemedy(k::workspaceBytesFor(d, d.nranks, f.observed)));
-  }
-  return fmt::format("{}: rank {} receives {} rows but capacity is {}; pass capacity >= {}", opKindName(kind),
-                     f.atFault, f.observed, f.chunk, f.observed);
-}
+// The MoE kernels' data errors (moe_ops.hpp moeFaultText, which libtandem uses for a replay's).
+std::string opFaultText(const k::OpFault& f, const OpDescriptor& d) { return k::moeFaultText(f, d); }
 
 std::string NodeComm::errorText(uint32_t r, const k::ErrorSlot& e) const {
   const bool timedOut = e.code == static_cast<uint32_t>(k::WaitError::kTimeout);

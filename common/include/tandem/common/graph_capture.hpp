@@ -13,8 +13,9 @@
 namespace tandem {
 
 /// The ops of a multi-rank communicator that replay from a CUDA graph with the client executor: their kernels take
-/// their flags' epoch from device memory (AllGather; ag-gemm, gemm-rs, gemm-ar on every plan; the barrier, which is the
-/// op entry alone).
+/// their flags' epoch from device memory (AllGather; ag-gemm, gemm-rs, gemm-ar on every plan; ring attention, whose
+/// KV publication is a kernel then; the two MoE ops, whose data errors a replay leaves in the control page for the
+/// next eager op to report; the barrier, which is the op entry alone).
 OpSet graphReplayableOps();
 
 /// Why op `d` (of `d.nranks` ranks) may not be captured into a CUDA graph on a communicator run by `executor` ("client",

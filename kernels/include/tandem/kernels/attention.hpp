@@ -80,6 +80,10 @@ struct AttentionParams {
   ErrorSlot* errorSlot;       // null = report nowhere
   uint64_t timeoutNs;         // deadline of the waits from the kernel's start; 0 = none
   uint32_t waitOp, waitRank;  // written into the error slot (op kind, rank)
+  // Device-epoch mode (ring attention in a CUDA graph, op_entry.hpp): every segment's arrivalValue and
+  // lengthReadyValue are *epochWord, read as the kernel starts (it was written earlier in the stream); null: the
+  // segments' own values.
+  const uint64_t* epochWord;
 };
 
 /// Throws tandem::Error(kInvalidArgument) naming the broken rule ("rule head_dim: ..."), or kUnsupported for

@@ -14,6 +14,7 @@
 // e_last + kStreamAbortLead, which is "greater" than every pending epoch; kernels check the 64-bit abort word.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -39,7 +40,13 @@ struct alignas(128) CommControl {
   uint64_t abort;     // tandemd (peer lost), libtandem (tandemd lost) or an op entry (ranks diverged) -> kernels:
                       // non-zero aborts every wait
   uint64_t deviceEpochs;  // libtandem -> tandemd: non-zero once the rank captured an op into a CUDA graph (op_entry.hpp)
-  uint8_t pad0[112];
+  uint8_t pad0[16];
+  // A replayed MoE op's data error (a replay has no epoch of tandemd's, so no entry in `faults`): its kernels ->
+  // libtandem, which reports it with the rank's next eager op. Kept (first error wins) until libtandem takes it; a
+  // replay that fails while it is full counts in replayFaultsDropped instead (written by the rank's kernels only).
+  OpFault replayFault;
+  uint64_t replayFaultsDropped;
+  uint8_t pad0b[56];
   ErrorSlot error;    // mirrored by a kernel whose wait failed (claimed last, with release)
   uint8_t pad1[64];
   uint64_t verdict[kVerdictRing];  // [e % kVerdictRing] = e (run) or e | kVerdictRejected (skip)
@@ -48,6 +55,7 @@ struct alignas(128) CommControl {
   OpFault faults[kVerdictRing];
 };
 static_assert(sizeof(CommControl) == 640 + (8 + sizeof(OpFault)) * kVerdictRing);
+static_assert(offsetof(CommControl, error) == 512, "the replay fault moved the words after it");
 inline constexpr uint64_t kControlBytes = (sizeof(CommControl) + 4095) & ~uint64_t{4095};
 
 // ---- the host's side ----------------------------------------------------------------------------------------------
@@ -105,6 +113,11 @@ class ControlPage {
   /// Op `epoch`'s data error (OpFault), once its kernels published it; nullopt if the op had none. Read it after the
   /// rank's done reached `epoch` (the kernels ran before done).
   std::optional<OpFault> fault(uint64_t epoch) const noexcept;
+  /// libtandem: the data error of a replayed op (CommControl::replayFault), if one was published, and empties the slot
+  /// for the next; nullopt if none. Not thread-safe (the communicator's lock).
+  std::optional<OpFault> takeReplayFault() noexcept;
+  /// How many replayed ops failed while the replay fault was full (only rises).
+  uint64_t replayFaultsDropped() const noexcept;
 
  private:
   ControlPage(Fd fd, Mapping map) : fd_(std::move(fd)), map_(std::move(map)) {}

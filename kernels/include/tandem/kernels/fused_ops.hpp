@@ -76,8 +76,8 @@ struct FusedEnv {
   CommControl* ctl = nullptr;                      // this rank's control page (abort word, error slot), device view
   uint64_t timeoutNs = 0;                          // every kernel wait's deadline
   // Device-epoch mode (op_entry.hpp; libtandem, executor client, once the communicator captured an op into a CUDA
-  // graph): this rank's OpEntryWords::epoch, which AllGather and the fused GEMMs take their flags' epoch from. Null:
-  // the launch's epoch (tandemd's count), as ever.
+  // graph): this rank's OpEntryWords::epoch, which AllGather, the fused GEMMs, ring attention and the MoE kernels take
+  // their flags' epoch from. Null: the launch's epoch (tandemd's count), as ever.
   const uint64_t* epochWord = nullptr;
   uint32_t commSms = 0;  // cuda.comm_sms: ag-gemm's communication SMs (0: chosen per shape); gemm-rs/ar choose their own
   // Every rank's output C, mapped here, when the launcher has them all (tandemd, executor daemon): gemm-rs/ar then write

@@ -24,6 +24,7 @@ struct GpuLaunch {
   cudaStream_t stream;
   const PlanChoice& plan;      // the fused GEMMs' plan (kAuto: the kernels' own rules); ignored by the others
   bool readVerdict;            // executor client: the kernels read tandemd's verdict and skip a rejected op
+  bool replayed = false;       // captured into a CUDA graph: no tandemd completion (MoE reports into the replay fault)
 };
 
 /// How tandemd's daemon executor runs an op once every rank released it.

@@ -48,6 +48,9 @@ struct MoeComm {
   const uint64_t* abortWord = nullptr;        ///< optional: non-zero ends every wait
   ErrorSlot* errorSlot = nullptr;             ///< optional: the first failed wait is reported here
   OpFault* fault = nullptr;                   ///< optional: this op's data error (bad id, capacity) is reported here
+  uint64_t* faultsDropped = nullptr;          ///< replayed op: `fault` keeps the first error until the host takes it,
+                                              ///< and later ones while it is full only count here
+  const uint64_t* epochWord = nullptr;        ///< device-epoch mode (op_entry.hpp): the flags' epoch is *epochWord
   const uint64_t* verdictSlot = nullptr;      ///< optional (client executor): this epoch's verdict entry; the op
                                               ///< does nothing when it reads verdictRejected there
   uint64_t verdictRejected = 0;

@@ -16,6 +16,7 @@
 
 #include "tandem/common/descriptor.hpp"
 #include "tandem/kernels/fused_ops.hpp"
+#include "tandem/kernels/signals.hpp"
 
 namespace tandem::kernels {
 
@@ -26,9 +27,15 @@ bool isMoeOp(OpKind kind);
 void checkMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env);
 
 /// Enqueues op `epoch` (checked) on `stream`; `readVerdict`: the kernels read tandemd's verdict for the epoch from the
-/// control page and do nothing for a rejected op (executor client, where the stream runs them regardless). Returns the
-/// plan it ran, for the log. @throws Error(kCuda) if CUDA refused part of it.
+/// control page and do nothing for a rejected op (executor client, where the stream runs them regardless);
+/// `replayed`: the op is captured into a CUDA graph, so a data error goes to the control page's replay fault (no
+/// tandemd completion reads the epoch's entry). With env.epochWord set the flags take the op entry's epoch. Returns
+/// the plan it ran, for the log. @throws Error(kCuda) if CUDA refused part of it.
 std::string launchMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, const FusedEnv& env,
-                        cudaStream_t stream, bool readVerdict);
+                        cudaStream_t stream, bool readVerdict, bool replayed = false);
+
+/// The message of an MoE op's data error `f` (a bad expert id, or more rows than a rank holds) for the rank whose
+/// descriptor is `d`: the op, the rank, and the token, slot and id, or the rows and what to change.
+std::string moeFaultText(const OpFault& f, const OpDescriptor& d);
 
 }  // namespace tandem::kernels

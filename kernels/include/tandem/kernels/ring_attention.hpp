@@ -12,6 +12,10 @@
 //   4. a one-CTA finish kernel: tells every peer it has finished reading its KV (peer.done[rank] = e) and waits until
 //      every peer has said the same to it, so that no peer still reads this rank's workspace when the op completes
 //      (the next op may overwrite it).
+// In device-epoch mode (op_entry.hpp: a graph was captured on the communicator) the epoch of steps 1, 2 and 4 and of
+// step 3's waits is the op entry's (FusedEnv::epochWord), not the host's: steps 1 and 2's words are written by a
+// one-thread kernel (launchRingPublish) instead of stream memory operations, whose values a graph would fix at
+// capture. The flags then hold F (64 bits), which the entry's floor lifts past every host epoch they held before.
 // Global positions are (chunk << 32) + offset, chunk = rank (contiguous) or r and 2n-1-r (zigzag): causal masking
 // needs only their order, so no rank needs the others' lengths to place its own rows.
 #pragma once
@@ -68,10 +72,21 @@ struct RingFinishParams {
   const uint64_t* abortWord;
   ErrorSlot* errorSlot;
   uint64_t value;  // the op's epoch, low 32 bits
+  const uint64_t* epochWord;  // device-epoch mode: the epoch is *epochWord (wait.cuh opEpoch); null: value
   uint64_t timeoutNs;
   uint32_t rank, nranks, op;
 };
 void launchRingFinish(const RingFinishParams& p, cudaStream_t stream);
+
+// Device-epoch mode's steps 1 and 2 (the words a peer waits on), in place of the stream memory operations.
+struct RingPublishParams {
+  RingAttentionFlags* mine;   // this rank's flags
+  const uint64_t* epochWord;  // the op entry's epoch for this op (FusedEnv::epochWord); not null
+  uint64_t kvLength;          // this rank's rows (step 1)
+  uint32_t kvReady;           // 0: step 1 (kvLength, then started = F); 1: step 2 (kvReady = F, after the KV copies)
+};
+void launchRingPublish(const RingPublishParams& p, cudaStream_t stream);
+/// Loads the finish and publish kernels on `device`.
 void preloadRingFinishKernel(int device);
 
 }  // namespace tandem::kernels
