@@ -99,7 +99,9 @@ struct Case {
 
 std::vector<Case> equalCases(const Model& m, std::initializer_list<int> rowsPerExpert) {
   std::vector<Case> cases;
-  for (int r : rowsPerExpert) cases.push_back({"equal" + std::to_string(r), std::vector<int32_t>(size_t(m.experts), r)});
+  for (int r : rowsPerExpert) {
+    cases.push_back({"equal" + std::to_string(r), std::vector<int32_t>(size_t(m.experts), r)});
+  }
   return cases;
 }
 

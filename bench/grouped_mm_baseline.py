@@ -137,12 +137,13 @@ def dgrad_cases(iters, dtype, results):
         dgu = [rnd(max_rows, 2 * ffn) for _ in range(SETS)]
         w1 = [rnd(experts, 2 * ffn, hidden) for _ in range(SETS)]  # [E, K, N] for dgrad-x: K = 2 ffn, N = hidden
         w2 = [rnd(experts, hidden, ffn) for _ in range(SETS)]      # [E, K, N] for dgrad-h: K = hidden, N = ffn
+        def k_major(ws):  # the same [E, K, N] values, stored [E, N, K]
+            return [w.transpose(-2, -1).contiguous().transpose(-2, -1) for w in ws]
+
         # op -> (a, {layout: mat_b per set}, n, k)
         ops = {
-            "dgrad-h": (dy, {"n-major": w2, "k-major": [w.transpose(-2, -1).contiguous().transpose(-2, -1) for w in w2]},
-                        ffn, hidden),
-            "dgrad-x": (dgu, {"n-major": w1, "k-major": [w.transpose(-2, -1).contiguous().transpose(-2, -1) for w in w1]},
-                        hidden, 2 * ffn),
+            "dgrad-h": (dy, {"n-major": w2, "k-major": k_major(w2)}, ffn, hidden),
+            "dgrad-x": (dgu, {"n-major": w1, "k-major": k_major(w1)}, hidden, 2 * ffn),
         }
         # Correctness of the baseline itself: group 1 of each op against a plain matmul.
         offs = torch.tensor([256] * experts, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -160,7 +161,8 @@ def dgrad_cases(iters, dtype, results):
         for rows_per_expert in DGRAD_ROWS:
             name = f"equal{rows_per_expert}"
             rows = rows_per_expert * experts
-            offs = torch.tensor([rows_per_expert] * experts, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            counts = torch.tensor([rows_per_expert] * experts, device="cuda", dtype=torch.int32)
+            offs = counts.cumsum(0, dtype=torch.int32)
             for op, (a, layouts, n, k) in ops.items():
                 best = None
                 for layout, b in layouts.items():

@@ -80,11 +80,29 @@ __device__ __forceinline__ uint4 ldShared128(uint32_t addr) {
 }
 
 // One k-block of w for a tile: kSwiGlu's gate and up halves (4D map), or kStore's 256 columns (3D map), the latter
-// K-major or, BMn, as four MN-major boxes: gemm::tmaLoadB<true> with the expert as a third coordinate.
+// K-major or, BMn, as four MN-major boxes (gemm::tmaLoadB<true> with the expert as a third coordinate). An MN-major
+// box wholly past n is neither loaded nor expected (as in the layouts core, gemm_layouts_sm90.cuh): the stale shared
+// memory it leaves feeds only accumulator columns past n, whose 64-column epilogue chunks are never stored.
 inline constexpr int kMnBoxCols = 64;  // gemm::makeSmemDescMn's leading byte offset: 64 columns x 64 k x 2 bytes
+inline constexpr uint32_t kMnBoxBytes = kMnBoxCols * kBlockK * 2;
+static_assert(kMnBoxCols == kEpiCols, "a box wholly past n must cover whole epilogue chunks");
+
+// The bytes of w one k-block of the tile at col0 brings (its mbarrier's expected transaction count, with A's).
+template <GroupedGemmEpilogue Epi, bool BMn>
+__device__ __forceinline__ uint32_t wBytes(int32_t col0, int32_t n) {
+  if constexpr (BMn) {
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int j = 0; j < kBlockN / kMnBoxCols; ++j) bytes += col0 + kMnBoxCols * j < n ? kMnBoxBytes : 0;
+    return bytes;
+  } else {
+    return kBBytes;  // one or two boxes, whole even where they reach past n (TMA zero-fills and counts those bytes)
+  }
+}
+
 template <GroupedGemmEpilogue Epi, bool BMn>
 __device__ __forceinline__ void tmaLoadW(const CUtensorMap* map, uint16_t* dst, uint64_t* bar, int32_t k0,
-                                         int32_t col0, int32_t expert) {
+                                         int32_t col0, int32_t n, int32_t expert) {
   if constexpr (Epi == GroupedGemmEpilogue::kSwiGlu) {
     static_assert(!BMn, "the SwiGLU epilogue takes w [E, 2f, k] (layout kABt) only");
     tmaLoad4d(map, dst, bar, k0, col0, 0, expert);
@@ -92,7 +110,9 @@ __device__ __forceinline__ void tmaLoadW(const CUtensorMap* map, uint16_t* dst, 
   } else if constexpr (BMn) {
 #pragma unroll
     for (int j = 0; j < kBlockN / kMnBoxCols; ++j) {
-      tmaLoad3d(map, dst + j * kMnBoxCols * kBlockK, bar, col0 + kMnBoxCols * j, k0, expert);
+      if (col0 + kMnBoxCols * j < n) {
+        tmaLoad3d(map, dst + j * kMnBoxCols * kBlockK, bar, col0 + kMnBoxCols * j, k0, expert);
+      }
     }
   } else {
     tmaLoad3d(map, dst, bar, k0, col0, expert);
@@ -229,15 +249,14 @@ __device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams
         // The rows were written by generic-proxy stores (SMs, possibly a peer's); TMA reads them next.
         fenceProxyAsyncGlobal();
       }
+      const uint32_t bytes = kABytes + wBytes<Epi, BMn>(tile.col0, p.nOut);
       for (int32_t kb = 0; kb < p.numKBlocks; ++kb) {
         // Parity trick: the first pass waits on parity 1, which a fresh barrier reports as complete.
         gemm::mbarWait(&s.empty[ps.stage], ps.phase ^ 1);
-        gemm::mbarArriveExpectTx(&s.full[ps.stage], kABytes + kBBytes);
+        gemm::mbarArriveExpectTx(&s.full[ps.stage], bytes);
         const int32_t k0 = kb * kBlockK;
         gemm::tmaLoad2d(&p.tmX, s.a[ps.stage], &s.full[ps.stage], k0, tile.row0);
-        // kBBytes land whatever the tile's place: TMA zero-fills a box's out-of-bounds elements (past n or k, even a
-        // whole MN-major box past n) and counts them, as the core's tmaLoadB<true> relies on.
-        tmaLoadW<Epi, BMn>(&p.tmW, s.b[ps.stage], &s.full[ps.stage], k0, tile.col0, tile.expert);
+        tmaLoadW<Epi, BMn>(&p.tmW, s.b[ps.stage], &s.full[ps.stage], k0, tile.col0, p.nOut, tile.expert);
         ps.advance();
       }
     }

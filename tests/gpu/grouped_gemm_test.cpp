@@ -1,7 +1,8 @@
 // The grouped GEMM kernels (tandem/kernels/grouped_gemm.hpp) against an fp64 reference on the host: uneven, empty and
 // skewed groups, rows outside every group left untouched, n and k that are multiples of 8 but not of the tile, both
-// weight layouts (w [E, n, k] and the backward's w [E, k, n]), the SwiGLU and row-scale epilogues, bf16 and fp16, a grid small enough that every CTA runs many tiles, the arrival
-// counters (ready, released by the host after the launch, abort, deadline), bitwise repeats, and the shape rules.
+// weight layouts (w [E, n, k] and the backward's w [E, k, n]), the SwiGLU and row-scale epilogues, bf16 and fp16, a
+// grid small enough that every CTA runs many tiles, the arrival counters (ready, released by the host after the
+// launch, abort, deadline), bitwise repeats, and the shape rules.
 // This process initialises CUDA itself (no forked ranks), so it is its own executable (tandem_grouped_gemm_tests).
 #include <doctest/doctest.h>
 
@@ -266,7 +267,7 @@ TEST_CASE("grouped gemm: NN layout (w [E, k, n]) matches fp64 with uneven and em
       Case c;
       c.dtype = dt;
       c.layout = GemmLayout::kAB;
-      c.n = 264;  // two column tiles; the second's first 64-column box is 8 wide, its other three lie past n
+      c.n = 264;  // two column tiles; the second's first 64-column box is 8 wide, its other three are past n
       c.k = 136;  // three k-blocks, the last 8 deep (k past 136 must read zeros, not the next expert's rows)
       c.counts = kUneven;
       c.lead = 3;

@@ -5,9 +5,9 @@
 //   kABt (default)  w [E, n, k] (nn.Linear layout, K-major): out_g = x_g · w[e]ᵀ (the forward).
 //   kAB             w [E, k, n] (N-major): out_g = x_g · w[e] (the backward's data gradients: dh = dy · w2[e] with
 //                   the forward's w2 [E, hidden, ffn], dx = d(gate|up) · w1[e] with w1 [E, 2 ffn, hidden]).
-// bf16 or fp16 in, fp32 accumulation, out in the input type. The offsets live in device memory and are read by the kernel, so a
-// launch needs no host synchronisation (it can be captured in a CUDA graph, and the offsets can come from a routing
-// kernel earlier in the stream).
+// bf16 or fp16 in, fp32 accumulation, out in the input type. The offsets live in device memory and are read by the
+// kernel, so a launch needs no host synchronisation (it can be captured in a CUDA graph, and the offsets can come
+// from a routing kernel earlier in the stream).
 //
 // Epilogues:
 //   kStore   out [mTotal, n] = x · wᵀ (kABt) or x · w (kAB).
