@@ -1,14 +1,21 @@
-// Grouped GEMM (tandem/kernels/grouped_gemm.hpp) on DeepSeek-V3's expert shapes, one H200: correctness of sampled
-// groups against an fp32 reference, then timing (CUDA events, median, two input sets rotated so L2 does not flatter).
-// Its PyTorch baseline (torch._grouped_mm on the same group sizes) is bench/grouped_mm_baseline.py.
+// Grouped GEMM (tandem/kernels/grouped_gemm.hpp) on MoE expert shapes, one GPU: correctness of sampled groups
+// against an fp32 reference, then timing (CUDA events, median, two input sets rotated so L2 does not flatter).
+// Its PyTorch baseline (torch._grouped_mm on the same group sizes and the same math) is bench/grouped_mm_baseline.py.
 //
-//   grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16]
+//   grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16] [--ops fwd|dgrad|all]
+//                      [--torch FILE]
 //
-// Shapes: 32 experts, hidden 7168, ffn 2048. GEMM1 x [M, 7168] · w1 [32, 4096, 7168]ᵀ (plain store, and with the
-// SwiGLU epilogue writing h [M, 2048]); GEMM2 h [M, 2048] · w2 [32, 7168, 2048]ᵀ (plain, and scaled per row).
-// Groups: 256 / 512 / 1024 / 2048 rows on every expert, and "skew" (16384 rows, 80% on expert 0). --counts adds
-// cases from a file of lines "name c0 c1 ... c31" (e.g. the random routing the baseline script drew).
-// TFLOP/s count 2 * rows * n * k (n = 4096 for GEMM1 with or without SwiGLU). Exits 1 on any correctness failure.
+// fwd (DeepSeek-V3: 32 experts, hidden 7168, ffn 2048; layout kABt): gemm1 x [M, 7168] · w1 [32, 4096, 7168]ᵀ (plain
+// store, and with the SwiGLU epilogue writing h [M, 2048]); gemm2 h [M, 2048] · w2 [32, 7168, 2048]ᵀ (plain, and
+// scaled per row). Groups: 256 / 512 / 1024 / 2048 rows on every expert, and "skew" (16384 rows, 80% on expert 0).
+// --counts adds cases from a file of lines "name c0 c1 ... c31" (e.g. the random routing the baseline script drew).
+// dgrad (layout kAB, the backward's data gradients through the forward's own weights, w [E, k, n] as stored):
+// dgrad-h dy [M, hidden] · w2[e] [hidden, ffn] -> [M, ffn]; dgrad-x d(gate|up) [M, 2 ffn] · w1[e] [2 ffn, hidden] ->
+// [M, hidden]; DeepSeek-V3 and Mixtral 8x7B (8 experts, hidden 4096, ffn 14336), 256 / 512 / 1024 / 2048 / 4096 rows
+// on every expert.
+// --torch FILE reads the baseline script's --ms-out lines "model case op ms" and adds torch's ms and the ratio
+// torch ms / tandem ms (above 1: tandem is faster) for the ops both ran.
+// TFLOP/s count 2 * rows * n * k (n = 4096 for gemm1 with or without SwiGLU). Exits 1 on any correctness failure.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -21,10 +28,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <initializer_list>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "checks.hpp"
@@ -32,23 +41,28 @@
 #include "tandem/kernels/grouped_gemm.hpp"
 
 using tandem::kernels::GemmDtype;
+using tandem::kernels::GemmLayout;
 using tandem::kernels::GroupedGemmEpilogue;
 using tandem::kernels::GroupedGemmParams;
 using tandem::kernels::launchGroupedGemm;
 
 namespace {
 
-constexpr int kExperts = 32;
-constexpr int64_t kHidden = 7168;
-constexpr int64_t kFfn = 2048;
 constexpr int kSets = 2;
-
 
 using tandem::bench::fillUniform;
 using tandem::bench::syncOrDie;
-using tandem::bench::refGemm;
+using tandem::bench::refGemmStrided;
 using tandem::bench::relErrorKernel;
 using tandem::bench::toFloat;
+
+struct Model {
+  const char* name;
+  int experts;
+  int64_t hidden, ffn;
+};
+constexpr Model kDeepSeekV3{"dsv3", 32, 7168, 2048};
+constexpr Model kMixtral{"mixtral", 8, 4096, 14336};
 
 // gu [rows, 2f] (gate | up, fp32) -> h [rows, f] = silu(gate) * up.
 __global__ void swigluRefCopy(const float* gu, float* h, int64_t rows, int64_t f) {
@@ -80,20 +94,28 @@ struct Case {
     for (int32_t c : counts) m += c;
     return m;
   }
+  int32_t maxGroup() const { return counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end()); }
 };
 
-std::vector<Case> builtinCases() {
+std::vector<Case> equalCases(const Model& m, std::initializer_list<int> rowsPerExpert) {
   std::vector<Case> cases;
-  for (int r : {256, 512, 1024, 2048}) cases.push_back({"equal" + std::to_string(r), std::vector<int32_t>(kExperts, r)});
+  for (int r : rowsPerExpert) {
+    cases.push_back({"equal" + std::to_string(r), std::vector<int32_t>(size_t(m.experts), r)});
+  }
+  return cases;
+}
+
+std::vector<Case> forwardCases() {
+  std::vector<Case> cases = equalCases(kDeepSeekV3, {256, 512, 1024, 2048});
   // 16384 rows, 80% on expert 0; all counts multiples of 16 (13104 + 19 x 112 + 12 x 96), as in the baseline script.
-  Case skew{"skew", std::vector<int32_t>(kExperts, 96)};
+  Case skew{"skew", std::vector<int32_t>(size_t(kDeepSeekV3.experts), 96)};
   skew.counts[0] = 13104;
   for (int e = 1; e <= 19; ++e) skew.counts[size_t(e)] = 112;
   cases.push_back(skew);
   return cases;
 }
 
-std::vector<Case> readCases(const std::string& path) {
+std::vector<Case> readCases(const std::string& path, int experts) {
   std::vector<Case> cases;
   std::ifstream in(path);
   if (!in) {
@@ -107,9 +129,9 @@ std::vector<Case> readCases(const std::string& path) {
     if (!(ls >> c.name)) continue;
     int32_t v;
     while (ls >> v) c.counts.push_back(v);
-    if (c.counts.size() != size_t(kExperts)) {
+    if (c.counts.size() != size_t(experts)) {
       std::fprintf(stderr, "--counts %s: line '%s' has %zu counts, want %d\n", path.c_str(), c.name.c_str(),
-                   c.counts.size(), kExperts);
+                   c.counts.size(), experts);
       std::exit(2);
     }
     cases.push_back(c);
@@ -117,106 +139,181 @@ std::vector<Case> readCases(const std::string& path) {
   return cases;
 }
 
-enum class Op { kG1Store, kG1SwiGlu, kG2Store, kG2Scaled };
+// torch._grouped_mm's median ms per (model, case, op), from grouped_mm_baseline.py --ms-out.
+struct TorchTimes {
+  std::vector<std::pair<std::string, double>> entries;  // "model case op" -> ms
+  static TorchTimes read(const std::string& path) {
+    TorchTimes t;
+    std::ifstream in(path);
+    if (!in) {
+      std::fprintf(stderr, "cannot read --torch %s\n", path.c_str());
+      std::exit(2);
+    }
+    std::string model, name, op;
+    double ms = 0;
+    while (in >> model >> name >> op >> ms) t.entries.emplace_back(model + " " + name + " " + op, ms);
+    return t;
+  }
+  double find(const std::string& model, const std::string& name, const std::string& op) const {
+    const std::string key = model + " " + name + " " + op;
+    for (const auto& [k, ms] : entries) {
+      if (k == key) return ms;
+    }
+    return 0.0;
+  }
+};
+
+enum class Op { kG1Store, kG1SwiGlu, kG2Store, kG2Scaled, kDgradH, kDgradX };
 const char* opName(Op op) {
   switch (op) {
     case Op::kG1Store: return "gemm1";
     case Op::kG1SwiGlu: return "gemm1+swiglu";
     case Op::kG2Store: return "gemm2";
     case Op::kG2Scaled: return "gemm2+scale";
+    case Op::kDgradH: return "dgrad-h";
+    case Op::kDgradX: return "dgrad-x";
   }
   return "?";
 }
-bool isG1(Op op) { return op == Op::kG1Store || op == Op::kG1SwiGlu; }
 
+// The buffers of one model. x doubles as dgrad-h's dy [rows, hidden]; gu is dgrad-x's d(gate|up) [rows, 2 ffn].
+// w1 [E, 2 ffn, hidden] and w2 [E, hidden, ffn] are read as [E, n, k] by gemm1/gemm2 and as [E, k, n] by the dgrads.
 struct Buffers {
+  Model model{};
   int64_t maxRows = 0;
   void* x[kSets];   // [maxRows, hidden]
-  void* w1[kSets];  // [E, 2 ffn, hidden]
   void* h[kSets];   // [maxRows, ffn] (gemm2's input)
+  void* gu[kSets];  // [maxRows, 2 ffn] (dgrad-x's input)
+  void* w1[kSets];  // [E, 2 ffn, hidden]
   void* w2[kSets];  // [E, hidden, ffn]
-  void* out1;       // [maxRows, 2 ffn] (gemm1's output; h [maxRows, ffn] with SwiGLU)
-  void* out2;       // [maxRows, hidden]
+  void* out1;       // [maxRows, 2 ffn]: gemm1's output (h [maxRows, ffn] with SwiGLU), dgrad-h's [maxRows, ffn]
+  void* out2;       // [maxRows, hidden]: gemm2's and dgrad-x's output
   float* scale;     // [maxRows]
   int32_t* offsets[kSets];
-  float* ref;       // [maxRows, 2 ffn] or [maxRows, hidden] fp32, one group at a time
-  float* refH;      // [maxRows, ffn]
+  float* ref;       // fp32 reference of one group: [maxGroup, max(2 ffn, hidden)]
+  float* refH;      // [maxGroup, ffn]
   double* sums;
   unsigned long long* bad;
 };
 
+struct OpShape {
+  int64_t n, k, nOut;
+  GemmLayout layout;
+};
+OpShape shapeOf(Op op, const Model& m) {
+  switch (op) {
+    case Op::kG1Store: return {2 * m.ffn, m.hidden, 2 * m.ffn, GemmLayout::kABt};
+    case Op::kG1SwiGlu: return {2 * m.ffn, m.hidden, m.ffn, GemmLayout::kABt};
+    case Op::kG2Store:
+    case Op::kG2Scaled: return {m.hidden, m.ffn, m.hidden, GemmLayout::kABt};
+    case Op::kDgradH: return {m.ffn, m.hidden, m.ffn, GemmLayout::kAB};
+    case Op::kDgradX: return {m.hidden, 2 * m.ffn, m.hidden, GemmLayout::kAB};
+  }
+  return {};
+}
+const void* inputOf(Op op, const Buffers& b, int set) {
+  switch (op) {
+    case Op::kG1Store:
+    case Op::kG1SwiGlu:
+    case Op::kDgradH: return b.x[set];
+    case Op::kG2Store:
+    case Op::kG2Scaled: return b.h[set];
+    case Op::kDgradX: return b.gu[set];
+  }
+  return nullptr;
+}
+const void* weightOf(Op op, const Buffers& b, int set) {
+  return op == Op::kG1Store || op == Op::kG1SwiGlu || op == Op::kDgradX ? b.w1[set] : b.w2[set];
+}
+void* outputOf(Op op, const Buffers& b) {
+  return op == Op::kG1Store || op == Op::kG1SwiGlu || op == Op::kDgradH ? b.out1 : b.out2;
+}
+
 template <class T>
-Buffers allocate(int64_t maxRows, cudaStream_t s) {
+Buffers allocate(const Model& m, int64_t maxRows, int64_t maxGroup, cudaStream_t s) {
   Buffers b{};
+  b.model = m;
   b.maxRows = maxRows;
-  const size_t nx = size_t(maxRows) * kHidden, nw1 = size_t(kExperts) * 2 * kFfn * kHidden;
-  const size_t nh = size_t(maxRows) * kFfn, nw2 = size_t(kExperts) * kHidden * kFfn;
+  const size_t nx = size_t(maxRows) * m.hidden, nh = size_t(maxRows) * m.ffn, ngu = size_t(maxRows) * 2 * m.ffn;
+  const size_t nw = size_t(m.experts) * 2 * m.ffn * m.hidden, nw2 = size_t(m.experts) * m.hidden * m.ffn;
   for (int i = 0; i < kSets; ++i) {
     CK(cudaMalloc(&b.x[i], nx * 2));
-    CK(cudaMalloc(&b.w1[i], nw1 * 2));
     CK(cudaMalloc(&b.h[i], nh * 2));
+    CK(cudaMalloc(&b.gu[i], ngu * 2));
+    CK(cudaMalloc(&b.w1[i], nw * 2));
     CK(cudaMalloc(&b.w2[i], nw2 * 2));
-    CK(cudaMalloc(&b.offsets[i], (kExperts + 1) * sizeof(int32_t)));
+    CK(cudaMalloc(&b.offsets[i], size_t(m.experts + 1) * sizeof(int32_t)));
     fillUniform<T><<<4096, 256, 0, s>>>(static_cast<T*>(b.x[i]), nx, 100 + 10 * i);
-    fillUniform<T><<<4096, 256, 0, s>>>(static_cast<T*>(b.w1[i]), nw1, 101 + 10 * i);
+    fillUniform<T><<<4096, 256, 0, s>>>(static_cast<T*>(b.w1[i]), nw, 101 + 10 * i);
     fillUniform<T><<<4096, 256, 0, s>>>(static_cast<T*>(b.h[i]), nh, 102 + 10 * i);
     fillUniform<T><<<4096, 256, 0, s>>>(static_cast<T*>(b.w2[i]), nw2, 103 + 10 * i);
+    fillUniform<T><<<4096, 256, 0, s>>>(static_cast<T*>(b.gu[i]), ngu, 104 + 10 * i);
     CK(cudaGetLastError());
   }
-  CK(cudaMalloc(&b.out1, size_t(maxRows) * 2 * kFfn * 2));
-  CK(cudaMalloc(&b.out2, size_t(maxRows) * kHidden * 2));
+  CK(cudaMalloc(&b.out1, ngu * 2));
+  CK(cudaMalloc(&b.out2, nx * 2));
   CK(cudaMalloc(&b.scale, size_t(maxRows) * sizeof(float)));
   fillScale<<<1024, 256, 0, s>>>(b.scale, maxRows, 7);
   CK(cudaGetLastError());
-  CK(cudaMalloc(&b.ref, size_t(maxRows) * std::max(2 * kFfn, kHidden) * sizeof(float)));
-  CK(cudaMalloc(&b.refH, size_t(maxRows) * kFfn * sizeof(float)));
+  CK(cudaMalloc(&b.ref, size_t(std::max<int64_t>(maxGroup, 1)) * std::max(2 * m.ffn, m.hidden) * sizeof(float)));
+  CK(cudaMalloc(&b.refH, size_t(std::max<int64_t>(maxGroup, 1)) * m.ffn * sizeof(float)));
   CK(cudaMalloc(&b.sums, 2 * sizeof(double)));
   CK(cudaMalloc(&b.bad, sizeof(unsigned long long)));
   syncOrDie(s, 120, "fill");
   return b;
 }
 
-struct OpShape {
-  int64_t n, k, nOut;
-};
-OpShape shapeOf(Op op) {
-  switch (op) {
-    case Op::kG1Store: return {2 * kFfn, kHidden, 2 * kFfn};
-    case Op::kG1SwiGlu: return {2 * kFfn, kHidden, kFfn};
-    default: return {kHidden, kFfn, kHidden};
+void release(Buffers& b) {
+  for (int i = 0; i < kSets; ++i) {
+    for (void* p : {b.x[i], b.h[i], b.gu[i], b.w1[i], b.w2[i], static_cast<void*>(b.offsets[i])}) CK(cudaFree(p));
   }
+  for (void* p : {b.out1, b.out2, static_cast<void*>(b.scale), static_cast<void*>(b.ref),
+                  static_cast<void*>(b.refH), static_cast<void*>(b.sums), static_cast<void*>(b.bad)}) {
+    CK(cudaFree(p));
+  }
+  b = Buffers{};
 }
 
 GroupedGemmParams paramsOf(Op op, const Buffers& b, int set, int64_t rows, GemmDtype dt, int32_t groupM) {
-  const OpShape sh = shapeOf(op);
+  const OpShape sh = shapeOf(op, b.model);
   GroupedGemmParams p{};
-  p.x = isG1(op) ? b.x[set] : b.h[set];
-  p.w = isG1(op) ? b.w1[set] : b.w2[set];
-  p.out = isG1(op) ? b.out1 : b.out2;
+  p.x = inputOf(op, b, set);
+  p.w = weightOf(op, b, set);
+  p.out = outputOf(op, b);
   p.groupOffsets = b.offsets[set];
   p.rowScale = op == Op::kG2Scaled ? b.scale : nullptr;
   p.mTotal = rows;
   p.n = sh.n;
   p.k = sh.k;
-  p.numExperts = kExperts;
+  p.numExperts = b.model.experts;
   p.dtype = dt;
   p.epilogue = op == Op::kG1SwiGlu ? GroupedGemmEpilogue::kSwiGlu : GroupedGemmEpilogue::kStore;
+  p.layout = sh.layout;
   p.groupM = groupM;
   return p;
 }
 
+void uploadOffsets(const Case& c, const Buffers& b, cudaStream_t s) {
+  std::vector<int32_t> off(1, 0);
+  for (int32_t n : c.counts) off.push_back(off.back() + n);
+  for (int i = 0; i < kSets; ++i) {
+    CK(cudaMemcpyAsync(b.offsets[i], off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+  }
+  syncOrDie(s, 60, "offsets");  // off is a host temporary
+}
+
 bool gFailed = false;
 
-// Checks groups 0, E/2 and E-1 (those that have rows) of set 0 against the fp32 reference.
+// Checks the first, middle and last groups (those that have rows) of set 0 against the fp32 reference.
 template <class T>
 void check(Op op, const Case& c, const Buffers& b, GemmDtype dt, cudaStream_t s) {
-  const OpShape sh = shapeOf(op);
+  const OpShape sh = shapeOf(op, b.model);
   const int64_t rows = c.rows();
-  CK(cudaMemsetAsync(isG1(op) ? b.out1 : b.out2, 0xFF, size_t(rows) * sh.nOut * 2, s));  // NaN poison
+  CK(cudaMemsetAsync(outputOf(op, b), 0xFF, size_t(rows) * sh.nOut * 2, s));  // NaN poison
   try {
     launchGroupedGemm(paramsOf(op, b, 0, rows, dt, 0), s);
   } catch (const std::exception& e) {
-    std::printf("  FAIL %-8s %-13s launch threw: %s\n", c.name.c_str(), opName(op), e.what());
+    std::printf("  FAIL %-7s %-10s %-13s launch threw: %s\n", b.model.name, c.name.c_str(), opName(op), e.what());
     gFailed = true;
     return;
   }
@@ -226,17 +323,21 @@ void check(Op op, const Case& c, const Buffers& b, GemmDtype dt, cudaStream_t s)
   for (int32_t n : c.counts) off.push_back(off.back() + n);
   double worst = 0;
   unsigned long long badTotal = 0;
-  for (int e : {0, kExperts / 2, kExperts - 1}) {
+  const int experts = b.model.experts;
+  for (int e : {0, experts / 2, experts - 1}) {
     const int64_t r0 = off[size_t(e)], nr = c.counts[size_t(e)];
     if (nr == 0) continue;
-    const T* a = static_cast<const T*>(isG1(op) ? b.x[0] : b.h[0]) + r0 * sh.k;
-    const T* w = static_cast<const T*>(isG1(op) ? b.w1[0] : b.w2[0]) + int64_t(e) * sh.n * sh.k;
+    const T* a = static_cast<const T*>(inputOf(op, b, 0)) + r0 * sh.k;
+    const T* w = static_cast<const T*>(weightOf(op, b, 0)) + int64_t(e) * sh.n * sh.k;
+    // w(kk, col) = w[col * k + kk] ([n, k], kABt) or w[kk * n + col] ([k, n], kAB).
+    const bool kn = sh.layout == GemmLayout::kAB;
     dim3 grid(unsigned((sh.n + 63) / 64), unsigned((nr + 63) / 64));
-    refGemm<T><<<grid, dim3(16, 16), 0, s>>>(a, w, b.ref, int(nr), int(sh.n), int(sh.k), sh.k, sh.k, 0);
+    refGemmStrided<T><<<grid, dim3(16, 16), 0, s>>>(a, sh.k, 1, w, kn ? sh.n : 1, kn ? 1 : sh.k, b.ref, int(nr),
+                                                    int(sh.n), int(sh.k));
     CK(cudaGetLastError());
     const float* want = b.ref;
     if (op == Op::kG1SwiGlu) {
-      swigluRefCopy<<<2048, 256, 0, s>>>(b.ref, b.refH, nr, kFfn);
+      swigluRefCopy<<<2048, 256, 0, s>>>(b.ref, b.refH, nr, b.model.ffn);
       want = b.refH;
     } else if (op == Op::kG2Scaled) {
       scaleRowsRef<<<2048, 256, 0, s>>>(b.ref, nr, sh.n, b.scale + r0);
@@ -244,7 +345,7 @@ void check(Op op, const Case& c, const Buffers& b, GemmDtype dt, cudaStream_t s)
     CK(cudaGetLastError());
     CK(cudaMemsetAsync(b.sums, 0, 2 * sizeof(double), s));
     CK(cudaMemsetAsync(b.bad, 0, sizeof(unsigned long long), s));
-    const T* out = static_cast<const T*>(isG1(op) ? b.out1 : b.out2) + r0 * sh.nOut;
+    const T* out = static_cast<const T*>(outputOf(op, b)) + r0 * sh.nOut;
     relErrorKernel<T, float><<<1024, 256, 0, s>>>(out, sh.nOut, want, nr, sh.nOut, b.sums, b.bad);
     CK(cudaGetLastError());
     double h[2];
@@ -256,8 +357,8 @@ void check(Op op, const Case& c, const Buffers& b, GemmDtype dt, cudaStream_t s)
     badTotal += nb;
   }
   const bool ok = badTotal == 0 && std::isfinite(worst) && worst < 1e-2;
-  std::printf("  %s %-8s %-13s rel_err %.3e non-finite %llu\n", ok ? "ok  " : "FAIL", c.name.c_str(), opName(op), worst,
-              badTotal);
+  std::printf("  %s %-7s %-10s %-13s rel_err %.3e non-finite %llu\n", ok ? "ok  " : "FAIL", b.model.name,
+              c.name.c_str(), opName(op), worst, badTotal);
   if (!ok) gFailed = true;
 }
 
@@ -290,52 +391,80 @@ double timeOp(Op op, const Case& c, const Buffers& b, GemmDtype dt, int iters, i
   return median(ms);
 }
 
-double tflops(Op op, int64_t rows, double ms) {
-  const OpShape sh = shapeOf(op);
+double tflops(Op op, const Model& m, int64_t rows, double ms) {
+  const OpShape sh = shapeOf(op, m);
   return 2.0 * double(rows) * double(sh.n) * double(sh.k) / (ms * 1e-3) / 1e12;
 }
 
-template <class T>
-int run(GemmDtype dt, int iters, const std::vector<Case>& cases, bool sweep) {
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  int64_t maxRows = 0;
-  for (const Case& c : cases) maxRows = std::max(maxRows, c.rows());
-  Buffers b = allocate<T>(maxRows, s);
-  const Op ops[] = {Op::kG1Store, Op::kG1SwiGlu, Op::kG2Store, Op::kG2Scaled};
+struct Options {
+  GemmDtype dtype = GemmDtype::kBf16;
+  int iters = 30;
+  bool sweep = false;
+  const TorchTimes* torch = nullptr;
+};
 
-  std::printf("correctness (groups 0, 16, 31 of each case vs fp32 reference):\n");
+// One model's cases and ops: correctness first, then timing.
+template <class T>
+void runSection(const Model& m, const std::vector<Case>& cases, const std::vector<Op>& ops, const Options& o,
+                cudaStream_t s) {
+  int64_t maxRows = 0, maxGroup = 0;
   for (const Case& c : cases) {
-    std::vector<int32_t> off(1, 0);
-    for (int32_t n : c.counts) off.push_back(off.back() + n);
-    for (int i = 0; i < kSets; ++i) {
-      CK(cudaMemcpyAsync(b.offsets[i], off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
-    }
-    for (Op op : ops) check<T>(op, c, b, dt, s);
+    maxRows = std::max(maxRows, c.rows());
+    maxGroup = std::max<int64_t>(maxGroup, c.maxGroup());
+  }
+  Buffers b = allocate<T>(m, maxRows, maxGroup, s);
+  std::printf("\n%s: %d experts, hidden %lld, ffn %lld\n", m.name, m.experts, static_cast<long long>(m.hidden),
+              static_cast<long long>(m.ffn));
+  std::printf("correctness (first, middle and last group of each case vs fp32 reference):\n");
+  for (const Case& c : cases) {
+    uploadOffsets(c, b, s);
+    for (Op op : ops) check<T>(op, c, b, o.dtype, s);
   }
 
-  std::printf("\ntiming (median of %d, 2 rotated input sets; TFLOP/s = 2 rows n k / t):\n", iters);
-  std::printf("%-10s %7s  %-13s %9s %9s\n", "case", "rows", "op", "ms", "TFLOP/s");
+  std::printf("timing (median of %d, 2 rotated input sets; TFLOP/s = 2 rows n k / t; x torch = torch ms / ms):\n",
+              o.iters);
+  std::printf("%-7s %-10s %7s  %-13s %9s %9s %9s %8s\n", "model", "case", "rows", "op", "ms", "TFLOP/s", "torch ms",
+              "x torch");
   for (const Case& c : cases) {
-    std::vector<int32_t> off(1, 0);
-    for (int32_t n : c.counts) off.push_back(off.back() + n);
-    for (int i = 0; i < kSets; ++i) {
-      CK(cudaMemcpyAsync(b.offsets[i], off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s));
-    }
+    uploadOffsets(c, b, s);
     for (Op op : ops) {
-      const double ms = timeOp(op, c, b, dt, iters, 0, s);
-      std::printf("%-10s %7lld  %-13s %9.4f %9.1f\n", c.name.c_str(), static_cast<long long>(c.rows()), opName(op), ms,
-                  tflops(op, c.rows(), ms));
+      const double ms = timeOp(op, c, b, o.dtype, o.iters, 0, s);
+      std::printf("%-7s %-10s %7lld  %-13s %9.4f %9.1f", m.name, c.name.c_str(), static_cast<long long>(c.rows()),
+                  opName(op), ms, tflops(op, m, c.rows(), ms));
+      const double tms = o.torch != nullptr ? o.torch->find(m.name, c.name, opName(op)) : 0.0;
+      if (tms > 0) {
+        std::printf(" %9.4f %7.2fx\n", tms, tms / ms);
+      } else {
+        std::printf(" %9s %8s\n", "-", "-");
+      }
       std::fflush(stdout);
     }
-    if (sweep) {
+    if (o.sweep) {
       for (int32_t gm : {2, 4, 8, 32}) {
-        for (Op op : {Op::kG1Store, Op::kG2Store}) {
-          const double ms = timeOp(op, c, b, dt, iters, gm, s);
-          std::printf("%-10s %7lld  %-13s %9.4f %9.1f  (groupM %d)\n", c.name.c_str(),
-                      static_cast<long long>(c.rows()), opName(op), ms, tflops(op, c.rows(), ms), gm);
+        for (Op op : ops) {
+          if (op == Op::kG1SwiGlu || op == Op::kG2Scaled) continue;  // same mainloop as the plain store
+          const double ms = timeOp(op, c, b, o.dtype, o.iters, gm, s);
+          std::printf("%-7s %-10s %7lld  %-13s %9.4f %9.1f  (groupM %d)\n", m.name, c.name.c_str(),
+                      static_cast<long long>(c.rows()), opName(op), ms, tflops(op, m, c.rows(), ms), gm);
         }
       }
+    }
+  }
+  release(b);
+}
+
+template <class T>
+int run(const Options& o, const std::vector<Case>& extraCases, bool fwd, bool dgrad) {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  if (fwd) {
+    std::vector<Case> cases = forwardCases();
+    cases.insert(cases.end(), extraCases.begin(), extraCases.end());
+    runSection<T>(kDeepSeekV3, cases, {Op::kG1Store, Op::kG1SwiGlu, Op::kG2Store, Op::kG2Scaled}, o, s);
+  }
+  if (dgrad) {
+    for (const Model& m : {kDeepSeekV3, kMixtral}) {
+      runSection<T>(m, equalCases(m, {256, 512, 1024, 2048, 4096}), {Op::kDgradH, Op::kDgradX}, o, s);
     }
   }
   CK(cudaStreamDestroy(s));
@@ -345,32 +474,54 @@ int run(GemmDtype dt, int iters, const std::vector<Case>& cases, bool sweep) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int iters = 30;
-  bool sweep = false;
-  GemmDtype dt = GemmDtype::kBf16;
-  std::vector<Case> cases = builtinCases();
+  Options o;
+  std::string countsPath, torchPath, ops = "all";
+  const char* usage =
+      "usage: grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16] [--ops fwd|dgrad|all] "
+      "[--torch FILE]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--iters" && i + 1 < argc) {
-      iters = std::max(1, std::atoi(argv[++i]));
+      o.iters = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--counts" && i + 1 < argc) {
-      for (const Case& c : readCases(argv[++i])) cases.push_back(c);
+      countsPath = argv[++i];
     } else if (a == "--sweep") {
-      sweep = true;
+      o.sweep = true;
     } else if (a == "--dtype" && i + 1 < argc) {
       const std::string d = argv[++i];
-      dt = d == "fp16" ? GemmDtype::kFp16 : GemmDtype::kBf16;
+      o.dtype = d == "fp16" ? GemmDtype::kFp16 : GemmDtype::kBf16;
+    } else if (a == "--ops" && i + 1 < argc) {
+      ops = argv[++i];
+    } else if (a == "--torch" && i + 1 < argc) {
+      torchPath = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16]\n");
+      std::fputs(usage, stderr);
       return 2;
     }
+  }
+  if (ops != "fwd" && ops != "dgrad" && ops != "all") {
+    std::fputs(usage, stderr);
+    return 2;
+  }
+  const std::vector<Case> extra = countsPath.empty() ? std::vector<Case>{} : readCases(countsPath, kDeepSeekV3.experts);
+  TorchTimes torch;
+  if (!torchPath.empty()) {
+    torch = TorchTimes::read(torchPath);
+    o.torch = &torch;
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device: grouped_gemm_bench needs an H100/H200\n");
+    return 77;
   }
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs; dtype %s\n", prop.name, prop.multiProcessorCount,
-              dt == GemmDtype::kBf16 ? "bf16" : "fp16");
+              o.dtype == GemmDtype::kBf16 ? "bf16" : "fp16");
+  const bool fwd = ops != "dgrad", dgrad = ops != "fwd";
   try {
-    const int rc = dt == GemmDtype::kBf16 ? run<__nv_bfloat16>(dt, iters, cases, sweep) : run<__half>(dt, iters, cases, sweep);
+    const int rc = o.dtype == GemmDtype::kBf16 ? run<__nv_bfloat16>(o, extra, fwd, dgrad)
+                                               : run<__half>(o, extra, fwd, dgrad);
     std::printf("%s\n", rc == 0 ? "ALL OK" : "SOME CHECKS FAILED");
     return rc;
   } catch (const std::exception& e) {

@@ -6,16 +6,24 @@
    2048 rows on every expert and the "skew" grouping (16384 rows, 80% on expert 0) of the tandem bench. The weights
    are tried in both layouts: "k-major" (nn.Linear's [E, n, k], passed transposed, as tandem reads them) and
    "n-major" ([E, k, n] contiguous); the faster is the baseline.
-2. PyTorch's unfused MoE expert layer: random top-8 routing of tokens = rows * 32 / 8; route (argsort + bincount),
+2. torch._grouped_mm on the backward's data gradients, the same math as grouped_gemm_bench's dgrad ops (tandem's
+   layout kAB): dgrad-h dy [M, hidden] @ w2[e] (w2 [E, hidden, ffn] as the forward stores it, mat_b [E, K, N]) and
+   dgrad-x d(gate|up) [M, 2 ffn] @ w1[e] (w1 [E, 2 ffn, hidden]), on DeepSeek-V3 and Mixtral 8x7B (8 experts, hidden
+   4096, ffn 14336) at 256 / 512 / 1024 / 2048 / 4096 rows per expert. mat_b is tried as stored ("n-major") and as a
+   K-major copy passed transposed ("k-major"); the faster is the baseline, as for the forward.
+3. PyTorch's unfused MoE expert layer: random top-8 routing of tokens = rows * 32 / 8; route (argsort + bincount),
    permute by gather, grouped GEMM, SwiGLU, grouped GEMM, weighted index_add_ back (fp32). Timed whole, and its two
    GEMMs alone on the same routing.
 
 Timing: CUDA events around each call, all calls enqueued back to back and synchronised once, 3 warm-up calls, median
 of --iters (>= 20), two input sets rotated so L2 does not flatter. TFLOP/s count 2 * rows * n * k per GEMM.
 
-  python3 bench/grouped_mm_baseline.py [--iters 30] [--json FILE] [--counts-out FILE]
+  python3 bench/grouped_mm_baseline.py [--iters 30] [--json FILE] [--counts-out FILE] [--ms-out FILE]
+                                       [--skip-forward] [--skip-dgrad] [--skip-layer]
 
 --counts-out writes the random routings' group sizes as lines "name c0 ... c31", for grouped_gemm_bench --counts.
+--ms-out writes the baseline's median ms of 1. and 2. as lines "model case op ms", for grouped_gemm_bench --torch
+(which prints torch ms / tandem ms per op).
 """
 import argparse
 import json
@@ -26,6 +34,9 @@ import torch
 import torch.nn.functional as F
 
 E, HIDDEN, FFN, TOPK = 32, 7168, 2048, 8
+# (name as grouped_gemm_bench prints it, experts, hidden, ffn)
+MODELS = (("dsv3", E, HIDDEN, FFN), ("mixtral", 8, 4096, 14336))
+DGRAD_ROWS = (256, 512, 1024, 2048, 4096)
 SETS = 2
 WARM = 3
 
@@ -106,11 +117,71 @@ def grouped_mm_cases(iters, dtype, results):
                 if best is None or ms < best[0]:
                     best = (ms, layout)
             if best is not None:
-                results["grouped_mm"].append({"case": name, "rows": rows, "op": op, "ms": best[0],
+                results["grouped_mm"].append({"model": "dsv3", "case": name, "rows": rows, "op": op, "ms": best[0],
                                               "tflops": tflops(rows, n, k, best[0]), "layout": best[1]})
         sys.stdout.flush()
     del x, h, w1, w2, layouts
     torch.cuda.empty_cache()
+
+
+def dgrad_cases(iters, dtype, results):
+    """torch._grouped_mm(a, w[e]) with w as the forward stores it ([E, K, N]), the dgrad GEMMs of the MoE backward."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def rnd(*shape):
+        return (torch.rand(*shape, device="cuda", generator=gen, dtype=torch.float32) * 2 - 1).to(dtype)
+
+    for model, experts, hidden, ffn in MODELS:
+        max_rows = max(DGRAD_ROWS) * experts
+        dy = [rnd(max_rows, hidden) for _ in range(SETS)]
+        dgu = [rnd(max_rows, 2 * ffn) for _ in range(SETS)]
+        w1 = [rnd(experts, 2 * ffn, hidden) for _ in range(SETS)]  # [E, K, N] for dgrad-x: K = 2 ffn, N = hidden
+        w2 = [rnd(experts, hidden, ffn) for _ in range(SETS)]      # [E, K, N] for dgrad-h: K = hidden, N = ffn
+        def k_major(ws):  # the same [E, K, N] values, stored [E, N, K]
+            return [w.transpose(-2, -1).contiguous().transpose(-2, -1) for w in ws]
+
+        # op -> (a, {layout: mat_b per set}, n, k)
+        ops = {
+            "dgrad-h": (dy, {"n-major": w2, "k-major": k_major(w2)}, ffn, hidden),
+            "dgrad-x": (dgu, {"n-major": w1, "k-major": k_major(w1)}, hidden, 2 * ffn),
+        }
+        # Correctness of the baseline itself: group 1 of each op against a plain matmul.
+        offs = torch.tensor([256] * experts, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        for op, (a, layouts, n, k) in ops.items():
+            for layout, b in layouts.items():
+                got = torch._grouped_mm(a[0][:256 * experts], b[0], offs=offs)
+                want = a[0][256:512].float() @ b[0][1].float()
+                rel = ((got[256:512].float() - want).norm() / want.norm()).item()
+                if not rel < 1e-2:
+                    print(f"FAIL: torch._grouped_mm {model} {op} {layout} disagrees with matmul: rel_err {rel:.3e}")
+                    sys.exit(1)
+        print(f"\n{model} ({experts} experts, hidden {hidden}, ffn {ffn}): torch._grouped_mm(a, w[e]), w [E, K, N] "
+              f"(median of {iters}, {SETS} rotated input sets; self-check vs fp32 matmul passed):")
+        print(f"{'case':<10} {'rows':>7}  {'op':<8} {'layout':<8} {'ms':>9} {'TFLOP/s':>9}")
+        for rows_per_expert in DGRAD_ROWS:
+            name = f"equal{rows_per_expert}"
+            rows = rows_per_expert * experts
+            counts = torch.tensor([rows_per_expert] * experts, device="cuda", dtype=torch.int32)
+            offs = counts.cumsum(0, dtype=torch.int32)
+            for op, (a, layouts, n, k) in ops.items():
+                best = None
+                for layout, b in layouts.items():
+                    try:
+                        fns = [lambda i=i: torch._grouped_mm(a[i][:rows], b[i], offs=offs) for i in range(SETS)]
+                        ms = time_calls(fns, iters)
+                    except RuntimeError as e:  # a layout this build refuses
+                        print(f"{name:<10} {rows:>7}  {op:<8} {layout:<8} refused: {str(e).splitlines()[0]}")
+                        continue
+                    print(f"{name:<10} {rows:>7}  {op:<8} {layout:<8} {ms:9.4f} {tflops(rows, n, k, ms):9.1f}")
+                    if best is None or ms < best[0]:
+                        best = (ms, layout)
+                if best is not None:
+                    results["grouped_mm"].append({"model": model, "case": name, "rows": rows, "op": op,
+                                                  "ms": best[0], "tflops": tflops(rows, n, k, best[0]),
+                                                  "layout": best[1]})
+            sys.stdout.flush()
+        del dy, dgu, w1, w2, ops
+        torch.cuda.empty_cache()
 
 
 def moe_layer_cases(iters, dtype, results, counts_out):
@@ -184,6 +255,9 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default="")
     ap.add_argument("--counts-out", default="")
+    ap.add_argument("--ms-out", default="")
+    ap.add_argument("--skip-forward", action="store_true")
+    ap.add_argument("--skip-dgrad", action="store_true")
     ap.add_argument("--skip-layer", action="store_true")
     args = ap.parse_args()
     if args.iters < 20:
@@ -193,7 +267,13 @@ def main():
         sys.exit(77)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16")
     results = {"grouped_mm": [], "moe_layer": []}
-    grouped_mm_cases(args.iters, torch.bfloat16, results)
+    if not args.skip_forward:
+        grouped_mm_cases(args.iters, torch.bfloat16, results)
+    if not args.skip_dgrad:
+        dgrad_cases(args.iters, torch.bfloat16, results)
+    if args.ms_out:
+        with open(args.ms_out, "w") as f:
+            f.write("".join(f"{r['model']} {r['case']} {r['op']} {r['ms']:.5f}\n" for r in results["grouped_mm"]))
     if not args.skip_layer:
         moe_layer_cases(args.iters, torch.bfloat16, results, args.counts_out)
     if args.json:

@@ -22,6 +22,7 @@ namespace grouped {
 namespace {
 
 constexpr int kBoxK = 64;            // gemm::kBlockK
+constexpr int kMnBox = 64;           // grouped::kMnBoxCols: an MN-major w's {64 columns, 64 k} box
 constexpr int kEpiBox = 64;          // gemm::kEpiCols and gemm::kRowsPerConsumer
 constexpr int32_t kDefaultGroupM = 16;
 constexpr int64_t kMax32 = 0x7fffffff;
@@ -77,11 +78,12 @@ struct DeviceInfo {
   int numSms = 0;
 };
 
-int prepare(int device, GemmDtype dtype, GroupedGemmEpilogue epi) {
+int prepare(int device, GroupedGemmVariant v) {
   static std::mutex mu;
   static std::array<DeviceInfo, 64> table{};
   static size_t used = 0;
-  const uint32_t variant = static_cast<uint32_t>(dtype) * 2 + static_cast<uint32_t>(epi);
+  const uint32_t variant =
+      (static_cast<uint32_t>(v.dtype) * 2 + static_cast<uint32_t>(v.epi)) * 2 + (v.layout == GemmLayout::kAB ? 1 : 0);
   std::lock_guard<std::mutex> lock(mu);
   for (size_t i = 0; i < used; ++i) {
     if (table[i].device == device && table[i].variant == variant) return table[i].numSms;
@@ -101,7 +103,7 @@ int prepare(int device, GemmDtype dtype, GroupedGemmEpilogue epi) {
          "H100/H200",
          device, major, minor);
   }
-  checkCuda(groupedGemmPrepare(dtype, epi), "loading the grouped GEMM kernel (cudaFuncSetAttribute)");
+  checkCuda(groupedGemmPrepare(v), "loading the grouped GEMM kernel (cudaFuncSetAttribute)");
   if (used < table.size()) table[used++] = info;
   return info.numSms;
 }
@@ -123,6 +125,18 @@ void validateGroupedGemm(const GroupedGemmParams& g) {
   if (g.epilogue != GroupedGemmEpilogue::kStore && !swiglu) {
     fail(kBad, "grouped gemm: epilogue must be kStore or kSwiGlu, got {}", static_cast<int>(g.epilogue));
   }
+  const bool nMajorW = g.layout == GemmLayout::kAB;
+  if (g.layout != GemmLayout::kABt && !nMajorW) {
+    fail(kBad,
+         "grouped gemm: layout must be kABt (w [E, n, k]) or kAB (w [E, k, n]), got {}; x is always [mTotal, k] "
+         "(K-major), so kAtB has no grouped form",
+         static_cast<int>(g.layout));
+  }
+  if (nMajorW && swiglu) {
+    fail(kBad,
+         "grouped gemm: the SwiGLU epilogue takes layout kABt only (w [E, 2f, k]); with layout kAB use epilogue "
+         "kStore, or store the gate|up weight as [E, 2f, k]");
+  }
   if (g.mTotal < 0 || g.n < 0 || g.k < 0 || g.numExperts < 0) {
     fail(kBad, "grouped gemm: sizes must be >= 0, got mTotal={} n={} k={} numExperts={}", g.mTotal, g.n, g.k,
          g.numExperts);
@@ -134,6 +148,12 @@ void validateGroupedGemm(const GroupedGemmParams& g) {
   if (g.k == 0 || g.k % 8 != 0) {
     fail(kBad, "grouped gemm: k must be a positive multiple of 8 (16-byte TMA row strides), got k={}; pad K with zeros",
          g.k);
+  }
+  if (nMajorW && g.n % 8 != 0) {
+    fail(kBad,
+         "grouped gemm: with layout kAB, n must be a multiple of 8 (w [E, k, n]'s rows are n elements: 16-byte TMA "
+         "strides; also out's rows), got n={}; pad n with zero columns of w",
+         g.n);
   }
   if (!swiglu && g.n % 8 != 0) {
     fail(kBad, "grouped gemm: n must be a multiple of 8 (16-byte rows of out), got n={}; pad n with zero rows of w",
@@ -204,7 +224,8 @@ void launchGroupedGemm(const GroupedGemmParams& g, cudaStream_t stream, int numS
   if (g.mTotal == 0 || g.n == 0 || g.numExperts == 0) return;
   int device = 0;
   checkCuda(cudaGetDevice(&device), "cudaGetDevice");
-  const int sms = prepare(device, g.dtype, g.epilogue);
+  const GroupedGemmVariant variant{g.dtype, g.epilogue, g.layout};
+  const int sms = prepare(device, variant);
   const bool swiglu = g.epilogue == GroupedGemmEpilogue::kSwiGlu;
   const int64_t nOut = outCols(g);
   const auto u64 = [](int64_t v) { return static_cast<uint64_t>(v); };
@@ -217,6 +238,10 @@ void launchGroupedGemm(const GroupedGemmParams& g, cudaStream_t stream, int numS
     const int64_t f = g.n / 2;
     p.tmW = tensorMap({g.w, 4, {u64(g.k), u64(f), 2, u64(g.numExperts)},
                        {u64(g.k) * 2, u64(f * g.k) * 2, u64(g.n * g.k) * 2}, {kBoxK, kSwiGluTileCols, 1, 1}, g.dtype});
+  } else if (g.layout == GemmLayout::kAB) {
+    // w [E, k, n]: n innermost, loaded MN-major in {64 columns, 64 k} boxes (device/grouped_gemm_sm90.cuh tmaLoadW).
+    p.tmW = tensorMap({g.w, 3, {u64(g.n), u64(g.k), u64(g.numExperts), 1}, {u64(g.n) * 2, u64(g.n * g.k) * 2, 0},
+                       {kMnBox, kBoxK, 1, 1}, g.dtype});
   } else {
     p.tmW = tensorMap({g.w, 3, {u64(g.k), u64(g.n), u64(g.numExperts), 1}, {u64(g.k) * 2, u64(g.n * g.k) * 2, 0},
                        {kBoxK, kStoreTileCols, 1, 1}, g.dtype});
@@ -246,7 +271,7 @@ void launchGroupedGemm(const GroupedGemmParams& g, cudaStream_t stream, int numS
   const int64_t maxTiles = groupedGemmMaxRowTiles(g.mTotal, g.numExperts) * p.tilesN;
   const int64_t cap = numSms > 0 ? std::min(numSms, sms) : sms;
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min(cap, maxTiles)));
-  checkCuda(groupedGemmLaunchKernel(p, g.dtype, g.epilogue, ctas, stream), "launching the grouped GEMM kernel");
+  checkCuda(groupedGemmLaunchKernel(p, variant, ctas, stream), "launching the grouped GEMM kernel");
 }
 
 void preloadGroupedGemmKernels(int device) {
@@ -256,9 +281,9 @@ void preloadGroupedGemmKernels(int device) {
   checkCuda(cudaSetDevice(device), "cudaSetDevice");
   try {
     for (GemmDtype dt : {GemmDtype::kBf16, GemmDtype::kFp16}) {
-      for (GroupedGemmEpilogue epi : {GroupedGemmEpilogue::kStore, GroupedGemmEpilogue::kSwiGlu}) {
-        prepare(device, dt, epi);
-      }
+      prepare(device, {dt, GroupedGemmEpilogue::kStore, GemmLayout::kABt});
+      prepare(device, {dt, GroupedGemmEpilogue::kSwiGlu, GemmLayout::kABt});
+      prepare(device, {dt, GroupedGemmEpilogue::kStore, GemmLayout::kAB});
     }
   } catch (...) {
     cudaSetDevice(previous);

@@ -24,8 +24,9 @@ inline constexpr int kTileRows = 128;
 // POD, passed as const __grid_constant__ (the tensor maps live in param space).
 struct GroupedGemmKernelParams {
   CUtensorMap tmX;    // x [mTotal, k]: dims {k, mTotal}, box {64, 128}, 128B swizzle
-  CUtensorMap tmW;    // kStore: w [E, n, k] as dims {k, n, E}, box {64, 256, 1};
-                      // kSwiGlu: w [E, 2f, k] as dims {k, f, 2, E} (gate, up), box {64, 128, 1, 1}
+  CUtensorMap tmW;    // kStore, kABt: w [E, n, k] as dims {k, n, E}, box {64, 256, 1};
+                      // kStore, kAB: w [E, k, n] as dims {n, k, E}, box {64, 64, 1} (four per k-block, MN-major);
+                      // kSwiGlu (kABt): w [E, 2f, k] as dims {k, f, 2, E} (gate, up), box {64, 128, 1, 1}
   CUtensorMap tmOut;  // out [mTotal, nOut]: dims {nOut, mTotal}, box {64, 64}, 128B swizzle
   void* out;
   int64_t ldOut;                  // elements
@@ -50,10 +51,17 @@ static_assert(sizeof(GroupedGemmKernelParams) % 64 == 0);
 
 // Dynamic shared memory the kernels take (the GEMM core's 4-stage storage plus alignment slack).
 size_t groupedGemmSmemBytes();
+// A kernel variant. layout kAB exists with kStore only (the launcher refuses the rest).
+struct GroupedGemmVariant {
+  GemmDtype dtype;
+  GroupedGemmEpilogue epi;
+  GemmLayout layout;
+};
+
 // Raises the dynamic shared-memory limit of the variant's kernel on the current device and loads it.
-cudaError_t groupedGemmPrepare(GemmDtype dtype, GroupedGemmEpilogue epi);
+cudaError_t groupedGemmPrepare(GroupedGemmVariant v);
 // Enqueues the variant's persistent kernel with `ctas` CTAs (kThreads each).
-cudaError_t groupedGemmLaunchKernel(const GroupedGemmKernelParams& p, GemmDtype dtype, GroupedGemmEpilogue epi,
-                                    int ctas, cudaStream_t stream);
+cudaError_t groupedGemmLaunchKernel(const GroupedGemmKernelParams& p, GroupedGemmVariant v, int ctas,
+                                    cudaStream_t stream);
 
 }  // namespace tandem::kernels::grouped

@@ -14,6 +14,12 @@
 // (kStore) or 4D (kSwiGlu: gate and up halves) tensor map, so a partial column tile reads zeros past n, never the
 // next expert's rows.
 //
+// Weight layouts (template parameter BMn, the GEMM core's). false: w [E, n, k], K-major, one {64 k, 256 columns} box
+// per k-block. true (layout kAB, the backward's dgrad): w [E, k, n] through a 3D map over {n, k, E}, loaded MN-major as
+// the core's tmaLoadB<true> loads a [K, N] B (four {64 columns, 64 k} boxes of 8 KiB per k-block) and read with the
+// core's MN-major descriptor and wgmma's transpose bit for B. The expert is the map's third dim, so k past K and
+// columns past n read zeros, never the next expert's weight. kStore only.
+//
 // Epilogue. Each consumer warpgroup writes its 64 rows through the core's swizzled 64x64 smem chunks. A chunk whose
 // 64 rows all belong to the group goes out by TMA store (clipped at nOut); the group's last, partial chunk is copied
 // out by the warpgroup with 16-byte stores masked by row and column. kSwiGlu: a tile's B is 128 gate rows then the
@@ -71,6 +77,46 @@ __device__ __forceinline__ uint4 ldShared128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
+}
+
+// One k-block of w for a tile: kSwiGlu's gate and up halves (4D map), or kStore's 256 columns (3D map), the latter
+// K-major or, BMn, as four MN-major boxes (gemm::tmaLoadB<true> with the expert as a third coordinate). An MN-major
+// box wholly past n is neither loaded nor expected (as in the layouts core, gemm_layouts_sm90.cuh): the stale shared
+// memory it leaves feeds only accumulator columns past n, whose 64-column epilogue chunks are never stored.
+inline constexpr int kMnBoxCols = 64;  // gemm::makeSmemDescMn's leading byte offset: 64 columns x 64 k x 2 bytes
+inline constexpr uint32_t kMnBoxBytes = kMnBoxCols * kBlockK * 2;
+static_assert(kMnBoxCols == kEpiCols, "a box wholly past n must cover whole epilogue chunks");
+
+// The bytes of w one k-block of the tile at col0 brings (its mbarrier's expected transaction count, with A's).
+template <GroupedGemmEpilogue Epi, bool BMn>
+__device__ __forceinline__ uint32_t wBytes(int32_t col0, int32_t n) {
+  if constexpr (BMn) {
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int j = 0; j < kBlockN / kMnBoxCols; ++j) bytes += col0 + kMnBoxCols * j < n ? kMnBoxBytes : 0;
+    return bytes;
+  } else {
+    return kBBytes;  // one or two boxes, whole even where they reach past n (TMA zero-fills and counts those bytes)
+  }
+}
+
+template <GroupedGemmEpilogue Epi, bool BMn>
+__device__ __forceinline__ void tmaLoadW(const CUtensorMap* map, uint16_t* dst, uint64_t* bar, int32_t k0,
+                                         int32_t col0, int32_t n, int32_t expert) {
+  if constexpr (Epi == GroupedGemmEpilogue::kSwiGlu) {
+    static_assert(!BMn, "the SwiGLU epilogue takes w [E, 2f, k] (layout kABt) only");
+    tmaLoad4d(map, dst, bar, k0, col0, 0, expert);
+    tmaLoad4d(map, dst + kSwiGluTileCols * kBlockK, bar, k0, col0, 1, expert);
+  } else if constexpr (BMn) {
+#pragma unroll
+    for (int j = 0; j < kBlockN / kMnBoxCols; ++j) {
+      if (col0 + kMnBoxCols * j < n) {
+        tmaLoad3d(map, dst + j * kMnBoxCols * kBlockK, bar, col0 + kMnBoxCols * j, k0, expert);
+      }
+    }
+  } else {
+    tmaLoad3d(map, dst, bar, k0, col0, expert);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -169,7 +215,7 @@ __device__ __forceinline__ bool findTile(const GroupedGemmKernelParams& p, Group
 // waiting and keeps the ring fed, so the consumers finish and the kernel ends; out is then garbage and the slot says
 // why.
 // ---------------------------------------------------------------------------------------------------------------
-template <GroupedGemmEpilogue Epi>
+template <GroupedGemmEpilogue Epi, bool BMn>
 __device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams& p, gemm::SharedStorage<kStages>& s,
                                                    WorkRing& ring, int32_t firstWork, int32_t workStride) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -203,19 +249,14 @@ __device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams
         // The rows were written by generic-proxy stores (SMs, possibly a peer's); TMA reads them next.
         fenceProxyAsyncGlobal();
       }
+      const uint32_t bytes = kABytes + wBytes<Epi, BMn>(tile.col0, p.nOut);
       for (int32_t kb = 0; kb < p.numKBlocks; ++kb) {
         // Parity trick: the first pass waits on parity 1, which a fresh barrier reports as complete.
         gemm::mbarWait(&s.empty[ps.stage], ps.phase ^ 1);
-        gemm::mbarArriveExpectTx(&s.full[ps.stage], kABytes + kBBytes);
+        gemm::mbarArriveExpectTx(&s.full[ps.stage], bytes);
         const int32_t k0 = kb * kBlockK;
         gemm::tmaLoad2d(&p.tmX, s.a[ps.stage], &s.full[ps.stage], k0, tile.row0);
-        if constexpr (Epi == GroupedGemmEpilogue::kSwiGlu) {
-          tmaLoad4d(&p.tmW, s.b[ps.stage], &s.full[ps.stage], k0, tile.col0, 0, tile.expert);
-          tmaLoad4d(&p.tmW, s.b[ps.stage] + kSwiGluTileCols * kBlockK, &s.full[ps.stage], k0, tile.col0, 1,
-                    tile.expert);
-        } else {
-          tmaLoad3d(&p.tmW, s.b[ps.stage], &s.full[ps.stage], k0, tile.col0, tile.expert);
-        }
+        tmaLoadW<Epi, BMn>(&p.tmW, s.b[ps.stage], &s.full[ps.stage], k0, tile.col0, p.nOut, tile.expert);
         ps.advance();
       }
     }
@@ -237,7 +278,7 @@ __device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams
 // quotient is g * 0 = -0, silu's limit.
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
-template <class T, GroupedGemmEpilogue Epi>
+template <class T, GroupedGemmEpilogue Epi, bool BMn>
 __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams& p, gemm::SharedStorage<kStages>& s,
                                                    WorkRing& ring, int32_t firstWork, int32_t workStride, int wg,
                                                    int t) {
@@ -285,12 +326,13 @@ __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams
     for (int32_t kb = 0; kb < p.numKBlocks; ++kb) {
       gemm::mbarWait(&s.full[ps.stage], ps.phase);  // acquire: TMA bytes of this stage landed
       const uint64_t descA = gemm::makeSmemDesc(gemm::smemAddr(s.a[ps.stage]) + aOffset);
-      const uint64_t descB = gemm::makeSmemDesc(gemm::smemAddr(s.b[ps.stage]));
+      const uint64_t descB = gemm::makeBDesc<BMn>(gemm::smemAddr(s.b[ps.stage]));
       gemm::fenceAccumulators(acc);
       gemm::wgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / gemm::kMmaK; ++kk) {
-        gemm::Wgmma64x256<T>::run(acc, descA + 2 * kk, descB + 2 * kk, (kb > 0 || kk > 0) ? 1u : 0u);
+        gemm::Wgmma64x256<T, BMn>::run(acc, descA + 2 * kk, descB + gemm::kBDescKStep<BMn> * kk,
+                                       (kb > 0 || kk > 0) ? 1u : 0u);
       }
       gemm::wgmmaCommit();
       gemm::fenceAccumulators(acc);
@@ -376,7 +418,7 @@ __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams
 // A whole CTA: call from a __global__ with __launch_bounds__(kThreads, 1), dynamic smem groupedGemmSmemBytes(),
 // no cluster. This CTA is worker `ctaId` of `numCtas`.
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, GroupedGemmEpilogue Epi>
+template <class T, GroupedGemmEpilogue Epi, bool BMn>
 __device__ __forceinline__ void runGroupedGemmCta(const GroupedGemmKernelParams& p, uint8_t* smemRaw, int32_t ctaId,
                                                   int32_t numCtas) {
   auto& s = *reinterpret_cast<gemm::SharedStorage<kStages>*>((reinterpret_cast<uintptr_t>(smemRaw) + 1023) &
@@ -400,11 +442,11 @@ __device__ __forceinline__ void runGroupedGemmCta(const GroupedGemmKernelParams&
   switch (gemm::roleOf(wg)) {
     case gemm::Role::kProducer:
       gemm::setMaxNRegDec<gemm::kProducerRegs>();
-      if (t < 32) runGroupedProducer<Epi>(p, s, ring, ctaId, numCtas);
+      if (t < 32) runGroupedProducer<Epi, BMn>(p, s, ring, ctaId, numCtas);
       break;
     case gemm::Role::kConsumer:
       gemm::setMaxNRegInc<gemm::kConsumerRegs>();
-      runGroupedConsumer<T, Epi>(p, s, ring, ctaId, numCtas, wg - 1, t);
+      runGroupedConsumer<T, Epi, BMn>(p, s, ring, ctaId, numCtas, wg - 1, t);
       break;
   }
 }

@@ -1,7 +1,8 @@
 // The grouped GEMM kernels (tandem/kernels/grouped_gemm.hpp) against an fp64 reference on the host: uneven, empty and
-// skewed groups, rows outside every group left untouched, n and k that are multiples of 8 but not of the tile, the
-// SwiGLU and row-scale epilogues, bf16 and fp16, a grid small enough that every CTA runs many tiles, the arrival
-// counters (ready, released by the host after the launch, abort, deadline), bitwise repeats, and the shape rules.
+// skewed groups, rows outside every group left untouched, n and k that are multiples of 8 but not of the tile, both
+// weight layouts (w [E, n, k] and the backward's w [E, k, n]), the SwiGLU and row-scale epilogues, bf16 and fp16, a
+// grid small enough that every CTA runs many tiles, the arrival counters (ready, released by the host after the
+// launch, abort, deadline), bitwise repeats, and the shape rules.
 // This process initialises CUDA itself (no forked ranks), so it is its own executable (tandem_grouped_gemm_tests).
 #include <doctest/doctest.h>
 
@@ -24,6 +25,7 @@
 
 using tandem::kernels::ErrorSlot;
 using tandem::kernels::GemmDtype;
+using tandem::kernels::GemmLayout;
 using tandem::kernels::GroupedGemmEpilogue;
 using tandem::kernels::GroupedGemmParams;
 using tandem::kernels::launchGroupedGemm;
@@ -45,6 +47,7 @@ uint16_t fromF(GemmDtype dt, float v) { return dt == GemmDtype::kBf16 ? tandem::
 struct Case {
   GemmDtype dtype = GemmDtype::kBf16;
   GroupedGemmEpilogue epi = GroupedGemmEpilogue::kStore;
+  GemmLayout layout = GemmLayout::kABt;  // w [E, n, k]; kAB: w [E, k, n]
   int64_t n = 0, k = 0;
   std::vector<int32_t> counts;  // rows per expert
   int32_t lead = 0, tail = 0;   // rows before the first and after the last group (must stay untouched)
@@ -106,6 +109,7 @@ struct Problem {
     p.numExperts = static_cast<int64_t>(c.counts.size());
     p.dtype = c.dtype;
     p.epilogue = c.epi;
+    p.layout = c.layout;
     return p;
   }
 
@@ -136,9 +140,12 @@ struct Problem {
       for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
         inGroup[size_t(r)] = true;
         const float* xr = xf.data() + r * c.k;
+        // w[e](col, kk): row col of [n, k], or column col of [k, n].
+        const int64_t colStride = c.layout == GemmLayout::kAB ? 1 : c.k;
+        const int64_t kStride = c.layout == GemmLayout::kAB ? c.n : 1;
         const auto dot = [&](int64_t col) {
           double acc = 0;
-          for (int64_t kk = 0; kk < c.k; ++kk) acc += double(xr[kk]) * double(we[col * c.k + kk]);
+          for (int64_t kk = 0; kk < c.k; ++kk) acc += double(xr[kk]) * double(we[col * colStride + kk * kStride]);
           return acc;
         };
         for (int64_t col = 0; col < nOut; ++col) {
@@ -249,6 +256,62 @@ TEST_CASE("grouped gemm: plain store matches fp64 with uneven and empty groups, 
       c.seed = 11 + static_cast<uint64_t>(sms);
       runAndCheck(c);
     }
+  }
+}
+
+TEST_CASE("grouped gemm: NN layout (w [E, k, n]) matches fp64 with uneven and empty groups, n and k off the tile") {
+  for (GemmDtype dt : {GemmDtype::kBf16, GemmDtype::kFp16}) {
+    for (int sms : {0, 3}) {
+      CAPTURE(dtypeName(dt));
+      CAPTURE(sms);
+      Case c;
+      c.dtype = dt;
+      c.layout = GemmLayout::kAB;
+      c.n = 264;  // two column tiles; the second's first 64-column box is 8 wide, its other three are past n
+      c.k = 136;  // three k-blocks, the last 8 deep (k past 136 must read zeros, not the next expert's rows)
+      c.counts = kUneven;
+      c.lead = 3;
+      c.tail = 5;
+      c.numSms = sms;
+      c.seed = 71 + static_cast<uint64_t>(sms);
+      runAndCheck(c);
+    }
+  }
+}
+
+TEST_CASE("grouped gemm: NN layout with the row scale, a narrow n, a deep K and many experts") {
+  SUBCASE("row scale, n narrower than one 64-column box") {
+    Case c;
+    c.layout = GemmLayout::kAB;
+    c.n = 40;
+    c.k = 200;
+    c.counts = kUneven;
+    c.tail = 2;
+    c.scale = true;
+    c.seed = 81;
+    runAndCheck(c);
+  }
+  SUBCASE("deep K: 17 k-blocks through the 4-stage ring, fp16") {
+    Case c;
+    c.dtype = GemmDtype::kFp16;
+    c.layout = GemmLayout::kAB;
+    c.counts = {130, 0, 70};
+    c.n = 328;
+    c.k = 1032;
+    c.numSms = 2;
+    c.seed = 82;
+    runAndCheck(c);
+  }
+  SUBCASE("70 experts, n = k (a transposed read would still be wrong)") {
+    Case c;
+    c.layout = GemmLayout::kAB;
+    for (int e = 0; e < 70; ++e) c.counts.push_back((e * 29) % 45);
+    c.n = 72;
+    c.k = 72;
+    c.lead = 1;
+    c.numSms = 5;
+    c.seed = 83;
+    runAndCheck(c);
   }
 }
 
@@ -427,6 +490,15 @@ TEST_CASE("grouped gemm: shapes and pointers the kernel cannot take are refused 
       {"k must be a positive multiple of 8", [](GroupedGemmParams& p) { p.k = 0; }},
       {"k must be a positive multiple of 8", [](GroupedGemmParams& p) { p.k = 12; }},
       {"n must be a multiple of 8", [](GroupedGemmParams& p) { p.n = 60; }},
+      {"layout must be kABt (w [E, n, k]) or kAB", [](GroupedGemmParams& p) { p.layout = GemmLayout::kAtB; }},
+      {"with layout kAB, n must be a multiple of 8", [](GroupedGemmParams& p) {
+         p.layout = GemmLayout::kAB;
+         p.n = 60;
+       }},
+      {"the SwiGLU epilogue takes layout kABt only", [](GroupedGemmParams& p) {
+         p.layout = GemmLayout::kAB;
+         p.epilogue = GroupedGemmEpilogue::kSwiGlu;
+       }},
       {"n = 2f must be a multiple of 16", [](GroupedGemmParams& p) {
          p.epilogue = GroupedGemmEpilogue::kSwiGlu;
          p.n = 56;

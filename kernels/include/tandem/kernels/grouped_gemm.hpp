@@ -1,14 +1,17 @@
 // Grouped GEMM on the Hopper GEMM core (sm_90a): the expert GEMMs of an MoE layer in one persistent kernel.
 //
 // Rows of x [mTotal, k] are grouped by expert: group e is rows [offsets[e], offsets[e + 1]) of x and of out, and is
-// multiplied by expert e's weight w[e] [n, k] (nn.Linear layout, K-major): out_g = x_g · w[e]ᵀ. bf16 or fp16 in,
-// fp32 accumulation, out in the input type. The offsets live in device memory and are read by the kernel, so a
-// launch needs no host synchronisation (it can be captured in a CUDA graph, and the offsets can come from a routing
-// kernel earlier in the stream).
+// multiplied by expert e's weight w[e]. Two weight layouts (GroupedGemmParams::layout):
+//   kABt (default)  w [E, n, k] (nn.Linear layout, K-major): out_g = x_g · w[e]ᵀ (the forward).
+//   kAB             w [E, k, n] (N-major): out_g = x_g · w[e] (the backward's data gradients: dh = dy · w2[e] with
+//                   the forward's w2 [E, hidden, ffn], dx = d(gate|up) · w1[e] with w1 [E, 2 ffn, hidden]).
+// bf16 or fp16 in, fp32 accumulation, out in the input type. The offsets live in device memory and are read by the
+// kernel, so a launch needs no host synchronisation (it can be captured in a CUDA graph, and the offsets can come
+// from a routing kernel earlier in the stream).
 //
 // Epilogues:
-//   kStore   out [mTotal, n] = x · wᵀ.
-//   kSwiGlu  w [E, 2f, k] holds the gate (rows [0, f)) and the up projection (rows [f, 2f)); out is
+//   kStore   out [mTotal, n] = x · wᵀ (kABt) or x · w (kAB).
+//   kSwiGlu  (kABt only) w [E, 2f, k] holds the gate (rows [0, f)) and the up projection (rows [f, 2f)); out is
 //            h [mTotal, f] = silu(x · gateᵀ) * (x · upᵀ), computed in fp32 and rounded once to the dtype.
 //   Either can scale each output row by rowScale[row] (fp32, e.g. the routing weight) before the rounding.
 //
@@ -21,6 +24,7 @@
 #include <cstdint>
 
 #include "tandem/kernels/gemm.hpp"     // GemmDtype
+#include "tandem/kernels/gemm_layouts_plan.hpp"  // GemmLayout
 #include "tandem/kernels/signals.hpp"  // ErrorSlot
 
 namespace tandem::kernels {
@@ -30,7 +34,8 @@ enum class GroupedGemmEpilogue : uint8_t { kStore = 0, kSwiGlu = 1 };
 /// POD; zero-initialise (GroupedGemmParams p{}) and fill.
 struct GroupedGemmParams {
   const void* x;                 ///< [mTotal, k], row stride ldx elements; 16-byte aligned
-  const void* w;                 ///< [numExperts, n, k], dense; 16-byte aligned
+  const void* w;                 ///< [numExperts, n, k] (layout kABt) or [numExperts, k, n] (kAB), dense;
+                                 ///< 16-byte aligned
   void* out;                     ///< [mTotal, nOut], row stride ldOut; nOut = n (kStore) or n / 2 (kSwiGlu);
                                  ///< 16-byte aligned; must not overlap any input
   const int32_t* groupOffsets;   ///< device memory, numExperts + 1 non-decreasing row offsets in [0, mTotal].
@@ -51,6 +56,9 @@ struct GroupedGemmParams {
   int64_t ldx, ldOut;            ///< elements; 0 = dense (k, nOut); otherwise multiples of 8, ldx >= k, ldOut >= nOut
   GemmDtype dtype;
   GroupedGemmEpilogue epilogue;
+  /// w's layout: kABt (0, the default) or kAB; kAtB is refused (x is always [mTotal, k], K-major). kAB takes the
+  /// kStore epilogue only, and needs n % 8 == 0 (w's rows are n elements: 16-byte TMA strides).
+  GemmLayout layout;
   int32_t groupM;                ///< tuning: raster group height in row tiles within an expert (0 = default 16)
   /// tuning: a consumer warpgroup whose 64 rows of a tile all lie past its group's end skips its wgmmas (the tile's
   /// other half then has the tensor cores alone). 0 = off, the default: measured slower on an H200 (bench/RESULTS.md,
