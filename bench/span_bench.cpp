@@ -133,15 +133,30 @@ int rankMain(uint32_t rank, uint32_t n, int up, int down, const std::string& soc
       tandem_op_t op;
       tandem_status_t st;
       const auto t0 = Clock::now();
+      // Named fields: the later ones (layout, FP8) stay at their zero defaults.
       if (ag) {
-        const tandem_ag_gemm_args_t args{sizeof args, job.dtype, job.m, job.n, job.k, {a, 0}, {b, 0}, {c, 0},
-                                         {nullptr, 0}, stream};
+        tandem_ag_gemm_args_t args{};
+        args.struct_size = sizeof args;
+        args.dtype = job.dtype;
+        args.m = job.m, args.n = job.n, args.k = job.k;
+        args.a = {a, 0}, args.b = {b, 0}, args.c = {c, 0};
+        args.cuda_stream = stream;
         st = tandem_ag_gemm(comm, &args, &op);
       } else if (job.op == "gemm-rs") {
-        const tandem_gemm_rs_args_t args{sizeof args, job.dtype, job.m, job.n, kk, {a, 0}, {b, 0}, {c, 0}, stream};
+        tandem_gemm_rs_args_t args{};
+        args.struct_size = sizeof args;
+        args.dtype = job.dtype;
+        args.m = job.m, args.n = job.n, args.k = kk;
+        args.a = {a, 0}, args.b = {b, 0}, args.c = {c, 0};
+        args.cuda_stream = stream;
         st = tandem_gemm_rs(comm, &args, &op);
       } else {
-        const tandem_gemm_ar_args_t args{sizeof args, job.dtype, job.m, job.n, kk, {a, 0}, {b, 0}, {c, 0}, stream};
+        tandem_gemm_ar_args_t args{};
+        args.struct_size = sizeof args;
+        args.dtype = job.dtype;
+        args.m = job.m, args.n = job.n, args.k = kk;
+        args.a = {a, 0}, args.b = {b, 0}, args.c = {c, 0};
+        args.cuda_stream = stream;
         st = tandem_gemm_ar(comm, &args, &op);
       }
       RANK_CHECK(st == TANDEM_SUCCESS, "%s submit: %s", job.op.c_str(), tandem_last_error());

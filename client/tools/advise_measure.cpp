@@ -147,15 +147,27 @@ tandem_status_t submit(tandem_comm_t comm, const OpBuffers& b, tandem_op_t* op) 
   const auto& t = b.tensors;
   switch (d.kind) {
     case OpKind::kAgGemm: {
-      tandem_ag_gemm_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], {nullptr, 0}, nullptr};
+      tandem_ag_gemm_args_t a{};  // named fields: the later ones (layout, FP8) stay at their zero defaults
+      a.struct_size = sizeof a;
+      a.dtype = dt;
+      a.m = d.dims[0], a.n = d.dims[1], a.k = d.dims[2];
+      a.a = t[0], a.b = t[1], a.c = t[2];
       return tandem_ag_gemm(comm, &a, op);
     }
     case OpKind::kGemmRs: {
-      tandem_gemm_rs_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], nullptr};
+      tandem_gemm_rs_args_t a{};
+      a.struct_size = sizeof a;
+      a.dtype = dt;
+      a.m = d.dims[0], a.n = d.dims[1], a.k = d.dims[2];
+      a.a = t[0], a.b = t[1], a.c = t[2];
       return tandem_gemm_rs(comm, &a, op);
     }
     case OpKind::kGemmAr: {
-      tandem_gemm_ar_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], nullptr};
+      tandem_gemm_ar_args_t a{};
+      a.struct_size = sizeof a;
+      a.dtype = dt;
+      a.m = d.dims[0], a.n = d.dims[1], a.k = d.dims[2];
+      a.a = t[0], a.b = t[1], a.c = t[2];
       return tandem_gemm_ar(comm, &a, op);
     }
     case OpKind::kAllGather: {

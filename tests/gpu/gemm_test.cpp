@@ -68,19 +68,19 @@ tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t st
   const OpDescriptor& d = b.desc();
   const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
   if (d.kind == OpKind::kAgGemm) {
-    const tandem_ag_gemm_args_t args{sizeof args,         dtype,         d.dims[dim::kM], d.dims[dim::kN],
-                                     d.dims[dim::kK],     b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC),
-                                     b.tensor(slot::kAGathered), stream};
+    const auto args = agGemmArgs(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], b.tensor(slot::kA),
+                                 b.tensor(slot::kB), b.tensor(slot::kC), b.tensor(slot::kAGathered), stream);
     return tandem_ag_gemm(comm, &args, op);
   }
   if (d.kind == OpKind::kGemmRs) {
-    const tandem_gemm_rs_args_t args{sizeof args,     dtype,              d.dims[dim::kM],    d.dims[dim::kN],
-                                     d.dims[dim::kK], b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC),
-                                     stream};
+    const auto args = gemmArgs<tandem_gemm_rs_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
+                                                       b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC),
+                                                       stream);
     return tandem_gemm_rs(comm, &args, op);
   }
-  const tandem_gemm_ar_args_t args{sizeof args,     dtype,              d.dims[dim::kM],    d.dims[dim::kN],
-                                   d.dims[dim::kK], b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC), stream};
+  const auto args = gemmArgs<tandem_gemm_ar_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
+                                                     b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC),
+                                                     stream);
   return tandem_gemm_ar(comm, &args, op);
 }
 
@@ -303,19 +303,19 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
         }
       };
       tandem_op_t op;
-      const tandem_gemm_rs_args_t rs{sizeof rs, TANDEM_DTYPE_BF16, 256, 12, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+      const auto rs = gemmArgs<tandem_gemm_rs_args_t>(TANDEM_DTYPE_BF16, 256, 12, 64, {a, 0}, {b, 0}, {c, 0}, stream);
       expect("n not a multiple of 8", tandem_gemm_rs(comm, &rs, &op), TANDEM_ERROR_INVALID_ARGUMENT, "multiple of 8");
-      tandem_gemm_ar_args_t ar{sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 60, {a, 0}, {b, 0}, {c, 0}, stream};
+      auto ar = gemmArgs<tandem_gemm_ar_args_t>(TANDEM_DTYPE_BF16, 256, 256, 60, {a, 0}, {b, 0}, {c, 0}, stream);
       expect("k not a multiple of 8", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_INVALID_ARGUMENT, "multiple of 8");
-      ar = {sizeof ar, TANDEM_DTYPE_FP32, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+      ar = gemmArgs<tandem_gemm_ar_args_t>(TANDEM_DTYPE_FP32, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream);
       expect("fp32", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_UNSUPPORTED, "bf16 or fp16");
-      ar = {sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 8}, {b, 0}, {c, 0}, stream};
+      ar = gemmArgs<tandem_gemm_ar_args_t>(TANDEM_DTYPE_BF16, 256, 256, 64, {a, 8}, {b, 0}, {c, 0}, stream);
       expect("a misaligned", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_INVALID_ARGUMENT, "16-byte aligned");
       if (n > 1) {
-        ar = {sizeof ar, TANDEM_DTYPE_BF16, 2048, 2048, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+        ar = gemmArgs<tandem_gemm_ar_args_t>(TANDEM_DTYPE_BF16, 2048, 2048, 64, {a, 0}, {b, 0}, {c, 0}, stream);
         expect("past the workspace", tandem_gemm_ar(comm, &ar, &op), TANDEM_ERROR_INVALID_ARGUMENT,
                "tandem_comm_config_t.workspace_bytes >= ");
-        const tandem_ag_gemm_args_t ag{sizeof ag, TANDEM_DTYPE_BF16, 4096, 256, 1024, {a, 0}, {b, 0}, {c, 0}, {}, stream};
+        const auto ag = agGemmArgs(TANDEM_DTYPE_BF16, 4096, 256, 1024, {a, 0}, {b, 0}, {c, 0}, {}, stream);
         expect("ag-gemm past the workspace", tandem_ag_gemm(comm, &ag, &op), TANDEM_ERROR_INVALID_ARGUMENT,
                "tandem_comm_config_t.workspace_bytes >= ");
       }
@@ -360,7 +360,7 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
         CK(cudaStreamDestroy(capture));
       }
       // Nothing was submitted: the communicator still runs ops.
-      ar = {sizeof ar, TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream};
+      ar = gemmArgs<tandem_gemm_ar_args_t>(TANDEM_DTYPE_BF16, 256, 256, 64, {a, 0}, {b, 0}, {c, 0}, stream);
       if (tandem_gemm_ar(comm, &ar, &op) != TANDEM_SUCCESS) report += std::string("\nvalid gemm-ar: ") + tandem_last_error();
       else if (std::string e = finishOp(stream, op); !e.empty()) report += "\nvalid gemm-ar: " + e;
       TK(tandem_free(a));

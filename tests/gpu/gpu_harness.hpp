@@ -22,6 +22,7 @@
 #include <string>
 #include <utility>
 
+#include "gemm_args.hpp"
 #include "harness.hpp"
 #include "skip.hpp"
 #include "tandem/kernels/control_page.hpp"
@@ -243,8 +244,7 @@ inline std::string gatedRank(const Io& io, const std::string& socket, const tand
       break;
     }
     case GatedOp::kAgGemm: {
-      const tandem_ag_gemm_args_t args{sizeof args, TANDEM_DTYPE_BF16, M, N, K, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0},
-                                       stream};
+      const auto args = agGemmArgs(TANDEM_DTYPE_BF16, M, N, K, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0}, stream);
       TK(tandem_ag_gemm(comm, &args, &op));
       break;
     }
@@ -254,7 +254,7 @@ inline std::string gatedRank(const Io& io, const std::string& socket, const tand
       break;
     }
     case GatedOp::kGemmAr: {
-      const tandem_gemm_ar_args_t args{sizeof args, TANDEM_DTYPE_BF16, M, N, K / 2, {a, 0}, {b, 0}, {c, 0}, stream};
+      const auto args = gemmArgs<tandem_gemm_ar_args_t>(TANDEM_DTYPE_BF16, M, N, K / 2, {a, 0}, {b, 0}, {c, 0}, stream);
       TK(tandem_gemm_ar(comm, &args, &op));
       break;
     }

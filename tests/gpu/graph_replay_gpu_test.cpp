@@ -75,7 +75,6 @@ std::vector<OpDescriptor> descriptorsOf(const GraphCase& c, uint32_t n) {
 tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) {
   const OpDescriptor& d = b.desc();
   const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
-  const auto nt = static_cast<tandem_gemm_layout_t>(0);
   const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], k = d.dims[dim::kK];
   switch (d.kind) {
     case OpKind::kAllGather: {
@@ -88,13 +87,13 @@ tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t st
       return tandem_barrier_stream(comm, &a, op);
     }
     case OpKind::kAgGemm: {
-      const tandem_ag_gemm_args_t a{sizeof a, dtype, m, n, k, b.tensor(slot::kA), b.tensor(slot::kB),
-                                    b.tensor(slot::kC), b.tensor(slot::kAGathered), stream, nt};
+      const auto a = agGemmArgs(dtype, m, n, k, b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC),
+                                b.tensor(slot::kAGathered), stream);
       return tandem_ag_gemm(comm, &a, op);
     }
     case OpKind::kGemmRs: {
-      const tandem_gemm_rs_args_t a{sizeof a, dtype, m, n, k, b.tensor(slot::kA), b.tensor(slot::kB),
-                                    b.tensor(slot::kC), stream, nt};
+      const auto a = gemmArgs<tandem_gemm_rs_args_t>(dtype, m, n, k, b.tensor(slot::kA), b.tensor(slot::kB),
+                                                     b.tensor(slot::kC), stream);
       return tandem_gemm_rs(comm, &a, op);
     }
     case OpKind::kRingAttention: {
@@ -153,8 +152,8 @@ tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t st
       return tandem_moe_dispatch_ffn_combine(comm, &a, op);
     }
     default: {
-      const tandem_gemm_ar_args_t a{sizeof a, dtype, m, n, k, b.tensor(slot::kA), b.tensor(slot::kB),
-                                    b.tensor(slot::kC), stream, nt};
+      const auto a = gemmArgs<tandem_gemm_ar_args_t>(dtype, m, n, k, b.tensor(slot::kA), b.tensor(slot::kB),
+                                                     b.tensor(slot::kC), stream);
       return tandem_gemm_ar(comm, &a, op);
     }
   }

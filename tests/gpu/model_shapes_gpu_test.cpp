@@ -93,8 +93,8 @@ struct BigOp {
         return tandem_moe_dispatch_ffn_combine(comm, &a, op);
       }
       case OpKind::kAgGemm: {
-        const tandem_ag_gemm_args_t a{sizeof a, dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
-                                      t(0), t(1), t(2), t(3), stream};
+        const auto a = agGemmArgs(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], t(0), t(1), t(2), t(3),
+                                  stream);
         return tandem_ag_gemm(comm, &a, op);
       }
       case OpKind::kRingAttention: {

@@ -214,21 +214,22 @@ struct OpRun {
     tandem_status_t st = TANDEM_SUCCESS;
     switch (d.kind) {
       case OpKind::kAgGemm: {
-        const tandem_ag_gemm_args_t args{sizeof args, dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
-                                         tensor(slot::kA), tensor(slot::kB), tensor(slot::kC),
-                                         tensor(slot::kAGathered), stream};
+        const auto args = agGemmArgs(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], tensor(slot::kA),
+                                     tensor(slot::kB), tensor(slot::kC), tensor(slot::kAGathered), stream);
         st = tandem_ag_gemm(comm, &args, &op);
         break;
       }
       case OpKind::kGemmRs: {
-        const tandem_gemm_rs_args_t args{sizeof args, dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
-                                         tensor(slot::kA), tensor(slot::kB), tensor(slot::kC), stream};
+        const auto args = gemmArgs<tandem_gemm_rs_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
+                                                           tensor(slot::kA), tensor(slot::kB), tensor(slot::kC),
+                                                           stream);
         st = tandem_gemm_rs(comm, &args, &op);
         break;
       }
       case OpKind::kGemmAr: {
-        const tandem_gemm_ar_args_t args{sizeof args, dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
-                                         tensor(slot::kA), tensor(slot::kB), tensor(slot::kC), stream};
+        const auto args = gemmArgs<tandem_gemm_ar_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
+                                                           tensor(slot::kA), tensor(slot::kB), tensor(slot::kC),
+                                                           stream);
         st = tandem_gemm_ar(comm, &args, &op);
         break;
       }
@@ -657,8 +658,7 @@ std::string warmGatedRank(const Io& io, const std::string& socket, const tandem_
     if (r != CUDA_SUCCESS) return "FAIL gate";
   }
   tandem_op_t op;
-  const tandem_ag_gemm_args_t args{sizeof args, TANDEM_DTYPE_BF16, M, N, K, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0},
-                                   stream};
+  const auto args = agGemmArgs(TANDEM_DTYPE_BF16, M, N, K, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0}, stream);
   TK(tandem_ag_gemm(comm, &args, &op));
   io.say("submitted");
   for (;;) {

@@ -11,6 +11,7 @@
 #include <optional>
 #include <thread>
 
+#include "gemm_args.hpp"
 #include "harness.hpp"
 #include "tandem/tandem.hpp"
 
@@ -95,7 +96,7 @@ TEST_CASE("tandem_disconnect with live buffers and communicators releases them, 
   const auto [shared, peerComm] = joinPair(s, peer);
 
   // An op that completed and one still pending (the peer has not reached its barrier).
-  tandem_ag_gemm_args_t gemm{sizeof gemm, TANDEM_DTYPE_FP32, 64, 8, 16, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0}, nullptr};
+  const auto gemm = agGemmArgs(TANDEM_DTYPE_FP32, 64, 8, 16, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0}, nullptr);
   tandem_op_t done{}, pending{};
   REQUIRE(tandem_ag_gemm(solo, &gemm, &done) == TANDEM_SUCCESS);
   REQUIRE(tandem_wait(done, 10000) == TANDEM_SUCCESS);
@@ -140,7 +141,7 @@ TEST_CASE("tandem_disconnect with live buffers and communicators releases them, 
   CHECK(tandem_ag_gemm(solo, &gemm, &done) == TANDEM_ERROR_INVALID_ARGUMENT);
   CHECK(lastErrorHas("tandem_ag_gemm: this communicator " + std::string(kClosed)));
   CHECK(lastErrorHas("tandem_comm_destroy"));
-  const tandem_gemm_ar_args_t ar{sizeof ar, TANDEM_DTYPE_FP32, 64, 8, 16, {a, 0}, {b, 0}, {c, 0}, nullptr};
+  const auto ar = gemmArgs<tandem_gemm_ar_args_t>(TANDEM_DTYPE_FP32, 64, 8, 16, {a, 0}, {b, 0}, {c, 0}, nullptr);
   CHECK(tandem_gemm_ar(shared, &ar, &done) == TANDEM_ERROR_INVALID_ARGUMENT);
   CHECK(lastErrorHas(kClosed));
   const tandem_allgather_args_t ag{sizeof ag, {a, 0}, {c, 0}, 64, nullptr};

@@ -4,6 +4,7 @@
 
 #include <thread>
 
+#include "gemm_args.hpp"
 #include "harness.hpp"
 #include "session.hpp"
 #include "tandem/common/reference.hpp"
@@ -72,7 +73,7 @@ std::string agGemmRank(const std::string& socket, const tandem_unique_id_t& id, 
     say(outFd, "joined");
     ::pause();
   }
-  tandem_ag_gemm_args_t args{sizeof args, TANDEM_DTYPE_BF16, m, n, k, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0}, nullptr};
+  const auto args = agGemmArgs(TANDEM_DTYPE_BF16, m, n, k, {a, 0}, {b, 0}, {c, 0}, {nullptr, 0}, nullptr);
   tandem_op_t op;
   if (tandem_ag_gemm(comm, &args, &op) != TANDEM_SUCCESS) return std::string("submit-failed ") + tandem_last_error();
   say(outFd, "submitted");

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "gemm_args.hpp"
 #include "harness.hpp"
 #include "hostile.hpp"
 #include "tandem/common/descriptor.hpp"
@@ -376,7 +377,8 @@ TEST_SUITE("hostile clients") {
     tandem::Buffer a(heavy, m * k * 4), bb(heavy, n * k * 4), c1(heavy, m * n * 4), c2(heavy, m * n * 4);
     std::memset(a.data(), 0, a.size());
     std::memset(bb.data(), 0, bb.size());
-    tandem_gemm_ar_args_t big1{sizeof big1, TANDEM_DTYPE_FP32, m, n, k, a.tensor(), bb.tensor(), c1.tensor(), nullptr};
+    const auto big1 =
+        gemmArgs<tandem_gemm_ar_args_t>(TANDEM_DTYPE_FP32, m, n, k, a.tensor(), bb.tensor(), c1.tensor(), nullptr);
     tandem_gemm_ar_args_t big2 = big1;
     big2.c = c2.tensor();
     tandem_op_t op1, op2;

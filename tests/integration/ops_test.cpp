@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "every_op.hpp"
+#include "gemm_args.hpp"
 #include "harness.hpp"
 #include "tandem/common/reference.hpp"
 #include "tandem/tandem.hpp"
@@ -88,8 +89,8 @@ TEST_CASE("the C++ API: two sessions in one process run ag-gemm with the gathere
     tandem::Buffer a(s, rows * k * 4), b(s, n * k * 4), out(s, m * n * 4), ag(s, m * k * 4);
     for (uint64_t i = 0; i < rows * k; ++i) a.as<float>()[i] = static_cast<float>(r * 100 + i);
     for (uint64_t i = 0; i < n * k; ++i) b.as<float>()[i] = (i % 3 == 0) ? 1.0f : 0.0f;
-    tandem_ag_gemm_args_t args{sizeof args, TANDEM_DTYPE_FP32, m, n, k, a.tensor(), b.tensor(), out.tensor(),
-                               ag.tensor(), nullptr};
+    const auto args =
+        agGemmArgs(TANDEM_DTYPE_FP32, m, n, k, a.tensor(), b.tensor(), out.tensor(), ag.tensor(), nullptr);
     tandem_op_t op;
     tandem::check(tandem_ag_gemm(comm.get(), &args, &op));
     tandem::wait(op, 10000);

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "daemon_probes.hpp"
+#include "gemm_args.hpp"
 #include "harness.hpp"
 #include "tandem/common/descriptor.hpp"
 #include "tandem/common/op_spec.hpp"
@@ -191,15 +192,15 @@ tandem_status_t submitPublic(tandem_comm_t comm, const tandem::OpDescriptor& d, 
   const auto dt = static_cast<tandem_dtype_t>(d.dtype);
   switch (d.kind) {
     case tandem::OpKind::kAgGemm: {
-      tandem_ag_gemm_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], t[3], nullptr};
+      const auto a = agGemmArgs(dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], t[3], nullptr);
       return tandem_ag_gemm(comm, &a, op);
     }
     case tandem::OpKind::kGemmRs: {
-      tandem_gemm_rs_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], nullptr};
+      const auto a = gemmArgs<tandem_gemm_rs_args_t>(dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], nullptr);
       return tandem_gemm_rs(comm, &a, op);
     }
     case tandem::OpKind::kGemmAr: {
-      tandem_gemm_ar_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], nullptr};
+      const auto a = gemmArgs<tandem_gemm_ar_args_t>(dt, d.dims[0], d.dims[1], d.dims[2], t[0], t[1], t[2], nullptr);
       return tandem_gemm_ar(comm, &a, op);
     }
     case tandem::OpKind::kMoeDispatchGemm: {
@@ -218,8 +219,14 @@ tandem_status_t submitPublic(tandem_comm_t comm, const tandem::OpDescriptor& d, 
       return tandem_moe_dispatch_ffn_combine_backward(comm, &a, op);
     }
     case tandem::OpKind::kRingAttention: {
-      tandem_ring_attention_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], (d.flags & tandem::kFlagCausal) != 0,
-                                     d.scale, t[0], t[1], t[2], t[3], nullptr, t[4], TANDEM_ATTENTION_CONTIGUOUS};
+      tandem_ring_attention_args_t a{};  // kv_heads 0: heads
+      a.struct_size = sizeof a;
+      a.dtype = dt;
+      a.seq = d.dims[0], a.heads = d.dims[1], a.head_dim = d.dims[2];
+      a.causal = (d.flags & tandem::kFlagCausal) != 0;
+      a.scale = d.scale;
+      a.q = t[0], a.k = t[1], a.v = t[2], a.out = t[3], a.lse = t[4];
+      a.layout = TANDEM_ATTENTION_CONTIGUOUS;
       return tandem_ring_attention(comm, &a, op);
     }
     case tandem::OpKind::kRingAttentionBackward: {
@@ -669,8 +676,8 @@ std::vector<Attack> attacks(bool ownUid) {
                  tandem::Buffer a(heavy, n * n * 4), b(heavy, n * n * 4), o1(heavy, n * n * 4), o2(heavy, n * n * 4);
                  std::memset(a.data(), 0, a.size());
                  std::memset(b.data(), 0, b.size());
-                 tandem_gemm_ar_args_t g1{sizeof g1, TANDEM_DTYPE_FP32, n, n, n, a.tensor(), b.tensor(), o1.tensor(),
-                                          nullptr};
+                 const auto g1 = gemmArgs<tandem_gemm_ar_args_t>(TANDEM_DTYPE_FP32, n, n, n, a.tensor(), b.tensor(),
+                                                                 o1.tensor(), nullptr);
                  tandem_gemm_ar_args_t g2 = g1;
                  g2.c = o2.tensor();
                  tandem_op_t op1, op2;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "daemon_probes.hpp"
+#include "gemm_args.hpp"
 #include "harness.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/common/fd.hpp"
@@ -140,7 +141,8 @@ inline std::string honestGemmArRank(const std::string& socket, const tandem_uniq
   ::tandem::Buffer a(s, m * k * 4), b(s, n * k * 4), c(s, m * n * 4);
   for (uint64_t i = 0; i < m * k; ++i) a.as<float>()[i] = 1.0f;
   for (uint64_t i = 0; i < n * k; ++i) b.as<float>()[i] = static_cast<float>(r + 1);
-  tandem_gemm_ar_args_t args{sizeof args, TANDEM_DTYPE_FP32, m, n, k, a.tensor(), b.tensor(), c.tensor(), nullptr};
+  const auto args =
+      gemmArgs<tandem_gemm_ar_args_t>(TANDEM_DTYPE_FP32, m, n, k, a.tensor(), b.tensor(), c.tensor(), nullptr);
   tandem_op_t op;
   ::tandem::check(tandem_gemm_ar(comm.get(), &args, &op));
   ::tandem::wait(op, 5000);
