@@ -1,11 +1,18 @@
-"""The training examples' process handling: one process per rank on this node, each reporting back on a queue."""
+"""What the training examples share: one process per rank on this node, each reporting back on a queue, and the
+verdict against the single-process PyTorch model."""
 
 from __future__ import annotations
 
 import multiprocessing
 import sys
 
+import torch
+
 import tandem
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Loss and weight relative difference allowed against the single-process model, per dtype (bf16: rounding noise).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
 
 def run_ranks(rank_main, args, device: str = "cpu"):
@@ -37,3 +44,14 @@ def run_ranks(rank_main, args, device: str = "cpu"):
         print("\n".join(failed), file=sys.stderr)
         return None
     return got
+
+
+def verdict(got, dtype: str) -> int:
+    """Prints PASS or FAIL from every rank's (lines, worst loss rel diff, worst weight rel diff); the exit status."""
+    tol = TOLERANCE[DTYPES[dtype]]
+    worst = max(v[1] for v in got.values())
+    wdiff = max(v[2] for v in got.values())
+    ok = worst <= tol and wdiff <= tol
+    print(f"{'PASS' if ok else 'FAIL'}: worst loss rel diff {worst:.2e}, worst weight rel diff {wdiff:.2e} "
+          f"(tolerance {tol:.0e})")
+    return 0 if ok else 1

@@ -28,10 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import tandem
-from _ranks import run_ranks
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+from _ranks import DTYPES, run_ranks, verdict
 
 
 def rope(x, positions, base=10000.0):
@@ -178,13 +175,7 @@ def main(argv=None) -> int:
           f"{args.head_dim}, seq {args.seq} over {args.ranks} ranks ({args.layout}), causal, {args.dtype} on "
           f"{args.device}, {args.optimizer} lr {args.lr}")
     print("\n".join(lines))
-    tol = TOLERANCE[DTYPES[args.dtype]]
-    worst = max(v[1] for v in got.values())
-    wdiff = max(v[2] for v in got.values())
-    ok = worst <= tol and wdiff <= tol
-    print(f"{'PASS' if ok else 'FAIL'}: worst loss rel diff {worst:.2e}, worst weight rel diff {wdiff:.2e} "
-          f"(tolerance {tol:.0e})")
-    return 0 if ok else 1
+    return verdict(got, args.dtype)
 
 
 if __name__ == "__main__":

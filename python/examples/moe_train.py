@@ -27,10 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import tandem
-from _ranks import run_ranks
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+from _ranks import DTYPES, run_ranks, verdict
 
 
 class RMSNorm(torch.nn.Module):
@@ -173,13 +170,7 @@ def main(argv=None) -> int:
     print(f"Mixtral MoE block, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts top-{args.topk}, "
           f"{args.tokens} tokens a step over {args.ranks} ranks, {args.dtype}, AdamW lr {args.lr}")
     print("\n".join(lines))
-    tol = TOLERANCE[DTYPES[args.dtype]]
-    wdiff = max(v[2] for v in got.values())
-    worst = max(v[1] for v in got.values())
-    ok = worst <= tol and wdiff <= tol
-    print(f"{'PASS' if ok else 'FAIL'}: worst loss rel diff {worst:.2e}, worst weight rel diff {wdiff:.2e} "
-          f"(tolerance {tol:.0e})")
-    return 0 if ok else 1
+    return verdict(got, args.dtype)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import tandem
-from _ranks import run_ranks
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+from _ranks import DTYPES, run_ranks, verdict
 
 
 class MLP(torch.nn.Module):
@@ -150,13 +147,7 @@ def main(argv=None) -> int:
           f"({'sequence parallel' if args.sequence_parallel else 'replicated activations'}), {args.dtype} on "
           f"{args.device}, {args.optimizer} lr {args.lr}")
     print("\n".join(lines))
-    tol = TOLERANCE[DTYPES[args.dtype]]
-    wdiff = max(v[2] for v in got.values())
-    worst = max(v[1] for v in got.values())
-    ok = worst <= tol and wdiff <= tol
-    print(f"{'PASS' if ok else 'FAIL'}: worst loss rel diff {worst:.2e}, worst weight rel diff {wdiff:.2e} "
-          f"(tolerance {tol:.0e})")
-    return 0 if ok else 1
+    return verdict(got, args.dtype)
 
 
 if __name__ == "__main__":
