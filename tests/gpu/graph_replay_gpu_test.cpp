@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "rank_buffers.hpp"
+#include "submit_op.hpp"
 #include "tandem/kernels/driver.hpp"
 
 using namespace tandem::gputest;
@@ -73,90 +74,7 @@ std::vector<OpDescriptor> descriptorsOf(const GraphCase& c, uint32_t n) {
 }
 
 tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) {
-  const OpDescriptor& d = b.desc();
-  const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
-  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], k = d.dims[dim::kK];
-  switch (d.kind) {
-    case OpKind::kAllGather: {
-      const tandem_allgather_args_t a{sizeof a, b.tensor(slot::kSend), b.tensor(slot::kRecv), d.dims[dim::kBytes],
-                                      stream};
-      return tandem_allgather(comm, &a, op);
-    }
-    case OpKind::kNop: {
-      const tandem_barrier_args_t a{sizeof a, stream};
-      return tandem_barrier_stream(comm, &a, op);
-    }
-    case OpKind::kAgGemm: {
-      const auto a = agGemmArgs(dtype, m, n, k, b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC),
-                                b.tensor(slot::kAGathered), stream);
-      return tandem_ag_gemm(comm, &a, op);
-    }
-    case OpKind::kGemmRs: {
-      const auto a = gemmArgs<tandem_gemm_rs_args_t>(dtype, m, n, k, b.tensor(slot::kA), b.tensor(slot::kB),
-                                                     b.tensor(slot::kC), stream);
-      return tandem_gemm_rs(comm, &a, op);
-    }
-    case OpKind::kRingAttention: {
-      tandem_ring_attention_args_t a{};
-      a.struct_size = sizeof a;
-      a.dtype = dtype;
-      a.seq = d.dims[dim::kSeq];
-      a.heads = d.dims[dim::kHeads];
-      a.head_dim = d.dims[dim::kHeadDim];
-      a.kv_heads = d.dims[dim::kKvHeads];
-      a.causal = (d.flags & tandem::kFlagCausal) != 0;
-      a.layout = (d.flags & tandem::kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
-      a.scale = d.scale;
-      a.q = b.tensor(slot::kQ);
-      a.k = b.tensor(slot::kKey);
-      a.v = b.tensor(slot::kValue);
-      a.out = b.tensor(slot::kAttnOut);
-      a.lse = b.tensor(slot::kAttnLse);
-      a.cuda_stream = stream;
-      return tandem_ring_attention(comm, &a, op);
-    }
-    case OpKind::kMoeDispatchGemm: {
-      const tandem_moe_dispatch_gemm_args_t a{sizeof a,
-                                              dtype,
-                                              d.dims[dim::kTokens],
-                                              d.dims[dim::kHidden],
-                                              d.dims[dim::kNOut],
-                                              d.dims[dim::kExperts],
-                                              d.dims[dim::kTopk],
-                                              d.dims[dim::kCapacity],
-                                              b.tensor(slot::kX),
-                                              b.tensor(slot::kTopkIds),
-                                              b.tensor(slot::kTopkWeights),
-                                              b.tensor(slot::kW),
-                                              b.tensor(slot::kMoeOut),
-                                              b.tensor(slot::kRowInfo),
-                                              b.tensor(slot::kExpertCounts),
-                                              stream};
-      return tandem_moe_dispatch_gemm(comm, &a, op);
-    }
-    case OpKind::kMoeDispatchFfnCombine: {
-      const tandem_moe_ffn_args_t a{sizeof a,
-                                    dtype,
-                                    d.dims[dim::kTokens],
-                                    d.dims[dim::kHidden],
-                                    d.dims[dim::kFfn],
-                                    d.dims[dim::kExperts],
-                                    d.dims[dim::kTopk],
-                                    b.tensor(slot::kX),
-                                    b.tensor(slot::kTopkIds),
-                                    b.tensor(slot::kTopkWeights),
-                                    b.tensor(slot::kW1),
-                                    b.tensor(slot::kW2),
-                                    b.tensor(slot::kFfnOut),
-                                    stream};
-      return tandem_moe_dispatch_ffn_combine(comm, &a, op);
-    }
-    default: {
-      const auto a = gemmArgs<tandem_gemm_ar_args_t>(dtype, m, n, k, b.tensor(slot::kA), b.tensor(slot::kB),
-                                                     b.tensor(slot::kC), stream);
-      return tandem_gemm_ar(comm, &a, op);
-    }
-  }
+  return submitOp(b.desc(), [&b](int s) { return b.tensor(s); }, comm, stream, op);
 }
 
 // Every op that replays, on each of its paths: LL and chunked allgather; small M (the layouts core, then the

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "rank_buffers.hpp"
+#include "submit_op.hpp"
 #include "tandem/kernels/fused_ops.hpp"
 
 using namespace tandem::gputest;
@@ -75,46 +76,7 @@ struct BigOp {
   }
 
   tandem_status_t submit(tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) const {
-    namespace dim = tandem::dim;
-    namespace slot = tandem::slot;
-    const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
-    switch (d.kind) {
-      case OpKind::kMoeDispatchGemm: {
-        const tandem_moe_dispatch_gemm_args_t a{
-            sizeof a, dtype, d.dims[dim::kTokens], d.dims[dim::kHidden], d.dims[dim::kNOut], d.dims[dim::kExperts],
-            d.dims[dim::kTopk], d.dims[dim::kCapacity], t(slot::kX), t(slot::kTopkIds), t(slot::kTopkWeights),
-            t(slot::kW), t(slot::kMoeOut), t(slot::kRowInfo), t(slot::kExpertCounts), stream};
-        return tandem_moe_dispatch_gemm(comm, &a, op);
-      }
-      case OpKind::kMoeDispatchFfnCombine: {
-        const tandem_moe_ffn_args_t a{sizeof a, dtype, d.dims[dim::kTokens], d.dims[dim::kHidden], d.dims[dim::kFfn],
-                                      d.dims[dim::kExperts], d.dims[dim::kTopk], t(slot::kX), t(slot::kTopkIds),
-                                      t(slot::kTopkWeights), t(slot::kW1), t(slot::kW2), t(slot::kFfnOut), stream};
-        return tandem_moe_dispatch_ffn_combine(comm, &a, op);
-      }
-      case OpKind::kAgGemm: {
-        const auto a = agGemmArgs(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], t(0), t(1), t(2), t(3),
-                                  stream);
-        return tandem_ag_gemm(comm, &a, op);
-      }
-      case OpKind::kRingAttention: {
-        tandem_ring_attention_args_t a{};
-        a.struct_size = sizeof a;
-        a.dtype = dtype;
-        a.seq = d.dims[dim::kSeq];
-        a.heads = d.dims[dim::kHeads];
-        a.head_dim = d.dims[dim::kHeadDim];
-        a.causal = 1;
-        a.q = t(0);
-        a.k = t(1);
-        a.v = t(2);
-        a.out = t(3);
-        a.lse = t(4);
-        a.cuda_stream = stream;
-        return tandem_ring_attention(comm, &a, op);
-      }
-      default: return TANDEM_ERROR_INVALID_ARGUMENT;
-    }
+    return tandem::gputest::submitOp(d, [this](int s) { return t(s); }, comm, stream, op);
   }
 
   // "" when no output byte is still the poison pattern's first row (every output was written, at least its start and
@@ -279,6 +241,7 @@ TEST_CASE("ring attention at 32K tokens per rank and ag-gemm at 16384 x 8192 per
                      s.seq = 32768ull * n;
                      s.heads = 32;
                      s.headDim = 128;
+                     s.causal = true;
                      return tandem::reference::makeDescriptor(s, r, n);
                    }};
   const Shape ag{"ag-gemm, 16384x8192/rank", [](uint32_t r, uint32_t n) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "rank_buffers.hpp"
+#include "submit_op.hpp"
 
 using namespace tandem::gputest;
 using tandem::DType;
@@ -131,42 +132,7 @@ struct RankOp : RankBuffers {
         }) {}
 
   tandem_status_t submit(tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) const {
-    const OpDescriptor& d = desc();
-    const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
-    if (d.kind == OpKind::kMoeDispatchGemm) {
-      const tandem_moe_dispatch_gemm_args_t a{sizeof a,
-                                              dtype,
-                                              d.dims[dim::kTokens],
-                                              d.dims[dim::kHidden],
-                                              d.dims[dim::kNOut],
-                                              d.dims[dim::kExperts],
-                                              d.dims[dim::kTopk],
-                                              d.dims[dim::kCapacity],
-                                              tensor(slot::kX),
-                                              tensor(slot::kTopkIds),
-                                              tensor(slot::kTopkWeights),
-                                              tensor(slot::kW),
-                                              tensor(slot::kMoeOut),
-                                              tensor(slot::kRowInfo),
-                                              tensor(slot::kExpertCounts),
-                                              stream};
-      return tandem_moe_dispatch_gemm(comm, &a, op);
-    }
-    const tandem_moe_ffn_args_t a{sizeof a,
-                                  dtype,
-                                  d.dims[dim::kTokens],
-                                  d.dims[dim::kHidden],
-                                  d.dims[dim::kFfn],
-                                  d.dims[dim::kExperts],
-                                  d.dims[dim::kTopk],
-                                  tensor(slot::kX),
-                                  tensor(slot::kTopkIds),
-                                  tensor(slot::kTopkWeights),
-                                  tensor(slot::kW1),
-                                  tensor(slot::kW2),
-                                  tensor(slot::kFfnOut),
-                                  stream};
-    return tandem_moe_dispatch_ffn_combine(comm, &a, op);
+    return submitOp(desc(), [this](int s) { return tensor(s); }, comm, stream, op);
   }
 };
 
