@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import tandem
-from _steptime import timed
+from _steptime import DTYPES, start_rank, timed
 
 
 def main() -> int:
@@ -39,20 +38,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("cp_attention_step: no GPU here; pass --device cpu to check the program on the cpu backend",
-              file=sys.stderr)
+    started = start_rank("cp_attention_step", cuda)
+    if started is None:
         return 2
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    group = None
-    if world > 1:
-        import torch.distributed as dist
-        dist.init_process_group("nccl" if cuda else "gloo")
-        group = dist.group.WORLD
-    comm = tandem.Communicator(group) if group is not None else tandem.Communicator()
+    world, rank, comm = started
+    dtype = DTYPES[args.dtype]
     kv_heads = args.kv_heads or args.heads
     pos = tandem.nn.context_parallel_positions(args.seq, rank, world, args.layout)
     rows = len(pos)

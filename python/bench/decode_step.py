@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import tandem
-from _steptime import timed
+from _steptime import DTYPES, start_rank, timed
 
 GPU_SHAPES = "8192x8192,28672x8192,8192x28672,14336x4096"
 CPU_SHAPES = "256x256,512x256,256x512,384x128"
@@ -411,19 +410,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 10; cpu 1)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("decode_step: no GPU here; pass --device cpu to check the program on the cpu backend", file=sys.stderr)
+    started = start_rank("decode_step", cuda, workspace_bytes=args.workspace_bytes)
+    if started is None:
         return 2
+    world, rank, comm = started
     args.iters = args.iters or (50 if cuda else 3)
     args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    import torch.distributed as dist
-    if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    comm = tandem.Communicator(dist.group.WORLD if world > 1 else None, workspace_bytes=args.workspace_bytes)
+    dtype = DTYPES[args.dtype]
     b = Bench(args, comm, world, rank, dtype)
     card = torch.cuda.get_device_name() if cuda else "cpu"
     b.say(f"decode_step: {world} rank(s), {card}, {args.dtype}; {'eager and CUDA-graph replay' if cuda else 'eager'}")
@@ -437,6 +430,7 @@ def main() -> int:
             moe = dict(zip(("hidden", "ffn", "experts", "topk"), ints(args.moe_shape)))
         moe_part(b, ints(args.tokens or MOE_TOKENS), moe)
     if world > 1:
+        import torch.distributed as dist
         dist.barrier()
     for w in b.wrong:
         b.say(f"WRONG {w}")

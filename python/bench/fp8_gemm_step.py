@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
 import tandem
-from _steptime import timed
+from _steptime import start_rank, timed
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -67,25 +66,19 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, help="untimed runs first (default 5; cpu 1)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("fp8_gemm_step: no GPU here; pass --device cpu to check the program on the cpu backend",
-              file=sys.stderr)
+    started = start_rank("fp8_gemm_step", cuda)
+    if started is None:
         return 2
+    world, rank, comm = started
     m = args.tokens or (8192 if cuda else 256)
     hidden = args.hidden or (8192 if cuda else 256)
     ffn = args.ffn or (28672 if cuda else 512)
     iters = args.iters or (20 if cuda else 3)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     import torch.distributed as dist
-    if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo")
     if m % world or ffn % world:
         print(f"fp8_gemm_step: --tokens and --ffn must be multiples of the {world} ranks", file=sys.stderr)
         return 2
-    comm = tandem.Communicator(dist.group.WORLD if world > 1 else None)
     dev, bf16 = comm.device, torch.bfloat16
     fr, rows = ffn // world, m // world
     g = torch.Generator().manual_seed(1 + rank)

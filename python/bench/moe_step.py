@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import tandem
-from _steptime import timed
+from _steptime import DTYPES, start_rank, timed
 
 
 def torch_layer(x, ids, weights, w1, w2, first_expert):
@@ -69,19 +68,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("moe_step: no GPU here; pass --device cpu to check the program on the cpu backend", file=sys.stderr)
+    started = start_rank("moe_step", cuda)
+    if started is None:
         return 2
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    group = None
-    if world > 1:
-        import torch.distributed as dist
-        dist.init_process_group("nccl" if cuda else "gloo")
-        group = dist.group.WORLD
-    comm = tandem.Communicator(group) if group is not None else tandem.Communicator()
+    world, rank, comm = started
+    dtype = DTYPES[args.dtype]
     if args.experts % world:
         print(f"moe_step: --experts must be a multiple of the {world} ranks", file=sys.stderr)
         return 2

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import tandem
-from _steptime import timed
+from _steptime import DTYPES, start_rank, timed
 
 
 def main() -> int:
@@ -39,20 +38,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("tp_mlp_step: no GPU here; pass --device cpu to check the program on the cpu backend", file=sys.stderr)
+    started = start_rank("tp_mlp_step", cuda)
+    if started is None:
         return 2
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    group = None
-    if world > 1:
-        import torch.distributed as dist
-        dist.init_process_group("nccl" if cuda else "gloo")
-        group = dist.group.WORLD
-    comm = tandem.Communicator(group) if group is not None else tandem.Communicator()
+    world, rank, comm = started
+    dtype = DTYPES[args.dtype]
     if args.ffn % world or args.tokens % world:
         print(f"tp_mlp_step: --ffn and --tokens must be multiples of the {world} ranks", file=sys.stderr)
         return 2
