@@ -545,7 +545,7 @@ AgGemmPlanChoice launchAgGemm(const AgGemmParams& p, cudaStream_t stream) {
     const bool nn = p.layout == GemmLayout::kAB;
     using Fn = void (*)(AgGemmKernelParams);
     // [bf16, fp16][LSU, TMA copies][B [n, k], B [k, n]]
-    static constexpr Fn kFused[2][2][2] = {
+    static const Fn kFused[2][2][2] = {
         {{&agGemmFusedKernel<__nv_bfloat16, CommMode::kLsu, false>, &agGemmFusedKernel<__nv_bfloat16, CommMode::kLsu, true>},
          {&agGemmFusedKernel<__nv_bfloat16, CommMode::kTma, false>, &agGemmFusedKernel<__nv_bfloat16, CommMode::kTma, true>}},
         {{&agGemmFusedKernel<__half, CommMode::kLsu, false>, &agGemmFusedKernel<__half, CommMode::kLsu, true>},
