@@ -3,7 +3,7 @@
 // Its PyTorch baseline (torch._grouped_mm on the same group sizes and the same math) is bench/grouped_mm_baseline.py.
 //
 //   grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16] [--ops fwd|dgrad|all]
-//                      [--torch FILE]
+//                      [--torch FILE] [--decode]
 //
 // fwd (DeepSeek-V3: 32 experts, hidden 7168, ffn 2048; layout kABt): gemm1 x [M, 7168] · w1 [32, 4096, 7168]ᵀ (plain
 // store, and with the SwiGLU epilogue writing h [M, 2048]); gemm2 h [M, 2048] · w2 [32, 7168, 2048]ᵀ (plain, and
@@ -16,6 +16,13 @@
 // --torch FILE reads the baseline script's --ms-out lines "model case op ms" and adds torch's ms and the ratio
 // torch ms / tandem ms (above 1: tandem is faster) for the ops both ran.
 // TFLOP/s count 2 * rows * n * k (n = 4096 for gemm1 with or without SwiGLU). Exits 1 on any correctness failure.
+//
+// --decode: instead, decode routings: 1, 8, 32 and 128 tokens, each routed to 8 distinct experts of 32 (seeded), so
+// a few rows per expert. Every expert that has rows is checked, and each op is timed on the path the plan rule picks
+// (maxGroupRows = tokens: swap-AB) and on the tiled path. The figure of merit is memory: the routed experts' weights
+// read once, in GB/s and as a multiple of the time a device-to-device copy (bytes read + written, measured in this
+// run) takes to move them (target <= 1.3x). "ffn" sums gemm1+swiglu and gemm2+scale, the expert half of moe_ffn.
+// torch._grouped_mm on the same shapes: grouped_mm_baseline.py --decode.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -29,6 +36,7 @@
 #include <cstring>
 #include <fstream>
 #include <initializer_list>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -43,6 +51,7 @@
 using tandem::kernels::GemmDtype;
 using tandem::kernels::GemmLayout;
 using tandem::kernels::GroupedGemmEpilogue;
+using tandem::kernels::GroupedGemmPath;
 using tandem::kernels::GroupedGemmParams;
 using tandem::kernels::launchGroupedGemm;
 
@@ -89,6 +98,13 @@ __global__ void fillScale(float* s, int64_t n, uint64_t seed) {
 struct Case {
   std::string name;
   std::vector<int32_t> counts;
+  int64_t maxGroupRows = 0;  // GroupedGemmParams::maxGroupRows: the decode cases' tokens
+  bool checkAll = false;     // check every group that has rows (decode), not only groups 0, 16 and 31
+  int64_t activeExperts() const {
+    int64_t a = 0;
+    for (int32_t c : counts) a += c > 0 ? 1 : 0;
+    return a;
+  }
   int64_t rows() const {
     int64_t m = 0;
     for (int32_t c : counts) m += c;
@@ -274,8 +290,10 @@ void release(Buffers& b) {
   b = Buffers{};
 }
 
-GroupedGemmParams paramsOf(Op op, const Buffers& b, int set, int64_t rows, GemmDtype dt, int32_t groupM) {
+GroupedGemmParams paramsOf(Op op, const Buffers& b, int set, const Case& c, GemmDtype dt, int32_t groupM,
+                           GroupedGemmPath path = GroupedGemmPath::kAuto) {
   const OpShape sh = shapeOf(op, b.model);
+  const int64_t rows = c.rows();
   GroupedGemmParams p{};
   p.x = inputOf(op, b, set);
   p.w = weightOf(op, b, set);
@@ -290,6 +308,8 @@ GroupedGemmParams paramsOf(Op op, const Buffers& b, int set, int64_t rows, GemmD
   p.epilogue = op == Op::kG1SwiGlu ? GroupedGemmEpilogue::kSwiGlu : GroupedGemmEpilogue::kStore;
   p.layout = sh.layout;
   p.groupM = groupM;
+  p.maxGroupRows = c.maxGroupRows;
+  p.path = path;
   return p;
 }
 
@@ -311,7 +331,7 @@ void check(Op op, const Case& c, const Buffers& b, GemmDtype dt, cudaStream_t s)
   const int64_t rows = c.rows();
   CK(cudaMemsetAsync(outputOf(op, b), 0xFF, size_t(rows) * sh.nOut * 2, s));  // NaN poison
   try {
-    launchGroupedGemm(paramsOf(op, b, 0, rows, dt, 0), s);
+    launchGroupedGemm(paramsOf(op, b, 0, c, dt, 0), s);
   } catch (const std::exception& e) {
     std::printf("  FAIL %-7s %-10s %-13s launch threw: %s\n", b.model.name, c.name.c_str(), opName(op), e.what());
     gFailed = true;
@@ -324,7 +344,12 @@ void check(Op op, const Case& c, const Buffers& b, GemmDtype dt, cudaStream_t s)
   double worst = 0;
   unsigned long long badTotal = 0;
   const int experts = b.model.experts;
-  for (int e : {0, experts / 2, experts - 1}) {
+  std::vector<int> groups = {0, experts / 2, experts - 1};
+  if (c.checkAll) {
+    groups.clear();
+    for (int e = 0; e < experts; ++e) groups.push_back(e);
+  }
+  for (int e : groups) {
     const int64_t r0 = off[size_t(e)], nr = c.counts[size_t(e)];
     if (nr == 0) continue;
     const T* a = static_cast<const T*>(inputOf(op, b, 0)) + r0 * sh.k;
@@ -369,13 +394,13 @@ double median(std::vector<float> v) {
 
 // Median ms of `iters` launches, alternating the two input sets. All are enqueued back to back (each between its own
 // pair of events) and synchronised once, so the host's launch cost stays out of the numbers.
-double timeOp(Op op, const Case& c, const Buffers& b, GemmDtype dt, int iters, int32_t groupM, cudaStream_t s) {
-  const int64_t rows = c.rows();
+double timeOp(Op op, const Case& c, const Buffers& b, GemmDtype dt, int iters, int32_t groupM, cudaStream_t s,
+              GroupedGemmPath path = GroupedGemmPath::kAuto) {
   constexpr int kWarm = 3;
   std::vector<cudaEvent_t> ev(2 * size_t(iters + kWarm));
   for (auto& e : ev) CK(cudaEventCreate(&e));
   for (int it = 0; it < iters + kWarm; ++it) {
-    const GroupedGemmParams p = paramsOf(op, b, it % kSets, rows, dt, groupM);
+    const GroupedGemmParams p = paramsOf(op, b, it % kSets, c, dt, groupM, path);
     CK(cudaEventRecord(ev[2 * size_t(it)], s));
     launchGroupedGemm(p, s);
     CK(cudaEventRecord(ev[2 * size_t(it) + 1], s));
@@ -471,14 +496,127 @@ int run(const Options& o, const std::vector<Case>& extraCases, bool fwd, bool dg
   return gFailed ? 1 : 0;
 }
 
+// ---- decode mode ------------------------------------------------------------------------------------------------
+
+constexpr int kTopK = 8;
+
+// `tokens` tokens, each routed to kTopK distinct experts drawn uniformly (seeded by the token count).
+Case decodeCase(int tokens) {
+  constexpr int kExperts = kDeepSeekV3.experts;
+  std::mt19937_64 rng(1000 + uint64_t(tokens));
+  Case c{"tok" + std::to_string(tokens), std::vector<int32_t>(kExperts, 0)};
+  std::vector<int> ids(kExperts);
+  for (int t = 0; t < tokens; ++t) {
+    for (int e = 0; e < kExperts; ++e) ids[size_t(e)] = e;
+    for (int i = 0; i < kTopK; ++i) {  // partial Fisher-Yates: the first kTopK of a random permutation
+      const int j = i + int(rng() % uint64_t(kExperts - i));
+      std::swap(ids[size_t(i)], ids[size_t(j)]);
+      ++c.counts[size_t(ids[size_t(i)])];
+    }
+  }
+  c.maxGroupRows = tokens;  // a token's experts are distinct: no expert gets more than `tokens` rows
+  c.checkAll = true;
+  return c;
+}
+
+// Device-to-device copy bandwidth (bytes read + written per second), the ceiling of a weight-streaming GEMM.
+double copyBandwidthGBs(cudaStream_t s) {
+  const size_t bytes = size_t(1) << 30;
+  void *src, *dst;
+  CK(cudaMalloc(&src, bytes));
+  CK(cudaMalloc(&dst, bytes));
+  CK(cudaMemsetAsync(src, 1, bytes, s));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> t(10);
+  for (int i = 0; i < 12; ++i) {
+    CK(cudaEventRecord(e0, s));
+    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+    CK(cudaEventRecord(e1, s));
+    syncOrDie(s, 30, "copy");
+    if (i >= 2) CK(cudaEventElapsedTime(&t[size_t(i - 2)], e0, e1));
+  }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaFree(src));
+  CK(cudaFree(dst));
+  return 2.0 * double(bytes) / (median(t) * 1e-3) / 1e9;
+}
+
+// Bytes of the routed experts' weights for `op`, each read once.
+double weightBytes(Op op, const Case& c) {
+  const OpShape sh = shapeOf(op, kDeepSeekV3);
+  return double(c.activeExperts()) * double(sh.n) * double(sh.k) * 2.0;
+}
+
+template <class T>
+int runDecode(GemmDtype dt, int iters) {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const double copyGBs = copyBandwidthGBs(s);
+  std::vector<Case> cases;
+  for (int tokens : {1, 8, 32, 128}) cases.push_back(decodeCase(tokens));
+  int64_t maxRows = 0, maxGroup = 0;
+  for (const Case& c : cases) {
+    maxRows = std::max(maxRows, c.rows());
+    maxGroup = std::max<int64_t>(maxGroup, c.maxGroup());
+  }
+  Buffers b = allocate<T>(kDeepSeekV3, maxRows, maxGroup, s);
+  const Op ops[] = {Op::kG1Store, Op::kG1SwiGlu, Op::kG2Store, Op::kG2Scaled};
+
+  std::printf("device-to-device copy %.0f GB/s (read + write)\n", copyGBs);
+  std::printf("correctness (every expert with rows vs fp32 reference, the plan's path):\n");
+  for (const Case& c : cases) {
+    uploadOffsets(c, b, s);
+    for (Op op : ops) check<T>(op, c, b, dt, s);
+  }
+
+  std::printf("\ntiming (median of %d, 2 rotated input sets). weights: the routed experts' weights once; x copy: that "
+              "time over the time a copy moves those bytes (target <= 1.3)\n", iters);
+  std::printf("%-6s %5s %7s  %-13s %-11s %9s %9s %9s %8s %7s\n", "case", "rows", "experts", "op", "plan", "ms",
+              "tiled ms", "weight MB", "GB/s", "x copy");
+  for (const Case& c : cases) {
+    uploadOffsets(c, b, s);
+    double ffnMs = 0, ffnBytes = 0;
+    int maxCount = 0;
+    for (int32_t n : c.counts) maxCount = std::max(maxCount, int(n));
+    for (Op op : ops) {
+      const GroupedGemmParams p = paramsOf(op, b, 0, c, dt, 0);
+      const std::string plan = tandem::kernels::groupedGemmPlanName(
+          tandem::kernels::groupedGemmPlanFor(p.mTotal, p.maxGroupRows, p.path));
+      const double ms = timeOp(op, c, b, dt, iters, 0, s);
+      const double tiledMs = timeOp(op, c, b, dt, iters, 0, s, GroupedGemmPath::kTiled);
+      const double bytes = weightBytes(op, c);
+      const double gbs = bytes / (ms * 1e-3) / 1e9;
+      std::printf("%-6s %5lld %7lld  %-13s %-11s %9.4f %9.4f %9.1f %8.0f %7.2f\n", c.name.c_str(),
+                  static_cast<long long>(c.rows()), static_cast<long long>(c.activeExperts()), opName(op),
+                  plan.c_str(), ms, tiledMs, bytes / 1e6, gbs, copyGBs / gbs);
+      if (op == Op::kG1SwiGlu || op == Op::kG2Scaled) {
+        ffnMs += ms;
+        ffnBytes += bytes;
+      }
+      std::fflush(stdout);
+    }
+    const double ffnGBs = ffnBytes / (ffnMs * 1e-3) / 1e9;
+    std::printf("%-6s %5lld %7lld  %-13s %-11s %9.4f %9s %9.1f %8.0f %7.2f  (largest group %d rows)\n",
+                c.name.c_str(), static_cast<long long>(c.rows()), static_cast<long long>(c.activeExperts()), "ffn",
+                "", ffnMs, "", ffnBytes / 1e6, ffnGBs, copyGBs / ffnGBs, maxCount);
+  }
+  release(b);
+  CK(cudaStreamDestroy(s));
+  return gFailed ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Options o;
+  bool decode = false;
   std::string countsPath, torchPath, ops = "all";
   const char* usage =
       "usage: grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16] [--ops fwd|dgrad|all] "
-      "[--torch FILE]\n";
+      "[--torch FILE] [--decode]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--iters" && i + 1 < argc) {
@@ -487,6 +625,8 @@ int main(int argc, char** argv) {
       countsPath = argv[++i];
     } else if (a == "--sweep") {
       o.sweep = true;
+    } else if (a == "--decode") {
+      decode = true;
     } else if (a == "--dtype" && i + 1 < argc) {
       const std::string d = argv[++i];
       o.dtype = d == "fp16" ? GemmDtype::kFp16 : GemmDtype::kBf16;
@@ -520,8 +660,12 @@ int main(int argc, char** argv) {
               o.dtype == GemmDtype::kBf16 ? "bf16" : "fp16");
   const bool fwd = ops != "dgrad", dgrad = ops != "fwd";
   try {
-    const int rc = o.dtype == GemmDtype::kBf16 ? run<__nv_bfloat16>(o, extra, fwd, dgrad)
-                                               : run<__half>(o, extra, fwd, dgrad);
+    int rc = 0;
+    if (decode) {
+      rc = o.dtype == GemmDtype::kBf16 ? runDecode<__nv_bfloat16>(o.dtype, o.iters) : runDecode<__half>(o.dtype, o.iters);
+    } else {
+      rc = o.dtype == GemmDtype::kBf16 ? run<__nv_bfloat16>(o, extra, fwd, dgrad) : run<__half>(o, extra, fwd, dgrad);
+    }
     std::printf("%s\n", rc == 0 ? "ALL OK" : "SOME CHECKS FAILED");
     return rc;
   } catch (const std::exception& e) {

@@ -19,7 +19,11 @@ Timing: CUDA events around each call, all calls enqueued back to back and synchr
 of --iters (>= 20), two input sets rotated so L2 does not flatter. TFLOP/s count 2 * rows * n * k per GEMM.
 
   python3 bench/grouped_mm_baseline.py [--iters 30] [--json FILE] [--counts-out FILE] [--ms-out FILE]
-                                       [--skip-forward] [--skip-dgrad] [--skip-layer]
+                                       [--skip-forward] [--skip-dgrad] [--skip-layer] [--decode]
+
+--decode: instead, torch._grouped_mm at decode sizes (grouped_gemm_bench --decode): 1, 8, 32 and 128 tokens routed
+top-8 over the 32 experts, gemm1 and gemm2 (k-major weights), with the GB/s of the routed experts' weights read once
+against a device-to-device copy (bytes read + written) measured in the same run.
 
 --counts-out writes the random routings' group sizes as lines "name c0 ... c31", for grouped_gemm_bench --counts.
 --ms-out writes the baseline's median ms of 1. and 2. as lines "model case op ms", for grouped_gemm_bench --torch
@@ -250,6 +254,44 @@ def moe_layer_cases(iters, dtype, results, counts_out):
             f.write("\n".join(line for line in lines if line.split()[0].endswith("_0")) + "\n")
 
 
+def copy_gbs():
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_calls([lambda: dst.copy_(src)], 20)
+    return 2.0 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def decode_cases(iters, dtype, results):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def rnd(*shape):
+        return (torch.rand(*shape, device="cuda", generator=gen, dtype=torch.float32) * 2 - 1).to(dtype)
+
+    copy = copy_gbs()
+    w1t = [rnd(E, 2 * FFN, HIDDEN).transpose(-2, -1) for _ in range(SETS)]  # k-major (nn.Linear), as tandem reads
+    w2t = [rnd(E, HIDDEN, FFN).transpose(-2, -1) for _ in range(SETS)]
+    print(f"\ntorch._grouped_mm at decode sizes, top-{TOPK} over {E} experts (median of {iters}); device-to-device "
+          f"copy {copy:.0f} GB/s (read + write); x copy = time / (weight bytes / copy GB/s)")
+    print(f"{'tokens':>6} {'rows':>5} {'experts':>7}  {'op':<6} {'ms':>9} {'weight MB':>9} {'GB/s':>8} {'x copy':>7}")
+    for tokens in (1, 8, 32, 128):
+        ids = torch.rand(tokens, E, device="cuda", generator=gen).topk(TOPK, dim=1).indices
+        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows = tokens * TOPK
+        active = int((counts > 0).sum().item())
+        x = [rnd(rows, HIDDEN) for _ in range(SETS)]
+        h = [rnd(rows, FFN) for _ in range(SETS)]
+        for op, a, b, n, k in (("gemm1", x, w1t, 2 * FFN, HIDDEN), ("gemm2", h, w2t, HIDDEN, FFN)):
+            ms = time_calls([lambda i=i: torch._grouped_mm(a[i], b[i], offs=offs) for i in range(SETS)], iters)
+            wbytes = active * n * k * 2.0
+            gbs = wbytes / (ms * 1e-3) / 1e9
+            print(f"{tokens:>6} {rows:>5} {active:>7}  {op:<6} {ms:9.4f} {wbytes / 1e6:9.1f} {gbs:8.0f} "
+                  f"{copy / gbs:7.2f}")
+            results["decode"].append({"tokens": tokens, "rows": rows, "experts": active, "op": op, "ms": ms,
+                                      "weight_gbs": gbs, "copy_gbs": copy})
+        sys.stdout.flush()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=30)
@@ -259,6 +301,7 @@ def main():
     ap.add_argument("--skip-forward", action="store_true")
     ap.add_argument("--skip-dgrad", action="store_true")
     ap.add_argument("--skip-layer", action="store_true")
+    ap.add_argument("--decode", action="store_true")
     args = ap.parse_args()
     if args.iters < 20:
         ap.error("--iters must be >= 20 (median of at least 20)")
@@ -266,15 +309,18 @@ def main():
         print("no CUDA device")
         sys.exit(77)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16")
-    results = {"grouped_mm": [], "moe_layer": []}
-    if not args.skip_forward:
-        grouped_mm_cases(args.iters, torch.bfloat16, results)
-    if not args.skip_dgrad:
-        dgrad_cases(args.iters, torch.bfloat16, results)
-    if args.ms_out:
-        with open(args.ms_out, "w") as f:
-            f.write("".join(f"{r['model']} {r['case']} {r['op']} {r['ms']:.5f}\n" for r in results["grouped_mm"]))
-    if not args.skip_layer:
+    results = {"grouped_mm": [], "moe_layer": [], "decode": []}
+    if args.decode:
+        decode_cases(args.iters, torch.bfloat16, results)
+    else:
+        if not args.skip_forward:
+            grouped_mm_cases(args.iters, torch.bfloat16, results)
+        if not args.skip_dgrad:
+            dgrad_cases(args.iters, torch.bfloat16, results)
+        if args.ms_out:
+            with open(args.ms_out, "w") as f:
+                f.write("".join(f"{r['model']} {r['case']} {r['op']} {r['ms']:.5f}\n" for r in results["grouped_mm"]))
+    if not args.decode and not args.skip_layer:
         moe_layer_cases(args.iters, torch.bfloat16, results, args.counts_out)
     if args.json:
         with open(args.json, "w") as f:

@@ -13,8 +13,10 @@
 
 #include "tandem/kernels/driver.hpp"
 #include "grouped_gemm_desc.hpp"
+#include "grouped_gemm_swap_desc.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
+#include "tandem/kernels/grouped_gemm_plan.hpp"
 #include "tandem/kernels/tensor_map_cache.hpp"
 
 namespace tandem::kernels {
@@ -166,6 +168,18 @@ void validateGroupedGemm(const GroupedGemmParams& g) {
          g.n);
   }
   if (g.groupM < 0) fail(kBad, "grouped gemm: groupM must be >= 0 (0 = default), got {}", g.groupM);
+  if (g.path != GroupedGemmPath::kAuto && g.path != GroupedGemmPath::kTiled && g.path != GroupedGemmPath::kSwapAB) {
+    fail(kBad, "grouped gemm: path must be kAuto, kTiled or kSwapAB (GroupedGemmPath), got {}",
+         static_cast<int>(g.path));
+  }
+  if (nMajorW && g.path == GroupedGemmPath::kSwapAB) {
+    fail(kBad,
+         "grouped gemm: the swap-AB path reads w [E, n, k] (layout kABt) only; with layout kAB use path kAuto or "
+         "kTiled");
+  }
+  if (g.maxGroupRows < 0) {
+    fail(kBad, "grouped gemm: maxGroupRows must be >= 0 (0 = no bound known), got {}", g.maxGroupRows);
+  }
   const int64_t nOut = outCols(g);
   if (g.ldx != 0 && (g.ldx < g.k || g.ldx % 8 != 0 || g.ldx > kMax32)) {
     fail(kBad, "grouped gemm: ldx must be 0 (dense) or a multiple of 8 that is >= k and below 2^31, got ldx={} k={}",
@@ -222,6 +236,13 @@ void launchGroupedGemm(const GroupedGemmParams& g, cudaStream_t stream, int numS
   using namespace grouped;
   validateGroupedGemm(g);
   if (g.mTotal == 0 || g.n == 0 || g.numExperts == 0) return;
+  // The swap-AB path reads K-major weights only, so layout kAB (the backward's dgrad) always tiles.
+  const GroupedGemmPlan plan = g.layout == GemmLayout::kAB ? GroupedGemmPlan{}
+                                                           : groupedGemmPlanFor(g.mTotal, g.maxGroupRows, g.path);
+  if (plan.path == GroupedGemmPath::kSwapAB) {
+    grouped_swap::launchGroupedGemmSwap(g, plan, stream, numSms);
+    return;
+  }
   int device = 0;
   checkCuda(cudaGetDevice(&device), "cudaGetDevice");
   const GroupedGemmVariant variant{g.dtype, g.epilogue, g.layout};
@@ -285,6 +306,7 @@ void preloadGroupedGemmKernels(int device) {
       prepare(device, {dt, GroupedGemmEpilogue::kSwiGlu, GemmLayout::kABt});
       prepare(device, {dt, GroupedGemmEpilogue::kStore, GemmLayout::kAB});
     }
+    grouped_swap::preloadGroupedGemmSwapKernels(device);
   } catch (...) {
     cudaSetDevice(previous);
     throw;

@@ -249,6 +249,10 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   gg.k = g.hidden;
   gg.skipIdleHalves = g.gemmSkipIdleHalves;
   if (g.gemmDynamicTiles) gg.tileCounter = &p.status->gemmTiles[0];  // zeroed with the status above
+  // A token's top-k experts are distinct, so a local expert receives at most one row per token of every rank: at
+  // decode sizes this picks the swap-AB path. A tuning bound only (ranks with more tokens cost time, not results).
+  const int64_t maxGroupRows = g.tokens * static_cast<int64_t>(c.nranks);
+  gg.maxGroupRows = maxGroupRows;
   if (!g.ffn) {
     gg.w = g.w;
     gg.out = g.out;
@@ -277,6 +281,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   g2.k = g.ffnDim;
   g2.epilogue = GroupedGemmEpilogue::kStore;
   g2.skipIdleHalves = g.gemmSkipIdleHalves;
+  g2.maxGroupRows = maxGroupRows;
   if (g.gemmDynamicTiles) g2.tileCounter = &p.status->gemmTiles[1];
   launchGroupedGemm(g2, stream, g.gemmSms);
   if (!alone) checkCuda(launchArrive(p, 1, stream), "launching the y exchange");

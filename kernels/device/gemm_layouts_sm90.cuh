@@ -246,6 +246,62 @@ __device__ __forceinline__ void stShared64(uint32_t addr, float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// wgmma m64nN fp32 accumulator fragment (PTX ISA, "wgmma D matrix fragments"): thread t (0..127) of a warpgroup holds
+// D[fragRow(t, h), fragCol(t, j, e)] of the warpgroup's 64 x N block in acc[4j + 2h + e], j < N / 8, h, e in {0, 1}.
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int fragRow(int t, int h) { return (t / 32) * 16 + (t % 32) / 4 + 8 * h; }
+__device__ __forceinline__ int fragCol(int t, int j, int e) { return 8 * j + 2 * (t % 4) + e; }
+
+// Calls emit(row, col, value) for every accumulator of thread t, rows and columns as fragRow / fragCol.
+template <int BN, class Emit>
+__device__ __forceinline__ void forEachFragment(const float (&acc)[BN / 2], int t, Emit&& emit) {
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) emit(fragRow(t, h), fragCol(t, j, e), acc[4 * j + 2 * h + e]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The mainloop of one work unit, for consumer warpgroup thread t: k-blocks [kb0, kb1) of the stage ring into acc
+// (overwritten by the first), X rows from xOffset bytes into each X stage. One k-block's wgmmas stay in flight while
+// the next is issued; a stage goes back to the producer once this warpgroup's wgmmas have read it (the empty barrier
+// counts one arrival per consumer warpgroup). Leaves acc complete and every stage it took handed back.
+// ---------------------------------------------------------------------------------------------------------------
+template <class T, int BN, Major MX, Major MY, class Storage, int Stages>
+__device__ __forceinline__ void mmaKBlocks(Storage& s, PipeState<Stages>& ps, float (&acc)[BN / 2], int32_t kb0,
+                                           int32_t kb1, uint32_t xOffset, int t) {
+  constexpr int kTransX = MX == Major::kMN ? 1 : 0;
+  constexpr int kTransY = MY == Major::kMN ? 1 : 0;
+  int prevStage = 0;
+  for (int32_t kb = kb0; kb < kb1; ++kb) {
+    gemm::mbarWait(&s.full[ps.stage], ps.phase);  // acquire: TMA bytes of this stage landed
+    const uint64_t descX = makeDesc<MX>(gemm::smemAddr(s.a[ps.stage]) + xOffset);
+    const uint64_t descY = makeDesc<MY>(gemm::smemAddr(s.b[ps.stage]));
+    gemm::fenceAccumulators(acc);
+    gemm::wgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / kMmaK; ++kk) {
+      Wgmma<T, BN>::template run<kTransX, kTransY>(acc, descX + kk * kDescKStep<MX>, descY + kk * kDescKStep<MY>,
+                                                   (kb > kb0 || kk > 0) ? 1u : 0u);
+    }
+    gemm::wgmmaCommit();
+    gemm::fenceAccumulators(acc);
+    gemm::wgmmaWait<1>();  // the previous k-block's wgmmas are done: its stage can be refilled
+    // Pairs with the producer's mbarWait(empty): both warpgroups' wgmma reads of that stage are complete.
+    if (kb > kb0 && t == 0) gemm::mbarArrive(&s.empty[prevStage]);
+    prevStage = ps.stage;
+    ps.advance();
+  }
+  gemm::wgmmaWait<0>();
+  gemm::fenceAccumulators(acc);
+  if (kb1 > kb0 && t == 0) gemm::mbarArrive(&s.empty[prevStage]);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Work units: unit w is split (w % splits) of tile (w / splits); tiles in the grouped raster order, so the splits of
 // one tile run side by side and finish at about the same time.
 // ---------------------------------------------------------------------------------------------------------------
@@ -394,15 +450,11 @@ __device__ __forceinline__ void runConsumer(const KernelParams& p, SharedStorage
                                             int32_t workStride, int wg, int t) {
   using G = Geometry<BN, !Swapped>;
   constexpr int R = BN / 2;  // fp32 accumulators per thread (wgmma m64nBN)
-  constexpr int kTransX = MX == Major::kMN ? 1 : 0;
-  constexpr int kTransY = MY == Major::kMN ? 1 : 0;
   float acc[R];
   PipeState<G::kStages> ps;
   uint32_t epiChunks = 0;  // TMA-store chunks committed by this warpgroup (thread 0 tracks the bulk groups)
   const uint32_t xOffset = static_cast<uint32_t>(wg) * kChunkBytes;  // 64 rows: 64 x 128 B (K) or one box (MN)
   const Barrier epiBar = wg == 0 ? Barrier::kEpilogue0 : Barrier::kEpilogue1;
-  const int warp = t / 32;
-  const int lane = t % 32;
   const GroupedRaster order = rasterOf(p);
   const int32_t numWork = order.numWork() * p.splits;
 
@@ -412,60 +464,29 @@ __device__ __forceinline__ void runConsumer(const KernelParams& p, SharedStorage
 #pragma unroll
       for (int i = 0; i < R; ++i) acc[i] = 0.f;
     }
-    int prevStage = 0;
-    for (int32_t kb = wk.kb0; kb < wk.kb1; ++kb) {
-      gemm::mbarWait(&s.full[ps.stage], ps.phase);  // acquire: TMA bytes of this stage landed
-      const uint64_t descX = makeDesc<MX>(gemm::smemAddr(s.a[ps.stage]) + xOffset);
-      const uint64_t descY = makeDesc<MY>(gemm::smemAddr(s.b[ps.stage]));
-      gemm::fenceAccumulators(acc);
-      gemm::wgmmaFence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / kMmaK; ++kk) {
-        Wgmma<T, BN>::template run<kTransX, kTransY>(acc, descX + kk * kDescKStep<MX>, descY + kk * kDescKStep<MY>,
-                                                     (kb > wk.kb0 || kk > 0) ? 1u : 0u);
-      }
-      gemm::wgmmaCommit();
-      gemm::fenceAccumulators(acc);
-      gemm::wgmmaWait<1>();  // the previous k-block's wgmmas are done: its stage can be refilled
-      // Pairs with the producer's mbarWait(empty): both warpgroups' wgmma reads of that stage are complete.
-      if (kb > wk.kb0 && t == 0) gemm::mbarArrive(&s.empty[prevStage]);
-      prevStage = ps.stage;
-      ps.advance();
-    }
-    gemm::wgmmaWait<0>();
-    gemm::fenceAccumulators(acc);
-    if (wk.kb1 > wk.kb0 && t == 0) gemm::mbarArrive(&s.empty[prevStage]);
+    mmaKBlocks<T, BN, MX, MY>(s, ps, acc, wk.kb0, wk.kb1, xOffset, t);
 
     if (p.splits > 1 && !finishSplit<R>(p, s, wk, acc, wg * 128 + t)) continue;
 
     const int32_t rowBase = wk.row0 + wg * kRowsPerConsumer;
     if (rowBase >= p.rows) continue;  // warpgroup-uniform: nothing of ours lies inside D
     if constexpr (Swapped) {
-      const int32_t row0 = rowBase + warp * 16 + lane / 4;
-      const int32_t colQ = wk.col0 + (lane & 3) * 2;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int32_t row = row0 + 8 * h;  // a column of C
-            const int32_t col = colQ + j * 8 + e;  // a row of C
-            if (row < p.rows && col < p.cols) {
-              const int64_t idx = static_cast<int64_t>(col) * p.ldc + row;
-              const float v = acc[4 * j + 2 * h + e];
-              if (p.outF32 != 0) {
-                static_cast<float*>(p.c)[idx] = v;
-              } else {
-                static_cast<T*>(p.c)[idx] = fromFloat<T>(v);
-              }
-            }
+      forEachFragment<BN>(acc, t, [&](int r, int cc, float v) {
+        const int32_t row = rowBase + r;     // a column of C
+        const int32_t col = wk.col0 + cc;    // a row of C
+        if (row < p.rows && col < p.cols) {
+          const int64_t idx = static_cast<int64_t>(col) * p.ldc + row;
+          if (p.outF32 != 0) {
+            static_cast<float*>(p.c)[idx] = v;
+          } else {
+            static_cast<T*>(p.c)[idx] = fromFloat<T>(v);
           }
         }
-      }
+      });
     } else {
       constexpr int kCols = 128 / static_cast<int>(sizeof(Out));  // output columns per 128-byte chunk row
-      const int r = warp * 16 + lane / 4;  // accumulator rows r and r + 8 (same swizzle phase r & 7)
+      const int lane = t % 32;
+      const int r = fragRow(t, 0);  // accumulator rows r and r + 8 (same swizzle phase r & 7)
       const uint32_t rowOff0 = static_cast<uint32_t>(r) * 128;
       const uint32_t rowOff1 = static_cast<uint32_t>(r + 8) * 128;
       const uint32_t phase = static_cast<uint32_t>(r & 7);

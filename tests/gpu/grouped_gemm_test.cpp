@@ -3,6 +3,8 @@
 // weight layouts (w [E, n, k] and the backward's w [E, k, n]), the SwiGLU and row-scale epilogues, bf16 and fp16, a
 // grid small enough that every CTA runs many tiles, the arrival counters (ready, released by the host after the
 // launch, abort, deadline), bitwise repeats, and the shape rules.
+// The swap-AB path (decode: a few rows per expert) runs the same checks on decode-sized routings, including groups
+// longer than its token tile, and a 20-run bitwise repeat.
 // This process initialises CUDA itself (no forked ranks), so it is its own executable (tandem_grouped_gemm_tests).
 #include <doctest/doctest.h>
 
@@ -27,6 +29,7 @@ using tandem::kernels::ErrorSlot;
 using tandem::kernels::GemmDtype;
 using tandem::kernels::GemmLayout;
 using tandem::kernels::GroupedGemmEpilogue;
+using tandem::kernels::GroupedGemmPath;
 using tandem::kernels::GroupedGemmParams;
 using tandem::kernels::launchGroupedGemm;
 using tandem::kernels::validateGroupedGemm;
@@ -54,6 +57,8 @@ struct Case {
   bool scale = false;
   int numSms = 0;
   uint64_t seed = 1;
+  GroupedGemmPath path = GroupedGemmPath::kAuto;
+  int64_t maxGroupRows = 0;  // GroupedGemmParams::maxGroupRows (picks the swap-AB tile width)
 };
 
 // Host copies of one case's inputs, and its device buffers.
@@ -110,6 +115,8 @@ struct Problem {
     p.dtype = c.dtype;
     p.epilogue = c.epi;
     p.layout = c.layout;
+    p.path = c.path;
+    p.maxGroupRows = c.maxGroupRows;
     return p;
   }
 
@@ -380,13 +387,17 @@ TEST_CASE("grouped gemm: many experts (the scheduler's scan crosses several 32-e
 }
 
 TEST_CASE("grouped gemm: every expert empty writes nothing") {
-  Case c;
-  c.counts.assign(6, 0);
-  c.n = 64;
-  c.k = 64;
-  c.lead = 10;
-  c.tail = 10;
-  runAndCheck(c);
+  for (GroupedGemmPath path : {GroupedGemmPath::kTiled, GroupedGemmPath::kSwapAB}) {
+    CAPTURE(static_cast<int>(path));
+    Case c;
+    c.counts.assign(6, 0);
+    c.n = 64;
+    c.k = 64;
+    c.lead = 10;
+    c.tail = 10;
+    c.path = path;
+    runAndCheck(c);
+  }
 }
 
 TEST_CASE("grouped gemm: arrival counters gate the tiles") {
@@ -506,6 +517,8 @@ TEST_CASE("grouped gemm: shapes and pointers the kernel cannot take are refused 
       {"ldx must be 0 (dense) or a multiple of 8 that is >= k", [](GroupedGemmParams& p) { p.ldx = 32; }},
       {"ldOut must be 0 (dense) or a multiple of 8", [](GroupedGemmParams& p) { p.ldOut = 68; }},
       {"groupM must be >= 0", [](GroupedGemmParams& p) { p.groupM = -2; }},
+      {"path must be kAuto, kTiled or kSwapAB", [](GroupedGemmParams& p) { p.path = static_cast<GroupedGemmPath>(5); }},
+      {"maxGroupRows must be >= 0", [](GroupedGemmParams& p) { p.maxGroupRows = -1; }},
       {"x, w and out must be non-null", [](GroupedGemmParams& p) { p.x = nullptr; }},
       {"16-byte aligned", [](GroupedGemmParams& p) { p.out = static_cast<char*>(p.out) + 2; }},
       {"groupOffsets must point to", [](GroupedGemmParams& p) { p.groupOffsets = nullptr; }},
@@ -543,4 +556,188 @@ TEST_CASE("grouped gemm: shapes and pointers the kernel cannot take are refused 
   empty.numExperts = 4;
   CHECK_NOTHROW(launchGroupedGemm(empty, st.s));
   ck(cudaStreamSynchronize(st.s), "sync");
+}
+
+// ---- the swap-AB path (decode) ------------------------------------------------------------------------------------
+
+namespace {
+
+// A decode routing: `experts` groups of 0..maxRows rows, about a quarter of them empty, the first always empty and
+// the last holding maxRows (a group ending at mTotal: its token box reads past the last row).
+std::vector<int32_t> decodeCounts(int experts, int32_t maxRows, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> rows(1, maxRows);
+  std::vector<int32_t> counts(size_t(experts), 0);
+  for (int e = 1; e < experts; ++e) counts[size_t(e)] = rng() % 4 == 0 ? 0 : rows(rng);
+  counts.back() = maxRows;
+  return counts;
+}
+
+// The swap-AB path against fp64, then `repeats` more runs equal to the first, bit for bit (one owner per output,
+// K summed in order).
+void runSwapAndCheck(Case c, int repeats = 1) {
+  c.path = GroupedGemmPath::kSwapAB;
+  Problem pr(c);
+  Stream st;
+  const std::vector<uint16_t> out = runOnce(pr, st.s, c.numSms);
+  pr.check(out);
+  for (int i = 0; i < repeats; ++i) {
+    const std::vector<uint16_t> again = runOnce(pr, st.s, c.numSms);
+    REQUIRE_MESSAGE(std::memcmp(out.data(), again.data(), out.size() * 2) == 0, "run " << i + 2 << " differs bitwise");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("grouped gemm swap-AB: decode routings (0-32 rows, 8-32 experts, empty experts) match fp64, every width") {
+  // maxGroupRows picks the token tile: 16 -> n16, 32 and 64 -> n64, 128 -> n128 (grouped_gemm_plan.hpp).
+  struct Routing {
+    int experts;
+    int32_t maxRows;
+    int64_t bound;
+  };
+  const Routing routings[] = {{8, 1, 1}, {8, 16, 16}, {32, 8, 16}, {17, 32, 32}, {32, 32, 64}, {32, 32, 128}};
+  uint64_t seed = 71;
+  for (GemmDtype dt : {GemmDtype::kBf16, GemmDtype::kFp16}) {
+    for (GroupedGemmEpilogue epi : {GroupedGemmEpilogue::kStore, GroupedGemmEpilogue::kSwiGlu}) {
+      for (const Routing& r : routings) {
+        CAPTURE(dtypeName(dt));
+        CAPTURE(static_cast<int>(epi));
+        CAPTURE(r.experts);
+        CAPTURE(r.maxRows);
+        CAPTURE(r.bound);
+        Case c;
+        c.dtype = dt;
+        c.epi = epi;
+        // kStore: 3 weight tiles, the last 8 rows; kSwiGlu: f = 136, 3 tiles of 64 columns, the last 8 wide.
+        c.n = epi == GroupedGemmEpilogue::kSwiGlu ? 2 * 136 : 264;
+        c.k = 136;  // three k-blocks, the last 8 deep
+        c.counts = decodeCounts(r.experts, r.maxRows, ++seed);
+        c.lead = 2;
+        c.tail = 3;
+        c.scale = (seed % 2) == 0;
+        c.maxGroupRows = r.bound;
+        c.seed = seed;
+        runSwapAndCheck(c);
+      }
+    }
+  }
+}
+
+TEST_CASE("grouped gemm swap-AB: the plan takes it at decode sizes without being asked") {
+  // 8 experts of at most 8 rows (mTotal <= 64) and no bound given: the rule bounds every group by mTotal.
+  Case c;
+  c.n = 136;
+  c.k = 64;
+  c.counts = decodeCounts(8, 8, 81);
+  c.seed = 81;
+  REQUIRE(tandem::kernels::groupedGemmPlanFor(Problem::total(c), 0, GroupedGemmPath::kAuto).path ==
+          GroupedGemmPath::kSwapAB);
+  runAndCheck(c);
+}
+
+TEST_CASE("grouped gemm swap-AB: groups longer than the token tile take more token tiles") {
+  for (int64_t bound : {16, 64, 128}) {
+    CAPTURE(bound);
+    for (GroupedGemmEpilogue epi : {GroupedGemmEpilogue::kStore, GroupedGemmEpilogue::kSwiGlu}) {
+      CAPTURE(static_cast<int>(epi));
+      Case c;
+      c.epi = epi;
+      c.n = epi == GroupedGemmEpilogue::kSwiGlu ? 2 * 72 : 136;
+      c.k = 200;
+      // 40: three 16-wide tiles; 130 and 300: past one arrival-counter tile (128 rows); 17 and 65: one row past a tile.
+      c.counts = {0, 40, 3, 130, 16, 17, 0, 65, 300, 1};
+      c.lead = 4;
+      c.tail = 2;
+      c.scale = true;
+      c.maxGroupRows = bound;
+      c.numSms = 3;  // few CTAs: each runs many units, the stage ring wraps across them
+      c.seed = 91 + static_cast<uint64_t>(bound);
+      runSwapAndCheck(c);
+    }
+  }
+}
+
+TEST_CASE("grouped gemm swap-AB: many experts (the scan crosses several 32-expert steps), deep K") {
+  Case c;
+  for (int e = 0; e < 70; ++e) c.counts.push_back((e * 37) % 21);  // 0..20 rows, empty experts at e = 0, 21, ...
+  c.n = 40;
+  c.k = 1032;  // 17 k-blocks: more than the 12 stages of the 16-wide tile
+  c.lead = 1;
+  c.numSms = 5;
+  c.maxGroupRows = 16;
+  c.seed = 101;
+  runSwapAndCheck(c);
+}
+
+TEST_CASE("grouped gemm swap-AB: 20 runs are bitwise equal (DeepSeek-V3-like k, SwiGLU and store)") {
+  for (GroupedGemmEpilogue epi : {GroupedGemmEpilogue::kSwiGlu, GroupedGemmEpilogue::kStore}) {
+    CAPTURE(static_cast<int>(epi));
+    Case c;
+    c.epi = epi;
+    c.n = epi == GroupedGemmEpilogue::kSwiGlu ? 2 * 256 : 512;
+    c.k = 1024;
+    c.counts = decodeCounts(32, 32, 111);
+    c.scale = epi == GroupedGemmEpilogue::kStore;
+    c.maxGroupRows = 32;
+    c.seed = 111;
+    runSwapAndCheck(c, 20);
+  }
+}
+
+TEST_CASE("grouped gemm swap-AB: arrival counters gate the token tiles") {
+  Case c;
+  c.n = 136;
+  c.k = 136;
+  c.counts = {5, 0, 130, 32, 0, 1};  // 130 rows: its second 64-row token tile waits on its second counter
+  c.lead = 3;
+  c.maxGroupRows = 64;
+  c.path = GroupedGemmPath::kSwapAB;
+  c.seed = 121;
+  Problem pr(c);
+  Stream st;
+  int64_t rowTiles = 0;
+  for (int32_t n : c.counts) rowTiles += (n + 127) / 128;
+  REQUIRE(rowTiles == 5);
+  constexpr uint64_t kReady = 3;
+  uint64_t* host = nullptr;  // host-mapped: counters, abort word (never set), error slot
+  const size_t bytes = size_t(rowTiles + 1) * 8 + sizeof(ErrorSlot);
+  ck(cudaHostAlloc(reinterpret_cast<void**>(&host), bytes + 64, cudaHostAllocMapped), "cudaHostAlloc");
+  std::memset(host, 0, bytes + 64);
+  uint64_t* dev = nullptr;
+  ck(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0), "cudaHostGetDevicePointer");
+  auto* slot = reinterpret_cast<ErrorSlot*>(reinterpret_cast<uintptr_t>(host + rowTiles + 1 + 7) & ~uintptr_t(63));
+  GroupedGemmParams p = pr.params();
+  p.rowTileReady = dev;
+  p.readyValue = kReady;
+  p.abortWord = dev + rowTiles;
+  p.errorSlot = reinterpret_cast<ErrorSlot*>(reinterpret_cast<uintptr_t>(dev) +
+                                             (reinterpret_cast<uintptr_t>(slot) - reinterpret_cast<uintptr_t>(host)));
+
+  SUBCASE("counters released by the host after the launch: the result is right") {
+    p.timeoutNs = 5'000'000'000;  // a kernel that never sees them fails with a timeout instead of hanging
+    pr.poison(st.s);
+    launchGroupedGemm(p, st.s, 2);
+    for (int64_t i = rowTiles - 1; i >= 0; --i) {
+      // release: publishes nothing but readiness (x was copied before the launch); pairs with the kernel's acquire.
+      std::atomic_ref<uint64_t>(host[i]).store(kReady, std::memory_order_release);
+    }
+    syncWithin(st.s, 20, "grouped GEMM (swap-AB)");
+    pr.check(pr.fetch(st.s));
+    CHECK_MESSAGE(slot->claimed == 0, "wait failed: code " << slot->code << " chunk " << slot->chunk);
+  }
+  SUBCASE("the counter of a group's second 128 rows never arrives: the wait times out and names it") {
+    for (int64_t i = 0; i < rowTiles; ++i) host[i] = kReady;
+    host[2] = kReady - 1;  // expert 2's rows 128..129 (counters: e0 -> 0, e2 -> 1 and 2, e3 -> 3, e5 -> 4)
+    p.timeoutNs = 2'000'000;  // 2 ms
+    pr.poison(st.s);
+    launchGroupedGemm(p, st.s, 2);
+    syncWithin(st.s, 20, "grouped GEMM (swap-AB)");
+    REQUIRE(std::atomic_ref<uint32_t>(slot->claimed).load(std::memory_order_acquire) ==
+            tandem::kernels::kErrorSlotReady);
+    CHECK(slot->code == static_cast<uint32_t>(WaitError::kTimeout));
+    CHECK(slot->chunk == 2);
+    CHECK(slot->observed == kReady - 1);
+  }
+  cudaFreeHost(host);
 }

@@ -17,6 +17,15 @@
 //
 // Scheduling: a persistent grid walks the tiles of every (expert, row tile, column tile) in expert order; an empty
 // expert has no tiles, and tiles of one large expert are spread over all SMs like any others.
+//
+// Paths (grouped_gemm_plan.hpp picks one per launch from mTotal and maxGroupRows, without reading the offsets):
+//   kTiled   128 x 256 tiles over each group's rows (x rows are wgmma M): for groups of hundreds of rows.
+//   kSwapAB  decode: each group holds a few rows. The weight's rows are wgmma M in 128-row tiles and a group's rows
+//            are wgmma N (tiles of 16, 64 or 128), so the work of expert e is its weight tiles x ceil(rows / tile)
+//            token tiles: a group of a few rows costs one pass over its expert's weight, an empty one nothing. A
+//            group longer than the tile takes more token tiles (more passes), so the path is right for any grouping.
+//            kSwiGlu keeps each gate row and its up row in one tile, so the epilogue stays tile-local. It ignores
+//            groupM, skipIdleHalves and tileCounter (no K split: every output has one owner, bitwise repeatable).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -25,6 +34,7 @@
 
 #include "tandem/kernels/gemm.hpp"     // GemmDtype
 #include "tandem/kernels/gemm_layouts_plan.hpp"  // GemmLayout
+#include "tandem/kernels/grouped_gemm_plan.hpp"  // GroupedGemmPath
 #include "tandem/kernels/signals.hpp"  // ErrorSlot
 
 namespace tandem::kernels {
@@ -69,6 +79,12 @@ struct GroupedGemmParams {
   /// take more. Null: CTA c takes tiles c, c + grid, ... Either way every output is the same, bit for bit. Null is
   /// the default: the dynamic order measured slower on an H200 (bench/RESULTS.md, "MoE ops at one rank").
   uint32_t* tileCounter;
+  /// tuning: the most rows any group can hold, when the caller knows a bound (a top-k routing of T tokens gives each
+  /// expert at most T rows); 0 = mTotal. It picks the path (groupedGemmPlanFor); any grouping gives right results.
+  int64_t maxGroupRows;
+  /// kAuto (the default): groupedGemmPlanFor picks (layout kAB always tiles); kTiled or kSwapAB forces that path
+  /// (tests, benchmarks; kSwapAB takes layout kABt only).
+  GroupedGemmPath path;
 };
 
 /// Checks `params` against every rule the kernel needs, without touching the GPU.
