@@ -8,6 +8,7 @@
 #include <string>
 
 #include "device/attention_bwd_sm90.cuh"
+#include "preload_on.hpp"
 #include "tandem/kernels/attention_bwd.hpp"
 
 namespace tandem::kernels {
@@ -158,6 +159,23 @@ void launchAttentionBwd(const AttentionBwdParams& g, cudaStream_t stream) {
   } else {
     bf16 ? launchTyped<__nv_bfloat16, 128>(p, atomicDq, stream) : launchTyped<__half, 128>(p, atomicDq, stream);
   }
+}
+
+void preloadAttentionBwdKernels(int device) {
+  using namespace attn_bwd;
+  using Fn = void (*)(BwdKernelParams);
+  const Fn fns[] = {&prepareKernel<__nv_bfloat16, 64>,      &prepareKernel<__half, 64>,
+                    &prepareKernel<__nv_bfloat16, 128>,     &prepareKernel<__half, 128>,
+                    &kvKernel<__nv_bfloat16, 64, false>,    &kvKernel<__half, 64, false>,
+                    &kvKernel<__nv_bfloat16, 128, false>,   &kvKernel<__half, 128, false>,
+                    &kvKernel<__nv_bfloat16, 64, true>,     &kvKernel<__half, 64, true>,
+                    &kvKernel<__nv_bfloat16, 128, true>,    &kvKernel<__half, 128, true>,
+                    &qKernel<__nv_bfloat16, 64>,            &qKernel<__half, 64>,
+                    &qKernel<__nv_bfloat16, 128>,           &qKernel<__half, 128>};
+  preloadOn(device, fns, "preloadAttentionBwdKernels");
+  using RoundFn = void (*)(BwdKernelParams, int64_t);
+  const RoundFn rounds[] = {&roundKernel<__nv_bfloat16>, &roundKernel<__half>};
+  preloadOn(device, rounds, "preloadAttentionBwdKernels");
 }
 
 }  // namespace tandem::kernels

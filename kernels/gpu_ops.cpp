@@ -12,6 +12,7 @@
 #include "tandem/kernels/moe_ops.hpp"
 #include "tandem/kernels/preload.hpp"
 #include "tandem/kernels/ring_attention.hpp"
+#include "tandem/kernels/ring_attention_bwd.hpp"
 
 namespace tandem::kernels {
 namespace {
@@ -36,6 +37,15 @@ std::string launchRing(const GpuLaunch& l) { return launchRingAttention(l.desc, 
 
 void checkRing(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env, const PlanChoice&) {
   checkRingAttention(d, ptrs, env);
+}
+
+void checkRingBackward(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env, const PlanChoice&) {
+  checkRingAttentionBackward(d, ptrs, env);
+}
+
+// Never called: executorOps(kClient) leaves out an op with clientPending, so libtandem refuses it before any launch.
+std::string launchRingBackwardClient(const GpuLaunch& l) {
+  fail(ErrorCode::kInternal, "{}: the client executor does not run it", opKindName(l.desc.kind));
 }
 
 // AllGather's kernel between the client's stream words (the daemon executor runs it as a persistent-kernel item).
@@ -72,6 +82,15 @@ std::array<GpuOp, kOpKindCount> buildEntries() {
   e[static_cast<std::size_t>(OpKind::kRingAttention)] =
       GpuOp{checkRing, launchRing, launchRingAttentionMapped, preloadRingAttentionKernels, false, false,
             DaemonRun::kLaunchMapped};
+  // The client executor would need every rank's rows on the host before its core calls (libtandem sees only its own
+  // descriptor): staging every rank's six inputs in the workspaces plus device-side lengths in the core, or equal seq
+  // on every rank checked on the device. Until one is built, only the daemon executor runs it.
+  GpuOp ringBwd{checkRingBackward, launchRingBackwardClient, launchRingAttentionBackwardMapped,
+                preloadRingAttentionBackwardKernels, false, false, DaemonRun::kLaunchMapped};
+  ringBwd.clientPending = "its client executor is not built yet (each rank's launch needs every rank's rows on the "
+                          "host, and libtandem sees only its own descriptor); the daemon executor runs it "
+                          "(daemon.executor: daemon, under MPS)";
+  e[static_cast<std::size_t>(OpKind::kRingAttentionBackward)] = ringBwd;
   e[static_cast<std::size_t>(OpKind::kAllGather)] =
       GpuOp{nullptr, launchAllGatherOp, nullptr, preloadAllGatherKernels, true, false, DaemonRun::kWorkItem};
   e[static_cast<std::size_t>(OpKind::kNop)] = GpuOp{};  // no kernel: tandemd gates it

@@ -45,10 +45,10 @@ def ctest-gpu 420 gpu all \
   "ctest -L gpu -LE mps (no MPS): every GPU test executable (fused GEMMs at 1-4 ranks, allgather, MoE, grouped
    GEMM, attention core, ring attention, proxy, span exchange, the two-node cases over tcp and the verbs double,
    the failure cases)"
-def mps 200 mps "tandem_gpu_tests tandem_moe_gpu_tests tandem_ring_attention_gpu_tests tandem_span_exchange_gpu_tests
-   tandem_proxy_gpu_tests" \
+def mps 200 mps "tandem_gpu_tests tandem_moe_gpu_tests tandem_ring_attention_gpu_tests tandem_ring_attention_bwd_gpu_tests
+   tandem_span_exchange_gpu_tests tandem_proxy_gpu_tests" \
   "under a private MPS server: ctest -L mps (the daemon-executor cases: fused GEMMs, allgather, barriers, MoE,
-   ring attention, two nodes), then the span exchange pieces and the proxy test (in-process, no tandemd)"
+   ring attention and its backward, two nodes), then the span exchange pieces and the proxy test (in-process, no tandemd)"
 def hostile 150 gpu "tandemd tandem_hostile_tests" \
   "the hostile-client attacks against a tandemd on the cuda backend (TANDEM_HOSTILE_BACKEND=cuda), each followed
    by an honest 2-rank allgather on GPU memory; fds and RSS back near their baseline; SIGTERM obeyed"
@@ -62,7 +62,8 @@ def python 180 gpu "tandem tandemd tandemctl tandem_py_fastcall" \
 def bench-python 60 gpu "tandem tandemd tandem_py_fastcall" \
   "python/bench/overhead.py: the package's per-call overhead against the C ABI (and pybind11 where installed),
    with the C fast path, then with ctypes alone (TANDEM_NO_FASTCALL=1)"
-def attention 170 gpu "tandem_attention_core_tests attention_bench tandemd tandemctl tandem_ring_attention_gpu_tests" \
+def attention 170 gpu "tandem_attention_core_tests attention_bench tandemd tandemctl tandem_ring_attention_gpu_tests
+   tandem_ring_attention_bwd_gpu_tests" \
   "the attention core's GPU test; bench/attention_vs_sdpa.py --run: attention_bench against torch SDPA (cuDNN,
    flash) shape by shape (16 heads, head_dim 128, seq 4K-32K, causal and not); the ring attention tests"
 def moe 220 gpu "tandemd tandemctl tandem_grouped_gemm_tests tandem_moe_gpu_tests moe_bench grouped_gemm_bench" \
@@ -458,6 +459,9 @@ step_attention() {
     --out "$OUT/attention-vs-sdpa" --bench-timeout 30
   show '^SHAPE|^\||Error|Traceback' 40
   part ring 40 TANDEM_OP_TIMEOUT_MS=20000 "$B/tests/gpu/tandem_ring_attention_gpu_tests" -tc='*client executor*'
+  show 'ERROR|FAIL' 10
+  # The backward's client executor refuses it (its daemon executor cases run in the mps step).
+  part ring-bwd-refusal 20 "$B/tests/gpu/tandem_ring_attention_bwd_gpu_tests" -tc='*client executor*'
   show 'ERROR|FAIL' 10
 }
 

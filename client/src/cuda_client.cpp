@@ -247,7 +247,7 @@ namespace {
 void checkOnNode(k::Executor executor, const OpDescriptor& d, const DevicePointers& ptrs, const k::FusedEnv& env,
                  const PlanChoice& plan = {}) {
   const OpSet ops = k::executorOps(executor);
-  if (!ops.contains(d.kind)) fail(ErrorCode::kUnsupported, "{}", unsupportedOpMessage("cuda", ops, d.kind));
+  if (!ops.contains(d.kind)) fail(ErrorCode::kUnsupported, "{}", k::executorRefusal(executor, d.kind));
   if (const auto check = k::gpuOp(d.kind).check) check(d, ptrs, env, plan);
 }
 

@@ -338,8 +338,6 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
             .crossNode(CrossNode::kReplicate)
             .check(checkAttention)
             .deviceError(ErrorCode::kTimeout)
-            .cudaPending("its exchange between the ranks is not built yet (the attention backward core for one GPU, "
-                         "tandem_attention_bwd, is)")
             .c("tandem_ring_attention_backward_args_t", "ring_attention_backward",
                "dtype seq heads head_dim kv_heads causal layout scale q k v o dout lse dq dk dv cuda_stream"));
   }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "tandem/common/error.hpp"
 #include "tandem/common/op_spec.hpp"
@@ -186,8 +187,19 @@ TEST_CASE("both GPU executors run every op of the table, each through its entry 
     REQUIRE_MESSAGE(entry != nullptr, "the cuda backend has no entry for ", op.name,
                     " (kernels/gpu_ops.cpp): neither the client nor the daemon executor runs it; implement it, or "
                     "say why not yet with the op table's cudaPending");
-    CHECK(k::executorOps(k::Executor::kClient).contains(op.kind));
     CHECK(k::executorOps(k::Executor::kDaemon).contains(op.kind));
+    if (entry->clientPending != nullptr) {
+      // The daemon executor runs it, the client executor not yet (GpuOp::clientPending): refused, quoting the reason.
+      MESSAGE(op.name, " does not run with the client executor yet: ", entry->clientPending);
+      CHECK(std::string_view(entry->clientPending).size() > 20);
+      CHECK(entry->daemonRun == k::DaemonRun::kLaunchMapped);  // the only daemon route that needs no client launch
+      CHECK_FALSE(k::executorOps(k::Executor::kClient).contains(op.kind));
+      const std::string refusal = k::executorRefusal(k::Executor::kClient, op.kind);
+      CHECK(refusal.find(entry->clientPending) != std::string::npos);
+    } else {
+      CHECK(k::executorOps(k::Executor::kClient).contains(op.kind));
+      CHECK(k::executorRefusal(k::Executor::kClient, op.kind).find("With the client executor") == std::string::npos);
+    }
     // An op with kernels either reads tandemd's verdict in them (the table's readsVerdict) or is aborted when rejected
     // (client_gate.cpp); a kernel that waits for go itself must read the verdict.
     if (entry->kernelWaitsForGo) CHECK(op.readsVerdict);

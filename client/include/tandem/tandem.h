@@ -431,7 +431,10 @@ TANDEM_API tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tande
  * and dv (of its k and v rows, summed over every rank's queries and, with kv_heads < heads, over each KV head's
  * group of query heads). Every tensor is this rank's rows; lse is [heads, seq] fp32, as the forward wrote it
  * (pass the forward's o and lse unchanged: the gradients are computed from them). The sums run in a fixed
- * order, so the results repeat bit for bit. seq may be 0 on a rank. */
+ * order, so the results repeat bit for bit. seq may be 0 on a rank.
+ * cuda backend (ranks on one node, daemon executor only so far: with the client executor it is refused, saying
+ * why): bf16 or fp16, head_dim 64 or 128, 16-byte aligned tensors; each rank's gradients sum the attention
+ * backward core over every chunk pair in fp32 and are rounded once. Across nodes: cpu backend only. */
 typedef struct tandem_ring_attention_backward_args {
   size_t struct_size;
   tandem_dtype_t dtype;

@@ -73,4 +73,8 @@ void validateAttentionBwd(const AttentionBwdParams& params);
 /// validateAttentionBwd, kUnsupported on a GPU that is not sm_90, kCuda when a CUDA call fails. Thread-safe.
 void launchAttentionBwd(const AttentionBwdParams& params, cudaStream_t stream);
 
+/// Loads every attention backward kernel on `device` now (tandem/kernels/preload.hpp says why). Throws
+/// std::runtime_error when one cannot be loaded.
+void preloadAttentionBwdKernels(int device);
+
 }  // namespace tandem::kernels

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "tandem/common/op_spec.hpp"
@@ -43,7 +44,7 @@ inline std::optional<Executor> executorFromName(std::string_view name) {
 }
 
 /// The ops a strategy runs. The client and daemon executors run every op with an entry in gpu_ops.cpp (they launch the
-/// same kernels); host staging runs the fused GEMMs, AllGather and barriers in tandemd, on the GPUs or through the
+/// same kernels), the client executor less those whose entry names a clientPending; host staging runs the fused GEMMs, AllGather and barriers in tandemd, on the GPUs or through the
 /// cpu backend's code (tandemd's cuda_multinode.hpp): it has no MoE or attention code.
 inline OpSet executorOps(Executor e) {
   switch (e) {
@@ -51,13 +52,26 @@ inline OpSet executorOps(Executor e) {
     case Executor::kDaemon: {
       OpSet s;
       for (const OpSpec& op : ops()) {
-        if (findGpuOp(op.kind) != nullptr) s.add(op.kind);
+        const GpuOp* entry = findGpuOp(op.kind);
+        if (entry != nullptr && (e == Executor::kDaemon || entry->clientPending == nullptr)) s.add(op.kind);
       }
       return s;
     }
     case Executor::kHost: return {OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kAllGather, OpKind::kNop};
   }
   return {};
+}
+
+/// Why strategy `e` refuses `kind`: unsupportedOpMessage, plus the entry's clientPending where the client executor
+/// lacks an op the daemon executor runs.
+inline std::string executorRefusal(Executor e, OpKind kind) {
+  std::string m = unsupportedOpMessage("cuda", executorOps(e), kind);
+  const GpuOp* entry = e == Executor::kClient ? findGpuOp(kind) : nullptr;
+  if (entry != nullptr && entry->clientPending != nullptr) {
+    m += ". With the client executor: ";
+    m += entry->clientPending;
+  }
+  return m;
 }
 
 }  // namespace tandem::kernels

@@ -54,6 +54,9 @@ struct GpuOp {
   /// stream runs it.
   bool fusedGemm = false;
   DaemonRun daemonRun = DaemonRun::kWorkItem;
+  /// Executor client: why it does not run this op yet (null: it does). executorOps(kClient) leaves the op out and
+  /// executorRefusal quotes this; the daemon executor still runs it through its entry.
+  const char* clientPending = nullptr;
 };
 
 /// Loads every entry's kernels on `device` (each preload once), as an executor must before any op.

@@ -1,0 +1,194 @@
+// Ring attention's backward on the cuda backend end to end: real rank processes run tandem_ring_attention_backward
+// through libtandem on one tandemd, and dq, dk and dv are checked against the fp64 reference (common/reference.hpp).
+// The daemon executor (MPS) runs it at 1, 2 and 4 ranks (one rank per GPU, as many as there are): causal and not,
+// both layouts, bf16 and fp16, head_dim 64 and 128, shards that are not tile multiples and differ per rank, a rank
+// with no rows, scale 0 and a custom one, grouped-query attention; the gradients must repeat bit for bit over 10 runs
+// and never hold a NaN. The client executor refuses it, quoting why (GpuOp::clientPending).
+#include <sstream>
+#include <vector>
+
+#include "rank_buffers.hpp"
+
+using namespace tandem::gputest;
+using tandem::DType;
+using tandem::OpDescriptor;
+using tandem::OpKind;
+namespace dim = tandem::dim;
+namespace slot = tandem::slot;
+namespace ref = tandem::reference;
+
+namespace {
+
+struct BwdCase {
+  DType dtype;
+  uint64_t heads, headDim;
+  std::vector<uint64_t> seqs;  // rank r holds seqs[r % seqs.size()] rows
+  bool causal;
+  bool zigzag;
+  float scale;           // 0: 1/sqrt(head_dim)
+  int repeats = 1;       // runs after the first that must reproduce it bit for bit
+  uint64_t kvHeads = 0;  // 0: heads
+};
+
+std::string describe(const BwdCase& c, uint32_t n) {
+  std::string seqs;
+  for (uint32_t r = 0; r < n; ++r) seqs += (r == 0 ? "" : "/") + std::to_string(c.seqs[r % c.seqs.size()]);
+  return fmt::format("{} heads={} kv_heads={} hd={} seq={} {}{} scale={}", tandem::dtypeName(c.dtype), c.heads,
+                     c.kvHeads == 0 ? c.heads : c.kvHeads, c.headDim, seqs, c.causal ? "causal" : "full",
+                     c.zigzag ? " zigzag" : "", c.scale);
+}
+
+OpDescriptor descriptorOf(const BwdCase& c, uint32_t r, uint32_t n) {
+  ref::OpShape shape;
+  shape.kind = OpKind::kRingAttentionBackward;
+  shape.dtype = c.dtype;
+  shape.heads = c.heads;
+  shape.headDim = c.headDim;
+  shape.kvHeads = c.kvHeads;
+  shape.causal = c.causal;
+  shape.zigzag = c.zigzag;
+  shape.seq = n;  // replaced below
+  OpDescriptor d = ref::makeDescriptor(shape, r, n);
+  const uint64_t seq = c.seqs[r % c.seqs.size()], es = tandem::dtypeSize(c.dtype);
+  const uint64_t kvHeads = c.kvHeads == 0 ? c.heads : c.kvHeads;
+  d.dims[dim::kSeq] = seq;
+  d.scale = c.scale;
+  for (int s : {slot::kQ, slot::kAttnOut, slot::kDout, slot::kDq}) {
+    d.bufs[static_cast<std::size_t>(s)].bytes = seq * c.heads * c.headDim * es;
+  }
+  for (int s : {slot::kKey, slot::kValue, slot::kDk, slot::kDv}) {
+    d.bufs[static_cast<std::size_t>(s)].bytes = seq * kvHeads * c.headDim * es;
+  }
+  d.bufs[slot::kBwdLse].bytes = c.heads * seq * 4;
+  return d;
+}
+
+std::vector<OpDescriptor> descriptorsOf(const BwdCase& c, uint32_t n) {
+  std::vector<OpDescriptor> v;
+  for (uint32_t q = 0; q < n; ++q) v.push_back(descriptorOf(c, q, n));
+  return v;
+}
+
+tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) {
+  const OpDescriptor& d = b.desc();
+  tandem_ring_attention_backward_args_t a{};
+  a.struct_size = sizeof a;
+  a.dtype = static_cast<tandem_dtype_t>(d.dtype);
+  a.seq = d.dims[dim::kSeq];
+  a.heads = d.dims[dim::kHeads];
+  a.head_dim = d.dims[dim::kHeadDim];
+  a.kv_heads = d.dims[dim::kKvHeads];
+  a.causal = (d.flags & tandem::kFlagCausal) != 0;
+  a.layout = (d.flags & tandem::kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
+  a.scale = d.scale;
+  a.q = b.tensor(slot::kQ);
+  a.k = b.tensor(slot::kKey);
+  a.v = b.tensor(slot::kValue);
+  a.o = b.tensor(slot::kAttnOut);
+  a.dout = b.tensor(slot::kDout);
+  a.lse = b.tensor(slot::kBwdLse);
+  a.dq = b.tensor(slot::kDq);
+  a.dk = b.tensor(slot::kDk);
+  a.dv = b.tensor(slot::kDv);
+  a.cuda_stream = stream;
+  return tandem_ring_attention_backward(comm, &a, op);
+}
+
+std::string backwardRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
+                         const std::vector<BwdCase>& cases) {
+  Joined j(socket, id, nranks, rank);
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const std::string what = describe(cases[i], nranks);
+    RankBuffers rc(j.s, descriptorsOf(cases[i], nranks), rank, 7000 + i);
+    tandem_op_t op;
+    if (submit(rc, j.comm, j.stream, &op) != TANDEM_SUCCESS) {
+      return fmt::format("FAIL {}: submit: {}", what, tandem_last_error());
+    }
+    if (std::string e = finishOp(j.stream, op); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
+    rc.download();
+    const auto first = rc.outputBytes();
+    if (std::string e = rc.compare(); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
+    for (int rep = 1; rep < cases[i].repeats; ++rep) {
+      rc.poison(j.stream);
+      if (submit(rc, j.comm, j.stream, &op) != TANDEM_SUCCESS) {
+        return fmt::format("FAIL {} run {}: submit: {}", what, rep, tandem_last_error());
+      }
+      if (std::string e = finishOp(j.stream, op); !e.empty()) return fmt::format("FAIL {} run {}: {}", what, rep, e);
+      rc.download();
+      if (rc.outputBytes() != first) return fmt::format("FAIL {}: run {} differs from run 0 (must be bitwise)", what, rep);
+    }
+  }
+  return "OK";
+}
+
+// The client executor refuses the op before it reaches the GPU, quoting why; nothing is written.
+std::string refusedRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank) {
+  Joined j(socket, id, nranks, rank);
+  const BwdCase c{DType::kBF16, 2, 128, {100, 60}, true, false, 0.0f};
+  RankBuffers rc(j.s, descriptorsOf(c, nranks), rank, 7100, false);
+  tandem_op_t op;
+  if (submit(rc, j.comm, j.stream, &op) == TANDEM_SUCCESS) return "FAIL: the client executor accepted the op";
+  const std::string e = tandem_last_error();
+  if (e.find("client executor is not built yet") == std::string::npos ||
+      e.find("daemon executor runs it") == std::string::npos) {
+    return "FAIL: the refusal does not say why: " + e;
+  }
+  CK(cudaStreamSynchronize(j.stream));
+  rc.download();
+  if (std::string w = rc.untouched(); !w.empty()) return "FAIL: a refused op wrote its outputs: " + w;
+  return "OK";
+}
+
+// Tiles are 128 query rows and 128 keys: shards of no multiple, a rank with no rows, both layouts, both dtypes and
+// head sizes, the default and a custom scale, grouped-query attention; three cases repeat 10 times bitwise.
+std::vector<BwdCase> casesFor(uint32_t n) {
+  const DType bf16 = DType::kBF16, fp16 = DType::kF16;
+  std::vector<BwdCase> v;
+  v.push_back({bf16, 2, 128, {300, 177, 64, 251}, true, false, 0.0f, 10});
+  v.push_back({fp16, 2, 64, {257, 100, 190, 33}, true, true, 0.11f, 10});
+  v.push_back({bf16, 3, 128, {200, 329, 1, 130}, false, false, 0.0f});
+  v.push_back({bf16, 2, 64, {129, 0, 300, 77}, false, true, 0.0f});
+  v.push_back({fp16, 1, 128, {180, 260, 0, 150}, true, false, 0.3f});
+  if (n > 1) v.push_back({bf16, 2, 128, {0, 250, 99, 0}, true, true, 0.0f});  // rank 0 empty: the rest go on
+  // Grouped-query attention: 4 query heads over 1 and 2 KV heads (dk/dv sum each group), both layouts.
+  v.push_back({bf16, 4, 128, {300, 177, 64, 251}, true, true, 0.0f, 10, 1});
+  v.push_back({fp16, 4, 64, {257, 100, 190, 33}, false, false, 0.0f, 1, 2});
+  v.push_back({bf16, 4, 128, {129, 0, 300, 77}, true, true, 0.0f, 1, 2});
+  return v;
+}
+
+std::string listCases(const std::vector<BwdCase>& cases, uint32_t n) {
+  std::ostringstream o;
+  for (const auto& c : cases) o << "\n  " << describe(c, n);
+  return o.str();
+}
+
+}  // namespace
+
+TEST_CASE("ring attention backward, client executor: refused with the reason, nothing written") {
+  Daemon d(config("client"), {}, "");
+  REQUIRE(status(d)["executor"] == "client");
+  for (uint32_t n : {1u, 2u}) {
+    CAPTURE(n);
+    runRankProcesses(d, n, 60000, [&](const tandem_unique_id_t& id, uint32_t r) {
+      return refusedRank(d.socket(), id, n, r);
+    });
+  }
+}
+
+// Under MPS tandemd refuses two ranks on one GPU with the daemon executor, so one GPU runs 1 rank here; every GPU
+// count above 1 runs as many ranks as GPUs, doubling (1, 2, 4).
+TEST_CASE("ring attention backward, daemon executor (MPS): matches the fp64 reference, 10 runs bitwise" *
+          doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
+  Daemon d(config("daemon"), {}, "");
+  REQUIRE(status(d)["executor"] == "daemon");
+  for (uint32_t n = 1; n <= static_cast<uint32_t>(gpuCount()); n *= 2) {
+    CAPTURE(n);
+    const auto cases = casesFor(n);
+    MESSAGE(n << " rank(s) on " << gpuCount() << " GPU(s):" << listCases(cases, n));
+    runRankProcesses(d, n, 240000, [&](const tandem_unique_id_t& id, uint32_t r) {
+      return backwardRank(d.socket(), id, n, r, cases);
+    });
+  }
+}
