@@ -148,8 +148,9 @@ struct Problem {
   // Every expert's out against fp64 (an empty group's exactly +0), and the guard after out untouched.
   void check(const std::vector<uint8_t>& out) const {
     const bool f32 = c.out == GemmOut::kFp32;
-    const double relTol = f32 ? 1e-4 : (c.dtype == GemmDtype::kBf16 ? 1.0 / 128 : 1.0 / 1024);
-    const double absTol = f32 ? 1e-4 : 1e-2;  // times the rms of the expert's reference
+    // fp32 out: a quarter of a bf16 half-ulp, so an output rounded to bf16 on the way fails.
+    const double relTol = f32 ? 5e-4 : (c.dtype == GemmDtype::kBf16 ? 1.0 / 128 : 1.0 / 1024);
+    const double absTol = f32 ? 5e-4 : 1e-2;  // times the rms of the expert's reference
     std::vector<float> af(a.size()), bf(b.size());
     for (size_t i = 0; i < a.size(); ++i) af[i] = toF(c.dtype, a[i]);
     for (size_t i = 0; i < b.size(); ++i) bf[i] = toF(c.dtype, b[i]);
@@ -365,7 +366,9 @@ TEST_CASE("grouped wgrad: a captured launch reads the offsets on the device at e
   c.seed = 51;
   Problem pr(c);
   Stream st;
-  pr.check(runOnce(pr, st.s, 0));  // eager first: loads the kernel and caches the tensor maps outside the capture
+  // Kernels loaded and the tensor maps cached before the capture (an eager run does both).
+  CHECK_NOTHROW(tandem::kernels::preloadGroupedWgradKernels(0));
+  pr.check(runOnce(pr, st.s, 0));
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   ck(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
