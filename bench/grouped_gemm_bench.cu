@@ -2,7 +2,7 @@
 // against an fp32 reference, then timing (CUDA events, median, two input sets rotated so L2 does not flatter).
 // Its PyTorch baseline (torch._grouped_mm on the same group sizes and the same math) is bench/grouped_mm_baseline.py.
 //
-//   grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16] [--ops fwd|dgrad|all]
+//   grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16] [--ops fwd|dgrad|wgrad|all]
 //                      [--torch FILE] [--decode]
 //
 // fwd (DeepSeek-V3: 32 experts, hidden 7168, ffn 2048; layout kABt): gemm1 x [M, 7168] · w1 [32, 4096, 7168]ᵀ (plain
@@ -13,6 +13,9 @@
 // dgrad-h dy [M, hidden] · w2[e] [hidden, ffn] -> [M, ffn]; dgrad-x d(gate|up) [M, 2 ffn] · w1[e] [2 ffn, hidden] ->
 // [M, hidden]; DeepSeek-V3 and Mixtral 8x7B (8 experts, hidden 4096, ffn 14336), 256 / 512 / 1024 / 2048 / 4096 rows
 // on every expert.
+// wgrad (tandem/kernels/grouped_gemm_wgrad.hpp, the backward's weight gradients, out[e] = a_eᵀ · b_e over the group's
+// rows): dw2 [E, hidden, ffn] = dyᵀ · h; dw1 [E, 2 ffn, hidden] = d(gate|up)ᵀ · x; same models and rows per expert as
+// dgrad. TFLOP/s count 2 * rows * m * n.
 // --torch FILE reads the baseline script's --ms-out lines "model case op ms" and adds torch's ms and the ratio
 // torch ms / tandem ms (above 1: tandem is faster) for the ops both ran.
 // TFLOP/s count 2 * rows * n * k (n = 4096 for gemm1 with or without SwiGLU). Exits 1 on any correctness failure.
@@ -47,13 +50,16 @@
 #include "checks.hpp"
 #include "ref_gemm.cuh"
 #include "tandem/kernels/grouped_gemm.hpp"
+#include "tandem/kernels/grouped_gemm_wgrad.hpp"
 
 using tandem::kernels::GemmDtype;
 using tandem::kernels::GemmLayout;
 using tandem::kernels::GroupedGemmEpilogue;
 using tandem::kernels::GroupedGemmPath;
 using tandem::kernels::GroupedGemmParams;
+using tandem::kernels::GroupedWgradParams;
 using tandem::kernels::launchGroupedGemm;
+using tandem::kernels::launchGroupedWgrad;
 
 namespace {
 
@@ -179,7 +185,8 @@ struct TorchTimes {
   }
 };
 
-enum class Op { kG1Store, kG1SwiGlu, kG2Store, kG2Scaled, kDgradH, kDgradX };
+enum class Op { kG1Store, kG1SwiGlu, kG2Store, kG2Scaled, kDgradH, kDgradX, kWgradW2, kWgradW1 };
+bool isWgrad(Op op) { return op == Op::kWgradW2 || op == Op::kWgradW1; }
 const char* opName(Op op) {
   switch (op) {
     case Op::kG1Store: return "gemm1";
@@ -188,6 +195,8 @@ const char* opName(Op op) {
     case Op::kG2Scaled: return "gemm2+scale";
     case Op::kDgradH: return "dgrad-h";
     case Op::kDgradX: return "dgrad-x";
+    case Op::kWgradW2: return "dw2";
+    case Op::kWgradW1: return "dw1";
   }
   return "?";
 }
@@ -205,6 +214,8 @@ struct Buffers {
   void* out1;       // [maxRows, 2 ffn]: gemm1's output (h [maxRows, ffn] with SwiGLU), dgrad-h's [maxRows, ffn]
   void* out2;       // [maxRows, hidden]: gemm2's and dgrad-x's output
   float* scale;     // [maxRows]
+  void* dw;         // wgrad sections only: [E, 2 ffn, hidden], dw2's [E, hidden, ffn] and dw1's out
+  float* refW;      // wgrad sections only: fp32 reference of one expert's gradient [2 ffn, hidden]
   int32_t* offsets[kSets];
   float* ref;       // fp32 reference of one group: [maxGroup, max(2 ffn, hidden)]
   float* refH;      // [maxGroup, ffn]
@@ -212,6 +223,8 @@ struct Buffers {
   unsigned long long* bad;
 };
 
+// wgrad ops: out[e] is [k, n] (k = a's columns, the grouped rows are the sum's index), so 2 rows n k still counts
+// the flops.
 struct OpShape {
   int64_t n, k, nOut;
   GemmLayout layout;
@@ -224,6 +237,8 @@ OpShape shapeOf(Op op, const Model& m) {
     case Op::kG2Scaled: return {m.hidden, m.ffn, m.hidden, GemmLayout::kABt};
     case Op::kDgradH: return {m.ffn, m.hidden, m.ffn, GemmLayout::kAB};
     case Op::kDgradX: return {m.hidden, 2 * m.ffn, m.hidden, GemmLayout::kAB};
+    case Op::kWgradW2: return {m.ffn, m.hidden, m.ffn, GemmLayout::kAtB};
+    case Op::kWgradW1: return {m.hidden, 2 * m.ffn, m.hidden, GemmLayout::kAtB};
   }
   return {};
 }
@@ -231,13 +246,17 @@ const void* inputOf(Op op, const Buffers& b, int set) {
   switch (op) {
     case Op::kG1Store:
     case Op::kG1SwiGlu:
-    case Op::kDgradH: return b.x[set];
+    case Op::kDgradH:
+    case Op::kWgradW2: return b.x[set];  // dw2's a: dy
     case Op::kG2Store:
     case Op::kG2Scaled: return b.h[set];
-    case Op::kDgradX: return b.gu[set];
+    case Op::kDgradX:
+    case Op::kWgradW1: return b.gu[set];  // dw1's a: d(gate|up)
   }
   return nullptr;
 }
+// wgrad ops: the second operand b [rows, n]: h for dw2, x for dw1.
+const void* wgradBOf(Op op, const Buffers& b, int set) { return op == Op::kWgradW2 ? b.h[set] : b.x[set]; }
 const void* weightOf(Op op, const Buffers& b, int set) {
   return op == Op::kG1Store || op == Op::kG1SwiGlu || op == Op::kDgradX ? b.w1[set] : b.w2[set];
 }
@@ -284,7 +303,8 @@ void release(Buffers& b) {
     for (void* p : {b.x[i], b.h[i], b.gu[i], b.w1[i], b.w2[i], static_cast<void*>(b.offsets[i])}) CK(cudaFree(p));
   }
   for (void* p : {b.out1, b.out2, static_cast<void*>(b.scale), static_cast<void*>(b.ref),
-                  static_cast<void*>(b.refH), static_cast<void*>(b.sums), static_cast<void*>(b.bad)}) {
+                  static_cast<void*>(b.refH), static_cast<void*>(b.sums), static_cast<void*>(b.bad), b.dw,
+                  static_cast<void*>(b.refW)}) {
     CK(cudaFree(p));
   }
   b = Buffers{};
@@ -323,6 +343,70 @@ void uploadOffsets(const Case& c, const Buffers& b, cudaStream_t s) {
 }
 
 bool gFailed = false;
+
+GroupedWgradParams wgradParamsOf(Op op, const Buffers& b, int set, const Case& c, GemmDtype dt) {
+  const OpShape sh = shapeOf(op, b.model);
+  GroupedWgradParams p{};
+  p.a = inputOf(op, b, set);
+  p.b = wgradBOf(op, b, set);
+  p.out = b.dw;
+  p.groupOffsets = b.offsets[set];
+  p.mTotal = c.rows();
+  p.m = sh.k;
+  p.n = sh.n;
+  p.numExperts = b.model.experts;
+  p.dtype = dt;
+  return p;
+}
+
+// The wgrad ops: the first, middle and last experts' gradients of set 0 against the fp32 reference; an expert without
+// rows must be all zeros (its reference is).
+template <class T>
+void checkWgrad(Op op, const Case& c, const Buffers& b, GemmDtype dt, cudaStream_t s) {
+  const OpShape sh = shapeOf(op, b.model);
+  const int64_t m = sh.k, n = sh.n;
+  CK(cudaMemsetAsync(b.dw, 0xFF, size_t(b.model.experts) * size_t(m * n) * 2, s));  // NaN poison
+  try {
+    launchGroupedWgrad(wgradParamsOf(op, b, 0, c, dt), s);
+  } catch (const std::exception& e) {
+    std::printf("  FAIL %-7s %-10s %-13s launch threw: %s\n", b.model.name, c.name.c_str(), opName(op), e.what());
+    gFailed = true;
+    return;
+  }
+  CK(cudaGetLastError());
+  syncOrDie(s, 60, std::string("grouped wgrad ") + opName(op));
+  std::vector<int32_t> off(1, 0);
+  for (int32_t cnt : c.counts) off.push_back(off.back() + cnt);
+  double worst = 0;
+  unsigned long long badTotal = 0;
+  const int experts = b.model.experts;
+  for (int e : {0, experts / 2, experts - 1}) {
+    const int64_t r0 = off[size_t(e)], nr = c.counts[size_t(e)];
+    const T* a = static_cast<const T*>(inputOf(op, b, 0)) + r0 * m;
+    const T* bb = static_cast<const T*>(wgradBOf(op, b, 0)) + r0 * n;
+    // ref [m, n] = sum over the group's rows r of a[r, i] * b[r, j]: A(i, r) = a[r * m + i], B(r, j) = b[r * n + j].
+    dim3 grid(unsigned((n + 63) / 64), unsigned((m + 63) / 64));
+    refGemmStrided<T><<<grid, dim3(16, 16), 0, s>>>(a, 1, m, bb, n, 1, b.refW, int(m), int(n), int(nr));
+    CK(cudaGetLastError());
+    CK(cudaMemsetAsync(b.sums, 0, 2 * sizeof(double), s));
+    CK(cudaMemsetAsync(b.bad, 0, sizeof(unsigned long long), s));
+    const T* out = static_cast<const T*>(b.dw) + int64_t(e) * m * n;
+    relErrorKernel<T, float><<<1024, 256, 0, s>>>(out, n, b.refW, m, n, b.sums, b.bad);
+    CK(cudaGetLastError());
+    double h[2];
+    unsigned long long nb = 0;
+    CK(cudaMemcpyAsync(h, b.sums, sizeof(h), cudaMemcpyDeviceToHost, s));
+    CK(cudaMemcpyAsync(&nb, b.bad, sizeof(nb), cudaMemcpyDeviceToHost, s));
+    syncOrDie(s, 120, "reference check");
+    // An empty expert: zero reference, so the error itself (must be 0) rather than the ratio.
+    worst = std::max(worst, nr == 0 ? std::sqrt(h[0]) : std::sqrt(h[0] / std::max(h[1], 1e-300)));
+    badTotal += nb;
+  }
+  const bool ok = badTotal == 0 && std::isfinite(worst) && worst < 1e-2;
+  std::printf("  %s %-7s %-10s %-13s rel_err %.3e non-finite %llu\n", ok ? "ok  " : "FAIL", b.model.name,
+              c.name.c_str(), opName(op), worst, badTotal);
+  if (!ok) gFailed = true;
+}
 
 // Checks the first, middle and last groups (those that have rows) of set 0 against the fp32 reference.
 template <class T>
@@ -400,9 +484,12 @@ double timeOp(Op op, const Case& c, const Buffers& b, GemmDtype dt, int iters, i
   std::vector<cudaEvent_t> ev(2 * size_t(iters + kWarm));
   for (auto& e : ev) CK(cudaEventCreate(&e));
   for (int it = 0; it < iters + kWarm; ++it) {
-    const GroupedGemmParams p = paramsOf(op, b, it % kSets, c, dt, groupM, path);
     CK(cudaEventRecord(ev[2 * size_t(it)], s));
-    launchGroupedGemm(p, s);
+    if (isWgrad(op)) {
+      launchGroupedWgrad(wgradParamsOf(op, b, it % kSets, c, dt), s);
+    } else {
+      launchGroupedGemm(paramsOf(op, b, it % kSets, c, dt, groupM, path), s);
+    }
     CK(cudaEventRecord(ev[2 * size_t(it) + 1], s));
   }
   syncOrDie(s, 60, "timing");
@@ -438,12 +525,23 @@ void runSection(const Model& m, const std::vector<Case>& cases, const std::vecto
     maxGroup = std::max<int64_t>(maxGroup, c.maxGroup());
   }
   Buffers b = allocate<T>(m, maxRows, maxGroup, s);
+  if (std::any_of(ops.begin(), ops.end(), isWgrad)) {
+    const size_t dwElems = size_t(m.experts) * size_t(2 * m.ffn * m.hidden);  // dw1's; dw2's is half
+    CK(cudaMalloc(&b.dw, dwElems * 2));
+    CK(cudaMalloc(&b.refW, size_t(2 * m.ffn * m.hidden) * sizeof(float)));
+  }
   std::printf("\n%s: %d experts, hidden %lld, ffn %lld\n", m.name, m.experts, static_cast<long long>(m.hidden),
               static_cast<long long>(m.ffn));
   std::printf("correctness (first, middle and last group of each case vs fp32 reference):\n");
   for (const Case& c : cases) {
     uploadOffsets(c, b, s);
-    for (Op op : ops) check<T>(op, c, b, o.dtype, s);
+    for (Op op : ops) {
+      if (isWgrad(op)) {
+        checkWgrad<T>(op, c, b, o.dtype, s);
+      } else {
+        check<T>(op, c, b, o.dtype, s);
+      }
+    }
   }
 
   std::printf("timing (median of %d, 2 rotated input sets; TFLOP/s = 2 rows n k / t; x torch = torch ms / ms):\n",
@@ -468,6 +566,7 @@ void runSection(const Model& m, const std::vector<Case>& cases, const std::vecto
       for (int32_t gm : {2, 4, 8, 32}) {
         for (Op op : ops) {
           if (op == Op::kG1SwiGlu || op == Op::kG2Scaled) continue;  // same mainloop as the plain store
+          if (isWgrad(op)) continue;  // no raster parameter
           const double ms = timeOp(op, c, b, o.dtype, o.iters, gm, s);
           std::printf("%-7s %-10s %7lld  %-13s %9.4f %9.1f  (groupM %d)\n", m.name, c.name.c_str(),
                       static_cast<long long>(c.rows()), opName(op), ms, tflops(op, m, c.rows(), ms), gm);
@@ -479,7 +578,7 @@ void runSection(const Model& m, const std::vector<Case>& cases, const std::vecto
 }
 
 template <class T>
-int run(const Options& o, const std::vector<Case>& extraCases, bool fwd, bool dgrad) {
+int run(const Options& o, const std::vector<Case>& extraCases, bool fwd, bool dgrad, bool wgrad) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   if (fwd) {
@@ -490,6 +589,11 @@ int run(const Options& o, const std::vector<Case>& extraCases, bool fwd, bool dg
   if (dgrad) {
     for (const Model& m : {kDeepSeekV3, kMixtral}) {
       runSection<T>(m, equalCases(m, {256, 512, 1024, 2048, 4096}), {Op::kDgradH, Op::kDgradX}, o, s);
+    }
+  }
+  if (wgrad) {
+    for (const Model& m : {kDeepSeekV3, kMixtral}) {
+      runSection<T>(m, equalCases(m, {256, 512, 1024, 2048, 4096}), {Op::kWgradW2, Op::kWgradW1}, o, s);
     }
   }
   CK(cudaStreamDestroy(s));
@@ -615,7 +719,8 @@ int main(int argc, char** argv) {
   bool decode = false;
   std::string countsPath, torchPath, ops = "all";
   const char* usage =
-      "usage: grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16] [--ops fwd|dgrad|all] "
+      "usage: grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16] "
+      "[--ops fwd|dgrad|wgrad|all] "
       "[--torch FILE] [--decode]\n";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -639,7 +744,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (ops != "fwd" && ops != "dgrad" && ops != "all") {
+  if (ops != "fwd" && ops != "dgrad" && ops != "wgrad" && ops != "all") {
     std::fputs(usage, stderr);
     return 2;
   }
@@ -658,13 +763,15 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs; dtype %s\n", prop.name, prop.multiProcessorCount,
               o.dtype == GemmDtype::kBf16 ? "bf16" : "fp16");
-  const bool fwd = ops != "dgrad", dgrad = ops != "fwd";
+  const bool fwd = ops == "fwd" || ops == "all", dgrad = ops == "dgrad" || ops == "all";
+  const bool wgrad = ops == "wgrad" || ops == "all";
   try {
     int rc = 0;
     if (decode) {
       rc = o.dtype == GemmDtype::kBf16 ? runDecode<__nv_bfloat16>(o.dtype, o.iters) : runDecode<__half>(o.dtype, o.iters);
     } else {
-      rc = o.dtype == GemmDtype::kBf16 ? run<__nv_bfloat16>(o, extra, fwd, dgrad) : run<__half>(o, extra, fwd, dgrad);
+      rc = o.dtype == GemmDtype::kBf16 ? run<__nv_bfloat16>(o, extra, fwd, dgrad, wgrad)
+                                         : run<__half>(o, extra, fwd, dgrad, wgrad);
     }
     std::printf("%s\n", rc == 0 ? "ALL OK" : "SOME CHECKS FAILED");
     return rc;

@@ -11,22 +11,28 @@
    dgrad-x d(gate|up) [M, 2 ffn] @ w1[e] (w1 [E, 2 ffn, hidden]), on DeepSeek-V3 and Mixtral 8x7B (8 experts, hidden
    4096, ffn 14336) at 256 / 512 / 1024 / 2048 / 4096 rows per expert. mat_b is tried as stored ("n-major") and as a
    K-major copy passed transposed ("k-major"); the faster is the baseline, as for the forward.
-3. PyTorch's unfused MoE expert layer: random top-8 routing of tokens = rows * 32 / 8; route (argsort + bincount),
+3. torch._grouped_mm in its k-grouped form (2D x 2D, offs over the rows) on the backward's weight gradients, the same
+   math as grouped_gemm_bench's wgrad ops: dw2 [E, hidden, ffn] = _grouped_mm(dy.t(), h, offs) and dw1 [E, 2 ffn,
+   hidden] = _grouped_mm(d(gate|up).t(), x, offs), as autograd's backward of _grouped_mm calls it; DeepSeek-V3 and
+   Mixtral at 256 / 512 / 1024 / 2048 / 4096 rows per expert. The operands are tried as stored ("as-stored": a.t() a
+   transposed view) and as K-major copies made outside the timing ("k-major"); the faster is the baseline.
+4. PyTorch's unfused MoE expert layer: random top-8 routing of tokens = rows * 32 / 8; route (argsort + bincount),
    permute by gather, grouped GEMM, SwiGLU, grouped GEMM, weighted index_add_ back (fp32). Timed whole, and its two
    GEMMs alone on the same routing.
 
 Timing: CUDA events around each call, all calls enqueued back to back and synchronised once, 3 warm-up calls, median
-of --iters (>= 20), two input sets rotated so L2 does not flatter. TFLOP/s count 2 * rows * n * k per GEMM.
+of --iters (>= 20), two input sets rotated so L2 does not flatter. TFLOP/s count 2 * rows * n * k per GEMM (2 * rows *
+m * n for the weight gradients).
 
   python3 bench/grouped_mm_baseline.py [--iters 30] [--json FILE] [--counts-out FILE] [--ms-out FILE]
-                                       [--skip-forward] [--skip-dgrad] [--skip-layer] [--decode]
+                                       [--skip-forward] [--skip-dgrad] [--skip-wgrad] [--skip-layer] [--decode]
 
 --decode: instead, torch._grouped_mm at decode sizes (grouped_gemm_bench --decode): 1, 8, 32 and 128 tokens routed
 top-8 over the 32 experts, gemm1 and gemm2 (k-major weights), with the GB/s of the routed experts' weights read once
 against a device-to-device copy (bytes read + written) measured in the same run.
 
 --counts-out writes the random routings' group sizes as lines "name c0 ... c31", for grouped_gemm_bench --counts.
---ms-out writes the baseline's median ms of 1. and 2. as lines "model case op ms", for grouped_gemm_bench --torch
+--ms-out writes the baseline's median ms of 1., 2. and 3. as lines "model case op ms", for grouped_gemm_bench --torch
 (which prints torch ms / tandem ms per op).
 """
 import argparse
@@ -188,6 +194,73 @@ def dgrad_cases(iters, dtype, results):
         torch.cuda.empty_cache()
 
 
+def wgrad_cases(iters, dtype, results):
+    """torch._grouped_mm(a.t(), b, offs=offs) -> [E, m, n]: the weight-gradient GEMMs of the MoE backward."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+
+    def rnd(*shape):
+        return (torch.rand(*shape, device="cuda", generator=gen, dtype=torch.float32) * 2 - 1).to(dtype)
+
+    for model, experts, hidden, ffn in MODELS:
+        max_rows = max(DGRAD_ROWS) * experts
+        dy = [rnd(max_rows, hidden) for _ in range(SETS)]
+        h = [rnd(max_rows, ffn) for _ in range(SETS)]
+        dgu = [rnd(max_rows, 2 * ffn) for _ in range(SETS)]
+        x = [rnd(max_rows, hidden) for _ in range(SETS)]
+        # op -> (a [rows, m], b [rows, n], m, n): out[e] = a_e^T b_e
+        ops = {"dw2": (dy, h, hidden, ffn), "dw1": (dgu, x, 2 * ffn, hidden)}
+
+        def operands(layout, a, b, rows):
+            if layout == "as-stored":
+                return a[:rows].t(), b[:rows]
+            # The same values, stored K-major: a^T [m, rows] contiguous, b [rows, n] with the rows innermost.
+            return a[:rows].t().contiguous(), b[:rows].t().contiguous().t()
+
+        # Correctness of the baseline itself: expert 1 of each op against a plain matmul.
+        offs = torch.tensor([256] * experts, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        for op, (a, b, m, n) in ops.items():
+            for layout in ("as-stored", "k-major"):
+                try:
+                    got = torch._grouped_mm(*operands(layout, a[0], b[0], 256 * experts), offs=offs)
+                except RuntimeError:
+                    continue  # refused here; the timing loop reports it
+                want = a[0][256:512].float().t() @ b[0][256:512].float()
+                rel = ((got[1].float() - want).norm() / want.norm()).item()
+                if not rel < 1e-2:
+                    print(f"FAIL: torch._grouped_mm {model} {op} {layout} disagrees with matmul: rel_err {rel:.3e}")
+                    sys.exit(1)
+        print(f"\n{model} ({experts} experts, hidden {hidden}, ffn {ffn}): torch._grouped_mm(a.t(), b, offs) -> "
+              f"[E, m, n] (median of {iters}, {SETS} rotated input sets; self-check vs fp32 matmul passed):")
+        print(f"{'case':<10} {'rows':>7}  {'op':<8} {'layout':<9} {'ms':>9} {'TFLOP/s':>9}")
+        for rows_per_expert in DGRAD_ROWS:
+            name = f"equal{rows_per_expert}"
+            rows = rows_per_expert * experts
+            offs = torch.tensor([rows_per_expert] * experts, device="cuda", dtype=torch.int32).cumsum(
+                0, dtype=torch.int32)
+            for op, (a, b, m, n) in ops.items():
+                best = None
+                for layout in ("as-stored", "k-major"):
+                    pairs = [operands(layout, a[i], b[i], rows) for i in range(SETS)]
+                    try:
+                        fns = [lambda i=i: torch._grouped_mm(pairs[i][0], pairs[i][1], offs=offs)
+                               for i in range(SETS)]
+                        ms = time_calls(fns, iters)
+                    except RuntimeError as e:  # a layout this build refuses
+                        print(f"{name:<10} {rows:>7}  {op:<8} {layout:<9} refused: {str(e).splitlines()[0]}")
+                        continue
+                    print(f"{name:<10} {rows:>7}  {op:<8} {layout:<9} {ms:9.4f} {tflops(rows, m, n, ms):9.1f}")
+                    if best is None or ms < best[0]:
+                        best = (ms, layout)
+                    del pairs, fns
+                if best is not None:
+                    results["grouped_mm"].append({"model": model, "case": name, "rows": rows, "op": op,
+                                                  "ms": best[0], "tflops": tflops(rows, m, n, best[0]),
+                                                  "layout": best[1]})
+            sys.stdout.flush()
+        del dy, h, dgu, x, ops
+        torch.cuda.empty_cache()
+
+
 def moe_layer_cases(iters, dtype, results, counts_out):
     gen = torch.Generator(device="cuda").manual_seed(2)
 
@@ -300,6 +373,7 @@ def main():
     ap.add_argument("--ms-out", default="")
     ap.add_argument("--skip-forward", action="store_true")
     ap.add_argument("--skip-dgrad", action="store_true")
+    ap.add_argument("--skip-wgrad", action="store_true")
     ap.add_argument("--skip-layer", action="store_true")
     ap.add_argument("--decode", action="store_true")
     args = ap.parse_args()
@@ -317,6 +391,8 @@ def main():
             grouped_mm_cases(args.iters, torch.bfloat16, results)
         if not args.skip_dgrad:
             dgrad_cases(args.iters, torch.bfloat16, results)
+        if not args.skip_wgrad:
+            wgrad_cases(args.iters, torch.bfloat16, results)
         if args.ms_out:
             with open(args.ms_out, "w") as f:
                 f.write("".join(f"{r['model']} {r['case']} {r['op']} {r['ms']:.5f}\n" for r in results["grouped_mm"]))
