@@ -110,7 +110,7 @@ void launchKv(const BwdKernelParams& p, bool wgmma, cudaStream_t stream) {
     return;
   }
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  constexpr uint32_t kBq = wg::kBlockQ<HD>;
+  constexpr uint32_t kBq = wg::kBlockQ<HD, AtomicDq>;
   wg::WgKernelParams w;
   std::memset(&w, 0, sizeof(w));
   w.tmQ = encodeMap(p.q, p.sq, static_cast<int64_t>(p.heads) * HD, kBq, kBf16);

@@ -16,10 +16,13 @@
 //     dK  += dS^T Q       layout once packed to 16 bits), B = dO / Q read N-major from the same tiles (no copy)
 //   and, in atomic dq mode, dS^T goes to shared memory (128-byte swizzle, as wgmma reads an MN-major operand) and
 //     dQ = dS K           wgmma m64n64k16, A = dS (MN-major: the stored dS^T), B = K (MN-major), 128 keys of k
-//   is added to the fp32 workspace with vector atomics: BQ = 64 (head_dim 128): consumer w takes head-dim half w;
-//   BQ = 128 (head_dim 64): consumer w takes query rows [64 w, 64 w + 64).
+//   is added to the fp32 workspace with vector atomics (float2): head_dim 128: all 128 keys, consumer w takes
+//   head-dim half w (a barrier of both consumers first); head_dim 64: consumer w takes its own 64 keys and the whole
+//   head dim (a barrier of its own warpgroup only; twice the atomics).
 // dK and dV stay in registers for the whole CTA: HD / 2 fp32 each per thread, plus BQ / 2 each for S^T and dP^T,
-// which is what sets BQ: 64 at head_dim 128 (64 + 64 + 32 + 32), 128 at head_dim 64 (32 + 32 + 64 + 64).
+// which is what sets BQ (query rows per step): 64 at head_dim 128 (64 + 64 + 32 + 32); at head_dim 64, 128 without
+// dq (32 + 32 + 64 + 64, dP^T issued after S^T's registers are free) and 64 with atomic dq (ptxas spilled at 128).
+// ptxas -v: no spills in any of the 8 instantiations (168 registers at launch, setmaxnreg 40 / 232).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only)
@@ -49,10 +52,16 @@ inline constexpr uint32_t kProducerRegs = 40;
 inline constexpr uint32_t kConsumerRegs = 232;
 static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 168 * 3, "setmaxnreg pool");
 
-// Query rows per step, by head dim (see the header comment).
-template <int HD>
-inline constexpr int kBlockQ = HD == 128 ? 64 : 128;
-static_assert(kRowPad % kBlockQ<64> == 0 && kRowPad % kBlockQ<128> == 0, "lse / D rows are padded to whole steps");
+// Query rows per step (see the header comment): 128 only at head_dim 64 without dq, where the registers allow it.
+template <int HD, bool AtomicDq>
+inline constexpr int kBlockQ = HD == 64 && !AtomicDq ? 128 : 64;
+static_assert(kRowPad % 128 == 0, "lse / D rows are padded to whole steps");
+
+// Named barriers (bar.sync ids); 0 is __syncthreads. kConsumer0 / 1: one consumer warpgroup; kConsumers: both.
+enum class Barrier : uint32_t { kCta = 0, kConsumer0 = 1, kConsumer1 = 2, kConsumers = 3 };
+__device__ __forceinline__ void barSync(Barrier id, uint32_t threads) {
+  gemm::namedBarSyncId(static_cast<uint32_t>(id), threads);
+}
 
 enum class Role : uint8_t { kProducer = 0, kConsumer = 1 };
 __host__ __device__ constexpr Role roleOf(int wg) { return wg == 0 ? Role::kProducer : Role::kConsumer; }
@@ -73,7 +82,7 @@ static_assert(sizeof(WgKernelParams) <= 4096, "kernel parameter space");
 // ---------------------------------------------------------------------------------------------------------------
 template <int HD, bool AtomicDq>
 struct SharedStorage {
-  static constexpr int BQ = kBlockQ<HD>;
+  static constexpr int BQ = kBlockQ<HD, AtomicDq>;
   alignas(1024) uint16_t k[kBlockKv * HD];
   alignas(1024) uint16_t v[kBlockKv * HD];
   alignas(1024) uint16_t q[kStages][BQ * HD];
@@ -117,7 +126,7 @@ __device__ __forceinline__ Walk walkOf(const BwdKernelParams& p, int32_t key0) {
 template <int HD, bool AtomicDq>
 __device__ __forceinline__ void runProducer(const WgKernelParams& p, SharedStorage<HD, AtomicDq>& s, int32_t kvBlock,
                                             int32_t kvHead) {
-  constexpr int BQ = kBlockQ<HD>;
+  constexpr int BQ = kBlockQ<HD, AtomicDq>;
   const BwdKernelParams& b = p.b;
   const int32_t key0 = kvBlock * kBlockKv;
   const Walk w = walkOf<BQ>(b, key0);
@@ -171,27 +180,70 @@ __device__ __forceinline__ void issueSS(float (&acc)[BQ / 2], uint32_t aAddr, ui
   gemm::wgmmaCommit();
 }
 
-// P^T and dS^T of one step in place: st becomes P^T, dpt dS^T. Keys are rows (key0w + r, + 8), queries columns.
+// Per-thread mask of one step: of key rows r and r + 8 (h = 0, 1), queries [0, lim[h]) of the step are masked: all
+// of them for keys past sk, and (causal) those before the first query that sees the key. Int32 compares in the
+// element loop instead of 64-bit positions (registers).
 template <int BQ>
-__device__ __forceinline__ void softmaxGrad(const BwdKernelParams& p, float (&st)[BQ / 2], float (&dpt)[BQ / 2],
-                                            const float* lse2, const float* dot, bool mask, int32_t row0,
-                                            int32_t key0w, int t) {
-  const int lane = t % 32;
-  const int c2 = 2 * (lane & 3);
-  const int32_t r = (t / 32) * 16 + lane / 4;
+__device__ __forceinline__ void maskLimits(const BwdKernelParams& p, int32_t row0, int32_t key0w, int t,
+                                           int32_t (&lim)[2]) {
+  const int32_t r = (t / 32) * 16 + (t % 32) / 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int32_t key = key0w + r + 8 * h;
+    lim[h] = 0;
+    if (key >= p.sk) {
+      lim[h] = BQ;
+    } else if (p.causal) {
+      const int64_t first = p.kStart + key - p.qStart - row0;  // step column of the first query that sees the key
+      lim[h] = first <= 0 ? 0 : (first >= BQ ? BQ : static_cast<int32_t>(first));
+    }
+  }
+}
+
+// P^T of one step in place of S^T (keys are rows, the step's queries columns).
+template <int BQ>
+__device__ __forceinline__ void probs(float (&st)[BQ / 2], const float* lse2, float scaleLog2, bool mask,
+                                      const int32_t (&lim)[2], int t) {
+  const int c2 = 2 * (t % 4);
 #pragma unroll
   for (int j = 0; j < BQ / 8; ++j) {
     const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + c2);
-    const float2 d = *reinterpret_cast<const float2*>(dot + 8 * j + c2);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int qc = 8 * j + c2 + (e & 1);
-      float pv = exp2Approx(fmaf(st[4 * j + e], p.scaleLog2, -((e & 1) ? l.y : l.x)));
-      if (mask && !visible(p, row0 + qc, key0w + r + 8 * (e >> 1))) pv = 0.0f;
+      float pv = exp2Approx(fmaf(st[4 * j + e], scaleLog2, -((e & 1) ? l.y : l.x)));
+      if (mask && 8 * j + c2 + (e & 1) < lim[e >> 1]) pv = 0.0f;
       st[4 * j + e] = pv;
-      dpt[4 * j + e] = pv * (dpt[4 * j + e] - ((e & 1) ? d.y : d.x));
     }
   }
+}
+
+// dS^T = P^T (dP^T - D) in place of dP^T; pairOf(i) gives P^T elements 2 i and 2 i + 1 (fp32, or unpacked from
+// the 16-bit A fragments).
+template <int BQ, class PairOf>
+__device__ __forceinline__ void gradS(float (&dpt)[BQ / 2], PairOf pairOf, const float* dot, int t) {
+  const int c2 = 2 * (t % 4);
+#pragma unroll
+  for (int j = 0; j < BQ / 8; ++j) {
+    const float2 d = *reinterpret_cast<const float2*>(dot + 8 * j + c2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float2 pv = pairOf(2 * j + h);
+      dpt[4 * j + 2 * h] = pv.x * (dpt[4 * j + 2 * h] - d.x);
+      dpt[4 * j + 2 * h + 1] = pv.y * (dpt[4 * j + 2 * h + 1] - d.y);
+    }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ float2 unpackPair(uint32_t v);
+template <>
+__device__ __forceinline__ float2 unpackPair<__nv_bfloat16>(uint32_t v) {
+  // bf16 is the upper half of an fp32: exact by shifts (the library conversion went through a stack copy here).
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
+}
+template <>
+__device__ __forceinline__ float2 unpackPair<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
 // dS^T (packed A fragments, this warpgroup's 64 keys starting at row keyW) into the [keys][queries] smem tile in
@@ -212,14 +264,15 @@ __device__ __forceinline__ void storeDsT(uint32_t base, const uint32_t (&dsf)[BQ
   }
 }
 
-// dQ part of this warpgroup = dS[64 queries x 128 keys] K[128 keys x 64 dims], both MN-major in shared memory: the
-// queries start at dsAddr (a 64-query half of dS^T), the dims at kAddr (a 64-column half of K). One commit group.
-template <class T>
+// dQ part of this warpgroup = dS[64 queries x KEYS] K[KEYS x 64 dims], both MN-major in shared memory (dS as the
+// stored dS^T [keys][queries]): dsAddr and kAddr point at the first key's row, kAddr inside the 64-column half of K
+// that holds the dims. One commit group.
+template <class T, int KEYS>
 __device__ __forceinline__ void issueDq(float (&acc)[32], uint32_t dsAddr, uint32_t kAddr) {
   gemm::wgmmaFence();
 #pragma unroll
-  for (int kk = 0; kk < kBlockKv / 16; ++kk) {
-    // Keys 16 kk .. 16 kk + 15: two 8-row swizzle groups, 2048 bytes on. Only one 64-wide chunk along M and N.
+  for (int kk = 0; kk < KEYS / 16; ++kk) {
+    // Keys 16 kk .. 16 kk + 15: two 8-row swizzle groups, 2048 bytes on. One 64-wide chunk along M and along N.
     const uint32_t off = static_cast<uint32_t>(kk) * 2048;
     const uint64_t descA = attn::makeSmemDescNMajor(dsAddr + off, kBlockKv * 128);
     const uint64_t descB = attn::makeSmemDescNMajor(kAddr + off, kBlockKv * 128);
@@ -234,7 +287,10 @@ __device__ __forceinline__ void issueDq(float (&acc)[32], uint32_t dsAddr, uint3
 template <class T, int HD, bool AtomicDq>
 __device__ __forceinline__ void runConsumer(const WgKernelParams& params, SharedStorage<HD, AtomicDq>& s,
                                             int32_t kvBlock, int32_t kvHead, int wg, int t) {
-  constexpr int BQ = kBlockQ<HD>;
+  constexpr int BQ = kBlockQ<HD, AtomicDq>;
+  // At BQ = 128 (head_dim 64) S^T and dP^T (64 fp32 each) cannot be live together next to dK and dV without spills:
+  // dS^T is then computed from the 16-bit P^T (the A fragments dV's product takes), after S^T's registers are free.
+  constexpr bool kPFromFragments = BQ == 128;
   const BwdKernelParams& p = params.b;
   const int lane = t % 32;
   const int32_t key0 = kvBlock * kBlockKv;
@@ -254,62 +310,88 @@ __device__ __forceinline__ void runConsumer(const WgKernelParams& params, Shared
       const uint32_t qAddr = gemm::smemAddr(s.q[ps.stage]), doAddr = gemm::smemAddr(s.dout[ps.stage]);
       gemm::mbarWait(&s.full[ps.stage], ps.phase);  // acquire: Q, dO, lse2, D of the step landed
 
-      float st[BQ / 2], dpt[BQ / 2];
-      issueSS<T, HD, BQ>(st, kAddr + keyW * 128, qAddr);
-      issueSS<T, HD, BQ>(dpt, vAddr + keyW * 128, doAddr);
       // Masking: keys past sk, or (causal) a block that reaches past the step's first query. Warpgroup-uniform.
       const bool mask = key0 + kBlockKv > p.sk || (p.causal && p.kStart + key0 + kBlockKv - 1 > p.qStart + row0);
-      gemm::wgmmaWait<0>();
-      gemm::fenceAccumulators(st);
-      gemm::fenceAccumulators(dpt);
-      softmaxGrad<BQ>(p, st, dpt, s.lse2[ps.stage], s.dot[ps.stage], mask, row0, key0 + keyW, t);
+      int32_t lim[2] = {0, 0};
+      if (mask) maskLimits<BQ>(p, row0, key0 + keyW, t, lim);
+      const float* const lse2 = s.lse2[ps.stage];
+      const float* const dot = s.dot[ps.stage];
+      float st[BQ / 2], dpt[BQ / 2];
       uint32_t pf[BQ / 4], dsf[BQ / 4];
-      attn::packP<T, BQ>(pf, st);
+      if constexpr (kPFromFragments) {
+        // S^T, P^T, its fragments; only then dP^T (S^T's registers are free), and dS^T from the 16-bit P^T.
+        issueSS<T, HD, BQ>(st, kAddr + keyW * 128, qAddr);
+        gemm::wgmmaWait<0>();
+        gemm::fenceAccumulators(st);
+        probs<BQ>(st, lse2, p.scaleLog2, mask, lim, t);
+        attn::packP<T, BQ>(pf, st);
+        issueSS<T, HD, BQ>(dpt, vAddr + keyW * 128, doAddr);
+        gemm::wgmmaWait<0>();
+        gemm::fenceAccumulators(dpt);
+        gradS<BQ>(dpt, [&](int i) { return unpackPair<T>(pf[i]); }, dot, t);
+      } else {
+        // Both products in flight; P^T's exp2 runs while dP^T is computed.
+        issueSS<T, HD, BQ>(st, kAddr + keyW * 128, qAddr);
+        issueSS<T, HD, BQ>(dpt, vAddr + keyW * 128, doAddr);
+        gemm::wgmmaWait<1>();  // S^T done (groups complete in order)
+        gemm::fenceAccumulators(st);
+        probs<BQ>(st, lse2, p.scaleLog2, mask, lim, t);
+        gemm::wgmmaWait<0>();
+        gemm::fenceAccumulators(dpt);
+        gradS<BQ>(dpt, [&](int i) { return make_float2(st[2 * i], st[2 * i + 1]); }, dot, t);
+        attn::packP<T, BQ>(pf, st);
+      }
       attn::packP<T, BQ>(dsf, dpt);
+      if constexpr (AtomicDq) {
+        // dS^T to shared memory for the dq product, before dK's wgmma reads dsf (no register access in its window).
+        storeDsT<BQ>(gemm::smemAddr(s.ds[it & 1]), dsf, keyW, t);
+        gemm::fenceProxyAsyncShared();  // the st.shared above -> visible to wgmma (async proxy)
+      }
 
       // dV += P^T dO, dK += dS^T Q (k = the step's queries, N = head dim, B read N-major from the tiles).
       attn::issuePV<T, HD, BQ>(dv, pf, doAddr);
       attn::issuePV<T, HD, BQ>(dk, dsf, qAddr);
 
+      // dV and dK done: their A fragments are free, the stage's tiles read.
+      gemm::wgmmaWait<0>();
+      gemm::fenceAccumulators(dv);
+      gemm::fenceAccumulators(dk);
+      attn::fenceRegs(pf);
+      attn::fenceRegs(dsf);
+      // release: every read of the stage (lse2 / D above, Q and dO by the completed wgmma); pairs with the
+      // producer's empty wait.
+      if (t == 0) gemm::mbarArrive(&s.empty[ps.stage]);
       if constexpr (AtomicDq) {
         const uint32_t dsAddr = gemm::smemAddr(s.ds[it & 1]);
-        storeDsT<BQ>(dsAddr, dsf, keyW, t);
-        gemm::fenceProxyAsyncShared();  // the st.shared above -> visible to wgmma (async proxy)
-        // Both warpgroups' dS^T written. Also: the other warpgroup finished step it - 1 (so its dq product of step
-        // it - 2, which read this buffer, is done).
-        gemm_layouts::barSync(gemm_layouts::Barrier::kConsumers, 2 * 128);
-        // BQ 64: all 64 queries, head-dim half wg. BQ 128: queries [64 wg, + 64), the whole (64-wide) head dim.
-        const int rw = BQ == 128 ? wg : 0, ch = BQ == 128 ? 0 : wg;
         float dq[32];
-        issueDq<T>(dq, dsAddr + rw * (kBlockKv * 128), kAddr + ch * (kBlockKv * 128));
+        // Issued after dV / dK completed, so that their A fragments (BQ / 2 registers) are not live next to dQ's.
+        if constexpr (HD == 128) {
+          // Both warpgroups' dS^T written; also, the other warpgroup finished step it - 1, so its dq product of step
+          // it - 2, which read this buffer, is done. Then all 128 keys, head-dim half wg.
+          barSync(Barrier::kConsumers, 2 * 128);
+          issueDq<T, kBlockKv>(dq, dsAddr, kAddr + wg * (kBlockKv * 128));
+        } else {
+          // head_dim 64: this warpgroup's own 64 keys (its dS^T rows, written by its 4 warps), the whole head dim;
+          // the two warpgroups' partial dQ are both added. (Splitting the 64 dims instead would need 32-wide MN-major
+          // operands inside a 128-byte swizzle atom.)
+          barSync(wg == 0 ? Barrier::kConsumer0 : Barrier::kConsumer1, 128);
+          issueDq<T, 64>(dq, dsAddr + keyW * 128, kAddr + keyW * 128);
+        }
         gemm::wgmmaWait<0>();
         gemm::fenceAccumulators(dq);
-        gemm::fenceAccumulators(dv);
-        gemm::fenceAccumulators(dk);
-        attn::fenceRegs(pf);
-        attn::fenceRegs(dsf);
-        // release: every read of the stage (lse2 / D above, Q and dO by the completed wgmma); pairs with the
-        // producer's empty wait.
-        if (t == 0) gemm::mbarArrive(&s.empty[ps.stage]);
         const int32_t head = kvHead * p.group + it / w.perHead;
         const int32_t r = (t / 32) * 16 + lane / 4;
+        const int32_t col = (HD == 128 ? wg * 64 : 0) + 2 * (lane & 3);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int32_t row = row0 + rw * 64 + r + 8 * h;
+          const int32_t row = row0 + r + 8 * h;
           if (row >= p.sq) continue;
-          float* const dst = p.dqAccum + (static_cast<int64_t>(row) * p.heads + head) * HD + ch * 64 + 2 * (lane & 3);
+          float* const dst = p.dqAccum + (static_cast<int64_t>(row) * p.heads + head) * HD + col;
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             atomicAdd(reinterpret_cast<float2*>(dst + 8 * j), make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]));
           }
         }
-      } else {
-        gemm::wgmmaWait<0>();
-        gemm::fenceAccumulators(dv);
-        gemm::fenceAccumulators(dk);
-        attn::fenceRegs(pf);
-        attn::fenceRegs(dsf);
-        if (t == 0) gemm::mbarArrive(&s.empty[ps.stage]);  // release: the stage (see above)
       }
       ps.advance();
     }

@@ -224,6 +224,10 @@ __device__ __forceinline__ void fenceProxyAsyncShared() {
 __device__ __forceinline__ void namedBarSync(Barrier id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(threads) : "memory");
 }
+// The same for kernels with barrier enums of their own.
+__device__ __forceinline__ void namedBarSyncId(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 __device__ __forceinline__ void stShared32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
