@@ -1,8 +1,9 @@
 // Attention backward core on one Hopper GPU: dq, dk, dv of out = softmax(scale * q K^T [+ causal mask]) V per head,
-// recomputing P from the forward's log-sum-exp (FlashAttention-2 style), fp32 accumulation, bf16 or fp16 in and out.
+// recomputing P from the forward's log-sum-exp, fp32 accumulation, bf16 or fp16 in and out. dk / dv (and the atomic
+// mode's dq) on wgmma and TMA (FlashAttention-3's design) or on the earlier mma.sync core (AttentionBwdCore).
 // Grouped-query attention (k / v with fewer heads than q) and separate query and key lengths with global positions, so
 // that ring attention can run it on one query chunk against one KV chunk. See kernels/device/attention_bwd_sm90.cuh
-// for the design.
+// and kernels/device/attention_bwd_wgmma_sm90.cuh for the design.
 #pragma once
 
 #include <cuda_runtime_api.h>
