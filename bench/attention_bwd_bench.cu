@@ -1,14 +1,15 @@
-// Attention backward core on one Hopper GPU: time of launchAttentionBwd in both dq modes (CUDA events around every
-// launch, median), with o and lse from the forward core on the same inputs. bench/sdpa_bwd_baseline.py times torch
+// Attention backward core on one Hopper GPU: time of launchAttentionBwd in both dq modes on both dk/dv cores (wgmma and
+// mma.sync, AttentionBwdCore; CUDA events around every launch, median), with o and lse from the forward core on the
+// same inputs. bench/sdpa_bwd_baseline.py times torch
 // SDPA's backward (cuDNN and flash backends) on the same shapes; run both in the same device call.
 //
 //   attention_bwd_bench [--iters N] [--warmup N] [--seqs 4096,8192,16384] [--heads 16] [--hds 128,64]
-//                       [--causal both|0|1] [--fp16]
+//                       [--causal both|0|1] [--fp16] [--cores wgmma,mma_sync]
 // FLOPs counted as FlashAttention's benchmarks count them: 2.5 x the forward's 4 * seq^2 * heads * hd (five matrix
 // products of the backward, against two of the forward), half of that with causal masking; the deterministic mode's
 // extra products (it recomputes S and dP for dq) are not counted. One sequence of `seq` tokens, heads == kv heads.
-// Check at full size: the two modes' dq, dk and dv must agree (relative error < 1e-2, every element finite); exits 1
-// otherwise. Prints one "RESULT ..." line per (shape, mode) and a table at the end.
+// Check at full size: every (core, mode)'s dq, dk and dv must agree with the first one's (relative error < 1e-2, every
+// element finite); exits 1 otherwise. Prints one "RESULT ..." line per (shape, core, mode) and a table at the end.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -26,6 +27,7 @@
 #include "tandem/kernels/attention.hpp"
 #include "tandem/kernels/attention_bwd.hpp"
 
+using tandem::kernels::AttentionBwdCore;
 using tandem::kernels::AttentionBwdDq;
 using tandem::kernels::AttentionBwdParams;
 using tandem::kernels::AttentionDtype;
@@ -43,7 +45,10 @@ struct Options {
   int heads = 16;
   std::vector<int> causal{0, 1};
   bool fp16 = false;
+  std::vector<AttentionBwdCore> cores{AttentionBwdCore::kWgmma, AttentionBwdCore::kMmaSync};
 };
+
+const char* coreName(AttentionBwdCore c) { return c == AttentionBwdCore::kWgmma ? "wgmma" : "mma_sync"; }
 
 std::vector<int> parseList(const std::string& s) {
   std::vector<int> out;
@@ -77,6 +82,19 @@ Options parse(int argc, char** argv) {
       const std::string c = next();
       o.causal = c == "both" ? std::vector<int>{0, 1} : std::vector<int>{std::stoi(c)};
     } else if (a == "--fp16") o.fp16 = true;
+    else if (a == "--cores") {
+      o.cores.clear();
+      const std::string list = next() + ",";
+      for (size_t pos = 0, comma; (comma = list.find(',', pos)) != std::string::npos; pos = comma + 1) {
+        const std::string name = list.substr(pos, comma - pos);
+        if (name == "wgmma") o.cores.push_back(AttentionBwdCore::kWgmma);
+        else if (name == "mma_sync") o.cores.push_back(AttentionBwdCore::kMmaSync);
+        else {
+          std::fprintf(stderr, "--cores: unknown core %s (wgmma, mma_sync)\n", name.c_str());
+          std::exit(2);
+        }
+      }
+    }
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       std::exit(2);
@@ -90,6 +108,7 @@ struct Buffer {
   void* p = nullptr;
   explicit Buffer(size_t bytes) { CK(cudaMalloc(&p, bytes == 0 ? 16 : bytes)); }
   ~Buffer() { cudaFree(p); }
+  Buffer(Buffer&& o) noexcept : p(o.p) { o.p = nullptr; }  // vector<Buffer>
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 };
@@ -119,6 +138,7 @@ double relError(const void* out, const void* ref, int64_t n, unsigned long long&
 
 struct Row {
   int seq, hd, causal;
+  const char* core;
   const char* mode;
   double ms, tflops;
 };
@@ -128,8 +148,17 @@ bool runShape(const Options& o, int seq, int hd, bool causal, cudaStream_t s, st
   const AttentionDtype dt = o.fp16 ? AttentionDtype::kFp16 : AttentionDtype::kBf16;
   const size_t n = static_cast<size_t>(seq) * o.heads * hd, bytes = n * 2;
   Buffer q(bytes), k(bytes), v(bytes), out(bytes), dout(bytes), lse(static_cast<size_t>(o.heads) * seq * 4);
-  Buffer dq[2] = {Buffer(bytes), Buffer(bytes)}, dk[2] = {Buffer(bytes), Buffer(bytes)},
-         dv[2] = {Buffer(bytes), Buffer(bytes)};
+  // Outputs per (core, mode) run, in run order; run 0 is the reference of the check.
+  const int runs = 2 * static_cast<int>(o.cores.size());
+  std::vector<Buffer> dq, dk, dv;
+  dq.reserve(runs);
+  dk.reserve(runs);
+  dv.reserve(runs);
+  for (int i = 0; i < runs; ++i) {
+    dq.emplace_back(bytes);
+    dk.emplace_back(bytes);
+    dv.emplace_back(bytes);
+  }
   fill<T>(q.p, n, 1, s);
   fill<T>(k.p, n, 2, s);
   fill<T>(v.p, n, 3, s);
@@ -152,7 +181,8 @@ bool runShape(const Options& o, int seq, int hd, bool causal, cudaStream_t s, st
 
   const double flops = 2.5 * 4.0 * seq * static_cast<double>(seq) * o.heads * hd * (causal ? 0.5 : 1.0);
   const AttentionBwdDq modes[2] = {AttentionBwdDq::kDeterministic, AttentionBwdDq::kAtomic};
-  for (int m = 0; m < 2; ++m) {
+  for (int m = 0; m < runs; ++m) {
+    const AttentionBwdCore core = o.cores[m / 2];
     AttentionBwdParams p{};
     p.q = q.p;
     p.k = k.p;
@@ -168,7 +198,8 @@ bool runShape(const Options& o, int seq, int hd, bool causal, cudaStream_t s, st
     p.headDim = hd;
     p.dtype = dt;
     p.causal = causal;
-    p.dqMode = modes[m];
+    p.dqMode = modes[m % 2];
+    p.core = core;
     p.workspaceBytes = tandem::kernels::attentionBwdWorkspaceBytes(p);
     Buffer ws(p.workspaceBytes);
     p.workspace = ws.p;
@@ -187,23 +218,27 @@ bool runShape(const Options& o, int seq, int hd, bool causal, cudaStream_t s, st
     for (auto& e : ev) CK(cudaEventDestroy(e));
     std::sort(t.begin(), t.end());
     const double ms = t[o.iters / 2];
-    const char* name = m == 0 ? "deterministic" : "atomic";
-    rows.push_back({seq, hd, causal ? 1 : 0, name, ms, flops / (ms * 1e-3) / 1e12});
-    std::printf("RESULT seq=%d heads=%d hd=%d causal=%d mode=%s median_ms=%.4f min_ms=%.4f max_ms=%.4f tflops=%.1f\n",
-                seq, o.heads, hd, causal ? 1 : 0, name, ms, t.front(), t.back(), rows.back().tflops);
+    const char* name = m % 2 == 0 ? "deterministic" : "atomic";
+    rows.push_back({seq, hd, causal ? 1 : 0, coreName(core), name, ms, flops / (ms * 1e-3) / 1e12});
+    std::printf(
+        "RESULT seq=%d heads=%d hd=%d causal=%d core=%s mode=%s median_ms=%.4f min_ms=%.4f max_ms=%.4f tflops=%.1f\n",
+        seq, o.heads, hd, causal ? 1 : 0, coreName(core), name, ms, t.front(), t.back(), rows.back().tflops);
     std::fflush(stdout);
   }
   bool ok = true;
   const char* names[3] = {"dq", "dk", "dv"};
-  Buffer* bufs[3] = {dq, dk, dv};
-  for (int i = 0; i < 3; ++i) {
-    unsigned long long bad = 0, badRef = 0;
-    const double e = relError<T>(bufs[i][1].p, bufs[i][0].p, static_cast<int64_t>(n), bad, s);
-    relError<T>(bufs[i][0].p, bufs[i][0].p, static_cast<int64_t>(n), badRef, s);
-    const bool pass = bad == 0 && badRef == 0 && e < 1e-2;
-    std::printf("CHECK seq=%d hd=%d causal=%d %s atomic_vs_deterministic_relerr=%.2e nonfinite=%llu/%llu %s\n", seq,
-                hd, causal ? 1 : 0, names[i], e, badRef, bad, pass ? "ok" : "FAIL");
-    ok = ok && pass;
+  std::vector<Buffer>* bufs[3] = {&dq, &dk, &dv};
+  for (int m = 1; m < runs; ++m) {
+    for (int i = 0; i < 3; ++i) {
+      unsigned long long bad = 0, badRef = 0;
+      const double e = relError<T>((*bufs[i])[m].p, (*bufs[i])[0].p, static_cast<int64_t>(n), bad, s);
+      relError<T>((*bufs[i])[0].p, (*bufs[i])[0].p, static_cast<int64_t>(n), badRef, s);
+      const bool pass = bad == 0 && badRef == 0 && e < 1e-2;
+      std::printf("CHECK seq=%d hd=%d causal=%d %s %s/%s_vs_%s/deterministic relerr=%.2e nonfinite=%llu/%llu %s\n",
+                  seq, hd, causal ? 1 : 0, names[i], coreName(o.cores[m / 2]),
+                  m % 2 == 0 ? "deterministic" : "atomic", coreName(o.cores[0]), e, badRef, bad, pass ? "ok" : "FAIL");
+      ok = ok && pass;
+    }
   }
   return ok;
 }
@@ -228,10 +263,10 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("\n| seq | hd | causal | dq mode | median ms | TFLOP/s |\n|---|---|---|---|---|---|\n");
+  std::printf("\n| seq | hd | causal | core | dq mode | median ms | TFLOP/s |\n|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
-    std::printf("| %d | %d | %s | %s | %.3f | %.1f |\n", r.seq, r.hd, r.causal ? "yes" : "no", r.mode, r.ms,
-                r.tflops);
+    std::printf("| %d | %d | %s | %s | %s | %.3f | %.1f |\n", r.seq, r.hd, r.causal ? "yes" : "no", r.core, r.mode,
+                r.ms, r.tflops);
   }
   CK(cudaStreamDestroy(s));
   if (!ok) std::printf("attention_bwd_bench: CHECK failed\n");

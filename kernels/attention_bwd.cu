@@ -1,15 +1,19 @@
-// Attention backward core: its kernels (row preparation, dk/dv per KV block, dq per query block, the atomic mode's
-// rounding) and their launcher. Device building blocks: device/attention_bwd_sm90.cuh. Shape rules and workspace
-// size: attention_bwd_host.cpp.
+// Attention backward core: its kernels (row preparation, dk/dv per KV block on the wgmma or the mma.sync core, dq per
+// query block, the atomic mode's rounding) and their launcher. Device building blocks: device/attention_bwd_sm90.cuh
+// and device/attention_bwd_wgmma_sm90.cuh. Shape rules and workspace size: attention_bwd_host.cpp.
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "device/attention_bwd_sm90.cuh"
 #include "preload_on.hpp"
+#include "device/attention_bwd_wgmma_sm90.cuh"
 #include "tandem/kernels/attention_bwd.hpp"
+#include "tandem/kernels/tensor_map_cache.hpp"
 
 namespace tandem::kernels {
 namespace attn_bwd_detail {
@@ -47,6 +51,13 @@ __global__ void __launch_bounds__(kThreads, 1) qKernel(const __grid_constant__ B
                    static_cast<int32_t>(gridDim.x - 1 - blockIdx.x), static_cast<int32_t>(blockIdx.y));
 }
 
+// The wgmma core's dk/dv kernel (and atomic dq): same grid as kvKernel, wg::kThreads threads.
+template <class T, int HD, bool AtomicDq>
+__global__ void __launch_bounds__(wg::kThreads, 1) wgKvKernel(const __grid_constant__ wg::WgKernelParams p) {
+  extern __shared__ __align__(16) uint8_t smemRaw[];
+  wg::runKvCta<T, HD, AtomicDq>(p, smemRaw, static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y));
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads) roundKernel(const __grid_constant__ BwdKernelParams p, int64_t n) {
   roundDq<T>(p, n, static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x,
@@ -63,34 +74,77 @@ void checkCuda(cudaError_t e, const char* what) {
 }
 
 template <class Kernel, class... Args>
-void launch(Kernel kernel, dim3 grid, size_t smemBytes, cudaStream_t stream, const char* what, const Args&... args) {
+void launch(Kernel kernel, dim3 grid, int threads, size_t smemBytes, cudaStream_t stream, const char* what,
+            const Args&... args) {
   if (smemBytes > 48 * 1024) {
     checkCuda(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    static_cast<int>(smemBytes)),
               "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
   }
-  kernel<<<grid, kThreads, smemBytes, stream>>>(args...);
+  kernel<<<grid, threads, smemBytes, stream>>>(args...);
   checkCuda(cudaGetLastError(), what);
 }
 
+// Row-major [rows, cols] matrix of 16-bit elements in boxes of boxRows x 64 columns, 128-byte swizzle; rows past
+// `rows` read as zeros. Through a tensor-map cache: training encodes the same tensors step after step.
+CUtensorMap encodeMap(const void* base, int64_t rows, int64_t cols, uint32_t boxRows, bool bf16) {
+  static TensorMapCache cache;
+  CUtensorMap map;
+  const TensorMapKey key =
+      TensorMapKey::matrix(base, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), static_cast<uint64_t>(cols),
+                           boxRows, static_cast<uint32_t>(wg::kSwizzleCols), bf16 ? GemmDtype::kBf16 : GemmDtype::kFp16);
+  const CUresult r = cache.get(key, &map);
+  if (r != CUDA_SUCCESS) {
+    attn_bwd_detail::failCuda("cuTensorMapEncodeTiled -> CUresult " + std::to_string(static_cast<int>(r)) + " for a " +
+                              std::to_string(rows) + " x " + std::to_string(cols) + " tensor at " +
+                              std::to_string(reinterpret_cast<uintptr_t>(base)));
+  }
+  return map;
+}
+
+template <class T, int HD, bool AtomicDq>
+void launchKv(const BwdKernelParams& p, bool wgmma, cudaStream_t stream) {
+  const char* const what = "launching the attention backward's dk/dv kernel";
+  if (!wgmma) {
+    const dim3 grid(static_cast<unsigned>((p.sk + kBlockKv - 1) / kBlockKv), static_cast<unsigned>(p.kvHeads));
+    launch(&kvKernel<T, HD, AtomicDq>, grid, kThreads, sizeof(KvSmem<HD, AtomicDq>), stream, what, p);
+    return;
+  }
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  constexpr uint32_t kBq = wg::kBlockQ<HD, AtomicDq>;
+  wg::WgKernelParams w;
+  std::memset(&w, 0, sizeof(w));
+  w.tmQ = encodeMap(p.q, p.sq, static_cast<int64_t>(p.heads) * HD, kBq, kBf16);
+  w.tmDout = encodeMap(p.dout, p.sq, static_cast<int64_t>(p.heads) * HD, kBq, kBf16);
+  w.tmK = encodeMap(p.k, p.sk, static_cast<int64_t>(p.kvHeads) * HD, wg::kBlockKv, kBf16);
+  w.tmV = encodeMap(p.v, p.sk, static_cast<int64_t>(p.kvHeads) * HD, wg::kBlockKv, kBf16);
+  w.b = p;
+  const dim3 grid(static_cast<unsigned>((p.sk + wg::kBlockKv - 1) / wg::kBlockKv), static_cast<unsigned>(p.kvHeads));
+  launch(&wgKvKernel<T, HD, AtomicDq>, grid, wg::kThreads, wg::kSmemBytes<HD, AtomicDq>, stream, what, w);
+}
+
 template <class T, int HD>
-void launchTyped(const BwdKernelParams& p, bool atomicDq, cudaStream_t stream) {
-  launch(&prepareKernel<T, HD>, dim3(static_cast<unsigned>(p.sqPad / kWarps), static_cast<unsigned>(p.heads)), 0,
-         stream, "launching the attention backward's row preparation", p);
-  const dim3 kvGrid(static_cast<unsigned>((p.sk + kBlockKv - 1) / kBlockKv), static_cast<unsigned>(p.kvHeads));
+void launchTyped(const BwdKernelParams& p, bool atomicDq, bool wgmma, cudaStream_t stream) {
+  launch(&prepareKernel<T, HD>, dim3(static_cast<unsigned>(p.sqPad / kWarps), static_cast<unsigned>(p.heads)),
+         kThreads, 0, stream, "launching the attention backward's row preparation", p);
   if (atomicDq) {
-    launch(&kvKernel<T, HD, true>, kvGrid, sizeof(KvSmem<HD, true>), stream,
-           "launching the attention backward's dk/dv kernel", p);
+    launchKv<T, HD, true>(p, wgmma, stream);
     const int64_t n = static_cast<int64_t>(p.sq) * p.heads * HD;
     const int64_t blocks = (n + kThreads - 1) / kThreads;
-    launch(&roundKernel<T>, dim3(static_cast<unsigned>(blocks < 4096 ? blocks : 4096)), 0, stream,
+    launch(&roundKernel<T>, dim3(static_cast<unsigned>(blocks < 4096 ? blocks : 4096)), kThreads, 0, stream,
            "launching the attention backward's dq rounding", p, n);
     return;
   }
-  launch(&kvKernel<T, HD, false>, kvGrid, sizeof(KvSmem<HD, false>), stream,
-         "launching the attention backward's dk/dv kernel", p);
+  launchKv<T, HD, false>(p, wgmma, stream);
   launch(&qKernel<T, HD>, dim3(static_cast<unsigned>((p.sq + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.heads)),
-         sizeof(QSmem<HD>), stream, "launching the attention backward's dq kernel", p);
+         kThreads, sizeof(QSmem<HD>), stream, "launching the attention backward's dq kernel", p);
+}
+
+// params.core, with kAuto resolved through TANDEM_ATTENTION_BWD_CORE.
+bool useWgmma(AttentionBwdCore core) {
+  if (core != AttentionBwdCore::kAuto) return core == AttentionBwdCore::kWgmma;
+  const char* const env = std::getenv("TANDEM_ATTENTION_BWD_CORE");
+  return env == nullptr || std::strcmp(env, "mma_sync") != 0;
 }
 
 }  // namespace
@@ -154,10 +208,13 @@ void launchAttentionBwd(const AttentionBwdParams& g, cudaStream_t stream) {
               "cudaMemsetAsync(dq accumulator)");
   }
   const bool bf16 = g.dtype == AttentionDtype::kBf16;
+  const bool wgmma = useWgmma(g.core);
   if (g.headDim == 64) {
-    bf16 ? launchTyped<__nv_bfloat16, 64>(p, atomicDq, stream) : launchTyped<__half, 64>(p, atomicDq, stream);
+    bf16 ? launchTyped<__nv_bfloat16, 64>(p, atomicDq, wgmma, stream)
+         : launchTyped<__half, 64>(p, atomicDq, wgmma, stream);
   } else {
-    bf16 ? launchTyped<__nv_bfloat16, 128>(p, atomicDq, stream) : launchTyped<__half, 128>(p, atomicDq, stream);
+    bf16 ? launchTyped<__nv_bfloat16, 128>(p, atomicDq, wgmma, stream)
+         : launchTyped<__half, 128>(p, atomicDq, wgmma, stream);
   }
 }
 
@@ -176,6 +233,12 @@ void preloadAttentionBwdKernels(int device) {
   using RoundFn = void (*)(BwdKernelParams, int64_t);
   const RoundFn rounds[] = {&roundKernel<__nv_bfloat16>, &roundKernel<__half>};
   preloadOn(device, rounds, "preloadAttentionBwdKernels");
+  using WgFn = void (*)(wg::WgKernelParams);
+  const WgFn wgFns[] = {&wgKvKernel<__nv_bfloat16, 64, false>,  &wgKvKernel<__half, 64, false>,
+                        &wgKvKernel<__nv_bfloat16, 128, false>, &wgKvKernel<__half, 128, false>,
+                        &wgKvKernel<__nv_bfloat16, 64, true>,   &wgKvKernel<__half, 64, true>,
+                        &wgKvKernel<__nv_bfloat16, 128, true>,  &wgKvKernel<__half, 128, true>};
+  preloadOn(device, wgFns, "preloadAttentionBwdKernels");
 }
 
 }  // namespace tandem::kernels

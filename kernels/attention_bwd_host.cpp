@@ -74,6 +74,9 @@ void validateAttentionBwd(const AttentionBwdParams& p) {
   if (p.dqMode != AttentionBwdDq::kDeterministic && p.dqMode != AttentionBwdDq::kAtomic) {
     rule("dq_mode", "dqMode must be AttentionBwdDq::kDeterministic or kAtomic, got {}", static_cast<int>(p.dqMode));
   }
+  if (p.core != AttentionBwdCore::kAuto && p.core != AttentionBwdCore::kWgmma && p.core != AttentionBwdCore::kMmaSync) {
+    rule("core", "core must be AttentionBwdCore::kAuto, kWgmma or kMmaSync, got {}", static_cast<int>(p.core));
+  }
   if (p.headDim != 64 && p.headDim != 128) {
     rule("head_dim", "headDim must be 64 or 128, got {}; pad the head dimension to one of them", p.headDim);
   }

@@ -229,13 +229,6 @@ struct TmaPushState {
   uint32_t pieces;  // pieces streamed so far by this CTA: buffer = pieces % stages, parity = (pieces / stages) & 1
 };
 
-__device__ __forceinline__ void bulkLoad(void* dstSmem, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          gemm::smemAddr(dstSmem)),
-      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(gemm::smemAddr(bar))
-      : "memory");
-}
 __device__ __forceinline__ void bulkStore(void* dst, const void* srcSmem, uint32_t bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(reinterpret_cast<uint64_t>(dst)),
                "r"(gemm::smemAddr(srcSmem)), "r"(bytes)

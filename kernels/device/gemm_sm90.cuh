@@ -184,6 +184,14 @@ __device__ __forceinline__ void tmaLoad2d(const CUtensorMap* map, void* dst, uin
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smemAddr(bar)), "r"(c0), "r"(c1)
       : "memory");
 }
+// Contiguous bytes global -> this CTA's shared memory, completing on `bar` (complete_tx bytes). Both addresses and
+// `bytes` multiples of 16.
+__device__ __forceinline__ void bulkLoad(void* dstSmem, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smemAddr(dstSmem)),
+      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smemAddr(bar))
+      : "memory");
+}
 // 2D tile load multicast to the CTAs in ctaMask: same smem offset and same barrier offset in each of them.
 __device__ __forceinline__ void tmaLoad2dMulticast(const CUtensorMap* map, void* dst, uint64_t* bar, int32_t c0,
                                                    int32_t c1, uint16_t ctaMask) {
@@ -215,6 +223,10 @@ __device__ __forceinline__ void fenceProxyAsyncShared() {
 }
 __device__ __forceinline__ void namedBarSync(Barrier id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(threads) : "memory");
+}
+// The same for kernels with barrier enums of their own.
+__device__ __forceinline__ void namedBarSyncId(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ __forceinline__ void stShared32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");

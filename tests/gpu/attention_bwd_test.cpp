@@ -2,8 +2,9 @@
 // same 16-bit inputs: bf16 and fp16, head_dim 64 and 128, causal and not, GQA groups 1 / 4 / 8, query and key lengths
 // that differ and are no block multiple, query and key chunks at global positions (ring attention's chunk pairs: one
 // wholly in the past, one wholly in the future, rows that see no key), a custom scale, both dq modes. Outputs are
-// poisoned (NaN) before each launch. Then: lse and o from the forward core, bitwise repeats of the deterministic mode,
-// and the host-side shape rules.
+// poisoned (NaN) before each launch. Every case runs on both dk/dv cores (wgmma and mma.sync, AttentionBwdCore). Then:
+// lse and o from the forward core, 20 bitwise repeats of the deterministic mode on each core, and the host-side shape
+// rules.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
@@ -29,6 +30,7 @@ using tandem::gputest::ck;
 using tandem::gputest::DeviceMem;
 using tandem::gputest::Stream;
 using tandem::gputest::syncWithin;
+using tandem::kernels::AttentionBwdCore;
 using tandem::kernels::AttentionBwdDq;
 using tandem::kernels::AttentionBwdParams;
 using tandem::kernels::AttentionDtype;
@@ -62,7 +64,11 @@ struct Case {
   bool causal = false;
   int64_t qStart = 0, kStart = 0;
   float scale = 0.0f;
+  AttentionBwdCore core = AttentionBwdCore::kWgmma;
 };
+
+constexpr AttentionBwdCore kCores[] = {AttentionBwdCore::kWgmma, AttentionBwdCore::kMmaSync};
+const char* coreName(AttentionBwdCore c) { return c == AttentionBwdCore::kWgmma ? "wgmma" : "mma_sync"; }
 
 double scaleOf(const Case& c) { return c.scale == 0.0f ? 1.0 / std::sqrt(static_cast<double>(c.headDim)) : c.scale; }
 
@@ -214,6 +220,7 @@ struct DeviceProblem {
     p.scale = c.scale;
     p.qStart = c.qStart;
     p.kStart = c.kStart;
+    p.core = c.core;
     return p;
   }
   static size_t wsBytes(const Case& c, AttentionBwdDq mode) { return attentionBwdWorkspaceBytes(paramsOf(c, mode)); }
@@ -291,12 +298,15 @@ TEST_CASE("attention backward matches an fp64 reference") {
   for (const Case& c : cases()) {
     Problem pr = makeProblem(c, seed++);
     referenceGradients(c, pr);
-    for (const AttentionBwdDq mode : {AttentionBwdDq::kDeterministic, AttentionBwdDq::kAtomic}) {
-      const Case named{c.name + (mode == AttentionBwdDq::kAtomic ? " atomic" : " deterministic"), c.dtype,
-                       c.headDim, c.heads, c.kvHeads, c.sq, c.sk, c.causal, c.qStart, c.kStart, c.scale};
-      DeviceProblem dev(named, pr, mode);
-      dev.run(named, stream.s);
-      checkAgainstReference(named, pr, dev);
+    for (const AttentionBwdCore core : kCores) {
+      for (const AttentionBwdDq mode : {AttentionBwdDq::kDeterministic, AttentionBwdDq::kAtomic}) {
+        Case named = c;
+        named.name = c.name + " " + coreName(core) + (mode == AttentionBwdDq::kAtomic ? " atomic" : " deterministic");
+        named.core = core;
+        DeviceProblem dev(named, pr, mode);
+        dev.run(named, stream.s);
+        checkAgainstReference(named, pr, dev);
+      }
     }
   }
 }
@@ -305,7 +315,7 @@ TEST_CASE("attention backward takes lse and o from the forward core") {
   Stream stream;
   for (const bool causal : {false, true}) {
     const Case c{causal ? "forward-fed causal" : "forward-fed full", AttentionDtype::kBf16, 128, 4, 4, 384, 384,
-                 causal, 0, 0, 0.0f};
+                 causal, 0, 0, 0.0f, AttentionBwdCore::kWgmma};
     Problem pr = makeProblem(c, 77);
     DeviceProblem dev(c, pr, AttentionBwdDq::kDeterministic);
     // Overwrite o and lse with the forward core's.
@@ -334,20 +344,58 @@ TEST_CASE("attention backward takes lse and o from the forward core") {
 
 TEST_CASE("attention backward's deterministic mode repeats bitwise") {
   Stream stream;
-  const Case c{"repeat causal gqa8", AttentionDtype::kBf16, 128, 8, 1, 520, 700, true, 180, 0, 0.0f};
-  Problem pr = makeProblem(c, 99);
-  referenceGradients(c, pr);
-  DeviceProblem dev(c, pr, AttentionBwdDq::kDeterministic);
-  dev.run(c, stream.s);
-  checkAgainstReference(c, pr, dev);
-  const auto dq0 = dev.download(dev.dq, pr.dq.size()), dk0 = dev.download(dev.dk, pr.dk.size()),
-             dv0 = dev.download(dev.dv, pr.dv.size());
-  for (int r = 1; r < 10; ++r) {
-    dev.run(c, stream.s);
-    INFO("repeat " << r);
-    CHECK(dev.download(dev.dq, pr.dq.size()) == dq0);
-    CHECK(dev.download(dev.dk, pr.dk.size()) == dk0);
-    CHECK(dev.download(dev.dv, pr.dv.size()) == dv0);
+  for (const int hd : {128, 64}) {
+    Case c{"repeat causal gqa8 hd" + std::to_string(hd), AttentionDtype::kBf16, hd, 8, 1, 520, 700, true, 180, 0, 0.0f};
+    Problem pr = makeProblem(c, 99);
+    referenceGradients(c, pr);
+    for (const AttentionBwdCore core : kCores) {
+      c.core = core;
+      DeviceProblem dev(c, pr, AttentionBwdDq::kDeterministic);
+      dev.run(c, stream.s);
+      INFO(c.name << " " << coreName(core));
+      checkAgainstReference(c, pr, dev);
+      const auto dq0 = dev.download(dev.dq, pr.dq.size()), dk0 = dev.download(dev.dk, pr.dk.size()),
+                 dv0 = dev.download(dev.dv, pr.dv.size());
+      for (int r = 1; r < 20; ++r) {
+        dev.run(c, stream.s);
+        INFO("repeat " << r);
+        CHECK(dev.download(dev.dq, pr.dq.size()) == dq0);
+        CHECK(dev.download(dev.dk, pr.dk.size()) == dk0);
+        CHECK(dev.download(dev.dv, pr.dv.size()) == dv0);
+      }
+    }
+  }
+}
+
+TEST_CASE("attention backward's two cores agree") {
+  // Larger than the reference cases (several KV blocks and query steps per head, the ring of Q / dO stages wrapping
+  // many times): the wgmma core against the mma.sync core, both dq modes.
+  Stream stream;
+  for (const int hd : {128, 64}) {
+    for (const bool causal : {false, true}) {
+      Case c{"cores agree", AttentionDtype::kBf16, hd, 8, 2, 1000, 1100, causal, 100, 0, 0.0f};
+      Problem pr = makeProblem(c, 7);
+      for (const AttentionBwdDq mode : {AttentionBwdDq::kDeterministic, AttentionBwdDq::kAtomic}) {
+        std::vector<uint16_t> out[2][3];
+        for (int k = 0; k < 2; ++k) {
+          c.core = kCores[k];
+          DeviceProblem dev(c, pr, mode);
+          dev.run(c, stream.s);
+          out[k][0] = dev.download(dev.dq, pr.q.size());
+          out[k][1] = dev.download(dev.dk, pr.k.size());
+          out[k][2] = dev.download(dev.dv, pr.v.size());
+        }
+        for (int i = 0; i < 3; ++i) {
+          const std::vector<double> ref = widen(out[1][i], c.dtype);
+          size_t bad = 0;
+          const double err = relError(out[0][i], ref, c.dtype, bad);
+          INFO("hd " << hd << " causal " << causal << " mode " << static_cast<int>(mode) << " output " << i
+                     << ": wgmma vs mma_sync relative error " << err << ", non-finite " << bad);
+          CHECK(bad == 0);
+          CHECK(err < 1e-2);
+        }
+      }
+    }
   }
 }
 
@@ -381,4 +429,7 @@ TEST_CASE("attention backward refuses broken shapes naming the rule") {
   bad = p;
   bad.scale = -1.0f;
   expectRule(bad, "rule scale");
+  bad = p;
+  bad.core = static_cast<AttentionBwdCore>(7);
+  expectRule(bad, "rule core");
 }

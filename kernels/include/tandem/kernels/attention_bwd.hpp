@@ -1,8 +1,9 @@
 // Attention backward core on one Hopper GPU: dq, dk, dv of out = softmax(scale * q K^T [+ causal mask]) V per head,
-// recomputing P from the forward's log-sum-exp (FlashAttention-2 style), fp32 accumulation, bf16 or fp16 in and out.
+// recomputing P from the forward's log-sum-exp, fp32 accumulation, bf16 or fp16 in and out. dk / dv (and the atomic
+// mode's dq) on wgmma and TMA (FlashAttention-3's design) or on the earlier mma.sync core (AttentionBwdCore).
 // Grouped-query attention (k / v with fewer heads than q) and separate query and key lengths with global positions, so
 // that ring attention can run it on one query chunk against one KV chunk. See kernels/device/attention_bwd_sm90.cuh
-// for the design.
+// and kernels/device/attention_bwd_wgmma_sm90.cuh for the design.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,6 +24,16 @@ enum class AttentionBwdDq : uint8_t {
   /// The dk/dv kernel adds each KV block's dS K into an fp32 workspace with atomic adds (order varies from run to run,
   /// so dq varies in its last bits); a last pass rounds it into dq.
   kAtomic = 1,
+};
+
+/// Which implementation runs the dk / dv pass (and the atomic mode's dq).
+enum class AttentionBwdCore : uint8_t {
+  /// kWgmma, unless the environment variable TANDEM_ATTENTION_BWD_CORE is "mma_sync" (A/B runs of a whole program).
+  kAuto = 0,
+  /// wgmma and TMA, warp-specialised (FlashAttention-3's backward design): device/attention_bwd_wgmma_sm90.cuh.
+  kWgmma = 1,
+  /// mma.sync and cp.async (FlashAttention-2 style): device/attention_bwd_sm90.cuh. Kept for A/B comparison.
+  kMmaSync = 2,
 };
 
 /// POD; zero-initialise (AttentionBwdParams p{}) and fill.
@@ -59,6 +70,7 @@ struct AttentionBwdParams {
   float scale;       // 0: 1 / sqrt(headDim); otherwise finite and > 0; must be the forward's
   int64_t qStart;    // global position of q row 0 (causal)
   int64_t kStart;    // global position of k row 0 (causal)
+  AttentionBwdCore core;  // kAuto (0) unless a comparison needs one core; both give the same results within rounding
 };
 
 /// Bytes of workspace the launch needs for these params (sizes, heads and dqMode matter; pointers do not). Host only.
@@ -69,7 +81,7 @@ size_t attentionBwdWorkspaceBytes(const AttentionBwdParams& params);
 void validateAttentionBwd(const AttentionBwdParams& params);
 
 /// Enqueues the attention backward on `stream` (3 kernels: per-row dot(dout, o) and lse in log2 units; dk / dv (and
-/// dq in kAtomic mode); dq (kDeterministic) or its rounding (kAtomic)). Throws tandem::Error: kInvalidArgument from
+/// dq in kAtomic mode) on the core params.core selects; dq (kDeterministic, mma.sync) or its rounding (kAtomic)). Throws tandem::Error: kInvalidArgument from
 /// validateAttentionBwd, kUnsupported on a GPU that is not sm_90, kCuda when a CUDA call fails. Thread-safe.
 void launchAttentionBwd(const AttentionBwdParams& params, cudaStream_t stream);
 
