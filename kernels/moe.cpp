@@ -231,6 +231,12 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
   need16(p.x, "x", any);
   need4(p.topkIds, "topk_ids", any);
   if (p.backward && !p.ffn) fail(ErrorCode::kInternal, "{}: the backward is the FFN's", op);
+#if !TANDEM_MOE_HAVE_WGRAD
+  if (p.backward) {
+    fail(ErrorCode::kUnsupported, "{}: this build has no grouped wgrad GEMM (grouped_gemm_wgrad.hpp) for dw1 and dw2; "
+         "run the op on a tandemd with daemon.backend: cpu", op);
+  }
+#endif
   if (p.backward) {
     need4(p.topkWeights, "topk_weights", any);
     need16(p.w1, "w1", true);
@@ -318,12 +324,6 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   const int combineCtas =
       static_cast<int>(std::clamp<int64_t>(ceilDiv(g.tokens * parts, kCopyWarps), 1, int64_t{sms} * 8));
 
-#if !TANDEM_MOE_HAVE_WGRAD
-  if (g.backward) {
-    fail(ErrorCode::kUnsupported, "moe-ffn-backward: this build has no grouped wgrad GEMM (grouped_gemm_wgrad.hpp) for "
-         "dw1 and dw2; run the op on a tandemd with daemon.backend: cpu");
-  }
-#endif
   // Reset the per-op status (state, bad pair, CTA counters); the rest of the scratch is written before it is read.
   checkCuda(cudaMemsetAsync(p.status, 0, sizeof(MoeStatus), stream), "cudaMemsetAsync(status)");
   checkCuda(launchRoute(p, routeCtas, chunks, stream), "launching the route kernel");
