@@ -12,16 +12,8 @@
 #include "tandem/common/descriptor.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
-#include "tandem/kernels/moe.hpp"
-
-// The grouped wgrad GEMM (the backward's dw1 and dw2) comes from its own branch of work; until it is merged the
-// backward is refused at launch, saying so.
-#if __has_include("tandem/kernels/grouped_gemm_wgrad.hpp")
 #include "tandem/kernels/grouped_gemm_wgrad.hpp"
-#define TANDEM_MOE_HAVE_WGRAD 1
-#else
-#define TANDEM_MOE_HAVE_WGRAD 0
-#endif
+#include "tandem/kernels/moe.hpp"
 
 namespace tandem::kernels {
 namespace {
@@ -90,7 +82,6 @@ std::string launchBackward(const MoeParams& g, const MoeComm& c, const MoeKernel
   const int sms = smCount();
   const int actCtas = static_cast<int>(std::clamp<int64_t>(rows, 1, int64_t{sms} * 4));
   checkCuda(launchBackwardAct(p, actCtas, stream), "launching the backward's act kernel");
-#if TANDEM_MOE_HAVE_WGRAD
   const auto wgrad = [&](const void* a, int64_t m, const void* b, int64_t n, void* out) {
     GroupedWgradParams wp{};
     wp.a = a;
@@ -107,7 +98,6 @@ std::string launchBackward(const MoeParams& g, const MoeComm& c, const MoeKernel
   };
   wgrad(recv + rl.yOff, g.hidden, recv + rl.hOff, f, g.dw2);       // dw2_e = dout_eᵀ · (weight * h)_e
   wgrad(recv + rl.guOff, 2 * f, recv + rl.xOff, g.hidden, g.dw1);  // dw1_e = d(gate|up)_eᵀ · x_e
-#endif
   // dx = d(gate|up) · w1 (w1 [E, 2 ffn, hidden] read as [k = 2 ffn, n = hidden]) into the y rows.
   grouped(recv + rl.guOff, 2 * f, g.w1, g.hidden, recv + rl.yOff, GemmLayout::kAB);
   if (c.nranks > 1) checkCuda(launchArrive(p, 1, stream), "launching the dx exchange");
@@ -231,12 +221,6 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
   need16(p.x, "x", any);
   need4(p.topkIds, "topk_ids", any);
   if (p.backward && !p.ffn) fail(ErrorCode::kInternal, "{}: the backward is the FFN's", op);
-#if !TANDEM_MOE_HAVE_WGRAD
-  if (p.backward) {
-    fail(ErrorCode::kUnsupported, "{}: this build has no grouped wgrad GEMM (grouped_gemm_wgrad.hpp) for dw1 and dw2; "
-         "run the op on a tandemd with daemon.backend: cpu", op);
-  }
-#endif
   if (p.backward) {
     need4(p.topkWeights, "topk_weights", any);
     need16(p.w1, "w1", true);
@@ -398,6 +382,7 @@ void preloadMoeKernels(int device) {
   cudaSetDevice(previous);
   checkCuda(e, "loading the MoE kernels");
   preloadGroupedGemmKernels(device);
+  preloadGroupedWgradKernels(device);
 }
 
 }  // namespace tandem::kernels
