@@ -276,7 +276,8 @@ uint64_t workspaceBytesFor(const OpDescriptor& d, uint32_t nranks, uint64_t moeR
     const uint64_t kv = d.dims[dim::kSeq] * d.dims[dim::kKvHeads] * d.dims[dim::kHeadDim] * 2 + 256;
     return WorkspaceLayout::bytesFor(nranks > 1 ? kv : 0, nranks);
   }
-  if (d.kind == OpKind::kMoeDispatchGemm || d.kind == OpKind::kMoeDispatchFfnCombine) {
+  if (d.kind == OpKind::kMoeDispatchGemm || d.kind == OpKind::kMoeDispatchFfnCombine ||
+      d.kind == OpKind::kMoeFfnBackward) {
     // This rank's scratch at the end of the data region, on a 256-byte boundary (moe_ops.cpp commOf).
     const uint64_t scratch = moeScratchBytes(dimOf(dim::kTokens), dimOf(dim::kTopk), dimOf(dim::kExperts)) + 256;
     if (d.kind == OpKind::kMoeDispatchGemm) {
@@ -284,10 +285,11 @@ uint64_t workspaceBytesFor(const OpDescriptor& d, uint32_t nranks, uint64_t moeR
       return WorkspaceLayout::bytesFor((moeRecvBytes(dimOf(dim::kCapacity), dimOf(dim::kHidden), 0) + scratch + 1) / 2,
                                        nranks);
     }
-    // The FFN's receive rows (x, h and y) fill the span before the scratch.
+    // The FFN's receive rows (x, h and y; the backward's also dout, gate|up and g) fill the span before the scratch.
     const int64_t rows = static_cast<int64_t>(moeRows != 0 ? moeRows : d.dims[dim::kTokens] * d.dims[dim::kTopk]);
-    return WorkspaceLayout::bytesForSpan(moeRecvBytes(rows, dimOf(dim::kHidden), dimOf(dim::kFfn)) + scratch, scratch,
-                                         nranks);
+    const bool backward = d.kind == OpKind::kMoeFfnBackward;
+    return WorkspaceLayout::bytesForSpan(moeRecvBytes(rows, dimOf(dim::kHidden), dimOf(dim::kFfn), backward) + scratch,
+                                         scratch, nranks);
   }
   return WorkspaceLayout::bytesFor(0, nranks);
 }

@@ -79,6 +79,7 @@ std::array<GpuOp, kOpKindCount> buildEntries() {
   const GpuOp moe{checkMoe, launchMoe, nullptr, preloadMoeKernels, false, false, DaemonRun::kLaunch};
   e[static_cast<std::size_t>(OpKind::kMoeDispatchGemm)] = moe;
   e[static_cast<std::size_t>(OpKind::kMoeDispatchFfnCombine)] = moe;
+  e[static_cast<std::size_t>(OpKind::kMoeFfnBackward)] = moe;
   e[static_cast<std::size_t>(OpKind::kRingAttention)] =
       GpuOp{checkRing, launchRing, launchRingAttentionMapped, preloadRingAttentionKernels, false, false,
             DaemonRun::kLaunchMapped};

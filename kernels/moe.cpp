@@ -12,6 +12,7 @@
 #include "tandem/common/descriptor.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
+#include "tandem/kernels/grouped_gemm_wgrad.hpp"
 #include "tandem/kernels/moe.hpp"
 
 namespace tandem::kernels {
@@ -32,12 +33,14 @@ bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p)
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-const char* opName(const MoeParams& p) { return p.ffn ? "moe-dispatch-ffn-combine" : "moe-dispatch-gemm"; }
+const char* opName(const MoeParams& p) {
+  return p.backward ? "moe-ffn-backward" : p.ffn ? "moe-dispatch-ffn-combine" : "moe-dispatch-gemm";
+}
 
 // Receive rows of this rank: dispatch+GEMM its capacity, FFN whatever the receive area holds (capped for int32).
 int64_t recvRowsOf(const MoeParams& p, const MoeComm& c) {
   if (!p.ffn) return p.capacity;
-  return std::min<int64_t>(moeRecvRows(c.recvBytes, p.hidden, p.ffnDim), kMax32 / 2);
+  return std::min<int64_t>(moeRecvRows(c.recvBytes, p.hidden, p.ffnDim, p.backward), kMax32 / 2);
 }
 
 int smCount() {
@@ -48,17 +51,77 @@ int smCount() {
   return sms;
 }
 
+// The backward on the owner, after the dispatch's rows arrived (moe.hpp). Every GEMM reads the plan kernel's group
+// offsets (zero when the op failed: no rows, nothing computed). Each step's inputs are no longer needed once the
+// steps that read them ran: dx takes the place of dout (after dw2 read it), d(gate|up) that of gate|up (in place).
+std::string launchBackward(const MoeParams& g, const MoeComm& c, const MoeKernelParams& p, const RecvLayout& rl,
+                           int64_t rows, int combineCtas, cudaStream_t stream) {
+  const int64_t L = g.experts / c.nranks;
+  char* const recv = p.recv[c.rank];
+  const int64_t f = g.ffnDim;
+  const auto grouped = [&](const void* x, int64_t k, const void* w, int64_t n, void* out, GemmLayout layout) {
+    GroupedGemmParams gp{};
+    gp.dtype = g.dtype;
+    gp.groupOffsets = p.groupOffsets;
+    gp.numExperts = L;
+    gp.mTotal = rows;
+    gp.x = x;
+    gp.k = k;
+    gp.w = w;
+    gp.n = n;
+    gp.out = out;
+    gp.epilogue = GroupedGemmEpilogue::kStore;
+    gp.layout = layout;
+    gp.skipIdleHalves = g.gemmSkipIdleHalves;
+    gp.maxGroupRows = g.tokens * static_cast<int64_t>(c.nranks);  // moe.cpp launchMoe says why
+    launchGroupedGemm(gp, stream, g.gemmSms);
+  };
+  // gate|up = x · w1ᵀ (kept apart, unlike the forward's fused SwiGLU: the backward needs a and b), g = dout · w2.
+  grouped(recv + rl.xOff, g.hidden, g.w1, 2 * f, recv + rl.guOff, GemmLayout::kABt);
+  grouped(recv + rl.yOff, g.hidden, g.w2, f, recv + rl.gOff, GemmLayout::kAB);
+  const int sms = smCount();
+  const int actCtas = static_cast<int>(std::clamp<int64_t>(rows, 1, int64_t{sms} * 4));
+  checkCuda(launchBackwardAct(p, actCtas, stream), "launching the backward's act kernel");
+  const auto wgrad = [&](const void* a, int64_t m, const void* b, int64_t n, void* out) {
+    GroupedWgradParams wp{};
+    wp.a = a;
+    wp.b = b;
+    wp.out = out;
+    wp.groupOffsets = p.groupOffsets;
+    wp.mTotal = rows;
+    wp.m = m;
+    wp.n = n;
+    wp.numExperts = L;
+    wp.dtype = g.dtype;
+    wp.outDtype = GemmOut::kInput;
+    launchGroupedWgrad(wp, stream, g.gemmSms);
+  };
+  wgrad(recv + rl.yOff, g.hidden, recv + rl.hOff, f, g.dw2);       // dw2_e = dout_eᵀ · (weight * h)_e
+  wgrad(recv + rl.guOff, 2 * f, recv + rl.xOff, g.hidden, g.dw1);  // dw1_e = d(gate|up)_eᵀ · x_e
+  // dx = d(gate|up) · w1 (w1 [E, 2 ffn, hidden] read as [k = 2 ffn, n = hidden]) into the y rows.
+  grouped(recv + rl.guOff, 2 * f, g.w1, g.hidden, recv + rl.yOff, GemmLayout::kAB);
+  if (c.nranks > 1) checkCuda(launchArrive(p, 1, stream), "launching the dx exchange");
+  checkCuda(launchCombine(p, combineCtas, stream), "launching the combine kernel");
+  return fmt::format("gate|up and dout·w2 over up to {} receive rows ({} SMs), act {} CTAs, dw2 and dw1 (grouped "
+                     "wgrad), dx, combine {} CTAs (dx summed in slot order, dtopk_weights)",
+                     rows, g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms, actCtas, combineCtas);
+}
+
 }  // namespace
 
-uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn) { return recvLayout(rows, hidden, ffn).bytes; }
+uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn, bool backward) {
+  return recvLayout(rows, hidden, ffn, backward).bytes;
+}
 
-int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn) {
+int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn, bool backward) {
   if (hidden <= 0) return 0;
-  // Per row: x and (FFN) y of hidden, h of ffn, 16 bytes of row info.
-  const uint64_t perRow =
-      static_cast<uint64_t>(hidden) * 2 * (ffn > 0 ? 2 : 1) + static_cast<uint64_t>(std::max<int64_t>(ffn, 0)) * 2 + 16;
+  // Per row: x and (FFN) y of hidden, h of ffn, 16 bytes of row info; the backward's weight and dtopk (8 bytes),
+  // gate|up and g (3 ffn).
+  const auto f = static_cast<uint64_t>(std::max<int64_t>(ffn, 0));
+  const uint64_t perRow = static_cast<uint64_t>(hidden) * 2 * (ffn > 0 ? 2 : 1) + f * 2 + 16 +
+                          (backward && ffn > 0 ? 8 + f * 3 * 2 : 0);
   int64_t rows = static_cast<int64_t>(bytes / perRow);
-  while (rows > 0 && moeRecvBytes(rows, hidden, ffn) > bytes) --rows;  // the alignment slack: a few rows at most
+  while (rows > 0 && moeRecvBytes(rows, hidden, ffn, backward) > bytes) --rows;  // the alignment slack: a few rows
   return rows;
 }
 
@@ -126,7 +189,7 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
   }
   const uint64_t scratch = moeScratchBytes(p.tokens, p.topk, p.experts);
   const int64_t rows = recvRowsOf(p, c);
-  const uint64_t recv = moeRecvBytes(p.ffn ? 1 : rows, p.hidden, p.ffn ? p.ffnDim : 0);
+  const uint64_t recv = moeRecvBytes(p.ffn ? 1 : rows, p.hidden, p.ffn ? p.ffnDim : 0, p.backward);
   if (scratch > c.scratchBytes || recv > c.recvBytes) {
     fail(kBad,
          "{}: tokens = {}, hidden = {}, {} = {} need {} bytes of receive rows and {} of scratch on this rank, "
@@ -157,7 +220,17 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
   const bool any = p.tokens > 0;
   need16(p.x, "x", any);
   need4(p.topkIds, "topk_ids", any);
-  if (p.ffn) {
+  if (p.backward && !p.ffn) fail(ErrorCode::kInternal, "{}: the backward is the FFN's", op);
+  if (p.backward) {
+    need4(p.topkWeights, "topk_weights", any);
+    need16(p.w1, "w1", true);
+    need16(p.w2, "w2", true);
+    need16(p.dout, "dout", any);
+    need16(p.dx, "dx", any);
+    need4(p.dtopkWeights, "dtopk_weights", any);
+    need16(p.dw1, "dw1", true);
+    need16(p.dw2, "dw2", true);
+  } else if (p.ffn) {
     need4(p.topkWeights, "topk_weights", any);
     need16(p.w1, "w1", true);
     need16(p.w2, "w2", true);
@@ -176,7 +249,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   const int64_t rows = recvRowsOf(g, c);
   const int64_t ffn = g.ffn ? g.ffnDim : 0;
   const ScratchLayout sl = scratchLayout(g.tokens, g.topk, g.experts);
-  const RecvLayout rl = recvLayout(rows, g.hidden, ffn);
+  const RecvLayout rl = recvLayout(rows, g.hidden, ffn, g.backward);
   auto* scratch = static_cast<char*>(c.scratch);
 
   MoeKernelParams p;
@@ -184,7 +257,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   p.x = g.x;
   p.ids = g.topkIds;
   p.weights = g.topkWeights;
-  p.out = g.ffn ? g.out : nullptr;
+  p.out = g.ffn ? (g.backward ? g.dx : g.out) : nullptr;
   p.rowInfo = g.ffn ? nullptr : g.rowInfo;
   p.expertCounts = g.ffn ? nullptr : g.expertCounts;
   for (uint32_t q = 0; q < c.nranks; ++q) {
@@ -215,8 +288,13 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   p.localExperts = static_cast<int32_t>(L);
   p.capacity = static_cast<int32_t>(rows);
   p.ffn = static_cast<int32_t>(ffn);
-  p.op = static_cast<int32_t>(g.ffn ? OpKind::kMoeDispatchFfnCombine : OpKind::kMoeDispatchGemm);
+  p.op = static_cast<int32_t>(g.backward ? OpKind::kMoeFfnBackward
+                              : g.ffn    ? OpKind::kMoeDispatchFfnCombine
+                                         : OpKind::kMoeDispatchGemm);
   p.dtype = static_cast<int32_t>(g.dtype);
+  p.backward = g.backward ? 1 : 0;
+  p.dout = g.dout;
+  p.dtopkOut = g.dtopkWeights;
 
   const int sms = smCount();
   const int64_t pairs = g.tokens * g.topk;
@@ -240,6 +318,10 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   const bool alone = c.nranks == 1;
   if (!(alone && g.ffn)) checkCuda(launchArrive(p, 0, stream), "launching the arrive kernel");
 
+  if (g.backward) {
+    return fmt::format("route {}x{} CTAs, plan, dispatch {} CTAs (x and dout rows), {}", routeCtas, chunks, copyCtas,
+                       launchBackward(g, c, p, rl, rows, combineCtas, stream));
+  }
   GroupedGemmParams gg{};
   gg.dtype = g.dtype;
   gg.groupOffsets = p.groupOffsets;
@@ -300,6 +382,7 @@ void preloadMoeKernels(int device) {
   cudaSetDevice(previous);
   checkCuda(e, "loading the MoE kernels");
   preloadGroupedGemmKernels(device);
+  preloadGroupedWgradKernels(device);
 }
 
 }  // namespace tandem::kernels

@@ -306,12 +306,19 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeDispatchKernel(const __gri
       const int32_t t = pi / p.topk;
       const int32_t row =
           p.srcOffset[e] + p.chunkBase[static_cast<int64_t>(t / kRouteChunk) * p.experts + e] + p.localIdx[pi];
-      const RecvLayout lay = recvLayout(p.status->capacity[d], p.hidden, p.ffn);
+      const RecvLayout lay = recvLayout(p.status->capacity[d], p.hidden, p.ffn, p.backward != 0);
       char* const base = p.recv[d];
       const auto* src =
           reinterpret_cast<const uint4*>(static_cast<const char*>(p.x) + static_cast<int64_t>(t) * p.hidden * 2);
       auto* dst = reinterpret_cast<uint4*>(base + lay.xOff + static_cast<uint64_t>(row) * p.hidden * 2);
       copyRow(dst, src, vecs, lane);
+      if (p.backward != 0) {
+        // The backward's owner needs the token's dout (in its y rows) and the weight as well.
+        copyRow(reinterpret_cast<uint4*>(base + lay.yOff + static_cast<uint64_t>(row) * p.hidden * 2),
+                reinterpret_cast<const uint4*>(static_cast<const char*>(p.dout) + static_cast<int64_t>(t) * p.hidden * 2),
+                vecs, lane);
+        if (lane == 0) reinterpret_cast<float*>(base + lay.weightOff)[row] = p.weights[pi];
+      }
       if (lane == 0) {
         *reinterpret_cast<int4*>(base + lay.infoOff + static_cast<uint64_t>(row) * 16) =
             make_int4(p.rank, t, pi - t * p.topk, e);
@@ -355,7 +362,7 @@ __global__ void __launch_bounds__(kPlanThreads) moeArriveKernel(const __grid_con
   __syncthreads();  // the acquires happen before every thread's reads (and, by kernel order, the GEMM's)
   if (waitY != 0 || state != kRun || sFail != 0 || p.rowInfo == nullptr) return;
   const int32_t rows = p.groupOffsets[p.localExperts];
-  const RecvLayout lay = recvLayout(p.capacity, p.hidden, p.ffn);
+  const RecvLayout lay = recvLayout(p.capacity, p.hidden, p.ffn, p.backward != 0);
   const auto* info = reinterpret_cast<const int4*>(p.recv[p.rank] + lay.infoOff);
   for (int32_t r = tid; r < rows; r += static_cast<int32_t>(blockDim.x)) {
     const int4 v = info[r];
@@ -425,10 +432,15 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeCombineKernel(const __grid
         const int32_t d = e / p.localExperts;
         const int32_t row =
             p.srcOffset[e] + p.chunkBase[static_cast<int64_t>(t / kRouteChunk) * p.experts + e] + p.localIdx[pi];
-        const RecvLayout lay = recvLayout(p.status->capacity[d], p.hidden, p.ffn);
+        const RecvLayout lay = recvLayout(p.status->capacity[d], p.hidden, p.ffn, p.backward != 0);
         sRow[warp][lane] =
             reinterpret_cast<const uint4*>(p.recv[d] + lay.yOff + static_cast<uint64_t>(row) * p.hidden * 2);
-        sWeight[warp][lane] = p.weights[pi];
+        // The backward's rows are dx, already scaled by the weight (through dh): summed as they are; its dtopk
+        // comes back with the token's first part.
+        sWeight[warp][lane] = p.backward != 0 ? 1.0f : p.weights[pi];
+        if (p.backward != 0 && part == 0) {
+          p.dtopkOut[pi] = reinterpret_cast<const float*>(p.recv[d] + lay.dtopkOff)[row];
+        }
       }
       __syncwarp();
       auto* dst = reinterpret_cast<uint4*>(static_cast<char*>(p.out) + static_cast<int64_t>(t) * p.hidden * 2);
@@ -464,6 +476,83 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeCombineKernel(const __grid
         if (!waitGeq(&p.ctl[p.rank]->finFlag[s], opEpoch(p), ctx, static_cast<uint32_t>(s))) break;
       }
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// backward act: a CTA per received row (grid-stride). The row's gate|up (a, b) and g = dout·w2 come from the GEMMs
+// before it. h = silu(a) * b rounded to the dtype, as the forward's; dtopk = <g, h> in fp32 (a fixed tree order:
+// bitwise repeatable); dh = weight * g; da = dh * b * silu'(a), db = dh * silu(a) overwrite a and b; h's place takes
+// weight * h, so that dw2 = doutᵀ · (weight * h) needs no scaled copy of dout.
+// ---------------------------------------------------------------------------------------------------------------
+template <class T>
+__device__ __forceinline__ float toF(T v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(v);
+  } else {
+    return __half2float(v);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ T fromF(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
+  } else {
+    return __float2half_rn(v);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kActThreads) moeBackwardActKernel(const __grid_constant__ MoeKernelParams p) {
+  __shared__ float sPart[kActThreads / 32];
+  // Rows received by this rank: the plan kernel's offsets (0 when the op was skipped or failed).
+  const int32_t rows = p.groupOffsets[p.localExperts];
+  const RecvLayout lay = recvLayout(p.capacity, p.hidden, p.ffn, true);
+  char* const base = p.recv[p.rank];
+  const int32_t f = p.ffn;
+  const int32_t vecs = f / 8;
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int32_t r = static_cast<int32_t>(blockIdx.x); r < rows; r += static_cast<int32_t>(gridDim.x)) {
+    auto* gu = reinterpret_cast<uint4*>(base + lay.guOff + static_cast<uint64_t>(r) * 2 * f * 2);
+    const auto* g = reinterpret_cast<const uint4*>(base + lay.gOff + static_cast<uint64_t>(r) * f * 2);
+    auto* h = reinterpret_cast<uint4*>(base + lay.hOff + static_cast<uint64_t>(r) * f * 2);
+    const float weight = reinterpret_cast<const float*>(base + lay.weightOff)[r];
+    float dot = 0.0f;
+    for (int32_t i = tid; i < vecs; i += kActThreads) {
+      uint4 av = gu[i], bv = gu[vecs + i];
+      const uint4 gv = g[i];
+      uint4 hv;
+      auto* a8 = reinterpret_cast<T*>(&av);
+      auto* b8 = reinterpret_cast<T*>(&bv);
+      const auto* g8 = reinterpret_cast<const T*>(&gv);
+      auto* h8 = reinterpret_cast<T*>(&hv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float a = toF(a8[j]), b = toF(b8[j]), gj = toF(g8[j]);
+        const float sig = 1.0f / (1.0f + __expf(-a));
+        const float silu = a * sig;
+        const float hr = toF(fromF<T>(silu * b));  // the forward's h, rounded to the dtype
+        dot = fmaf(gj, hr, dot);
+        const float dh = weight * gj;
+        a8[j] = fromF<T>(dh * b * sig * (1.0f + a * (1.0f - sig)));
+        b8[j] = fromF<T>(dh * silu);
+        h8[j] = fromF<T>(weight * hr);
+      }
+      gu[i] = av;
+      gu[vecs + i] = bv;
+      h[i] = hv;
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, d);
+    if (tid % 32 == 0) sPart[tid / 32] = dot;
+    __syncthreads();
+    if (tid == 0) {
+      float sum = 0.0f;
+      for (int w = 0; w < kActThreads / 32; ++w) sum += sPart[w];
+      reinterpret_cast<float*>(base + lay.dtopkOff)[r] = sum;
+    }
+    __syncthreads();  // sPart is rewritten for the next row
   }
 }
 
@@ -512,10 +601,18 @@ cudaError_t launchCombine(const MoeKernelParams& p, int ctas, cudaStream_t s) {
   return launchK(&moeCombineKernel<__half>, ctas, kCopyWarps * 32, s, p);
 }
 
+cudaError_t launchBackwardAct(const MoeKernelParams& p, int ctas, cudaStream_t s) {
+  if (p.dtype == static_cast<int32_t>(GemmDtype::kBf16)) {
+    return launchK(&moeBackwardActKernel<__nv_bfloat16>, ctas, kActThreads, s, p);
+  }
+  return launchK(&moeBackwardActKernel<__half>, ctas, kActThreads, s, p);
+}
+
 cudaError_t prepareMoeKernels() {
   for (cudaError_t e : {loadKernel(&moeRouteKernel), loadKernel(&moePlanKernel), loadKernel(&moeDispatchKernel),
                         loadKernel(&moeArriveKernel), loadKernel(&moeCombineKernel<__nv_bfloat16>),
-                        loadKernel(&moeCombineKernel<__half>)}) {
+                        loadKernel(&moeCombineKernel<__half>), loadKernel(&moeBackwardActKernel<__nv_bfloat16>),
+                        loadKernel(&moeBackwardActKernel<__half>)}) {
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;

@@ -48,18 +48,27 @@ inline constexpr uint64_t kAlign = 256;
 __host__ __device__ constexpr uint64_t alignUp(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 // A receive area of `rows` rows: x rows [rows, hidden], row info [rows] x int4, then (FFN) h [rows, ffn] and
-// y [rows, hidden]. 2-byte elements.
+// y [rows, hidden]; the backward (dout in y, later dx; h holds weight * h) adds the row's weight and dtopk_weight
+// [rows] fp32, gate|up [rows, 2 ffn] (later its gradient) and g = dout·w2 [rows, ffn]. 2-byte elements.
 struct RecvLayout {
-  uint64_t xOff, infoOff, hOff, yOff, bytes;
+  uint64_t xOff, infoOff, hOff, yOff, weightOff, dtopkOff, guOff, gOff, bytes;
 };
-__host__ __device__ constexpr RecvLayout recvLayout(int64_t rows, int64_t hidden, int64_t ffn) {
+__host__ __device__ constexpr RecvLayout recvLayout(int64_t rows, int64_t hidden, int64_t ffn, bool backward = false) {
   RecvLayout l{};
   const auto r = static_cast<uint64_t>(rows);
+  const auto f = static_cast<uint64_t>(ffn);
   l.xOff = 0;
   l.infoOff = alignUp(r * static_cast<uint64_t>(hidden) * 2);
   l.hOff = alignUp(l.infoOff + r * 16);
-  l.yOff = ffn > 0 ? alignUp(l.hOff + r * static_cast<uint64_t>(ffn) * 2) : l.hOff;
+  l.yOff = ffn > 0 ? alignUp(l.hOff + r * f * 2) : l.hOff;
   l.bytes = ffn > 0 ? alignUp(l.yOff + r * static_cast<uint64_t>(hidden) * 2) : l.hOff;
+  l.weightOff = l.dtopkOff = l.guOff = l.gOff = l.bytes;
+  if (backward && ffn > 0) {
+    l.dtopkOff = alignUp(l.weightOff + r * 4);
+    l.guOff = alignUp(l.dtopkOff + r * 4);
+    l.gOff = alignUp(l.guOff + r * 2 * f * 2);
+    l.bytes = alignUp(l.gOff + r * f * 2);
+  }
   return l;
 }
 
@@ -120,6 +129,10 @@ struct MoeKernelParams {
   int32_t op;            // OpKind, for the error slot
   int32_t dtype;         // GemmDtype
   int32_t combineParts;  // a token's row is summed by this many warps (1..)
+  int32_t backward;      // the FFN's backward: dispatch also dout and the weight; combine dx (weight 1) and dtopk
+  int32_t pad0;
+  const void* dout;      // backward: [tokens, hidden]
+  float* dtopkOut;       // backward: [tokens, topk] fp32
 };
 
 inline constexpr int kRouteWarps = 8;  // experts per route CTA
@@ -132,6 +145,11 @@ cudaError_t launchDispatch(const MoeKernelParams& p, int ctas, cudaStream_t s);
 // waitY 0: wait for every source's rows, then copy the row info out; 1: publish y, wait for every owner's.
 cudaError_t launchArrive(const MoeKernelParams& p, int waitY, cudaStream_t s);
 cudaError_t launchCombine(const MoeKernelParams& p, int ctas, cudaStream_t s);
+// The backward's per-row step on the owner, over its received rows (gate|up and g written by the GEMMs before it):
+// h = silu(a) * b rounded; dtopk = <g, h> (fp32); dh = weight * g; gate|up becomes (da, db) in place and h becomes
+// weight * h (dw2's operand).
+inline constexpr int kActThreads = 256;
+cudaError_t launchBackwardAct(const MoeKernelParams& p, int ctas, cudaStream_t s);
 cudaError_t prepareMoeKernels();
 
 }  // namespace tandem::kernels::moe

@@ -16,7 +16,8 @@ GemmDtype gemmDtype(DType t) { return t == DType::kF16 ? GemmDtype::kFp16 : Gemm
 MoeParams paramsOf(const OpDescriptor& d, const DevicePointers& ptrs) {
   MoeParams p;
   p.dtype = gemmDtype(d.dtype);
-  p.ffn = d.kind == OpKind::kMoeDispatchFfnCombine;
+  p.ffn = d.kind == OpKind::kMoeDispatchFfnCombine || d.kind == OpKind::kMoeFfnBackward;
+  p.backward = d.kind == OpKind::kMoeFfnBackward;
   p.tokens = static_cast<int64_t>(d.dims[dim::kTokens]);
   p.hidden = static_cast<int64_t>(d.dims[dim::kHidden]);
   p.experts = static_cast<int64_t>(d.dims[dim::kExperts]);
@@ -28,7 +29,15 @@ MoeParams paramsOf(const OpDescriptor& d, const DevicePointers& ptrs) {
     p.ffnDim = static_cast<int64_t>(d.dims[dim::kFfn]);
     p.w1 = ptrs[slot::kW1];
     p.w2 = ptrs[slot::kW2];
-    p.out = ptrs[slot::kFfnOut];
+    if (p.backward) {
+      p.dout = ptrs[slot::kMoeDout];
+      p.dx = ptrs[slot::kMoeDx];
+      p.dtopkWeights = static_cast<float*>(ptrs[slot::kMoeDtopkWeights]);
+      p.dw1 = ptrs[slot::kMoeDw1];
+      p.dw2 = ptrs[slot::kMoeDw2];
+    } else {
+      p.out = ptrs[slot::kFfnOut];
+    }
   } else {
     p.nOut = static_cast<int64_t>(d.dims[dim::kNOut]);
     p.capacity = static_cast<int64_t>(std::min<uint64_t>(d.dims[dim::kCapacity], uint64_t{1} << 40));
@@ -69,7 +78,9 @@ MoeComm commOf(const MoeParams& p, const FusedEnv& env) {
 
 }  // namespace
 
-bool isMoeOp(OpKind kind) { return kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine; }
+bool isMoeOp(OpKind kind) {
+  return kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine || kind == OpKind::kMoeFfnBackward;
+}
 
 void checkMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env) {
   const std::string_view op = opKindName(d.kind);
@@ -148,7 +159,7 @@ std::string moeFaultText(const OpFault& f, const OpDescriptor& d) {
     return fmt::format("{}: rank {} topk_ids[{}][{}] = {} is out of range [0, experts); pass expert ids in [0, "
                        "experts)", opKindName(kind), f.atFault, f.chunk, slotIndex, value);
   }
-  if (kind == OpKind::kMoeDispatchFfnCombine) {
+  if (kind == OpKind::kMoeDispatchFfnCombine || kind == OpKind::kMoeFfnBackward) {
     // The workspace that holds those rows.
     return fmt::format("{}: rank {} receives {} rows but its workspace holds {} receive rows; nothing was written and "
                        "the communicator is still usable: split the batch, or {}", opKindName(kind), f.atFault,

@@ -8,7 +8,7 @@ namespace tandem {
 
 OpSet graphReplayableOps() {
   return OpSet{OpKind::kAllGather, OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kRingAttention,
-               OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine, OpKind::kNop};
+               OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine, OpKind::kMoeFfnBackward, OpKind::kNop};
 }
 
 namespace {

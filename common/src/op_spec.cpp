@@ -365,8 +365,6 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
           .check(checkMoe)
           .readsVerdict()
           .deviceError(ErrorCode::kTimeout)
-          .cudaPending("the grouped GEMM core has no NN (dh = dy w2, dx = dgate_up w1) or TN (dw1, dw2 over the routed "
-                       "rows) layouts yet, and the combine has no backward (dy and dtopk_weights to the experts' rows)")
           .c("tandem_moe_ffn_backward_args_t", "moe_ffn_backward",
              "dtype tokens hidden ffn experts topk x topk_ids topk_weights w1 w2 dout dx dtopk_weights dw1 dw2 "
              "cuda_stream"));

@@ -71,6 +71,14 @@ tandem_status_t submitOp(const OpDescriptor& d, const TensorOf& tensor, tandem_c
                                     tensor(slot::kFfnOut), stream};
       return tandem_moe_dispatch_ffn_combine(comm, &a, op);
     }
+    case OpKind::kMoeFfnBackward: {
+      const tandem_moe_ffn_backward_args_t a{
+          sizeof a, dtype, d.dims[dim::kTokens], d.dims[dim::kHidden], d.dims[dim::kFfn], d.dims[dim::kExperts],
+          d.dims[dim::kTopk], tensor(slot::kX), tensor(slot::kTopkIds), tensor(slot::kTopkWeights), tensor(slot::kW1),
+          tensor(slot::kW2), tensor(slot::kMoeDout), tensor(slot::kMoeDx), tensor(slot::kMoeDtopkWeights),
+          tensor(slot::kMoeDw1), tensor(slot::kMoeDw2), stream};
+      return tandem_moe_dispatch_ffn_combine_backward(comm, &a, op);
+    }
     default: return TANDEM_ERROR_INVALID_ARGUMENT;
   }
 }

@@ -42,7 +42,8 @@ def section_ops(comm):
             for use_out in (False, True):
                 opchecks.check_moe_dispatch_gemm(comm, dtype, place, use_out, hidden=16, n_out=8)
                 opchecks.check_moe_ffn(comm, dtype, place, use_out, hidden=16, ffn=8, round_y=True)
-                moe += 2
+                opchecks.check_moe_ffn_backward(comm, dtype, place, use_out, hidden=16, ffn=8)
+                moe += 3
     comm.synchronize()
     return f"{ran} GEMM / allgather ops and {moe} MoE ops matched"
 

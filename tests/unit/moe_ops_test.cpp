@@ -45,7 +45,7 @@ k::FusedEnv envWith(uint64_t workspaceBytes, uint32_t nranks) {
 
 k::DevicePointers alignedPointers() {
   k::DevicePointers p{};
-  for (std::size_t s = 0; s < 7; ++s) p[s] = reinterpret_cast<void*>(uintptr_t{1} << 30 << s);
+  for (std::size_t s = 0; s < 10; ++s) p[s] = reinterpret_cast<void*>(uintptr_t{1} << 30 << s);
   return p;
 }
 
@@ -72,6 +72,14 @@ TEST_CASE("moe ops: the receive area holds the rows it is sized for, and no more
         CHECK(k::moeRecvBytes(rows + 1, hidden, ffn) > bytes);  // the most that fit
       }
       CHECK(k::moeRecvBytes(10, hidden, ffn) >= static_cast<uint64_t>(10 * hidden * 2 * (ffn > 0 ? 2 : 1) + 160));
+      if (ffn == 0) continue;
+      // The backward's rows: x and dout of hidden, h, gate|up and g (4 ffn), row info, weight and dtopk_weight.
+      for (uint64_t bytes : {uint64_t{4096}, uint64_t{1} << 20, uint64_t{300} << 20}) {
+        const int64_t rows = k::moeRecvRows(bytes, hidden, ffn, true);
+        CHECK(k::moeRecvBytes(rows, hidden, ffn, true) <= bytes);
+        CHECK(k::moeRecvBytes(rows + 1, hidden, ffn, true) > bytes);
+      }
+      CHECK(k::moeRecvBytes(10, hidden, ffn, true) >= static_cast<uint64_t>(10 * (4 * hidden + 8 * ffn + 24)));
     }
   }
   CHECK(k::moeScratchBytes(1000, 8, 256) >= 1000 * 8 * 4 + 2 * 256 * 4);
@@ -114,7 +122,7 @@ TEST_CASE("moe ops: what the kernels cannot run is refused with the remedy, the 
   const k::FusedEnv env = envWith(512u << 20, 2);
   const k::DevicePointers ptrs = alignedPointers();
   ErrorCode code = ErrorCode::kOk;
-  for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine}) {
+  for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine, OpKind::kMoeFfnBackward}) {
     CAPTURE(tandem::opKindName(kind));
     CHECK(refusal(moeDesc(kind, 100, 264, 200, 8, 2, 2), ptrs, env, nullptr).empty());
     CHECK(refusal(moeDesc(kind, 0, 264, 200, 8, 2, 2), ptrs, env, nullptr).empty());  // a rank of no tokens
@@ -172,4 +180,10 @@ TEST_CASE("moe ops: a data error's text names the op, the rank and the bad id or
   text = k::moeFaultText(f, ffn);
   CHECK(text.find("moe-dispatch-ffn-combine: rank 0 receives 130 rows but its workspace holds 100") == 0);
   CHECK(text.find("still usable") != std::string::npos);
+  // The backward's rows live in the workspace too: the remedy names the larger workspace its rows need.
+  const OpDescriptor bwd = moeDesc(OpKind::kMoeFfnBackward, 64, 256, 256, 8, 2, 2);
+  f.op = static_cast<uint32_t>(OpKind::kMoeFfnBackward);
+  text = k::moeFaultText(f, bwd);
+  CHECK(text.find("moe-ffn-backward: rank 0 receives 130 rows but its workspace holds 100") == 0);
+  CHECK(k::workspaceBytesFor(bwd, 2, 100000) > k::workspaceBytesFor(ffn, 2, 100000));
 }

@@ -92,7 +92,7 @@ TEST_CASE("a backend's unsupported-op message names exactly the ops it runs") {
     CHECK((refused.find("has no GPU implementation yet") != std::string::npos) == !op.cudaPending.empty());
     if (!op.cudaPending.empty()) CHECK(refused.find(std::string(op.cudaPending)) != std::string::npos);
   }
-  CHECK_FALSE(tandem::opSpec(OpKind::kMoeFfnBackward).cudaPending.empty());
+  CHECK(tandem::opSpec(OpKind::kMoeFfnBackward).cudaPending.empty());  // the cuda backend runs it
   // The cpu backend runs every op of the table.
   tandem::daemon::DaemonConfig config;
   CHECK(tandem::daemon::makeCpuBackend(config)->ops(nullptr) == OpSet::all());

@@ -376,7 +376,14 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, c
  * experts' ranks (2 * hidden values per routed row, the forward's one) and recomputes a, b and h there: per routed
  * row 2*ffn*hidden multiply-adds to recompute, then 6*ffn*hidden for dout·w2, dw2, dw1 and dx, 8*ffn*hidden in
  * all, about 2.7 times the forward's 3*ffn*hidden. It sends back hidden + 1 values per row (dx, dtopk_weights).
- * The cuda backend does not run this op yet (it refuses it, saying why); the cpu backend runs it. */
+ * cuda backend (ranks on one node, both executors, capturable in a CUDA graph as the forward): the forward's rules
+ *   (bf16/fp16, hidden and ffn multiples of 8, topk <= 32, the routing and its errors decided on the GPU). a and b
+ *   are rounded to dtype before h (the forward's epilogue takes them in fp32), and so are da, db and each slot's dx
+ *   before dx's fp32 sum in slot order; dtopk_weights is summed in fp32. The routed rows live in the workspace:
+ *   4*hidden + 8*ffn + 24 bytes per row on its expert's rank (the forward's: 4*hidden + 2*ffn + 16), and an op whose
+ *   rows do not fit fails alone, naming the workspace to declare. A failed or rejected op writes neither dx nor
+ *   dtopk_weights, but may leave dw1 and dw2 zeroed (the weight-gradient GEMM writes zeros for an expert without
+ *   rows). Results repeat bit for bit. */
 typedef struct tandem_moe_ffn_backward_args {
   size_t struct_size;
   tandem_dtype_t dtype;

@@ -18,6 +18,10 @@
 //   combine   (FFN) release a flag that y is written, wait for every rank's, then a warp per token pulls its slots'
 //             rows of y from the owners and sums weight * y in fp32 in slot order (bitwise repeatable); a last
 //             barrier keeps every rank's y until every rank has read it.
+// The FFN's backward (MoeParams::backward) routes and plans alike, dispatches x and dout rows (and the row's weight),
+// recomputes gate|up = x·w1ᵀ on the owner, dout·w2, then one kernel per row gives d(gate|up), weight * h and
+// dtopk_weight = <dout·w2, h>; the owner computes dw2 and dw1 of its experts with the grouped wgrad GEMM and
+// dx = d(gate|up)·w1 into its y rows, and the combine pulls dx (summed in slot order) and dtopk_weights back.
 // Errors found on the GPU (bad ids, capacity) go into the rank's error slot with WaitError::kMoeRouting /
 // kMoeCapacity; every rank finds the same one and writes nothing.
 #pragma once
@@ -62,6 +66,7 @@ struct MoeComm {
 struct MoeParams {
   GemmDtype dtype = GemmDtype::kBf16;
   bool ffn = false;    ///< false: dispatch + grouped GEMM; true: dispatch + SwiGLU FFN + combine
+  bool backward = false;  ///< with ffn: the FFN's backward (tandem_moe_dispatch_ffn_combine_backward)
   int64_t tokens = 0;  ///< this rank's
   int64_t hidden = 0, nOut = 0, ffnDim = 0, experts = 0, topk = 0;
   int64_t capacity = 0;     ///< dispatch+GEMM: rows of out (this rank's)
@@ -74,15 +79,21 @@ struct MoeParams {
   void* out = nullptr;              ///< dispatch+GEMM: [capacity, nOut]; FFN: [tokens, hidden]
   int32_t* rowInfo = nullptr;       ///< dispatch+GEMM: [capacity, 4]
   int32_t* expertCounts = nullptr;  ///< dispatch+GEMM: [E/n]
+  const void* dout = nullptr;       ///< backward: [tokens, hidden], the gradient of the forward's out
+  void* dx = nullptr;               ///< backward: [tokens, hidden]
+  float* dtopkWeights = nullptr;    ///< backward: [tokens, topk] fp32
+  void* dw1 = nullptr;              ///< backward: [E/n, 2 ffn, hidden]
+  void* dw2 = nullptr;              ///< backward: [E/n, hidden, ffn]
   int gemmSms = 0;                  ///< cap on the grouped GEMMs' grid (0: every SM)
   int gemmSkipIdleHalves = 0;       ///< GroupedGemmParams::skipIdleHalves for the grouped GEMMs
   bool gemmDynamicTiles = false;    ///< the grouped GEMMs' dynamic tile order (GroupedGemmParams::tileCounter)
 };
 
-/// Bytes of a receive area holding `rows` rows (x rows, row info; with ffn > 0 also h and y).
-uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn);
+/// Bytes of a receive area holding `rows` rows (x rows, row info; with ffn > 0 also h and y; the backward's also dout,
+/// the row's weight and dtopk_weight, gate|up and dout·w2: 4 hidden + 8 ffn + 24 bytes a row).
+uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn, bool backward = false);
 /// The most rows a receive area of `bytes` holds.
-int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn);
+int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn, bool backward = false);
 /// Bytes of a rank's private scratch for `tokens` x `topk` pairs and `experts` experts.
 uint64_t moeScratchBytes(int64_t tokens, int64_t topk, int64_t experts);
 

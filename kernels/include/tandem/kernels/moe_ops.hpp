@@ -1,4 +1,4 @@
-// The MoE ops (moe-dispatch-gemm, moe-dispatch-ffn-combine) of one communicator rank, from an op descriptor to kernels
+// The MoE ops (moe-dispatch-gemm, moe-dispatch-ffn-combine, moe-ffn-backward) of one communicator rank, from an op descriptor to kernels
 // on a stream, for both launchers: libtandem (executor client, the caller's stream) and tandemd (executor daemon, its
 // own stream between persistent kernels), as fused_ops.hpp does for the fused GEMMs. Host code; throws tandem::Error
 // with the remedy.
