@@ -175,6 +175,12 @@ void validateGroupedWgrad(const GroupedWgradParams& g) {
     fail(kBad, "grouped wgrad: out must be 16-byte aligned (TMA), got {}", static_cast<void*>(g.out));
   }
   const uint64_t outBytes = u64(g.numExperts) * expertBytes;
+  if (g.runIf != nullptr && (g.mTotal == 0 || !aligned(g.runIf, 4))) {
+    fail(kBad,
+         "grouped wgrad: runIf must be 4-byte aligned and needs mTotal > 0 (with no rows the launch zeroes out "
+         "without a kernel, so nothing would read the gate), got runIf={} mTotal={}",
+         static_cast<const void*>(g.runIf), g.mTotal);
+  }
   if (g.mTotal == 0) return;  // out is zeroed; a, b and the offsets are not read
 
   if (g.a == nullptr || g.b == nullptr) {
@@ -230,6 +236,8 @@ void launchGroupedWgrad(const GroupedWgradParams& g, cudaStream_t stream, int nu
   p.tilesM = static_cast<int32_t>(ceilDiv(g.m, kTileRows));
   p.tilesN = static_cast<int32_t>(ceilDiv(g.n, kTileCols));
   p.rasterRows = kRasterRows;
+  p.runIf = g.runIf;
+  p.runValue = g.runValue;
 
   // Persistent: one CTA per SM, fewer when there are fewer output tiles.
   const int64_t units = g.numExperts * p.tilesM * p.tilesN;

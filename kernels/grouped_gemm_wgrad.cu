@@ -11,6 +11,7 @@ namespace tandem::kernels::grouped_wgrad {
 template <class T, class Out>
 __global__ void __launch_bounds__(kThreads, 1) groupedWgradKernel(const __grid_constant__ WgradKernelParams p) {
   extern __shared__ uint8_t smemRaw[];
+  if (p.runIf != nullptr && *p.runIf != p.runValue) return;  // the same word for every thread: the grid leaves whole
   runWgradCta<T, Out>(p, smemRaw, static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(gridDim.x));
 }
 

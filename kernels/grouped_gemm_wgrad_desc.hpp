@@ -34,7 +34,9 @@ struct WgradKernelParams {
   int32_t numExperts;
   int32_t tilesM, tilesN;  // tiles of one expert's out: ceil(m / 128) x ceil(n / 256)
   int32_t rasterRows;
-  int32_t reserved[7];
+  const int32_t* runIf;  // optional: the kernel writes nothing unless *runIf == runValue
+  int32_t runValue;
+  int32_t reserved[4];
 };
 static_assert(sizeof(WgradKernelParams) % 64 == 0);
 

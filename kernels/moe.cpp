@@ -94,6 +94,8 @@ std::string launchBackward(const MoeParams& g, const MoeComm& c, const MoeKernel
     wp.numExperts = L;
     wp.dtype = g.dtype;
     wp.outDtype = GemmOut::kInput;
+    wp.runIf = &p.status->state;  // a failed or rejected op leaves dw1 and dw2 as they were
+    wp.runValue = kRun;
     launchGroupedWgrad(wp, stream, g.gemmSms);
   };
   wgrad(recv + rl.yOff, g.hidden, recv + rl.hOff, f, g.dw2);       // dw2_e = dout_eᵀ · (weight * h)_e

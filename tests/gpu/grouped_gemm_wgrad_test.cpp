@@ -336,6 +336,35 @@ TEST_CASE("grouped wgrad: no rows at all, or rows outside every group only, give
   }
 }
 
+TEST_CASE("grouped wgrad: the runIf gate writes nothing unless its word equals runValue") {
+  Case c;
+  c.counts = {0, 40, 70};
+  c.m = 128;
+  c.n = 256;
+  c.seed = 41;
+  Problem pr(c);
+  Stream st;
+  DeviceMem word(4);
+  for (int32_t v : {2, 1}) {  // 2: a failed op's state (nothing written); 1: run
+    CAPTURE(v);
+    ck(cudaMemcpy(word.p, &v, 4, cudaMemcpyHostToDevice), "copy gate");
+    pr.poison(st.s);
+    GroupedWgradParams p = pr.params();
+    p.runIf = word.as<int32_t>();
+    p.runValue = 1;
+    launchGroupedWgrad(p, st.s);
+    ck(cudaGetLastError(), "launch");
+    syncWithin(st.s, 20, "grouped wgrad");
+    const std::vector<uint8_t> out = pr.fetch(st.s);
+    if (v == 1) {
+      pr.check(out);
+    } else {
+      CHECK_MESSAGE(std::all_of(out.begin(), out.end(), [](uint8_t b) { return b == 0xFF; }),
+                    "a gated launch wrote out");
+    }
+  }
+}
+
 TEST_CASE("grouped wgrad: 20 runs and every grid size give the same bits") {
   Case c;
   c.m = 256;

@@ -215,8 +215,8 @@ void runBadExpertId(const std::string& executor) {
       return fmt::format("FAIL status {} message '{}' (want '{}' in it)", static_cast<int>(st), msg, needle);
     }
     op.download();
-    // dw1 and dw2 may hold zeros: the grouped wgrad GEMM writes zeros for experts without rows (tandem.h).
-    for (int s : {slot::kMoeDx, slot::kMoeDtopkWeights}) {
+    // Nothing written: the wgrad GEMM's gate (the routing state) keeps dw1 and dw2 too.
+    for (int s : {slot::kMoeDx, slot::kMoeDtopkWeights, slot::kMoeDw1, slot::kMoeDw2}) {
       const auto& bytes = op.host[r][static_cast<std::size_t>(s)];
       if (std::any_of(bytes.begin(), bytes.end(), [](std::byte b) { return b != std::byte{0xFF}; })) {
         return fmt::format("FAIL after the error: slot {} was written", s);

@@ -381,9 +381,8 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, c
  *   are rounded to dtype before h (the forward's epilogue takes them in fp32), and so are da, db and each slot's dx
  *   before dx's fp32 sum in slot order; dtopk_weights is summed in fp32. The routed rows live in the workspace:
  *   4*hidden + 8*ffn + 24 bytes per row on its expert's rank (the forward's: 4*hidden + 2*ffn + 16), and an op whose
- *   rows do not fit fails alone, naming the workspace to declare. A failed or rejected op writes neither dx nor
- *   dtopk_weights, but may leave dw1 and dw2 zeroed (the weight-gradient GEMM writes zeros for an expert without
- *   rows). Results repeat bit for bit. */
+ *   rows do not fit fails alone, naming the workspace to declare. A failed or rejected op writes none of dx,
+ *   dtopk_weights, dw1 and dw2. Results repeat bit for bit. */
 typedef struct tandem_moe_ffn_backward_args {
   size_t struct_size;
   tandem_dtype_t dtype;

@@ -36,6 +36,11 @@ struct GroupedWgradParams {
   int64_t lda, ldb;             ///< elements; 0 = dense (m, n); otherwise multiples of 8, lda >= m, ldb >= n
   GemmDtype dtype;              ///< a and b: bf16 or fp16
   GemmOut outDtype;             ///< kInput (out in dtype, rounded to nearest even) or kFp32
+  /// Optional gate, read by the kernel when it starts: unless *runIf == runValue, the launch writes nothing (out keeps
+  /// its contents). The MoE backward points it at its routing state, so that a failed or rejected op leaves dw
+  /// untouched, as the op's contract says, without a host round trip. Needs mTotal > 0.
+  const int32_t* runIf;
+  int32_t runValue;
 };
 
 /// Checks `params` against every rule the kernel needs, without touching the GPU.
