@@ -14,8 +14,8 @@ unfused path in the same process (NCCL over torch.distributed), each eager and r
   the dtype is not bf16), SwiGLU, torch._grouped_mm, all_to_all back, weighted combine. Eager, the all_to_all sends
   exact splits (the counts are read on the host first); graph-replayed, where nothing may read the device, it sends
   a fixed capacity per destination rank (tokens * topk rows unless --moe-capacity-factor says less; pairs over it
-  are dropped). Where tandem refuses an op in a CUDA graph (its MoE ops at several ranks, any op under daemon
-  executor), the refusal's text is printed and the program goes on.
+  are dropped). Where tandem refuses an op in a CUDA graph (any op under the daemon executor), the refusal's text is
+  printed and the program goes on.
 
 usage (one GPU, a tandemd on the cuda backend at $TANDEM_SOCKET):
     python python/bench/decode_step.py [--only tp|moe] [--tokens 1,8,32] [--iters 50] [--warmup 10]
