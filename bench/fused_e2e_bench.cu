@@ -6,6 +6,7 @@
 //   fused_e2e_bench [--iters 20] [--warmup 3] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--ranks 2]
 //                   [--executor client|daemon] [--alloc tandem|cudamalloc] [--gathered] [--workspace BYTES]
 //                   [--json FILE] [--socket PATH] [--layout nt|nn|tn] [--decode]
+//                   [--fp8 e4m3|e5m2 [--scaling tensor|block] [--out bf16|fp32]]
 //
 // Shapes M x K x N (K is the full K; bf16 in and out, fp32 accumulation, C = A·Bᵀ with A [M,K] and B [N,K]):
 //   ag-gemm (A sharded by rows): 8192x8192x8192, 4096x8192x8192, 16384x8192x14336, 1024x8192x8192, 2048x8192x8192
@@ -17,6 +18,18 @@
 // the baseline's cuBLASLt in the same layout (ag-gemm TN runs at one rank only: its gathered A is per-rank blocks).
 // --decode: the decode shapes of a tensor-parallel layer instead, M = 1, 2, 4, ..., 256 at N x K = 8192 x 8192,
 // 28672 x 8192, 8192 x 28672 and 14336 x 4096 (K the full K).
+// --fp8: a and b in FP8 (layout nt only: fp8 tensor cores read K-major operands, tandem's and cuBLASLt's alike) with
+// fp32 scales per tensor (--scaling tensor, the default) or in blocks (--scaling block: A 1x128, B 128x128, as tandem.h's
+// tandem_fp8_scaling_t), c in --out (bf16, the default, or fp32). Shapes M x K x N: 8192x8192x8192, 8192x8192x28672,
+// 8192x28672x8192 (N x K of a 70B-class layer's square, up and down projections); with --decode M = 1, 2, ..., 256 at
+// N x K = 8192 x 8192 (block scales: M >= 4, tandem reads them in place and needs M % 4 == 0). Scales are random powers
+// of two, the same on every rank. The baseline is NCCL (fp8 rows gathered as bytes; partials in c's dtype) + cuBLASLt's
+// FP8 GEMM: per tensor through CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER with fast accumulation (tandem's per-tensor core
+// does not promote either); block scales through CUBLASLT_MATMUL_DESC_A/B_SCALE_MODE VEC128_32F (A) and BLK128x128_32F
+// (B), cuBLAS 12.9+ on sm_90, accumulation promoted (as tandem's block core). Where cuBLASLt has no FP8 GEMM for the
+// inputs (e5m2 x e5m2: its FP8 kernels take e4m3 x e4m3, e4m3 x e5m2 and e5m2 x e4m3) the row times tandem alone, says
+// why, and checks it against cuBLASLt bf16 (+ NCCL) on the dequantized inputs (exact in bf16: power-of-two scales).
+// ag-gemm with block scales runs at one rank only (the baseline takes the gathered A's scales as one [k/128, M] array).
 // --alloc cudamalloc gives every tensor cudaMalloc memory registered with tandem_register (default: tandem_alloc,
 // tandemd's cuMem memory); --shape I runs shape I of each selected op; --gathered makes ag-gemm also write the gathered A (the baseline has it
 // anyway); --workspace overrides the per-rank workspace given to tandemd (default: computed from the shapes, with room).
@@ -28,7 +41,8 @@
 // the median over --iters after --warmup. TFLOP/s are per GPU: ag-gemm 2·M·N·K (every rank computes all of C),
 // gemm-rs/ar 2·M·N·K/ranks (each rank its K slice).
 // Correctness, once per shape before timing: both outputs NaN-poisoned, one op each, tandem's C against the
-// baseline's C: ‖tandem − baseline‖ / ‖baseline‖ < 1e-2 and no non-finite value on any rank, else a FAIL line.
+// baseline's C: ‖tandem − baseline‖ / ‖baseline‖ < 1e-2 (--fp8: 2e-2) and no non-finite value on any rank, else a FAIL
+// line.
 // Exit status: 0, 1 if a check failed, 2 on a fatal error.
 #include <fcntl.h>
 #include <signal.h>
@@ -36,6 +50,7 @@
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -48,6 +63,7 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,6 +89,9 @@ const Shape kAgShapes[] = {{8192, 8192, 8192}, {4096, 8192, 8192}, {16384, 8192,
 const Shape kReduceShapes[] = {{8192, 8192, 8192}, {4096, 8192, 8192}, {16384, 8192, 14336}, {1024, 8192, 8192}};
 // --decode: N x K of a TP layer's GEMMs, each at M = 1 .. 256.
 const std::pair<uint64_t, uint64_t> kDecodeNK[] = {{8192, 8192}, {28672, 8192}, {8192, 28672}, {14336, 4096}};
+// --fp8: M 8192 at N x K 8192 x 8192, 28672 x 8192 and 8192 x 28672; --fp8 --decode: M = 1 .. 256 at 8192 x 8192.
+const Shape kFp8Shapes[] = {{8192, 8192, 8192}, {8192, 8192, 28672}, {8192, 28672, 8192}};
+const std::pair<uint64_t, uint64_t> kFp8DecodeNK[] = {{8192, 8192}};
 
 struct Case {
   Op op;
@@ -93,8 +112,33 @@ struct Options {
                             // tandem_alloc'd (tandemd's cuMem pool)
   tandem_gemm_layout_t layout = TANDEM_GEMM_NT;
   bool decode = false;
+  tandem_dtype_t dtype = TANDEM_DTYPE_BF16;  // a's and b's: bf16, or --fp8's TANDEM_DTYPE_FP8_E4M3 / _E5M2
+  bool blockScale = false;                   // --scaling block (FP8 only)
+  tandem_dtype_t out = TANDEM_DTYPE_BF16;    // c's (--out fp32: FP8 only)
+
+  bool fp8() const { return dtype != TANDEM_DTYPE_BF16; }
+  uint64_t inBytes() const { return fp8() ? 1 : 2; }
+  uint64_t outBytes() const { return out == TANDEM_DTYPE_FP32 ? 4 : 2; }
 };
 const char* layoutName(tandem_gemm_layout_t l) { return l == TANDEM_GEMM_NN ? "nn" : l == TANDEM_GEMM_TN ? "tn" : "nt"; }
+const char* dtypeName(tandem_dtype_t t) {
+  return t == TANDEM_DTYPE_FP8_E4M3 ? "fp8-e4m3" : t == TANDEM_DTYPE_FP8_E5M2 ? "fp8-e5m2" : t == TANDEM_DTYPE_FP32 ? "fp32" : "bf16";
+}
+
+// tandem's C against the baseline's. FP8 2e-2: per tensor, tandem's core and cuBLASLt's fast accumulation each keep the
+// tensor cores' fp8 accumulator (about 14 mantissa bits) over all of K, up to about 1e-2 each off the exact product
+// (tandem.h); with fp32 c too.
+float relErrLimit(const Options& o) { return o.fp8() ? 2e-2f : 1e-2f; }
+
+std::vector<Shape> shapesOf(const Options& o, Op op) {
+  if (o.fp8()) return {std::begin(kFp8Shapes), std::end(kFp8Shapes)};
+  if (op == Op::kAgGemm) return {std::begin(kAgShapes), std::end(kAgShapes)};
+  return {std::begin(kReduceShapes), std::end(kReduceShapes)};
+}
+std::vector<std::pair<uint64_t, uint64_t>> decodeNKOf(const Options& o) {
+  if (o.fp8()) return {std::begin(kFp8DecodeNK), std::end(kFp8DecodeNK)};
+  return {std::begin(kDecodeNK), std::end(kDecodeNK)};
+}
 
 std::vector<Case> casesOf(const Options& o) {
   std::vector<Case> v;
@@ -102,19 +146,20 @@ std::vector<Case> casesOf(const Options& o) {
     if (!o.op.empty() && o.op != opName(op)) continue;
     if (o.decode) {
       int i = 0;
-      for (const auto& [n, k] : kDecodeNK) {
+      for (const auto& [n, k] : decodeNKOf(o)) {
         for (uint64_t m = 1; m <= 256; m *= 2, ++i) {
           // TN stores A [k, m]: m (ag-gemm: every rank's rows) a multiple of 8, as tandem requires.
           if (o.layout == TANDEM_GEMM_TN && m % (op == Op::kAgGemm ? 8 * o.ranks : 8) != 0) continue;
+          // Block scales read in place: tandem needs m % 4 == 0 (16-byte rows of a_scale).
+          if (o.blockScale && m % 4 != 0) continue;
           if (o.shape < 0 || o.shape == i) v.push_back({op, {m, k, n}, i});
         }
       }
       continue;
     }
-    const Shape* list = op == Op::kAgGemm ? kAgShapes : kReduceShapes;
-    const int count = op == Op::kAgGemm ? static_cast<int>(std::size(kAgShapes)) : static_cast<int>(std::size(kReduceShapes));
-    for (int i = 0; i < count; ++i) {
-      if (o.shape < 0 || o.shape == i) v.push_back({op, list[i], i});
+    const std::vector<Shape> list = shapesOf(o, op);
+    for (int i = 0; i < static_cast<int>(list.size()); ++i) {
+      if (o.shape < 0 || o.shape == i) v.push_back({op, list[static_cast<size_t>(i)], i});
     }
   }
   return v;
@@ -126,23 +171,72 @@ uint64_t roundUp(uint64_t x, uint64_t unit) { return (x + unit - 1) / unit * uni
 // out ~33 MiB of AllGather slots, flags of 1/64 of a matrix, a gemm-rs staging area of (2·ranks + 2) matrices and two
 // data matrices, where a matrix holds the gathered A (ag-gemm: m·k bytes per matrix) or the bf16 partials padded to
 // 128 x 256 tiles (gemm-rs/ar), or the output. Counted here as 64 MiB + (2·ranks + 5) matrices, a matrix taken at
-// twice ag-gemm's need and at the largest of the reduce ops' needs.
-uint64_t workspaceFor(const std::vector<Case>& cases, uint32_t ranks) {
+// twice ag-gemm's need and at the largest of the reduce ops' needs. FP8: the gathered A is fp8, the partials fp32 (gemm-rs
+// and gemm-ar reduce fp32 partials), the output in --out.
+uint64_t workspaceFor(const std::vector<Case>& cases, const Options& o) {
+  const uint64_t partialBytes = o.fp8() ? 4 : 2;
   uint64_t mat = 0;
   for (const Case& c : cases) {
     if (c.op == Op::kAgGemm) {
       mat = std::max(mat, c.s.m * c.s.k * 2);
     } else {
-      mat = std::max(mat, roundUp(c.s.m, 128) * roundUp(c.s.n, 256) * 2);
-      mat = std::max(mat, c.s.m * c.s.n * 2);
+      mat = std::max(mat, roundUp(c.s.m, 128) * roundUp(c.s.n, 256) * partialBytes);
+      mat = std::max(mat, c.s.m * c.s.n * o.outBytes());
     }
   }
-  return roundUp((uint64_t{64} << 20) + (2 * uint64_t{ranks} + 5) * mat, uint64_t{64} << 20);
+  return roundUp((uint64_t{64} << 20) + (2 * uint64_t{o.ranks} + 5) * mat, uint64_t{64} << 20);
 }
 
 using tandem::bench::fillUniform;
+using tandem::bench::LtFp8;
 using tandem::bench::LtGemm;
+using tandem::bench::mix;
 using tandem::bench::relErrorKernel;
+
+// ---- FP8 inputs ----------------------------------------------------------------------------------------------
+// Uniform in [-1, 1) rounded to the format, as the bf16 mode's fillUniform.
+template <class F>
+__global__ void fillFp8(F* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float u = static_cast<float>(mix(i * 0x9E3779B97F4A7C15ULL + seed) >> 40) * (1.0f / 16777216.0f);
+    p[i] = F(2.0f * u - 1.0f);
+  }
+}
+
+// Scales 2^-3 .. 2^3 at random: an fp8 value times a power of two is exact in bf16, so the bf16 reference of the
+// dequantized inputs (where cuBLASLt has no FP8 GEMM) differs from the exact product by its fp32 sums only.
+__global__ void fillPow2Scales(float* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    p[i] = ldexpf(1.0f, static_cast<int>(mix(i * 0x9E3779B97F4A7C15ULL + seed) % 7) - 3);
+  }
+}
+
+// How a scale array covers q [rows, k] (tandem.h, tandem_fp8_scaling_t): one scale; A's 1x128 blocks,
+// scale[(p / 128) * rows + i]; B's 128x128 blocks, scale[(i / 128) * ceil(k / 128) + p / 128].
+enum class ScaleLayout { kTensor, kRowBlocks, kTileBlocks };
+
+// out [rows, k] bf16 = q * its scale.
+template <class F>
+__global__ void dequantize(const F* q, int64_t rows, int64_t k, const float* scale, ScaleLayout layout,
+                           __nv_bfloat16* out) {
+  const int64_t kBlocks = (k + 127) / 128;
+  for (int64_t x = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; x < rows * k; x += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = x / k, p = x % k;
+    const float sc = layout == ScaleLayout::kTensor      ? scale[0]
+                     : layout == ScaleLayout::kRowBlocks ? scale[(p / 128) * rows + i]
+                                                         : scale[(i / 128) * kBlocks + p / 128];
+    out[x] = __float2bfloat16_rn(static_cast<float>(q[x]) * sc);
+  }
+}
+
+// Device memory owned for one case (the dequantized reference inputs).
+struct DeviceMem {
+  void* p = nullptr;
+  explicit DeviceMem(size_t bytes) { CK(cudaMalloc(&p, bytes)); }
+  ~DeviceMem() { cudaFree(p); }
+  DeviceMem(const DeviceMem&) = delete;
+  DeviceMem& operator=(const DeviceMem&) = delete;
+};
 
 // ---- host helpers --------------------------------------------------------------------------------------------
 using tandem::bench::readAll;
@@ -168,6 +262,7 @@ struct RankState {
   double* sums = nullptr;
   unsigned long long* bad = nullptr;
   tandem_buffer_t a{}, b{}, c{}, gathered{};  // tandem buffers: inputs shared by both methods, tandem's outputs
+  tandem_buffer_t scales{};                    // FP8: a_scale at 0, b_scale at Extents::bScaleOffset
   void* baseC = nullptr;                       // baseline's output
   void* baseAux = nullptr;                     // baseline's gathered A (ag-gemm) or bf16 partial (gemm-rs/ar)
 
@@ -191,8 +286,11 @@ struct Extents {
   uint64_t rows;     // ag-gemm: this rank's rows of A; gemm-rs: this rank's rows of C
   uint64_t kLocal;   // K of this rank's A and B
   uint64_t aElems, bElems, cElems, baseAuxElems;
+  uint64_t aScaleFloats, bScaleFloats;  // FP8: tandem_fp8_scaling_t's extents (1 each per tensor)
+  uint64_t bScaleOffset() const { return roundUp(aScaleFloats * sizeof(float), 256); }  // bytes
+  uint64_t scaleBytes() const { return bScaleOffset() + bScaleFloats * sizeof(float); }
 };
-Extents extentsOf(const Case& c, uint32_t nranks) {
+Extents extentsOf(const Case& c, uint32_t nranks, bool blockScale) {
   Extents e{};
   const Shape& s = c.s;
   if (c.op == Op::kAgGemm) {
@@ -210,64 +308,147 @@ Extents extentsOf(const Case& c, uint32_t nranks) {
     e.cElems = e.rows * s.n;
     e.baseAuxElems = s.m * s.n;  // partial
   }
+  const uint64_t kBlocks = (e.kLocal + 127) / 128;
+  e.aScaleFloats = blockScale ? kBlocks * (e.aElems / e.kLocal) : 1;  // [ceil(k/128), rows of a]
+  e.bScaleFloats = blockScale ? (s.n + 127) / 128 * kBlocks : 1;
   return e;
 }
 
 struct Result {
   double tandemMs = 0, baselineMs = 0, tandemMinMs = 0, baselineMinMs = 0;
   double gemmMs = 0;  // the baseline's cuBLASLt GEMM alone: the time a perfectly overlapped fused op would take
+  bool baselineTimed = true;  // false: no cuBLASLt GEMM for these FP8 inputs (`note`); tandem checked against a reference
+  std::string note;
   float relErr = 0, nonFinite = 0;
   std::string failure;  // "" = ok
 };
+
+// FP8 tensors are launched on their format's type.
+template <class Fn>
+void withFp8Type(tandem_dtype_t t, Fn&& fn) {
+  if (t == TANDEM_DTYPE_FP8_E5M2) fn(__nv_fp8_e5m2{});
+  else fn(__nv_fp8_e4m3{});
+}
 
 // One case on one rank. Every rank makes the same calls in the same order; failures detected by every rank alike
 // (a refused submission) skip the timing on every rank.
 Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
   Result res;
   const Shape& s = c.s;
-  const Extents e = extentsOf(c, st.nranks);
+  const Extents e = extentsOf(c, st.nranks, o.blockScale);
   const cudaStream_t stream = st.stream;
-  fillUniform<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(tandem_buffer_ptr(st.a)), e.aElems,
-                                        uint64_t{seed} * 64 + st.rank);
-  fillUniform<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(tandem_buffer_ptr(st.b)), e.bElems,
-                                        uint64_t{seed} * 64 + 32 + st.rank);
-  CK(cudaGetLastError());
-  const LtGemm gemm(st.lt, s.m, s.n, e.kLocal, o.layout == TANDEM_GEMM_TN, o.layout != TANDEM_GEMM_NT, st.ltWs,
-                    64u << 20);
-  const size_t es = sizeof(__nv_bfloat16);
   void* aPtr = tandem_buffer_ptr(st.a);
   void* bPtr = tandem_buffer_ptr(st.b);
+  float* const aScale = o.fp8() ? static_cast<float*>(tandem_buffer_ptr(st.scales)) : nullptr;
+  float* const bScale = o.fp8() ? aScale + e.bScaleOffset() / sizeof(float) : nullptr;
+  if (o.fp8()) {
+    withFp8Type(o.dtype, [&](auto f) {
+      using F = decltype(f);
+      fillFp8<<<1024, 256, 0, stream>>>(static_cast<F*>(aPtr), e.aElems, uint64_t{seed} * 64 + st.rank);
+      fillFp8<<<1024, 256, 0, stream>>>(static_cast<F*>(bPtr), e.bElems, uint64_t{seed} * 64 + 32 + st.rank);
+    });
+    // Seeded by the case alone: every rank's per-tensor a_scale is the same, as the baseline's one scale for the
+    // gathered A needs.
+    fillPow2Scales<<<64, 256, 0, stream>>>(aScale, e.aScaleFloats, uint64_t{seed} * 64 + 16);
+    fillPow2Scales<<<64, 256, 0, stream>>>(bScale, e.bScaleFloats, uint64_t{seed} * 64 + 48);
+  } else {
+    fillUniform<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(aPtr), e.aElems, uint64_t{seed} * 64 + st.rank);
+    fillUniform<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(bPtr), e.bElems,
+                                          uint64_t{seed} * 64 + 32 + st.rank);
+  }
+  CK(cudaGetLastError());
 
+  // The baseline's GEMM: cuBLASLt in the mode's precision. Without an FP8 algorithm for these inputs, cuBLASLt bf16 on
+  // the dequantized inputs (exact: power-of-two scales) stands in as the reference, checked against but not timed.
+  std::optional<LtGemm> lt, refLt;
+  std::optional<DeviceMem> refA, refB;
+  if (o.fp8()) {
+    LtFp8 f;
+    f.ab = o.dtype == TANDEM_DTYPE_FP8_E5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+    f.c = o.out == TANDEM_DTYPE_FP32 ? CUDA_R_32F : CUDA_R_16BF;
+    f.block = o.blockScale;
+    f.aScale = aScale;
+    f.bScale = bScale;
+    f.fastAccum = !o.blockScale;  // as tandem's cores: per tensor no promotion, block scales promoted every 128 k
+    lt.emplace(st.lt, s.m, s.n, e.kLocal, f, st.ltWs, 64u << 20);
+  } else {
+    lt.emplace(st.lt, s.m, s.n, e.kLocal, o.layout == TANDEM_GEMM_TN, o.layout != TANDEM_GEMM_NT, st.ltWs, 64u << 20);
+  }
+  res.baselineTimed = lt->available;
+  if (!lt->available) {
+    res.note = lt->why;
+    refA.emplace(e.aElems * sizeof(__nv_bfloat16));
+    refB.emplace(e.bElems * sizeof(__nv_bfloat16));
+    const int64_t aRows = static_cast<int64_t>(e.aElems / e.kLocal), k = static_cast<int64_t>(e.kLocal);
+    withFp8Type(o.dtype, [&](auto f) {
+      using F = decltype(f);
+      dequantize<<<1024, 256, 0, stream>>>(static_cast<const F*>(aPtr), aRows, k, aScale,
+                                           o.blockScale ? ScaleLayout::kRowBlocks : ScaleLayout::kTensor,
+                                           static_cast<__nv_bfloat16*>(refA->p));
+      dequantize<<<1024, 256, 0, stream>>>(static_cast<const F*>(bPtr), static_cast<int64_t>(s.n), k, bScale,
+                                           o.blockScale ? ScaleLayout::kTileBlocks : ScaleLayout::kTensor,
+                                           static_cast<__nv_bfloat16*>(refB->p));
+    });
+    CK(cudaGetLastError());
+    refLt.emplace(st.lt, s.m, s.n, e.kLocal, st.ltWs, 64u << 20);
+  }
+  const LtGemm& gemm = refLt ? *refLt : *lt;
+  const void* baseA = refA ? refA->p : aPtr;
+  const void* baseB = refB ? refB->p : bPtr;
+  const bool baseFp8 = o.fp8() && !refLt;
+  const tandem_dtype_t baseOut = refLt ? TANDEM_DTYPE_BF16 : o.out;  // the baseline's C and partials
+  const ncclDataType_t gatherType = baseFp8 ? ncclUint8 : ncclBfloat16;  // fp8 rows travel as bytes
+  const ncclDataType_t reduceType = baseOut == TANDEM_DTYPE_FP32 ? ncclFloat : ncclBfloat16;
+
+  const auto fillArgs = [&](auto& args, uint64_t k) {
+    args.struct_size = sizeof args;
+    args.dtype = o.dtype;
+    args.m = s.m;
+    args.n = s.n;
+    args.k = k;
+    args.a = {st.a, 0};
+    args.b = {st.b, 0};
+    args.c = {st.c, 0};
+    args.cuda_stream = stream;
+    args.layout = o.layout;
+    if (o.fp8()) {
+      args.out_dtype = o.out;
+      args.scaling = o.blockScale ? TANDEM_FP8_SCALE_BLOCK : TANDEM_FP8_SCALE_TENSOR;
+      args.a_scale = {st.scales, 0};
+      args.b_scale = {st.scales, e.bScaleOffset()};
+    }
+  };
   const auto submitTandem = [&](tandem_op_t* op) -> tandem_status_t {
     if (c.op == Op::kAgGemm) {
-      const tandem_ag_gemm_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, s.k, {st.a, 0}, {st.b, 0},
-                                       {st.c, 0}, {o.gathered ? st.gathered : nullptr, 0}, stream, o.layout};
+      tandem_ag_gemm_args_t args{};
+      fillArgs(args, s.k);
+      args.a_gathered = {o.gathered ? st.gathered : nullptr, 0};
       return tandem_ag_gemm(st.comm, &args, op);
     }
     if (c.op == Op::kGemmRs) {
-      const tandem_gemm_rs_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, e.kLocal, {st.a, 0}, {st.b, 0},
-                                       {st.c, 0}, stream, o.layout};
+      tandem_gemm_rs_args_t args{};
+      fillArgs(args, e.kLocal);
       return tandem_gemm_rs(st.comm, &args, op);
     }
-    const tandem_gemm_ar_args_t args{sizeof args, TANDEM_DTYPE_BF16, s.m, s.n, e.kLocal, {st.a, 0}, {st.b, 0},
-                                     {st.c, 0}, stream, o.layout};
+    tandem_gemm_ar_args_t args{};
+    fillArgs(args, e.kLocal);
     return tandem_gemm_ar(st.comm, &args, op);
   };
   // The baseline's GEMM alone (for ag-gemm on the A the baseline gathered last time).
   const auto runGemmAlone = [&] {
-    if (c.op == Op::kAgGemm) gemm.run(st.baseAux, bPtr, st.baseC, stream);
-    else gemm.run(aPtr, bPtr, st.baseAux, stream);
+    if (c.op == Op::kAgGemm) gemm.run(st.baseAux, baseB, st.baseC, stream);
+    else gemm.run(baseA, baseB, st.baseAux, stream);
   };
   const auto runBaseline = [&] {
     if (c.op == Op::kAgGemm) {
-      NK(ncclAllGather(aPtr, st.baseAux, e.aElems, ncclBfloat16, st.nccl, stream));
-      gemm.run(st.baseAux, bPtr, st.baseC, stream);
+      NK(ncclAllGather(baseA, st.baseAux, e.aElems, gatherType, st.nccl, stream));
+      gemm.run(st.baseAux, baseB, st.baseC, stream);
     } else {
-      gemm.run(aPtr, bPtr, st.baseAux, stream);
+      gemm.run(baseA, baseB, st.baseAux, stream);
       if (c.op == Op::kGemmRs) {
-        NK(ncclReduceScatter(st.baseAux, st.baseC, e.cElems, ncclBfloat16, ncclSum, st.nccl, stream));
+        NK(ncclReduceScatter(st.baseAux, st.baseC, e.cElems, reduceType, ncclSum, st.nccl, stream));
       } else {
-        NK(ncclAllReduce(st.baseAux, st.baseC, e.cElems, ncclBfloat16, ncclSum, st.nccl, stream));
+        NK(ncclAllReduce(st.baseAux, st.baseC, e.cElems, reduceType, ncclSum, st.nccl, stream));
       }
     }
   };
@@ -280,8 +461,8 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
 
   // ---- correctness: one op each on poisoned outputs, tandem's C against the baseline's.
   void* cPtr = tandem_buffer_ptr(st.c);
-  CK(cudaMemsetAsync(cPtr, 0xFF, e.cElems * es, stream));
-  CK(cudaMemsetAsync(st.baseC, 0xFF, e.cElems * es, stream));
+  CK(cudaMemsetAsync(cPtr, 0xFF, e.cElems * o.outBytes(), stream));
+  CK(cudaMemsetAsync(st.baseC, 0xFF, e.cElems * (baseOut == TANDEM_DTYPE_FP32 ? 4 : 2), stream));
   // The baseline first, on its own: its first launches (cuBLASLt's kernel for this shape, lazily loaded) then never
   // wait behind a fused kernel that waits for a peer.
   st.barrier();
@@ -301,9 +482,18 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
   }
   CK(cudaMemsetAsync(st.sums, 0, 2 * sizeof(double), stream));
   CK(cudaMemsetAsync(st.bad, 0, sizeof(unsigned long long), stream));
-  relErrorKernel<<<1024, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(cPtr), int64_t(s.n),
-                                           static_cast<const __nv_bfloat16*>(st.baseC), int64_t(e.cElems / s.n),
-                                           int64_t(s.n), st.sums, st.bad);
+  {
+    const int64_t rows = static_cast<int64_t>(e.cElems / s.n), n = static_cast<int64_t>(s.n);
+    const auto bf16 = [](const void* p) { return static_cast<const __nv_bfloat16*>(p); };
+    const auto f32 = [](const void* p) { return static_cast<const float*>(p); };
+    if (o.out != TANDEM_DTYPE_FP32) {
+      relErrorKernel<<<1024, 256, 0, stream>>>(bf16(cPtr), n, bf16(st.baseC), rows, n, st.sums, st.bad);
+    } else if (baseOut == TANDEM_DTYPE_FP32) {
+      relErrorKernel<<<1024, 256, 0, stream>>>(f32(cPtr), n, f32(st.baseC), rows, n, st.sums, st.bad);
+    } else {
+      relErrorKernel<<<1024, 256, 0, stream>>>(f32(cPtr), n, bf16(st.baseC), rows, n, st.sums, st.bad);
+    }
+  }
   CK(cudaGetLastError());
   double sums[2] = {};
   unsigned long long bad = 0;
@@ -317,26 +507,29 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
     res.relErr = v[0];
     res.nonFinite = v[1];
   }
-  if (!(res.relErr < 1e-2f) || res.nonFinite != 0) {
+  const float limit = relErrLimit(o);
+  if (!(res.relErr < limit) || res.nonFinite != 0) {
     char msg[160];
-    std::snprintf(msg, sizeof msg, "tandem vs baseline: relative error %.3g (limit 1e-2), %.0f non-finite values",
-                  static_cast<double>(res.relErr), static_cast<double>(res.nonFinite));
+    std::snprintf(msg, sizeof msg, "tandem vs baseline: relative error %.3g (limit %.0e), %.0f non-finite values",
+                  static_cast<double>(res.relErr), static_cast<double>(limit), static_cast<double>(res.nonFinite));
     res.failure = msg;
   }
+  refA.reset();  // the reference is not timed
+  refB.reset();
 
-  // ---- timing: every method every iteration (tandem, baseline, the baseline's GEMM alone), rotating the order, a
-  // barrier before each op.
-  constexpr int kMethods = 3;
+  // ---- timing: every method every iteration (tandem, baseline, the baseline's GEMM alone; tandem alone where the
+  // baseline is only a reference), rotating the order, a barrier before each op.
+  const int methods = res.baselineTimed ? 3 : 1;
   const int total = o.warmup + o.iters;
-  std::vector<cudaEvent_t> ev(static_cast<size_t>(total) * kMethods * 2);  // [it][method][start, stop]
+  std::vector<cudaEvent_t> ev(static_cast<size_t>(total) * methods * 2);  // [it][method][start, stop]
   for (auto& x : ev) CK(cudaEventCreate(&x));
   std::vector<tandem_op_t> ops;
   ops.reserve(static_cast<size_t>(total));
   failure.clear();
   for (int it = 0; it < total; ++it) {
-    for (int j = 0; j < kMethods; ++j) {
-      const int method = (it + j) % kMethods;  // 0 tandem, 1 baseline, 2 GEMM alone
-      cudaEvent_t* pair = &ev[(static_cast<size_t>(it) * kMethods + static_cast<size_t>(method)) * 2];
+    for (int j = 0; j < methods; ++j) {
+      const int method = (it + j) % methods;  // 0 tandem, 1 baseline, 2 GEMM alone
+      cudaEvent_t* pair = &ev[(static_cast<size_t>(it) * methods + static_cast<size_t>(method)) * 2];
       st.barrier();
       CK(cudaEventRecord(pair[0], stream));
       if (method == 0) {
@@ -362,26 +555,28 @@ Result runCase(RankState& st, const Options& o, const Case& c, uint32_t seed) {
     res.failure = failure.empty() ? "timing failed on another rank (see its stderr)" : failure;
     std::fprintf(stderr, "rank %u: %s: %s\n", st.rank, opName(c.op), res.failure.c_str());
   } else {
-    std::vector<float> ms(static_cast<size_t>(o.iters) * kMethods);
+    std::vector<float> ms(static_cast<size_t>(o.iters) * methods);
     for (int it = o.warmup; it < total; ++it) {
-      for (int method = 0; method < kMethods; ++method) {
-        const cudaEvent_t* pair = &ev[(static_cast<size_t>(it) * kMethods + static_cast<size_t>(method)) * 2];
-        CK(cudaEventElapsedTime(&ms[static_cast<size_t>(it - o.warmup) * kMethods + static_cast<size_t>(method)],
+      for (int method = 0; method < methods; ++method) {
+        const cudaEvent_t* pair = &ev[(static_cast<size_t>(it) * methods + static_cast<size_t>(method)) * 2];
+        CK(cudaEventElapsedTime(&ms[static_cast<size_t>(it - o.warmup) * methods + static_cast<size_t>(method)],
                                 pair[0], pair[1]));
       }
     }
     st.maxOverRanks(ms);  // per iteration and method: the slowest rank
-    std::vector<double> t, b, g;
+    std::vector<double> t[3];
     for (int i = 0; i < o.iters; ++i) {
-      t.push_back(ms[static_cast<size_t>(i) * kMethods]);
-      b.push_back(ms[static_cast<size_t>(i) * kMethods + 1]);
-      g.push_back(ms[static_cast<size_t>(i) * kMethods + 2]);
+      for (int method = 0; method < methods; ++method) {
+        t[method].push_back(ms[static_cast<size_t>(i) * methods + static_cast<size_t>(method)]);
+      }
     }
-    res.tandemMs = median(t);
-    res.baselineMs = median(b);
-    res.gemmMs = median(g);
-    res.tandemMinMs = *std::min_element(t.begin(), t.end());
-    res.baselineMinMs = *std::min_element(b.begin(), b.end());
+    res.tandemMs = median(t[0]);
+    res.tandemMinMs = *std::min_element(t[0].begin(), t[0].end());
+    if (res.baselineTimed) {
+      res.baselineMs = median(t[1]);
+      res.gemmMs = median(t[2]);
+      res.baselineMinMs = *std::min_element(t[1].begin(), t[1].end());
+    }
   }
   for (auto& x : ev) CK(cudaEventDestroy(x));
   return res;
@@ -423,7 +618,7 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
   CK(cudaStreamCreateWithFlags(&st.stream, cudaStreamNonBlocking));
   BK(cublasLtCreate(&st.lt));
   CK(cudaMalloc(&st.ltWs, 64u << 20));
-  st.scratchFloats = 1 + 2 * static_cast<size_t>(o.iters) + 64;
+  st.scratchFloats = 1 + 3 * static_cast<size_t>(o.iters) + 64;  // the barrier word, then 3 methods' times
   CK(cudaMalloc(&st.scratch, st.scratchFloats * sizeof(float)));
   CK(cudaMemset(st.scratch, 0, st.scratchFloats * sizeof(float)));
   CK(cudaMalloc(&st.sums, 2 * sizeof(double)));
@@ -431,17 +626,18 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
 
   // Buffers once, at the largest extent of any case (every tensor at offset 0).
   const std::vector<Case> cases = casesOf(o);
-  Extents maxE{};
-  uint64_t maxGathered = 0;
+  // Bytes: a, b (and the gathered A) in the input dtype, c in --out; the baseline's gathered A at bf16 size (fp8 rows,
+  // or a reference's bf16 ones) and its partials as its C.
+  uint64_t aBytes = 0, bBytes = 0, cBytes = 0, baseAuxBytes = 0, gatheredBytes = 0, scaleBytes = 0;
   for (const Case& c : cases) {
-    const Extents e = extentsOf(c, o.ranks);
-    maxE.aElems = std::max(maxE.aElems, e.aElems);
-    maxE.bElems = std::max(maxE.bElems, e.bElems);
-    maxE.cElems = std::max(maxE.cElems, e.cElems);
-    maxE.baseAuxElems = std::max(maxE.baseAuxElems, e.baseAuxElems);
-    if (c.op == Op::kAgGemm) maxGathered = std::max(maxGathered, c.s.m * c.s.k);
+    const Extents e = extentsOf(c, o.ranks, o.blockScale);
+    aBytes = std::max(aBytes, e.aElems * o.inBytes());
+    bBytes = std::max(bBytes, e.bElems * o.inBytes());
+    cBytes = std::max(cBytes, e.cElems * o.outBytes());
+    baseAuxBytes = std::max(baseAuxBytes, e.baseAuxElems * (c.op == Op::kAgGemm ? 2 : o.outBytes()));
+    if (c.op == Op::kAgGemm) gatheredBytes = std::max(gatheredBytes, c.s.m * c.s.k * o.inBytes());
+    scaleBytes = std::max(scaleBytes, e.scaleBytes());
   }
-  const uint64_t es = sizeof(__nv_bfloat16);
   std::vector<void*> ownMemory;  // --alloc cudamalloc
   const auto buffer = [&](uint64_t bytes, tandem_buffer_t* out) {
     if (!o.registered) {
@@ -453,12 +649,13 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
     ownMemory.push_back(p);
     TK(tandem_register(st.session, p, bytes, -1, 0, out));
   };
-  buffer(maxE.aElems * es, &st.a);
-  buffer(maxE.bElems * es, &st.b);
-  buffer(maxE.cElems * es, &st.c);
-  if (o.gathered && maxGathered > 0) buffer(maxGathered * es, &st.gathered);
-  CK(cudaMalloc(&st.baseC, maxE.cElems * es));
-  CK(cudaMalloc(&st.baseAux, maxE.baseAuxElems * es));
+  buffer(aBytes, &st.a);
+  buffer(bBytes, &st.b);
+  buffer(cBytes, &st.c);
+  if (o.gathered && gatheredBytes > 0) buffer(gatheredBytes, &st.gathered);
+  if (o.fp8()) buffer(scaleBytes, &st.scales);
+  CK(cudaMalloc(&st.baseC, cBytes));
+  CK(cudaMalloc(&st.baseAux, baseAuxBytes));
 
   if (rank == 0) {
     if (o.socket.empty()) {
@@ -470,9 +667,21 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
                   "workspace needed about %llu MiB\n", o.ranks, socket.c_str(),
                   static_cast<unsigned long long>(workspace >> 20));
     }
-    std::printf("baseline: NCCL (AllGather / ReduceScatter / AllReduce, bf16) + cuBLASLt (bf16 in/out, fp32 "
-                "accumulate), same processes, same inputs; ag-gemm %s\n",
-                o.gathered ? "also writes the gathered A" : "without a_gathered");
+    if (o.fp8()) {
+      std::printf("inputs %s (layout nt), %s scales (random powers of two), c %s; baseline: NCCL (AllGather of the fp8 "
+                  "rows as bytes / ReduceScatter / AllReduce of %s partials) + cuBLASLt FP8 (%s), same processes, same "
+                  "inputs and scales; ag-gemm %s\n",
+                  dtypeName(o.dtype), o.blockScale ? "block (A 1x128, B 128x128)" : "per-tensor", dtypeName(o.out),
+                  dtypeName(o.out),
+                  o.blockScale ? "A/B_SCALE_MODE VEC128_32F for A, BLK128x128_32F for B; accumulation promoted, as "
+                                 "tandem's block core"
+                               : "A/B_SCALE_POINTER; fast accumulation, as tandem's per-tensor core",
+                  o.gathered ? "also writes the gathered A" : "without a_gathered");
+    } else {
+      std::printf("baseline: NCCL (AllGather / ReduceScatter / AllReduce, bf16) + cuBLASLt (bf16 in/out, fp32 "
+                  "accumulate), same processes, same inputs; ag-gemm %s\n",
+                  o.gathered ? "also writes the gathered A" : "without a_gathered");
+    }
     std::printf("median over %d iterations (after %d warm-ups) of the per-iteration max over ranks; methods "
                 "rotate; NCCL 1-float all-reduce barrier before each op; gemm ms = the baseline's cuBLASLt GEMM alone, "
                 "tand/gemm = tandem's time as a fraction of it (1.0 = communication fully hidden)\n",
@@ -482,7 +691,7 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
     std::fflush(stdout);
   }
   int failures = 0;
-  std::string jsonRows;
+  std::string jsonRows, lastNote;
   std::vector<std::string> failLines;
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i];
@@ -498,33 +707,51 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
     const double ratio = r.tandemMs > 0 ? r.baselineMs / r.tandemMs : 0.0;
     const double ofGemm = r.gemmMs > 0 ? r.tandemMs / r.gemmMs : 0.0;
     const std::string opText = std::string(opName(c.op)) + "/" + layoutName(o.layout);
-    std::printf("%-11s %-19s %10.4f %11.4f %10.3f %10.0f %10.0f %9.4f %9.3f %9.2e %s\n", opText.c_str(), shape, r.tandemMs,
-                r.baselineMs, ratio, tflops(r.tandemMs), tflops(r.baselineMs), r.gemmMs, ofGemm,
+    // A baseline's figures, or "-" where there is none to time (FP8 inputs cuBLASLt cannot multiply).
+    const auto base = [&](const char* format, double v) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, format, v);
+      return std::string(r.baselineTimed ? buf : "-");
+    };
+    if (!r.note.empty() && r.note != lastNote) {
+      std::printf("note: %s: tandem timed alone, checked against cuBLASLt bf16 (+ NCCL) on the dequantized inputs\n",
+                  r.note.c_str());
+      lastNote = r.note;
+    }
+    std::printf("%-11s %-19s %10.4f %11s %10s %10.0f %10s %9s %9s %9.2e %s\n", opText.c_str(), shape, r.tandemMs,
+                base("%.4f", r.baselineMs).c_str(), base("%.3f", ratio).c_str(), tflops(r.tandemMs),
+                base("%.0f", tflops(r.baselineMs)).c_str(), base("%.4f", r.gemmMs).c_str(), base("%.3f", ofGemm).c_str(),
                 static_cast<double>(r.relErr), r.failure.empty() ? "ok" : "FAIL");
     std::fflush(stdout);
     if (!r.failure.empty()) failLines.push_back(std::string("FAIL ") + opName(c.op) + " " + shape + ": " + r.failure);
-    char row[768];
+    // JSON null where there is no baseline to time.
+    const auto jbase = [&](const char* format, double v) { return r.baselineTimed ? base(format, v) : std::string("null"); };
+    char row[1024];
     std::snprintf(row, sizeof row,
-                  "    {\"op\": \"%s\", \"m\": %llu, \"k\": %llu, \"n\": %llu, \"tandem_ms\": %.5f, \"baseline_ms\": %.5f, "
-                  "\"baseline_over_tandem\": %.4f, \"tandem_min_ms\": %.5f, \"baseline_min_ms\": %.5f, "
-                  "\"tandem_tflops_per_gpu\": %.1f, \"baseline_tflops_per_gpu\": %.1f, \"gemm_alone_ms\": %.5f, "
-                  "\"tandem_over_gemm_alone\": %.4f, \"rel_err\": %.3e, \"ok\": %s}",
+                  "    {\"op\": \"%s\", \"m\": %llu, \"k\": %llu, \"n\": %llu, \"tandem_ms\": %.5f, \"baseline_ms\": %s, "
+                  "\"baseline_over_tandem\": %s, \"tandem_min_ms\": %.5f, \"baseline_min_ms\": %s, "
+                  "\"tandem_tflops_per_gpu\": %.1f, \"baseline_tflops_per_gpu\": %s, \"gemm_alone_ms\": %s, "
+                  "\"tandem_over_gemm_alone\": %s, \"rel_err\": %.3e, \"reference\": \"%s\", \"ok\": %s}",
                   opName(c.op), static_cast<unsigned long long>(c.s.m), static_cast<unsigned long long>(c.s.k),
-                  static_cast<unsigned long long>(c.s.n), r.tandemMs, r.baselineMs, ratio, r.tandemMinMs,
-                  r.baselineMinMs, tflops(r.tandemMs), tflops(r.baselineMs), r.gemmMs, ofGemm,
-                  static_cast<double>(r.relErr), r.failure.empty() ? "true" : "false");
+                  static_cast<unsigned long long>(c.s.n), r.tandemMs, jbase("%.5f", r.baselineMs).c_str(),
+                  jbase("%.4f", ratio).c_str(), r.tandemMinMs, jbase("%.5f", r.baselineMinMs).c_str(),
+                  tflops(r.tandemMs), jbase("%.1f", tflops(r.baselineMs)).c_str(), jbase("%.5f", r.gemmMs).c_str(),
+                  jbase("%.4f", ofGemm).c_str(), static_cast<double>(r.relErr),
+                  r.baselineTimed ? "baseline" : "cublaslt-bf16-dequantized", r.failure.empty() ? "true" : "false");
     jsonRows += (jsonRows.empty() ? "" : ",\n") + std::string(row);
   }
   if (rank == 0) {
     for (const auto& l : failLines) std::printf("%s\n", l.c_str());
-    std::printf("correctness (tandem vs baseline, rel. error < 1e-2, no non-finite value, every rank): %s\n",
-                failures == 0 ? "PASS" : "FAIL");
+    std::printf("correctness (tandem vs baseline, rel. error < %.0e, no non-finite value, every rank): %s\n",
+                static_cast<double>(relErrLimit(o)), failures == 0 ? "PASS" : "FAIL");
     std::fflush(stdout);
     if (!o.json.empty()) {
       std::ofstream(o.json) << "{\n  \"bench\": \"fused_e2e_bench\", \"ranks\": " << o.ranks
                             << ", \"executor\": \"" << o.executor << "\", \"iters\": " << o.iters << ", \"warmup\": " << o.warmup
                             << ", \"workspace_bytes\": " << workspace << ", \"gathered\": "
-                            << (o.gathered ? "true" : "false") << ",\n  \"rows\": [\n" << jsonRows << "\n  ]\n}\n";
+                            << (o.gathered ? "true" : "false") << ", \"dtype\": \"" << dtypeName(o.dtype)
+                            << "\", \"scaling\": \"" << (o.fp8() ? (o.blockScale ? "block" : "tensor") : "none")
+                            << "\", \"out\": \"" << dtypeName(o.out) << "\",\n  \"rows\": [\n" << jsonRows << "\n  ]\n}\n";
     }
   }
   CK(cudaStreamSynchronize(st.stream));
@@ -535,7 +762,7 @@ int rankMain(const Options& o, uint32_t rank, int up, int down, const std::strin
   CK(cudaFree(st.sums));
   CK(cudaFree(st.bad));
   cublasLtDestroy(st.lt);
-  for (tandem_buffer_t b : {st.a, st.b, st.c, st.gathered}) {
+  for (tandem_buffer_t b : {st.a, st.b, st.c, st.gathered, st.scales}) {
     if (b != nullptr) o.registered ? tandem_deregister(b) : tandem_free(b);
   }
   for (void* p : ownMemory) CK(cudaFree(p));
@@ -552,7 +779,10 @@ int main(int argc, char** argv) {
   const char* usage =
       "usage: fused_e2e_bench [--iters N] [--warmup N] [--op ag-gemm|gemm-rs|gemm-ar] [--shape I] [--ranks N] "
       "[--executor client|daemon] [--alloc tandem|cudamalloc] [--gathered] [--workspace BYTES] [--json FILE] "
-      "[--socket PATH] [--layout nt|nn|tn] [--decode]\n";
+      "[--socket PATH] [--layout nt|nn|tn] [--decode] [--fp8 e4m3|e5m2 [--scaling tensor|block] [--out bf16|fp32]]\n"
+      "  --fp8: FP8 a and b (layout nt) against cuBLASLt's FP8 GEMM; shapes M 8192 at N x K 8192 x 8192, 28672 x 8192, "
+      "8192 x 28672, or with --decode M 1..256 at 8192 x 8192\n";
+  bool fp8Only = false;  // --scaling or --out given
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -571,6 +801,23 @@ int main(int argc, char** argv) {
         const std::string v = next();
         if (v != "nt" && v != "nn" && v != "tn") throw std::invalid_argument("--layout " + v + ": expected nt, nn or tn");
         o.layout = v == "nn" ? TANDEM_GEMM_NN : v == "tn" ? TANDEM_GEMM_TN : TANDEM_GEMM_NT;
+      }
+      else if (a == "--fp8") {
+        const std::string v = next();
+        if (v != "e4m3" && v != "e5m2") throw std::invalid_argument("--fp8 " + v + ": expected e4m3 or e5m2");
+        o.dtype = v == "e4m3" ? TANDEM_DTYPE_FP8_E4M3 : TANDEM_DTYPE_FP8_E5M2;
+      }
+      else if (a == "--scaling") {
+        const std::string v = next();
+        if (v != "tensor" && v != "block") throw std::invalid_argument("--scaling " + v + ": expected tensor or block");
+        o.blockScale = v == "block";
+        fp8Only = true;
+      }
+      else if (a == "--out") {
+        const std::string v = next();
+        if (v != "bf16" && v != "fp32") throw std::invalid_argument("--out " + v + ": expected bf16 or fp32");
+        o.out = v == "fp32" ? TANDEM_DTYPE_FP32 : TANDEM_DTYPE_BF16;
+        fp8Only = true;
       }
       else if (a == "--executor") o.executor = next();
       else if (a == "--alloc") {
@@ -600,10 +847,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--iters must be >= 1, --warmup >= 0, --ranks >= 1\n%s", usage);
     return 2;
   }
+  if (fp8Only && !o.fp8()) {
+    std::fprintf(stderr, "--scaling and --out go with --fp8 (without it a, b and c are bf16)\n%s", usage);
+    return 2;
+  }
+  if (o.fp8() && o.layout != TANDEM_GEMM_NT) {
+    std::fprintf(stderr, "--fp8 takes --layout nt only: fp8 tensor cores read K-major operands (tandem refuses nn and tn "
+                 "with FP8, and cuBLASLt's FP8 GEMM on Hopper is TN, which is nt here)\n");
+    return 2;
+  }
+  if (o.fp8() && o.blockScale && o.ranks > 1 && (o.op.empty() || o.op == "ag-gemm")) {
+    std::fprintf(stderr, "--fp8 --scaling block: ag-gemm runs at one rank only (the baseline's cuBLASLt takes the "
+                 "gathered A's scales as one [k/128, M] array, the ranks' gathered scales are per-rank blocks); run it "
+                 "with --ranks 1 or --op gemm-rs / gemm-ar\n");
+    return 2;
+  }
   const std::vector<Case> cases = casesOf(o);
   if (cases.empty()) {
-    std::fprintf(stderr, "no shape selected (--shape %d: ag-gemm has %zu shapes, gemm-rs/ar %zu)\n", o.shape,
-                 std::size(kAgShapes), std::size(kReduceShapes));
+    std::fprintf(stderr, "no shape selected (--shape %d: ag-gemm has %zu shapes, gemm-rs/ar %zu%s)\n", o.shape,
+                 shapesOf(o, Op::kAgGemm).size(), shapesOf(o, Op::kGemmRs).size(), o.decode ? "; --decode: its index" : "");
     return 2;
   }
   if (o.layout == TANDEM_GEMM_TN && o.ranks > 1 && (o.op.empty() || o.op == "ag-gemm")) {
@@ -611,8 +873,8 @@ int main(int argc, char** argv) {
                  "does not take; run it with --ranks 1 or --op gemm-rs / gemm-ar\n");
     return 2;
   }
-  for (const Case& c : cases) {  // NCCL's collectives need equal shards; the kernels need k slices % 8 == 0
-    if (c.s.m % o.ranks != 0 || (c.op != Op::kAgGemm && (c.s.k % o.ranks != 0 || (c.s.k / o.ranks) % 8 != 0))) {
+  for (const Case& c : cases) {  // NCCL's collectives need equal shards; the kernels need k slices % 8 == 0 (FP8: % 16)
+    if (c.s.m % o.ranks != 0 || (c.op != Op::kAgGemm && (c.s.k % o.ranks != 0 || (c.s.k / o.ranks) % (o.fp8() ? 16 : 8) != 0))) {
       std::fprintf(stderr, "%s %llux%llux%llu does not split evenly over %u ranks\n", opName(c.op),
                    static_cast<unsigned long long>(c.s.m), static_cast<unsigned long long>(c.s.k),
                    static_cast<unsigned long long>(c.s.n), o.ranks);
@@ -622,7 +884,7 @@ int main(int argc, char** argv) {
   // NVLink multicast stays off on these machines (NVLS); gpu-check.sh exports the same.
   ::setenv("NCCL_NVLS_ENABLE", "0", 0);
   ::signal(SIGPIPE, SIG_IGN);
-  const uint64_t workspace = o.workspace != 0 ? o.workspace : workspaceFor(cases, o.ranks);
+  const uint64_t workspace = o.workspace != 0 ? o.workspace : workspaceFor(cases, o);
   std::unique_ptr<tandem::bench::PrivateDaemon> daemon;
   const std::string config =
       "daemon:\n  backend: cuda\n  executor: " + o.executor + "\ncuda:\n  workspace_bytes: " + std::to_string(workspace) + "\n";
