@@ -5,9 +5,11 @@
 #include <fmt/format.h>
 
 #include "tandem/common/error.hpp"
+#include "tandem/kernels/allgather.hpp"
 #include "tandem/kernels/host_ordering.hpp"
 
 namespace tandem::kernels {
+static_assert(kPageRanks == kMaxLocalRanks, "the control page's rank rows must cover every rank of a node");
 namespace {
 
 // Stream words compare cyclically, as cuStreamWaitValue32(GEQ) does.
@@ -57,6 +59,26 @@ void ControlPage::publishDone(uint64_t epoch) noexcept {
   // release: the op's outputs (copied to the GPU and synchronised before) precede done; pairs with the stream's
   // WaitValue32(done).
   stRelease(memory()->done.value, static_cast<uint32_t>(epoch));
+}
+
+void ControlPage::publishRankRows(uint64_t epoch, std::span<const uint64_t> rows) noexcept {
+  CommControl* c = memory();
+  // Relaxed would do for the rows (the epoch's release orders them); stRelease is the one store this header names.
+  for (std::size_t r = 0; r < rows.size() && r < kPageRanks; ++r) stRelease(c->rankRows[r], rows[r]);
+  stRelease(c->rankRowsEpoch, epoch);  // release: the rows before their epoch; pairs with rankRows' acquire
+}
+
+std::optional<std::array<uint64_t, kPageRanks>> ControlPage::rankRows(uint64_t epoch) const noexcept {
+  const CommControl* c = memory();
+  // acquire: pairs with publishRankRows' release of the epoch, after the rows.
+  if (ldAcquire(c->rankRowsEpoch) != epoch) return std::nullopt;
+  std::array<uint64_t, kPageRanks> rows{};
+  for (uint32_t r = 0; r < kPageRanks; ++r) rows[r] = ldAcquire(c->rankRows[r]);
+  return rows;
+}
+
+bool ControlPage::aborted() const noexcept {
+  return ldAcquire(memory()->abort) != 0;  // acquire: pairs with abortKernels' release
 }
 
 void ControlPage::abortKernels() noexcept {

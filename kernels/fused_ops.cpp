@@ -11,6 +11,7 @@
 #include "tandem/kernels/gemm_rs.hpp"
 #include "tandem/kernels/moe.hpp"
 #include "tandem/kernels/preload.hpp"
+#include "tandem/kernels/ring_attention_bwd.hpp"
 
 namespace tandem::kernels {
 namespace {
@@ -275,6 +276,11 @@ uint64_t workspaceBytesFor(const OpDescriptor& d, uint32_t nranks, uint64_t moeR
     // k and v rows of this rank's sequence, the v half on a 256-byte boundary (ring_attention.cpp kvCapacityRows).
     const uint64_t kv = d.dims[dim::kSeq] * d.dims[dim::kKvHeads] * d.dims[dim::kHeadDim] * 2 + 256;
     return WorkspaceLayout::bytesFor(nranks > 1 ? kv : 0, nranks);
+  }
+  if (d.kind == OpKind::kRingAttentionBackward) {
+    // Executor client: this rank's six inputs staged in the data region (two matrices; ring_attention_bwd.hpp).
+    const uint64_t staged = ringBackwardStaging(d, d.dims[dim::kSeq]).bytes;
+    return WorkspaceLayout::bytesFor(nranks > 1 ? (staged + 1) / 2 : 0, nranks);
   }
   if (d.kind == OpKind::kMoeDispatchGemm || d.kind == OpKind::kMoeDispatchFfnCombine ||
       d.kind == OpKind::kMoeFfnBackward) {

@@ -43,9 +43,9 @@ void checkRingBackward(const OpDescriptor& d, const DevicePointers& ptrs, const 
   checkRingAttentionBackward(d, ptrs, env);
 }
 
-// Never called: executorOps(kClient) leaves out an op with clientPending, so libtandem refuses it before any launch.
-std::string launchRingBackwardClient(const GpuLaunch& l) {
-  fail(ErrorCode::kInternal, "{}: the client executor does not run it", opKindName(l.desc.kind));
+// Executor client: every rank's seq comes with the launch (GpuOp::needsRankRows; tandemd published them).
+std::string launchRingBackward(const GpuLaunch& l) {
+  return launchRingAttentionBackward(l.desc, l.ptrs, l.epoch, l.env, l.rankRows, l.stream);
 }
 
 // AllGather's kernel between the client's stream words (the daemon executor runs it as a persistent-kernel item).
@@ -83,14 +83,11 @@ std::array<GpuOp, kOpKindCount> buildEntries() {
   e[static_cast<std::size_t>(OpKind::kRingAttention)] =
       GpuOp{checkRing, launchRing, launchRingAttentionMapped, preloadRingAttentionKernels, false, false,
             DaemonRun::kLaunchMapped};
-  // The client executor would need every rank's rows on the host before its core calls (libtandem sees only its own
-  // descriptor): staging every rank's six inputs in the workspaces plus device-side lengths in the core, or equal seq
-  // on every rank checked on the device. Until one is built, only the daemon executor runs it.
-  GpuOp ringBwd{checkRingBackward, launchRingBackwardClient, launchRingAttentionBackwardMapped,
+  // Each core call needs every rank's seq on the host: the client executor waits for tandemd to publish them.
+  GpuOp ringBwd{checkRingBackward, launchRingBackward, launchRingAttentionBackwardMapped,
                 preloadRingAttentionBackwardKernels, false, false, DaemonRun::kLaunchMapped};
-  ringBwd.clientPending = "its client executor is not built yet (each rank's launch needs every rank's rows on the "
-                          "host, and libtandem sees only its own descriptor); the daemon executor runs it "
-                          "(daemon.executor: daemon, under MPS)";
+  ringBwd.needsRankRows = true;
+  ringBwd.checkClient = checkRingAttentionBackwardStaging;
   e[static_cast<std::size_t>(OpKind::kRingAttentionBackward)] = ringBwd;
   e[static_cast<std::size_t>(OpKind::kAllGather)] =
       GpuOp{nullptr, launchAllGatherOp, nullptr, preloadAllGatherKernels, true, false, DaemonRun::kWorkItem};

@@ -23,7 +23,10 @@ __global__ void __launch_bounds__(32) ringFinishKernel(const __grid_constant__ R
   // Device-epoch mode: the op entry's epoch, written earlier in this stream (L2, not L1).
   const uint64_t value = p.epochWord != nullptr ? __ldcg(p.epochWord) : p.value;
   // release: this rank's reads of q's KV (the attention kernel before this one, complete in stream order) happen
-  // before q may reuse its workspace; pairs with q's waitGeq on its done[rank] below.
+  // before q may reuse its workspace; pairs with q's waitGeq on its done[rank] below. The fence makes it cumulative
+  // over the stream's earlier writes too: ring attention's backward runs this kernel after copying its inputs into its
+  // workspace, to tell the peers they are there (ring_attention_bwd.hpp).
+  fenceAcqRelSys();
   stReleaseSys(p.peerDone[q], value);
   WaitCtx ctx{p.abortWord, p.errorSlot, p.timeoutNs != 0 ? globaltimerNs() + p.timeoutNs : 0, p.op,
               static_cast<uint32_t>(Role::kCompute), p.rank};

@@ -105,19 +105,21 @@ void checkRingAttentionBackward(const OpDescriptor& d, const DevicePointers& ptr
   }
 }
 
-std::string launchRingAttentionBackwardMapped(std::span<const OpDescriptor> descs,
-                                              std::span<const DevicePointers> ptrs, uint32_t rank,
-                                              cudaStream_t stream) {
+namespace {
+
+// Rank `rank`'s gradients from every rank's inputs (descs[q], ptrs[q]: rank q's seq and slots, as the launching
+// process reaches them), both executors: the pairs, their order and the sums are the one definition of the op's
+// result. Returns the number of core calls.
+std::size_t enqueuePairs(std::span<const OpDescriptor> descs, std::span<const DevicePointers> ptrs, uint32_t rank,
+                         cudaStream_t stream) {
   const auto n = static_cast<uint32_t>(descs.size());
   const OpDescriptor& d = descs[rank];
-  const bool causal = (d.flags & kFlagCausal) != 0, zigzag = (d.flags & kFlagZigzag) != 0;
+  const bool causal = (d.flags & kFlagCausal) != 0;
   const auto heads = static_cast<int64_t>(d.dims[dim::kHeads]);
   const auto hd = static_cast<int64_t>(d.dims[dim::kHeadDim]);
   const auto kvHeads = d.dims[dim::kKvHeads] == 0 ? heads : static_cast<int64_t>(d.dims[dim::kKvHeads]);
   const auto seq = static_cast<int64_t>(d.dims[dim::kSeq]);
-  const std::string plan = fmt::format("attention backward core per chunk pair, {} ranks{}, inputs read where tandemd "
-                                       "maps them, fp32 sums in rank order", n, zigzag ? ", zigzag" : "");
-  if (seq == 0) return plan;  // no rows: no gradients to write (the peers read this rank's empty inputs: nothing)
+  if (seq == 0) return 0;  // no rows: no gradients to write (the peers read this rank's empty inputs: nothing)
 
   std::vector<std::vector<Run>> runs(n);
   int64_t maxRun = 0;
@@ -225,7 +227,123 @@ std::string launchRingAttentionBackwardMapped(std::span<const OpDescriptor> desc
   launchGradRound({accDq, nullptr, mine[slot::kDq], static_cast<int64_t>(qElems), bf16}, stream);
   launchGradRound({accDk, nullptr, mine[slot::kDk], static_cast<int64_t>(kvElems), bf16}, stream);
   launchGradRound({accDv, nullptr, mine[slot::kDv], static_cast<int64_t>(kvElems), bf16}, stream);
-  return fmt::format("{}, {} chunk pairs", plan, pairs.size());
+  return pairs.size();
+}
+
+RingBackwardFlags* bwdFlagsOf(const FusedEnv& env, uint32_t r) {
+  return reinterpret_cast<RingBackwardFlags*>(env.workspaces[r] + kRingBwdFlagsOffset);
+}
+RingAttentionFlags* fwdFlagsOf(const FusedEnv& env, uint32_t r) {
+  return reinterpret_cast<RingAttentionFlags*>(env.workspaces[r] + kRingFlagsOffset);
+}
+
+// A barrier over the ranks on per-peer words (the forward's finish kernel): peer q's word for this rank is
+// theirs(q), this rank's word for q is mine(q).
+template <class Theirs, class Mine>
+void launchBarrier(const OpDescriptor& d, const FusedEnv& env, uint64_t value, cudaStream_t stream, Theirs theirs,
+                   Mine mine) {
+  RingFinishParams f{};
+  for (uint32_t q = 0; q < env.nranks; ++q) {
+    if (q == env.rank) continue;
+    f.peerDone[q] = theirs(q);
+    f.myDone[q] = mine(q);
+  }
+  f.abortWord = &env.ctl->abort;
+  f.errorSlot = &env.ctl->error;
+  f.value = value;
+  f.epochWord = env.epochWord;  // device-epoch mode: the op entry's epoch
+  f.timeoutNs = env.timeoutNs;
+  f.rank = env.rank;
+  f.nranks = env.nranks;
+  f.op = static_cast<uint32_t>(d.kind);
+  launchRingFinish(f, stream);
+}
+
+}  // namespace
+
+void checkRingAttentionBackwardStaging(const OpDescriptor& d, const DevicePointers& /*ptrs*/, const FusedEnv& env) {
+  if (env.nranks <= 1) return;  // one rank reads its own tensors: nothing is staged
+  const uint64_t seq = d.dims[dim::kSeq];
+  const RingBackwardStaging s = ringBackwardStaging(d, seq);
+  if (s.bytes <= env.layout.dataBytes) return;
+  fail(ErrorCode::kInvalidArgument, "{}: seq {} on this rank needs {} bytes of q, k, v, o, dout and lse in the "
+       "workspace (with the client executor the peers read them there), but this communicator's workspace holds {}; "
+       "{}, or split the sequence over more ranks", opKindName(d.kind), seq, s.bytes, env.layout.dataBytes,
+       workspaceRemedy(WorkspaceLayout::bytesFor((s.bytes + 1) / 2, env.nranks)));
+}
+
+std::string launchRingAttentionBackward(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch,
+                                        const FusedEnv& env, std::span<const uint64_t> rankRows, cudaStream_t stream) {
+  const uint32_t n = env.nranks, me = env.rank;
+  const bool zigzag = (d.flags & kFlagZigzag) != 0;
+  if (n == 1) {
+    const std::size_t pairs = enqueuePairs({&d, 1}, {&ptrs, 1}, 0, stream);
+    return fmt::format("attention backward core per chunk pair, one rank, {} chunk pairs", pairs);
+  }
+  if (rankRows.size() < n || rankRows[me] != d.dims[dim::kSeq]) {
+    fail(ErrorCode::kInternal, "{}: the rows tandemd published do not match this rank's seq {}", opKindName(d.kind),
+         d.dims[dim::kSeq]);
+  }
+  const uint64_t value = epoch & 0xffffffffu;  // as the forward's words (its stream writes 32 bits)
+
+  // Every rank's seq and inputs as this rank reaches them: its own tensors, the peers' staged copies.
+  std::vector<OpDescriptor> descs(n, d);
+  std::vector<DevicePointers> all(n);
+  for (uint32_t q = 0; q < n; ++q) {
+    descs[q].dims[dim::kSeq] = rankRows[q];
+    descs[q].rank = q;
+    if (q == me) {
+      all[q] = ptrs;
+      continue;
+    }
+    char* const base = env.workspaces[q] + env.layout.dataOff;
+    const RingBackwardStaging s = ringBackwardStaging(d, rankRows[q]);
+    all[q][slot::kQ] = base + s.q;
+    all[q][slot::kKey] = base + s.k;
+    all[q][slot::kValue] = base + s.v;
+    all[q][slot::kAttnOut] = base + s.o;
+    all[q][slot::kDout] = base + s.dout;
+    all[q][slot::kBwdLse] = base + s.lse;
+  }
+
+  // 1: this rank's inputs into its workspace, where the peers read them.
+  const RingBackwardStaging s = ringBackwardStaging(d, d.dims[dim::kSeq]);
+  const uint64_t heads = d.dims[dim::kHeads], hd = d.dims[dim::kHeadDim], seq = d.dims[dim::kSeq];
+  const uint64_t kvHeads = d.dims[dim::kKvHeads] == 0 ? heads : d.dims[dim::kKvHeads];
+  const uint64_t qBytes = seq * heads * hd * 2, kvBytes = seq * kvHeads * hd * 2, lseBytes = heads * seq * 4;
+  char* const mine = env.workspaces[me] + env.layout.dataOff;
+  const struct {
+    int slot;
+    uint64_t off, bytes;
+    const char* name;
+  } copies[] = {{slot::kQ, s.q, qBytes, "q"},        {slot::kKey, s.k, kvBytes, "k"},
+                {slot::kValue, s.v, kvBytes, "v"},   {slot::kAttnOut, s.o, qBytes, "o"},
+                {slot::kDout, s.dout, qBytes, "dout"}, {slot::kBwdLse, s.lse, lseBytes, "lse"}};
+  for (const auto& c : copies) {
+    if (c.bytes == 0) continue;
+    checkCuda(cudaMemcpyAsync(mine + c.off, ptrs[static_cast<std::size_t>(c.slot)], c.bytes, cudaMemcpyDeviceToDevice,
+                              stream),
+              "cudaMemcpyAsync({} into the workspace)", c.name);
+  }
+  // 2: every rank's inputs are staged.
+  launchBarrier(d, env, value, stream, [&](uint32_t q) { return &bwdFlagsOf(env, q)->staged[me]; },
+                [&](uint32_t q) { return &bwdFlagsOf(env, me)->staged[q]; });
+  // 3: the daemon executor's core calls and sums.
+  const std::size_t pairs = enqueuePairs(descs, all, me, stream);
+  // 4: no peer reads this rank's workspace once the op completes.
+  launchBarrier(d, env, value, stream, [&](uint32_t q) { return &fwdFlagsOf(env, q)->done[me]; },
+                [&](uint32_t q) { return &fwdFlagsOf(env, me)->done[q]; });
+  return fmt::format("attention backward core per chunk pair, {} ranks{}, inputs staged in the workspaces, fp32 sums "
+                     "in rank order, {} chunk pairs", n, zigzag ? ", zigzag" : "", pairs);
+}
+
+std::string launchRingAttentionBackwardMapped(std::span<const OpDescriptor> descs,
+                                              std::span<const DevicePointers> ptrs, uint32_t rank,
+                                              cudaStream_t stream) {
+  const bool zigzag = (descs[rank].flags & kFlagZigzag) != 0;
+  const std::size_t pairs = enqueuePairs(descs, ptrs, rank, stream);
+  return fmt::format("attention backward core per chunk pair, {} ranks{}, inputs read where tandemd maps them, fp32 "
+                     "sums in rank order, {} chunk pairs", descs.size(), zigzag ? ", zigzag" : "", pairs);
 }
 
 void preloadRingAttentionBackwardKernels(int device) {

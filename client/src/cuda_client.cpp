@@ -5,12 +5,15 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <optional>
 #include <set>
+#include <span>
+#include <thread>
 
 #include "tandem/common/error.hpp"
 #include "tandem/common/gpu_uuid.hpp"
@@ -204,7 +207,10 @@ class CommStrategy {
   virtual ~CommStrategy() = default;
   virtual void check(const OpDescriptor& d, const DevicePointers& ptrs) const = 0;
   // On the communicator's device (current already).
-  virtual void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, CUstream s) = 0;
+  // rankRows: every rank's rows of the op where its entry needs them (GpuOp::needsRankRows, executor client; empty
+  // when the communicator was aborted before tandemd published them), else empty.
+  virtual void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, CUstream s,
+                       std::span<const uint64_t> rankRows) = 0;
   // A multi-rank op captured into a CUDA graph, after `epoch` eager ops (CommGpu::enqueueCaptured). Only the client
   // executor gets here: captureRefusal refuses the others before.
   virtual void enqueueCaptured(const OpDescriptor& d, const DevicePointers& /*ptrs*/, uint64_t /*epoch*/,
@@ -270,12 +276,17 @@ class ClientGateStrategy final : public CommStrategy {
 
   void check(const OpDescriptor& d, const DevicePointers& ptrs) const override {
     checkOnNode(k::Executor::kClient, d, ptrs, env_, planOf(d, gpuModel_, "client"));
+    if (const auto checkClient = k::gpuOp(d.kind).checkClient) checkClient(d, ptrs, env_);
   }
 
   // tandemd opens go once every rank submitted the op (for a gang, once every rank's stream reached it and wrote
   // ready); the kernels run; done tells tandemd the op finished on this rank.
-  void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, CUstream s) override {
+  void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, CUstream s,
+               std::span<const uint64_t> rankRows) override {
     const k::GpuOp& op = k::gpuOp(d.kind);
+    // The communicator was aborted before tandemd published the rows (a rejected op, a lost peer): the op's status
+    // says why, the stream passes its words (they jumped ahead), and no kernel runs.
+    const bool skipKernels = op.needsRankRows && nranks_ > 1 && rankRows.empty();
     if (op.launch == nullptr && nranks_ == 1) {
       // No kernel and nothing to meet (a lone barrier): the stream need not wait for tandemd's go (tandemd still
       // validates and completes it).
@@ -290,12 +301,16 @@ class ClientGateStrategy final : public CommStrategy {
       // Device-epoch mode (a graph was captured): the op takes its flags' epoch from device memory, as a replayed op
       // does, so the two stay in step. Its fingerprint is compared too: a peer replaying a graph where this rank runs
       // an eager op would otherwise meet it there (and a collective tandemd rejects now fails the communicator).
-      if (env_.epochWord != nullptr && op.launch != nullptr) enterOp(d, e, collectiveFingerprint(d), stream);
-      if (op.launch != nullptr) {
+      if (env_.epochWord != nullptr && op.launch != nullptr && !skipKernels) {
+        enterOp(d, e, collectiveFingerprint(d), stream);
+      }
+      if (op.launch != nullptr && !skipKernels) {
         // The kernels read tandemd's verdict where they can (AllGather, MoE: a rejected op does nothing); the fused
         // GEMMs and ring attention cannot, so tandemd aborts the communicator instead (client_gate.cpp).
         const PlanChoice plan = op.fusedGemm ? planOf(d, gpuModel_, "client") : PlanChoice{};
-        const std::string ran = op.launch({d, ptrs, e, env_, stream, plan, true});
+        k::GpuLaunch launch{d, ptrs, e, env_, stream, plan, true};
+        launch.rankRows = rankRows;
+        const std::string ran = op.launch(launch);
         if (!ran.empty()) logPlanOnce(d, ran);
       }
     } catch (const Error&) {
@@ -383,7 +398,8 @@ class PersistentStrategy final : public CommStrategy {
   void check(const OpDescriptor& d, const DevicePointers& ptrs) const override {
     checkOnNode(k::Executor::kDaemon, d, ptrs, env_, nranks_ == 1 ? planOf(d, gpuModel_, "daemon") : PlanChoice{});
   }
-  void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, CUstream s) override {
+  void enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, CUstream s,
+               std::span<const uint64_t> /*rankRows*/) override {
     const k::GpuOp& op = k::gpuOp(d.kind);
     if (nranks_ != 1 || !op.fusedGemm) {
       enqueueReadyThenWaitDone(ctlDev_, e, s);
@@ -424,7 +440,8 @@ class HostStagedStrategy final : public CommStrategy {
     fail(ErrorCode::kUnsupported, "{}: this communicator's ranks live on several nodes, and across nodes tandem runs "
          "{} only; run {} on a communicator whose ranks are all on one node", op, opList(ops), op);
   }
-  void enqueue(const OpDescriptor& /*d*/, const DevicePointers& /*ptrs*/, uint64_t e, CUstream s) override {
+  void enqueue(const OpDescriptor& /*d*/, const DevicePointers& /*ptrs*/, uint64_t e, CUstream s,
+               std::span<const uint64_t> /*rankRows*/) override {
     enqueueReadyThenWaitDone(ctlDev_, e, s);
   }
 
@@ -483,7 +500,29 @@ void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_
   checkCuda(cudaGetDevice(&current), "cudaGetDevice");
   std::optional<k::CudaDeviceGuard> guard;
   if (current != device_) guard.emplace(device_);
-  strategy_->enqueue(d, ptrs, e, static_cast<CUstream>(stream));
+  std::optional<std::array<uint64_t, k::kPageRanks>> rows;
+  if (mode_ == Mode::kClient && d.nranks > 1 && k::gpuOp(d.kind).needsRankRows) rows = waitRankRows(d, e);
+  const std::span<const uint64_t> rankRows = rows ? std::span<const uint64_t>(rows->data(), d.nranks)
+                                                  : std::span<const uint64_t>();
+  strategy_->enqueue(d, ptrs, e, static_cast<CUstream>(stream), rankRows);
+}
+
+std::optional<std::array<uint64_t, k::kPageRanks>> CommGpu::waitRankRows(const OpDescriptor& d, uint64_t e) const {
+  // tandemd publishes them once every rank submitted the op: a peer's host is usually within microseconds of this
+  // one, so spin briefly, then sleep in short steps (this thread holds `mutex`; the watcher does not need it first).
+  using Clock = std::chrono::steady_clock;
+  const uint64_t timeoutNs = opTimeoutNs();
+  const auto deadline = Clock::now() + std::chrono::nanoseconds(timeoutNs);
+  for (uint32_t polls = 0;; ++polls) {
+    if (auto rows = page_.rankRows(e)) return rows;
+    if (page_.aborted() || daemonGone.load(std::memory_order_acquire)) return std::nullopt;
+    if (Clock::now() > deadline) {
+      fail(ErrorCode::kTimeout, "{} (op epoch {}): tandemd did not publish every rank's seq within {} ms; it does once "
+           "every rank of the communicator submitted the op: submit it on every rank, or raise TANDEM_OP_TIMEOUT_MS",
+           opKindName(d.kind), e, timeoutNs / 1'000'000);
+    }
+    if (polls >= 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
 }
 
 void CommGpu::enqueueCaptured(const OpDescriptor& d, const DevicePointers& ptrs, void* stream) {
@@ -543,7 +582,10 @@ void SessionWatch::add(const std::shared_ptr<CommGpu>& comm) {
   std::lock_guard lock(mutex_);
   std::erase_if(comms_, [](const std::weak_ptr<CommGpu>& w) { return w.expired(); });
   comms_.push_back(comm);
-  if (lost_) comm->abortLocal();
+  if (lost_) {
+    comm->daemonGone.store(true, std::memory_order_release);
+    comm->abortLocal();
+  }
 }
 
 void SessionWatch::run() {
@@ -557,6 +599,10 @@ void SessionWatch::run() {
   }
   std::lock_guard lock(mutex_);
   lost_ = true;
+  // First without the communicators' locks: a submitter that waits under one for tandemd (waitRankRows) stops.
+  for (auto& w : comms_) {
+    if (auto c = w.lock()) c->daemonGone.store(true, std::memory_order_release);
+  }
   for (auto& w : comms_) {
     if (auto c = w.lock()) {
       std::lock_guard cl(c->mutex);

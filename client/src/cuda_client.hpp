@@ -4,10 +4,12 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -108,6 +110,9 @@ class CommGpu {
   bool capturedMoe() const { return !capturedMoe_.empty(); }
   // tandemd is gone: releases every wait of this rank's streams and kernels.
   void abortLocal();
+  // tandemd is gone: set by the session's watcher before it takes `mutex` for abortLocal, so that a host wait under
+  // `mutex` (waitRankRows) ends instead of holding the watcher off.
+  std::atomic<bool> daemonGone{false};
   // The fused ops this rank launches itself run `key` with `plan`: executor client, the plan table's entry tandemd
   // sent with the join or a trial plan of tandemctl tune/advise; executor daemon, a trial plan for a one-rank
   // communicator's fused GEMMs (tandemd applies its table to what it runs). Under `mutex`.
@@ -117,6 +122,11 @@ class CommGpu {
   uint64_t epoch = 0;  // ops submitted on this communicator by this rank (captured ops are not submitted)
 
  private:
+  // Executor client, an op whose launch needs every rank's rows (GpuOp::needsRankRows): waits until tandemd published
+  // them for op `epoch` (once every rank submitted it). nullopt when the communicator was aborted meanwhile or tandemd
+  // is gone (the op's status says why; its kernels are skipped). Throws Error(kTimeout) past TANDEM_OP_TIMEOUT_MS.
+  std::optional<std::array<uint64_t, kernels::kPageRanks>> waitRankRows(const OpDescriptor& d, uint64_t epoch) const;
+
   int device_;
   Mode mode_;
   // Declared in creation order, so destroyed in reverse: the strategy, then the registration, then the mapping.

@@ -20,6 +20,7 @@ std::string whyNotReplayable(OpKind kind) {
   if (knownOp(kind) && !opSpec(kind).cudaPending.empty()) {
     return fmt::format("the cuda backend has no GPU implementation of it ({})", opSpec(kind).cudaPending);
   }
+  if (knownOp(kind) && !opSpec(kind).replayPending.empty()) return std::string(opSpec(kind).replayPending);
   return "its kernels take their epoch from the host (no device-epoch path yet)";
 }
 

@@ -1,9 +1,11 @@
 // Ring attention's backward on the cuda backend end to end: real rank processes run tandem_ring_attention_backward
-// through libtandem on one tandemd, and dq, dk and dv are checked against the fp64 reference (common/reference.hpp).
-// The daemon executor (MPS) runs it at 1, 2 and 4 ranks (one rank per GPU, as many as there are): causal and not,
-// both layouts, bf16 and fp16, head_dim 64 and 128, shards that are not tile multiples and differ per rank, a rank
-// with no rows, scale 0 and a custom one, grouped-query attention; the gradients must repeat bit for bit over 10 runs
-// and never hold a NaN. The client executor refuses it, quoting why (GpuOp::clientPending).
+// through libtandem on one tandemd, and dq, dk and dv are checked against the fp64 reference (common/reference.hpp):
+// causal and not, both layouts, bf16 and fp16, head_dim 64 and 128, shards that are not tile multiples and differ per
+// rank, a rank with no rows, scale 0 and a custom one, grouped-query attention; the gradients must repeat bit for bit
+// over 10 runs and never hold a NaN. The client executor runs it at 1, 2 and 4 ranks (ranks share GPUs where there
+// are fewer), and refuses its capture into a CUDA graph on several ranks, saying why. The daemon executor (MPS) runs
+// it at 1, 2 and 4 ranks (one rank per GPU, as many as there are), and gives the client executor's bits exactly.
+#include <fstream>
 #include <sstream>
 #include <vector>
 
@@ -94,9 +96,24 @@ tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t st
   return tandem_ring_attention_backward(comm, &a, op);
 }
 
+// FNV-1a over every output's bytes: what a rank reports of a case, for the comparison across executors.
+uint64_t hashOutputs(const std::vector<std::vector<std::byte>>& outputs) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& o : outputs) {
+    for (std::byte b : o) {
+      h ^= static_cast<uint64_t>(b);
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+// Runs every case (checked against the reference, repeats bitwise). `hashFile` not empty: writes one line per case
+// with the hash of its outputs there.
 std::string backwardRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
-                         const std::vector<BwdCase>& cases) {
+                         const std::vector<BwdCase>& cases, const std::string& hashFile = {}) {
   Joined j(socket, id, nranks, rank);
+  std::string hashes;
   for (std::size_t i = 0; i < cases.size(); ++i) {
     const std::string what = describe(cases[i], nranks);
     RankBuffers rc(j.s, descriptorsOf(cases[i], nranks), rank, 7000 + i);
@@ -107,6 +124,7 @@ std::string backwardRank(const std::string& socket, const tandem_unique_id_t& id
     if (std::string e = finishOp(j.stream, op); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
     rc.download();
     const auto first = rc.outputBytes();
+    hashes += fmt::format("{:016x}\n", hashOutputs(first));
     if (std::string e = rc.compare(); !e.empty()) return fmt::format("FAIL {}: {}", what, e);
     for (int rep = 1; rep < cases[i].repeats; ++rep) {
       rc.poison(j.stream);
@@ -118,24 +136,41 @@ std::string backwardRank(const std::string& socket, const tandem_unique_id_t& id
       if (rc.outputBytes() != first) return fmt::format("FAIL {}: run {} differs from run 0 (must be bitwise)", what, rep);
     }
   }
+  if (!hashFile.empty()) {
+    std::ofstream out(hashFile);
+    out << hashes;
+    if (!out) return "FAIL: cannot write " + hashFile;
+  }
   return "OK";
 }
 
-// The client executor refuses the op before it reaches the GPU, quoting why; nothing is written.
-std::string refusedRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank) {
+// Executor client, several ranks: capturing the op into a CUDA graph is refused before submission, saying why (its
+// launch needs every rank's seq from tandemd, which a replay never meets); nothing is written, and the communicator
+// still runs the op eagerly afterwards.
+std::string captureRefusedRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks,
+                               uint32_t rank) {
   Joined j(socket, id, nranks, rank);
   const BwdCase c{DType::kBF16, 2, 128, {100, 60}, true, false, 0.0f};
-  RankBuffers rc(j.s, descriptorsOf(c, nranks), rank, 7100, false);
+  RankBuffers rc(j.s, descriptorsOf(c, nranks), rank, 7100);
   tandem_op_t op;
-  if (submit(rc, j.comm, j.stream, &op) == TANDEM_SUCCESS) return "FAIL: the client executor accepted the op";
-  const std::string e = tandem_last_error();
-  if (e.find("client executor is not built yet") == std::string::npos ||
-      e.find("daemon executor runs it") == std::string::npos) {
+  CK(cudaStreamBeginCapture(j.stream, cudaStreamCaptureModeRelaxed));
+  const tandem_status_t captured = submit(rc, j.comm, j.stream, &op);
+  const std::string e = captured == TANDEM_SUCCESS ? std::string() : tandem_last_error();
+  cudaGraph_t graph = nullptr;
+  CK(cudaStreamEndCapture(j.stream, &graph));
+  if (graph != nullptr) CK(cudaGraphDestroy(graph));
+  if (captured != TANDEM_ERROR_UNSUPPORTED) return "FAIL: the capture was not refused as unsupported";
+  if (e.find("CUDA graph") == std::string::npos || e.find("every rank's seq") == std::string::npos) {
     return "FAIL: the refusal does not say why: " + e;
   }
   CK(cudaStreamSynchronize(j.stream));
   rc.download();
   if (std::string w = rc.untouched(); !w.empty()) return "FAIL: a refused op wrote its outputs: " + w;
+  if (submit(rc, j.comm, j.stream, &op) != TANDEM_SUCCESS) return fmt::format("FAIL: eager submit after: {}",
+                                                                            tandem_last_error());
+  if (std::string f = finishOp(j.stream, op); !f.empty()) return "FAIL: eager run after: " + f;
+  rc.download();
+  if (std::string f = rc.compare(); !f.empty()) return "FAIL: eager run after: " + f;
   return "OK";
 }
 
@@ -165,30 +200,66 @@ std::string listCases(const std::vector<BwdCase>& cases, uint32_t n) {
 
 }  // namespace
 
-TEST_CASE("ring attention backward, client executor: refused with the reason, nothing written") {
+TEST_CASE("ring attention backward, client executor: matches the fp64 reference at 1, 2 and 4 ranks, 10 runs "
+          "bitwise") {
   Daemon d(config("client"), {}, "");
   REQUIRE(status(d)["executor"] == "client");
-  for (uint32_t n : {1u, 2u}) {
-    CAPTURE(n);
-    runRankProcesses(d, n, 60000, [&](const tandem_unique_id_t& id, uint32_t r) {
-      return refusedRank(d.socket(), id, n, r);
-    });
-  }
-}
-
-// Under MPS tandemd refuses two ranks on one GPU with the daemon executor, so one GPU runs 1 rank here; every GPU
-// count above 1 runs as many ranks as GPUs, doubling (1, 2, 4).
-TEST_CASE("ring attention backward, daemon executor (MPS): matches the fp64 reference, 10 runs bitwise" *
-          doctest::test_suite(kNeedsMps)) {
-  if (skipWithoutMps()) return;
-  Daemon d(config("daemon"), {}, "");
-  REQUIRE(status(d)["executor"] == "daemon");
-  for (uint32_t n = 1; n <= static_cast<uint32_t>(gpuCount()); n *= 2) {
+  for (uint32_t n : {1u, 2u, 4u}) {
     CAPTURE(n);
     const auto cases = casesFor(n);
     MESSAGE(n << " rank(s) on " << gpuCount() << " GPU(s):" << listCases(cases, n));
     runRankProcesses(d, n, 240000, [&](const tandem_unique_id_t& id, uint32_t r) {
       return backwardRank(d.socket(), id, n, r, cases);
     });
+  }
+}
+
+TEST_CASE("ring attention backward, client executor: a CUDA graph capture on 2 ranks is refused with the reason") {
+  Daemon d(config("client"), {}, "");
+  REQUIRE(status(d)["executor"] == "client");
+  runRankProcesses(d, 2, 60000, [&](const tandem_unique_id_t& id, uint32_t r) {
+    return captureRefusedRank(d.socket(), id, 2, r);
+  });
+}
+
+// Under MPS tandemd refuses two ranks on one GPU with the daemon executor, so one GPU runs 1 rank here; every GPU
+// count above 1 runs as many ranks as GPUs, doubling (1, 2, 4). The client executor runs the same cases on the same
+// ranks first: every rank's outputs must hash alike under both executors (the same pairs, the same sums).
+TEST_CASE("ring attention backward, daemon executor (MPS): matches the fp64 reference, 10 runs bitwise, the client "
+          "executor's bits" * doctest::test_suite(kNeedsMps)) {
+  if (skipWithoutMps()) return;
+  tandem::testing::TempDir hashes;
+  const auto hashFile = [&](const char* executor, uint32_t n, uint32_t r) {
+    return (hashes.path() / fmt::format("{}-{}-{}", executor, n, r)).string();
+  };
+  const auto run = [&](const char* executor) {
+    Daemon d(config(executor), {}, "");
+    REQUIRE(status(d)["executor"] == executor);
+    for (uint32_t n = 1; n <= static_cast<uint32_t>(gpuCount()); n *= 2) {
+      CAPTURE(executor);
+      CAPTURE(n);
+      const auto cases = casesFor(n);
+      MESSAGE(executor << ": " << n << " rank(s) on " << gpuCount() << " GPU(s):" << listCases(cases, n));
+      runRankProcesses(d, n, 240000, [&](const tandem_unique_id_t& id, uint32_t r) {
+        return backwardRank(d.socket(), id, n, r, cases, hashFile(executor, n, r));
+      });
+    }
+  };
+  run("client");
+  run("daemon");
+  const auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream all;
+    all << in.rdbuf();
+    return all.str();
+  };
+  for (uint32_t n = 1; n <= static_cast<uint32_t>(gpuCount()); n *= 2) {
+    for (uint32_t r = 0; r < n; ++r) {
+      CAPTURE(n);
+      CAPTURE(r);
+      const std::string client = read(hashFile("client", n, r)), daemon = read(hashFile("daemon", n, r));
+      CHECK(!client.empty());
+      CHECK(client == daemon);  // one line per case: the case's outputs hashed
+    }
   }
 }

@@ -349,8 +349,8 @@ def section_cp(comm):
     n, bf16 = comm.world_size, torch.bfloat16
     pending = tandem._capi.OPS["ring_attention_backward"].get("cuda_pending", "")
     if pending:
-        # The cuda backend does not run the backward yet (the op table says why): the forward runs, and the
-        # backward is refused with that reason before anything is submitted. The full checks below run once it lands.
+        # The op table says the cuda backend does not run the backward (both executors do now; the branch keeps the
+        # section honest should that change): the forward runs, and the backward is refused with that reason.
         x = torch.randn((40, 4, 64), dtype=bf16, device=comm.device, requires_grad=True)
         out = tandem.nn.functional.ring_attention(x, x, x, comm, causal=True)
         comm.synchronize()

@@ -438,9 +438,13 @@ TANDEM_API tandem_status_t tandem_ring_attention(tandem_comm_t comm, const tande
  * group of query heads). Every tensor is this rank's rows; lse is [heads, seq] fp32, as the forward wrote it
  * (pass the forward's o and lse unchanged: the gradients are computed from them). The sums run in a fixed
  * order, so the results repeat bit for bit. seq may be 0 on a rank.
- * cuda backend (ranks on one node, daemon executor only so far: with the client executor it is refused, saying
- * why): bf16 or fp16, head_dim 64 or 128, 16-byte aligned tensors; each rank's gradients sum the attention
- * backward core over every chunk pair in fp32 and are rounded once. Across nodes: cpu backend only. */
+ * cuda backend (ranks on one node, both executors, with the same bits): bf16 or fp16, head_dim 64 or 128,
+ * 16-byte aligned tensors; each rank's gradients sum the attention backward core over every chunk pair in fp32
+ * and are rounded once. With the client executor the call returns once tandemd has seen every rank submit the
+ * op (each rank's launch needs every rank's seq), and each rank's q, k, v, o, dout and lse are copied into its
+ * communicator workspace for its peers (a larger seq than it holds is refused, naming the workspace_bytes to
+ * declare); it cannot be captured into a CUDA graph on several ranks (TANDEM_ERROR_UNSUPPORTED, saying why).
+ * Across nodes: cpu backend only. */
 typedef struct tandem_ring_attention_backward_args {
   size_t struct_size;
   tandem_dtype_t dtype;

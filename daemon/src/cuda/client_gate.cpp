@@ -1,5 +1,8 @@
 #include "cuda/client_gate.hpp"
 
+#include <array>
+#include <span>
+
 #include "tandem/common/op_spec.hpp"
 #include "tandem/kernels/fused_ops.hpp"
 #include "tandem/kernels/gpu_ops.hpp"
@@ -23,6 +26,14 @@ NodeComm::Release ClientGateComm::release(const std::shared_ptr<Gang>& g) {
                                  "reaches it, so the communicator was aborted",
                                  opKindName(g->kind), g->epoch, g->c.error));
     return Release::kAborted;
+  }
+  if (op != nullptr && op->needsRankRows && !g->rejected) {
+    // Each rank's launch needs every rank's rows on its host (ring attention's backward): libtandem's host waits for
+    // them after submitting the op. The op needs no gang-ready, so they go out once every rank submitted it (and the
+    // ops before it were released), before the verdict.
+    std::array<uint64_t, kernels::kPageRanks> rows{};
+    for (uint32_t r = 0; r < nranks() && r < rows.size(); ++r) rows[r] = g->c.ops[r].desc.dims[dim::kSeq];
+    for (uint32_t r = 0; r < nranks(); ++r) page(r).publishRankRows(g->epoch, std::span(rows.data(), nranks()));
   }
   for (uint32_t r = 0; r < nranks(); ++r) page(r).publishVerdict(g->epoch, !g->rejected);
   return Release::kReleased;

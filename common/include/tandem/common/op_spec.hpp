@@ -161,6 +161,9 @@ struct OpSpec {
   // cuda backend's refusal quotes it, and the CUDA builds' "every op" test accepts a missing gpu_ops.cpp entry only
   // for such an op. Empty: the cuda backend must run it.
   std::string_view cudaPending;
+  // Non-empty: why it cannot be captured into a CUDA graph on a multi-rank communicator of the cuda backend's client
+  // executor, although that executor runs it eagerly (captureRefusal quotes it). Empty: see graphReplayableOps.
+  std::string_view replayPending;
 };
 
 // Every op, in OpKind order (kAgGemm first). ops()[i].kind == OpKind(i + 1).

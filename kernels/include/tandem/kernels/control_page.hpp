@@ -14,9 +14,11 @@
 // e_last + kStreamAbortLead, which is "greater" than every pending epoch; kernels check the 64-bit abort word.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "tandem/common/fd.hpp"
@@ -27,6 +29,7 @@ namespace tandem::kernels {
 inline constexpr uint32_t kVerdictRing = 4096;                   // verdict entries per rank (power of two)
 inline constexpr uint64_t kVerdictRejected = uint64_t{1} << 62;  // verdict = e | kVerdictRejected: skip op e
 inline constexpr uint32_t kStreamAbortLead = 1u << 30;
+inline constexpr uint32_t kPageRanks = 8;  // rank counts the page carries: kMaxLocalRanks (allgather.hpp includes this)
 
 // ---- the layout -------------------------------------------------------------------------------------------------
 struct alignas(128) StreamWord {
@@ -53,8 +56,15 @@ struct alignas(128) CommControl {
   // [e % kVerdictRing]: op e's data error, if it had one (written by its kernels, read by tandemd when e completes).
   // tandemd keeps a rank's undecided-or-unfinished ops within half the ring, so an entry is never reused while read.
   OpFault faults[kVerdictRing];
+  // Client executor, an op whose launch needs every rank's row count on the host (GpuOp::needsRankRows: ring
+  // attention's backward): tandemd writes each rank's rows of op `rankRowsEpoch` when it decides the op, before its
+  // verdict; libtandem's host waits for them after submitting the op and before launching it. One op at a time:
+  // tandemd writes op e's once every rank submitted e, and this rank submits nothing after e before it read them.
+  uint64_t rankRows[kPageRanks];
+  uint64_t rankRowsEpoch;  // written last, with release
+  uint8_t pad2[56];
 };
-static_assert(sizeof(CommControl) == 640 + (8 + sizeof(OpFault)) * kVerdictRing);
+static_assert(sizeof(CommControl) == 640 + (8 + sizeof(OpFault)) * kVerdictRing + 128);
 static_assert(offsetof(CommControl, error) == 512, "the replay fault moved the words after it");
 inline constexpr uint64_t kControlBytes = (sizeof(CommControl) + 4095) & ~uint64_t{4095};
 
@@ -89,8 +99,14 @@ class ControlPage {
   void publishVerdict(uint64_t epoch, bool run) noexcept;
   /// tandemd ran op `epoch` itself (host-staged): done = epoch.
   void publishDone(uint64_t epoch) noexcept;
+  /// Client executor: every rank's rows of op `epoch` (rows[r]: rank r's; at most kPageRanks), before its verdict.
+  void publishRankRows(uint64_t epoch, std::span<const uint64_t> rows) noexcept;
+  /// libtandem: the rows tandemd published for op `epoch` (its first nranks entries), once it has; nullopt before.
+  std::optional<std::array<uint64_t, kPageRanks>> rankRows(uint64_t epoch) const noexcept;
 
   // ---- abort ----
+  /// Whether the abort word is set (tandemd aborted the communicator, or libtandem saw tandemd go).
+  bool aborted() const noexcept;
   /// Every kernel wait of the rank sees the abort word and unwinds (its stream waits are left alone).
   void abortKernels() noexcept;
   /// Releases every wait of the rank for good: the abort word, then go and done jump to `lastEpoch` +

@@ -25,6 +25,9 @@ struct GpuLaunch {
   const PlanChoice& plan;      // the fused GEMMs' plan (kAuto: the kernels' own rules); ignored by the others
   bool readVerdict;            // executor client: the kernels read tandemd's verdict and skip a rejected op
   bool replayed = false;       // captured into a CUDA graph: no tandemd completion (MoE reports into the replay fault)
+  /// Executor client, an op whose entry sets needsRankRows: every rank's rows of this op (rankRows[r]: rank r's), as
+  /// tandemd published them on the control page. Empty otherwise.
+  std::span<const uint64_t> rankRows = {};
 };
 
 /// How tandemd's daemon executor runs an op once every rank released it.
@@ -57,6 +60,14 @@ struct GpuOp {
   /// Executor client: why it does not run this op yet (null: it does). executorOps(kClient) leaves the op out and
   /// executorRefusal quotes this; the daemon executor still runs it through its entry.
   const char* clientPending = nullptr;
+  /// Executor client: its launch needs every rank's row count (dims[kSeq]) on the host, which libtandem learns only from
+  /// tandemd: tandemd publishes them on each rank's control page when it decides the op (ControlPage::rankRows), and
+  /// libtandem waits for them between submitting the op and launching it (GpuLaunch::rankRows). Such an op cannot be
+  /// captured into a CUDA graph (a replay has no tandemd step): its OpSpec::replayPending says so.
+  bool needsRankRows = false;
+  /// Executor client: rules its launch adds to `check` (ring attention's backward stages its inputs in the workspace).
+  /// Null: none.
+  void (*checkClient)(const OpDescriptor&, const DevicePointers&, const FusedEnv&) = nullptr;
 };
 
 /// Loads every entry's kernels on `device` (each preload once), as an executor must before any op.

@@ -66,6 +66,9 @@ std::string launchRingAttentionMapped(std::span<const OpDescriptor> descs, std::
 void preloadRingAttentionKernels(int device);
 
 // ---- ring_attention.cu (nvcc) -------------------------------------------------------------------------------------
+// Step 4's handshake, also the barrier ring attention's backward runs after staging its inputs (with its own words):
+// each peer q's word for this rank is set to the epoch (after a system fence over the stream's earlier work), then
+// this rank waits until every peer has set its word here.
 struct RingFinishParams {
   uint64_t* peerDone[kMaxLocalRanks];       // [q]: &flags(q).done[rank] in this address space (q != rank)
   const uint64_t* myDone[kMaxLocalRanks];   // [q]: &flags(rank).done[q]
