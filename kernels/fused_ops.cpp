@@ -183,11 +183,7 @@ std::string launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint
   }
   const AgGemmPlanChoice plan = kernels::launchAgGemm(p, s);  // plan 0: the launcher chooses
   std::string name = agGemmPlanName(plan.plan);
-  if (plan.plan != AgGemmPlan::kFused && agGemmOnLayoutsCore(p)) {
-    name += fmt::format(" ({} on the layouts core)", gemmLayoutName(gemmOperandsOf(d.flags)));
-  } else if (plan.plan == AgGemmPlan::kFused && p.layout == GemmLayout::kAB) {
-    name += " (NN: the weight loaded MN-major)";
-  }
+  if (agGemmOnLayoutsCore(p)) name += fmt::format(" ({} on the layouts core)", gemmLayoutName(gemmOperandsOf(d.flags)));
   if (p.fp8.enabled != 0) {
     name += plan.plan == AgGemmPlan::kDecomposed
                 ? fmt::format(" ({} all-gather CTAs for the fp8 rows and their scales, then the FP8 core)", plan.commSms)
@@ -354,12 +350,12 @@ bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind
 // 32 at N = 8192 on 132 SMs) and measured 0.6x of cuBLASLt + NCCL; the layouts core's swap-AB tiles put the weight's N
 // on the 128-row side and split K to fill the SMs, so its GEMM then the collective (a few microseconds of data at
 // these sizes) is taken. A plan table entry that names the fused plan keeps it (tandemctl tune measured it faster).
-// The other layouts: TN (wgrad) always, since the fused kernels load A K-major only (NN, the dgrad, is fused: the
-// kernels load its weight [k, n] MN-major).
+// The other layouts: TN (wgrad) always, since the fused kernels load A K-major only; NN (dgrad) on ag-gemm, whose
+// fused producer loads the weight K-major only (gemm-rs and gemm-ar's fused kernel loads it MN-major).
 bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan) {
   if (isFp8(d.dtype)) return false;  // FP8 operands run on the FP8 core (NT only)
   const GemmOperands layout = gemmOperandsOf(d.flags);
-  if (layout == GemmOperands::kTN) return true;
+  if (layout == GemmOperands::kTN || (layout == GemmOperands::kNN && d.kind == OpKind::kAgGemm)) return true;
   return d.dims[dim::kM] <= kFusedSmallM && plan.kind != PlanKind::kFused;
 }
 

@@ -114,7 +114,7 @@ __device__ __forceinline__ bool waitRows(const AgGemmKernelParams& kp, int32_t r
 // gathered buffer. After a failed wait (abort / deadline, already reported) it stops waiting and keeps the pipeline
 // fed, so the consumers finish and the kernel unwinds; C is then garbage and the error slot says why.
 // ---------------------------------------------------------------------------------------------------------------
-template <int Stages, bool BMn, class Order>
+template <int Stages, class Order>
 __device__ __forceinline__ void runAgProducer(const AgGemmKernelParams& kp, gemm::SharedStorage<Stages>& s,
                                               const Order& order, int32_t firstWork, int32_t workStride,
                                               WaitCtx& ctx) {
@@ -137,15 +137,15 @@ __device__ __forceinline__ void runAgProducer(const AgGemmKernelParams& kp, gemm
       mbarArriveExpectTx(&s.full[ps.stage], kABytes + kBBytes);
       const int32_t k0 = kb * kBlockK;
       tmaLoad2d(mapA, s.a[ps.stage], &s.full[ps.stage], k0, aRow);
-      tmaLoadB<BMn>(&p.tmB, s.b[ps.stage], &s.full[ps.stage], k0, n0);
+      tmaLoad2d(&p.tmB, s.b[ps.stage], &s.full[ps.stage], k0, n0);
       ps.advance();
     }
   }
 }
 
 // A compute CTA: the core's runGemmCta glue (ClusterM = 1) with the producer above. computeId / numCompute: this
-// CTA's index among the compute CTAs. BMn: B is stored [k, n] (the NN layout's weight, MN-major in shared memory).
-template <class T, bool BMn>
+// CTA's index among the compute CTAs.
+template <class T>
 __device__ __forceinline__ void runCompute(const AgGemmKernelParams& kp, uint8_t* smemRaw, const SegmentedOrder& order,
                                            int32_t computeId, int32_t numCompute, uint64_t startNs) {
   using namespace gemm;
@@ -166,13 +166,12 @@ __device__ __forceinline__ void runCompute(const AgGemmKernelParams& kp, uint8_t
       setMaxNRegDec<kProducerRegs>();
       if (t == 0) {
         WaitCtx ctx = makeWaitCtx(kp, tandem::kernels::Role::kCompute, startNs);
-        runAgProducer<kStages, BMn>(kp, s, order, computeId, numCompute, ctx);
+        runAgProducer<kStages>(kp, s, order, computeId, numCompute, ctx);
       }
       break;
     case gemm::Role::kConsumer:
       setMaxNRegInc<kConsumerRegs>();
-      runConsumer<T, kStages, 1, Epilogue::kTmaStore, SegmentedOrder, NoEpiHook, BMn>(kp.g, s, order, computeId,
-                                                                                      numCompute, 0u, wg - 1, t);
+      runConsumer<T, kStages, 1, Epilogue::kTmaStore>(kp.g, s, order, computeId, numCompute, 0u, wg - 1, t);
       break;
   }
 }

@@ -153,8 +153,9 @@ TEST_CASE("fused ops: NN and TN are accepted; TN's stored [k, m] A needs 16-byte
     CAPTURE(tandem::opKindName(kind));
     for (GemmOperands l : {GemmOperands::kNN, GemmOperands::kTN}) {
       CHECK(refusal(withLayout(gemmDesc(kind, 1008, 1024, 512, 2), l), ptrs, env, nullptr).empty());
-      // TN always runs on the layouts core; NN is fused (the weight loaded MN-major).
-      CHECK(k::fusedGemmOnLayoutsCore(withLayout(gemmDesc(kind, 4096, 1024, 512, 2), l)) == (l == GemmOperands::kTN));
+      // TN always runs on the layouts core; NN only on ag-gemm (gemm-rs / gemm-ar fuse it, weight MN-major).
+      CHECK(k::fusedGemmOnLayoutsCore(withLayout(gemmDesc(kind, 4096, 1024, 512, 2), l)) ==
+            (l == GemmOperands::kTN || kind == OpKind::kAgGemm));
     }
     // NN keeps A [m, k]: any m. TN stores A [k, m]: m (ag-gemm: every rank's rows) a multiple of 8.
     CHECK(refusal(withLayout(gemmDesc(kind, 1001, 1024, 512, 2), GemmOperands::kNN), ptrs, env, nullptr).empty());

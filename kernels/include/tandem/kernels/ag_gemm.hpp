@@ -178,8 +178,7 @@ struct AgGemmParams {
   //   after another in rank order as stored (rank r's [k, rows_r] block at element offset agRowOffset(m, r) * k).
   GemmLayout layout;
   // 1: the GEMM runs on the layouts core (gemm_layouts.hpp: swap-AB small-M path, deterministic split-K) after the
-  // whole gather (the decomposed plan at nranks > 1; plan must be 0 or 2). kAtB always does; kAB takes the fused plan
-  // too (its weight loaded MN-major) and the layouts core in the local and decomposed plans.
+  // whole gather (the decomposed plan at nranks > 1; plan must be 0 or 2). Layouts other than kABt always do.
   int32_t layoutsCore;
   // The layouts core's split-K scratch (GemmLayoutParams::workspace: zeroed once, left zeroed by every launch; this
   // rank's stream only). Null: no K splits.
@@ -203,16 +202,9 @@ struct AgGemmParams {
 // garbage and errorSlot says which flag and which role.
 AgGemmPlanChoice launchAgGemm(const AgGemmParams& params, cudaStream_t stream);
 
-// Whether the local and decomposed plans run their GEMM on the layouts core for these params (the forward core's own
-// GEMM multiplies in kABt only).
+// Whether launchAgGemm runs the GEMM on the layouts core for these params.
 constexpr bool agGemmOnLayoutsCore(const AgGemmParams& p) {
   return p.fp8.enabled == 0 && (p.layout != GemmLayout::kABt || p.layoutsCore != 0);
-}
-
-// Whether the fused plan takes these params: its core loads A [m, k] K-major (waiting per gathered chunk) and B either
-// way (kABt's [n, k], kAB's [k, n] MN-major).
-constexpr bool agGemmFusedTakes(const AgGemmParams& p) {
-  return p.fp8.enabled == 0 && p.layout != GemmLayout::kAtB && p.layoutsCore == 0;
 }
 
 // What launchAgGemm would run for these params (resolving plan 0 and commSms 0), without launching.
