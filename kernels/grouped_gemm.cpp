@@ -14,6 +14,7 @@
 #include "tandem/kernels/driver.hpp"
 #include "grouped_gemm_desc.hpp"
 #include "grouped_gemm_swap_desc.hpp"
+#include "prepare_once.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
 #include "tandem/kernels/grouped_gemm_plan.hpp"
@@ -71,43 +72,11 @@ CUtensorMap tensorMap(const TensorMapKey& k) {
   return map;
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Per (device, variant): sm_90 checked, smem limit raised and the kernel loaded once; the SM count read once.
-// ---------------------------------------------------------------------------------------------------------------
-struct DeviceInfo {
-  int device = -1;
-  uint32_t variant = 0;
-  int numSms = 0;
-};
-
+// Loaded once per (device, variant): prepare_once.hpp.
 int prepare(int device, GroupedGemmVariant v) {
-  static std::mutex mu;
-  static std::array<DeviceInfo, 64> table{};
-  static size_t used = 0;
   const uint32_t variant =
       (static_cast<uint32_t>(v.dtype) * 2 + static_cast<uint32_t>(v.epi)) * 2 + (v.layout == GemmLayout::kAB ? 1 : 0);
-  std::lock_guard<std::mutex> lock(mu);
-  for (size_t i = 0; i < used; ++i) {
-    if (table[i].device == device && table[i].variant == variant) return table[i].numSms;
-  }
-  DeviceInfo info;
-  info.device = device;
-  info.variant = variant;
-  checkCuda(cudaDeviceGetAttribute(&info.numSms, cudaDevAttrMultiProcessorCount, device),
-            "cudaDeviceGetAttribute(MultiProcessorCount)");
-  int major = 0;
-  int minor = 0;
-  checkCuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-  checkCuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
-  if (major != 9 || minor != 0) {
-    fail(ErrorCode::kCuda,
-         "grouped gemm: needs an sm_90 (Hopper) GPU: the kernels use wgmma and TMA; device {} is sm_{}{}. Run on an "
-         "H100/H200",
-         device, major, minor);
-  }
-  checkCuda(groupedGemmPrepare(v), "loading the grouped GEMM kernel (cudaFuncSetAttribute)");
-  if (used < table.size()) table[used++] = info;
-  return info.numSms;
+  return prepareOnce("grouped gemm", device, variant, [&] { return groupedGemmPrepare(v); });
 }
 
 }  // namespace

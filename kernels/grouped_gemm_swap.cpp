@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "grouped_gemm_swap_desc.hpp"
+#include "prepare_once.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
@@ -81,41 +82,11 @@ CUtensorMap swigluWeightMap(const GroupedGemmParams& g) {
   return map;
 }
 
-// Per (device, variant): sm_90 checked, smem limit raised and the kernel loaded once; the SM count read once.
-struct DeviceInfo {
-  int device = -1;
-  uint32_t variant = 0;
-  int numSms = 0;
-};
-
+// Loaded once per (device, variant): prepare_once.hpp.
 int prepare(int device, GemmDtype dtype, GroupedGemmEpilogue epi, int tileN) {
-  static std::mutex mu;
-  static std::array<DeviceInfo, 128> table{};
-  static size_t used = 0;
   const uint32_t variant = (static_cast<uint32_t>(dtype) * 2 + static_cast<uint32_t>(epi)) * 1024 +
                            static_cast<uint32_t>(tileN);
-  std::lock_guard<std::mutex> lock(mu);
-  for (size_t i = 0; i < used; ++i) {
-    if (table[i].device == device && table[i].variant == variant) return table[i].numSms;
-  }
-  DeviceInfo info;
-  info.device = device;
-  info.variant = variant;
-  checkCuda(cudaDeviceGetAttribute(&info.numSms, cudaDevAttrMultiProcessorCount, device),
-            "cudaDeviceGetAttribute(MultiProcessorCount)");
-  int major = 0;
-  int minor = 0;
-  checkCuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-  checkCuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
-  if (major != 9 || minor != 0) {
-    fail(ErrorCode::kCuda,
-         "grouped gemm: needs an sm_90 (Hopper) GPU: the kernels use wgmma and TMA; device {} is sm_{}{}. Run on an "
-         "H100/H200",
-         device, major, minor);
-  }
-  checkCuda(swapPrepare(dtype, epi, tileN), "loading the swap-AB grouped GEMM kernel (cudaFuncSetAttribute)");
-  if (used < table.size()) table[used++] = info;
-  return info.numSms;
+  return prepareOnce("grouped gemm (swap-AB)", device, variant, [&] { return swapPrepare(dtype, epi, tileN); });
 }
 
 }  // namespace

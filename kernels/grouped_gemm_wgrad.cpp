@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "grouped_gemm_wgrad_desc.hpp"
+#include "prepare_once.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/grouped_gemm_wgrad.hpp"
@@ -84,40 +85,10 @@ CUtensorMap outF32Map(const GroupedWgradParams& g) {
   return map;
 }
 
-// Per (device, variant): sm_90 checked, smem limit raised and the kernel loaded once; the SM count read once.
-struct DeviceInfo {
-  int device = -1;
-  uint32_t variant = 0;
-  int numSms = 0;
-};
-
+// Loaded once per (device, variant): prepare_once.hpp.
 int prepare(int device, WgradVariant v) {
-  static std::mutex mu;
-  static std::array<DeviceInfo, 64> table{};
-  static size_t used = 0;
   const uint32_t variant = static_cast<uint32_t>(v.dtype) * 2 + static_cast<uint32_t>(v.out);
-  std::lock_guard<std::mutex> lock(mu);
-  for (size_t i = 0; i < used; ++i) {
-    if (table[i].device == device && table[i].variant == variant) return table[i].numSms;
-  }
-  DeviceInfo info;
-  info.device = device;
-  info.variant = variant;
-  checkCuda(cudaDeviceGetAttribute(&info.numSms, cudaDevAttrMultiProcessorCount, device),
-            "cudaDeviceGetAttribute(MultiProcessorCount)");
-  int major = 0;
-  int minor = 0;
-  checkCuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-  checkCuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
-  if (major != 9 || minor != 0) {
-    fail(ErrorCode::kCuda,
-         "grouped wgrad: needs an sm_90 (Hopper) GPU: the kernels use wgmma and TMA; device {} is sm_{}{}. Run on an "
-         "H100/H200",
-         device, major, minor);
-  }
-  checkCuda(wgradPrepare(v), "loading the grouped wgrad kernel (cudaFuncSetAttribute)");
-  if (used < table.size()) table[used++] = info;
-  return info.numSms;
+  return prepareOnce("grouped wgrad", device, variant, [&] { return wgradPrepare(v); });
 }
 
 }  // namespace
