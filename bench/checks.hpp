@@ -6,11 +6,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
 
 #define CK(call)                                                                                     \
   do {                                                                                               \
@@ -71,6 +73,35 @@ inline void syncOrDie(cudaStream_t s, double seconds, const std::string& what) {
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
+}
+
+// Device-to-device copy bandwidth in GB/s, counting bytes read + written (1 GiB copied, median of 10 after 2 warm-ups):
+// the ceiling of a weight-streaming GEMM, measured in the same run as what it bounds.
+inline double copyBandwidthGBs(cudaStream_t s) {
+  const size_t bytes = size_t(1) << 30;
+  void *src, *dst;
+  CK(cudaMalloc(&src, bytes));
+  CK(cudaMalloc(&dst, bytes));
+  CK(cudaMemsetAsync(src, 1, bytes, s));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> t;
+  for (int i = 0; i < 12; ++i) {
+    CK(cudaEventRecord(e0, s));
+    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+    CK(cudaEventRecord(e1, s));
+    syncOrDie(s, 30, "copy");
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 2) t.push_back(ms);
+  }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaFree(src));
+  CK(cudaFree(dst));
+  std::sort(t.begin(), t.end());
+  return 2.0 * double(bytes) / (t[t.size() / 2] * 1e-3) / 1e9;
 }
 
 }  // namespace tandem::bench

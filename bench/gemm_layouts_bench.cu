@@ -37,6 +37,7 @@ namespace {
 using tandem::bench::fillUniform;
 using tandem::bench::refGemmStrided;
 using tandem::bench::relErrorKernel;
+using tandem::bench::copyBandwidthGBs;
 using tandem::bench::syncOrDie;
 using tandem::bench::toFloat;
 
@@ -321,30 +322,6 @@ Row runCase(const Case& c, GemmDtype dt, int iters, cublasLtHandle_t lt, void* o
   return row;
 }
 
-// Device-to-device copy bandwidth (bytes read + written per second), the ceiling of the decode rows.
-double copyBandwidthGBs(cudaStream_t s) {
-  const size_t bytes = size_t(1) << 30;
-  void *src, *dst;
-  CK(cudaMalloc(&src, bytes));
-  CK(cudaMalloc(&dst, bytes));
-  CK(cudaMemsetAsync(src, 1, bytes, s));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> t(10);
-  for (int i = 0; i < 12; ++i) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
-    CK(cudaEventRecord(e1, s));
-    syncOrDie(s, 30, "copy");
-    if (i >= 2) CK(cudaEventElapsedTime(&t[i - 2], e0, e1));
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaFree(src);
-  cudaFree(dst);
-  return 2.0 * double(bytes) / (median(t) * 1e-3) / 1e9;
-}
 
 }  // namespace
 

@@ -66,6 +66,7 @@ namespace {
 constexpr int kSets = 2;
 
 using tandem::bench::fillUniform;
+using tandem::bench::copyBandwidthGBs;
 using tandem::bench::syncOrDie;
 using tandem::bench::refGemmStrided;
 using tandem::bench::relErrorKernel;
@@ -623,30 +624,6 @@ Case decodeCase(int tokens) {
   return c;
 }
 
-// Device-to-device copy bandwidth (bytes read + written per second), the ceiling of a weight-streaming GEMM.
-double copyBandwidthGBs(cudaStream_t s) {
-  const size_t bytes = size_t(1) << 30;
-  void *src, *dst;
-  CK(cudaMalloc(&src, bytes));
-  CK(cudaMalloc(&dst, bytes));
-  CK(cudaMemsetAsync(src, 1, bytes, s));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> t(10);
-  for (int i = 0; i < 12; ++i) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
-    CK(cudaEventRecord(e1, s));
-    syncOrDie(s, 30, "copy");
-    if (i >= 2) CK(cudaEventElapsedTime(&t[size_t(i - 2)], e0, e1));
-  }
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  CK(cudaFree(src));
-  CK(cudaFree(dst));
-  return 2.0 * double(bytes) / (median(t) * 1e-3) / 1e9;
-}
 
 // Bytes of the routed experts' weights for `op`, each read once.
 double weightBytes(Op op, const Case& c) {
