@@ -14,7 +14,7 @@
 #include "tandem/kernels/driver.hpp"
 #include "grouped_gemm_desc.hpp"
 #include "grouped_gemm_swap_desc.hpp"
-#include "prepare_once.hpp"
+#include "launch_support.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
 #include "tandem/kernels/grouped_gemm_plan.hpp"
@@ -30,11 +30,7 @@ constexpr int kEpiBox = 64;          // gemm::kEpiCols and gemm::kRowsPerConsume
 constexpr int32_t kDefaultGroupM = 16;
 constexpr int64_t kMax32 = 0x7fffffff;
 
-void checkCuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    fail(ErrorCode::kCuda, "grouped gemm: {} failed [-> {}: {}]", what, cudaGetErrorName(e), cudaGetErrorString(e));
-  }
-}
+void checkCuda(cudaError_t e, const char* what) { checkCudaFor("grouped gemm", e, what); }
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -57,22 +53,10 @@ bool overlaps(const void* a, uint64_t na, const void* b, uint64_t nb) {
 
 // Tensor maps (tensor_map_cache.hpp): 2-byte elements, 128-byte swizzle, up to 4 dims (innermost first).
 CUtensorMap tensorMap(const TensorMapKey& k) {
-  static TensorMapCache cache;
-  CUtensorMap map;
-  CUresult r = CUDA_SUCCESS;
-  try {
-    r = cache.get(k, &map);
-  } catch (const std::runtime_error& e) {
-    fail(ErrorCode::kCuda, "grouped gemm: {}", e.what());
-  }
-  if (r != CUDA_SUCCESS) {
-    fail(ErrorCode::kCuda, "grouped gemm: cuTensorMapEncodeTiled failed for a {}-d tensor of {}x{}x{}x{} [-> CUresult {}]",
-         k.rank, k.dims[0], k.dims[1], k.dims[2], k.dims[3], static_cast<int>(r));
-  }
-  return map;
+  return cachedTensorMap("grouped gemm", k);
 }
 
-// Loaded once per (device, variant): prepare_once.hpp.
+// Loaded once per (device, variant): launch_support.hpp.
 int prepare(int device, GroupedGemmVariant v) {
   const uint32_t variant =
       (static_cast<uint32_t>(v.dtype) * 2 + static_cast<uint32_t>(v.epi)) * 2 + (v.layout == GemmLayout::kAB ? 1 : 0);

@@ -12,7 +12,7 @@
 #include <stdexcept>
 
 #include "grouped_gemm_swap_desc.hpp"
-#include "prepare_once.hpp"
+#include "launch_support.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
@@ -25,32 +25,14 @@ constexpr uint32_t kBoxK = 64;  // gemm_layouts::kBlockK
 constexpr int64_t kMax32 = 0x7fffffff;
 constexpr int kTileWidths[] = {16, 64, 128};
 
-void checkCuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    fail(ErrorCode::kCuda, "grouped gemm (swap-AB): {} failed [-> {}: {}]", what, cudaGetErrorName(e),
-         cudaGetErrorString(e));
-  }
-}
+void checkCuda(cudaError_t e, const char* what) { checkCudaFor("grouped gemm (swap-AB)", e, what); }
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 uint64_t u64(int64_t v) { return static_cast<uint64_t>(v); }
 
 // 2D and 3D maps through the shared cache (tensor_map_cache.hpp).
 CUtensorMap cachedMap(const TensorMapKey& k) {
-  static TensorMapCache cache;
-  CUtensorMap map;
-  CUresult r = CUDA_SUCCESS;
-  try {
-    r = cache.get(k, &map);
-  } catch (const std::runtime_error& e) {
-    fail(ErrorCode::kCuda, "grouped gemm (swap-AB): {}", e.what());
-  }
-  if (r != CUDA_SUCCESS) {
-    fail(ErrorCode::kCuda,
-         "grouped gemm (swap-AB): cuTensorMapEncodeTiled failed for a {}-d tensor of {}x{}x{} [-> {}]", k.rank,
-         k.dims[0], k.dims[1], k.dims[2], driverErrorName(r));
-  }
-  return map;
+  return cachedTensorMap("grouped gemm (swap-AB)", k);
 }
 
 // The SwiGLU weight w [E, 2f, k] as {k, 8, 2, f / 8, E}: row in an 8-row group, gate or up, group, expert. One
@@ -82,7 +64,7 @@ CUtensorMap swigluWeightMap(const GroupedGemmParams& g) {
   return map;
 }
 
-// Loaded once per (device, variant): prepare_once.hpp.
+// Loaded once per (device, variant): launch_support.hpp.
 int prepare(int device, GemmDtype dtype, GroupedGemmEpilogue epi, int tileN) {
   const uint32_t variant = (static_cast<uint32_t>(dtype) * 2 + static_cast<uint32_t>(epi)) * 1024 +
                            static_cast<uint32_t>(tileN);

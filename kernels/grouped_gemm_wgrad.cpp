@@ -11,7 +11,7 @@
 #include <stdexcept>
 
 #include "grouped_gemm_wgrad_desc.hpp"
-#include "prepare_once.hpp"
+#include "launch_support.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/driver.hpp"
 #include "tandem/kernels/grouped_gemm_wgrad.hpp"
@@ -24,11 +24,7 @@ namespace {
 constexpr int64_t kMax32 = 0x7fffffff;
 constexpr uint64_t kMaxTmaStride = uint64_t{1} << 40;  // cuTensorMapEncodeTiled: global strides below 2^40 bytes
 
-void checkCuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    fail(ErrorCode::kCuda, "grouped wgrad: {} failed [-> {}: {}]", what, cudaGetErrorName(e), cudaGetErrorString(e));
-  }
-}
+void checkCuda(cudaError_t e, const char* what) { checkCudaFor("grouped wgrad", e, what); }
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 uint64_t u64(int64_t v) { return static_cast<uint64_t>(v); }
@@ -47,19 +43,7 @@ bool overlaps(const void* a, uint64_t na, const void* b, uint64_t nb) {
 
 // 16-bit maps through the shared cache (tensor_map_cache.hpp).
 CUtensorMap cachedMap(const TensorMapKey& k, const char* what) {
-  static TensorMapCache cache;
-  CUtensorMap map;
-  CUresult r = CUDA_SUCCESS;
-  try {
-    r = cache.get(k, &map);
-  } catch (const std::runtime_error& e) {
-    fail(ErrorCode::kCuda, "grouped wgrad: {}", e.what());
-  }
-  if (r != CUDA_SUCCESS) {
-    fail(ErrorCode::kCuda, "grouped wgrad: cuTensorMapEncodeTiled failed for {} ({}-d, {}x{}x{}) [-> {}]", what, k.rank,
-         k.dims[0], k.dims[1], k.dims[2], driverErrorName(r));
-  }
-  return map;
+  return cachedTensorMap("grouped wgrad", k, what);
 }
 
 // fp32 out [E, m, n] as {n, m, E}, boxes of 32 columns (128 bytes) x 64 rows, 128-byte swizzle. The cache holds 16-bit
@@ -85,7 +69,7 @@ CUtensorMap outF32Map(const GroupedWgradParams& g) {
   return map;
 }
 
-// Loaded once per (device, variant): prepare_once.hpp.
+// Loaded once per (device, variant): launch_support.hpp.
 int prepare(int device, WgradVariant v) {
   const uint32_t variant = static_cast<uint32_t>(v.dtype) * 2 + static_cast<uint32_t>(v.out);
   return prepareOnce("grouped wgrad", device, variant, [&] { return wgradPrepare(v); });
