@@ -56,7 +56,7 @@ TEST_CASE("capture: the client executor replays allgather, the fused GEMMs, ring
 
 TEST_CASE("capture: the ops without a device-epoch path are refused at 2+ ranks, naming why") {
   const std::vector<OpKind> refused = refusedOps();
-  // Ring attention's backward: the daemon executor runs it, and its ops never replay.
+  // Ring attention's backward: each launch needs every rank's seq from tandemd's per-op step (OpSpec::replayPending).
   CHECK(refused == std::vector<OpKind>{OpKind::kRingAttentionBackward});
   for (OpKind kind : refused) {
     CHECK_FALSE(tandem::graphReplayableOps().contains(kind));
@@ -68,7 +68,10 @@ TEST_CASE("capture: the ops without a device-epoch path are refused at 2+ ranks,
     CHECK(why.find("cannot replay") != std::string::npos);
     CHECK(why.find("outside the graph") != std::string::npos);
     const std::string_view pending = tandem::opSpec(kind).cudaPending;
-    if (pending.empty()) {
+    const std::string_view replayPending = tandem::opSpec(kind).replayPending;
+    if (!replayPending.empty()) {
+      CHECK(why.find(std::string(replayPending)) != std::string::npos);  // the op's own reason
+    } else if (pending.empty()) {
       CHECK(why.find("no device-epoch path") != std::string::npos);
     } else {
       CHECK(why.find("no GPU implementation") != std::string::npos);
