@@ -349,9 +349,15 @@ struct Timings {
     double ms, flops;
   };
   std::vector<Row> rows;
+  std::vector<std::string> notes;  // ratio lines, printed under the rows
   double add(const std::string& key, const std::string& label, double ms, double flops) {
     rows.push_back({key, label, ms, flops});
     return ms;
+  }
+  void note(const char* label, double ratio, const std::string& what) {
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "%-10s %6s %7s  %-24s %9.3f  ", "", "", "", label, ratio);
+    notes.push_back(buf + what);
   }
 };
 
@@ -685,10 +691,9 @@ void ModelBench::timeForward(Timings& t, bool& ok) {
   const bool same = download(b_.out.at(size_t(checkedToken_ * H * 2)), size_t(H)) == ffnRow_;
   ok = ok && same;
   const double ffn = t.rows.front().key == "ffn_ms" ? t.rows.front().ms : 0;
-  std::printf(
-      "%-10s %6s %7s  %-24s %9.3f  (gemm1+SwiGLU + gemm2 alone / FFN; target >= 0.95); skipIdleHalves FFN "
-      "row %s\n",
-      "", "", "", "overlap ratio", (g1s + g2ms) / ffn, same ? "bitwise the same" : "DIFFERS");
+  t.note("overlap ratio", (g1s + g2ms) / ffn,
+         std::string("(gemm1+SwiGLU + gemm2 alone / FFN; target >= 0.95); skipIdleHalves FFN row ") +
+             (same ? "bitwise the same" : "DIFFERS"));
 }
 
 void ModelBench::timeBackward(Timings& t) {
@@ -709,12 +714,9 @@ void ModelBench::timeBackward(Timings& t) {
   const double dw2 = t.add("bwd_dw2_ms", "dw2 alone", time([&](int) { wgrad(b_.pdy, H, b_.ph, F, b_.dw2); }), g2);
   const double dw1 = t.add("bwd_dw1_ms", "dw1 alone", time([&](int) { wgrad(b_.pgu, 2 * F, b_.px, H, b_.dw1); }), g1);
   const double four = dh + dx + dw2 + dw1;
-  std::printf(
-      "%-10s %6s %7s  %-24s %9.3f  (backward / its 5 GEMMs alone: recompute gate|up, dout·w2, dx, dw2, dw1; "
-      "target <= 1.10)\n",
-      "", "", "", "backward / its GEMMs", bwd / (four + rec));
-  std::printf("%-10s %6s %7s  %-24s %9.3f  (backward / dout·w2, dx, dw2, dw1 alone: without the recompute)\n", "", "",
-              "", "backward / 4 GEMMs", bwd / four);
+  t.note("backward / its GEMMs", bwd / (four + rec),
+         "(backward / its 5 GEMMs alone: recompute gate|up, dout·w2, dx, dw2, dw1; target <= 1.10)");
+  t.note("backward / 4 GEMMs", bwd / four, "(backward / dout·w2, dx, dw2, dw1 alone: without the recompute)");
 }
 
 // The grouped GEMMs' dynamic tile order, alone and with skipIdleHalves; the FFN with both, bitwise against the default.
@@ -770,6 +772,7 @@ bool ModelBench::runCase(const Routing& r, std::string& json) {
                 i == 0 ? std::to_string(r.tokens).c_str() : "", i == 0 ? std::to_string(rows).c_str() : "",
                 row.label.c_str(), row.ms, row.flops / (row.ms * 1e-3) / 1e12);
   }
+  for (const auto& n : t.notes) std::printf("%s\n", n.c_str());
   std::printf("  plans: %s\n", plan.c_str());
   if (o_.experiment) ok = experiment() && ok;
   std::fflush(stdout);
