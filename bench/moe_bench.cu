@@ -635,7 +635,7 @@ bool ModelBench::check(std::string& line) {
       tokenReference(m_, r, t0, b_.x[0].get(), o_.bwd ? b_.dout[0].get() : nullptr, b_.w1.get(), b_.w2.get());
   const auto report = [&](const char* what, double err) {
     ok = ok && err < kTolerance;
-    std::snprintf(buf, sizeof buf, ", %s %.2e", what, err);
+    std::snprintf(buf, sizeof buf, " %s %.2e", what, err);
     msg << buf;
   };
   msg << "; token " << t0 << " rel_err:";
