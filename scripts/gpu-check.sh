@@ -476,7 +476,9 @@ step_moe() {
     show 'ERROR|FATAL' 10
   done
   mkdir -p "$TMP/routing"
-  part moe-bench 30 "$B/bench/moe_bench" --iters 30 --routing-dir "$TMP/routing" --json "$OUT/moe_bench.json" &&
+  # The forward on DeepSeek-V3's experts only (its full run, backward and Mixtral included, takes minutes).
+  part moe-bench 30 "$B/bench/moe_bench" --iters 30 --models deepseek-v3 --pass fwd \
+    --rows-per-expert 256,512,1024,2048 --routing-dir "$TMP/routing" --json "$OUT/moe_bench.json" &&
     part moe-torch 30 python3 bench/moe_baseline.py --routing-dir "$TMP/routing" --iters 30 \
       --json "$OUT/moe_torch.json" --tandem "$OUT/moe_bench.json"
   show '^\||speedup|Error' 30
