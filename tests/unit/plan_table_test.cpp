@@ -63,6 +63,23 @@ TEST_CASE("shape buckets round each dimension up to a power of two") {
   CHECK(shapeBucket(16384, 14336, 8192) == "m16384.n16384.k8192");
   CHECK(shapeBucket(4000, 8192, 4096) == shapeBucket(4096, 8192, 4096));
   CHECK(shapeBucket(4097, 8192, 4096) != shapeBucket(4096, 8192, 4096));
+  // The layouts are planned apart; nt keeps the bucket it had before layouts existed.
+  CHECK(shapeBucket(4096, 8192, 4096, GemmOperands::kNT) == "m4096.n8192.k4096");
+  CHECK(shapeBucket(4096, 8192, 4096, GemmOperands::kNN) == "m4096.n8192.k4096.nn");
+  CHECK(shapeBucket(4096, 8192, 4096, GemmOperands::kTN) == "m4096.n8192.k4096.tn");
+  OpDescriptor d{};
+  d.kind = OpKind::kAgGemm;
+  d.dtype = DType::kBF16;
+  d.nranks = 2;
+  d.dims[dim::kM] = 4096;
+  d.dims[dim::kN] = 8192;
+  d.dims[dim::kK] = 4096;
+  const PlanKey nt = planKeyOf(d, "NVIDIA H100 80GB HBM3", "client");
+  d.flags = gemmLayoutFlags(GemmOperands::kNN);
+  const PlanKey nn = planKeyOf(d, "NVIDIA H100 80GB HBM3", "client");
+  CHECK(nt.bucket == "m4096.n8192.k4096");
+  CHECK(nn.bucket == "m4096.n8192.k4096.nn");
+  CHECK(nt != nn);
 }
 
 TEST_CASE("the file format round-trips every field and names its format and version") {

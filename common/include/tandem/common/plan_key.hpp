@@ -49,9 +49,14 @@ constexpr uint64_t bucketDim(uint64_t x) {
 }
 
 // "m1024.n8192.k8192". k is the descriptor's: the per-rank K slice for gemm-rs and gemm-ar (equal on every rank of a
-// valid op, since every slice is a multiple of 8 and the split is balanced), the whole K for ag-gemm.
-inline std::string shapeBucket(uint64_t m, uint64_t n, uint64_t k) {
-  return "m" + std::to_string(bucketDim(m)) + ".n" + std::to_string(bucketDim(n)) + ".k" + std::to_string(bucketDim(k));
+// valid op, since every slice is a multiple of 8 and the split is balanced), the whole K for ag-gemm. The backward's
+// layouts add ".nn" or ".tn": their kernels differ from the forward's (NN loads the weight MN-major, TN runs on the
+// layouts core), so a plan measured on one layout says nothing of another. nt adds nothing, so tables written before
+// layouts existed keep their meaning.
+inline std::string shapeBucket(uint64_t m, uint64_t n, uint64_t k, GemmOperands layout = GemmOperands::kNT) {
+  const char* suffix = layout == GemmOperands::kNN ? ".nn" : layout == GemmOperands::kTN ? ".tn" : "";
+  return "m" + std::to_string(bucketDim(m)) + ".n" + std::to_string(bucketDim(n)) + ".k" + std::to_string(bucketDim(k)) +
+         suffix;
 }
 
 // What a plan is chosen for. gpu: the GPU model as the driver names it ("NVIDIA H200"; "cpu" on the cpu backend);
@@ -67,8 +72,9 @@ struct PlanKey {
 };
 
 inline PlanKey planKeyOf(const OpDescriptor& d, std::string gpu, std::string executor) {
-  return PlanKey{d.kind, d.dtype, d.nranks, shapeBucket(d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK]),
-                 std::move(gpu), std::move(executor)};
+  return PlanKey{d.kind, d.dtype, d.nranks,
+                 shapeBucket(d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], gemmOperandsOf(d.flags)), std::move(gpu),
+                 std::move(executor)};
 }
 
 // The ops whose plan the table holds: the fused GEMMs.
