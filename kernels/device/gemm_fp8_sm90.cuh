@@ -295,21 +295,7 @@ __device__ __forceinline__ void storeTile(const KernelParams& p, uint8_t (&cbuf)
       barSync(epiBar, 128);
     }
     const uint32_t base = gemm::smemAddr(cbuf[buf]);
-#pragma unroll
-    for (int jj = 0; jj < kCols / 8; ++jj) {
-      const int j = c * (kCols / 8) + jj;
-      if constexpr (sizeof(Out) == 2) {
-        // 128-byte swizzle: 16-byte chunk index XOR (row & 7), as the TMA store map expects.
-        const uint32_t col = ((static_cast<uint32_t>(jj) ^ phase) << 4) + q * 4;
-        gemm::stShared32(base + rowOff0 + col, gemm::packPair<__nv_bfloat16>(acc[4 * j + 0], acc[4 * j + 1]));
-        gemm::stShared32(base + rowOff1 + col, gemm::packPair<__nv_bfloat16>(acc[4 * j + 2], acc[4 * j + 3]));
-      } else {
-        const uint32_t chunk = static_cast<uint32_t>(2 * jj) + (q >> 1);
-        const uint32_t col = ((chunk ^ phase) << 4) + (q & 1) * 8;
-        gemm_layouts::stShared64(base + rowOff0 + col, acc[4 * j + 0], acc[4 * j + 1]);
-        gemm_layouts::stShared64(base + rowOff1 + col, acc[4 * j + 2], acc[4 * j + 3]);
-      }
-    }
+    gemm_layouts::stageSwizzledChunk<Out, __nv_bfloat16, kCols>(base, rowOff0, rowOff1, phase, q, acc, c);
     gemm::fenceProxyAsyncShared();  // our st.shared -> visible to the TMA engine
     barSync(epiBar, 128);           // publishes the whole chunk to thread 0
     if (t == 0) {

@@ -245,6 +245,29 @@ __device__ __forceinline__ void stShared64(uint32_t addr, float lo, float hi) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(lo), "f"(hi) : "memory");
 }
 
+// Writes accumulator columns [c * kCols, (c + 1) * kCols) of this thread's fragment rows r and r + 8 (byte offsets
+// rowOff0 / rowOff1 in the chunk at `base`) into a 128-byte-swizzled staging chunk, the layout a TMA store map with
+// 128-byte swizzle reads: 16-bit outputs as packed pairs, fp32 as 8-byte pairs. phase = r & 7, q = lane & 3.
+template <class Out, class T, int kCols, int N>
+__device__ __forceinline__ void stageSwizzledChunk(uint32_t base, uint32_t rowOff0, uint32_t rowOff1, uint32_t phase,
+                                                   uint32_t q, const float (&acc)[N], int c) {
+#pragma unroll
+  for (int jj = 0; jj < kCols / 8; ++jj) {
+    const int j = c * (kCols / 8) + jj;
+    if constexpr (sizeof(Out) == 2) {
+      // 128B swizzle: 16-byte chunk index XOR (row & 7), as the TMA store map expects.
+      const uint32_t col = ((static_cast<uint32_t>(jj) ^ phase) << 4) + q * 4;
+      gemm::stShared32(base + rowOff0 + col, gemm::packPair<T>(acc[4 * j + 0], acc[4 * j + 1]));
+      gemm::stShared32(base + rowOff1 + col, gemm::packPair<T>(acc[4 * j + 2], acc[4 * j + 3]));
+    } else {
+      const uint32_t chunk = static_cast<uint32_t>(2 * jj) + (q >> 1);
+      const uint32_t col = ((chunk ^ phase) << 4) + (q & 1) * 8;
+      stShared64(base + rowOff0 + col, acc[4 * j + 0], acc[4 * j + 1]);
+      stShared64(base + rowOff1 + col, acc[4 * j + 2], acc[4 * j + 3]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // wgmma m64nN fp32 accumulator fragment (PTX ISA, "wgmma D matrix fragments"): thread t (0..127) of a warpgroup holds
 // D[fragRow(t, h), fragCol(t, j, e)] of the warpgroup's 64 x N block in acc[4j + 2h + e], j < N / 8, h, e in {0, 1}.
@@ -501,21 +524,7 @@ __device__ __forceinline__ void runConsumer(const KernelParams& p, SharedStorage
           barSync(epiBar, 128);
         }
         const uint32_t base = gemm::smemAddr(s.c[wg][buf]);
-#pragma unroll
-        for (int jj = 0; jj < kCols / 8; ++jj) {
-          const int j = c * (kCols / 8) + jj;
-          if constexpr (sizeof(Out) == 2) {
-            // 128B swizzle: 16-byte chunk index XOR (row & 7), as the TMA store map expects.
-            const uint32_t col = ((static_cast<uint32_t>(jj) ^ phase) << 4) + q * 4;
-            gemm::stShared32(base + rowOff0 + col, gemm::packPair<T>(acc[4 * j + 0], acc[4 * j + 1]));
-            gemm::stShared32(base + rowOff1 + col, gemm::packPair<T>(acc[4 * j + 2], acc[4 * j + 3]));
-          } else {
-            const uint32_t chunk = static_cast<uint32_t>(2 * jj) + (q >> 1);
-            const uint32_t col = ((chunk ^ phase) << 4) + (q & 1) * 8;
-            stShared64(base + rowOff0 + col, acc[4 * j + 0], acc[4 * j + 1]);
-            stShared64(base + rowOff1 + col, acc[4 * j + 2], acc[4 * j + 3]);
-          }
-        }
+        stageSwizzledChunk<Out, T, kCols>(base, rowOff0, rowOff1, phase, q, acc, c);
         gemm::fenceProxyAsyncShared();  // our st.shared -> visible to the TMA engine
         barSync(epiBar, 128);           // publishes the whole chunk to thread 0
         if (t == 0) {

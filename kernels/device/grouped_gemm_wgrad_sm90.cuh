@@ -224,21 +224,7 @@ __device__ __forceinline__ void runWgradConsumer(const WgradKernelParams& p, Sto
         gl::barSync(epiBar, 128);
       }
       const uint32_t base = gemm::smemAddr(s.c[wg][buf]);
-#pragma unroll
-      for (int jj = 0; jj < kCols / 8; ++jj) {
-        const int j = c * (kCols / 8) + jj;
-        if constexpr (sizeof(Out) == 2) {
-          // 128B swizzle: 16-byte chunk index XOR (row & 7), as the TMA store map expects.
-          const uint32_t col = ((static_cast<uint32_t>(jj) ^ phase) << 4) + q * 4;
-          gemm::stShared32(base + rowOff0 + col, gemm::packPair<T>(acc[4 * j + 0], acc[4 * j + 1]));
-          gemm::stShared32(base + rowOff1 + col, gemm::packPair<T>(acc[4 * j + 2], acc[4 * j + 3]));
-        } else {
-          const uint32_t chunk = static_cast<uint32_t>(2 * jj) + (q >> 1);
-          const uint32_t col = ((chunk ^ phase) << 4) + (q & 1) * 8;
-          gl::stShared64(base + rowOff0 + col, acc[4 * j + 0], acc[4 * j + 1]);
-          gl::stShared64(base + rowOff1 + col, acc[4 * j + 2], acc[4 * j + 3]);
-        }
-      }
+      gl::stageSwizzledChunk<Out, T, kCols>(base, rowOff0, rowOff1, phase, q, acc, c);
       gemm::fenceProxyAsyncShared();  // our st.shared -> visible to the TMA engine
       gl::barSync(epiBar, 128);       // publishes the whole chunk to thread 0
       if (t == 0) {
