@@ -14,11 +14,6 @@ namespace {
 
 namespace k = tandem::kernels;
 
-// The epoch of the op whose wait failed: AllGather's flags carry it in the high half, the fused GEMMs' are epochs.
-uint64_t failedEpoch(const k::ErrorSlot& e) {
-  return static_cast<OpKind>(e.op) == OpKind::kAllGather ? e.expected >> 32 : e.expected;
-}
-
 const char* roleName(uint32_t role) {
   switch (static_cast<k::Role>(role)) {
     case k::Role::kCompute: return "compute";
@@ -146,12 +141,12 @@ uint64_t NodeComm::lastEpoch(uint32_t rank) const {
 
 bool NodeComm::progress(std::vector<std::pair<uint64_t, std::string>>& failed) {
   bool worked = false;
-  for (uint32_t r = 0; r < nranks(); ++r) {
-    worked = collectDone(r) || worked;
-    if (!failureReported()) {
-      if (const auto e = page(r).failure()) reportFailure(failed, errorText(r, *e));
-    }
+  // Every rank's failure is read before any op completes: a peer's report fails this rank's later ops too, whichever
+  // rank's stream finished first.
+  if (!failureReported()) {
+    if (const auto f = failure()) reportFailure(failed, errorText(f->rank, f->slot));
   }
+  for (uint32_t r = 0; r < nranks(); ++r) worked = collectDone(r) || worked;
   if (!pending_.empty()) worked = releasePending() || worked;
   return worked;
 }
@@ -230,17 +225,25 @@ std::string NodeComm::errorText(uint32_t r, const k::ErrorSlot& e) const {
   const std::string where = kind == OpKind::kAllGather ? fmt::format("chunk {}", e.chunk)
                                                        : fmt::format("{} role, flag {}", roleName(e.role), e.chunk);
   return fmt::format("{} on rank {} (GPU {}) {}: op epoch {}, {}: waited for flag >= {:#x}, saw {:#x}{}",
-                     opKindName(kind), e.rank, ranks_[r].uuid, timedOut ? "timed out" : "was aborted", failedEpoch(e),
+                     opKindName(kind), e.rank, ranks_[r].uuid, timedOut ? "timed out" : "was aborted", firstFailedEpoch(e),
                      where, e.expected, e.observed,
                      timedOut ? fmt::format(" (deadline {} ms; TANDEM_OP_TIMEOUT_MS)", ctx_.timeoutNs / 1'000'000)
                               : std::string());
 }
 
+std::optional<RankFailure> NodeComm::failure() const {
+  std::vector<std::optional<k::ErrorSlot>> slots(nranks());
+  for (uint32_t r = 0; r < nranks(); ++r) slots[r] = page(r).failure();
+  return rootFailure(slots);
+}
+
 void NodeComm::completeFromKernel(Gang& g, uint32_t r) {
-  if (const auto e = page(r).failure(); e && failedEpoch(*e) <= g.epoch) {
+  // Any rank's failure, not only this rank's: a rank whose own waits all passed may still have run an op its peers
+  // did not (a divergence its peer found), or past a peer that stopped.
+  if (const auto f = failure(); f && firstFailedEpoch(f->slot) <= g.epoch) {
     const ErrorCode code =
-        e->code == static_cast<uint32_t>(k::WaitError::kTimeout) ? ErrorCode::kTimeout : ErrorCode::kAborted;
-    return completeRank(g, r, statusOf(code), errorText(r, *e));
+        f->slot.code == static_cast<uint32_t>(k::WaitError::kTimeout) ? ErrorCode::kTimeout : ErrorCode::kAborted;
+    return completeRank(g, r, statusOf(code), errorText(f->rank, f->slot));
   }
   // A data error fails this op alone (its kernels wrote nothing, alike on every rank); the communicator runs on.
   if (const auto f = page(r).fault(g.epoch)) {

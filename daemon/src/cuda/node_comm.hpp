@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/comm_failure.hpp"
 #include "cuda/cuda_comm.hpp"
 #include "cuda/gpu.hpp"
 #include "plan_table.hpp"
@@ -105,6 +106,8 @@ class NodeComm : public CudaComm {
     std::deque<std::shared_ptr<Gang>> inflight;  // accepted and released, waiting for done
   };
   bool releasePending();  // releases pending gangs in epoch order while their conditions hold
+  // The failure that explains the communicator's (comm_failure.hpp), over every rank's error slot; nullopt: none.
+  std::optional<RankFailure> failure() const;
   void completeFromKernel(Gang& g, uint32_t r);
   bool collectDone(uint32_t r);  // completes rank r's in-flight ops its stream has finished; whether there were any
   std::string errorText(uint32_t r, const kernels::ErrorSlot& e) const;
