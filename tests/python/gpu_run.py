@@ -1,7 +1,7 @@
 """The Python package on the cuda backend (CTest runs it through run_gpu.py, label gpu; under torchrun for 2 ranks).
 
 usage: [torchrun --nproc-per-node N] python gpu_run.py SECTION...
-  SECTION: ops attention compile graph cache hot dlpack jax tp cp, or all
+  SECTION: ops attention compile graph cache hot dlpack jax tp cp moe, or all
 Each section prints one "PASS <section>" or "FAIL <section>: <reason>" line (rank 0, or every rank that failed);
 the exit code is the number of failed sections. Needs tandemd (cuda backend) at $TANDEM_SOCKET.
 Ranks share the GPU given by LOCAL_RANK % device_count (2 ranks on one H200 share it).
@@ -389,9 +389,32 @@ def section_cp(comm):
     return f"{checked} tensors matched (bf16, within 2x torch's own error); head_dim 32 refused by the library"
 
 
+def section_moe(comm):
+    """tandem.nn's expert-parallel MoE on the cuda backend in bf16: moe_ffn's output and its x, topk-weight, w1 and w2
+    gradients against torch autograd of the same layer over every rank's tokens in float64 (bf16 tolerance), with
+    uniform, skewed and sparse routing, top-k 1, 2 and 8, a rank with no tokens, the backward repeated bitwise, and once
+    under torch.compile(fullgraph=True)."""
+    import moechecks
+    n, bf16 = comm.world_size, torch.bfloat16
+    checked = 0
+    shape = dict(hidden=64, ffn=32, experts_per_rank=4, device=comm.device)
+    for kind in ("uniform", "skewed", "sparse"):
+        for topk in (1, 2, 8):
+            if topk > 4 * n:
+                continue
+            tokens = [37 + 11 * q for q in range(n)]
+            checked += moechecks.check_functional(comm, bf16, kind, topk, tokens, **shape)
+    if n > 1:
+        empty = [0 if q == 1 else 20 + q for q in range(n)]
+        checked += moechecks.check_functional(comm, bf16, "uniform", 2, empty, **shape)
+    checked += moechecks.check_functional(comm, bf16, "skewed", 2, [24] * n, compiled=True, **shape)
+    comm.synchronize()
+    return f"{checked} moe_ffn cases matched torch autograd (out, dx, dtopk_weights, dw1, dw2; bf16), repeats bitwise"
+
+
 SECTIONS = {"ops": section_ops, "attention": section_attention, "compile": section_compile, "graph": section_graph,
             "cache": section_cache, "hot": section_hot, "dlpack": section_dlpack, "jax": section_jax, "tp": section_tp,
-            "cp": section_cp}
+            "cp": section_cp, "moe": section_moe}
 
 
 def main(argv) -> int:

@@ -55,16 +55,18 @@ def _leaf(t):
     return t.detach().clone().requires_grad_()
 
 
-def _tandem_grads(comm, x, ids, wts, w1, w2, g, fn=None):
-    xl, wl, w1l, w2l = _leaf(x), _leaf(wts), _leaf(w1), _leaf(w2)
-    out = (fn or tandem.nn.functional.moe_ffn)(xl, ids, wl, w1l, w2l, comm)
-    (out.float() * g.float()).sum().backward()
+def _tandem_grads(comm, x, ids, wts, w1, w2, g, fn=None, device="cpu"):
+    xl, wl, w1l, w2l = (_leaf(t.to(device)) for t in (x, wts, w1, w2))
+    out = (fn or tandem.nn.functional.moe_ffn)(xl, ids.to(device), wl, w1l, w2l, comm)
+    (out.float() * g.to(device).float()).sum().backward()
     return out.detach(), xl.grad, wl.grad, w1l.grad, w2l.grad
 
 
-def check_functional(comm, dtype, kind, topk, tokens, hidden=8, ffn=6, experts_per_rank=2, compiled=False):
+def check_functional(comm, dtype, kind, topk, tokens, hidden=8, ffn=6, experts_per_rank=2, compiled=False,
+                     device="cpu"):
     """moe_ffn's output and gradients (x, topk_weights, w1, w2) at this rank against torch autograd of
-    moe_ffn_torch over every rank's tokens; the backward repeated gives the same bits. Returns 1."""
+    moe_ffn_torch over every rank's tokens; the backward repeated gives the same bits. The op's tensors live on
+    `device` (the cuda backend takes GPU tensors). Returns 1."""
     r, n = comm.rank, comm.world_size
     experts = experts_per_rank * n
     tag = f"moe.{kind}.{topk}.{n}"
@@ -83,14 +85,14 @@ def check_functional(comm, dtype, kind, topk, tokens, hidden=8, ffn=6, experts_p
     if compiled:
         torch._dynamo.reset()
         fn = torch.compile(tandem.nn.functional.moe_ffn, fullgraph=True)
-    got = _tandem_grads(comm, x[r], ids[r], wts[r], w1[shard], w2[shard], g[r], fn)
+    got = _tandem_grads(comm, x[r], ids[r], wts[r], w1[shard], w2[shard], g[r], fn, device)
     what = f"moe_ffn ({kind}, topk={topk}, tokens={tokens}, ranks={n}, {dtype}{', compiled' if compiled else ''})"
     _close(got[0], want[mine], dtype, f"{what} out")
     for name, gt, w in zip(("dx", "dtopk_weights", "dw1", "dw2"), got[1:],
                            (xs.grad[mine], ws.grad[mine], w1s.grad[shard], w2s.grad[shard])):
         assert gt is not None, f"{what}: no gradient for {name}"
         _close(gt, w, dtype, f"{what} {name}")
-    again = _tandem_grads(comm, x[r], ids[r], wts[r], w1[shard], w2[shard], g[r], fn)
+    again = _tandem_grads(comm, x[r], ids[r], wts[r], w1[shard], w2[shard], g[r], fn, device)
     for name, a, b in zip(("out", "dx", "dtopk_weights", "dw1", "dw2"), got, again):
         assert torch.equal(a, b), f"{what}: {name} differs between two identical runs"
     return 1
