@@ -16,7 +16,7 @@ namespace k = tandem::kernels;
 
 namespace {
 
-k::ErrorSlot slot(k::WaitError code, OpKind op, uint32_t rank, uint64_t expected, uint64_t observed = 0) {
+k::ErrorSlot failedWait(k::WaitError code, OpKind op, uint32_t rank, uint64_t expected, uint64_t observed = 0) {
   k::ErrorSlot e{};
   e.claimed = k::kErrorSlotReady;
   e.code = static_cast<uint32_t>(code);
@@ -39,8 +39,8 @@ TEST_CASE("comm failure: no slot written, no failure") {
 TEST_CASE("comm failure: a divergence explains the aborts it caused, whichever rank is read first") {
   // Rank 1's op entry found rank 0 on another graph (the fingerprints differ) and aborted; rank 0's later wait saw
   // the abort. Rank 0 comes first in the slots, as tandemd reads them.
-  const auto diverged = slot(k::WaitError::kDiverged, OpKind::kAllGather, 1, 0x9e3779b97f4a7c15ull, 0x1234ull);
-  const auto aborted = slot(k::WaitError::kAborted, OpKind::kGemmRs, 0, 7, k::kAbortValue);
+  const auto diverged = failedWait(k::WaitError::kDiverged, OpKind::kAllGather, 1, 0x9e3779b97f4a7c15ull, 0x1234ull);
+  const auto aborted = failedWait(k::WaitError::kAborted, OpKind::kGemmRs, 0, 7, k::kAbortValue);
   for (const Slots& slots : {Slots{aborted, diverged}, Slots{std::nullopt, diverged}, Slots{aborted, diverged, aborted}}) {
     const auto f = rootFailure(slots);
     REQUIRE(f.has_value());
@@ -52,19 +52,19 @@ TEST_CASE("comm failure: a divergence explains the aborts it caused, whichever r
 TEST_CASE("comm failure: a divergence fails every op not yet completed, whether it names epochs or fingerprints") {
   // The fingerprint branch of the op entry reports fingerprints (large values) where the epoch branch reports epochs:
   // neither may let a later op of either rank complete as a success.
-  CHECK(firstFailedEpoch(slot(k::WaitError::kDiverged, OpKind::kAllGather, 0, 0x9e3779b97f4a7c15ull, 3)) == 0);
-  CHECK(firstFailedEpoch(slot(k::WaitError::kDiverged, OpKind::kGemmAr, 0, 12, 14)) == 0);
+  CHECK(firstFailedEpoch(failedWait(k::WaitError::kDiverged, OpKind::kAllGather, 0, 0x9e3779b97f4a7c15ull, 3)) == 0);
+  CHECK(firstFailedEpoch(failedWait(k::WaitError::kDiverged, OpKind::kGemmAr, 0, 12, 14)) == 0);
 }
 
 TEST_CASE("comm failure: a wait names its op's epoch (AllGather's in the flag's high half)") {
-  CHECK(firstFailedEpoch(slot(k::WaitError::kTimeout, OpKind::kGemmRs, 0, 42)) == 42);
-  CHECK(firstFailedEpoch(slot(k::WaitError::kAborted, OpKind::kAllGather, 0, (uint64_t{9} << 32) | 5)) == 9);
+  CHECK(firstFailedEpoch(failedWait(k::WaitError::kTimeout, OpKind::kGemmRs, 0, 42)) == 42);
+  CHECK(firstFailedEpoch(failedWait(k::WaitError::kAborted, OpKind::kAllGather, 0, (uint64_t{9} << 32) | 5)) == 9);
 }
 
 TEST_CASE("comm failure: a timeout explains aborts; among one kind the earliest epoch, then the lowest rank") {
-  const auto abortedEarly = slot(k::WaitError::kAborted, OpKind::kGemmRs, 0, 3);
-  const auto timedOutLate = slot(k::WaitError::kTimeout, OpKind::kGemmRs, 1, 5);
-  const auto timedOutEarly = slot(k::WaitError::kTimeout, OpKind::kGemmRs, 2, 4);
+  const auto abortedEarly = failedWait(k::WaitError::kAborted, OpKind::kGemmRs, 0, 3);
+  const auto timedOutLate = failedWait(k::WaitError::kTimeout, OpKind::kGemmRs, 1, 5);
+  const auto timedOutEarly = failedWait(k::WaitError::kTimeout, OpKind::kGemmRs, 2, 4);
   Slots slots{abortedEarly, timedOutLate, timedOutEarly, timedOutEarly};
   std::vector<uint32_t> order{0, 1, 2, 3};
   // Every order of reading gives the same slot: the earlier timeout, at the lower of the two ranks that hold it.
