@@ -1,5 +1,6 @@
-// Attention backward core on one Hopper GPU: time of launchAttentionBwd in both dq modes on both dk/dv cores (wgmma and
-// mma.sync, AttentionBwdCore; CUDA events around every launch, median), with o and lse from the forward core on the
+// Attention backward core on one Hopper GPU: time of launchAttentionBwd in both dq modes on both cores (wgmma and
+// mma.sync, AttentionBwdCore: the core runs the dk/dv pass and either dq mode; CUDA events around every launch,
+// median), with o and lse from the forward core on the
 // same inputs. bench/sdpa_bwd_baseline.py times torch
 // SDPA's backward (cuDNN and flash backends) on the same shapes; run both in the same device call.
 //

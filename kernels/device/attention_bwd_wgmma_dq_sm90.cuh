@@ -17,8 +17,9 @@
 //   dQ stays in registers for the whole CTA and is written once, scaled, as 16-bit values.
 // Registers per consumer thread: HD / 2 for dQ, BK / 2 each for S and dP (and BK / 4 for the packed dS), which is what
 // sets BK: 64 at head_dim 128 (64 + 32 + 32 + 16), 128 at head_dim 64 (32 + 64 + 64 + 32).
-// Per step a warpgroup's work is serial (products, then exp2, then dQ); the two consumer warpgroups interleave, so one's
-// exp2 runs under the other's products.
+// Inside a warpgroup a step's dQ product is waited for only in the next step, after that step's S and dP are issued,
+// and P's exp2 runs while dP is computed; the two consumer warpgroups interleave, so one's exp2 and dS run under the
+// other's products.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -171,6 +172,10 @@ __device__ __forceinline__ void runDqConsumer(const WgKernelParams& params, DqSh
     const uint32_t qAddr = gemm::smemAddr(s.q) + wg * 64 * 128, doAddr = gemm::smemAddr(s.dout) + wg * 64 * 128;
     gemm::mbarWait(&s.fullQ, 0);  // acquire: Q and dO landed
     gemm::PipeState<kDqStages> ps;
+    int prevStage = 0;
+    // dS fragments of the step whose dQ product may still be in flight: kept live across the next step's S and dP
+    // (fenceRegs below), so that their accumulators are not given these registers while the wgmma reads them.
+    uint32_t dsf[BK / 4];
     for (int32_t it = 0; it < steps; ++it) {
       const int32_t key0 = it * BK;
       const uint32_t kAddr = gemm::smemAddr(s.k[ps.stage]), vAddr = gemm::smemAddr(s.v[ps.stage]);
@@ -181,29 +186,35 @@ __device__ __forceinline__ void runDqConsumer(const WgKernelParams& params, DqSh
       int32_t lim[2] = {BK, BK};
       if (mask) dqMaskLimits<BK>(p, rowR, key0, lim);
 
-      // Both products in flight; P's exp2 runs while dP is computed.
+      // In flight after these two: the previous step's dQ product, S, dP (groups complete in order). P's exp2 runs
+      // while dP is computed.
       float sacc[BK / 2], dp[BK / 2];
       issueSS<T, HD, BK, kDqBlockQ>(sacc, qAddr, kAddr);
       issueSS<T, HD, BK, kDqBlockQ>(dp, doAddr, vAddr);
-      gemm::wgmmaWait<1>();  // S done (groups complete in order)
+      gemm::wgmmaWait<1>();  // the previous dQ product and S done
       gemm::fenceAccumulators(sacc);
+      if (it > 0) {
+        attn::fenceRegs(dsf);
+        // release: every read of the previous stage (K and V by completed wgmmas); pairs with the producer's empty
+        // wait.
+        if (t == 0) gemm::mbarArrive(&s.empty[prevStage]);
+      }
       rowProbs<BK>(sacc, lse2, p.scaleLog2, mask, lim, t);
       gemm::wgmmaWait<0>();
       gemm::fenceAccumulators(dp);
 #pragma unroll
       for (int i = 0; i < BK / 2; ++i) dp[i] = sacc[i] * (dp[i] - dot[(i >> 1) & 1]);
-      uint32_t dsf[BK / 4];
       attn::packP<T, BK>(dsf, dp);
 
-      // dQ += dS K (k = the step's keys, N = head dim, B read N-major from the K tile).
+      // dQ += dS K (k = the step's keys, N = head dim, B read N-major from the K tile); waited for in the next step.
       attn::issuePV<T, HD, BK>(dq, dsf, kAddr);
-      gemm::wgmmaWait<0>();
-      gemm::fenceAccumulators(dq);
-      attn::fenceRegs(dsf);
-      // release: every read of the stage (K and V by the completed wgmma); pairs with the producer's empty wait.
-      if (t == 0) gemm::mbarArrive(&s.empty[ps.stage]);
+      prevStage = ps.stage;
       ps.advance();
     }
+    // The last dQ product. Its stage is never refilled: no release.
+    gemm::wgmmaWait<0>();
+    gemm::fenceAccumulators(dq);
+    attn::fenceRegs(dsf);
   }
 
   // dQ = scale dS K; rows past sq dropped. Element (row rowR + 8 h, dim 8 j + 2 (t % 4) ..).

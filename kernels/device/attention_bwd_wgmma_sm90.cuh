@@ -1,7 +1,8 @@
 // Hopper (sm_90a) attention backward, dk / dv pass (and dq by fp32 atomics in AttentionBwdDq::kAtomic mode), on wgmma
-// and TMA with warp specialisation (FlashAttention-3's backward design). The row preparation, the deterministic dq
-// pass and the atomic mode's rounding stay those of device/attention_bwd_sm90.cuh; this header replaces its
-// runKvBlock. No __global__ here: attention_bwd.cu wires it into a kernel.
+// and TMA with warp specialisation (FlashAttention-3's backward design). The row preparation and the atomic mode's
+// rounding stay those of device/attention_bwd_sm90.cuh; this header replaces its runKvBlock, and
+// device/attention_bwd_wgmma_dq_sm90.cuh (built on the pieces here) its runQBlock. No __global__ here: attention_bwd.cu
+// wires it into a kernel.
 //
 // One CTA per (KV block of kBlockKv = 128 keys, KV head), 3 warpgroups:
 //   warpgroup 0: producer. One thread loads K and V of the block once (TMA), then per step the Q and dO blocks of
