@@ -15,11 +15,13 @@
 //     dQ += dS K          wgmma m64nHDk16, A = dS from registers (the accumulator layout of S is the A-fragment
 //                         layout once packed to 16 bits), B = K read N-major from the same tile (no copy)
 //   dQ stays in registers for the whole CTA and is written once, scaled, as 16-bit values.
-// Registers per consumer thread: HD / 2 for dQ, BK / 2 each for S and dP (and BK / 4 for the packed dS), which is what
-// sets BK: 64 at head_dim 128 (64 + 32 + 32 + 16), 128 at head_dim 64 (32 + 64 + 64 + 32).
-// Inside a warpgroup a step's dQ product is waited for only in the next step, after that step's S and dP are issued,
-// and P's exp2 runs while dP is computed; the two consumer warpgroups interleave, so one's exp2 and dS run under the
-// other's products.
+// Registers per consumer thread: HD / 2 for dQ, BK / 2 each for S and dP and BK / 4 for the packed dS of the step
+// before (its dQ product is waited for only in the next step, after that step's S and dP are issued), which is what
+// sets BK (keys per step, kDqBlockKv): 64 at head_dim 128 (64 + 32 + 32 + 16), 128 at head_dim 64 (32 + 64 + 64 + 32).
+// Both products in flight, P's exp2 runs while dP is computed; the two consumer warpgroups interleave, so one's exp2
+// and dS run under the other's products. BK = 128 at head_dim 128 (wider S and dP products, half the steps) fits only
+// serially: S, then P packed to 16 bits, then dP, dS from the packed P (64 + 64 + 32 + 32 at most); the host picks it
+// with TANDEM_ATTENTION_BWD_DQ_BLOCK_KV=128 (attention_bwd.cu), for A/B runs.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,7 +29,7 @@
 
 #include <cstdint>
 
-#include "device/attention_bwd_wgmma_sm90.cuh"  // WgKernelParams, issueSS, Barrier, Role, register split
+#include "device/attention_bwd_wgmma_sm90.cuh"  // WgKernelParams, issueSS, unpackPair, Role, register split
 
 namespace tandem::kernels::attn_bwd::wg {
 
@@ -35,25 +37,32 @@ namespace tandem::kernels::attn_bwd::wg {
 // Geometry (shared with the host launcher in attention_bwd.cu).
 // ---------------------------------------------------------------------------------------------------------------
 inline constexpr int kDqBlockQ = 64 * kConsumerWarpgroups;  // query rows per CTA: 64 per consumer warpgroup
-inline constexpr int kDqStages = 3;                         // K / V ring depth
 template <int HD>
-inline constexpr int kDqBlockKv = HD == 64 ? 128 : 64;  // keys per step (see the header comment)
+inline constexpr int kDqBlockKv = HD == 64 ? 128 : 64;  // default keys per step (see the header comment)
+// S then dP, not both in flight: where both would not fit in registers next to dQ (see the header comment).
+template <int HD, int BK>
+inline constexpr bool kDqSerial = HD / 2 + BK > 160;
+// K / V ring depth: 3, or 2 where 3 would not fit in shared memory (head_dim 128 with 128 keys per step: 192 KiB).
+template <int HD, int BK>
+inline constexpr int kDqStages = HD * BK > 128 * 64 ? 2 : 3;
 static_assert(kRowPad % kDqBlockQ == 0, "lse / D rows are padded to whole query blocks");
 
-template <int HD>
+template <int HD, int BK>
 struct DqSharedStorage {
-  static constexpr int BK = kDqBlockKv<HD>;
   alignas(1024) uint16_t q[kDqBlockQ * HD];
   alignas(1024) uint16_t dout[kDqBlockQ * HD];
-  alignas(1024) uint16_t k[kDqStages][BK * HD];
-  alignas(1024) uint16_t v[kDqStages][BK * HD];
-  alignas(8) uint64_t fullQ;    // Q and dO landed (one phase per CTA)
-  uint64_t full[kDqStages];     // K and V of the stage landed (the producer's expect_tx)
-  uint64_t empty[kDqStages];    // both consumer warpgroups are done reading the stage
+  static constexpr int kStages = kDqStages<HD, BK>;
+  alignas(1024) uint16_t k[kStages][BK * HD];
+  alignas(1024) uint16_t v[kStages][BK * HD];
+  alignas(8) uint64_t fullQ;  // Q and dO landed (one phase per CTA)
+  uint64_t full[kStages];     // K and V of the stage landed (the producer's expect_tx)
+  uint64_t empty[kStages];    // both consumer warpgroups are done reading the stage
 };
-template <int HD>
-inline constexpr size_t kDqSmemBytes = sizeof(DqSharedStorage<HD>) + 1024;  // + slack to align the base
-static_assert(kDqSmemBytes<128> <= 227 * 1024 && kDqSmemBytes<64> <= 227 * 1024, "opt-in shared memory");
+template <int HD, int BK>
+inline constexpr size_t kDqSmemBytes = sizeof(DqSharedStorage<HD, BK>) + 1024;  // + slack to align the base
+static_assert(kDqSmemBytes<128, 128> <= 227 * 1024 && kDqSmemBytes<128, 64> <= 227 * 1024 &&
+                  kDqSmemBytes<64, 128> <= 227 * 1024,
+              "opt-in shared memory");
 
 // KV steps of the query block starting at row0: every key block up to the last key its last row sees (causal; rows
 // past sq do not widen the window). Identical for producer and consumers.
@@ -71,10 +80,9 @@ __device__ __forceinline__ int32_t dqStepsOf(const BwdKernelParams& p, int32_t r
 // ---------------------------------------------------------------------------------------------------------------
 // Producer: ONE thread.
 // ---------------------------------------------------------------------------------------------------------------
-template <int HD>
-__device__ __forceinline__ void runDqProducer(const WgKernelParams& p, DqSharedStorage<HD>& s, int32_t qBlock,
+template <int HD, int BK>
+__device__ __forceinline__ void runDqProducer(const WgKernelParams& p, DqSharedStorage<HD, BK>& s, int32_t qBlock,
                                               int32_t head) {
-  constexpr int BK = kDqBlockKv<HD>;
   const BwdKernelParams& b = p.b;
   const int32_t row0 = qBlock * kDqBlockQ;
   const int32_t steps = dqStepsOf<BK>(b, row0);
@@ -87,7 +95,7 @@ __device__ __forceinline__ void runDqProducer(const WgKernelParams& p, DqSharedS
     gemm::tmaLoad2d(&p.tmQ, s.q + h * kDqBlockQ * kSwizzleCols, &s.fullQ, col, row0);
     gemm::tmaLoad2d(&p.tmDout, s.dout + h * kDqBlockQ * kSwizzleCols, &s.fullQ, col, row0);
   }
-  gemm::PipeState<kDqStages> ps;
+  gemm::PipeState<kDqStages<HD, BK>> ps;
   for (int32_t it = 0; it < steps; ++it) {
     // Parity trick: the first pass waits on parity 1, which a fresh barrier reports as complete. Pairs with the
     // consumers' release (mbarArrive on empty after their last read of the stage).
@@ -110,8 +118,7 @@ __device__ __forceinline__ void runDqProducer(const WgKernelParams& p, DqSharedS
 // Keys [0, lim[h]) of the step starting at key0 are visible to this thread's row rowR + 8 h: those before sk and
 // (causal) at or before the row's position.
 template <int BK>
-__device__ __forceinline__ void dqMaskLimits(const BwdKernelParams& p, int32_t rowR, int32_t key0,
-                                             int32_t (&lim)[2]) {
+__device__ __forceinline__ void dqMaskLimits(const BwdKernelParams& p, int32_t rowR, int32_t key0, int32_t (&lim)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     int64_t visible = static_cast<int64_t>(p.sk) - key0;
@@ -143,15 +150,14 @@ __device__ __forceinline__ void rowProbs(float (&sacc)[BK / 2], const float (&ls
 // ---------------------------------------------------------------------------------------------------------------
 // Consumer warpgroup wg (0 or 1): query rows [64 wg, 64 wg + 64) of the block; t = thread index in the warpgroup.
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, int HD>
-__device__ __forceinline__ void runDqConsumer(const WgKernelParams& params, DqSharedStorage<HD>& s, int32_t qBlock,
+template <class T, int HD, int BK>
+__device__ __forceinline__ void runDqConsumer(const WgKernelParams& params, DqSharedStorage<HD, BK>& s, int32_t qBlock,
                                               int32_t head, int wg, int t) {
-  constexpr int BK = kDqBlockKv<HD>;
   const BwdKernelParams& p = params.b;
   const int lane = t % 32;
   const int32_t row0 = qBlock * kDqBlockQ;
-  const int32_t rowW = row0 + wg * 64;                        // this warpgroup's first row
-  const int32_t rowR = rowW + (t / 32) * 16 + lane / 4;       // this thread's rows: rowR and rowR + 8
+  const int32_t rowW = row0 + wg * 64;                   // this warpgroup's first row
+  const int32_t rowR = rowW + (t / 32) * 16 + lane / 4;  // this thread's rows: rowR and rowR + 8
   const int32_t steps = dqStepsOf<BK>(p, row0);
 
   // Rows are padded to kRowPad (a multiple of kDqBlockQ) in the workspace: no bounds checks.
@@ -171,7 +177,7 @@ __device__ __forceinline__ void runDqConsumer(const WgKernelParams& params, DqSh
     // This warpgroup's 64 rows of Q and dO: 64 rows of 128 bytes into each half.
     const uint32_t qAddr = gemm::smemAddr(s.q) + wg * 64 * 128, doAddr = gemm::smemAddr(s.dout) + wg * 64 * 128;
     gemm::mbarWait(&s.fullQ, 0);  // acquire: Q and dO landed
-    gemm::PipeState<kDqStages> ps;
+    gemm::PipeState<kDqStages<HD, BK>> ps;
     int prevStage = 0;
     // dS fragments of the step whose dQ product may still be in flight: kept live across the next step's S and dP
     // (fenceRegs below), so that their accumulators are not given these registers while the wgmma reads them.
@@ -186,24 +192,46 @@ __device__ __forceinline__ void runDqConsumer(const WgKernelParams& params, DqSh
       int32_t lim[2] = {BK, BK};
       if (mask) dqMaskLimits<BK>(p, rowR, key0, lim);
 
-      // In flight after these two: the previous step's dQ product, S, dP (groups complete in order). P's exp2 runs
-      // while dP is computed.
-      float sacc[BK / 2], dp[BK / 2];
-      issueSS<T, HD, BK, kDqBlockQ>(sacc, qAddr, kAddr);
-      issueSS<T, HD, BK, kDqBlockQ>(dp, doAddr, vAddr);
-      gemm::wgmmaWait<1>();  // the previous dQ product and S done
-      gemm::fenceAccumulators(sacc);
-      if (it > 0) {
+      // Once the previous step's dQ product is done: its dS registers may be reused, its stage refilled.
+      const auto releasePrevious = [&](int32_t step) {
+        if (step == 0) return;
         attn::fenceRegs(dsf);
         // release: every read of the previous stage (K and V by completed wgmmas); pairs with the producer's empty
         // wait.
         if (t == 0) gemm::mbarArrive(&s.empty[prevStage]);
-      }
-      rowProbs<BK>(sacc, lse2, p.scaleLog2, mask, lim, t);
-      gemm::wgmmaWait<0>();
-      gemm::fenceAccumulators(dp);
+      };
+      float sacc[BK / 2], dp[BK / 2];
+      if constexpr (kDqSerial<HD, BK>) {
+        issueSS<T, HD, BK, kDqBlockQ>(sacc, qAddr, kAddr);
+        gemm::wgmmaWait<0>();  // the previous dQ product and S done
+        gemm::fenceAccumulators(sacc);
+        releasePrevious(it);
+        rowProbs<BK>(sacc, lse2, p.scaleLog2, mask, lim, t);
+        uint32_t pf[BK / 4];
+        attn::packP<T, BK>(pf, sacc);
+        issueSS<T, HD, BK, kDqBlockQ>(dp, doAddr, vAddr);
+        gemm::wgmmaWait<0>();
+        gemm::fenceAccumulators(dp);
 #pragma unroll
-      for (int i = 0; i < BK / 2; ++i) dp[i] = sacc[i] * (dp[i] - dot[(i >> 1) & 1]);
+        for (int i = 0; i < BK / 4; ++i) {  // pf[i] holds P of elements 2 i, 2 i + 1 (row rowR + 8 (i % 2))
+          const float2 pv = unpackPair<T>(pf[i]);
+          dp[2 * i] = pv.x * (dp[2 * i] - dot[i & 1]);
+          dp[2 * i + 1] = pv.y * (dp[2 * i + 1] - dot[i & 1]);
+        }
+      } else {
+        // In flight after these two: the previous step's dQ product, S, dP (groups complete in order). P's exp2 runs
+        // while dP is computed.
+        issueSS<T, HD, BK, kDqBlockQ>(sacc, qAddr, kAddr);
+        issueSS<T, HD, BK, kDqBlockQ>(dp, doAddr, vAddr);
+        gemm::wgmmaWait<1>();  // the previous dQ product and S done
+        gemm::fenceAccumulators(sacc);
+        releasePrevious(it);
+        rowProbs<BK>(sacc, lse2, p.scaleLog2, mask, lim, t);
+        gemm::wgmmaWait<0>();
+        gemm::fenceAccumulators(dp);
+#pragma unroll
+        for (int i = 0; i < BK / 2; ++i) dp[i] = sacc[i] * (dp[i] - dot[(i >> 1) & 1]);
+      }
       attn::packP<T, BK>(dsf, dp);
 
       // dQ += dS K (k = the step's keys, N = head dim, B read N-major from the K tile); waited for in the next step.
@@ -233,21 +261,22 @@ __device__ __forceinline__ void runDqConsumer(const WgKernelParams& params, DqSh
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// A whole CTA: call from a __global__ with __launch_bounds__(kThreads, 1), kThreads threads and kDqSmemBytes<HD> of
-// dynamic shared memory.
+// A whole CTA: call from a __global__ with __launch_bounds__(kThreads, 1), kThreads threads and kDqSmemBytes<HD, BK>
+// of dynamic shared memory.
 // ---------------------------------------------------------------------------------------------------------------
-template <class T, int HD>
+template <class T, int HD, int BK>
 __device__ __forceinline__ void runDqCta(const WgKernelParams& p, uint8_t* smemRaw, int32_t qBlock, int32_t head) {
   static_assert(HD == 64 || HD == 128, "head dim");
-  auto& s = *reinterpret_cast<DqSharedStorage<HD>*>((reinterpret_cast<uintptr_t>(smemRaw) + 1023) &
-                                                    ~static_cast<uintptr_t>(1023));
+  static_assert(BK == 64 || BK == 128, "keys per step");
+  auto& s = *reinterpret_cast<DqSharedStorage<HD, BK>*>((reinterpret_cast<uintptr_t>(smemRaw) + 1023) &
+                                                        ~static_cast<uintptr_t>(1023));
   const int wgIdx = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
   const int t = static_cast<int>(threadIdx.x) % 128;
   if (threadIdx.x == 0) {
     if (blockDim.x != kThreads) __trap();  // geometry: the host launches kThreads
     gemm::mbarInit(&s.fullQ, 1);
 #pragma unroll
-    for (int i = 0; i < kDqStages; ++i) {
+    for (int i = 0; i < kDqStages<HD, BK>; ++i) {
       gemm::mbarInit(&s.full[i], 1);
       gemm::mbarInit(&s.empty[i], kConsumerWarpgroups);
     }
@@ -261,11 +290,11 @@ __device__ __forceinline__ void runDqCta(const WgKernelParams& p, uint8_t* smemR
   switch (roleOf(wgIdx)) {
     case Role::kProducer:
       gemm::setMaxNRegDec<kProducerRegs>();
-      if (t == 0) runDqProducer<HD>(p, s, qBlock, head);
+      if (t == 0) runDqProducer<HD, BK>(p, s, qBlock, head);
       break;
     case Role::kConsumer:
       gemm::setMaxNRegInc<kConsumerRegs>();
-      runDqConsumer<T, HD>(p, s, qBlock, head, wgIdx - 1, t);
+      runDqConsumer<T, HD, BK>(p, s, qBlock, head, wgIdx - 1, t);
       break;
   }
 }

@@ -31,7 +31,8 @@ enum class AttentionBwdCore : uint8_t {
   /// kWgmma, unless the environment variable TANDEM_ATTENTION_BWD_CORE is "mma_sync" (A/B runs of a whole program).
   kAuto = 0,
   /// wgmma and TMA, warp-specialised (FlashAttention-3's backward design): device/attention_bwd_wgmma_sm90.cuh (dk /
-  /// dv, atomic dq) and device/attention_bwd_wgmma_dq_sm90.cuh (deterministic dq).
+  /// dv, atomic dq) and device/attention_bwd_wgmma_dq_sm90.cuh (deterministic dq; the environment variable
+  /// TANDEM_ATTENTION_BWD_DQ_BLOCK_KV = 64 or 128 overrides its keys per step for A/B runs, read once per process).
   kWgmma = 1,
   /// mma.sync and cp.async (FlashAttention-2 style): device/attention_bwd_sm90.cuh. Kept for A/B comparison.
   kMmaSync = 2,
