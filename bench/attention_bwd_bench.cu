@@ -1,7 +1,9 @@
-// Attention backward core on one Hopper GPU: time of launchAttentionBwd in both dq modes on both dk/dv cores (wgmma and
-// mma.sync, AttentionBwdCore; CUDA events around every launch, median), with o and lse from the forward core on the
-// same inputs. bench/sdpa_bwd_baseline.py times torch
-// SDPA's backward (cuDNN and flash backends) on the same shapes; run both in the same device call.
+// Attention backward core on one Hopper GPU: time of launchAttentionBwd in both dq modes on both cores (wgmma and
+// mma.sync, AttentionBwdCore: the core runs the dk/dv pass and either dq mode; CUDA events around every launch,
+// median), with o and lse from the forward core on the same inputs. TANDEM_ATTENTION_BWD_DQ_BLOCK_KV=64|128 in the
+// environment sets the wgmma deterministic dq kernel's keys per step (default 64 at head_dim 128, 128 at 64) for A/B
+// runs. bench/sdpa_bwd_baseline.py times torch SDPA's backward (cuDNN and flash backends) on the same shapes; run both
+// in the same device call.
 //
 //   attention_bwd_bench [--iters N] [--warmup N] [--seqs 4096,8192,16384] [--heads 16] [--hds 128,64]
 //                       [--causal both|0|1] [--fp16] [--cores wgmma,mma_sync]

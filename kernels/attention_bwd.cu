@@ -1,6 +1,7 @@
-// Attention backward core: its kernels (row preparation, dk/dv per KV block on the wgmma or the mma.sync core, dq per
-// query block, the atomic mode's rounding) and their launcher. Device building blocks: device/attention_bwd_sm90.cuh
-// and device/attention_bwd_wgmma_sm90.cuh. Shape rules and workspace size: attention_bwd_host.cpp.
+// Attention backward core: its kernels (row preparation, dk/dv per KV block and dq per query block on the wgmma or the
+// mma.sync core, the atomic mode's rounding) and their launcher. Device building blocks: device/attention_bwd_sm90.cuh,
+// device/attention_bwd_wgmma_sm90.cuh and device/attention_bwd_wgmma_dq_sm90.cuh. Shape rules and workspace size:
+// attention_bwd_host.cpp.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -11,6 +12,7 @@
 
 #include "device/attention_bwd_sm90.cuh"
 #include "preload_on.hpp"
+#include "device/attention_bwd_wgmma_dq_sm90.cuh"
 #include "device/attention_bwd_wgmma_sm90.cuh"
 #include "tandem/kernels/attention_bwd.hpp"
 #include "tandem/kernels/tensor_map_cache.hpp"
@@ -19,6 +21,7 @@ namespace tandem::kernels {
 namespace attn_bwd_detail {
 [[noreturn]] void failCuda(const std::string& what);
 [[noreturn]] void failUnsupported(const std::string& what);
+[[noreturn]] void failInvalidConfig(const std::string& what);
 struct WorkspaceLayout {
   size_t rowLse2, rowDot, dqAccum, total;  // byte offsets
   int64_t sqPad;
@@ -56,6 +59,15 @@ template <class T, int HD, bool AtomicDq>
 __global__ void __launch_bounds__(wg::kThreads, 1) wgKvKernel(const __grid_constant__ wg::WgKernelParams p) {
   extern __shared__ __align__(16) uint8_t smemRaw[];
   wg::runKvCta<T, HD, AtomicDq>(p, smemRaw, static_cast<int32_t>(blockIdx.x), static_cast<int32_t>(blockIdx.y));
+}
+
+// The wgmma core's deterministic dq kernel: same grid as qKernel (query blocks of wg::kDqBlockQ rows, the last
+// first), wg::kThreads threads.
+template <class T, int HD, int BK>
+__global__ void __launch_bounds__(wg::kThreads, 1) wgDqKernel(const __grid_constant__ wg::WgKernelParams p) {
+  extern __shared__ __align__(16) uint8_t smemRaw[];
+  wg::runDqCta<T, HD, BK>(p, smemRaw, static_cast<int32_t>(gridDim.x - 1 - blockIdx.x),
+                          static_cast<int32_t>(blockIdx.y));
 }
 
 template <class T>
@@ -123,6 +135,49 @@ void launchKv(const BwdKernelParams& p, bool wgmma, cudaStream_t stream) {
   launch(&wgKvKernel<T, HD, AtomicDq>, grid, wg::kThreads, wg::kSmemBytes<HD, AtomicDq>, stream, what, w);
 }
 
+// Keys per step of the wgmma dq kernel: wg::kDqBlockKv<HD>, or TANDEM_ATTENTION_BWD_DQ_BLOCK_KV (64 or 128) for A/B
+// runs (device/attention_bwd_wgmma_dq_sm90.cuh says what each costs). Read once per process.
+int dqBlockKv(int hd) {
+  static const int fromEnv = [] {
+    const char* const env = std::getenv("TANDEM_ATTENTION_BWD_DQ_BLOCK_KV");
+    if (env == nullptr) return 0;
+    if (std::strcmp(env, "64") == 0) return 64;
+    if (std::strcmp(env, "128") == 0) return 128;
+    attn_bwd_detail::failInvalidConfig(std::string("TANDEM_ATTENTION_BWD_DQ_BLOCK_KV is \"") + env +
+                                       "\"; set it to 64 or 128, or unset it for the default");
+  }();
+  return fromEnv != 0 ? fromEnv : (hd == 64 ? wg::kDqBlockKv<64> : wg::kDqBlockKv<128>);
+}
+
+template <class T, int HD, int BK>
+void launchWgDq(const BwdKernelParams& p, cudaStream_t stream) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  constexpr uint32_t kBk = static_cast<uint32_t>(BK);
+  wg::WgKernelParams w;
+  std::memset(&w, 0, sizeof(w));
+  w.tmQ = encodeMap(p.q, p.sq, static_cast<int64_t>(p.heads) * HD, wg::kDqBlockQ, kBf16);
+  w.tmDout = encodeMap(p.dout, p.sq, static_cast<int64_t>(p.heads) * HD, wg::kDqBlockQ, kBf16);
+  w.tmK = encodeMap(p.k, p.sk, static_cast<int64_t>(p.kvHeads) * HD, kBk, kBf16);
+  w.tmV = encodeMap(p.v, p.sk, static_cast<int64_t>(p.kvHeads) * HD, kBk, kBf16);
+  w.b = p;
+  const dim3 grid(static_cast<unsigned>((p.sq + wg::kDqBlockQ - 1) / wg::kDqBlockQ), static_cast<unsigned>(p.heads));
+  launch(&wgDqKernel<T, HD, BK>, grid, wg::kThreads, wg::kDqSmemBytes<HD, BK>, stream,
+         "launching the attention backward's dq kernel", w);
+}
+
+// Deterministic dq: one CTA per query block and head, KV blocks in order (bitwise repeatable).
+template <class T, int HD>
+void launchDq(const BwdKernelParams& p, bool wgmma, cudaStream_t stream) {
+  if (!wgmma) {
+    launch(&qKernel<T, HD>, dim3(static_cast<unsigned>((p.sq + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.heads)),
+           kThreads, sizeof(QSmem<HD>), stream, "launching the attention backward's dq kernel", p);
+  } else if (dqBlockKv(HD) == 64) {
+    launchWgDq<T, HD, 64>(p, stream);
+  } else {
+    launchWgDq<T, HD, 128>(p, stream);
+  }
+}
+
 template <class T, int HD>
 void launchTyped(const BwdKernelParams& p, bool atomicDq, bool wgmma, cudaStream_t stream) {
   launch(&prepareKernel<T, HD>, dim3(static_cast<unsigned>(p.sqPad / kWarps), static_cast<unsigned>(p.heads)),
@@ -136,8 +191,7 @@ void launchTyped(const BwdKernelParams& p, bool atomicDq, bool wgmma, cudaStream
     return;
   }
   launchKv<T, HD, false>(p, wgmma, stream);
-  launch(&qKernel<T, HD>, dim3(static_cast<unsigned>((p.sq + kBlockQ - 1) / kBlockQ), static_cast<unsigned>(p.heads)),
-         kThreads, sizeof(QSmem<HD>), stream, "launching the attention backward's dq kernel", p);
+  launchDq<T, HD>(p, wgmma, stream);
 }
 
 // params.core, with kAuto resolved through TANDEM_ATTENTION_BWD_CORE.
@@ -237,7 +291,11 @@ void preloadAttentionBwdKernels(int device) {
   const WgFn wgFns[] = {&wgKvKernel<__nv_bfloat16, 64, false>,  &wgKvKernel<__half, 64, false>,
                         &wgKvKernel<__nv_bfloat16, 128, false>, &wgKvKernel<__half, 128, false>,
                         &wgKvKernel<__nv_bfloat16, 64, true>,   &wgKvKernel<__half, 64, true>,
-                        &wgKvKernel<__nv_bfloat16, 128, true>,  &wgKvKernel<__half, 128, true>};
+                        &wgKvKernel<__nv_bfloat16, 128, true>,  &wgKvKernel<__half, 128, true>,
+                        &wgDqKernel<__nv_bfloat16, 64, 64>,     &wgDqKernel<__half, 64, 64>,
+                        &wgDqKernel<__nv_bfloat16, 64, 128>,    &wgDqKernel<__half, 64, 128>,
+                        &wgDqKernel<__nv_bfloat16, 128, 64>,    &wgDqKernel<__half, 128, 64>,
+                        &wgDqKernel<__nv_bfloat16, 128, 128>,   &wgDqKernel<__half, 128, 128>};
   preloadOn(device, wgFns, "preloadAttentionBwdKernels");
 }
 

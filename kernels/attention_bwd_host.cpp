@@ -14,6 +14,9 @@ namespace attn_bwd_detail {
 [[noreturn]] void failUnsupported(const std::string& what) {
   throw Error(ErrorCode::kUnsupported, "attention backward: " + what);
 }
+[[noreturn]] void failInvalidConfig(const std::string& what) {
+  throw Error(ErrorCode::kInvalidConfig, "attention backward: " + what);
+}
 
 // Byte offsets into the workspace; attention_bwd.cu uses the same function. Rows per head are padded to 128
 // (attn_bwd::kRowPad) so that the kernels read whole blocks of D and lse without bounds checks.

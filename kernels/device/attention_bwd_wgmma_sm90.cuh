@@ -1,7 +1,8 @@
 // Hopper (sm_90a) attention backward, dk / dv pass (and dq by fp32 atomics in AttentionBwdDq::kAtomic mode), on wgmma
-// and TMA with warp specialisation (FlashAttention-3's backward design). The row preparation, the deterministic dq
-// pass and the atomic mode's rounding stay those of device/attention_bwd_sm90.cuh; this header replaces its
-// runKvBlock. No __global__ here: attention_bwd.cu wires it into a kernel.
+// and TMA with warp specialisation (FlashAttention-3's backward design). The row preparation and the atomic mode's
+// rounding stay those of device/attention_bwd_sm90.cuh; this header replaces its runKvBlock, and
+// device/attention_bwd_wgmma_dq_sm90.cuh (built on the pieces here) its runQBlock. No __global__ here: attention_bwd.cu
+// wires it into a kernel.
 //
 // One CTA per (KV block of kBlockKv = 128 keys, KV head), 3 warpgroups:
 //   warpgroup 0: producer. One thread loads K and V of the block once (TMA), then per step the Q and dO blocks of
@@ -164,16 +165,17 @@ __device__ __forceinline__ void runProducer(const WgKernelParams& p, SharedStora
 // Consumer pieces. Thread t of a warpgroup holds, of every 64 x N accumulator, rows r = 16 (t / 32) + (t % 32) / 4
 // and r + 8, columns 8 j + 2 (t % 4) + {0, 1}: acc[4 j + {0, 1}] is row r, acc[4 j + {2, 3}] row r + 8.
 // ---------------------------------------------------------------------------------------------------------------
-// D[64 x BQ] = A[64 x HD] B[BQ x HD]^T, both K-major 64-column halves: A rows `aRows` per half (the warpgroup's 64
-// rows start at aAddr), B rows BQ per half. One commit group.
-template <class T, int HD, int BQ>
+// D[64 x BQ] = A[64 x HD] B[BQ x HD]^T, both K-major 64-column halves: A rows ARows per half (the warpgroup's 64
+// rows start at aAddr), B rows BQ per half. One commit group. The dk/dv pass passes K or V as A (kBlockKv rows), the
+// dq pass Q or dO (its kDqBlockQ rows) and B = K or V.
+template <class T, int HD, int BQ, int ARows = kBlockKv>
 __device__ __forceinline__ void issueSS(float (&acc)[BQ / 2], uint32_t aAddr, uint32_t bAddr) {
   gemm::wgmmaFence();
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
     // k-step kk: half kk / 4, 32 bytes further into the 128-byte row per step inside a half.
     const uint32_t off = static_cast<uint32_t>(kk % 4) * 32;
-    const uint64_t descA = gemm::makeSmemDesc(aAddr + (kk / 4) * (kBlockKv * 128) + off);
+    const uint64_t descA = gemm::makeSmemDesc(aAddr + (kk / 4) * (ARows * 128) + off);
     const uint64_t descB = gemm::makeSmemDesc(bAddr + (kk / 4) * (BQ * 128) + off);
     gemm_layouts::Wgmma<T, BQ>::template run<0, 0>(acc, descA, descB, kk > 0 ? 1u : 0u);
   }

@@ -1,8 +1,9 @@
 // The attention backward core (kernels/attention_bwd.cu) on one GPU against an fp64 reference computed here from the
 // same 16-bit inputs: bf16 and fp16, head_dim 64 and 128, causal and not, GQA groups 1 / 4 / 8, query and key lengths
 // that differ and are no block multiple, query and key chunks at global positions (ring attention's chunk pairs: one
-// wholly in the past, one wholly in the future, rows that see no key), a custom scale, both dq modes. Outputs are
-// poisoned (NaN) before each launch. Every case runs on both dk/dv cores (wgmma and mma.sync, AttentionBwdCore). Then:
+// wholly in the past, one wholly in the future, rows that see no key), a custom scale, both dq modes, key walks long
+// enough to wrap the K / V rings of the wgmma dq kernel several times. Outputs are poisoned (NaN) before each launch.
+// Every case runs on both cores (wgmma and mma.sync, AttentionBwdCore: dk / dv and both dq modes). Then:
 // lse and o from the forward core, 20 bitwise repeats of the deterministic mode on each core, and the host-side shape
 // rules.
 #include <cuda_bf16.h>
@@ -287,6 +288,8 @@ std::vector<Case> cases() {
       {"bf16 hd64 causal chunk in the future", D::kBf16, 64, 2, 2, 100, 150, true, 0, 1000, 0.0f},
       {"bf16 hd64 causal gqa8 offsets 257x300", D::kBf16, 64, 8, 1, 257, 300, true, 1000, 980, 0.0f},
       {"fp16 hd64 causal mha 129x129", D::kFp16, 64, 2, 2, 129, 129, true, 0, 0, 0.0f},
+      {"bf16 hd64 full gqa2 long keys 70x1030", D::kBf16, 64, 4, 2, 70, 1030, false, 0, 0, 0.0f},
+      {"fp16 hd128 causal gqa2 long keys 300x1000", D::kFp16, 128, 4, 2, 300, 1000, true, 700, 0, 0.0f},
   };
 }
 

@@ -1,9 +1,9 @@
 // Attention backward core on one Hopper GPU: dq, dk, dv of out = softmax(scale * q K^T [+ causal mask]) V per head,
-// recomputing P from the forward's log-sum-exp, fp32 accumulation, bf16 or fp16 in and out. dk / dv (and the atomic
-// mode's dq) on wgmma and TMA (FlashAttention-3's design) or on the earlier mma.sync core (AttentionBwdCore).
+// recomputing P from the forward's log-sum-exp, fp32 accumulation, bf16 or fp16 in and out. dk / dv and dq on wgmma
+// and TMA (FlashAttention-3's design) or on the earlier mma.sync core (AttentionBwdCore).
 // Grouped-query attention (k / v with fewer heads than q) and separate query and key lengths with global positions, so
-// that ring attention can run it on one query chunk against one KV chunk. See kernels/device/attention_bwd_sm90.cuh
-// and kernels/device/attention_bwd_wgmma_sm90.cuh for the design.
+// that ring attention can run it on one query chunk against one KV chunk. See kernels/device/attention_bwd_sm90.cuh,
+// kernels/device/attention_bwd_wgmma_sm90.cuh and kernels/device/attention_bwd_wgmma_dq_sm90.cuh for the design.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,19 +18,21 @@ namespace tandem::kernels {
 /// How dq is accumulated over the KV blocks.
 enum class AttentionBwdDq : uint8_t {
   /// Bitwise repeatable (the default): a second kernel, parallel over query blocks, recomputes P and dS and sums
-  /// dS K over the KV blocks in order. 1.4x the matrix work of kAtomic, no dq workspace; measured 1.04-1.17x its
-  /// time (H100, 16 heads, seq 4K-16K, head_dim 64 and 128).
+  /// dS K over the KV blocks in order (on the core params.core selects). 1.4x the matrix work of kAtomic, no dq
+  /// workspace; on the mma.sync core measured 1.04-1.17x its time (H100, 16 heads, seq 4K-16K, head_dim 64 and 128).
   kDeterministic = 0,
   /// The dk/dv kernel adds each KV block's dS K into an fp32 workspace with atomic adds (order varies from run to run,
   /// so dq varies in its last bits); a last pass rounds it into dq.
   kAtomic = 1,
 };
 
-/// Which implementation runs the dk / dv pass (and the atomic mode's dq).
+/// Which implementation runs the dk / dv pass, the atomic mode's dq and the deterministic mode's dq pass.
 enum class AttentionBwdCore : uint8_t {
   /// kWgmma, unless the environment variable TANDEM_ATTENTION_BWD_CORE is "mma_sync" (A/B runs of a whole program).
   kAuto = 0,
-  /// wgmma and TMA, warp-specialised (FlashAttention-3's backward design): device/attention_bwd_wgmma_sm90.cuh.
+  /// wgmma and TMA, warp-specialised (FlashAttention-3's backward design): device/attention_bwd_wgmma_sm90.cuh (dk /
+  /// dv, atomic dq) and device/attention_bwd_wgmma_dq_sm90.cuh (deterministic dq; the environment variable
+  /// TANDEM_ATTENTION_BWD_DQ_BLOCK_KV = 64 or 128 overrides its keys per step for A/B runs, read once per process).
   kWgmma = 1,
   /// mma.sync and cp.async (FlashAttention-2 style): device/attention_bwd_sm90.cuh. Kept for A/B comparison.
   kMmaSync = 2,
@@ -81,7 +83,8 @@ size_t attentionBwdWorkspaceBytes(const AttentionBwdParams& params);
 void validateAttentionBwd(const AttentionBwdParams& params);
 
 /// Enqueues the attention backward on `stream` (3 kernels: per-row dot(dout, o) and lse in log2 units; dk / dv (and
-/// dq in kAtomic mode) on the core params.core selects; dq (kDeterministic, mma.sync) or its rounding (kAtomic)). Throws tandem::Error: kInvalidArgument from
+/// dq in kAtomic mode) on the core params.core selects; dq (kDeterministic, on the same core) or its rounding
+/// (kAtomic)). Throws tandem::Error: kInvalidArgument from
 /// validateAttentionBwd, kUnsupported on a GPU that is not sm_90, kCuda when a CUDA call fails. Thread-safe.
 void launchAttentionBwd(const AttentionBwdParams& params, cudaStream_t stream);
 
