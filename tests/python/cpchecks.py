@@ -19,7 +19,6 @@ import tandem
 import tpchecks
 
 TOL32 = dict(atol=2e-5, rtol=1e-4)
-FLOOR = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # absolute error allowed beyond twice torch's own
 
 
 def _inputs(seqs, heads, kv_heads, hd, dtype, tag):
@@ -55,14 +54,11 @@ def torch_sdpa_whole(q_, k_, v_, g_, seqs, causal, scale, layout, dtype, device)
 
 
 def _close(got, want64, dtype, what, torch_lowp=None):
-    got = got.detach().to("cpu", torch.float64)
     if dtype == torch.float32:
+        got = got.detach().to("cpu", torch.float64)
         torch.testing.assert_close(got, want64, **TOL32, msg=lambda m: f"{what}: {m}")
         return
-    err = (got - want64).abs().max().item() if got.numel() else 0.0
-    theirs = (torch_lowp.detach().to("cpu", torch.float64) - want64).abs().max().item() if got.numel() else 0.0
-    assert err <= 2 * theirs + FLOOR[dtype], (f"{what}: max error {err:.3g} against float64, more than twice torch's "
-                                              f"own {dtype} error {theirs:.3g} + {FLOOR[dtype]}")
+    opchecks.within_torch_error(got, want64, torch_lowp, dtype, what)
 
 
 def _recorded(graphs, kind):

@@ -16,6 +16,18 @@ import tandem
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
        torch.float16: dict(atol=5e-3, rtol=5e-3)}
+LOWP_FLOOR = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # absolute error allowed beyond twice torch's own
+
+
+def within_torch_error(got, want64, torch_lowp, dtype, what):
+    """A 16-bit result against float64: its largest error at most twice that of torch's own computation of the same
+    math in `dtype` (`torch_lowp`), plus a small floor (FlashAttention's rule: no worse than PyTorch at the same
+    precision)."""
+    got = got.detach().to("cpu", torch.float64)
+    err = (got - want64).abs().max().item() if got.numel() else 0.0
+    theirs = (torch_lowp.detach().to("cpu", torch.float64) - want64).abs().max().item() if got.numel() else 0.0
+    assert err <= 2 * theirs + LOWP_FLOOR[dtype], (f"{what}: max error {err:.3g} against float64, more than twice "
+                                                   f"torch's own {dtype} error {theirs:.3g} + {LOWP_FLOOR[dtype]}")
 
 
 def gen(tag: str, rank: int, shape, dtype=torch.float32, scale: float = 1.0):
