@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "rank_buffers.hpp"
+#include "submit_op.hpp"
 
 using namespace tandem::gputest;
 using tandem::DType;
@@ -73,28 +74,7 @@ std::vector<OpDescriptor> descriptorsOf(const BwdCase& c, uint32_t n) {
 }
 
 tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) {
-  const OpDescriptor& d = b.desc();
-  tandem_ring_attention_backward_args_t a{};
-  a.struct_size = sizeof a;
-  a.dtype = static_cast<tandem_dtype_t>(d.dtype);
-  a.seq = d.dims[dim::kSeq];
-  a.heads = d.dims[dim::kHeads];
-  a.head_dim = d.dims[dim::kHeadDim];
-  a.kv_heads = d.dims[dim::kKvHeads];
-  a.causal = (d.flags & tandem::kFlagCausal) != 0;
-  a.layout = (d.flags & tandem::kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
-  a.scale = d.scale;
-  a.q = b.tensor(slot::kQ);
-  a.k = b.tensor(slot::kKey);
-  a.v = b.tensor(slot::kValue);
-  a.o = b.tensor(slot::kAttnOut);
-  a.dout = b.tensor(slot::kDout);
-  a.lse = b.tensor(slot::kBwdLse);
-  a.dq = b.tensor(slot::kDq);
-  a.dk = b.tensor(slot::kDk);
-  a.dv = b.tensor(slot::kDv);
-  a.cuda_stream = stream;
-  return tandem_ring_attention_backward(comm, &a, op);
+  return tandem::gputest::submitOp(b.desc(), [&b](int s) { return b.tensor(s); }, comm, stream, op);
 }
 
 // FNV-1a over every output's bytes: what a rank reports of a case, for the comparison across executors.

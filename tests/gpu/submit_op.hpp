@@ -56,6 +56,29 @@ tandem_status_t submitOp(const OpDescriptor& d, const TensorOf& tensor, tandem_c
       a.cuda_stream = stream;
       return tandem_ring_attention(comm, &a, op);
     }
+    case OpKind::kRingAttentionBackward: {
+      tandem_ring_attention_backward_args_t a{};
+      a.struct_size = sizeof a;
+      a.dtype = dtype;
+      a.seq = d.dims[dim::kSeq];
+      a.heads = d.dims[dim::kHeads];
+      a.head_dim = d.dims[dim::kHeadDim];
+      a.kv_heads = d.dims[dim::kKvHeads];
+      a.causal = (d.flags & kFlagCausal) != 0;
+      a.layout = (d.flags & kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
+      a.scale = d.scale;
+      a.q = tensor(slot::kQ);
+      a.k = tensor(slot::kKey);
+      a.v = tensor(slot::kValue);
+      a.o = tensor(slot::kAttnOut);
+      a.dout = tensor(slot::kDout);
+      a.lse = tensor(slot::kBwdLse);
+      a.dq = tensor(slot::kDq);
+      a.dk = tensor(slot::kDk);
+      a.dv = tensor(slot::kDv);
+      a.cuda_stream = stream;
+      return tandem_ring_attention_backward(comm, &a, op);
+    }
     case OpKind::kMoeDispatchGemm: {
       const tandem_moe_dispatch_gemm_args_t a{
           sizeof a, dtype, d.dims[dim::kTokens], d.dims[dim::kHidden], d.dims[dim::kNOut], d.dims[dim::kExperts],
