@@ -186,7 +186,7 @@ TEST_CASE("fused ops: small M (decode) runs NT on the layouts core unless the pl
   }
 }
 
-TEST_CASE("ag-gemm: NN (dgrad) takes the fused plan with the weight loaded MN-major; TN stays decomposed") {
+TEST_CASE("ag-gemm: NN (dgrad) takes the fused plan with the weight loaded MN-major, TN stays decomposed") {
   k::AgGemmParams p{};
   p.rank = 0;
   p.nranks = 2;
