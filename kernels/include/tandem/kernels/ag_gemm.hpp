@@ -1,6 +1,8 @@
 // Fused AllGather + GEMM over NVLink. n ranks, one GPU each. Rank r holds the row shard
 // A[rowOffset(m, r, n) .. + rowsOf(m, r, n)) as [rows, k]; every rank has its own B [n_cols, k]; every rank gets
-// C = gather(A) · Bᵀ, [m, n_cols], and the gathered A [m, k] in its gathered buffer (workspace and output).
+// C = gather(A) · Bᵀ, [m, n_cols], and the gathered A [m, k] in its gathered buffer (workspace and output). The
+// backward's layouts (AgGemmParams::layout): NN, B [k, n_cols] and C = gather(A) · B, fused alike (the weight loaded
+// MN-major); TN, the all-gather and then the GEMM.
 //
 // Transport: PUSH. Each rank's communication CTAs read its own shard (local HBM) and write it, chunk by chunk, into
 // every peer's gathered buffer over NVLink (and once into its own), then publish a per-chunk epoch flag in the
