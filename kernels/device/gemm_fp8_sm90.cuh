@@ -362,10 +362,10 @@ __device__ __forceinline__ BlockScalesB blockScalesB(const KernelParams& p, int3
 // Block scaled: per k-block and column half, a fresh m64n128 accumulator, promoted into acc with its two scales (see
 // the file comment for why every 128 k). wg: this warpgroup's index (0, 1). Reads the stage ring of s (A, B and A's
 // row scales of each k-block) and no kernel parameters, so other kernels on this storage (the FP8 grouped GEMM) run it
-// too.
+// too. numKBlocks by reference: callers pass their parameter-space field, read where the loop needs it.
 template <class TA, class TB, int Stages>
 __device__ __forceinline__ void mainLoopBlock(SharedStorage<Scaling::kBlock>& s, PipeState<Stages>& ps,
-                                              float (&acc)[128], int32_t numKBlocks, const BlockScalesB& sb, int wg,
+                                              float (&acc)[128], const int32_t& numKBlocks, const BlockScalesB& sb, int wg,
                                               int t) {
   float part[64];
   const int r = (t / 32) * 16 + (t % 32) / 4;  // this thread's accumulator rows r and r + 8 of the warpgroup's 64

@@ -176,6 +176,9 @@ __device__ __forceinline__ void runConsumer(const GroupedGemmFp8KernelParams& p,
     } else {
       float scale0, scale1;
       grouped::rowScales(p.g.rowScale, rowBase, rowsHere, r, scale0, scale1);
+      const uint32_t rowOff0 = static_cast<uint32_t>(r) * 128;
+      const uint32_t rowOff1 = static_cast<uint32_t>(r + 8) * 128;
+      const uint32_t phase = static_cast<uint32_t>(r & 7);
 #pragma unroll
       for (int c = 0; c < grouped::kStoreTileCols / grouped::kEpiCols; ++c) {
         const int32_t chunkCol = tile.col0 + c * grouped::kEpiCols;
@@ -183,7 +186,8 @@ __device__ __forceinline__ void runConsumer(const GroupedGemmFp8KernelParams& p,
         grouped::storeGroupChunk<__nv_bfloat16, Geometry::kEpiBufs>(
             gemm::smemAddr(s.c[wg][0]), &p.g.tmOut, p.g.out, p.g.ldOut, p.g.nOut, rowBase, rowsHere, chunkCol, barId,
             t, epiChunks, [&](uint32_t base) {
-              grouped::stageChunk16<__nv_bfloat16, GroupedGemmEpilogue::kStore>(base, acc, c, r, lane, scale0, scale1);
+              grouped::stageChunk16<__nv_bfloat16, GroupedGemmEpilogue::kStore>(base, acc, c, rowOff0, rowOff1, phase,
+                                                                                lane, scale0, scale1);
             });
       }
     }

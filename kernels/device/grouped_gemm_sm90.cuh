@@ -365,13 +365,11 @@ __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __e
 
 // The 16-bit chunk c of a tile (64 columns) from the m64n256 accumulators: kStore's columns, or kSwiGlu's
 // silu(gate) * up (thread-local accumulator group j pairs with j + 16), times the rows' scales, into the swizzled
-// chunk at base. r: this thread's first accumulator row (the other is r + 8), lane: its lane.
+// chunk at base. rowOff0 / rowOff1: byte offsets of this thread's accumulator rows r and r + 8 in the chunk; phase:
+// r & 7 (their swizzle phase); lane: this thread's lane.
 template <class T, GroupedGemmEpilogue Epi>
-__device__ __forceinline__ void stageChunk16(uint32_t base, const float (&acc)[128], int c, int r, int lane,
-                                             float scale0, float scale1) {
-  const uint32_t rowOff0 = static_cast<uint32_t>(r) * 128;
-  const uint32_t rowOff1 = static_cast<uint32_t>(r + 8) * 128;
-  const uint32_t phase = static_cast<uint32_t>(r & 7);
+__device__ __forceinline__ void stageChunk16(uint32_t base, const float (&acc)[128], int c, uint32_t rowOff0,
+                                             uint32_t rowOff1, uint32_t phase, int lane, float scale0, float scale1) {
 #pragma unroll
   for (int jj = 0; jj < kEpiCols / 8; ++jj) {
     const int j = c * (kEpiCols / 8) + jj;  // 8-column group of the accumulator (of the gate half for SwiGLU)
@@ -421,8 +419,12 @@ __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams
   uint32_t epiChunks = 0;  // epilogue chunks written so far by this warpgroup (buffer parity)
   const uint32_t aOffset = static_cast<uint32_t>(wg) * kRowsPerConsumer * kBlockK * 2;
   const gemm::Barrier epiBar = wg == 0 ? gemm::Barrier::kConsumerEpilogue0 : gemm::Barrier::kConsumerEpilogue1;
+  const int warp = t / 32;
   const int lane = t % 32;
-  const int r = (t / 32) * 16 + lane / 4;  // this thread's accumulator rows r and r + 8 (same swizzle phase r & 7)
+  const int r = warp * 16 + lane / 4;  // this thread's accumulator rows r and r + 8 (same swizzle phase r & 7)
+  const uint32_t rowOff0 = static_cast<uint32_t>(r) * 128;
+  const uint32_t rowOff1 = static_cast<uint32_t>(r + 8) * 128;
+  const uint32_t phase = static_cast<uint32_t>(r & 7);
 
   GroupTile tile;
   RingPos rp;
@@ -474,7 +476,7 @@ __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams
       if (chunkCol >= p.nOut) break;  // uniform: the rest of the tile lies past nOut
       storeGroupChunk<T, 2>(gemm::smemAddr(s.c[wg][0]), &p.tmOut, p.out, p.ldOut, p.nOut, rowBase, rowsHere, chunkCol,
                             static_cast<uint32_t>(epiBar), t, epiChunks, [&](uint32_t base) {
-                              stageChunk16<T, Epi>(base, acc, c, r, lane, scale0, scale1);
+                              stageChunk16<T, Epi>(base, acc, c, rowOff0, rowOff1, phase, lane, scale0, scale1);
                             });
     }
   }

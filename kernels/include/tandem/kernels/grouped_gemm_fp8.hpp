@@ -25,6 +25,7 @@
 
 #include <cstdint>
 
+#include "tandem/kernels/gemm_fp8.hpp"      // gemmFp8ScaleALd
 #include "tandem/kernels/grouped_gemm.hpp"  // GroupedGemmEpilogue
 #include "tandem/kernels/signals.hpp"       // ErrorSlot
 
@@ -59,7 +60,8 @@ struct GroupedGemmFp8Params {
   int64_t ldOut;               ///< elements; 0 = dense (n, or n / 2 with kSwiGlu); otherwise >= that and a multiple
                                ///< of 8 (bf16) or 16 (e4m3)
   int64_t ldxScale;            ///< floats; 0 = gemmFp8ScaleALd(mTotal); otherwise >= mTotal and a multiple of 4
-  int64_t ldOutScale;          ///< kSwiGlu, floats; 0 = gemmFp8ScaleALd(mTotal); otherwise >= mTotal
+  int64_t ldOutScale;          ///< kSwiGlu, floats; 0 = gemmFp8ScaleALd(mTotal); otherwise >= mTotal and a multiple
+                               ///< of 4 (so that outScale, 16-byte aligned, can be the next launch's xScale)
   GroupedGemmEpilogue epilogue;
   GroupedFp8WeightScaling wScaling;
   int32_t groupM;              ///< tuning: raster group height in row tiles within an expert (0 = default 16)
