@@ -74,17 +74,21 @@ __global__ void relErrorKernel(const T* out, int64_t ldo, const R* ref, int64_t 
   }
 }
 
-// Random e4m3 of magnitudes 2^-4 .. 2^5 (exponent field 3..11): both signs, every mantissa, never NaN or zero-only.
-__global__ void fillFp8(uint8_t* p, size_t n, uint64_t seed) {
+// Random e4m3 bytes (Byte: uint8_t) of magnitudes 2^-4 .. 2^5 (exponent field 3..11): both signs, every mantissa,
+// never NaN or zero-only. This and fillScales are templates so that several units of one program can include this
+// header.
+template <class Byte>
+__global__ void fillFp8(Byte* p, size_t n, uint64_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const uint64_t h = mix(i * 0x9E3779B97F4A7C15ULL + seed);
-    p[i] = static_cast<uint8_t>(((h >> 12) & 1) << 7) | static_cast<uint8_t>((3 + h % 9) << 3) |
-           static_cast<uint8_t>((h >> 8) & 7);
+    p[i] = static_cast<Byte>(((h >> 12) & 1) << 7) | static_cast<Byte>((3 + h % 9) << 3) |
+           static_cast<Byte>((h >> 8) & 7);
   }
 }
 
-// FP8 scales: `value` everywhere when value > 0, else log-uniform in [2^-3, 2^3].
-__global__ void fillScales(float* p, size_t n, uint64_t seed, float value) {
+// FP8 scales (F: float): `value` everywhere when value > 0, else log-uniform in [2^-3, 2^3].
+template <class F>
+__global__ void fillScales(F* p, size_t n, uint64_t seed, F value) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const float u = static_cast<float>(mix(i * 0x9E3779B97F4A7C15ULL + seed) >> 40) * (1.0f / 16777216.0f);
     p[i] = value > 0 ? value : exp2f(6.0f * u - 3.0f);

@@ -153,19 +153,6 @@ struct Problem {
     return ws[size_t((ex * ceilDiv(c.n, kBlock) + row / kBlock) * kBlocks + kb)];
   }
 
-  // x[r] · w[ex][row] of the dequantized inputs, in fp64.
-  double dot(int64_t r, int64_t ex, int64_t row) const {
-    double acc = 0;
-    const uint8_t* xr = x.data() + r * ldx;
-    const uint8_t* wr = w.data() + (ex * c.n + row) * c.k;
-    for (int64_t kb = 0; kb < kBlocks; ++kb) {
-      double part = 0;
-      for (int64_t kk = kb * kBlock; kk < std::min(c.k, (kb + 1) * kBlock); ++kk) part += e4m3(xr[kk]) * e4m3(wr[kk]);
-      acc += part * double(xs[size_t(kb * ldxs + r)]) * double(wScaleOf(ex, row, kb));
-    }
-    return acc;
-  }
-
   struct Result {
     std::vector<uint8_t> out, outScale;
   };
@@ -191,6 +178,21 @@ struct Problem {
 
   // The fp64 reference of out's group rows (h before quantisation with SwiGLU); inGroup marks them.
   std::vector<double> reference(std::vector<bool>& inGroup) const {
+    std::vector<double> xd(x.size()), wd(w.size());  // the fp8 values, decoded once
+    for (size_t i = 0; i < x.size(); ++i) xd[i] = e4m3(x[i]);
+    for (size_t i = 0; i < w.size(); ++i) wd[i] = e4m3(w[i]);
+    // x[r] · w[ex][row] of the dequantized inputs: per k-block sums, scaled.
+    const auto dot = [&](int64_t r, int64_t ex, int64_t row) {
+      const double* xr = xd.data() + r * ldx;
+      const double* wr = wd.data() + (ex * c.n + row) * c.k;
+      double acc = 0;
+      for (int64_t kb = 0; kb < kBlocks; ++kb) {
+        double part = 0;
+        for (int64_t kk = kb * kBlock; kk < std::min(c.k, (kb + 1) * kBlock); ++kk) part += xr[kk] * wr[kk];
+        acc += part * double(xs[size_t(kb * ldxs + r)]) * double(wScaleOf(ex, row, kb));
+      }
+      return acc;
+    };
     std::vector<double> ref(size_t(mTotal * nOut), 0.0);
     inGroup.assign(size_t(mTotal), false);
     for (int64_t ex = 0; ex < e; ++ex) {
