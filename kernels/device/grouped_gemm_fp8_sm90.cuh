@@ -45,6 +45,8 @@ static_assert(grouped::kTileRows == gemm_fp8::kBlockRows && grouped::kStoreTileC
               "the grouped tile order walks the FP8 core's tiles");
 static_assert(grouped::kEpiChunkBytes == gemm_fp8::kChunkBytes, "one epilogue chunk geometry");
 static_assert(kRowsPerConsumer == grouped::kRowsPerConsumer);
+static_assert(gemm_fp8::kSmemBytes<gemm_fp8::Scaling::kBlock> + sizeof(grouped::WorkRing) <= gemm_fp8::kSmemLimit,
+              "the core's block-scaled storage plus the tile-order ring must fit the opt-in shared memory");
 
 inline constexpr float kE4M3Max = 448.0f;
 // The smallest amax a row block is quantised with: keeps kE4M3Max / amax finite (and the scale a normal fp32) for an
