@@ -1,5 +1,7 @@
 // FP8 grouped GEMM host launcher: the shape and pointer rules, the tensor maps, the persistent grid. The kernels are
 // in grouped_gemm_fp8.cu (nvcc cannot compile fmt, which tandem::Error's helpers use, so the host side lives here).
+#include "tandem/kernels/grouped_gemm_fp8.hpp"
+
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -12,7 +14,6 @@
 #include "launch_support.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
-#include "tandem/kernels/grouped_gemm_fp8.hpp"
 #include "tandem/kernels/tensor_map_cache.hpp"
 
 namespace tandem::kernels {
@@ -21,8 +22,8 @@ namespace {
 
 constexpr const char* kFamily = "grouped gemm fp8";
 constexpr int kTileRows = grouped::kTileRows;
-constexpr int kEpiRows = 64;      // gemm_fp8::kRowsPerConsumer: an epilogue chunk's rows
-constexpr int kEpiBytes = 128;    // and its bytes per row
+constexpr int kEpiRows = 64;    // gemm_fp8::kRowsPerConsumer: an epilogue chunk's rows
+constexpr int kEpiBytes = 128;  // and its bytes per row
 constexpr int32_t kDefaultGroupM = 16;
 constexpr int64_t kMax32 = 0x7fffffff;
 
@@ -99,8 +100,10 @@ void validateGroupedGemmFp8(const GroupedGemmFp8Params& g) {
          g.k);
   }
   if (!swiglu && g.n % 8 != 0) {
-    fail(kBad, "grouped gemm fp8: n must be a multiple of 8 (16-byte rows of bf16 out), got n={}; pad n with zero "
-               "rows of w", g.n);
+    fail(kBad,
+         "grouped gemm fp8: n must be a multiple of 8 (16-byte rows of bf16 out), got n={}; pad n with zero "
+         "rows of w",
+         g.n);
   }
   if (swiglu && g.n % 32 != 0) {
     fail(kBad,
@@ -154,8 +157,9 @@ void validateGroupedGemmFp8(const GroupedGemmFp8Params& g) {
          g.x, static_cast<const void*>(g.xScale), g.w, static_cast<const void*>(g.wScale), static_cast<void*>(g.out));
   }
   if (swiglu && g.outScale == nullptr) {
-    fail(kBad, "grouped gemm fp8: the SwiGLU epilogue writes h's scales: outScale must point to [ceil(f / 128), "
-               "ldOutScale] fp32");
+    fail(kBad,
+         "grouped gemm fp8: the SwiGLU epilogue writes h's scales: outScale must point to [ceil(f / 128), "
+         "ldOutScale] fp32");
   }
   if (!swiglu && g.outScale != nullptr) {
     fail(kBad, "grouped gemm fp8: outScale is written by the SwiGLU epilogue only; pass null with kStore");
@@ -231,25 +235,35 @@ void launchGroupedGemmFp8(const GroupedGemmFp8Params& g, cudaStream_t stream, in
                     TensorMapElem::kU8, "x [mTotal, k] e4m3");
   if (swiglu) {
     const int64_t f = g.n / 2;
-    b.tmW = tensorMap({g.w, 4, {u64(g.k), u64(f), 2, u64(g.numExperts)}, {u64(g.k), u64(f * g.k), u64(g.n * g.k)},
+    b.tmW = tensorMap({g.w,
+                       4,
+                       {u64(g.k), u64(f), 2, u64(g.numExperts)},
+                       {u64(g.k), u64(f * g.k), u64(g.n * g.k)},
                        {kBlockK, u32(grouped::kSwiGluTileCols), 1, 1}},
                       TensorMapElem::kU8, "w [E, 2f, k] e4m3 (gate, up)");
-    b.tmOut = tensorMap({g.out, 2, {u64(nOut), u64(g.mTotal), 1, 1}, {u64(ldOutOf(g)), 0, 0},
-                         {kEpiBytes, kEpiRows, 1, 1}},
-                        TensorMapElem::kU8, "h [mTotal, f] e4m3");
+    b.tmOut =
+        tensorMap({g.out, 2, {u64(nOut), u64(g.mTotal), 1, 1}, {u64(ldOutOf(g)), 0, 0}, {kEpiBytes, kEpiRows, 1, 1}},
+                  TensorMapElem::kU8, "h [mTotal, f] e4m3");
   } else {
-    b.tmW = tensorMap({g.w, 3, {u64(g.k), u64(g.n), u64(g.numExperts), 1}, {u64(g.k), u64(g.n * g.k), 0},
+    b.tmW = tensorMap({g.w,
+                       3,
+                       {u64(g.k), u64(g.n), u64(g.numExperts), 1},
+                       {u64(g.k), u64(g.n * g.k), 0},
                        {kBlockK, u32(grouped::kStoreTileCols), 1, 1}},
                       TensorMapElem::kU8, "w [E, n, k] e4m3");
-    b.tmOut = tensorMap({g.out, 2, {u64(nOut), u64(g.mTotal), 1, 1}, {u64(ldOutOf(g)) * 2, 0, 0},
-                         {kEpiBytes / 2, kEpiRows, 1, 1}, GemmDtype::kBf16},
+    b.tmOut = tensorMap({g.out,
+                         2,
+                         {u64(nOut), u64(g.mTotal), 1, 1},
+                         {u64(ldOutOf(g)) * 2, 0, 0},
+                         {kEpiBytes / 2, kEpiRows, 1, 1},
+                         GemmDtype::kBf16},
                         TensorMapElem::kDtype, "out [mTotal, n] bf16");
   }
   // [k-blocks, ldxScale] fp32 with mTotal valid columns: one box is a tile's 128 row scales of one k-block (rows past
   // mTotal read as zeros and scale only rows the epilogue never stores).
-  p.tmXScale = tensorMap({g.xScale, 2, {u64(g.mTotal), u64(numKBlocks), 1, 1}, {u64(ldxScaleOf(g)) * 4, 0, 0},
-                          {u32(kTileRows), 1, 1, 1}},
-                         TensorMapElem::kF32, "xScale [k/128, ldxScale] fp32");
+  p.tmXScale = tensorMap(
+      {g.xScale, 2, {u64(g.mTotal), u64(numKBlocks), 1, 1}, {u64(ldxScaleOf(g)) * 4, 0, 0}, {u32(kTileRows), 1, 1, 1}},
+      TensorMapElem::kF32, "xScale [k/128, ldxScale] fp32");
   b.out = g.out;
   b.ldOut = ldOutOf(g);
   b.groupOffsets = g.groupOffsets;

@@ -29,9 +29,9 @@ size_t groupedGemmFp8SmemBytes() { return gemm_fp8::kSmemBytes<gemm_fp8::Scaling
 
 cudaError_t groupedGemmFp8Prepare(GroupedGemmEpilogue epi) {
   const KernelFn fn = pick(epi);
-  const cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(groupedGemmFp8SmemBytes()));
+  const cudaError_t e =
+      cudaFuncSetAttribute(reinterpret_cast<const void*>(fn), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(groupedGemmFp8SmemBytes()));
   if (e != cudaSuccess) return e;
   cudaFuncAttributes fa{};
   return cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(fn));  // loads a lazily loaded kernel now

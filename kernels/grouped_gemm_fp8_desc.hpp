@@ -24,14 +24,14 @@ inline constexpr int kBlockK = 128;  // gemm_fp8::kBlockK: one k-block is one sc
 // and g.numKBlocks counts k-blocks of 128.
 struct GroupedGemmFp8KernelParams {
   grouped::GroupedGemmKernelParams g;
-  CUtensorMap tmXScale;       // xScale [k-blocks, ldxScale] fp32: dims {mTotal, k-blocks}, box {128, 1}, no swizzle
-  const float* wScale;        // see GroupedGemmFp8Params::wScale
-  float* outScale;            // kSwiGlu: [ceil(f / 128), ldOutScale]
+  CUtensorMap tmXScale;  // xScale [k-blocks, ldxScale] fp32: dims {mTotal, k-blocks}, box {128, 1}, no swizzle
+  const float* wScale;   // see GroupedGemmFp8Params::wScale
+  float* outScale;       // kSwiGlu: [ceil(f / 128), ldOutScale]
   int64_t ldOutScale;
-  int64_t wScaleExpert;       // floats between experts' scales: ceil(n / 128) * numKBlocks (kBlock) or 1
-  int32_t wScaleRowBlock;     // floats between 128-row blocks: numKBlocks (kBlock) or 0
-  int32_t wScaleKStep;        // floats between k-blocks: 1 (kBlock) or 0
-  int32_t f;                  // kSwiGlu: n / 2 (the up half's first row)
+  int64_t wScaleExpert;    // floats between experts' scales: ceil(n / 128) * numKBlocks (kBlock) or 1
+  int32_t wScaleRowBlock;  // floats between 128-row blocks: numKBlocks (kBlock) or 0
+  int32_t wScaleKStep;     // floats between k-blocks: 1 (kBlock) or 0
+  int32_t f;               // kSwiGlu: n / 2 (the up half's first row)
   int32_t pad0[7];
 };
 static_assert(sizeof(GroupedGemmFp8KernelParams) % 64 == 0);

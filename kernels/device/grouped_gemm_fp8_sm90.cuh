@@ -97,8 +97,8 @@ __device__ __forceinline__ gemm_fp8::BlockScalesB weightScales(const GroupedGemm
 // to e4m3 with one scale per row, written as one chunk plus the rows' scales.
 // ---------------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void storeSwiGluFp8(const GroupedGemmFp8KernelParams& p, Storage& s, float (&acc)[128],
-                                               const GroupTile& tile, int32_t rowBase, int32_t rowsHere, int wg,
-                                               int t, uint32_t barId, uint32_t& epiChunks) {
+                                               const GroupTile& tile, int32_t rowBase, int32_t rowsHere, int wg, int t,
+                                               uint32_t barId, uint32_t& epiChunks) {
   constexpr int kUp = kHalfCols / 8;  // the up column group matching gate group j
   const int lane = t % 32;
   const int r = (t / 32) * 16 + lane / 4;
@@ -135,8 +135,8 @@ __device__ __forceinline__ void storeSwiGluFp8(const GroupedGemmFp8KernelParams&
 #pragma unroll
         for (int j = 0; j < kUp; ++j) {
           // Columns 8 j + 2 q + {0, 1} are bytes of 16-byte piece j / 2, swizzled by the row (128B swizzle).
-          const uint32_t col = (((static_cast<uint32_t>(j) >> 1) ^ phase) << 4) + (static_cast<uint32_t>(j) & 1) * 8 +
-                               q * 2;
+          const uint32_t col =
+              (((static_cast<uint32_t>(j) >> 1) ^ phase) << 4) + (static_cast<uint32_t>(j) & 1) * 8 + q * 2;
           const __nv_fp8x2_storage_t v0 = __nv_cvt_float2_to_fp8x2(
               make_float2(acc[4 * j + 0] * inv0, acc[4 * j + 1] * inv0), __NV_SATFINITE, __NV_E4M3);
           const __nv_fp8x2_storage_t v1 = __nv_cvt_float2_to_fp8x2(
@@ -186,8 +186,8 @@ __device__ __forceinline__ void runConsumer(const GroupedGemmFp8KernelParams& p,
         const int32_t chunkCol = tile.col0 + c * grouped::kEpiCols;
         if (chunkCol >= p.g.nOut) break;  // uniform: the rest of the tile lies past n
         grouped::storeGroupChunk<__nv_bfloat16, Geometry::kEpiBufs>(
-            gemm::smemAddr(s.c[wg][0]), &p.g.tmOut, p.g.out, p.g.ldOut, p.g.nOut, rowBase, rowsHere, chunkCol, barId,
-            t, epiChunks, [&](uint32_t base) {
+            gemm::smemAddr(s.c[wg][0]), &p.g.tmOut, p.g.out, p.g.ldOut, p.g.nOut, rowBase, rowsHere, chunkCol, barId, t,
+            epiChunks, [&](uint32_t base) {
               grouped::stageChunk16<__nv_bfloat16, GroupedGemmEpilogue::kStore>(base, acc, c, rowOff0, rowOff1, phase,
                                                                                 lane, scale0, scale1);
             });

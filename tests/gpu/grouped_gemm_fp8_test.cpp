@@ -5,9 +5,10 @@
 // tiles, a deep K; the SwiGLU epilogue's e4m3 h and its 1 x 128 scales (scale = amax / 448, each block's largest
 // value at 448, every value within e4m3 rounding of the reference); bitwise repeats (static and dynamic tile order);
 // the shape rules. This process initialises CUDA itself, so it is its own executable (tandem_grouped_gemm_fp8_tests).
-#include <doctest/doctest.h>
+#include "tandem/kernels/grouped_gemm_fp8.hpp"
 
 #include <cuda_runtime_api.h>
+#include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -21,7 +22,6 @@
 #include "fp8_ref.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/common/numeric.hpp"
-#include "tandem/kernels/grouped_gemm_fp8.hpp"
 
 using tandem::kernels::Fp8Format;
 using tandem::kernels::gemmFp8ScaleALd;
@@ -300,8 +300,8 @@ struct Problem {
         const double wantScale = amax / kE4M3Max;
         if (std::fabs(double(s) - wantScale) > 4e-3 * wantScale + 1e-30) {
           if (badScale++ == 0) {
-            firstScale = "row " + std::to_string(r) + " block " + std::to_string(blk) + ": scale " +
-                         std::to_string(s) + ", want " + std::to_string(wantScale);
+            firstScale = "row " + std::to_string(r) + " block " + std::to_string(blk) + ": scale " + std::to_string(s) +
+                         ", want " + std::to_string(wantScale);
           }
         }
         bool hasMax = false;
@@ -316,8 +316,8 @@ struct Problem {
           // e4m3 rounds at 2^-4 relative (normal) or 2^-10 of the scale (subnormal); plus the accumulation error.
           if (std::fabs(got - want) > std::fabs(want) / 16 + double(s) / 1024 + 4e-3 * amax) {
             if (badValue++ == 0) {
-              firstValue = "row " + std::to_string(r) + " col " + std::to_string(col) + ": got " +
-                           std::to_string(got) + " (e4m3 " + std::to_string(q) + "), want " + std::to_string(want);
+              firstValue = "row " + std::to_string(r) + " col " + std::to_string(col) + ": got " + std::to_string(got) +
+                           " (e4m3 " + std::to_string(q) + "), want " + std::to_string(want);
             }
           }
         }

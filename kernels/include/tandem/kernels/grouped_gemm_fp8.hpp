@@ -36,35 +36,35 @@ enum class GroupedFp8WeightScaling : uint8_t { kBlock = 0, kPerExpert = 1 };
 
 /// POD; zero-initialise (GroupedGemmFp8Params p{}) and fill.
 struct GroupedGemmFp8Params {
-  const void* x;               ///< [mTotal, k] e4m3, row stride ldx bytes; 16-byte aligned
-  const float* xScale;         ///< [ceil(k / 128), ldxScale] fp32, M-major; 16-byte aligned
-  const void* w;               ///< [numExperts, n, k] e4m3, dense; 16-byte aligned
-  const float* wScale;         ///< kBlock: [numExperts, ceil(n / 128), ceil(k / 128)]; kPerExpert: [numExperts];
-                               ///< fp32, 4-byte aligned
-  void* out;                   ///< kStore: [mTotal, n] bf16; kSwiGlu: h [mTotal, n / 2] e4m3; row stride ldOut
-                               ///< elements; 16-byte aligned; must not overlap any input
-  float* outScale;             ///< kSwiGlu: [ceil(n / 2 / 128), ldOutScale] fp32, M-major; 4-byte aligned; else null
+  const void* x;                ///< [mTotal, k] e4m3, row stride ldx bytes; 16-byte aligned
+  const float* xScale;          ///< [ceil(k / 128), ldxScale] fp32, M-major; 16-byte aligned
+  const void* w;                ///< [numExperts, n, k] e4m3, dense; 16-byte aligned
+  const float* wScale;          ///< kBlock: [numExperts, ceil(n / 128), ceil(k / 128)]; kPerExpert: [numExperts];
+                                ///< fp32, 4-byte aligned
+  void* out;                    ///< kStore: [mTotal, n] bf16; kSwiGlu: h [mTotal, n / 2] e4m3; row stride ldOut
+                                ///< elements; 16-byte aligned; must not overlap any input
+  float* outScale;              ///< kSwiGlu: [ceil(n / 2 / 128), ldOutScale] fp32, M-major; 4-byte aligned; else null
   const int32_t* groupOffsets;  ///< device memory, numExperts + 1 non-decreasing row offsets in [0, mTotal] (as
                                 ///< GroupedGemmParams::groupOffsets, clamped likewise)
-  const float* rowScale;       ///< optional, device [mTotal]: out row r is multiplied by rowScale[r] (before the
-                               ///< quantisation with kSwiGlu)
+  const float* rowScale;        ///< optional, device [mTotal]: out row r is multiplied by rowScale[r] (before the
+                                ///< quantisation with kSwiGlu)
   /// Optional arrival counters and their wait, as GroupedGemmParams::rowTileReady (one uint64 per (expert, row
   /// tile) in expert order; size with groupedGemmMaxRowTiles()).
   const uint64_t* rowTileReady;
   uint64_t readyValue;
-  const uint64_t* abortWord;   ///< optional: a non-zero value ends every wait (reported in errorSlot)
-  ErrorSlot* errorSlot;        ///< optional: the first failed wait is reported here (timeout or abort)
-  uint64_t timeoutNs;          ///< per launch; 0 = wait forever
+  const uint64_t* abortWord;  ///< optional: a non-zero value ends every wait (reported in errorSlot)
+  ErrorSlot* errorSlot;       ///< optional: the first failed wait is reported here (timeout or abort)
+  uint64_t timeoutNs;         ///< per launch; 0 = wait forever
   int64_t mTotal, n, k, numExperts;
-  int64_t ldx;                 ///< bytes; 0 = dense (k); otherwise a multiple of 16, >= k
-  int64_t ldOut;               ///< elements; 0 = dense (n, or n / 2 with kSwiGlu); otherwise >= that and a multiple
-                               ///< of 8 (bf16) or 16 (e4m3)
-  int64_t ldxScale;            ///< floats; 0 = gemmFp8ScaleALd(mTotal); otherwise >= mTotal and a multiple of 4
-  int64_t ldOutScale;          ///< kSwiGlu, floats; 0 = gemmFp8ScaleALd(mTotal); otherwise >= mTotal and a multiple
-                               ///< of 4 (so that outScale, 16-byte aligned, can be the next launch's xScale)
+  int64_t ldx;         ///< bytes; 0 = dense (k); otherwise a multiple of 16, >= k
+  int64_t ldOut;       ///< elements; 0 = dense (n, or n / 2 with kSwiGlu); otherwise >= that and a multiple
+                       ///< of 8 (bf16) or 16 (e4m3)
+  int64_t ldxScale;    ///< floats; 0 = gemmFp8ScaleALd(mTotal); otherwise >= mTotal and a multiple of 4
+  int64_t ldOutScale;  ///< kSwiGlu, floats; 0 = gemmFp8ScaleALd(mTotal); otherwise >= mTotal and a multiple
+                       ///< of 4 (so that outScale, 16-byte aligned, can be the next launch's xScale)
   GroupedGemmEpilogue epilogue;
   GroupedFp8WeightScaling wScaling;
-  int32_t groupM;              ///< tuning: raster group height in row tiles within an expert (0 = default 16)
+  int32_t groupM;  ///< tuning: raster group height in row tiles within an expert (0 = default 16)
   /// Optional dynamic tile order, as GroupedGemmParams::tileCounter (a zeroed uint32, zeroed before every launch).
   uint32_t* tileCounter;
 };
