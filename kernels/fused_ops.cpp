@@ -353,11 +353,15 @@ bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind
 // 32 at N = 8192 on 132 SMs) and measured 0.6x of cuBLASLt + NCCL; the layouts core's swap-AB tiles put the weight's N
 // on the 128-row side and split K to fill the SMs, so its GEMM then the collective (a few microseconds of data at
 // these sizes) is taken. A plan table entry that names the fused plan keeps it (tandemctl tune measured it faster).
-// TN (wgrad) always runs there, since the fused kernels load A K-major only (ag-gemm's shards are then [k, rows]);
-// NN (dgrad) fuses like NT on all three ops, their fused kernels loading the weight [k, n] MN-major.
+// TN (wgrad) always runs there, since the fused kernels load A K-major only (ag-gemm's shards are then [k, rows]).
+// NN (dgrad): gemm-rs and gemm-ar fuse it like NT (their fused kernel loads the weight [k, n] MN-major); ag-gemm's
+// fused kernel takes it too, but runs it only where the plan table names the fused plan (`tandemctl tune` times both),
+// its default staying the gather, then the layouts core, until the two are measured against each other.
 bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan) {
   if (isFp8(d.dtype)) return false;  // FP8 operands run on the FP8 core (NT only)
-  if (gemmOperandsOf(d.flags) == GemmOperands::kTN) return true;
+  const GemmOperands layout = gemmOperandsOf(d.flags);
+  if (layout == GemmOperands::kTN) return true;
+  if (layout == GemmOperands::kNN && d.kind == OpKind::kAgGemm && plan.kind != PlanKind::kFused) return true;
   return d.dims[dim::kM] <= kFusedSmallM && plan.kind != PlanKind::kFused;
 }
 

@@ -153,8 +153,10 @@ TEST_CASE("fused ops: NN and TN are accepted; TN's stored [k, m] A needs 16-byte
     CAPTURE(tandem::opKindName(kind));
     for (GemmOperands l : {GemmOperands::kNN, GemmOperands::kTN}) {
       CHECK(refusal(withLayout(gemmDesc(kind, 1008, 1024, 512, 2), l), ptrs, env, nullptr).empty());
-      // TN always runs on the layouts core; NN fuses on every op (the fused kernels load the weight MN-major).
-      CHECK(k::fusedGemmOnLayoutsCore(withLayout(gemmDesc(kind, 4096, 1024, 512, 2), l)) == (l == GemmOperands::kTN));
+      // TN always runs on the layouts core; NN too on ag-gemm unless the plan table names its fused plan (gemm-rs and
+      // gemm-ar fuse it).
+      CHECK(k::fusedGemmOnLayoutsCore(withLayout(gemmDesc(kind, 4096, 1024, 512, 2), l)) ==
+            (l == GemmOperands::kTN || kind == OpKind::kAgGemm));
     }
     // NN keeps A [m, k]: any m. TN stores A [k, m]: m (ag-gemm: every rank's rows) a multiple of 8.
     CHECK(refusal(withLayout(gemmDesc(kind, 1001, 1024, 512, 2), GemmOperands::kNN), ptrs, env, nullptr).empty());
@@ -186,7 +188,7 @@ TEST_CASE("fused ops: small M (decode) runs NT on the layouts core unless the pl
   }
 }
 
-TEST_CASE("ag-gemm: NN (dgrad) takes the fused plan with the weight loaded MN-major, TN stays decomposed") {
+TEST_CASE("ag-gemm: NN (dgrad) can take the fused plan with the weight loaded MN-major, TN stays decomposed") {
   k::AgGemmParams p{};
   p.rank = 0;
   p.nranks = 2;
@@ -217,13 +219,15 @@ TEST_CASE("ag-gemm: NN (dgrad) takes the fused plan with the weight loaded MN-ma
   k::AgGemmParams one = withLayout(k::GemmLayout::kAB, 1);
   one.nranks = 1;
   CHECK(k::resolveAgGemmPlan(one).plan == k::AgGemmPlan::kLocal);
-  // The op level: NN at small M runs on the layouts core unless the plan table forces the fused kernel.
-  OpDescriptor d = gemmDesc(OpKind::kAgGemm, 64, 8192, 8192, 2);
-  d.flags = static_cast<uint16_t>((d.flags & ~tandem::kFlagGemmLayout) | tandem::gemmLayoutFlags(GemmOperands::kNN));
-  CHECK(k::fusedGemmOnLayoutsCore(d));
+  // The op level: NN, small M or large, runs on the layouts core unless the plan table names the fused kernel.
   tandem::PlanChoice fused;
   fused.kind = tandem::PlanKind::kFused;
-  CHECK_FALSE(k::fusedGemmOnLayoutsCore(d, fused));
+  for (uint64_t m : {64u, 8192u}) {
+    OpDescriptor d = gemmDesc(OpKind::kAgGemm, m, 8192, 8192, 2);
+    d.flags = static_cast<uint16_t>((d.flags & ~tandem::kFlagGemmLayout) | tandem::gemmLayoutFlags(GemmOperands::kNN));
+    CHECK(k::fusedGemmOnLayoutsCore(d));
+    CHECK_FALSE(k::fusedGemmOnLayoutsCore(d, fused));
+  }
 }
 
 TEST_CASE("fused ops: an op too large for the workspace names the workspace_bytes to create the communicator with") {
