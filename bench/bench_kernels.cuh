@@ -3,6 +3,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -12,6 +13,7 @@ namespace tandem::bench {
 __device__ __forceinline__ float toFloat(float v) { return v; }
 __device__ __forceinline__ float toFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float toFloat(__half v) { return __half2float(v); }
+__device__ __forceinline__ float toFloat(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
 
 template <class T>
 __device__ __forceinline__ T fromFloat(float v);
@@ -69,6 +71,27 @@ __global__ void relErrorKernel(const T* out, int64_t ldo, const R* ref, int64_t 
     atomicAdd(&sums[0], e);
     atomicAdd(&sums[1], r);
     if (nb) atomicAdd(bad, nb);
+  }
+}
+
+// Random e4m3 bytes (Byte: uint8_t) of magnitudes 2^-4 .. 2^5 (exponent field 3..11): both signs, every mantissa,
+// never NaN or zero-only. This and fillScales are templates so that several units of one program can include this
+// header.
+template <class Byte>
+__global__ void fillFp8(Byte* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = mix(i * 0x9E3779B97F4A7C15ULL + seed);
+    p[i] = static_cast<Byte>(((h >> 12) & 1) << 7) | static_cast<Byte>((3 + h % 9) << 3) |
+           static_cast<Byte>((h >> 8) & 7);
+  }
+}
+
+// FP8 scales (F: float): `value` everywhere when value > 0, else log-uniform in [2^-3, 2^3].
+template <class F>
+__global__ void fillScales(F* p, size_t n, uint64_t seed, F value) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float u = static_cast<float>(mix(i * 0x9E3779B97F4A7C15ULL + seed) >> 40) * (1.0f / 16777216.0f);
+    p[i] = value > 0 ? value : exp2f(6.0f * u - 3.0f);
   }
 }
 

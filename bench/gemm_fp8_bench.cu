@@ -24,12 +24,6 @@
 #include <vector>
 
 #include "bench_kernels.cuh"
-
-namespace tandem::bench {
-// Declared before ref_gemm.cuh so that its tile loop finds it.
-__device__ __forceinline__ float toFloat(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
-}  // namespace tandem::bench
-
 #include "checks.hpp"  // after <cublasLt.h>: defines BK
 #include "ref_gemm.cuh"
 #include "tandem/kernels/gemm_fp8.hpp"
@@ -41,29 +35,14 @@ using tandem::kernels::GemmFp8Params;
 
 namespace {
 
+using tandem::bench::fillFp8;
+using tandem::bench::fillScales;
 using tandem::bench::mix;
 using tandem::bench::refGemm;
 using tandem::bench::syncOrDie;
 
 constexpr size_t kLtWorkspace = size_t(64) << 20;
 constexpr float kScaleA = 0.37f, kScaleB = 1.9f;  // per-tensor scales (and the constant block scales of the check)
-
-// Random e4m3 of magnitudes 2^-4 .. 2^5 (exponent field 3..11): both signs, every mantissa, never NaN or zero-only.
-__global__ void fillFp8(uint8_t* p, size_t n, uint64_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const uint64_t h = mix(i * 0x9E3779B97F4A7C15ULL + seed);
-    p[i] = static_cast<uint8_t>(((h >> 12) & 1) << 7) | static_cast<uint8_t>((3 + h % 9) << 3) |
-           static_cast<uint8_t>((h >> 8) & 7);
-  }
-}
-
-// Scales: `value` everywhere when value > 0, else log-uniform in [2^-3, 2^3].
-__global__ void fillScales(float* p, size_t n, uint64_t seed, float value) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const float u = static_cast<float>(mix(i * 0x9E3779B97F4A7C15ULL + seed) >> 40) * (1.0f / 16777216.0f);
-    p[i] = value > 0 ? value : exp2f(6.0f * u - 3.0f);
-  }
-}
 
 // sums[0] += Σ (out - scale * ref)², sums[1] += Σ (scale * ref)², bad += non-finite outputs; out bf16 [m, n] dense.
 __global__ void relErrScaled(const __nv_bfloat16* out, const float* ref, float scale, int64_t total, double* sums,

@@ -2,7 +2,7 @@
 // against an fp32 reference, then timing (CUDA events, median, two input sets rotated so L2 does not flatter).
 // Its PyTorch baseline (torch._grouped_mm on the same group sizes and the same math) is bench/grouped_mm_baseline.py.
 //
-//   grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16] [--ops fwd|dgrad|wgrad|all]
+//   grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16|fp8] [--ops fwd|dgrad|wgrad|all]
 //                      [--torch FILE] [--decode]
 //
 // fwd (DeepSeek-V3: 32 experts, hidden 7168, ffn 2048; layout kABt): gemm1 x [M, 7168] · w1 [32, 4096, 7168]ᵀ (plain
@@ -26,8 +26,16 @@
 // read once, in GB/s and as a multiple of the time a device-to-device copy (bytes read + written, measured in this
 // run) takes to move them (target <= 1.3x). "ffn" sums gemm1+swiglu and gemm2+scale, the expert half of moe_ffn.
 // torch._grouped_mm on the same shapes: grouped_mm_baseline.py --decode.
+//
+// --dtype fp8: instead, the FP8 grouped GEMM (tandem/kernels/grouped_gemm_fp8.hpp; e4m3, x and h scaled per 1 x 128,
+// w per 128 x 128) on the forward ops gemm1, gemm1+swiglu (h quantised to e4m3 with its scales), gemm2 and
+// gemm2+scale, DeepSeek-V3 and Mixtral at 256 / 512 / 1024 / 2048 / 4096 rows on every expert: sampled groups checked
+// against an fp32 GEMM of the dequantized inputs, then each op timed beside the bf16 grouped GEMM of the same shape in
+// this process ("x bf16" = bf16 ms / fp8 ms) and, with --torch, torch._scaled_grouped_mm's ms (rowwise scales) from
+// grouped_mm_baseline.py --fp8 --ms-out.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -49,16 +57,21 @@
 
 #include "checks.hpp"
 #include "ref_gemm.cuh"
+#include "tandem/kernels/gemm_fp8.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
+#include "tandem/kernels/grouped_gemm_fp8.hpp"
 #include "tandem/kernels/grouped_gemm_wgrad.hpp"
 
 using tandem::kernels::GemmDtype;
 using tandem::kernels::GemmLayout;
+using tandem::kernels::GroupedFp8WeightScaling;
 using tandem::kernels::GroupedGemmEpilogue;
+using tandem::kernels::GroupedGemmFp8Params;
 using tandem::kernels::GroupedGemmPath;
 using tandem::kernels::GroupedGemmParams;
 using tandem::kernels::GroupedWgradParams;
 using tandem::kernels::launchGroupedGemm;
+using tandem::kernels::launchGroupedGemmFp8;
 using tandem::kernels::launchGroupedWgrad;
 
 namespace {
@@ -477,20 +490,16 @@ double median(std::vector<float> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-// Median ms of `iters` launches, alternating the two input sets. All are enqueued back to back (each between its own
-// pair of events) and synchronised once, so the host's launch cost stays out of the numbers.
-double timeOp(Op op, const Case& c, const Buffers& b, GemmDtype dt, int iters, int32_t groupM, cudaStream_t s,
-              GroupedGemmPath path = GroupedGemmPath::kAuto) {
+// Median ms of `iters` calls of launch(set), alternating the two input sets. All are enqueued back to back (each
+// between its own pair of events) and synchronised once, so the host's launch cost stays out of the numbers.
+template <class Launch>
+double timeLaunches(int iters, cudaStream_t s, const Launch& launch) {
   constexpr int kWarm = 3;
   std::vector<cudaEvent_t> ev(2 * size_t(iters + kWarm));
   for (auto& e : ev) CK(cudaEventCreate(&e));
   for (int it = 0; it < iters + kWarm; ++it) {
     CK(cudaEventRecord(ev[2 * size_t(it)], s));
-    if (isWgrad(op)) {
-      launchGroupedWgrad(wgradParamsOf(op, b, it % kSets, c, dt), s);
-    } else {
-      launchGroupedGemm(paramsOf(op, b, it % kSets, c, dt, groupM, path), s);
-    }
+    launch(it % kSets);
     CK(cudaEventRecord(ev[2 * size_t(it) + 1], s));
   }
   syncOrDie(s, 60, "timing");
@@ -504,6 +513,17 @@ double timeOp(Op op, const Case& c, const Buffers& b, GemmDtype dt, int iters, i
   return median(ms);
 }
 
+double timeOp(Op op, const Case& c, const Buffers& b, GemmDtype dt, int iters, int32_t groupM, cudaStream_t s,
+              GroupedGemmPath path = GroupedGemmPath::kAuto) {
+  return timeLaunches(iters, s, [&](int set) {
+    if (isWgrad(op)) {
+      launchGroupedWgrad(wgradParamsOf(op, b, set, c, dt), s);
+    } else {
+      launchGroupedGemm(paramsOf(op, b, set, c, dt, groupM, path), s);
+    }
+  });
+}
+
 double tflops(Op op, const Model& m, int64_t rows, double ms) {
   const OpShape sh = shapeOf(op, m);
   return 2.0 * double(rows) * double(sh.n) * double(sh.k) / (ms * 1e-3) / 1e12;
@@ -511,6 +531,7 @@ double tflops(Op op, const Model& m, int64_t rows, double ms) {
 
 struct Options {
   GemmDtype dtype = GemmDtype::kBf16;
+  bool fp8 = false;  // --dtype fp8: the FP8 grouped GEMM beside bf16 (runFp8)
   int iters = 30;
   bool sweep = false;
   const TorchTimes* torch = nullptr;
@@ -689,6 +710,253 @@ int runDecode(GemmDtype dt, int iters) {
   return gFailed ? 1 : 0;
 }
 
+// ---- fp8 mode ---------------------------------------------------------------------------------------------------
+
+// One model's FP8 operands (tandem/kernels/grouped_gemm_fp8.hpp), two sets: e4m3 with DeepSeek-V3 scales, x and h per
+// 1 x 128 (M-major [k / 128, ldScale]), the weights per 128 x 128 block of each expert; and the outputs.
+struct Fp8Buffers {
+  int64_t ldScale = 0;  // row stride of the 1 x 128 scales: gemmFp8ScaleALd(maxRows)
+  uint8_t* x[kSets];    // [maxRows, hidden]
+  float* xs[kSets];     // [hidden / 128, ldScale]
+  uint8_t* h[kSets];    // [maxRows, ffn]: gemm2's input
+  float* hs[kSets];     // [ffn / 128, ldScale]
+  uint8_t* w1[kSets];   // [E, 2 ffn, hidden]
+  float* w1s[kSets];    // [E, 2 ffn / 128, hidden / 128]
+  uint8_t* w2[kSets];   // [E, hidden, ffn]
+  float* w2s[kSets];    // [E, hidden / 128, ffn / 128]
+  void* out1;           // bf16 [maxRows, 2 ffn]: gemm1's output
+  uint8_t* hq;          // e4m3 [maxRows, ffn]: gemm1+swiglu's h
+  float* hqs;           // [ffn / 128, ldScale]: its scales
+  void* out2;           // bf16 [maxRows, hidden]: gemm2's output
+  float* deqA;          // one group's dequantized input [maxGroup, hidden]
+  float* deqW;          // one expert's dequantized weight [2 ffn, hidden]
+  float* deqH;          // one group's dequantized h [maxGroup, ffn]
+};
+
+__device__ __forceinline__ float e4m3ToFloat(uint8_t v) {
+  __nv_fp8_e4m3 f;
+  f.__x = v;
+  return static_cast<float>(f);
+}
+
+// Rows [r0, r0 + rows) of q [*, cols] e4m3 with 1 x 128 scales [cols / 128, ld] (M-major) -> out [rows, cols] fp32.
+__global__ void dequantRows(const uint8_t* q, const float* scale, int64_t ld, int64_t r0, int64_t rows, int64_t cols,
+                            float* out) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = r0 + i / cols, c = i % cols;
+    out[i] = e4m3ToFloat(q[r * cols + c]) * scale[(c / 128) * ld + r];
+  }
+}
+
+// w [n, k] e4m3 with 128 x 128 block scales [n / 128, k / 128] -> out [n, k] fp32.
+__global__ void dequantBlocks(const uint8_t* w, const float* scale, int64_t n, int64_t k, float* out) {
+  const int64_t total = n * k, kBlocks = (k + 127) / 128;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / k, c = i % k;
+    out[i] = e4m3ToFloat(w[i]) * scale[(r / 128) * kBlocks + c / 128];
+  }
+}
+
+Fp8Buffers allocateFp8(const Model& m, int64_t maxRows, int64_t maxGroup, cudaStream_t s) {
+  using tandem::bench::fillFp8;
+  using tandem::bench::fillScales;
+  Fp8Buffers f{};
+  f.ldScale = tandem::kernels::gemmFp8ScaleALd(maxRows);
+  const size_t nx = size_t(maxRows) * m.hidden, nh = size_t(maxRows) * m.ffn;
+  const size_t nw1 = size_t(m.experts) * 2 * m.ffn * m.hidden, nw2 = size_t(m.experts) * m.hidden * m.ffn;
+  const size_t nxs = size_t(m.hidden / 128) * f.ldScale, nhs = size_t(m.ffn / 128) * f.ldScale;
+  const size_t nw1s = size_t(m.experts) * (2 * m.ffn / 128) * (m.hidden / 128);
+  const size_t nw2s = size_t(m.experts) * (m.hidden / 128) * (m.ffn / 128);
+  for (int i = 0; i < kSets; ++i) {
+    CK(cudaMalloc(&f.x[i], nx));
+    CK(cudaMalloc(&f.h[i], nh));
+    CK(cudaMalloc(&f.w1[i], nw1));
+    CK(cudaMalloc(&f.w2[i], nw2));
+    CK(cudaMalloc(&f.xs[i], nxs * 4));
+    CK(cudaMalloc(&f.hs[i], nhs * 4));
+    CK(cudaMalloc(&f.w1s[i], nw1s * 4));
+    CK(cudaMalloc(&f.w2s[i], nw2s * 4));
+    fillFp8<<<4096, 256, 0, s>>>(f.x[i], nx, 300 + 10 * i);
+    fillFp8<<<4096, 256, 0, s>>>(f.h[i], nh, 301 + 10 * i);
+    fillFp8<<<4096, 256, 0, s>>>(f.w1[i], nw1, 302 + 10 * i);
+    fillFp8<<<4096, 256, 0, s>>>(f.w2[i], nw2, 303 + 10 * i);
+    fillScales<<<1024, 256, 0, s>>>(f.xs[i], nxs, 304 + 10 * i, 0.0f);
+    fillScales<<<1024, 256, 0, s>>>(f.hs[i], nhs, 305 + 10 * i, 0.0f);
+    fillScales<<<1024, 256, 0, s>>>(f.w1s[i], nw1s, 306 + 10 * i, 0.0f);
+    fillScales<<<1024, 256, 0, s>>>(f.w2s[i], nw2s, 307 + 10 * i, 0.0f);
+    CK(cudaGetLastError());
+  }
+  CK(cudaMalloc(&f.out1, nh * 4));  // bf16 [maxRows, 2 ffn]
+  CK(cudaMalloc(&f.hq, nh));
+  CK(cudaMalloc(&f.hqs, nhs * 4));
+  CK(cudaMalloc(&f.out2, nx * 2));
+  const size_t g = size_t(std::max<int64_t>(maxGroup, 1));
+  CK(cudaMalloc(&f.deqA, g * size_t(std::max(m.hidden, m.ffn)) * 4));
+  CK(cudaMalloc(&f.deqW, size_t(2 * m.ffn * m.hidden) * 4));
+  CK(cudaMalloc(&f.deqH, g * size_t(m.ffn) * 4));
+  syncOrDie(s, 120, "fp8 fill");
+  return f;
+}
+
+void releaseFp8(Fp8Buffers& f) {
+  for (int i = 0; i < kSets; ++i) {
+    for (void* p : {static_cast<void*>(f.x[i]), static_cast<void*>(f.h[i]), static_cast<void*>(f.w1[i]),
+                    static_cast<void*>(f.w2[i]), static_cast<void*>(f.xs[i]), static_cast<void*>(f.hs[i]),
+                    static_cast<void*>(f.w1s[i]), static_cast<void*>(f.w2s[i])}) {
+      CK(cudaFree(p));
+    }
+  }
+  for (void* p : {f.out1, static_cast<void*>(f.hq), static_cast<void*>(f.hqs), f.out2, static_cast<void*>(f.deqA),
+                  static_cast<void*>(f.deqW), static_cast<void*>(f.deqH)}) {
+    CK(cudaFree(p));
+  }
+  f = Fp8Buffers{};
+}
+
+bool isGemm1(Op op) { return op == Op::kG1Store || op == Op::kG1SwiGlu; }
+
+// The FP8 form of a forward op: the same shape as the bf16 op (shapeOf), weights with 128 x 128 block scales.
+GroupedGemmFp8Params fp8ParamsOf(Op op, const Fp8Buffers& f, const Buffers& b, int set, const Case& c) {
+  const OpShape sh = shapeOf(op, b.model);
+  GroupedGemmFp8Params p{};
+  p.x = isGemm1(op) ? f.x[set] : f.h[set];
+  p.xScale = isGemm1(op) ? f.xs[set] : f.hs[set];
+  p.w = isGemm1(op) ? f.w1[set] : f.w2[set];
+  p.wScale = isGemm1(op) ? f.w1s[set] : f.w2s[set];
+  p.out = op == Op::kG1Store ? f.out1 : op == Op::kG1SwiGlu ? static_cast<void*>(f.hq) : f.out2;
+  p.outScale = op == Op::kG1SwiGlu ? f.hqs : nullptr;
+  p.groupOffsets = b.offsets[set];
+  p.rowScale = op == Op::kG2Scaled ? b.scale : nullptr;
+  p.mTotal = c.rows();
+  p.n = sh.n;
+  p.k = sh.k;
+  p.numExperts = b.model.experts;
+  p.ldxScale = f.ldScale;
+  p.ldOutScale = op == Op::kG1SwiGlu ? f.ldScale : 0;
+  p.epilogue = op == Op::kG1SwiGlu ? GroupedGemmEpilogue::kSwiGlu : GroupedGemmEpilogue::kStore;
+  p.wScaling = GroupedFp8WeightScaling::kBlock;
+  return p;
+}
+
+// The first, middle and last groups of set 0 against an fp32 GEMM of the dequantized inputs (h dequantized with its
+// scales for gemm1+swiglu).
+void checkFp8(Op op, const Case& c, const Fp8Buffers& f, const Buffers& b, cudaStream_t s) {
+  const OpShape sh = shapeOf(op, b.model);
+  const bool swiglu = op == Op::kG1SwiGlu;
+  void* const out = fp8ParamsOf(op, f, b, 0, c).out;
+  CK(cudaMemsetAsync(out, 0xFF, size_t(c.rows()) * sh.nOut * (swiglu ? 1 : 2), s));  // NaN poison
+  try {
+    launchGroupedGemmFp8(fp8ParamsOf(op, f, b, 0, c), s);
+  } catch (const std::exception& e) {
+    std::printf("  FAIL %-7s %-10s %-13s launch threw: %s\n", b.model.name, c.name.c_str(), opName(op), e.what());
+    gFailed = true;
+    return;
+  }
+  CK(cudaGetLastError());
+  syncOrDie(s, 60, std::string("fp8 grouped gemm ") + opName(op));
+  std::vector<int32_t> off(1, 0);
+  for (int32_t n : c.counts) off.push_back(off.back() + n);
+  double worst = 0;
+  unsigned long long badTotal = 0;
+  const int experts = b.model.experts;
+  for (int e : {0, experts / 2, experts - 1}) {
+    const int64_t r0 = off[size_t(e)], nr = c.counts[size_t(e)];
+    if (nr == 0) continue;
+    dequantRows<<<2048, 256, 0, s>>>(isGemm1(op) ? f.x[0] : f.h[0], isGemm1(op) ? f.xs[0] : f.hs[0], f.ldScale, r0,
+                                     nr, sh.k, f.deqA);
+    const int64_t wScales = (sh.n / 128) * (sh.k / 128);
+    dequantBlocks<<<2048, 256, 0, s>>>((isGemm1(op) ? f.w1[0] : f.w2[0]) + int64_t(e) * sh.n * sh.k,
+                                       (isGemm1(op) ? f.w1s[0] : f.w2s[0]) + int64_t(e) * wScales, sh.n, sh.k, f.deqW);
+    dim3 grid(unsigned((sh.n + 63) / 64), unsigned((nr + 63) / 64));
+    refGemmStrided<float><<<grid, dim3(16, 16), 0, s>>>(f.deqA, sh.k, 1, f.deqW, 1, sh.k, b.ref, int(nr), int(sh.n),
+                                                        int(sh.k));
+    CK(cudaGetLastError());
+    const float* want = b.ref;
+    if (swiglu) {
+      swigluRefCopy<<<2048, 256, 0, s>>>(b.ref, b.refH, nr, b.model.ffn);
+      want = b.refH;
+    } else if (op == Op::kG2Scaled) {
+      scaleRowsRef<<<2048, 256, 0, s>>>(b.ref, nr, sh.n, b.scale + r0);
+    }
+    CK(cudaMemsetAsync(b.sums, 0, 2 * sizeof(double), s));
+    CK(cudaMemsetAsync(b.bad, 0, sizeof(unsigned long long), s));
+    if (swiglu) {
+      dequantRows<<<2048, 256, 0, s>>>(f.hq, f.hqs, f.ldScale, r0, nr, sh.nOut, f.deqH);
+      relErrorKernel<float, float><<<1024, 256, 0, s>>>(f.deqH, sh.nOut, want, nr, sh.nOut, b.sums, b.bad);
+    } else {
+      const auto* o = static_cast<const __nv_bfloat16*>(out) + r0 * sh.nOut;
+      relErrorKernel<__nv_bfloat16, float><<<1024, 256, 0, s>>>(o, sh.nOut, want, nr, sh.nOut, b.sums, b.bad);
+    }
+    CK(cudaGetLastError());
+    double h[2];
+    unsigned long long nb = 0;
+    CK(cudaMemcpyAsync(h, b.sums, sizeof(h), cudaMemcpyDeviceToHost, s));
+    CK(cudaMemcpyAsync(&nb, b.bad, sizeof(nb), cudaMemcpyDeviceToHost, s));
+    syncOrDie(s, 120, "reference check");
+    worst = std::max(worst, std::sqrt(h[0] / std::max(h[1], 1e-300)));
+    badTotal += nb;
+  }
+  // bf16 out: 2^-9 rounding plus the fp8 accumulation within a k-block. e4m3 h: 3 mantissa bits, an rms relative
+  // rounding error near 2^-5.
+  const double tol = swiglu ? 5e-2 : 1e-2;
+  const bool ok = badTotal == 0 && std::isfinite(worst) && worst < tol;
+  std::printf("  %s %-7s %-10s %-13s rel_err %.3e non-finite %llu\n", ok ? "ok  " : "FAIL", b.model.name,
+              c.name.c_str(), opName(op), worst, badTotal);
+  if (!ok) gFailed = true;
+}
+
+// One model: correctness of the FP8 ops, then each FP8 op timed beside the bf16 grouped GEMM of the same shape.
+void runFp8Section(const Model& m, const std::vector<Case>& cases, const Options& o, cudaStream_t s) {
+  int64_t maxRows = 0, maxGroup = 0;
+  for (const Case& c : cases) {
+    maxRows = std::max(maxRows, c.rows());
+    maxGroup = std::max<int64_t>(maxGroup, c.maxGroup());
+  }
+  Buffers b = allocate<__nv_bfloat16>(m, maxRows, maxGroup, s);
+  Fp8Buffers f = allocateFp8(m, maxRows, maxGroup, s);
+  const Op ops[] = {Op::kG1Store, Op::kG1SwiGlu, Op::kG2Store, Op::kG2Scaled};
+  std::printf("\n%s: %d experts, hidden %lld, ffn %lld; e4m3, x and h scaled per 1x128, w per 128x128\n", m.name,
+              m.experts, static_cast<long long>(m.hidden), static_cast<long long>(m.ffn));
+  std::printf("correctness (first, middle and last group of each case vs fp32 GEMM of the dequantized inputs):\n");
+  for (const Case& c : cases) {
+    uploadOffsets(c, b, s);
+    for (Op op : ops) checkFp8(op, c, f, b, s);
+  }
+  std::printf("timing (median of %d, 2 rotated input sets; TFLOP/s = 2 rows n k / t; x bf16 = bf16 ms / fp8 ms; "
+              "x torch = torch ms / fp8 ms):\n", o.iters);
+  std::printf("%-7s %-10s %7s  %-13s %9s %9s %9s %9s %7s %9s %8s\n", "model", "case", "rows", "op", "fp8 ms",
+              "TFLOP/s", "bf16 ms", "TFLOP/s", "x bf16", "torch ms", "x torch");
+  for (const Case& c : cases) {
+    uploadOffsets(c, b, s);
+    for (Op op : ops) {
+      const double ms = timeLaunches(o.iters, s, [&](int set) { launchGroupedGemmFp8(fp8ParamsOf(op, f, b, set, c), s); });
+      const double bf16Ms = timeOp(op, c, b, GemmDtype::kBf16, o.iters, 0, s);
+      std::printf("%-7s %-10s %7lld  %-13s %9.4f %9.1f %9.4f %9.1f %6.2fx", m.name, c.name.c_str(),
+                  static_cast<long long>(c.rows()), opName(op), ms, tflops(op, m, c.rows(), ms), bf16Ms,
+                  tflops(op, m, c.rows(), bf16Ms), bf16Ms / ms);
+      // torch._scaled_grouped_mm (grouped_mm_baseline.py --fp8 --ms-out): op names "gemm1/fp8", "gemm2/fp8".
+      const double tms = o.torch != nullptr ? o.torch->find(m.name, c.name, std::string(opName(op)) + "/fp8") : 0.0;
+      if (tms > 0) {
+        std::printf(" %9.4f %7.2fx\n", tms, tms / ms);
+      } else {
+        std::printf(" %9s %8s\n", "-", "-");
+      }
+      std::fflush(stdout);
+    }
+  }
+  releaseFp8(f);
+  release(b);
+}
+
+int runFp8(const Options& o) {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (const Model& m : {kDeepSeekV3, kMixtral}) runFp8Section(m, equalCases(m, {256, 512, 1024, 2048, 4096}), o, s);
+  CK(cudaStreamDestroy(s));
+  return gFailed ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -696,7 +964,7 @@ int main(int argc, char** argv) {
   bool decode = false;
   std::string countsPath, torchPath, ops = "all";
   const char* usage =
-      "usage: grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16] "
+      "usage: grouped_gemm_bench [--iters N] [--counts FILE] [--sweep] [--dtype bf16|fp16|fp8] "
       "[--ops fwd|dgrad|wgrad|all] "
       "[--torch FILE] [--decode]\n";
   for (int i = 1; i < argc; ++i) {
@@ -711,6 +979,11 @@ int main(int argc, char** argv) {
       decode = true;
     } else if (a == "--dtype" && i + 1 < argc) {
       const std::string d = argv[++i];
+      if (d != "bf16" && d != "fp16" && d != "fp8") {
+        std::fputs(usage, stderr);
+        return 2;
+      }
+      o.fp8 = d == "fp8";
       o.dtype = d == "fp16" ? GemmDtype::kFp16 : GemmDtype::kBf16;
     } else if (a == "--ops" && i + 1 < argc) {
       ops = argv[++i];
@@ -739,12 +1012,14 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs; dtype %s\n", prop.name, prop.multiProcessorCount,
-              o.dtype == GemmDtype::kBf16 ? "bf16" : "fp16");
+              o.fp8 ? "fp8 (e4m3) beside bf16" : o.dtype == GemmDtype::kBf16 ? "bf16" : "fp16");
   const bool fwd = ops == "fwd" || ops == "all", dgrad = ops == "dgrad" || ops == "all";
   const bool wgrad = ops == "wgrad" || ops == "all";
   try {
     int rc = 0;
-    if (decode) {
+    if (o.fp8) {
+      rc = runFp8(o);
+    } else if (decode) {
       rc = o.dtype == GemmDtype::kBf16 ? runDecode<__nv_bfloat16>(o.dtype, o.iters) : runDecode<__half>(o.dtype, o.iters);
     } else {
       rc = o.dtype == GemmDtype::kBf16 ? run<__nv_bfloat16>(o, extra, fwd, dgrad, wgrad)

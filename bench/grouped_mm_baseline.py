@@ -26,10 +26,17 @@ m * n for the weight gradients).
 
   python3 bench/grouped_mm_baseline.py [--iters 30] [--json FILE] [--counts-out FILE] [--ms-out FILE]
                                        [--skip-forward] [--skip-dgrad] [--skip-wgrad] [--skip-layer] [--decode]
+                                       [--fp8]
 
 --decode: instead, torch._grouped_mm at decode sizes (grouped_gemm_bench --decode): 1, 8, 32 and 128 tokens routed
 top-8 over the 32 experts, gemm1 and gemm2 (k-major weights), with the GB/s of the routed experts' weights read once
 against a device-to-device copy (bytes read + written) measured in the same run.
+
+--fp8: instead, torch._scaled_grouped_mm (where the installed torch has it) on the forward GEMMs of grouped_gemm_bench
+--dtype fp8: gemm1 and gemm2 of DeepSeek-V3 and Mixtral at 256 / 512 / 1024 / 2048 / 4096 rows per expert, e4m3 with
+rowwise scales (one per row of x, one per output column of each expert's w: the scaling it offers on sm_90, coarser
+and cheaper than tandem's 1 x 128 / 128 x 128 blocks), bf16 out. --ms-out then writes ops "gemm1/fp8" and
+"gemm2/fp8", which grouped_gemm_bench --dtype fp8 --torch FILE reads.
 
 --counts-out writes the random routings' group sizes as lines "name c0 ... c31", for grouped_gemm_bench --counts.
 --ms-out writes the baseline's median ms of 1., 2. and 3. as lines "model case op ms", for grouped_gemm_bench --torch
@@ -365,6 +372,68 @@ def decode_cases(iters, dtype, results):
         sys.stdout.flush()
 
 
+def fp8_cases(iters, results):
+    """torch._scaled_grouped_mm on the forward GEMMs that grouped_gemm_bench --dtype fp8 times."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        print(f"torch {torch.__version__} has no torch._scaled_grouped_mm: no FP8 grouped baseline")
+        return
+    f8 = torch.float8_e4m3fn
+    gen = torch.Generator(device="cuda").manual_seed(4)
+
+    def rnd8(*shape):
+        return (torch.rand(*shape, device="cuda", generator=gen, dtype=torch.float32) * 2 - 1).to(f8)
+
+    def scales(*shape):
+        return torch.rand(*shape, device="cuda", generator=gen, dtype=torch.float32) + 0.5
+
+    print(f"\ntorch._scaled_grouped_mm, e4m3, rowwise scales (one per row of x, one per output column of each expert's "
+          f"w), bf16 out (median of {iters}, {SETS} rotated input sets):")
+    print(f"{'model':<7} {'case':<10} {'rows':>7}  {'op':<9} {'ms':>9} {'TFLOP/s':>9}")
+    for model, experts, hidden, ffn in MODELS:
+        max_rows = experts * max(DGRAD_ROWS)
+        x = [rnd8(max_rows, hidden) for _ in range(SETS)]
+        h = [rnd8(max_rows, ffn) for _ in range(SETS)]
+        w1 = [rnd8(experts, 2 * ffn, hidden) for _ in range(SETS)]  # [E, n, k], passed transposed (K-major)
+        w2 = [rnd8(experts, hidden, ffn) for _ in range(SETS)]
+        sx = [scales(max_rows) for _ in range(SETS)]
+        sh = [scales(max_rows) for _ in range(SETS)]
+        sw1 = [scales(experts, 2 * ffn) for _ in range(SETS)]
+        sw2 = [scales(experts, hidden) for _ in range(SETS)]
+        ops = (("gemm1/fp8", x, sx, w1, sw1, 2 * ffn, hidden), ("gemm2/fp8", h, sh, w2, sw2, hidden, ffn))
+        # Correctness of the baseline itself: group 1 against a plain matmul of the dequantized operands.
+        rows_per = DGRAD_ROWS[0]
+        offs = torch.tensor([rows_per] * experts, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        try:
+            got = torch._scaled_grouped_mm(x[0][:rows_per * experts], w1[0].transpose(-2, -1),
+                                           sx[0][:rows_per * experts], sw1[0], offs=offs, out_dtype=torch.bfloat16)
+        except RuntimeError as e:  # a build or device without the FP8 grouped kernels
+            print(f"{model:<7} torch._scaled_grouped_mm refused: {str(e).splitlines()[0]}")
+            continue
+        a = x[0][rows_per:2 * rows_per].float() * sx[0][rows_per:2 * rows_per, None]
+        want = a @ (w1[0][1].float() * sw1[0][1][:, None]).t()
+        rel = ((got[rows_per:2 * rows_per].float() - want).norm() / want.norm()).item()
+        print(f"{model:<7} torch._scaled_grouped_mm self-check (group 1 vs fp32 matmul): rel_err {rel:.3e}")
+        if not rel < 1e-2:
+            print("FAIL: torch._scaled_grouped_mm disagrees with matmul")
+            sys.exit(1)
+        for rows_per in DGRAD_ROWS:
+            counts = [rows_per] * experts
+            rows = sum(counts)
+            offs = torch.tensor(counts, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            for op, a, sa, b, sb, n, k in ops:
+                fns = [lambda i=i: torch._scaled_grouped_mm(a[i][:rows], b[i].transpose(-2, -1), sa[i][:rows], sb[i],
+                                                            offs=offs, out_dtype=torch.bfloat16)
+                       for i in range(SETS)]
+                ms = time_calls(fns, iters)
+                tf = tflops(rows, n, k, ms)
+                print(f"{model:<7} {'equal' + str(rows_per):<10} {rows:>7}  {op:<9} {ms:9.4f} {tf:9.1f}")
+                results["grouped_mm"].append({"model": model, "case": f"equal{rows_per}", "rows": rows, "op": op,
+                                              "ms": ms, "tflops": tf, "layout": "k-major, rowwise scales"})
+            sys.stdout.flush()
+        del x, h, w1, w2, sx, sh, sw1, sw2
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=30)
@@ -376,15 +445,21 @@ def main():
     ap.add_argument("--skip-wgrad", action="store_true")
     ap.add_argument("--skip-layer", action="store_true")
     ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--fp8", action="store_true")
     args = ap.parse_args()
     if args.iters < 20:
         ap.error("--iters must be >= 20 (median of at least 20)")
     if not torch.cuda.is_available():
         print("no CUDA device")
         sys.exit(77)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, bf16")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, {'fp8 (e4m3)' if args.fp8 else 'bf16'}")
     results = {"grouped_mm": [], "moe_layer": [], "decode": []}
-    if args.decode:
+    if args.fp8:
+        fp8_cases(args.iters, results)
+        if args.ms_out:
+            with open(args.ms_out, "w") as f:
+                f.write("".join(f"{r['model']} {r['case']} {r['op']} {r['ms']:.5f}\n" for r in results["grouped_mm"]))
+    elif args.decode:
         decode_cases(args.iters, torch.bfloat16, results)
     else:
         if not args.skip_forward:
@@ -396,7 +471,7 @@ def main():
         if args.ms_out:
             with open(args.ms_out, "w") as f:
                 f.write("".join(f"{r['model']} {r['case']} {r['op']} {r['ms']:.5f}\n" for r in results["grouped_mm"]))
-    if not args.decode and not args.skip_layer:
+    if not args.decode and not args.fp8 and not args.skip_layer:
         moe_layer_cases(args.iters, torch.bfloat16, results, args.counts_out)
     if args.json:
         with open(args.json, "w") as f:

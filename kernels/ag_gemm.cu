@@ -27,8 +27,9 @@ __device__ __forceinline__ uint8_t* align1024(uint8_t* p) {
 }
 
 // Fused: CTAs [0, commCtas) push this rank's shard to the peers and then take the tail of the tile order; the
-// others run the head of the GEMM's tile order (one CTA per SM, all co-resident).
-template <class T, CommMode kMode>
+// others run the head of the GEMM's tile order (one CTA per SM, all co-resident). BMn: B is the NN layout's weight
+// [k, n], loaded MN-major; otherwise [n, k].
+template <class T, CommMode kMode, bool BMn>
 __global__ void __launch_bounds__(gemm::kThreads, 1) agGemmFusedKernel(const __grid_constant__ AgGemmKernelParams kp) {
   extern __shared__ __align__(16) uint8_t smemRaw[];
   const uint64_t startNs = globaltimerNs();
@@ -41,14 +42,14 @@ __global__ void __launch_bounds__(gemm::kThreads, 1) agGemmFusedKernel(const __g
       uint32_t* bcast = reinterpret_cast<uint32_t*>(base + kTmaStages * kTmaBufBytes + 128);
       runComm<kMode>(kp, layout.indexInRole(cta), layout.commCtas, bcast, base, startNs);
       if (kp.tailTiles > 0) {
-        runCompute<T>(kp, smemRaw, SegmentedOrder{&kp, numWork - kp.tailTiles, kp.tailTiles}, layout.indexInRole(cta),
-                      layout.commCtas, startNs);
+        runCompute<T, BMn>(kp, smemRaw, SegmentedOrder{&kp, numWork - kp.tailTiles, kp.tailTiles},
+                           layout.indexInRole(cta), layout.commCtas, startNs);
       }
       break;
     }
     case Role::kCompute:
-      runCompute<T>(kp, smemRaw, SegmentedOrder{&kp, 0, numWork - kp.tailTiles}, layout.indexInRole(cta),
-                    layout.computeCtas, startNs);
+      runCompute<T, BMn>(kp, smemRaw, SegmentedOrder{&kp, 0, numWork - kp.tailTiles}, layout.indexInRole(cta),
+                         layout.computeCtas, startNs);
       break;
     default:
       break;
@@ -124,10 +125,14 @@ DeviceInfo deviceInfo(int device) {
   if (major != 9 || minor != 0) fail("needs an sm_90 (Hopper) GPU");
   const int smem = static_cast<int>(gemm::kSmemBytes<gemm::kStages>);
   // Setting the attribute also loads each kernel now, not lazily in the middle of a multi-GPU op.
-  const void* big[] = {reinterpret_cast<const void*>(&agGemmFusedKernel<__nv_bfloat16, CommMode::kLsu>),
-                       reinterpret_cast<const void*>(&agGemmFusedKernel<__nv_bfloat16, CommMode::kTma>),
-                       reinterpret_cast<const void*>(&agGemmFusedKernel<__half, CommMode::kLsu>),
-                       reinterpret_cast<const void*>(&agGemmFusedKernel<__half, CommMode::kTma>),
+  const void* big[] = {reinterpret_cast<const void*>(&agGemmFusedKernel<__nv_bfloat16, CommMode::kLsu, false>),
+                       reinterpret_cast<const void*>(&agGemmFusedKernel<__nv_bfloat16, CommMode::kTma, false>),
+                       reinterpret_cast<const void*>(&agGemmFusedKernel<__half, CommMode::kLsu, false>),
+                       reinterpret_cast<const void*>(&agGemmFusedKernel<__half, CommMode::kTma, false>),
+                       reinterpret_cast<const void*>(&agGemmFusedKernel<__nv_bfloat16, CommMode::kLsu, true>),
+                       reinterpret_cast<const void*>(&agGemmFusedKernel<__nv_bfloat16, CommMode::kTma, true>),
+                       reinterpret_cast<const void*>(&agGemmFusedKernel<__half, CommMode::kLsu, true>),
+                       reinterpret_cast<const void*>(&agGemmFusedKernel<__half, CommMode::kTma, true>),
                        reinterpret_cast<const void*>(&agPlainGemmKernel<__nv_bfloat16>),
                        reinterpret_cast<const void*>(&agPlainGemmKernel<__half>)};
   for (const void* f : big) {
@@ -145,6 +150,18 @@ DeviceInfo deviceInfo(int device) {
 }
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The fused kernel for this dtype, copy mode and B layout.
+template <class T>
+void launchFusedKernel(const AgGemmKernelParams& kp, dim3 grid, size_t smem, cudaStream_t stream, bool tma, bool bMn) {
+  if (bMn) {
+    if (tma) agGemmFusedKernel<T, CommMode::kTma, true><<<grid, gemm::kThreads, smem, stream>>>(kp);
+    else agGemmFusedKernel<T, CommMode::kLsu, true><<<grid, gemm::kThreads, smem, stream>>>(kp);
+  } else {
+    if (tma) agGemmFusedKernel<T, CommMode::kTma, false><<<grid, gemm::kThreads, smem, stream>>>(kp);
+    else agGemmFusedKernel<T, CommMode::kLsu, false><<<grid, gemm::kThreads, smem, stream>>>(kp);
+  }
+}
 
 // The GEMM on the layouts core, A the gathered rows `a` (or the shard at one rank): one GEMM, or for kAtB one per
 // rank's [k, rows_r] block into C's rows of that rank. The split-K plan fits p.splitK (bitwise repeatable).
@@ -194,8 +211,9 @@ void validate(const AgGemmParams& p) {
   if (p.layout != GemmLayout::kABt && p.layout != GemmLayout::kAB && p.layout != GemmLayout::kAtB) {
     fail("layout must be kABt, kAB or kAtB");
   }
-  if (agGemmOnLayoutsCore(p) && p.plan == 1) {
-    fail("the fused plan takes layout kABt on the forward core only; use plan 0 or 2 with this layout or layoutsCore");
+  if (p.fp8.enabled == 0 && !agGemmFusedTakes(p) && p.plan == 1) {
+    fail("the fused plan takes layouts kABt and kAB (its producer loads the shard's rows K-major, so kAtB's [k, rows] "
+         "shard cannot be gathered into it) and not layoutsCore; use plan 0 or 2 with kAtB or layoutsCore");
   }
   if (p.layout == GemmLayout::kAtB) {
     for (int q = 0; q < p.nranks; ++q) {
@@ -377,7 +395,10 @@ AgGemmPlanChoice launchFp8(const AgGemmParams& p, AgGemmPlanChoice choice, cudaS
 AgGemmPlanChoice resolveAgGemmPlan(const AgGemmParams& p) {
   if (p.nranks <= 1) return {AgGemmPlan::kLocal, 0, 0};
   if (p.fp8.enabled != 0) return {AgGemmPlan::kDecomposed, p.commSms > 0 ? p.commSms : 132, 1, 0};
-  if (agGemmOnLayoutsCore(p)) return {AgGemmPlan::kDecomposed, p.commSms > 0 ? p.commSms : 132, 1, 0};
+  // kAtB (the wgrad: A stored [k, rows], which the fused producer cannot load) and layoutsCore run the whole gather,
+  // then the layouts core. kABt and kAB take the chooser's plan: fused (kAB: the weight [k, n] loaded MN-major), or
+  // decomposed (kAB: its GEMM then on the layouts core).
+  if (!agGemmFusedTakes(p)) return {AgGemmPlan::kDecomposed, p.commSms > 0 ? p.commSms : 132, 1, 0};
   const AgGemmPlanChoice chosen = chooseAgGemmPlan(p.m, p.n, p.k, p.nranks);
   AgGemmPlanChoice r = chosen;
   if (p.plan == 1 && chosen.plan != AgGemmPlan::kFused) r = {AgGemmPlan::kFused, 4, 2};
@@ -439,7 +460,9 @@ AgGemmPlanChoice launchAgGemm(const AgGemmParams& p, cudaStream_t stream) {
   const int64_t tilesN = ceilDiv(p.n, gemm::kBlockN);
   if (tilesM * tilesN > 0x7fffffff) fail("too many tiles");
   kp.g.tmA = encodeMap(p.aGathered, p.m, p.k, gemm::kBlockM, gemm::kBlockK, p.dtype);
-  kp.g.tmB = encodeMap(p.b, p.n, p.k, gemm::kBlockN, gemm::kBlockK, p.dtype);
+  // kABt: B [n, k], 256-row boxes. kAB: B [k, n] loaded MN-major, {64 columns, 64 k} boxes (gemm_sm90.cuh tmaLoadB).
+  kp.g.tmB = p.layout == GemmLayout::kAB ? encodeMap(p.b, p.k, p.n, gemm::kBlockK, gemm::kBlockK, p.dtype)
+                                         : encodeMap(p.b, p.n, p.k, gemm::kBlockN, gemm::kBlockK, p.dtype);
   kp.g.tmC = encodeMap(p.c, p.m, p.n, gemm::kRowsPerConsumer, gemm::kEpiCols, p.dtype);
   kp.tmALocal = rows > 0 ? encodeMap(p.a, rows, p.k, gemm::kBlockM, gemm::kBlockK, p.dtype) : kp.g.tmA;
   kp.g.c = p.c;
@@ -535,12 +558,11 @@ AgGemmPlanChoice launchAgGemm(const AgGemmParams& p, cudaStream_t stream) {
     choice.tailTiles = kp.tailTiles;
     const dim3 grid(static_cast<unsigned>(layout.commCtas + compute));
     const bool tma = choice.commMode == 2;
+    const bool bMn = p.layout == GemmLayout::kAB;
     if (p.dtype == GemmDtype::kBf16) {
-      if (tma) agGemmFusedKernel<__nv_bfloat16, CommMode::kTma><<<grid, gemm::kThreads, smem, stream>>>(kp);
-      else agGemmFusedKernel<__nv_bfloat16, CommMode::kLsu><<<grid, gemm::kThreads, smem, stream>>>(kp);
+      launchFusedKernel<__nv_bfloat16>(kp, grid, smem, stream, tma, bMn);
     } else {
-      if (tma) agGemmFusedKernel<__half, CommMode::kTma><<<grid, gemm::kThreads, smem, stream>>>(kp);
-      else agGemmFusedKernel<__half, CommMode::kLsu><<<grid, gemm::kThreads, smem, stream>>>(kp);
+      launchFusedKernel<__half>(kp, grid, smem, stream, tma, bMn);
     }
     checkCuda(cudaGetLastError(), "launching the fused AllGather+GEMM kernel");
     return choice;

@@ -183,14 +183,17 @@ std::string launchAgGemm(const OpDescriptor& d, const DevicePointers& ptrs, uint
   }
   const AgGemmPlanChoice plan = kernels::launchAgGemm(p, s);  // plan 0: the launcher chooses
   std::string name = agGemmPlanName(plan.plan);
-  if (agGemmOnLayoutsCore(p)) name += fmt::format(" ({} on the layouts core)", gemmLayoutName(gemmOperandsOf(d.flags)));
+  if (plan.plan != AgGemmPlan::kFused && agGemmOnLayoutsCore(p)) {
+    name += fmt::format(" ({} on the layouts core)", gemmLayoutName(gemmOperandsOf(d.flags)));
+  }
   if (p.fp8.enabled != 0) {
     name += plan.plan == AgGemmPlan::kDecomposed
                 ? fmt::format(" ({} all-gather CTAs for the fp8 rows and their scales, then the FP8 core)", plan.commSms)
                 : std::string(" (the FP8 core)");
   } else if (plan.plan == AgGemmPlan::kFused) {
-    name += fmt::format(" ({} comm SMs, {} copies, {} tail tiles)", plan.commSms, plan.commMode == 2 ? "TMA" : "LSU",
-                        plan.tailTiles);
+    name += fmt::format(" ({}{} comm SMs, {} copies, {} tail tiles)",
+                        p.layout == GemmLayout::kAB ? "NN: the weight loaded MN-major; " : "", plan.commSms,
+                        plan.commMode == 2 ? "TMA" : "LSU", plan.tailTiles);
   } else if (plan.plan == AgGemmPlan::kDecomposed) {
     name += fmt::format(" ({} all-gather CTAs, then the GEMM)", plan.commSms);
   }
@@ -350,12 +353,15 @@ bool isFusedGemm(OpKind kind) { return kind == OpKind::kAgGemm || kind == OpKind
 // 32 at N = 8192 on 132 SMs) and measured 0.6x of cuBLASLt + NCCL; the layouts core's swap-AB tiles put the weight's N
 // on the 128-row side and split K to fill the SMs, so its GEMM then the collective (a few microseconds of data at
 // these sizes) is taken. A plan table entry that names the fused plan keeps it (tandemctl tune measured it faster).
-// The other layouts: TN (wgrad) always, since the fused kernels load A K-major only; NN (dgrad) on ag-gemm, whose
-// fused producer loads the weight K-major only (gemm-rs and gemm-ar's fused kernel loads it MN-major).
+// TN (wgrad) always runs there, since the fused kernels load A K-major only (ag-gemm's shards are then [k, rows]).
+// NN (dgrad): gemm-rs and gemm-ar fuse it like NT (their fused kernel loads the weight [k, n] MN-major); ag-gemm's
+// fused kernel takes it too, but runs it only where the plan table names the fused plan (`tandemctl tune` times both),
+// its default staying the gather, then the layouts core, until the two are measured against each other.
 bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan) {
   if (isFp8(d.dtype)) return false;  // FP8 operands run on the FP8 core (NT only)
   const GemmOperands layout = gemmOperandsOf(d.flags);
-  if (layout == GemmOperands::kTN || (layout == GemmOperands::kNN && d.kind == OpKind::kAgGemm)) return true;
+  if (layout == GemmOperands::kTN) return true;
+  if (layout == GemmOperands::kNN && d.kind == OpKind::kAgGemm && plan.kind != PlanKind::kFused) return true;
   return d.dims[dim::kM] <= kFusedSmallM && plan.kind != PlanKind::kFused;
 }
 

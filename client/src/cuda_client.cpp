@@ -302,8 +302,9 @@ class ClientGateStrategy final : public CommStrategy {
       // does, so the two stay in step. Its fingerprint is compared too: a peer replaying a graph where this rank runs
       // an eager op would otherwise meet it there (and a collective tandemd rejects now fails the communicator).
       if (env_.epochWord != nullptr && op.launch != nullptr && !skipKernels) {
-        enterOp(d, e, collectiveFingerprint(d), stream);
+        enterOp(d, e, collectiveFingerprint(d, rankRows), stream);
       }
+      if (!rankRows.empty()) warmRows_[collectiveFingerprint(d)].assign(rankRows.begin(), rankRows.end());
       if (op.launch != nullptr && !skipKernels) {
         // The kernels read tandemd's verdict where they can (AllGather, MoE: a rejected op does nothing); the fused
         // GEMMs and ring attention cannot, so tandemd aborts the communicator instead (client_gate.cpp).
@@ -327,6 +328,8 @@ class ClientGateStrategy final : public CommStrategy {
   void enqueueCaptured(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t epoch, CUstream s) override {
     const k::GpuOp& op = k::gpuOp(d.kind);
     const auto stream = reinterpret_cast<cudaStream_t>(s);
+    // Before anything changes: a refusal here breaks only the capture.
+    const std::span<const uint64_t> rankRows = op.needsRankRows ? warmRowsOf(d) : std::span<const uint64_t>();
     if (env_.epochWord == nullptr) {
       // From this op on, eager ops enter too (enqueue): every rank switches at the same op, since every rank
       // captures at the same place in its sequence. The words are zero until then; the floor lifts the first device
@@ -334,10 +337,12 @@ class ClientGateStrategy final : public CommStrategy {
       env_.epochWord = &k::opEntryWords(env_.workspaces[env_.rank])->epoch;
     }
     try {
-      enterOp(d, epoch + 1, collectiveFingerprint(d), stream);
+      enterOp(d, epoch + 1, collectiveFingerprint(d, rankRows), stream);
       if (op.launch != nullptr) {
         const PlanChoice plan = op.fusedGemm ? planOf(d, gpuModel_, "client") : PlanChoice{};
-        const std::string ran = op.launch({d, ptrs, epoch + 1, env_, stream, plan, false, true});
+        k::GpuLaunch launch{d, ptrs, epoch + 1, env_, stream, plan, false, true};
+        launch.rankRows = rankRows;
+        const std::string ran = op.launch(launch);
         if (!ran.empty()) logPlanOnce(d, ran + " (captured into a CUDA graph)");
       }
     } catch (const Error&) {
@@ -364,9 +369,31 @@ class ClientGateStrategy final : public CommStrategy {
     k::launchOpEntry(p, stream);
   }
 
+  // A captured op whose launch needs every rank's rows (GpuOp::needsRankRows): a replay has no tandemd step to learn
+  // them from, so the capture uses those of this rank's last eager call of the same shape (the warm-up), and the op
+  // entry's fingerprint carries them, so that ranks whose warm-ups saw other rows fail as diverged at the first replay
+  // instead of reading each other's staging with the wrong sizes.
+  std::span<const uint64_t> warmRowsOf(const OpDescriptor& d) const {
+    const uint64_t seq = d.dims[dim::kSeq];
+    const auto it = warmRows_.find(collectiveFingerprint(d));
+    if (it == warmRows_.end()) {
+      fail(ErrorCode::kUnsupported, "{}: the stream is being captured into a CUDA graph on {} ranks, and each rank's "
+           "launch needs every rank's seq, which this rank learns only from an eager call of the op: run {} once "
+           "outside the graph with the shapes you capture (the usual warm-up), then capture",
+           opKindName(d.kind), nranks_, opKindName(d.kind));
+    }
+    if (it->second[env_.rank] != seq) {
+      fail(ErrorCode::kUnsupported, "{}: the stream is being captured into a CUDA graph with seq {} on this rank, but "
+           "its last eager call of this shape (the warm-up the capture takes every rank's seq from) had seq {}: warm up "
+           "with the seq you capture", opKindName(d.kind), seq, it->second[env_.rank]);
+    }
+    return it->second;
+  }
+
   uint32_t nranks_;
   std::vector<std::unique_ptr<DeviceMapping>> workspaces_;
   k::CommControl* ctlDev_;
+  std::map<uint64_t, std::vector<uint64_t>> warmRows_;  // collectiveFingerprint -> every rank's rows, last eager call
   k::FusedEnv env_;  // workspaces, their layout, the control page, the deadline, the CTA budget: every launch
   std::string gpuModel_;
 };

@@ -7,8 +7,10 @@
 namespace tandem {
 
 OpSet graphReplayableOps() {
-  return OpSet{OpKind::kAllGather, OpKind::kAgGemm, OpKind::kGemmRs, OpKind::kGemmAr, OpKind::kRingAttention,
-               OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine, OpKind::kMoeFfnBackward, OpKind::kNop};
+  return OpSet{OpKind::kAllGather,       OpKind::kAgGemm,          OpKind::kGemmRs,
+               OpKind::kGemmAr,          OpKind::kRingAttention,   OpKind::kRingAttentionBackward,
+               OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine, OpKind::kMoeFfnBackward,
+               OpKind::kNop};
 }
 
 namespace {
@@ -20,7 +22,6 @@ std::string whyNotReplayable(OpKind kind) {
   if (knownOp(kind) && !opSpec(kind).cudaPending.empty()) {
     return fmt::format("the cuda backend has no GPU implementation of it ({})", opSpec(kind).cudaPending);
   }
-  if (knownOp(kind) && !opSpec(kind).replayPending.empty()) return std::string(opSpec(kind).replayPending);
   return "its kernels take their epoch from the host (no device-epoch path yet)";
 }
 
@@ -49,15 +50,22 @@ std::string captureRefusal(std::string_view executor, const OpDescriptor& d) {
                      op, op, d.nranks, whyNotReplayable(d.kind));
 }
 
+namespace {
+
+// FNV-1a, 64-bit, one value's bytes.
+void mixInto(uint64_t& h, uint64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= (v >> (8 * i)) & 0xff;
+    h *= 1099511628211ull;
+  }
+}
+
+}  // namespace
+
 uint64_t collectiveFingerprint(const OpDescriptor& d) {
-  // FNV-1a, 64-bit, over the fields in a fixed order (not the struct's bytes: padding and per-rank fields differ).
+  // FNV-1a over the fields in a fixed order (not the struct's bytes: padding and per-rank fields differ).
   uint64_t h = 1469598103934665603ull;
-  const auto mix = [&h](uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (v >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  };
+  const auto mix = [&h](uint64_t v) { mixInto(h, v); };
   mix(static_cast<uint64_t>(d.kind));
   mix(d.version);
   mix(static_cast<uint64_t>(d.dtype));
@@ -71,6 +79,12 @@ uint64_t collectiveFingerprint(const OpDescriptor& d) {
     const bool global = i >= spec.dimCount || !spec.dims[i].perRank();
     mix(global ? d.dims[i] : 0);
   }
+  return h == 0 ? 1 : h;
+}
+
+uint64_t collectiveFingerprint(const OpDescriptor& d, std::span<const uint64_t> rankRows) {
+  uint64_t h = collectiveFingerprint(d);
+  for (const uint64_t rows : rankRows) mixInto(h, rows);
   return h == 0 ? 1 : h;
 }
 

@@ -119,11 +119,6 @@ struct Builder {
     s.cudaPending = why;
     return *this;
   }
-  // It runs eagerly but cannot be captured into a CUDA graph on several ranks: `why` (OpSpec::replayPending).
-  Builder& replayPending(std::string_view why) {
-    s.replayPending = why;
-    return *this;
-  }
   // The C argument struct and the Python method; `fields` names the struct's fields after struct_size in tandem.h's
   // order, each resolved against the entry: "dtype", "cuda_stream", "scale", a flag's field ("causal", "layout"), a
   // dim or a slot. Call it after the dims and slots.
@@ -343,8 +338,6 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
             .crossNode(CrossNode::kReplicate)
             .check(checkAttention)
             .deviceError(ErrorCode::kTimeout)
-            .replayPending("each rank's launch needs every rank's seq on the host, which tandemd publishes when it "
-                           "matches the ranks' descriptors of an eager op, and a replay has no tandemd step")
             .c("tandem_ring_attention_backward_args_t", "ring_attention_backward",
                "dtype seq heads head_dim kv_heads causal layout scale q k v o dout lse dq dk dv cuda_stream"));
   }

@@ -1,7 +1,8 @@
 // Device pieces of the fused AllGather + GEMM (kernels/ag_gemm.cu wires them into kernels). Reuses the GEMM core of
-// gemm_sm90.cuh (shared storage, pipeline, consumer warpgroups, PTX wrappers); adds the tile order (local shard first,
-// then peer shards in arrival order), a producer that reads local tiles from the shard and peer tiles from the
-// gathered buffer after waiting on their chunk flags, and the communication role (push chunks + publish flags).
+// gemm_sm90.cuh (shared storage, pipeline, consumer warpgroups, PTX wrappers, B loaded K-major or MN-major); adds the
+// tile order (local shard first, then peer shards in arrival order), a producer that reads local tiles from the shard
+// and peer tiles from the gathered buffer after waiting on their chunk flags, and the communication role (push chunks
+// + publish flags).
 #pragma once
 
 #include <cuda.h>
@@ -24,7 +25,7 @@ using gemm::kBlockN;
 inline constexpr uint32_t kOpAgGemm = 1;  // WaitCtx.op (OpKind::kAgGemm's value in common/descriptor.hpp)
 
 struct AgGemmKernelParams {
-  GemmKernelParams g;   // tmA: the gathered buffer [m, k]; tmC: C; sizes; numKBlocks; tilesN
+  GemmKernelParams g;   // tmA: the gathered buffer [m, k]; tmB: B [n, k] or (NN) [k, n]; tmC: C; sizes; tilesN
   CUtensorMap tmALocal;  // this rank's shard [rows, k] (same box); unused when the shard is empty
   const uint4* shard;    // this rank's shard, as 16-byte words
   uint4* gathered[kAgGemmMaxRanks];  // rank q's gathered buffer (this rank's own at [rank])
@@ -112,9 +113,10 @@ __device__ __forceinline__ bool waitRows(const AgGemmKernelParams& kp, int32_t r
 // Producer (one thread): the core's runProducer with ClusterM = 1, plus the choice of A source per tile: tiles wholly
 // inside the local shard load from the shard (no wait); the others wait on their chunk flags and load from the
 // gathered buffer. After a failed wait (abort / deadline, already reported) it stops waiting and keeps the pipeline
-// fed, so the consumers finish and the kernel unwinds; C is then garbage and the error slot says why.
+// fed, so the consumers finish and the kernel unwinds; C is then garbage and the error slot says why. BMn: B is the
+// NN layout's weight [K, N], loaded MN-major (the core's tmaLoadB); otherwise [N, K].
 // ---------------------------------------------------------------------------------------------------------------
-template <int Stages, class Order>
+template <int Stages, class Order, bool BMn>
 __device__ __forceinline__ void runAgProducer(const AgGemmKernelParams& kp, gemm::SharedStorage<Stages>& s,
                                               const Order& order, int32_t firstWork, int32_t workStride,
                                               WaitCtx& ctx) {
@@ -137,15 +139,15 @@ __device__ __forceinline__ void runAgProducer(const AgGemmKernelParams& kp, gemm
       mbarArriveExpectTx(&s.full[ps.stage], kABytes + kBBytes);
       const int32_t k0 = kb * kBlockK;
       tmaLoad2d(mapA, s.a[ps.stage], &s.full[ps.stage], k0, aRow);
-      tmaLoad2d(&p.tmB, s.b[ps.stage], &s.full[ps.stage], k0, n0);
+      tmaLoadB<BMn>(&p.tmB, s.b[ps.stage], &s.full[ps.stage], k0, n0);
       ps.advance();
     }
   }
 }
 
 // A compute CTA: the core's runGemmCta glue (ClusterM = 1) with the producer above. computeId / numCompute: this
-// CTA's index among the compute CTAs.
-template <class T>
+// CTA's index among the compute CTAs. BMn as for runAgProducer (the consumers then read B with the transpose bit).
+template <class T, bool BMn>
 __device__ __forceinline__ void runCompute(const AgGemmKernelParams& kp, uint8_t* smemRaw, const SegmentedOrder& order,
                                            int32_t computeId, int32_t numCompute, uint64_t startNs) {
   using namespace gemm;
@@ -166,12 +168,13 @@ __device__ __forceinline__ void runCompute(const AgGemmKernelParams& kp, uint8_t
       setMaxNRegDec<kProducerRegs>();
       if (t == 0) {
         WaitCtx ctx = makeWaitCtx(kp, tandem::kernels::Role::kCompute, startNs);
-        runAgProducer<kStages>(kp, s, order, computeId, numCompute, ctx);
+        runAgProducer<kStages, SegmentedOrder, BMn>(kp, s, order, computeId, numCompute, ctx);
       }
       break;
     case gemm::Role::kConsumer:
       setMaxNRegInc<kConsumerRegs>();
-      runConsumer<T, kStages, 1, Epilogue::kTmaStore>(kp.g, s, order, computeId, numCompute, 0u, wg - 1, t);
+      runConsumer<T, kStages, 1, Epilogue::kTmaStore, SegmentedOrder, NoEpiHook, BMn>(kp.g, s, order, computeId,
+                                                                                      numCompute, 0u, wg - 1, t);
       break;
   }
 }

@@ -341,25 +341,42 @@ __device__ __forceinline__ void mainLoopPerTensor(const KernelParams& p, SharedS
   for (int i = 0; i < 128; ++i) acc[i] *= scale;
 }
 
-// Block scaled: per k-block and column half, a fresh m64n128 accumulator, promoted into acc with its two scales (see
-// the file comment for why every 128 k). wg: this warpgroup's index (0, 1).
-template <class TA, class TB, int Stages>
-__device__ __forceinline__ void mainLoopBlock(const KernelParams& p, SharedStorage<Scaling::kBlock>& s,
-                                              PipeState<Stages>& ps, float (&acc)[128], int32_t col0, int wg, int t) {
-  float part[64];
-  const int r = (t / 32) * 16 + (t % 32) / 4;  // this thread's accumulator rows r and r + 8 of the warpgroup's 64
-  const uint32_t aOffset = static_cast<uint32_t>(wg) * kChunkBytes;
-  // B's scale blocks of the two halves; a half wholly past N is skipped (its scale block may not exist).
+// B's scales as mainLoopBlock reads them: half h (columns [128 h, 128 h + 128) of the tile) takes
+// half[h][kb * kbStep] for k-block kb; a half that is not live (wholly past N) is skipped, its pointer unread. The
+// core passes one 128 x 128 block per half (kbStep 1); the FP8 grouped GEMM also passes its SwiGLU tile's gate and up
+// blocks, or one scale per expert (kbStep 0).
+struct BlockScalesB {
+  const float* half[2];
+  int32_t kbStep;
+  bool secondHalf;
+};
+
+// The core's B scales for the tile at col0: scaleB [ceil(n / 128), numKBlocks], row-major.
+__device__ __forceinline__ BlockScalesB blockScalesB(const KernelParams& p, int32_t col0) {
   const int32_t nb0 = col0 / kHalfCols;
   const bool secondHalf = col0 + kHalfCols < p.cols;
   const float* const sb0 = p.scaleB + static_cast<int64_t>(nb0) * p.numKBlocks;
-  const float* const sb1 = sb0 + (secondHalf ? p.numKBlocks : 0);
+  return BlockScalesB{{sb0, sb0 + (secondHalf ? p.numKBlocks : 0)}, 1, secondHalf};
+}
+
+// Block scaled: per k-block and column half, a fresh m64n128 accumulator, promoted into acc with its two scales (see
+// the file comment for why every 128 k). wg: this warpgroup's index (0, 1). Reads the stage ring of s (A, B and A's
+// row scales of each k-block) and no kernel parameters, so other kernels on this storage (the FP8 grouped GEMM) run it
+// too. numKBlocks by reference: callers pass their parameter-space field, read where the loop needs it.
+template <class TA, class TB, int Stages>
+__device__ __forceinline__ void mainLoopBlock(SharedStorage<Scaling::kBlock>& s, PipeState<Stages>& ps,
+                                              float (&acc)[128], const int32_t& numKBlocks, const BlockScalesB& sb, int wg,
+                                              int t) {
+  float part[64];
+  const int r = (t / 32) * 16 + (t % 32) / 4;  // this thread's accumulator rows r and r + 8 of the warpgroup's 64
+  const uint32_t aOffset = static_cast<uint32_t>(wg) * kChunkBytes;
+  const bool secondHalf = sb.secondHalf;
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-  for (int32_t kb = 0; kb < p.numKBlocks; ++kb) {
+  for (int32_t kb = 0; kb < numKBlocks; ++kb) {
     // B's scales come from global memory (L1/L2-resident, uniform over the warpgroup), loaded before the wait so
     // that their latency hides behind it.
-    const float sbh[2] = {__ldg(sb0 + kb), __ldg(sb1 + kb)};
+    const float sbh[2] = {__ldg(sb.half[0] + kb * sb.kbStep), __ldg(sb.half[1] + kb * sb.kbStep)};
     gemm::mbarWait(&s.full[ps.stage], ps.phase);  // acquire: TMA bytes of this stage (and its A scales) landed
     const float sa0 = s.sfa[ps.stage][wg * kRowsPerConsumer + r];
     const float sa1 = s.sfa[ps.stage][wg * kRowsPerConsumer + r + 8];
@@ -417,7 +434,7 @@ __device__ __forceinline__ void runConsumer(const KernelParams& p, SharedStorage
     const int32_t row0 = tc.unitM * kBlockRows;
     const int32_t col0 = tc.tileN * kBlockCols;
     if constexpr (S == Scaling::kBlock) {
-      mainLoopBlock<TA, TB>(p, s, ps, acc, col0, wg, t);
+      mainLoopBlock<TA, TB>(s, ps, acc, p.numKBlocks, blockScalesB(p, col0), wg, t);
     } else {
       mainLoopPerTensor<TA, TB>(p, s, ps, acc, static_cast<uint32_t>(wg) * kChunkBytes, t);
     }

@@ -213,13 +213,16 @@ __device__ __forceinline__ bool findTile(const GroupedGemmKernelParams& p, Group
 // Producer: one warp walks the tiles; lane 0 waits for the tile's rows (when counters are given) and streams its
 // k-blocks into the ring. After a failed wait (abort or deadline, already reported in the error slot) it stops
 // waiting and keeps the ring fed, so the consumers finish and the kernel ends; out is then garbage and the slot says
-// why.
+// why. What one k-block loads is the loader's: loader.bytes(tile) is the expected transaction count of every k-block
+// of the tile, loader.load(tile, kb, stage, bar) issues its TMA copies into ring stage `stage`, completing on bar. The
+// FP8 grouped GEMM walks its tiles with this same loop and a loader of its own.
 // ---------------------------------------------------------------------------------------------------------------
-template <GroupedGemmEpilogue Epi, bool BMn>
-__device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams& p, gemm::SharedStorage<kStages>& s,
-                                                   WorkRing& ring, int32_t firstWork, int32_t workStride) {
+template <GroupedGemmEpilogue Epi, int Stages, class Loader>
+__device__ __forceinline__ void runGroupedProducerWith(const GroupedGemmKernelParams& p, uint64_t (&full)[Stages],
+                                                       uint64_t (&empty)[Stages], WorkRing& ring, int32_t firstWork,
+                                                       int32_t workStride, const Loader& loader) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  gemm::PipeState<kStages> ps;
+  gemm::PipeState<Stages> ps;
   GroupCursor cur;
   WaitCtx ctx{p.abortWord, p.errorSlot, 0, 0, 0, 0};
   if (p.rowTileReady != nullptr && p.timeoutNs != 0) ctx.deadlineNs = globaltimerNs() + p.timeoutNs;
@@ -249,14 +252,12 @@ __device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams
         // The rows were written by generic-proxy stores (SMs, possibly a peer's); TMA reads them next.
         fenceProxyAsyncGlobal();
       }
-      const uint32_t bytes = kABytes + wBytes<Epi, BMn>(tile.col0, p.nOut);
+      const uint32_t bytes = loader.bytes(tile);
       for (int32_t kb = 0; kb < p.numKBlocks; ++kb) {
         // Parity trick: the first pass waits on parity 1, which a fresh barrier reports as complete.
-        gemm::mbarWait(&s.empty[ps.stage], ps.phase ^ 1);
-        gemm::mbarArriveExpectTx(&s.full[ps.stage], bytes);
-        const int32_t k0 = kb * kBlockK;
-        gemm::tmaLoad2d(&p.tmX, s.a[ps.stage], &s.full[ps.stage], k0, tile.row0);
-        tmaLoadW<Epi, BMn>(&p.tmW, s.b[ps.stage], &s.full[ps.stage], k0, tile.col0, p.nOut, tile.expert);
+        gemm::mbarWait(&empty[ps.stage], ps.phase ^ 1);
+        gemm::mbarArriveExpectTx(&full[ps.stage], bytes);
+        loader.load(tile, kb, ps.stage, &full[ps.stage]);
         ps.advance();
       }
     }
@@ -270,19 +271,148 @@ __device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams
   }
 }
 
+// The 16-bit kernels' loader: x's 128 rows and w's columns of one k-block of 64.
+template <GroupedGemmEpilogue Epi, bool BMn>
+struct Bf16Loader {
+  const GroupedGemmKernelParams& p;
+  gemm::SharedStorage<kStages>& s;
+  __device__ __forceinline__ uint32_t bytes(const GroupTile& tile) const {
+    return kABytes + wBytes<Epi, BMn>(tile.col0, p.nOut);
+  }
+  __device__ __forceinline__ void load(const GroupTile& tile, int32_t kb, int stage, uint64_t* bar) const {
+    const int32_t k0 = kb * kBlockK;
+    gemm::tmaLoad2d(&p.tmX, s.a[stage], bar, k0, tile.row0);
+    tmaLoadW<Epi, BMn>(&p.tmW, s.b[stage], bar, k0, tile.col0, p.nOut, tile.expert);
+  }
+};
+
+template <GroupedGemmEpilogue Epi, bool BMn>
+__device__ __forceinline__ void runGroupedProducer(const GroupedGemmKernelParams& p, gemm::SharedStorage<kStages>& s,
+                                                   WorkRing& ring, int32_t firstWork, int32_t workStride) {
+  runGroupedProducerWith<Epi>(p, s.full, s.empty, ring, firstWork, workStride, Bf16Loader<Epi, BMn>{p, s});
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Consumer side of the tile order: work index w (static order) or the producer's next one from the ring (dynamic
+// order), found in the grouping. Called by all 32 lanes of a warp together. Returns false past the last tile.
+// ---------------------------------------------------------------------------------------------------------------
+template <GroupedGemmEpilogue Epi>
+__device__ __forceinline__ bool nextConsumerTile(const GroupedGemmKernelParams& p, WorkRing& ring, RingPos& rp,
+                                                 GroupCursor& cur, int32_t w, GroupTile& tile) {
+  if (p.tileCounter != nullptr) {
+    gemm::mbarWait(&ring.full[rp.slot], rp.phase);  // acquire: the producer's work[slot]
+    w = ring.work[rp.slot];
+    __syncwarp();
+    if (static_cast<int>(threadIdx.x) % 32 == 0) gemm::mbarArrive(&ring.empty[rp.slot]);  // this warp has read it
+    rp.advance();
+  }
+  return findTile<Epi>(p, cur, w, tile);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Epilogue pieces shared with the FP8 grouped GEMM. A consumer warpgroup writes its 64 rows [rowBase, rowBase + 64)
+// in chunks of 64 rows x 128 bytes (64 16-bit or 128 fp8 columns), staged in shared memory with the 128-byte swizzle.
+// ---------------------------------------------------------------------------------------------------------------
+inline constexpr uint32_t kEpiChunkBytes = kRowsPerConsumer * 128;
+
+// One chunk to out at column chunkCol: waits until chunk buffer epiChunks % Bufs (of Bufs at bufBase, kEpiChunkBytes
+// apart) is free, has stage(base) write the swizzled chunk there, then TMA-stores it when all 64 rows belong to the
+// group (clipped at nOut), or else copies the group's rows out with 16-byte stores masked by row and column
+// (nOut * sizeof(OutT) % 16 == 0). barId: the warpgroup's named barrier (128 threads); t: thread in the warpgroup.
+template <class OutT, int Bufs, class Stage>
+__device__ __forceinline__ void storeGroupChunk(uint32_t bufBase, const CUtensorMap* tmOut, void* out, int64_t ldOut,
+                                                int32_t nOut, int32_t rowBase, int32_t rowsHere, int32_t chunkCol,
+                                                uint32_t barId, int t, uint32_t& epiChunks, const Stage& stage) {
+  constexpr int kPieceElems = 16 / static_cast<int>(sizeof(OutT));
+  const uint32_t buf = epiChunks % Bufs;
+  if (epiChunks >= static_cast<uint32_t>(Bufs)) {
+    // This buffer's previous chunk: its TMA store has read it (bulk groups of thread 0), and every thread's masked
+    // copy out of it is done (the barrier).
+    if (t == 0) gemm::bulkWaitRead<Bufs - 1>();
+    gemm::namedBarSyncId(barId, 128);
+  }
+  const uint32_t base = bufBase + buf * kEpiChunkBytes;
+  stage(base);
+  gemm::fenceProxyAsyncShared();       // our st.shared -> visible to the TMA engine
+  gemm::namedBarSyncId(barId, 128);  // publishes the whole chunk to thread 0 (and to every copier)
+  if (rowsHere >= kRowsPerConsumer) {
+    if (t == 0) {
+      gemm::tmaStore2d(tmOut, base, chunkCol, rowBase);
+      gemm::bulkCommit();
+    }
+  } else {
+    // The group ends inside this chunk: 64 rows x 8 16-byte pieces, masked by row and column.
+    OutT* const outBase = static_cast<OutT*>(out);
+#pragma unroll
+    for (int i = t; i < kRowsPerConsumer * 8; i += 128) {
+      const int row = i / 8;
+      const int piece = i % 8;
+      const int32_t colG = chunkCol + piece * kPieceElems;
+      if (row < rowsHere && colG < nOut) {
+        const uint4 v = ldShared128(base + static_cast<uint32_t>(row) * 128 +
+                                    ((static_cast<uint32_t>(piece) ^ static_cast<uint32_t>(row & 7)) << 4));
+        *reinterpret_cast<uint4*>(outBase + static_cast<int64_t>(rowBase + row) * ldOut + colG) = v;
+      }
+    }
+  }
+  ++epiChunks;
+}
+
+// Fast reciprocal division (MUFU.RCP and a multiply, about 2 ulp) instead of IEEE division's ~20 instructions, 64
+// times per thread and tile: h is rounded to 16 bits (or 8) right after, far coarser. For g -> -inf, exp(-g) = inf
+// and the quotient is g * 0 = -0, silu's limit.
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+
+// The 16-bit chunk c of a tile (64 columns) from the m64n256 accumulators: kStore's columns, or kSwiGlu's
+// silu(gate) * up (thread-local accumulator group j pairs with j + 16), times the rows' scales, into the swizzled
+// chunk at base. rowOff0 / rowOff1: byte offsets of this thread's accumulator rows r and r + 8 in the chunk; phase:
+// r & 7 (their swizzle phase); lane: this thread's lane.
+template <class T, GroupedGemmEpilogue Epi>
+__device__ __forceinline__ void stageChunk16(uint32_t base, const float (&acc)[128], int c, uint32_t rowOff0,
+                                             uint32_t rowOff1, uint32_t phase, int lane, float scale0, float scale1) {
+#pragma unroll
+  for (int jj = 0; jj < kEpiCols / 8; ++jj) {
+    const int j = c * (kEpiCols / 8) + jj;  // 8-column group of the accumulator (of the gate half for SwiGLU)
+    float v0, v1, v2, v3;
+    if constexpr (Epi == GroupedGemmEpilogue::kSwiGlu) {
+      constexpr int kUp = kSwiGluTileCols / 8;  // the up column group matching gate group j
+      v0 = silu(acc[4 * j + 0]) * acc[4 * (j + kUp) + 0];
+      v1 = silu(acc[4 * j + 1]) * acc[4 * (j + kUp) + 1];
+      v2 = silu(acc[4 * j + 2]) * acc[4 * (j + kUp) + 2];
+      v3 = silu(acc[4 * j + 3]) * acc[4 * (j + kUp) + 3];
+    } else {
+      v0 = acc[4 * j + 0];
+      v1 = acc[4 * j + 1];
+      v2 = acc[4 * j + 2];
+      v3 = acc[4 * j + 3];
+    }
+    // 128B swizzle: 16-byte chunk index XOR (row & 7), as the TMA store map expects.
+    const uint32_t col = ((static_cast<uint32_t>(jj) ^ phase) << 4) + static_cast<uint32_t>(lane & 3) * 4;
+    gemm::stShared32(base + rowOff0 + col, gemm::packPair<T>(v0 * scale0, v1 * scale0));
+    gemm::stShared32(base + rowOff1 + col, gemm::packPair<T>(v2 * scale1, v3 * scale1));
+  }
+}
+
+// The rows' scales of a warpgroup's rows r and r + 8 (1 without rowScale, or past the group).
+__device__ __forceinline__ void rowScales(const float* rowScale, int32_t rowBase, int32_t rowsHere, int r,
+                                          float& scale0, float& scale1) {
+  scale0 = 1.0f;
+  scale1 = 1.0f;
+  if (rowScale != nullptr) {
+    if (r < rowsHere) scale0 = rowScale[rowBase + r];
+    if (r + 8 < rowsHere) scale1 = rowScale[rowBase + r + 8];
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Consumer warpgroup wg (0 or 1): rows [64 wg, 64 wg + 64) of each tile; t = thread index in the warpgroup.
 // ---------------------------------------------------------------------------------------------------------------
-// Fast reciprocal division (MUFU.RCP and a multiply, about 2 ulp) instead of IEEE division's ~20 instructions, 64
-// times per thread and tile: h is rounded to 16 bits right after, far coarser. For g -> -inf, exp(-g) = inf and the
-// quotient is g * 0 = -0, silu's limit.
-__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
-
 template <class T, GroupedGemmEpilogue Epi, bool BMn>
 __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams& p, gemm::SharedStorage<kStages>& s,
                                                    WorkRing& ring, int32_t firstWork, int32_t workStride, int wg,
                                                    int t) {
   constexpr int kChunks = kTileCols<Epi> / kEpiCols;
+  static_assert(sizeof(s.c[0][0]) == kEpiChunkBytes, "the core's epilogue chunk is 64 rows of 128 bytes");
   float acc[128];
   gemm::PipeState<kStages> ps;
   GroupCursor cur;
@@ -297,18 +427,9 @@ __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams
   const uint32_t phase = static_cast<uint32_t>(r & 7);
 
   GroupTile tile;
-  const bool dynamic = p.tileCounter != nullptr;
   RingPos rp;
   for (int32_t i = 0;; ++i) {
-    int32_t w = firstWork + i * workStride;
-    if (dynamic) {
-      gemm::mbarWait(&ring.full[rp.slot], rp.phase);  // acquire: the producer's work[slot]
-      w = ring.work[rp.slot];
-      __syncwarp();
-      if (lane == 0) gemm::mbarArrive(&ring.empty[rp.slot]);  // this warp has read it
-      rp.advance();
-    }
-    if (!findTile<Epi>(p, cur, w, tile)) break;
+    if (!nextConsumerTile<Epi>(p, ring, rp, cur, firstWork + i * workStride, tile)) break;
     const int32_t rowBase = tile.row0 + wg * kRowsPerConsumer;
     const int32_t rowsHere = tile.rowEnd - rowBase;  // rows of ours inside the group (warpgroup-uniform)
     if (p.skipIdleHalves != 0 && rowsHere <= 0) {
@@ -347,68 +468,16 @@ __device__ __forceinline__ void runGroupedConsumer(const GroupedGemmKernelParams
 
     // ---- epilogue
     if (rowsHere <= 0) continue;
-    float scale0 = 1.0f;
-    float scale1 = 1.0f;
-    if (p.rowScale != nullptr) {
-      if (r < rowsHere) scale0 = p.rowScale[rowBase + r];
-      if (r + 8 < rowsHere) scale1 = p.rowScale[rowBase + r + 8];
-    }
+    float scale0, scale1;
+    rowScales(p.rowScale, rowBase, rowsHere, r, scale0, scale1);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const int32_t chunkCol = tile.col0 + c * kEpiCols;
       if (chunkCol >= p.nOut) break;  // uniform: the rest of the tile lies past nOut
-      const uint32_t buf = epiChunks & 1;
-      if (epiChunks >= 2) {
-        // This buffer's previous chunk: its TMA store has read it (bulk groups of thread 0), and every thread's
-        // masked copy out of it is done (the barrier).
-        if (t == 0) gemm::bulkWaitRead<1>();
-        gemm::namedBarSync(epiBar, 128);
-      }
-      const uint32_t base = gemm::smemAddr(s.c[wg][buf]);
-#pragma unroll
-      for (int jj = 0; jj < kEpiCols / 8; ++jj) {
-        const int j = c * (kEpiCols / 8) + jj;  // 8-column group of the accumulator (of the gate half for SwiGLU)
-        float v0, v1, v2, v3;
-        if constexpr (Epi == GroupedGemmEpilogue::kSwiGlu) {
-          constexpr int kUp = kSwiGluTileCols / 8;  // the up column group matching gate group j
-          v0 = silu(acc[4 * j + 0]) * acc[4 * (j + kUp) + 0];
-          v1 = silu(acc[4 * j + 1]) * acc[4 * (j + kUp) + 1];
-          v2 = silu(acc[4 * j + 2]) * acc[4 * (j + kUp) + 2];
-          v3 = silu(acc[4 * j + 3]) * acc[4 * (j + kUp) + 3];
-        } else {
-          v0 = acc[4 * j + 0];
-          v1 = acc[4 * j + 1];
-          v2 = acc[4 * j + 2];
-          v3 = acc[4 * j + 3];
-        }
-        // 128B swizzle: 16-byte chunk index XOR (row & 7), as the TMA store map expects.
-        const uint32_t col = ((static_cast<uint32_t>(jj) ^ phase) << 4) + static_cast<uint32_t>(lane & 3) * 4;
-        gemm::stShared32(base + rowOff0 + col, gemm::packPair<T>(v0 * scale0, v1 * scale0));
-        gemm::stShared32(base + rowOff1 + col, gemm::packPair<T>(v2 * scale1, v3 * scale1));
-      }
-      gemm::fenceProxyAsyncShared();   // our st.shared -> visible to the TMA engine
-      gemm::namedBarSync(epiBar, 128);  // publishes the whole 64x64 chunk to thread 0 (and to every copier)
-      if (rowsHere >= kRowsPerConsumer) {
-        if (t == 0) {
-          gemm::tmaStore2d(&p.tmOut, base, chunkCol, rowBase);
-          gemm::bulkCommit();
-        }
-      } else {
-        // The group ends inside this chunk: 64 rows x 8 16-byte pieces, masked by row and column (nOut % 8 == 0).
-        T* const outBase = static_cast<T*>(p.out);
-#pragma unroll
-        for (int i = t; i < kRowsPerConsumer * 8; i += 128) {
-          const int row = i / 8;
-          const int piece = i % 8;
-          const int32_t colG = chunkCol + piece * 8;
-          if (row < rowsHere && colG < p.nOut) {
-            const uint4 v = ldShared128(base + static_cast<uint32_t>(row) * 128 +
-                                        ((static_cast<uint32_t>(piece) ^ static_cast<uint32_t>(row & 7)) << 4));
-            *reinterpret_cast<uint4*>(outBase + static_cast<int64_t>(rowBase + row) * p.ldOut + colG) = v;
-          }
-        }
-      }
-      ++epiChunks;
+      storeGroupChunk<T, 2>(gemm::smemAddr(s.c[wg][0]), &p.tmOut, p.out, p.ldOut, p.nOut, rowBase, rowsHere, chunkCol,
+                            static_cast<uint32_t>(epiBar), t, epiChunks, [&](uint32_t base) {
+                              stageChunk16<T, Epi>(base, acc, c, rowOff0, rowOff1, phase, lane, scale0, scale1);
+                            });
     }
   }
   if (t == 0) gemm::bulkWait<0>();  // smem must outlive the last stores' reads; global writes complete with the grid

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cuda_test_util.hpp"
+#include "fp8_ref.hpp"
 #include "tandem/kernels/gemm_fp8.hpp"
 
 using tandem::kernels::Fp8Format;
@@ -31,30 +32,13 @@ using tandem::kernels::launchGemmFp8;
 namespace {
 
 using tandem::gputest::ck;
+using tandem::gputest::decodeFp8;
+using tandem::gputest::randomFp8;
 using tandem::gputest::DeviceMem;
 using tandem::gputest::Stream;
 using tandem::gputest::syncWithin;
 
 constexpr uint8_t kPoisonByte = 0xFF;  // all-ones: NaN in bf16 and fp32
-
-// OCP FP8 decoding (the tensor cores' e4m3 / e5m2), written out so the reference shares nothing with the kernel.
-double decodeFp8(uint8_t v, Fp8Format f) {
-  const double sign = (v & 0x80) != 0 ? -1.0 : 1.0;
-  if (f == Fp8Format::kE4M3) {
-    const int e = (v >> 3) & 15, m = v & 7;
-    return sign * (e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7));
-  }
-  const int e = (v >> 2) & 31, m = v & 3;
-  return sign * (e == 0 ? std::ldexp(m / 4.0, -14) : std::ldexp(1.0 + m / 4.0, e - 15));
-}
-
-// Random finite fp8 of magnitudes 2^-4 .. 2^5 (exponents spread, every mantissa, both signs): no NaN or infinity.
-uint8_t randomFp8(std::mt19937_64& rng, Fp8Format f) {
-  const uint64_t h = rng();
-  const uint8_t s = static_cast<uint8_t>((h >> 12) & 1) << 7;
-  if (f == Fp8Format::kE4M3) return s | static_cast<uint8_t>((3 + h % 9) << 3) | static_cast<uint8_t>((h >> 8) & 7);
-  return s | static_cast<uint8_t>((11 + h % 9) << 2) | static_cast<uint8_t>((h >> 8) & 3);
-}
 
 const char* formatName(Fp8Format f) { return f == Fp8Format::kE4M3 ? "e4m3" : "e5m2"; }
 

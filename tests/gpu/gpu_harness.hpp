@@ -65,8 +65,19 @@ inline bool skipUnderMps(const char* why = "a kill mid-kernel under MPS poisons 
   return true;
 }
 
-inline std::string config(const std::string& executor) {
-  return "daemon:\n  backend: cuda\n  executor: " + executor + "\ncuda:\n  daemon_linger_ms: 500\n";
+// The plan table directory of every daemon this test process starts, empty unless a case fills it (removed at exit):
+// a daemon that read the host's table (/var/lib/tandem as root, else ~/.local/state/tandem) would run the plans tuned
+// there instead of the built-in rules the cases expect.
+inline std::string processPlanDir() {
+  static const TempDir dir;
+  return dir.path().string();
+}
+
+// A GPU test daemon's config; planDir: its plans.state_dir (a case that forces plans passes a directory of its own
+// holding a plans.json). The cuda section comes last: cases append keys of theirs to it.
+inline std::string config(const std::string& executor, const std::string& planDir = processPlanDir()) {
+  return "daemon:\n  backend: cuda\n  executor: " + executor + "\nplans:\n  state_dir: " + planDir +
+         "\ncuda:\n  daemon_linger_ms: 500\n";
 }
 
 inline json status(const Daemon& d) { return daemonStatus(d); }

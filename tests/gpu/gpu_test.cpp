@@ -164,7 +164,9 @@ TEST_CASE("discovery: status lists every GPU by UUID with SMs, memory and NVLink
 
   // cuda.devices restricts the set to the UUIDs listed.
   const std::string first = st["gpus"][0]["uuid"];
-  Daemon one("daemon:\n  backend: cuda\n  executor: client\ncuda:\n  devices: [\"" + first + "\"]\n", {}, "");
+  Daemon one("daemon:\n  backend: cuda\n  executor: client\nplans:\n  state_dir: " + processPlanDir() +
+                 "\ncuda:\n  devices: [\"" + first + "\"]\n",
+             {}, "");
   const json st1 = status(one);
   REQUIRE(st1["gpus"].size() == 1);
   CHECK(st1["gpus"][0]["uuid"] == first);

@@ -1,13 +1,13 @@
 // CUDA graphs on multi-rank communicators (client executor, device-resident epochs: kernels/include/tandem/kernels/
 // op_entry.hpp). Real rank processes through tandemd, 2 and 4 ranks sharing the GPUs (rankDevice): every op that
 // replays (allgather on its LL and chunked paths, ag-gemm, gemm-rs and gemm-ar on their small-M and fused plans, ring
-// attention contiguous and zigzag, the MoE ops and the FFN's backward, the barrier) is captured into a graph of its
-// own and replayed TANDEM_TEST_REPLAYS times (1000) with new inputs written between replays, every replay bitwise equal
-// to the eager op on the same inputs (the eager result checked against the fp64 reference); eager ops run between
-// replays and the graphs of one communicator replay in turns. Then the failures: a rank SIGKILLed mid-replay releases
-// its peer with PEER_LOST (not the deadline), ranks replaying different graphs fail with an error instead of meeting on
-// each other's flags, and tandemd serves the next communicator; an MoE replay with a bad expert id writes nothing, its
-// error comes with the next eager op's wait, and the next ops work.
+// attention contiguous and zigzag and its backward, the MoE ops and the FFN's backward, the barrier) is captured into
+// a graph of its own and replayed TANDEM_TEST_REPLAYS times (1000) with new inputs written between replays, every
+// replay bitwise equal to the eager op on the same inputs (the eager result checked against the fp64 reference); eager
+// ops run between replays and the graphs of one communicator replay in turns. Then the failures: a rank SIGKILLed
+// mid-replay releases its peer with PEER_LOST (not the deadline), ranks replaying different graphs fail with an error
+// instead of meeting on each other's flags, and tandemd serves the next communicator; an MoE replay with a bad expert
+// id writes nothing, its error comes with the next eager op's wait, and the next ops work.
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -44,7 +44,9 @@ bool isMoe(OpKind kind) {
 std::string describe(const GraphCase& c) {
   if (c.kind == OpKind::kAllGather) return fmt::format("allgather {} bytes", c.bytes);
   if (c.kind == OpKind::kNop) return "barrier";
-  if (c.kind == OpKind::kRingAttention) return fmt::format("ring-attention seq={}{}", c.seq, c.zigzag ? " zigzag" : "");
+  if (c.kind == OpKind::kRingAttention || c.kind == OpKind::kRingAttentionBackward) {
+    return fmt::format("{} seq={}{}", tandem::opKindName(c.kind), c.seq, c.zigzag ? " zigzag" : "");
+  }
   if (isMoe(c.kind)) {
     return fmt::format("{} tokens={} hidden={} {}={} experts=8 topk=2", tandem::opKindName(c.kind), c.m, c.k,
                        c.kind == OpKind::kMoeDispatchGemm ? "n_out" : "ffn", c.n);
@@ -60,7 +62,7 @@ std::vector<OpDescriptor> descriptorsOf(const GraphCase& c, uint32_t n) {
   shape.n = c.n;
   shape.k = c.k;
   shape.bytes = c.bytes;
-  if (c.kind == OpKind::kRingAttention) {
+  if (c.kind == OpKind::kRingAttention || c.kind == OpKind::kRingAttentionBackward) {
     shape.seq = c.seq;
     shape.heads = 4;
     shape.kvHeads = 2;
@@ -81,7 +83,8 @@ tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t st
 
 // Every op that replays, on each of its paths: LL and chunked allgather; small M (the layouts core, then the
 // collective) and the fused kernels for each GEMM; ring attention contiguous and zigzag (its KV published by a kernel
-// with the device epoch); the three MoE ops (new expert ids with every input set); the barrier (the op entry alone).
+// with the device epoch); ring attention's backward (every rank's seq from the eager runs before the capture, its
+// warm-up); the three MoE ops (new expert ids with every input set); the barrier (the op entry alone).
 std::vector<GraphCase> graphCases(uint32_t nranks) {
   const uint64_t kUnit = 8 * nranks;  // gemm-rs/ar: every rank's k slice a multiple of 8
   return {{OpKind::kAllGather, 0, 0, 0, 64u << 10},
@@ -94,6 +97,7 @@ std::vector<GraphCase> graphCases(uint32_t nranks) {
           {OpKind::kGemmAr, 512, 512, kUnit * 32},
           {OpKind::kRingAttention, 0, 0, 0, 0, 256 * nranks},
           {OpKind::kRingAttention, 0, 0, 0, 0, 512 * nranks, true},
+          {OpKind::kRingAttentionBackward, 0, 0, 0, 0, 384 * nranks, true},
           {OpKind::kMoeDispatchGemm, 128, 256, 256},
           {OpKind::kMoeDispatchFfnCombine, 128, 256, 256},
           {OpKind::kMoeFfnBackward, 128, 256, 256},

@@ -98,13 +98,14 @@ struct TwoNodes {
       }
       const std::string config = fmt::format(
           "daemon:\n  backend: cuda\n  executor: {}\n"
+          "plans:\n  state_dir: {}\n"
           "cuda:\n  devices: [\"{}\"]\n"
           "communicators:\n  peer_lost_deadline_ms: {}\n"
           "cluster:\n  nodes: [{}]\n  node_index: {}\n  secret: \"gpu-multinode-test-secret-0123456789\"\n"
           "  transport: {}\n  connect_timeout_ms: 15000\n  heartbeat_interval_ms: 100\n  staging_bytes: 67108864\n"
           "  gpu_exchange: {}\n",
-          executor, gpuUuid(rankDevice(static_cast<uint32_t>(i))), kPeerLostDeadlineMs, nodes, i, transport,
-          gpuExchange);
+          executor, processPlanDir(), gpuUuid(rankDevice(static_cast<uint32_t>(i))), kPeerLostDeadlineMs, nodes, i,
+          transport, gpuExchange);
       configs.push_back(config);
       prefixes.push_back(prefix);
       daemons.push_back(std::make_unique<Daemon>(config, std::vector<std::string>{}, "", prefix));

@@ -3,13 +3,15 @@
 // causal and not, both layouts, bf16 and fp16, head_dim 64 and 128, shards that are not tile multiples and differ per
 // rank, a rank with no rows, scale 0 and a custom one, grouped-query attention; the gradients must repeat bit for bit
 // over 10 runs and never hold a NaN. The client executor runs it at 1, 2 and 4 ranks (ranks share GPUs where there
-// are fewer), and refuses its capture into a CUDA graph on several ranks, saying why. The daemon executor (MPS) runs
+// are fewer), and replays from CUDA graphs at 2 and 4 ranks once a warm-up taught each rank its peers' seq (a capture
+// without one is refused, naming it). The daemon executor (MPS) runs
 // it at 1, 2 and 4 ranks (one rank per GPU, as many as there are), and gives the client executor's bits exactly.
 #include <fstream>
 #include <sstream>
 #include <vector>
 
 #include "rank_buffers.hpp"
+#include "submit_op.hpp"
 
 using namespace tandem::gputest;
 using tandem::DType;
@@ -72,28 +74,7 @@ std::vector<OpDescriptor> descriptorsOf(const BwdCase& c, uint32_t n) {
 }
 
 tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) {
-  const OpDescriptor& d = b.desc();
-  tandem_ring_attention_backward_args_t a{};
-  a.struct_size = sizeof a;
-  a.dtype = static_cast<tandem_dtype_t>(d.dtype);
-  a.seq = d.dims[dim::kSeq];
-  a.heads = d.dims[dim::kHeads];
-  a.head_dim = d.dims[dim::kHeadDim];
-  a.kv_heads = d.dims[dim::kKvHeads];
-  a.causal = (d.flags & tandem::kFlagCausal) != 0;
-  a.layout = (d.flags & tandem::kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
-  a.scale = d.scale;
-  a.q = b.tensor(slot::kQ);
-  a.k = b.tensor(slot::kKey);
-  a.v = b.tensor(slot::kValue);
-  a.o = b.tensor(slot::kAttnOut);
-  a.dout = b.tensor(slot::kDout);
-  a.lse = b.tensor(slot::kBwdLse);
-  a.dq = b.tensor(slot::kDq);
-  a.dk = b.tensor(slot::kDk);
-  a.dv = b.tensor(slot::kDv);
-  a.cuda_stream = stream;
-  return tandem_ring_attention_backward(comm, &a, op);
+  return tandem::gputest::submitOp(b.desc(), [&b](int s) { return b.tensor(s); }, comm, stream, op);
 }
 
 // FNV-1a over every output's bytes: what a rank reports of a case, for the comparison across executors.
@@ -144,33 +125,78 @@ std::string backwardRank(const std::string& socket, const tandem_unique_id_t& id
   return "OK";
 }
 
-// Executor client, several ranks: capturing the op into a CUDA graph is refused before submission, saying why (its
-// launch needs every rank's seq from tandemd, which a replay never meets); nothing is written, and the communicator
-// still runs the op eagerly afterwards.
-std::string captureRefusedRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks,
-                               uint32_t rank) {
-  Joined j(socket, id, nranks, rank);
-  const BwdCase c{DType::kBF16, 2, 128, {100, 60}, true, false, 0.0f};
-  RankBuffers rc(j.s, descriptorsOf(c, nranks), rank, 7100);
+// Captures the op of `rc` into a CUDA graph on the stream: the submit's status and, on failure, its error text.
+std::pair<tandem_status_t, std::string> captureInto(const RankBuffers& rc, const Joined& j, cudaGraph_t& graph) {
   tandem_op_t op;
   CK(cudaStreamBeginCapture(j.stream, cudaStreamCaptureModeRelaxed));
   const tandem_status_t captured = submit(rc, j.comm, j.stream, &op);
   const std::string e = captured == TANDEM_SUCCESS ? std::string() : tandem_last_error();
+  graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(j.stream, &graph);
+  if (captured == TANDEM_SUCCESS) CK(ended);  // a refused submit invalidates the capture: its end reports that
+  (void)cudaGetLastError();
+  return {captured, e};
+}
+
+// Executor client, several ranks, CUDA graphs. A replay has no tandemd step to learn the peers' seq from, so:
+// 1. a capture before any eager call of the shape is refused, naming the warm-up, and writes nothing;
+// 2. after an eager call (the warm-up, checked against the reference), the capture succeeds, and `replays` replays
+//    with the outputs poisoned before each give the eager call's bits;
+// 3. an eager call after the replays still gives them (eager and replayed ops stay in step);
+// 4. a capture with another seq on this rank than the warm-up's is refused, naming it.
+std::string captureRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
+                        const BwdCase& c, int replays) {
+  Joined j(socket, id, nranks, rank);
+  RankBuffers rc(j.s, descriptorsOf(c, nranks), rank, 7100);
+  const std::string what = describe(c, nranks);
   cudaGraph_t graph = nullptr;
-  CK(cudaStreamEndCapture(j.stream, &graph));
+  auto [st, e] = captureInto(rc, j, graph);
   if (graph != nullptr) CK(cudaGraphDestroy(graph));
-  if (captured != TANDEM_ERROR_UNSUPPORTED) return "FAIL: the capture was not refused as unsupported";
-  if (e.find("CUDA graph") == std::string::npos || e.find("every rank's seq") == std::string::npos) {
-    return "FAIL: the refusal does not say why: " + e;
+  if (st != TANDEM_ERROR_UNSUPPORTED) return "FAIL " + what + ": a capture before any eager call was not refused";
+  if (e.find("CUDA graph") == std::string::npos || e.find("warm-up") == std::string::npos) {
+    return "FAIL " + what + ": the refusal does not name the warm-up: " + e;
   }
   CK(cudaStreamSynchronize(j.stream));
   rc.download();
-  if (std::string w = rc.untouched(); !w.empty()) return "FAIL: a refused op wrote its outputs: " + w;
-  if (submit(rc, j.comm, j.stream, &op) != TANDEM_SUCCESS) return fmt::format("FAIL: eager submit after: {}",
-                                                                            tandem_last_error());
-  if (std::string f = finishOp(j.stream, op); !f.empty()) return "FAIL: eager run after: " + f;
-  rc.download();
-  if (std::string f = rc.compare(); !f.empty()) return "FAIL: eager run after: " + f;
+  if (std::string w = rc.untouched(); !w.empty()) return "FAIL " + what + ": a refused capture wrote: " + w;
+
+  tandem_op_t op;
+  const auto eager = [&]() -> std::string {
+    rc.poison(j.stream);
+    if (submit(rc, j.comm, j.stream, &op) != TANDEM_SUCCESS) return fmt::format("submit: {}", tandem_last_error());
+    if (std::string f = finishOp(j.stream, op); !f.empty()) return f;
+    rc.download();
+    return rc.compare();
+  };
+  if (std::string f = eager(); !f.empty()) return "FAIL " + what + " (warm-up): " + f;
+  const std::vector<std::vector<std::byte>> want = rc.outputBytes();
+
+  std::tie(st, e) = captureInto(rc, j, graph);
+  if (st != TANDEM_SUCCESS) return "FAIL " + what + ": capture after the warm-up: " + e;
+  cudaGraphExec_t exec = nullptr;
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < replays; ++i) {
+    rc.poison(j.stream);
+    CK(cudaGraphLaunch(exec, j.stream));
+    if (syncWithin(j.stream, 60000) != "synced") return fmt::format("FAIL {}: replay {} did not finish", what, i);
+    rc.download();
+    if (rc.outputBytes() != want) return fmt::format("FAIL {}: replay {} differs from the eager call's bits", what, i);
+  }
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  if (std::string f = eager(); !f.empty()) return "FAIL " + what + " (eager after the replays): " + f;
+  if (rc.outputBytes() != want) return "FAIL " + what + ": the eager call after the replays gives other bits";
+
+  BwdCase longer = c;
+  for (auto& s : longer.seqs) s += 8;
+  RankBuffers other(j.s, descriptorsOf(longer, nranks), rank, 7200);
+  std::tie(st, e) = captureInto(other, j, graph);
+  if (graph != nullptr) CK(cudaGraphDestroy(graph));
+  if (st != TANDEM_ERROR_UNSUPPORTED || e.find("warm up with the seq") == std::string::npos) {
+    return "FAIL " + what + ": a capture with another seq than the warm-up's was not refused naming it: " + e;
+  }
+  // The communicator still runs the op eagerly after the refusals.
+  if (std::string f = eager(); !f.empty()) return "FAIL " + what + " (eager after the refusal): " + f;
   return "OK";
 }
 
@@ -214,12 +240,20 @@ TEST_CASE("ring attention backward, client executor: matches the fp64 reference 
   }
 }
 
-TEST_CASE("ring attention backward, client executor: a CUDA graph capture on 2 ranks is refused with the reason") {
+TEST_CASE("ring attention backward, client executor: CUDA graphs at 2 and 4 ranks replay the eager bits; a capture "
+          "without a warm-up of its shape is refused, naming it") {
   Daemon d(config("client"), {}, "");
   REQUIRE(status(d)["executor"] == "client");
-  runRankProcesses(d, 2, 60000, [&](const tandem_unique_id_t& id, uint32_t r) {
-    return captureRefusedRank(d.socket(), id, 2, r);
-  });
+  const char* v = std::getenv("TANDEM_TEST_REPLAYS");
+  const int replays = v != nullptr && *v != '\0' ? std::atoi(v) : 100;
+  for (uint32_t n : {2u, 4u}) {
+    CAPTURE(n);
+    // GQA, zigzag, uneven shards, a rank with no rows at 4 ranks.
+    const BwdCase c{DType::kBF16, 4, 128, {100, 60, 0, 130}, true, true, 0.0f, 1, 2};
+    runRankProcesses(d, n, 240000, [&](const tandem_unique_id_t& id, uint32_t r) {
+      return captureRank(d.socket(), id, n, r, c, replays);
+    });
+  }
 }
 
 // Under MPS tandemd refuses two ranks on one GPU with the daemon executor, so one GPU runs 1 rank here; every GPU

@@ -8,6 +8,26 @@
 
 namespace tandem::gputest {
 
+// Ring attention's forward and backward share their shape fields and q, k, v.
+template <class Args, class TensorOf>
+Args attentionArgs(const OpDescriptor& d, const TensorOf& tensor, void* stream) {
+  Args a{};
+  a.struct_size = sizeof a;
+  a.dtype = static_cast<tandem_dtype_t>(d.dtype);
+  a.seq = d.dims[dim::kSeq];
+  a.heads = d.dims[dim::kHeads];
+  a.head_dim = d.dims[dim::kHeadDim];
+  a.kv_heads = d.dims[dim::kKvHeads];
+  a.causal = (d.flags & kFlagCausal) != 0;
+  a.layout = (d.flags & kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
+  a.scale = d.scale;
+  a.q = tensor(slot::kQ);
+  a.k = tensor(slot::kKey);
+  a.v = tensor(slot::kValue);
+  a.cuda_stream = stream;
+  return a;
+}
+
 template <class TensorOf>
 tandem_status_t submitOp(const OpDescriptor& d, const TensorOf& tensor, tandem_comm_t comm, void* stream,
                          tandem_op_t* op) {
@@ -38,23 +58,20 @@ tandem_status_t submitOp(const OpDescriptor& d, const TensorOf& tensor, tandem_c
       return tandem_gemm_ar(comm, &a, op);
     }
     case OpKind::kRingAttention: {
-      tandem_ring_attention_args_t a{};
-      a.struct_size = sizeof a;
-      a.dtype = dtype;
-      a.seq = d.dims[dim::kSeq];
-      a.heads = d.dims[dim::kHeads];
-      a.head_dim = d.dims[dim::kHeadDim];
-      a.kv_heads = d.dims[dim::kKvHeads];
-      a.causal = (d.flags & kFlagCausal) != 0;
-      a.layout = (d.flags & kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
-      a.scale = d.scale;
-      a.q = tensor(slot::kQ);
-      a.k = tensor(slot::kKey);
-      a.v = tensor(slot::kValue);
+      auto a = attentionArgs<tandem_ring_attention_args_t>(d, tensor, stream);
       a.out = tensor(slot::kAttnOut);
       a.lse = tensor(slot::kAttnLse);
-      a.cuda_stream = stream;
       return tandem_ring_attention(comm, &a, op);
+    }
+    case OpKind::kRingAttentionBackward: {
+      auto a = attentionArgs<tandem_ring_attention_backward_args_t>(d, tensor, stream);
+      a.o = tensor(slot::kAttnOut);
+      a.dout = tensor(slot::kDout);
+      a.lse = tensor(slot::kBwdLse);
+      a.dq = tensor(slot::kDq);
+      a.dk = tensor(slot::kDk);
+      a.dv = tensor(slot::kDv);
+      return tandem_ring_attention_backward(comm, &a, op);
     }
     case OpKind::kMoeDispatchGemm: {
       const tandem_moe_dispatch_gemm_args_t a{

@@ -153,7 +153,8 @@ TEST_CASE("fused ops: NN and TN are accepted; TN's stored [k, m] A needs 16-byte
     CAPTURE(tandem::opKindName(kind));
     for (GemmOperands l : {GemmOperands::kNN, GemmOperands::kTN}) {
       CHECK(refusal(withLayout(gemmDesc(kind, 1008, 1024, 512, 2), l), ptrs, env, nullptr).empty());
-      // TN always runs on the layouts core; NN only on ag-gemm (gemm-rs / gemm-ar fuse it, weight MN-major).
+      // TN always runs on the layouts core; NN too on ag-gemm unless the plan table names its fused plan (gemm-rs and
+      // gemm-ar fuse it).
       CHECK(k::fusedGemmOnLayoutsCore(withLayout(gemmDesc(kind, 4096, 1024, 512, 2), l)) ==
             (l == GemmOperands::kTN || kind == OpKind::kAgGemm));
     }
@@ -184,6 +185,48 @@ TEST_CASE("fused ops: small M (decode) runs NT on the layouts core unless the pl
       fused.kind = tandem::PlanKind::kFused;
       CHECK_FALSE(k::fusedGemmOnLayoutsCore(gemmDesc(kind, 64, 8192, 8192, n), fused));
     }
+  }
+}
+
+TEST_CASE("ag-gemm: NN (dgrad) can take the fused plan with the weight loaded MN-major, TN stays decomposed") {
+  k::AgGemmParams p{};
+  p.rank = 0;
+  p.nranks = 2;
+  p.m = 8192;
+  p.n = 8192;
+  p.k = 8192;
+  p.dtype = k::GemmDtype::kBf16;
+  const auto withLayout = [&](k::GemmLayout l, int32_t plan, int32_t layoutsCore = 0) {
+    k::AgGemmParams q = p;
+    q.layout = l;
+    q.plan = plan;
+    q.layoutsCore = layoutsCore;
+    return q;
+  };
+  // NN fuses where NT does (the same chooser), and a forced plan is kept either way.
+  CHECK(k::agGemmFusedTakes(withLayout(k::GemmLayout::kAB, 0)));
+  CHECK(k::resolveAgGemmPlan(withLayout(k::GemmLayout::kAB, 0)).plan ==
+        k::resolveAgGemmPlan(withLayout(k::GemmLayout::kABt, 0)).plan);
+  CHECK(k::resolveAgGemmPlan(withLayout(k::GemmLayout::kAB, 1)).plan == k::AgGemmPlan::kFused);
+  CHECK(k::resolveAgGemmPlan(withLayout(k::GemmLayout::kAB, 2)).plan == k::AgGemmPlan::kDecomposed);
+  // The decomposed plan of NN runs its GEMM on the layouts core (the forward core's own GEMM is NT only).
+  CHECK(k::agGemmOnLayoutsCore(withLayout(k::GemmLayout::kAB, 2)));
+  // layoutsCore and TN (each rank's shard [k, rows]) run the whole gather, then the layouts core.
+  CHECK(k::resolveAgGemmPlan(withLayout(k::GemmLayout::kAB, 0, 1)).plan == k::AgGemmPlan::kDecomposed);
+  CHECK_FALSE(k::agGemmFusedTakes(withLayout(k::GemmLayout::kAtB, 0)));
+  CHECK(k::resolveAgGemmPlan(withLayout(k::GemmLayout::kAtB, 0)).plan == k::AgGemmPlan::kDecomposed);
+  // One rank gathers nothing: the local plan, whatever the layout.
+  k::AgGemmParams one = withLayout(k::GemmLayout::kAB, 1);
+  one.nranks = 1;
+  CHECK(k::resolveAgGemmPlan(one).plan == k::AgGemmPlan::kLocal);
+  // The op level: NN, small M or large, runs on the layouts core unless the plan table names the fused kernel.
+  tandem::PlanChoice fused;
+  fused.kind = tandem::PlanKind::kFused;
+  for (uint64_t m : {64u, 8192u}) {
+    OpDescriptor d = gemmDesc(OpKind::kAgGemm, m, 8192, 8192, 2);
+    d.flags = static_cast<uint16_t>((d.flags & ~tandem::kFlagGemmLayout) | tandem::gemmLayoutFlags(GemmOperands::kNN));
+    CHECK(k::fusedGemmOnLayoutsCore(d));
+    CHECK_FALSE(k::fusedGemmOnLayoutsCore(d, fused));
   }
 }
 

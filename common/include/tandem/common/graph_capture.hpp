@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -27,5 +28,9 @@ std::string captureRefusal(std::string_view executor, const OpDescriptor& d);
 /// global dims: what validateCollective compares), never 0. Two ranks replaying different ops of one communicator
 /// (another kind or shape at the same place in their sequences) differ in it.
 uint64_t collectiveFingerprint(const OpDescriptor& d);
+/// The same, with every rank's rows mixed in, for an op whose launch needs them (ring attention's backward): ranks
+/// that launched it with different views of the peers' rows differ in it, so their op entry fails them (ranks
+/// diverged) instead of letting them read each other's staging with the wrong sizes.
+uint64_t collectiveFingerprint(const OpDescriptor& d, std::span<const uint64_t> rankRows);
 
 }  // namespace tandem

@@ -163,7 +163,6 @@ struct OpSpec {
   std::string_view cudaPending;
   // Non-empty: why it cannot be captured into a CUDA graph on a multi-rank communicator of the cuda backend's client
   // executor, although that executor runs it eagerly (captureRefusal quotes it). Empty: see graphReplayableOps.
-  std::string_view replayPending;
 };
 
 // Every op, in OpKind order (kAgGemm first). ops()[i].kind == OpKind(i + 1).

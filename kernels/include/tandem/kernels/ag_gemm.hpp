@@ -1,6 +1,8 @@
 // Fused AllGather + GEMM over NVLink. n ranks, one GPU each. Rank r holds the row shard
 // A[rowOffset(m, r, n) .. + rowsOf(m, r, n)) as [rows, k]; every rank has its own B [n_cols, k]; every rank gets
-// C = gather(A) · Bᵀ, [m, n_cols], and the gathered A [m, k] in its gathered buffer (workspace and output).
+// C = gather(A) · Bᵀ, [m, n_cols], and the gathered A [m, k] in its gathered buffer (workspace and output). The
+// backward's layouts (AgGemmParams::layout): NN, B [k, n_cols] and C = gather(A) · B, fused alike (the weight loaded
+// MN-major); TN, the all-gather and then the GEMM.
 //
 // Transport: PUSH. Each rank's communication CTAs read its own shard (local HBM) and write it, chunk by chunk, into
 // every peer's gathered buffer over NVLink (and once into its own), then publish a per-chunk epoch flag in the
@@ -153,7 +155,7 @@ struct AgGemmParams {
   int64_t m, n, k;  // global m (gathered rows), n = columns of C, k
   GemmDtype dtype;
   const void* a;    // this rank's shard [agRowsOf(m, rank, nranks), k], packed; 16-byte aligned
-  const void* b;    // [n, k], packed
+  const void* b;    // [n, k], packed (layout kAB, kAtB: [k, n])
   void* c;          // [m, n], packed; n % 8 == 0
   void* aGathered;  // [m, k] this rank's gathered buffer: required for nranks > 1 (peers push into it); nranks == 1:
                     // optional (null, or == a, skips the copy)
@@ -173,12 +175,14 @@ struct AgGemmParams {
   int32_t commMode;  // fused: 0 = the chooser's, 1 = LSU copy loop, 2 = TMA bulk copies
   int32_t commTail;  // fused: 0 = auto (see launchAgGemm), < 0 = none, > 0 = that many tiles for the comm CTAs
   // Operand layout (gemm_layouts_plan.hpp), C = op(A) op(B) with C [m, n] row-major:
-  //   kABt: shard [rows, k], B [n, k] (the fields above); kAB: shard [rows, k], B [k, n];
+  //   kABt: shard [rows, k], B [n, k] (the fields above); kAB: shard [rows, k], B [k, n] (the dgrad's weight);
   //   kAtB: shard [k, rows] (rows % 8 == 0 on every rank), B [k, n]; the gathered buffer then holds the shards one
   //   after another in rank order as stored (rank r's [k, rows_r] block at element offset agRowOffset(m, r) * k).
   GemmLayout layout;
+  // The fused plan takes kABt and kAB (its core loads the weight [k, n] MN-major); kAtB runs the decomposed plan.
   // 1: the GEMM runs on the layouts core (gemm_layouts.hpp: swap-AB small-M path, deterministic split-K) after the
-  // whole gather (the decomposed plan at nranks > 1; plan must be 0 or 2). Layouts other than kABt always do.
+  // whole gather (the decomposed plan at nranks > 1; plan must be 0 or 2). The decomposed and local plans of kAB and
+  // kAtB always do (the forward core's own GEMM multiplies in kABt only).
   int32_t layoutsCore;
   // The layouts core's split-K scratch (GemmLayoutParams::workspace: zeroed once, left zeroed by every launch; this
   // rank's stream only). Null: no K splits.
@@ -202,9 +206,15 @@ struct AgGemmParams {
 // garbage and errorSlot says which flag and which role.
 AgGemmPlanChoice launchAgGemm(const AgGemmParams& params, cudaStream_t stream);
 
-// Whether launchAgGemm runs the GEMM on the layouts core for these params.
+// Whether launchAgGemm's decomposed and local plans run the GEMM on the layouts core for these params.
 constexpr bool agGemmOnLayoutsCore(const AgGemmParams& p) {
   return p.fp8.enabled == 0 && (p.layout != GemmLayout::kABt || p.layoutsCore != 0);
+}
+
+// Whether the fused plan takes these params: its producer loads the gathered A [m, k] K-major, and B either way
+// (kABt's [n, k], kAB's [k, n] MN-major). kAtB's shards are [k, rows]: the decomposed plan.
+constexpr bool agGemmFusedTakes(const AgGemmParams& p) {
+  return p.fp8.enabled == 0 && p.layout != GemmLayout::kAtB && p.layoutsCore == 0;
 }
 
 // What launchAgGemm would run for these params (resolving plan 0 and commSms 0), without launching.

@@ -90,13 +90,13 @@ bool isFusedGemm(OpKind kind);
 // The split-K scratch each rank's workspace keeps for the fused GEMMs on the layouts core (WorkspaceLayout).
 inline constexpr uint64_t kFusedSplitKBytes = 4u << 20;
 
-// The largest M (rows of C) at which the fused GEMMs run NT operands on the layouts core's small-M path (swap-AB tiles,
-// split-K) followed by the collective, instead of the 128-row tiles of the fused kernels: gemm_layouts_plan.hpp's
+// The largest M (rows of C) at which the fused GEMMs run NT and NN operands on the layouts core's small-M path (swap-AB
+// tiles, split-K) followed by the collective, instead of the 128-row tiles of the fused kernels: gemm_layouts_plan.hpp's
 // swap-AB limit.
 inline constexpr uint64_t kFusedSmallM = 256;
 
 // Whether fused GEMM `d` runs on the layouts core (its GEMM, then the collective) rather than the fused kernels:
-// layouts NN and TN always; NT at m <= kFusedSmallM unless `plan` forces the fused kernels.
+// layout TN always; NT and NN at m <= kFusedSmallM unless `plan` forces the fused kernels.
 bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan = {});
 
 // Loads every fused GEMM kernel on `device` (preload.hpp says why); cheap after the first call per device.

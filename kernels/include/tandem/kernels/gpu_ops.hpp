@@ -62,8 +62,9 @@ struct GpuOp {
   const char* clientPending = nullptr;
   /// Executor client: its launch needs every rank's row count (dims[kSeq]) on the host, which libtandem learns only from
   /// tandemd: tandemd publishes them on each rank's control page when it decides the op (ControlPage::rankRows), and
-  /// libtandem waits for them between submitting the op and launching it (GpuLaunch::rankRows). Such an op cannot be
-  /// captured into a CUDA graph (a replay has no tandemd step): its OpSpec::replayPending says so.
+  /// libtandem waits for them between submitting the op and launching it (GpuLaunch::rankRows). A replay has no
+  /// tandemd step: a capture takes them from the rank's last eager call of the same shape (its warm-up), and the op
+  /// entry's fingerprint carries them (collectiveFingerprint with rows), so ranks that assumed other rows diverge.
   bool needsRankRows = false;
   /// Executor client: rules its launch adds to `check` (ring attention's backward stages its inputs in the workspace).
   /// Null: none.

@@ -26,7 +26,8 @@
 //     4. the forward's end-of-op handshake (RingAttentionFlags::done): no peer still reads this rank's workspace when
 //        the op completes, so the next op may overwrite it.
 //   In device-epoch mode (op_entry.hpp) the barriers take the op entry's epoch, as the forward's do. A CUDA graph
-//   cannot replay it: the rows come from tandemd's host step, which a replay skips (OpSpec::replayPending).
+//   replays it with the rows of the capturing rank's warm-up (its last eager call of the same shape; GpuOp::
+//   needsRankRows): a replay has no tandemd step to learn them from.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,5 +1,5 @@
-// TMA descriptors (CUtensorMap) of row-major tensors of 2-byte elements with the 128-byte swizzle, and a small cache of
-// them, shared by the GEMM core's launcher (gemm.cu) and the grouped GEMM's (grouped_gemm.cpp). Host-only; compiles
+// TMA descriptors (CUtensorMap) of row-major tensors (2-byte elements with the 128-byte swizzle by default; fp8 bytes
+// and unswizzled fp32 scales for the FP8 grouped GEMM), and a small cache of them, shared by the GEMM core's launcher (gemm.cu) and the grouped GEMM's (grouped_gemm.cpp). Host-only; compiles
 // under g++ and nvcc (no fmt): the callers turn a failed encode into their own error.
 #pragma once
 
@@ -15,6 +15,9 @@
 
 namespace tandem::kernels {
 
+/// A tensor map's element type: kDtype takes TensorMapKey::dtype (bf16 or fp16); kU8 holds fp8 bytes; kF32 fp32 scales.
+enum class TensorMapElem : uint8_t { kDtype = 0, kU8 = 1, kF32 = 2 };
+
 /// A tensor of up to 4 dims, innermost first: dims[0] elements are contiguous; strides (bytes) are those of dims
 /// 1..rank-1; box is the tile one TMA copy moves.
 struct TensorMapKey {
@@ -24,8 +27,11 @@ struct TensorMapKey {
   std::array<uint64_t, 3> strides{};
   std::array<uint32_t, 4> box{1, 1, 1, 1};
   GemmDtype dtype = GemmDtype::kBf16;
+  TensorMapElem elem = TensorMapElem::kDtype;
+  bool swizzle128 = true;  // false: no swizzle (a box of scales, read as a plain array)
   bool operator==(const TensorMapKey& o) const {
-    return ptr == o.ptr && rank == o.rank && dims == o.dims && strides == o.strides && box == o.box && dtype == o.dtype;
+    return ptr == o.ptr && rank == o.rank && dims == o.dims && strides == o.strides && box == o.box &&
+           dtype == o.dtype && elem == o.elem && swizzle128 == o.swizzle128;
   }
 
   /// A row-major [rows, cols] matrix with row stride ld elements, tiled in boxRows x boxCols boxes.
@@ -42,7 +48,7 @@ struct TensorMapKey {
   }
 };
 
-/// Encodes `k` (128-byte swizzle, 256-byte L2 promotion, zeros out of bounds) into `map`. Returns the driver's result.
+/// Encodes `k` (its swizzle, 256-byte L2 promotion, zeros out of bounds) into `map`. Returns the driver's result.
 /// @throws std::runtime_error when the driver's entry point cannot be loaded (driver.hpp).
 inline CUresult encodeTensorMap(const TensorMapKey& k, CUtensorMap* map) {
   std::array<cuuint64_t, 4> dims{};
@@ -54,10 +60,13 @@ inline CUresult encodeTensorMap(const TensorMapKey& k, CUtensorMap* map) {
     box[i] = k.box[i];
     if (i + 1 < k.rank) strides[i] = k.strides[i];
   }
-  const CUtensorMapDataType dt =
-      k.dtype == GemmDtype::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMapDataType dt = k.elem == TensorMapElem::kU8    ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                 : k.elem == TensorMapElem::kF32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                 : k.dtype == GemmDtype::kBf16   ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   return tensorMapEncodeTiled()(map, dt, k.rank, const_cast<void*>(k.ptr), dims.data(), strides.data(), box.data(),
-                                elemStrides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                elemStrides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                k.swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
