@@ -41,16 +41,6 @@ int64_t tileCols(const GroupedGemmParams& g) {
 int64_t ldxOf(const GroupedGemmParams& g) { return g.ldx == 0 ? g.k : g.ldx; }
 int64_t ldOutOf(const GroupedGemmParams& g) { return g.ldOut == 0 ? outCols(g) : g.ldOut; }
 
-bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
-// Byte ranges [a, a + na) and [b, b + nb) intersect.
-bool overlaps(const void* a, uint64_t na, const void* b, uint64_t nb) {
-  if (a == nullptr || b == nullptr || na == 0 || nb == 0) return false;
-  const auto pa = reinterpret_cast<uintptr_t>(a);
-  const auto pb = reinterpret_cast<uintptr_t>(b);
-  return pa < pb + nb && pb < pa + na;
-}
-
 // Tensor maps (tensor_map_cache.hpp): 2-byte elements, 128-byte swizzle, up to 4 dims (innermost first).
 CUtensorMap tensorMap(const TensorMapKey& k) {
   return cachedTensorMap("grouped gemm", k);

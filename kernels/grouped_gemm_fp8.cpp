@@ -47,16 +47,6 @@ int64_t wScaleCount(const GroupedGemmFp8Params& g) {
   return g.numExperts * ceilDiv(g.n, kBlockK) * ceilDiv(g.k, kBlockK);
 }
 
-bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
-// Byte ranges [a, a + na) and [b, b + nb) intersect.
-bool overlaps(const void* a, uint64_t na, const void* b, uint64_t nb) {
-  if (a == nullptr || b == nullptr || na == 0 || nb == 0) return false;
-  const auto pa = reinterpret_cast<uintptr_t>(a);
-  const auto pb = reinterpret_cast<uintptr_t>(b);
-  return pa < pb + nb && pb < pa + na;
-}
-
 // A tensor map of fp8 bytes (128-byte swizzle), bf16 (128-byte swizzle) or fp32 scales (no swizzle).
 CUtensorMap tensorMap(TensorMapKey k, TensorMapElem elem, const char* what) {
   k.elem = elem;

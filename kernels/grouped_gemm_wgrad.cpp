@@ -31,16 +31,6 @@ uint64_t u64(int64_t v) { return static_cast<uint64_t>(v); }
 int64_t ldaOf(const GroupedWgradParams& g) { return g.lda == 0 ? g.m : g.lda; }
 int64_t ldbOf(const GroupedWgradParams& g) { return g.ldb == 0 ? g.n : g.ldb; }
 int64_t outElemBytes(const GroupedWgradParams& g) { return g.outDtype == GemmOut::kFp32 ? 4 : 2; }
-bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
-// Byte ranges [a, a + na) and [b, b + nb) intersect.
-bool overlaps(const void* a, uint64_t na, const void* b, uint64_t nb) {
-  if (a == nullptr || b == nullptr || na == 0 || nb == 0) return false;
-  const auto pa = reinterpret_cast<uintptr_t>(a);
-  const auto pb = reinterpret_cast<uintptr_t>(b);
-  return pa < pb + nb && pb < pa + na;
-}
-
 // 16-bit maps through the shared cache (tensor_map_cache.hpp).
 CUtensorMap cachedMap(const TensorMapKey& k, const char* what) {
   return cachedTensorMap("grouped wgrad", k, what);

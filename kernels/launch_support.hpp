@@ -1,5 +1,5 @@
-// Host support shared by the launchers of the grouped GEMM's kernels (tiled, swap-AB, wgrad): CUDA errors named for
-// the kernel family, cached tensor maps, and loading a kernel once per device.
+// Host support shared by the launchers of the grouped GEMM's kernels (tiled, swap-AB, wgrad, FP8): CUDA errors named
+// for the kernel family, cached tensor maps, loading a kernel once per device, and the pointer checks of their rules.
 #pragma once
 
 #include <cuda.h>
@@ -24,5 +24,16 @@ CUtensorMap cachedTensorMap(const char* family, const TensorMapKey& k, const cha
 /// later calls return the cached count. Thread-safe. `family` names the kernels in errors ("grouped gemm").
 /// @throws tandem::Error kCuda (not an sm_90 device, or a CUDA call failed).
 int prepareOnce(const char* family, int device, uint32_t variant, const std::function<cudaError_t()>& load);
+
+/// Whether `p` is a multiple of `a` bytes.
+inline bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+/// Whether the byte ranges [a, a + na) and [b, b + nb) intersect (a null or empty range intersects nothing).
+inline bool overlaps(const void* a, uint64_t na, const void* b, uint64_t nb) {
+  if (a == nullptr || b == nullptr || na == 0 || nb == 0) return false;
+  const auto pa = reinterpret_cast<uintptr_t>(a);
+  const auto pb = reinterpret_cast<uintptr_t>(b);
+  return pa < pb + nb && pb < pa + na;
+}
 
 }  // namespace tandem::kernels
