@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "rank_buffers.hpp"
+#include "submit_op.hpp"
 
 using namespace tandem::gputest;
 using tandem::DType;
@@ -71,24 +72,7 @@ std::vector<OpDescriptor> descriptorsOf(const AttnCase& c, uint32_t n) {
 }
 
 tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) {
-  const OpDescriptor& d = b.desc();
-  tandem_ring_attention_args_t a{};
-  a.struct_size = sizeof a;
-  a.dtype = static_cast<tandem_dtype_t>(d.dtype);
-  a.seq = d.dims[dim::kSeq];
-  a.heads = d.dims[dim::kHeads];
-  a.head_dim = d.dims[dim::kHeadDim];
-  a.causal = (d.flags & tandem::kFlagCausal) != 0;
-  a.scale = d.scale;
-  a.q = b.tensor(slot::kQ);
-  a.k = b.tensor(slot::kKey);
-  a.v = b.tensor(slot::kValue);
-  a.out = b.tensor(slot::kAttnOut);
-  a.cuda_stream = stream;
-  a.lse = b.tensor(slot::kAttnLse);
-  a.layout = (d.flags & tandem::kFlagZigzag) != 0 ? TANDEM_ATTENTION_ZIGZAG : TANDEM_ATTENTION_CONTIGUOUS;
-  a.kv_heads = d.dims[dim::kKvHeads];
-  return tandem_ring_attention(comm, &a, op);
+  return tandem::gputest::submitOp(b.desc(), [&b](int s) { return b.tensor(s); }, comm, stream, op);
 }
 
 std::string attentionRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
