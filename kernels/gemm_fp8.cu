@@ -237,10 +237,10 @@ void launchGemmFp8(const GemmFp8Params& g, cudaStream_t stream) {
                              CU_TENSOR_MAP_SWIZZLE_128B, "C [m, n] bf16");
   const int64_t numKBlocks = ceilDiv(g.k, kBlockK);
   if (g.scaling == Fp8Scaling::kBlock) {
-    // [k-blocks, ldsa] fp32 with m valid columns: one box is a tile's 128 row scales of one k-block (rows past m read
-    // as zeros and scale only rows the epilogue never stores).
+    // [k-blocks, ldsa] fp32 with m valid columns: one box is a tile's 128 row scales of one k-block and 4 more that
+    // nothing reads (kScaleABoxRows; rows past m read as zeros and scale only rows the epilogue never stores).
     p.tmSfa = encodeMatrix(g.scaleA, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, numKBlocks, g.m, g.ldsa, 1,
-                           u32(kBlockRows), CU_TENSOR_MAP_SWIZZLE_NONE, "scaleA [k/128, ldsa]");
+                           u32(kScaleABoxRows), CU_TENSOR_MAP_SWIZZLE_NONE, "scaleA [k/128, ldsa]");
   }
   p.scaleA = g.scaleA;
   p.scaleB = g.scaleB;

@@ -249,10 +249,14 @@ void launchGroupedGemmFp8(const GroupedGemmFp8Params& g, cudaStream_t stream, in
                          GemmDtype::kBf16},
                         TensorMapElem::kDtype, "out [mTotal, n] bf16");
   }
-  // [k-blocks, ldxScale] fp32 with mTotal valid columns: one box is a tile's 128 row scales of one k-block (rows past
-  // mTotal read as zeros and scale only rows the epilogue never stores).
-  p.tmXScale = tensorMap(
-      {g.xScale, 2, {u64(g.mTotal), u64(numKBlocks), 1, 1}, {u64(ldxScaleOf(g)) * 4, 0, 0}, {u32(kTileRows), 1, 1, 1}},
+  // [k-blocks, ldxScale] fp32 with mTotal valid columns: one box holds a tile's 128 row scales of one k-block, from the
+  // multiple of 4 at or below its first row (kScaleABoxRows; rows past mTotal read as zeros and scale only rows the
+  // epilogue never stores).
+  p.tmXScale = tensorMap({g.xScale,
+                          2,
+                          {u64(g.mTotal), u64(numKBlocks), 1, 1},
+                          {u64(ldxScaleOf(g)) * 4, 0, 0},
+                          {u32(kScaleABoxRows), 1, 1, 1}},
       TensorMapElem::kF32, "xScale [k/128, ldxScale] fp32");
   b.out = g.out;
   b.ldOut = ldOutOf(g);

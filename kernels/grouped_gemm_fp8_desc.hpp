@@ -15,6 +15,9 @@
 namespace tandem::kernels::grouped_fp8 {
 
 inline constexpr int kBlockK = 128;  // gemm_fp8::kBlockK: one k-block is one scale block
+// gemm_fp8::kScaleABoxRows: a tile's 128 row scales plus 4, loaded from the multiple of 4 at or below its first row
+// (a box's first element must be 16-byte aligned in global memory).
+inline constexpr int kScaleABoxRows = 132;
 
 // POD, passed as const __grid_constant__. `g` is the 16-bit kernels' parameter block, whose tile-order fields (group
 // offsets, tilesN, groupM, waits, tile counter) the shared scheduler reads as they are; its maps hold fp8 tensors:
@@ -24,7 +27,7 @@ inline constexpr int kBlockK = 128;  // gemm_fp8::kBlockK: one k-block is one sc
 // and g.numKBlocks counts k-blocks of 128.
 struct GroupedGemmFp8KernelParams {
   grouped::GroupedGemmKernelParams g;
-  CUtensorMap tmXScale;  // xScale [k-blocks, ldxScale] fp32: dims {mTotal, k-blocks}, box {128, 1}, no swizzle
+  CUtensorMap tmXScale;  // xScale [k-blocks, ldxScale] fp32: dims {mTotal, k-blocks}, box {132, 1}, no swizzle
   const float* wScale;   // see GroupedGemmFp8Params::wScale
   float* outScale;       // kSwiGlu: [ceil(f / 128), ldOutScale]
   int64_t ldOutScale;

@@ -64,7 +64,15 @@ inline constexpr uint32_t kProducerRegs = 40;
 inline constexpr uint32_t kConsumerRegs = 232;
 inline constexpr uint32_t kABytes = kBlockRows * kBlockK;
 inline constexpr uint32_t kBBytes = kBlockCols * kBlockK;
-inline constexpr uint32_t kScaleABytes = kBlockRows * sizeof(float);
+// A's row scales of one stage: a box of the tile's 128 rows plus 4. A box's first element must be 16-byte aligned in
+// global memory (TMA raises an illegal instruction otherwise), so a tile whose first row is not a multiple of 4 (the
+// FP8 grouped GEMM's tiles start at their group's first row) loads from the multiple of 4 at or below it and reads its
+// scales at that shift; the core's tiles start at multiples of 128 (shift 0). Each stage's box lands 128-byte aligned
+// in shared memory (TMA's destination rule), so the stages lie kScaleAStride floats apart.
+inline constexpr int kScaleABoxRows = kBlockRows + 4;
+inline constexpr int kScaleAStride = kBlockRows + 32;
+static_assert(kScaleAStride >= kScaleABoxRows && kScaleAStride * sizeof(float) % 128 == 0);
+inline constexpr uint32_t kScaleABytes = kScaleABoxRows * sizeof(float);
 inline constexpr size_t kSmemLimit = 227 * 1024;  // H100/H200 opt-in shared memory per block
 static_assert(kBlockK == 128, "one k-block must be exactly one scale block");
 
@@ -84,7 +92,7 @@ struct SharedStorage {
   alignas(1024) uint8_t a[G::kStages][kABytes];
   alignas(1024) uint8_t b[G::kStages][kBBytes];
   alignas(1024) uint8_t c[kConsumerWarpgroups][G::kEpiBufs][kChunkBytes];
-  alignas(128) float sfa[S == Scaling::kBlock ? G::kStages : 1][kBlockRows];  // block: A's row scales per stage
+  alignas(128) float sfa[S == Scaling::kBlock ? G::kStages : 1][kScaleAStride];  // block: A's row scales per stage
   alignas(8) uint64_t full[G::kStages];  // TMA bytes landed (1 arrival: the producer's expect_tx)
   uint64_t empty[G::kStages];            // both consumer warpgroups done with the stage
 };
@@ -100,7 +108,7 @@ struct KernelParams {
   CUtensorMap tmA;    // A [m, k] fp8: {k, m}, box {128, 128}, 128-byte swizzle
   CUtensorMap tmB;    // B [n, k] fp8: {k, n}, box {128, 256}, 128-byte swizzle
   CUtensorMap tmC;    // C [m, n]: {n, m}, box {128 bytes of elements, 64}, 128-byte swizzle
-  CUtensorMap tmSfa;  // block: A's scales [k-blocks, ldsa] fp32: {m, k-blocks}, box {128, 1}; unused per tensor
+  CUtensorMap tmSfa;  // block: A's scales [k-blocks, ldsa] fp32: {m, k-blocks}, box {132, 1}; unused per tensor
   const float* scaleA;  // per tensor: one fp32
   const float* scaleB;  // per tensor: one fp32; block: [ceil(n / 128), numKBlocks]
   void* c;              // C's base and row stride (elements), for the direct stores of a ragged last chunk
@@ -361,14 +369,17 @@ __device__ __forceinline__ BlockScalesB blockScalesB(const KernelParams& p, int3
 
 // Block scaled: per k-block and column half, a fresh m64n128 accumulator, promoted into acc with its two scales (see
 // the file comment for why every 128 k). wg: this warpgroup's index (0, 1). Reads the stage ring of s (A, B and A's
-// row scales of each k-block) and no kernel parameters, so other kernels on this storage (the FP8 grouped GEMM) run it
-// too. numKBlocks by reference: callers pass their parameter-space field, read where the loop needs it.
+// row scales of each k-block, the tile's first row at index sfaShift of the box: see kScaleABoxRows) and no kernel
+// parameters, so other kernels on this storage (the FP8 grouped GEMM) run it too. numKBlocks by reference: callers pass
+// their parameter-space field, read where the loop needs it.
 template <class TA, class TB, int Stages>
 __device__ __forceinline__ void mainLoopBlock(SharedStorage<Scaling::kBlock>& s, PipeState<Stages>& ps,
-                                              float (&acc)[128], const int32_t& numKBlocks, const BlockScalesB& sb, int wg,
-                                              int t) {
+                                              float (&acc)[128], const int32_t& numKBlocks, const BlockScalesB& sb,
+                                              int sfaShift, int wg, int t) {
   float part[64];
-  const int r = (t / 32) * 16 + (t % 32) / 4;  // this thread's accumulator rows r and r + 8 of the warpgroup's 64
+  // This thread's accumulator rows r and r + 8 of the warpgroup's 64, and r's index in the stage's scale box.
+  const int r = (t / 32) * 16 + (t % 32) / 4;
+  const int sr = sfaShift + wg * kRowsPerConsumer + r;
   const uint32_t aOffset = static_cast<uint32_t>(wg) * kChunkBytes;
   const bool secondHalf = sb.secondHalf;
 #pragma unroll
@@ -378,8 +389,8 @@ __device__ __forceinline__ void mainLoopBlock(SharedStorage<Scaling::kBlock>& s,
     // that their latency hides behind it.
     const float sbh[2] = {__ldg(sb.half[0] + kb * sb.kbStep), __ldg(sb.half[1] + kb * sb.kbStep)};
     gemm::mbarWait(&s.full[ps.stage], ps.phase);  // acquire: TMA bytes of this stage (and its A scales) landed
-    const float sa0 = s.sfa[ps.stage][wg * kRowsPerConsumer + r];
-    const float sa1 = s.sfa[ps.stage][wg * kRowsPerConsumer + r + 8];
+    const float sa0 = s.sfa[ps.stage][sr];
+    const float sa1 = s.sfa[ps.stage][sr + 8];
     const uint64_t descA = makeDesc(gemm::smemAddr(s.a[ps.stage]) + aOffset);
     const uint64_t descB = makeDesc(gemm::smemAddr(s.b[ps.stage]));
 #pragma unroll
@@ -434,7 +445,7 @@ __device__ __forceinline__ void runConsumer(const KernelParams& p, SharedStorage
     const int32_t row0 = tc.unitM * kBlockRows;
     const int32_t col0 = tc.tileN * kBlockCols;
     if constexpr (S == Scaling::kBlock) {
-      mainLoopBlock<TA, TB>(s, ps, acc, p.numKBlocks, blockScalesB(p, col0), wg, t);
+      mainLoopBlock<TA, TB>(s, ps, acc, p.numKBlocks, blockScalesB(p, col0), 0, wg, t);
     } else {
       mainLoopPerTensor<TA, TB>(p, s, ps, acc, static_cast<uint32_t>(wg) * kChunkBytes, t);
     }

@@ -39,7 +39,7 @@ using grouped::GroupTile;
 using Storage = gemm_fp8::SharedStorage<gemm_fp8::Scaling::kBlock>;
 using Geometry = gemm_fp8::Geometry<gemm_fp8::Scaling::kBlock>;
 
-static_assert(kBlockK == gemm_fp8::kBlockK);
+static_assert(kBlockK == gemm_fp8::kBlockK && kScaleABoxRows == gemm_fp8::kScaleABoxRows);
 static_assert(grouped::kTileRows == gemm_fp8::kBlockRows && grouped::kStoreTileCols == gemm_fp8::kBlockCols &&
                   grouped::kSwiGluTileCols == kHalfCols,
               "the grouped tile order walks the FP8 core's tiles");
@@ -75,7 +75,8 @@ struct Fp8Loader {
     } else {
       grouped::tmaLoad3d(&p.g.tmW, s.b[stage], bar, k0, tile.col0, tile.expert);
     }
-    gemm::tmaLoad2d(&p.tmXScale, s.sfa[stage], bar, tile.row0, kb);  // the tile's 128 row scales of k-block kb
+    // The tile's 128 row scales of k-block kb, from the multiple of 4 at or below its first row (kScaleABoxRows).
+    gemm::tmaLoad2d(&p.tmXScale, s.sfa[stage], bar, tile.row0 & ~3, kb);
   }
 };
 
@@ -169,7 +170,8 @@ __device__ __forceinline__ void runConsumer(const GroupedGemmFp8KernelParams& p,
   const int r = (t / 32) * 16 + lane / 4;
   for (int32_t i = 0;; ++i) {
     if (!grouped::nextConsumerTile<Epi>(p.g, ring, rp, cur, firstWork + i * workStride, tile)) break;
-    gemm_fp8::mainLoopBlock<E4M3, E4M3>(s, ps, acc, p.g.numKBlocks, weightScales<Epi>(p, tile), wg, t);
+    gemm_fp8::mainLoopBlock<E4M3, E4M3>(s, ps, acc, p.g.numKBlocks, weightScales<Epi>(p, tile), tile.row0 & 3, wg,
+                                        t);
     const int32_t rowBase = tile.row0 + wg * kRowsPerConsumer;
     const int32_t rowsHere = tile.rowEnd - rowBase;  // rows of ours inside the group (warpgroup-uniform)
     if (rowsHere <= 0) continue;

@@ -33,7 +33,10 @@ using tandem::kernels::launchAttention;
 using tandem::kernels::validateAttention;
 
 void checkCuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) FAIL(what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")");
+  if (e != cudaSuccess) {
+    FAIL(std::string(what) << ": " << std::string(cudaGetErrorName(e)) << " (" << std::string(cudaGetErrorString(e))
+                           << ")");
+  }
 }
 
 // One device allocation, freed on scope exit.

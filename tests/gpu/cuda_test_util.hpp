@@ -14,7 +14,9 @@
 namespace tandem::gputest {
 
 inline void ck(cudaError_t e, const char* what) {
-  REQUIRE_MESSAGE(e == cudaSuccess, what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")");
+  // std::string: doctest prints a const char* as its address.
+  REQUIRE_MESSAGE(e == cudaSuccess, std::string(what) << ": " << std::string(cudaGetErrorName(e)) << " ("
+                                                      << std::string(cudaGetErrorString(e)) << ")");
 }
 
 // Waits for the stream with a deadline: a kernel that hangs fails the test instead of the whole run.
@@ -23,7 +25,8 @@ inline void syncWithin(cudaStream_t s, double seconds, const std::string& what) 
   for (;;) {
     const cudaError_t e = cudaStreamQuery(s);
     if (e == cudaSuccess) return;
-    REQUIRE_MESSAGE(e == cudaErrorNotReady, what << ": stream failed: " << cudaGetErrorString(e));
+    REQUIRE_MESSAGE(e == cudaErrorNotReady, what << ": stream failed: " << std::string(cudaGetErrorName(e)) << " ("
+                                                 << std::string(cudaGetErrorString(e)) << ")");
     REQUIRE_MESSAGE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds,
                     what << ": still running after " << seconds << " s (hang?)");
     std::this_thread::yield();

@@ -360,7 +360,7 @@ void runAndCheck(const Case& c) {
 // tile, rows before and after the groups.
 const std::vector<int32_t> kUneven = {0, 1, 127, 129, 0, 300, 64, 65};
 
-const char* scalingName(GroupedFp8WeightScaling s) {
+std::string scalingName(GroupedFp8WeightScaling s) {
   return s == GroupedFp8WeightScaling::kBlock ? "w 128x128 blocks" : "w per expert";
 }
 
@@ -369,7 +369,8 @@ const char* scalingName(GroupedFp8WeightScaling s) {
 TEST_CASE("grouped gemm fp8: store matches fp64 with uneven and empty groups, n and k off the tile") {
   for (GroupedFp8WeightScaling ws : {GroupedFp8WeightScaling::kBlock, GroupedFp8WeightScaling::kPerExpert}) {
     for (int sms : {0, 3}) {
-      CAPTURE(scalingName(ws));
+      const std::string scaling = scalingName(ws);  // a std::string: doctest prints a const char* as its address
+      CAPTURE(scaling);
       CAPTURE(sms);
       Case c;
       c.wScaling = ws;
@@ -424,7 +425,8 @@ TEST_CASE("grouped gemm fp8: 1 to 8 experts, padded strides, a deep K") {
 TEST_CASE("grouped gemm fp8: SwiGLU quantises h to e4m3 with 1x128 scales, with and without the row scale") {
   for (GroupedFp8WeightScaling ws : {GroupedFp8WeightScaling::kBlock, GroupedFp8WeightScaling::kPerExpert}) {
     for (bool scale : {false, true}) {
-      CAPTURE(scalingName(ws));
+      const std::string scaling = scalingName(ws);
+      CAPTURE(scaling);
       CAPTURE(scale);
       Case c;
       c.epi = GroupedGemmEpilogue::kSwiGlu;
