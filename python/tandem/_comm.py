@@ -569,14 +569,11 @@ class Communicator(FastPath):
         else:
             self._check(out, "out", op, x.dtype)
             self._shape(out, "out", op, (tokens, hidden), "[tokens, hidden], as x")
-        saved_rows = 0
+        saved_rows = 0  # a saved tensor of no rows saves nothing (its slot resolves as absent)
         if saved is not None:
             self._check(saved, "saved", op, x.dtype, ndim=2)
             saved_rows = saved.shape[0]
             self._shape(saved, "saved", op, (saved_rows, 2 * ffn), "[saved_rows, 2*ffn]")
-            if saved_rows == 0:
-                raise ValueError(f"tandem.{op}: argument 'saved' has no rows; pass at least this rank's routed rows, "
-                                 "or saved=None")
         slots, staged = self._resolve((x, topk_ids, topk_weights, w1, w2, out, saved),
                                       ("x", "topk_ids", "topk_weights", "w1", "w2", "out", "saved"), op)
         self._submit(op, (ARG_STRUCTS[op].size, dt, tokens, hidden, ffn, experts, topk, *slots[:12], self._stream(),

@@ -202,7 +202,7 @@ std::string savedRank(const std::string& socket, const tandem_unique_id_t& id, u
     }
     if (std::string e = finishOp(j.stream, h); !e.empty()) return fmt::format("FAIL {} forward: {}", what, e);
     fwd.download();
-    if (std::string e = fwd.compare(); !e.empty()) return fmt::format("FAIL {} forward: {}", what, e);
+    if (std::string e = fwd.compare(toleranceOf(c)); !e.empty()) return fmt::format("FAIL {} forward: {}", what, e);
     plain.poison(j.stream);
     if (plain.submit(j.comm, j.stream, &h) != TANDEM_SUCCESS) {
       return fmt::format("FAIL {}: recomputing backward submit: {}", what, tandem_last_error());

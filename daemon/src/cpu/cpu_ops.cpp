@@ -248,8 +248,8 @@ std::vector<Floats> loadTokens(std::span<const RankOp> ranks, std::size_t hidden
 // The FFN ops' saved gate|up (tandem.h): rank d's saved holds one [a | b] row of 2 * ffn per row routed to its
 // experts, in the op's row order, so it must hold every such row. Checked for every rank before anything is written.
 // Returns the saved slot's pointer per rank (null: that rank saves nothing, saved_rows 0).
-std::vector<std::byte*> savedRows(std::span<const RankOp> ranks, int savedSlot,
-                                  const std::vector<std::vector<Route>>& routes) {
+std::vector<std::byte*> savedGateUp(std::span<const RankOp> ranks, int savedSlot,
+                                    const std::vector<std::vector<Route>>& routes) {
   const auto n = static_cast<uint32_t>(ranks.size());
   const std::size_t local = ranks[0].desc.dims[dim::kExperts] / n;
   requireMemory(ranks, savedSlot);
@@ -330,7 +330,7 @@ void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
   }
 
   const std::vector<std::vector<Route>> routes = routeTokens(ranks);
-  const std::vector<std::byte*> saved = savedRows(ranks, slot::kFfnSaved, routes);
+  const std::vector<std::byte*> saved = savedGateUp(ranks, slot::kFfnSaved, routes);
   const std::vector<Floats> x = loadTokens(ranks, hidden);
   std::vector<Floats> weights(n), y(n);
   for (uint32_t s = 0; s < n; ++s) {
@@ -410,7 +410,7 @@ void moeFfnBackward(std::span<const RankOp> ranks) {
   }
 
   const std::vector<std::vector<Route>> routes = routeTokens(ranks);
-  const std::vector<std::byte*> saved = savedRows(ranks, slot::kMoeBwdSaved, routes);
+  const std::vector<std::byte*> saved = savedGateUp(ranks, slot::kMoeBwdSaved, routes);
   const std::vector<Floats> x = loadTokens(ranks, hidden);
   std::vector<Floats> weights(n), dout(n), dxSlots(n), dweights(n), dw1(n), dw2(n);
   for (uint32_t s = 0; s < n; ++s) {

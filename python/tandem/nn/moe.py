@@ -170,7 +170,7 @@ def moe_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     experts, experts [r*E/world, (r+1)*E/world) on rank r. Gradients flow to x, topk_weights, w1 and w2 (w1 and w2's
     are summed over every rank's tokens routed to this rank's experts). Every rank must call it (it is collective).
     save_activations: keep gate|up of the rows routed to this rank's experts from the forward for the backward
-    instead of recomputing it there (the module docstring says what each costs); every rank passes the same value.
+    instead of recomputing it there (the module docstring says what each costs); every rank passes the same value."""
     if not isinstance(comm, _comm.Communicator):
         raise TypeError(f"tandem.nn.{_WHAT}: argument 'comm' must be a tandem.Communicator, got {type(comm).__name__}")
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w1", w1), ("w2", w2)):
