@@ -594,15 +594,15 @@ TEST_CASE("moe ffn ops take saved exactly when saved_rows is set") {
     REQUIRE_NOTHROW(tandem::validateDescriptor(d));
     OpDescriptor absent = d;
     absent.bufs[savedSlot] = {};
-    CHECK_THROWS_WITH(tandem::validateDescriptor(absent),
-                      doctest::Contains(fmt::format("{}: saved_rows is 52 but saved is absent; pass saved [saved_rows, "
-                                                    "2*ffn]", tandem::opKindName(kind))));
+    const std::string absentText =
+        fmt::format("{}: saved_rows is 52 but saved is absent; pass saved [saved_rows, 2*ffn]", tandem::opKindName(kind));
+    CHECK_THROWS_WITH(tandem::validateDescriptor(absent), doctest::Contains(absentText.c_str()));
     OpDescriptor ignored = absent;
     ignored.dims[dim::kSavedRows] = 0;
     REQUIRE_NOTHROW(tandem::validateDescriptor(ignored));  // neither: gate|up is not saved (recomputed)
     ignored.bufs[savedSlot].bufferId = 7;
-    CHECK_THROWS_WITH(tandem::validateDescriptor(ignored),
-                      doctest::Contains(fmt::format("{}: saved is given but saved_rows is 0", tandem::opKindName(kind))));
+    const std::string ignoredText = fmt::format("{}: saved is given but saved_rows is 0", tandem::opKindName(kind));
+    CHECK_THROWS_WITH(tandem::validateDescriptor(ignored), doctest::Contains(ignoredText.c_str()));
     OpDescriptor wrong = d;
     wrong.bufs[savedSlot].bytes -= 2;  // not [saved_rows, 2*ffn] of the dtype
     CHECK_THROWS_WITH(tandem::validateDescriptor(wrong), doctest::Contains("buffer saved claims"));
