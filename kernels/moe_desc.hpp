@@ -153,7 +153,8 @@ cudaError_t launchCombine(const MoeKernelParams& p, int ctas, cudaStream_t s);
 // With p.saved the backward reads a and b from the saved rows instead (and writes da, db into its gate|up rows).
 inline constexpr int kActThreads = 256;
 cudaError_t launchBackwardAct(const MoeKernelParams& p, int ctas, cudaStream_t s);
-// The forward with p.saved: h = silu(a) * b rounded, from the saved (rounded) gate|up rows gemm1 stored, into the h rows.
+// The forward with p.saved: h = silu(a) * b rounded, from the saved (rounded) gate|up rows gemm1 stored, into the h
+// rows.
 cudaError_t launchSwiGlu(const MoeKernelParams& p, int ctas, cudaStream_t s);
 cudaError_t prepareMoeKernels();
 

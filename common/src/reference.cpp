@@ -227,7 +227,8 @@ void moeGemm(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t 
 }
 
 // Rank d's saved rows (tandem.h): as many as its experts receive. Returns the row count of every rank.
-std::vector<uint64_t> savedRowCounts(std::span<const OpDescriptor> descs, const std::vector<std::vector<Route>>& routes) {
+std::vector<uint64_t> savedRowCounts(std::span<const OpDescriptor> descs,
+                                     const std::vector<std::vector<Route>>& routes) {
   const auto n = static_cast<uint32_t>(descs.size());
   const uint64_t L = descs[0].dims[dim::kExperts] / n;
   std::vector<uint64_t> rows(n, 0);
@@ -301,8 +302,9 @@ void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t o
 }
 
 // The backward of moeFfn (tandem.h), straight from the chain rule: for each routed (token, slot), y = h w2^T with
-// h = silu(a) * b rounded as the forward rounds it (a and b from the owner's saved rows where it passed them); dtopk_weight = dout.y, dh = weight * dout w2,
-// da = dh * b * silu'(a), db = dh * silu(a), dx += da w1_gate + db w1_up, dw1 += [da; db] x^T, dw2 += weight dout h^T.
+// h = silu(a) * b rounded as the forward rounds it (a and b from the owner's saved rows where it passed them);
+// dtopk_weight = dout.y, dh = weight * dout w2, da = dh * b * silu'(a), db = dh * silu(a),
+// dx += da w1_gate + db w1_up, dw1 += [da; db] x^T, dw2 += weight dout h^T.
 void moeFfnBackward(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const DType dtype = descs[0].dtype;

@@ -262,7 +262,9 @@ std::string savedTooSmallRank(const std::string& socket, const tandem_unique_id_
   RankOp fwd(j.s, c, rank, 2, 89, true, OpKind::kMoeDispatchFfnCombine, worstRows(c, 2));
   fwd.poison(j.stream);
   tandem_op_t h;
-  if (fwd.submit(j.comm, j.stream, &h) != TANDEM_SUCCESS) return std::string("FAIL next submit: ") + tandem_last_error();
+  if (fwd.submit(j.comm, j.stream, &h) != TANDEM_SUCCESS) {
+    return std::string("FAIL next submit: ") + tandem_last_error();
+  }
   if (std::string e = finishOp(j.stream, h); !e.empty()) return "FAIL the op after the errors: " + e;
   fwd.download();
   if (std::string e = fwd.compare(); !e.empty()) return "FAIL the op after the errors: " + e;

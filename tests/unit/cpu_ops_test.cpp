@@ -595,7 +595,8 @@ TEST_CASE("moe ffn ops take saved exactly when saved_rows is set") {
     OpDescriptor absent = d;
     absent.bufs[savedSlot] = {};
     const std::string absentText =
-        fmt::format("{}: saved_rows is 52 but saved is absent; pass saved [saved_rows, 2*ffn]", tandem::opKindName(kind));
+        fmt::format("{}: saved_rows is 52 but saved is absent; pass saved [saved_rows, 2*ffn]",
+                    tandem::opKindName(kind));
     CHECK_THROWS_WITH(tandem::validateDescriptor(absent), doctest::Contains(absentText.c_str()));
     OpDescriptor ignored = absent;
     ignored.dims[dim::kSavedRows] = 0;

@@ -396,8 +396,8 @@ void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
 // The backward of moeDispatchFfnCombine (tandem.h), in fp32. Expert side: each local expert's rows (in (source rank,
 // token, slot) order) are gathered with their dout rows, a and b read from the forward's saved rows or recomputed as
 // the forward computes them, h from them, then per row u = dout w2, dtopk_weight = u.h, dh = weight * u, da and db; dx
-// of the row is [da; db] w1, and dw1, dw2 grow by one outer product per row in row order. Source side: dx sums the token's slots in slot order. Every sum has one
-// fixed order, so the outputs repeat bit for bit.
+// of the row is [da; db] w1, and dw1, dw2 grow by one outer product per row in row order. Source side: dx sums the
+// token's slots in slot order. Every sum has one fixed order, so the outputs repeat bit for bit.
 void moeFfnBackward(std::span<const RankOp> ranks) {
   const auto n = static_cast<uint32_t>(ranks.size());
   const OpDescriptor& d0 = ranks[0].desc;
