@@ -20,7 +20,8 @@ of --iters, two input sets (x, dout) rotated.
 Check (cases moe_bench ran its backward on): autograd's dx (moe_bench's sampled tokens), d(topk weights) (all),
 dw1 and dw2 (the sampled rows of every expert) against tandem's, relative error sqrt(sum (t - p)^2 / sum p^2)
 printed; above 2e-2 (bf16 tolerance) the run fails (exit 1).
-With --tandem FILE (moe_bench's --json) it prints tandem's speed-up over these (forward+backward target >= 1.5x) and
+With --tandem FILE (moe_bench's --json) it prints tandem's speed-up over these (forward+backward target >= 1.5x; with
+moe_bench --saved also that of tandem's backward from saved activations and forward+backward that way) and
 the backward's time over its grouped GEMMs alone (target <= 1.10).
 
   python3 bench/moe_baseline.py --routing-dir DIR [--iters 30] [--json FILE] [--tandem FILE] [--device cuda|cpu]
@@ -272,8 +273,12 @@ def print_ratios(results, tandem_path):
     print("\ntandem vs PyTorch (x = PyTorch ms / tandem ms, above 1: tandem is faster). 2 GEMMs/FFN: tandem's "
           "gemm1+SwiGLU and gemm2 alone over its FFN; bwd / its GEMMs: tandem's backward over its five grouped GEMMs "
           "alone (recompute gate|up, dout·w2, dx, dw2, dw1):")
+    saved = any("fwd_bwd_saved_ms" in c for c in tandem.values())
+    if saved:
+        print("saved: tandem with the forward's gate|up saved for the backward (moe_bench --saved), no recompute GEMM")
     print(f"{'case':<22} {'dispatch+GEMM':>13} {'FFN layer':>10} {'2 GEMMs/FFN':>11} {'backward':>9} "
-          f"{'fwd+bwd':>8} {'(>= 1.5)':>8} {'bwd / its GEMMs':>15} {'(<= 1.10)':>9}")
+          f"{'fwd+bwd':>8} {'(>= 1.5)':>8} {'bwd / its GEMMs':>15} {'(<= 1.10)':>9}"
+          + (f" {'bwd saved':>9} {'fwd+bwd saved':>13} {'(>= 1.5)':>8}" if saved else ""))
     def num(v, unit=""):
         return "-" if math.isnan(v) else f"{v:.3f}{unit}"
 
@@ -289,13 +294,16 @@ def print_ratios(results, tandem_path):
         if t is None:
             continue
         fb = over(r.get("fwd_bwd_ms"), t.get("fwd_bwd_ms"))
+        fbs = over(r.get("fwd_bwd_ms"), t.get("fwd_bwd_saved_ms"))
         bwd_gemms = over(t.get("bwd_ms"), sum(t[g] for g in gemms) if all(g in t for g in gemms) else None)
         overlap = over(t.get("gemm1_swiglu_ms", 0) + t.get("gemm2_ms", 0), t.get("ffn_ms"))
         dg = over(r.get("dispatch_gemm_ms"), t.get("dispatch_gemm_ms"))
         print(f"{r['model'] + '.' + r['case']:<22} {num(dg, 'x'):>13} "
               f"{num(over(r.get('layer_ms'), t.get('ffn_ms')), 'x'):>10} {num(overlap):>11} "
               f"{num(over(r.get('bwd_ms'), t.get('bwd_ms')), 'x'):>9} {num(fb, 'x'):>8} {verdict(fb, fb >= 1.5):>8} "
-              f"{num(bwd_gemms):>15} {verdict(bwd_gemms, bwd_gemms <= 1.10):>9}")
+              f"{num(bwd_gemms):>15} {verdict(bwd_gemms, bwd_gemms <= 1.10):>9}"
+              + (f" {num(over(r.get('bwd_ms'), t.get('bwd_saved_ms')), 'x'):>9} {num(fbs, 'x'):>13} "
+                 f"{verdict(fbs, fbs >= 1.5):>8}" if saved else ""))
 
 
 def main():

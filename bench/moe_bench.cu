@@ -18,6 +18,10 @@
 //                     (launchGroupedWgrad). "backward / its GEMMs" = backward / (all five) (target <= 1.10); the
 //                     same over the four without the recompute is printed too (the recompute is the backward's own
 //                     choice: it saves no activations in the forward).
+//   saved activations (--saved, with the backward): the FFN saving gate|up (MoeParams::saved: gemm1 stores it, a
+//                     SwiGLU pass gives h), the backward from it (no recompute GEMM), and fwd+bwd that way; the
+//                     backward's outputs from saved are checked against the recomputing backward's (dx of the checked
+//                     token against the fp64 reference, and whether every dx, dtopk, dw1 and dw2 are the same bits).
 // Checks: one token per case against an fp64 host reference (its dispatch+GEMM rows, FFN output row, and the
 // backward's dx row and d(topk weights)); every output (dw1 and dw2 whole) for non-finite values; skipIdleHalves
 // bitwise against the default. Any failure exits 1.
@@ -91,6 +95,7 @@ struct Options {
   std::vector<std::string> models{"deepseek-v3", "mixtral"};
   std::vector<int> rowsPerExpert{256, 512, 1024, 2048, 4096};
   bool skew = true, fwd = true, bwd = true, experiment = false;
+  bool saved = false;  // also time the backward with the forward's saved gate|up (--saved)
 };
 
 float bf16ToFloat(uint16_t v) {
@@ -148,6 +153,27 @@ bool allFinite(const void* p, size_t n) {
   CK(cudaGetLastError());
   unsigned long long h = 0;
   CK(cudaMemcpy(&h, bad.get(), 8, cudaMemcpyDeviceToHost));
+  return h == 0;
+}
+
+__global__ void countDiff(const uint32_t* a, const uint32_t* b, size_t n, unsigned long long* diff) {
+  unsigned long long c = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    c += a[i] != b[i];
+  }
+  if (c) atomicAdd(diff, c);
+}
+
+// Whether two device buffers of `bytes` (a multiple of 4) hold the same bits, compared on the device (the weight
+// gradients are gigabytes).
+bool sameBits(const void* a, const void* b, size_t bytes) {
+  DevMem diff(8);
+  CK(cudaMemset(diff.get(), 0, 8));
+  countDiff<<<1024, 256>>>(static_cast<const uint32_t*>(a), static_cast<const uint32_t*>(b), bytes / 4,
+                           diff.as<unsigned long long>());
+  CK(cudaGetLastError());
+  unsigned long long h = 0;
+  CK(cudaMemcpy(&h, diff.get(), 8, cudaMemcpyDeviceToHost));
   return h == 0;
 }
 
@@ -363,7 +389,7 @@ struct Timings {
 
 // One model's buffers, sized for its largest routing.
 struct Buffers {
-  Buffers(const Model& m, int64_t tokens, int64_t rows, bool backward)
+  Buffers(const Model& m, int64_t tokens, int64_t rows, bool backward, bool saved)
       : w1(size_t(m.experts) * 2 * m.ffn * m.hidden * 2),
         w2(size_t(m.experts) * m.hidden * m.ffn * 2),
         dw1(backward ? w1.bytes() : 0),
@@ -387,6 +413,7 @@ struct Buffers {
         ph(size_t(rows) * m.ffn * 2),
         pg(size_t(rows) * m.ffn * 2),
         py(size_t(rows) * m.hidden * 2),
+        saved(saved ? size_t(rows) * 2 * m.ffn * 2 : 0),
         tileCounter(4) {
     // Uniform in [-1, 1): activations grow with sqrt(k), which bf16's range takes; fine for timing and relative checks.
     fill(w1, w1.bytes() / 2, kSeedW1);
@@ -407,6 +434,7 @@ struct Buffers {
   DevMem control, recv, scratch;
   // Rows already grouped by expert, for the GEMMs alone: x, dout, gate|up (or d(gate|up)), h, dout·w2, y (or dx).
   DevMem px, pdy, pgu, ph, pg, py;
+  DevMem saved;  // the forward's saved gate|up [rows, 2 ffn] (--saved)
   DevMem tileCounter;
 };
 
@@ -415,7 +443,7 @@ enum class Op { kDispatchGemm, kFfn, kBackward };
 class ModelBench {
  public:
   ModelBench(const Model& m, const Options& o, int64_t maxTokens, cudaStream_t s)
-      : m_(m), o_(o), s_(s), b_(m, maxTokens, maxTokens * m.topk, o.bwd) {
+      : m_(m), o_(o), s_(s), b_(m, maxTokens, maxTokens * m.topk, o.bwd, o.bwd && o.saved) {
     comm_.rank = 0;
     comm_.nranks = 1;
     comm_.control[0] = b_.control.get();
@@ -430,7 +458,8 @@ class ModelBench {
   bool runCase(const Routing& r, std::string& json);
 
  private:
-  std::string run(Op op, int set, int skip = 0, bool dyn = false) {
+  // saved: the FFN writes gate|up into b_.saved, the backward reads it from there (--saved).
+  std::string run(Op op, int set, int skip = 0, bool dyn = false, bool saved = false) {
     k::MoeParams p;
     p.dtype = k::GemmDtype::kBf16;
     p.ffn = op != Op::kDispatchGemm;
@@ -458,6 +487,10 @@ class ModelBench {
     p.dw2 = b_.dw2.get();
     p.gemmSkipIdleHalves = skip;
     p.gemmDynamicTiles = dyn;
+    if (saved) {
+      p.saved = b_.saved.get();
+      p.savedRows = r_->rows();
+    }
     comm_.epoch = ++epoch_;
     return k::launchMoe(p, comm_, s_);
   }
@@ -507,6 +540,8 @@ class ModelBench {
   void writeGradientSamples() const;
   void timeForward(Timings& t, bool& ok);
   void timeBackward(Timings& t);
+  bool checkSaved(std::string& line);
+  void timeSaved(Timings& t);
   bool experiment();
 
   const Model& m_;
@@ -719,6 +754,68 @@ void ModelBench::timeBackward(Timings& t) {
   t.note("backward / 4 GEMMs", bwd / four, "(backward / dout·w2, dx, dw2, dw1 alone: without the recompute)");
 }
 
+// The backward from the forward's saved gate|up against the recomputing backward (run by check() just before, set 0):
+// the checked token's dx against the fp64 reference, and whether every output is the same bits.
+bool ModelBench::checkSaved(std::string& line) {
+  const int64_t H = m_.hidden, rows = r_->rows();
+  run(Op::kBackward, 0);
+  syncOrDie(s_, 120, "backward (recomputing)");
+  const std::vector<uint16_t> plainDx = download(b_.dx.get(), size_t(r_->tokens * H));
+  const std::vector<float> plainDtopk = download<float>(b_.dtopk.get(), size_t(rows));
+  DevMem plainDw1(b_.dw1.bytes()), plainDw2(b_.dw2.bytes());
+  CK(cudaMemcpy(plainDw1.get(), b_.dw1.get(), b_.dw1.bytes(), cudaMemcpyDeviceToDevice));
+  CK(cudaMemcpy(plainDw2.get(), b_.dw2.get(), b_.dw2.bytes(), cudaMemcpyDeviceToDevice));
+  CK(cudaDeviceSynchronize());  // the copies ran on the legacy stream; s_ does not wait for it
+  run(Op::kFfn, 0, 0, false, true);
+  run(Op::kBackward, 0, 0, false, true);
+  syncOrDie(s_, 120, "backward from saved activations");
+  const bool same = download(b_.dx.get(), size_t(r_->tokens * H)) == plainDx &&
+                    download<float>(b_.dtopk.get(), size_t(rows)) == plainDtopk &&
+                    sameBits(b_.dw1.get(), plainDw1.get(), b_.dw1.bytes()) &&
+                    sameBits(b_.dw2.get(), plainDw2.get(), b_.dw2.bytes());
+  const bool finite = allFinite(b_.dx.get(), size_t(r_->tokens) * H) && allFinite(b_.dw1.get(), b_.dw1.bytes() / 2) &&
+                      allFinite(b_.dw2.get(), b_.dw2.bytes() / 2);
+  const bool ffnSame = download(b_.out.at(size_t(checkedToken_ * H * 2)), size_t(H)) == ffnRow_;
+  const TokenRef ref = tokenReference(m_, *r_, checkedToken_, b_.x[0].get(), b_.dout[0].get(), b_.w1.get(),
+                                      b_.w2.get());
+  std::vector<float> dx;
+  for (uint16_t v : download(b_.dx.at(size_t(checkedToken_ * H * 2)), size_t(H))) dx.push_back(bf16ToFloat(v));
+  const double err = relError(dx, ref.dx);
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "saved activations: backward finite %s, token %ld dx rel_err %.2e, outputs %s the recomputing "
+                "backward's, FFN row %s",
+                finite ? "yes" : "NO", long(checkedToken_), err, same ? "bitwise" : "NOT bitwise",
+                ffnSame ? "bitwise the same" : "differs (h from the rounded gate|up)");
+  line = buf;
+  return finite && err < kTolerance;
+}
+
+void ModelBench::timeSaved(Timings& t) {
+  const int64_t rows = r_->rows(), H = m_.hidden, F = m_.ffn;
+  const double g1 = 2.0 * double(rows) * H * 2 * F, g2 = 2.0 * double(rows) * F * H;
+  const double ffn = t.add("ffn_saved_ms", "FFN saving gate|up",
+                           time([&](int set) { run(Op::kFfn, set, 0, false, true); }), g1 + g2);
+  const double bwd = t.add("bwd_saved_ms", "backward from saved",
+                           time([&](int set) { run(Op::kBackward, set, 0, false, true); }), 2 * g1 + 2 * g2);
+  const double fb = t.add("fwd_bwd_saved_ms", "fwd+bwd, saved", time([&](int set) {
+                            run(Op::kFfn, set, 0, false, true);
+                            run(Op::kBackward, set, 0, false, true);
+                          }),
+                          3 * g1 + 3 * g2);
+  double recomputing = 0, plainFfn = 0, plainBwd = 0;
+  for (const auto& row : t.rows) {
+    if (row.key == "fwd_bwd_ms") recomputing = row.ms;
+    if (row.key == "ffn_ms") plainFfn = row.ms;
+    if (row.key == "bwd_ms") plainBwd = row.ms;
+  }
+  char what[160];
+  std::snprintf(what, sizeof what, "(fwd+bwd saved / recomputing; FFN %.3fx, backward %.3fx; saved %.1f MiB)",
+                plainFfn > 0 ? ffn / plainFfn : 0.0, plainBwd > 0 ? bwd / plainBwd : 0.0,
+                double(rows) * 2 * F * 2 / (1 << 20));
+  t.note("saved / recompute", recomputing > 0 ? fb / recomputing : 0.0, what);
+}
+
 // The grouped GEMMs' dynamic tile order, alone and with skipIdleHalves; the FFN with both, bitwise against the default.
 bool ModelBench::experiment() {
   const int64_t H = m_.hidden, F = m_.ffn;
@@ -755,6 +852,11 @@ bool ModelBench::runCase(const Routing& r, std::string& json) {
   std::string line;
   bool ok = check(line);
   std::printf("%s %s %s: %s\n", ok ? "ok  " : "FAIL", m_.name, r.name.c_str(), line.c_str());
+  if (o_.bwd && o_.saved) {
+    const bool savedOk = checkSaved(line);
+    ok = ok && savedOk;
+    std::printf("%s %s %s: %s\n", savedOk ? "ok  " : "FAIL", m_.name, r.name.c_str(), line.c_str());
+  }
 
   Timings t;
   const int64_t rows = r.rows();
@@ -765,6 +867,10 @@ bool ModelBench::runCase(const Routing& r, std::string& json) {
   if (o_.bwd) {
     plan += " | " + run(Op::kBackward, 0);
     timeBackward(t);
+  }
+  if (o_.bwd && o_.saved) {
+    plan += " | " + run(Op::kFfn, 0, 0, false, true) + " | " + run(Op::kBackward, 0, 0, false, true);
+    timeSaved(t);
   }
   for (size_t i = 0; i < t.rows.size(); ++i) {
     const auto& row = t.rows[i];
@@ -796,9 +902,12 @@ std::vector<T> splitList(const std::string& s, F&& convert) {
 
 constexpr const char* kUsage =
     "usage: moe_bench [--iters N] [--models deepseek-v3,mixtral] [--rows-per-expert 256,512,1024,2048,4096]\n"
-    "                 [--no-skew] [--pass fwd|bwd|all] [--routing-dir DIR] [--json FILE] [--experiment]\n"
+    "                 [--no-skew] [--pass fwd|bwd|all] [--saved] [--routing-dir DIR] [--json FILE] [--experiment]\n"
     "  --pass fwd: dispatch+GEMM, the FFN, its GEMMs alone; bwd: the FFN, the backward, fwd+bwd, the backward's\n"
     "              GEMMs alone; all (default): both\n"
+    "  --saved: with the backward, also the forward saving gate|up and the backward from it (no recompute GEMM),\n"
+    "           checked against the recomputing backward; their times go into --json (ffn_saved_ms, bwd_saved_ms,\n"
+    "           fwd_bwd_saved_ms)\n"
     "  --routing-dir DIR: routings, input seeds and the backward's gradient samples for bench/moe_baseline.py\n"
     "                 (PyTorch's unfused layer on the same routing and weights; run it next in the same call:\n"
     "                 python3 bench/moe_baseline.py --routing-dir DIR --tandem FILE)\n"
@@ -835,6 +944,8 @@ int main(int argc, char** argv) {
       o.bwd = p != "fwd";
     } else if (a == "--experiment") {
       o.experiment = true;
+    } else if (a == "--saved") {
+      o.saved = true;
     } else {
       const bool help = a == "--help" || a == "-h";
       std::fprintf(help ? stdout : stderr, "%s", kUsage);

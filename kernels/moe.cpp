@@ -76,8 +76,10 @@ std::string launchBackward(const MoeParams& g, const MoeComm& c, const MoeKernel
     gp.maxGroupRows = g.tokens * static_cast<int64_t>(c.nranks);  // moe.cpp launchMoe says why
     launchGroupedGemm(gp, stream, g.gemmSms);
   };
-  // gate|up = x · w1ᵀ (kept apart, unlike the forward's fused SwiGLU: the backward needs a and b), g = dout · w2.
-  grouped(recv + rl.xOff, g.hidden, g.w1, 2 * f, recv + rl.guOff, GemmLayout::kABt);
+  // gate|up = x · w1ᵀ (kept apart, unlike the forward's fused SwiGLU: the backward needs a and b), unless the forward
+  // saved it (the act kernel then reads a and b there); g = dout · w2.
+  const bool saved = p.saved != nullptr;
+  if (!saved) grouped(recv + rl.xOff, g.hidden, g.w1, 2 * f, recv + rl.guOff, GemmLayout::kABt);
   grouped(recv + rl.yOff, g.hidden, g.w2, f, recv + rl.gOff, GemmLayout::kAB);
   const int sms = smCount();
   const int actCtas = static_cast<int>(std::clamp<int64_t>(rows, 1, int64_t{sms} * 4));
@@ -104,9 +106,10 @@ std::string launchBackward(const MoeParams& g, const MoeComm& c, const MoeKernel
   grouped(recv + rl.guOff, 2 * f, g.w1, g.hidden, recv + rl.yOff, GemmLayout::kAB);
   if (c.nranks > 1) checkCuda(launchArrive(p, 1, stream), "launching the dx exchange");
   checkCuda(launchCombine(p, combineCtas, stream), "launching the combine kernel");
-  return fmt::format("gate|up and dout·w2 over up to {} receive rows ({} SMs), act {} CTAs, dw2 and dw1 (grouped "
-                     "wgrad), dx, combine {} CTAs (dx summed in slot order, dtopk_weights)",
-                     rows, g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms, actCtas, combineCtas);
+  return fmt::format("{} over up to {} receive rows ({} SMs), act {} CTAs, dw2 and dw1 (grouped wgrad), dx, "
+                     "combine {} CTAs (dx summed in slot order, dtopk_weights)",
+                     saved ? "dout·w2 (gate|up saved by the forward)" : "gate|up and dout·w2", rows,
+                     g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms, actCtas, combineCtas);
 }
 
 }  // namespace
@@ -180,6 +183,9 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
   if (!p.ffn && (p.capacity < 0 || p.capacity > kMax32)) {
     fail(kBad, "{}: capacity = {} must be in [0, 2^31)", op, p.capacity);
   }
+  if (p.savedRows < 0 || (!p.ffn && p.savedRows != 0)) {
+    fail(kBad, "{}: saved_rows = {}: only the FFN ops save gate|up, with saved_rows >= 0", op, p.savedRows);
+  }
   for (uint32_t q = 0; q < c.nranks; ++q) {
     if (c.control[q] == nullptr || !aligned(c.control[q], 128) || c.recv[q] == nullptr || !aligned(c.recv[q], kAlign)) {
       fail(ErrorCode::kInternal, "{}: rank {}'s control area ({}) or receive area ({}) is missing or misaligned", op, q,
@@ -223,6 +229,8 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
   need16(p.x, "x", any);
   need4(p.topkIds, "topk_ids", any);
   if (p.backward && !p.ffn) fail(ErrorCode::kInternal, "{}: the backward is the FFN's", op);
+  // The saved gate|up holds rows from every rank, so it is needed whatever this rank's own tokens.
+  if (p.ffn) need16(p.saved, "saved", p.savedRows > 0);
   if (p.backward) {
     need4(p.topkWeights, "topk_weights", any);
     need16(p.w1, "w1", true);
@@ -297,6 +305,9 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   p.backward = g.backward ? 1 : 0;
   p.dout = g.dout;
   p.dtopkOut = g.dtopkWeights;
+  // Rows past 2^31 never arrive (the receive rows are capped below that), so a larger saved_rows limits nothing more.
+  p.saved = g.savedRows > 0 ? g.saved : nullptr;
+  p.savedRows = static_cast<int32_t>(std::min<int64_t>(g.savedRows, kMax32));
 
   const int sms = smCount();
   const int64_t pairs = g.tokens * g.topk;
@@ -349,10 +360,23 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
         routeCtas, chunks, copyCtas, rows, g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms);
   }
   gg.w = g.w1;
-  gg.out = p.recv[c.rank] + rl.hOff;
   gg.n = 2 * g.ffnDim;
-  gg.epilogue = GroupedGemmEpilogue::kSwiGlu;
-  launchGroupedGemm(gg, stream, g.gemmSms);
+  const bool saves = p.saved != nullptr;
+  if (saves) {
+    // gate|up into the caller's saved rows (the backward reads them), then h from them. The plan let the op run only
+    // if this rank's rows fit saved, so its GEMM spans at most savedRows rows.
+    gg.out = p.saved;
+    gg.mTotal = std::min<int64_t>(rows, p.savedRows);
+    gg.epilogue = GroupedGemmEpilogue::kStore;
+    launchGroupedGemm(gg, stream, g.gemmSms);
+    const int swigluCtas =
+        static_cast<int>(std::clamp<int64_t>(ceilDiv(gg.mTotal * (g.ffnDim / 8), kActThreads), 1, int64_t{sms} * 8));
+    checkCuda(launchSwiGlu(p, swigluCtas, stream), "launching the SwiGLU kernel");
+  } else {
+    gg.out = p.recv[c.rank] + rl.hOff;
+    gg.epilogue = GroupedGemmEpilogue::kSwiGlu;
+    launchGroupedGemm(gg, stream, g.gemmSms);
+  }
   GroupedGemmParams g2{};
   g2.dtype = g.dtype;
   g2.groupOffsets = p.groupOffsets;
@@ -371,9 +395,10 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   if (!alone) checkCuda(launchArrive(p, 1, stream), "launching the y exchange");
   checkCuda(launchCombine(p, combineCtas, stream), "launching the combine kernel");
   return fmt::format(
-      "route {}x{} CTAs, plan, dispatch {} CTAs (a warp per row), gemm1+SwiGLU and gemm2 over up to {} "
+      "route {}x{} CTAs, plan, dispatch {} CTAs (a warp per row), {} and gemm2 over up to {} "
       "receive rows ({} SMs), combine {} CTAs (a warp per token, pulled in slot order)",
-      routeCtas, chunks, copyCtas, rows, g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms, combineCtas);
+      routeCtas, chunks, copyCtas, saves ? "gemm1 into saved, SwiGLU" : "gemm1+SwiGLU", rows,
+      g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms, combineCtas);
 }
 
 void preloadMoeKernels(int device) {

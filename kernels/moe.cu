@@ -186,6 +186,7 @@ __global__ void __launch_bounds__(kPlanThreads) moePlanKernel(const __grid_const
     const int32_t bad = st->bad;  // the route kernel's, earlier in this stream
     const int32_t pairIdx = bad == 0 ? -1 : INT32_MAX - bad;
     extras[kRowCapacity] = p.capacity;
+    extras[kRowSavedRows] = p.savedRows;
     extras[kRowBad] = pairIdx + 1;
     extras[kRowBadValue] = pairIdx >= 0 ? p.ids[pairIdx] : 0;
   }
@@ -244,9 +245,14 @@ __global__ void __launch_bounds__(kPlanThreads) moePlanKernel(const __grid_const
     }
     for (int d = 0; d < p.nranks && state == kRun; ++d) {
       const int32_t cap = me->table[d][kMoeMaxExperts + kRowCapacity];
+      const int32_t saved = me->table[d][kMoeMaxExperts + kRowSavedRows];
       if (sRows[d] > cap) {
         reportMoeError(p, WaitError::kMoeCapacity, static_cast<uint32_t>(d), static_cast<uint32_t>(cap),
                        static_cast<uint64_t>(sRows[d]));
+        state = kFailed;
+      } else if (saved > 0 && sRows[d] > saved) {  // bit 63: the limit is rank d's saved gate|up (signals.hpp)
+        reportMoeError(p, WaitError::kMoeCapacity, static_cast<uint32_t>(d), static_cast<uint32_t>(saved),
+                       static_cast<uint64_t>(sRows[d]) | (uint64_t{1} << 63));
         state = kFailed;
       }
     }
@@ -480,10 +486,11 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeCombineKernel(const __grid
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// backward act: a CTA per received row (grid-stride). The row's gate|up (a, b) and g = dout·w2 come from the GEMMs
-// before it. h = silu(a) * b rounded to the dtype, as the forward's; dtopk = <g, h> in fp32 (a fixed tree order:
-// bitwise repeatable); dh = weight * g; da = dh * b * silu'(a), db = dh * silu(a) overwrite a and b; h's place takes
-// weight * h, so that dw2 = doutᵀ · (weight * h) needs no scaled copy of dout.
+// backward act: a CTA per received row (grid-stride). The row's gate|up (a, b) comes from the GEMM before it or from
+// the forward's saved rows, g = dout·w2 from the GEMM before it. h = silu(a) * b rounded to the dtype, as the
+// forward's; dtopk = <g, h> in fp32 (a fixed tree order: bitwise repeatable); dh = weight * g; da = dh * b * silu'(a),
+// db = dh * silu(a) go to the gate|up rows (over a and b when recomputed); h's place takes weight * h, so that
+// dw2 = doutᵀ · (weight * h) needs no scaled copy of dout.
 // ---------------------------------------------------------------------------------------------------------------
 template <class T>
 __device__ __forceinline__ float toF(T v) {
@@ -515,12 +522,17 @@ __global__ void __launch_bounds__(kActThreads) moeBackwardActKernel(const __grid
   const int tid = static_cast<int>(threadIdx.x);
   for (int32_t r = static_cast<int32_t>(blockIdx.x); r < rows; r += static_cast<int32_t>(gridDim.x)) {
     auto* gu = reinterpret_cast<uint4*>(base + lay.guOff + static_cast<uint64_t>(r) * 2 * f * 2);
+    // a and b: the forward's saved row r (the caller's, only read), else the recomputed row that da, db overwrite.
+    const uint4* abIn =
+        p.saved != nullptr ? reinterpret_cast<const uint4*>(static_cast<const char*>(p.saved) +
+                                                            static_cast<uint64_t>(r) * 2 * f * 2)
+                           : gu;
     const auto* g = reinterpret_cast<const uint4*>(base + lay.gOff + static_cast<uint64_t>(r) * f * 2);
     auto* h = reinterpret_cast<uint4*>(base + lay.hOff + static_cast<uint64_t>(r) * f * 2);
     const float weight = reinterpret_cast<const float*>(base + lay.weightOff)[r];
     float dot = 0.0f;
     for (int32_t i = tid; i < vecs; i += kActThreads) {
-      uint4 av = gu[i], bv = gu[vecs + i];
+      uint4 av = abIn[i], bv = abIn[vecs + i];
       const uint4 gv = g[i];
       uint4 hv;
       auto* a8 = reinterpret_cast<T*>(&av);
@@ -553,6 +565,35 @@ __global__ void __launch_bounds__(kActThreads) moeBackwardActKernel(const __grid
       reinterpret_cast<float*>(base + lay.dtopkOff)[r] = sum;
     }
     __syncthreads();  // sPart is rewritten for the next row
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// forward SwiGLU from the saved gate|up: 16 bytes of h per thread (grid-stride over the received rows' h vectors).
+// h = silu(a) * b from the rounded a and b, rounded once: the h the backward computes from the same saved rows.
+// ---------------------------------------------------------------------------------------------------------------
+template <class T>
+__global__ void __launch_bounds__(kActThreads) moeSwiGluKernel(const __grid_constant__ MoeKernelParams p) {
+  const int64_t rows = p.groupOffsets[p.localExperts];  // 0 when the op was skipped or failed
+  const RecvLayout lay = recvLayout(p.capacity, p.hidden, p.ffn, false);
+  const int64_t vecs = p.ffn / 8;
+  const auto* saved = static_cast<const uint4*>(p.saved);
+  auto* h = reinterpret_cast<uint4*>(p.recv[p.rank] + lay.hOff);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * vecs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / vecs, c = i - r * vecs;
+    uint4 av = saved[r * 2 * vecs + c], bv = saved[r * 2 * vecs + vecs + c];
+    uint4 hv;
+    const auto* a8 = reinterpret_cast<const T*>(&av);
+    const auto* b8 = reinterpret_cast<const T*>(&bv);
+    auto* h8 = reinterpret_cast<T*>(&hv);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float a = toF(a8[j]);
+      const float sig = 1.0f / (1.0f + __expf(-a));  // as moeBackwardActKernel computes it, so h matches bitwise
+      h8[j] = fromF<T>(a * sig * toF(b8[j]));
+    }
+    h[r * vecs + c] = hv;
   }
 }
 
@@ -608,11 +649,19 @@ cudaError_t launchBackwardAct(const MoeKernelParams& p, int ctas, cudaStream_t s
   return launchK(&moeBackwardActKernel<__half>, ctas, kActThreads, s, p);
 }
 
+cudaError_t launchSwiGlu(const MoeKernelParams& p, int ctas, cudaStream_t s) {
+  if (p.dtype == static_cast<int32_t>(GemmDtype::kBf16)) {
+    return launchK(&moeSwiGluKernel<__nv_bfloat16>, ctas, kActThreads, s, p);
+  }
+  return launchK(&moeSwiGluKernel<__half>, ctas, kActThreads, s, p);
+}
+
 cudaError_t prepareMoeKernels() {
   for (cudaError_t e : {loadKernel(&moeRouteKernel), loadKernel(&moePlanKernel), loadKernel(&moeDispatchKernel),
                         loadKernel(&moeArriveKernel), loadKernel(&moeCombineKernel<__nv_bfloat16>),
                         loadKernel(&moeCombineKernel<__half>), loadKernel(&moeBackwardActKernel<__nv_bfloat16>),
-                        loadKernel(&moeBackwardActKernel<__half>)}) {
+                        loadKernel(&moeBackwardActKernel<__half>), loadKernel(&moeSwiGluKernel<__nv_bfloat16>),
+                        loadKernel(&moeSwiGluKernel<__half>)}) {
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;

@@ -17,6 +17,7 @@ namespace tandem::kernels::moe {
 inline constexpr int32_t kRowCapacity = 0;  // the rank's receive rows (dispatch+GEMM: its capacity)
 inline constexpr int32_t kRowBad = 1;       // 0: ids fine; else 1 + the first bad pair index (token * topk + slot)
 inline constexpr int32_t kRowBadValue = 2;  // the id found there
+inline constexpr int32_t kRowSavedRows = 3; // FFN: the rows of the rank's saved gate|up (0: it saves none, no limit)
 inline constexpr int32_t kRowExtras = 8;
 inline constexpr int32_t kRowWords = kMoeMaxExperts + kRowExtras;
 
@@ -130,9 +131,10 @@ struct MoeKernelParams {
   int32_t dtype;         // GemmDtype
   int32_t combineParts;  // a token's row is summed by this many warps (1..)
   int32_t backward;      // the FFN's backward: dispatch also dout and the weight; combine dx (weight 1) and dtopk
-  int32_t pad0;
+  int32_t savedRows;     // FFN: rows of `saved` (0: none); the plan fails the op when more rows arrive
   const void* dout;      // backward: [tokens, hidden]
   float* dtopkOut;       // backward: [tokens, topk] fp32
+  void* saved;           // FFN: this rank's saved gate|up [savedRows, 2 ffn] (MoeParams::saved); null: none
 };
 
 inline constexpr int kRouteWarps = 8;  // experts per route CTA
@@ -148,8 +150,12 @@ cudaError_t launchCombine(const MoeKernelParams& p, int ctas, cudaStream_t s);
 // The backward's per-row step on the owner, over its received rows (gate|up and g written by the GEMMs before it):
 // h = silu(a) * b rounded; dtopk = <g, h> (fp32); dh = weight * g; gate|up becomes (da, db) in place and h becomes
 // weight * h (dw2's operand).
+// With p.saved the backward reads a and b from the saved rows instead (and writes da, db into its gate|up rows).
 inline constexpr int kActThreads = 256;
 cudaError_t launchBackwardAct(const MoeKernelParams& p, int ctas, cudaStream_t s);
+// The forward with p.saved: h = silu(a) * b rounded, from the saved (rounded) gate|up rows gemm1 stored, into the h
+// rows.
+cudaError_t launchSwiGlu(const MoeKernelParams& p, int ctas, cudaStream_t s);
 cudaError_t prepareMoeKernels();
 
 }  // namespace tandem::kernels::moe

@@ -38,6 +38,8 @@ MoeParams paramsOf(const OpDescriptor& d, const DevicePointers& ptrs) {
     } else {
       p.out = ptrs[slot::kFfnOut];
     }
+    p.savedRows = static_cast<int64_t>(d.dims[dim::kSavedRows]);
+    p.saved = p.savedRows > 0 ? ptrs[p.backward ? slot::kMoeBwdSaved : slot::kFfnSaved] : nullptr;
   } else {
     p.nOut = static_cast<int64_t>(d.dims[dim::kNOut]);
     p.capacity = static_cast<int64_t>(std::min<uint64_t>(d.dims[dim::kCapacity], uint64_t{1} << 40));
@@ -158,6 +160,14 @@ std::string moeFaultText(const OpFault& f, const OpDescriptor& d) {
     }
     return fmt::format("{}: rank {} topk_ids[{}][{}] = {} is out of range [0, experts); pass expert ids in [0, "
                        "experts)", opKindName(kind), f.atFault, f.chunk, slotIndex, value);
+  }
+  if ((kind == OpKind::kMoeDispatchFfnCombine || kind == OpKind::kMoeFfnBackward) && (f.observed >> 63) != 0) {
+    // The rank's saved gate|up was the limit (moe.cu's plan kernel marks it so).
+    const uint64_t rows = f.observed & ~(uint64_t{1} << 63);
+    return fmt::format("{}: rank {} receives {} rows but its saved tensor holds saved_rows = {}; nothing was written "
+                       "and the communicator is still usable: pass saved_rows >= {} with saved [saved_rows, 2*ffn] "
+                       "(at most nranks * tokens * topk rows), or split the batch", opKindName(kind), f.atFault,
+                       rows, f.chunk, rows);
   }
   if (kind == OpKind::kMoeDispatchFfnCombine || kind == OpKind::kMoeFfnBackward) {
     // The workspace that holds those rows.

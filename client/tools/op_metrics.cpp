@@ -18,8 +18,11 @@ std::optional<OpMetrics> metricsOf(const OpDescriptor& d) {
       return OpMetrics{2 * dim(dim::kTokens) * dim(dim::kTopk) * dim(dim::kHidden) * dim(dim::kNOut), 0};
     case OpKind::kMoeDispatchFfnCombine:  // gate, up and down projections
       return OpMetrics{6 * dim(dim::kTokens) * dim(dim::kTopk) * dim(dim::kHidden) * dim(dim::kFfn), 0};
-    case OpKind::kMoeFfnBackward:  // gate|up recomputed, dout w2, dw2, dw1 and dx (tandem.h: 8 ffn hidden a row)
-      return OpMetrics{16 * dim(dim::kTokens) * dim(dim::kTopk) * dim(dim::kHidden) * dim(dim::kFfn), 0};
+    case OpKind::kMoeFfnBackward: {  // gate|up recomputed unless saved, dout w2, dw2, dw1 and dx (tandem.h: 8 or 6
+                                     // ffn hidden multiply-adds a row)
+      const double macs = d.dims[dim::kSavedRows] != 0 ? 6 : 8;
+      return OpMetrics{2 * macs * dim(dim::kTokens) * dim(dim::kTopk) * dim(dim::kHidden) * dim(dim::kFfn), 0};
+    }
     default: return std::nullopt;
   }
 }

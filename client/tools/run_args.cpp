@@ -20,6 +20,9 @@ const std::vector<ShapeOption>& shapeOptions() {
       {"k", "GEMM K (total, split over ranks for gemm-rs/gemm-ar); hidden size (moe-*)"},
       {"experts", "MoE experts in total (a multiple of --ranks)"},
       {"topk", "MoE experts per token (at most --experts)"},
+      {"saved-rows", "moe-dispatch-ffn-combine, moe-ffn-backward: rows of the saved gate|up per rank (at least the "
+                     "rows routed to the rank, at most --ranks x --m x --topk); 0 (default): none, the backward "
+                     "recomputes it"},
       {"seq", "ring attention: total sequence length, split over ranks"},
       {"heads", "ring attention: heads"},
       {"head-dim", "ring attention: head dimension"},

@@ -99,6 +99,7 @@ int main(int argc, char** argv) {
     else if (name == "k") target = &o.shape.k;
     else if (name == "experts") target = &o.shape.experts;
     else if (name == "topk") target = &o.shape.topk;
+    else if (name == "saved-rows") target = &o.shape.savedRows;
     else if (name == "seq") target = &o.shape.seq;
     else if (name == "heads") target = &o.shape.heads;
     else if (name == "head-dim") target = &o.shape.headDim;

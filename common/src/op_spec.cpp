@@ -75,6 +75,10 @@ struct Builder {
     s.checkDims = f;
     return *this;
   }
+  Builder& checkSlots(void (*f)(const OpDescriptor&)) {
+    s.checkSlots = f;
+    return *this;
+  }
   // The last slot's axes, as Python shapes it (SlotSpec::axes).
   Builder& axes(std::array<uint8_t, 4> a) {
     s.slots[s.slotCount - 1U].axes = a;
@@ -191,6 +195,26 @@ void checkMoe(const OpDescriptor& d) {
   }
 }
 
+// The MoE FFN ops' saved gate|up: an optional slot whose presence must agree with saved_rows (which sizes it), so a
+// tensor passed with saved_rows 0 is not silently ignored, nor saved_rows given without the tensor.
+void checkMoeSaved(const OpDescriptor& d) {
+  const std::string_view kind = opKindName(d.kind);
+  const int saved = d.kind == OpKind::kMoeFfnBackward ? slot::kMoeBwdSaved : slot::kFfnSaved;
+  const bool given = d.bufs[static_cast<std::size_t>(saved)].bufferId != 0;
+  if (d.dims[dim::kSavedRows] == 0 && given) {
+    fail(ErrorCode::kInvalidArgument,
+         "{}: saved is given but saved_rows is 0; pass saved_rows = the rows saved holds (this rank's routed rows, at "
+         "most nranks * tokens * topk), or no saved tensor to recompute gate|up in the backward",
+         kind);
+  }
+  if (d.dims[dim::kSavedRows] != 0 && !given) {
+    fail(ErrorCode::kInvalidArgument,
+         "{}: saved_rows is {} but saved is absent; pass saved [saved_rows, 2*ffn] ({}), or saved_rows 0", kind,
+         d.dims[dim::kSavedRows],
+         d.kind == OpKind::kMoeFfnBackward ? "the tensor the forward filled" : "the forward writes it");
+  }
+}
+
 constexpr auto D = ElementType::kOpDtype;
 constexpr auto I32 = ElementType::kI32;
 constexpr auto F32 = ElementType::kF32;
@@ -278,7 +302,7 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
   put(Builder(OpKind::kMoeDispatchFfnCombine, "moe-dispatch-ffn-combine", "tandem_moe_dispatch_ffn_combine",
               "MoE layer: dispatch, SwiGLU FFN on the experts' ranks, weighted combine back in token order")
           .dim("tokens", "m", kPerRank, true).dim("hidden", "k").dim("ffn", "n").dim("experts", "experts")
-          .dim("topk", "topk")
+          .dim("topk", "topk").dim("saved_rows", "saved-rows", kPerRank, true)
           .slot("x", D, {dimT(d::kTokens), dimT(d::kHidden)}, "[tokens, hidden]")
           .slot("topk_ids", I32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] int32")
           .slot("topk_weights", F32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] fp32")
@@ -287,12 +311,16 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
           .axes({1, 2, 1, 0})
           .slot("w2", D, {perRankT(d::kExperts), dimT(d::kHidden), dimT(d::kFfn)}, "[experts/nranks, hidden, ffn]")
           .slot("out", D, {dimT(d::kTokens), dimT(d::kHidden)}, "[tokens, hidden]", true)
+          .slot("saved", D, {dimT(d::kSavedRows), constT(2), dimT(d::kFfn)}, "[saved_rows, 2*ffn]", true, true)
+          .axes({1, 2, 0, 0})
           .crossNode(CrossNode::kReplicate)
           .check(checkMoe)
+          .checkSlots(checkMoeSaved)
           .readsVerdict()
           .deviceError(ErrorCode::kTimeout)
+          // saved_rows and saved come after cuda_stream: they were appended to the struct after 0.2.x.
           .c("tandem_moe_ffn_args_t", "moe_ffn",
-             "dtype tokens hidden ffn experts topk x topk_ids topk_weights w1 w2 out cuda_stream"));
+             "dtype tokens hidden ffn experts topk x topk_ids topk_weights w1 w2 out cuda_stream saved_rows saved"));
   {
     const std::initializer_list<T> qkv{dimT(d::kSeq), dimT(d::kHeads), dimT(d::kHeadDim)};
     const std::initializer_list<T> kv{dimT(d::kSeq), dimT(d::kKvHeads), dimT(d::kHeadDim)};
@@ -343,9 +371,9 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
   }
   put(Builder(OpKind::kMoeFfnBackward, "moe-ffn-backward", "tandem_moe_dispatch_ffn_combine_backward",
               "MoE layer's backward: dx, dtopk_weights, dw1 and dw2 of moe-dispatch-ffn-combine, the experts' "
-              "activations recomputed")
+              "gate|up saved by the forward or recomputed")
           .dim("tokens", "m", kPerRank, true).dim("hidden", "k").dim("ffn", "n").dim("experts", "experts")
-          .dim("topk", "topk")
+          .dim("topk", "topk").dim("saved_rows", "saved-rows", kPerRank, true)
           .slot("x", D, {dimT(d::kTokens), dimT(d::kHidden)}, "[tokens, hidden]")
           .slot("topk_ids", I32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] int32")
           .slot("topk_weights", F32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] fp32")
@@ -361,13 +389,18 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
           .axes({1, 2, 1, 0})
           .slot("dw2", D, {perRankT(d::kExperts), dimT(d::kHidden), dimT(d::kFfn)}, "[experts/nranks, hidden, ffn]",
                 true)
+          .slot("saved", D, {dimT(d::kSavedRows), constT(2), dimT(d::kFfn)},
+                "the forward's saved gate|up [saved_rows, 2*ffn]", false, true)
+          .axes({1, 2, 0, 0})
           .crossNode(CrossNode::kReplicate)
           .check(checkMoe)
+          .checkSlots(checkMoeSaved)
           .readsVerdict()
           .deviceError(ErrorCode::kTimeout)
+          // saved_rows and saved come after cuda_stream: they were appended to the struct after 0.2.x.
           .c("tandem_moe_ffn_backward_args_t", "moe_ffn_backward",
              "dtype tokens hidden ffn experts topk x topk_ids topk_weights w1 w2 dout dx dtopk_weights dw1 dw2 "
-             "cuda_stream"));
+             "cuda_stream saved_rows saved"));
   put(Builder(OpKind::kAllGather, "allgather", "tandem_allgather", "AllGather of raw bytes, in rank order")
           .dim("bytes", "bytes")
           .slot("send", Raw, {dimT(d::kBytes)}, "[bytes]")

@@ -226,13 +226,31 @@ void moeGemm(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t 
   }
 }
 
+// Rank d's saved rows (tandem.h): as many as its experts receive. Returns the row count of every rank.
+std::vector<uint64_t> savedRowCounts(std::span<const OpDescriptor> descs,
+                                     const std::vector<std::vector<Route>>& routes) {
+  const auto n = static_cast<uint32_t>(descs.size());
+  const uint64_t L = descs[0].dims[dim::kExperts] / n;
+  std::vector<uint64_t> rows(n, 0);
+  for (uint32_t d = 0; d < n; ++d) {
+    for (uint64_t le = 0; le < L; ++le) rows[d] += routes[d * L + le].size();
+    const uint64_t capacity = descs[d].dims[dim::kSavedRows];
+    if (capacity != 0 && rows[d] > capacity) {
+      fail(ErrorCode::kInvalidArgument, "reference {}: rank {} receives {} rows but saved_rows is {}",
+           opKindName(descs[0].kind), d, rows[d], capacity);
+    }
+  }
+  return rows;
+}
+
 void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const DType dtype = descs[0].dtype;
   const uint64_t H = descs[0].dims[dim::kHidden], F = descs[0].dims[dim::kFfn], E = descs[0].dims[dim::kExperts];
   const uint64_t topk = descs[0].dims[dim::kTopk], L = E / n;
   const std::vector<std::vector<Route>> routes = route(descs, in);
-  std::vector<std::vector<double>> x(n), weights(n), result(n);
+  savedRowCounts(descs, routes);
+  std::vector<std::vector<double>> x(n), weights(n), result(n), saved(n);
   for (uint32_t s = 0; s < n; ++s) {
     const uint64_t tokens = descs[s].dims[dim::kTokens];
     x[s] = load(in[s][slot::kX], dtype, tokens * H);
@@ -242,21 +260,32 @@ void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t o
   for (uint64_t e = 0; e < E; ++e) {
     const uint32_t d = static_cast<uint32_t>(e / L);
     const uint64_t le = e % L;
+    // A rank that saves gate|up keeps it rounded to dtype, and its h comes from the rounded values (tandem.h).
+    const bool saves = descs[d].dims[dim::kSavedRows] != 0;
     const std::vector<double> w1 = load(in[d][slot::kW1] + le * 2 * F * H * dtypeSize(dtype), dtype, 2 * F * H);
     const std::vector<double> w2 = load(in[d][slot::kW2] + le * H * F * dtypeSize(dtype), dtype, H * F);
     for (const Route& rt : routes[e]) {
-      if (!wanted(only, rt.srcRank)) continue;
+      const bool wantSaved = saves && wanted(only, d);
+      if (!wanted(only, rt.srcRank) && !wantSaved) continue;
       const double* xt = &x[rt.srcRank][rt.token * H];
-      std::vector<double> h(F);
+      std::vector<double> h(F), gate(F), up(F);
       for (uint64_t f = 0; f < F; ++f) {
-        double gate = 0, up = 0;
         for (uint64_t i = 0; i < H; ++i) {
-          gate += xt[i] * w1[f * H + i];
-          up += xt[i] * w1[(F + f) * H + i];
+          gate[f] += xt[i] * w1[f * H + i];
+          up[f] += xt[i] * w1[(F + f) * H + i];
         }
-        const double silu = gate / (1.0 + std::exp(-gate));
-        h[f] = roundTo(dtype, static_cast<float>(silu * up));  // tandem.h: h is rounded to dtype
+        if (saves) {
+          gate[f] = roundTo(dtype, static_cast<float>(gate[f]));
+          up[f] = roundTo(dtype, static_cast<float>(up[f]));
+        }
+        const double silu = gate[f] / (1.0 + std::exp(-gate[f]));
+        h[f] = roundTo(dtype, static_cast<float>(silu * up[f]));  // tandem.h: h is rounded to dtype
       }
+      if (wantSaved) {
+        saved[d].insert(saved[d].end(), gate.begin(), gate.end());
+        saved[d].insert(saved[d].end(), up.begin(), up.end());
+      }
+      if (!wanted(only, rt.srcRank)) continue;
       const double weight = weights[rt.srcRank][rt.token * topk + rt.slotIndex];
       for (uint64_t o = 0; o < H; ++o) {
         double y = 0;
@@ -266,20 +295,25 @@ void moeFfn(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t o
     }
   }
   for (uint32_t s = 0; s < n; ++s) {
-    if (wanted(only, s)) out[s][slot::kFfnOut] = std::move(result[s]);
+    if (!wanted(only, s)) continue;
+    out[s][slot::kFfnOut] = std::move(result[s]);
+    out[s][slot::kFfnSaved] = std::move(saved[s]);
   }
 }
 
 // The backward of moeFfn (tandem.h), straight from the chain rule: for each routed (token, slot), y = h w2^T with
-// h = silu(a) * b rounded as the forward rounds it; dtopk_weight = dout.y, dh = weight * dout w2,
-// da = dh * b * silu'(a), db = dh * silu(a), dx += da w1_gate + db w1_up, dw1 += [da; db] x^T, dw2 += weight dout h^T.
+// h = silu(a) * b rounded as the forward rounds it (a and b from the owner's saved rows where it passed them);
+// dtopk_weight = dout.y, dh = weight * dout w2, da = dh * b * silu'(a), db = dh * silu(a),
+// dx += da w1_gate + db w1_up, dw1 += [da; db] x^T, dw2 += weight dout h^T.
 void moeFfnBackward(std::span<const OpDescriptor> descs, In in, Expected& out, int64_t only) {
   const uint32_t n = static_cast<uint32_t>(descs.size());
   const DType dtype = descs[0].dtype;
   const uint64_t H = descs[0].dims[dim::kHidden], F = descs[0].dims[dim::kFfn], E = descs[0].dims[dim::kExperts];
   const uint64_t topk = descs[0].dims[dim::kTopk], L = E / n;
   const std::vector<std::vector<Route>> routes = route(descs, in);
+  savedRowCounts(descs, routes);
   std::vector<std::vector<double>> x(n), weights(n), dout(n), dx(n), dweights(n), dw1(n), dw2(n);
+  std::vector<uint64_t> savedRow(n, 0);  // the next saved row of each rank: rows in expert, then route order
   for (uint32_t s = 0; s < n; ++s) {
     const uint64_t tokens = descs[s].dims[dim::kTokens];
     x[s] = load(in[s][slot::kX], dtype, tokens * H);
@@ -302,11 +336,19 @@ void moeFfnBackward(std::span<const OpDescriptor> descs, In in, Expected& out, i
       const double* xt = &x[rt.srcRank][rt.token * H];
       const double* gt = &dout[rt.srcRank][rt.token * H];
       const double weight = weights[rt.srcRank][rt.token * topk + rt.slotIndex];
+      if (descs[d].dims[dim::kSavedRows] != 0) {  // a and b as the forward saved them
+        const std::vector<double> ab =
+            load(in[d][slot::kMoeBwdSaved] + savedRow[d]++ * 2 * F * dtypeSize(dtype), dtype, 2 * F);
+        std::copy_n(ab.begin(), F, a.begin());
+        std::copy_n(ab.begin() + static_cast<std::ptrdiff_t>(F), F, b.begin());
+      }
       for (uint64_t f = 0; f < F; ++f) {
-        a[f] = b[f] = 0;
-        for (uint64_t i = 0; i < H; ++i) {
-          a[f] += xt[i] * w1[f * H + i];
-          b[f] += xt[i] * w1[(F + f) * H + i];
+        if (descs[d].dims[dim::kSavedRows] == 0) {
+          a[f] = b[f] = 0;
+          for (uint64_t i = 0; i < H; ++i) {
+            a[f] += xt[i] * w1[f * H + i];
+            b[f] += xt[i] * w1[(F + f) * H + i];
+          }
         }
         h[f] = roundTo(dtype, static_cast<float>(a[f] / (1.0 + std::exp(-a[f])) * b[f]));
       }
@@ -545,6 +587,7 @@ uint64_t OpShape::value(std::string_view option) const {
   if (option == "k") return k;
   if (option == "experts") return experts;
   if (option == "topk") return topk;
+  if (option == "saved-rows") return savedRows;
   if (option == "seq") return seq;
   if (option == "heads") return heads;
   if (option == "head-dim") return headDim;

@@ -280,6 +280,7 @@ SlotRules validateDescriptor(const OpDescriptor& desc) {
   const OpSpec& op = checkShape(desc);
   const SlotRules rules = computeRules(op, desc);
   checkBuffers(desc, op, rules);
+  if (op.checkSlots != nullptr) op.checkSlots(desc);
   return rules;
 }
 

@@ -81,8 +81,8 @@ def moe_dispatch_gemm(comm: Communicator, x, topk_ids, topk_weights, w, *, capac
                                   expert_counts=expert_counts)
 
 
-def moe_ffn(comm: Communicator, x, topk_ids, topk_weights, w1, w2, *, out=None):
-    return comm.moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out)
+def moe_ffn(comm: Communicator, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None):
+    return comm.moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out, saved=saved)
 
 
 def ring_attention(comm: Communicator, q, k, v, *, causal=False, scale=None, out=None, lse=None, return_lse=False,

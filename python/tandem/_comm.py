@@ -548,10 +548,13 @@ class Communicator(FastPath):
                           self._stream()), staged)
         return out, row_info, expert_counts
 
-    def _eager_moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None):
+    def _eager_moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None):
         """MoE dispatch + SwiGLU FFN + combine (the whole layer). x [tokens, hidden]; topk_ids, topk_weights as in
         moe_dispatch_gemm; w1 [experts/ranks, 2*ffn, hidden] (gate rows, then up rows); w2 [experts/ranks, hidden,
-        ffn]. Returns out [tokens, hidden]: out_t = sum over slots of weight * (silu(x w_gate.T) * (x w_up.T)) w2.T."""
+        ffn]. Returns out [tokens, hidden]: out_t = sum over slots of weight * (silu(x w_gate.T) * (x w_up.T)) w2.T.
+        saved (optional, [saved_rows, 2*ffn] in x's dtype): receives the gate|up of every row routed to this rank's
+        experts, for moe_ffn_backward(..., saved=saved) to use instead of recomputing it (tandem.h: the rows' order,
+        what it costs; an op whose rows exceed saved_rows fails naming the rows needed)."""
         op = "moe_ffn"
         dt, tokens, hidden, topk, experts = self._moe_route(op, x, topk_ids, topk_weights, w1, "w1")
         local, two_ffn = w1.shape[0], w1.shape[1]
@@ -566,10 +569,15 @@ class Communicator(FastPath):
         else:
             self._check(out, "out", op, x.dtype)
             self._shape(out, "out", op, (tokens, hidden), "[tokens, hidden], as x")
-        slots, staged = self._resolve((x, topk_ids, topk_weights, w1, w2, out),
-                                      ("x", "topk_ids", "topk_weights", "w1", "w2", "out"), op)
-        self._submit(op, (ARG_STRUCTS[op].size, dt, tokens, hidden, ffn, experts, topk, *slots, self._stream()),
-                     staged)
+        saved_rows = 0  # a saved tensor of no rows saves nothing (its slot resolves as absent)
+        if saved is not None:
+            self._check(saved, "saved", op, x.dtype, ndim=2)
+            saved_rows = saved.shape[0]
+            self._shape(saved, "saved", op, (saved_rows, 2 * ffn), "[saved_rows, 2*ffn]")
+        slots, staged = self._resolve((x, topk_ids, topk_weights, w1, w2, out, saved),
+                                      ("x", "topk_ids", "topk_weights", "w1", "w2", "out", "saved"), op)
+        self._submit(op, (ARG_STRUCTS[op].size, dt, tokens, hidden, ffn, experts, topk, *slots[:12], self._stream(),
+                          saved_rows, *slots[12:]), staged)
         return out
 
     def _eager_ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None,
@@ -644,6 +652,9 @@ class Communicator(FastPath):
         asked for): one tensor alone, several as a tuple, none as None."""
         spec = _optable.SPECS[op]
         kw = dict(kw)
+        opts = {s.name: kw.pop(s.name) for s in spec.opt_inputs if kw.get(s.name) is not None}
+        for s in spec.opt_inputs:
+            kw.pop(s.name, None)
         outs = {s: kw.pop(spec.out_name(s), None) for s in spec.outputs}
         want = {s for s in spec.outputs if s.optional and (kw.pop("return_" + s.name, False) or outs[s] is not None)}
         frees = {spec.dim_names[i]: kw.pop(spec.dim_names[i], None) for i in spec.free_dims}
@@ -665,7 +676,11 @@ class Communicator(FastPath):
             if s.type == "raw" and raw is None:
                 raw = t
         dt = _dtype_code(like, op, fp8=spec.fp8) if like is not None else 0
-        tensors = {s.name: t for s, t in zip(spec.inputs, inputs)}
+        for s in spec.opt_inputs:
+            if s.name in opts:
+                self._check(opts[s.name], s.name, op, like.dtype if s.type == "op_dtype" and like is not None
+                            else s.dtype(None))
+        tensors = {**{s.name: t for s, t in zip(spec.inputs, inputs)}, **opts}
         given = {**tensors, **{s.name: t for s, t in outs.items() if t is not None}}
         lay = _enum_code(scal.get("layout") or 0, op) if spec.transposes else None
         dims, share = spec.bind(given, frees, nranks=lambda: self.world_size, layout=lay)
@@ -673,7 +688,7 @@ class Communicator(FastPath):
             if i not in dims:
                 dims[i] = spec.default_dim(i, tensors, dims, self.world_size, layout=lay)
         rank, size = (lambda: self.rank), (lambda: self.world_size)
-        for t, s in zip(inputs, spec.inputs):
+        for t, s in [*zip(inputs, spec.inputs), *((opts[s.name], s) for s in spec.opt_inputs if s.name in opts)]:
             if s.type != "raw":
                 self._shape(t, s.name, op, spec.shape(s, dims, share, rank, size, layout=lay), spec.text_of(s, lay))
         out_dt, codes, scales = like.dtype if like is not None else None, {}, {}
@@ -777,10 +792,10 @@ class Communicator(FastPath):
         return self._eager_moe_dispatch_gemm(x, topk_ids, topk_weights, w, capacity=capacity, out=out,
                                              row_info=row_info, expert_counts=expert_counts)
 
-    def moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None):
+    def moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None):
         if _tc._is_compiling_flag or _dynamo_compiling():
-            return _ops.moe_ffn(self, x, topk_ids, topk_weights, w1, w2, out=out)
-        return self._eager_moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out)
+            return _ops.moe_ffn(self, x, topk_ids, topk_weights, w1, w2, out=out, saved=saved)
+        return self._eager_moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out, saved=saved)
 
     def ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None, lse=None,
                        return_lse: bool = False, layout: str = "contiguous"):

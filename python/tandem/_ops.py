@@ -144,6 +144,10 @@ def call(name: str, comm, *inputs, **kw):
     """Any op of the table under torch.compile, with the keywords of its Communicator method: outputs (`out`, then
     the others by name), `return_<optional output>`, free dims, flags and scale."""
     spec = SPECS[name]
+    for s in spec.opt_inputs:
+        if kw.pop(s.name, None) is not None:
+            raise TypeError(f"tandem.{name}: argument '{s.name}' is taken by eager calls only, not under "
+                            "torch.compile (tandem.nn.MoE(save_activations=True) compiles with it)")
     outs = {s: kw.pop(spec.out_name(s), None) for s in spec.outputs}
     want = [s for s in spec.outputs if s.optional and (kw.pop("return_" + s.name, False) or outs[s] is not None)]
     frees = {spec.dim_names[i]: kw.pop(spec.dim_names[i], None) for i in spec.free_dims}
@@ -207,8 +211,8 @@ def moe_dispatch_gemm(comm, x, topk_ids, topk_weights, w, *, capacity=None, out=
                 row_info=row_info, expert_counts=expert_counts)
 
 
-def moe_ffn(comm, x, topk_ids, topk_weights, w1, w2, *, out=None):
-    return call("moe_ffn", comm, x, topk_ids, topk_weights, w1, w2, out=out)
+def moe_ffn(comm, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None):
+    return call("moe_ffn", comm, x, topk_ids, topk_weights, w1, w2, out=out, saved=saved)
 
 
 def ring_attention(comm, q, k, v, *, causal=False, scale=None, out=None, lse=None, return_lse=False,

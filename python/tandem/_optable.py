@@ -60,7 +60,9 @@ class Spec:
         # torch.library ops' schemas leave them out.
         self.fp8: bool = op.get("fp8", False)
         self.fp8_scales = [s for s in self.slots if s.fp8_scale]
-        self.inputs = [s for s in self.slots if not s.output and not s.fp8_scale]
+        self.inputs = [s for s in self.slots if not s.output and not s.fp8_scale and not s.optional]
+        # Optional inputs (moe_ffn_backward's saved): keywords of the eager path; the torch.library ops leave them out.
+        self.opt_inputs = [s for s in self.slots if not s.output and not s.fp8_scale and s.optional]
         self.outputs = [s for s in self.slots if s.output]
         self.raw = any(s.type == "raw" for s in self.slots)
         self.fields: list[dict] = op["fields"]
@@ -84,8 +86,12 @@ class Spec:
                     bound.add(d[0])
         if self.raw:  # a raw op's byte count is its input's size
             bound.update(i for i, d in enumerate(op["dims"]) if d["name"] == "bytes")
+        free = [i for i in range(len(self.dim_names)) if i not in bound]
+        # A per-rank row count that may be 0 and that no required input gives (the MoE FFN ops' saved_rows): the rows of
+        # the optional tensor it sizes, 0 without it; not a parameter of its own.
+        self.opt_dims = [i for i in free if op["dims"][i]["may_be_zero"] and op["dims"][i]["split"] == "per_rank"]
         # Dims no input gives, passed as integers (in dim order), with the input axis that sets their default.
-        self.free_dims = [i for i in range(len(self.dim_names)) if i not in bound]
+        self.free_dims = [i for i in free if i not in self.opt_dims]
 
     def out_name(self, slot: Slot) -> str:
         """The Python keyword of an output: the first output is `out`, the others keep the table's name."""
@@ -134,6 +140,8 @@ class Spec:
         for i, n in share.items():
             if i not in dims and nranks is not None:
                 dims[i] = n * nranks()
+        for i in self.opt_dims:
+            dims.setdefault(i, 0)
         return dims, share
 
     def default_dim(self, i: int, tensors: dict, dims: dict, nranks: int, layout: int | None = None) -> int:

@@ -85,7 +85,8 @@ tandem_status_t submitOp(const OpDescriptor& d, const TensorOf& tensor, tandem_c
       const tandem_moe_ffn_args_t a{sizeof a, dtype, d.dims[dim::kTokens], d.dims[dim::kHidden], d.dims[dim::kFfn],
                                     d.dims[dim::kExperts], d.dims[dim::kTopk], tensor(slot::kX), tensor(slot::kTopkIds),
                                     tensor(slot::kTopkWeights), tensor(slot::kW1), tensor(slot::kW2),
-                                    tensor(slot::kFfnOut), stream};
+                                    tensor(slot::kFfnOut), stream, d.dims[dim::kSavedRows],
+                                    tensor(slot::kFfnSaved)};
       return tandem_moe_dispatch_ffn_combine(comm, &a, op);
     }
     case OpKind::kMoeFfnBackward: {
@@ -93,7 +94,7 @@ tandem_status_t submitOp(const OpDescriptor& d, const TensorOf& tensor, tandem_c
           sizeof a, dtype, d.dims[dim::kTokens], d.dims[dim::kHidden], d.dims[dim::kFfn], d.dims[dim::kExperts],
           d.dims[dim::kTopk], tensor(slot::kX), tensor(slot::kTopkIds), tensor(slot::kTopkWeights), tensor(slot::kW1),
           tensor(slot::kW2), tensor(slot::kMoeDout), tensor(slot::kMoeDx), tensor(slot::kMoeDtopkWeights),
-          tensor(slot::kMoeDw1), tensor(slot::kMoeDw2), stream};
+          tensor(slot::kMoeDw1), tensor(slot::kMoeDw2), stream, d.dims[dim::kSavedRows], tensor(slot::kMoeBwdSaved)};
       return tandem_moe_dispatch_ffn_combine_backward(comm, &a, op);
     }
     default: return TANDEM_ERROR_INVALID_ARGUMENT;

@@ -71,6 +71,19 @@ TEST_CASE("ops in fp16 and fp32, non-causal attention, and allgather") {
   runChecked(d, {"barrier", "--ranks", "4", "--iters", "20"});
 }
 
+TEST_CASE("the MoE FFN ops with saved activations, through tandemctl run --saved-rows") {
+  Daemon d;
+  for (const char* op : {"moe-dispatch-ffn-combine", "moe-ffn-backward"}) {
+    for (const char* ranks : {"1", "3"}) {
+      CAPTURE(op);
+      CAPTURE(ranks);
+      // 3 ranks x 11 tokens x top-2: every row could land on one rank.
+      runChecked(d, {op, "--ranks", ranks, "--m", "11", "--n", "10", "--k", "16", "--experts", "6", "--topk", "2",
+                     "--saved-rows", "66", "--dtype", "bf16"});
+    }
+  }
+}
+
 TEST_CASE("a communicator of 64 ranks forms and runs collectives") {
   Daemon d;
   runChecked(d, {"barrier", "--ranks", "64", "--iters", "3"});

@@ -393,7 +393,7 @@ def section_moe(comm):
     """tandem.nn's expert-parallel MoE on the cuda backend in bf16: moe_ffn's output and its x, topk-weight, w1 and w2
     gradients against torch autograd of the same layer over every rank's tokens in float64 (bf16 tolerance), with
     uniform, skewed and sparse routing, top-k 1, 2 and 8, a rank with no tokens, the backward repeated bitwise, and once
-    under torch.compile(fullgraph=True)."""
+    under torch.compile(fullgraph=True); then with the forward's saved activations (eager and compiled)."""
     import moechecks
     n, bf16 = comm.world_size, torch.bfloat16
     checked = 0
@@ -408,8 +408,15 @@ def section_moe(comm):
         empty = [0 if q == 1 else 20 + q for q in range(n)]
         checked += moechecks.check_functional(comm, bf16, "uniform", 2, empty, **shape)
     checked += moechecks.check_functional(comm, bf16, "skewed", 2, [24] * n, compiled=True, **shape)
+    # The forward's saved gate|up for the backward (save_activations), eager and compiled.
+    for kind, topk in (("uniform", 2), ("skewed", 8 if 4 * n >= 8 else 2)):
+        checked += moechecks.check_functional(comm, bf16, kind, topk, [29 + 7 * q for q in range(n)],
+                                              save_activations=True, **shape)
+    checked += moechecks.check_functional(comm, bf16, "sparse", 2, [24] * n, compiled=True, save_activations=True,
+                                          **shape)
     comm.synchronize()
-    return f"{checked} moe_ffn cases matched torch autograd (out, dx, dtopk_weights, dw1, dw2; bf16), repeats bitwise"
+    return (f"{checked} moe_ffn cases matched torch autograd (out, dx, dtopk_weights, dw1, dw2; bf16; recomputed and "
+            "saved activations), repeats bitwise")
 
 
 SECTIONS = {"ops": section_ops, "attention": section_attention, "compile": section_compile, "graph": section_graph,

@@ -63,10 +63,12 @@ def _tandem_grads(comm, x, ids, wts, w1, w2, g, fn=None, device="cpu"):
 
 
 def check_functional(comm, dtype, kind, topk, tokens, hidden=8, ffn=6, experts_per_rank=2, compiled=False,
-                     device="cpu"):
+                     device="cpu", save_activations=False):
     """moe_ffn's output and gradients (x, topk_weights, w1, w2) at this rank against torch autograd of
     moe_ffn_torch over every rank's tokens; the backward repeated gives the same bits. The op's tensors live on
-    `device` (the cuda backend takes GPU tensors). Returns 1."""
+    `device` (the cuda backend takes GPU tensors). save_activations: the forward saves gate|up for the backward;
+    in float32 on the cpu backend (where rounding to the dtype changes nothing) its results are then also the
+    recomputing path's, bit for bit. Returns 1."""
     r, n = comm.rank, comm.world_size
     experts = experts_per_rank * n
     tag = f"moe.{kind}.{topk}.{n}"
@@ -90,12 +92,16 @@ def check_functional(comm, dtype, kind, topk, tokens, hidden=8, ffn=6, experts_p
         (ol.float() * torch.cat(g).to(device).float()).sum().backward()
         lowp = (ol[mine], xl.grad[mine], wl.grad[mine], w1l.grad[shard], w2l.grad[shard])
 
-    fn = None
+    def layer(*args):
+        return tandem.nn.functional.moe_ffn(*args, save_activations=save_activations)
+
+    fn = layer
     if compiled:
         torch._dynamo.reset()
-        fn = torch.compile(tandem.nn.functional.moe_ffn, fullgraph=True)
+        fn = torch.compile(layer, fullgraph=True)
     got = _tandem_grads(comm, x[r], ids[r], wts[r], w1[shard], w2[shard], g[r], fn, device)
-    what = f"moe_ffn ({kind}, topk={topk}, tokens={tokens}, ranks={n}, {dtype}{', compiled' if compiled else ''})"
+    what = (f"moe_ffn ({kind}, topk={topk}, tokens={tokens}, ranks={n}, {dtype}{', compiled' if compiled else ''}"
+            f"{', saved activations' if save_activations else ''})")
     wants = (want[mine], xs.grad[mine], ws.grad[mine], w1s.grad[shard], w2s.grad[shard])
     for i, (name, gt, w) in enumerate(zip(("out", "dx", "dtopk_weights", "dw1", "dw2"), got, wants)):
         assert gt is not None, f"{what}: no gradient for {name}"
@@ -106,6 +112,10 @@ def check_functional(comm, dtype, kind, topk, tokens, hidden=8, ffn=6, experts_p
     again = _tandem_grads(comm, x[r], ids[r], wts[r], w1[shard], w2[shard], g[r], fn, device)
     for name, a, b in zip(("out", "dx", "dtopk_weights", "dw1", "dw2"), got, again):
         assert torch.equal(a, b), f"{what}: {name} differs between two identical runs"
+    if save_activations and dtype == torch.float32 and device == "cpu":
+        plain = _tandem_grads(comm, x[r], ids[r], wts[r], w1[shard], w2[shard], g[r], None, device)
+        for name, a, b in zip(("out", "dx", "dtopk_weights", "dw1", "dw2"), got, plain):
+            assert torch.equal(a, b), f"{what}: {name} differs from the recomputing backward's"
     return 1
 
 
@@ -133,9 +143,11 @@ def capacity_keep(ids, experts, capacity_factor):
     return keep
 
 
-def check_layer(comm, tokens, topk=2, capacity_factor=None, hidden=8, ffn=6, experts_per_rank=2, compiled=False):
-    """tandem.nn.MoE (router, top-k softmax weights, capacity) against the same layer in one process: output and the
-    gradients of x, the router (summed over ranks by reduce_router_grad), w1 and w2. Returns 1."""
+def check_layer(comm, tokens, topk=2, capacity_factor=None, hidden=8, ffn=6, experts_per_rank=2, compiled=False,
+                save_activations=False):
+    """tandem.nn.MoE (router, top-k softmax weights, capacity; saved activations or not) against the same layer in
+    one process: output and the gradients of x, the router (summed over ranks by reduce_router_grad), w1 and w2.
+    Returns 1."""
     r, n = comm.rank, comm.world_size
     experts = experts_per_rank * n
     tag = f"moelayer.{n}.{topk}.{capacity_factor}"
@@ -145,7 +157,8 @@ def check_layer(comm, tokens, topk=2, capacity_factor=None, hidden=8, ffn=6, exp
     w1 = opchecks.gen(f"{tag}.w1", 0, (experts, 2 * ffn, hidden), scale=hidden ** -0.5)
     w2 = opchecks.gen(f"{tag}.w2", 0, (experts, hidden, ffn), scale=ffn ** -0.5)
 
-    moe = tandem.nn.MoE(hidden, ffn, experts, topk, comm, capacity_factor=capacity_factor)
+    moe = tandem.nn.MoE(hidden, ffn, experts, topk, comm, capacity_factor=capacity_factor,
+                        save_activations=save_activations)
     moe.load_full(router, w1, w2)
     xl = x[r].clone().requires_grad_()
     layer = torch.compile(moe, fullgraph=True) if compiled else moe
@@ -169,7 +182,8 @@ def check_layer(comm, tokens, topk=2, capacity_factor=None, hidden=8, ffn=6, exp
         total = total + (out * g[q]).sum()
     total.backward()
     shard = slice(r * experts_per_rank, (r + 1) * experts_per_rank)
-    what = f"MoE (tokens={tokens}, topk={topk}, capacity_factor={capacity_factor}{', compiled' if compiled else ''})"
+    what = (f"MoE (tokens={tokens}, topk={topk}, capacity_factor={capacity_factor}{', compiled' if compiled else ''}"
+            f"{', saved activations' if save_activations else ''})")
     _close(y, outs[r], torch.float32, f"{what} out")
     # A rank with no tokens: its (empty) input reaches no output, so the reference gives it no gradient.
     _close(xl.grad, xs[r].grad if xs[r].grad is not None else torch.zeros_like(xs[r]), torch.float32, f"{what} dx")

@@ -21,9 +21,10 @@ from conftest import run_ranks
 TOKENS = {1: [9], 2: [7, 0], 4: [6, 0, 9, 3]}
 
 
-def _functional(rank, nranks, cases, dtype):
+def _functional(rank, nranks, cases, dtype, save_activations=False):
     comm = tandem.Communicator(op_timeout_ms=60000)
-    ran = sum(moechecks.check_functional(comm, dtype, kind, topk, TOKENS[nranks], experts_per_rank=per_rank)
+    ran = sum(moechecks.check_functional(comm, dtype, kind, topk, TOKENS[nranks], experts_per_rank=per_rank,
+                                         save_activations=save_activations)
               for kind, topk, per_rank in cases)
     comm.close()
     return ran
@@ -49,6 +50,13 @@ def test_moe_ffn_gradients_match_torch_autograd_bf16(daemon, nranks):
     assert run_ranks(_functional, nranks, daemon.socket, cases, torch.bfloat16, timeout_s=240) == [len(cases)] * nranks
 
 
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_ffn_with_saved_activations_matches_torch_autograd(daemon, nranks, dtype):
+    cases = CASES[nranks][:3]
+    assert run_ranks(_functional, nranks, daemon.socket, cases, dtype, True, timeout_s=240) == [len(cases)] * nranks
+
+
 def _layer(rank, nranks, compiled):
     comm = tandem.Communicator(op_timeout_ms=60000)
     tokens = TOKENS[nranks]
@@ -56,25 +64,28 @@ def _layer(rank, nranks, compiled):
     if not compiled:
         ran += moechecks.check_layer(comm, tokens, topk=2, capacity_factor=0.75)
         ran += moechecks.check_layer(comm, tokens, topk=1, capacity_factor=1.0)
+        ran += moechecks.check_layer(comm, tokens, topk=2, save_activations=True)
     comm.close()
     return ran
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 def test_moe_layer_matches_the_one_process_layer(daemon, nranks):
-    assert run_ranks(_layer, nranks, daemon.socket, False, timeout_s=240) == [3] * nranks
+    assert run_ranks(_layer, nranks, daemon.socket, False, timeout_s=240) == [4] * nranks
 
 
 def _compiled(rank, nranks):
     comm = tandem.Communicator(op_timeout_ms=60000)
     ran = moechecks.check_functional(comm, torch.float32, "uniform", 2, TOKENS[nranks], compiled=True)
+    ran += moechecks.check_functional(comm, torch.float32, "uniform", 2, TOKENS[nranks], compiled=True,
+                                      save_activations=True)
     ran += moechecks.check_layer(comm, TOKENS[nranks], topk=2, compiled=True)
     comm.close()
     return ran
 
 
 def test_moe_under_torch_compile_fullgraph(daemon):
-    assert run_ranks(_compiled, 2, daemon.socket, timeout_s=300) == [2, 2]
+    assert run_ranks(_compiled, 2, daemon.socket, timeout_s=300) == [3, 3]
 
 
 def _bad_expert(rank, nranks):
@@ -105,6 +116,44 @@ def test_a_bad_expert_id_fails_the_backward_and_the_communicator_goes_on(daemon)
     for msg, msg2, ok in run_ranks(_bad_expert, 2, daemon.socket, timeout_s=120):
         assert "moe-ffn-backward: rank 1 topk_ids[2][1] = 99 is out of range [0, 4)" in msg, msg
         assert "names expert 2 twice" in msg2, msg2
+        assert ok
+
+
+def _saved_errors(rank, nranks):
+    comm = tandem.Communicator(op_timeout_ms=60000)
+    x, g = torch.ones(3, 8), torch.ones(3, 8)
+    w1, w2 = torch.full((2, 12, 8), 0.1), torch.full((2, 8, 6), 0.1)
+    wts = torch.full((3, 2), 0.5)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]], dtype=torch.int32)  # rank 0's experts 0, 1 get 4 rows of each rank
+    msgs = []
+    for call in (lambda: comm.moe_ffn(x, ids, wts, w1, w2, saved=torch.zeros(3, 12)),
+                 lambda: comm.moe_ffn_backward(x, ids, wts, w1, w2, g, saved=torch.zeros(3, 12))):
+        try:
+            call()
+            msgs.append("no error")
+        except tandem.TandemError as e:
+            msgs.append(str(e))
+    for call in (lambda: comm.moe_ffn(x, ids, wts, w1, w2, saved=torch.zeros(8, 12, dtype=torch.bfloat16)),
+                 lambda: comm.moe_ffn_backward(x, ids, wts, w1, w2, g, saved=torch.zeros(8, 10))):
+        try:
+            call()
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    saved = torch.zeros(8, 12)
+    comm.moe_ffn(x, ids, wts, w1, w2, saved=saved)  # the communicator still works, and the rows fit
+    dx, *_ = comm.moe_ffn_backward(x, ids, wts, w1, w2, g, saved=saved)
+    comm.close()
+    return msgs, bool(torch.isfinite(dx).all())
+
+
+def test_saved_activations_that_do_not_fit_fail_the_op_alone(daemon):
+    for msgs, ok in run_ranks(_saved_errors, 2, daemon.socket, timeout_s=120):
+        want = "rank 0 receives 8 rows but its saved tensor holds saved_rows = 3"
+        assert "moe-dispatch-ffn-combine: " + want in msgs[0], msgs[0]
+        assert "moe-ffn-backward: " + want in msgs[1], msgs[1]
+        assert "argument 'saved' must have dtype torch.float32" in msgs[2], msgs[2]
+        assert "argument 'saved' must have shape [8, 12]" in msgs[3], msgs[3]
         assert ok
 
 

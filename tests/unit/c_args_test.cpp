@@ -124,22 +124,22 @@ std::map<std::string, Case> cases() {
     auto a = sized<tandem_moe_ffn_args_t>();
     a.dtype = TANDEM_DTYPE_FP16, a.tokens = 51, a.hidden = 52, a.ffn = 53, a.experts = 54, a.topk = 55;
     a.x = tensor(17), a.topk_ids = tensor(18), a.topk_weights = tensor(19), a.w1 = tensor(20), a.w2 = tensor(21),
-    a.out = tensor(22), a.cuda_stream = stream();
+    a.out = tensor(22), a.cuda_stream = stream(), a.saved_rows = 56, a.saved = tensor(90);
     m["tandem_moe_ffn_args_t"] = {
         [=] { return unpack(OpKind::kMoeDispatchFfnCombine, a); },
-        expected(OpKind::kMoeDispatchFfnCombine, a.dtype, {a.tokens, a.hidden, a.ffn, a.experts, a.topk},
-                 {a.x, a.topk_ids, a.topk_weights, a.w1, a.w2, a.out}, a.cuda_stream)};
+        expected(OpKind::kMoeDispatchFfnCombine, a.dtype, {a.tokens, a.hidden, a.ffn, a.experts, a.topk, a.saved_rows},
+                 {a.x, a.topk_ids, a.topk_weights, a.w1, a.w2, a.out, a.saved}, a.cuda_stream)};
   }
   {
     auto a = sized<tandem_moe_ffn_backward_args_t>();
     a.dtype = TANDEM_DTYPE_BF16, a.tokens = 81, a.hidden = 82, a.ffn = 83, a.experts = 84, a.topk = 85;
     a.x = tensor(40), a.topk_ids = tensor(41), a.topk_weights = tensor(42), a.w1 = tensor(43), a.w2 = tensor(44);
     a.dout = tensor(45), a.dx = tensor(46), a.dtopk_weights = tensor(47), a.dw1 = tensor(48), a.dw2 = tensor(49);
-    a.cuda_stream = stream();
+    a.cuda_stream = stream(), a.saved_rows = 86, a.saved = tensor(91);
     m["tandem_moe_ffn_backward_args_t"] = {
         [=] { return unpack(OpKind::kMoeFfnBackward, a); },
-        expected(OpKind::kMoeFfnBackward, a.dtype, {a.tokens, a.hidden, a.ffn, a.experts, a.topk},
-                 {a.x, a.topk_ids, a.topk_weights, a.w1, a.w2, a.dout, a.dx, a.dtopk_weights, a.dw1, a.dw2},
+        expected(OpKind::kMoeFfnBackward, a.dtype, {a.tokens, a.hidden, a.ffn, a.experts, a.topk, a.saved_rows},
+                 {a.x, a.topk_ids, a.topk_weights, a.w1, a.w2, a.dout, a.dx, a.dtopk_weights, a.dw1, a.dw2, a.saved},
                  a.cuda_stream)};
   }
   {
@@ -285,6 +285,28 @@ TEST_CASE("capi args: struct_size, NULL and enum rules") {
   CHECK(messageOf([&] { return tandem::client::unpackArgs(ra, &a); }) ==
         "tandem_ring_attention: layout 7 is unknown; pass TANDEM_ATTENTION_CONTIGUOUS (0) or TANDEM_ATTENTION_ZIGZAG "
         "(1)");
+}
+
+TEST_CASE("capi args: an MoE FFN struct that ends at cuda_stream saves nothing, whatever lies beyond") {
+  const tandem::OpSpec& fwd = tandem::opSpec(OpKind::kMoeDispatchFfnCombine);
+  auto a = sized<tandem_moe_ffn_args_t>();
+  a.dtype = TANDEM_DTYPE_BF16, a.tokens = 4, a.hidden = 8, a.ffn = 8, a.experts = 2, a.topk = 1;
+  a.cuda_stream = stream(), a.saved_rows = 9, a.saved = tensor(3);
+  a.struct_size = offsetof(tandem_moe_ffn_args_t, saved_rows);
+  const CArgs old = tandem::client::unpackArgs(fwd, &a);
+  CHECK(old.desc.dims[tandem::dim::kSavedRows] == 0);
+  CHECK(old.tensors[tandem::slot::kFfnSaved].buffer == nullptr);
+  a.struct_size = sizeof a;
+  const CArgs now = tandem::client::unpackArgs(fwd, &a);
+  CHECK(now.desc.dims[tandem::dim::kSavedRows] == 9);
+  CHECK(now.tensors[tandem::slot::kFfnSaved].buffer == a.saved.buffer);
+  const tandem::OpSpec& bwd = tandem::opSpec(OpKind::kMoeFfnBackward);
+  auto b = sized<tandem_moe_ffn_backward_args_t>();
+  b.saved_rows = 9, b.saved = tensor(4);
+  b.struct_size = offsetof(tandem_moe_ffn_backward_args_t, saved_rows);
+  const CArgs oldB = tandem::client::unpackArgs(bwd, &b);
+  CHECK(oldB.desc.dims[tandem::dim::kSavedRows] == 0);
+  CHECK(oldB.tensors[tandem::slot::kMoeBwdSaved].buffer == nullptr);
 }
 
 }  // namespace

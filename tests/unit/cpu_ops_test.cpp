@@ -518,6 +518,98 @@ TEST_CASE("moe-dispatch-gemm with too small a capacity fails before writing anyt
   CHECK(allPoisoned(h.outputBytes()));
 }
 
+ref::OpShape savedShape(OpKind kind, DType dtype, uint32_t nranks) {
+  ref::OpShape shape = shapeFor(kind, dtype, nranks);
+  shape.savedRows = uint64_t{nranks} * shape.m * shape.topk;  // the worst case: every rank's rows on one rank
+  return shape;
+}
+
+// The forward with saved activations, then the backward from them and the backward that recomputes them, on the
+// same inputs (fillInputs draws x, topk_ids, topk_weights, w1 and w2 alike: same seed, same slot indices).
+TEST_CASE("moe-ffn-backward from the forward's saved gate|up is the recomputing backward: bitwise in fp32, and "
+          "matches the reference in every dtype") {
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (uint32_t nranks : {1u, 2u, 3u}) {
+      INFO(tandem::dtypeName(dtype) << " at " << nranks << " ranks");
+      Harness fwd(savedShape(OpKind::kMoeDispatchFfnCombine, dtype, nranks), nranks, 31);
+      fwd.run();
+      fwd.checkAgainstReference();
+      Harness plainFwd(shapeFor(OpKind::kMoeDispatchFfnCombine, dtype, nranks), nranks, 31);
+      plainFwd.run();
+      Harness bwd(savedShape(OpKind::kMoeFfnBackward, dtype, nranks), nranks, 31);
+      Harness plain(shapeFor(OpKind::kMoeFfnBackward, dtype, nranks), nranks, 31);
+      for (uint32_t r = 0; r < nranks; ++r) {
+        REQUIRE(bwd.memory(r, slot::kMoeBwdSaved).size() == fwd.memory(r, slot::kFfnSaved).size());
+        bwd.memory(r, slot::kMoeBwdSaved) = fwd.memory(r, slot::kFfnSaved);
+        REQUIRE(bwd.memory(r, slot::kX) == plain.memory(r, slot::kX));
+      }
+      bwd.run();
+      plain.run();
+      bwd.checkAgainstReference();
+      if (dtype == DType::kF32) {  // rounding gate|up to fp32 changes nothing: the same math, the same bits
+        for (uint32_t r = 0; r < nranks; ++r) {
+          CHECK(fwd.memory(r, slot::kFfnOut) == plainFwd.memory(r, slot::kFfnOut));
+          for (int s : {slot::kMoeDx, slot::kMoeDtopkWeights, slot::kMoeDw1, slot::kMoeDw2}) {
+            CHECK(bwd.memory(r, s) == plain.memory(r, s));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("moe ffn ops whose rows exceed saved_rows fail before writing anything") {
+  for (OpKind kind : {OpKind::kMoeDispatchFfnCombine, OpKind::kMoeFfnBackward}) {
+    INFO(tandem::opKindName(kind));
+    const int savedSlot = kind == OpKind::kMoeFfnBackward ? slot::kMoeBwdSaved : slot::kFfnSaved;
+    std::vector<OpDescriptor> descs = Harness::describe(savedShape(kind, DType::kBF16, 4), 4);
+    {
+      // Count what rank 1 (experts 2 and 3) receives, with the ids fillInputs draws for seed 9.
+      Harness probe(descs, 9);
+      int32_t rows = 0;
+      for (std::size_t s = 0; s < 4; ++s)
+        for (std::size_t i = 0; i < 13 * 2; ++i) rows += readInt(probe.memory(s, slot::kTopkIds), i) / 2 == 1 ? 1 : 0;
+      REQUIRE(rows > 1);
+      descs[1].dims[dim::kSavedRows] = static_cast<uint64_t>(rows - 1);
+      descs[1].bufs[static_cast<std::size_t>(savedSlot)].bytes = static_cast<uint64_t>(rows - 1) * 2 * 19 * 2;
+      Harness h(descs, 9);
+      CHECK(runExpectingError(h) ==
+            fmt::format("{}: rank 1 receives {} rows but its saved tensor holds saved_rows = {}; nothing was written: "
+                        "pass saved_rows >= {} with saved [saved_rows, 2*ffn] (at most nranks * tokens * topk rows)",
+                        tandem::opKindName(kind), rows, rows - 1, rows));
+      CHECK(allPoisoned(h.outputBytes()));
+    }
+  }
+}
+
+TEST_CASE("moe ffn ops take saved exactly when saved_rows is set") {
+  for (OpKind kind : {OpKind::kMoeDispatchFfnCombine, OpKind::kMoeFfnBackward}) {
+    INFO(tandem::opKindName(kind));
+    const auto savedSlot = static_cast<std::size_t>(kind == OpKind::kMoeFfnBackward ? slot::kMoeBwdSaved
+                                                                                     : slot::kFfnSaved);
+    OpDescriptor d = ref::makeDescriptor(savedShape(kind, DType::kBF16, 2), 0, 2);
+    for (std::size_t s = 0; s < kMaxOpBuffers; ++s) {
+      if (d.bufs[s].bytes != 0) d.bufs[s].bufferId = s + 1;
+    }
+    REQUIRE_NOTHROW(tandem::validateDescriptor(d));
+    OpDescriptor absent = d;
+    absent.bufs[savedSlot] = {};
+    const std::string absentText =
+        fmt::format("{}: saved_rows is 52 but saved is absent; pass saved [saved_rows, 2*ffn]",
+                    tandem::opKindName(kind));
+    CHECK_THROWS_WITH(tandem::validateDescriptor(absent), doctest::Contains(absentText.c_str()));
+    OpDescriptor ignored = absent;
+    ignored.dims[dim::kSavedRows] = 0;
+    REQUIRE_NOTHROW(tandem::validateDescriptor(ignored));  // neither: gate|up is not saved (recomputed)
+    ignored.bufs[savedSlot].bufferId = 7;
+    const std::string ignoredText = fmt::format("{}: saved is given but saved_rows is 0", tandem::opKindName(kind));
+    CHECK_THROWS_WITH(tandem::validateDescriptor(ignored), doctest::Contains(ignoredText.c_str()));
+    OpDescriptor wrong = d;
+    wrong.bufs[savedSlot].bytes -= 2;  // not [saved_rows, 2*ffn] of the dtype
+    CHECK_THROWS_WITH(tandem::validateDescriptor(wrong), doctest::Contains("buffer saved claims"));
+  }
+}
+
 TEST_CASE("moe ops reject bad expert ids before writing anything") {
   for (OpKind kind : {OpKind::kMoeDispatchGemm, OpKind::kMoeDispatchFfnCombine, OpKind::kMoeFfnBackward}) {
     INFO(tandem::opKindName(kind));

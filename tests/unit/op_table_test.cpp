@@ -153,7 +153,7 @@ const std::map<std::string, CStructFacts>& cStructs() {
           {TANDEM_FIELD(T, dtype), TANDEM_FIELD(T, tokens), TANDEM_FIELD(T, hidden), TANDEM_FIELD(T, ffn),
            TANDEM_FIELD(T, experts), TANDEM_FIELD(T, topk), TANDEM_FIELD(T, x), TANDEM_FIELD(T, topk_ids),
            TANDEM_FIELD(T, topk_weights), TANDEM_FIELD(T, w1), TANDEM_FIELD(T, w2), TANDEM_FIELD(T, out),
-           TANDEM_FIELD(T, cuda_stream)}};
+           TANDEM_FIELD(T, cuda_stream), TANDEM_FIELD(T, saved_rows), TANDEM_FIELD(T, saved)}};
     }
     {
       using T = tandem_ring_attention_args_t;
@@ -182,7 +182,7 @@ const std::map<std::string, CStructFacts>& cStructs() {
            TANDEM_FIELD(T, experts), TANDEM_FIELD(T, topk), TANDEM_FIELD(T, x), TANDEM_FIELD(T, topk_ids),
            TANDEM_FIELD(T, topk_weights), TANDEM_FIELD(T, w1), TANDEM_FIELD(T, w2), TANDEM_FIELD(T, dout),
            TANDEM_FIELD(T, dx), TANDEM_FIELD(T, dtopk_weights), TANDEM_FIELD(T, dw1), TANDEM_FIELD(T, dw2),
-           TANDEM_FIELD(T, cuda_stream)}};
+           TANDEM_FIELD(T, cuda_stream), TANDEM_FIELD(T, saved_rows), TANDEM_FIELD(T, saved)}};
     }
     {
       using T = tandem_allgather_args_t;

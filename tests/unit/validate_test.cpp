@@ -495,6 +495,7 @@ ExpectedSlots independentSlots(const OpDescriptor& d) {
         set(3, local * 2 * v[2] * v[1] * es, esAlign);
         set(4, local * v[1] * v[2] * es, esAlign);
         set(5, U128{v[0]} * v[1] * es, esAlign);
+        set(6, U128{v[5]} * 2 * v[2] * es, esAlign, true);  // saved [saved_rows, 2*ffn], optional
       }
       break;
     }

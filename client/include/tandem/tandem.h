@@ -347,13 +347,28 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const ta
  * cuda backend (ranks on one node): as tandem_moe_dispatch_gemm, ffn a multiple of 8; y is rounded to dtype
  * before the weighted sum (fp32, slot order, bitwise repeatable); the experts' rows live in the communicator's
  * workspace (tandem_comm_config_t.workspace_bytes, at least cuda.workspace_bytes), and an op whose rows do not
- * fit fails alone saying how many rows arrived; the communicator stays usable. */
+ * fit fails alone saying how many rows arrived; the communicator stays usable.
+ * Saved activations for the backward (training): saved_rows > 0 with a saved tensor [saved_rows, 2*ffn] (dtype) on
+ *   this rank makes the op write there, for every row routed to this rank's experts, the row's gate|up before SwiGLU:
+ *   saved row i = [a (ffn) | b (ffn)], a = x·w1_gateᵀ and b = x·w1_upᵀ rounded to dtype, rows in the order the op
+ *   places them (grouped by local expert, then source rank, then token: the order tandem_moe_dispatch_gemm's out
+ *   uses; it follows from every rank's topk_ids alone, so the backward finds the same rows again). 4*ffn bytes per
+ *   routed row in bf16/fp16 (8*ffn in fp32); rows past the routed count are left untouched. The routed rows must fit:
+ *   an op whose rows exceed saved_rows fails alone naming the rows needed (nothing written; the communicator stays
+ *   usable), so pass saved_rows >= this rank's routed rows (at most nranks * tokens * topk; with balanced routing
+ *   about tokens * topk). With saved, h = silu(a) * b is computed from the saved (rounded) a and b on both backends,
+ *   so the backward's h is the forward's exactly. Pass the same saved tensor and saved_rows to
+ *   tandem_moe_dispatch_ffn_combine_backward, and keep it unchanged until then; it is the caller's memory (nothing
+ *   is kept in tandemd). saved_rows 0 (or a struct_size that ends before it): nothing is saved. */
 typedef struct tandem_moe_ffn_args {
   size_t struct_size;
   tandem_dtype_t dtype;
   uint64_t tokens, hidden, ffn, experts, topk;
   tandem_tensor_t x, topk_ids, topk_weights, w1, w2, out;
   void* cuda_stream;
+  /* appended after 0.2.x; struct_size tells whether a caller has them */
+  uint64_t saved_rows; /* rows of saved (this rank's); 0: no saved activations */
+  tandem_tensor_t saved; /* output [saved_rows, 2*ffn] dtype: the routed rows' gate|up (see above) */
 } tandem_moe_ffn_args_t;
 TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, const tandem_moe_ffn_args_t* args,
                                                            tandem_op_t* op);
@@ -372,17 +387,33 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, c
  * The sums run in that fixed order (fp32 on the cpu backend, each output rounded to its dtype once), so the
  * results repeat bit for bit. Routing, its checks and their messages are the forward's: a bad or repeated expert
  * id fails the op alone, nothing is written, and the communicator stays usable. tokens may be 0 on a rank.
- * Nothing is kept from the forward (tandemd holds no state between ops): the op dispatches x and dout to the
- * experts' ranks (2 * hidden values per routed row, the forward's one) and recomputes a, b and h there: per routed
- * row 2*ffn*hidden multiply-adds to recompute, then 6*ffn*hidden for dout·w2, dw2, dw1 and dx, 8*ffn*hidden in
- * all, about 2.7 times the forward's 3*ffn*hidden. It sends back hidden + 1 values per row (dx, dtopk_weights).
+ * SwiGLU's backward needs a and b of every routed row. Two ways to have them (tandemd holds no state between ops):
+ *   recomputed (saved_rows 0, the default): the op dispatches x and dout to the experts' ranks (2 * hidden values
+ *     per routed row, the forward's one) and recomputes a, b and h there: per routed row 2*ffn*hidden multiply-adds
+ *     to recompute, then 6*ffn*hidden for dout·w2, dw2, dw1 and dx, 8*ffn*hidden in all, about 2.7 times the
+ *     forward's 3*ffn*hidden. No memory between forward and backward.
+ *   saved (saved_rows > 0 and saved: the tensor the forward filled, see tandem_moe_ffn_args_t): a and b are read
+ *     from saved at the row's index, so the recompute GEMM goes: 6*ffn*hidden multiply-adds per routed row (3/4 of
+ *     the recompute mode's; twice the forward's). Costs 4*ffn bytes per routed row (bf16/fp16) held by the caller
+ *     from the forward to the backward: 8 KiB a row at DeepSeek-V3's ffn 2048, 2 * tokens * topk * ffn * 2 bytes a
+ *     rank with balanced routing. x is still dispatched with dout (dw1 = d(gate|up)ᵀ·x needs it on the expert's rank):
+ *     saving x as well would add 2*hidden bytes a row (14 KiB at hidden 7168, 2.75 times the saved memory) to save
+ *     moving hidden values a row, which costs far less than the GEMM. The routing is recomputed from topk_ids, so the
+ *     backward's rows are the forward's only if every rank passes the forward's topk_ids, x and w1 unchanged: a saved
+ *     tensor from another call gives wrong gradients. What can be checked is: saved [saved_rows, 2*ffn] in dtype,
+ *     and the rows routed to this rank must fit saved_rows (else the op fails alone naming the rows, as the forward
+ *     would have); saved given with saved_rows 0 is refused.
+ * It sends back hidden + 1 values per row (dx, dtopk_weights).
  * cuda backend (ranks on one node, both executors, capturable in a CUDA graph as the forward): the forward's rules
  *   (bf16/fp16, hidden and ffn multiples of 8, topk <= 32, the routing and its errors decided on the GPU). a and b
  *   are rounded to dtype before h (the forward's epilogue takes them in fp32), and so are da, db and each slot's dx
  *   before dx's fp32 sum in slot order; dtopk_weights is summed in fp32. The routed rows live in the workspace:
  *   4*hidden + 8*ffn + 24 bytes per row on its expert's rank (the forward's: 4*hidden + 2*ffn + 16), and an op whose
  *   rows do not fit fails alone, naming the workspace to declare. A failed or rejected op writes none of dx,
- *   dtopk_weights, dw1 and dw2. Results repeat bit for bit. */
+ *   dtopk_weights, dw1 and dw2. Results repeat bit for bit. With saved: the same workspace per row (d(gate|up) is
+ *   written there, saved is only read); the forward's gemm1 then stores gate|up into saved (rounded) and a separate
+ *   pass gives h, in place of the fused SwiGLU epilogue; the backward computes what the recompute mode computes (a
+ *   and b from the same grouped GEMM, rounded alike), without that GEMM. */
 typedef struct tandem_moe_ffn_backward_args {
   size_t struct_size;
   tandem_dtype_t dtype;
@@ -390,6 +421,9 @@ typedef struct tandem_moe_ffn_backward_args {
   tandem_tensor_t x, topk_ids, topk_weights, w1, w2, dout; /* the forward's inputs, and out's gradient */
   tandem_tensor_t dx, dtopk_weights, dw1, dw2;             /* outputs */
   void* cuda_stream;
+  /* appended after 0.2.x; struct_size tells whether a caller has them */
+  uint64_t saved_rows;   /* the forward's saved_rows; 0: gate|up is recomputed */
+  tandem_tensor_t saved; /* input [saved_rows, 2*ffn] dtype: what the forward wrote there */
 } tandem_moe_ffn_backward_args_t;
 TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine_backward(tandem_comm_t comm,
                                                                     const tandem_moe_ffn_backward_args_t* args,

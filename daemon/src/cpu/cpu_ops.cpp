@@ -245,6 +245,31 @@ std::vector<Floats> loadTokens(std::span<const RankOp> ranks, std::size_t hidden
   return x;
 }
 
+// The FFN ops' saved gate|up (tandem.h): rank d's saved holds one [a | b] row of 2 * ffn per row routed to its
+// experts, in the op's row order, so it must hold every such row. Checked for every rank before anything is written.
+// Returns the saved slot's pointer per rank (null: that rank saves nothing, saved_rows 0).
+std::vector<std::byte*> savedGateUp(std::span<const RankOp> ranks, int savedSlot,
+                                    const std::vector<std::vector<Route>>& routes) {
+  const auto n = static_cast<uint32_t>(ranks.size());
+  const std::size_t local = ranks[0].desc.dims[dim::kExperts] / n;
+  requireMemory(ranks, savedSlot);
+  std::vector<std::byte*> saved(n, nullptr);
+  for (uint32_t d = 0; d < n; ++d) {
+    const uint64_t capacity = ranks[d].desc.dims[dim::kSavedRows];
+    if (capacity == 0) continue;
+    std::size_t rows = 0;
+    for (std::size_t le = 0; le < local; ++le) rows += routes[d * local + le].size();
+    if (rows > capacity) {
+      fail(ErrorCode::kInvalidArgument,
+           "{}: rank {} receives {} rows but its saved tensor holds saved_rows = {}; nothing was written: pass "
+           "saved_rows >= {} with saved [saved_rows, 2*ffn] (at most nranks * tokens * topk rows)",
+           opKindName(ranks[d].desc.kind), d, rows, capacity, rows);
+    }
+    saved[d] = ranks[d].data[static_cast<std::size_t>(savedSlot)];
+  }
+  return saved;
+}
+
 void moeDispatchGemm(std::span<const RankOp> ranks) {
   const auto n = static_cast<uint32_t>(ranks.size());
   const OpDescriptor& d0 = ranks[0].desc;
@@ -305,6 +330,7 @@ void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
   }
 
   const std::vector<std::vector<Route>> routes = routeTokens(ranks);
+  const std::vector<std::byte*> saved = savedGateUp(ranks, slot::kFfnSaved, routes);
   const std::vector<Floats> x = loadTokens(ranks, hidden);
   std::vector<Floats> weights(n), y(n);
   for (uint32_t s = 0; s < n; ++s) {
@@ -313,11 +339,14 @@ void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
     y[s].assign(tokens * topk * hidden, 0.0f);  // y of every (token, slot), kept in fp32 for the combine
   }
 
-  // Expert side: gemm1, SwiGLU (h rounded to dtype once, as tandem.h says), gemm2.
+  // Expert side: gemm1, SwiGLU (h rounded to dtype once, as tandem.h says), gemm2. A rank that saves gate|up rounds
+  // it to dtype, stores it at its rows and takes h from the rounded values, as its backward will.
+  const std::size_t es = dtypeSize(dtype);
   Floats gateUp, h, ye;
   for (uint32_t d = 0; d < n; ++d) {
     const Floats w1 = load(ranks[d].data[slot::kW1], dtype, local * 2 * ffn * hidden);
     const Floats w2 = load(ranks[d].data[slot::kW2], dtype, local * hidden * ffn);
+    std::size_t savedRow = 0;
     for (std::size_t le = 0; le < local; ++le) {
       const std::vector<Route>& group = routes[d * local + le];
       if (group.empty()) continue;
@@ -325,6 +354,11 @@ void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
       const Floats xe = gatherRows(group, x, hidden);
       gateUp.resize(rows * 2 * ffn);
       gemmNT(xe.data(), w1.data() + le * 2 * ffn * hidden, gateUp.data(), rows, 2 * ffn, hidden);
+      if (saved[d] != nullptr) {
+        for (float& v : gateUp) v = roundTo(dtype, v);
+        store(saved[d] + savedRow * 2 * ffn * es, dtype, gateUp.data(), gateUp.size());
+        savedRow += rows;
+      }
       h.resize(rows * ffn);
       for (std::size_t i = 0; i < rows; ++i) {
         for (std::size_t f = 0; f < ffn; ++f) {
@@ -360,10 +394,10 @@ void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
 }
 
 // The backward of moeDispatchFfnCombine (tandem.h), in fp32. Expert side: each local expert's rows (in (source rank,
-// token, slot) order) are gathered with their dout rows, a, b and h recomputed as the forward computes them, then per
-// row u = dout w2, dtopk_weight = u.h, dh = weight * u, da and db; dx of the row is [da; db] w1, and dw1, dw2 grow by
-// one outer product per row in row order. Source side: dx sums the token's slots in slot order. Every sum has one
-// fixed order, so the outputs repeat bit for bit.
+// token, slot) order) are gathered with their dout rows, a and b read from the forward's saved rows or recomputed as
+// the forward computes them, h from them, then per row u = dout w2, dtopk_weight = u.h, dh = weight * u, da and db; dx
+// of the row is [da; db] w1, and dw1, dw2 grow by one outer product per row in row order. Source side: dx sums the
+// token's slots in slot order. Every sum has one fixed order, so the outputs repeat bit for bit.
 void moeFfnBackward(std::span<const RankOp> ranks) {
   const auto n = static_cast<uint32_t>(ranks.size());
   const OpDescriptor& d0 = ranks[0].desc;
@@ -376,6 +410,7 @@ void moeFfnBackward(std::span<const RankOp> ranks) {
   }
 
   const std::vector<std::vector<Route>> routes = routeTokens(ranks);
+  const std::vector<std::byte*> saved = savedGateUp(ranks, slot::kMoeBwdSaved, routes);
   const std::vector<Floats> x = loadTokens(ranks, hidden);
   std::vector<Floats> weights(n), dout(n), dxSlots(n), dweights(n), dw1(n), dw2(n);
   for (uint32_t s = 0; s < n; ++s) {
@@ -387,11 +422,13 @@ void moeFfnBackward(std::span<const RankOp> ranks) {
   }
 
   Floats gateUp, h, u, dGateUp;
+  const std::size_t es = dtypeSize(dtype);
   for (uint32_t d = 0; d < n; ++d) {
     const Floats w1 = load(ranks[d].data[slot::kW1], dtype, local * 2 * ffn * hidden);
     const Floats w2 = load(ranks[d].data[slot::kW2], dtype, local * hidden * ffn);
     dw1[d].assign(w1.size(), 0.0f);
     dw2[d].assign(w2.size(), 0.0f);
+    std::size_t savedRow = 0;
     for (std::size_t le = 0; le < local; ++le) {
       const std::vector<Route>& group = routes[d * local + le];
       if (group.empty()) continue;
@@ -402,8 +439,13 @@ void moeFfnBackward(std::span<const RankOp> ranks) {
       float* dw2e = dw2[d].data() + le * hidden * ffn;
       const Floats xe = gatherRows(group, x, hidden);
       const Floats ge = gatherRows(group, dout, hidden);
-      gateUp.resize(rows * 2 * ffn);
-      gemmNT(xe.data(), w1e, gateUp.data(), rows, 2 * ffn, hidden);
+      if (saved[d] != nullptr) {  // the forward's rows, in the same order
+        gateUp = load(saved[d] + savedRow * 2 * ffn * es, dtype, rows * 2 * ffn);
+        savedRow += rows;
+      } else {
+        gateUp.resize(rows * 2 * ffn);
+        gemmNT(xe.data(), w1e, gateUp.data(), rows, 2 * ffn, hidden);
+      }
       h.resize(ffn);
       u.resize(ffn);
       dGateUp.resize(2 * ffn);

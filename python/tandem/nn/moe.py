@@ -11,9 +11,17 @@ runs the SwiGLU FFN there and brings the weighted sum back in token order.
 Forward and backward are torch.library custom ops (tandem::moe_ffn_layer and its _backward) joined with
 register_autograd, as the tensor-parallel layers are, so torch.compile(fullgraph=True) keeps both. The backward is one
 tandem op (moe-ffn-backward): it takes the forward's inputs and dout and returns dx, dtopk_weights, and dw1, dw2 of this
-rank's experts (summed over every rank's tokens routed to them). It keeps nothing from the forward: the experts'
-activations are recomputed on their ranks (tandem.h says what that costs), so the autograd context saves only the
-inputs the caller holds anyway. Every sum runs in a fixed order, so the gradients repeat bit for bit.
+rank's experts (summed over every rank's tokens routed to them). Every sum runs in a fixed order, so the gradients
+repeat bit for bit. SwiGLU's backward needs the gate and up activations of every routed row; two ways:
+- recomputed (the default): the forward keeps nothing, the backward recomputes gate|up on the experts' ranks (one
+  grouped GEMM, a quarter of the backward's matrix work), so the autograd context saves only the inputs the caller
+  holds anyway;
+- saved (save_activations=True; tandem::moe_ffn_layer_saved and its _backward): the forward also writes gate|up of
+  the rows routed to this rank's experts into a tensor the autograd context keeps until the backward, which then skips
+  that GEMM. It costs 2 * ffn elements per routed row (about tokens * topk rows per rank with balanced routing) and,
+  to size that tensor exactly, one small allgather of every rank's per-expert counts per forward, whose count is
+  read on the host (a stream synchronisation on the cuda backend).
+tandem.h (tandem_moe_dispatch_ffn_combine_backward) says what each costs in memory and time.
 
 Routing (MoE.route): the router's logits in float32, softmax over the experts, the top-k, their weights renormalised
 to sum to 1 (Mixtral). With a capacity factor each expert takes at most ceil(factor * tokens * topk / experts) of this
@@ -84,8 +92,75 @@ def _moe_backward(ctx, dout):
 _moe.register_autograd(_moe_backward, setup_context=_moe_setup)
 
 
+def _routed_rows(c, topk_ids: torch.Tensor, local: int) -> int:
+    """The rows every rank routes to this rank's experts (what the saved gate|up must hold): each rank's per-expert
+    counts, allgathered in rank order, summed over this rank's experts. Collective."""
+    experts = local * c.world_size
+    counts = torch.bincount(topk_ids.reshape(-1).long(), minlength=experts).to(torch.int32)
+    every = c.allgather(counts.view(1, -1))  # [world, experts]
+    first = c.rank * local
+    return int(every[:, first:first + local].sum().item())
+
+
+@torch.library.custom_op("tandem::moe_ffn_layer_saved", mutates_args=())
+def _moe_saved(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
+               w2: torch.Tensor, comm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    c = _c(comm, _WHAT)
+    rows = _routed_rows(c, topk_ids, w1.shape[0])
+    saved = c._out((rows, w1.shape[1]), x.dtype)
+    return c.moe_ffn(x, topk_ids, topk_weights, w1, w2, saved=saved if rows else None), saved
+
+
+@_moe_saved.register_fake
+def _(x, topk_ids, topk_weights, w1, w2, comm):
+    rows = torch.library.get_ctx().new_dynamic_size()  # the routed rows: known once every rank's ids are counted
+    return x.new_empty(x.shape), x.new_empty((rows, w1.shape[1]))
+
+
+@torch.library.custom_op("tandem::moe_ffn_layer_saved_backward", mutates_args=())
+def _moe_saved_bwd(dout: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   w1: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor,
+                   comm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    c = _c(comm, _WHAT)
+    tokens, hidden = dout.shape
+    _saved(x, "x", _WHAT, (tokens, hidden))
+    _saved(topk_ids, "topk_ids", _WHAT, (tokens, topk_ids.shape[1]))
+    _saved(topk_weights, "topk_weights", _WHAT, tuple(topk_ids.shape))
+    _saved(w1, "w1", _WHAT, tuple(w1.shape))
+    _saved(w2, "w2", _WHAT, (w1.shape[0], hidden, w1.shape[1] // 2))
+    _saved(saved, "saved", _WHAT, (saved.shape[0], w1.shape[1]))
+    return c.moe_ffn_backward(x, topk_ids, topk_weights, w1, w2, dout.contiguous(),
+                              saved=saved if saved.shape[0] else None)
+
+
+@_moe_saved_bwd.register_fake
+def _(dout, x, topk_ids, topk_weights, w1, w2, saved, comm):
+    return (x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), w1.new_empty(w1.shape),
+            w2.new_empty(w2.shape))
+
+
+def _moe_saved_setup(ctx, inputs, output):
+    x, topk_ids, topk_weights, w1, w2, comm = inputs
+    saved = output[1]
+    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, saved)
+    ctx.mark_non_differentiable(saved)
+    ctx.comm = comm
+
+
+def _moe_saved_backward(ctx, dout, _dsaved):
+    x, topk_ids, topk_weights, w1, w2, saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dx, dweights, dw1, dw2 = torch.ops.tandem.moe_ffn_layer_saved_backward(dout, x, topk_ids, topk_weights, w1, w2,
+                                                                            saved, ctx.comm)
+    return (dx if need[0] else None), None, (dweights if need[2] else None), (dw1 if need[3] else None), \
+        (dw2 if need[4] else None), None
+
+
+_moe_saved.register_autograd(_moe_saved_backward, setup_context=_moe_saved_setup)
+
+
 def moe_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-            comm: "_comm.Communicator") -> torch.Tensor:
+            comm: "_comm.Communicator", save_activations: bool = False) -> torch.Tensor:
     """The expert-parallel MoE FFN with autograd: out_t = sum over slots s of topk_weights[t, s] *
     FFN_e(x_t), e = topk_ids[t, s], FFN_e(x) = (silu(x W1g_e^T) * (x W1u_e^T)) W2_e^T.
 
@@ -93,7 +168,9 @@ def moe_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     distinct within a row; any integer dtype); topk_weights [tokens, topk] (computed in float32 whatever its dtype);
     w1 [experts/world, 2*ffn, hidden] (gate rows, then up rows) and w2 [experts/world, hidden, ffn]: this rank's
     experts, experts [r*E/world, (r+1)*E/world) on rank r. Gradients flow to x, topk_weights, w1 and w2 (w1 and w2's
-    are summed over every rank's tokens routed to this rank's experts). Every rank must call it (it is collective)."""
+    are summed over every rank's tokens routed to this rank's experts). Every rank must call it (it is collective).
+    save_activations: keep gate|up of the rows routed to this rank's experts from the forward for the backward
+    instead of recomputing it there (the module docstring says what each costs); every rank passes the same value."""
     if not isinstance(comm, _comm.Communicator):
         raise TypeError(f"tandem.nn.{_WHAT}: argument 'comm' must be a tandem.Communicator, got {type(comm).__name__}")
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w1", w1), ("w2", w2)):
@@ -107,9 +184,11 @@ def moe_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     for name, t in (("w1", w1), ("w2", w2)):
         if t.dtype != x.dtype:
             raise ValueError(f"tandem.nn.{_WHAT}: argument '{name}' must have dtype {x.dtype} (as 'x'), got {t.dtype}")
-    return torch.ops.tandem.moe_ffn_layer(x.contiguous(), topk_ids.to(torch.int32).contiguous(),
-                                          topk_weights.float().contiguous(), w1.contiguous(), w2.contiguous(),
-                                          comm.id)
+    args = (x.contiguous(), topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous(), w1.contiguous(),
+            w2.contiguous(), comm.id)
+    if save_activations:
+        return torch.ops.tandem.moe_ffn_layer_saved(*args)[0]
+    return torch.ops.tandem.moe_ffn_layer(*args)
 
 
 def moe_ffn_torch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
@@ -136,11 +215,13 @@ class MoE(torch.nn.Module):
     router [experts, hidden] (a bias-free nn.Linear, replicated: every rank holds all of it), w1 [experts/world,
     2*ffn, hidden] and w2 [experts/world, hidden, ffn] (this rank's experts). forward(x) takes this rank's tokens
     [..., hidden] and returns the layer's output for them. capacity_factor (None: no limit) caps each expert's share
-    of this rank's (token, slot) pairs (the module docstring says how). Call reduce_router_grad() after backward:
-    each rank's router gradient covers only its own tokens."""
+    of this rank's (token, slot) pairs (the module docstring says how). save_activations: the forward keeps the
+    experts' gate|up activations for the backward instead of its recomputing them (moe_ffn; the module docstring says
+    what each costs). Call reduce_router_grad() after backward: each rank's router gradient covers only its own
+    tokens."""
 
     def __init__(self, hidden: int, ffn: int, experts: int, topk: int, comm, capacity_factor: float | None = None,
-                 dtype: torch.dtype | None = None, device=None):
+                 dtype: torch.dtype | None = None, device=None, save_activations: bool = False):
         super().__init__()
         if experts % comm.world_size:
             raise ValueError(f"tandem.nn.MoE: argument 'experts' ({experts}) must be a multiple of the communicator's "
@@ -151,7 +232,7 @@ class MoE(torch.nn.Module):
             raise ValueError(f"tandem.nn.MoE: argument 'capacity_factor' must be positive or None, got "
                              f"{capacity_factor}")
         self.hidden, self.ffn, self.experts, self.topk = int(hidden), int(ffn), int(experts), int(topk)
-        self.comm, self.capacity_factor = comm, capacity_factor
+        self.comm, self.capacity_factor, self.save_activations = comm, capacity_factor, bool(save_activations)
         kw = dict(dtype=dtype or torch.get_default_dtype(), device=comm.device if device is None else device)
         local = experts // comm.world_size
         self.router = torch.nn.Linear(hidden, experts, bias=False, **kw)
@@ -192,7 +273,7 @@ class MoE(torch.nn.Module):
             raise ValueError(f"tandem.nn.MoE: argument 'x' must have shape [..., {self.hidden}], got {list(x.shape)}")
         flat = x.reshape(-1, self.hidden)
         ids, weights = self.route(flat)
-        return moe_ffn(flat, ids, weights, self.w1, self.w2, self.comm).view(x.shape)
+        return moe_ffn(flat, ids, weights, self.w1, self.w2, self.comm, self.save_activations).view(x.shape)
 
     def reduce_router_grad(self) -> None:
         """Sums the router's gradient over the ranks (in rank order, so every rank gets the same bits): each rank's
@@ -208,7 +289,8 @@ class MoE(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, topk={self.topk}, "
-                f"capacity_factor={self.capacity_factor}, local_experts={self.w1.shape[0]}, "
+                f"capacity_factor={self.capacity_factor}, save_activations={self.save_activations}, "
+                f"local_experts={self.w1.shape[0]}, "
                 f"rank={self.comm.rank}/{self.comm.world_size}")
 
 

@@ -54,8 +54,9 @@ static_assert(sizeof(BufferRef) == 24);
 //                  a_scale and b_scale (fp32) have extent 0 unless dtype is FP8 (kFlagFp8BlockScale says their shape)
 //   kMoeDispatchGemm: dims {tokens, hidden, n_out, experts, topk, capacity}
 //                                                     bufs {x, topk_ids, topk_weights, w, out, row_info, expert_counts}
-//   kMoeDispatchFfnCombine: dims {tokens, hidden, ffn, experts, topk}
-//                                                     bufs {x, topk_ids, topk_weights, w1, w2, out}
+//   kMoeDispatchFfnCombine: dims {tokens, hidden, ffn, experts, topk, saved_rows}
+//                                                     bufs {x, topk_ids, topk_weights, w1, w2, out, saved}
+//                  saved [saved_rows, 2, ffn] (dtype) receives this rank's routed rows' gate|up; saved_rows 0: none
 //   kRingAttention: dims {seq, heads, head_dim, kv_heads}, flags kFlagCausal | kFlagZigzag, scale
 //                                                     bufs {q, k, v, out, lse?}
 //                  k and v have kv_heads heads (kv_heads divides heads: grouped-query attention; query head h
@@ -63,15 +64,16 @@ static_assert(sizeof(BufferRef) == 24);
 //   kRingAttentionBackward: dims and flags as kRingAttention
 //                                                     bufs {q, k, v, o, dout, lse, dq, dk, dv}
 //   kMoeFfnBackward: dims as kMoeDispatchFfnCombine   bufs {x, topk_ids, topk_weights, w1, w2, dout, dx,
-//                                                           dtopk_weights, dw1, dw2}
+//                                                           dtopk_weights, dw1, dw2, saved}
+//                  saved: the forward's (an input); saved_rows 0: gate|up is recomputed
 //   kAllGather:    dims {bytes}                        bufs {send, recv}
 //   kNop:          no dims, no bufs
 // Rules (validate.hpp enforces them; the messages name the field):
-//   - Every dim is >= 1 except the per-rank row counts, which may be 0 on a rank: tokens (MoE) and seq
-//     (attention); ag-gemm's shard rows_of(m, rank, nranks) is 0 when m < nranks. k_local of gemm-rs/ar is >= 1.
+//   - Every dim is >= 1 except the per-rank row counts, which may be 0 on a rank: tokens and saved_rows (MoE) and
+//     seq (attention); ag-gemm's shard rows_of(m, rank, nranks) is 0 when m < nranks. k_local of gemm-rs/ar is >= 1.
 //   - Every dim is <= 2^32 and every tensor <= 2^40 bytes, so no byte count can overflow.
 //   - A slot whose extent is 0 needs no memory: its bytes must be 0 and any bufferId (0 included) is accepted.
-//   - Per-rank dims (may differ between ranks): k_local, tokens, capacity, seq. All other dims are global.
+//   - Per-rank dims (may differ between ranks): k_local, tokens, capacity, saved_rows, seq. All other dims are global.
 //   - allgather and nop carry no typed data: dtype may be any known value (the client sends kInvalid);
 //     allgather offsets need no alignment. Other kinds take kBF16, kF16 or kF32; topk_ids, row_info and
 //     expert_counts are int32 and topk_weights fp32 whatever the op's dtype.
@@ -79,6 +81,7 @@ static_assert(sizeof(BufferRef) == 24);
 namespace dim {
 inline constexpr int kM = 0, kN = 1, kK = 2;
 inline constexpr int kTokens = 0, kHidden = 1, kNOut = 2, kFfn = 2, kExperts = 3, kTopk = 4, kCapacity = 5;
+inline constexpr int kSavedRows = 5;  // the MoE FFN ops' (forward and backward): rows of `saved`
 inline constexpr int kSeq = 0, kHeads = 1, kHeadDim = 2, kKvHeads = 3;
 inline constexpr int kBytes = 0;
 }  // namespace dim
@@ -89,6 +92,7 @@ inline constexpr int kX = 0, kTopkIds = 1, kTopkWeights = 2, kW = 3, kW1 = 3, kW
 inline constexpr int kQ = 0, kKey = 1, kValue = 2, kAttnOut = 3, kAttnLse = 4;
 inline constexpr int kDout = 4, kBwdLse = 5, kDq = 6, kDk = 7, kDv = 8;  // ring attention backward
 inline constexpr int kMoeDout = 5, kMoeDx = 6, kMoeDtopkWeights = 7, kMoeDw1 = 8, kMoeDw2 = 9;  // MoE FFN backward
+inline constexpr int kFfnSaved = 6, kMoeBwdSaved = 10;  // the saved gate|up: the forward's output, the backward's input
 inline constexpr int kSend = 0, kRecv = 1;
 inline constexpr int kAgAScale = 4, kAgBScale = 5;            // ag-gemm's FP8 scales
 inline constexpr int kReduceAScale = 3, kReduceBScale = 4;    // gemm-rs's and gemm-ar's

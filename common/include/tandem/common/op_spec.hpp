@@ -148,6 +148,9 @@ struct OpSpec {
   // Rules across dims that the table cannot say (MoE: experts % nranks, topk <= experts). Throws
   // Error(kInvalidArgument). Null: none.
   void (*checkDims)(const OpDescriptor&) = nullptr;
+  // Rules across slots and dims that the table cannot say, checked once the BufferRefs are filled (the MoE FFN ops:
+  // saved is given exactly when saved_rows > 0). Throws Error(kInvalidArgument). Null: none.
+  void (*checkSlots)(const OpDescriptor&) = nullptr;
   std::array<CField, 24> cFields{};
   uint8_t cFieldCount = 0;
   // On the cuda backend's client executor: its kernels read tandemd's verdict themselves (a rejected op does nothing

@@ -23,6 +23,7 @@ struct OpShape {
   uint64_t k = 256;        // gemm K (gemm-rs/ar: total K, split with rowsOf); moe-*: hidden
   uint64_t experts = 8;
   uint64_t topk = 2;
+  uint64_t savedRows = 0;  // moe-dispatch-ffn-combine, moe-ffn-backward: rows of saved (0: none, gate|up recomputed)
   uint64_t seq = 256;      // ring attention: total sequence, split with rowsOf
   uint64_t heads = 4;
   uint64_t headDim = 64;

@@ -19,7 +19,8 @@
 //             rows of y from the owners and sums weight * y in fp32 in slot order (bitwise repeatable); a last
 //             barrier keeps every rank's y until every rank has read it.
 // The FFN's backward (MoeParams::backward) routes and plans alike, dispatches x and dout rows (and the row's weight),
-// recomputes gate|up = x·w1ᵀ on the owner, dout·w2, then one kernel per row gives d(gate|up), weight * h and
+// recomputes gate|up = x·w1ᵀ on the owner (or reads it from the forward's saved rows, MoeParams::saved), dout·w2, then
+// one kernel per row gives d(gate|up), weight * h and
 // dtopk_weight = <dout·w2, h>; the owner computes dw2 and dw1 of its experts with the grouped wgrad GEMM and
 // dx = d(gate|up)·w1 into its y rows, and the combine pulls dx (summed in slot order) and dtopk_weights back.
 // Errors found on the GPU (bad ids, capacity) go into the rank's error slot with WaitError::kMoeRouting /
@@ -84,6 +85,11 @@ struct MoeParams {
   float* dtopkWeights = nullptr;    ///< backward: [tokens, topk] fp32
   void* dw1 = nullptr;              ///< backward: [E/n, 2 ffn, hidden]
   void* dw2 = nullptr;              ///< backward: [E/n, hidden, ffn]
+  /// FFN and its backward: this rank's saved gate|up [savedRows, 2 ffn] (tandem.h). The forward writes the received
+  /// rows' rounded gate|up there (gemm1 stores it, a separate pass gives h), the backward reads a and b from it instead
+  /// of recomputing them. Null (savedRows 0): the forward fuses SwiGLU into gemm1, the backward recomputes gate|up.
+  void* saved = nullptr;
+  int64_t savedRows = 0;            ///< rows of saved: the plan fails the op when more rows arrive
   int gemmSms = 0;                  ///< cap on the grouped GEMMs' grid (0: every SM)
   int gemmSkipIdleHalves = 0;       ///< GroupedGemmParams::skipIdleHalves for the grouped GEMMs
   bool gemmDynamicTiles = false;    ///< the grouped GEMMs' dynamic tile order (GroupedGemmParams::tileCounter)

@@ -48,7 +48,8 @@ struct alignas(32) OpFault {
   uint32_t atFault;  // the rank whose ids or capacity caused it
   uint32_t chunk;    // kMoeRouting: the token; kMoeCapacity: the rows the rank holds
   uint32_t op;       // OpKind
-  uint64_t observed; // kMoeRouting: bit 62 repeat, bits 32..61 slot, low 32 bits the id; kMoeCapacity: rows received
+  uint64_t observed; // kMoeRouting: bit 62 repeat, bits 32..61 slot, low 32 bits the id; kMoeCapacity: rows received,
+                     // bit 63 set when the limit (chunk) was the rank's saved_rows rather than its receive rows
 };
 static_assert(sizeof(OpFault) == 32);
 
