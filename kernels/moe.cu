@@ -25,6 +25,7 @@
 #include "device/ordering.cuh"
 #include "device/wait.cuh"
 #include "moe_desc.hpp"
+#include "moe_dispatch.cuh"
 
 namespace tandem::kernels::moe {
 namespace {
@@ -325,17 +326,7 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeDispatchKernel(const __gri
       }
     }
   }
-  // Even a failed op (nothing copied) releases the flag: owners wait for it before the next op may touch the table.
-  __syncthreads();  // this CTA's copies happen before thread 0's fence
-  if (threadIdx.x == 0) {
-    fenceAcqRelSys();  // release: this CTA's rows, before its count
-    const uint32_t done = atomicAdd(&p.status->dispatchCtasDone, 1u) + 1u;
-    if (done == gridDim.x) {
-      fenceAcqRelSys();  // acquire: every CTA's rows (each fenced before its add)
-      // release: this rank's rows for every owner; pairs with moeArriveKernel's waitGeq
-      for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->dispatchFlag[p.rank], opEpoch(p));
-    }
-  }
+  finishDispatch(p);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

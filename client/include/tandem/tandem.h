@@ -96,8 +96,9 @@ typedef enum tandem_dtype {
   TANDEM_DTYPE_FP16 = 2,
   TANDEM_DTYPE_BF16 = 3,
   TANDEM_DTYPE_INT32 = 4, /* index tensors only (MoE top-k expert ids) */
-  /* OCP FP8, one byte: a and b of ag-gemm, gemm-rs and gemm-ar only, with fp32 scales (tandem_fp8_scaling_t) and a
-   * bf16 or fp32 c (out_dtype). e4m3: max 448, for weights and activations; e5m2: max 57344, for gradients. */
+  /* OCP FP8, one byte: a and b of ag-gemm, gemm-rs and gemm-ar, with fp32 scales (tandem_fp8_scaling_t) and a
+   * bf16 or fp32 c (out_dtype); e4m3 only: w1 and w2 of tandem_moe_dispatch_ffn_combine (w_dtype, with block
+   * scales). e4m3: max 448, for weights and activations; e5m2: max 57344, for gradients. */
   TANDEM_DTYPE_FP8_E4M3 = 5,
   TANDEM_DTYPE_FP8_E5M2 = 6
 } tandem_dtype_t;
@@ -347,13 +348,33 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const ta
  * cuda backend (ranks on one node): as tandem_moe_dispatch_gemm, ffn a multiple of 8; y is rounded to dtype
  * before the weighted sum (fp32, slot order, bitwise repeatable); the experts' rows live in the communicator's
  * workspace (tandem_comm_config_t.workspace_bytes, at least cuda.workspace_bytes), and an op whose rows do not
- * fit fails alone saying how many rows arrived; the communicator stays usable. */
+ * fit fails alone saying how many rows arrived; the communicator stays usable.
+ * FP8 weights (w_dtype TANDEM_DTYPE_FP8_E4M3; dtype must be bf16: x and out stay bf16): w1 and w2 are e4m3 with fp32
+ * scales per 128 x 128 block of each expert (DeepSeek-V3's recipe), w1_scale [E/n, ceil(2*ffn/128), ceil(hidden/128)]
+ * and w2_scale [E/n, ceil(hidden/128), ceil(ffn/128)]: w1[e][i][p] means w1[e][i][p] * w1_scale[e][i/128][p/128]
+ * (likewise w2). One scale per expert is a block scale repeated over the expert's blocks. The layer is then:
+ *   x is quantised once on its own rank, per 1 x 128 block of each row: a = max(amax of the block, 1e-30),
+ *     q = e4m3(x * (448 / a)) (round to nearest even, saturating; fp32 arithmetic), s = a / 448, x̂ = q * s;
+ *   gate|up = x̂ · w1ᵀ (fp32 accumulation), h = silu(gate) * up in fp32, quantised as x per 1 x 128 block of its row
+ *     (instead of rounded to bf16): ĥ;
+ *   y = ĥ · w2ᵀ (fp32 accumulation), and out as above (weight * y summed in fp32 in slot order).
+ *   Accuracy: the cpu backend computes exactly this in fp32 (the fp64 reference likewise, with its fp32 quantisation);
+ *   the cuda backend accumulates as its FP8 grouped GEMM does (the tensor cores' fp8 sums, promoted to fp32 every 128
+ *   k: relative error up to about 2e-3 per GEMM) and rounds y to bf16, so out is within bf16's tolerance (1e-2
+ *   relative) of the reference; a value of h near a rounding boundary of e4m3 may round the other way there. The
+ *   dispatch then carries hidden bytes + hidden/128 fp32 scales per routed row (about half of bf16's 2*hidden).
+ *   w1_scale and w2_scale are required with FP8 weights and refused without them. cuda backend: hidden and ffn
+ *   multiples of 128 (the FP8 grouped GEMM's 128-wide scale blocks). Not in the backward
+ *   (tandem_moe_ffn_backward_args_t has no w_dtype: pass bf16 weights) nor in tandem_moe_dispatch_gemm. */
 typedef struct tandem_moe_ffn_args {
   size_t struct_size;
   tandem_dtype_t dtype;
   uint64_t tokens, hidden, ffn, experts, topk;
   tandem_tensor_t x, topk_ids, topk_weights, w1, w2, out;
   void* cuda_stream;
+  /* appended after 0.2.x: FP8 weights (see "FP8 weights" above); struct_size tells whether a caller has them */
+  tandem_dtype_t w_dtype;             /* w1's and w2's dtype: 0 (dtype's) or TANDEM_DTYPE_FP8_E4M3 */
+  tandem_tensor_t w1_scale, w2_scale; /* fp32 128 x 128 block scales; FP8 w_dtype only */
 } tandem_moe_ffn_args_t;
 TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, const tandem_moe_ffn_args_t* args,
                                                            tandem_op_t* op);
