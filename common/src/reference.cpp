@@ -702,6 +702,8 @@ std::array<std::vector<double>, kMaxOpBuffers> computeRank(
   return std::move(run(descs, inputs, rank)[rank]);
 }
 
+constexpr double kFp8MoeTolerance = 3e-2;
+
 double tolerance(DType dtype) {
   switch (dtype) {
     case DType::kBF16: return 1e-2;
@@ -716,6 +718,10 @@ Comparison compareRank(const OpDescriptor& desc, std::span<const std::byte* cons
   Comparison result;
   // FP8 inputs are compared with their dequantized values, so the output's rounding sets the tolerance.
   result.tolerance = tolerance(isFp8(desc.dtype) ? gemmOutDtype(desc.dtype, desc.flags) : desc.dtype);
+  // The MoE FFN's FP8 weights: the reference quantises h from fp64 sums, a GPU from its fp8 tensor cores' sums (about
+  // 1e-4 to 1e-3 apart), and an h value near an e4m3 rounding boundary (steps of 1/16 to 1/8 of the value) then rounds
+  // the other way: out moves by about 1e-2 at 1e-3 apart (simulated), so the bound is bf16's times 3.
+  if (!isFp8(desc.dtype) && isFp8(moeWeightDtype(desc.dtype, desc.flags))) result.tolerance = kFp8MoeTolerance;
   std::string problems;
   auto problem = [&problems](const std::string& text) {
     if (problems.empty()) problems = text;
