@@ -11,14 +11,15 @@
 
 namespace tandem::kernels::moe {
 
-// Pair pi (token t, expert e) goes to this row of e's owner: the rows of e from lower sources (srcOffset, from the plan
-// kernel), those of this rank's earlier token chunks (chunkBase, scanned by the plan kernel) and its index in its chunk.
+// Pair pi (token t, expert e) goes to this row of e's owner: the rows of e from lower sources (srcOffset, from the
+// plan kernel), those of this rank's earlier token chunks (chunkBase, scanned by the plan kernel) and its index in its
+// chunk.
 __device__ __forceinline__ int32_t pairRow(const MoeKernelParams& p, int32_t pi, int32_t t, int32_t e) {
   return p.srcOffset[e] + p.chunkBase[static_cast<int64_t>(t / kRouteChunk) * p.experts + e] + p.localIdx[pi];
 }
 
-// Every CTA of a dispatch calls this once, after its writes. Even a failed op (nothing copied) releases the flag: owners
-// wait for it before the next op may touch the table.
+// Every CTA of a dispatch calls this once, after its writes. Even a failed op (nothing copied) releases the flag:
+// owners wait for it before the next op may touch the table.
 __device__ __forceinline__ void finishDispatch(const MoeKernelParams& p) {
   __syncthreads();  // this CTA's copies happen before thread 0's fence
   if (threadIdx.x == 0) {

@@ -312,7 +312,8 @@ Floats loadExpertWeights(const RankOp& r, int s, int scaleSlot, std::size_t loca
   const DType wdt = moeWeightDtype(r.desc.dtype, r.desc.flags);
   Floats w = load(r.data[s], wdt, local * rows * cols);
   if (!isFp8(wdt)) return w;
-  const std::size_t rb = (rows + kFp8ScaleBlock - 1) / kFp8ScaleBlock, cb = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const std::size_t rb = (rows + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const std::size_t cb = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
   const Floats scale = load(r.data[scaleSlot], DType::kF32, local * rb * cb);
   for (std::size_t e = 0; e < local; ++e)
     for (std::size_t i = 0; i < rows; ++i)

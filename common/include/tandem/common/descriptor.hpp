@@ -146,8 +146,8 @@ inline constexpr uint16_t kFlagFp8BlockScale = 1u << 6;
 inline constexpr uint64_t kFp8ScaleBlock = 128;
 // moe-dispatch-ffn-combine: the dtype of w1 and w2 (tandem_dtype_t w_dtype), in flags bits 7-9: 0 = the descriptor's
 // dtype, or kF8E4M3 (with a bf16 dtype): e4m3 weights with fp32 scales per 128 x 128 block, w1_scale
-// [E/n, ceil(2 ffn / 128), ceil(hidden / 128)] and w2_scale [E/n, ceil(hidden / 128), ceil(ffn / 128)]; x and h are then
-// quantised to e4m3 per 1 x 128 block on the way (tandem.h). validate.cpp refuses the other values.
+// [E/n, ceil(2 ffn / 128), ceil(hidden / 128)] and w2_scale [E/n, ceil(hidden / 128), ceil(ffn / 128)]; x and h
+// are then quantised to e4m3 per 1 x 128 block on the way (tandem.h). validate.cpp refuses the other values.
 inline constexpr int kMoeWeightDtypeShift = 7;
 inline constexpr uint16_t kFlagMoeWeightDtype = 0x7u << kMoeWeightDtypeShift;
 inline constexpr DType moeWeightDtype(DType dtype, uint16_t flags) {

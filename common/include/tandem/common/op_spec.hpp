@@ -71,7 +71,8 @@ struct SlotSpec {
 };
 
 // How the FP8 scale slots of a descriptor are shaped: none (no FP8 input), one element each (per tensor: the GEMM ops
-// without kFlagFp8BlockScale) or the slots' terms (blocks: the GEMM ops' kFlagFp8BlockScale, the MoE FFN's FP8 weights).
+// without kFlagFp8BlockScale) or the slots' terms (blocks: the GEMM ops' kFlagFp8BlockScale, the MoE FFN's FP8
+// weights).
 enum class Fp8ScaleShape : uint8_t { kNone, kTensor, kBlock };
 
 struct OpSpec;
