@@ -6,7 +6,9 @@
 // tiles. Then a capacity overflow (the error names the rows needed, nothing is written) and bad expert ids, each
 // followed by a correct op on the same communicator in both executors (a data error fails the op, not the
 // communicator), the shapes the kernels refuse before submission (the communicator lives on), and the daemon executor
-// (under MPS).
+// (under MPS). The FFN with FP8 weights (e4m3 w1 and w2 with 128 x 128 block scales, x and h quantised per 1 x 128
+// block) against the reference of the quantised layer (reference.hpp's FP8 MoE tolerance), 20 runs bitwise identical,
+// at 1, 2 and 4 ranks, and its refusals (ffn off 128, hidden off 16, a missing scale, an fp16 x).
 #include <algorithm>
 #include <array>
 #include <memory>

@@ -358,14 +358,18 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const ta
  *   gate|up = x̂ · w1ᵀ (fp32 accumulation), h = silu(gate) * up in fp32, quantised as x per 1 x 128 block of its row
  *     (instead of rounded to bf16): ĥ;
  *   y = ĥ · w2ᵀ (fp32 accumulation), and out as above (weight * y summed in fp32 in slot order).
- *   Accuracy: the cpu backend computes exactly this in fp32 (the fp64 reference likewise, with its fp32 quantisation);
- *   the cuda backend accumulates as its FP8 grouped GEMM does (the tensor cores' fp8 sums, promoted to fp32 every 128
- *   k: relative error up to about 2e-3 per GEMM) and rounds y to bf16, so out is within bf16's tolerance (1e-2
- *   relative) of the reference; a value of h near a rounding boundary of e4m3 may round the other way there. The
- *   dispatch then carries hidden bytes + hidden/128 fp32 scales per routed row (about half of bf16's 2*hidden).
- *   w1_scale and w2_scale are required with FP8 weights and refused without them. cuda backend: hidden and ffn
- *   multiples of 128 (the FP8 grouped GEMM's 128-wide scale blocks). Not in the backward
- *   (tandem_moe_ffn_backward_args_t has no w_dtype: pass bf16 weights) nor in tandem_moe_dispatch_gemm. */
+ *   Accuracy: the cpu backend computes this in fp32 (the fp64 reference in fp64 but for the quantisation, done in
+ *   fp32 as above), within 1e-2 relative (Frobenius) of each other. The cuda backend sums as its FP8 grouped GEMM does
+ *   (the tensor cores' fp8 sums, promoted to fp32 every 128 k: relative error up to about 2e-3 per GEMM) and rounds y
+ *   to bf16 before the combine; where its sums differ, a value of h near an e4m3 rounding boundary rounds the other
+ *   way, so its out is within 3e-2 of the reference (about 1e-2 where the sums are 1e-3 apart). Against the bf16 layer
+ *   on the dequantised weights, the quantisation of x and h moves out by a few percent (e4m3 keeps 3 mantissa bits).
+ *   The dispatch carries hidden bytes + hidden/128 fp32 scales per routed row (bf16: 2*hidden bytes).
+ *   w1_scale and w2_scale are required with FP8 weights and refused without them. cuda backend: hidden a multiple of
+ *   16 and ffn a multiple of 128 (the FP8 grouped GEMM's rows and its SwiGLU tiles' 128-row scale blocks); per routed
+ *   row the workspace holds 3*hidden + ffn + 4*(hidden/128 + ffn/128) + 16 bytes (bf16: 4*hidden + 2*ffn + 16).
+ *   Not in the backward (tandem_moe_ffn_backward_args_t has no w_dtype: pass bf16 weights) nor in
+ *   tandem_moe_dispatch_gemm (their dtype FP8 is refused). */
 typedef struct tandem_moe_ffn_args {
   size_t struct_size;
   tandem_dtype_t dtype;
