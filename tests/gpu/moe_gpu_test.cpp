@@ -404,7 +404,7 @@ TEST_CASE("moe ops: what the cuda backend cannot run is refused before submissio
       expect("2048 experts", tandem_moe_dispatch_gemm(j.comm, &m, &op), TANDEM_ERROR_INVALID_ARGUMENT, "experts");
       const tandem_moe_ffn_args_t f{
           sizeof f,      TANDEM_DTYPE_BF16, 8,       64, 12, 4, 2, {a, 0}, {b, 0}, {b, 1u << 20}, {c, 0},
-          {c, 4u << 20}, {a, 8u << 20},     j.stream};
+          {c, 4u << 20}, {a, 8u << 20},     j.stream,          TANDEM_DTYPE_INVALID, {}, {}};
       expect("ffn not a multiple of 8", tandem_moe_dispatch_ffn_combine(j.comm, &f, &op), TANDEM_ERROR_INVALID_ARGUMENT,
              "multiple of 8");
       // FP8 weights: ffn off the 128-row scale blocks, hidden off 16 bytes, a missing scale, a non-bf16 x.

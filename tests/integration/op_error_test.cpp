@@ -80,7 +80,8 @@ struct RankBuffers {
     }
     const tandem_moe_ffn_args_t a{sizeof a, dtype, d.dims[dim::kTokens], d.dims[dim::kHidden], d.dims[dim::kFfn],
                                   d.dims[dim::kExperts], d.dims[dim::kTopk], t(slot::kX), t(slot::kTopkIds),
-                                  t(slot::kTopkWeights), t(slot::kW1), t(slot::kW2), t(slot::kFfnOut), nullptr};
+                                  t(slot::kTopkWeights), t(slot::kW1), t(slot::kW2), t(slot::kFfnOut), nullptr,
+                                  TANDEM_DTYPE_INVALID, {}, {}};
     return tandem_moe_dispatch_ffn_combine(comm, &a, h);
   }
 
