@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeCombineKernel(const __grid
         const int32_t d = e / p.localExperts;
         const int32_t row =
             p.srcOffset[e] + p.chunkBase[static_cast<int64_t>(t / kRouteChunk) * p.experts + e] + p.localIdx[pi];
-        const RecvLayout lay = recvLayout(p.status->capacity[d], p.hidden, p.ffn, p.backward != 0);
+        const RecvLayout lay = recvLayout(p.status->capacity[d], p.hidden, p.ffn, p.backward != 0, p.fp8 != 0);
         sRow[warp][lane] =
             reinterpret_cast<const uint4*>(p.recv[d] + lay.yOff + static_cast<uint64_t>(row) * p.hidden * 2);
         // The backward's rows are dx, already scaled by the weight (through dh): summed as they are; its dtopk
