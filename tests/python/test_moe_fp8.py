@@ -29,11 +29,12 @@ def _quantize_rows(v):
 def _weights(tag, experts, rows, cols):
     """(e4m3 [experts, rows, cols], float32 block scales [experts, ceil(rows/128), ceil(cols/128)], dequantised
     float64)."""
-    w = opchecks.gen(tag, 0, (experts, rows, cols)).clamp(-3, 3)
+    q = (opchecks.gen(tag, 0, (experts, rows, cols)).clamp(-3, 3) * 32).to(torch.float8_e4m3fn)  # |q| <= 96
     rb, cb = -(-rows // BLOCK), -(-cols // BLOCK)
-    s = 0.01 + torch.arange(experts * rb * cb, dtype=torch.float32).reshape(experts, rb, cb) / (200 * experts * rb * cb)
+    # Scales around 1 / (32 sqrt(cols)), a different one per block, so the dequantised weights are about 1/sqrt(cols).
+    s = (0.5 + torch.arange(experts * rb * cb, dtype=torch.float32).reshape(experts, rb, cb) / (experts * rb * cb)) / \
+        (32 * cols ** 0.5)
     full = s.repeat_interleave(BLOCK, 1)[:, :rows].repeat_interleave(BLOCK, 2)[:, :, :cols]
-    q = (w / 100).to(torch.float8_e4m3fn)  # values about [-0.03, 0.03]: e4m3 keeps them, subnormals included
     return q, s.contiguous(), q.double() * full.double()
 
 
@@ -100,7 +101,7 @@ def test_moe_ffn_fp8_arguments_are_checked_before_submission(comm):
     with pytest.raises(ValueError, match=r"argument 'w1_scale' is required with torch.float8_e4m3fn weights"):
         comm.moe_ffn(x, ids, wts, w1, w2, w2_scale=w2s)
     with pytest.raises(ValueError, match=r"argument 'w2_scale' must have shape \[2, 2, 1\].*got \[2, 1, 1\]"):
-        comm.moe_ffn(x, ids, wts, w1, w2, w1_scale=w1s, w2_scale=w2s[:, :1])
+        comm.moe_ffn(x, ids, wts, w1, w2, w1_scale=w1s, w2_scale=w2s[:, :1].contiguous())
     with pytest.raises(ValueError, match=r"for one scale per expert pass scale.view\(-1, 1, 1\).expand\(2, 2, 2\)"):
         comm.moe_ffn(x, ids, wts, w1, w2, w1_scale=torch.ones(experts), w2_scale=w2s)
     with pytest.raises(ValueError, match=r"argument 'w1_scale'.*float32"):
