@@ -690,7 +690,8 @@ class Communicator(FastPath):
                             f" got {len(inputs)}")
         like = raw = None
         for t, s in zip(inputs, spec.inputs):
-            if s.type == "op_dtype" and like is not None:
+            # The MoE FFN's weights ("w_dtype") take x's dtype here: FP8 weights go through moe_ffn's own path.
+            if s.type in ("op_dtype", "w_dtype") and like is not None:
                 self._check(t, s.name, op, like.dtype)
             else:
                 self._check(t, s.name, op, None if s.type in ("raw", "op_dtype") else s.dtype(None))
@@ -716,6 +717,8 @@ class Communicator(FastPath):
             k, n = dims[spec.dim_names.index("k")], dims[spec.dim_names.index("n")]
             out_dt, codes["out_dtype"], codes["scaling"], scales["a_scale"], scales["b_scale"] = self._fp8(
                 op, like, rows, n, k, fp8["a_scale"], fp8["b_scale"], fp8["out_dtype"], fp8["scaling"])
+        if spec.fp8_weights:  # weights in x's dtype (checked above): w_dtype 0, no scales
+            codes["w_dtype"] = 0
         for s in spec.outputs:
             shape = spec.shape(s, dims, share, rank, size, like=raw, layout=lay)
             dtype = (raw.dtype if s.type == "raw" else out_dt if s.type == "out_dtype" else
