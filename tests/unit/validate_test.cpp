@@ -492,9 +492,16 @@ ExpectedSlots independentSlots(const OpDescriptor& d) {
         set(5, U128{v[5]} * 16, 4);
         set(6, local * 4, 4);
       } else {
-        set(3, local * 2 * v[2] * v[1] * es, esAlign);
-        set(4, local * v[1] * v[2] * es, esAlign);
+        // w1 and w2 in w_dtype (flags bits 7-9: 0 the dtype, 5 e4m3 of one byte); e4m3 weights come with fp32 scales
+        // per 128 x 128 block: w1_scale [E/n, ceil(2 ffn/128), ceil(hidden/128)], w2_scale [E/n, ceil(hidden/128),
+        // ceil(ffn/128)]; none otherwise.
+        const bool f8w = ((d.flags >> 7) & 7U) == 5U;
+        const U128 wes = f8w ? 1 : es;
+        set(3, local * 2 * v[2] * v[1] * wes, static_cast<uint64_t>(wes));
+        set(4, local * v[1] * v[2] * wes, static_cast<uint64_t>(wes));
         set(5, U128{v[0]} * v[1] * es, esAlign);
+        set(6, f8w ? local * blocks(2 * v[2]) * blocks(v[1]) * 4 : 0, 4);
+        set(7, f8w ? local * blocks(v[1]) * blocks(v[2]) * 4 : 0, 4);
       }
       break;
     }
@@ -541,6 +548,11 @@ TEST_CASE("validateDescriptor never crashes and never accepts bytes that disagre
       shape.blockScale = block;
       for (uint32_t rank = 0; rank < 3; ++rank) pool.push_back(withBuffers(ref::makeDescriptor(shape, rank, 3)));
     }
+  }
+  {  // the MoE FFN with FP8 weights
+    ref::OpShape shape = smallShape(OpKind::kMoeDispatchFfnCombine);
+    shape.weightDtype = DType::kF8E4M3;
+    for (uint32_t rank = 0; rank < 4; ++rank) pool.push_back(withBuffers(ref::makeDescriptor(shape, rank, 4)));
   }
 
   std::mt19937_64 rng(20240607);
