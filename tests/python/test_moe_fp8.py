@@ -22,7 +22,10 @@ def _quantize_rows(v):
     for c in range(0, v.shape[1], BLOCK):
         blk = v[:, c:c + BLOCK]
         a = blk.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-        out[:, c:c + BLOCK] = (blk * (448.0 / a)).to(torch.float8_e4m3fn).float() * (a / 448.0)
+        # Divisions of tensor by tensor: torch turns `448.0 / a` into a reciprocal times 448 (and may multiply by the
+        # reciprocal of a scalar divisor), which rounds otherwise than the op's fp32 division.
+        top = torch.full_like(a, 448.0)
+        out[:, c:c + BLOCK] = (blk * (top / a)).to(torch.float8_e4m3fn).float() * (a / top)
     return out
 
 
