@@ -8,76 +8,15 @@ import pytest
 import torch
 
 import moechecks
-import opchecks
 import tandem
 from conftest import run_ranks
-
-BLOCK = 128
-
-
-def _quantize_rows(v):
-    """v [rows, cols] float32, each 1 x 128 block quantised as the op does: a = max(amax, 1e-30), e4m3(v * (448 / a)),
-    scale a / 448; returns the dequantised values (float32, as the op's next GEMM takes them)."""
-    out = torch.empty_like(v)
-    for c in range(0, v.shape[1], BLOCK):
-        blk = v[:, c:c + BLOCK]
-        a = blk.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-        # Divisions of tensor by tensor: torch turns `448.0 / a` into a reciprocal times 448 (and may multiply by the
-        # reciprocal of a scalar divisor), which rounds otherwise than the op's fp32 division.
-        top = torch.full_like(a, 448.0)
-        out[:, c:c + BLOCK] = (blk * (top / a)).to(torch.float8_e4m3fn).float() * (a / top)
-    return out
-
-
-def _weights(tag, experts, rows, cols):
-    """(e4m3 [experts, rows, cols], float32 block scales [experts, ceil(rows/128), ceil(cols/128)], dequantised
-    float64)."""
-    q = (opchecks.gen(tag, 0, (experts, rows, cols)).clamp(-3, 3) * 32).to(torch.float8_e4m3fn)  # |q| <= 96
-    rb, cb = -(-rows // BLOCK), -(-cols // BLOCK)
-    # Scales around 1 / (32 sqrt(cols)), a different one per block, so the dequantised weights are about 1/sqrt(cols).
-    s = (0.5 + torch.arange(experts * rb * cb, dtype=torch.float32).reshape(experts, rb, cb) / (experts * rb * cb)) / \
-        (32 * cols ** 0.5)
-    full = s.repeat_interleave(BLOCK, 1)[:, :rows].repeat_interleave(BLOCK, 2)[:, :, :cols]
-    return q, s.contiguous(), q.double() * full.double()
-
-
-def _reference(x, ids, wts, w1, w2, rank, n):
-    """out of `rank`'s tokens from every rank's inputs, in float64 but for the quantisation (float32, as the op)."""
-    experts, two_ffn, hidden = w1.shape
-    ffn = two_ffn // 2
-    xq = _quantize_rows(x[rank].float()).double()
-    out = torch.zeros((x[rank].shape[0], hidden), dtype=torch.float64)
-    for t in range(x[rank].shape[0]):
-        for j in range(ids[rank].shape[1]):
-            e = int(ids[rank][t, j])
-            gu = xq[t] @ w1[e].T
-            h = torch.nn.functional.silu(gu[:ffn]) * gu[ffn:]
-            hq = _quantize_rows(h.float().unsqueeze(0)).double()[0]
-            out[t] += float(wts[rank][t, j]) * (hq @ w2[e].T)
-    return out
 
 
 def _fp8_moe(rank, nranks):
     comm = tandem.Communicator(op_timeout_ms=60000)
-    ran = 0
-    for hidden, ffn, experts, topk in ((300, 136, 2 * nranks, 2), (256, 128, 4 * nranks, 3)):
-        tokens = [0 if (q == 1 and nranks > 1) else 5 + 3 * q for q in range(nranks)]
-        tag = f"f8moe.{hidden}"
-        x = [opchecks.gen(f"{tag}.x", q, (tokens[q], hidden), torch.bfloat16) for q in range(nranks)]
-        ids = [moechecks.routing("uniform", tag, q, tokens[q], experts, topk) for q in range(nranks)]
-        wts = [torch.softmax(opchecks.gen(f"{tag}.wt", q, (tokens[q], topk)), -1) for q in range(nranks)]
-        w1q, w1s, w1d = _weights(f"{tag}.w1", experts, 2 * ffn, hidden)
-        w2q, w2s, w2d = _weights(f"{tag}.w2", experts, hidden, ffn)
-        local = experts // nranks
-        mine = slice(rank * local, (rank + 1) * local)
-        got = comm.moe_ffn(x[rank], ids[rank], wts[rank], w1q[mine].contiguous(), w2q[mine].contiguous(),
-                           w1_scale=w1s[mine].contiguous(), w2_scale=w2s[mine].contiguous())
-        assert got.dtype == torch.bfloat16 and tuple(got.shape) == (tokens[rank], hidden)
-        want = _reference(x, ids, wts, w1d, w2d, rank, nranks)
-        if tokens[rank]:
-            err = ((got.double() - want).norm() / want.norm()).item()
-            assert err < 1e-2, f"relative error {err} against the quantised layer"
-        ran += 1
+    # hidden and ffn off the 128 blocks (partial last blocks), then on them; rank 1 (of several) without tokens.
+    tokens = [0 if (q == 1 and nranks > 1) else 5 + 3 * q for q in range(nranks)]
+    ran = moechecks.check_fp8(comm, 300, 136, 2, 2, tokens) + moechecks.check_fp8(comm, 256, 128, 4, 3, tokens)
     comm.close()
     return ran
 
@@ -99,8 +38,8 @@ def test_moe_ffn_fp8_arguments_are_checked_before_submission(comm):
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
     ids = torch.zeros(tokens, topk, dtype=torch.int32)
     wts = torch.ones(tokens, topk)
-    w1, w1s, _ = _weights("f8chk.w1", experts, 2 * ffn, hidden)
-    w2, w2s, _ = _weights("f8chk.w2", experts, hidden, ffn)
+    w1, w1s, _ = moechecks.fp8_weights("f8chk.w1", experts, 2 * ffn, hidden)
+    w2, w2s, _ = moechecks.fp8_weights("f8chk.w2", experts, hidden, ffn)
     with pytest.raises(ValueError, match=r"argument 'w1_scale' is required with torch.float8_e4m3fn weights"):
         comm.moe_ffn(x, ids, wts, w1, w2, w2_scale=w2s)
     with pytest.raises(ValueError, match=r"argument 'w2_scale' must have shape \[2, 2, 1\].*got \[2, 1, 1\]"):
