@@ -415,8 +415,8 @@ def section_moe(comm):
         tokens = [0 if (q == 1 and n > 1) else 40 + 13 * q for q in range(n)]
         fp8 += moechecks.check_fp8(comm, hidden, ffn, 4, topk, tokens, device=comm.device, kind=kind)
     comm.synchronize()
-    return (f"{checked} moe_ffn cases matched torch autograd (out, dx, dtopk_weights, dw1, dw2; bf16), repeats bitwise; "
-            f"{fp8} FP8-weight cases matched the quantised layer")
+    return (f"{checked} moe_ffn cases matched torch autograd (out, dx, dtopk_weights, dw1, dw2; bf16), repeats "
+            f"bitwise; {fp8} FP8-weight cases matched the quantised layer")
 
 
 SECTIONS = {"ops": section_ops, "attention": section_attention, "compile": section_compile, "graph": section_graph,

@@ -231,8 +231,8 @@ def fp8_reference(x, ids, wts, w1, w2):
 
 
 def check_fp8(comm, hidden, ffn, experts_per_rank, topk, tokens, device="cpu", kind="uniform"):
-    """comm.moe_ffn with FP8 weights on this rank's tokens (tokens[rank]) against fp8_reference; the op repeated, bitwise
-    alike. Returns 1."""
+    """comm.moe_ffn with FP8 weights on this rank's tokens (tokens[rank]) against fp8_reference; the op repeated,
+    bitwise alike. Returns 1."""
     n, r = comm.world_size, comm.rank
     experts = experts_per_rank * n
     tag = f"f8moe.{hidden}.{ffn}.{topk}.{kind}"
