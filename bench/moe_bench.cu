@@ -41,11 +41,19 @@
 //
 // --experiment (after each case's numbers): the grouped GEMMs' dynamic tile order (tileCounter), alone and with
 // skipIdleHalves, and the FFN with both, checked bitwise against the default FFN.
+//
+// --dtype fp8: the FFN with FP8 weights (tandem.h, w_dtype e4m3) beside the bf16 FFN on the same routings: the bf16
+// weights quantised to e4m3 per 128 x 128 block on the device, x and h quantised per 1 x 128 block by the op. Rows
+// "FFN FP8 (whole layer)" and, alone on the same groups, "FP8 gemm1+SwiGLU" and "FP8 gemm2"; the note "bf16 / FP8"
+// = FFN ms / FFN FP8 ms (target >= 1.6 at DeepSeek-V3's shapes). Checked: one token against an fp64 host reference of
+// the quantised layer (x and h quantised as the op does, the dequantised weights), finite outputs.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -61,7 +69,9 @@
 
 #include "bench_kernels.cuh"
 #include "checks.hpp"
+#include "tandem/common/numeric.hpp"  // quantizeE4m3Block: the op's activation quantisation, for the FP8 reference
 #include "tandem/kernels/grouped_gemm.hpp"
+#include "tandem/kernels/grouped_gemm_fp8.hpp"
 #include "tandem/kernels/grouped_gemm_wgrad.hpp"
 #include "tandem/kernels/moe.hpp"
 
@@ -81,6 +91,9 @@ constexpr uint64_t kSeedW1 = 11, kSeedW2 = 12, kSeedX = 21, kSeedDout = 31, kSee
 // h, d(gate|up), the output) plus the fp32 sums' order, as the MoE GPU tests do against their fp64 reference.
 constexpr double kTolerance = 2e-2;
 constexpr int kCheckTokens = 16;  // tokens whose dx rows go to PyTorch (all of d(topk weights) and rows of dw1, dw2 do)
+// FP8: the GPU quantises h after its fp8 tensor-core sums, the host reference after fp64 ones; an h value near an e4m3
+// rounding boundary then goes the other way (common/reference.cpp's FP8 MoE tolerance says how far that moves out).
+constexpr double kFp8Tolerance = 3e-2;
 
 struct Model {
   const char* name;
@@ -96,6 +109,7 @@ struct Options {
   std::vector<int> rowsPerExpert{256, 512, 1024, 2048, 4096};
   bool skew = true, fwd = true, bwd = true, experiment = false;
   bool saved = false;  // also time the backward with the forward's saved gate|up (--saved)
+  bool fp8 = false;  // --dtype fp8: the FFN with FP8 weights too
 };
 
 float bf16ToFloat(uint16_t v) {
@@ -135,6 +149,43 @@ class DevMem {
 
 void fill(const DevMem& m, size_t elems, uint64_t seed) {
   tandem::bench::fillUniform<<<1024, 256>>>(m.as<__nv_bfloat16>(), elems, seed);
+  CK(cudaGetLastError());
+}
+
+// w [E, rows, cols] bf16 -> e4m3 with one fp32 scale per 128 x 128 block (amax / 448): scale [E, ceil(rows/128),
+// ceil(cols/128)], the layout of the op's w1_scale and w2_scale. One CTA per block.
+__global__ void quantizeWeightBlocks(const __nv_bfloat16* w, int64_t rows, int64_t cols, __nv_fp8_e4m3* q,
+                                     float* scale) {
+  __shared__ float sMax[256];
+  const int64_t rb = (rows + 127) / 128, cb = (cols + 127) / 128;
+  const int64_t e = blockIdx.x / (rb * cb), br = blockIdx.x / cb % rb, bc = blockIdx.x % cb;
+  const int64_t r0 = br * 128, c0 = bc * 128;
+  const __nv_bfloat16* we = w + e * rows * cols;
+  float amax = 0.0f;
+  for (int i = static_cast<int>(threadIdx.x); i < 128 * 128; i += blockDim.x) {
+    const int64_t r = r0 + i / 128, c = c0 + i % 128;
+    if (r < rows && c < cols) amax = fmaxf(amax, fabsf(__bfloat162float(we[r * cols + c])));
+  }
+  sMax[threadIdx.x] = amax;
+  __syncthreads();
+  for (int d = static_cast<int>(blockDim.x) / 2; d > 0; d /= 2) {
+    if (static_cast<int>(threadIdx.x) < d) sMax[threadIdx.x] = fmaxf(sMax[threadIdx.x], sMax[threadIdx.x + d]);
+    __syncthreads();
+  }
+  const float a = fmaxf(sMax[0], 1e-30f);
+  for (int i = static_cast<int>(threadIdx.x); i < 128 * 128; i += blockDim.x) {
+    const int64_t r = r0 + i / 128, c = c0 + i % 128;
+    if (r < rows && c < cols) {
+      q[e * rows * cols + r * cols + c] = __nv_fp8_e4m3(__bfloat162float(we[r * cols + c]) * (448.0f / a));
+    }
+  }
+  if (threadIdx.x == 0) scale[blockIdx.x] = a / 448.0f;
+}
+
+void quantizeWeights(const DevMem& w, int experts, int64_t rows, int64_t cols, const DevMem& q, const DevMem& scale) {
+  const int64_t blocks = experts * ((rows + 127) / 128) * ((cols + 127) / 128);
+  quantizeWeightBlocks<<<static_cast<unsigned>(blocks), 256>>>(w.as<__nv_bfloat16>(), rows, cols,
+                                                               q.as<__nv_fp8_e4m3>(), scale.as<float>());
   CK(cudaGetLastError());
 }
 
@@ -368,6 +419,64 @@ TokenRef tokenReference(const Model& m, const Routing& r, int64_t t, const void*
   return ref;
 }
 
+// fp64 reference of one token through the FP8 layer (tandem.h, FP8 weights): x and h quantised per 1 x 128 block as
+// the op does (numeric.hpp's quantizeE4m3Block), the weights dequantised with their block scales.
+std::vector<double> tokenReferenceFp8(const Model& m, const Routing& r, int64_t t, const void* x, const void* w1q,
+                                      const void* w1s, const void* w2q, const void* w2s) {
+  const int64_t H = m.hidden, F = m.ffn;
+  std::vector<float> xt;
+  for (uint16_t v : download(bytesOf(x) + t * H * 2, size_t(H))) xt.push_back(bf16ToFloat(v));
+  const auto quantizeRow = [](std::vector<float>& v) {
+    for (size_t c = 0; c < v.size(); c += 128) {
+      tandem::quantizeE4m3Block(&v[c], std::min<size_t>(128, v.size() - c), &v[c]);
+    }
+  };
+  quantizeRow(xt);
+  const auto dequant = [](const void* q, const void* sc, int e, int64_t rows, int64_t cols) {
+    const int64_t rb = (rows + 127) / 128, cb = (cols + 127) / 128;
+    const auto bytes = download<uint8_t>(bytesOf(q) + size_t(e) * rows * cols, size_t(rows * cols));
+    const auto scales = download<float>(bytesOf(sc) + size_t(e) * rb * cb * 4, size_t(rb * cb));
+    std::vector<float> w(size_t(rows * cols));
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = tandem::loadElement(reinterpret_cast<const std::byte*>(&bytes[size_t(i * cols + c)]),
+                                            tandem::DType::kF8E4M3, 0);
+        w[size_t(i * cols + c)] = v * scales[size_t((i / 128) * cb + c / 128)];
+      }
+    return w;
+  };
+  const auto slot = [&](int j) {
+    const int32_t e = r.ids[size_t(t * m.topk + j)];
+    const double wt = r.wts[size_t(t * m.topk + j)];
+    const std::vector<float> w1e = dequant(w1q, w1s, e, 2 * F, H), w2e = dequant(w2q, w2s, e, H, F);
+    std::vector<float> h(static_cast<size_t>(F));
+    for (int64_t f = 0; f < F; ++f) {
+      double g = 0, u = 0;
+      for (int64_t kk = 0; kk < H; ++kk) {
+        g += double(xt[size_t(kk)]) * w1e[size_t(f * H + kk)];
+        u += double(xt[size_t(kk)]) * w1e[size_t((F + f) * H + kk)];
+      }
+      h[size_t(f)] = float(g / (1.0 + std::exp(-g)) * u);
+    }
+    quantizeRow(h);
+    std::vector<double> y(static_cast<size_t>(H));
+    for (int64_t c = 0; c < H; ++c) {
+      double acc = 0;
+      for (int64_t f = 0; f < F; ++f) acc += double(h[size_t(f)]) * w2e[size_t(c * F + f)];
+      y[size_t(c)] = wt * double(roundBf16(float(acc)));  // the cuda backend rounds y to bf16 before the combine
+    }
+    return y;
+  };
+  std::vector<std::future<std::vector<double>>> futures;
+  for (int j = 0; j < m.topk; ++j) futures.push_back(std::async(std::launch::async, slot, j));
+  std::vector<double> out(size_t(H), 0.0);
+  for (auto& fu : futures) {  // slot order, as the combine
+    const std::vector<double> y = fu.get();
+    for (int64_t c = 0; c < H; ++c) out[size_t(c)] += y[size_t(c)];
+  }
+  return out;
+}
+
 // Timings of one case in print order: JSON key, label, ms, flops (0: no TFLOP/s column).
 struct Timings {
   struct Row {
@@ -389,7 +498,7 @@ struct Timings {
 
 // One model's buffers, sized for its largest routing.
 struct Buffers {
-  Buffers(const Model& m, int64_t tokens, int64_t rows, bool backward, bool saved)
+  Buffers(const Model& m, int64_t tokens, int64_t rows, bool backward, bool saved, bool fp8)
       : w1(size_t(m.experts) * 2 * m.ffn * m.hidden * 2),
         w2(size_t(m.experts) * m.hidden * m.ffn * 2),
         dw1(backward ? w1.bytes() : 0),
@@ -414,7 +523,15 @@ struct Buffers {
         pg(size_t(rows) * m.ffn * 2),
         py(size_t(rows) * m.hidden * 2),
         saved(saved ? size_t(rows) * 2 * m.ffn * 2 : 0),
-        tileCounter(4) {
+        tileCounter(4),
+        w1q(fp8 ? w1.bytes() / 2 : 0),
+        w2q(fp8 ? w2.bytes() / 2 : 0),
+        w1s(fp8 ? size_t(m.experts) * ((2 * m.ffn + 127) / 128) * ((m.hidden + 127) / 128) * 4 : 0),
+        w2s(fp8 ? size_t(m.experts) * ((m.hidden + 127) / 128) * ((m.ffn + 127) / 128) * 4 : 0),
+        pxq(fp8 ? size_t(rows) * m.hidden : 0),
+        pxs(fp8 ? size_t(m.hidden / 128) * size_t((rows + 3) / 4 * 4) * 4 : 0),
+        phq(fp8 ? size_t(rows) * m.ffn : 0),
+        phs(fp8 ? size_t(m.ffn / 128) * size_t((rows + 3) / 4 * 4) * 4 : 0) {
     // Uniform in [-1, 1): activations grow with sqrt(k), which bf16's range takes; fine for timing and relative checks.
     fill(w1, w1.bytes() / 2, kSeedW1);
     fill(w2, w2.bytes() / 2, kSeedW2);
@@ -426,6 +543,14 @@ struct Buffers {
     int seed = 0;
     for (const DevMem* p : {&px, &pdy, &pgu, &ph, &pg, &py}) fill(*p, p->bytes() / 2, kSeedPool + uint64_t(seed++));
     CK(cudaMemset(control.get(), 0, k::kMoeControlBytes));
+    if (fp8) {  // the same weights in e4m3; the GEMMs-alone operands in e4m3 with unit scales (they only set the load)
+      quantizeWeights(w1, m.experts, 2 * m.ffn, m.hidden, w1q, w1s);
+      quantizeWeights(w2, m.experts, m.hidden, m.ffn, w2q, w2s);
+      CK(cudaMemset(pxq.get(), 0x38, pxq.bytes()));  // e4m3 0x38 = 1.0
+      CK(cudaMemset(phq.get(), 0x38, phq.bytes()));
+      CK(cudaMemset(pxs.get(), 0x3c, pxs.bytes()));  // fp32 0x3c3c3c3c: about 0.0115
+      CK(cudaMemset(phs.get(), 0x3c, phs.bytes()));
+    }
     CK(cudaDeviceSynchronize());
   }
   DevMem w1, w2, dw1, dw2;
@@ -436,6 +561,8 @@ struct Buffers {
   DevMem px, pdy, pgu, ph, pg, py;
   DevMem saved;  // the forward's saved gate|up [rows, 2 ffn] (--saved)
   DevMem tileCounter;
+  // --dtype fp8: w1 and w2 in e4m3 with their block scales; the FP8 GEMMs-alone operands (x and h with 1 x 128 scales).
+  DevMem w1q, w2q, w1s, w2s, pxq, pxs, phq, phs;
 };
 
 enum class Op { kDispatchGemm, kFfn, kBackward };
@@ -443,7 +570,7 @@ enum class Op { kDispatchGemm, kFfn, kBackward };
 class ModelBench {
  public:
   ModelBench(const Model& m, const Options& o, int64_t maxTokens, cudaStream_t s)
-      : m_(m), o_(o), s_(s), b_(m, maxTokens, maxTokens * m.topk, o.bwd, o.bwd && o.saved) {
+      : m_(m), o_(o), s_(s), b_(m, maxTokens, maxTokens * m.topk, o.bwd, o.bwd && o.saved, o.fp8) {
     comm_.rank = 0;
     comm_.nranks = 1;
     comm_.control[0] = b_.control.get();
@@ -458,8 +585,9 @@ class ModelBench {
   bool runCase(const Routing& r, std::string& json);
 
  private:
-  // saved: the FFN writes gate|up into b_.saved, the backward reads it from there (--saved).
-  std::string run(Op op, int set, int skip = 0, bool dyn = false, bool saved = false) {
+  // saved: the FFN writes gate|up into b_.saved, the backward reads it from there (--saved); fp8: the FFN with the FP8
+  // weights (--dtype fp8).
+  std::string run(Op op, int set, int skip = 0, bool dyn = false, bool saved = false, bool fp8 = false) {
     k::MoeParams p;
     p.dtype = k::GemmDtype::kBf16;
     p.ffn = op != Op::kDispatchGemm;
@@ -491,9 +619,40 @@ class ModelBench {
       p.saved = b_.saved.get();
       p.savedRows = r_->rows();
     }
+    if (fp8) {
+      p.fp8 = true;
+      p.w1 = b_.w1q.get();
+      p.w2 = b_.w2q.get();
+      p.w1Scale = b_.w1s.as<float>();
+      p.w2Scale = b_.w2s.as<float>();
+    }
     comm_.epoch = ++epoch_;
     return k::launchMoe(p, comm_, s_);
   }
+
+  // One FP8 grouped GEMM on the case's groups (the op's gemm1 with SwiGLU or gemm2), rows already permuted.
+  void gemmFp8(bool first) {
+    const int64_t rows = r_->rows(), ld = (rows + 3) / 4 * 4;
+    k::GroupedGemmFp8Params g{};
+    g.x = first ? b_.pxq.get() : b_.phq.get();
+    g.xScale = (first ? b_.pxs : b_.phs).as<float>();
+    g.ldxScale = ld;
+    g.w = first ? b_.w1q.get() : b_.w2q.get();
+    g.wScale = (first ? b_.w1s : b_.w2s).as<float>();
+    g.wScaling = k::GroupedFp8WeightScaling::kBlock;
+    g.out = first ? b_.phq.get() : b_.py.get();
+    g.outScale = first ? b_.phs.as<float>() : nullptr;
+    g.ldOutScale = first ? ld : 0;
+    g.groupOffsets = b_.offsets.as<int32_t>();
+    g.mTotal = rows;
+    g.n = first ? 2 * m_.ffn : m_.hidden;
+    g.k = first ? m_.hidden : m_.ffn;
+    g.numExperts = m_.experts;
+    g.epilogue = first ? Epi::kSwiGlu : Epi::kStore;
+    k::launchGroupedGemmFp8(g, s_);
+  }
+  bool checkFp8(std::string& line);
+  void timeFp8(Timings& t);
 
   // One grouped GEMM on the case's groups: out = x · w[e]ᵀ (kABt) or x · w[e] (kAB), w as the layer stores it.
   void gemm(const DevMem& x, int64_t kk, const DevMem& w, int64_t n, const DevMem& out, Layout layout, Epi epi,
@@ -703,6 +862,38 @@ bool ModelBench::check(std::string& line) {
   return ok;
 }
 
+// The FP8 FFN once on set 0: finite, and one token against the fp64 reference of the quantised layer.
+bool ModelBench::checkFp8(std::string& line) {
+  const int64_t H = m_.hidden;
+  run(Op::kFfn, 0, 0, false, false, true);
+  syncOrDie(s_, 60, "FFN FP8");
+  const bool finite = allFinite(b_.out.get(), size_t(r_->tokens) * H);
+  const int64_t t0 = r_->tokens / 2;
+  std::vector<float> got;
+  for (uint16_t v : download(b_.out.at(size_t(t0 * H * 2)), size_t(H))) got.push_back(bf16ToFloat(v));
+  const double err = relError(got, tokenReferenceFp8(m_, *r_, t0, b_.x[0].get(), b_.w1q.get(), b_.w1s.get(),
+                                                     b_.w2q.get(), b_.w2s.get()));
+  // How far FP8 moves the layer's output from bf16's (the quantisation itself; not checked, for the record).
+  std::vector<float> bf;
+  for (uint16_t v : ffnRow_) bf.push_back(bf16ToFloat(v));
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "fp8 ffn finite %s; token %lld rel_err vs the quantised reference %.2e (vs bf16 %.2e)",
+                finite ? "yes" : "NO", static_cast<long long>(t0), err, relError(got, bf));
+  line = buf;
+  return finite && err < kFp8Tolerance;
+}
+
+void ModelBench::timeFp8(Timings& t) {
+  const int64_t rows = r_->rows(), H = m_.hidden, F = m_.ffn;
+  const double g1 = 2.0 * double(rows) * H * 2 * F, g2 = 2.0 * double(rows) * F * H;
+  const double fp8 = t.add("ffn_fp8_ms", "FFN FP8 (whole layer)",
+                           time([&](int set) { run(Op::kFfn, set, 0, false, false, true); }), g1 + g2);
+  t.add("gemm1_swiglu_fp8_ms", "FP8 gemm1+SwiGLU alone", time([&](int) { gemmFp8(true); }), g1);
+  t.add("gemm2_fp8_ms", "FP8 gemm2 alone", time([&](int) { gemmFp8(false); }), g2);
+  const double bf16 = t.rows.front().key == "ffn_ms" ? t.rows.front().ms : 0;
+  t.note("bf16 / FP8", bf16 / fp8, "(FFN bf16 ms / FFN FP8 ms, same routing; target >= 1.6 at DeepSeek-V3)");
+}
+
 void ModelBench::timeForward(Timings& t, bool& ok) {
   const int64_t rows = r_->rows(), H = m_.hidden, F = m_.ffn;
   const double g1 = 2.0 * double(rows) * H * 2 * F, g2 = 2.0 * double(rows) * F * H;
@@ -857,12 +1048,21 @@ bool ModelBench::runCase(const Routing& r, std::string& json) {
     ok = ok && savedOk;
     std::printf("%s %s %s: %s\n", savedOk ? "ok  " : "FAIL", m_.name, r.name.c_str(), line.c_str());
   }
+  if (o_.fp8) {
+    const bool fp8ok = checkFp8(line);
+    std::printf("%s %s %s: %s\n", fp8ok ? "ok  " : "FAIL", m_.name, r.name.c_str(), line.c_str());
+    ok = ok && fp8ok;
+  }
 
   Timings t;
   const int64_t rows = r.rows();
   const double ffnFlops = 2.0 * double(rows) * m_.hidden * 3 * m_.ffn;
   std::string plan = run(Op::kFfn, 0);
   t.add("ffn_ms", "FFN (whole layer)", time([&](int set) { run(Op::kFfn, set); }), ffnFlops);
+  if (o_.fp8) {
+    plan += " | " + run(Op::kFfn, 0, 0, false, false, true);
+    timeFp8(t);
+  }
   if (o_.fwd) timeForward(t, ok);
   if (o_.bwd) {
     plan += " | " + run(Op::kBackward, 0);
@@ -902,7 +1102,10 @@ std::vector<T> splitList(const std::string& s, F&& convert) {
 
 constexpr const char* kUsage =
     "usage: moe_bench [--iters N] [--models deepseek-v3,mixtral] [--rows-per-expert 256,512,1024,2048,4096]\n"
-    "                 [--no-skew] [--pass fwd|bwd|all] [--saved] [--routing-dir DIR] [--json FILE] [--experiment]\n"
+    "                 [--no-skew] [--pass fwd|bwd|all] [--saved] [--dtype bf16|fp8] [--routing-dir DIR] [--json FILE]\n"
+    "                 [--experiment]\n"
+    "  --dtype fp8: also the FFN with FP8 weights (e4m3, 128 x 128 block scales) on the same routings, its FP8\n"
+    "              GEMMs alone, and bf16 ms / FP8 ms (--pass fwd --dtype fp8 times the forward only)\n"
     "  --pass fwd: dispatch+GEMM, the FFN, its GEMMs alone; bwd: the FFN, the backward, fwd+bwd, the backward's\n"
     "              GEMMs alone; all (default): both\n"
     "  --saved: with the backward, also the forward saving gate|up and the backward from it (no recompute GEMM),\n"
@@ -946,6 +1149,9 @@ int main(int argc, char** argv) {
       o.experiment = true;
     } else if (a == "--saved") {
       o.saved = true;
+    } else if (a == "--dtype" && more &&
+               (argv[i + 1] == std::string("bf16") || argv[i + 1] == std::string("fp8"))) {
+      o.fp8 = std::string(argv[++i]) == "fp8";
     } else {
       const bool help = a == "--help" || a == "-h";
       std::fprintf(help ? stdout : stderr, "%s", kUsage);
@@ -971,7 +1177,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs; bf16, 1 rank, %s\n", prop.name, prop.multiProcessorCount,
+  std::printf("device: %s, %d SMs; bf16%s, 1 rank, %s\n", prop.name, prop.multiProcessorCount,
+              o.fp8 ? " and FP8 weights" : "",
               o.fwd && o.bwd ? "forward and backward"
               : o.fwd        ? "forward"
                              : "backward");

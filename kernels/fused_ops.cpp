@@ -293,8 +293,9 @@ uint64_t workspaceBytesFor(const OpDescriptor& d, uint32_t nranks, uint64_t moeR
     // The FFN's receive rows (x, h and y; the backward's also dout, gate|up and g) fill the span before the scratch.
     const int64_t rows = static_cast<int64_t>(moeRows != 0 ? moeRows : d.dims[dim::kTokens] * d.dims[dim::kTopk]);
     const bool backward = d.kind == OpKind::kMoeFfnBackward;
-    return WorkspaceLayout::bytesForSpan(moeRecvBytes(rows, dimOf(dim::kHidden), dimOf(dim::kFfn), backward) + scratch,
-                                         scratch, nranks);
+    const bool fp8 = !backward && isFp8(moeWeightDtype(d.dtype, d.flags));  // e4m3 x and h rows (moe.hpp)
+    return WorkspaceLayout::bytesForSpan(
+        moeRecvBytes(rows, dimOf(dim::kHidden), dimOf(dim::kFfn), backward, fp8) + scratch, scratch, nranks);
   }
   return WorkspaceLayout::bytesFor(0, nranks);
 }

@@ -12,6 +12,7 @@
 #include "tandem/common/descriptor.hpp"
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/grouped_gemm.hpp"
+#include "tandem/kernels/grouped_gemm_fp8.hpp"
 #include "tandem/kernels/grouped_gemm_wgrad.hpp"
 #include "tandem/kernels/moe.hpp"
 
@@ -40,7 +41,7 @@ const char* opName(const MoeParams& p) {
 // Receive rows of this rank: dispatch+GEMM its capacity, FFN whatever the receive area holds (capped for int32).
 int64_t recvRowsOf(const MoeParams& p, const MoeComm& c) {
   if (!p.ffn) return p.capacity;
-  return std::min<int64_t>(moeRecvRows(c.recvBytes, p.hidden, p.ffnDim, p.backward), kMax32 / 2);
+  return std::min<int64_t>(moeRecvRows(c.recvBytes, p.hidden, p.ffnDim, p.backward, p.fp8), kMax32 / 2);
 }
 
 int smCount() {
@@ -112,21 +113,69 @@ std::string launchBackward(const MoeParams& g, const MoeComm& c, const MoeKernel
                      g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms, actCtas, combineCtas);
 }
 
-}  // namespace
-
-uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn, bool backward) {
-  return recvLayout(rows, hidden, ffn, backward).bytes;
+// The FFN forward with FP8 weights on the owner, after the quantised rows arrived (moe.hpp): gemm1 with the SwiGLU
+// epilogue writes h in e4m3 with its 1 x 128 scales, gemm2 y in bf16, both on the FP8 grouped GEMM over the plan
+// kernel's group offsets (zero when the op failed: nothing computed); then the y exchange and the combine, as bf16's.
+// The routing weight stays with the combine (as bf16's), so y is the same unweighted row on both paths.
+std::string launchFfnFp8(const MoeParams& g, const MoeComm& c, const MoeKernelParams& p, const RecvLayout& rl,
+                         int64_t rows, int combineCtas, cudaStream_t stream) {
+  char* const recv = p.recv[c.rank];
+  GroupedGemmFp8Params g1{};
+  g1.x = recv + rl.xOff;
+  g1.xScale = reinterpret_cast<const float*>(recv + rl.xScaleOff);
+  g1.ldxScale = static_cast<int64_t>(rl.scaleLd);
+  g1.w = g.w1;
+  g1.wScale = g.w1Scale;
+  g1.wScaling = GroupedFp8WeightScaling::kBlock;
+  g1.out = recv + rl.hOff;
+  g1.outScale = reinterpret_cast<float*>(recv + rl.hScaleOff);
+  g1.ldOutScale = static_cast<int64_t>(rl.scaleLd);
+  g1.groupOffsets = p.groupOffsets;
+  g1.mTotal = rows;
+  g1.n = 2 * g.ffnDim;
+  g1.k = g.hidden;
+  g1.numExperts = g.experts / c.nranks;
+  g1.epilogue = GroupedGemmEpilogue::kSwiGlu;
+  if (g.gemmDynamicTiles) g1.tileCounter = &p.status->gemmTiles[0];  // zeroed with the status
+  GroupedGemmFp8Params g2 = g1;
+  g2.x = g1.out;
+  g2.xScale = g1.outScale;
+  g2.w = g.w2;
+  g2.wScale = g.w2Scale;
+  g2.out = recv + rl.yOff;
+  g2.outScale = nullptr;
+  g2.ldOutScale = 0;
+  g2.n = g.hidden;
+  g2.k = g.ffnDim;
+  g2.epilogue = GroupedGemmEpilogue::kStore;
+  if (g.gemmDynamicTiles) g2.tileCounter = &p.status->gemmTiles[1];
+  launchGroupedGemmFp8(g1, stream, g.gemmSms);
+  launchGroupedGemmFp8(g2, stream, g.gemmSms);
+  if (c.nranks > 1) checkCuda(launchArrive(p, 1, stream), "launching the y exchange");
+  checkCuda(launchCombine(p, combineCtas, stream), "launching the combine kernel");
+  const int sms = smCount();
+  return fmt::format("FP8 gemm1+SwiGLU (h in e4m3) and gemm2 over up to {} receive rows ({} SMs), combine {} CTAs "
+                     "(a warp per token, pulled in slot order)",
+                     rows, g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms, combineCtas);
 }
 
-int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn, bool backward) {
+}  // namespace
+
+uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn, bool backward, bool fp8) {
+  return recvLayout(rows, hidden, ffn, backward, fp8).bytes;
+}
+
+int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn, bool backward, bool fp8) {
   if (hidden <= 0) return 0;
   // Per row: x and (FFN) y of hidden, h of ffn, 16 bytes of row info; the backward's weight and dtopk (8 bytes),
-  // gate|up and g (3 ffn).
+  // gate|up and g (3 ffn). FP8: x and h of one byte each and their scales (4 bytes per 128 columns), y of two.
   const auto f = static_cast<uint64_t>(std::max<int64_t>(ffn, 0));
-  const uint64_t perRow = static_cast<uint64_t>(hidden) * 2 * (ffn > 0 ? 2 : 1) + f * 2 + 16 +
-                          (backward && ffn > 0 ? 8 + f * 3 * 2 : 0);
+  const auto h = static_cast<uint64_t>(hidden);
+  const bool fp8Rows = fp8 && ffn > 0 && !backward;
+  const uint64_t perRow = fp8Rows ? 3 * h + f + 4 * (h / 128 + f / 128) + 16
+                                  : h * 2 * (ffn > 0 ? 2 : 1) + f * 2 + 16 + (backward && ffn > 0 ? 8 + f * 3 * 2 : 0);
   int64_t rows = static_cast<int64_t>(bytes / perRow);
-  while (rows > 0 && moeRecvBytes(rows, hidden, ffn, backward) > bytes) --rows;  // the alignment slack: a few rows
+  while (rows > 0 && moeRecvBytes(rows, hidden, ffn, backward, fp8) > bytes) --rows;  // the alignment slack
   return rows;
 }
 
@@ -180,6 +229,30 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
     fail(kBad, "{}: ffn = {} must be a positive multiple of 8 (16-byte rows of h); pad w1 and w2 with zeros", op,
          p.ffnDim);
   }
+  if (p.fp8) {
+    if (!p.ffn || p.backward) {
+      fail(kBad, "{}: FP8 weights (w_dtype) are the FFN forward's only; pass bf16 or fp16 weights", op);
+    }
+    if (p.dtype != GemmDtype::kBf16) fail(kBad, "{}: FP8 weights (w_dtype) need dtype bf16 (x and out)", op);
+    if (p.savedRows != 0) {
+      fail(kBad, "{}: saved_rows = {}: saved activations are for the backward, which FP8 weights do not have", op,
+           p.savedRows);
+    }
+    // The FP8 grouped GEMM's rules (grouped_gemm_fp8.hpp): gemm1's k and the quantising dispatch's 16-column pieces;
+    // the SwiGLU epilogue's h tiles, each in one 128-row scale block of w1.
+    if (p.hidden % 16 != 0) {
+      fail(kBad,
+           "{}: hidden = {} must be a multiple of 16 with FP8 weights (the FP8 grouped GEMM reads 16-byte rows of "
+           "e4m3 x); pad hidden with zeros",
+           op, p.hidden);
+    }
+    if (p.ffnDim % 128 != 0) {
+      fail(kBad,
+           "{}: ffn = {} must be a multiple of 128 with FP8 weights (the FP8 grouped GEMM's SwiGLU tiles each take "
+           "one 128-row block of w1's scales, and h is quantised per 128 columns); pad w1 and w2 with zeros",
+           op, p.ffnDim);
+    }
+  }
   if (!p.ffn && (p.capacity < 0 || p.capacity > kMax32)) {
     fail(kBad, "{}: capacity = {} must be in [0, 2^31)", op, p.capacity);
   }
@@ -197,7 +270,7 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
   }
   const uint64_t scratch = moeScratchBytes(p.tokens, p.topk, p.experts);
   const int64_t rows = recvRowsOf(p, c);
-  const uint64_t recv = moeRecvBytes(p.ffn ? 1 : rows, p.hidden, p.ffn ? p.ffnDim : 0, p.backward);
+  const uint64_t recv = moeRecvBytes(p.ffn ? 1 : rows, p.hidden, p.ffn ? p.ffnDim : 0, p.backward, p.fp8);
   if (scratch > c.scratchBytes || recv > c.recvBytes) {
     fail(kBad,
          "{}: tokens = {}, hidden = {}, {} = {} need {} bytes of receive rows and {} of scratch on this rank, "
@@ -245,6 +318,10 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
     need16(p.w1, "w1", true);
     need16(p.w2, "w2", true);
     need16(p.out, "out", any);
+    if (p.fp8) {
+      need4(p.w1Scale, "w1_scale", true);
+      need4(p.w2Scale, "w2_scale", true);
+    }
   } else {
     need16(p.w, "w", true);
     need16(p.out, "out", p.capacity > 0);
@@ -259,7 +336,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   const int64_t rows = recvRowsOf(g, c);
   const int64_t ffn = g.ffn ? g.ffnDim : 0;
   const ScratchLayout sl = scratchLayout(g.tokens, g.topk, g.experts);
-  const RecvLayout rl = recvLayout(rows, g.hidden, ffn, g.backward);
+  const RecvLayout rl = recvLayout(rows, g.hidden, ffn, g.backward, g.fp8);
   auto* scratch = static_cast<char*>(c.scratch);
 
   MoeKernelParams p;
@@ -308,6 +385,7 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   // Rows past 2^31 never arrive (the receive rows are capped below that), so a larger saved_rows limits nothing more.
   p.saved = g.savedRows > 0 ? g.saved : nullptr;
   p.savedRows = static_cast<int32_t>(std::min<int64_t>(g.savedRows, kMax32));
+  p.fp8 = g.fp8 ? 1 : 0;
 
   const int sms = smCount();
   const int64_t pairs = g.tokens * g.topk;
@@ -325,7 +403,14 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   checkCuda(cudaMemsetAsync(p.status, 0, sizeof(MoeStatus), stream), "cudaMemsetAsync(status)");
   checkCuda(launchRoute(p, routeCtas, chunks, stream), "launching the route kernel");
   checkCuda(launchPlan(p, stream), "launching the plan kernel");
-  checkCuda(launchDispatch(p, copyCtas, stream), "launching the dispatch kernel");
+  // FP8: a warp per (token, kQuantCols columns) quantises and writes to all of the token's experts.
+  const int quantCtas = static_cast<int>(
+      std::clamp<int64_t>(ceilDiv(g.tokens * ceilDiv(g.hidden, kQuantCols), kCopyWarps), 1, int64_t{sms} * 8));
+  if (g.fp8) {
+    checkCuda(launchDispatchFp8(p, quantCtas, stream), "launching the quantising dispatch kernel");
+  } else {
+    checkCuda(launchDispatch(p, copyCtas, stream), "launching the dispatch kernel");
+  }
   // One rank waits for no peer: its FFN needs neither exchange (stream order suffices); its dispatch+GEMM still copies
   // the row info out here.
   const bool alone = c.nranks == 1;
@@ -334,6 +419,11 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
   if (g.backward) {
     return fmt::format("route {}x{} CTAs, plan, dispatch {} CTAs (x and dout rows), {}", routeCtas, chunks, copyCtas,
                        launchBackward(g, c, p, rl, rows, combineCtas, stream));
+  }
+  if (g.fp8) {
+    return fmt::format("route {}x{} CTAs, plan, quantising dispatch {} CTAs (a warp per token and {} columns), {}",
+                       routeCtas, chunks, quantCtas, kQuantCols,
+                       launchFfnFp8(g, c, p, rl, rows, combineCtas, stream));
   }
   GroupedGemmParams gg{};
   gg.dtype = g.dtype;
@@ -405,10 +495,12 @@ void preloadMoeKernels(int device) {
   int previous = 0;
   checkCuda(cudaGetDevice(&previous), "cudaGetDevice");
   checkCuda(cudaSetDevice(device), "cudaSetDevice");
-  const cudaError_t e = prepareMoeKernels();
+  cudaError_t e = prepareMoeKernels();
+  if (e == cudaSuccess) e = prepareMoeFp8Kernels();
   cudaSetDevice(previous);
   checkCuda(e, "loading the MoE kernels");
   preloadGroupedGemmKernels(device);
+  preloadGroupedGemmFp8Kernels(device);
   preloadGroupedWgradKernels(device);
 }
 

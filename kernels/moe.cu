@@ -25,6 +25,7 @@
 #include "device/ordering.cuh"
 #include "device/wait.cuh"
 #include "moe_desc.hpp"
+#include "moe_dispatch.cuh"
 
 namespace tandem::kernels::moe {
 namespace {
@@ -331,17 +332,7 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeDispatchKernel(const __gri
       }
     }
   }
-  // Even a failed op (nothing copied) releases the flag: owners wait for it before the next op may touch the table.
-  __syncthreads();  // this CTA's copies happen before thread 0's fence
-  if (threadIdx.x == 0) {
-    fenceAcqRelSys();  // release: this CTA's rows, before its count
-    const uint32_t done = atomicAdd(&p.status->dispatchCtasDone, 1u) + 1u;
-    if (done == gridDim.x) {
-      fenceAcqRelSys();  // acquire: every CTA's rows (each fenced before its add)
-      // release: this rank's rows for every owner; pairs with moeArriveKernel's waitGeq
-      for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->dispatchFlag[p.rank], opEpoch(p));
-    }
-  }
+  finishDispatch(p);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -438,7 +429,7 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeCombineKernel(const __grid
         const int32_t d = e / p.localExperts;
         const int32_t row =
             p.srcOffset[e] + p.chunkBase[static_cast<int64_t>(t / kRouteChunk) * p.experts + e] + p.localIdx[pi];
-        const RecvLayout lay = recvLayout(p.status->capacity[d], p.hidden, p.ffn, p.backward != 0);
+        const RecvLayout lay = recvLayout(p.status->capacity[d], p.hidden, p.ffn, p.backward != 0, p.fp8 != 0);
         sRow[warp][lane] =
             reinterpret_cast<const uint4*>(p.recv[d] + lay.yOff + static_cast<uint64_t>(row) * p.hidden * 2);
         // The backward's rows are dx, already scaled by the weight (through dh): summed as they are; its dtopk

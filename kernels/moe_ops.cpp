@@ -37,6 +37,11 @@ MoeParams paramsOf(const OpDescriptor& d, const DevicePointers& ptrs) {
       p.dw2 = ptrs[slot::kMoeDw2];
     } else {
       p.out = ptrs[slot::kFfnOut];
+      p.fp8 = isFp8(moeWeightDtype(d.dtype, d.flags));
+      if (p.fp8) {
+        p.w1Scale = static_cast<const float*>(ptrs[slot::kFfnW1Scale]);
+        p.w2Scale = static_cast<const float*>(ptrs[slot::kFfnW2Scale]);
+      }
     }
     p.savedRows = static_cast<int64_t>(d.dims[dim::kSavedRows]);
     p.saved = p.savedRows > 0 ? ptrs[p.backward ? slot::kMoeBwdSaved : slot::kFfnSaved] : nullptr;

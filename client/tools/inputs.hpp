@@ -49,10 +49,11 @@ TANDEMCTL_HD inline uint8_t byteAt(uint64_t key, uint64_t i) {
   return static_cast<uint8_t>(mix64(key + i * 0x9E3779B97F4A7C15ULL) >> 56);
 }
 
-// Whether slot `s` of `op` is filled by the hash (on the device on GPUs) rather than by reference::fillInputs.
+// Whether slot `s` of `op` is filled by the hash (on the device on GPUs) rather than by reference::fillInputs. The MoE
+// FFN's weights count as the op's dtype: `tandemctl run` makes no FP8 weights.
 inline bool hashFilled(const OpSpec& op, int s) {
   const ElementType t = op.slots[static_cast<std::size_t>(s)].type;
-  return t == ElementType::kOpDtype || t == ElementType::kRaw;
+  return t == ElementType::kOpDtype || t == ElementType::kWeightDtype || t == ElementType::kRaw;
 }
 
 // Fills `desc`'s slots in host memory: inputs from (seed, desc.rank), outputs poisoned. Null or empty slots are

@@ -199,6 +199,21 @@ float roundTo(DType dtype, float value) {
   return std::numeric_limits<float>::quiet_NaN();
 }
 
+float quantizeE4m3Block(const float* in, std::size_t count, float* dequantized) {
+  constexpr float kE4M3Max = 448.0f;
+  constexpr float kMinAmax = 1e-30f;  // keeps 448 / a finite for an all-zero block, whose values then quantise to 0
+  float amax = 0.0f;
+  for (std::size_t i = 0; i < count; ++i) amax = std::max(amax, std::fabs(in[i]));
+  amax = std::max(amax, kMinAmax);
+  const float inv = kE4M3Max / amax;
+  const float scale = amax / kE4M3Max;
+  for (std::size_t i = 0; i < count; ++i) {
+    // |v * inv| <= 448 up to one rounding, which e4m3 rounds to 448: the kernels' satfinite never acts.
+    dequantized[i] = fp8ToFloat(floatToFp8(in[i] * inv, kE4M3), kE4M3) * scale;
+  }
+  return scale;
+}
+
 void loadElements(const std::byte* base, DType dtype, std::size_t count, float* out) {
   // The switch sits outside the loops so each loop is a tight conversion the compiler can unroll.
   switch (dtype) {

@@ -19,8 +19,8 @@ constexpr T shardT(int d) { return {T::Kind::kShard, static_cast<uint8_t>(d), 1}
 constexpr T perRankT(int d) { return {T::Kind::kPerRank, static_cast<uint8_t>(d), 1}; }
 constexpr T nranksT() { return {T::Kind::kNranks, 0, 1}; }
 constexpr T constT(uint32_t v) { return {T::Kind::kConst, 0, v}; }
-constexpr T blocksT(int d) {
-  return {T::Kind::kBlocks, static_cast<uint8_t>(d), static_cast<uint32_t>(kFp8ScaleBlock)};
+constexpr T blocksT(int d, uint32_t block = static_cast<uint32_t>(kFp8ScaleBlock)) {
+  return {T::Kind::kBlocks, static_cast<uint8_t>(d), block};
 }
 
 constexpr std::string_view kOutDtypeValues =
@@ -109,6 +109,12 @@ struct Builder {
     s.fp8 = true;
     return flagField("out_dtype", kGemmOutDtypeShift, 2, 3, kOutDtypeValues)
         .flagField("scaling", 6, 1, 1, "TANDEM_FP8_SCALE_TENSOR (0) or TANDEM_FP8_SCALE_BLOCK (1)");
+  }
+  // The op's weights may be e4m3 (OpSpec::fp8Weights): its w_dtype field (flags bits 7-9, a tandem_dtype_t; the values
+  // other than 0, dtype and e4m3 are refused by the op's check with the reason).
+  Builder& fp8Weights() {
+    s.fp8Weights = true;
+    return flagField("w_dtype", kMoeWeightDtypeShift, 3, 7, "0 (dtype's) or TANDEM_DTYPE_FP8_E4M3 (5)");
   }
   Builder& readsVerdict() {
     s.readsVerdict = true;
@@ -215,11 +221,41 @@ void checkMoeSaved(const OpDescriptor& d) {
   }
 }
 
+// The MoE FFN: checkMoe, and its weights' dtype (w_dtype): e4m3 weights need bf16 x and out.
+void checkMoeFfn(const OpDescriptor& d) {
+  checkMoe(d);
+  const std::string_view kind = opKindName(d.kind);
+  const DType w = moeWeightDtype(d.dtype, d.flags);
+  if (w == d.dtype) return;
+  if (w == DType::kF8E5M2) {
+    fail(ErrorCode::kInvalidArgument,
+         "{}: w_dtype is fp8-e5m2; the FFN's FP8 weights are e4m3 (e5m2 is for gradients), so pass w_dtype "
+         "TANDEM_DTYPE_FP8_E4M3 (5)", kind);
+  }
+  if (w != DType::kF8E4M3) {
+    fail(ErrorCode::kInvalidArgument,
+         "{}: w_dtype is {} but dtype is {}; w1 and w2 are in dtype (w_dtype 0) or e4m3 with block scales (w_dtype "
+         "TANDEM_DTYPE_FP8_E4M3, 5)", kind, dtypeName(w), dtypeName(d.dtype));
+  }
+  if (d.dtype != DType::kBF16) {
+    fail(ErrorCode::kInvalidArgument,
+         "{}: w_dtype fp8-e4m3 needs dtype bf16 (x and out), not {}; pass dtype TANDEM_DTYPE_BF16 (3)", kind,
+         dtypeName(d.dtype));
+  }
+  if (d.dims[dim::kSavedRows] != 0) {
+    fail(ErrorCode::kInvalidArgument,
+         "{}: saved activations are for the backward, which FP8 weights do not have; pass saved_rows 0 (no saved) "
+         "with w_dtype fp8-e4m3, or bf16 weights to train",
+         kind);
+  }
+}
+
 constexpr auto D = ElementType::kOpDtype;
 constexpr auto I32 = ElementType::kI32;
 constexpr auto F32 = ElementType::kF32;
 constexpr auto Raw = ElementType::kRaw;
 constexpr auto Out = ElementType::kOutDtype;
+constexpr auto W = ElementType::kWeightDtype;
 
 std::array<OpSpec, kOpKindCount - 1> buildTable() {
   using enum DimSplit;
@@ -306,21 +342,32 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
           .slot("x", D, {dimT(d::kTokens), dimT(d::kHidden)}, "[tokens, hidden]")
           .slot("topk_ids", I32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] int32")
           .slot("topk_weights", F32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] fp32")
-          .slot("w1", D, {perRankT(d::kExperts), constT(2), dimT(d::kFfn), dimT(d::kHidden)},
-                "[experts/nranks, 2*ffn, hidden]")
+          .slot("w1", W, {perRankT(d::kExperts), constT(2), dimT(d::kFfn), dimT(d::kHidden)},
+                "[experts/nranks, 2*ffn, hidden] (w_dtype)")
           .axes({1, 2, 1, 0})
-          .slot("w2", D, {perRankT(d::kExperts), dimT(d::kHidden), dimT(d::kFfn)}, "[experts/nranks, hidden, ffn]")
+          .slot("w2", W, {perRankT(d::kExperts), dimT(d::kHidden), dimT(d::kFfn)},
+                "[experts/nranks, hidden, ffn] (w_dtype)")
           .slot("out", D, {dimT(d::kTokens), dimT(d::kHidden)}, "[tokens, hidden]", true)
           .slot("saved", D, {dimT(d::kSavedRows), constT(2), dimT(d::kFfn)}, "[saved_rows, 2*ffn]", true, true)
           .axes({1, 2, 0, 0})
+          // FP8 weights' block scales (slot::kFfnW1Scale, kFfnW2Scale): ceil(2*ffn/128) is ceil(ffn/64).
+          .slot("w1_scale", F32, {perRankT(d::kExperts), blocksT(d::kFfn, 64), blocksT(d::kHidden)},
+                "fp32 [experts/nranks, ceil(2*ffn/128), ceil(hidden/128)] (FP8 w_dtype only)")
+          .fp8Scale()
+          .slot("w2_scale", F32, {perRankT(d::kExperts), blocksT(d::kHidden), blocksT(d::kFfn)},
+                "fp32 [experts/nranks, ceil(hidden/128), ceil(ffn/128)] (FP8 w_dtype only)")
+          .fp8Scale()
+          .fp8Weights()
           .crossNode(CrossNode::kReplicate)
-          .check(checkMoe)
+          .check(checkMoeFfn)
           .checkSlots(checkMoeSaved)
           .readsVerdict()
           .deviceError(ErrorCode::kTimeout)
-          // saved_rows and saved come after cuda_stream: they were appended to the struct after 0.2.x.
+          // saved_rows and saved, then w_dtype and the scales, come after cuda_stream: they were appended to the
+          // struct after 0.2.x, in that order.
           .c("tandem_moe_ffn_args_t", "moe_ffn",
-             "dtype tokens hidden ffn experts topk x topk_ids topk_weights w1 w2 out cuda_stream saved_rows saved"));
+             "dtype tokens hidden ffn experts topk x topk_ids topk_weights w1 w2 out cuda_stream saved_rows saved "
+             "w_dtype w1_scale w2_scale"));
   {
     const std::initializer_list<T> qkv{dimT(d::kSeq), dimT(d::kHeads), dimT(d::kHeadDim)};
     const std::initializer_list<T> kv{dimT(d::kSeq), dimT(d::kKvHeads), dimT(d::kHeadDim)};
@@ -446,6 +493,12 @@ const OpSpec* findOp(std::string_view name) {
   return name == "nop" ? &table()[static_cast<std::size_t>(OpKind::kNop) - 1] : nullptr;
 }
 
+Fp8ScaleShape fp8ScaleShape(const OpSpec& spec, const OpDescriptor& d) {
+  if (spec.fp8Weights) return isFp8(moeWeightDtype(d.dtype, d.flags)) ? Fp8ScaleShape::kBlock : Fp8ScaleShape::kNone;
+  if (!spec.fp8 || !isFp8(d.dtype)) return Fp8ScaleShape::kNone;
+  return (d.flags & kFlagFp8BlockScale) != 0 ? Fp8ScaleShape::kBlock : Fp8ScaleShape::kTensor;
+}
+
 bool slotTransposed(const SlotSpec& s, uint16_t flags) {
   switch (s.operand) {
     case SlotSpec::Operand::kA: return aTransposed(gemmOperandsOf(flags));
@@ -459,6 +512,7 @@ DType slotDtype(const SlotSpec& s, const OpDescriptor& d) {
   switch (s.type) {
     case ElementType::kOpDtype: return d.dtype;
     case ElementType::kOutDtype: return gemmOutDtype(d.dtype, d.flags);
+    case ElementType::kWeightDtype: return moeWeightDtype(d.dtype, d.flags);
     case ElementType::kI32: return DType::kI32;
     case ElementType::kF32: return DType::kF32;
     case ElementType::kRaw: break;
@@ -473,7 +527,8 @@ std::size_t slotElementSize(const SlotSpec& s, const OpDescriptor& d) {
 std::size_t elementSize(ElementType type, DType dtype) {
   switch (type) {
     case ElementType::kOpDtype:
-    case ElementType::kOutDtype: return dtypeSize(dtype);
+    case ElementType::kOutDtype:
+    case ElementType::kWeightDtype: return dtypeSize(dtype);
     case ElementType::kI32:
     case ElementType::kF32: return 4;
     case ElementType::kRaw: return 1;
@@ -484,8 +539,9 @@ std::size_t elementSize(ElementType type, DType dtype) {
 uint64_t slotElements(const OpSpec& spec, int s, const OpDescriptor& d, bool* overflow) {
   const SlotSpec& sl = spec.slots[static_cast<std::size_t>(s)];
   if (overflow != nullptr) *overflow = false;
-  if (sl.fp8Scale && !isFp8(d.dtype)) return 0;
-  if (sl.fp8Scale && (d.flags & kFlagFp8BlockScale) == 0) return 1;
+  if (sl.fp8Scale && fp8ScaleShape(spec, d) != Fp8ScaleShape::kBlock) {
+    return fp8ScaleShape(spec, d) == Fp8ScaleShape::kTensor ? 1 : 0;
+  }
   uint64_t n = 1;
   bool over = false;
   for (int i = 0; i < sl.termCount; ++i) {
@@ -541,7 +597,7 @@ CArgsLayout cArgsLayout(const OpSpec& spec) {
 std::string opTableJson() {
   using nlohmann::json;
   static constexpr std::array<const char*, 6> kFieldKinds{"dtype", "dim", "flag", "scale", "tensor", "stream"};
-  static constexpr std::array<const char*, 5> kElementTypes{"op_dtype", "i32", "f32", "raw", "out_dtype"};
+  static constexpr std::array<const char*, 6> kElementTypes{"op_dtype", "i32", "f32", "raw", "out_dtype", "w_dtype"};
   static constexpr std::array<const char*, 6> kTermKinds{"dim", "shard", "per_rank", "nranks", "const", "blocks"};
   static constexpr std::array<const char*, 4> kSplits{"global", "split", "per_rank", "capacity"};
   static constexpr std::array<const char*, 5> kCross{"none", "gather", "reduce_scatter", "all_reduce", "replicate"};
@@ -585,7 +641,8 @@ std::string opTableJson() {
     }
     ops.push_back({{"kind", static_cast<int>(op.kind)}, {"name", op.name}, {"py_name", op.pyName},
                    {"c_function", op.cArgsFunction}, {"c_struct", op.cStruct}, {"struct_size", layout.size},
-                   {"summary", op.summary}, {"typed", op.typed}, {"fp8", op.fp8}, {"flags", op.flags},
+                   {"summary", op.summary}, {"typed", op.typed}, {"fp8", op.fp8}, {"fp8_weights", op.fp8Weights},
+                   {"flags", op.flags},
                    {"scale", op.scale},
                    {"cross_node", kCross[static_cast<std::size_t>(op.crossNode)]}, {"cross_slot", op.crossSlot},
                    {"reads_verdict", op.readsVerdict}, {"device_error", static_cast<int>(op.deviceError)},

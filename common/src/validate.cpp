@@ -32,8 +32,10 @@ struct Factor {
 
 std::vector<Factor> factorsOf(const OpSpec& op, const SlotSpec& s, const OpDescriptor& d) {
   std::vector<Factor> out;
-  if (s.fp8Scale && (d.flags & kFlagFp8BlockScale) == 0) {  // per tensor (or none: not FP8)
-    out.push_back({isFp8(d.dtype) ? "1" : "0", isFp8(d.dtype) ? 1U : 0U, true});
+  const Fp8ScaleShape scales = fp8ScaleShape(op, d);
+  if (s.fp8Scale && scales != Fp8ScaleShape::kBlock) {  // per tensor (or none: not FP8)
+    const bool one = scales == Fp8ScaleShape::kTensor;
+    out.push_back({one ? "1" : "0", one ? 1U : 0U, true});
     return out;
   }
   for (int i = 0; i < s.termCount; ++i) {
@@ -106,8 +108,8 @@ void checkHeader(const OpDescriptor& d, std::string_view kind, const OpSpec& ks)
   }
   if (ks.typed && isFp8(d.dtype) && !ks.fp8) {
     fail(ErrorCode::kInvalidArgument,
-         "{}: dtype {} not supported; this op has no FP8 path (ag-gemm, gemm-rs and gemm-ar take FP8 inputs), so "
-         "use bf16, fp16 or fp32", kind, dtypeName(d.dtype));
+         "{}: dtype {} not supported; this op has no FP8 path (ag-gemm, gemm-rs and gemm-ar take FP8 inputs, "
+         "moe-dispatch-ffn-combine FP8 weights through w_dtype), so use bf16, fp16 or fp32", kind, dtypeName(d.dtype));
   }
   if (ks.typed && !isFp8(d.dtype) && d.dtype != DType::kBF16 && d.dtype != DType::kF16 && d.dtype != DType::kF32) {
     fail(ErrorCode::kInvalidArgument, "{}: dtype {} not supported; use bf16, fp16 or fp32{}", kind, dtypeName(d.dtype),
@@ -221,9 +223,10 @@ void checkBuffers(const OpDescriptor& d, const OpSpec& op, const SlotRules& rule
     const std::string_view shape = slotTransposed(s, d.flags) ? s.shapeTransposed : s.shape;
     const uint64_t bytes = rules[i].bytes;
     const std::size_t elementBytes = slotElementSize(s, d);
-    if (s.fp8Scale && !isFp8(d.dtype) && (b.bufferId != 0 || b.bytes != 0)) {
-      fail(ErrorCode::kInvalidArgument, "{}: {} is set but dtype is {}; scales apply to FP8 inputs only, so pass none",
-           kind, s.name, dtypeName(d.dtype));
+    if (s.fp8Scale && fp8ScaleShape(op, d) == Fp8ScaleShape::kNone && (b.bufferId != 0 || b.bytes != 0)) {
+      fail(ErrorCode::kInvalidArgument, "{}: {} is set but {} is {}; scales apply to FP8 inputs only, so pass none",
+           kind, s.name, op.fp8Weights ? "w_dtype" : "dtype",
+           dtypeName(op.fp8Weights ? moeWeightDtype(d.dtype, d.flags) : d.dtype));
     }
     if (b.bufferId == 0) {
       if (s.optional) {

@@ -496,7 +496,7 @@ class Communicator(FastPath):
         b [k, n]. FP8 inputs as gemm_rs's."""
         return self._gemm_reduce("gemm_ar", a, b, out, layout, a_scale, b_scale, out_dtype, scaling)
 
-    def _moe_route(self, op, x, topk_ids, topk_weights, w, wname):
+    def _moe_route(self, op, x, topk_ids, topk_weights, w, wname, wdtype=None):
         self._check(x, "x", op, ndim=2)
         dt = _dtype_code(x, op)
         tokens, hidden = x.shape
@@ -507,7 +507,7 @@ class Communicator(FastPath):
         topk = topk_ids.shape[1]
         self._check(topk_weights, "topk_weights", op, torch.float32)
         self._shape(topk_weights, "topk_weights", op, (tokens, topk), "[tokens, topk], as topk_ids")
-        self._check(w, wname, op, x.dtype, 3)
+        self._check(w, wname, op, x.dtype if wdtype is None else wdtype, 3)
         experts = w.shape[0] * self.world_size
         return dt, tokens, hidden, topk, experts
 
@@ -548,22 +548,38 @@ class Communicator(FastPath):
                           self._stream()), staged)
         return out, row_info, expert_counts
 
-    def _eager_moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None):
+    def _eager_moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None, w1_scale=None,
+                       w2_scale=None):
         """MoE dispatch + SwiGLU FFN + combine (the whole layer). x [tokens, hidden]; topk_ids, topk_weights as in
         moe_dispatch_gemm; w1 [experts/ranks, 2*ffn, hidden] (gate rows, then up rows); w2 [experts/ranks, hidden,
         ffn]. Returns out [tokens, hidden]: out_t = sum over slots of weight * (silu(x w_gate.T) * (x w_up.T)) w2.T.
         saved (optional, [saved_rows, 2*ffn] in x's dtype): receives the gate|up of every row routed to this rank's
         experts, for moe_ffn_backward(..., saved=saved) to use instead of recomputing it (tandem.h: the rows' order,
-        what it costs; an op whose rows exceed saved_rows fails naming the rows needed)."""
+        what it costs; an op whose rows exceed saved_rows fails naming the rows needed).
+        FP8 weights (forward only, eager only, no saved): w1 and w2 torch.float8_e4m3fn with float32 128 x 128 block
+        scales w1_scale [experts/ranks, ceil(2*ffn/128), ceil(hidden/128)] and w2_scale [experts/ranks,
+        ceil(hidden/128), ceil(ffn/128)] (w1[e, i, p] means w1[e, i, p] * w1_scale[e, i // 128, p // 128]), x and out
+        torch.bfloat16; x and h are quantised to e4m3 per 1 x 128 block on the way (tandem.h says exactly how)."""
         op = "moe_ffn"
-        dt, tokens, hidden, topk, experts = self._moe_route(op, x, topk_ids, topk_weights, w1, "w1")
+        fp8 = w1.dtype in _FP8_DTYPES
+        if fp8 and w1.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"tandem.{op}: FP8 weights must be torch.float8_e4m3fn, got {w1.dtype} (e5m2 is for "
+                             "gradients)")
+        dt, tokens, hidden, topk, experts = self._moe_route(op, x, topk_ids, topk_weights, w1, "w1",
+                                                            w1.dtype if fp8 else None)
         local, two_ffn = w1.shape[0], w1.shape[1]
         if w1.shape[2] != hidden or two_ffn % 2:
             raise ValueError(f"tandem.{op}: argument 'w1' must have shape [experts/ranks, 2*ffn, {hidden}] (hidden of "
                              f"'x'), got {list(w1.shape)}")
         ffn = two_ffn // 2
-        self._check(w2, "w2", op, x.dtype)
+        self._check(w2, "w2", op, w1.dtype)
         self._shape(w2, "w2", op, (local, hidden, ffn), "[experts/ranks, hidden, ffn]")
+        wcode = self._moe_fp8_scales(op, x, w1, local, hidden, ffn, w1_scale, w2_scale) if fp8 else 0
+        if not fp8:
+            for name, t in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
+                if t is not None:
+                    raise ValueError(f"tandem.{op}: argument '{name}' applies to FP8 weights (torch.float8_e4m3fn) "
+                                     f"only; w1 is {w1.dtype}")
         if out is None:
             out = self._out((tokens, hidden), x.dtype)
         else:
@@ -574,11 +590,31 @@ class Communicator(FastPath):
             self._check(saved, "saved", op, x.dtype, ndim=2)
             saved_rows = saved.shape[0]
             self._shape(saved, "saved", op, (saved_rows, 2 * ffn), "[saved_rows, 2*ffn]")
-        slots, staged = self._resolve((x, topk_ids, topk_weights, w1, w2, out, saved),
-                                      ("x", "topk_ids", "topk_weights", "w1", "w2", "out", "saved"), op)
+        slots, staged = self._resolve((x, topk_ids, topk_weights, w1, w2, out, saved, w1_scale, w2_scale),
+                                      ("x", "topk_ids", "topk_weights", "w1", "w2", "out", "saved", "w1_scale",
+                                       "w2_scale"), op)
         self._submit(op, (ARG_STRUCTS[op].size, dt, tokens, hidden, ffn, experts, topk, *slots[:12], self._stream(),
-                          saved_rows, *slots[12:]), staged)
+                          saved_rows, *slots[12:14], wcode, *slots[14:18]), staged)
         return out
+
+    def _moe_fp8_scales(self, op, x, w1, local, hidden, ffn, w1_scale, w2_scale) -> int:
+        """moe_ffn's FP8 weights' arguments, checked: bf16 x, float32 block scales of the shapes the op table gives.
+        Returns w_dtype's code."""
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"tandem.{op}: FP8 weights need torch.bfloat16 x (and out), got {x.dtype}")
+        hb, fb, f2b = -(-hidden // 128), -(-ffn // 128), -(-2 * ffn // 128)
+        for name, t, shape in (("w1_scale", w1_scale, (local, f2b, hb)), ("w2_scale", w2_scale, (local, hb, fb))):
+            if t is None:
+                raise ValueError(f"tandem.{op}: argument '{name}' is required with {w1.dtype} weights: float32 block "
+                                 f"scales {list(shape)} (one per 128 x 128 block of each expert)")
+            self._check(t, name, op, torch.float32)
+            if tuple(t.shape) != shape:
+                per_expert = t.numel() == local
+                raise ValueError(f"tandem.{op}: argument '{name}' must have shape {list(shape)} (one float32 per "
+                                 f"128 x 128 block of each expert), got {list(t.shape)}"
+                                 + ("; for one scale per expert pass scale.view(-1, 1, 1).expand("
+                                    f"{', '.join(map(str, shape))}).contiguous()" if per_expert else ""))
+        return _FP8_DTYPES[w1.dtype]
 
     def _eager_ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None,
                               lse=None, return_lse: bool = False, layout: str = "contiguous"):
@@ -667,7 +703,8 @@ class Communicator(FastPath):
                             f" got {len(inputs)}")
         like = raw = None
         for t, s in zip(inputs, spec.inputs):
-            if s.type == "op_dtype" and like is not None:
+            # The MoE FFN's weights ("w_dtype") take x's dtype here: FP8 weights go through moe_ffn's own path.
+            if s.type in ("op_dtype", "w_dtype") and like is not None:
                 self._check(t, s.name, op, like.dtype)
             else:
                 self._check(t, s.name, op, None if s.type in ("raw", "op_dtype") else s.dtype(None))
@@ -697,6 +734,8 @@ class Communicator(FastPath):
             k, n = dims[spec.dim_names.index("k")], dims[spec.dim_names.index("n")]
             out_dt, codes["out_dtype"], codes["scaling"], scales["a_scale"], scales["b_scale"] = self._fp8(
                 op, like, rows, n, k, fp8["a_scale"], fp8["b_scale"], fp8["out_dtype"], fp8["scaling"])
+        if spec.fp8_weights:  # weights in x's dtype (checked above): w_dtype 0, no scales
+            codes["w_dtype"] = 0
         for s in spec.outputs:
             shape = spec.shape(s, dims, share, rank, size, like=raw, layout=lay)
             dtype = (raw.dtype if s.type == "raw" else out_dt if s.type == "out_dtype" else
@@ -792,10 +831,11 @@ class Communicator(FastPath):
         return self._eager_moe_dispatch_gemm(x, topk_ids, topk_weights, w, capacity=capacity, out=out,
                                              row_info=row_info, expert_counts=expert_counts)
 
-    def moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None):
+    def moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None, **fp8):
         if _tc._is_compiling_flag or _dynamo_compiling():
+            _no_fp8_compiled("moe_ffn", fp8)
             return _ops.moe_ffn(self, x, topk_ids, topk_weights, w1, w2, out=out, saved=saved)
-        return self._eager_moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out, saved=saved)
+        return self._eager_moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out, saved=saved, **fp8)
 
     def ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None, lse=None,
                        return_lse: bool = False, layout: str = "contiguous"):

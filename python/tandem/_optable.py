@@ -59,6 +59,8 @@ class Spec:
         # FP8 scales and the out_dtype and scaling fields are keywords of the eager paths only (FP8 inputs); the
         # torch.library ops' schemas leave them out.
         self.fp8: bool = op.get("fp8", False)
+        # The MoE FFN's FP8 weights: w_dtype and the w1/w2 block scales, likewise eager-only keywords.
+        self.fp8_weights: bool = op.get("fp8_weights", False)
         self.fp8_scales = [s for s in self.slots if s.fp8_scale]
         self.inputs = [s for s in self.slots if not s.output and not s.fp8_scale and not s.optional]
         # Optional inputs (moe_ffn_backward's saved): keywords of the eager path; the torch.library ops leave them out.
@@ -66,7 +68,7 @@ class Spec:
         self.outputs = [s for s in self.slots if s.output]
         self.raw = any(s.type == "raw" for s in self.slots)
         self.fields: list[dict] = op["fields"]
-        fp8_fields = ("out_dtype", "scaling") if self.fp8 else ()
+        fp8_fields = ("out_dtype", "scaling") if self.fp8 else ("w_dtype",) if self.fp8_weights else ()
         self.scalars = [f for f in self.fields if f["kind"] in ("flag", "scale") and f["name"] not in fp8_fields]
         # The GEMM layout: the enum field named "layout" of an op with operand slots, and per code the operands it
         # stores transposed.

@@ -6,7 +6,9 @@
 // tiles. Then a capacity overflow (the error names the rows needed, nothing is written) and bad expert ids, each
 // followed by a correct op on the same communicator in both executors (a data error fails the op, not the
 // communicator), the shapes the kernels refuse before submission (the communicator lives on), and the daemon executor
-// (under MPS).
+// (under MPS). The FFN with FP8 weights (e4m3 w1 and w2 with 128 x 128 block scales, x and h quantised per 1 x 128
+// block) against the reference of the quantised layer (reference.hpp's FP8 MoE tolerance), 20 runs bitwise identical,
+// at 1, 2 and 4 ranks, and its refusals (ffn off 128, hidden off 16, a missing scale, an fp16 x).
 #include <algorithm>
 #include <array>
 #include <memory>
@@ -49,14 +51,17 @@ struct MoeCase {
   uint64_t experts = 0, topk = 0;
   Routing routing = Routing::kUniform;
   int64_t capacityDelta = 0;  // dispatch+GEMM: rank 0's capacity is its rows + this (< 0: overflow); others: worst case
+  DType weightDtype = DType::kInvalid;  // FFN: w1's and w2's dtype (kF8E4M3: FP8 weights); kInvalid: dtype
 };
 
 std::string describe(const MoeCase& c) {
   std::string ts;
   for (uint64_t t : c.tokens) ts += (ts.empty() ? "" : "/") + std::to_string(t);
-  return fmt::format("{} {} tokens={} hidden={} {}={} experts={} topk={} {}", tandem::opKindName(c.kind),
-                     tandem::dtypeName(c.dtype), ts, c.hidden, c.kind == OpKind::kMoeDispatchGemm ? "n_out" : "ffn",
-                     c.n, c.experts, c.topk, routingName(c.routing));
+  return fmt::format("{} {}{} tokens={} hidden={} {}={} experts={} topk={} {}", tandem::opKindName(c.kind),
+                     tandem::dtypeName(c.dtype),
+                     c.weightDtype == DType::kInvalid ? "" : fmt::format(" w {}", tandem::dtypeName(c.weightDtype)),
+                     ts, c.hidden, c.kind == OpKind::kMoeDispatchGemm ? "n_out" : "ffn", c.n, c.experts, c.topk,
+                     routingName(c.routing));
 }
 
 uint64_t tokensOf(const MoeCase& c, uint32_t r) { return c.tokens[r % c.tokens.size()]; }
@@ -102,6 +107,7 @@ OpDescriptor descriptorOf(const MoeCase& c, uint32_t r, uint32_t n, uint64_t see
   shape.k = c.hidden;
   shape.experts = c.experts;
   shape.topk = c.topk;
+  shape.weightDtype = c.weightDtype;
   OpDescriptor d = ref::makeDescriptor(shape, r, n);
   if (c.kind == OpKind::kMoeDispatchGemm) {
     uint64_t all = 0;
@@ -188,12 +194,27 @@ std::vector<MoeCase> casesFor(OpKind kind) {
   return v;
 }
 
-// Every case of `kind` at 1, 2 and 4 ranks on a tandemd with `executor`, 20 runs each.
-void runOp(OpKind kind, const std::string& executor, std::vector<uint32_t> rankCounts) {
+// The FFN with FP8 weights (e4m3, 128 x 128 block scales; x and h quantised per 1 x 128 block): hidden a multiple of
+// 16 (one case off the 128 blocks: a partial last block of x's scales and of w1's k-blocks), ffn of 128; uneven and
+// skewed routing, a rank with no tokens, top-k 1 to 8, DeepSeek-V3's ffn/hidden ratio in small.
+std::vector<MoeCase> fp8Cases() {
+  const DType bf16 = DType::kBF16, e4m3 = DType::kF8E4M3;
+  const OpKind ffn = OpKind::kMoeDispatchFfnCombine;
+  std::vector<MoeCase> v;
+  v.push_back({ffn, bf16, {96}, 256, 128, 8, 2, Routing::kUniform, 0, e4m3});
+  v.push_back({ffn, bf16, {130, 0}, 384, 256, 8, 1, Routing::kUniform, 0, e4m3});  // a rank of no tokens
+  v.push_back({ffn, bf16, {200, 57}, 528, 128, 16, 8, Routing::kSkewed, 0, e4m3});
+  v.push_back({ffn, bf16, {150}, 208, 128, 12, 4, Routing::kSparse, 0, e4m3});  // hidden off the 128 blocks
+  v.push_back({ffn, bf16, {1, 5}, 128, 128, 4, 1, Routing::kUniform, 0, e4m3});
+  return v;
+}
+
+// Every case of `kind` at 1, 2 and 4 ranks on a tandemd with `executor`, 20 runs each (`fp8`: fp8Cases()).
+void runOp(OpKind kind, const std::string& executor, std::vector<uint32_t> rankCounts, bool fp8 = false) {
   Daemon d(config(executor), {}, "");
   REQUIRE(status(d)["executor"] == executor);
   for (uint32_t n : rankCounts) {
-    const auto cases = casesFor(kind);
+    const auto cases = fp8 ? fp8Cases() : casesFor(kind);
     MESSAGE(n << " rank(s) on " << gpuCount() << " GPU(s), executor " << executor << ", MPS "
               << std::string(mpsRunning() ? "on" : "off") << ":" << listCases(cases));
     runRanks(d, n, cases, 20);
@@ -257,6 +278,12 @@ TEST_CASE(
   runOp(OpKind::kMoeDispatchFfnCombine, "client", {1, 2, 4});
 }
 
+TEST_CASE(
+    "moe-dispatch-ffn-combine with FP8 weights, client executor: matches the reference of the quantised layer at 1, 2 "
+    "and 4 ranks, 20 runs bitwise identical") {
+  runOp(OpKind::kMoeDispatchFfnCombine, "client", {1, 2, 4}, true);
+}
+
 TEST_CASE("moe ops, daemon executor (MPS): match the reference, 20 runs bitwise identical" *
           doctest::test_suite(kNeedsMps)) {
   if (skipWithoutMps()) return;
@@ -264,6 +291,7 @@ TEST_CASE("moe ops, daemon executor (MPS): match the reference, 20 runs bitwise 
   if (gpuCount() >= 2) counts.push_back(2);  // the daemon executor runs one rank per GPU
   runOp(OpKind::kMoeDispatchGemm, "daemon", counts);
   runOp(OpKind::kMoeDispatchFfnCombine, "daemon", counts);
+  runOp(OpKind::kMoeDispatchFfnCombine, "daemon", counts, true);
 }
 
 namespace {
@@ -376,9 +404,28 @@ TEST_CASE("moe ops: what the cuda backend cannot run is refused before submissio
       expect("2048 experts", tandem_moe_dispatch_gemm(j.comm, &m, &op), TANDEM_ERROR_INVALID_ARGUMENT, "experts");
       const tandem_moe_ffn_args_t f{
           sizeof f,      TANDEM_DTYPE_BF16, 8,       64, 12, 4, 2, {a, 0}, {b, 0}, {b, 1u << 20}, {c, 0},
-          {c, 4u << 20}, {a, 8u << 20},     j.stream, 0, {}};
+          {c, 4u << 20}, {a, 8u << 20},     j.stream, 0, {}, TANDEM_DTYPE_INVALID, {}, {}};
       expect("ffn not a multiple of 8", tandem_moe_dispatch_ffn_combine(j.comm, &f, &op), TANDEM_ERROR_INVALID_ARGUMENT,
              "multiple of 8");
+      // FP8 weights: ffn off the 128-row scale blocks, hidden off 16 bytes, a missing scale, a non-bf16 x.
+      const auto fp8 = [&](tandem_dtype_t dt, uint64_t hidden, uint64_t ffn, bool scales) {
+        return tandem_moe_ffn_args_t{sizeof(tandem_moe_ffn_args_t), dt, 8, hidden, ffn, 4, 2, {a, 0}, {b, 0},
+                                     {b, 1u << 20}, {c, 0}, {c, 4u << 20}, {a, 8u << 20}, j.stream,
+                                     TANDEM_DTYPE_FP8_E4M3, {scales ? b : nullptr, scales ? 2u << 20 : 0},
+                                     {b, 3u << 20}};
+      };
+      auto g = fp8(TANDEM_DTYPE_BF16, 128, 64, true);
+      expect("FP8 ffn not a multiple of 128", tandem_moe_dispatch_ffn_combine(j.comm, &g, &op),
+             TANDEM_ERROR_INVALID_ARGUMENT, "ffn = 64 must be a multiple of 128 with FP8 weights");
+      g = fp8(TANDEM_DTYPE_BF16, 136, 128, true);
+      expect("FP8 hidden not a multiple of 16", tandem_moe_dispatch_ffn_combine(j.comm, &g, &op),
+             TANDEM_ERROR_INVALID_ARGUMENT, "hidden = 136 must be a multiple of 16 with FP8 weights");
+      g = fp8(TANDEM_DTYPE_BF16, 128, 128, false);
+      expect("FP8 without w1_scale", tandem_moe_dispatch_ffn_combine(j.comm, &g, &op), TANDEM_ERROR_INVALID_ARGUMENT,
+             "buffer w1_scale is absent (bufferId 0) but required");
+      g = fp8(TANDEM_DTYPE_FP16, 128, 128, true);
+      expect("FP8 weights with fp16 x", tandem_moe_dispatch_ffn_combine(j.comm, &g, &op),
+             TANDEM_ERROR_INVALID_ARGUMENT, "w_dtype fp8-e4m3 needs dtype bf16");
       report += [&]() -> std::string {
         // Nothing was submitted: the communicator still runs an op (an MoE op, checked).
         const MoeCase ok{OpKind::kMoeDispatchGemm, DType::kBF16, {32}, 64, 64, 4, 2, Routing::kUniform};

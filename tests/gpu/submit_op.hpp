@@ -82,11 +82,13 @@ tandem_status_t submitOp(const OpDescriptor& d, const TensorOf& tensor, tandem_c
       return tandem_moe_dispatch_gemm(comm, &a, op);
     }
     case OpKind::kMoeDispatchFfnCombine: {
+      const auto wDtype = static_cast<tandem_dtype_t>((d.flags & kFlagMoeWeightDtype) >> kMoeWeightDtypeShift);
       const tandem_moe_ffn_args_t a{sizeof a, dtype, d.dims[dim::kTokens], d.dims[dim::kHidden], d.dims[dim::kFfn],
                                     d.dims[dim::kExperts], d.dims[dim::kTopk], tensor(slot::kX), tensor(slot::kTopkIds),
                                     tensor(slot::kTopkWeights), tensor(slot::kW1), tensor(slot::kW2),
                                     tensor(slot::kFfnOut), stream, d.dims[dim::kSavedRows],
-                                    tensor(slot::kFfnSaved)};
+                                    tensor(slot::kFfnSaved), wDtype, tensor(slot::kFfnW1Scale),
+                                    tensor(slot::kFfnW2Scale)};
       return tandem_moe_dispatch_ffn_combine(comm, &a, op);
     }
     case OpKind::kMoeFfnBackward: {

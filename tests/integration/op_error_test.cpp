@@ -82,7 +82,8 @@ struct RankBuffers {
                                   d.dims[dim::kExperts], d.dims[dim::kTopk], t(slot::kX), t(slot::kTopkIds),
                                   t(slot::kTopkWeights), t(slot::kW1), t(slot::kW2), t(slot::kFfnOut), nullptr,
                                   d.dims[dim::kSavedRows],
-                                  d.dims[dim::kSavedRows] != 0 ? t(slot::kFfnSaved) : tandem_tensor_t{}};
+                                  d.dims[dim::kSavedRows] != 0 ? t(slot::kFfnSaved) : tandem_tensor_t{},
+                                  TANDEM_DTYPE_INVALID, {}, {}};
     return tandem_moe_dispatch_ffn_combine(comm, &a, h);
   }
 

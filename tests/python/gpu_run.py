@@ -393,7 +393,8 @@ def section_moe(comm):
     """tandem.nn's expert-parallel MoE on the cuda backend in bf16: moe_ffn's output and its x, topk-weight, w1 and w2
     gradients against torch autograd of the same layer over every rank's tokens in float64 (bf16 tolerance), with
     uniform, skewed and sparse routing, top-k 1, 2 and 8, a rank with no tokens, the backward repeated bitwise, and once
-    under torch.compile(fullgraph=True); then with the forward's saved activations (eager and compiled)."""
+    under torch.compile(fullgraph=True); then with the forward's saved activations (eager and compiled); then moe_ffn
+    with FP8 weights against the quantised layer (moechecks.check_fp8, 3e-2), repeated bitwise."""
     import moechecks
     n, bf16 = comm.world_size, torch.bfloat16
     checked = 0
@@ -414,9 +415,14 @@ def section_moe(comm):
                                               save_activations=True, **shape)
     checked += moechecks.check_functional(comm, bf16, "sparse", 2, [24] * n, compiled=True, save_activations=True,
                                           **shape)
+    # FP8 weights (forward, eager): the FP8 grouped GEMM's shapes (hidden % 16, ffn % 128), a rank without tokens.
+    fp8 = 0
+    for hidden, ffn, topk, kind in ((256, 128, 2, "uniform"), (208, 256, 4, "skewed")):
+        tokens = [0 if (q == 1 and n > 1) else 40 + 13 * q for q in range(n)]
+        fp8 += moechecks.check_fp8(comm, hidden, ffn, 4, topk, tokens, device=comm.device, kind=kind)
     comm.synchronize()
     return (f"{checked} moe_ffn cases matched torch autograd (out, dx, dtopk_weights, dw1, dw2; bf16; recomputed and "
-            "saved activations), repeats bitwise")
+            f"saved activations), repeats bitwise; {fp8} FP8-weight cases matched the quantised layer")
 
 
 SECTIONS = {"ops": section_ops, "attention": section_attention, "compile": section_compile, "graph": section_graph,

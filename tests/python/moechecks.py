@@ -191,3 +191,80 @@ def check_layer(comm, tokens, topk=2, capacity_factor=None, hidden=8, ffn=6, exp
     _close(moe.w1.grad, w1l.grad[shard], torch.float32, f"{what} dw1")
     _close(moe.w2.grad, w2l.grad[shard], torch.float32, f"{what} dw2")
     return 1
+
+
+# ---- moe_ffn with FP8 weights (tandem.h: x and h quantised per 1 x 128 block, e4m3 weights with 128 x 128 scales)
+
+FP8_BLOCK = 128
+# The cuda backend quantises h after its fp8 tensor-core sums, this reference after float64 ones: an h value near an
+# e4m3 rounding boundary rounds the other way there (common/reference.cpp's FP8 MoE tolerance); the cpu backend's
+# float32 sums are close enough for bf16's.
+FP8_TOL = {"cpu": 1e-2, "cuda": 3e-2}
+
+
+def quantize_rows_e4m3(v):
+    """v [rows, cols] float32, each 1 x 128 block quantised as the op does: a = max(amax, 1e-30), e4m3(v * (448 / a)),
+    scale a / 448; returns the dequantised values (float32, as the op's next GEMM takes them)."""
+    out = torch.empty_like(v)
+    for c in range(0, v.shape[1], FP8_BLOCK):
+        blk = v[:, c:c + FP8_BLOCK]
+        a = blk.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+        # Divisions of tensor by tensor: torch turns `448.0 / a` into a reciprocal times 448 (and may multiply by the
+        # reciprocal of a scalar divisor), which rounds otherwise than the op's fp32 division.
+        top = torch.full_like(a, 448.0)
+        out[:, c:c + FP8_BLOCK] = (blk * (top / a)).to(torch.float8_e4m3fn).float() * (a / top)
+    return out
+
+
+def fp8_weights(tag, experts, rows, cols):
+    """(e4m3 [experts, rows, cols], float32 block scales [experts, ceil(rows/128), ceil(cols/128)], dequantised
+    float64), on the CPU."""
+    q = (opchecks.gen(tag, 0, (experts, rows, cols)).clamp(-3, 3) * 32).to(torch.float8_e4m3fn)  # |q| <= 96
+    rb, cb = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    # Scales around 1 / (32 sqrt(cols)), a different one per block, so the dequantised weights are about 1/sqrt(cols).
+    s = (0.5 + torch.arange(experts * rb * cb, dtype=torch.float32).reshape(experts, rb, cb) / (experts * rb * cb)) / \
+        (32 * cols ** 0.5)
+    full = s.repeat_interleave(FP8_BLOCK, 1)[:, :rows].repeat_interleave(FP8_BLOCK, 2)[:, :, :cols]
+    return q, s.contiguous(), q.double() * full.double()
+
+
+def fp8_reference(x, ids, wts, w1, w2):
+    """out of one rank's tokens (x [tokens, hidden] bf16, its ids and weights) through the dequantised weights of every
+    expert (w1 [E, 2 ffn, hidden], w2 [E, hidden, ffn] float64), float64 but for the quantisation (float32)."""
+    ffn = w1.shape[1] // 2
+    xq = quantize_rows_e4m3(x.float()).double()
+    out = torch.zeros((x.shape[0], w1.shape[2]), dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = xq[t] @ w1[e].T
+            h = torch.nn.functional.silu(gu[:ffn]) * gu[ffn:]
+            hq = quantize_rows_e4m3(h.float().unsqueeze(0)).double()[0]
+            out[t] += float(wts[t, j]) * (hq @ w2[e].T)
+    return out
+
+
+def check_fp8(comm, hidden, ffn, experts_per_rank, topk, tokens, device="cpu", kind="uniform"):
+    """comm.moe_ffn with FP8 weights on this rank's tokens (tokens[rank]) against fp8_reference; the op repeated,
+    bitwise alike. Returns 1."""
+    n, r = comm.world_size, comm.rank
+    experts = experts_per_rank * n
+    tag = f"f8moe.{hidden}.{ffn}.{topk}.{kind}"
+    x = opchecks.gen(f"{tag}.x", r, (tokens[r], hidden), torch.bfloat16)
+    ids = routing(kind, tag, r, tokens[r], experts, topk)
+    wts = torch.softmax(opchecks.gen(f"{tag}.wt", r, (tokens[r], topk)), -1)
+    w1q, w1s, w1d = fp8_weights(f"{tag}.w1", experts, 2 * ffn, hidden)
+    w2q, w2s, w2d = fp8_weights(f"{tag}.w2", experts, hidden, ffn)
+    mine = slice(r * experts_per_rank, (r + 1) * experts_per_rank)
+    args = [t.to(device) for t in (x, ids, wts, w1q[mine].contiguous(), w2q[mine].contiguous())]
+    scales = dict(w1_scale=w1s[mine].contiguous().to(device), w2_scale=w2s[mine].contiguous().to(device))
+    got = comm.moe_ffn(*args, **scales)
+    again = comm.moe_ffn(*args, **scales)
+    assert got.dtype == torch.bfloat16 and tuple(got.shape) == (tokens[r], hidden)
+    assert torch.equal(got.view(torch.int16), again.view(torch.int16)), "FP8 moe_ffn: a second run differs"
+    if tokens[r]:
+        want = fp8_reference(x, ids, wts, w1d, w2d)
+        err = ((got.double().cpu() - want).norm() / want.norm()).item()
+        tol = FP8_TOL["cuda" if str(device).startswith("cuda") else "cpu"]
+        assert err < tol, f"FP8 moe_ffn ({tag}, tokens {tokens}): relative error {err} > {tol} vs the quantised layer"
+    return 1

@@ -210,7 +210,8 @@ tandem_status_t submitPublic(tandem_comm_t comm, const tandem::OpDescriptor& d, 
     }
     case tandem::OpKind::kMoeDispatchFfnCombine: {
       tandem_moe_ffn_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], d.dims[3], d.dims[4],
-                              t[0], t[1], t[2], t[3], t[4], t[5], nullptr, d.dims[5], t[6]};
+                              t[0], t[1], t[2], t[3], t[4], t[5], nullptr, d.dims[5], t[6], TANDEM_DTYPE_INVALID, {},
+                              {}};
       return tandem_moe_dispatch_ffn_combine(comm, &a, op);
     }
     case tandem::OpKind::kMoeFfnBackward: {

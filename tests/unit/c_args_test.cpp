@@ -128,7 +128,15 @@ std::map<std::string, Case> cases() {
     m["tandem_moe_ffn_args_t"] = {
         [=] { return unpack(OpKind::kMoeDispatchFfnCombine, a); },
         expected(OpKind::kMoeDispatchFfnCombine, a.dtype, {a.tokens, a.hidden, a.ffn, a.experts, a.topk, a.saved_rows},
-                 {a.x, a.topk_ids, a.topk_weights, a.w1, a.w2, a.out, a.saved}, a.cuda_stream)};
+                 {a.x, a.topk_ids, a.topk_weights, a.w1, a.w2, a.out, a.saved, {}, {}}, a.cuda_stream)};
+    // With FP8 weights: w_dtype in flags bits 7-9, the block scales in their slots.
+    auto f = a;
+    f.w_dtype = TANDEM_DTYPE_FP8_E4M3, f.w1_scale = tensor(23), f.w2_scale = tensor(24);
+    m["tandem_moe_ffn_args_t fp8"] = {
+        [=] { return unpack(OpKind::kMoeDispatchFfnCombine, f); },
+        expected(OpKind::kMoeDispatchFfnCombine, f.dtype, {f.tokens, f.hidden, f.ffn, f.experts, f.topk, f.saved_rows},
+                 {f.x, f.topk_ids, f.topk_weights, f.w1, f.w2, f.out, f.saved, f.w1_scale, f.w2_scale}, f.cuda_stream,
+                 static_cast<uint16_t>(TANDEM_DTYPE_FP8_E4M3 << tandem::kMoeWeightDtypeShift))};
   }
   {
     auto a = sized<tandem_moe_ffn_backward_args_t>();
@@ -229,6 +237,27 @@ TEST_CASE("capi args: the GEMM structs' FP8 fields (out_dtype, scaling, a_scale,
   g.out_dtype = TANDEM_DTYPE_BF16, g.scaling = static_cast<tandem_fp8_scaling_t>(2);
   CHECK(messageOf([&] { return tandem::client::unpackArgs(rs, &g); }) ==
         "tandem_gemm_rs: scaling 2 is unknown; pass TANDEM_FP8_SCALE_TENSOR (0) or TANDEM_FP8_SCALE_BLOCK (1)");
+}
+
+TEST_CASE("capi args: the MoE FFN's FP8 weight fields (w_dtype, w1_scale, w2_scale)") {
+  const auto all = cases();
+  const auto it = all.find("tandem_moe_ffn_args_t fp8");
+  REQUIRE(it != all.end());
+  checkSame(it->second.unpack(), it->second.want);
+
+  // A caller built before the FP8 fields (its struct ends after cuda_stream): weights in dtype, no scales.
+  const tandem::OpSpec& ffn = tandem::opSpec(OpKind::kMoeDispatchFfnCombine);
+  auto a = sized<tandem_moe_ffn_args_t>();
+  a.dtype = TANDEM_DTYPE_BF16, a.w_dtype = TANDEM_DTYPE_FP8_E4M3, a.w1_scale = tensor(1), a.w2_scale = tensor(2);
+  a.struct_size = offsetof(tandem_moe_ffn_args_t, w_dtype);
+  const CArgs old = tandem::client::unpackArgs(ffn, &a);
+  CHECK(old.desc.flags == 0);
+  CHECK(old.tensors[tandem::slot::kFfnW1Scale].buffer == nullptr);
+  CHECK(old.tensors[tandem::slot::kFfnW2Scale].buffer == nullptr);
+  a.struct_size = sizeof a;
+  a.w_dtype = static_cast<tandem_dtype_t>(9);
+  CHECK(messageOf([&] { return tandem::client::unpackArgs(ffn, &a); }) ==
+        "tandem_moe_dispatch_ffn_combine: w_dtype 9 is unknown; pass 0 (dtype's) or TANDEM_DTYPE_FP8_E4M3 (5)");
 }
 
 TEST_CASE("capi args: struct_size, NULL and enum rules") {

@@ -80,6 +80,15 @@ TEST_CASE("moe ops: the receive area holds the rows it is sized for, and no more
         CHECK(k::moeRecvBytes(rows + 1, hidden, ffn, true) > bytes);
       }
       CHECK(k::moeRecvBytes(10, hidden, ffn, true) >= static_cast<uint64_t>(10 * (4 * hidden + 8 * ffn + 24)));
+      // FP8 weights: x and h in e4m3 with their 1 x 128 scales, y in bf16, row info.
+      for (uint64_t bytes : {uint64_t{4096}, uint64_t{1} << 20, uint64_t{300} << 20}) {
+        const int64_t rows = k::moeRecvRows(bytes, hidden, ffn, false, true);
+        CHECK(k::moeRecvBytes(rows, hidden, ffn, false, true) <= bytes);
+        CHECK(k::moeRecvBytes(rows + 1, hidden, ffn, false, true) > bytes);
+        if (bytes >= (1u << 20)) CHECK(rows >= k::moeRecvRows(bytes, hidden, ffn));  // more rows than bf16's
+      }
+      const auto fp8Row = static_cast<uint64_t>(3 * hidden + ffn + 4 * ((hidden + 127) / 128 + (ffn + 127) / 128) + 16);
+      CHECK(k::moeRecvBytes(10, hidden, ffn, false, true) >= 10 * fp8Row);
     }
   }
   CHECK(k::moeScratchBytes(1000, 8, 256) >= 1000 * 8 * 4 + 2 * 256 * 4);

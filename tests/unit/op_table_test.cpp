@@ -153,7 +153,8 @@ const std::map<std::string, CStructFacts>& cStructs() {
           {TANDEM_FIELD(T, dtype), TANDEM_FIELD(T, tokens), TANDEM_FIELD(T, hidden), TANDEM_FIELD(T, ffn),
            TANDEM_FIELD(T, experts), TANDEM_FIELD(T, topk), TANDEM_FIELD(T, x), TANDEM_FIELD(T, topk_ids),
            TANDEM_FIELD(T, topk_weights), TANDEM_FIELD(T, w1), TANDEM_FIELD(T, w2), TANDEM_FIELD(T, out),
-           TANDEM_FIELD(T, cuda_stream), TANDEM_FIELD(T, saved_rows), TANDEM_FIELD(T, saved)}};
+           TANDEM_FIELD(T, cuda_stream), TANDEM_FIELD(T, saved_rows), TANDEM_FIELD(T, saved),
+           TANDEM_FIELD(T, w_dtype), TANDEM_FIELD(T, w1_scale), TANDEM_FIELD(T, w2_scale)}};
     }
     {
       using T = tandem_ring_attention_args_t;

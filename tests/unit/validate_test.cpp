@@ -492,10 +492,17 @@ ExpectedSlots independentSlots(const OpDescriptor& d) {
         set(5, U128{v[5]} * 16, 4);
         set(6, local * 4, 4);
       } else {
-        set(3, local * 2 * v[2] * v[1] * es, esAlign);
-        set(4, local * v[1] * v[2] * es, esAlign);
+        // w1 and w2 in w_dtype (flags bits 7-9: 0 the dtype, 5 e4m3 of one byte); e4m3 weights come with fp32 scales
+        // per 128 x 128 block: w1_scale [E/n, ceil(2 ffn/128), ceil(hidden/128)], w2_scale [E/n, ceil(hidden/128),
+        // ceil(ffn/128)]; none otherwise.
+        const bool f8w = ((d.flags >> 7) & 7U) == 5U;
+        const U128 wes = f8w ? 1 : es;
+        set(3, local * 2 * v[2] * v[1] * wes, static_cast<uint64_t>(wes));
+        set(4, local * v[1] * v[2] * wes, static_cast<uint64_t>(wes));
         set(5, U128{v[0]} * v[1] * es, esAlign);
         set(6, U128{v[5]} * 2 * v[2] * es, esAlign, true);  // saved [saved_rows, 2*ffn], optional
+        set(7, f8w ? local * blocks(2 * v[2]) * blocks(v[1]) * 4 : 0, 4);
+        set(8, f8w ? local * blocks(v[1]) * blocks(v[2]) * 4 : 0, 4);
       }
       break;
     }
@@ -542,6 +549,11 @@ TEST_CASE("validateDescriptor never crashes and never accepts bytes that disagre
       shape.blockScale = block;
       for (uint32_t rank = 0; rank < 3; ++rank) pool.push_back(withBuffers(ref::makeDescriptor(shape, rank, 3)));
     }
+  }
+  {  // the MoE FFN with FP8 weights
+    ref::OpShape shape = smallShape(OpKind::kMoeDispatchFfnCombine);
+    shape.weightDtype = DType::kF8E4M3;
+    for (uint32_t rank = 0; rank < 4; ++rank) pool.push_back(withBuffers(ref::makeDescriptor(shape, rank, 4)));
   }
 
   std::mt19937_64 rng(20240607);
@@ -680,5 +692,73 @@ TEST_CASE("the GEMM ops' FP8 inputs: accepted with their scales, bad ones refuse
     OpDescriptor moe = good(OpKind::kMoeDispatchFfnCombine);
     moe.dtype = DType::kF8E4M3;
     rejects(moe, {"moe-dispatch-ffn-combine: dtype fp8-e4m3 not supported; this op has no FP8 path"});
+  }
+}
+
+TEST_CASE("the MoE FFN's FP8 weights: w_dtype, the block scales' shapes, and what is refused") {
+  const std::string op = "moe-dispatch-ffn-combine";
+  ref::OpShape shape = smallShape(OpKind::kMoeDispatchFfnCombine);
+  shape.weightDtype = DType::kF8E4M3;  // hidden 23, ffn 19, 8 experts over 4 ranks
+  const OpDescriptor fp8 = withBuffers(ref::makeDescriptor(shape, 1, 4));
+  CHECK(tandem::moeWeightDtype(fp8.dtype, fp8.flags) == DType::kF8E4M3);
+  CHECK(fp8.bufs[slot::kW1].bytes == 2 * 2 * 19 * 23);  // one byte per weight
+  CHECK(fp8.bufs[slot::kW2].bytes == 2 * 23 * 19);
+  CHECK(fp8.bufs[slot::kFfnW1Scale].bytes == 2 * 1 * 1 * 4);  // [E/n, ceil(2*19/128), ceil(23/128)] fp32
+  CHECK(fp8.bufs[slot::kFfnW2Scale].bytes == 2 * 1 * 1 * 4);
+  CHECK_NOTHROW(tandem::validateDescriptor(fp8));
+  {  // the scale shapes with several blocks: 2*ffn = 260 rows of w1 make 3 row blocks, hidden = 300 makes 3
+    ref::OpShape big = shape;
+    big.n = 130, big.k = 300;
+    const OpDescriptor d = ref::makeDescriptor(big, 0, 4);
+    CHECK(d.bufs[slot::kFfnW1Scale].bytes == 2 * 3 * 3 * 4);
+    CHECK(d.bufs[slot::kFfnW2Scale].bytes == 2 * 3 * 2 * 4);
+  }
+  {  // a missing or misshapen scale
+    OpDescriptor d = fp8;
+    d.bufs[slot::kFfnW1Scale].bufferId = 0, d.bufs[slot::kFfnW1Scale].offset = 0;
+    rejects(d, {op + ": buffer w1_scale is absent (bufferId 0) but required; pass the tensor of fp32 [experts/nranks, "
+                "ceil(2*ffn/128), ceil(hidden/128)]"});
+    d = fp8;
+    d.bufs[slot::kFfnW2Scale].bytes = 4;
+    rejects(d, {op + ": buffer w2_scale claims 4 bytes but experts/nranks*ceil(hidden/128)*ceil(ffn/128)*4 = 8"});
+  }
+  {  // the weights' dtype rules
+    OpDescriptor d = fp8;
+    d.dtype = DType::kF16;
+    rejects(d, {op + ": w_dtype fp8-e4m3 needs dtype bf16 (x and out), not fp16; pass dtype TANDEM_DTYPE_BF16 (3)"});
+    d = fp8;
+    d.flags = static_cast<uint16_t>(static_cast<unsigned>(DType::kF8E5M2) << tandem::kMoeWeightDtypeShift);
+    rejects(d, {op + ": w_dtype is fp8-e5m2; the FFN's FP8 weights are e4m3"});
+    d.flags = static_cast<uint16_t>(static_cast<unsigned>(DType::kF32) << tandem::kMoeWeightDtypeShift);
+    rejects(d, {op + ": w_dtype is fp32 but dtype is bf16; w1 and w2 are in dtype (w_dtype 0) or e4m3"});
+    d.flags = static_cast<uint16_t>(7U << tandem::kMoeWeightDtypeShift);
+    rejects(d, {op + ": w_dtype is"});
+  }
+  {  // scales without FP8 weights (w_dtype 0, or dtype's own)
+    OpDescriptor d = good(OpKind::kMoeDispatchFfnCombine);
+    d.bufs[slot::kFfnW1Scale] = {7, 0, 4};
+    rejects(d, {op + ": w1_scale is set but w_dtype is bf16; scales apply to FP8 inputs only, so pass none"});
+    d = good(OpKind::kMoeDispatchFfnCombine);
+    d.flags = static_cast<uint16_t>(static_cast<unsigned>(DType::kBF16) << tandem::kMoeWeightDtypeShift);
+    CHECK_NOTHROW(tandem::validateDescriptor(d));
+  }
+  {  // ops without FP8 weights: w_dtype's flag bits are not theirs, and FP8 dtypes are refused
+    OpDescriptor bwd = good(OpKind::kMoeFfnBackward);
+    bwd.flags = fp8.flags;
+    rejects(bwd, {"moe-ffn-backward: flags 0x280 has bits 0x280 this op does not define"});
+    bwd = good(OpKind::kMoeFfnBackward);
+    bwd.dtype = DType::kF8E4M3;
+    rejects(bwd, {"moe-ffn-backward: dtype fp8-e4m3 not supported; this op has no FP8 path"});
+    OpDescriptor gemm = good(OpKind::kMoeDispatchGemm);
+    gemm.dtype = DType::kF8E4M3;
+    rejects(gemm, {"moe-dispatch-gemm: dtype fp8-e4m3 not supported; this op has no FP8 path"});
+  }
+  {  // every rank passes the same w_dtype
+    std::vector<OpDescriptor> descs = goodCollective(shape, 2);
+    descs[1].flags = 0;
+    descs[1].bufs[slot::kFfnW1Scale] = {}, descs[1].bufs[slot::kFfnW2Scale] = {};
+    descs[1].bufs[slot::kW1].bytes *= 2, descs[1].bufs[slot::kW2].bytes *= 2;
+    REQUIRE_NOTHROW(tandem::validateDescriptor(descs[1]));
+    collectiveRejects(descs, {op + ": rank 1 has flags 0x0 but rank 0 has 0x280"});
   }
 }

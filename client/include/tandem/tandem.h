@@ -96,8 +96,9 @@ typedef enum tandem_dtype {
   TANDEM_DTYPE_FP16 = 2,
   TANDEM_DTYPE_BF16 = 3,
   TANDEM_DTYPE_INT32 = 4, /* index tensors only (MoE top-k expert ids) */
-  /* OCP FP8, one byte: a and b of ag-gemm, gemm-rs and gemm-ar only, with fp32 scales (tandem_fp8_scaling_t) and a
-   * bf16 or fp32 c (out_dtype). e4m3: max 448, for weights and activations; e5m2: max 57344, for gradients. */
+  /* OCP FP8, one byte: a and b of ag-gemm, gemm-rs and gemm-ar, with fp32 scales (tandem_fp8_scaling_t) and a
+   * bf16 or fp32 c (out_dtype); e4m3 only: w1 and w2 of tandem_moe_dispatch_ffn_combine (w_dtype, with block
+   * scales). e4m3: max 448, for weights and activations; e5m2: max 57344, for gradients. */
   TANDEM_DTYPE_FP8_E4M3 = 5,
   TANDEM_DTYPE_FP8_E5M2 = 6
 } tandem_dtype_t;
@@ -359,7 +360,29 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const ta
  *   about tokens * topk). With saved, h = silu(a) * b is computed from the saved (rounded) a and b on both backends,
  *   so the backward's h is the forward's exactly. Pass the same saved tensor and saved_rows to
  *   tandem_moe_dispatch_ffn_combine_backward, and keep it unchanged until then; it is the caller's memory (nothing
- *   is kept in tandemd). saved_rows 0 (or a struct_size that ends before it): nothing is saved. */
+ *   is kept in tandemd). saved_rows 0 (or a struct_size that ends before it): nothing is saved. Not with FP8
+ *   weights (below), which have no backward.
+ * FP8 weights (w_dtype TANDEM_DTYPE_FP8_E4M3; dtype must be bf16: x and out stay bf16): w1 and w2 are e4m3 with fp32
+ * scales per 128 x 128 block of each expert (DeepSeek-V3's recipe), w1_scale [E/n, ceil(2*ffn/128), ceil(hidden/128)]
+ * and w2_scale [E/n, ceil(hidden/128), ceil(ffn/128)]: w1[e][i][p] means w1[e][i][p] * w1_scale[e][i/128][p/128]
+ * (likewise w2). One scale per expert is a block scale repeated over the expert's blocks. The layer is then:
+ *   x is quantised once on its own rank, per 1 x 128 block of each row: a = max(amax of the block, 1e-30),
+ *     q = e4m3(x * (448 / a)) (round to nearest even, saturating; fp32 arithmetic), s = a / 448, x̂ = q * s;
+ *   gate|up = x̂ · w1ᵀ (fp32 accumulation), h = silu(gate) * up in fp32, quantised as x per 1 x 128 block of its row
+ *     (instead of rounded to bf16): ĥ;
+ *   y = ĥ · w2ᵀ (fp32 accumulation), and out as above (weight * y summed in fp32 in slot order).
+ *   Accuracy: the cpu backend computes this in fp32 (the fp64 reference in fp64 but for the quantisation, done in
+ *   fp32 as above), within 1e-2 relative (Frobenius) of each other. The cuda backend sums as its FP8 grouped GEMM does
+ *   (the tensor cores' fp8 sums, promoted to fp32 every 128 k: relative error up to about 2e-3 per GEMM) and rounds y
+ *   to bf16 before the combine; where its sums differ, a value of h near an e4m3 rounding boundary rounds the other
+ *   way, so its out is within 3e-2 of the reference (about 1e-2 where the sums are 1e-3 apart). Against the bf16 layer
+ *   on the dequantised weights, the quantisation of x and h moves out by a few percent (e4m3 keeps 3 mantissa bits).
+ *   The dispatch carries hidden bytes + hidden/128 fp32 scales per routed row (bf16: 2*hidden bytes).
+ *   w1_scale and w2_scale are required with FP8 weights and refused without them. cuda backend: hidden a multiple of
+ *   16 and ffn a multiple of 128 (the FP8 grouped GEMM's rows and its SwiGLU tiles' 128-row scale blocks); per routed
+ *   row the workspace holds 3*hidden + ffn + 4*(hidden/128 + ffn/128) + 16 bytes (bf16: 4*hidden + 2*ffn + 16).
+ *   Not in the backward (tandem_moe_ffn_backward_args_t has no w_dtype: pass bf16 weights) nor in
+ *   tandem_moe_dispatch_gemm (their dtype FP8 is refused). */
 typedef struct tandem_moe_ffn_args {
   size_t struct_size;
   tandem_dtype_t dtype;
@@ -369,6 +392,9 @@ typedef struct tandem_moe_ffn_args {
   /* appended after 0.2.x; struct_size tells whether a caller has them */
   uint64_t saved_rows; /* rows of saved (this rank's); 0: no saved activations */
   tandem_tensor_t saved; /* output [saved_rows, 2*ffn] dtype: the routed rows' gate|up (see above) */
+  /* appended after saved: FP8 weights (see "FP8 weights" above) */
+  tandem_dtype_t w_dtype;             /* w1's and w2's dtype: 0 (dtype's) or TANDEM_DTYPE_FP8_E4M3 */
+  tandem_tensor_t w1_scale, w2_scale; /* fp32 128 x 128 block scales; FP8 w_dtype only */
 } tandem_moe_ffn_args_t;
 TANDEM_API tandem_status_t tandem_moe_dispatch_ffn_combine(tandem_comm_t comm, const tandem_moe_ffn_args_t* args,
                                                            tandem_op_t* op);

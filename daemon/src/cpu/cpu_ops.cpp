@@ -319,19 +319,56 @@ void moeDispatchGemm(std::span<const RankOp> ranks) {
   }
 }
 
+// The MoE FFN's FP8 activations (tandem.h): each row of `v` ([rows, cols]) quantised to e4m3 per 1 x 128 block and
+// replaced by its dequantised values.
+void quantizeRows(Floats& v, std::size_t cols) {
+  for (std::size_t row = 0; row * cols < v.size(); ++row) {
+    for (std::size_t c = 0; c < cols; c += kFp8ScaleBlock) {
+      float* block = v.data() + row * cols + c;
+      quantizeE4m3Block(block, std::min<std::size_t>(kFp8ScaleBlock, cols - c), block);
+    }
+  }
+}
+
+// Rank `r`'s expert weights [local, rows, cols] in fp32: FFN slot `s` (w1 or w2) in w_dtype, FP8 ones multiplied by
+// their 128 x 128 block scales (slot `scaleSlot`, [local, ceil(rows/128), ceil(cols/128)]).
+Floats loadExpertWeights(const RankOp& r, int s, int scaleSlot, std::size_t local, std::size_t rows,
+                         std::size_t cols) {
+  const DType wdt = moeWeightDtype(r.desc.dtype, r.desc.flags);
+  Floats w = load(r.data[s], wdt, local * rows * cols);
+  if (!isFp8(wdt)) return w;
+  const std::size_t rb = (rows + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const std::size_t cb = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const Floats scale = load(r.data[scaleSlot], DType::kF32, local * rb * cb);
+  for (std::size_t e = 0; e < local; ++e)
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t p = 0; p < cols; ++p) {
+        w[(e * rows + i) * cols + p] *= scale[(e * rb + i / kFp8ScaleBlock) * cb + p / kFp8ScaleBlock];
+      }
+  return w;
+}
+
 void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
   const auto n = static_cast<uint32_t>(ranks.size());
   const OpDescriptor& d0 = ranks[0].desc;
   const DType dtype = d0.dtype;
+  const bool fp8 = isFp8(moeWeightDtype(dtype, d0.flags));
   const std::size_t hidden = d0.dims[dim::kHidden], ffn = d0.dims[dim::kFfn], topk = d0.dims[dim::kTopk];
   const std::size_t local = d0.dims[dim::kExperts] / n;
   for (int s : {slot::kX, slot::kTopkIds, slot::kTopkWeights, slot::kW1, slot::kW2, slot::kFfnOut}) {
     requireMemory(ranks, s);
   }
+  if (fp8) {
+    requireMemory(ranks, slot::kFfnW1Scale);
+    requireMemory(ranks, slot::kFfnW2Scale);
+  }
 
   const std::vector<std::vector<Route>> routes = routeTokens(ranks);
   const std::vector<std::byte*> saved = savedGateUp(ranks, slot::kFfnSaved, routes);
-  const std::vector<Floats> x = loadTokens(ranks, hidden);
+  std::vector<Floats> x = loadTokens(ranks, hidden);
+  if (fp8) {  // quantised once per token, on its own rank
+    for (Floats& xs : x) quantizeRows(xs, hidden);
+  }
   std::vector<Floats> weights(n), y(n);
   for (uint32_t s = 0; s < n; ++s) {
     const std::size_t tokens = ranks[s].desc.dims[dim::kTokens];
@@ -339,13 +376,14 @@ void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
     y[s].assign(tokens * topk * hidden, 0.0f);  // y of every (token, slot), kept in fp32 for the combine
   }
 
-  // Expert side: gemm1, SwiGLU (h rounded to dtype once, as tandem.h says), gemm2. A rank that saves gate|up rounds
-  // it to dtype, stores it at its rows and takes h from the rounded values, as its backward will.
+  // Expert side: gemm1, SwiGLU (h rounded to dtype once, as tandem.h says; FP8: quantised per 1 x 128 block), gemm2.
+  // A rank that saves gate|up rounds it to dtype, stores it at its rows and takes h from the rounded values, as its
+  // backward will.
   const std::size_t es = dtypeSize(dtype);
   Floats gateUp, h, ye;
   for (uint32_t d = 0; d < n; ++d) {
-    const Floats w1 = load(ranks[d].data[slot::kW1], dtype, local * 2 * ffn * hidden);
-    const Floats w2 = load(ranks[d].data[slot::kW2], dtype, local * hidden * ffn);
+    const Floats w1 = loadExpertWeights(ranks[d], slot::kW1, slot::kFfnW1Scale, local, 2 * ffn, hidden);
+    const Floats w2 = loadExpertWeights(ranks[d], slot::kW2, slot::kFfnW2Scale, local, hidden, ffn);
     std::size_t savedRow = 0;
     for (std::size_t le = 0; le < local; ++le) {
       const std::vector<Route>& group = routes[d * local + le];
@@ -364,9 +402,10 @@ void moeDispatchFfnCombine(std::span<const RankOp> ranks) {
         for (std::size_t f = 0; f < ffn; ++f) {
           const float gate = gateUp[i * 2 * ffn + f], up = gateUp[i * 2 * ffn + ffn + f];
           const float silu = gate / (1.0f + std::exp(-gate));
-          h[i * ffn + f] = roundTo(dtype, silu * up);
+          h[i * ffn + f] = fp8 ? silu * up : roundTo(dtype, silu * up);
         }
       }
+      if (fp8) quantizeRows(h, ffn);
       ye.resize(rows * hidden);
       gemmNT(h.data(), w2.data() + le * hidden * ffn, ye.data(), rows, hidden, ffn);
       for (std::size_t i = 0; i < rows; ++i) {

@@ -182,6 +182,10 @@ def moe_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         raise ValueError(f"tandem.nn.{_WHAT}: arguments 'topk_ids' and 'topk_weights' must both be [{x.shape[0]}, "
                          f"topk] (tokens of 'x'), got {list(topk_ids.shape)} and {list(topk_weights.shape)}")
     for name, t in (("w1", w1), ("w2", w2)):
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"tandem.nn.{_WHAT}: argument '{name}' is {t.dtype}: FP8 weights run the forward only, "
+                             "without autograd; call comm.moe_ffn(x, topk_ids, topk_weights, w1, w2, w1_scale=..., "
+                             "w2_scale=...) under torch.no_grad(), or pass weights in x's dtype")
         if t.dtype != x.dtype:
             raise ValueError(f"tandem.nn.{_WHAT}: argument '{name}' must have dtype {x.dtype} (as 'x'), got {t.dtype}")
     args = (x.contiguous(), topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous(), w1.contiguous(),

@@ -31,7 +31,8 @@ enum class OpKind : uint16_t {
 inline constexpr uint16_t kOpKindCount = 11;
 
 // Values equal tandem_dtype_t.
-// kF8E4M3 and kF8E5M2 (OCP FP8, one byte) are inputs of the GEMM ops only (OpSpec::fp8); their C is bf16 or fp32.
+// kF8E4M3 and kF8E5M2 (OCP FP8, one byte) are inputs of the GEMM ops (OpSpec::fp8; their C is bf16 or fp32) and, e4m3
+// only, the MoE FFN's weights (OpSpec::fp8Weights, kFlagMoeWeightDtype).
 enum class DType : uint16_t { kInvalid = 0, kF32 = 1, kF16 = 2, kBF16 = 3, kI32 = 4, kF8E4M3 = 5, kF8E5M2 = 6 };
 inline constexpr bool isFp8(DType d) { return d == DType::kF8E4M3 || d == DType::kF8E5M2; }
 
@@ -55,8 +56,10 @@ static_assert(sizeof(BufferRef) == 24);
 //   kMoeDispatchGemm: dims {tokens, hidden, n_out, experts, topk, capacity}
 //                                                     bufs {x, topk_ids, topk_weights, w, out, row_info, expert_counts}
 //   kMoeDispatchFfnCombine: dims {tokens, hidden, ffn, experts, topk, saved_rows}
-//                                                     bufs {x, topk_ids, topk_weights, w1, w2, out, saved}
+//                                                     bufs {x, topk_ids, topk_weights, w1, w2, out, saved, w1_scale,
+//                                                           w2_scale}
 //                  saved [saved_rows, 2, ffn] (dtype) receives this rank's routed rows' gate|up; saved_rows 0: none
+//                  FP8 weights: flags kFlagMoeWeightDtype, bufs w1_scale, w2_scale (kFfnW1Scale, kFfnW2Scale)
 //   kRingAttention: dims {seq, heads, head_dim, kv_heads}, flags kFlagCausal | kFlagZigzag, scale
 //                                                     bufs {q, k, v, out, lse?}
 //                  k and v have kv_heads heads (kv_heads divides heads: grouped-query attention; query head h
@@ -96,6 +99,8 @@ inline constexpr int kFfnSaved = 6, kMoeBwdSaved = 10;  // the saved gate|up: th
 inline constexpr int kSend = 0, kRecv = 1;
 inline constexpr int kAgAScale = 4, kAgBScale = 5;            // ag-gemm's FP8 scales
 inline constexpr int kReduceAScale = 3, kReduceBScale = 4;    // gemm-rs's and gemm-ar's
+// moe-dispatch-ffn-combine's FP8 weights' block scales, after its other slots (saved among them).
+inline constexpr int kFfnW1Scale = 7, kFfnW2Scale = 8;
 }  // namespace slot
 
 // The slot of a GEMM op's a_scale, or its b_scale when `b`.
@@ -144,6 +149,16 @@ inline constexpr DType gemmOutDtype(DType dtype, uint16_t flags) {
 //     rank's own k (gemm-rs/ar's slice), so blocks start at the rank's first k.
 inline constexpr uint16_t kFlagFp8BlockScale = 1u << 6;
 inline constexpr uint64_t kFp8ScaleBlock = 128;
+// moe-dispatch-ffn-combine: the dtype of w1 and w2 (tandem_dtype_t w_dtype), in flags bits 7-9: 0 = the descriptor's
+// dtype, or kF8E4M3 (with a bf16 dtype): e4m3 weights with fp32 scales per 128 x 128 block, w1_scale
+// [E/n, ceil(2 ffn / 128), ceil(hidden / 128)] and w2_scale [E/n, ceil(hidden / 128), ceil(ffn / 128)]; x and h
+// are then quantised to e4m3 per 1 x 128 block on the way (tandem.h). validate.cpp refuses the other values.
+inline constexpr int kMoeWeightDtypeShift = 7;
+inline constexpr uint16_t kFlagMoeWeightDtype = 0x7u << kMoeWeightDtypeShift;
+inline constexpr DType moeWeightDtype(DType dtype, uint16_t flags) {
+  const auto v = static_cast<uint16_t>((flags & kFlagMoeWeightDtype) >> kMoeWeightDtypeShift);
+  return v == 0 ? dtype : static_cast<DType>(v);
+}
 
 inline constexpr bool aTransposed(GemmOperands l) { return l == GemmOperands::kTN; }  // A stored [k, m]
 inline constexpr bool bKMajor(GemmOperands l) { return l == GemmOperands::kNT; }      // B stored [n, k]

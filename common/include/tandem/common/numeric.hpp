@@ -23,6 +23,12 @@ void storeElement(std::byte* base, DType dtype, std::size_t index, float value);
 // Value after one round trip through dtype (what storing then loading gives).
 float roundTo(DType dtype, float value);
 
+// The MoE FFN's activation quantisation (tandem.h, FP8 weights): one 1 x 128 block of `count` values to e4m3 with one
+// fp32 scale, as the cuda backend's kernels compute it: a = max(amax, 1e-30), q = e4m3(v * (448 / a)) (fp32 product,
+// round to nearest even), scale = a / 448. Writes the dequantised values q * scale (what the next GEMM multiplies) to
+// `dequantized` (which may be `in`) and returns the scale.
+float quantizeE4m3Block(const float* in, std::size_t count, float* dequantized);
+
 // Bulk forms of loadElement/storeElement for `count` consecutive elements (same conversions, same results).
 // `base` needs no alignment.
 void loadElements(const std::byte* base, DType dtype, std::size_t count, float* out);

@@ -29,6 +29,7 @@ enum class ElementType : uint8_t {
   kF32,      // fp32 whatever the op's dtype (routing weights, FP8 scales)
   kRaw,      // untyped bytes (allgather): element size 1, no alignment
   kOutDtype,  // the GEMM ops' c: the dtype in the flags' kFlagGemmOutDtype, else the descriptor's (gemmOutDtype)
+  kWeightDtype,  // the MoE FFN's w1 and w2: the dtype in the flags' kFlagMoeWeightDtype, else the descriptor's
 };
 
 // One factor of a slot's extent, as a function of the descriptor.
@@ -64,10 +65,19 @@ struct SlotSpec {
   enum class Operand : uint8_t { kNone, kA, kB };
   Operand operand = Operand::kNone;
   std::string_view shapeTransposed;
-  // An FP8 scale (a_scale, b_scale): its terms hold only under kFlagFp8BlockScale; per-tensor scaling takes one
-  // element, and a dtype that is not FP8 none (extent 0).
+  // An FP8 scale (a_scale, b_scale, w1_scale, w2_scale): its terms hold only where the scales are blocks
+  // (fp8ScaleShape); per-tensor scaling takes one element, and an op without FP8 inputs none (extent 0).
   bool fp8Scale = false;
 };
+
+// How the FP8 scale slots of a descriptor are shaped: none (no FP8 input), one element each (per tensor: the GEMM ops
+// without kFlagFp8BlockScale) or the slots' terms (blocks: the GEMM ops' kFlagFp8BlockScale, the MoE FFN's FP8
+// weights).
+enum class Fp8ScaleShape : uint8_t { kNone, kTensor, kBlock };
+
+struct OpSpec;
+// The shape of `d`'s FP8 scale slots.
+Fp8ScaleShape fp8ScaleShape(const OpSpec& spec, const OpDescriptor& d);
 
 // Whether slot `s` is stored transposed under `flags` (SlotSpec::operand).
 bool slotTransposed(const SlotSpec& s, uint16_t flags);
@@ -141,6 +151,8 @@ struct OpSpec {
   uint8_t slotCount = 0;
   bool typed = true;            // false: carries no typed data, so any known dtype value (0 included) is accepted
   bool fp8 = false;             // takes FP8 inputs (dtype kF8E4M3/kF8E5M2) with a_scale and b_scale slots
+  bool fp8Weights = false;      // its weights may be e4m3 (w_dtype, kFlagMoeWeightDtype) with block-scale slots, its
+                                // other tensors in dtype (the MoE FFN)
   uint16_t flags = 0;           // the kFlag* bits it takes
   bool scale = false;           // uses OpDescriptor::scale
   CrossNode crossNode = CrossNode::kNone;

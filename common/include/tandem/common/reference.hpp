@@ -33,6 +33,7 @@ struct OpShape {
   GemmOperands layout = GemmOperands::kNT;  // ag-gemm, gemm-rs, gemm-ar: how A and B are stored (kFlagGemmLayout)
   DType outDtype = DType::kInvalid;  // the GEMM ops with FP8 inputs: c's dtype (kInvalid: bf16)
   bool blockScale = false;           // the GEMM ops with FP8 inputs: block scales (kFlagFp8BlockScale), else per tensor
+  DType weightDtype = DType::kInvalid;  // the MoE FFN: w1's and w2's dtype (kFlagMoeWeightDtype; kInvalid: dtype)
   uint64_t bytes = 1 << 20;  // allgather: bytes per rank
 
   // The size a `tandemctl run --<option>` sets, by the option's name ("m", "head-dim"; OpSpec's DimSpec::cli).
@@ -72,7 +73,9 @@ struct Comparison {
 };
 // Relative tolerance per dtype: bf16 1e-2, fp16 2e-3, fp32 1e-5.
 double tolerance(DType dtype);
-// Compares rank r's outputs with expected[r]. Integer slots must match exactly.
+// Compares rank r's outputs with expected[r]. Integer slots must match exactly. The tolerance is the output dtype's;
+// the MoE FFN with FP8 weights takes 3e-2 (its h is quantised to e4m3 after sums that differ between backends).
+
 Comparison compareRank(const OpDescriptor& desc, std::span<const std::byte* const> slots,
                        const std::array<std::vector<double>, kMaxOpBuffers>& expected);
 

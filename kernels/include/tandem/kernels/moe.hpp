@@ -93,13 +93,21 @@ struct MoeParams {
   int gemmSms = 0;                  ///< cap on the grouped GEMMs' grid (0: every SM)
   int gemmSkipIdleHalves = 0;       ///< GroupedGemmParams::skipIdleHalves for the grouped GEMMs
   bool gemmDynamicTiles = false;    ///< the grouped GEMMs' dynamic tile order (GroupedGemmParams::tileCounter)
+  /// FFN forward with FP8 weights (tandem.h, w_dtype): w1 and w2 are e4m3 with 128 x 128 block scales, x (bf16) is
+  /// quantised to e4m3 per 1 x 128 block at its source and dispatched so, and the experts run the FP8 grouped GEMM
+  /// (grouped_gemm_fp8.hpp: gemm1 with the SwiGLU epilogue quantising h, gemm2 to bf16 y). dtype must be bf16.
+  bool fp8 = false;
+  const float* w1Scale = nullptr;  ///< fp8: [E/n, 2 ffn / 128, ceil(hidden / 128)] fp32
+  const float* w2Scale = nullptr;  ///< fp8: [E/n, ceil(hidden / 128), ffn / 128] fp32
 };
 
 /// Bytes of a receive area holding `rows` rows (x rows, row info; with ffn > 0 also h and y; the backward's also dout,
-/// the row's weight and dtopk_weight, gate|up and dout·w2: 4 hidden + 8 ffn + 24 bytes a row).
-uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn, bool backward = false);
+/// the row's weight and dtopk_weight, gate|up and dout·w2: 4 hidden + 8 ffn + 24 bytes a row). `fp8` (the FFN forward
+/// with FP8 weights): x and h in e4m3 with their 1 x 128 scales, y in bf16: about 3 hidden + ffn + (hidden + ffn) / 32
+/// + 16 bytes a row.
+uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn, bool backward = false, bool fp8 = false);
 /// The most rows a receive area of `bytes` holds.
-int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn, bool backward = false);
+int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn, bool backward = false, bool fp8 = false);
 /// Bytes of a rank's private scratch for `tokens` x `topk` pairs and `experts` experts.
 uint64_t moeScratchBytes(int64_t tokens, int64_t topk, int64_t experts);
 
