@@ -410,7 +410,7 @@ TEST_CASE("moe ops: what the cuda backend cannot run is refused before submissio
       // FP8 weights: ffn off the 128-row scale blocks, hidden off 16 bytes, a missing scale, a non-bf16 x.
       const auto fp8 = [&](tandem_dtype_t dt, uint64_t hidden, uint64_t ffn, bool scales) {
         return tandem_moe_ffn_args_t{sizeof(tandem_moe_ffn_args_t), dt, 8, hidden, ffn, 4, 2, {a, 0}, {b, 0},
-                                     {b, 1u << 20}, {c, 0}, {c, 4u << 20}, {a, 8u << 20}, j.stream,
+                                     {b, 1u << 20}, {c, 0}, {c, 4u << 20}, {a, 8u << 20}, j.stream, 0, {},
                                      TANDEM_DTYPE_FP8_E4M3, {scales ? b : nullptr, scales ? 2u << 20 : 0},
                                      {b, 3u << 20}};
       };
