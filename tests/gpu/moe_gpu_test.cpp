@@ -361,9 +361,10 @@ TEST_CASE("moe ops: what the cuda backend cannot run is refused before submissio
       TK(tandem_alloc(j.s, 16u << 20, &c));
       std::string report;
       const auto expect = [&](const char* what, tandem_status_t got, tandem_status_t want, const char* needle) {
-        const std::string msg = tandem_last_error();
+        std::string msg = tandem_last_error();
         if (got != want || msg.find(needle) == std::string::npos) {
-          report += fmt::format("\n{}: status {} (want {}), message '{}' (want '{}' in it)", what,
+          std::replace(msg.begin(), msg.end(), '\n', ' ');  // the rank reports one line
+          report += fmt::format(" | {}: status {} (want {}), message '{}' (want '{}' in it)", what,
                                 static_cast<int>(got), static_cast<int>(want), msg, needle);
         }
       };
@@ -433,10 +434,10 @@ TEST_CASE("moe ops: what the cuda backend cannot run is refused before submissio
         good.poison(j.stream);
         tandem_op_t h;
         if (good.submit(j.comm, j.stream, &h) != TANDEM_SUCCESS)
-          return std::string("\nvalid op: ") + tandem_last_error();
-        if (std::string e = finishOp(j.stream, h); !e.empty()) return "\nvalid op: " + e;
+          return std::string(" | valid op: ") + tandem_last_error();
+        if (std::string e = finishOp(j.stream, h); !e.empty()) return " | valid op: " + e;
         good.download();
-        if (std::string e = good.compare(); !e.empty()) return "\nvalid op: " + e;
+        if (std::string e = good.compare(); !e.empty()) return " | valid op: " + e;
         return "";
       }();
       TK(tandem_free(a));
