@@ -423,7 +423,7 @@ TEST_CASE("moe ops: what the cuda backend cannot run is refused before submissio
              TANDEM_ERROR_INVALID_ARGUMENT, "hidden = 136 must be a multiple of 16 with FP8 weights");
       g = fp8(TANDEM_DTYPE_BF16, 128, 128, false);
       expect("FP8 without w1_scale", tandem_moe_dispatch_ffn_combine(j.comm, &g, &op), TANDEM_ERROR_INVALID_ARGUMENT,
-             "buffer w1_scale is absent (bufferId 0) but required");
+             "tensor w1_scale is required");
       g = fp8(TANDEM_DTYPE_FP16, 128, 128, true);
       expect("FP8 weights with fp16 x", tandem_moe_dispatch_ffn_combine(j.comm, &g, &op),
              TANDEM_ERROR_INVALID_ARGUMENT, "w_dtype fp8-e4m3 needs dtype bf16");
