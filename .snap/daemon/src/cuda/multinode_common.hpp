@@ -1,0 +1,158 @@
+// What the three files of a multi-node cuda communicator share (cuda_multinode.hpp says which file runs which path):
+// the constants both exchanges keep to, the lookups of a collective's ranks and tensors, and the stream-ordered
+// copy, sum and GEMM calls that turn a CUDA or GEMM-core refusal into an Error. Private to those files.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "backend.hpp"
+#include "cuda/cuda_comm.hpp"
+#include "cuda/gpu_exchange_plan.hpp"
+#include "tandem/common/error.hpp"
+#include "tandem/kernels/cuda_raii.hpp"
+#include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/span_reduce.hpp"
+
+namespace tandem::daemon::cuda::multinode {
+
+constexpr uint32_t kExchangeTimeoutMs = 60000;  // as the cpu backend's: a peer daemon alive but sending nothing
+constexpr uint64_t kAlign = 256;                // workspace sub-buffers start on 256 bytes
+
+using RowRuns = std::vector<std::pair<uint64_t, uint64_t>>;  // (first row, rows)
+
+inline uint64_t alignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// The ranks of `c` on node `node`, ascending.
+inline std::vector<uint32_t> ranksOn(const Collective& c, uint32_t node) {
+  std::vector<uint32_t> out;
+  for (uint32_t r = 0; r < c.ops.size(); ++r) {
+    if (c.nodeOfRank[r] == node) out.push_back(r);
+  }
+  return out;
+}
+
+// The ranks of `c` on this node, ascending: the first is the lead (its GPU sums and exchanges for the node).
+inline std::vector<uint32_t> localRanksOf(const Collective& c) {
+  std::vector<uint32_t> out;
+  for (uint32_t r = 0; r < c.ops.size(); ++r) {
+    if (c.ops[r].local()) out.push_back(r);
+  }
+  return out;
+}
+
+// Slot `s` of local rank op `op` in tandemd's address space; null when absent.
+inline std::byte* slotPtr(const PendingOp& op, int s) {
+  const auto i = static_cast<std::size_t>(s);
+  if (!op.buffers[i] || op.desc.bufs[i].bytes == 0) return nullptr;
+  return resolveDevice(*op.buffers[i], op.desc.bufs[i].offset);
+}
+
+inline kernels::SpanElem spanElem(DType d) {
+  switch (d) {
+    case DType::kBF16: return kernels::SpanElem::kBf16;
+    case DType::kF16: return kernels::SpanElem::kFp16;
+    default: return kernels::SpanElem::kF32;
+  }
+}
+
+inline void copyAsync(void* dst, const void* src, uint64_t bytes, cudaStream_t s, const char* what) {
+  if (bytes == 0) return;
+  kernels::checkCuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), "cudaMemcpyAsync({})", what);
+}
+
+inline void syncStream(int device, cudaStream_t s, const char* what) {
+  kernels::CudaDeviceGuard guard(device);
+  kernels::checkCuda(cudaStreamSynchronize(s), "cudaStreamSynchronize({})", what);
+}
+
+inline void sum(const kernels::SpanSum& p, cudaStream_t s, const char* what) {
+  kernels::checkCuda(kernels::launchSpanSum(p, s), "span sum ({})", what);
+}
+
+// The GEMM core on `stream` (its device current): C[rows, cols] (row stride ldc) = A[rows, k] · B[cols, k]ᵀ, A and B
+// with row stride k. Its std::runtime_error becomes Error(kCuda): past the checks of fallbackReason only CUDA itself
+// refuses a launch, and the node must then leave the communicator.
+inline void gemm(const std::byte* a, const std::byte* b, std::byte* c, uint64_t rows, uint64_t cols, uint64_t k,
+                 uint64_t ldc, DType dtype, cudaStream_t stream, const char* what) {
+  kernels::GemmParams p{};
+  p.a = a;
+  p.b = b;
+  p.c = c;
+  p.m = static_cast<int64_t>(rows);
+  p.n = static_cast<int64_t>(cols);
+  p.k = static_cast<int64_t>(k);
+  p.lda = p.ldb = p.k;
+  p.ldc = static_cast<int64_t>(ldc);
+  p.dtype = dtype == DType::kBF16 ? kernels::GemmDtype::kBf16 : kernels::GemmDtype::kFp16;
+  try {
+    kernels::launchGemm(p, stream);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(ErrorCode::kCuda, "GEMM core ({}): {}", what, e.what());
+  }
+}
+
+// Contiguous row runs [first, first + rows) of the ranks that are (local) or are not (!local) on this node.
+inline RowRuns rowRuns(const Collective& c, uint64_t m, bool local) {
+  const auto n = static_cast<uint32_t>(c.ops.size());
+  std::vector<uint32_t> ranks;
+  for (uint32_t r = 0; r < n; ++r) {
+    if (c.ops[r].local() == local) ranks.push_back(r);
+  }
+  return rowRunsOf(m, n, ranks);
+}
+
+// A host thread's wait between polls of the GPU or the proxy: yields for the first 2048 spins, then sleeps 20 us.
+inline void backoff(uint32_t spins) {
+  if (spins < 2048) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// The staged exchange's payload check (multinode_staged.cpp), made before the op starts on every node alike: throws
+// Error(kInvalidArgument) naming cluster.staging_bytes when a node would send another more than a CommLink slot holds.
+void checkStaging(const Collective& c);
+
+// Tensors the GEMM core cannot take in place (not 16-byte aligned) on the GPU exchange, where a node-local fact must
+// not change the path: an input is copied aside before the GEMM reads it, an output is computed aside and copied back
+// after (flush). Stream-ordered memory on the stream of the GEMM that uses it (no device-wide synchronisation, which a
+// spinning exchange kernel of another communicator could hold up), freed on that stream.
+class Aside {
+ public:
+  Aside() = default;
+  Aside(const Aside&) = delete;
+  Aside& operator=(const Aside&) = delete;
+  ~Aside();
+  // `p` itself when null or aligned, else an aligned copy of its `bytes`, queued on `s` (device `dev`).
+  const std::byte* input(int dev, cudaStream_t s, const std::byte* p, uint64_t bytes);
+  // `p` itself when null or aligned, else aligned memory of `bytes` that flush() copies to `p`.
+  std::byte* output(int dev, cudaStream_t s, std::byte* p, uint64_t bytes);
+  // The outputs' copies back, each on its stream after what was queued there before.
+  void flush();
+
+ private:
+  struct Block {
+    int dev;
+    cudaStream_t stream;
+    std::byte* mem;
+    std::byte* back;  // an output's home; null for an input
+    uint64_t bytes;
+  };
+  std::byte* allocate(int dev, cudaStream_t s, uint64_t bytes, std::byte* back);
+  std::vector<Block> blocks_;
+};
+
+}  // namespace tandem::daemon::cuda::multinode
