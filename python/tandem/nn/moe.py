@@ -54,17 +54,22 @@ def _(x, topk_ids, topk_weights, w1, w2, comm):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("tandem::moe_ffn_layer_backward", mutates_args=())
-def _moe_bwd(dout: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             w1: torch.Tensor, w2: torch.Tensor, comm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                    torch.Tensor]:
-    c = _c(comm, _WHAT)
+def _check_forward_inputs(dout, x, topk_ids, topk_weights, w1, w2):
+    """The forward's inputs the backward gets back from autograd: still there, and of the shapes dout implies."""
     tokens, hidden = dout.shape
     _saved(x, "x", _WHAT, (tokens, hidden))
     _saved(topk_ids, "topk_ids", _WHAT, (tokens, topk_ids.shape[1]))
     _saved(topk_weights, "topk_weights", _WHAT, tuple(topk_ids.shape))
     _saved(w1, "w1", _WHAT, tuple(w1.shape))
     _saved(w2, "w2", _WHAT, (w1.shape[0], hidden, w1.shape[1] // 2))
+
+
+@torch.library.custom_op("tandem::moe_ffn_layer_backward", mutates_args=())
+def _moe_bwd(dout: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             w1: torch.Tensor, w2: torch.Tensor, comm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor]:
+    c = _c(comm, _WHAT)
+    _check_forward_inputs(dout, x, topk_ids, topk_weights, w1, w2)
     dx, dweights, dw1, dw2 = c.moe_ffn_backward(x, topk_ids, topk_weights, w1, w2, dout.contiguous())
     return dx, dweights, dw1, dw2
 
@@ -122,12 +127,7 @@ def _moe_saved_bwd(dout: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, 
                    w1: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor,
                    comm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     c = _c(comm, _WHAT)
-    tokens, hidden = dout.shape
-    _saved(x, "x", _WHAT, (tokens, hidden))
-    _saved(topk_ids, "topk_ids", _WHAT, (tokens, topk_ids.shape[1]))
-    _saved(topk_weights, "topk_weights", _WHAT, tuple(topk_ids.shape))
-    _saved(w1, "w1", _WHAT, tuple(w1.shape))
-    _saved(w2, "w2", _WHAT, (w1.shape[0], hidden, w1.shape[1] // 2))
+    _check_forward_inputs(dout, x, topk_ids, topk_weights, w1, w2)
     _saved(saved, "saved", _WHAT, (saved.shape[0], w1.shape[1]))
     return c.moe_ffn_backward(x, topk_ids, topk_weights, w1, w2, dout.contiguous(),
                               saved=saved if saved.shape[0] else None)
