@@ -155,6 +155,10 @@ inline Rank spawn(const std::function<std::string(const Io&)>& body) {
     } catch (const std::exception& e) {
       result = std::string("FAIL exception: ") + e.what();
     }
+    // One line: the parent reads the result up to its first newline, so a multi-line report keeps its other lines.
+    for (size_t at = result.find('\n'); at != std::string::npos; at = result.find('\n', at + 3)) {
+      result.replace(at, 1, " | ");
+    }
     io.say(result);
     std::_Exit(0);
   }
