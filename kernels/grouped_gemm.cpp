@@ -27,7 +27,6 @@ namespace {
 constexpr int kBoxK = 64;            // gemm::kBlockK
 constexpr int kMnBox = 64;           // grouped::kMnBoxCols: an MN-major w's {64 columns, 64 k} box
 constexpr int kEpiBox = 64;          // gemm::kEpiCols and gemm::kRowsPerConsumer
-constexpr int32_t kDefaultGroupM = 16;
 constexpr int64_t kMax32 = 0x7fffffff;
 
 void checkCuda(cudaError_t e, const char* what) { checkCudaFor("grouped gemm", e, what); }
@@ -212,24 +211,8 @@ void launchGroupedGemm(const GroupedGemmParams& g, cudaStream_t stream, int numS
   }
   p.tmOut = tensorMap({g.out, 2, {u64(nOut), u64(g.mTotal), 1, 1}, {u64(ldOutOf(g)) * 2, 0, 0},
                        {kEpiBox, kEpiBox, 1, 1}, g.dtype});
-  p.out = g.out;
-  p.ldOut = ldOutOf(g);
-  p.groupOffsets = g.groupOffsets;
-  p.rowScale = g.rowScale;
-  p.rowTileReady = g.rowTileReady;
-  p.readyValue = g.readyValue;
-  p.abortWord = g.abortWord;
-  p.errorSlot = g.errorSlot;
-  p.timeoutNs = g.timeoutNs;
-  p.mTotal = static_cast<int32_t>(g.mTotal);
-  p.nOut = static_cast<int32_t>(nOut);
-  p.k = static_cast<int32_t>(g.k);
-  p.numKBlocks = static_cast<int32_t>(ceilDiv(g.k, kBoxK));
-  p.numExperts = static_cast<int32_t>(g.numExperts);
-  p.tilesN = static_cast<int32_t>(ceilDiv(nOut, tileCols(g)));
-  p.groupM = g.groupM == 0 ? kDefaultGroupM : g.groupM;
+  grouped::fillTileOrder(p, g, nOut, ldOutOf(g), ceilDiv(g.k, kBoxK), tileCols(g));
   p.skipIdleHalves = g.skipIdleHalves != 0 ? 1 : 0;
-  p.tileCounter = g.tileCounter;
 
   // Persistent: one CTA per SM, fewer when even the most tiles any grouping can have would not fill them.
   const int64_t maxTiles = groupedGemmMaxRowTiles(g.mTotal, g.numExperts) * p.tilesN;

@@ -49,6 +49,33 @@ struct GroupedGemmKernelParams {
 };
 static_assert(sizeof(GroupedGemmKernelParams) % 64 == 0);
 
+inline constexpr int32_t kDefaultGroupM = 16;  // GroupedGemmParams::groupM 0
+
+// The fields every grouped launcher (16-bit, FP8) copies from its params `g` into p (all but the tensor maps and
+// skipIdleHalves): the output, the group offsets, the waits and the tile order. nOut, ldOut, numKBlocks and tileCols
+// are the launcher's own readings of g.
+template <class Params>
+void fillTileOrder(GroupedGemmKernelParams& p, const Params& g, int64_t nOut, int64_t ldOut, int64_t numKBlocks,
+                   int64_t tileCols) {
+  p.out = g.out;
+  p.ldOut = ldOut;
+  p.groupOffsets = g.groupOffsets;
+  p.rowScale = g.rowScale;
+  p.rowTileReady = g.rowTileReady;
+  p.readyValue = g.readyValue;
+  p.abortWord = g.abortWord;
+  p.errorSlot = g.errorSlot;
+  p.timeoutNs = g.timeoutNs;
+  p.mTotal = static_cast<int32_t>(g.mTotal);
+  p.nOut = static_cast<int32_t>(nOut);
+  p.k = static_cast<int32_t>(g.k);
+  p.numKBlocks = static_cast<int32_t>(numKBlocks);
+  p.numExperts = static_cast<int32_t>(g.numExperts);
+  p.tilesN = static_cast<int32_t>((nOut + tileCols - 1) / tileCols);
+  p.groupM = g.groupM == 0 ? kDefaultGroupM : g.groupM;
+  p.tileCounter = g.tileCounter;
+}
+
 // Dynamic shared memory the kernels take (the GEMM core's 4-stage storage plus alignment slack).
 size_t groupedGemmSmemBytes();
 // A kernel variant. layout kAB exists with kStore only (the launcher refuses the rest).

@@ -24,7 +24,6 @@ constexpr const char* kFamily = "grouped gemm fp8";
 constexpr int kTileRows = grouped::kTileRows;
 constexpr int kEpiRows = 64;    // gemm_fp8::kRowsPerConsumer: an epilogue chunk's rows
 constexpr int kEpiBytes = 128;  // and its bytes per row
-constexpr int32_t kDefaultGroupM = 16;
 constexpr int64_t kMax32 = 0x7fffffff;
 
 void checkCuda(cudaError_t e, const char* what) { checkCudaFor(kFamily, e, what); }
@@ -258,24 +257,8 @@ void launchGroupedGemmFp8(const GroupedGemmFp8Params& g, cudaStream_t stream, in
                           {u64(ldxScaleOf(g)) * 4, 0, 0},
                           {u32(kScaleABoxRows), 1, 1, 1}},
       TensorMapElem::kF32, "xScale [k/128, ldxScale] fp32");
-  b.out = g.out;
-  b.ldOut = ldOutOf(g);
-  b.groupOffsets = g.groupOffsets;
-  b.rowScale = g.rowScale;
-  b.rowTileReady = g.rowTileReady;
-  b.readyValue = g.readyValue;
-  b.abortWord = g.abortWord;
-  b.errorSlot = g.errorSlot;
-  b.timeoutNs = g.timeoutNs;
-  b.mTotal = static_cast<int32_t>(g.mTotal);
-  b.nOut = static_cast<int32_t>(nOut);
-  b.k = static_cast<int32_t>(g.k);
-  b.numKBlocks = static_cast<int32_t>(numKBlocks);
-  b.numExperts = static_cast<int32_t>(g.numExperts);
-  b.tilesN = static_cast<int32_t>(ceilDiv(nOut, tileCols(g)));
-  b.groupM = g.groupM == 0 ? kDefaultGroupM : g.groupM;
+  grouped::fillTileOrder(b, g, nOut, ldOutOf(g), numKBlocks, tileCols(g));
   b.skipIdleHalves = 0;
-  b.tileCounter = g.tileCounter;
   p.wScale = g.wScale;
   p.outScale = g.outScale;
   p.ldOutScale = swiglu ? ldOutScaleOf(g) : 0;

@@ -588,22 +588,6 @@ __global__ void __launch_bounds__(kActThreads) moeSwiGluKernel(const __grid_cons
   }
 }
 
-template <class... A>
-cudaError_t launchK(void (*fn)(A...), int ctas, int threads, cudaStream_t s, A... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(ctas), 1, 1);
-  cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = s;
-  return cudaLaunchKernelEx(&cfg, fn, args...);
-}
-
-template <class F>
-cudaError_t loadKernel(F fn) {
-  cudaFuncAttributes fa{};
-  return cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(fn));  // loads a lazily loaded kernel now
-}
-
 }  // namespace
 
 cudaError_t launchRoute(const MoeKernelParams& p, int expertCtas, int chunks, cudaStream_t s) {

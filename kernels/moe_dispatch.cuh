@@ -1,7 +1,9 @@
-// Device pieces shared by the MoE dispatch kernels (moe.cu's bf16/fp16 copy, moe_fp8.cu's quantising one): where a
-// (token, slot) pair's row lies on its expert's rank, and the dispatch's end (the flag that says this rank's rows are
-// written). Device-only; no __global__ here.
+// Pieces shared by the MoE kernels' files (moe.cu's bf16/fp16 copy, moe_fp8.cu's quantising dispatch): where a
+// (token, slot) pair's row lies on its expert's rank, the dispatch's end (the flag that says this rank's rows are
+// written), and the host's launch and load of a kernel. No __global__ here.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -31,6 +33,24 @@ __device__ __forceinline__ void finishDispatch(const MoeKernelParams& p) {
       for (int q = 0; q < p.nranks; ++q) stReleaseSys(&p.ctl[q]->dispatchFlag[p.rank], opEpoch(p));
     }
   }
+}
+
+// Host side, for moe.cu and moe_fp8.cu alike: a kernel of `ctas` x `threads` (no dynamic shared memory) on s, and
+// loading a lazily loaded kernel now (its first launch then costs no load).
+template <class... A>
+cudaError_t launchK(void (*fn)(A...), int ctas, int threads, cudaStream_t s, A... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas), 1, 1);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  return cudaLaunchKernelEx(&cfg, fn, args...);
+}
+
+template <class F>
+cudaError_t loadKernel(F fn) {
+  cudaFuncAttributes fa{};
+  return cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(fn));
 }
 
 }  // namespace tandem::kernels::moe

@@ -102,16 +102,9 @@ __global__ void __launch_bounds__(kCopyWarps * 32) moeDispatchFp8Kernel(const __
 }  // namespace
 
 cudaError_t launchDispatchFp8(const MoeKernelParams& p, int ctas, cudaStream_t s) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(ctas), 1, 1);
-  cfg.blockDim = dim3(kCopyWarps * 32, 1, 1);
-  cfg.stream = s;
-  return cudaLaunchKernelEx(&cfg, &moeDispatchFp8Kernel, p);
+  return launchK(&moeDispatchFp8Kernel, ctas, kCopyWarps * 32, s, p);
 }
 
-cudaError_t prepareMoeFp8Kernels() {
-  cudaFuncAttributes fa{};
-  return cudaFuncGetAttributes(&fa, reinterpret_cast<const void*>(&moeDispatchFp8Kernel));  // loads it now
-}
+cudaError_t prepareMoeFp8Kernels() { return loadKernel(&moeDispatchFp8Kernel); }
 
 }  // namespace tandem::kernels::moe
