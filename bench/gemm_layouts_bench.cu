@@ -2,7 +2,9 @@
 // process: correctness of both against an fp32 reference, then timing (CUDA events, median of interleaved launches,
 // input sets rotated so that L2 holds none of the next launch's operands). Exits 1 on any correctness failure.
 //
-//   gemm_layouts_bench [--iters N (>= 20, default 30)] [--only big|llama|decode] [--dtype bf16|fp16]
+//   gemm_layouts_bench [--iters N (>= 20, default 30)] [--only big|llama|decode] [--dtype bf16|fp16] [--shape MxNxK]
+//
+// --shape keeps only the cases of that size (every layout listed for it): one case to put under a profiler.
 //
 // ratio = cuBLASLt time / ours (above 1: ours is faster). Decode rows also show GB/s: the bytes of A, B and C once
 // over the time, against the device-to-device copy bandwidth measured first.
@@ -327,14 +329,16 @@ Row runCase(const Case& c, GemmDtype dt, int iters, cublasLtHandle_t lt, void* o
 
 int main(int argc, char** argv) {
   int iters = 30;
-  std::string only, dtypeName = "bf16";
+  std::string only, dtypeName = "bf16", shape;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--iters" && i + 1 < argc) iters = std::max(20, std::atoi(argv[++i]));
     else if (arg == "--only" && i + 1 < argc) only = argv[++i];
     else if (arg == "--dtype" && i + 1 < argc) dtypeName = argv[++i];
+    else if (arg == "--shape" && i + 1 < argc) shape = argv[++i];
     else {
-      std::fprintf(stderr, "usage: %s [--iters N>=20] [--only big|llama|decode] [--dtype bf16|fp16]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--iters N>=20] [--only big|llama|decode] [--dtype bf16|fp16] [--shape MxNxK]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -385,6 +389,16 @@ int main(int argc, char** argv) {
       for (int64_t m : {1, 2, 4, 8, 16, 32, 64, 128, 256})
         cases.push_back({GemmLayout::kABt, m, n, k, GemmOut::kInput, true});
     for (int64_t m : {1, 16, 64, 128, 256}) cases.push_back({GemmLayout::kAB, m, 8192, 8192, GemmOut::kInput, true});
+  }
+
+  if (!shape.empty()) {
+    cases.erase(std::remove_if(cases.begin(), cases.end(), [&](const Case& c) {
+      return shape != std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k);
+    }), cases.end());
+    if (cases.empty()) {
+      std::fprintf(stderr, "--shape %s: no case of that size (MxNxK, as the summary prints it)\n", shape.c_str());
+      return 2;
+    }
   }
 
   cublasLtHandle_t lt;
