@@ -111,7 +111,27 @@ DeviceMapping::~DeviceMapping() {
 
 // ---- registration -----------------------------------------------------------------------------------------
 
+namespace {
+
+// Registration may run while a CUDA graph is being captured: an output allocated inside the capture (the graph's
+// private pool, as torch.compile's CUDA graphs and make_graphed_callables allocate) is registered then. Its queries and
+// the IPC handle record nothing on any stream, but a global-mode capture (PyTorch's default) forbids "potentially
+// unsafe" calls on every thread. So this thread asks for the relaxed mode for those calls and gives the caller's back.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;  // the caller's mode while this lives
+};
+
+}  // namespace
+
 RegisterDescription describeForRegister(void* ptr, uint64_t bytes, int fd, uint64_t fdOffset) {
+  const RelaxedCaptureMode relaxed;
   cudaPointerAttributes attr{};
   const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
   if (e != cudaSuccess || attr.type != cudaMemoryTypeDevice) {

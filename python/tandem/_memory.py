@@ -412,12 +412,9 @@ class SegmentCache:
         return seg.handle, ptr - seg.base
 
     def _register(self, bid: int, base: int, size: int, device: int, arg: str, op: str) -> Segment:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"tandem.{op}: argument '{arg}' lies in a CUDA segment tandem has not registered yet, and registering "
-                "needs a round trip to tandemd, which a CUDA graph capture cannot contain. Run the op once before "
-                "capturing (on tensors from the same pool), or pass out= tensors made before capture or by "
-                "tandem.empty().")
+        # Also while a CUDA graph is being captured: an output allocated inside the capture lies in the graph's
+        # private pool, which no eager call saw. The round trip to tandemd and libtandem's driver queries record
+        # nothing on a stream (libtandem makes them in CUDA's relaxed capture mode), so the capture holds only the op.
         self.release_dead(overlapping=(base, base + size))
         h = ctypes.c_void_p()
         try:

@@ -1,7 +1,7 @@
 """The Python package on the cuda backend (CTest runs it through run_gpu.py, label gpu; under torchrun for 2 ranks).
 
 usage: [torchrun --nproc-per-node N] python gpu_run.py SECTION...
-  SECTION: ops attention compile graph cache hot dlpack jax tp cp moe, or all
+  SECTION: ops attention compile graph graphalloc cache hot dlpack jax tp cp moe, or all
 Each section prints one "PASS <section>" or "FAIL <section>: <reason>" line (rank 0, or every rank that failed);
 the exit code is the number of failed sections. Needs tandemd (cuda backend) at $TANDEM_SOCKET.
 Ranks share the GPU given by LOCAL_RANK % device_count (2 ranks on one H200 share it).
@@ -196,6 +196,100 @@ def section_graph(comm):
     if bad:
         raise AssertionError(f"{len(bad)} of 100 runs wrong; first: " + "; ".join(bad[:4]))
     return f"100 runs (96 replays, 4 eager), each checked exactly ({ms:.1f} ms with the checks)"
+
+
+def section_graphalloc(comm):
+    """Ops whose outputs are allocated inside the capture, in the graph's private pool (a segment no eager call saw,
+    registered during the capture): torch.cuda.graph around the functional forms, make_graphed_callables of
+    tandem.nn's tensor-parallel layers (forward and backward graphs), and torch.compile(mode="reduce-overhead"). Every
+    replay is checked exactly: against float64 math (integer inputs), or bitwise against the same layers run eagerly."""
+    m, n, k = 128, 128, 128
+    dev = comm.device
+    seg = comm.session.segments
+    b = _ints("ga.b", RANK, (n, k)).to(dev)
+    inputs = [_ints(f"ga.a{j}", RANK, (m, k)).to(dev) for j in range(4)]
+    wants = [sum(_ints(f"ga.a{j}", q, (m, k)).double() @ _ints("ga.b", q, (n, k)).double().T for q in range(WORLD))
+             for j in range(4)]
+
+    def step(a):
+        c = comm.gemm_ar(a, b)
+        return c, comm.allgather(c)
+
+    def check(what, i, c, g):
+        want = wants[i % 4]
+        if not torch.equal(c.double().cpu(), want) or not torch.equal(g.double().cpu(), want.repeat(WORLD, 1)):
+            raise AssertionError(f"{what}: run {i} (inputs {i % 4}) differs from float64 math")
+
+    # 1. torch.cuda.graph: the warm-up registers a's and b's segments; c and g are allocated inside the capture.
+    a = inputs[0].clone()
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        step(a)
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    comm.synchronize()
+    regs = seg.registrations
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c, g = step(a)
+    in_capture = seg.registrations - regs
+    if in_capture < 1:
+        raise AssertionError("the capture registered no segment: its outputs did not come from a new pool, so this "
+                             "section would not test registration during capture")
+    for i in range(40):
+        a.copy_(inputs[i % 4])
+        if i % 10 == 9:  # eager calls between replays, on the same communicator
+            c2, g2 = step(a)
+            torch.cuda.synchronize(dev)
+            check("eager between replays", i, c2, g2)
+            continue
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        check("torch.cuda.graph replay", i, c, g)
+    comm.synchronize()
+    del graph, c, g
+
+    # 2. make_graphed_callables: the TP pair (sequence parallel), forward and backward graphed, against the same
+    # module run eagerly: output, input gradient and weight gradients bitwise.
+    torch.manual_seed(1234 + RANK)
+    rows, hidden, ffn = 64, 256, 512
+    col = tandem.nn.ColumnParallelLinear(hidden, ffn, comm, bias=False, sequence_parallel=True, dtype=torch.bfloat16)
+    row = tandem.nn.RowParallelLinear(ffn, hidden, comm, bias=False, sequence_parallel=True, dtype=torch.bfloat16)
+    model = torch.nn.Sequential(col, torch.nn.ReLU(), row)
+    xs = [torch.randn((rows, hidden), dtype=torch.bfloat16, device=dev, generator=None) for _ in range(3)]
+    dys = [torch.randn((rows, hidden), dtype=torch.bfloat16, device=dev) for _ in range(3)]
+
+    def run(fn, x, dy):
+        x = x.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        y = fn(x)
+        y.backward(dy)
+        torch.cuda.synchronize(dev)
+        return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+
+    eager = [run(model, x, dy) for x, dy in zip(xs, dys)]
+    comm.synchronize()
+    regs = seg.registrations
+    graphed = torch.cuda.make_graphed_callables(model, (xs[0].clone().requires_grad_(True),))
+    in_capture_m = seg.registrations - regs
+    for i in range(12):
+        got = run(graphed, xs[i % 3], dys[i % 3])
+        for name, w, g_ in zip(("y", "dx", "dW column", "dW row"), eager[i % 3], got):
+            if not torch.equal(w, g_):
+                raise AssertionError(f"make_graphed_callables: replay {i}: {name} differs from the eager module's")
+    comm.synchronize()
+
+    # 3. torch.compile(mode="reduce-overhead"): Inductor's CUDA graphs (warm-up call, recording call, replays).
+    torch._dynamo.reset()
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for i in range(12):
+        c, g = compiled(inputs[i % 4])
+        torch.cuda.synchronize(dev)
+        check("torch.compile(mode='reduce-overhead')", i, c, g)
+    comm.synchronize()
+    return (f"torch.cuda.graph: 36 replays + 4 eager calls exact ({in_capture} segment(s) registered in the capture); "
+            f"make_graphed_callables of the TP pair: 12 forward+backward replays bitwise the eager module's "
+            f"({in_capture_m} registered in its captures); torch.compile reduce-overhead: 12 calls exact")
 
 
 def _ints(tag, rank, shape):
@@ -427,7 +521,7 @@ def section_moe(comm):
 
 SECTIONS = {"ops": section_ops, "attention": section_attention, "compile": section_compile, "graph": section_graph,
             "cache": section_cache, "hot": section_hot, "dlpack": section_dlpack, "jax": section_jax, "tp": section_tp,
-            "cp": section_cp, "moe": section_moe}
+            "cp": section_cp, "moe": section_moe, "graphalloc": section_graphalloc}
 
 
 def main(argv) -> int:
