@@ -329,9 +329,9 @@ class SegmentCache:
       id: a new segment (first use, or PyTorch freed a segment and cudaMalloc returned the same addresses again).
       Registered entries whose range overlaps it are dead: their memory was freed, so they are deregistered first
       (libtandem would otherwise hand back the old buffer for the same (ptr, size)). Then entries whose memory is no
-      longer allocated are released too, so the daemon does not keep freed memory mapped. Registering needs a round
-      trip to tandemd, so it is refused while a CUDA graph is being captured: run the op once before capture (the
-      usual warm-up) or pass tensors from tandem.empty().
+      longer allocated are released too, so the daemon does not keep freed memory mapped. This may happen while a
+      CUDA graph is being captured (an output allocated in the graph's pool): registering records nothing on a
+      stream.
     - later ops: the communicator's pointer cache gives the Segment, and one cuPointerGetAttribute of the buffer id
       at the segment's base (live()) per distinct segment per op confirms it: the same id means the same
       allocation, whose range never changes, so every pointer cached inside it is still inside it. Any other answer
