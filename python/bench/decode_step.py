@@ -77,6 +77,36 @@ def graph_of(fn, reps: int = 1):
     return g
 
 
+def kernel_breakdown(label: str, fn, reps: int = 20) -> str:
+    """Where one call of fn (a graph replay) spends its time on the GPU: torch.profiler's kernel records of `reps`
+    calls, grouped by position in the call; per kernel its mean duration and the mean idle gap before it (the gap
+    before the first kernel is not counted: it is the host's). Returns the printable table."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    ks = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.name and "Memcpy" not in e.name
+                 and "Memset" not in e.name), key=lambda e: e.time_range.start)
+    if not ks or len(ks) % reps:
+        return f"  {label}: profile: {len(ks)} kernel records for {reps} calls; no breakdown"
+    per = len(ks) // reps
+    rows, spans = [], []
+    for i in range(per):
+        durs = [ks[r * per + i].time_range.elapsed_us() for r in range(reps)]
+        gaps = [ks[r * per + i].time_range.start - ks[r * per + i - 1].time_range.end for r in range(reps)] if i else []
+        rows.append((ks[i].name, sum(durs) / reps, sum(gaps) / reps if gaps else 0.0))
+    for r in range(reps):
+        spans.append(ks[r * per + per - 1].time_range.end - ks[r * per].time_range.start)
+    busy = sum(d for _, d, _ in rows)
+    lines = [f"  {label}: {per} kernels, first start to last end {sum(spans) / reps:.1f} us (mean of {reps}), "
+             f"kernels busy {busy:.1f} us, gaps {sum(g for _, _, g in rows):.1f} us"]
+    lines += [f"    {d:8.1f} us  gap {g:6.1f} us  {n[:110]}" for n, d, g in rows]
+    return "\n".join(lines)
+
+
 class Bench:
     """The run's settings and what it measured: rows for the JSON line, refusals, wrong results."""
 
@@ -116,6 +146,8 @@ class Bench:
                 self.say(f"  {label} {name} graph: refused: {type(e).__name__}: {e}")
                 continue
             out[f"{name}_graph_ms"] = self.time(g.replay)
+            if self.args.profile:
+                self.say(kernel_breakdown(f"{label} {name} graph", g.replay))
             del g
         return out
 
@@ -400,6 +432,9 @@ def main() -> int:
                     help="the graph-replayed torch MoE sends ceil(factor * tokens * topk / ranks) rows per rank; "
                          "0 (default): tokens * topk, which never drops a pair")
     ap.add_argument("--replay-ops", type=int, default=20, help="ops per graph for the replay cost (default 20)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing each graph, break one replay down kernel by kernel (torch.profiler): each "
+                         "kernel's mean duration and the idle gap before it")
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: the cpu backend with gloo, eager only, small default shapes (a check that the program "
