@@ -213,7 +213,9 @@ struct Captured {
   }
   // What the device checks found since their reset, after the stream finished.
   ReplayMismatches checked(cudaStream_t stream) {
-    if (syncWithin(stream, 60000) != "synced") throw std::runtime_error(what + ": the stream did not finish");
+    if (const std::string synced = syncWithin(stream, 60000); synced != "synced") {
+      throw std::runtime_error(fmt::format("{}: the stream of the replays did not finish: {}", what, synced));
+    }
     ReplayMismatches m{};
     CK(cudaMemcpy(&m, mismatches, sizeof m, cudaMemcpyDeviceToHost));
     return m;
