@@ -4,10 +4,18 @@
 // attention contiguous and zigzag and its backward, the MoE ops and the FFN's backward, the barrier) is captured into
 // a graph of its own and replayed TANDEM_TEST_REPLAYS times (1000) with new inputs written between replays, every
 // replay bitwise equal to the eager op on the same inputs (the eager result checked against the fp64 reference); eager
-// ops run between replays and the graphs of one communicator replay in turns. Then the failures: a rank SIGKILLed
-// mid-replay releases its peer with PEER_LOST (not the deadline), ranks replaying different graphs fail with an error
-// instead of meeting on each other's flags, and tandemd serves the next communicator; an MoE replay with a bad expert
-// id writes nothing, its error comes with the next eager op's wait, and the next ops work.
+// ops run between replays and the graphs of one communicator replay in turns. Each replay is checked on the device
+// behind it (graph_replay_compare.cu: its outputs against a device copy of the eager run's), and a rank synchronises
+// to read what the checks found only every kCheckEvery replays, so the replays run back to back; a MESSAGE per rank
+// gives the time of its replay loop. Then the failures: a rank SIGKILLed mid-replay releases its peer with PEER_LOST
+// (not the deadline), ranks replaying different graphs fail with an error instead of meeting on each other's flags,
+// and tandemd serves the next communicator; an MoE replay with a bad expert id writes nothing, its error comes with
+// the next eager op's wait, and the next ops work.
+//
+// TANDEM_TEST_CORRUPT_REPLAY=N (N below TANDEM_TEST_REPLAYS) shows that the replay check fails: replay N of every op
+// on every rank gets one output bit flipped after the replay, before its check, and the replay cases must fail with
+// "FAIL <op>: replay N (inputs N%3) differs from the eager run (1 replays differ; first byte ...)". Set it only for
+// those cases (-tc='*every replayable op*'): the failure cases' next communicator replays too.
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -15,6 +23,7 @@
 #include <sstream>
 #include <vector>
 
+#include "graph_replay_compare.hpp"
 #include "rank_buffers.hpp"
 #include "submit_op.hpp"
 #include "tandem/kernels/driver.hpp"
@@ -109,13 +118,23 @@ int replays() {
   return v != nullptr && *v != '\0' ? std::atoi(v) : 1000;
 }
 
+// TANDEM_TEST_CORRUPT_REPLAY: the replay whose output the test corrupts, to show that its check fails; -1: none.
+int corruptReplay() {
+  const char* v = std::getenv("TANDEM_TEST_CORRUPT_REPLAY");
+  return v != nullptr && *v != '\0' ? std::atoi(v) : -1;
+}
+
 constexpr int kInputSets = 3;  // input sets cycled through the replays, each with its eager result
+constexpr int kCheckEvery = 50;  // replays between two reads of the device checks (each read synchronises)
+static_assert(tandem::kMaxOpBuffers <= kMaxCompareSlots);
 
 // One captured op of one rank: its buffers, its input sets (in device memory, copied into the op's inputs on the
-// stream before each run), the eager result of each set, and its graph.
+// stream before each run), the eager result of each set (on the host, and in device memory for the device check of
+// the replays), its graph, and what the device checks found.
 struct Captured {
   Captured(tandem_session_t s, const GraphCase& c, uint32_t nranks, uint32_t rank, uint64_t seed)
       : what(describe(c)), b(s, descriptorsOf(c, nranks), rank, seed) {
+    CK(cudaMalloc(reinterpret_cast<void**>(&mismatches), sizeof(ReplayMismatches)));
     const tandem::SlotRules rules = tandem::expectedSlots(b.desc());
     for (std::size_t i = 0; i < tandem::kMaxOpBuffers; ++i) {
       if (!rules[i].output && !b.mine()[i].empty()) inputs.push_back(static_cast<int>(i));
@@ -145,6 +164,10 @@ struct Captured {
     for (auto& set : sets) {
       for (void* d : set) cudaFree(d);
     }
+    for (auto& set : eagerOnDevice) {
+      for (void* d : set) cudaFree(d);
+    }
+    cudaFree(mismatches);
   }
   // Input set `set` into the op's inputs and every output poisoned, on the stream.
   void prepare(int set, cudaStream_t stream) {
@@ -160,12 +183,56 @@ struct Captured {
     b.download();
     return b.outputBytes();
   }
+  // The outputs of the eager run of input set `set` just enqueued, copied on the stream into the set's device copy of
+  // them (one buffer per output slot).
+  void keepEager(int set, cudaStream_t stream) {
+    std::vector<void*>& kept = eagerOnDevice[set];
+    for (std::size_t k = 0; k < b.outputs.size(); ++k) {
+      const int s = b.outputs[k];
+      const std::size_t bytes = b.mine()[static_cast<std::size_t>(s)].size();
+      if (kept.size() == k) CK(cudaMalloc(&kept.emplace_back(), bytes));
+      CK(cudaMemcpyAsync(kept[k], b.ptr(s), bytes, cudaMemcpyDeviceToDevice, stream));
+    }
+  }
+  // Enqueues the device check of the run just enqueued against input set `set`'s eager outputs, as replay `index`.
+  void enqueueCheck(int set, int index, cudaStream_t stream) {
+    ReplayCompare c{};
+    c.count = static_cast<uint32_t>(b.outputs.size());
+    c.replay = static_cast<uint32_t>(index);
+    c.record = mismatches;
+    for (std::size_t k = 0; k < b.outputs.size(); ++k) {
+      const int s = b.outputs[k];
+      c.slots[k] = {b.ptr(s), eagerOnDevice[set][k], b.mine()[static_cast<std::size_t>(s)].size()};
+    }
+    CK(launchReplayCompare(c, stream));
+  }
+  // Enqueues one bit flipped in the middle of the first output (a replay made to differ from the eager run).
+  void corruptOutput(cudaStream_t stream) {
+    if (b.outputs.empty()) return;
+    CK(launchFlipByte(b.ptr(b.outputs[0]), b.mine()[static_cast<std::size_t>(b.outputs[0])].size() / 2, stream));
+  }
+  // What the device checks found since their reset, after the stream finished.
+  ReplayMismatches checked(cudaStream_t stream) {
+    if (const std::string synced = syncWithin(stream, 60000); synced != "synced") {
+      throw std::runtime_error(fmt::format("{}: the stream of the replays did not finish: {}", what, synced));
+    }
+    ReplayMismatches m{};
+    CK(cudaMemcpy(&m, mismatches, sizeof m, cudaMemcpyDeviceToHost));
+    return m;
+  }
+  // "<n> replays differ; first byte <b> of output slot <s>" for `m` (firstReplay set).
+  std::string differences(const ReplayMismatches& m) const {
+    const int s = m.firstSlot < b.outputs.size() ? b.outputs[m.firstSlot] : -1;
+    return fmt::format("{} replays differ; first byte {} of output slot {}", m.replays, m.firstByte, s);
+  }
 
   std::string what;
   RankBuffers b;
   std::vector<int> inputs;
   std::array<std::vector<void*>, kInputSets> sets;
   std::array<std::vector<std::vector<std::byte>>, kInputSets> eager;
+  std::array<std::vector<void*>, kInputSets> eagerOnDevice;
+  ReplayMismatches* mismatches = nullptr;  // device memory
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
 };
@@ -194,15 +261,19 @@ std::string capture(Captured& c, const Joined& j) {
 
 // One rank of the replay case. Every rank runs the same sequence: eager runs of every op (the references), the
 // captures, then per op its replays with an eager run every 250, then every graph in turns with eager runs between.
+// Each replay's check runs on the device; the rank reads what they found every kCheckEvery replays and at the end of
+// each op's replays, and after the rounds. "OK <time of the replay loop>" or what failed.
 std::string replayRank(const std::string& socket, const tandem_unique_id_t& id, uint32_t nranks, uint32_t rank,
                        const std::vector<GraphCase>& cases, int count) {
   Joined j(socket, id, nranks, rank);
+  CK(preloadReplayCompareKernels());
   std::vector<std::unique_ptr<Captured>> ops;
   for (std::size_t i = 0; i < cases.size(); ++i) {
     ops.push_back(std::make_unique<Captured>(j.s, cases[i], nranks, rank, 9000 + i));
     Captured& c = *ops.back();
     for (int set = 0; set < kInputSets; ++set) {
       if (std::string e = eagerRun(c, j.comm, j.stream, set); !e.empty()) return fmt::format("FAIL {}: {}", c.what, e);
+      c.keepEager(set, j.stream);
       c.eager[set] = c.outputs(j.stream);
       if (set == 0) {
         if (std::string e = c.b.compare(); !e.empty()) return fmt::format("FAIL {} (eager): {}", c.what, e);
@@ -212,13 +283,21 @@ std::string replayRank(const std::string& socket, const tandem_unique_id_t& id, 
   for (auto& c : ops) {
     if (std::string e = capture(*c, j); !e.empty()) return fmt::format("FAIL {}: {}", c->what, e);
   }
+  const int corrupt = corruptReplay();
+  const auto start = std::chrono::steady_clock::now();
   for (auto& c : ops) {
+    CK(resetReplayMismatches(c->mismatches, j.stream));
     for (int i = 0; i < count; ++i) {
       const int set = i % kInputSets;
-      c->prepare(set, j.stream);
+      c->prepare(set, j.stream);  // the poison in it: a replay that writes nothing differs
       CK(cudaGraphLaunch(c->exec, j.stream));
-      if (c->outputs(j.stream) != c->eager[set]) {
-        return fmt::format("FAIL {}: replay {} (inputs {}) differs from the eager run", c->what, i, set);
+      if (i == corrupt) c->corruptOutput(j.stream);
+      c->enqueueCheck(set, i, j.stream);
+      if (i % kCheckEvery == kCheckEvery - 1 || i == count - 1) {
+        if (const ReplayMismatches m = c->checked(j.stream); m.firstReplay != kNoReplay) {
+          return fmt::format("FAIL {}: replay {} (inputs {}) differs from the eager run ({})", c->what, m.firstReplay,
+                             m.firstReplay % kInputSets, c->differences(m));
+        }
       }
       if (i % 250 == 249) {  // eager, replay, eager: the device epoch and tandemd's stay in step
         if (std::string e = eagerRun(*c, j.comm, j.stream, set); !e.empty()) {
@@ -228,24 +307,36 @@ std::string replayRank(const std::string& socket, const tandem_unique_id_t& id, 
       }
     }
   }
-  // Several graphs of one communicator in turns, with an eager op between rounds.
-  for (int round = 0; round < 20; ++round) {
+  const double replaySeconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // Several graphs of one communicator in turns, with an eager op between rounds; each graph's replays checked on the
+  // device as replays 0..19, read after the rounds.
+  constexpr int kRounds = 20;
+  for (auto& c : ops) CK(resetReplayMismatches(c->mismatches, j.stream));
+  for (int round = 0; round < kRounds; ++round) {
     for (auto& c : ops) {
       const int set = (round + 1) % kInputSets;
       c->prepare(set, j.stream);
       CK(cudaGraphLaunch(c->exec, j.stream));
-      if (c->outputs(j.stream) != c->eager[set]) return fmt::format("FAIL {}: round {} of every graph", c->what, round);
+      c->enqueueCheck(set, round, j.stream);
     }
     Captured& e = *ops[static_cast<std::size_t>(round) % ops.size()];
     if (std::string err = eagerRun(e, j.comm, j.stream, 0); !err.empty()) return "FAIL eager between rounds: " + err;
     if (e.outputs(j.stream) != e.eager[0]) return fmt::format("FAIL {}: eager between rounds {}", e.what, round);
   }
+  for (auto& c : ops) {
+    if (const ReplayMismatches m = c->checked(j.stream); m.firstReplay != kNoReplay) {
+      return fmt::format("FAIL {}: round {} of every graph (inputs {}) differs from the eager run ({})", c->what,
+                         m.firstReplay, (m.firstReplay + 1) % kInputSets, c->differences(m));
+    }
+  }
   tandem_op_t op;
   const tandem_barrier_args_t a{sizeof a, j.stream};
   TK(tandem_barrier_stream(j.comm, &a, &op));
   if (std::string e = finishOp(j.stream, op); !e.empty()) return "FAIL the last barrier: " + e;
+  const std::size_t n = ops.size();
   ops.clear();
-  return "OK";
+  return fmt::format("OK replay loop {:.2f} s ({} ops x {} replays, {:.0f} us a replay)", replaySeconds, n, count,
+                     count > 0 ? replaySeconds * 1e6 / static_cast<double>(n * static_cast<std::size_t>(count)) : 0.0);
 }
 
 void runReplays(const Daemon& d, uint32_t nranks) {
@@ -253,9 +344,11 @@ void runReplays(const Daemon& d, uint32_t nranks) {
   std::ostringstream o;
   for (const auto& c : cases) o << "\n  " << describe(c);
   MESSAGE(nranks << " ranks on " << gpuCount() << " GPU(s), " << replays() << " replays of each:" << o.str());
-  runRankProcesses(d, nranks, 1800000, [&](const tandem_unique_id_t& id, uint32_t r) {
+  const std::vector<std::string> notes = runRankProcesses(d, nranks, 1800000, [&](const tandem_unique_id_t& id,
+                                                                                  uint32_t r) {
     return replayRank(d.socket(), id, nranks, r, cases, replays());
   });
+  for (std::size_t r = 0; r < notes.size(); ++r) MESSAGE(nranks << " ranks, rank " << r << ": " << notes[r]);
 }
 
 // A rank of the failure cases: joins, runs an allgather of `eagerBytes` per rank eagerly once (alike on both ranks),

@@ -153,21 +153,26 @@ struct Joined {
   Joined& operator=(const Joined&) = delete;
 };
 
-// Forks `nranks` rank processes on one unique id, each running `body(id, rank)` (its result line: "OK" or what
-// failed), and checks every rank's result within `timeoutMs`, with the daemon's log beside a failure.
-inline void runRankProcesses(const Daemon& d, uint32_t nranks, int timeoutMs,
-                             const std::function<std::string(const tandem_unique_id_t&, uint32_t)>& body) {
+// Forks `nranks` rank processes on one unique id, each running `body(id, rank)` (its result line: "OK", "OK <note>"
+// or what failed), and checks every rank's result within `timeoutMs`, with the daemon's log beside a failure. Returns
+// each rank's note ("" when none).
+inline std::vector<std::string> runRankProcesses(
+    const Daemon& d, uint32_t nranks, int timeoutMs,
+    const std::function<std::string(const tandem_unique_id_t&, uint32_t)>& body) {
   tandem_unique_id_t id;
   REQUIRE(tandem_get_unique_id(&id) == TANDEM_SUCCESS);
   std::vector<Rank> ranks;
   for (uint32_t r = 0; r < nranks; ++r) ranks.push_back(spawn([&, r](const Io&) { return body(id, r); }));
+  std::vector<std::string> notes;
   for (uint32_t r = 0; r < nranks; ++r) {
     const std::string result = ranks[r].read(timeoutMs);
     INFO("rank " << r << " of " << nranks << ": " << result);
     INFO(d.log());
-    CHECK(result == "OK");
+    CHECK((result == "OK" || result.rfind("OK ", 0) == 0));
+    notes.push_back(result.rfind("OK ", 0) == 0 ? result.substr(3) : std::string());
   }
   for (auto& r : ranks) r.reap();
+  return notes;
 }
 
 }  // namespace tandem::gputest
