@@ -46,7 +46,9 @@
 // weights quantised to e4m3 per 128 x 128 block on the device, x and h quantised per 1 x 128 block by the op. Rows
 // "FFN FP8 (whole layer)" and, alone on the same groups, "FP8 gemm1+SwiGLU" and "FP8 gemm2"; the note "bf16 / FP8"
 // = FFN ms / FFN FP8 ms (target >= 1.6 at DeepSeek-V3's shapes). Checked: one token against an fp64 host reference of
-// the quantised layer (x and h quantised as the op does, the dequantised weights), finite outputs.
+// the quantised layer (x and h quantised as the op does, the dequantised weights), finite outputs. With the forward
+// pass also "dispatch+GEMM FP8" (w1's e4m3 as w, as the bf16 row uses w1) beside "dispatch+GEMM", the note
+// "dg bf16 / FP8", and its check: the bf16 run's row layout, one token's rows against the quantised fp64 reference.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -419,36 +421,62 @@ TokenRef tokenReference(const Model& m, const Routing& r, int64_t t, const void*
   return ref;
 }
 
+// A row quantised per 1 x 128 block as the FP8 ops do (numeric.hpp's quantizeE4m3Block), dequantised in place.
+void quantizeRowFp8(std::vector<float>& v) {
+  for (size_t c = 0; c < v.size(); c += 128) tandem::quantizeE4m3Block(&v[c], std::min<size_t>(128, v.size() - c), &v[c]);
+}
+
+// Token t's x row (bf16 on the device), quantised as the FP8 ops' dispatch does.
+std::vector<float> quantizedToken(const void* x, int64_t t, int64_t H) {
+  std::vector<float> xt;
+  for (uint16_t v : download(bytesOf(x) + t * H * 2, size_t(H))) xt.push_back(bf16ToFloat(v));
+  quantizeRowFp8(xt);
+  return xt;
+}
+
+// Expert e's e4m3 weight [rows, cols] (device) times its 128 x 128 block scales.
+std::vector<float> dequantExpert(const void* q, const void* sc, int e, int64_t rows, int64_t cols) {
+  const int64_t rb = (rows + 127) / 128, cb = (cols + 127) / 128;
+  const auto bytes = download<uint8_t>(bytesOf(q) + size_t(e) * rows * cols, size_t(rows * cols));
+  const auto scales = download<float>(bytesOf(sc) + size_t(e) * rb * cb * 4, size_t(rb * cb));
+  std::vector<float> w(size_t(rows * cols));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = tandem::loadElement(reinterpret_cast<const std::byte*>(&bytes[size_t(i * cols + c)]),
+                                          tandem::DType::kF8E4M3, 0);
+      w[size_t(i * cols + c)] = v * scales[size_t((i / 128) * cb + c / 128)];
+    }
+  return w;
+}
+
+// fp64 reference of token t's dispatch+GEMM rows with FP8 weights (w1's e4m3 as w, n_out = 2 ffn), slot after slot:
+// the quantised x times each slot's dequantised expert weight.
+std::vector<float> tokenGemmReferenceFp8(const Model& m, const Routing& r, int64_t t, const void* x, const void* w1q,
+                                         const void* w1s) {
+  const int64_t H = m.hidden, N = 2 * m.ffn;
+  const std::vector<float> xt = quantizedToken(x, t, H);
+  std::vector<float> rows;
+  for (int j = 0; j < m.topk; ++j) {
+    const std::vector<float> w = dequantExpert(w1q, w1s, r.ids[size_t(t * m.topk + j)], N, H);
+    for (int64_t o = 0; o < N; ++o) {
+      double acc = 0;
+      for (int64_t kk = 0; kk < H; ++kk) acc += double(xt[size_t(kk)]) * w[size_t(o * H + kk)];
+      rows.push_back(float(acc));
+    }
+  }
+  return rows;
+}
+
 // fp64 reference of one token through the FP8 layer (tandem.h, FP8 weights): x and h quantised per 1 x 128 block as
 // the op does (numeric.hpp's quantizeE4m3Block), the weights dequantised with their block scales.
 std::vector<double> tokenReferenceFp8(const Model& m, const Routing& r, int64_t t, const void* x, const void* w1q,
                                       const void* w1s, const void* w2q, const void* w2s) {
   const int64_t H = m.hidden, F = m.ffn;
-  std::vector<float> xt;
-  for (uint16_t v : download(bytesOf(x) + t * H * 2, size_t(H))) xt.push_back(bf16ToFloat(v));
-  const auto quantizeRow = [](std::vector<float>& v) {
-    for (size_t c = 0; c < v.size(); c += 128) {
-      tandem::quantizeE4m3Block(&v[c], std::min<size_t>(128, v.size() - c), &v[c]);
-    }
-  };
-  quantizeRow(xt);
-  const auto dequant = [](const void* q, const void* sc, int e, int64_t rows, int64_t cols) {
-    const int64_t rb = (rows + 127) / 128, cb = (cols + 127) / 128;
-    const auto bytes = download<uint8_t>(bytesOf(q) + size_t(e) * rows * cols, size_t(rows * cols));
-    const auto scales = download<float>(bytesOf(sc) + size_t(e) * rb * cb * 4, size_t(rb * cb));
-    std::vector<float> w(size_t(rows * cols));
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t c = 0; c < cols; ++c) {
-        const float v = tandem::loadElement(reinterpret_cast<const std::byte*>(&bytes[size_t(i * cols + c)]),
-                                            tandem::DType::kF8E4M3, 0);
-        w[size_t(i * cols + c)] = v * scales[size_t((i / 128) * cb + c / 128)];
-      }
-    return w;
-  };
+  const std::vector<float> xt = quantizedToken(x, t, H);
   const auto slot = [&](int j) {
     const int32_t e = r.ids[size_t(t * m.topk + j)];
     const double wt = r.wts[size_t(t * m.topk + j)];
-    const std::vector<float> w1e = dequant(w1q, w1s, e, 2 * F, H), w2e = dequant(w2q, w2s, e, H, F);
+    const std::vector<float> w1e = dequantExpert(w1q, w1s, e, 2 * F, H), w2e = dequantExpert(w2q, w2s, e, H, F);
     std::vector<float> h(static_cast<size_t>(F));
     for (int64_t f = 0; f < F; ++f) {
       double g = 0, u = 0;
@@ -458,7 +486,7 @@ std::vector<double> tokenReferenceFp8(const Model& m, const Routing& r, int64_t 
       }
       h[size_t(f)] = float(g / (1.0 + std::exp(-g)) * u);
     }
-    quantizeRow(h);
+    quantizeRowFp8(h);
     std::vector<double> y(static_cast<size_t>(H));
     for (int64_t c = 0; c < H; ++c) {
       double acc = 0;
@@ -619,10 +647,12 @@ class ModelBench {
       p.saved = b_.saved.get();
       p.savedRows = r_->rows();
     }
-    if (fp8) {
+    if (fp8) {  // dispatch+GEMM: w1's e4m3 as w (n_out 2 ffn), as its bf16 run uses w1
       p.fp8 = true;
+      p.w = b_.w1q.get();
       p.w1 = b_.w1q.get();
       p.w2 = b_.w2q.get();
+      p.wScale = b_.w1s.as<float>();
       p.w1Scale = b_.w1s.as<float>();
       p.w2Scale = b_.w2s.as<float>();
     }
@@ -880,7 +910,33 @@ bool ModelBench::checkFp8(std::string& line) {
   std::snprintf(buf, sizeof buf, "fp8 ffn finite %s; token %lld rel_err vs the quantised reference %.2e (vs bf16 %.2e)",
                 finite ? "yes" : "NO", static_cast<long long>(t0), err, relError(got, bf));
   line = buf;
-  return finite && err < kFp8Tolerance;
+  bool ok = finite && err < kFp8Tolerance;
+  if (o_.fwd) {  // dispatch+GEMM with FP8 weights: the bf16 run's row layout, the token's rows against the reference
+    const int64_t rows = r_->rows(), N = 2 * m_.ffn;
+    run(Op::kDispatchGemm, 0);
+    syncOrDie(s_, 60, "dispatch+GEMM");
+    const std::vector<int32_t> info = download<int32_t>(b_.rowInfo.get(), size_t(rows) * 4);
+    run(Op::kDispatchGemm, 0, 0, false, false, true);
+    syncOrDie(s_, 60, "dispatch+GEMM FP8");
+    const bool layoutOk = download<int32_t>(b_.rowInfo.get(), size_t(rows) * 4) == info &&
+                          download<int32_t>(b_.counts.get(), size_t(m_.experts)) == r_->counts;
+    const bool rowsFinite = allFinite(b_.pgu.get(), size_t(rows) * N);
+    std::vector<float> rowsGot;
+    for (int j = 0; j < m_.topk; ++j) {
+      for (int64_t i = 0; i < rows; ++i) {
+        if (info[size_t(i * 4 + 1)] != t0 || info[size_t(i * 4 + 2)] != j) continue;
+        for (uint16_t v : download(b_.pgu.at(size_t(i * N * 2)), size_t(N))) rowsGot.push_back(bf16ToFloat(v));
+      }
+    }
+    // One GEMM from the quantised x, no h to round: within bf16's tolerance of the fp64 reference.
+    const double gemmErr =
+        relError(rowsGot, tokenGemmReferenceFp8(m_, *r_, t0, b_.x[0].get(), b_.w1q.get(), b_.w1s.get()));
+    std::snprintf(buf, sizeof buf, "; fp8 dispatch+GEMM layout %s, rows finite %s, token rel_err %.2e",
+                  layoutOk ? "exact" : "WRONG", rowsFinite ? "yes" : "NO", gemmErr);
+    line += buf;
+    ok = ok && layoutOk && rowsFinite && gemmErr < kTolerance;
+  }
+  return ok;
 }
 
 void ModelBench::timeFp8(Timings& t) {
@@ -897,7 +953,12 @@ void ModelBench::timeFp8(Timings& t) {
 void ModelBench::timeForward(Timings& t, bool& ok) {
   const int64_t rows = r_->rows(), H = m_.hidden, F = m_.ffn;
   const double g1 = 2.0 * double(rows) * H * 2 * F, g2 = 2.0 * double(rows) * F * H;
-  t.add("dispatch_gemm_ms", "dispatch+GEMM", time([&](int set) { run(Op::kDispatchGemm, set); }), g1);
+  const double dg = t.add("dispatch_gemm_ms", "dispatch+GEMM", time([&](int set) { run(Op::kDispatchGemm, set); }), g1);
+  if (o_.fp8) {
+    const double dg8 = t.add("dispatch_gemm_fp8_ms", "dispatch+GEMM FP8",
+                             time([&](int set) { run(Op::kDispatchGemm, set, 0, false, false, true); }), g1);
+    t.note("dg bf16 / FP8", dg / dg8, "(dispatch+GEMM bf16 ms / FP8 ms, same routing)");
+  }
   t.add("gemm1_ms", "gemm1 alone", time([&](int) { gemm(b_.px, H, b_.w1, 2 * F, b_.pgu, Layout::kABt, Epi::kStore); }),
         g1);
   const double g1s = t.add("gemm1_swiglu_ms", "gemm1+SwiGLU alone",
@@ -1111,7 +1172,8 @@ constexpr const char* kUsage =
     "                 [--no-skew] [--pass fwd|bwd|all] [--saved] [--dtype bf16|fp8] [--routing-dir DIR] [--json FILE]\n"
     "                 [--experiment]\n"
     "  --dtype fp8: also the FFN with FP8 weights (e4m3, 128 x 128 block scales) on the same routings, its FP8\n"
-    "              GEMMs alone, and bf16 ms / FP8 ms (--pass fwd --dtype fp8 times the forward only)\n"
+    "              GEMMs alone, dispatch+GEMM with FP8 weights (forward pass), and bf16 ms / FP8 ms (--pass fwd\n"
+    "              --dtype fp8 times the forward only)\n"
     "  --pass fwd: dispatch+GEMM, the FFN, its GEMMs alone; bwd: the FFN, the backward, fwd+bwd, the backward's\n"
     "              GEMMs alone; all (default): both\n"
     "  --saved: with the backward, also the forward saving gate|up and the backward from it (no recompute GEMM),\n"

@@ -286,9 +286,11 @@ uint64_t workspaceBytesFor(const OpDescriptor& d, uint32_t nranks, uint64_t moeR
     // This rank's scratch at the end of the data region, on a 256-byte boundary (moe_ops.cpp commOf).
     const uint64_t scratch = moeScratchBytes(dimOf(dim::kTokens), dimOf(dim::kTopk), dimOf(dim::kExperts)) + 256;
     if (d.kind == OpKind::kMoeDispatchGemm) {
-      // The receive rows and the scratch share the data region, two matrices long.
-      return WorkspaceLayout::bytesFor((moeRecvBytes(dimOf(dim::kCapacity), dimOf(dim::kHidden), 0) + scratch + 1) / 2,
-                                       nranks);
+      // The receive rows (FP8 weights: e4m3 x with its scales, moe.hpp) and the scratch share the data region, two
+      // matrices long.
+      const bool fp8 = isFp8(moeWeightDtype(d.dtype, d.flags));
+      const uint64_t recv = moeRecvBytes(dimOf(dim::kCapacity), dimOf(dim::kHidden), 0, false, fp8);
+      return WorkspaceLayout::bytesFor((recv + scratch + 1) / 2, nranks);
     }
     // The FFN's receive rows (x, h and y; the backward's also dout, gate|up and g) fill the span before the scratch.
     const int64_t rows = static_cast<int64_t>(moeRows != 0 ? moeRows : d.dims[dim::kTokens] * d.dims[dim::kTopk]);

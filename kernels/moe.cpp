@@ -113,6 +113,31 @@ std::string launchBackward(const MoeParams& g, const MoeComm& c, const MoeKernel
                      g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms, actCtas, combineCtas);
 }
 
+// The FP8 grouped GEMM over this rank's received rows with FP8 weights: the quantised x rows and their scales (as the
+// quantising dispatch wrote them) times w with its 128 x 128 block scales, over the plan kernel's group offsets (zero
+// when the op failed: nothing computed), into bf16 `out` [rows, n] (kStore; the FFN's gemm1 changes the epilogue).
+GroupedGemmFp8Params fp8GemmOfRecv(const MoeParams& g, const MoeComm& c, const MoeKernelParams& p,
+                                   const RecvLayout& rl, int64_t rows, const void* w, const float* wScale, int64_t n,
+                                   void* out) {
+  char* const recv = p.recv[c.rank];
+  GroupedGemmFp8Params gp{};
+  gp.x = recv + rl.xOff;
+  gp.xScale = reinterpret_cast<const float*>(recv + rl.xScaleOff);
+  gp.ldxScale = static_cast<int64_t>(rl.scaleLd);
+  gp.w = w;
+  gp.wScale = wScale;
+  gp.wScaling = GroupedFp8WeightScaling::kBlock;
+  gp.out = out;
+  gp.groupOffsets = p.groupOffsets;
+  gp.mTotal = rows;
+  gp.n = n;
+  gp.k = g.hidden;
+  gp.numExperts = g.experts / c.nranks;
+  gp.epilogue = GroupedGemmEpilogue::kStore;
+  if (g.gemmDynamicTiles) gp.tileCounter = &p.status->gemmTiles[0];  // zeroed with the status
+  return gp;
+}
+
 // The FFN forward with FP8 weights on the owner, after the quantised rows arrived (moe.hpp): gemm1 with the SwiGLU
 // epilogue writes h in e4m3 with its 1 x 128 scales, gemm2 y in bf16, both on the FP8 grouped GEMM over the plan
 // kernel's group offsets (zero when the op failed: nothing computed); then the y exchange and the combine, as bf16's.
@@ -120,23 +145,10 @@ std::string launchBackward(const MoeParams& g, const MoeComm& c, const MoeKernel
 std::string launchFfnFp8(const MoeParams& g, const MoeComm& c, const MoeKernelParams& p, const RecvLayout& rl,
                          int64_t rows, int combineCtas, cudaStream_t stream) {
   char* const recv = p.recv[c.rank];
-  GroupedGemmFp8Params g1{};
-  g1.x = recv + rl.xOff;
-  g1.xScale = reinterpret_cast<const float*>(recv + rl.xScaleOff);
-  g1.ldxScale = static_cast<int64_t>(rl.scaleLd);
-  g1.w = g.w1;
-  g1.wScale = g.w1Scale;
-  g1.wScaling = GroupedFp8WeightScaling::kBlock;
-  g1.out = recv + rl.hOff;
+  GroupedGemmFp8Params g1 = fp8GemmOfRecv(g, c, p, rl, rows, g.w1, g.w1Scale, 2 * g.ffnDim, recv + rl.hOff);
   g1.outScale = reinterpret_cast<float*>(recv + rl.hScaleOff);
   g1.ldOutScale = static_cast<int64_t>(rl.scaleLd);
-  g1.groupOffsets = p.groupOffsets;
-  g1.mTotal = rows;
-  g1.n = 2 * g.ffnDim;
-  g1.k = g.hidden;
-  g1.numExperts = g.experts / c.nranks;
   g1.epilogue = GroupedGemmEpilogue::kSwiGlu;
-  if (g.gemmDynamicTiles) g1.tileCounter = &p.status->gemmTiles[0];  // zeroed with the status
   GroupedGemmFp8Params g2 = g1;
   g2.x = g1.out;
   g2.xScale = g1.outScale;
@@ -168,11 +180,11 @@ uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn, bool backward, 
 int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn, bool backward, bool fp8) {
   if (hidden <= 0) return 0;
   // Per row: x and (FFN) y of hidden, h of ffn, 16 bytes of row info; the backward's weight and dtopk (8 bytes),
-  // gate|up and g (3 ffn). FP8: x and h of one byte each and their scales (4 bytes per 128 columns), y of two.
+  // gate|up and g (3 ffn). FP8: x and h of one byte each and their scales (4 bytes per 128 columns), the FFN's y of two.
   const auto f = static_cast<uint64_t>(std::max<int64_t>(ffn, 0));
   const auto h = static_cast<uint64_t>(hidden);
-  const bool fp8Rows = fp8 && ffn > 0 && !backward;
-  const uint64_t perRow = fp8Rows ? 3 * h + f + 4 * (h / 128 + f / 128) + 16
+  const bool fp8Rows = fp8 && !backward;
+  const uint64_t perRow = fp8Rows ? h + (ffn > 0 ? 2 * h : 0) + f + 4 * (h / 128 + f / 128) + 16
                                   : h * 2 * (ffn > 0 ? 2 : 1) + f * 2 + 16 + (backward && ffn > 0 ? 8 + f * 3 * 2 : 0);
   int64_t rows = static_cast<int64_t>(bytes / perRow);
   while (rows > 0 && moeRecvBytes(rows, hidden, ffn, backward, fp8) > bytes) --rows;  // the alignment slack
@@ -230,23 +242,23 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
          p.ffnDim);
   }
   if (p.fp8) {
-    if (!p.ffn || p.backward) {
-      fail(kBad, "{}: FP8 weights (w_dtype) are the FFN forward's only; pass bf16 or fp16 weights", op);
+    if (p.backward) {
+      fail(kBad, "{}: FP8 weights (w_dtype) are the forward ops' only; pass bf16 or fp16 weights", op);
     }
     if (p.dtype != GemmDtype::kBf16) fail(kBad, "{}: FP8 weights (w_dtype) need dtype bf16 (x and out)", op);
     if (p.savedRows != 0) {
       fail(kBad, "{}: saved_rows = {}: saved activations are for the backward, which FP8 weights do not have", op,
            p.savedRows);
     }
-    // The FP8 grouped GEMM's rules (grouped_gemm_fp8.hpp): gemm1's k and the quantising dispatch's 16-column pieces;
-    // the SwiGLU epilogue's h tiles, each in one 128-row scale block of w1.
+    // The FP8 grouped GEMM's rules (grouped_gemm_fp8.hpp): its k (hidden) and the quantising dispatch's 16-column
+    // pieces; the FFN's SwiGLU epilogue's h tiles, each in one 128-row scale block of w1.
     if (p.hidden % 16 != 0) {
       fail(kBad,
            "{}: hidden = {} must be a multiple of 16 with FP8 weights (the FP8 grouped GEMM reads 16-byte rows of "
            "e4m3 x); pad hidden with zeros",
            op, p.hidden);
     }
-    if (p.ffnDim % 128 != 0) {
+    if (p.ffn && p.ffnDim % 128 != 0) {
       fail(kBad,
            "{}: ffn = {} must be a multiple of 128 with FP8 weights (the FP8 grouped GEMM's SwiGLU tiles each take "
            "one 128-row block of w1's scales, and h is quantised per 128 columns); pad w1 and w2 with zeros",
@@ -327,6 +339,7 @@ void validateMoe(const MoeParams& p, const MoeComm& c) {
     need16(p.out, "out", p.capacity > 0);
     need4(p.rowInfo, "row_info", p.capacity > 0);
     need4(p.expertCounts, "expert_counts", true);
+    if (p.fp8) need4(p.wScale, "w_scale", true);
   }
 }
 
@@ -420,10 +433,17 @@ std::string launchMoe(const MoeParams& g, const MoeComm& c, cudaStream_t stream)
     return fmt::format("route {}x{} CTAs, plan, dispatch {} CTAs (x and dout rows), {}", routeCtas, chunks, copyCtas,
                        launchBackward(g, c, p, rl, rows, combineCtas, stream));
   }
-  if (g.fp8) {
+  if (g.fp8 && g.ffn) {
     return fmt::format("route {}x{} CTAs, plan, quantising dispatch {} CTAs (a warp per token and {} columns), {}",
                        routeCtas, chunks, quantCtas, kQuantCols,
                        launchFfnFp8(g, c, p, rl, rows, combineCtas, stream));
+  }
+  if (g.fp8) {  // dispatch+GEMM: the FP8 grouped GEMM from the quantised rows into out (bf16)
+    launchGroupedGemmFp8(fp8GemmOfRecv(g, c, p, rl, rows, g.w, g.wScale, g.nOut, g.out), stream, g.gemmSms);
+    return fmt::format("route {}x{} CTAs, plan, quantising dispatch {} CTAs (a warp per token and {} columns), FP8 "
+                       "grouped GEMM over {} receive rows ({} SMs)",
+                       routeCtas, chunks, quantCtas, kQuantCols, rows,
+                       g.gemmSms > 0 ? std::min(g.gemmSms, sms) : sms);
   }
   GroupedGemmParams gg{};
   gg.dtype = g.dtype;

@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kPlanThreads) moeArriveKernel(const __grid_con
   __syncthreads();  // the acquires happen before every thread's reads (and, by kernel order, the GEMM's)
   if (waitY != 0 || state != kRun || sFail != 0 || p.rowInfo == nullptr) return;
   const int32_t rows = p.groupOffsets[p.localExperts];
-  const RecvLayout lay = recvLayout(p.capacity, p.hidden, p.ffn, p.backward != 0);
+  const RecvLayout lay = recvLayout(p.capacity, p.hidden, p.ffn, p.backward != 0, p.fp8 != 0);
   const auto* info = reinterpret_cast<const int4*>(p.recv[p.rank] + lay.infoOff);
   for (int32_t r = tid; r < rows; r += static_cast<int32_t>(blockDim.x)) {
     const int4 v = info[r];

@@ -51,8 +51,9 @@ __host__ __device__ constexpr uint64_t alignUp(uint64_t v) { return (v + kAlign 
 // A receive area of `rows` rows: x rows [rows, hidden], row info [rows] x int4, then (FFN) h [rows, ffn] and
 // y [rows, hidden]; the backward (dout in y, later dx; h holds weight * h) adds the row's weight and dtopk_weight
 // [rows] fp32, gate|up [rows, 2 ffn] (later its gradient) and g = dout·w2 [rows, ffn]. 2-byte elements.
-// The FFN with FP8 weights (`fp8`): x and h are e4m3 (one byte), each followed by its 1 x 128 scales in the FP8 grouped
-// GEMM's M-major layout, [ceil(cols / 128), scaleLd] fp32 (xScaleOff, hScaleOff); y stays bf16.
+// With FP8 weights (`fp8`, the forward ops): x and h are e4m3 (one byte), each followed by its 1 x 128 scales in the
+// FP8 grouped GEMM's M-major layout, [ceil(cols / 128), scaleLd] fp32 (xScaleOff, hScaleOff); y stays bf16.
+// Dispatch+GEMM (ffn 0) has x, its scales and the row info only.
 struct RecvLayout {
   uint64_t xOff, infoOff, hOff, yOff, weightOff, dtopkOff, guOff, gOff, bytes;
   uint64_t xScaleOff, hScaleOff, scaleLd;  // fp8 only: scaleLd = rows rounded up to 4 (gemmFp8ScaleALd)
@@ -69,13 +70,13 @@ __host__ __device__ constexpr RecvLayout recvLayoutFp8(int64_t rows, int64_t hid
   l.hOff = alignUp(l.infoOff + r * 16);
   l.hScaleOff = alignUp(l.hOff + r * f);
   l.yOff = alignUp(l.hScaleOff + (f + 127) / 128 * l.scaleLd * 4);
-  l.bytes = alignUp(l.yOff + r * h * 2);
+  l.bytes = ffn > 0 ? alignUp(l.yOff + r * h * 2) : l.yOff;
   l.weightOff = l.dtopkOff = l.guOff = l.gOff = l.bytes;
   return l;
 }
 __host__ __device__ constexpr RecvLayout recvLayout(int64_t rows, int64_t hidden, int64_t ffn, bool backward = false,
                                                     bool fp8 = false) {
-  if (fp8 && ffn > 0 && !backward) return recvLayoutFp8(rows, hidden, ffn);
+  if (fp8 && !backward) return recvLayoutFp8(rows, hidden, ffn);
   RecvLayout l{};
   const auto r = static_cast<uint64_t>(rows);
   const auto f = static_cast<uint64_t>(ffn);
@@ -156,8 +157,8 @@ struct MoeKernelParams {
   const void* dout;      // backward: [tokens, hidden]
   float* dtopkOut;       // backward: [tokens, topk] fp32
   void* saved;           // FFN: this rank's saved gate|up [savedRows, 2 ffn] (MoeParams::saved); null: none
-  // The FFN with FP8 weights: the dispatch quantises x to e4m3 per 1 x 128 block (moe_fp8.cu) and the receive areas
-  // take recvLayoutFp8.
+  // FP8 weights (the FFN forward or dispatch+GEMM): the dispatch quantises x to e4m3 per 1 x 128 block (moe_fp8.cu)
+  // and the receive areas take recvLayoutFp8.
   int32_t fp8;
   int32_t pad1;
 };
@@ -181,7 +182,7 @@ cudaError_t launchBackwardAct(const MoeKernelParams& p, int ctas, cudaStream_t s
 // The forward with p.saved: h = silu(a) * b rounded, from the saved (rounded) gate|up rows gemm1 stored, into the h
 // rows.
 cudaError_t launchSwiGlu(const MoeKernelParams& p, int ctas, cudaStream_t s);
-// The FFN with FP8 weights: replaces launchDispatch. A warp per (token, 512 columns) quantises that part of the token's
+// FP8 weights (the FFN forward or dispatch+GEMM): replaces launchDispatch. A warp per (token, 512 columns) quantises that part of the token's
 // x row once (1 x 128 blocks: a = max(amax, 1e-30), e4m3(x * 448 / a), scale a / 448) and writes the e4m3 bytes and
 // the scales into each of its top-k experts' receive rows, with the row info; then the dispatch's flag release.
 inline constexpr int32_t kQuantCols = 512;

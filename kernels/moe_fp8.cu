@@ -1,7 +1,8 @@
-// The MoE FFN's quantising dispatch (FP8 weights, moe_desc.hpp launchDispatchFp8): each token's bf16 row is quantised
-// to e4m3 once, on its own rank, and the e4m3 bytes with their 1 x 128 scales go to every expert the token picked, so
-// the wire carries hidden + hidden / 32 bytes per routed row instead of 2 hidden. The rest of the op (route, plan, the
-// FP8 grouped GEMMs, the y exchange and the combine) is moe.cu's and grouped_gemm_fp8.cu's; moe.cpp sequences them.
+// The MoE ops' quantising dispatch (FP8 weights, moe_desc.hpp launchDispatchFp8; the FFN forward and dispatch+GEMM):
+// each token's bf16 row is quantised to e4m3 once, on its own rank, and the e4m3 bytes with their 1 x 128 scales go to
+// every expert the token picked, so the wire carries hidden + hidden / 32 bytes per routed row instead of 2 hidden.
+// The rest of the op (route, plan, the FP8 grouped GEMMs, the arrive, the FFN's y exchange and combine) is moe.cu's and
+// grouped_gemm_fp8.cu's; moe.cpp sequences them.
 //
 // Ordering: as moe.cu's dispatch (its rows and row info, then finishDispatch's counted fences and flag release).
 #include <cuda_bf16.h>

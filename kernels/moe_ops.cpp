@@ -52,6 +52,8 @@ MoeParams paramsOf(const OpDescriptor& d, const DevicePointers& ptrs) {
     p.out = ptrs[slot::kMoeOut];
     p.rowInfo = static_cast<int32_t*>(ptrs[slot::kRowInfo]);
     p.expertCounts = static_cast<int32_t*>(ptrs[slot::kExpertCounts]);
+    p.fp8 = isFp8(moeWeightDtype(d.dtype, d.flags));
+    if (p.fp8) p.wScale = static_cast<const float*>(ptrs[slot::kMoeWScale]);
   }
   return p;
 }
@@ -115,8 +117,9 @@ void checkMoeOp(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEn
   try {
     validateMoe(p, c);
   } catch (const Error& e) {
-    if (p.ffn || moeRecvBytes(p.capacity, p.hidden, 0) <= c.recvBytes) throw;
-    const uint64_t need = moeRecvBytes(p.capacity, p.hidden, 0) + moeScratchBytes(p.tokens, p.topk, p.experts) + kAlign;
+    const uint64_t recv = moeRecvBytes(p.capacity, p.hidden, 0, false, p.fp8);
+    if (p.ffn || recv <= c.recvBytes) throw;
+    const uint64_t need = recv + moeScratchBytes(p.tokens, p.topk, p.experts) + kAlign;
     const uint64_t bytes = workspaceBytesFor(d, env.nranks);
     fail(ErrorCode::kInvalidArgument,
          "{}: capacity = {} rows of hidden = {} need {} bytes of receive rows on this "

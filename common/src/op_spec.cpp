@@ -221,28 +221,30 @@ void checkMoeSaved(const OpDescriptor& d) {
   }
 }
 
-// The MoE FFN: checkMoe, and its weights' dtype (w_dtype): e4m3 weights need bf16 x and out.
-void checkMoeFfn(const OpDescriptor& d) {
+// The MoE ops with FP8 weights (moe-dispatch-gemm, moe-dispatch-ffn-combine): checkMoe, and the weights' dtype
+// (w_dtype): e4m3 weights need bf16 x and out; the FFN's also no saved activations (FP8 weights have no backward).
+void checkMoeFp8Weights(const OpDescriptor& d) {
   checkMoe(d);
   const std::string_view kind = opKindName(d.kind);
+  const bool ffn = d.kind == OpKind::kMoeDispatchFfnCombine;
   const DType w = moeWeightDtype(d.dtype, d.flags);
   if (w == d.dtype) return;
   if (w == DType::kF8E5M2) {
     fail(ErrorCode::kInvalidArgument,
-         "{}: w_dtype is fp8-e5m2; the FFN's FP8 weights are e4m3 (e5m2 is for gradients), so pass w_dtype "
-         "TANDEM_DTYPE_FP8_E4M3 (5)", kind);
+         "{}: w_dtype is fp8-e5m2; {} FP8 weights are e4m3 (e5m2 is for gradients), so pass w_dtype "
+         "TANDEM_DTYPE_FP8_E4M3 (5)", kind, ffn ? "the FFN's" : "the experts'");
   }
   if (w != DType::kF8E4M3) {
     fail(ErrorCode::kInvalidArgument,
-         "{}: w_dtype is {} but dtype is {}; w1 and w2 are in dtype (w_dtype 0) or e4m3 with block scales (w_dtype "
-         "TANDEM_DTYPE_FP8_E4M3, 5)", kind, dtypeName(w), dtypeName(d.dtype));
+         "{}: w_dtype is {} but dtype is {}; {} in dtype (w_dtype 0) or e4m3 with block scales (w_dtype "
+         "TANDEM_DTYPE_FP8_E4M3, 5)", kind, dtypeName(w), dtypeName(d.dtype), ffn ? "w1 and w2 are" : "w is");
   }
   if (d.dtype != DType::kBF16) {
     fail(ErrorCode::kInvalidArgument,
          "{}: w_dtype fp8-e4m3 needs dtype bf16 (x and out), not {}; pass dtype TANDEM_DTYPE_BF16 (3)", kind,
          dtypeName(d.dtype));
   }
-  if (d.dims[dim::kSavedRows] != 0) {
+  if (ffn && d.dims[dim::kSavedRows] != 0) {
     fail(ErrorCode::kInvalidArgument,
          "{}: saved activations are for the backward, which FP8 weights do not have; pass saved_rows 0 (no saved) "
          "with w_dtype fp8-e4m3, or bf16 weights to train",
@@ -324,17 +326,24 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
           .slot("x", D, {dimT(d::kTokens), dimT(d::kHidden)}, "[tokens, hidden]")
           .slot("topk_ids", I32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] int32")
           .slot("topk_weights", F32, {dimT(d::kTokens), dimT(d::kTopk)}, "[tokens, topk] fp32")
-          .slot("w", D, {perRankT(d::kExperts), dimT(d::kNOut), dimT(d::kHidden)}, "[experts/nranks, n_out, hidden]")
+          .slot("w", W, {perRankT(d::kExperts), dimT(d::kNOut), dimT(d::kHidden)},
+                "[experts/nranks, n_out, hidden] (w_dtype)")
           .slot("out", D, {dimT(d::kCapacity), dimT(d::kNOut)}, "[capacity, n_out]", true)
           .slot("row_info", I32, {dimT(d::kCapacity), constT(4)}, "[capacity, 4] int32", true)
           .slot("expert_counts", I32, {perRankT(d::kExperts)}, "[experts/nranks] int32", true)
+          // FP8 weights' block scales (slot::kMoeWScale), after the other slots.
+          .slot("w_scale", F32, {perRankT(d::kExperts), blocksT(d::kNOut), blocksT(d::kHidden)},
+                "fp32 [experts/nranks, ceil(n_out/128), ceil(hidden/128)] (FP8 w_dtype only)")
+          .fp8Scale()
+          .fp8Weights()
           .crossNode(CrossNode::kReplicate)
-          .check(checkMoe)
+          .check(checkMoeFp8Weights)
           .readsVerdict()
           .deviceError(ErrorCode::kTimeout)
+          // w_dtype and w_scale come after cuda_stream: they were appended to the struct after 0.2.x.
           .c("tandem_moe_dispatch_gemm_args_t", "moe_dispatch_gemm",
              "dtype tokens hidden n_out experts topk capacity x topk_ids topk_weights w out row_info expert_counts "
-             "cuda_stream"));
+             "cuda_stream w_dtype w_scale"));
   put(Builder(OpKind::kMoeDispatchFfnCombine, "moe-dispatch-ffn-combine", "tandem_moe_dispatch_ffn_combine",
               "MoE layer: dispatch, SwiGLU FFN on the experts' ranks, weighted combine back in token order")
           .dim("tokens", "m", kPerRank, true).dim("hidden", "k").dim("ffn", "n").dim("experts", "experts")
@@ -359,7 +368,7 @@ std::array<OpSpec, kOpKindCount - 1> buildTable() {
           .fp8Scale()
           .fp8Weights()
           .crossNode(CrossNode::kReplicate)
-          .check(checkMoeFfn)
+          .check(checkMoeFp8Weights)
           .checkSlots(checkMoeSaved)
           .readsVerdict()
           .deviceError(ErrorCode::kTimeout)

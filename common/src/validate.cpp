@@ -109,7 +109,7 @@ void checkHeader(const OpDescriptor& d, std::string_view kind, const OpSpec& ks)
   if (ks.typed && isFp8(d.dtype) && !ks.fp8) {
     fail(ErrorCode::kInvalidArgument,
          "{}: dtype {} not supported; this op has no FP8 path (ag-gemm, gemm-rs and gemm-ar take FP8 inputs, "
-         "moe-dispatch-ffn-combine FP8 weights through w_dtype), so use bf16, fp16 or fp32", kind, dtypeName(d.dtype));
+         "moe-dispatch-gemm and moe-dispatch-ffn-combine FP8 weights through w_dtype), so use bf16, fp16 or fp32", kind, dtypeName(d.dtype));
   }
   if (ks.typed && !isFp8(d.dtype) && d.dtype != DType::kBF16 && d.dtype != DType::kF16 && d.dtype != DType::kF32) {
     fail(ErrorCode::kInvalidArgument, "{}: dtype {} not supported; use bf16, fp16 or fp32{}", kind, dtypeName(d.dtype),

@@ -76,13 +76,13 @@ def gemm_ar(comm: Communicator, a, b, *, out=None, layout="nt"):
 
 
 def moe_dispatch_gemm(comm: Communicator, x, topk_ids, topk_weights, w, *, capacity=None, out=None, row_info=None,
-                      expert_counts=None):
+                      expert_counts=None, **fp8):
     return comm.moe_dispatch_gemm(x, topk_ids, topk_weights, w, capacity=capacity, out=out, row_info=row_info,
-                                  expert_counts=expert_counts)
+                                  expert_counts=expert_counts, **fp8)
 
 
-def moe_ffn(comm: Communicator, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None):
-    return comm.moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out, saved=saved)
+def moe_ffn(comm: Communicator, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None, **fp8):
+    return comm.moe_ffn(x, topk_ids, topk_weights, w1, w2, out=out, saved=saved, **fp8)
 
 
 def ring_attention(comm: Communicator, q, k, v, *, causal=False, scale=None, out=None, lse=None, return_lse=False,

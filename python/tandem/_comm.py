@@ -512,18 +512,26 @@ class Communicator(FastPath):
         return dt, tokens, hidden, topk, experts
 
     def _eager_moe_dispatch_gemm(self, x, topk_ids, topk_weights, w, *, capacity: int | None = None, out=None,
-                          row_info=None, expert_counts=None):
+                          row_info=None, expert_counts=None, w_scale=None):
         """MoE dispatch + grouped GEMM. x [tokens, hidden]; topk_ids [tokens, topk] int32 (expert ids in
         [0, experts), no repeats in a row); topk_weights [tokens, topk] float32; w [experts/ranks, n_out, hidden]:
         this rank's experts. Returns (out [capacity, n_out], row_info [capacity, 4] int32 = (src_rank, src_token,
         slot, expert), expert_counts [experts/ranks] int32): the rows routed to this rank's experts, grouped by
-        local expert, then source rank, token and slot. capacity defaults to tokens * topk * ranks."""
+        local expert, then source rank, token and slot. capacity defaults to tokens * topk * ranks.
+        FP8 weights (eager only): w torch.float8_e4m3fn with float32 128 x 128 block scales w_scale
+        [experts/ranks, ceil(n_out/128), ceil(hidden/128)] (w[e, o, p] means w[e, o, p] * w_scale[e, o // 128,
+        p // 128]), x and out torch.bfloat16; x is quantised to e4m3 per 1 x 128 block on the way, as moe_ffn's
+        (tandem.h says exactly how)."""
         op = "moe_dispatch_gemm"
-        dt, tokens, hidden, topk, experts = self._moe_route(op, x, topk_ids, topk_weights, w, "w")
+        fp8 = self._moe_fp8_dtype(op, w)
+        dt, tokens, hidden, topk, experts = self._moe_route(op, x, topk_ids, topk_weights, w, "w",
+                                                            w.dtype if fp8 else None)
         local, n_out = w.shape[0], w.shape[1]
         if w.shape[2] != hidden:
             raise ValueError(f"tandem.{op}: argument 'w' must have shape [experts/ranks, n_out, {hidden}] (hidden of "
                              f"'x'), got {list(w.shape)}")
+        hb, nb = -(-hidden // 128), -(-n_out // 128)
+        wcode = self._moe_fp8_scales(op, x, w, (("w_scale", w_scale, (local, nb, hb)),))
         if capacity is None:
             capacity = out.shape[0] if out is not None else tokens * topk * self.world_size
         capacity = int(capacity)
@@ -542,10 +550,11 @@ class Communicator(FastPath):
         else:
             self._check(expert_counts, "expert_counts", op, torch.int32)
             self._shape(expert_counts, "expert_counts", op, (local,), "[experts/ranks]")
-        slots, staged = self._resolve((x, topk_ids, topk_weights, w, out, row_info, expert_counts),
-                                      ("x", "topk_ids", "topk_weights", "w", "out", "row_info", "expert_counts"), op)
-        self._submit(op, (ARG_STRUCTS[op].size, dt, tokens, hidden, n_out, experts, topk, capacity, *slots,
-                          self._stream()), staged)
+        slots, staged = self._resolve((x, topk_ids, topk_weights, w, out, row_info, expert_counts, w_scale),
+                                      ("x", "topk_ids", "topk_weights", "w", "out", "row_info", "expert_counts",
+                                       "w_scale"), op)
+        self._submit(op, (ARG_STRUCTS[op].size, dt, tokens, hidden, n_out, experts, topk, capacity, *slots[:14],
+                          self._stream(), wcode, *slots[14:16]), staged)
         return out, row_info, expert_counts
 
     def _eager_moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None, w1_scale=None,
@@ -561,10 +570,7 @@ class Communicator(FastPath):
         ceil(hidden/128), ceil(ffn/128)] (w1[e, i, p] means w1[e, i, p] * w1_scale[e, i // 128, p // 128]), x and out
         torch.bfloat16; x and h are quantised to e4m3 per 1 x 128 block on the way (tandem.h says exactly how)."""
         op = "moe_ffn"
-        fp8 = w1.dtype in _FP8_DTYPES
-        if fp8 and w1.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"tandem.{op}: FP8 weights must be torch.float8_e4m3fn, got {w1.dtype} (e5m2 is for "
-                             "gradients)")
+        fp8 = self._moe_fp8_dtype(op, w1)
         dt, tokens, hidden, topk, experts = self._moe_route(op, x, topk_ids, topk_weights, w1, "w1",
                                                             w1.dtype if fp8 else None)
         local, two_ffn = w1.shape[0], w1.shape[1]
@@ -574,12 +580,9 @@ class Communicator(FastPath):
         ffn = two_ffn // 2
         self._check(w2, "w2", op, w1.dtype)
         self._shape(w2, "w2", op, (local, hidden, ffn), "[experts/ranks, hidden, ffn]")
-        wcode = self._moe_fp8_scales(op, x, w1, local, hidden, ffn, w1_scale, w2_scale) if fp8 else 0
-        if not fp8:
-            for name, t in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
-                if t is not None:
-                    raise ValueError(f"tandem.{op}: argument '{name}' applies to FP8 weights (torch.float8_e4m3fn) "
-                                     f"only; w1 is {w1.dtype}")
+        hb, fb, f2b = -(-hidden // 128), -(-ffn // 128), -(-2 * ffn // 128)
+        wcode = self._moe_fp8_scales(op, x, w1, (("w1_scale", w1_scale, (local, f2b, hb)),
+                                                 ("w2_scale", w2_scale, (local, hb, fb))))
         if out is None:
             out = self._out((tokens, hidden), x.dtype)
         else:
@@ -597,24 +600,39 @@ class Communicator(FastPath):
                           saved_rows, *slots[12:14], wcode, *slots[14:18]), staged)
         return out
 
-    def _moe_fp8_scales(self, op, x, w1, local, hidden, ffn, w1_scale, w2_scale) -> int:
-        """moe_ffn's FP8 weights' arguments, checked: bf16 x, float32 block scales of the shapes the op table gives.
-        Returns w_dtype's code."""
+    @staticmethod
+    def _moe_fp8_dtype(op, w) -> bool:
+        """Whether the MoE op's weights w are FP8 (torch.float8_e4m3fn; e5m2 is refused)."""
+        fp8 = w.dtype in _FP8_DTYPES
+        if fp8 and w.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"tandem.{op}: FP8 weights must be torch.float8_e4m3fn, got {w.dtype} (e5m2 is for "
+                             "gradients)")
+        return fp8
+
+    def _moe_fp8_scales(self, op, x, w, scales) -> int:
+        """The MoE ops' weight scales, checked: scales is ((name, tensor or None, block shape), ...). With FP8 weights
+        w: bf16 x and float32 block scales of the shapes the op table gives; otherwise no scale at all. Returns
+        w_dtype's code (0 without FP8 weights)."""
+        if w.dtype not in _FP8_DTYPES:
+            for name, t, _ in scales:
+                if t is not None:
+                    raise ValueError(f"tandem.{op}: argument '{name}' applies to FP8 weights (torch.float8_e4m3fn) "
+                                     f"only; the weights are {w.dtype}")
+            return 0
         if x.dtype != torch.bfloat16:
             raise ValueError(f"tandem.{op}: FP8 weights need torch.bfloat16 x (and out), got {x.dtype}")
-        hb, fb, f2b = -(-hidden // 128), -(-ffn // 128), -(-2 * ffn // 128)
-        for name, t, shape in (("w1_scale", w1_scale, (local, f2b, hb)), ("w2_scale", w2_scale, (local, hb, fb))):
+        for name, t, shape in scales:
             if t is None:
-                raise ValueError(f"tandem.{op}: argument '{name}' is required with {w1.dtype} weights: float32 block "
+                raise ValueError(f"tandem.{op}: argument '{name}' is required with {w.dtype} weights: float32 block "
                                  f"scales {list(shape)} (one per 128 x 128 block of each expert)")
             self._check(t, name, op, torch.float32)
             if tuple(t.shape) != shape:
-                per_expert = t.numel() == local
+                per_expert = t.numel() == shape[0]
                 raise ValueError(f"tandem.{op}: argument '{name}' must have shape {list(shape)} (one float32 per "
                                  f"128 x 128 block of each expert), got {list(t.shape)}"
                                  + ("; for one scale per expert pass scale.view(-1, 1, 1).expand("
                                     f"{', '.join(map(str, shape))}).contiguous()" if per_expert else ""))
-        return _FP8_DTYPES[w1.dtype]
+        return _FP8_DTYPES[w.dtype]
 
     def _eager_ring_attention(self, q, k, v, *, causal: bool = False, scale: float | None = None, out=None,
                               lse=None, return_lse: bool = False, layout: str = "contiguous"):
@@ -703,7 +721,7 @@ class Communicator(FastPath):
                             f" got {len(inputs)}")
         like = raw = None
         for t, s in zip(inputs, spec.inputs):
-            # The MoE FFN's weights ("w_dtype") take x's dtype here: FP8 weights go through moe_ffn's own path.
+            # The MoE ops' weights ("w_dtype") take x's dtype here: FP8 weights go through the ops' own eager paths.
             if s.type in ("op_dtype", "w_dtype") and like is not None:
                 self._check(t, s.name, op, like.dtype)
             else:
@@ -824,12 +842,13 @@ class Communicator(FastPath):
         return self._eager_gemm_ar(a, b, out=out, layout=layout, **fp8)
 
     def moe_dispatch_gemm(self, x, topk_ids, topk_weights, w, *, capacity: int | None = None, out=None,
-                          row_info=None, expert_counts=None):
+                          row_info=None, expert_counts=None, **fp8):
         if _tc._is_compiling_flag or _dynamo_compiling():
+            _no_fp8_compiled("moe_dispatch_gemm", fp8)
             return _ops.moe_dispatch_gemm(self, x, topk_ids, topk_weights, w, capacity=capacity, out=out,
                                           row_info=row_info, expert_counts=expert_counts)
         return self._eager_moe_dispatch_gemm(x, topk_ids, topk_weights, w, capacity=capacity, out=out,
-                                             row_info=row_info, expert_counts=expert_counts)
+                                             row_info=row_info, expert_counts=expert_counts, **fp8)
 
     def moe_ffn(self, x, topk_ids, topk_weights, w1, w2, *, out=None, saved=None, **fp8):
         if _tc._is_compiling_flag or _dynamo_compiling():

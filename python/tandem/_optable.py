@@ -59,7 +59,7 @@ class Spec:
         # FP8 scales and the out_dtype and scaling fields are keywords of the eager paths only (FP8 inputs); the
         # torch.library ops' schemas leave them out.
         self.fp8: bool = op.get("fp8", False)
-        # The MoE FFN's FP8 weights: w_dtype and the w1/w2 block scales, likewise eager-only keywords.
+        # The MoE ops' FP8 weights: w_dtype and the weights' block scales, likewise eager-only keywords.
         self.fp8_weights: bool = op.get("fp8_weights", False)
         self.fp8_scales = [s for s in self.slots if s.fp8_scale]
         self.inputs = [s for s in self.slots if not s.output and not s.fp8_scale and not s.optional]

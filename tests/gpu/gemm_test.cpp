@@ -321,7 +321,7 @@ TEST_CASE("fused GEMMs: what the cuda backend cannot run is refused before submi
       }
       const tandem_moe_dispatch_gemm_args_t moe{sizeof moe, TANDEM_DTYPE_FP32, 8, 64, 64, 2 * n, 1, 16,
                                                 {a, 0}, {b, 0}, {c, 0}, {a, 1u << 20}, {b, 1u << 20}, {c, 1u << 20},
-                                                {a, 2u << 20}, stream};
+                                                {a, 2u << 20}, stream, TANDEM_DTYPE_INVALID, {}};
       expect("moe-dispatch-gemm in fp32", tandem_moe_dispatch_gemm(comm, &moe, &op), TANDEM_ERROR_UNSUPPORTED,
              "bf16 or fp16");
       // A multi-rank op that cannot replay from a CUDA graph (ring attention's backward, which the cuda backend does

@@ -51,7 +51,7 @@ struct MoeCase {
   uint64_t experts = 0, topk = 0;
   Routing routing = Routing::kUniform;
   int64_t capacityDelta = 0;  // dispatch+GEMM: rank 0's capacity is its rows + this (< 0: overflow); others: worst case
-  DType weightDtype = DType::kInvalid;  // FFN: w1's and w2's dtype (kF8E4M3: FP8 weights); kInvalid: dtype
+  DType weightDtype = DType::kInvalid;  // the experts' weights' dtype (kF8E4M3: FP8 weights); kInvalid: dtype
 };
 
 std::string describe(const MoeCase& c) {
@@ -194,27 +194,36 @@ std::vector<MoeCase> casesFor(OpKind kind) {
   return v;
 }
 
-// The FFN with FP8 weights (e4m3, 128 x 128 block scales; x and h quantised per 1 x 128 block): hidden a multiple of
-// 16 (one case off the 128 blocks: a partial last block of x's scales and of w1's k-blocks), ffn of 128; uneven and
-// skewed routing, a rank with no tokens, top-k 1 to 8, DeepSeek-V3's ffn/hidden ratio in small.
-std::vector<MoeCase> fp8Cases() {
+// The MoE ops with FP8 weights (e4m3, 128 x 128 block scales; x, and the FFN's h, quantised per 1 x 128 block): hidden
+// a multiple of 16 (one case off the 128 blocks: a partial last block of x's scales and of w's k-blocks); the FFN's
+// ffn of 128, dispatch+GEMM's n_out of 8 (off the 128 blocks: a partial last row block of w_scale, and one below a
+// block); uneven and skewed routing, a rank with no tokens, top-k 1 to 8, DeepSeek-V3's ffn/hidden ratio in small;
+// dispatch+GEMM also with rows of out past its routed rows (capacity above them), which stay untouched.
+std::vector<MoeCase> fp8Cases(OpKind kind) {
   const DType bf16 = DType::kBF16, e4m3 = DType::kF8E4M3;
-  const OpKind ffn = OpKind::kMoeDispatchFfnCombine;
   std::vector<MoeCase> v;
-  v.push_back({ffn, bf16, {96}, 256, 128, 8, 2, Routing::kUniform, 0, e4m3});
-  v.push_back({ffn, bf16, {130, 0}, 384, 256, 8, 1, Routing::kUniform, 0, e4m3});  // a rank of no tokens
-  v.push_back({ffn, bf16, {200, 57}, 528, 128, 16, 8, Routing::kSkewed, 0, e4m3});
-  v.push_back({ffn, bf16, {150}, 208, 128, 12, 4, Routing::kSparse, 0, e4m3});  // hidden off the 128 blocks
-  v.push_back({ffn, bf16, {1, 5}, 128, 128, 4, 1, Routing::kUniform, 0, e4m3});
+  if (kind == OpKind::kMoeDispatchGemm) {
+    v.push_back({kind, bf16, {96}, 256, 200, 8, 2, Routing::kUniform, 0, e4m3});
+    v.push_back({kind, bf16, {130, 0}, 384, 136, 8, 1, Routing::kUniform, 0, e4m3});  // a rank of no tokens
+    v.push_back({kind, bf16, {200, 57}, 528, 264, 16, 8, Routing::kSkewed, 5, e4m3});
+    v.push_back({kind, bf16, {150}, 208, 40, 12, 4, Routing::kSparse, 0, e4m3});  // hidden off the 128 blocks
+    v.push_back({kind, bf16, {1, 5}, 128, 128, 4, 1, Routing::kUniform, 0, e4m3});
+    return v;
+  }
+  v.push_back({kind, bf16, {96}, 256, 128, 8, 2, Routing::kUniform, 0, e4m3});
+  v.push_back({kind, bf16, {130, 0}, 384, 256, 8, 1, Routing::kUniform, 0, e4m3});  // a rank of no tokens
+  v.push_back({kind, bf16, {200, 57}, 528, 128, 16, 8, Routing::kSkewed, 0, e4m3});
+  v.push_back({kind, bf16, {150}, 208, 128, 12, 4, Routing::kSparse, 0, e4m3});  // hidden off the 128 blocks
+  v.push_back({kind, bf16, {1, 5}, 128, 128, 4, 1, Routing::kUniform, 0, e4m3});
   return v;
 }
 
-// Every case of `kind` at 1, 2 and 4 ranks on a tandemd with `executor`, 20 runs each (`fp8`: fp8Cases()).
+// Every case of `kind` at 1, 2 and 4 ranks on a tandemd with `executor`, 20 runs each (`fp8`: fp8Cases(kind)).
 void runOp(OpKind kind, const std::string& executor, std::vector<uint32_t> rankCounts, bool fp8 = false) {
   Daemon d(config(executor), {}, "");
   REQUIRE(status(d)["executor"] == executor);
   for (uint32_t n : rankCounts) {
-    const auto cases = fp8 ? fp8Cases() : casesFor(kind);
+    const auto cases = fp8 ? fp8Cases(kind) : casesFor(kind);
     MESSAGE(n << " rank(s) on " << gpuCount() << " GPU(s), executor " << executor << ", MPS "
               << std::string(mpsRunning() ? "on" : "off") << ":" << listCases(cases));
     runRanks(d, n, cases, 20);
@@ -284,6 +293,12 @@ TEST_CASE(
   runOp(OpKind::kMoeDispatchFfnCombine, "client", {1, 2, 4}, true);
 }
 
+TEST_CASE(
+    "moe-dispatch-gemm with FP8 weights, client executor: matches the reference of the quantised op exactly in layout "
+    "at 1, 2 and 4 ranks, 20 runs bitwise identical") {
+  runOp(OpKind::kMoeDispatchGemm, "client", {1, 2, 4}, true);
+}
+
 TEST_CASE("moe ops, daemon executor (MPS): match the reference, 20 runs bitwise identical" *
           doctest::test_suite(kNeedsMps)) {
   if (skipWithoutMps()) return;
@@ -292,6 +307,7 @@ TEST_CASE("moe ops, daemon executor (MPS): match the reference, 20 runs bitwise 
   runOp(OpKind::kMoeDispatchGemm, "daemon", counts);
   runOp(OpKind::kMoeDispatchFfnCombine, "daemon", counts);
   runOp(OpKind::kMoeDispatchFfnCombine, "daemon", counts, true);
+  runOp(OpKind::kMoeDispatchGemm, "daemon", counts, true);
 }
 
 namespace {
@@ -385,7 +401,9 @@ TEST_CASE("moe ops: what the cuda backend cannot run is refused before submissio
                                                {c, 12u << 20},
                                                {a, 8u << 20},
                                                {b, 8u << 20},
-                                               j.stream};
+                                               j.stream,
+                                               TANDEM_DTYPE_INVALID,
+                                               {}};
       };
       tandem_op_t op;
       auto m = args(TANDEM_DTYPE_BF16, 60, 64, 4, 2, 0);
@@ -426,6 +444,22 @@ TEST_CASE("moe ops: what the cuda backend cannot run is refused before submissio
              "tensor w1_scale is required");
       g = fp8(TANDEM_DTYPE_FP16, 128, 128, true);
       expect("FP8 weights with fp16 x", tandem_moe_dispatch_ffn_combine(j.comm, &g, &op),
+             TANDEM_ERROR_INVALID_ARGUMENT, "w_dtype fp8-e4m3 needs dtype bf16");
+      // Dispatch+GEMM with FP8 weights: hidden off 16 bytes, a missing w_scale, a non-bf16 x.
+      const auto fp8Gemm = [&](tandem_dtype_t dt, uint64_t hidden, bool scale) {
+        auto v = args(dt, hidden, 64, 4, 2, 0);
+        v.w_dtype = TANDEM_DTYPE_FP8_E4M3;
+        v.w_scale = {scale ? b : nullptr, scale ? 2u << 20 : 0};
+        return v;
+      };
+      m = fp8Gemm(TANDEM_DTYPE_BF16, 136, true);
+      expect("FP8 dispatch+GEMM hidden not a multiple of 16", tandem_moe_dispatch_gemm(j.comm, &m, &op),
+             TANDEM_ERROR_INVALID_ARGUMENT, "hidden = 136 must be a multiple of 16 with FP8 weights");
+      m = fp8Gemm(TANDEM_DTYPE_BF16, 128, false);
+      expect("FP8 dispatch+GEMM without w_scale", tandem_moe_dispatch_gemm(j.comm, &m, &op),
+             TANDEM_ERROR_INVALID_ARGUMENT, "w_scale");
+      m = fp8Gemm(TANDEM_DTYPE_FP16, 128, true);
+      expect("FP8 dispatch+GEMM with fp16 x", tandem_moe_dispatch_gemm(j.comm, &m, &op),
              TANDEM_ERROR_INVALID_ARGUMENT, "w_dtype fp8-e4m3 needs dtype bf16");
       report += [&]() -> std::string {
         // Nothing was submitted: the communicator still runs an op (an MoE op, checked).

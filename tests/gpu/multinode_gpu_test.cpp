@@ -333,7 +333,7 @@ std::string rankBody(const std::string& socket, const tandem_unique_id_t& id, ui
     TK(tandem_alloc(s, 16u << 20, &c));
     const tandem_moe_dispatch_gemm_args_t moe{sizeof moe, TANDEM_DTYPE_BF16, 8, 64, 64, 2 * n, 1, 16,
                                               {a, 0}, {b, 0}, {c, 0}, {a, 1u << 20}, {b, 1u << 20}, {c, 1u << 20},
-                                              {a, 2u << 20}, stream};
+                                              {a, 2u << 20}, stream, TANDEM_DTYPE_INVALID, {}};
     tandem_op_t op;
     const tandem_status_t st = tandem_moe_dispatch_gemm(comm, &moe, &op);
     const std::string msg = tandem_last_error();

@@ -74,11 +74,12 @@ tandem_status_t submitOp(const OpDescriptor& d, const TensorOf& tensor, tandem_c
       return tandem_ring_attention_backward(comm, &a, op);
     }
     case OpKind::kMoeDispatchGemm: {
+      const auto wDtype = static_cast<tandem_dtype_t>((d.flags & kFlagMoeWeightDtype) >> kMoeWeightDtypeShift);
       const tandem_moe_dispatch_gemm_args_t a{
           sizeof a, dtype, d.dims[dim::kTokens], d.dims[dim::kHidden], d.dims[dim::kNOut], d.dims[dim::kExperts],
           d.dims[dim::kTopk], d.dims[dim::kCapacity], tensor(slot::kX), tensor(slot::kTopkIds),
           tensor(slot::kTopkWeights), tensor(slot::kW), tensor(slot::kMoeOut), tensor(slot::kRowInfo),
-          tensor(slot::kExpertCounts), stream};
+          tensor(slot::kExpertCounts), stream, wDtype, tensor(slot::kMoeWScale)};
       return tandem_moe_dispatch_gemm(comm, &a, op);
     }
     case OpKind::kMoeDispatchFfnCombine: {

@@ -75,7 +75,7 @@ struct RankBuffers {
                                               d.dims[dim::kNOut], d.dims[dim::kExperts], d.dims[dim::kTopk],
                                               d.dims[dim::kCapacity], t(slot::kX), t(slot::kTopkIds),
                                               t(slot::kTopkWeights), t(slot::kW), t(slot::kMoeOut), t(slot::kRowInfo),
-                                              t(slot::kExpertCounts), nullptr};
+                                              t(slot::kExpertCounts), nullptr, TANDEM_DTYPE_INVALID, {}};
       return tandem_moe_dispatch_gemm(comm, &a, h);
     }
     const tandem_moe_ffn_args_t a{sizeof a, dtype, d.dims[dim::kTokens], d.dims[dim::kHidden], d.dims[dim::kFfn],

@@ -488,7 +488,8 @@ def section_moe(comm):
     gradients against torch autograd of the same layer over every rank's tokens in float64 (bf16 tolerance), with
     uniform, skewed and sparse routing, top-k 1, 2 and 8, a rank with no tokens, the backward repeated bitwise, and once
     under torch.compile(fullgraph=True); then with the forward's saved activations (eager and compiled); then moe_ffn
-    with FP8 weights against the quantised layer (moechecks.check_fp8, 3e-2), repeated bitwise."""
+    with FP8 weights against the quantised layer (moechecks.check_fp8, 3e-2), and moe_dispatch_gemm with FP8 weights
+    against the quantised op (moechecks.check_fp8_dispatch_gemm, 1e-2), both repeated bitwise."""
     import moechecks
     n, bf16 = comm.world_size, torch.bfloat16
     checked = 0
@@ -514,9 +515,14 @@ def section_moe(comm):
     for hidden, ffn, topk, kind in ((256, 128, 2, "uniform"), (208, 256, 4, "skewed")):
         tokens = [0 if (q == 1 and n > 1) else 40 + 13 * q for q in range(n)]
         fp8 += moechecks.check_fp8(comm, hidden, ffn, 4, topk, tokens, device=comm.device, kind=kind)
+    # moe_dispatch_gemm with FP8 weights: hidden % 16, n_out off the 128 blocks, a rank without tokens.
+    for hidden, n_out, topk, kind in ((256, 200, 2, "uniform"), (208, 136, 4, "skewed")):
+        tokens = [0 if (q == 1 and n > 1) else 40 + 13 * q for q in range(n)]
+        fp8 += moechecks.check_fp8_dispatch_gemm(comm, hidden, n_out, 4, topk, tokens, device=comm.device, kind=kind)
     comm.synchronize()
     return (f"{checked} moe_ffn cases matched torch autograd (out, dx, dtopk_weights, dw1, dw2; bf16; recomputed and "
-            f"saved activations), repeats bitwise; {fp8} FP8-weight cases matched the quantised layer")
+            f"saved activations), repeats bitwise; {fp8} FP8-weight cases (moe_ffn, moe_dispatch_gemm) matched the "
+            "quantised ops")
 
 
 SECTIONS = {"ops": section_ops, "attention": section_attention, "compile": section_compile, "graph": section_graph,

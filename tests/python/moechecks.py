@@ -268,3 +268,48 @@ def check_fp8(comm, hidden, ffn, experts_per_rank, topk, tokens, device="cpu", k
         tol = FP8_TOL["cuda" if str(device).startswith("cuda") else "cpu"]
         assert err < tol, f"FP8 moe_ffn ({tag}, tokens {tokens}): relative error {err} > {tol} vs the quantised layer"
     return 1
+
+
+def check_fp8_dispatch_gemm(comm, hidden, n_out, experts_per_rank, topk, tokens, device="cpu", kind="uniform"):
+    """comm.moe_dispatch_gemm with FP8 weights (w e4m3 with float32 128 x 128 block scales) on this rank's tokens
+    (tokens[rank]) against float64 torch math of the quantised op (tandem.h: x quantised per 1 x 128 block, w
+    dequantised), from every rank's seeded inputs: expert_counts and row_info exactly, out within FP8_TOL's cpu bound
+    (one GEMM, no h to round: 1e-2 on both backends); the op repeated, bitwise alike. Returns 1."""
+    n, r = comm.world_size, comm.rank
+    experts = experts_per_rank * n
+    tag = f"f8dg.{hidden}.{n_out}.{topk}.{kind}"
+    xs = [opchecks.gen(f"{tag}.x", q, (tokens[q], hidden), torch.bfloat16) for q in range(n)]
+    ids = [routing(kind, tag, q, tokens[q], experts, topk) for q in range(n)]
+    wts = torch.softmax(opchecks.gen(f"{tag}.wt", r, (tokens[r], topk)), -1)
+    wq, ws, wd = fp8_weights(f"{tag}.w", experts, n_out, hidden)
+    mine = slice(r * experts_per_rank, (r + 1) * experts_per_rank)
+    args = [t.to(device) for t in (xs[r], ids[r], wts, wq[mine].contiguous())]
+    w_scale = ws[mine].contiguous().to(device)
+    capacity = sum(tokens) * topk  # the most rows any rank receives (a rank without tokens receives some too)
+    out, info, counts = comm.moe_dispatch_gemm(*args, capacity=capacity, w_scale=w_scale)
+    again, _, _ = comm.moe_dispatch_gemm(*args, capacity=capacity, w_scale=w_scale)
+    # The rows routed here: per local expert, by source rank, token and slot (tandem.h).
+    want_info, want_rows, want_counts = [], [], []
+    xq = [quantize_rows_e4m3(x.float()).double() for x in xs]
+    for e in range(r * experts_per_rank, (r + 1) * experts_per_rank):
+        count = 0
+        for q in range(n):
+            for t in range(tokens[q]):
+                for j in range(topk):
+                    if int(ids[q][t, j]) == e:
+                        want_info.append([q, t, j, e])
+                        want_rows.append(xq[q][t] @ wd[e].T)
+                        count += 1
+        want_counts.append(count)
+    rows = len(want_info)
+    assert out.dtype == torch.bfloat16 and out.shape[1] == n_out
+    assert counts.cpu().tolist() == want_counts, f"FP8 moe_dispatch_gemm ({tag}): expert_counts {counts.tolist()}"
+    assert info[:rows].cpu().tolist() == want_info, f"FP8 moe_dispatch_gemm ({tag}): row_info differs"
+    assert torch.equal(out[:rows].view(torch.int16), again[:rows].view(torch.int16)), \
+        "FP8 moe_dispatch_gemm: a second run differs"
+    if rows:
+        want = torch.stack(want_rows)
+        err = ((out[:rows].double().cpu() - want).norm() / want.norm()).item()
+        assert err < FP8_TOL["cpu"], f"FP8 moe_dispatch_gemm ({tag}, tokens {tokens}): relative error {err} > " \
+                                     f"{FP8_TOL['cpu']} vs the quantised op"
+    return 1

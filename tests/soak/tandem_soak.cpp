@@ -205,7 +205,7 @@ tandem_status_t submitPublic(tandem_comm_t comm, const tandem::OpDescriptor& d, 
     }
     case tandem::OpKind::kMoeDispatchGemm: {
       tandem_moe_dispatch_gemm_args_t a{sizeof a, dt, d.dims[0], d.dims[1], d.dims[2], d.dims[3], d.dims[4], d.dims[5],
-                                        t[0], t[1], t[2], t[3], t[4], t[5], t[6], nullptr};
+                                        t[0], t[1], t[2], t[3], t[4], t[5], t[6], nullptr, TANDEM_DTYPE_INVALID, {}};
       return tandem_moe_dispatch_gemm(comm, &a, op);
     }
     case tandem::OpKind::kMoeDispatchFfnCombine: {

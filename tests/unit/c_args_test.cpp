@@ -118,7 +118,15 @@ std::map<std::string, Case> cases() {
     m["tandem_moe_dispatch_gemm_args_t"] = {
         [=] { return unpack(OpKind::kMoeDispatchGemm, a); },
         expected(OpKind::kMoeDispatchGemm, a.dtype, {a.tokens, a.hidden, a.n_out, a.experts, a.topk, a.capacity},
-                 {a.x, a.topk_ids, a.topk_weights, a.w, a.out, a.row_info, a.expert_counts}, a.cuda_stream)};
+                 {a.x, a.topk_ids, a.topk_weights, a.w, a.out, a.row_info, a.expert_counts, {}}, a.cuda_stream)};
+    // With FP8 weights: w_dtype in flags bits 7-9, the block scales in slot 7.
+    auto f = a;
+    f.w_dtype = TANDEM_DTYPE_FP8_E4M3, f.w_scale = tensor(17);
+    m["tandem_moe_dispatch_gemm_args_t fp8"] = {
+        [=] { return unpack(OpKind::kMoeDispatchGemm, f); },
+        expected(OpKind::kMoeDispatchGemm, f.dtype, {f.tokens, f.hidden, f.n_out, f.experts, f.topk, f.capacity},
+                 {f.x, f.topk_ids, f.topk_weights, f.w, f.out, f.row_info, f.expert_counts, f.w_scale}, f.cuda_stream,
+                 static_cast<uint16_t>(TANDEM_DTYPE_FP8_E4M3 << tandem::kMoeWeightDtypeShift))};
   }
   {
     auto a = sized<tandem_moe_ffn_args_t>();
@@ -258,6 +266,26 @@ TEST_CASE("capi args: the MoE FFN's FP8 weight fields (w_dtype, w1_scale, w2_sca
   a.w_dtype = static_cast<tandem_dtype_t>(9);
   CHECK(messageOf([&] { return tandem::client::unpackArgs(ffn, &a); }) ==
         "tandem_moe_dispatch_ffn_combine: w_dtype 9 is unknown; pass 0 (dtype's) or TANDEM_DTYPE_FP8_E4M3 (5)");
+}
+
+TEST_CASE("capi args: moe-dispatch-gemm's FP8 weight fields (w_dtype, w_scale)") {
+  const auto all = cases();
+  const auto it = all.find("tandem_moe_dispatch_gemm_args_t fp8");
+  REQUIRE(it != all.end());
+  checkSame(it->second.unpack(), it->second.want);
+
+  // A caller built before the FP8 fields (its struct ends after cuda_stream): weights in dtype, no scale.
+  const tandem::OpSpec& dg = tandem::opSpec(OpKind::kMoeDispatchGemm);
+  auto a = sized<tandem_moe_dispatch_gemm_args_t>();
+  a.dtype = TANDEM_DTYPE_BF16, a.w_dtype = TANDEM_DTYPE_FP8_E4M3, a.w_scale = tensor(1);
+  a.struct_size = offsetof(tandem_moe_dispatch_gemm_args_t, w_dtype);
+  const CArgs old = tandem::client::unpackArgs(dg, &a);
+  CHECK(old.desc.flags == 0);
+  CHECK(old.tensors[tandem::slot::kMoeWScale].buffer == nullptr);
+  a.struct_size = sizeof a;
+  a.w_dtype = static_cast<tandem_dtype_t>(9);
+  CHECK(messageOf([&] { return tandem::client::unpackArgs(dg, &a); }) ==
+        "tandem_moe_dispatch_gemm: w_dtype 9 is unknown; pass 0 (dtype's) or TANDEM_DTYPE_FP8_E4M3 (5)");
 }
 
 TEST_CASE("capi args: struct_size, NULL and enum rules") {

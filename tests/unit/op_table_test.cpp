@@ -144,7 +144,8 @@ const std::map<std::string, CStructFacts>& cStructs() {
           {TANDEM_FIELD(T, dtype), TANDEM_FIELD(T, tokens), TANDEM_FIELD(T, hidden), TANDEM_FIELD(T, n_out),
            TANDEM_FIELD(T, experts), TANDEM_FIELD(T, topk), TANDEM_FIELD(T, capacity), TANDEM_FIELD(T, x),
            TANDEM_FIELD(T, topk_ids), TANDEM_FIELD(T, topk_weights), TANDEM_FIELD(T, w), TANDEM_FIELD(T, out),
-           TANDEM_FIELD(T, row_info), TANDEM_FIELD(T, expert_counts), TANDEM_FIELD(T, cuda_stream)}};
+           TANDEM_FIELD(T, row_info), TANDEM_FIELD(T, expert_counts), TANDEM_FIELD(T, cuda_stream),
+           TANDEM_FIELD(T, w_dtype), TANDEM_FIELD(T, w_scale)}};
     }
     {
       using T = tandem_moe_ffn_args_t;

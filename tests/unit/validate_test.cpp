@@ -486,17 +486,18 @@ ExpectedSlots independentSlots(const OpDescriptor& d) {
       set(0, U128{v[0]} * v[1] * es, esAlign);
       set(1, U128{v[0]} * v[4] * 4, 4);
       set(2, U128{v[0]} * v[4] * 4, 4);
+      // The weights in w_dtype (flags bits 7-9: 0 the dtype, 5 e4m3 of one byte); e4m3 weights come with fp32 scales
+      // per 128 x 128 block of each expert; none otherwise.
+      const bool f8w = ((d.flags >> 7) & 7U) == 5U;
+      const U128 wes = f8w ? 1 : es;
       if (d.kind == OpKind::kMoeDispatchGemm) {
-        set(3, local * v[2] * v[1] * es, esAlign);
+        set(3, local * v[2] * v[1] * wes, static_cast<uint64_t>(wes));
         set(4, U128{v[5]} * v[2] * es, esAlign);
         set(5, U128{v[5]} * 16, 4);
         set(6, local * 4, 4);
+        set(7, f8w ? local * blocks(v[2]) * blocks(v[1]) * 4 : 0, 4);  // w_scale [E/n, ceil(n_out/128), ...]
       } else {
-        // w1 and w2 in w_dtype (flags bits 7-9: 0 the dtype, 5 e4m3 of one byte); e4m3 weights come with fp32 scales
-        // per 128 x 128 block: w1_scale [E/n, ceil(2 ffn/128), ceil(hidden/128)], w2_scale [E/n, ceil(hidden/128),
-        // ceil(ffn/128)]; none otherwise.
-        const bool f8w = ((d.flags >> 7) & 7U) == 5U;
-        const U128 wes = f8w ? 1 : es;
+        // w1_scale [E/n, ceil(2 ffn/128), ceil(hidden/128)], w2_scale [E/n, ceil(hidden/128), ceil(ffn/128)].
         set(3, local * 2 * v[2] * v[1] * wes, static_cast<uint64_t>(wes));
         set(4, local * v[1] * v[2] * wes, static_cast<uint64_t>(wes));
         set(5, U128{v[0]} * v[1] * es, esAlign);
@@ -550,8 +551,8 @@ TEST_CASE("validateDescriptor never crashes and never accepts bytes that disagre
       for (uint32_t rank = 0; rank < 3; ++rank) pool.push_back(withBuffers(ref::makeDescriptor(shape, rank, 3)));
     }
   }
-  {  // the MoE FFN with FP8 weights
-    ref::OpShape shape = smallShape(OpKind::kMoeDispatchFfnCombine);
+  for (OpKind kind : {OpKind::kMoeDispatchFfnCombine, OpKind::kMoeDispatchGemm}) {  // the MoE ops with FP8 weights
+    ref::OpShape shape = smallShape(kind);
     shape.weightDtype = DType::kF8E4M3;
     for (uint32_t rank = 0; rank < 4; ++rank) pool.push_back(withBuffers(ref::makeDescriptor(shape, rank, 4)));
   }
@@ -758,6 +759,54 @@ TEST_CASE("the MoE FFN's FP8 weights: w_dtype, the block scales' shapes, and wha
     descs[1].flags = 0;
     descs[1].bufs[slot::kFfnW1Scale] = {}, descs[1].bufs[slot::kFfnW2Scale] = {};
     descs[1].bufs[slot::kW1].bytes *= 2, descs[1].bufs[slot::kW2].bytes *= 2;
+    REQUIRE_NOTHROW(tandem::validateDescriptor(descs[1]));
+    collectiveRejects(descs, {op + ": rank 1 has flags 0x0 but rank 0 has 0x280"});
+  }
+}
+
+TEST_CASE("moe-dispatch-gemm's FP8 weights: w_dtype, the block scale's shape, and what is refused") {
+  const std::string op = "moe-dispatch-gemm";
+  ref::OpShape shape = smallShape(OpKind::kMoeDispatchGemm);
+  shape.weightDtype = DType::kF8E4M3;  // hidden 23, n_out 19, 8 experts over 4 ranks
+  const OpDescriptor fp8 = withBuffers(ref::makeDescriptor(shape, 1, 4));
+  CHECK(tandem::moeWeightDtype(fp8.dtype, fp8.flags) == DType::kF8E4M3);
+  CHECK(fp8.bufs[slot::kW].bytes == 2 * 19 * 23);  // one byte per weight
+  CHECK(fp8.bufs[slot::kMoeWScale].bytes == 2 * 1 * 1 * 4);  // [E/n, ceil(19/128), ceil(23/128)] fp32
+  CHECK_NOTHROW(tandem::validateDescriptor(fp8));
+  {  // several blocks: n_out = 130 makes 2 row blocks, hidden = 300 makes 3
+    ref::OpShape big = shape;
+    big.n = 130, big.k = 300;
+    CHECK(ref::makeDescriptor(big, 0, 4).bufs[slot::kMoeWScale].bytes == 2 * 2 * 3 * 4);
+  }
+  {  // a missing or misshapen scale
+    OpDescriptor d = fp8;
+    d.bufs[slot::kMoeWScale].bufferId = 0, d.bufs[slot::kMoeWScale].offset = 0;
+    rejects(d, {op + ": buffer w_scale is absent (bufferId 0) but required; pass the tensor of fp32 [experts/nranks, "
+                "ceil(n_out/128), ceil(hidden/128)]"});
+    d = fp8;
+    d.bufs[slot::kMoeWScale].bytes = 4;
+    rejects(d, {op + ": buffer w_scale claims 4 bytes but"});
+  }
+  {  // the weights' dtype rules
+    OpDescriptor d = fp8;
+    d.dtype = DType::kF16;
+    rejects(d, {op + ": w_dtype fp8-e4m3 needs dtype bf16 (x and out), not fp16; pass dtype TANDEM_DTYPE_BF16 (3)"});
+    d = fp8;
+    d.flags = static_cast<uint16_t>(static_cast<unsigned>(DType::kF8E5M2) << tandem::kMoeWeightDtypeShift);
+    rejects(d, {op + ": w_dtype is fp8-e5m2; the experts' FP8 weights are e4m3"});
+    d.flags = static_cast<uint16_t>(static_cast<unsigned>(DType::kF32) << tandem::kMoeWeightDtypeShift);
+    rejects(d, {op + ": w_dtype is fp32 but dtype is bf16; w is in dtype (w_dtype 0) or e4m3"});
+  }
+  {  // a scale without FP8 weights
+    OpDescriptor d = good(OpKind::kMoeDispatchGemm);
+    d.bufs[slot::kMoeWScale] = {7, 0, 4};
+    rejects(d, {op + ": w_scale is set but w_dtype is bf16; scales apply to FP8 inputs only, so pass none"});
+  }
+  {  // every rank passes the same w_dtype
+    std::vector<OpDescriptor> descs = goodCollective(shape, 2);
+    descs[1].flags = 0;
+    descs[1].bufs[slot::kMoeWScale] = {};
+    descs[1].bufs[slot::kW].bytes *= 2;
     REQUIRE_NOTHROW(tandem::validateDescriptor(descs[1]));
     collectiveRejects(descs, {op + ": rank 1 has flags 0x0 but rank 0 has 0x280"});
   }

@@ -329,13 +329,31 @@ TANDEM_API tandem_status_t tandem_gemm_ar(tandem_comm_t comm, const tandem_gemm_
  * cuda backend (ranks on one node): bf16 or fp16; hidden and n_out multiples of 8; topk <= 32; experts <= 1024.
  *   The routing is decided on the GPU (stream-ordered, no host round trip), so a bad expert id or a capacity
  *   overflow is found there: every rank's op fails with the message, nothing is written, and the communicator
- *   fails with it (create a new one). */
+ *   fails with it (create a new one).
+ * FP8 weights (w_dtype TANDEM_DTYPE_FP8_E4M3; dtype must be bf16: x and out stay bf16): w is e4m3 with fp32 scales
+ * per 128 x 128 block of each expert, w_scale [E/n, ceil(n_out/128), ceil(hidden/128)]: w[e][o][p] means
+ * w[e][o][p] * w_scale[e][o/128][p/128] (one scale per expert is a block scale repeated over the expert's blocks).
+ * x is quantised once on its own rank per 1 x 128 block of each row, exactly as tandem_moe_dispatch_ffn_combine's x
+ * (see "FP8 weights" there): x̂ = q * s with q e4m3 and s fp32; the dispatch carries q and s (hidden bytes +
+ * hidden/128 fp32 per routed row instead of 2*hidden bytes), and out = x̂ · wᵀ (fp32 accumulation) rounded to bf16.
+ *   Accuracy: the cpu backend computes this in fp32 and the fp64 reference in fp64 (both quantise x in fp32 as
+ *   above), within 1e-2 relative (Frobenius) of each other; the cuda backend sums as its FP8 grouped GEMM does (the
+ *   tensor cores' fp8 sums, promoted to fp32 every 128 k: relative error up to about 2e-3), so it is within 1e-2 of
+ *   the reference too, bitwise repeatable. Against the bf16 op on the dequantised weights, the quantisation of x moves
+ *   out by a few percent (e4m3 keeps 3 mantissa bits).
+ *   w_scale is required with FP8 weights and refused without them; w_dtype e5m2 and a dtype other than bf16 are
+ *   refused. cuda backend: hidden a multiple of 16 (the FP8 grouped GEMM's 16-byte rows of e4m3 x), n_out a multiple
+ *   of 8 as for bf16; the op's receive rows hold hidden + 4*ceil(hidden/128) + 16 bytes per row of capacity (bf16:
+ *   2*hidden + 16). The FP8 grouped GEMM has no swap-AB form, so at decode sizes the op runs the tiled path. */
 typedef struct tandem_moe_dispatch_gemm_args {
   size_t struct_size;
   tandem_dtype_t dtype;
   uint64_t tokens, hidden, n_out, experts, topk, capacity;
   tandem_tensor_t x, topk_ids, topk_weights, w, out, row_info, expert_counts;
   void* cuda_stream;
+  /* appended after 0.2.x; struct_size tells whether a caller has them: FP8 weights (see "FP8 weights" above) */
+  tandem_dtype_t w_dtype; /* w's dtype: 0 (dtype's) or TANDEM_DTYPE_FP8_E4M3 */
+  tandem_tensor_t w_scale; /* fp32 128 x 128 block scales [E/n, ceil(n_out/128), ceil(hidden/128)]; FP8 w_dtype only */
 } tandem_moe_dispatch_gemm_args_t;
 TANDEM_API tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const tandem_moe_dispatch_gemm_args_t* args,
                                                     tandem_op_t* op);
@@ -381,8 +399,8 @@ TANDEM_API tandem_status_t tandem_moe_dispatch_gemm(tandem_comm_t comm, const ta
  *   w1_scale and w2_scale are required with FP8 weights and refused without them. cuda backend: hidden a multiple of
  *   16 and ffn a multiple of 128 (the FP8 grouped GEMM's rows and its SwiGLU tiles' 128-row scale blocks); per routed
  *   row the workspace holds 3*hidden + ffn + 4*(hidden/128 + ffn/128) + 16 bytes (bf16: 4*hidden + 2*ffn + 16).
- *   Not in the backward (tandem_moe_ffn_backward_args_t has no w_dtype: pass bf16 weights) nor in
- *   tandem_moe_dispatch_gemm (their dtype FP8 is refused). */
+ *   Not in the backward (tandem_moe_ffn_backward_args_t has no w_dtype: pass bf16 weights; its dtype FP8 is
+ *   refused). tandem_moe_dispatch_gemm takes FP8 weights the same way (its w_dtype and w_scale). */
 typedef struct tandem_moe_ffn_args {
   size_t struct_size;
   tandem_dtype_t dtype;

@@ -270,15 +270,46 @@ std::vector<std::byte*> savedGateUp(std::span<const RankOp> ranks, int savedSlot
   return saved;
 }
 
+// The MoE ops' FP8 activations (tandem.h): each row of `v` ([rows, cols]) quantised to e4m3 per 1 x 128 block and
+// replaced by its dequantised values.
+void quantizeRows(Floats& v, std::size_t cols) {
+  for (std::size_t row = 0; row * cols < v.size(); ++row) {
+    for (std::size_t c = 0; c < cols; c += kFp8ScaleBlock) {
+      float* block = v.data() + row * cols + c;
+      quantizeE4m3Block(block, std::min<std::size_t>(kFp8ScaleBlock, cols - c), block);
+    }
+  }
+}
+
+// Rank `r`'s expert weights [local, rows, cols] in fp32: slot `s` (w, w1 or w2) in w_dtype, FP8 ones multiplied by
+// their 128 x 128 block scales (slot `scaleSlot`, [local, ceil(rows/128), ceil(cols/128)]).
+Floats loadExpertWeights(const RankOp& r, int s, int scaleSlot, std::size_t local, std::size_t rows,
+                         std::size_t cols) {
+  const DType wdt = moeWeightDtype(r.desc.dtype, r.desc.flags);
+  Floats w = load(r.data[s], wdt, local * rows * cols);
+  if (!isFp8(wdt)) return w;
+  const std::size_t rb = (rows + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const std::size_t cb = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
+  const Floats scale = load(r.data[scaleSlot], DType::kF32, local * rb * cb);
+  for (std::size_t e = 0; e < local; ++e)
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t p = 0; p < cols; ++p) {
+        w[(e * rows + i) * cols + p] *= scale[(e * rb + i / kFp8ScaleBlock) * cb + p / kFp8ScaleBlock];
+      }
+  return w;
+}
+
 void moeDispatchGemm(std::span<const RankOp> ranks) {
   const auto n = static_cast<uint32_t>(ranks.size());
   const OpDescriptor& d0 = ranks[0].desc;
   const DType dtype = d0.dtype;
+  const bool fp8 = isFp8(moeWeightDtype(dtype, d0.flags));
   const std::size_t hidden = d0.dims[dim::kHidden], nOut = d0.dims[dim::kNOut];
   const std::size_t local = d0.dims[dim::kExperts] / n;
   for (int s : {slot::kX, slot::kTopkIds, slot::kW, slot::kMoeOut, slot::kRowInfo, slot::kExpertCounts}) {
     requireMemory(ranks, s);
   }
+  if (fp8) requireMemory(ranks, slot::kMoeWScale);
 
   const std::vector<std::vector<Route>> routes = routeTokens(ranks);
   for (uint32_t d = 0; d < n; ++d) {
@@ -291,9 +322,12 @@ void moeDispatchGemm(std::span<const RankOp> ranks) {
     }
   }
 
-  const std::vector<Floats> x = loadTokens(ranks, hidden);
+  std::vector<Floats> x = loadTokens(ranks, hidden);
+  if (fp8) {  // quantised once per token, on its own rank (tandem.h)
+    for (Floats& xs : x) quantizeRows(xs, hidden);
+  }
   std::vector<Floats> w(n);
-  for (uint32_t d = 0; d < n; ++d) w[d] = load(ranks[d].data[slot::kW], dtype, local * nOut * hidden);
+  for (uint32_t d = 0; d < n; ++d) w[d] = loadExpertWeights(ranks[d], slot::kW, slot::kMoeWScale, local, nOut, hidden);
 
   // Every check has passed and every input is read: now write.
   const std::size_t es = dtypeSize(dtype);
@@ -317,35 +351,6 @@ void moeDispatchGemm(std::span<const RankOp> ranks) {
       row += group.size();
     }
   }
-}
-
-// The MoE FFN's FP8 activations (tandem.h): each row of `v` ([rows, cols]) quantised to e4m3 per 1 x 128 block and
-// replaced by its dequantised values.
-void quantizeRows(Floats& v, std::size_t cols) {
-  for (std::size_t row = 0; row * cols < v.size(); ++row) {
-    for (std::size_t c = 0; c < cols; c += kFp8ScaleBlock) {
-      float* block = v.data() + row * cols + c;
-      quantizeE4m3Block(block, std::min<std::size_t>(kFp8ScaleBlock, cols - c), block);
-    }
-  }
-}
-
-// Rank `r`'s expert weights [local, rows, cols] in fp32: FFN slot `s` (w1 or w2) in w_dtype, FP8 ones multiplied by
-// their 128 x 128 block scales (slot `scaleSlot`, [local, ceil(rows/128), ceil(cols/128)]).
-Floats loadExpertWeights(const RankOp& r, int s, int scaleSlot, std::size_t local, std::size_t rows,
-                         std::size_t cols) {
-  const DType wdt = moeWeightDtype(r.desc.dtype, r.desc.flags);
-  Floats w = load(r.data[s], wdt, local * rows * cols);
-  if (!isFp8(wdt)) return w;
-  const std::size_t rb = (rows + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
-  const std::size_t cb = (cols + kFp8ScaleBlock - 1) / kFp8ScaleBlock;
-  const Floats scale = load(r.data[scaleSlot], DType::kF32, local * rb * cb);
-  for (std::size_t e = 0; e < local; ++e)
-    for (std::size_t i = 0; i < rows; ++i)
-      for (std::size_t p = 0; p < cols; ++p) {
-        w[(e * rows + i) * cols + p] *= scale[(e * rb + i / kFp8ScaleBlock) * cb + p / kFp8ScaleBlock];
-      }
-  return w;
 }
 
 void moeDispatchFfnCombine(std::span<const RankOp> ranks) {

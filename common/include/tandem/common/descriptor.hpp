@@ -54,7 +54,9 @@ static_assert(sizeof(BufferRef) == 24);
 //   kGemmRs/Ar:    dims {m, n, k_local}, flags as kAgGemm  bufs {a, b, c, a_scale, b_scale}
 //                  a_scale and b_scale (fp32) have extent 0 unless dtype is FP8 (kFlagFp8BlockScale says their shape)
 //   kMoeDispatchGemm: dims {tokens, hidden, n_out, experts, topk, capacity}
-//                                                     bufs {x, topk_ids, topk_weights, w, out, row_info, expert_counts}
+//                                                     bufs {x, topk_ids, topk_weights, w, out, row_info, expert_counts,
+//                                                           w_scale}
+//                  FP8 weights: flags kFlagMoeWeightDtype, buf w_scale (kMoeWScale)
 //   kMoeDispatchFfnCombine: dims {tokens, hidden, ffn, experts, topk, saved_rows}
 //                                                     bufs {x, topk_ids, topk_weights, w1, w2, out, saved, w1_scale,
 //                                                           w2_scale}
@@ -101,6 +103,7 @@ inline constexpr int kAgAScale = 4, kAgBScale = 5;            // ag-gemm's FP8 s
 inline constexpr int kReduceAScale = 3, kReduceBScale = 4;    // gemm-rs's and gemm-ar's
 // moe-dispatch-ffn-combine's FP8 weights' block scales, after its other slots (saved among them).
 inline constexpr int kFfnW1Scale = 7, kFfnW2Scale = 8;
+inline constexpr int kMoeWScale = 7;  // moe-dispatch-gemm's, after expert_counts
 }  // namespace slot
 
 // The slot of a GEMM op's a_scale, or its b_scale when `b`.
@@ -149,10 +152,12 @@ inline constexpr DType gemmOutDtype(DType dtype, uint16_t flags) {
 //     rank's own k (gemm-rs/ar's slice), so blocks start at the rank's first k.
 inline constexpr uint16_t kFlagFp8BlockScale = 1u << 6;
 inline constexpr uint64_t kFp8ScaleBlock = 128;
-// moe-dispatch-ffn-combine: the dtype of w1 and w2 (tandem_dtype_t w_dtype), in flags bits 7-9: 0 = the descriptor's
-// dtype, or kF8E4M3 (with a bf16 dtype): e4m3 weights with fp32 scales per 128 x 128 block, w1_scale
-// [E/n, ceil(2 ffn / 128), ceil(hidden / 128)] and w2_scale [E/n, ceil(hidden / 128), ceil(ffn / 128)]; x and h
-// are then quantised to e4m3 per 1 x 128 block on the way (tandem.h). validate.cpp refuses the other values.
+// moe-dispatch-ffn-combine and moe-dispatch-gemm: the dtype of the expert weights (tandem_dtype_t w_dtype), in flags
+// bits 7-9: 0 = the descriptor's dtype, or kF8E4M3 (with a bf16 dtype): e4m3 weights with fp32 scales per 128 x 128
+// block of each expert, the FFN's w1_scale [E/n, ceil(2 ffn / 128), ceil(hidden / 128)] and w2_scale
+// [E/n, ceil(hidden / 128), ceil(ffn / 128)], dispatch+GEMM's w_scale [E/n, ceil(n_out / 128), ceil(hidden / 128)];
+// x (and the FFN's h) are then quantised to e4m3 per 1 x 128 block on the way (tandem.h). validate.cpp refuses the
+// other values.
 inline constexpr int kMoeWeightDtypeShift = 7;
 inline constexpr uint16_t kFlagMoeWeightDtype = 0x7u << kMoeWeightDtypeShift;
 inline constexpr DType moeWeightDtype(DType dtype, uint16_t flags) {

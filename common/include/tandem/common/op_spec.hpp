@@ -29,7 +29,7 @@ enum class ElementType : uint8_t {
   kF32,      // fp32 whatever the op's dtype (routing weights, FP8 scales)
   kRaw,      // untyped bytes (allgather): element size 1, no alignment
   kOutDtype,  // the GEMM ops' c: the dtype in the flags' kFlagGemmOutDtype, else the descriptor's (gemmOutDtype)
-  kWeightDtype,  // the MoE FFN's w1 and w2: the dtype in the flags' kFlagMoeWeightDtype, else the descriptor's
+  kWeightDtype,  // the MoE ops' expert weights (w, w1, w2): the dtype in the flags' kFlagMoeWeightDtype, else the descriptor's
 };
 
 // One factor of a slot's extent, as a function of the descriptor.
@@ -71,7 +71,7 @@ struct SlotSpec {
 };
 
 // How the FP8 scale slots of a descriptor are shaped: none (no FP8 input), one element each (per tensor: the GEMM ops
-// without kFlagFp8BlockScale) or the slots' terms (blocks: the GEMM ops' kFlagFp8BlockScale, the MoE FFN's FP8
+// without kFlagFp8BlockScale) or the slots' terms (blocks: the GEMM ops' kFlagFp8BlockScale, the MoE ops' FP8
 // weights).
 enum class Fp8ScaleShape : uint8_t { kNone, kTensor, kBlock };
 
@@ -152,7 +152,7 @@ struct OpSpec {
   bool typed = true;            // false: carries no typed data, so any known dtype value (0 included) is accepted
   bool fp8 = false;             // takes FP8 inputs (dtype kF8E4M3/kF8E5M2) with a_scale and b_scale slots
   bool fp8Weights = false;      // its weights may be e4m3 (w_dtype, kFlagMoeWeightDtype) with block-scale slots, its
-                                // other tensors in dtype (the MoE FFN)
+                                // other tensors in dtype (the MoE FFN and dispatch+GEMM)
   uint16_t flags = 0;           // the kFlag* bits it takes
   bool scale = false;           // uses OpDescriptor::scale
   CrossNode crossNode = CrossNode::kNone;

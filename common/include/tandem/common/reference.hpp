@@ -33,7 +33,7 @@ struct OpShape {
   GemmOperands layout = GemmOperands::kNT;  // ag-gemm, gemm-rs, gemm-ar: how A and B are stored (kFlagGemmLayout)
   DType outDtype = DType::kInvalid;  // the GEMM ops with FP8 inputs: c's dtype (kInvalid: bf16)
   bool blockScale = false;           // the GEMM ops with FP8 inputs: block scales (kFlagFp8BlockScale), else per tensor
-  DType weightDtype = DType::kInvalid;  // the MoE FFN: w1's and w2's dtype (kFlagMoeWeightDtype; kInvalid: dtype)
+  DType weightDtype = DType::kInvalid;  // the MoE ops: the expert weights' dtype (kFlagMoeWeightDtype; kInvalid: dtype)
   uint64_t bytes = 1 << 20;  // allgather: bytes per rank
 
   // The size a `tandemctl run --<option>` sets, by the option's name ("m", "head-dim"; OpSpec's DimSpec::cli).

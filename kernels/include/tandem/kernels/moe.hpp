@@ -93,18 +93,20 @@ struct MoeParams {
   int gemmSms = 0;                  ///< cap on the grouped GEMMs' grid (0: every SM)
   int gemmSkipIdleHalves = 0;       ///< GroupedGemmParams::skipIdleHalves for the grouped GEMMs
   bool gemmDynamicTiles = false;    ///< the grouped GEMMs' dynamic tile order (GroupedGemmParams::tileCounter)
-  /// FFN forward with FP8 weights (tandem.h, w_dtype): w1 and w2 are e4m3 with 128 x 128 block scales, x (bf16) is
-  /// quantised to e4m3 per 1 x 128 block at its source and dispatched so, and the experts run the FP8 grouped GEMM
-  /// (grouped_gemm_fp8.hpp: gemm1 with the SwiGLU epilogue quantising h, gemm2 to bf16 y). dtype must be bf16.
+  /// FP8 weights (tandem.h, w_dtype; the FFN forward or dispatch+GEMM): the weights are e4m3 with 128 x 128 block
+  /// scales, x (bf16) is quantised to e4m3 per 1 x 128 block at its source and dispatched so, and the experts run the
+  /// FP8 grouped GEMM (grouped_gemm_fp8.hpp): the FFN's gemm1 with the SwiGLU epilogue quantising h and gemm2 to bf16
+  /// y; dispatch+GEMM's one GEMM to bf16 out. dtype must be bf16.
   bool fp8 = false;
-  const float* w1Scale = nullptr;  ///< fp8: [E/n, 2 ffn / 128, ceil(hidden / 128)] fp32
-  const float* w2Scale = nullptr;  ///< fp8: [E/n, ceil(hidden / 128), ffn / 128] fp32
+  const float* w1Scale = nullptr;  ///< FFN fp8: [E/n, 2 ffn / 128, ceil(hidden / 128)] fp32
+  const float* w2Scale = nullptr;  ///< FFN fp8: [E/n, ceil(hidden / 128), ffn / 128] fp32
+  const float* wScale = nullptr;   ///< dispatch+GEMM fp8: [E/n, ceil(nOut / 128), ceil(hidden / 128)] fp32
 };
 
 /// Bytes of a receive area holding `rows` rows (x rows, row info; with ffn > 0 also h and y; the backward's also dout,
-/// the row's weight and dtopk_weight, gate|up and dout·w2: 4 hidden + 8 ffn + 24 bytes a row). `fp8` (the FFN forward
+/// the row's weight and dtopk_weight, gate|up and dout·w2: 4 hidden + 8 ffn + 24 bytes a row). `fp8` (a forward op
 /// with FP8 weights): x and h in e4m3 with their 1 x 128 scales, y in bf16: about 3 hidden + ffn + (hidden + ffn) / 32
-/// + 16 bytes a row.
+/// + 16 bytes a row for the FFN, hidden + hidden / 32 + 16 for dispatch+GEMM (ffn 0).
 uint64_t moeRecvBytes(int64_t rows, int64_t hidden, int64_t ffn, bool backward = false, bool fp8 = false);
 /// The most rows a receive area of `bytes` holds.
 int64_t moeRecvRows(uint64_t bytes, int64_t hidden, int64_t ffn, bool backward = false, bool fp8 = false);
