@@ -764,6 +764,36 @@ TEST_CASE("the MoE FFN takes FP8 weights: against the fp64 reference of the quan
   MESSAGE("FP8 MoE FFN, worst relative error vs the fp64 reference of the quantised layer: " << worst);
 }
 
+namespace {
+
+// Writes `from`'s e4m3 weight in slot `w` (experts x rows x cols, fp32 scales per 128 x 128 block in slot `scale`),
+// dequantised, into `to`'s bf16 weight in the same slot: the bf16 op on the FP8 op's exact weights.
+void dequantiseWeight(Harness& from, Harness& to, int w, int scale, std::size_t experts, std::size_t rows,
+                      std::size_t cols) {
+  const std::size_t rb = (rows + 127) / 128, cb = (cols + 127) / 128;
+  for (std::size_t e = 0; e < experts; ++e)
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t p = 0; p < cols; ++p) {
+        const std::size_t at = (e * rows + i) * cols + p;
+        const float v = tandem::loadElement(from.memory(0, w).data(), DType::kF8E4M3, at) *
+                        tandem::loadElement(from.memory(0, scale).data(), DType::kF32, (e * rb + i / 128) * cb + p / 128);
+        tandem::storeElement(to.memory(0, w).data(), DType::kBF16, at, v);
+      }
+}
+
+// The relative L2 difference of the first `count` bf16 elements of slot `out` in two harnesses.
+double relativeDifference(Harness& a, Harness& b, int out, std::size_t count) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    const double x = tandem::loadElement(a.memory(0, out).data(), DType::kBF16, i);
+    const double y = tandem::loadElement(b.memory(0, out).data(), DType::kBF16, i);
+    diff += (x - y) * (x - y), norm += y * y;
+  }
+  return std::sqrt(diff / norm);
+}
+
+}  // namespace
+
 // The quantisation is part of the contract: an FP8 layer differs from the bf16 layer on the same (dequantised)
 // weights by about e4m3's rounding of x and h, far more than the reference's tolerance allows, so the check above
 // would catch a backend that skipped it.
@@ -779,27 +809,10 @@ TEST_CASE("the FP8 MoE FFN quantises x and h: it is not the bf16 layer on the de
   bf.weightDtype = DType::kInvalid;
   Harness plain(bf, 1, 3);
   for (int s : {slot::kX, slot::kTopkIds, slot::kTopkWeights}) plain.memory(0, s) = fp8.memory(0, s);
-  for (const auto& [w, sc, rows, cols] : {std::tuple{slot::kW1, slot::kFfnW1Scale, 2 * shape.n, shape.k},
-                                          std::tuple{slot::kW2, slot::kFfnW2Scale, shape.k, shape.n}}) {
-    const std::size_t rb = (rows + 127) / 128, cb = (cols + 127) / 128;
-    for (std::size_t e = 0; e < shape.experts; ++e)
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t p = 0; p < cols; ++p) {
-          const std::size_t at = (e * rows + i) * cols + p;
-          const float v = tandem::loadElement(fp8.memory(0, w).data(), DType::kF8E4M3, at) *
-                          tandem::loadElement(fp8.memory(0, sc).data(), DType::kF32,
-                                              (e * rb + i / 128) * cb + p / 128);
-          tandem::storeElement(plain.memory(0, w).data(), DType::kBF16, at, v);
-        }
-  }
+  dequantiseWeight(fp8, plain, slot::kW1, slot::kFfnW1Scale, shape.experts, 2 * shape.n, shape.k);
+  dequantiseWeight(fp8, plain, slot::kW2, slot::kFfnW2Scale, shape.experts, shape.k, shape.n);
   plain.run();
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < shape.m * shape.k; ++i) {
-    const double a = tandem::loadElement(fp8.memory(0, slot::kFfnOut).data(), DType::kBF16, i);
-    const double b = tandem::loadElement(plain.memory(0, slot::kFfnOut).data(), DType::kBF16, i);
-    diff += (a - b) * (a - b), norm += b * b;
-  }
-  const double rel = std::sqrt(diff / norm);
+  const double rel = relativeDifference(fp8, plain, slot::kFfnOut, shape.m * shape.k);
   MESSAGE("FP8 MoE FFN vs the bf16 layer on the dequantised weights: relative difference " << rel);
   CHECK(rel > 1e-2);  // e4m3 keeps 3 mantissa bits: x's and h's rounding moves out by a few percent
   CHECK(rel < 0.2);   // but it is the same layer
@@ -853,23 +866,10 @@ TEST_CASE("FP8 moe-dispatch-gemm quantises x: it is not the bf16 op on the dequa
   bf.weightDtype = DType::kInvalid;
   Harness plain(bf, 1, 3);
   for (int s : {slot::kX, slot::kTopkIds, slot::kTopkWeights}) plain.memory(0, s) = fp8.memory(0, s);
-  // Each expert's w [128, 256] has one row block and two column blocks: w_scale [2, 1, 2].
-  for (std::size_t e = 0; e < shape.experts; ++e)
-    for (std::size_t o = 0; o < shape.n; ++o)
-      for (std::size_t p = 0; p < shape.k; ++p) {
-        const std::size_t at = (e * shape.n + o) * shape.k + p;
-        const float v = tandem::loadElement(fp8.memory(0, slot::kW).data(), DType::kF8E4M3, at) *
-                        tandem::loadElement(fp8.memory(0, slot::kMoeWScale).data(), DType::kF32, e * 2 + p / 128);
-        tandem::storeElement(plain.memory(0, slot::kW).data(), DType::kBF16, at, v);
-      }
+  dequantiseWeight(fp8, plain, slot::kW, slot::kMoeWScale, shape.experts, shape.n, shape.k);
   plain.run();
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < shape.m * shape.n; ++i) {  // every token's one row (topk 1, rows 0..m-1 all defined)
-    const double a = tandem::loadElement(fp8.memory(0, slot::kMoeOut).data(), DType::kBF16, i);
-    const double b = tandem::loadElement(plain.memory(0, slot::kMoeOut).data(), DType::kBF16, i);
-    diff += (a - b) * (a - b), norm += b * b;
-  }
-  const double rel = std::sqrt(diff / norm);
+  // every token's one row (topk 1: rows 0..m-1 all defined)
+  const double rel = relativeDifference(fp8, plain, slot::kMoeOut, shape.m * shape.n);
   MESSAGE("FP8 moe-dispatch-gemm vs the bf16 op on the dequantised weights: relative difference " << rel);
   CHECK(rel > 1e-2);  // e4m3 keeps 3 mantissa bits: x's rounding moves out by a few percent
   CHECK(rel < 0.2);   // but it is the same op
