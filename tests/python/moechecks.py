@@ -63,12 +63,12 @@ def _tandem_grads(comm, x, ids, wts, w1, w2, g, fn=None, device="cpu"):
 
 
 def check_functional(comm, dtype, kind, topk, tokens, hidden=8, ffn=6, experts_per_rank=2, compiled=False,
-                     device="cpu", save_activations=False):
+                     device="cpu", save_activations=False, saved_rows=None):
     """moe_ffn's output and gradients (x, topk_weights, w1, w2) at this rank against torch autograd of
     moe_ffn_torch over every rank's tokens; the backward repeated gives the same bits. The op's tensors live on
     `device` (the cuda backend takes GPU tensors). save_activations: the forward saves gate|up for the backward;
     in float32 on the cpu backend (where rounding to the dtype changes nothing) its results are then also the
-    recomputing path's, bit for bit. Returns 1."""
+    recomputing path's, bit for bit. saved_rows: the saved tensor's fixed bound (moe_ffn). Returns 1."""
     r, n = comm.rank, comm.world_size
     experts = experts_per_rank * n
     tag = f"moe.{kind}.{topk}.{n}"
@@ -93,7 +93,7 @@ def check_functional(comm, dtype, kind, topk, tokens, hidden=8, ffn=6, experts_p
         lowp = (ol[mine], xl.grad[mine], wl.grad[mine], w1l.grad[shard], w2l.grad[shard])
 
     def layer(*args):
-        return tandem.nn.functional.moe_ffn(*args, save_activations=save_activations)
+        return tandem.nn.functional.moe_ffn(*args, save_activations=save_activations, saved_rows=saved_rows)
 
     fn = layer
     if compiled:
@@ -101,7 +101,8 @@ def check_functional(comm, dtype, kind, topk, tokens, hidden=8, ffn=6, experts_p
         fn = torch.compile(layer, fullgraph=True)
     got = _tandem_grads(comm, x[r], ids[r], wts[r], w1[shard], w2[shard], g[r], fn, device)
     what = (f"moe_ffn ({kind}, topk={topk}, tokens={tokens}, ranks={n}, {dtype}{', compiled' if compiled else ''}"
-            f"{', saved activations' if save_activations else ''})")
+            f"{', saved activations' if save_activations else ''}"
+            f"{f', saved_rows={saved_rows}' if saved_rows is not None else ''})")
     wants = (want[mine], xs.grad[mine], ws.grad[mine], w1s.grad[shard], w2s.grad[shard])
     for i, (name, gt, w) in enumerate(zip(("out", "dx", "dtopk_weights", "dw1", "dw2"), got, wants)):
         assert gt is not None, f"{what}: no gradient for {name}"

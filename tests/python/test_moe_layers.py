@@ -57,6 +57,41 @@ def test_moe_ffn_with_saved_activations_matches_torch_autograd(daemon, nranks, d
     assert run_ranks(_functional, nranks, daemon.socket, cases, dtype, True, timeout_s=240) == [len(cases)] * nranks
 
 
+def _bounded(rank, nranks):
+    """save_activations with a fixed saved_rows bound: the gradients as before (eager, and compiled: a static shape);
+    a bound below the rows routed here fails the forward naming them, and the communicator goes on."""
+    comm = tandem.Communicator(op_timeout_ms=60000)
+    tokens = TOKENS[nranks]
+    bound = sum(tokens) * 2  # every (token, slot) pair of every rank could be routed to this rank's experts
+    ran = moechecks.check_functional(comm, torch.float32, "uniform", 2, tokens, save_activations=True, saved_rows=bound)
+    ran += moechecks.check_functional(comm, torch.float32, "skewed", 2, tokens, save_activations=True,
+                                      saved_rows=bound, compiled=nranks == 2)
+    x = torch.ones(tokens[rank], 8)
+    ids = torch.zeros(tokens[rank], 2, dtype=torch.int32)
+    ids[:, 1] = 1  # every pair to rank 0's two experts
+    w1, w2 = torch.full((2, 12, 8), 0.1), torch.full((2, 8, 6), 0.1)
+    msg = "no error"
+    try:
+        tandem.nn.functional.moe_ffn(x, ids, torch.full((tokens[rank], 2), 0.5), w1, w2, comm, save_activations=True,
+                                     saved_rows=1)
+        comm.synchronize()
+    except tandem.TandemError as e:
+        msg = str(e)
+    routed = 2 * sum(tokens)
+    if rank == 0:
+        assert "saved" in msg and str(routed) in msg, f"rank 0 (receives {routed} rows, bound 1): {msg}"
+    with pytest.raises(ValueError, match="saved_rows"):
+        tandem.nn.functional.moe_ffn(x, ids, torch.ones(tokens[rank], 2), w1, w2, comm, saved_rows=4)
+    ran += moechecks.check_functional(comm, torch.float32, "uniform", 1, tokens)  # the communicator goes on
+    comm.close()
+    return ran
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_moe_ffn_saved_activations_with_a_fixed_bound(daemon, nranks):
+    assert run_ranks(_bounded, nranks, daemon.socket, timeout_s=300) == [3] * nranks
+
+
 def _layer(rank, nranks, compiled):
     comm = tandem.Communicator(op_timeout_ms=60000)
     tokens = TOKENS[nranks]

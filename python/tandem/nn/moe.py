@@ -20,7 +20,9 @@ repeat bit for bit. SwiGLU's backward needs the gate and up activations of every
   the rows routed to this rank's experts into a tensor the autograd context keeps until the backward, which then skips
   that GEMM. It costs 2 * ffn elements per routed row (about tokens * topk rows per rank with balanced routing) and,
   to size that tensor exactly, one small allgather of every rank's per-expert counts per forward, whose count is
-  read on the host (a stream synchronisation on the cuda backend).
+  read on the host (a stream synchronisation on the cuda backend). With saved_rows=N the tensor has a fixed N rows
+  instead: no allgather, no host read, a static shape, so the layer can be captured in a CUDA graph; a forward that
+  routes more than N rows to this rank's experts fails naming the rows it needs, and the communicator stays usable.
 tandem.h (tandem_moe_dispatch_ffn_combine_backward) says what each costs in memory and time.
 
 Routing (MoE.route): the router's logits in float32, softmax over the experts, the top-k, their weights renormalised
@@ -109,16 +111,18 @@ def _routed_rows(c, topk_ids: torch.Tensor, local: int) -> int:
 
 @torch.library.custom_op("tandem::moe_ffn_layer_saved", mutates_args=())
 def _moe_saved(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
-               w2: torch.Tensor, comm: int) -> tuple[torch.Tensor, torch.Tensor]:
+               w2: torch.Tensor, comm: int, saved_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """saved_rows: the saved tensor's fixed rows, or -1: exactly the routed rows (counted: collective, host read)."""
     c = _c(comm, _WHAT)
-    rows = _routed_rows(c, topk_ids, w1.shape[0])
+    rows = saved_rows if saved_rows >= 0 else _routed_rows(c, topk_ids, w1.shape[0])
     saved = c._out((rows, w1.shape[1]), x.dtype)
     return c.moe_ffn(x, topk_ids, topk_weights, w1, w2, saved=saved if rows else None), saved
 
 
 @_moe_saved.register_fake
-def _(x, topk_ids, topk_weights, w1, w2, comm):
-    rows = torch.library.get_ctx().new_dynamic_size()  # the routed rows: known once every rank's ids are counted
+def _(x, topk_ids, topk_weights, w1, w2, comm, saved_rows):
+    # The exact routed rows are known only once every rank's ids are counted: a dynamic size.
+    rows = saved_rows if saved_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
     return x.new_empty(x.shape), x.new_empty((rows, w1.shape[1]))
 
 
@@ -140,7 +144,7 @@ def _(dout, x, topk_ids, topk_weights, w1, w2, saved, comm):
 
 
 def _moe_saved_setup(ctx, inputs, output):
-    x, topk_ids, topk_weights, w1, w2, comm = inputs
+    x, topk_ids, topk_weights, w1, w2, comm, _ = inputs
     saved = output[1]
     ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, saved)
     ctx.mark_non_differentiable(saved)
@@ -153,14 +157,15 @@ def _moe_saved_backward(ctx, dout, _dsaved):
     dx, dweights, dw1, dw2 = torch.ops.tandem.moe_ffn_layer_saved_backward(dout, x, topk_ids, topk_weights, w1, w2,
                                                                             saved, ctx.comm)
     return (dx if need[0] else None), None, (dweights if need[2] else None), (dw1 if need[3] else None), \
-        (dw2 if need[4] else None), None
+        (dw2 if need[4] else None), None, None
 
 
 _moe_saved.register_autograd(_moe_saved_backward, setup_context=_moe_saved_setup)
 
 
 def moe_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-            comm: "_comm.Communicator", save_activations: bool = False) -> torch.Tensor:
+            comm: "_comm.Communicator", save_activations: bool = False,
+            saved_rows: int | None = None) -> torch.Tensor:
     """The expert-parallel MoE FFN with autograd: out_t = sum over slots s of topk_weights[t, s] *
     FFN_e(x_t), e = topk_ids[t, s], FFN_e(x) = (silu(x W1g_e^T) * (x W1u_e^T)) W2_e^T.
 
@@ -170,7 +175,10 @@ def moe_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     experts, experts [r*E/world, (r+1)*E/world) on rank r. Gradients flow to x, topk_weights, w1 and w2 (w1 and w2's
     are summed over every rank's tokens routed to this rank's experts). Every rank must call it (it is collective).
     save_activations: keep gate|up of the rows routed to this rank's experts from the forward for the backward
-    instead of recomputing it there (the module docstring says what each costs); every rank passes the same value."""
+    instead of recomputing it there (the module docstring says what each costs); every rank passes the same value.
+    saved_rows (with save_activations): a fixed bound on the rows routed to this rank's experts, so the forward
+    neither counts them (an allgather and a host read) nor has a dynamic shape: CUDA-graph capturable. None: counted
+    exactly. A forward routing more rows here fails naming the rows needed."""
     if not isinstance(comm, _comm.Communicator):
         raise TypeError(f"tandem.nn.{_WHAT}: argument 'comm' must be a tandem.Communicator, got {type(comm).__name__}")
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w1", w1), ("w2", w2)):
@@ -188,10 +196,15 @@ def moe_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                              "w2_scale=...) under torch.no_grad(), or pass weights in x's dtype")
         if t.dtype != x.dtype:
             raise ValueError(f"tandem.nn.{_WHAT}: argument '{name}' must have dtype {x.dtype} (as 'x'), got {t.dtype}")
+    if saved_rows is not None and (not save_activations or isinstance(saved_rows, bool) or
+                                   not isinstance(saved_rows, int) or saved_rows < 1):
+        raise ValueError(f"tandem.nn.{_WHAT}: argument 'saved_rows' must be a positive int bound on the rows routed "
+                         f"to this rank's experts, with save_activations=True; got {saved_rows!r} (save_activations="
+                         f"{save_activations}); pass None to count them each forward")
     args = (x.contiguous(), topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous(), w1.contiguous(),
             w2.contiguous(), comm.id)
     if save_activations:
-        return torch.ops.tandem.moe_ffn_layer_saved(*args)[0]
+        return torch.ops.tandem.moe_ffn_layer_saved(*args, -1 if saved_rows is None else saved_rows)[0]
     return torch.ops.tandem.moe_ffn_layer(*args)
 
 
@@ -221,11 +234,13 @@ class MoE(torch.nn.Module):
     [..., hidden] and returns the layer's output for them. capacity_factor (None: no limit) caps each expert's share
     of this rank's (token, slot) pairs (the module docstring says how). save_activations: the forward keeps the
     experts' gate|up activations for the backward instead of its recomputing them (moe_ffn; the module docstring says
-    what each costs). Call reduce_router_grad() after backward: each rank's router gradient covers only its own
-    tokens."""
+    what each costs); saved_rows: a fixed bound on the rows routed to this rank's experts for the saved tensor
+    (moe_ffn: no host read, CUDA-graph capturable). Call reduce_router_grad() after backward: each rank's router
+    gradient covers only its own tokens."""
 
     def __init__(self, hidden: int, ffn: int, experts: int, topk: int, comm, capacity_factor: float | None = None,
-                 dtype: torch.dtype | None = None, device=None, save_activations: bool = False):
+                 dtype: torch.dtype | None = None, device=None, save_activations: bool = False,
+                 saved_rows: int | None = None):
         super().__init__()
         if experts % comm.world_size:
             raise ValueError(f"tandem.nn.MoE: argument 'experts' ({experts}) must be a multiple of the communicator's "
@@ -237,6 +252,7 @@ class MoE(torch.nn.Module):
                              f"{capacity_factor}")
         self.hidden, self.ffn, self.experts, self.topk = int(hidden), int(ffn), int(experts), int(topk)
         self.comm, self.capacity_factor, self.save_activations = comm, capacity_factor, bool(save_activations)
+        self.saved_rows = saved_rows
         kw = dict(dtype=dtype or torch.get_default_dtype(), device=comm.device if device is None else device)
         local = experts // comm.world_size
         self.router = torch.nn.Linear(hidden, experts, bias=False, **kw)
@@ -277,7 +293,8 @@ class MoE(torch.nn.Module):
             raise ValueError(f"tandem.nn.MoE: argument 'x' must have shape [..., {self.hidden}], got {list(x.shape)}")
         flat = x.reshape(-1, self.hidden)
         ids, weights = self.route(flat)
-        return moe_ffn(flat, ids, weights, self.w1, self.w2, self.comm, self.save_activations).view(x.shape)
+        return moe_ffn(flat, ids, weights, self.w1, self.w2, self.comm, self.save_activations,
+                       self.saved_rows).view(x.shape)
 
     def reduce_router_grad(self) -> None:
         """Sums the router's gradient over the ranks (in rank order, so every rank gets the same bits): each rank's
@@ -294,6 +311,7 @@ class MoE(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, topk={self.topk}, "
                 f"capacity_factor={self.capacity_factor}, save_activations={self.save_activations}, "
+                f"saved_rows={self.saved_rows}, "
                 f"local_experts={self.w1.shape[0]}, "
                 f"rank={self.comm.rank}/{self.comm.world_size}")
 
