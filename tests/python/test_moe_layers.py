@@ -1,8 +1,8 @@
 """tandem.nn's expert-parallel MoE at 1, 2 and 4 ranks as processes against a real tandemd (cpu backend): the gradients
 of moe_ffn (x, topk_weights, w1, w2) and of the MoE layer (with the router's, and with a capacity) against the same
 layer in plain PyTorch autograd in one process, float32 and bf16, with uniform, skewed and sparse routing, ranks with
-no tokens, experts that receive nothing and top-k from 1 to 8; the backward repeated bit for bit; torch.compile
-(fullgraph=True); a bad expert id failing the backward op with the communicator still usable; and the MoE training
+no tokens, experts that receive nothing and top-k from 1 to 8; the backward repeated bit for bit; saved activations,
+counted and with a fixed saved_rows bound (one too small failing alone); torch.compile (fullgraph=True); a bad expert id failing the backward op with the communicator still usable; and the MoE training
 example."""
 
 import os
