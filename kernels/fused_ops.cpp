@@ -370,7 +370,7 @@ bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan) {
 
 namespace {
 
-// FP8 inputs on one node (ops across nodes take the multi-node path, which refuses FP8): the FP8 core's rules, beyond
+// FP8 inputs on one node (across nodes FP8 runs on the host reference path): the FP8 core's rules, beyond
 // the shared ones below. Its wgmma reads K-major operands only, so NT alone; rows of k fp8 bytes move as 16-byte words.
 void checkFp8Gemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env) {
   const std::string_view op = opKindName(d.kind);

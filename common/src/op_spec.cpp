@@ -679,9 +679,13 @@ uint64_t crossNodeBytes(std::span<const OpDescriptor* const> ranks, std::span<co
           if (!op.slots[static_cast<std::size_t>(s)].output) bytes += d.bufs[static_cast<std::size_t>(s)].bytes;
         }
         break;
-      case CrossNode::kGather:  // `from`'s ranks' shares
+      case CrossNode::kGather:  // `from`'s ranks' shares, with FP8 inputs each share's A scales too
         if (nodeOf[r] == from) {
           bytes += slotElements(op, op.crossSlot, d, nullptr) * slotElementSize(op.slots[slot], d);
+          if (op.fp8 && isFp8(d.dtype)) {
+            const int s = gemmScaleSlot(d.kind, false);
+            bytes += slotElements(op, s, d, nullptr) * slotElementSize(op.slots[static_cast<std::size_t>(s)], d);
+          }
         }
         break;
       case CrossNode::kReduceScatter:  // the partials of the rows `to`'s ranks own

@@ -40,6 +40,21 @@ TEST_CASE("three nodes run every op across nodes (ag-gemm, gemm-rs, gemm-ar, all
   CHECK(st["communicators"].empty());
 }
 
+TEST_CASE("three nodes run the GEMM ops across nodes in the nn and tn layouts, matching the reference") {
+  SimCluster c(3);
+  REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
+  for (auto op : gemmLayoutsAcrossNodes()) {
+    std::string label;
+    for (const auto& a : op) label += a + " ";
+    op.insert(op.end(), {"--check", "--iters", "2"});
+    const auto results = runEverywhere(c, op, {"0", "1-3", "4,5"});
+    for (size_t i = 0; i < results.size(); ++i) {
+      INFO(label << "node " << i << ":\n" << results[i].out << results[i].err);
+      CHECK(results[i].exitCode == 0);
+    }
+  }
+}
+
 TEST_CASE("a daemon killed mid-op: every surviving rank gets PEER_LOST within the deadline") {
   SimCluster c(3);
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());

@@ -57,4 +57,15 @@ inline std::vector<std::vector<std::string>> everyOpAcrossNodes(std::string_view
       layer);
 }
 
+/// The GEMM ops across nodes in the other operand layouts (nn: the input gradient, tn: the weight gradient), with
+/// odd shapes: the cross-node path must read each rank's operands as stored.
+inline std::vector<std::vector<std::string>> gemmLayoutsAcrossNodes() {
+  return {
+      {"ag-gemm", "--ranks", "6", "--m", "37", "--n", "19", "--k", "24", "--layout", "tn"},
+      {"ag-gemm", "--ranks", "6", "--m", "37", "--n", "19", "--k", "24", "--layout", "nn", "--dtype", "fp16"},
+      {"gemm-rs", "--ranks", "6", "--m", "37", "--n", "19", "--k", "48", "--layout", "nn"},
+      {"gemm-ar", "--ranks", "6", "--m", "29", "--n", "16", "--k", "48", "--layout", "tn"},
+  };
+}
+
 }  // namespace tandem::testing

@@ -3,10 +3,13 @@
 // backend's "NVLink"); between nodes every node exchanges one aggregated payload with every other through
 // CommLink::exchange (proxy FIFO -> transport -> the peer's staging inbox).
 //
-//   ag-gemm, allgather  each node sends its ranks' shards (raw bytes, rank order) to every other node; every
-//                       node then holds the whole gathered A and computes its ranks' outputs.
-//   gemm-rs             each node sums its ranks' partial products (fp32, rank order) and sends every other
-//                       node only the rows that node's ranks own; the owner sums node partials in node order.
+//   ag-gemm, allgather  each node sends its ranks' shards (raw bytes as stored, in the op's layout, rank order; with
+//                       FP8 inputs each shard's A scales too) to every other node; every node then holds the whole
+//                       gathered A and computes its ranks' outputs, in any layout, FP8 dequantized (cpu_ops.cpp's
+//                       gemmOperand).
+//   gemm-rs             each node sums its ranks' partial products (fp32, rank order; any layout, FP8 dequantized)
+//                       and sends every other node only the rows that node's ranks own; the owner sums node
+//                       partials in node order.
 //   gemm-ar             as gemm-rs, with every row going to every node (one shot: fine for the reference).
 //   barrier             an exchange of empty payloads.
 //   moe-*, ring-attention  replicated: every node sends every other node its ranks' inputs, then runs the whole op
@@ -63,48 +66,73 @@ uint64_t payloadBytes(const Layout& l, uint32_t from, uint32_t to) {
   return crossNodeBytes(descs, l.nodeOf, from, to);
 }
 
-std::vector<float> loadFloats(const std::byte* p, DType dtype, std::size_t count) {
-  std::vector<float> v(count);
-  if (count != 0) loadElements(p, dtype, count, v.data());
-  return v;
+// The bytes of slot `s` that rank d.rank's op reads (its extent in the op table), whatever its buffer's size.
+uint64_t slotBytes(const OpDescriptor& d, int s) {
+  const OpSpec& op = opSpec(d.kind);
+  return slotElements(op, s, d, nullptr) * slotElementSize(op.slots[static_cast<std::size_t>(s)], d);
 }
 
+// ag-gemm: every node sends its ranks' A shards as stored (in the op's layout) and, with FP8 inputs, their A scales;
+// then each node has every rank's A and computes its own ranks' outputs from the gathered op(A), as cpu_ops.cpp does.
 void agGemm(const Layout& l, CommLink& link, uint64_t epoch) {
   const OpDescriptor& d = l.ranks[0].desc;
   const uint32_t n = l.nranks();
   const std::size_t m = d.dims[dim::kM], cols = d.dims[dim::kN], k = d.dims[dim::kK], es = dtypeSize(d.dtype);
-  auto shardBytes = [&](uint32_t r) { return rowsOf(m, r, n) * k * es; };
-  std::vector<uint32_t> mine = l.ranksOn(l.self);
-  std::vector<std::byte> gathered(m * k * es);  // raw bytes of A, for the fp32 copy and the a_gathered outputs
-  for (uint32_t r : mine) {
-    if (shardBytes(r) != 0) std::memcpy(gathered.data() + rowOffset(m, r, n) * k * es, l.ranks[r].data[slot::kA], shardBytes(r));
+  std::vector<int> sent{slot::kA};
+  if (isFp8(d.dtype)) sent.push_back(gemmScaleSlot(d.kind, false));
+  // Remote ranks' views point at the received copies of the sent slots.
+  std::vector<RankOp> views(l.ranks.begin(), l.ranks.end());
+  std::vector<std::vector<std::byte>> received;
+  for (uint32_t r = 0; r < n; ++r) {
+    if (l.local(r)) continue;
+    for (int s : sent) views[r].data[static_cast<std::size_t>(s)] = received.emplace_back(slotBytes(views[r].desc, s)).data();
   }
+  const std::vector<uint32_t> mine = l.ranksOn(l.self);
   link.exchange(
       epoch,
       [&](uint32_t, std::span<std::byte> out) {
         uint64_t off = 0;
         for (uint32_t r : mine) {
-          std::memcpy(out.data() + off, gathered.data() + rowOffset(m, r, n) * k * es, shardBytes(r));
-          off += shardBytes(r);
+          for (int s : sent) {
+            const uint64_t bytes = slotBytes(views[r].desc, s);
+            if (bytes != 0) std::memcpy(out.data() + off, views[r].data[static_cast<std::size_t>(s)], bytes);
+            off += bytes;
+          }
         }
         return off;
       },
       [&](uint32_t node, std::span<const std::byte> in) {
         uint64_t off = 0;
         for (uint32_t r : l.ranksOn(node)) {
-          if (off + shardBytes(r) > in.size()) fail(ErrorCode::kProtocol, "ag-gemm: node {} sent a short payload", node);
-          std::memcpy(gathered.data() + rowOffset(m, r, n) * k * es, in.data() + off, shardBytes(r));
-          off += shardBytes(r);
+          for (int s : sent) {
+            const uint64_t bytes = slotBytes(views[r].desc, s);
+            if (off + bytes > in.size()) fail(ErrorCode::kProtocol, "ag-gemm: node {} sent a short payload", node);
+            if (bytes != 0) std::memcpy(views[r].data[static_cast<std::size_t>(s)], in.data() + off, bytes);
+            off += bytes;
+          }
         }
       },
       kExchangeTimeoutMs);
-  const std::vector<float> a = loadFloats(gathered.data(), d.dtype, m * k);
+  std::vector<float> a(m * k);
+  for (uint32_t r = 0; r < n; ++r) {
+    const std::size_t rows = rowsOf(m, r, n);
+    if (rows == 0) continue;
+    const std::vector<float> shard = gemmOperand(views[r], false, rows, k);
+    std::copy(shard.begin(), shard.end(), a.begin() + static_cast<std::ptrdiff_t>(rowOffset(m, r, n) * k));
+  }
+  const DType out = gemmOutDtype(d.dtype, d.flags);
   std::vector<float> c(m * cols);
   for (uint32_t r : mine) {
-    const std::vector<float> b = loadFloats(l.ranks[r].data[slot::kB], d.dtype, cols * k);
+    const std::vector<float> b = gemmOperand(l.ranks[r], true, cols, k);
     gemmNT(a.data(), b.data(), c.data(), m, cols, k);
-    storeElements(l.ranks[r].data[slot::kC], d.dtype, m * cols, c.data());
-    if (std::byte* g = l.ranks[r].data[slot::kAGathered]; g != nullptr) std::memcpy(g, gathered.data(), gathered.size());
+    storeElements(l.ranks[r].data[slot::kC], out, m * cols, c.data());
+    // a_gathered: the shards in rank order, bit for bit as stored, in every layout.
+    if (std::byte* g = l.ranks[r].data[slot::kAGathered]; g != nullptr) {
+      for (uint32_t src = 0; src < n; ++src) {
+        const std::size_t bytes = rowsOf(m, src, n) * k * es;
+        if (bytes != 0) std::memcpy(g + rowOffset(m, src, n) * k * es, views[src].data[slot::kA], bytes);
+      }
+    }
   }
 }
 
@@ -144,8 +172,8 @@ void gemmReduce(const Layout& l, CommLink& link, uint64_t epoch) {
   std::vector<float> partial(m * cols, 0.0f), product(m * cols);
   for (uint32_t r : mine) {
     const std::size_t k = l.ranks[r].desc.dims[dim::kK];
-    const std::vector<float> a = loadFloats(l.ranks[r].data[slot::kA], d.dtype, m * k);
-    const std::vector<float> b = loadFloats(l.ranks[r].data[slot::kB], d.dtype, cols * k);
+    const std::vector<float> a = gemmOperand(l.ranks[r], false, m, k);
+    const std::vector<float> b = gemmOperand(l.ranks[r], true, cols, k);
     gemmNT(a.data(), b.data(), product.data(), m, cols, k);
     for (std::size_t i = 0; i < partial.size(); ++i) partial[i] += product[i];
   }
@@ -203,14 +231,15 @@ void gemmReduce(const Layout& l, CommLink& link, uint64_t epoch) {
       },
       kExchangeTimeoutMs);
   if (!ownAdded) add(own.data());
+  const DType out = gemmOutDtype(d.dtype, d.flags);
   std::size_t off = 0;
   for (std::size_t i = 0; i < mine.size(); ++i) {
     const uint32_t r = mine[i];
     if (allReduce) {
-      storeElements(l.ranks[r].data[slot::kC], d.dtype, m * cols, sum.data());
+      storeElements(l.ranks[r].data[slot::kC], out, m * cols, sum.data());
     } else {
       const std::size_t rows = myRows[i].second;
-      storeElements(l.ranks[r].data[slot::kC], d.dtype, rows * cols, sum.data() + off);
+      storeElements(l.ranks[r].data[slot::kC], out, rows * cols, sum.data() + off);
       off += rows * cols;
     }
   }
@@ -266,11 +295,6 @@ void runCpuOpAcrossNodes(std::span<const RankOp> ranks, std::span<const uint32_t
   const Layout l{ranks, nodeOfRank, link.self()};
   const OpKind kind = ranks[0].desc.kind;
   const OpSpec& op = opSpec(kind);
-  // Every node sees the same dtype, so all refuse alike before any exchange.
-  if (isFp8(ranks[0].desc.dtype)) {
-    fail(ErrorCode::kUnsupported, "{} with {} inputs across nodes: the cross-node path does not carry the FP8 scales "
-         "yet; run it on one node, or with bf16 inputs", opKindName(kind), dtypeName(ranks[0].desc.dtype));
-  }
   for (uint32_t from : link.nodes()) {
     for (uint32_t to : link.nodes()) {
       if (from == to) continue;

@@ -43,6 +43,17 @@ inline float dot(const float* x, const float* y, std::size_t k) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
 }
 
+// A GEMM operand as [rows, k] (K-major) in fp32, from its storage: [k, rows] when `transposed` (kFlagGemmLayout),
+// so every layout runs on gemmNT.
+Floats loadKMajor(const std::byte* p, DType dtype, std::size_t rows, std::size_t k, bool transposed) {
+  Floats v = load(p, dtype, rows * k);
+  if (!transposed) return v;
+  Floats out(rows * k);
+  for (std::size_t p2 = 0; p2 < k; ++p2)
+    for (std::size_t i = 0; i < rows; ++i) out[i * k + p2] = v[p2 * rows + i];
+  return out;
+}
+
 }  // namespace
 
 // c[m, n] = a[m, k] · b[n, k]ᵀ in fp32. Both operands are K-major, so every output is one contiguous dot
@@ -60,32 +71,7 @@ void gemmNT(const float* a, const float* b, float* c, std::size_t m, std::size_t
   }
 }
 
-namespace {
-
-void requireMemory(std::span<const RankOp> ranks, int s) {
-  for (const RankOp& r : ranks) {
-    const auto i = static_cast<std::size_t>(s);
-    if (r.data[i] == nullptr && r.desc.bufs[i].bytes != 0) {
-      fail(ErrorCode::kInternal, "cpu backend {}: rank {} slot {} ({} bytes) has no mapped memory",
-           opKindName(r.desc.kind), r.desc.rank, s, r.desc.bufs[i].bytes);
-    }
-  }
-}
-
-// A GEMM operand as [rows, k] (K-major) in fp32, from its storage: [k, rows] when `transposed` (kFlagGemmLayout),
-// so every layout runs on gemmNT.
-Floats loadKMajor(const std::byte* p, DType dtype, std::size_t rows, std::size_t k, bool transposed) {
-  Floats v = load(p, dtype, rows * k);
-  if (!transposed) return v;
-  Floats out(rows * k);
-  for (std::size_t p2 = 0; p2 < k; ++p2)
-    for (std::size_t i = 0; i < rows; ++i) out[i * k + p2] = v[p2 * rows + i];
-  return out;
-}
-
-// Rank `r`'s GEMM operand as [rows, k] fp32: op(A) (rows of A) or op(B) (`isB`, rows = n). FP8 inputs are
-// dequantized with their fp32 scales (value * scale, descriptor.hpp's kFlagFp8BlockScale).
-Floats operand(const RankOp& r, bool isB, std::size_t rows, std::size_t k) {
+Floats gemmOperand(const RankOp& r, bool isB, std::size_t rows, std::size_t k) {
   const OpDescriptor& d = r.desc;
   const GemmOperands layout = gemmOperandsOf(d.flags);
   const bool transposed = isB ? !bKMajor(layout) : aTransposed(layout);
@@ -106,6 +92,18 @@ Floats operand(const RankOp& r, bool isB, std::size_t rows, std::size_t k) {
     }
   }
   return v;
+}
+
+namespace {
+
+void requireMemory(std::span<const RankOp> ranks, int s) {
+  for (const RankOp& r : ranks) {
+    const auto i = static_cast<std::size_t>(s);
+    if (r.data[i] == nullptr && r.desc.bufs[i].bytes != 0) {
+      fail(ErrorCode::kInternal, "cpu backend {}: rank {} slot {} ({} bytes) has no mapped memory",
+           opKindName(r.desc.kind), r.desc.rank, s, r.desc.bufs[i].bytes);
+    }
+  }
 }
 
 void requireScales(std::span<const RankOp> ranks) {
@@ -133,11 +131,11 @@ void agGemm(std::span<const RankOp> ranks) {
   for (uint32_t r = 0; r < n; ++r) {
     const std::size_t rows = rowsOf(m, r, n);
     if (rows == 0) continue;
-    const Floats shard = operand(ranks[r], false, rows, k);
+    const Floats shard = gemmOperand(ranks[r], false, rows, k);
     std::copy(shard.begin(), shard.end(), a.begin() + static_cast<std::ptrdiff_t>(rowOffset(m, r, n) * k));
   }
   std::vector<Floats> b(n);
-  for (uint32_t r = 0; r < n; ++r) b[r] = operand(ranks[r], true, nCols, k);
+  for (uint32_t r = 0; r < n; ++r) b[r] = gemmOperand(ranks[r], true, nCols, k);
 
   Floats c(m * nCols);
   for (uint32_t r = 0; r < n; ++r) {
@@ -170,8 +168,8 @@ void gemmReduce(std::span<const RankOp> ranks) {
   Floats c(m * nCols, 0.0f), partial(m * nCols);
   for (uint32_t r = 0; r < n; ++r) {
     const std::size_t k = ranks[r].desc.dims[dim::kK];
-    const Floats a = operand(ranks[r], false, m, k);
-    const Floats b = operand(ranks[r], true, nCols, k);
+    const Floats a = gemmOperand(ranks[r], false, m, k);
+    const Floats b = gemmOperand(ranks[r], true, nCols, k);
     gemmNT(a.data(), b.data(), partial.data(), m, nCols, k);
     for (std::size_t i = 0; i < c.size(); ++i) c[i] += partial[i];
   }

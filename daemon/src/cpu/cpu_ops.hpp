@@ -5,8 +5,9 @@
 
 #include <array>
 #include <cstddef>
-#include <span>
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "tandem/common/descriptor.hpp"
 
@@ -32,6 +33,11 @@ uint64_t cpuScratchBytes(std::span<const OpDescriptor> descs);
 
 // c[m, n] = a[m, k] · b[n, k]ᵀ in fp32, deterministic (fixed summation order). Shared with cpu_multinode.cpp.
 void gemmNT(const float* a, const float* b, float* c, std::size_t m, std::size_t n, std::size_t k);
+
+// Rank r's GEMM operand in fp32 as [rows, k] (K-major), whatever its stored layout: op(A) (rows of A) or op(B)
+// (`isB`, rows = n). FP8 inputs are dequantized with their fp32 scales (value * scale, descriptor.hpp's
+// kFlagFp8BlockScale); r.data needs the operand's slot and, for FP8, its scale slot. Shared with cpu_multinode.cpp.
+std::vector<float> gemmOperand(const RankOp& r, bool isB, std::size_t rows, std::size_t k);
 
 class CommLink;
 // Runs one collective whose ranks live on several nodes (cpu_multinode.cpp). ranks[r].desc is every rank's
