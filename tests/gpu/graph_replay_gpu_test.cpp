@@ -44,13 +44,28 @@ struct GraphCase {
   uint64_t bytes = 0;            // allgather: per rank
   uint64_t seq = 0;              // ring attention: over all ranks (4 heads, 2 KV heads, head_dim 128, causal)
   bool zigzag = false;
+  tandem::DType dtype = DType::kBF16;  // the GEMM ops: FP8 inputs (block scales or one per tensor, bf16 c)
+  bool blockScale = false;
+  tandem::DType weightDtype = DType::kInvalid;  // the MoE forward ops: FP8 expert weights
 };
+
+// The GEMM and MoE ops' FP8 variants, on the FP8 core and the FP8 grouped GEMM.
+GraphCase fp8Case(OpKind kind, uint64_t m, uint64_t n, uint64_t k, bool block) {
+  GraphCase c{kind, m, n, k};
+  if (kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine) {
+    c.weightDtype = DType::kF8E4M3;
+  } else {
+    c.dtype = DType::kF8E4M3;
+    c.blockScale = block;
+  }
+  return c;
+}
 
 bool isMoe(OpKind kind) {
   return kind == OpKind::kMoeDispatchGemm || kind == OpKind::kMoeDispatchFfnCombine || kind == OpKind::kMoeFfnBackward;
 }
 
-std::string describe(const GraphCase& c) {
+std::string describeShape(const GraphCase& c) {
   if (c.kind == OpKind::kAllGather) return fmt::format("allgather {} bytes", c.bytes);
   if (c.kind == OpKind::kNop) return "barrier";
   if (c.kind == OpKind::kRingAttention || c.kind == OpKind::kRingAttentionBackward) {
@@ -63,10 +78,18 @@ std::string describe(const GraphCase& c) {
   return fmt::format("{} m={} n={} k={}", tandem::opKindName(c.kind), c.m, c.n, c.k);
 }
 
+std::string describe(const GraphCase& c) {
+  if (tandem::isFp8(c.weightDtype)) return describeShape(c) + " fp8 weights";
+  if (!tandem::isFp8(c.dtype)) return describeShape(c);
+  return fmt::format("{} fp8 {}", describeShape(c), c.blockScale ? "block scales" : "per tensor");
+}
+
 std::vector<OpDescriptor> descriptorsOf(const GraphCase& c, uint32_t n) {
   ref::OpShape shape;
   shape.kind = c.kind;
-  shape.dtype = DType::kBF16;
+  shape.dtype = c.dtype;
+  shape.blockScale = c.blockScale;
+  shape.weightDtype = c.weightDtype;
   shape.m = c.m;
   shape.n = c.n;
   shape.k = c.k;
@@ -93,7 +116,8 @@ tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t st
 // Every op that replays, on each of its paths: LL and chunked allgather; small M (the layouts core, then the
 // collective) and the fused kernels for each GEMM; ring attention contiguous and zigzag (its KV published by a kernel
 // with the device epoch); ring attention's backward (every rank's seq from the eager runs before the capture, its
-// warm-up); the three MoE ops (new expert ids with every input set); the barrier (the op entry alone).
+// warm-up); the three MoE ops (new expert ids with every input set); the FP8 GEMM ops (ag-gemm's second gather of
+// the scales) and FP8 expert weights (the quantising dispatch); the barrier (the op entry alone).
 std::vector<GraphCase> graphCases(uint32_t nranks) {
   const uint64_t kUnit = 8 * nranks;  // gemm-rs/ar: every rank's k slice a multiple of 8
   return {{OpKind::kAllGather, 0, 0, 0, 64u << 10},
@@ -110,6 +134,12 @@ std::vector<GraphCase> graphCases(uint32_t nranks) {
           {OpKind::kMoeDispatchGemm, 128, 256, 256},
           {OpKind::kMoeDispatchFfnCombine, 128, 256, 256},
           {OpKind::kMoeFfnBackward, 128, 256, 256},
+          fp8Case(OpKind::kAgGemm, 512, 512, 256, true),
+          fp8Case(OpKind::kAgGemm, 256, 512, 256, false),
+          fp8Case(OpKind::kGemmRs, 512, 512, kUnit * 32, true),
+          fp8Case(OpKind::kGemmAr, 256, 512, kUnit * 32, false),
+          fp8Case(OpKind::kMoeDispatchGemm, 128, 256, 256, true),
+          fp8Case(OpKind::kMoeDispatchFfnCombine, 128, 256, 256, true),
           {OpKind::kNop}};
 }
 
