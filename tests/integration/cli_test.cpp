@@ -189,7 +189,9 @@ TEST_CASE("tandemctl --version, run --help with the defaults and the exit codes"
   // CLI11 2.1 prints "--m UINT:COUNT=256", 2.4 "--m UINT:COUNT [256]".
   CHECK(std::regex_search(r.out, std::regex(R"(--m\s+\S*(=256\b|\s*\[256\]))")));
   CHECK(r.out.find("causal mask (default: on)") != std::string::npos);
-  for (const char* dtype : {"bf16", "fp16", "fp32", "fp8-e4m3", "fp8-e5m2"}) CHECK(r.out.find(dtype) != std::string::npos);
+  for (const char* dtype : {"bf16", "fp16", "fp32", "fp8-e4m3", "fp8-e5m2"}) {
+    CHECK(r.out.find(dtype) != std::string::npos);
+  }
   for (const char* option : {"--scaling", "--out-dtype", "--w-dtype"}) CHECK(r.out.find(option) != std::string::npos);
   CHECK(r.out.find("Exit codes: 0") != std::string::npos);
   CHECK(r.out.find("69") != std::string::npos);
@@ -301,8 +303,8 @@ TEST_CASE("tandemctl run --json has the shape, dtype, plan (where the backend na
 TEST_CASE("tandemctl run names the FP8 options in its summary line and in the --json shape") {
   Daemon d;
   int code = 0;
-  std::string out = d.ctl({"run", "gemm-rs", "--ranks", "2", "--m", "8", "--n", "8", "--k", "160", "--dtype", "fp8-e5m2",
-                           "--scaling", "block", "--out-dtype", "fp32", "--check", "--json"},
+  std::string out = d.ctl({"run", "gemm-rs", "--ranks", "2", "--m", "8", "--n", "8", "--k", "160", "--dtype",
+                           "fp8-e5m2", "--scaling", "block", "--out-dtype", "fp32", "--check", "--json"},
                           &code);
   INFO(out);
   REQUIRE(code == 0);
