@@ -43,6 +43,11 @@ struct RunOptions {
   uint32_t ranks = 1;
   reference::OpShape shape;
   std::string dtype = "bf16";
+  // FP8 inputs of the GEMM ops (OpSpec::fp8) and FP8 expert weights of the MoE ops (OpSpec::fp8Weights); shape holds
+  // what they mean (blockScale, outDtype, weightDtype), these the names as given, for messages and the rank processes.
+  std::string scaling = "tensor";  // --scaling: tensor | block
+  std::string outDtype = "bf16";   // --out-dtype: c's dtype with FP8 inputs
+  std::string wDtype;              // --w-dtype: empty = --dtype's
   bool check = false;
   bool compare = false;
   bool json = false;
@@ -73,9 +78,15 @@ std::string formatRankList(const std::vector<uint32_t>& ranks);
 // "4 ranks, 2 here (2,3)"
 std::string placement(const RunOptions& o);
 
-// Every check that needs no daemon, against the op table: options that do not apply to the op, sizes of 0 where the
-// op needs at least 1, a split dim smaller than --ranks, the op's own rules (MoE: experts divisible by ranks, topk <=
-// experts) and the 2^40-byte tensor cap, for every rank's descriptor. Throws UsageError naming the flag.
+// The --dtype values `tandemctl run` takes, as dtypeName() prints them ("bf16", "fp8-e4m3", ...).
+const std::vector<DType>& runDtypes();
+// Sets o.shape's dtype, outDtype, blockScale and weightDtype from the names parsed into `o`.
+void applyDtypes(RunOptions& o);
+
+// Every check that needs no daemon, against the op table: options that do not apply to the op, FP8 options where the
+// op or --dtype takes none, sizes of 0 where the op needs at least 1, a split dim smaller than --ranks, the op's own
+// rules (MoE: experts divisible by ranks, topk <= experts) and the 2^40-byte tensor cap, for every rank's descriptor.
+// Throws UsageError naming the flag.
 void checkRunOptions(const RunOptions& o);
 // The arguments a rank process gets after `run OP`: the options that apply to the op, and the run's settings.
 std::vector<std::string> rankArgs(const RunOptions& o);

@@ -29,13 +29,15 @@ void fillHostSlot(const OpDescriptor& desc, int s, std::byte* p, uint64_t seed) 
     for (uint64_t i = 0; i < bytes; ++i) p[i] = static_cast<std::byte>(byteAt(key, i));
     return;
   }
-  const std::size_t es = dtypeSize(desc.dtype);
+  // The slot's own dtype: the MoE ops' weights may be e4m3 while the op's dtype is bf16.
+  const DType t = slotDtype(sl, desc);
+  const std::size_t es = dtypeSize(t);
   const uint64_t count = bytes / es;
   std::vector<float> chunk(1 << 14);
   for (uint64_t first = 0; first < count; first += chunk.size()) {
     const std::size_t n = static_cast<std::size_t>(std::min<uint64_t>(chunk.size(), count - first));
     for (std::size_t i = 0; i < n; ++i) chunk[i] = uniformAt(key, first + i);
-    storeElements(p + first * es, desc.dtype, n, chunk.data());
+    storeElements(p + first * es, t, n, chunk.data());
   }
 }
 

@@ -1,9 +1,11 @@
 // tandemctl run's inputs: every value is a pure function of (seed, rank, slot, index), computed the same way on the
 // host and on the GPU, so a rank can regenerate any rank's inputs (its own to check against the host reference, the
 // others' for the GPU reference GEMM) without storing or exchanging them, and every node of a multi-node run agrees.
-//   op-dtype and raw slots: a hash of the index (uniform in [-1, 1), or one byte), filled on the device on GPUs;
-//   int32 and fp32 slots (MoE routing): reference::fillInputs (valid distinct expert ids, weights summing to 1), on
-//   the host, copied to the device on GPUs;
+//   op-dtype, weight-dtype and raw slots: a hash of the index (uniform in [-1, 1), or one byte), stored in the slot's
+//   dtype (FP8 included: the GEMM ops' FP8 a and b, the MoE ops' e4m3 weights), filled on the device on GPUs except
+//   for FP8 (run_cuda.cpp says why);
+//   int32 and fp32 slots (MoE routing, FP8 scales): reference::fillInputs (valid distinct expert ids, weights summing
+//   to 1, positive scales around 1), on the host, copied to the device on GPUs;
 //   outputs: poisoned with 0xFF bytes (NaN in every float dtype, -1 in int32), so an element an op skips shows up.
 #pragma once
 
@@ -49,8 +51,8 @@ TANDEMCTL_HD inline uint8_t byteAt(uint64_t key, uint64_t i) {
   return static_cast<uint8_t>(mix64(key + i * 0x9E3779B97F4A7C15ULL) >> 56);
 }
 
-// Whether slot `s` of `op` is filled by the hash (on the device on GPUs) rather than by reference::fillInputs. The MoE
-// FFN's weights count as the op's dtype: `tandemctl run` makes no FP8 weights.
+// Whether slot `s` of `op` is filled by the hash rather than by reference::fillInputs (the FP8 scales are fp32 slots:
+// fillInputs).
 inline bool hashFilled(const OpSpec& op, int s) {
   const ElementType t = op.slots[static_cast<std::size_t>(s)].type;
   return t == ElementType::kOpDtype || t == ElementType::kWeightDtype || t == ElementType::kRaw;

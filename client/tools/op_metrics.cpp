@@ -5,14 +5,16 @@ namespace tandem::ctl {
 std::optional<OpMetrics> metricsOf(const OpDescriptor& d) {
   const double n = d.nranks, share = n > 1 ? (n - 1) / n : 0.0;  // the fraction of the data a rank receives
   const double es = static_cast<double>(dtypeSize(d.dtype));
+  // gemm-rs and gemm-ar reduce c, which FP8 inputs make bf16 or fp32.
+  const double cs = static_cast<double>(dtypeSize(gemmOutDtype(d.dtype, d.flags)));
   const auto dim = [&](int i) { return static_cast<double>(d.dims[static_cast<std::size_t>(i)]); };
   switch (d.kind) {
     case OpKind::kAgGemm:  // every rank computes all of C and gathers A
       return OpMetrics{2 * dim(dim::kM) * dim(dim::kN) * dim(dim::kK), dim(dim::kM) * dim(dim::kK) * es * share};
     case OpKind::kGemmRs:  // each rank its K slice; a reduce-scatter of [M, N]
-      return OpMetrics{2 * dim(dim::kM) * dim(dim::kN) * dim(dim::kK), dim(dim::kM) * dim(dim::kN) * es * share};
+      return OpMetrics{2 * dim(dim::kM) * dim(dim::kN) * dim(dim::kK), dim(dim::kM) * dim(dim::kN) * cs * share};
     case OpKind::kGemmAr:  // an all-reduce moves twice a reduce-scatter
-      return OpMetrics{2 * dim(dim::kM) * dim(dim::kN) * dim(dim::kK), 2 * dim(dim::kM) * dim(dim::kN) * es * share};
+      return OpMetrics{2 * dim(dim::kM) * dim(dim::kN) * dim(dim::kK), 2 * dim(dim::kM) * dim(dim::kN) * cs * share};
     case OpKind::kAllGather: return OpMetrics{0, n * dim(dim::kBytes) * share};
     case OpKind::kMoeDispatchGemm:  // this rank's tokens, each through topk experts
       return OpMetrics{2 * dim(dim::kTokens) * dim(dim::kTopk) * dim(dim::kHidden) * dim(dim::kNOut), 0};

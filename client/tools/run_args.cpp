@@ -108,6 +108,31 @@ std::string formatRankList(const std::vector<uint32_t>& ranks) {
   return s;
 }
 
+const std::vector<DType>& runDtypes() {
+  static const std::vector<DType> dtypes = {DType::kBF16, DType::kF16, DType::kF32, DType::kF8E4M3, DType::kF8E5M2};
+  return dtypes;
+}
+
+namespace {
+
+// The DType of runDtypes() named `name`, or kInvalid.
+DType runDtype(const std::string& name) {
+  for (const DType t : runDtypes()) {
+    if (dtypeName(t) == name) return t;
+  }
+  return DType::kInvalid;
+}
+
+}  // namespace
+
+void applyDtypes(RunOptions& o) {
+  o.shape.dtype = runDtype(o.dtype);
+  // makeDescriptor reads outDtype and blockScale only for FP8 inputs, weightDtype only for ops with FP8 weights.
+  o.shape.outDtype = isFp8(o.shape.dtype) ? runDtype(o.outDtype) : DType::kInvalid;
+  o.shape.blockScale = isFp8(o.shape.dtype) && o.scaling == "block";
+  o.shape.weightDtype = o.wDtype.empty() ? DType::kInvalid : runDtype(o.wDtype);
+}
+
 std::string placement(const RunOptions& o) {
   return fmt::format("{} rank{}, {} here ({})", o.ranks, o.ranks == 1 ? "" : "s", o.localRanks.size(),
                      formatRankList(o.localRanks));
@@ -126,7 +151,54 @@ std::vector<std::string> optionsOf(const OpSpec& op) {
   if ((op.flags & kFlagCausal) != 0) out.emplace_back("causal");
   if ((op.flags & kFlagZigzag) != 0) out.emplace_back("zigzag");
   if ((op.flags & kFlagGemmLayout) != 0) out.emplace_back("layout");
+  if (op.fp8) out.insert(out.end(), {"scaling", "out-dtype"});
+  if (op.fp8Weights) out.emplace_back("w-dtype");
   return out;
+}
+
+// "ag-gemm, gemm-rs, gemm-ar": the ops of the table with `what` (OpSpec::fp8 or OpSpec::fp8Weights).
+std::string opsWith(bool OpSpec::*what) {
+  std::string s;
+  for (const OpSpec& op : ops()) {
+    if (op.*what) s += fmt::format("{}{}", s.empty() ? "" : ", ", op.name);
+  }
+  return s;
+}
+
+// FP8 options against the op and each other (the descriptor's own check would name C fields, not flags).
+void checkFp8Options(const RunOptions& o) {
+  const OpSpec& op = *o.op;
+  const bool fp8 = isFp8(o.shape.dtype);
+  if (fp8 && !op.fp8) {
+    throw UsageError(fmt::format(
+        "--dtype {}: {} takes no FP8 inputs; the ops that do are {}{}, so pass --dtype bf16, fp16 or fp32", o.dtype,
+        op.name, opsWith(&OpSpec::fp8),
+        op.fp8Weights ? fmt::format(" ({} takes FP8 expert weights: --w-dtype fp8-e4m3 with --dtype bf16)", op.name)
+                      : std::string()));
+  }
+  for (const char* name : {"scaling", "out-dtype"}) {
+    if (o.given.count(name) != 0 && !fp8) {
+      throw UsageError(fmt::format("--{} applies to FP8 inputs only, but --dtype is {}; pass --dtype fp8-e4m3 or "
+                                   "fp8-e5m2 with it, or drop --{}",
+                                   name, o.dtype, name));
+    }
+  }
+  if (o.given.count("w-dtype") == 0 || o.shape.weightDtype == o.shape.dtype) return;
+  if (o.shape.weightDtype != DType::kF8E4M3) {
+    throw UsageError(fmt::format("--w-dtype {}: {}'s expert weights are in --dtype ({}) or fp8-e4m3; pass --w-dtype "
+                                 "fp8-e4m3 or drop it",
+                                 o.wDtype, op.name, o.dtype));
+  }
+  if (o.shape.dtype != DType::kBF16) {
+    throw UsageError(fmt::format("--w-dtype fp8-e4m3 needs --dtype bf16 (x and the outputs stay bf16), not {}; pass "
+                                 "--dtype bf16",
+                                 o.dtype));
+  }
+  if (o.shape.savedRows != 0) {
+    throw UsageError(fmt::format("--saved-rows {} with --w-dtype fp8-e4m3: saved activations are for the backward, "
+                                 "which FP8 weights do not have; pass --saved-rows 0, or drop --w-dtype",
+                                 o.shape.savedRows));
+  }
 }
 
 std::string listOptions(const std::vector<std::string>& names) {
@@ -176,6 +248,7 @@ void checkRunOptions(const RunOptions& o) {
       throw UsageError(fmt::format("--{} does not apply to {}; it takes {}", g, op.name, listOptions(applies)));
     }
   }
+  checkFp8Options(o);
   for (int i = 0; i < op.dimCount; ++i) {
     const DimSpec& d = op.dims[static_cast<std::size_t>(i)];
     if (d.cli.empty()) continue;
@@ -217,6 +290,8 @@ std::vector<std::string> rankArgs(const RunOptions& o) {
   if ((op.flags & kFlagCausal) != 0) a.emplace_back(o.shape.causal ? "--causal" : "--no-causal");
   if ((op.flags & kFlagZigzag) != 0) a.emplace_back(o.shape.zigzag ? "--zigzag" : "--contiguous");
   if ((op.flags & kFlagGemmLayout) != 0) a.insert(a.end(), {"--layout", std::string(gemmLayoutName(o.shape.layout))});
+  if (op.fp8 && isFp8(o.shape.dtype)) a.insert(a.end(), {"--scaling", o.scaling, "--out-dtype", o.outDtype});
+  if (op.fp8Weights && !o.wDtype.empty()) a.insert(a.end(), {"--w-dtype", o.wDtype});
   a.insert(a.end(), {"--iters", std::to_string(o.iters), "--warmup", std::to_string(o.warmup), "--seed",
                      std::to_string(o.seed), "--timeout-ms", std::to_string(o.timeoutMs), "--id", o.idHex});
   if (o.check) a.emplace_back("--check");

@@ -110,9 +110,13 @@ void fillDevice(const OpDescriptor& d, const std::array<void*, kMaxOpBuffers>& p
       ck(cudaMemsetAsync(ptrs[si], 0xFF, bytes, s), "poison an output");
     } else if (hashFilled(op, i) && sl.type == ElementType::kRaw) {
       gpu::fillBytes(ptrs[si], bytes, slotKey(seed, d.rank, static_cast<uint32_t>(i)), s);
-    } else if (hashFilled(op, i)) {
-      gpu::fillUniform(ptrs[si], d.dtype, bytes / dtypeSize(d.dtype), slotKey(seed, d.rank, static_cast<uint32_t>(i)), s);
-    } else {  // routing tables: made on the host (distinct expert ids), copied
+    } else if (hashFilled(op, i) && !isFp8(slotDtype(sl, d))) {
+      gpu::fillUniform(ptrs[si], slotDtype(sl, d), bytes / slotElementSize(sl, d),
+                       slotKey(seed, d.rank, static_cast<uint32_t>(i)), s);
+    } else {
+      // Made on the host, copied: routing tables (distinct expert ids), FP8 scales (reference::fillInputs), and FP8
+      // tensors, which fillUniform does not store: the host's conversion (numeric.hpp) is the one definition of their
+      // values, so the cpu backend, this rank and the host check all see the same bytes.
       std::vector<std::byte> host(bytes);
       fillHostSlot(d, i, host.data(), seed);
       ck(cudaMemcpyAsync(ptrs[si], host.data(), bytes, cudaMemcpyHostToDevice, s), "copy an input to the GPU");
@@ -135,6 +139,11 @@ double hostCheckMacs(const RunOptions& o) {
 // The ops with an fp32 GPU reference: the GEMMs whose reference is a sum of plain GEMMs of regenerable inputs.
 bool hasGpuReference(OpKind kind) {
   return kind == OpKind::kAgGemm || kind == OpKind::kGemmRs || kind == OpKind::kGemmAr;
+}
+// Whether checkOnGpu can check `d`: its reference GEMM reads a [m, k] and b [n, k] (the nt layout) in bf16, fp16 or
+// fp32, with no scales, so FP8 inputs and the nn and tn layouts are checked on the host whatever their size.
+bool gpuCheckable(const OpDescriptor& d) {
+  return hasGpuReference(d.kind) && !isFp8(d.dtype) && gemmOperandsOf(d.flags) == GemmOperands::kNT;
 }
 
 reference::Comparison checkOnGpu(RankContext& ctx, const GpuBuffers& buf, cudaStream_t s) {
@@ -428,11 +437,15 @@ void runCudaRank(RankContext& ctx) {
     pending.push_back(first);
     waitAll(pending, fmt::format("{} (the checked run)", op.name));
     reference::Comparison cmp;
-    if (hasGpuReference(op.kind) && hostCheckMacs(o) > kHostCheckMacs) {
+    if (gpuCheckable(ctx.desc) && hostCheckMacs(o) > kHostCheckMacs) {
       ctx.result["check_method"] = "fp32 GPU reference GEMM";
       cmp = checkOnGpu(ctx, buf, s);
     } else {
       ctx.result["check_method"] = "fp64 host reference";
+      if (!gpuCheckable(ctx.desc) && hasGpuReference(op.kind) && hostCheckMacs(o) > kHostCheckMacs) {
+        ctx.result["check_note"] = "FP8 inputs and the nn and tn layouts are checked on the host (the GPU reference "
+                                   "GEMM takes neither), which is slow at this size";
+      }
       std::vector<std::vector<std::byte>> host(kMaxOpBuffers);
       std::array<const std::byte*, kMaxOpBuffers> outputs{};
       for (int i = 0; i < op.slotCount; ++i) {

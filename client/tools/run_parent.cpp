@@ -132,6 +132,16 @@ std::string num(const json& r, const char* key, const char* format) {
   return fmt::format(fmt::runtime(format), r[key].get<double>());
 }
 
+// The summary line's dtype: "bf16", "fp8-e4m3 (block scales, out fp32)", "bf16, weights fp8-e4m3", "none".
+std::string dtypeSummary(const RunOptions& o) {
+  if (!o.op->typed) return "none";
+  if (o.op->fp8 && isFp8(o.shape.dtype)) return fmt::format("{} ({} scales, out {})", o.dtype, o.scaling, o.outDtype);
+  if (o.op->fp8Weights && !o.wDtype.empty() && o.wDtype != o.dtype) {
+    return fmt::format("{}, weights {}", o.dtype, o.wDtype);
+  }
+  return o.dtype;
+}
+
 }  // namespace
 
 int runParent(const RunOptions& o, const std::string& socket) {
@@ -208,7 +218,7 @@ int runParent(const RunOptions& o, const std::string& socket) {
   const bool allHere = o.localRanks.size() == o.ranks;
   if (!o.json) {
     std::printf("tandemctl run %s: %s, dtype %s, %u iteration(s)%s, backend %s%s%s\n", o.opName.c_str(),
-                placement(o).c_str(), o.op->typed ? o.dtype.c_str() : "none", o.iters,
+                placement(o).c_str(), dtypeSummary(o).c_str(), o.iters,
                 o.warmup > 0 ? fmt::format(" after {} warm-up", o.warmup).c_str() : "", backend.c_str(),
                 o.check ? ", checking against the reference" : "", o.compare ? ", with the NCCL baseline" : "");
     if (!allHere) {
@@ -404,6 +414,11 @@ int runParent(const RunOptions& o, const std::string& socket) {
   if ((o.op->flags & kFlagCausal) != 0) shape["causal"] = o.shape.causal;
   if ((o.op->flags & kFlagZigzag) != 0) shape["zigzag"] = o.shape.zigzag;
   if ((o.op->flags & kFlagGemmLayout) != 0) shape["layout"] = gemmLayoutName(o.shape.layout);
+  if (o.op->fp8 && isFp8(o.shape.dtype)) {
+    shape["scaling"] = o.scaling;
+    shape["out-dtype"] = o.outDtype;
+  }
+  if (o.op->fp8Weights) shape["w-dtype"] = o.wDtype.empty() ? o.dtype : o.wDtype;
   summary["shape"] = shape;
   // The plan as libtandem names it (one per rank; usually the same).
   std::map<std::string, std::vector<uint32_t>> plans;

@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -25,9 +26,6 @@ using tandem::ctl::kExitUsage;
 
 namespace {
 
-const std::map<std::string, tandem::DType> kDtypes = {
-    {"bf16", tandem::DType::kBF16}, {"fp16", tandem::DType::kF16}, {"fp32", tandem::DType::kF32}};
-
 // Sizes are non-negative integers: "-5" must not wrap to 2^64 - 5.
 const CLI::Validator kCount(
     [](std::string& s) -> std::string {
@@ -43,6 +41,24 @@ std::string opList() {
   std::string s;
   for (const tandem::OpSpec& op : tandem::ops()) s += (s.empty() ? "" : ", ") + std::string(op.name);
   return s;
+}
+
+// An option whose value is one of `names` ("bf16 | fp16 | ..."), refused otherwise with the list.
+CLI::Validator oneOf(const std::vector<std::string>& names) {
+  std::string list;
+  for (const std::string& n : names) list += (list.empty() ? "" : " | ") + n;
+  return CLI::Validator(
+      [names, list](std::string& s) -> std::string {
+        return std::find(names.begin(), names.end(), s) != names.end() ? "" : "'" + s + "' is not one of " + list;
+      },
+      list);
+}
+
+// Every dtype `run` takes, as the rest of tandem prints them (dtypeName).
+std::vector<std::string> dtypeNames() {
+  std::vector<std::string> out;
+  for (const tandem::DType t : tandem::ctl::runDtypes()) out.emplace_back(tandem::dtypeName(t));
+  return out;
 }
 
 }  // namespace
@@ -120,7 +136,24 @@ int main(int argc, char** argv) {
               std::map<std::string, tandem::GemmOperands>{
                   {"nt", tandem::GemmOperands::kNT}, {"nn", tandem::GemmOperands::kNN}, {"tn", tandem::GemmOperands::kTN}},
               CLI::ignore_case));
-  shapeFlags["dtype"] = run->add_option("--dtype", o.dtype, "bf16 | fp16 | fp32")->check(CLI::IsMember(kDtypes));
+  shapeFlags["dtype"] =
+      run->add_option("--dtype", o.dtype,
+                      "the op's dtype: bf16, fp16 or fp32; FP8 (fp8-e4m3 or fp8-e5m2) for a and b of ag-gemm, "
+                      "gemm-rs and gemm-ar, with fp32 scales (see --scaling) and a bf16 or fp32 c (--out-dtype)")
+          ->check(oneOf(dtypeNames()));
+  shapeFlags["scaling"] =
+      run->add_option("--scaling", o.scaling,
+                      "FP8 GEMM inputs: tensor (one a_scale and one b_scale) or block (a_scale per 1x128 block of "
+                      "op(A)'s rows, b_scale per 128x128 block of op(B))")
+          ->check(oneOf({"tensor", "block"}));
+  shapeFlags["out-dtype"] =
+      run->add_option("--out-dtype", o.outDtype, "FP8 GEMM inputs: c's dtype")->check(oneOf({"bf16", "fp32"}));
+  shapeFlags["w-dtype"] =
+      run->add_option("--w-dtype", o.wDtype,
+                      "moe-dispatch-gemm, moe-dispatch-ffn-combine: the expert weights' dtype, --dtype's (default) or "
+                      "fp8-e4m3 (with --dtype bf16: fp32 scales per 128x128 block of each expert's weights, x "
+                      "quantised to e4m3 per 1x128 block on the way)")
+          ->check(oneOf({"bf16", "fp16", "fp32", "fp8-e4m3"}));
   run->add_flag("--check", o.check,
                 "check every local rank's outputs: against the fp64 host reference (each rank regenerates the inputs "
                 "it needs), or for large GEMMs on GPUs an fp32 GPU reference GEMM; exit 1 on a mismatch");
@@ -179,7 +212,7 @@ int main(int argc, char** argv) {
     o.op = tandem::findOp(o.opName);
     o.opName = std::string(o.op->name);
     o.shape.kind = o.op->kind;
-    o.shape.dtype = kDtypes.at(o.dtype);
+    applyDtypes(o);
     if (o.rank >= 0) return runRank(o, sock);
     for (const auto& [name, opt] : shapeFlags) {
       if (opt->count() > 0) o.given.insert(name);

@@ -145,6 +145,18 @@ TEST_CASE("tandemctl run refuses bad arguments before starting anything: exit 2,
       {{"no-such-op"}, {"ag-gemm"}},
       {{"barrier", "--dtype", "fp16"}, {"--dtype"}},
       {{"ag-gemm", "--m", "5000000000"}, {"--m"}},
+      // FP8: only the ops that take it, and its options only with it.
+      {{"ring-attention", "--dtype", "fp8-e4m3"}, {"--dtype", "ring-attention", "ag-gemm, gemm-rs, gemm-ar"}},
+      {{"moe-dispatch-gemm", "--dtype", "fp8-e5m2"}, {"--dtype", "--w-dtype fp8-e4m3"}},
+      {{"ag-gemm", "--dtype", "fp8"}, {"--dtype", "fp8-e4m3", "fp8-e5m2"}},
+      {{"ag-gemm", "--scaling", "block"}, {"--scaling", "--dtype fp8-e4m3"}},
+      {{"gemm-rs", "--dtype", "bf16", "--out-dtype", "fp32"}, {"--out-dtype"}},
+      {{"gemm-ar", "--dtype", "fp8-e4m3", "--out-dtype", "fp16"}, {"--out-dtype", "bf16", "fp32"}},
+      {{"gemm-ar", "--dtype", "fp8-e4m3", "--scaling", "row"}, {"--scaling", "tensor", "block"}},
+      {{"ag-gemm", "--w-dtype", "fp8-e4m3"}, {"--w-dtype", "ag-gemm"}},
+      {{"moe-dispatch-gemm", "--w-dtype", "fp8-e5m2"}, {"--w-dtype", "fp8-e4m3"}},
+      {{"moe-dispatch-gemm", "--w-dtype", "fp8-e4m3", "--dtype", "fp16"}, {"--w-dtype", "--dtype bf16"}},
+      {{"moe-dispatch-ffn-combine", "--w-dtype", "fp8-e4m3", "--saved-rows", "8"}, {"--saved-rows", "--w-dtype"}},
   };
   for (const Case& c : cases) {
     std::vector<std::string> argv = {TANDEMCTL_PATH, "--socket", socket, "run"};
@@ -177,6 +189,10 @@ TEST_CASE("tandemctl --version, run --help with the defaults and the exit codes"
   // CLI11 2.1 prints "--m UINT:COUNT=256", 2.4 "--m UINT:COUNT [256]".
   CHECK(std::regex_search(r.out, std::regex(R"(--m\s+\S*(=256\b|\s*\[256\]))")));
   CHECK(r.out.find("causal mask (default: on)") != std::string::npos);
+  for (const char* dtype : {"bf16", "fp16", "fp32", "fp8-e4m3", "fp8-e5m2"}) {
+    CHECK(r.out.find(dtype) != std::string::npos);
+  }
+  for (const char* option : {"--scaling", "--out-dtype", "--w-dtype"}) CHECK(r.out.find(option) != std::string::npos);
   CHECK(r.out.find("Exit codes: 0") != std::string::npos);
   CHECK(r.out.find("69") != std::string::npos);
 }
@@ -282,6 +298,39 @@ TEST_CASE("tandemctl run --json has the shape, dtype, plan (where the backend na
   CHECK(j["summary"].contains("tflops_per_rank"));
   CHECK(j["summary"].contains("bus_gbps"));
   for (const auto& r : j["results"]) CHECK(r["samples_us"].size() == 5);
+}
+
+TEST_CASE("tandemctl run names the FP8 options in its summary line and in the --json shape") {
+  Daemon d;
+  int code = 0;
+  std::string out = d.ctl({"run", "gemm-rs", "--ranks", "2", "--m", "8", "--n", "8", "--k", "160", "--dtype",
+                           "fp8-e5m2", "--scaling", "block", "--out-dtype", "fp32", "--check", "--json"},
+                          &code);
+  INFO(out);
+  REQUIRE(code == 0);
+  auto j = nlohmann::json::parse(out);
+  CHECK(j["dtype"] == "fp8-e5m2");
+  CHECK(j["shape"]["scaling"] == "block");
+  CHECK(j["shape"]["out-dtype"] == "fp32");
+  CHECK_FALSE(j["shape"].contains("w-dtype"));
+  for (const auto& r : j["results"]) CHECK(r["check"] == true);
+  out = d.ctl({"run", "ag-gemm", "--ranks", "2", "--m", "8", "--n", "8", "--k", "16", "--dtype", "fp8-e4m3"}, &code);
+  CHECK(code == 0);
+  CHECK(out.find("dtype fp8-e4m3 (tensor scales, out bf16)") != std::string::npos);
+  out = d.ctl({"run", "moe-dispatch-gemm", "--ranks", "2", "--m", "4", "--n", "8", "--k", "16", "--experts", "2",
+               "--topk", "1", "--w-dtype", "fp8-e4m3", "--json"},
+              &code);
+  INFO(out);
+  REQUIRE(code == 0);
+  j = nlohmann::json::parse(out);
+  CHECK(j["dtype"] == "bf16");
+  CHECK(j["shape"]["w-dtype"] == "fp8-e4m3");
+  CHECK_FALSE(j["shape"].contains("scaling"));
+  out = d.ctl({"run", "moe-dispatch-gemm", "--ranks", "2", "--m", "4", "--n", "8", "--k", "16", "--experts", "2",
+               "--topk", "1", "--w-dtype", "fp8-e4m3"},
+              &code);
+  CHECK(code == 0);
+  CHECK(out.find("dtype bf16, weights fp8-e4m3") != std::string::npos);
 }
 
 TEST_CASE("a client finds the system daemon's socket when it has none of its own") {

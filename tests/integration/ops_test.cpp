@@ -84,6 +84,54 @@ TEST_CASE("the MoE FFN ops with saved activations, through tandemctl run --saved
   }
 }
 
+// FP8 a and b through tandemctl run --dtype fp8-*: each op in every layout the cpu backend runs, at 1 to 4 ranks, with
+// the four (format, scaling, c dtype) rows that cover every pair of those choices, on sizes off the 128 scale blocks
+// (k spans two k-blocks on one rank; m and n end mid-block), and then n across two of B's 128-row blocks.
+TEST_CASE("the GEMM ops with FP8 inputs: e4m3 and e5m2, tensor and block scales, bf16 and fp32 c, every layout") {
+  Daemon d;
+  struct Variant {
+    const char* dtype;
+    const char* scaling;
+    const char* out;
+  };
+  const Variant variants[] = {{"fp8-e4m3", "tensor", "bf16"},
+                              {"fp8-e4m3", "block", "fp32"},
+                              {"fp8-e5m2", "tensor", "fp32"},
+                              {"fp8-e5m2", "block", "bf16"}};
+  const char* layouts[] = {"nt", "nn", "tn"};
+  // gemm-rs and gemm-ar split k over the ranks: 300 keeps more than one k-block per rank up to 2 ranks.
+  const std::map<std::string, std::vector<std::string>> shapes = {
+      {"ag-gemm", {"--m", "37", "--n", "19", "--k", "200"}},
+      {"gemm-rs", {"--m", "29", "--n", "19", "--k", "300"}},
+      {"gemm-ar", {"--m", "21", "--n", "19", "--k", "300"}},
+  };
+  for (const auto& [op, shape] : shapes) {
+    // 12 runs: i % 3 and i % 4 give every (layout, variant) pair, i / 3 every rank count with every layout.
+    for (int i = 0; i < 12; ++i) {
+      const Variant& v = variants[i % 4];
+      const std::string ranks = std::to_string(1 + i / 3);
+      CAPTURE(op);
+      CAPTURE(i);
+      std::vector<std::string> args = {op, "--ranks", ranks, "--layout", layouts[i % 3], "--dtype", v.dtype,
+                                       "--scaling", v.scaling, "--out-dtype", v.out};
+      args.insert(args.end(), shape.begin(), shape.end());
+      runChecked(d, args);
+    }
+    runChecked(d, {op, "--ranks", "2", "--m", "9", "--n", "131", "--k", "260", "--dtype", "fp8-e4m3", "--scaling",
+                   "block", "--layout", "nn"});
+  }
+}
+
+// FP8 expert weights (--w-dtype fp8-e4m3: e4m3 with 128x128 block scales, x in bf16) through both MoE ops that take
+// them, with hidden and n spanning two blocks.
+TEST_CASE("the MoE ops with FP8 weights match the reference") {
+  Daemon d;
+  runChecked(d, {"moe-dispatch-gemm", "--ranks", "2", "--m", "13", "--n", "136", "--k", "200", "--experts", "4",
+                 "--topk", "2", "--dtype", "bf16", "--w-dtype", "fp8-e4m3"});
+  runChecked(d, {"moe-dispatch-ffn-combine", "--ranks", "2", "--m", "11", "--n", "140", "--k", "200", "--experts", "4",
+                 "--topk", "2", "--dtype", "bf16", "--w-dtype", "fp8-e4m3"});
+}
+
 TEST_CASE("a communicator of 64 ranks forms and runs collectives") {
   Daemon d;
   runChecked(d, {"barrier", "--ranks", "64", "--iters", "3"});
