@@ -40,10 +40,10 @@ TEST_CASE("three nodes run every op across nodes (ag-gemm, gemm-rs, gemm-ar, all
   CHECK(st["communicators"].empty());
 }
 
-TEST_CASE("three nodes run the GEMM ops across nodes in the nn and tn layouts, matching the reference") {
+TEST_CASE("three nodes run the GEMM ops across nodes in the nn and tn layouts and with FP8 inputs, matching the reference") {
   SimCluster c(3);
   REQUIRE_MESSAGE(c.allNodes("connected"), c.logs());
-  for (auto op : gemmLayoutsAcrossNodes()) {
+  for (auto op : gemmVariantsAcrossNodes()) {
     std::string label;
     for (const auto& a : op) label += a + " ";
     op.insert(op.end(), {"--check", "--iters", "2"});

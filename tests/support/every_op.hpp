@@ -57,14 +57,20 @@ inline std::vector<std::vector<std::string>> everyOpAcrossNodes(std::string_view
       layer);
 }
 
-/// The GEMM ops across nodes in the other operand layouts (nn: the input gradient, tn: the weight gradient), with
-/// odd shapes: the cross-node path must read each rank's operands as stored.
-inline std::vector<std::vector<std::string>> gemmLayoutsAcrossNodes() {
+/// The GEMM ops across nodes in the other operand layouts (nn: the input gradient, tn: the weight gradient) and with
+/// FP8 inputs (each rank's scales; ag-gemm's travel with its shards), with odd shapes: the cross-node path must read
+/// each rank's operands as stored and dequantize them with their own scales.
+inline std::vector<std::vector<std::string>> gemmVariantsAcrossNodes() {
   return {
       {"ag-gemm", "--ranks", "6", "--m", "37", "--n", "19", "--k", "24", "--layout", "tn"},
       {"ag-gemm", "--ranks", "6", "--m", "37", "--n", "19", "--k", "24", "--layout", "nn", "--dtype", "fp16"},
       {"gemm-rs", "--ranks", "6", "--m", "37", "--n", "19", "--k", "48", "--layout", "nn"},
       {"gemm-ar", "--ranks", "6", "--m", "29", "--n", "16", "--k", "48", "--layout", "tn"},
+      {"ag-gemm", "--ranks", "6", "--m", "37", "--n", "19", "--k", "200", "--dtype", "fp8-e4m3", "--scaling", "block"},
+      {"ag-gemm", "--ranks", "6", "--m", "37", "--n", "19", "--k", "24", "--dtype", "fp8-e5m2", "--layout", "tn"},
+      {"gemm-rs", "--ranks", "6", "--m", "37", "--n", "19", "--k", "1560", "--dtype", "fp8-e4m3", "--scaling", "block",
+       "--out-dtype", "fp32"},
+      {"gemm-ar", "--ranks", "6", "--m", "29", "--n", "16", "--k", "48", "--dtype", "fp8-e5m2", "--layout", "nn"},
   };
 }
 
