@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "rank_buffers.hpp"
+#include "submit_op.hpp"
 
 namespace tandem::gputest {
 
@@ -53,27 +54,7 @@ inline std::vector<OpDescriptor> descriptorsOf(const GemmCase& c, uint32_t n) {
 // The op of `b` through tandem_ag_gemm / tandem_gemm_rs / tandem_gemm_ar, its FP8 fields from the descriptor (zero,
 // and the scale slots absent, for other dtypes).
 inline tandem_status_t submitGemm(const RankBuffers& b, tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) {
-  const OpDescriptor& d = b.desc();
-  const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
-  const auto layout = static_cast<tandem_gemm_layout_t>(gemmOperandsOf(d.flags));
-  const auto outDtype = static_cast<tandem_dtype_t>((d.flags & kFlagGemmOutDtype) >> kGemmOutDtypeShift);
-  const auto scaling = (d.flags & kFlagFp8BlockScale) != 0 ? TANDEM_FP8_SCALE_BLOCK : TANDEM_FP8_SCALE_TENSOR;
-  const tandem_tensor_t aScale = b.tensor(gemmScaleSlot(d.kind, false)), bScale = b.tensor(gemmScaleSlot(d.kind, true));
-  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], k = d.dims[dim::kK];
-  if (d.kind == OpKind::kAgGemm) {
-    const tandem_ag_gemm_args_t a{sizeof a, dtype,  m,        n,       k,      b.tensor(slot::kA),
-                                  b.tensor(slot::kB), b.tensor(slot::kC), b.tensor(slot::kAGathered), stream,
-                                  layout,   outDtype, scaling, aScale, bScale};
-    return tandem_ag_gemm(comm, &a, op);
-  }
-  if (d.kind == OpKind::kGemmRs) {
-    const tandem_gemm_rs_args_t a{sizeof a, dtype,  m,        n,       k,      b.tensor(slot::kA), b.tensor(slot::kB),
-                                  b.tensor(slot::kC), stream, layout, outDtype, scaling, aScale, bScale};
-    return tandem_gemm_rs(comm, &a, op);
-  }
-  const tandem_gemm_ar_args_t a{sizeof a, dtype,  m,        n,       k,      b.tensor(slot::kA), b.tensor(slot::kB),
-                                b.tensor(slot::kC), stream, layout, outDtype, scaling, aScale, bScale};
-  return tandem_gemm_ar(comm, &a, op);
+  return submitGemmOp(b.desc(), [&b](int s) { return b.tensor(s); }, comm, stream, op);
 }
 
 // One rank: joins and runs every case `repeats` times, the first checked against the reference, the others against

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "rank_buffers.hpp"
+#include "submit_op.hpp"
 
 using namespace tandem::gputest;
 using tandem::DType;
@@ -65,23 +66,7 @@ std::vector<OpDescriptor> descriptorsOf(const GemmCase& c, uint32_t n) {
 }
 
 tandem_status_t submit(const RankBuffers& b, tandem_comm_t comm, cudaStream_t stream, tandem_op_t* op) {
-  const OpDescriptor& d = b.desc();
-  const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
-  if (d.kind == OpKind::kAgGemm) {
-    const auto args = agGemmArgs(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], b.tensor(slot::kA),
-                                 b.tensor(slot::kB), b.tensor(slot::kC), b.tensor(slot::kAGathered), stream);
-    return tandem_ag_gemm(comm, &args, op);
-  }
-  if (d.kind == OpKind::kGemmRs) {
-    const auto args = gemmArgs<tandem_gemm_rs_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
-                                                       b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC),
-                                                       stream);
-    return tandem_gemm_rs(comm, &args, op);
-  }
-  const auto args = gemmArgs<tandem_gemm_ar_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
-                                                     b.tensor(slot::kA), b.tensor(slot::kB), b.tensor(slot::kC),
-                                                     stream);
-  return tandem_gemm_ar(comm, &args, op);
+  return submitGemmOp(b.desc(), [&b](int s) { return b.tensor(s); }, comm, stream, op);
 }
 
 struct RunOptions {

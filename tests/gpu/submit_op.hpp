@@ -2,7 +2,6 @@
 // descriptor's dims and flags and enqueues it on `stream`. `tensor(s)` gives the tensor of buffer slot s.
 #pragma once
 
-#include "gemm_args.hpp"
 #include "tandem/common/descriptor.hpp"
 #include "tandem/tandem.h"
 
@@ -28,11 +27,36 @@ Args attentionArgs(const OpDescriptor& d, const TensorOf& tensor, void* stream) 
   return a;
 }
 
+// The GEMM ops with every field of their descriptor: the layout, and FP8's output dtype, scaling and scales.
+template <class TensorOf>
+tandem_status_t submitGemmOp(const OpDescriptor& d, const TensorOf& tensor, tandem_comm_t comm, void* stream,
+                             tandem_op_t* op) {
+  const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
+  const auto layout = static_cast<tandem_gemm_layout_t>(gemmOperandsOf(d.flags));
+  const auto outDtype = static_cast<tandem_dtype_t>((d.flags & kFlagGemmOutDtype) >> kGemmOutDtypeShift);
+  const auto scaling = (d.flags & kFlagFp8BlockScale) != 0 ? TANDEM_FP8_SCALE_BLOCK : TANDEM_FP8_SCALE_TENSOR;
+  const tandem_tensor_t aScale = tensor(gemmScaleSlot(d.kind, false)), bScale = tensor(gemmScaleSlot(d.kind, true));
+  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], k = d.dims[dim::kK];
+  if (d.kind == OpKind::kAgGemm) {
+    const tandem_ag_gemm_args_t a{sizeof a, dtype,  m,        n,       k,      tensor(slot::kA),
+                                  tensor(slot::kB), tensor(slot::kC), tensor(slot::kAGathered), stream,
+                                  layout,   outDtype, scaling, aScale, bScale};
+    return tandem_ag_gemm(comm, &a, op);
+  }
+  if (d.kind == OpKind::kGemmRs) {
+    const tandem_gemm_rs_args_t a{sizeof a, dtype,  m,        n,       k,      tensor(slot::kA), tensor(slot::kB),
+                                  tensor(slot::kC), stream, layout, outDtype, scaling, aScale, bScale};
+    return tandem_gemm_rs(comm, &a, op);
+  }
+  const tandem_gemm_ar_args_t a{sizeof a, dtype,  m,        n,       k,      tensor(slot::kA), tensor(slot::kB),
+                                tensor(slot::kC), stream, layout, outDtype, scaling, aScale, bScale};
+  return tandem_gemm_ar(comm, &a, op);
+}
+
 template <class TensorOf>
 tandem_status_t submitOp(const OpDescriptor& d, const TensorOf& tensor, tandem_comm_t comm, void* stream,
                          tandem_op_t* op) {
   const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
-  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], k = d.dims[dim::kK];
   switch (d.kind) {
     case OpKind::kAllGather: {
       const tandem_allgather_args_t a{sizeof a, tensor(slot::kSend), tensor(slot::kRecv), d.dims[dim::kBytes], stream};
@@ -42,21 +66,9 @@ tandem_status_t submitOp(const OpDescriptor& d, const TensorOf& tensor, tandem_c
       const tandem_barrier_args_t a{sizeof a, stream};
       return tandem_barrier_stream(comm, &a, op);
     }
-    case OpKind::kAgGemm: {
-      const auto a = testing::agGemmArgs(dtype, m, n, k, tensor(slot::kA), tensor(slot::kB), tensor(slot::kC),
-                                         tensor(slot::kAGathered), stream);
-      return tandem_ag_gemm(comm, &a, op);
-    }
-    case OpKind::kGemmRs: {
-      const auto a = testing::gemmArgs<tandem_gemm_rs_args_t>(dtype, m, n, k, tensor(slot::kA), tensor(slot::kB),
-                                                              tensor(slot::kC), stream);
-      return tandem_gemm_rs(comm, &a, op);
-    }
-    case OpKind::kGemmAr: {
-      const auto a = testing::gemmArgs<tandem_gemm_ar_args_t>(dtype, m, n, k, tensor(slot::kA), tensor(slot::kB),
-                                                              tensor(slot::kC), stream);
-      return tandem_gemm_ar(comm, &a, op);
-    }
+    case OpKind::kAgGemm:
+    case OpKind::kGemmRs:
+    case OpKind::kGemmAr: return submitGemmOp(d, tensor, comm, stream, op);
     case OpKind::kRingAttention: {
       auto a = attentionArgs<tandem_ring_attention_args_t>(d, tensor, stream);
       a.out = tensor(slot::kAttnOut);
