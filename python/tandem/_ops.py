@@ -88,7 +88,7 @@ def _register(spec: _optable.Spec) -> None:
         """c's dtype (the GEMM ops): the operands and FP8 arguments checked as the eager call checks them, with no
         data and no communicator, so a bad call fails while tracing."""
         a, b = inputs[0], inputs[1]
-        _, _, rows, n, k = _comm._gemm_operands(name, a, b, scal["layout"])
+        _, _, rows, n, k = _comm._gemm_operands(name, a, b, scal.get("layout", 0))
         return _comm._fp8_args(name, a, rows, n, k, *(f8[s.name] for s in spec.fp8_scales),
                                _fp8_dtype(name, f8["out_dtype"]), f8["scaling"])[0]
 

@@ -133,7 +133,8 @@ def _bits(t):
 
 def _fp8_compiled(rank, nranks, backend):
     """Every FP8 form of the three ops in one compiled step: per tensor and block scales, e4m3 and e5m2, bf16 (the
-    default) and fp32 out, functional and out forms, method and module function; bitwise equal to the eager step."""
+    default) and fp32 out, functional and out forms, method and module function, layouts nt and tn; bitwise equal to
+    the eager step."""
     torch._dynamo.reset()
     comm = tandem.Communicator(op_timeout_ms=300000)  # ranks compile on their own: allow a slow compile
     m, n, k, kr = 2 * nranks + 1, 130, 200, 150 + 7 * rank
@@ -145,8 +146,10 @@ def _fp8_compiled(rank, nranks, backend):
             *_quantize(a, e4, True, False)[:2], *_quantize(b, e4, True, True)[:2],
             *_quantize(ra, e5, False, False)[:2], *_quantize(rb, e5, False, True)[:2],
             *_quantize(ra, e4, True, False)[:2], *_quantize(rb, e4, True, True)[:2]]
+    args += [args[12].T.contiguous(), args[14].T.contiguous()]  # the block-scaled a and b of gemm_rs/ar as "tn" takes
 
-    def step(a_t, sa_t, b_t, sb_t, a_b, sa_b, b_b, sb_b, ra_t, rsa_t, rb_t, rsb_t, ra_b, rsa_b, rb_b, rsb_b):
+    def step(a_t, sa_t, b_t, sb_t, a_b, sa_b, b_b, sb_b, ra_t, rsa_t, rb_t, rsb_t, ra_b, rsa_b, rb_b, rsb_b, ra_tn,
+             rb_tn):
         gathered = torch.empty((m, k), dtype=e4)
         ar_out = torch.empty((m, n), dtype=torch.float32)
         return (comm.ag_gemm(a_t, b_t, m=m, a_scale=sa_t, b_scale=sb_t),
@@ -156,11 +159,12 @@ def _fp8_compiled(rank, nranks, backend):
                 comm.gemm_rs(ra_t, rb_t, a_scale=rsa_t, b_scale=rsb_t, out_dtype=torch.float32),
                 tandem.gemm_rs(comm, ra_b, rb_b, a_scale=rsa_b, b_scale=rsb_b, scaling="block"),
                 comm.gemm_ar(ra_b, rb_b, a_scale=rsa_b, b_scale=rsb_b, out=ar_out, out_dtype=torch.float32),
-                tandem.gemm_ar(comm, ra_t, rb_t, a_scale=rsa_t, b_scale=rsb_t))
+                tandem.gemm_ar(comm, ra_t, rb_t, a_scale=rsa_t, b_scale=rsb_t),
+                comm.gemm_rs(ra_tn, rb_tn, layout="tn", a_scale=rsa_b, b_scale=rsb_b, out_dtype=torch.float32))
 
     want = step(*args)
     assert [t.dtype for t in want] == [torch.bfloat16, torch.float32, e4, torch.float32, torch.bfloat16,
-                                       torch.float32, torch.bfloat16]
+                                       torch.float32, torch.bfloat16, torch.float32]
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     for got in (compiled(*args), compiled(*args)):  # the second call runs the cached graph
         for i, (g, w) in enumerate(zip(got, want)):
