@@ -63,16 +63,16 @@ def empty_like(t: torch.Tensor, *, socket: str | None = None) -> torch.Tensor:
 
 
 # Module-level forms of the ops: tandem.gemm_ar(comm, a, b, out=None) is comm.gemm_ar(a, b, out=None).
-def ag_gemm(comm: Communicator, a, b, *, out=None, m=None, a_gathered=None, layout="nt"):
-    return comm.ag_gemm(a, b, out=out, m=m, a_gathered=a_gathered, layout=layout)
+def ag_gemm(comm: Communicator, a, b, *, out=None, m=None, a_gathered=None, layout="nt", **fp8):
+    return comm.ag_gemm(a, b, out=out, m=m, a_gathered=a_gathered, layout=layout, **fp8)
 
 
-def gemm_rs(comm: Communicator, a, b, *, out=None, layout="nt"):
-    return comm.gemm_rs(a, b, out=out, layout=layout)
+def gemm_rs(comm: Communicator, a, b, *, out=None, layout="nt", **fp8):
+    return comm.gemm_rs(a, b, out=out, layout=layout, **fp8)
 
 
-def gemm_ar(comm: Communicator, a, b, *, out=None, layout="nt"):
-    return comm.gemm_ar(a, b, out=out, layout=layout)
+def gemm_ar(comm: Communicator, a, b, *, out=None, layout="nt", **fp8):
+    return comm.gemm_ar(a, b, out=out, layout=layout, **fp8)
 
 
 def moe_dispatch_gemm(comm: Communicator, x, topk_ids, topk_weights, w, *, capacity=None, out=None, row_info=None,

@@ -138,12 +138,7 @@ class Communicator(FastPath):
 
     # ---- tensors -> (buffer, offset)
     def _check(self, t, arg: str, op: str, dtype=None, ndim: int | None = None) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tandem.{op}: argument '{arg}' must be a torch.Tensor, got {type(t).__name__}")
-        if dtype is not None and t.dtype != dtype:
-            raise ValueError(f"tandem.{op}: argument '{arg}' must have dtype {dtype}, got {t.dtype}")
-        if ndim is not None and t.dim() != ndim:
-            raise ValueError(f"tandem.{op}: argument '{arg}' must be {ndim}-D, got shape {tuple(t.shape)}")
+        _check_meta(t, arg, op, dtype, ndim)
         if (t.get_device() != self._devidx) if self.is_cuda else not t.is_cpu:  # (meta tensors say -1 too)
             where = f"on {self.device} (the communicator's GPU)" if self.is_cuda else \
                 "on the CPU (tandemd runs the cpu backend)"
@@ -366,60 +361,13 @@ class Communicator(FastPath):
         return r
 
     # ---- ops (eager; under torch.compile the public functions call the torch.library ops instead)
+    # The GEMM ops' checks (module functions below, which the fake implementations share) with this communicator's
+    # tensor check: device and contiguity too.
     def _gemm_operands(self, op: str, a, b, layout):
-        """The GEMM ops' operands under `layout` (a name or code): (layout code, dtype code, a's rows of op(A), n, k),
-        a and b checked, b's k against a's."""
-        lay = _enum_code(layout, op)
-        self._check(a, "a", op, ndim=2)
-        dt = _dtype_code(a, op, fp8=True)
-        self._check(b, "b", op, a.dtype, 2)
-        spec = _optable.SPECS[op]
-        sa, sb = spec.inputs[0], spec.inputs[1]
-        rows, k = (a.shape[1], a.shape[0]) if spec.transposed(sa, lay) else a.shape
-        tb = spec.transposed(sb, lay)
-        kb, n = b.shape if tb else (b.shape[1], b.shape[0])
-        if kb != k:
-            want = f"[{k}, n]" if tb else f"[n, {k}]"
-            raise ValueError(f"tandem.{op}: argument 'b' must have shape {want} (layout {_enum_name(op, lay)!r}: b is "
-                             f"{spec.text_of(sb, lay)}; k = {k} from 'a' {list(a.shape)}, which is "
-                             f"{spec.text_of(sa, lay)}), got {list(b.shape)}")
-        return lay, dt, rows, n, k
+        return _gemm_operands(op, a, b, layout, self._check)
 
     def _fp8(self, op: str, a, rows: int, n: int, k: int, a_scale, b_scale, out_dtype, scaling):
-        """The GEMM ops' FP8 arguments, checked: (c's torch dtype, out_dtype code, scaling code, a_scale, b_scale).
-        FP8 a and b (torch.float8_e4m3fn, torch.float8_e5m2) need fp32 a_scale and b_scale: one value each (per
-        tensor), or block scales a_scale [ceil(k/128), rows] and b_scale [ceil(n/128), ceil(k/128)] (scaling "block",
-        the default when either scale is 2-D); c is out_dtype, torch.bfloat16 (default) or torch.float32. Other
-        dtypes take none of these (out_dtype may be a's own dtype)."""
-        if a.dtype not in _FP8_DTYPES:
-            for name, v in (("a_scale", a_scale), ("b_scale", b_scale), ("scaling", scaling)):
-                if v is not None:
-                    raise ValueError(f"tandem.{op}: argument '{name}' applies to FP8 inputs (torch.float8_e4m3fn, "
-                                     f"torch.float8_e5m2) only; a is {a.dtype}")
-            if out_dtype is not None and out_dtype != a.dtype:
-                raise ValueError(f"tandem.{op}: out_dtype={out_dtype} differs from a's dtype {a.dtype}; only FP8 "
-                                 "inputs take another output dtype")
-            return a.dtype, 0, 0, None, None
-        out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
-        if out_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"tandem.{op}: out_dtype must be torch.bfloat16 or torch.float32 with {a.dtype} inputs, "
-                             f"got {out_dtype}")
-        for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
-            if t is None:
-                raise ValueError(f"tandem.{op}: argument '{name}' is required with {a.dtype} inputs: an fp32 tensor of "
-                                 "one value (per tensor) or of block scales (see the docstring)")
-            self._check(t, name, op, torch.float32)
-        if scaling is None:
-            scaling = "block" if a_scale.dim() == 2 or b_scale.dim() == 2 else "tensor"
-        code = _enum_code(scaling, op, "scaling")
-        kb = -(-k // 128)
-        wants = (((kb, rows), f"[ceil(k/128), rows] = [{kb}, {rows}]"), ((-(-n // 128), kb), f"[ceil(n/128), "
-                 f"ceil(k/128)] = [{-(-n // 128)}, {kb}]")) if code else ((None, "one value"), (None, "one value"))
-        for name, t, (shape, text) in zip(("a_scale", "b_scale"), (a_scale, b_scale), wants):
-            if (t.numel() != 1) if shape is None else tuple(t.shape) != shape:
-                raise ValueError(f"tandem.{op}: argument '{name}' must hold {text} (scaling "
-                                 f"{'block' if code else 'tensor'!r}), got shape {list(t.shape)}")
-        return out_dtype, _DTYPES[out_dtype], code, a_scale, b_scale
+        return _fp8_args(op, a, rows, n, k, a_scale, b_scale, out_dtype, scaling, self._check)
 
     def _eager_ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None, layout="nt", a_scale=None,
                        b_scale=None, out_dtype=None, scaling=None):
@@ -810,11 +758,11 @@ class Communicator(FastPath):
     # ---- the public ops: eager calls go straight to the C ABI; under torch.compile they become torch.library ops
     # (tandem::<op>, with fake implementations), so graphs hold them whole (fullgraph=True).
     # The fast paths serve the default layout ("nt"); another goes to the full path.
-    # FP8 inputs (a_scale, b_scale, out_dtype, scaling) take the full eager path; torch.compile does not take them yet.
+    # FP8 inputs (a_scale, b_scale, out_dtype, scaling) take the full eager path, and the torch.library ops under
+    # torch.compile.
     def ag_gemm(self, a, b, *, out=None, m: int | None = None, a_gathered=None, layout="nt", **fp8):
         if _tc._is_compiling_flag or _dynamo_compiling():
-            _no_fp8_compiled("ag_gemm", fp8)
-            return _ops.ag_gemm(self, a, b, out=out, m=m, a_gathered=a_gathered, layout=layout)
+            return _ops.ag_gemm(self, a, b, out=out, m=m, a_gathered=a_gathered, layout=layout, **fp8)
         if (layout == 0 or layout == "nt") and not fp8:
             r = self._hot_ag_gemm(a, b, out, m, a_gathered)
             if r is not None:
@@ -823,8 +771,7 @@ class Communicator(FastPath):
 
     def gemm_rs(self, a, b, *, out=None, layout="nt", **fp8):
         if _tc._is_compiling_flag or _dynamo_compiling():
-            _no_fp8_compiled("gemm_rs", fp8)
-            return _ops.gemm_rs(self, a, b, out=out, layout=layout)
+            return _ops.gemm_rs(self, a, b, out=out, layout=layout, **fp8)
         if (layout == 0 or layout == "nt") and not fp8:
             r = self._hot_gemm_rs(a, b, out)
             if r is not None:
@@ -833,8 +780,7 @@ class Communicator(FastPath):
 
     def gemm_ar(self, a, b, *, out=None, layout="nt", **fp8):
         if _tc._is_compiling_flag or _dynamo_compiling():
-            _no_fp8_compiled("gemm_ar", fp8)
-            return _ops.gemm_ar(self, a, b, out=out, layout=layout)
+            return _ops.gemm_ar(self, a, b, out=out, layout=layout, **fp8)
         if (layout == 0 or layout == "nt") and not fp8:
             r = self._hot_gemm_ar(a, b, out)
             if r is not None:
@@ -940,6 +886,83 @@ def _no_fp8_compiled(op: str, fp8: dict) -> None:
     if fp8:
         raise NotImplementedError(f"tandem.{op}: FP8 arguments ({', '.join(sorted(fp8))}) are not taken under "
                                   "torch.compile yet; call it eagerly (torch.compiler.disable)")
+
+
+def _check_meta(t, arg: str, op: str, dtype=None, ndim: int | None = None) -> None:
+    """The checks of Communicator._check that need neither the communicator nor data: type, dtype, rank. The fake
+    implementations run them (with the functions below) while tracing, so a bad call fails there as eagerly."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"tandem.{op}: argument '{arg}' must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"tandem.{op}: argument '{arg}' must have dtype {dtype}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"tandem.{op}: argument '{arg}' must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def _gemm_operands(op: str, a, b, layout, check=_check_meta):
+    """The GEMM ops' operands under `layout` (a name or code): (layout code, dtype code, a's rows of op(A), n, k),
+    a and b checked (by `check`: Communicator._check eagerly, _check_meta while tracing), b's k against a's."""
+    lay = _enum_code(layout, op)
+    check(a, "a", op, ndim=2)
+    dt = _dtype_code(a, op, fp8=True)
+    check(b, "b", op, a.dtype, 2)
+    spec = _optable.SPECS[op]
+    sa, sb = spec.inputs[0], spec.inputs[1]
+    rows, k = (a.shape[1], a.shape[0]) if spec.transposed(sa, lay) else a.shape
+    tb = spec.transposed(sb, lay)
+    kb, n = b.shape if tb else (b.shape[1], b.shape[0])
+    if kb != k:
+        want = f"[{k}, n]" if tb else f"[n, {k}]"
+        raise ValueError(f"tandem.{op}: argument 'b' must have shape {want} (layout {_enum_name(op, lay)!r}: b is "
+                         f"{spec.text_of(sb, lay)}; k = {k} from 'a' {list(a.shape)}, which is "
+                         f"{spec.text_of(sa, lay)}), got {list(b.shape)}")
+    return lay, dt, rows, n, k
+
+
+def _fp8_out_dtype(op: str, a, out_dtype):
+    """c's torch dtype: out_dtype, checked against a's dtype (FP8: torch.bfloat16, the default, or torch.float32;
+    other dtypes: a's own)."""
+    if a.dtype not in _FP8_DTYPES:
+        if out_dtype is not None and out_dtype != a.dtype:
+            raise ValueError(f"tandem.{op}: out_dtype={out_dtype} differs from a's dtype {a.dtype}; only FP8 "
+                             "inputs take another output dtype")
+        return a.dtype
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"tandem.{op}: out_dtype must be torch.bfloat16 or torch.float32 with {a.dtype} inputs, "
+                         f"got {out_dtype}")
+    return out_dtype
+
+
+def _fp8_args(op: str, a, rows: int, n: int, k: int, a_scale, b_scale, out_dtype, scaling, check=_check_meta):
+    """The GEMM ops' FP8 arguments, checked: (c's torch dtype, out_dtype code, scaling code, a_scale, b_scale).
+    FP8 a and b (torch.float8_e4m3fn, torch.float8_e5m2) need fp32 a_scale and b_scale: one value each (per
+    tensor), or block scales a_scale [ceil(k/128), rows] and b_scale [ceil(n/128), ceil(k/128)] (scaling "block",
+    the default when either scale is 2-D); c is out_dtype, torch.bfloat16 (default) or torch.float32. Other
+    dtypes take none of these (out_dtype may be a's own dtype). check: as _gemm_operands'."""
+    if a.dtype not in _FP8_DTYPES:
+        for name, v in (("a_scale", a_scale), ("b_scale", b_scale), ("scaling", scaling)):
+            if v is not None:
+                raise ValueError(f"tandem.{op}: argument '{name}' applies to FP8 inputs (torch.float8_e4m3fn, "
+                                 f"torch.float8_e5m2) only; a is {a.dtype}")
+        return _fp8_out_dtype(op, a, out_dtype), 0, 0, None, None
+    out_dtype = _fp8_out_dtype(op, a, out_dtype)
+    for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if t is None:
+            raise ValueError(f"tandem.{op}: argument '{name}' is required with {a.dtype} inputs: an fp32 tensor of "
+                             "one value (per tensor) or of block scales (see the docstring)")
+        check(t, name, op, torch.float32)
+    if scaling is None:
+        scaling = "block" if a_scale.dim() == 2 or b_scale.dim() == 2 else "tensor"
+    code = _enum_code(scaling, op, "scaling")
+    kb = -(-k // 128)
+    wants = (((kb, rows), f"[ceil(k/128), rows] = [{kb}, {rows}]"), ((-(-n // 128), kb), f"[ceil(n/128), "
+             f"ceil(k/128)] = [{-(-n // 128)}, {kb}]")) if code else ((None, "one value"), (None, "one value"))
+    for name, t, (shape, text) in zip(("a_scale", "b_scale"), (a_scale, b_scale), wants):
+        if (t.numel() != 1) if shape is None else tuple(t.shape) != shape:
+            raise ValueError(f"tandem.{op}: argument '{name}' must hold {text} (scaling "
+                             f"{'block' if code else 'tensor'!r}), got shape {list(t.shape)}")
+    return out_dtype, _DTYPES[out_dtype], code, a_scale, b_scale
 
 
 def _capi_elsize(dtype) -> int:

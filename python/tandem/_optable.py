@@ -56,10 +56,11 @@ class Spec:
         self.name: str = op["py_name"]
         self.dim_names: list[str] = [d["name"] for d in op["dims"]]
         self.slots = [Slot(s, i) for i, s in enumerate(op["slots"])]
-        # FP8 scales and the out_dtype and scaling fields are keywords of the eager paths only (FP8 inputs); the
-        # torch.library ops' schemas leave them out.
+        # FP8 inputs (the GEMM ops): the scales (fp8_scale slots) and the out_dtype and scaling fields are keywords;
+        # the torch.library ops append them to their schemas, after what older calls pass by position (_ops).
         self.fp8: bool = op.get("fp8", False)
-        # The MoE ops' FP8 weights: w_dtype and the weights' block scales, likewise eager-only keywords.
+        # The MoE ops' FP8 weights: w_dtype and the weights' block scales, keywords of the eager paths only (the
+        # torch.library ops' schemas leave them out).
         self.fp8_weights: bool = op.get("fp8_weights", False)
         self.fp8_scales = [s for s in self.slots if s.fp8_scale]
         self.inputs = [s for s in self.slots if not s.output and not s.fp8_scale and not s.optional]
@@ -70,6 +71,7 @@ class Spec:
         self.fields: list[dict] = op["fields"]
         fp8_fields = ("out_dtype", "scaling") if self.fp8 else ("w_dtype",) if self.fp8_weights else ()
         self.scalars = [f for f in self.fields if f["kind"] in ("flag", "scale") and f["name"] not in fp8_fields]
+        self.fp8_fields = [f for f in self.fields if f["name"] in fp8_fields] if self.fp8 else []
         # The GEMM layout: the enum field named "layout" of an op with operand slots, and per code the operands it
         # stores transposed.
         self.enums: dict = _capi.ENUMS.get(self.name, {})

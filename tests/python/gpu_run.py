@@ -130,7 +130,7 @@ def section_jax(comm):
 
 
 def section_compile(comm):
-    """torch.compile(fullgraph=True, inductor) around gemm_ar and allgather, against eager."""
+    """torch.compile(fullgraph=True, inductor) around gemm_ar and allgather, against eager; then the FP8 GEMM ops."""
     torch._dynamo.reset()
     m, n, k = 64, 64, 64
     a = opchecks.gen("gc.a", RANK, (m, k), torch.bfloat16).to(comm.device)
@@ -144,7 +144,44 @@ def section_compile(comm):
     got = torch.compile(step, fullgraph=True)(a, b)
     comm.synchronize()
     torch.testing.assert_close(got, want)
-    return "inductor graph matches eager"
+    return f"inductor graph matches eager; {_compile_fp8(comm)}"
+
+
+def _e4m3(tag, shape, dev):
+    """A random tensor quantized to e4m3 with one fp32 scale: (values, scale [1])."""
+    x = opchecks.gen(tag, RANK, shape)
+    s = x.abs().max() / 448
+    return (x / s).to(torch.float8_e4m3fn).to(dev), s.reshape(1).to(dev)
+
+
+def _compile_fp8(comm):
+    """The FP8 GEMM ops (e4m3, layout nt: what the FP8 GEMM core reads) under torch.compile(fullgraph=True, inductor):
+    per-tensor and block scales, bf16 and fp32 out; each result bitwise equal to the eager call's."""
+    torch._dynamo.reset()
+    dev = comm.device
+    rows, n, k = 64, 128, 256  # k % 16 and rows % 4, as the FP8 core's block scales need
+    a, sa = _e4m3("gf8.a", (rows, k), dev)
+    b, sb = _e4m3("gf8.b", (n, k), dev)
+    ra, _ = _e4m3("gf8.ra", (rows, k), dev)
+    g = torch.Generator().manual_seed(zlib.crc32(f"gf8.s/{RANK}".encode()))
+    a_blocks = (0.5 + torch.rand(k // 128, rows, generator=g)).to(dev)  # [ceil(k/128), rows]
+    b_blocks = (0.5 + torch.rand(n // 128, k // 128, generator=g)).to(dev)  # [ceil(n/128), ceil(k/128)]
+
+    def step(a, b, ra):
+        return (comm.ag_gemm(a, b, a_scale=sa, b_scale=sb),
+                comm.ag_gemm(a, b, a_scale=a_blocks, b_scale=b_blocks, out_dtype=torch.float32),
+                comm.gemm_rs(ra, b, a_scale=sa, b_scale=sb, out_dtype=torch.float32),
+                comm.gemm_ar(ra, b, a_scale=a_blocks, b_scale=b_blocks))
+
+    want = step(a, b, ra)
+    got = torch.compile(step, fullgraph=True)(a, b, ra)
+    comm.synchronize()
+    for i, (g_, w_) in enumerate(zip(got, want)):
+        if g_.dtype != w_.dtype or g_.shape != w_.shape or not torch.equal(g_, w_):
+            raise AssertionError(f"FP8 compiled result {i}: {g_.dtype} {list(g_.shape)} differs from eager's "
+                                 f"{w_.dtype} {list(w_.shape)} (max |diff| "
+                                 f"{(g_.double() - w_.double()).abs().max().item() if g_.shape == w_.shape else '-'})")
+    return "FP8 ag_gemm, gemm_rs, gemm_ar (per-tensor and block scales, bf16 and fp32 out) compiled equal eager bitwise"
 
 
 def section_graph(comm):
