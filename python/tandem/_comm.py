@@ -20,9 +20,12 @@ _DTYPE_NAMES = "torch.bfloat16, torch.float16 or torch.float32"
 # FP8 inputs of the GEMM ops (tandem_dtype_t codes); not in _DTYPES, so the fast paths leave them to the full path.
 _FP8_DTYPES = {torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
 
-# Communicators by id, so torch.library ops (which take ints, not Python objects) can find theirs.
+# Communicators by id, so torch.library ops (which take ints, not Python objects) can find theirs. The id carries the
+# rank and the size (id = count << 16 | world_size << 8 | rank): a compiled graph holds it as a constant, so graphs
+# whose output shapes the fakes took from the rank or the size differ in their code, and torch.compile's on-disk
+# caches (shared by every process of a user) never hand one rank's or one world size's graph to another.
 _registry: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
-_next_id = iter(range(1, 1 << 62))
+_next_id = iter(range(1, 1 << 46))
 
 
 def rows_of(m: int, rank: int, nranks: int) -> tuple[int, int]:
@@ -75,7 +78,7 @@ class Communicator(FastPath):
         self.handle = h.value
         self.rank = lib.tandem_comm_rank(self.handle)
         self.world_size = lib.tandem_comm_nranks(self.handle)
-        self.id = next(_next_id)
+        self.id = next(_next_id) << 16 | self.world_size << 8 | self.rank
         _registry[self.id] = self
         self._closed = False
         # One argument buffer per op kind, packed in place for every call.

@@ -10,7 +10,8 @@ The GEMM ops (the table's FP8 ops) append to both forms `Tensor? a_scale=None, T
 int? out_dtype=None, int? scaling=None`: the FP8 scales, c's dtype as a tandem_dtype_t code and the scaling's code,
 None for the eager call's defaults (gemm_ar(a, b, comm, layout, a_scale, b_scale, out_dtype, scaling)).
 The communicator travels as its integer id (Communicator.id): torch.library schemas take tensors and scalars, not
-Python objects. The fake implementations compute output shapes and dtypes (they run on FakeTensors while tracing), from
+Python objects. The id carries the rank and the world size, so compiled graphs cached on disk (torch.compile shares
+them between a user's processes) never pass from one rank or world size to another with the wrong output shapes. The fake implementations compute output shapes and dtypes (they run on FakeTensors while tracing), from
 the table's extents, the input shapes and, where a shape needs them, the communicator's rank and size; the GEMM ops'
 also check what eager calls check with no data (dtypes, ranks, k, the FP8 scales' presence and shapes), so a bad call
 fails while tracing. Eager calls skip all of this and go straight to the C ABI (Communicator.<op>); these ops are what

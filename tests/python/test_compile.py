@@ -82,6 +82,14 @@ def test_ops_compile_with_inductor(daemon):
     assert run_ranks(_inductor, 1, daemon.socket, timeout_s=400) == [True]
 
 
+def test_compiled_graphs_of_one_function_at_two_world_sizes_each_get_their_own_shapes(daemon):
+    # torch.compile caches compiled graphs on disk for every process of the user; the output shape of allgather comes
+    # from the world size, which the graph must carry (the communicator's id), or the 2-rank run would load the
+    # 1-rank graph and fail its size check.
+    assert run_ranks(_inductor, 1, daemon.socket, timeout_s=400) == [True]
+    assert run_ranks(_inductor, 2, daemon.socket, timeout_s=400) == [True, True]
+
+
 def test_custom_ops_are_registered_with_fake_implementations():
     from torch._subclasses.fake_tensor import FakeTensorMode
     for name in ("ag_gemm", "gemm_rs", "gemm_ar", "moe_dispatch_gemm", "moe_ffn", "ring_attention",
