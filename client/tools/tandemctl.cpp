@@ -9,7 +9,6 @@
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -41,17 +40,6 @@ std::string opList() {
   std::string s;
   for (const tandem::OpSpec& op : tandem::ops()) s += (s.empty() ? "" : ", ") + std::string(op.name);
   return s;
-}
-
-// An option whose value is one of `names` ("bf16 | fp16 | ..."), refused otherwise with the list.
-CLI::Validator oneOf(const std::vector<std::string>& names) {
-  std::string list;
-  for (const std::string& n : names) list += (list.empty() ? "" : " | ") + n;
-  return CLI::Validator(
-      [names, list](std::string& s) -> std::string {
-        return std::find(names.begin(), names.end(), s) != names.end() ? "" : "'" + s + "' is not one of " + list;
-      },
-      list);
 }
 
 // Every dtype `run` takes, as the rest of tandem prints them (dtypeName).
@@ -140,20 +128,20 @@ int main(int argc, char** argv) {
       run->add_option("--dtype", o.dtype,
                       "the op's dtype: bf16, fp16 or fp32; FP8 (fp8-e4m3 or fp8-e5m2) for a and b of ag-gemm, "
                       "gemm-rs and gemm-ar, with fp32 scales (see --scaling) and a bf16 or fp32 c (--out-dtype)")
-          ->check(oneOf(dtypeNames()));
+          ->check(CLI::IsMember(dtypeNames()));
   shapeFlags["scaling"] =
       run->add_option("--scaling", o.scaling,
                       "FP8 GEMM inputs: tensor (one a_scale and one b_scale) or block (a_scale per 1x128 block of "
                       "op(A)'s rows, b_scale per 128x128 block of op(B))")
-          ->check(oneOf({"tensor", "block"}));
+          ->check(CLI::IsMember({"tensor", "block"}));
   shapeFlags["out-dtype"] =
-      run->add_option("--out-dtype", o.outDtype, "FP8 GEMM inputs: c's dtype")->check(oneOf({"bf16", "fp32"}));
+      run->add_option("--out-dtype", o.outDtype, "FP8 GEMM inputs: c's dtype")->check(CLI::IsMember({"bf16", "fp32"}));
   shapeFlags["w-dtype"] =
       run->add_option("--w-dtype", o.wDtype,
                       "moe-dispatch-gemm, moe-dispatch-ffn-combine: the expert weights' dtype, --dtype's (default) or "
                       "fp8-e4m3 (with --dtype bf16: fp32 scales per 128x128 block of each expert's weights, x "
                       "quantised to e4m3 per 1x128 block on the way)")
-          ->check(oneOf({"bf16", "fp16", "fp32", "fp8-e4m3"}));
+          ->check(CLI::IsMember({"bf16", "fp16", "fp32", "fp8-e4m3"}));
   run->add_flag("--check", o.check,
                 "check every local rank's outputs: against the fp64 host reference (each rank regenerates the inputs "
                 "it needs), or for large GEMMs on GPUs an fp32 GPU reference GEMM; exit 1 on a mismatch");

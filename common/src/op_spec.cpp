@@ -661,10 +661,13 @@ std::string opTableJson() {
   return json{{"version", 1}, {"ops", ops}}.dump();
 }
 
+uint64_t slotBytes(const OpSpec& spec, int s, const OpDescriptor& d) {
+  return slotElements(spec, s, d, nullptr) * slotElementSize(spec.slots[static_cast<std::size_t>(s)], d);
+}
+
 uint64_t crossNodeBytes(std::span<const OpDescriptor* const> ranks, std::span<const uint32_t> nodeOf, uint32_t from,
                         uint32_t to) {
   const OpSpec& op = opSpec(ranks[0]->kind);
-  const auto slot = static_cast<std::size_t>(op.crossSlot);
   // fp32 partial sums of the cross slot, as rank d.rank owns them.
   auto floats = [&](const OpDescriptor& d) { return slotElements(op, op.crossSlot, d, nullptr) * sizeof(float); };
   uint64_t bytes = 0;
@@ -681,11 +684,8 @@ uint64_t crossNodeBytes(std::span<const OpDescriptor* const> ranks, std::span<co
         break;
       case CrossNode::kGather:  // `from`'s ranks' shares, with FP8 inputs each share's A scales too
         if (nodeOf[r] == from) {
-          bytes += slotElements(op, op.crossSlot, d, nullptr) * slotElementSize(op.slots[slot], d);
-          if (op.fp8 && isFp8(d.dtype)) {
-            const int s = gemmScaleSlot(d.kind, false);
-            bytes += slotElements(op, s, d, nullptr) * slotElementSize(op.slots[static_cast<std::size_t>(s)], d);
-          }
+          bytes += slotBytes(op, op.crossSlot, d);
+          if (op.fp8 && isFp8(d.dtype)) bytes += slotBytes(op, gemmScaleSlot(d.kind, false), d);
         }
         break;
       case CrossNode::kReduceScatter:  // the partials of the rows `to`'s ranks own

@@ -670,10 +670,7 @@ OpDescriptor makeDescriptor(const OpShape& shape, uint32_t rank, uint32_t nranks
       case DimSplit::kCapacity: v = std::max<uint64_t>(1, uint64_t{nranks} * dimNamed("tokens") * dimNamed("topk")); break;
     }
   }
-  for (int s = 0; s < op.slotCount; ++s) {
-    const SlotSpec& sl = op.slots[static_cast<std::size_t>(s)];
-    d.bufs[static_cast<std::size_t>(s)].bytes = slotElements(op, s, d, nullptr) * slotElementSize(sl, d);
-  }
+  for (int s = 0; s < op.slotCount; ++s) d.bufs[static_cast<std::size_t>(s)].bytes = slotBytes(op, s, d);
   return d;
 }
 

@@ -11,8 +11,9 @@ int? out_dtype=None, int? scaling=None`: the FP8 scales, c's dtype as a tandem_d
 None for the eager call's defaults (gemm_ar(a, b, comm, layout, a_scale, b_scale, out_dtype, scaling)).
 The communicator travels as its integer id (Communicator.id): torch.library schemas take tensors and scalars, not
 Python objects. The id carries the rank and the world size, so compiled graphs cached on disk (torch.compile shares
-them between a user's processes) never pass from one rank or world size to another with the wrong output shapes. The fake implementations compute output shapes and dtypes (they run on FakeTensors while tracing), from
-the table's extents, the input shapes and, where a shape needs them, the communicator's rank and size; the GEMM ops'
+them between a user's processes) never pass from one rank or world size to another with the wrong output shapes.
+The fake implementations compute output shapes and dtypes (they run on FakeTensors while tracing), from the table's
+extents, the input shapes and, where a shape needs them, the communicator's rank and size; the GEMM ops'
 also check what eager calls check with no data (dtypes, ranks, k, the FP8 scales' presence and shapes), so a bad call
 fails while tracing. Eager calls skip all of this and go straight to the C ABI (Communicator.<op>); these ops are what
 Dynamo puts into a graph, so a compiled function holds every tandem call whole (fullgraph=True).

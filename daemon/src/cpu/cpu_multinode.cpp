@@ -66,16 +66,11 @@ uint64_t payloadBytes(const Layout& l, uint32_t from, uint32_t to) {
   return crossNodeBytes(descs, l.nodeOf, from, to);
 }
 
-// The bytes of slot `s` that rank d.rank's op reads (its extent in the op table), whatever its buffer's size.
-uint64_t slotBytes(const OpDescriptor& d, int s) {
-  const OpSpec& op = opSpec(d.kind);
-  return slotElements(op, s, d, nullptr) * slotElementSize(op.slots[static_cast<std::size_t>(s)], d);
-}
-
 // ag-gemm: every node sends its ranks' A shards as stored (in the op's layout) and, with FP8 inputs, their A scales;
 // then each node has every rank's A and computes its own ranks' outputs from the gathered op(A), as cpu_ops.cpp does.
 void agGemm(const Layout& l, CommLink& link, uint64_t epoch) {
   const OpDescriptor& d = l.ranks[0].desc;
+  const OpSpec& op = opSpec(d.kind);
   const uint32_t n = l.nranks();
   const std::size_t m = d.dims[dim::kM], cols = d.dims[dim::kN], k = d.dims[dim::kK], es = dtypeSize(d.dtype);
   std::vector<int> sent{slot::kA};
@@ -85,7 +80,9 @@ void agGemm(const Layout& l, CommLink& link, uint64_t epoch) {
   std::vector<std::vector<std::byte>> received;
   for (uint32_t r = 0; r < n; ++r) {
     if (l.local(r)) continue;
-    for (int s : sent) views[r].data[static_cast<std::size_t>(s)] = received.emplace_back(slotBytes(views[r].desc, s)).data();
+    for (int s : sent) {
+      views[r].data[static_cast<std::size_t>(s)] = received.emplace_back(slotBytes(op, s, views[r].desc)).data();
+    }
   }
   const std::vector<uint32_t> mine = l.ranksOn(l.self);
   link.exchange(
@@ -94,7 +91,7 @@ void agGemm(const Layout& l, CommLink& link, uint64_t epoch) {
         uint64_t off = 0;
         for (uint32_t r : mine) {
           for (int s : sent) {
-            const uint64_t bytes = slotBytes(views[r].desc, s);
+            const uint64_t bytes = slotBytes(op, s, views[r].desc);
             if (bytes != 0) std::memcpy(out.data() + off, views[r].data[static_cast<std::size_t>(s)], bytes);
             off += bytes;
           }
@@ -105,7 +102,7 @@ void agGemm(const Layout& l, CommLink& link, uint64_t epoch) {
         uint64_t off = 0;
         for (uint32_t r : l.ranksOn(node)) {
           for (int s : sent) {
-            const uint64_t bytes = slotBytes(views[r].desc, s);
+            const uint64_t bytes = slotBytes(op, s, views[r].desc);
             if (off + bytes > in.size()) fail(ErrorCode::kProtocol, "ag-gemm: node {} sent a short payload", node);
             if (bytes != 0) std::memcpy(views[r].data[static_cast<std::size_t>(s)], in.data() + off, bytes);
             off += bytes;

@@ -189,6 +189,8 @@ const OpSpec* findOp(std::string_view name);
 bool knownOp(OpKind kind);
 // Elements of slot `s` of `d` (the slot's terms evaluated), with overflow reported through `overflow`.
 uint64_t slotElements(const OpSpec& spec, int s, const OpDescriptor& d, bool* overflow);
+// Bytes of slot `s` of `d`: its elements times their size (no overflow check: for descriptors already validated).
+uint64_t slotBytes(const OpSpec& spec, int s, const OpDescriptor& d);
 // Without the descriptor's flags: kOutDtype counts as the op dtype; slotElementSize is exact.
 std::size_t elementSize(ElementType type, DType dtype);
 // Each field's offset in the op's C argument struct, and its size.
