@@ -4,6 +4,7 @@
 #include "control_session.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/syscall.h>
 
 #include <spdlog/spdlog.h>
@@ -95,9 +96,22 @@ void ControlSession::watchProcess() {
     return;
   }
   processExit_.assign(fd);
+  waitProcessExit();
+}
+
+void ControlSession::waitProcessExit() {
   processExit_.async_wait(asio::posix::stream_descriptor::wait_read,
                           [self = shared_from_this()](boost::system::error_code ec) {
-                            if (ec || self->closed_) return;
+                            if (ec || self->closed_ || self->closing_) return;
+                            // The reactor can report a descriptor ready when it is not (a readiness queued for an
+                            // fd number that was closed and reused in between): the pidfd itself says whether the
+                            // process has exited. Closing a live client's session on a false alarm would fail its
+                            // Hello or its ops.
+                            pollfd p{self->processExit_.native_handle(), POLLIN, 0};
+                            if (::poll(&p, 1, 0) <= 0) {
+                              spdlog::debug("connection {}: pidfd woke, but pid {} is alive", self->id_, self->pid_);
+                              return self->waitProcessExit();
+                            }
                             self->closeLater(fmt::format("process {} exited (its connection was still open, held by "
                                                          "another process)", self->pid_));
                           });

@@ -176,6 +176,7 @@ class ControlSession : public std::enable_shared_from_this<ControlSession> {
   // through fork) never hangs the socket up. Its pidfd becomes readable when it exits, so its ranks are
   // reported lost at once instead of never.
   void watchProcess();
+  void waitProcessExit();
   void waitRead();
 
   // One recvmsg per wakeup, so that every connection gets its turn on the control thread.

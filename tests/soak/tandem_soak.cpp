@@ -60,6 +60,7 @@ constexpr uint32_t kJoiningComms = 4;
 constexpr uint32_t kHelloTimeoutMs = 300;
 constexpr uint32_t kFrameTimeoutMs = 300;
 constexpr uint64_t kReplyBacklogBytes = 2u << 20;  // at least one largest frame (1 MiB) plus header
+constexpr int kLogLinesOnFailure = 80;
 constexpr uint32_t kHostileUids[] = {65534, 65533};  // nobody, and a uid of its own for the second tenant
 
 std::string daemonConfig(bool tenants) {
@@ -1012,6 +1013,16 @@ int main(int argc, char** argv) {
                 base.rssKiB, peak.rssKiB, end.rssKiB, base.fds, peak.fds, end.fds, base.threads, peak.threads,
                 end.threads, exitCode);
     for (const auto& p : problems) std::printf("PROBLEM: %s\n", p.c_str());
+    if (!problems.empty()) {
+      // The daemon's side of a failure (its drops and refusals are logged, rate-limited): the last lines.
+      const std::string log = daemon.log();
+      std::size_t from = log.size();
+      for (int lines = 0; lines < kLogLinesOnFailure && from != std::string::npos && from > 0; ++lines) {
+        from = log.rfind('\n', from - 1);
+      }
+      from = from == std::string::npos ? 0 : from;
+      std::printf("tandemd's log, last lines:\n%s\n", log.substr(from).c_str());
+    }
     std::printf("%s\n", problems.empty() ? "PASS" : "FAIL");
   }
   return problems.empty() ? 0 : 1;
