@@ -404,6 +404,20 @@ struct Attack {
 
 [[noreturn]] void unexpected(const std::string& what) { throw std::runtime_error(what); }
 
+// One reply within 5 s, or a throw that says which: the connection closed, or the time passed.
+pb::Response expectReply(int fd, const std::string& what) {
+  tandem::FrameDecoder decoder(1u << 20);
+  std::string frame;
+  try {
+    frame = tandem::recvFrame(fd, decoder, 5000);
+  } catch (const tandem::Error& e) {
+    unexpected(fmt::format("no reply to {}: {}", what, e.what()));
+  }
+  pb::Response r;
+  if (!r.ParseFromString(frame)) unexpected(fmt::format("the reply to {} is not a Response", what));
+  return r;
+}
+
 // A session spoken to by hand: Hello, then its ring and both wakeup ends.
 struct RawSession {
   tandem::Fd socket;
@@ -429,9 +443,7 @@ struct RawSession {
   pb::Response call(pb::Request& request) {
     request.set_request_id(++nextRid);
     sendAll(socket.get(), frameOf(request));
-    const auto r = readResponse(socket.get(), 5000);
-    if (!r) unexpected(fmt::format("no reply to request {} within 5 s", request.request_id()));
-    return *r;
+    return expectReply(socket.get(), fmt::format("request {}", request.request_id()));
   }
 
   pb::Request joinRequest(uint32_t nranks) {
@@ -492,7 +504,7 @@ std::vector<Attack> attacks(bool ownUid) {
   v.push_back({"a byte at a time", [](const std::string& socket) {
                  tandem::Fd fd = rawConnect(socket);
                  sendAll(fd.get(), helloFrame());
-                 if (!readResponse(fd.get(), 5000)) unexpected("no Hello reply");
+                 expectReply(fd.get(), "Hello");
                  const char header[4] = {static_cast<char>(1000 & 0xff), static_cast<char>(1000 >> 8), 0, 0};
                  sendAll(fd.get(), std::string_view(header, 4));
                  const auto t0 = Clock::now();
@@ -508,7 +520,7 @@ std::vector<Attack> attacks(bool ownUid) {
                  for (int i = 0; i < 8; ++i) {
                    tandem::Fd fd = rawConnect(socket);
                    sendAll(fd.get(), helloFrame());
-                   if (!readResponse(fd.get(), 5000)) unexpected("no Hello reply");
+                   expectReply(fd.get(), "Hello");
                    const uint32_t length = 1u << 20;
                    const char header[4] = {static_cast<char>(length & 0xff), static_cast<char>((length >> 8) & 0xff),
                                            static_cast<char>((length >> 16) & 0xff), static_cast<char>(length >> 24)};
@@ -527,7 +539,7 @@ std::vector<Attack> attacks(bool ownUid) {
   v.push_back({"replies never read", [](const std::string& socket) {
                  tandem::Fd fd = rawConnect(socket);
                  sendAll(fd.get(), helloFrame());
-                 if (!readResponse(fd.get(), 5000)) unexpected("no Hello reply");
+                 expectReply(fd.get(), "Hello");
                  std::string burst;
                  for (uint64_t i = 0; i < 40000; ++i) burst += queryStatusFrame(i + 2);
                  std::string_view rest(burst);
@@ -547,14 +559,13 @@ std::vector<Attack> attacks(bool ownUid) {
   v.push_back({"fds flooded with requests", [](const std::string& socket) {
                  tandem::Fd fd = rawConnect(socket);
                  sendAll(fd.get(), helloFrame());
-                 if (!readResponse(fd.get(), 5000)) unexpected("no Hello reply");
+                 expectReply(fd.get(), "Hello");
                  tandem::Fd efd(::eventfd(0, EFD_CLOEXEC));
                  const std::vector<int> eight(8, efd.get());
                  for (uint64_t i = 0; i < 50; ++i) {
                    if (!sendWithFds(fd.get(), queryStatusFrame(i + 2), eight)) unexpected("hung up on fds flood");
-                   const auto r = readResponse(fd.get(), 5000);
-                   if (!r) unexpected("no reply to a request carrying 8 fds");
-                   if (r->status().code() != pb::STATUS_CODE_INVALID_ARGUMENT) {
+                   const pb::Response r = expectReply(fd.get(), "a request carrying 8 fds");
+                   if (r.status().code() != pb::STATUS_CODE_INVALID_ARGUMENT) {
                      unexpected("a QueryStatus carrying 8 fds was not refused");
                    }
                  }
