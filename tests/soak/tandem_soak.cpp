@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <fmt/ranges.h>
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -61,7 +62,10 @@ constexpr uint32_t kHelloTimeoutMs = 300;
 constexpr uint32_t kFrameTimeoutMs = 300;
 constexpr uint64_t kReplyBacklogBytes = 2u << 20;  // at least one largest frame (1 MiB) plus header
 constexpr int kLogLinesOnFailure = 80;
-constexpr uint32_t kHostileUids[] = {65534, 65533};  // nobody, and a uid of its own for the second tenant
+// A uid of its own for each hostile client (the first is nobody): an attack that fills its uid's session slots, or
+// expects its uid to hold no communicator, must not meet another hostile client of the same uid.
+constexpr uint32_t kHostileUids[] = {65534, 65533, 65532, 65531, 65530, 65529, 65528, 65527};
+constexpr int kMaxHostile = static_cast<int>(std::size(kHostileUids));
 
 std::string daemonConfig(bool tenants) {
   std::string yaml = fmt::format(
@@ -73,7 +77,7 @@ std::string daemonConfig(bool tenants) {
       kHelloTimeoutMs, kFrameTimeoutMs, tenants ? kSessionsPerUid : 1000, kFdsPerSession, kPendingCompletions,
       kJoiningComms, kReplyBacklogBytes);
   if (tenants) {
-    yaml += fmt::format("access:\n  socket_mode: 0666\n  allowed_uids: [{}, {}]\n", kHostileUids[0], kHostileUids[1]);
+    yaml += fmt::format("access:\n  socket_mode: 0666\n  allowed_uids: [{}]\n", fmt::join(kHostileUids, ", "));
   }
   return yaml;
 }
@@ -418,6 +422,12 @@ pb::Response expectReply(int fd, const std::string& what) {
   return r;
 }
 
+// A raw connection's Hello answered and accepted.
+void expectHello(int fd) {
+  const pb::Response r = expectReply(fd, "Hello");
+  if (r.status().code() != pb::STATUS_CODE_OK) unexpected("Hello refused: " + r.status().message());
+}
+
 // A session spoken to by hand: Hello, then its ring and both wakeup ends.
 struct RawSession {
   tandem::Fd socket;
@@ -504,7 +514,7 @@ std::vector<Attack> attacks(bool ownUid) {
   v.push_back({"a byte at a time", [](const std::string& socket) {
                  tandem::Fd fd = rawConnect(socket);
                  sendAll(fd.get(), helloFrame());
-                 expectReply(fd.get(), "Hello");
+                 expectHello(fd.get());
                  const char header[4] = {static_cast<char>(1000 & 0xff), static_cast<char>(1000 >> 8), 0, 0};
                  sendAll(fd.get(), std::string_view(header, 4));
                  const auto t0 = Clock::now();
@@ -520,7 +530,7 @@ std::vector<Attack> attacks(bool ownUid) {
                  for (int i = 0; i < 8; ++i) {
                    tandem::Fd fd = rawConnect(socket);
                    sendAll(fd.get(), helloFrame());
-                   expectReply(fd.get(), "Hello");
+                   expectHello(fd.get());
                    const uint32_t length = 1u << 20;
                    const char header[4] = {static_cast<char>(length & 0xff), static_cast<char>((length >> 8) & 0xff),
                                            static_cast<char>((length >> 16) & 0xff), static_cast<char>(length >> 24)};
@@ -539,7 +549,7 @@ std::vector<Attack> attacks(bool ownUid) {
   v.push_back({"replies never read", [](const std::string& socket) {
                  tandem::Fd fd = rawConnect(socket);
                  sendAll(fd.get(), helloFrame());
-                 expectReply(fd.get(), "Hello");
+                 expectHello(fd.get());
                  std::string burst;
                  for (uint64_t i = 0; i < 40000; ++i) burst += queryStatusFrame(i + 2);
                  std::string_view rest(burst);
@@ -559,7 +569,7 @@ std::vector<Attack> attacks(bool ownUid) {
   v.push_back({"fds flooded with requests", [](const std::string& socket) {
                  tandem::Fd fd = rawConnect(socket);
                  sendAll(fd.get(), helloFrame());
-                 expectReply(fd.get(), "Hello");
+                 expectHello(fd.get());
                  tandem::Fd efd(::eventfd(0, EFD_CLOEXEC));
                  const std::vector<int> eight(8, efd.get());
                  for (uint64_t i = 0; i < 50; ++i) {
@@ -753,7 +763,7 @@ std::vector<Attack> attacks(bool ownUid) {
 void hostileClient(const std::string& socket, int index, Clock::time_point deadline, int resultsFd) {
   bool ownUid = false;
   if (::geteuid() == 0) {
-    const uint32_t uid = kHostileUids[index % 2];
+    const uint32_t uid = kHostileUids[index];
     if (::setgid(uid) != 0 || ::setuid(uid) != 0) throw std::runtime_error("setuid to a tenant's uid failed");
     ownUid = true;
   }
@@ -841,7 +851,7 @@ int main(int argc, char** argv) {
       CLI::Range(1.0, 3600.0));
   app.add_flag("--json", asJson, "print the results as one JSON object on stdout");
   app.add_option("--honest", honestCount, "honest clients (2 sessions each)")->check(CLI::Range(1, 16));
-  app.add_option("--hostile", hostileCount, "hostile clients")->check(CLI::Range(0, 8));
+  app.add_option("--hostile", hostileCount, "hostile clients (each its own uid when run as root)")->check(CLI::Range(0, kMaxHostile));
   CLI11_PARSE(app, argc, argv);
 
   const bool tenants = ::geteuid() == 0;
