@@ -248,24 +248,23 @@ void encodeWorkRequest(const WorkRequestPlan& plan, uint64_t wrId, bool signaled
   wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
   wr.wr.rdma.remote_addr = plan.remoteAddr;
   wr.wr.rdma.rkey = plan.rkey;
+  const auto oneSge = [&](uint64_t addr, uint32_t length, uint32_t lkey) {
+    sge.addr = addr;
+    sge.length = length;
+    sge.lkey = lkey;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+  };
   switch (plan.kind) {
     case WrKind::kWrite:
       wr.opcode = IBV_WR_RDMA_WRITE;
-      sge.addr = plan.localAddr;
-      sge.length = plan.length;
-      sge.lkey = plan.lkey;
-      wr.sg_list = &sge;
-      wr.num_sge = 1;
+      oneSge(plan.localAddr, plan.length, plan.lkey);
       break;
     case WrKind::kFlag:
       // Inline: the HCA copies the 8 bytes at post time, so the value needs no registered, long-lived source.
-      // The caller's plan (and so inlineValue) stays alive until ibv_post_send returns.
+      // The caller's plan (and so inlineValue) stays alive until ibv_post_send returns. The lkey is ignored.
       wr.opcode = IBV_WR_RDMA_WRITE;
-      sge.addr = reinterpret_cast<uintptr_t>(&plan.inlineValue);
-      sge.length = sizeof(plan.inlineValue);
-      sge.lkey = 0;  // ignored for inline data
-      wr.sg_list = &sge;
-      wr.num_sge = 1;
+      oneSge(reinterpret_cast<uintptr_t>(&plan.inlineValue), sizeof(plan.inlineValue), 0);
       wr.send_flags |= IBV_SEND_INLINE;
       break;
     case WrKind::kMarker:
@@ -276,19 +275,11 @@ void encodeWorkRequest(const WorkRequestPlan& plan, uint64_t wrId, bool signaled
       break;
     case WrKind::kSend:
       wr.opcode = IBV_WR_SEND;
-      sge.addr = plan.localAddr;
-      sge.length = plan.length;
-      sge.lkey = plan.lkey;
-      wr.sg_list = &sge;
-      wr.num_sge = 1;
+      oneSge(plan.localAddr, plan.length, plan.lkey);
       break;
     case WrKind::kFlushRead:
       wr.opcode = IBV_WR_RDMA_READ;
-      sge.addr = plan.localAddr;
-      sge.length = plan.length;
-      sge.lkey = plan.lkey;
-      wr.sg_list = &sge;
-      wr.num_sge = 1;
+      oneSge(plan.localAddr, plan.length, plan.lkey);
       wr.send_flags |= IBV_SEND_SIGNALED;  // the flush is only useful if we see it complete
       break;
   }
