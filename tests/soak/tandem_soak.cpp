@@ -410,16 +410,11 @@ struct Attack {
 
 // One reply within 5 s, or a throw that says which: the connection closed, or the time passed.
 pb::Response expectReply(int fd, const std::string& what) {
-  tandem::FrameDecoder decoder(1u << 20);
-  std::string frame;
   try {
-    frame = tandem::recvFrame(fd, decoder, 5000);
+    return recvResponse(fd, 5000);
   } catch (const tandem::Error& e) {
     unexpected(fmt::format("no reply to {}: {}", what, e.what()));
   }
-  pb::Response r;
-  if (!r.ParseFromString(frame)) unexpected(fmt::format("the reply to {} is not a Response", what));
-  return r;
 }
 
 // A raw connection's Hello answered and accepted.
@@ -851,7 +846,8 @@ int main(int argc, char** argv) {
       CLI::Range(1.0, 3600.0));
   app.add_flag("--json", asJson, "print the results as one JSON object on stdout");
   app.add_option("--honest", honestCount, "honest clients (2 sessions each)")->check(CLI::Range(1, 16));
-  app.add_option("--hostile", hostileCount, "hostile clients (each its own uid when run as root)")->check(CLI::Range(0, kMaxHostile));
+  app.add_option("--hostile", hostileCount, "hostile clients (each its own uid when run as root)")
+      ->check(CLI::Range(0, kMaxHostile));
   CLI11_PARSE(app, argc, argv);
 
   const bool tenants = ::geteuid() == 0;
@@ -1038,10 +1034,10 @@ int main(int argc, char** argv) {
       // The daemon's side of a failure (its drops and refusals are logged, rate-limited): the last lines.
       const std::string log = daemon.log();
       std::size_t from = log.size();
-      for (int lines = 0; lines < kLogLinesOnFailure && from != std::string::npos && from > 0; ++lines) {
-        from = log.rfind('\n', from - 1);
+      for (int lines = 0; lines < kLogLinesOnFailure && from > 0; ++lines) {
+        const std::size_t newline = log.rfind('\n', from - 1);
+        from = newline == std::string::npos ? 0 : newline;
       }
-      from = from == std::string::npos ? 0 : from;
       std::printf("tandemd's log, last lines:\n%s\n", log.substr(from).c_str());
     }
     std::printf("%s\n", problems.empty() ? "PASS" : "FAIL");

@@ -146,14 +146,20 @@ inline bool sendWithFds(int socket, const std::string& frame, const std::vector<
   return ::sendmsg(socket, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(frame.size());
 }
 
-// Reads one response frame within timeoutMs (fds that come with it are closed). nullopt: EOF or timeout.
-inline std::optional<v1::Response> readResponse(int fd, int timeoutMs) {
+// Reads one response frame within timeoutMs (fds that come with it are closed). Throws ::tandem::Error saying why
+// there is none: the connection closed, the time passed, or the frame is not a Response.
+inline v1::Response recvResponse(int fd, int timeoutMs) {
   ::tandem::FrameDecoder decoder(1u << 20);
+  const std::string frame = ::tandem::recvFrame(fd, decoder, timeoutMs);
+  v1::Response response;
+  if (!response.ParseFromString(frame)) ::tandem::fail(::tandem::ErrorCode::kProtocol, "the reply is not a Response");
+  return response;
+}
+
+// recvResponse, with nullopt for no response.
+inline std::optional<v1::Response> readResponse(int fd, int timeoutMs) {
   try {
-    const std::string frame = ::tandem::recvFrame(fd, decoder, timeoutMs);
-    v1::Response response;
-    if (!response.ParseFromString(frame)) return std::nullopt;
-    return response;
+    return recvResponse(fd, timeoutMs);
   } catch (const ::tandem::Error&) {
     return std::nullopt;
   }
