@@ -123,14 +123,22 @@ struct TwoNodes {
   std::string logs() const { return previousLogs + clusterLogs(daemons); }
 };
 
-ref::OpShape shapeOf(OpKind kind, DType dtype, uint64_t m, uint64_t n, uint64_t k) {
+ref::OpShape shapeOf(OpKind kind, DType dtype, uint64_t m, uint64_t n, uint64_t k,
+                     tandem::GemmOperands layout = tandem::GemmOperands::kNT) {
   ref::OpShape s;
   s.kind = kind;
   s.dtype = dtype;
   s.m = m;
   s.n = n;
   s.k = k;  // gemm-rs/ar: the total K, split over the ranks with rowsOf
+  s.layout = layout;
   return s;
+}
+
+// The plan lines' suffix for a layout (cuda/multinode_common.hpp's layoutSuffix).
+std::string layoutSuffix(tandem::GemmOperands layout) {
+  return layout == tandem::GemmOperands::kNT ? std::string()
+                                             : fmt::format(" layout {}", tandem::gemmLayoutName(layout));
 }
 ref::OpShape allgatherOf(uint64_t bytes) {
   ref::OpShape s;
@@ -141,7 +149,8 @@ ref::OpShape allgatherOf(uint64_t bytes) {
 
 std::string describe(const ref::OpShape& s) {
   if (s.kind == OpKind::kAllGather) return fmt::format("allgather {} bytes", s.bytes);
-  return fmt::format("{} {} m={} n={} k={}", tandem::opKindName(s.kind), tandem::dtypeName(s.dtype), s.m, s.n, s.k);
+  return fmt::format("{} {} m={} n={} k={}{}", tandem::opKindName(s.kind), tandem::dtypeName(s.dtype), s.m, s.n, s.k,
+                     layoutSuffix(s.layout));
 }
 
 // Odd shapes on purpose: the host-staged path has none of the kernels' tile, alignment or dtype rules. Includes a rank
@@ -212,25 +221,29 @@ struct OpRun {
   std::string submit(tandem_comm_t comm, cudaStream_t stream) {
     const OpDescriptor& d = descs[rank];
     const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
+    const auto layout = static_cast<tandem_gemm_layout_t>(tandem::gemmOperandsOf(d.flags));
     tandem_status_t st = TANDEM_SUCCESS;
     switch (d.kind) {
       case OpKind::kAgGemm: {
-        const auto args = agGemmArgs(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], tensor(slot::kA),
+        auto args = agGemmArgs(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], tensor(slot::kA),
                                      tensor(slot::kB), tensor(slot::kC), tensor(slot::kAGathered), stream);
+        args.layout = layout;
         st = tandem_ag_gemm(comm, &args, &op);
         break;
       }
       case OpKind::kGemmRs: {
-        const auto args = gemmArgs<tandem_gemm_rs_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
+        auto args = gemmArgs<tandem_gemm_rs_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
                                                            tensor(slot::kA), tensor(slot::kB), tensor(slot::kC),
                                                            stream);
+        args.layout = layout;
         st = tandem_gemm_rs(comm, &args, &op);
         break;
       }
       case OpKind::kGemmAr: {
-        const auto args = gemmArgs<tandem_gemm_ar_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
+        auto args = gemmArgs<tandem_gemm_ar_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
                                                            tensor(slot::kA), tensor(slot::kB), tensor(slot::kC),
                                                            stream);
+        args.layout = layout;
         st = tandem_gemm_ar(comm, &args, &op);
         break;
       }
@@ -352,7 +365,10 @@ std::string rankBody(const std::string& socket, const tandem_unique_id_t& id, ui
 
 // The GPU path's cases: shapes off the 128-row tile, M split unevenly; k slices multiples of 8 (the GEMM core's rule;
 // the balanced split of K can be uneven only by one, so an uneven K split always takes the host fallback); gemm-rs with
-// n not a multiple of 8 (its partials are padded; ag-gemm writes C directly and needs n % 8 == 0).
+// n not a multiple of 8 (its partials are padded; ag-gemm writes C directly and needs n % 8 == 0). Then the backward's
+// layouts (gpu_exchange_plan.hpp's gemmCoreRefusal has their rules): NN (dgrad) and TN (wgrad) of each op, TN with a k
+// that is no multiple of 8 (the stored rows' count) and ag-gemm's TN shards [k, rows] of 8-row multiples; gemm-rs TN at
+// m = 1000 pushes in passes starting at rows 328 and 664, columns of its stored A.
 std::vector<ref::OpShape> gpuCases(uint32_t nranks) {
   const uint64_t k = nranks == 2 ? 1040 : 1056;  // k slices of 520 or 264
   std::vector<ref::OpShape> out;
@@ -361,6 +377,13 @@ std::vector<ref::OpShape> gpuCases(uint32_t nranks) {
     out.push_back(shapeOf(OpKind::kGemmRs, dt, 1001, 1004, k));
     out.push_back(shapeOf(OpKind::kGemmAr, dt, 1000, 1000, k));
   }
+  const auto NN = tandem::GemmOperands::kNN, TN = tandem::GemmOperands::kTN;
+  out.push_back(shapeOf(OpKind::kAgGemm, DType::kBF16, 1001, 1016, 1040, NN));
+  out.push_back(shapeOf(OpKind::kAgGemm, DType::kF16, 1024, 1008, 1003, TN));
+  out.push_back(shapeOf(OpKind::kGemmRs, DType::kF16, 1001, 1000, k, NN));
+  out.push_back(shapeOf(OpKind::kGemmRs, DType::kBF16, 1000, 1016, k + 3, TN));
+  out.push_back(shapeOf(OpKind::kGemmAr, DType::kBF16, 999, 1008, k, NN));
+  out.push_back(shapeOf(OpKind::kGemmAr, DType::kF16, 992, 1000, k + 5, TN));
   return out;
 }
 
@@ -418,8 +441,9 @@ const std::string kStagedOffPlan = "staged exchange + GPU GEMM; not GPU-issued: 
 // ranks that names `plan`.
 bool logShowsPlan(const std::string& log, const ref::OpShape& shape, uint32_t nranks, const std::string& plan) {
   const uint64_t k = shape.kind == OpKind::kAgGemm ? shape.k : tandem::rowsOf(shape.k, 0, nranks);
-  const std::string what = fmt::format("{} {} m={} n={} k={} on {} ranks", tandem::opKindName(shape.kind),
-                                       tandem::dtypeName(shape.dtype), shape.m, shape.n, k, nranks);
+  const std::string what = fmt::format("{} {} m={} n={} k={}{} on {} ranks", tandem::opKindName(shape.kind),
+                                       tandem::dtypeName(shape.dtype), shape.m, shape.n, k,
+                                       layoutSuffix(shape.layout), nranks);
   std::istringstream in(log);
   for (std::string line; std::getline(in, line);) {
     if (line.find(what) != std::string::npos && line.find("plan " + plan) != std::string::npos) return true;

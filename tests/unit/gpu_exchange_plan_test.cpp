@@ -27,13 +27,15 @@ ExchangeOp opOf(const ref::OpShape& shape, std::vector<uint32_t> nodeOf) {
   return op;
 }
 
-ref::OpShape gemm(OpKind kind, DType dtype, uint64_t m, uint64_t n, uint64_t k) {
+ref::OpShape gemm(OpKind kind, DType dtype, uint64_t m, uint64_t n, uint64_t k,
+                  GemmOperands layout = GemmOperands::kNT) {
   ref::OpShape s;
   s.kind = kind;
   s.dtype = dtype;
   s.m = m;
   s.n = n;
   s.k = k;
+  s.layout = layout;
   return s;
 }
 
@@ -109,6 +111,22 @@ TEST_SUITE("gpu exchange plan") {
     // gemm-rs n = 19 is fine (padded partials); ag-gemm with a rank without rows too.
     CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kGemmRs, DType::kBF16, 37, 19, 48), {0, 1}), tcp()) == "");
     CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kAgGemm, DType::kBF16, 1, 8, 8), {0, 1}), tcp()) == "");
+    // The layouts: NN and TN read b as [k, n] (n % 8), TN's a as [k, rows] (gemm-rs/ar: m % 8; ag-gemm: every
+    // rank's shard rows % 8), while TN's k may be anything (it is the stored rows' count).
+    const auto NN = GemmOperands::kNN, TN = GemmOperands::kTN;
+    CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kGemmRs, DType::kBF16, 1001, 1000, 1056, NN), two), tcp()) == "");
+    CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kGemmRs, DType::kBF16, 1001, 1004, 1056, NN), two), tcp())
+              .find("n = 1004 is not a multiple of 8 (the GEMM core's 16-byte rows of b [k, n] in nn)") !=
+          std::string::npos);
+    CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kGemmAr, DType::kF16, 1000, 1000, 1042, TN), two), tcp()) == "");
+    CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kGemmAr, DType::kF16, 1001, 1000, 1040, TN), two), tcp())
+              .find("m = 1001") != std::string::npos);
+    CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kAgGemm, DType::kBF16, 1024, 1000, 1000, TN), two), tcp()) == "");
+    // 1000 rows over 4 ranks: 250 each, no multiple of 8.
+    CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kAgGemm, DType::kBF16, 1000, 1000, 1000, TN), two), tcp())
+              .find("rank 0's 250 rows") != std::string::npos);
+    CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kAgGemm, DType::kBF16, 1001, 1000, 1044, NN), two), tcp())
+              .find("k = 1044") != std::string::npos);
     // Too big for the slots: the host path (whose staging check then names the fix).
     CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kGemmAr, DType::kBF16, 1024, 1024, 64), {0, 1}), tcp(1u << 20))
               .find("staging_bytes") != std::string::npos);
@@ -155,7 +173,7 @@ TEST_SUITE("gpu exchange plan") {
     CHECK(passRowStarts(100) == std::vector<uint64_t>{0});
     CHECK(passRowStarts(511) == std::vector<uint64_t>{0});
     CHECK(passRowStarts(512) == std::vector<uint64_t>{0, 256});
-    CHECK(passRowStarts(1000) == std::vector<uint64_t>{0, 333, 666});
+    CHECK(passRowStarts(1000) == std::vector<uint64_t>{0, 328, 664});  // multiples of 8 (a TN partial's A block)
     CHECK(passRowStarts(4096) == std::vector<uint64_t>{0, 1024, 2048, 3072});
     CHECK(passRowStarts(100000).size() == kMaxExchangePasses);
     // Only gemm-rs/ar are cut, at the node sum's rows (fp32, n columns) in the send area.

@@ -174,14 +174,8 @@ void HostStaging::run(Collective& c) {
     const ExchangeOp xop = exchangeOpOf(c);
     // The exchange's path, alike on every node (gpu_exchange_plan.hpp); then the compute's, which may differ.
     const std::string off = c.link->cluster().gpuExchangeOff();
-    // The GPU paths across nodes multiply NT operands only; the host reference runs every layout.
-    const GemmOperands layout = gemmOperandsOf(c.ops[0].desc.flags);
-    const std::string layoutWhy = layout == GemmOperands::kNT ? std::string() :
-        fmt::format("the {} layout: the GPU paths across nodes take NT operands only", gemmLayoutName(layout));
-    const std::string notGpu = !layoutWhy.empty() ? layoutWhy
-                               : off.empty()      ? gpuExchangeRefusal(xop, c.link->cluster().config().cluster)
-                                                  : off;
-    const std::string why = !layoutWhy.empty() ? layoutWhy : notGpu.empty() ? std::string() : fallbackReason(c);
+    const std::string notGpu = off.empty() ? gpuExchangeRefusal(xop, c.link->cluster().config().cluster) : off;
+    const std::string why = notGpu.empty() ? std::string() : fallbackReason(c);
     const OpPaths* paths = pathsOf(kind);  // set wherever why is empty: fallbackReason refuses the other ops
     if (notGpu.empty()) {
       try {
@@ -245,22 +239,12 @@ std::string HostStaging::fallbackReason(const Collective& c) const {
   const OpPaths* paths = pathsOf(d.kind);
   if (paths == nullptr) return "no GPU path for this op";
   if (!paths->gemm) return "";
-  if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
-    return fmt::format("{}: the GEMM core takes bf16 and fp16", dtypeName(d.dtype));
-  }
-  constexpr uint64_t kMaxDim = std::numeric_limits<int32_t>::max();
-  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN];
-  if (m > kMaxDim || n > kMaxDim) return "a dimension past 2^31 - 1";
-  const bool ag = d.kind == OpKind::kAgGemm;
-  if (ag && n % 8 != 0) return fmt::format("n = {} is not a multiple of 8 (the GEMM core's 16-byte rows of C)", n);
-  for (uint32_t r : localRanksOf(c)) {
+  std::vector<OpDescriptor> descs;
+  for (const PendingOp& op : c.ops) descs.push_back(op.desc);
+  const std::vector<uint32_t> mine = localRanksOf(c);
+  if (std::string why = gemmCoreRefusal(descs, mine); !why.empty()) return why;
+  for (uint32_t r : mine) {
     const PendingOp& op = c.ops[r];
-    const uint64_t kk = op.desc.dims[dim::kK];
-    if (kk > kMaxDim) return "a dimension past 2^31 - 1";
-    if (kk % 8 != 0) {
-      return fmt::format("{} = {} on rank {} is not a multiple of 8 (the GEMM core's 16-byte rows)", ag ? "k" : "k slice",
-                         kk, r);
-    }
     static constexpr const char* kNames[] = {"a", "b", "c", "a_gathered"};
     for (int s : {slot::kA, slot::kB, slot::kC, slot::kAGathered}) {
       const std::byte* p = slotPtr(op, s);
@@ -314,8 +298,8 @@ void HostStaging::logPlanOnce(const Collective& c, const std::string& plan) {
           ? fmt::format("{} {} bytes", opKindName(d.kind), d.dims[dim::kBytes])
           : d.kind == OpKind::kNop
                 ? std::string(opKindName(d.kind))
-                : fmt::format("{} {} m={} n={} k={}", opKindName(d.kind), dtypeName(d.dtype), d.dims[dim::kM],
-                              d.dims[dim::kN], d.dims[dim::kK]);
+                : fmt::format("{} {} m={} n={} k={}{}", opKindName(d.kind), dtypeName(d.dtype), d.dims[dim::kM],
+                              d.dims[dim::kN], d.dims[dim::kK], layoutSuffix(gemmOperandsOf(d.flags)));
   if (!logged_.insert(shape + "|" + plan).second) return;
   spdlog::info("communicator {:#x}: {} on {} ranks across {} nodes ({} here): plan {}", handle_, shape, c.ops.size(),
                c.link->nodes().size(), localRanksOf(c).size(), plan);

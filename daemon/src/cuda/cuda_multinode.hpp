@@ -160,6 +160,7 @@ class HostStaging {
     uint32_t n = 0;  // ranks
     uint64_t m = 0, cols = 0, kk = 0, es = 0, rowBytes = 0;
     DType dtype = DType::kBF16;
+    GemmOperands layout = GemmOperands::kNT;  // TN: each shard is [k, rows], a block of rows x k elements all the same
     std::vector<uint32_t> mine;              // the local ranks; mine.front() is the lead
     std::vector<std::byte*> gathered;        // by rank: its gathered A (its tensor, or its workspace)
     std::vector<std::byte*> home;            // by rank: a misaligned gathered A's tensor (built in the workspace)
@@ -174,6 +175,7 @@ class HostStaging {
   struct ReduceTensors {
     uint64_t m = 0, cols = 0, es = 0, ldp = 0;  // ldp: the partials' row stride
     DType dtype = DType::kBF16;
+    GemmOperands layout = GemmOperands::kNT;
     kernels::SpanElem elem = kernels::SpanElem::kF32;
     const char* name = "";  // the op's name, for messages
     std::vector<uint32_t> mine;

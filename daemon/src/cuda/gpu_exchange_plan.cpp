@@ -121,7 +121,7 @@ std::vector<ExchangeWrite> exchangeWrites(const ExchangeOp& op, const GpuRegionL
 std::vector<uint64_t> passRowStarts(uint64_t m) {
   const uint64_t passes = std::clamp<uint64_t>(m / kExchangePassRows, 1, kMaxExchangePasses);
   std::vector<uint64_t> starts;
-  for (uint64_t q = 0; q < passes; ++q) starts.push_back(q * m / passes);
+  for (uint64_t q = 0; q < passes; ++q) starts.push_back(q * m / passes / 8 * 8);
   return starts;
 }
 
@@ -151,6 +151,40 @@ std::vector<std::vector<ExchangeWrite>> splitIntoPasses(const std::vector<Exchan
   return out;
 }
 
+std::string gemmCoreRefusal(const std::vector<OpDescriptor>& descs, const std::vector<uint32_t>& ranks) {
+  const OpDescriptor& d = descs.at(0);
+  if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
+    return fmt::format("{}: the GEMM core takes bf16 and fp16", dtypeName(d.dtype));
+  }
+  constexpr uint64_t kMaxDim = std::numeric_limits<int32_t>::max();
+  const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN];
+  if (m > kMaxDim || n > kMaxDim) return "a dimension past 2^31 - 1";
+  const bool ag = d.kind == OpKind::kAgGemm;
+  const GemmOperands layout = gemmOperandsOf(d.flags);
+  const std::string_view name = gemmLayoutName(layout);
+  if (ag && n % 8 != 0) return fmt::format("n = {} is not a multiple of 8 (the GEMM core's 16-byte rows of C)", n);
+  if (layout != GemmOperands::kNT && n % 8 != 0) {
+    return fmt::format("n = {} is not a multiple of 8 (the GEMM core's 16-byte rows of b [k, n] in {})", n, name);
+  }
+  if (layout == GemmOperands::kTN && !ag && m % 8 != 0) {
+    return fmt::format("m = {} is not a multiple of 8 (the GEMM core's 16-byte rows of a [k, m] in tn)", m);
+  }
+  const auto nranks = static_cast<uint32_t>(descs.size());
+  for (uint32_t r : ranks) {
+    const uint64_t kk = descs.at(r).dims[dim::kK];
+    if (kk > kMaxDim) return "a dimension past 2^31 - 1";
+    if (layout != GemmOperands::kTN && kk % 8 != 0) {
+      return fmt::format("{} = {} on rank {} is not a multiple of 8 (the GEMM core's 16-byte rows)", ag ? "k" : "k slice",
+                         kk, r);
+    }
+    if (layout == GemmOperands::kTN && ag && rowsOf(m, r, nranks) % 8 != 0) {
+      return fmt::format("rank {}'s {} rows are not a multiple of 8 (the GEMM core's 16-byte rows of its shard [k, "
+                         "rows] in tn)", r, rowsOf(m, r, nranks));
+    }
+  }
+  return "";
+}
+
 std::string gpuExchangeRefusal(const ExchangeOp& op, const ClusterSection& cluster) {
   if (cluster.gpuExchange == GpuExchange::kOff) return "cluster.gpu_exchange is off";
   if (op.descs.empty() || op.descs.size() != op.nodeOfRank.size()) return "no descriptors";
@@ -164,23 +198,9 @@ std::string gpuExchangeRefusal(const ExchangeOp& op, const ClusterSection& clust
     return fmt::format("node index past {}", GpuRegionLayout::kMaxNodeIndex);
   }
   if (d.kind != OpKind::kAllGather) {
-    // The GEMM core's rules, checked on every rank's dims (each node computes its own ranks on its GPUs).
-    if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
-      return fmt::format("{}: the GEMM core takes bf16 and fp16", dtypeName(d.dtype));
-    }
-    constexpr uint64_t kMaxDim = std::numeric_limits<int32_t>::max();
-    if (d.dims[dim::kM] > kMaxDim || d.dims[dim::kN] > kMaxDim) return "a dimension past 2^31 - 1";
-    if (ag && d.dims[dim::kN] % 8 != 0) {
-      return fmt::format("n = {} is not a multiple of 8 (the GEMM core's 16-byte rows of C)", d.dims[dim::kN]);
-    }
-    for (uint32_t r = 0; r < op.descs.size(); ++r) {
-      const uint64_t kk = op.descs[r].dims[dim::kK];
-      if (kk > kMaxDim) return "a dimension past 2^31 - 1";
-      if (kk % 8 != 0) {
-        return fmt::format("{} = {} on rank {} is not a multiple of 8 (the GEMM core's 16-byte rows)",
-                           ag ? "k" : "k slice", kk, r);
-      }
-    }
+    std::vector<uint32_t> all(op.descs.size());
+    for (uint32_t r = 0; r < all.size(); ++r) all[r] = r;
+    if (std::string why = gemmCoreRefusal(op.descs, all); !why.empty()) return why;
   }
   const GpuRegionLayout layout = GpuRegionLayout::make(op.nodes, op.nodes[0], cluster.stagingBytes);
   for (uint32_t from : op.nodes) {

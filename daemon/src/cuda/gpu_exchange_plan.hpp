@@ -80,6 +80,14 @@ inline constexpr uint32_t kMaxExchangeWrites = 512;
 /// Why op `op` cannot take the GPU exchange under `cluster`; empty when it takes it. The same on every node.
 std::string gpuExchangeRefusal(const ExchangeOp& op, const ClusterSection& cluster);
 
+/// Why the GEMM core cannot compute fused GEMM op `descs` (every rank's descriptor) for the ranks in `ranks` on the
+/// GPUs across nodes; empty when it can. The core's rules on what every node knows alike (dtype, dims, each rank's k
+/// and rows): 16-bit operands; each stored row a multiple of 8 elements (16-byte TMA strides), which is k for NT's A and
+/// B and NN's A, n for NN's and TN's B (and ag-gemm's C), and the rows of TN's A: m for gemm-rs/ar, each rank's shard
+/// for ag-gemm (whose gathered blocks then start 16-byte aligned). gpuExchangeRefusal asks it for every rank; a node's
+/// fallback for its own ranks (which adds the local alignment of its tensors).
+std::string gemmCoreRefusal(const std::vector<OpDescriptor>& descs, const std::vector<uint32_t>& ranks);
+
 /// Bytes node `from` sends node `to` in op `op` (either path: the same payload as CommLink's).
 uint64_t exchangePayloadBytes(const ExchangeOp& op, uint32_t from, uint32_t to);
 /// Bytes of this node's send area the op fills (ag-gemm, allgather: its shards; gemm-rs/ar: the m x n fp32 sum).
@@ -94,7 +102,8 @@ std::vector<ExchangeWrite> exchangeWrites(const ExchangeOp& op, const GpuRegionL
 /// (span_exchange.hpp's kSpanMaxPasses): each block's rows go to the peers while the next block computes.
 inline constexpr uint64_t kExchangePassRows = 256;
 inline constexpr uint32_t kMaxExchangePasses = 4;
-/// The first row of each pass of an op of m rows, ascending from 0 (one pass below 2 x kExchangePassRows rows).
+/// The first row of each pass of an op of m rows, ascending from 0 (one pass below 2 x kExchangePassRows rows), each a
+/// multiple of 8: a TN partial's A block then starts 16-byte aligned (its rows are columns of the stored [k, m]).
 std::vector<uint64_t> passRowStarts(uint64_t m);
 /// Where each pass after the first starts in the send area (source offsets in the region): gemm-rs/ar, the node
 /// sum's rows at their places; every other op has one pass (empty).

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_layouts.hpp"
 #include "tandem/kernels/span_reduce.hpp"
 
 namespace tandem::daemon::cuda::multinode {
@@ -79,23 +81,58 @@ inline void sum(const kernels::SpanSum& p, cudaStream_t s, const char* what) {
   kernels::checkCuda(kernels::launchSpanSum(p, s), "span sum ({})", what);
 }
 
-// The GEMM core on `stream` (its device current): C[rows, cols] (row stride ldc) = A[rows, k] · B[cols, k]ᵀ, A and B
-// with row stride k. Its std::runtime_error becomes Error(kCuda): past the checks of fallbackReason only CUDA itself
-// refuses a launch, and the node must then leave the communicator.
-inline void gemm(const std::byte* a, const std::byte* b, std::byte* c, uint64_t rows, uint64_t cols, uint64_t k,
-                 uint64_t ldc, DType dtype, cudaStream_t stream, const char* what) {
-  kernels::GemmParams p{};
-  p.a = a;
-  p.b = b;
-  p.c = c;
-  p.m = static_cast<int64_t>(rows);
-  p.n = static_cast<int64_t>(cols);
-  p.k = static_cast<int64_t>(k);
-  p.lda = p.ldb = p.k;
-  p.ldc = static_cast<int64_t>(ldc);
-  p.dtype = dtype == DType::kBF16 ? kernels::GemmDtype::kBf16 : kernels::GemmDtype::kFp16;
+// A GEMM op's layout in the plan lines: nothing for NT (the forward), " layout nn" / " layout tn" otherwise.
+inline std::string layoutSuffix(GemmOperands layout) {
+  return layout == GemmOperands::kNT ? std::string() : fmt::format(" layout {}", gemmLayoutName(layout));
+}
+
+// One GEMM of the GEMM core: C[rows, cols] (row stride ldc) = op(A) · op(B) in `layout` (descriptor.hpp's operands,
+// row strides lda and ldb in elements), on `stream` (its device current). NT runs on the forward core (launchGemm),
+// NN and TN on the layouts core without a split-K workspace (so every result is bitwise repeatable). Its
+// std::runtime_error becomes Error(kCuda): past the checks of fallbackReason only CUDA itself refuses a launch, and the
+// node must then leave the communicator.
+struct GemmCall {
+  GemmOperands layout = GemmOperands::kNT;
+  DType dtype = DType::kBF16;
+  const std::byte* a = nullptr;
+  const std::byte* b = nullptr;
+  std::byte* c = nullptr;
+  uint64_t rows = 0, cols = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+};
+
+inline void gemm(const GemmCall& g, cudaStream_t stream, const char* what) {
+  const auto dt = g.dtype == DType::kBF16 ? kernels::GemmDtype::kBf16 : kernels::GemmDtype::kFp16;
   try {
-    kernels::launchGemm(p, stream);
+    if (g.layout == GemmOperands::kNT) {
+      kernels::GemmParams p{};
+      p.a = g.a;
+      p.b = g.b;
+      p.c = g.c;
+      p.m = static_cast<int64_t>(g.rows);
+      p.n = static_cast<int64_t>(g.cols);
+      p.k = static_cast<int64_t>(g.k);
+      p.lda = static_cast<int64_t>(g.lda);
+      p.ldb = static_cast<int64_t>(g.ldb);
+      p.ldc = static_cast<int64_t>(g.ldc);
+      p.dtype = dt;
+      kernels::launchGemm(p, stream);
+      return;
+    }
+    kernels::GemmLayoutParams p{};
+    p.layout = g.layout == GemmOperands::kNN ? kernels::GemmLayout::kAB : kernels::GemmLayout::kAtB;
+    p.dtype = dt;
+    p.out = kernels::GemmOut::kInput;
+    p.a = g.a;
+    p.b = g.b;
+    p.c = g.c;
+    p.m = static_cast<int64_t>(g.rows);
+    p.n = static_cast<int64_t>(g.cols);
+    p.k = static_cast<int64_t>(g.k);
+    p.lda = static_cast<int64_t>(g.lda);
+    p.ldb = static_cast<int64_t>(g.ldb);
+    p.ldc = static_cast<int64_t>(g.ldc);
+    const kernels::GemmLayoutPlan plan = kernels::gemmLayoutPlanWithin(p);  // no workspace: no K splits
+    kernels::launchGemmLayout(p, stream, &plan);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {

@@ -68,6 +68,7 @@ HostStaging::AgGemmTensors HostStaging::agGemmTensors(const Collective& c, Aside
   t.es = dtypeSize(d.dtype);
   t.rowBytes = t.kk * t.es;
   t.dtype = d.dtype;
+  t.layout = gemmOperandsOf(d.flags);
   t.mine = localRanksOf(c);
   t.gathered.assign(t.n, nullptr);
   t.home.assign(t.n, nullptr);
@@ -107,13 +108,37 @@ void HostStaging::copiesThenCompute(const std::set<int>& devices) {
   for (int dev : devices) order(dev, gpu(dev).copy.get(), gpu(dev).compute.get());
 }
 
+// In NT and NN the gathered A is [m, k], so a run of rows is one GEMM. In TN it is each rank's [k, rows] block in rank
+// order (the same bytes at the same offsets): one GEMM per rank's shard, its rows the columns of the block.
 void HostStaging::gemmRows(const AgGemmTensors& t, const RowRuns& runs) {
+  RowRuns pieces;
+  for (auto [first, rows] : runs) {
+    if (t.layout != GemmOperands::kTN) {
+      pieces.emplace_back(first, rows);
+      continue;
+    }
+    for (uint32_t q = 0; q < t.n; ++q) {
+      const uint64_t off = rowOffset(t.m, q, t.n), cnt = rowsOf(t.m, q, t.n);
+      if (cnt != 0 && off >= first && off + cnt <= first + rows) pieces.emplace_back(off, cnt);
+    }
+  }
   for (uint32_t r : t.mine) {
     const int dev = deviceOf(r);
     k::CudaDeviceGuard guard(dev);
-    for (auto [first, rows] : runs) {
-      gemm(t.gathered[r] + first * t.rowBytes, t.b[r], t.c[r] + first * t.cols * t.es, rows, t.cols, t.kk, t.cols,
-           t.dtype, gpu(dev).compute.get(), "ag-gemm");
+    for (auto [first, rows] : pieces) {
+      GemmCall g;
+      g.layout = t.layout;
+      g.dtype = t.dtype;
+      g.a = t.gathered[r] + first * t.rowBytes;
+      g.b = t.b[r];
+      g.c = t.c[r] + first * t.cols * t.es;
+      g.rows = rows;
+      g.cols = t.cols;
+      g.k = t.kk;
+      g.lda = t.layout == GemmOperands::kTN ? rows : t.kk;
+      g.ldb = t.layout == GemmOperands::kNT ? t.kk : t.cols;
+      g.ldc = t.cols;
+      gemm(g, gpu(dev).compute.get(), "ag-gemm");
     }
   }
 }
@@ -138,6 +163,7 @@ HostStaging::ReduceTensors HostStaging::reduceTensors(const Collective& c, Aside
   t.es = dtypeSize(d.dtype);
   t.ldp = alignUp(t.cols, 8);
   t.dtype = d.dtype;
+  t.layout = gemmOperandsOf(d.flags);
   t.elem = spanElem(d.dtype);
   t.name = opKindName(d.kind).data();
   t.mine = localRanksOf(c);
@@ -181,7 +207,21 @@ void HostStaging::partialRows(const Collective& c, const ReduceTensors& t, uint3
     return;
   }
   const auto& [a, b] = t.ab.at(r);
-  gemm(a + r0 * kr * t.es, b, workspace(r) + r0 * t.ldp * t.es, r1 - r0, t.cols, kr, t.ldp, t.dtype, cs, t.name);
+  // Rows r0.. of op(A): rows of the stored [m, k] in NT and NN, columns of the stored [k, m] in TN.
+  const bool tn = t.layout == GemmOperands::kTN;
+  GemmCall g;
+  g.layout = t.layout;
+  g.dtype = t.dtype;
+  g.a = a + r0 * (tn ? 1 : kr) * t.es;
+  g.b = b;
+  g.c = workspace(r) + r0 * t.ldp * t.es;
+  g.rows = r1 - r0;
+  g.cols = t.cols;
+  g.k = kr;
+  g.lda = tn ? t.m : kr;
+  g.ldb = t.layout == GemmOperands::kNT ? kr : t.cols;
+  g.ldc = t.ldp;
+  gemm(g, cs, t.name);
 }
 
 void HostStaging::orderAfterPartials(const ReduceTensors& t) {
