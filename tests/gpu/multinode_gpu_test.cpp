@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "gpu_harness.hpp"
+#include "submit_op.hpp"
 #include "tandem/common/gpu_uuid.hpp"
 #include "tandem/common/reference.hpp"
 
@@ -219,42 +220,7 @@ struct OpRun {
   tandem_tensor_t tensor(int s) const { return {buf[static_cast<std::size_t>(s)], 0}; }
 
   std::string submit(tandem_comm_t comm, cudaStream_t stream) {
-    const OpDescriptor& d = descs[rank];
-    const auto dtype = static_cast<tandem_dtype_t>(d.dtype);
-    const auto layout = static_cast<tandem_gemm_layout_t>(tandem::gemmOperandsOf(d.flags));
-    tandem_status_t st = TANDEM_SUCCESS;
-    switch (d.kind) {
-      case OpKind::kAgGemm: {
-        auto args = agGemmArgs(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK], tensor(slot::kA),
-                                     tensor(slot::kB), tensor(slot::kC), tensor(slot::kAGathered), stream);
-        args.layout = layout;
-        st = tandem_ag_gemm(comm, &args, &op);
-        break;
-      }
-      case OpKind::kGemmRs: {
-        auto args = gemmArgs<tandem_gemm_rs_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
-                                                           tensor(slot::kA), tensor(slot::kB), tensor(slot::kC),
-                                                           stream);
-        args.layout = layout;
-        st = tandem_gemm_rs(comm, &args, &op);
-        break;
-      }
-      case OpKind::kGemmAr: {
-        auto args = gemmArgs<tandem_gemm_ar_args_t>(dtype, d.dims[dim::kM], d.dims[dim::kN], d.dims[dim::kK],
-                                                           tensor(slot::kA), tensor(slot::kB), tensor(slot::kC),
-                                                           stream);
-        args.layout = layout;
-        st = tandem_gemm_ar(comm, &args, &op);
-        break;
-      }
-      case OpKind::kAllGather: {
-        const tandem_allgather_args_t args{sizeof args, tensor(slot::kSend), tensor(slot::kRecv), d.dims[dim::kBytes],
-                                           stream};
-        st = tandem_allgather(comm, &args, &op);
-        break;
-      }
-      default: return "unexpected kind";
-    }
+    const tandem_status_t st = submitOp(descs[rank], [this](int s) { return tensor(s); }, comm, stream, &op);
     return st == TANDEM_SUCCESS ? "" : std::string("submit: ") + tandem_last_error();
   }
 
@@ -384,6 +350,14 @@ std::vector<ref::OpShape> gpuCases(uint32_t nranks) {
   out.push_back(shapeOf(OpKind::kGemmRs, DType::kBF16, 1000, 1016, k + 3, TN));
   out.push_back(shapeOf(OpKind::kGemmAr, DType::kBF16, 999, 1008, k, NN));
   out.push_back(shapeOf(OpKind::kGemmAr, DType::kF16, 992, 1000, k + 5, TN));
+  // FP8 inputs (fp32 partials from the FP8 core): per tensor with a bf16 c, block-scaled with an fp32 c.
+  const uint64_t k16 = nranks == 2 ? 1056 : 1088;  // k slices of 528 or 272
+  ref::OpShape rs = shapeOf(OpKind::kGemmRs, DType::kF8E4M3, 1001, 1000, k16);
+  out.push_back(rs);
+  ref::OpShape ar = shapeOf(OpKind::kGemmAr, DType::kF8E4M3, 1000, 1004, k16);
+  ar.blockScale = true;
+  ar.outDtype = DType::kF32;
+  out.push_back(ar);
   return out;
 }
 

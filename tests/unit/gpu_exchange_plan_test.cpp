@@ -127,6 +127,23 @@ TEST_SUITE("gpu exchange plan") {
               .find("rank 0's 250 rows") != std::string::npos);
     CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kAgGemm, DType::kBF16, 1001, 1000, 1044, NN), two), tcp())
               .find("k = 1044") != std::string::npos);
+    // FP8 inputs: gemm-rs/ar in NT on the FP8 core (k slices % 16; block scales: m % 4); ag-gemm (its shards' scales)
+    // and the other layouts take the host path.
+    auto fp8 = [](OpKind kind, uint64_t m, uint64_t k, bool block, GemmOperands layout = GemmOperands::kNT) {
+      ref::OpShape s = gemm(kind, DType::kF8E4M3, m, 1000, k, layout);
+      s.blockScale = block;
+      return s;
+    };
+    CHECK(gpuExchangeRefusal(opOf(fp8(OpKind::kGemmRs, 1001, 1024, false), two), tcp()) == "");
+    CHECK(gpuExchangeRefusal(opOf(fp8(OpKind::kGemmAr, 1000, 1024, true), two), tcp()) == "");
+    CHECK(gpuExchangeRefusal(opOf(fp8(OpKind::kGemmAr, 1001, 1024, true), two), tcp()).find("m = 1001") !=
+          std::string::npos);
+    CHECK(gpuExchangeRefusal(opOf(fp8(OpKind::kGemmRs, 1000, 1056, false), two), tcp()).find("k slice = 264") !=
+          std::string::npos);
+    CHECK(gpuExchangeRefusal(opOf(fp8(OpKind::kGemmRs, 1000, 1024, false, NN), two), tcp()).find("layout nn") !=
+          std::string::npos);
+    CHECK(gpuExchangeRefusal(opOf(fp8(OpKind::kAgGemm, 1024, 1024, false), two), tcp()).find("ag-gemm") !=
+          std::string::npos);
     // Too big for the slots: the host path (whose staging check then names the fix).
     CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kGemmAr, DType::kBF16, 1024, 1024, 64), {0, 1}), tcp(1u << 20))
               .find("staging_bytes") != std::string::npos);

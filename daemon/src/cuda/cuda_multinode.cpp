@@ -243,14 +243,16 @@ std::string HostStaging::fallbackReason(const Collective& c) const {
   for (const PendingOp& op : c.ops) descs.push_back(op.desc);
   const std::vector<uint32_t> mine = localRanksOf(c);
   if (std::string why = gemmCoreRefusal(descs, mine); !why.empty()) return why;
+  std::vector<std::pair<int, const char*>> tensors = {
+      {slot::kA, "a"}, {slot::kB, "b"}, {slot::kC, "c"}, {slot::kAGathered, "a_gathered"}};
+  if (isFp8(d.dtype)) {
+    tensors.emplace_back(gemmScaleSlot(d.kind, false), "a_scale");
+    tensors.emplace_back(gemmScaleSlot(d.kind, true), "b_scale");
+  }
   for (uint32_t r : mine) {
-    const PendingOp& op = c.ops[r];
-    static constexpr const char* kNames[] = {"a", "b", "c", "a_gathered"};
-    for (int s : {slot::kA, slot::kB, slot::kC, slot::kAGathered}) {
-      const std::byte* p = slotPtr(op, s);
-      if (p != nullptr && !aligned16(p)) {
-        return fmt::format("rank {}'s tensor {} is not 16-byte aligned", r, kNames[static_cast<std::size_t>(s)]);
-      }
+    for (auto [s, name] : tensors) {
+      const std::byte* p = slotPtr(c.ops[r], s);
+      if (p != nullptr && !aligned16(p)) return fmt::format("rank {}'s tensor {} is not 16-byte aligned", r, name);
     }
   }
   return "";
@@ -260,6 +262,7 @@ void HostStaging::checkWorkspaces(const Collective& c) const {
   const OpDescriptor& d = c.ops[0].desc;
   const std::vector<uint32_t> mine = localRanksOf(c);
   const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN], es = dtypeSize(d.dtype);
+  const uint64_t pes = isFp8(d.dtype) ? sizeof(float) : es, ces = dtypeSize(gemmOutDtype(d.dtype, d.flags));
   auto need = [&](uint32_t r) -> uint64_t {
     switch (d.kind) {
       case OpKind::kAgGemm:
@@ -269,13 +272,13 @@ void HostStaging::checkWorkspaces(const Collective& c) const {
                    : alignUp(m * d.dims[dim::kK] * es, kAlign);
       case OpKind::kGemmRs:
       case OpKind::kGemmAr: {
-        const uint64_t partial = alignUp(m * alignUp(n, 8) * es, kAlign);
+        const uint64_t partial = alignUp(m * alignUp(n, 8) * pes, kAlign);
         if (r != mine.front()) return partial;
         const uint64_t f32 = alignUp(m * n * sizeof(float), kAlign);
         uint64_t others = 0;
         for (uint32_t q : mine) others += deviceOf(q) != deviceOf(r) ? 1 : 0;
         // partial, node sum, running sum over nodes, receive slot, other GPUs' partials, their outputs' staging
-        return partial + 3 * f32 + others * partial + (others != 0 ? alignUp(m * n * es, kAlign) : 0);
+        return partial + 3 * f32 + others * partial + (others != 0 ? alignUp(m * n * ces, kAlign) : 0);
       }
       default: return 0;
     }

@@ -172,11 +172,13 @@ class HostStaging {
   // gemm-rs / gemm-ar on this node, alike on both exchanges (reduceTensors): the shape and the lead's workspace, as
   // checkWorkspaces sizes it: its partial, the node sum, the running sum over nodes, the receive slot, then the other
   // GPUs' partials and the staging of their outputs.
+  // FP8 inputs: partials in fp32 from the FP8 core (as its fp32 c), scales from each rank's a_scale and b_scale.
   struct ReduceTensors {
-    uint64_t m = 0, cols = 0, es = 0, ldp = 0;  // ldp: the partials' row stride
+    uint64_t m = 0, cols = 0, ldp = 0;  // ldp: the partials' row stride
+    uint64_t es = 0, pes = 0, ces = 0;  // bytes of an input element, a partial's, an output's
     DType dtype = DType::kBF16;
     GemmOperands layout = GemmOperands::kNT;
-    kernels::SpanElem elem = kernels::SpanElem::kF32;
+    kernels::SpanElem partialElem = kernels::SpanElem::kF32, outElem = kernels::SpanElem::kF32;
     const char* name = "";  // the op's name, for messages
     std::vector<uint32_t> mine;
     int leadDev = -1;
@@ -187,7 +189,11 @@ class HostStaging {
     float* recvSlot = nullptr;
     std::byte* next = nullptr;  // the other GPUs' partials
     std::set<int> devices;
-    std::map<uint32_t, std::pair<const std::byte*, const std::byte*>> ab;  // rank -> (A, B), ranks with a k slice
+    struct Inputs {
+      const std::byte *a = nullptr, *b = nullptr;
+      const float *aScale = nullptr, *bScale = nullptr;  // FP8 only
+    };
+    std::map<uint32_t, Inputs> inputs;  // by rank, the ranks with a k slice
   };
   static const OpPaths* pathsOf(OpKind kind);  // null: the GPUs compute no such op across nodes
 

@@ -153,15 +153,33 @@ std::vector<std::vector<ExchangeWrite>> splitIntoPasses(const std::vector<Exchan
 
 std::string gemmCoreRefusal(const std::vector<OpDescriptor>& descs, const std::vector<uint32_t>& ranks) {
   const OpDescriptor& d = descs.at(0);
-  if (d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
-    return fmt::format("{}: the GEMM core takes bf16 and fp16", dtypeName(d.dtype));
+  const bool ag = d.kind == OpKind::kAgGemm;
+  const GemmOperands layout = gemmOperandsOf(d.flags);
+  const std::string_view name = gemmLayoutName(layout);
+  const bool fp8 = isFp8(d.dtype);
+  if (!fp8 && d.dtype != DType::kBF16 && d.dtype != DType::kF16) {
+    return fmt::format("{}: the GEMM cores take bf16, fp16 and fp8", dtypeName(d.dtype));
   }
   constexpr uint64_t kMaxDim = std::numeric_limits<int32_t>::max();
   const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN];
   if (m > kMaxDim || n > kMaxDim) return "a dimension past 2^31 - 1";
-  const bool ag = d.kind == OpKind::kAgGemm;
-  const GemmOperands layout = gemmOperandsOf(d.flags);
-  const std::string_view name = gemmLayoutName(layout);
+  if (fp8) {
+    // The FP8 core (gemm_fp8.hpp): K-major operands, rows of k fp8 bytes as 16-byte words, a_scale rows of m floats.
+    const std::string_view type = dtypeName(d.dtype);
+    if (ag) return fmt::format("{} inputs of ag-gemm: its shards' scales are gathered on the host path", type);
+    if (layout != GemmOperands::kNT) {
+      return fmt::format("layout {} with {} inputs: the FP8 core reads K-major operands only", name, type);
+    }
+    if ((d.flags & kFlagFp8BlockScale) != 0 && m % 4 != 0) {
+      return fmt::format("m = {} is not a multiple of 4 (the FP8 core's 16-byte rows of block scales)", m);
+    }
+    for (uint32_t r : ranks) {
+      if (const uint64_t kk = descs.at(r).dims[dim::kK]; kk > kMaxDim || kk % 16 != 0) {
+        return fmt::format("k slice = {} on rank {} is not a multiple of 16 (the FP8 core's 16-byte rows)", kk, r);
+      }
+    }
+    return "";
+  }
   if (ag && n % 8 != 0) return fmt::format("n = {} is not a multiple of 8 (the GEMM core's 16-byte rows of C)", n);
   if (layout != GemmOperands::kNT && n % 8 != 0) {
     return fmt::format("n = {} is not a multiple of 8 (the GEMM core's 16-byte rows of b [k, n] in {})", n, name);

@@ -6,6 +6,7 @@
 
 #include "cuda/cuda_multinode.hpp"
 #include "cuda/multinode_common.hpp"
+#include "tandem/kernels/gemm_fp8.hpp"
 
 namespace tandem::daemon::cuda {
 
@@ -157,20 +158,25 @@ void HostStaging::copyLocalSends(const Collective& c, const std::vector<uint32_t
 
 HostStaging::ReduceTensors HostStaging::reduceTensors(const Collective& c, Aside* aside) {
   const OpDescriptor& d = c.ops[0].desc;
+  const bool fp8 = isFp8(d.dtype);
+  const DType out = gemmOutDtype(d.dtype, d.flags);
   ReduceTensors t;
   t.m = d.dims[dim::kM];
   t.cols = d.dims[dim::kN];
   t.es = dtypeSize(d.dtype);
+  t.pes = fp8 ? sizeof(float) : t.es;
+  t.ces = dtypeSize(out);
   t.ldp = alignUp(t.cols, 8);
   t.dtype = d.dtype;
   t.layout = gemmOperandsOf(d.flags);
-  t.elem = spanElem(d.dtype);
+  t.partialElem = fp8 ? k::SpanElem::kF32 : spanElem(d.dtype);
+  t.outElem = spanElem(out);
   t.name = opKindName(d.kind).data();
   t.mine = localRanksOf(c);
   const uint32_t lead = t.mine.front();
   t.leadDev = deviceOf(lead);
   t.leadStream = gpu(t.leadDev).compute.get();
-  t.partialBytes = alignUp(t.m * t.ldp * t.es, kAlign);
+  t.partialBytes = alignUp(t.m * t.ldp * t.pes, kAlign);
   t.f32Bytes = alignUp(t.m * t.cols * sizeof(float), kAlign);
   std::byte* ws = workspace(lead);
   t.nodeSum = reinterpret_cast<float*>(ws + t.partialBytes);
@@ -181,17 +187,26 @@ HostStaging::ReduceTensors HostStaging::reduceTensors(const Collective& c, Aside
   for (uint32_t r : t.mine) {
     const int dev = deviceOf(r);
     t.devices.insert(dev);
-    const uint64_t kr = c.ops[r].desc.dims[dim::kK];
+    const PendingOp& op = c.ops[r];
+    const uint64_t kr = op.desc.dims[dim::kK];
     if (kr == 0) continue;
-    const std::byte* a = slotPtr(c.ops[r], slot::kA);
-    const std::byte* b = slotPtr(c.ops[r], slot::kB);
+    ReduceTensors::Inputs in;
+    in.a = slotPtr(op, slot::kA);
+    in.b = slotPtr(op, slot::kB);
+    const int sa = gemmScaleSlot(d.kind, false), sb = gemmScaleSlot(d.kind, true);
+    const std::byte* aScale = fp8 ? slotPtr(op, sa) : nullptr;
+    const std::byte* bScale = fp8 ? slotPtr(op, sb) : nullptr;
     if (aside != nullptr) {
       k::CudaDeviceGuard guard(dev);
       cudaStream_t cs = gpu(dev).compute.get();
-      a = aside->input(dev, cs, a, t.m * kr * t.es);
-      b = aside->input(dev, cs, b, t.cols * kr * t.es);
+      in.a = aside->input(dev, cs, in.a, t.m * kr * t.es);
+      in.b = aside->input(dev, cs, in.b, t.cols * kr * t.es);
+      aScale = aside->input(dev, cs, aScale, op.desc.bufs[static_cast<std::size_t>(sa)].bytes);
+      bScale = aside->input(dev, cs, bScale, op.desc.bufs[static_cast<std::size_t>(sb)].bytes);
     }
-    t.ab[r] = {a, b};
+    in.aScale = reinterpret_cast<const float*>(aScale);
+    in.bScale = reinterpret_cast<const float*>(bScale);
+    t.inputs[r] = in;
   }
   return t;
 }
@@ -201,20 +216,46 @@ void HostStaging::partialRows(const Collective& c, const ReduceTensors& t, uint3
   k::CudaDeviceGuard guard(dev);
   cudaStream_t cs = gpu(dev).compute.get();
   const uint64_t kr = c.ops[r].desc.dims[dim::kK];
+  std::byte* const partial = workspace(r) + r0 * t.ldp * t.pes;
   if (kr == 0) {  // a rank without a k slice: its partial is zero (the GEMM core would need A and B)
-    k::checkCuda(cudaMemsetAsync(workspace(r) + r0 * t.ldp * t.es, 0, (r1 - r0) * t.ldp * t.es, cs),
-                 "cudaMemsetAsync(partial)");
+    k::checkCuda(cudaMemsetAsync(partial, 0, (r1 - r0) * t.ldp * t.pes, cs), "cudaMemsetAsync(partial)");
     return;
   }
-  const auto& [a, b] = t.ab.at(r);
+  const ReduceTensors::Inputs& in = t.inputs.at(r);
+  if (isFp8(t.dtype)) {  // layout NT (gemmCoreRefusal): A [m, k] and B [n, k] in fp8 bytes, an fp32 partial
+    const bool block = (c.ops[r].desc.flags & kFlagFp8BlockScale) != 0;
+    const auto format = t.dtype == DType::kF8E5M2 ? k::Fp8Format::kE5M2 : k::Fp8Format::kE4M3;
+    k::GemmFp8Params p{};
+    p.aFormat = p.bFormat = format;
+    p.scaling = block ? k::Fp8Scaling::kBlock : k::Fp8Scaling::kPerTensor;
+    p.out = k::Fp8Out::kFp32;
+    p.a = in.a + r0 * kr;
+    p.b = in.b;
+    p.c = partial;
+    // a_scale [ceil(k/128), m]: rows r0.. start r0 floats in (r0 a multiple of 8, m of 4: 16-byte aligned).
+    p.scaleA = block ? in.aScale + r0 : in.aScale;
+    p.scaleB = in.bScale;
+    p.m = static_cast<int64_t>(r1 - r0);
+    p.n = static_cast<int64_t>(t.cols);
+    p.k = static_cast<int64_t>(kr);
+    p.lda = p.ldb = p.k;
+    p.ldc = static_cast<int64_t>(t.ldp);
+    p.ldsa = static_cast<int64_t>(t.m);
+    try {
+      k::launchGemmFp8(p, cs);
+    } catch (const std::exception& e) {
+      fail(ErrorCode::kCuda, "FP8 GEMM core ({}): {}", t.name, e.what());
+    }
+    return;
+  }
   // Rows r0.. of op(A): rows of the stored [m, k] in NT and NN, columns of the stored [k, m] in TN.
   const bool tn = t.layout == GemmOperands::kTN;
   GemmCall g;
   g.layout = t.layout;
   g.dtype = t.dtype;
-  g.a = a + r0 * (tn ? 1 : kr) * t.es;
-  g.b = b;
-  g.c = workspace(r) + r0 * t.ldp * t.es;
+  g.a = in.a + r0 * (tn ? 1 : kr) * t.es;
+  g.b = in.b;
+  g.c = partial;
   g.rows = r1 - r0;
   g.cols = t.cols;
   g.k = kr;
@@ -233,14 +274,14 @@ void HostStaging::orderAfterPartials(const ReduceTensors& t) {
 // Partials on other GPUs are first copied (those rows) to t.next on the lead's GPU, partialBytes apart, so the
 // returned byte is the same for every row range.
 std::byte* HostStaging::sumNodePartials(const ReduceTensors& t, uint64_t firstRow, uint64_t rows) {
-  const uint64_t skip = firstRow * t.ldp * t.es;  // bytes into each partial
+  const uint64_t skip = firstRow * t.ldp * t.pes;  // bytes into each partial
   std::byte* next = t.next;
   std::vector<const std::byte*> partials;
   for (uint32_t r : t.mine) {
     if (deviceOf(r) == t.leadDev) {
       partials.push_back(workspace(r) + skip);
     } else {
-      copyAsync(next + skip, workspace(r) + skip, rows * t.ldp * t.es, t.leadStream, "partial to the lead GPU");
+      copyAsync(next + skip, workspace(r) + skip, rows * t.ldp * t.pes, t.leadStream, "partial to the lead GPU");
       partials.push_back(next + skip);
       next += t.partialBytes;
     }
@@ -249,7 +290,7 @@ std::byte* HostStaging::sumNodePartials(const ReduceTensors& t, uint64_t firstRo
     k::SpanSum s{};
     s.count = static_cast<int32_t>(std::min<std::size_t>(k::kSpanMaxSources, partials.size() - i));
     for (int j = 0; j < s.count; ++j) s.src[j] = partials[i + static_cast<std::size_t>(j)];
-    s.srcType = t.elem;
+    s.srcType = t.partialElem;
     s.dst = t.nodeSum + firstRow * t.cols;
     s.dstType = k::SpanElem::kF32;
     s.accumulate = i != 0;
@@ -299,12 +340,12 @@ void HostStaging::roundOutputs(const Collective& c, const ReduceTensors& t, std:
     s.src[0] = t.total + first * cols;
     s.srcType = k::SpanElem::kF32;
     s.dst = here ? cr : outStaging;
-    s.dstType = t.elem;
+    s.dstType = t.outElem;
     s.rows = static_cast<int64_t>(rows);
     s.cols = static_cast<int64_t>(cols);
     s.srcLd = s.dstLd = static_cast<int64_t>(cols);
     sum(s, t.leadStream, "output");
-    if (!here) copyAsync(cr, outStaging, rows * cols * t.es, t.leadStream, "output to its GPU");
+    if (!here) copyAsync(cr, outStaging, rows * cols * t.ces, t.leadStream, "output to its GPU");
   }
 }
 
