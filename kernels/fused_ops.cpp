@@ -370,8 +370,9 @@ bool fusedGemmOnLayoutsCore(const OpDescriptor& d, const PlanChoice& plan) {
 
 namespace {
 
-// FP8 inputs on one node (across nodes FP8 runs on the host reference path): the FP8 core's rules, beyond
-// the shared ones below. Its wgmma reads K-major operands only, so NT alone; rows of k fp8 bytes move as 16-byte words.
+// FP8 inputs on one node (across nodes tandemd applies its own rules: gpu_exchange_plan.hpp): the FP8 core's rules,
+// beyond the shared ones below. Its wgmma reads K-major operands only, so NT alone; rows of k fp8 bytes move as 16-byte
+// words.
 void checkFp8Gemm(const OpDescriptor& d, const DevicePointers& ptrs, const FusedEnv& env) {
   const std::string_view op = opKindName(d.kind);
   const GemmOperands layout = gemmOperandsOf(d.flags);

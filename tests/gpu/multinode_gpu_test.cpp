@@ -350,7 +350,15 @@ std::vector<ref::OpShape> gpuCases(uint32_t nranks) {
   out.push_back(shapeOf(OpKind::kGemmRs, DType::kBF16, 1000, 1016, k + 3, TN));
   out.push_back(shapeOf(OpKind::kGemmAr, DType::kBF16, 999, 1008, k, NN));
   out.push_back(shapeOf(OpKind::kGemmAr, DType::kF16, 992, 1000, k + 5, TN));
-  // FP8 inputs (fp32 partials from the FP8 core): per tensor with a bf16 c, block-scaled with an fp32 c.
+  // FP8 inputs: ag-gemm's shards with their scales (per tensor, and block-scaled with an fp32 c: each shard's scales
+  // regrouped for the FP8 core); gemm-rs/ar's fp32 partials from the FP8 core, per tensor with a bf16 c, block-scaled
+  // with an fp32 c.
+  ref::OpShape ag = shapeOf(OpKind::kAgGemm, DType::kF8E4M3, 1001, 1000, 1040);
+  out.push_back(ag);
+  ag.blockScale = true;
+  ag.outDtype = DType::kF32;
+  ag.n = 1008;
+  out.push_back(ag);
   const uint64_t k16 = nranks == 2 ? 1056 : 1088;  // k slices of 528 or 272
   ref::OpShape rs = shapeOf(OpKind::kGemmRs, DType::kF8E4M3, 1001, 1000, k16);
   out.push_back(rs);

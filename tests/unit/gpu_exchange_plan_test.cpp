@@ -127,8 +127,8 @@ TEST_SUITE("gpu exchange plan") {
               .find("rank 0's 250 rows") != std::string::npos);
     CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kAgGemm, DType::kBF16, 1001, 1000, 1044, NN), two), tcp())
               .find("k = 1044") != std::string::npos);
-    // FP8 inputs: gemm-rs/ar in NT on the FP8 core (k slices % 16; block scales: m % 4); ag-gemm (its shards' scales)
-    // and the other layouts take the host path.
+    // FP8 inputs: NT on the FP8 core (k slices % 16; gemm-rs/ar's block scales: m % 4); the other layouts take the
+    // host path.
     auto fp8 = [](OpKind kind, uint64_t m, uint64_t k, bool block, GemmOperands layout = GemmOperands::kNT) {
       ref::OpShape s = gemm(kind, DType::kF8E4M3, m, 1000, k, layout);
       s.blockScale = block;
@@ -142,7 +142,8 @@ TEST_SUITE("gpu exchange plan") {
           std::string::npos);
     CHECK(gpuExchangeRefusal(opOf(fp8(OpKind::kGemmRs, 1000, 1024, false, NN), two), tcp()).find("layout nn") !=
           std::string::npos);
-    CHECK(gpuExchangeRefusal(opOf(fp8(OpKind::kAgGemm, 1024, 1024, false), two), tcp()).find("ag-gemm") !=
+    CHECK(gpuExchangeRefusal(opOf(fp8(OpKind::kAgGemm, 1001, 1024, true), two), tcp()) == "");  // scales regrouped
+    CHECK(gpuExchangeRefusal(opOf(fp8(OpKind::kAgGemm, 1001, 1048, false), two), tcp()).find("k = 1048") !=
           std::string::npos);
     // Too big for the slots: the host path (whose staging check then names the fix).
     CHECK(gpuExchangeRefusal(opOf(gemm(OpKind::kGemmAr, DType::kBF16, 1024, 1024, 64), {0, 1}), tcp(1u << 20))

@@ -265,11 +265,13 @@ void HostStaging::checkWorkspaces(const Collective& c) const {
   const uint64_t pes = isFp8(d.dtype) ? sizeof(float) : es, ces = dtypeSize(gemmOutDtype(d.dtype, d.flags));
   auto need = [&](uint32_t r) -> uint64_t {
     switch (d.kind) {
-      case OpKind::kAgGemm:
-        // A gathered A slot that is not 16-byte aligned is built in the workspace (GPU exchange) and copied there.
-        return slotPtr(c.ops[r], slot::kAGathered) != nullptr && aligned16(slotPtr(c.ops[r], slot::kAGathered))
-                   ? 0
-                   : alignUp(m * d.dims[dim::kK] * es, kAlign);
+      case OpKind::kAgGemm: {
+        // A gathered A slot that is not 16-byte aligned is built in the workspace (GPU exchange) and copied there;
+        // FP8 inputs' scales region follows (agGemmTensors).
+        const std::byte* g = slotPtr(c.ops[r], slot::kAGathered);
+        const uint64_t gathered = g != nullptr && aligned16(g) ? 0 : alignUp(m * d.dims[dim::kK] * es, kAlign);
+        return gathered + (isFp8(d.dtype) ? agScaleOffsets(d, static_cast<uint32_t>(c.ops.size())).back() : 0);
+      }
       case OpKind::kGemmRs:
       case OpKind::kGemmAr: {
         const uint64_t partial = alignUp(m * alignUp(n, 8) * pes, kAlign);

@@ -8,8 +8,8 @@
 //      inputs are final and nothing in those streams touches the op's buffers until done;
 //   2. on the communicator's own thread (CommLink::post), one of three paths, logged once per shape ("plan ..."):
 //      GPU-issued exchange + GPU GEMM (gpu_exchange_plan.hpp decides, alike on every node, from every rank's
-//      descriptor and the cluster section: ag-gemm, gemm-rs, gemm-ar in bf16/fp16 whose every rank's dims the GEMM
-//      core takes, and allgather, over tcp or verbs, cluster.gpu_exchange on, payloads within cluster.staging_bytes):
+//      descriptor and the cluster section: ag-gemm, gemm-rs, gemm-ar in bf16/fp16 (any layout) and gemm-rs/ar with
+//      fp8 inputs (nt), whose every rank's dims the GEMM cores take (gemmCoreRefusal), and allgather, over tcp or verbs, cluster.gpu_exchange on, payloads within cluster.staging_bytes):
 //      the same payloads as below, filled and consumed on the GPUs in stream order, the transfers pushed by kernels of
 //      the first local rank's GPU into its proxy FIFO (gpu_exchange.hpp; kernels/span_exchange.cu) and landing in the
 //      peers' regions (GPU memory on verbs, mapped pinned host memory on tcp: gpu_exchange.hpp says why); the link
@@ -167,7 +167,26 @@ class HostStaging {
     std::vector<std::byte*> c;               // by rank: where its GEMM writes C (aside when misaligned)
     std::vector<const std::byte*> a, b;      // by rank: its A shard (null without rows), its B (aside when misaligned)
     std::set<int> devices;                   // the local ranks' GPUs
+    uint64_t ces = 0;                        // bytes of an element of C (FP8 inputs: out_dtype's)
+    // FP8 inputs: every rank's A scales travel after its shard (the cpu backend's payload) and land in each local
+    // rank's scales region, rank q's at scaleOff[q] (16-byte aligned; block scales as [kBlocks, ldsa(q)], the FP8
+    // core's layout); the GEMMs run per rank's shard with its scales.
+    bool fp8 = false, block = false;
+    uint64_t kBlocks = 0;
+    std::vector<uint64_t> scaleSent;        // by rank: bytes of its A scales in the payload
+    std::vector<uint64_t> scaleOff;         // by rank: where they go in a scales region
+    std::vector<std::byte*> scales;         // by local rank: its scales region (in its workspace)
+    std::vector<const std::byte*> aScale, bScale;  // by local rank: its a_scale and b_scale (aside when misaligned)
     uint64_t shardBytes(uint32_t r) const;   // rank r's A shard
+    uint64_t sentBytes(uint32_t r) const { return shardBytes(r) + (fp8 ? scaleSent[r] : 0); }  // its payload
+    // Rank q's payload (its shard, then its scales) from `src`, packed as sent, into rank r's gathered A and scales.
+    void placeSent(uint32_t r, uint32_t q, const std::byte* src, cudaStream_t s) const;
+    // Rank q's own shard and scales (a local rank) into rank r's gathered A and scales.
+    void placeOwn(uint32_t r, uint32_t q, cudaStream_t s) const;
+    // Local rank q's payload packed at `dst` (sentBytes(q) bytes).
+    void pack(uint32_t q, std::byte* dst, cudaStream_t s) const;
+    // Rank q's A scales as its a_scale holds them, from `src` into `dst` (its place in a scales region).
+    void copyScales(uint32_t q, std::byte* dst, const std::byte* src, cudaStream_t s) const;
   };
   // gemm-rs / gemm-ar on this node, alike on both exchanges (reduceTensors): the shape and the lead's workspace, as
   // checkWorkspaces sizes it: its partial, the node sum, the running sum over nodes, the receive slot, then the other

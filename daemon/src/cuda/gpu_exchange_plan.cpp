@@ -164,18 +164,19 @@ std::string gemmCoreRefusal(const std::vector<OpDescriptor>& descs, const std::v
   const uint64_t m = d.dims[dim::kM], n = d.dims[dim::kN];
   if (m > kMaxDim || n > kMaxDim) return "a dimension past 2^31 - 1";
   if (fp8) {
-    // The FP8 core (gemm_fp8.hpp): K-major operands, rows of k fp8 bytes as 16-byte words, a_scale rows of m floats.
-    const std::string_view type = dtypeName(d.dtype);
-    if (ag) return fmt::format("{} inputs of ag-gemm: its shards' scales are gathered on the host path", type);
+    // The FP8 core (gemm_fp8.hpp): K-major operands, rows of k fp8 bytes as 16-byte words, a_scale rows of m floats
+    // (ag-gemm's gathered scales are laid out for it: agScaleOffsets).
     if (layout != GemmOperands::kNT) {
-      return fmt::format("layout {} with {} inputs: the FP8 core reads K-major operands only", name, type);
+      return fmt::format("layout {} with {} inputs: the FP8 core reads K-major operands only", name, dtypeName(d.dtype));
     }
-    if ((d.flags & kFlagFp8BlockScale) != 0 && m % 4 != 0) {
+    if (ag && n % 8 != 0) return fmt::format("n = {} is not a multiple of 8 (the FP8 core's 16-byte rows of C)", n);
+    if (!ag && (d.flags & kFlagFp8BlockScale) != 0 && m % 4 != 0) {
       return fmt::format("m = {} is not a multiple of 4 (the FP8 core's 16-byte rows of block scales)", m);
     }
     for (uint32_t r : ranks) {
       if (const uint64_t kk = descs.at(r).dims[dim::kK]; kk > kMaxDim || kk % 16 != 0) {
-        return fmt::format("k slice = {} on rank {} is not a multiple of 16 (the FP8 core's 16-byte rows)", kk, r);
+        return fmt::format("{} = {} on rank {} is not a multiple of 16 (the FP8 core's 16-byte rows)",
+                           ag ? "k" : "k slice", kk, r);
       }
     }
     return "";
@@ -192,8 +193,8 @@ std::string gemmCoreRefusal(const std::vector<OpDescriptor>& descs, const std::v
     const uint64_t kk = descs.at(r).dims[dim::kK];
     if (kk > kMaxDim) return "a dimension past 2^31 - 1";
     if (layout != GemmOperands::kTN && kk % 8 != 0) {
-      return fmt::format("{} = {} on rank {} is not a multiple of 8 (the GEMM core's 16-byte rows)", ag ? "k" : "k slice",
-                         kk, r);
+      return fmt::format("{} = {} on rank {} is not a multiple of 8 (the GEMM core's 16-byte rows)",
+                         ag ? "k" : "k slice", kk, r);
     }
     if (layout == GemmOperands::kTN && ag && rowsOf(m, r, nranks) % 8 != 0) {
       return fmt::format("rank {}'s {} rows are not a multiple of 8 (the GEMM core's 16-byte rows of its shard [k, "

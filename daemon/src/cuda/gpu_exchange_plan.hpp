@@ -82,10 +82,11 @@ std::string gpuExchangeRefusal(const ExchangeOp& op, const ClusterSection& clust
 
 /// Why the GEMM core cannot compute fused GEMM op `descs` (every rank's descriptor) for the ranks in `ranks` on the
 /// GPUs across nodes; empty when it can. The core's rules on what every node knows alike (dtype, dims, each rank's k
-/// and rows): 16-bit operands; each stored row a multiple of 8 elements (16-byte TMA strides), which is k for NT's A and
-/// B and NN's A, n for NN's and TN's B (and ag-gemm's C), and the rows of TN's A: m for gemm-rs/ar, each rank's shard
-/// for ag-gemm (whose gathered blocks then start 16-byte aligned). gpuExchangeRefusal asks it for every rank; a node's
-/// fallback for its own ranks (which adds the local alignment of its tensors).
+/// and rows). 16-bit operands: each stored row a multiple of 8 elements (16-byte TMA strides), which is k for NT's A
+/// and B and NN's A, n for NN's and TN's B (and ag-gemm's C), and the rows of TN's A: m for gemm-rs/ar, each rank's
+/// shard for ag-gemm (whose gathered blocks then start 16-byte aligned). FP8 operands: the FP8 core's layout nt, k
+/// (slices) of 16-byte multiples, and for gemm-rs/ar's block scales (read in place) m a multiple of 4. gpuExchangeRefusal asks it for every rank; a node's fallback for its own ranks (which adds
+/// the local alignment of its tensors).
 std::string gemmCoreRefusal(const std::vector<OpDescriptor>& descs, const std::vector<uint32_t>& ranks);
 
 /// Bytes node `from` sends node `to` in op `op` (either path: the same payload as CommLink's).

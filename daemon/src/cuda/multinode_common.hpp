@@ -20,6 +20,7 @@
 #include "tandem/common/error.hpp"
 #include "tandem/kernels/cuda_raii.hpp"
 #include "tandem/kernels/gemm.hpp"
+#include "tandem/kernels/gemm_fp8.hpp"
 #include "tandem/kernels/gemm_layouts.hpp"
 #include "tandem/kernels/span_reduce.hpp"
 
@@ -138,6 +139,31 @@ inline void gemm(const GemmCall& g, cudaStream_t stream, const char* what) {
   } catch (const std::exception& e) {
     fail(ErrorCode::kCuda, "GEMM core ({}): {}", what, e.what());
   }
+}
+
+// The FP8 GEMM core (gemm_fp8.hpp) on `stream`, its failures as gemm()'s.
+inline void fp8Gemm(const kernels::GemmFp8Params& p, cudaStream_t stream, const char* what) {
+  try {
+    kernels::launchGemmFp8(p, stream);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(ErrorCode::kCuda, "FP8 GEMM core ({}): {}", what, e.what());
+  }
+}
+
+// ag-gemm with FP8 inputs: where each rank's A scales go in a local rank's scales region, n + 1 offsets (the last is
+// the region's size). Rank q's take 16 bytes per tensor, or [ceil(k/128), ldsa] block scales with ldsa its rows
+// rounded up to 4 (gemm_fp8.hpp's gemmFp8ScaleALd): every start 16-byte aligned, as the FP8 core reads them.
+inline std::vector<uint64_t> agScaleOffsets(const OpDescriptor& d, uint32_t n) {
+  const bool block = (d.flags & kFlagFp8BlockScale) != 0;
+  const uint64_t m = d.dims[dim::kM], kBlocks = (d.dims[dim::kK] + 127) / 128;
+  std::vector<uint64_t> off{0};
+  for (uint32_t q = 0; q < n; ++q) {
+    const auto ldsa = static_cast<uint64_t>(kernels::gemmFp8ScaleALd(static_cast<int64_t>(rowsOf(m, q, n))));
+    off.push_back(off.back() + (block ? kBlocks * ldsa * sizeof(float) : 16));
+  }
+  return off;
 }
 
 // Contiguous row runs [first, first + rows) of the ranks that are (local) or are not (!local) on this node.

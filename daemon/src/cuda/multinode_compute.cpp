@@ -6,7 +6,7 @@
 
 #include "cuda/cuda_multinode.hpp"
 #include "cuda/multinode_common.hpp"
-#include "tandem/kernels/gemm_fp8.hpp"
+#include "tandem/common/op_spec.hpp"
 
 namespace tandem::daemon::cuda {
 
@@ -59,6 +59,35 @@ std::byte* Aside::allocate(int dev, cudaStream_t s, uint64_t bytes, std::byte* b
 
 uint64_t HostStaging::AgGemmTensors::shardBytes(uint32_t r) const { return rowsOf(m, r, n) * rowBytes; }
 
+void HostStaging::AgGemmTensors::copyScales(uint32_t q, std::byte* dst, const std::byte* src, cudaStream_t s) const {
+  if (scaleSent[q] == 0) return;
+  if (!block) {
+    copyAsync(dst, src, sizeof(float), s, "A scale");
+    return;
+  }
+  const uint64_t rows = rowsOf(m, q, n);
+  const auto ldsa = static_cast<uint64_t>(k::gemmFp8ScaleALd(static_cast<int64_t>(rows)));
+  k::checkCuda(cudaMemcpy2DAsync(dst, ldsa * sizeof(float), src, rows * sizeof(float), rows * sizeof(float), kBlocks,
+                                 cudaMemcpyDefault, s),
+               "cudaMemcpy2DAsync(block scales of rank {})", q);
+}
+
+void HostStaging::AgGemmTensors::placeSent(uint32_t r, uint32_t q, const std::byte* src, cudaStream_t s) const {
+  copyAsync(gathered[r] + rowOffset(m, q, n) * rowBytes, src, shardBytes(q), s, "shard to gathered A");
+  if (fp8) copyScales(q, scales[r] + scaleOff[q], src + shardBytes(q), s);
+}
+
+void HostStaging::AgGemmTensors::placeOwn(uint32_t r, uint32_t q, cudaStream_t s) const {
+  std::byte* dst = gathered[r] + rowOffset(m, q, n) * rowBytes;
+  if (dst != a[q]) copyAsync(dst, a[q], shardBytes(q), s, "local shard to gathered A");
+  if (fp8) copyScales(q, scales[r] + scaleOff[q], aScale[q], s);
+}
+
+void HostStaging::AgGemmTensors::pack(uint32_t q, std::byte* dst, cudaStream_t s) const {
+  copyAsync(dst, a[q], shardBytes(q), s, "shard to the payload");
+  if (fp8) copyAsync(dst + shardBytes(q), aScale[q], scaleSent[q], s, "A scales to the payload");
+}
+
 HostStaging::AgGemmTensors HostStaging::agGemmTensors(const Collective& c, Aside* aside) {
   const OpDescriptor& d = c.ops[0].desc;
   AgGemmTensors t;
@@ -67,28 +96,52 @@ HostStaging::AgGemmTensors HostStaging::agGemmTensors(const Collective& c, Aside
   t.cols = d.dims[dim::kN];
   t.kk = d.dims[dim::kK];
   t.es = dtypeSize(d.dtype);
+  t.ces = dtypeSize(gemmOutDtype(d.dtype, d.flags));
   t.rowBytes = t.kk * t.es;
   t.dtype = d.dtype;
   t.layout = gemmOperandsOf(d.flags);
+  t.fp8 = isFp8(d.dtype);
+  t.block = (d.flags & kFlagFp8BlockScale) != 0;
+  t.kBlocks = (t.kk + 127) / 128;
   t.mine = localRanksOf(c);
   t.gathered.assign(t.n, nullptr);
   t.home.assign(t.n, nullptr);
   t.c.assign(t.n, nullptr);
   t.a.assign(t.n, nullptr);
   t.b.assign(t.n, nullptr);
+  t.scales.assign(t.n, nullptr);
+  t.aScale.assign(t.n, nullptr);
+  t.bScale.assign(t.n, nullptr);
+  const int sa = gemmScaleSlot(d.kind, false), sb = gemmScaleSlot(d.kind, true);
+  if (t.fp8) {
+    const OpSpec& spec = opSpec(d.kind);
+    for (uint32_t q = 0; q < t.n; ++q) t.scaleSent.push_back(slotBytes(spec, sa, c.ops[q].desc));
+    t.scaleOff = agScaleOffsets(d, t.n);
+  }
   for (uint32_t r : t.mine) {
     const int dev = deviceOf(r);
     t.devices.insert(dev);
-    std::byte* g = slotPtr(c.ops[r], slot::kAGathered);
+    const PendingOp& op = c.ops[r];
+    std::byte* g = slotPtr(op, slot::kAGathered);
     t.home[r] = g != nullptr && !aligned16(g) ? g : nullptr;  // a misaligned gathered A: built in the workspace
     t.gathered[r] = g != nullptr && aligned16(g) ? g : workspace(r);
-    t.a[r] = slotPtr(c.ops[r], slot::kA);  // null for a rank without rows
-    t.b[r] = slotPtr(c.ops[r], slot::kB);
-    t.c[r] = slotPtr(c.ops[r], slot::kC);
+    // The scales region after a gathered A built in the workspace (checkWorkspaces counts both).
+    t.scales[r] = workspace(r) + (t.gathered[r] == workspace(r) ? alignUp(t.m * t.rowBytes, kAlign) : 0);
+    t.a[r] = slotPtr(op, slot::kA);  // null for a rank without rows
+    t.b[r] = slotPtr(op, slot::kB);
+    t.c[r] = slotPtr(op, slot::kC);
+    if (t.fp8) {
+      t.aScale[r] = slotPtr(op, sa);
+      t.bScale[r] = slotPtr(op, sb);
+    }
     if (aside != nullptr) {
       cudaStream_t cs = gpu(dev).compute.get();
       t.b[r] = aside->input(dev, cs, t.b[r], t.cols * t.kk * t.es);
-      t.c[r] = aside->output(dev, cs, t.c[r], t.m * t.cols * t.es);
+      t.c[r] = aside->output(dev, cs, t.c[r], t.m * t.cols * t.ces);
+      if (t.fp8) {
+        t.aScale[r] = aside->input(dev, cs, t.aScale[r], t.scaleSent[r]);
+        t.bScale[r] = aside->input(dev, cs, t.bScale[r], op.desc.bufs[static_cast<std::size_t>(sb)].bytes);
+      }
     }
   }
   return t;
@@ -98,9 +151,7 @@ void HostStaging::copyLocalShards(const AgGemmTensors& t) {
   for (uint32_t r : t.mine) {
     k::CudaDeviceGuard guard(deviceOf(r));
     for (uint32_t q : t.mine) {
-      std::byte* dst = t.gathered[r] + rowOffset(t.m, q, t.n) * t.rowBytes;
-      if (t.shardBytes(q) == 0 || dst == t.a[q]) continue;
-      copyAsync(dst, t.a[q], t.shardBytes(q), gpu(deviceOf(r)).copy.get(), "local shard to gathered A");
+      if (t.shardBytes(q) != 0) t.placeOwn(r, q, gpu(deviceOf(r)).copy.get());
     }
   }
 }
@@ -110,36 +161,62 @@ void HostStaging::copiesThenCompute(const std::set<int>& devices) {
 }
 
 // In NT and NN the gathered A is [m, k], so a run of rows is one GEMM. In TN it is each rank's [k, rows] block in rank
-// order (the same bytes at the same offsets): one GEMM per rank's shard, its rows the columns of the block.
+// order (the same bytes at the same offsets): one GEMM per rank's shard, its rows the columns of the block; so too with
+// FP8 inputs, each shard with its own rank's scales.
 void HostStaging::gemmRows(const AgGemmTensors& t, const RowRuns& runs) {
-  RowRuns pieces;
+  struct Piece {
+    uint64_t first, rows;
+    uint32_t rank;  // the rank whose shard the rows are (perShard only)
+  };
+  const bool perShard = t.layout == GemmOperands::kTN || t.fp8;
+  std::vector<Piece> pieces;
   for (auto [first, rows] : runs) {
-    if (t.layout != GemmOperands::kTN) {
-      pieces.emplace_back(first, rows);
+    if (!perShard) {
+      pieces.push_back({first, rows, 0});
       continue;
     }
     for (uint32_t q = 0; q < t.n; ++q) {
       const uint64_t off = rowOffset(t.m, q, t.n), cnt = rowsOf(t.m, q, t.n);
-      if (cnt != 0 && off >= first && off + cnt <= first + rows) pieces.emplace_back(off, cnt);
+      if (cnt != 0 && off >= first && off + cnt <= first + rows) pieces.push_back({off, cnt, q});
     }
   }
   for (uint32_t r : t.mine) {
     const int dev = deviceOf(r);
     k::CudaDeviceGuard guard(dev);
-    for (auto [first, rows] : pieces) {
+    cudaStream_t cs = gpu(dev).compute.get();
+    for (const Piece& pc : pieces) {
+      if (t.fp8) {  // layout NT (gemmCoreRefusal)
+        k::GemmFp8Params p{};
+        p.aFormat = p.bFormat = t.dtype == DType::kF8E5M2 ? k::Fp8Format::kE5M2 : k::Fp8Format::kE4M3;
+        p.scaling = t.block ? k::Fp8Scaling::kBlock : k::Fp8Scaling::kPerTensor;
+        p.out = t.ces == sizeof(float) ? k::Fp8Out::kFp32 : k::Fp8Out::kBf16;
+        p.a = t.gathered[r] + pc.first * t.rowBytes;
+        p.b = t.b[r];
+        p.c = t.c[r] + pc.first * t.cols * t.ces;
+        p.scaleA = reinterpret_cast<const float*>(t.scales[r] + t.scaleOff[pc.rank]);
+        p.scaleB = reinterpret_cast<const float*>(t.bScale[r]);
+        p.m = static_cast<int64_t>(pc.rows);
+        p.n = static_cast<int64_t>(t.cols);
+        p.k = static_cast<int64_t>(t.kk);
+        p.lda = p.ldb = p.k;
+        p.ldc = static_cast<int64_t>(t.cols);
+        p.ldsa = k::gemmFp8ScaleALd(p.m);
+        fp8Gemm(p, cs, "ag-gemm");
+        continue;
+      }
       GemmCall g;
       g.layout = t.layout;
       g.dtype = t.dtype;
-      g.a = t.gathered[r] + first * t.rowBytes;
+      g.a = t.gathered[r] + pc.first * t.rowBytes;
       g.b = t.b[r];
-      g.c = t.c[r] + first * t.cols * t.es;
-      g.rows = rows;
+      g.c = t.c[r] + pc.first * t.cols * t.ces;
+      g.rows = pc.rows;
       g.cols = t.cols;
       g.k = t.kk;
-      g.lda = t.layout == GemmOperands::kTN ? rows : t.kk;
+      g.lda = t.layout == GemmOperands::kTN ? pc.rows : t.kk;
       g.ldb = t.layout == GemmOperands::kNT ? t.kk : t.cols;
       g.ldc = t.cols;
-      gemm(g, gpu(dev).compute.get(), "ag-gemm");
+      gemm(g, cs, "ag-gemm");
     }
   }
 }
@@ -241,11 +318,7 @@ void HostStaging::partialRows(const Collective& c, const ReduceTensors& t, uint3
     p.lda = p.ldb = p.k;
     p.ldc = static_cast<int64_t>(t.ldp);
     p.ldsa = static_cast<int64_t>(t.m);
-    try {
-      k::launchGemmFp8(p, cs);
-    } catch (const std::exception& e) {
-      fail(ErrorCode::kCuda, "FP8 GEMM core ({}): {}", t.name, e.what());
-    }
+    fp8Gemm(p, cs, t.name);
     return;
   }
   // Rows r0.. of op(A): rows of the stored [m, k] in NT and NN, columns of the stored [k, m] in TN.

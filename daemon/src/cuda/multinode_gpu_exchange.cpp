@@ -228,8 +228,8 @@ void HostStaging::agGemmGpu(Collective& c, const ExchangeOp& op) {
     k::CudaDeviceGuard guard(leadDev);
     uint64_t off = 0;
     for (uint32_t q : t.mine) {
-      copyAsync(region.sendArea() + off, t.a[q], t.shardBytes(q), lead.copy.get(), "shard to the send area");
-      off += t.shardBytes(q);
+      t.pack(q, region.sendArea() + off, lead.copy.get());
+      off += t.sentBytes(q);
     }
   }
   copyLocalShards(t);
@@ -246,11 +246,8 @@ void HostStaging::agGemmGpu(Collective& c, const ExchangeOp& op) {
     for (uint32_t p : region.layout().peers()) {
       uint64_t off = 0;
       for (uint32_t q : ranksOnNode(op, p)) {
-        for (uint32_t r : t.mine) {
-          copyAsync(t.gathered[r] + rowOffset(t.m, q, t.n) * t.rowBytes, region.inbox(p) + off, t.shardBytes(q),
-                    lead.copy.get(), "inbox to gathered A");
-        }
-        off += t.shardBytes(q);
+        for (uint32_t r : t.mine) t.placeSent(r, q, region.inbox(p) + off, lead.copy.get());
+        off += t.sentBytes(q);
       }
     }
   }

@@ -74,13 +74,13 @@ void HostStaging::agGemmStaged(Collective& c) {
       c.epoch,
       [&](uint32_t, std::span<std::byte> out) {
         uint64_t off = 0;
-        for (uint32_t q : mine) off += t.shardBytes(q);
+        for (uint32_t q : mine) off += t.sentBytes(q);
         pin(c, out.data(), off);
         off = 0;
         for (uint32_t q : mine) {
           k::CudaDeviceGuard guard(deviceOf(q));
-          copyAsync(out.data() + off, t.a[q], t.shardBytes(q), gpu(deviceOf(q)).copy.get(), "shard to the outbox");
-          off += t.shardBytes(q);
+          t.pack(q, out.data() + off, gpu(deviceOf(q)).copy.get());
+          off += t.sentBytes(q);
         }
         for (int dev : t.devices) syncStream(dev, gpu(dev).copy.get(), "shards to the outbox");
         return off;
@@ -88,7 +88,7 @@ void HostStaging::agGemmStaged(Collective& c) {
       [&](uint32_t node, std::span<const std::byte> in) {
         const std::vector<uint32_t> from = ranksOn(c, node);
         uint64_t expected = 0;
-        for (uint32_t q : from) expected += t.shardBytes(q);
+        for (uint32_t q : from) expected += t.sentBytes(q);
         if (in.size() != expected) {
           fail(ErrorCode::kProtocol, "ag-gemm: node {} sent {} bytes of A shards, expected {}", node, in.size(),
                expected);
@@ -97,9 +97,8 @@ void HostStaging::agGemmStaged(Collective& c) {
         k::CudaDeviceGuard guard(leadDev);
         uint64_t off = 0;
         for (uint32_t q : from) {
-          copyAsync(t.gathered[lead] + rowOffset(t.m, q, t.n) * t.rowBytes, in.data() + off, t.shardBytes(q),
-                    gpu(leadDev).copy.get(), "inbox to gathered A");
-          off += t.shardBytes(q);
+          t.placeSent(lead, q, in.data() + off, gpu(leadDev).copy.get());
+          off += t.sentBytes(q);
         }
         syncStream(leadDev, gpu(leadDev).copy.get(), "inbox to gathered A");  // the inbox is free once we return
       },
@@ -112,6 +111,12 @@ void HostStaging::agGemmStaged(Collective& c) {
     for (auto [first, rows] : remote) {
       copyAsync(t.gathered[r] + first * t.rowBytes, t.gathered[lead] + first * t.rowBytes, rows * t.rowBytes,
                 gpu(deviceOf(r)).copy.get(), "remote shards to gathered A");
+    }
+    // FP8: the remote ranks' scales too (every scales region has the same layout).
+    for (uint32_t q = 0; t.fp8 && q < t.n; ++q) {
+      if (c.ops[q].local()) continue;
+      copyAsync(t.scales[r] + t.scaleOff[q], t.scales[lead] + t.scaleOff[q], t.scaleOff[q + 1] - t.scaleOff[q],
+                gpu(deviceOf(r)).copy.get(), "remote scales to a local rank");
     }
   }
   copiesThenCompute(t.devices);
