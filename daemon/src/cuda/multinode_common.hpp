@@ -101,28 +101,21 @@ struct GemmCall {
   uint64_t rows = 0, cols = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
 };
 
-inline void gemm(const GemmCall& g, cudaStream_t stream, const char* what) {
-  const auto dt = g.dtype == DType::kBF16 ? kernels::GemmDtype::kBf16 : kernels::GemmDtype::kFp16;
+// Runs launch(), a GEMM core's launch, with its std::runtime_error as Error(kCuda) naming `core` and `what`.
+template <class Launch>
+void launchCore(const char* core, const char* what, Launch&& launch) {
   try {
-    if (g.layout == GemmOperands::kNT) {
-      kernels::GemmParams p{};
-      p.a = g.a;
-      p.b = g.b;
-      p.c = g.c;
-      p.m = static_cast<int64_t>(g.rows);
-      p.n = static_cast<int64_t>(g.cols);
-      p.k = static_cast<int64_t>(g.k);
-      p.lda = static_cast<int64_t>(g.lda);
-      p.ldb = static_cast<int64_t>(g.ldb);
-      p.ldc = static_cast<int64_t>(g.ldc);
-      p.dtype = dt;
-      kernels::launchGemm(p, stream);
-      return;
-    }
-    kernels::GemmLayoutParams p{};
-    p.layout = g.layout == GemmOperands::kNN ? kernels::GemmLayout::kAB : kernels::GemmLayout::kAtB;
-    p.dtype = dt;
-    p.out = kernels::GemmOut::kInput;
+    launch();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(ErrorCode::kCuda, "{} ({}): {}", core, what, e.what());
+  }
+}
+
+inline void gemm(const GemmCall& g, cudaStream_t stream, const char* what) {
+  auto fill = [&g](auto& p) {  // the fields GemmParams and GemmLayoutParams share
+    p.dtype = g.dtype == DType::kBF16 ? kernels::GemmDtype::kBf16 : kernels::GemmDtype::kFp16;
     p.a = g.a;
     p.b = g.b;
     p.c = g.c;
@@ -132,24 +125,26 @@ inline void gemm(const GemmCall& g, cudaStream_t stream, const char* what) {
     p.lda = static_cast<int64_t>(g.lda);
     p.ldb = static_cast<int64_t>(g.ldb);
     p.ldc = static_cast<int64_t>(g.ldc);
+  };
+  launchCore("GEMM core", what, [&] {
+    if (g.layout == GemmOperands::kNT) {
+      kernels::GemmParams p{};
+      fill(p);
+      kernels::launchGemm(p, stream);
+      return;
+    }
+    kernels::GemmLayoutParams p{};
+    fill(p);
+    p.layout = g.layout == GemmOperands::kNN ? kernels::GemmLayout::kAB : kernels::GemmLayout::kAtB;
+    p.out = kernels::GemmOut::kInput;
     const kernels::GemmLayoutPlan plan = kernels::gemmLayoutPlanWithin(p);  // no workspace: no K splits
     kernels::launchGemmLayout(p, stream, &plan);
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    fail(ErrorCode::kCuda, "GEMM core ({}): {}", what, e.what());
-  }
+  });
 }
 
 // The FP8 GEMM core (gemm_fp8.hpp) on `stream`, its failures as gemm()'s.
 inline void fp8Gemm(const kernels::GemmFp8Params& p, cudaStream_t stream, const char* what) {
-  try {
-    kernels::launchGemmFp8(p, stream);
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    fail(ErrorCode::kCuda, "FP8 GEMM core ({}): {}", what, e.what());
-  }
+  launchCore("FP8 GEMM core", what, [&] { kernels::launchGemmFp8(p, stream); });
 }
 
 // ag-gemm with FP8 inputs: where each rank's A scales go in a local rank's scales region, n + 1 offsets (the last is
