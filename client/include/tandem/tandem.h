@@ -252,7 +252,7 @@ typedef enum tandem_gemm_layout {
  *     a_scale[p/128][i]; b_scale is [ceil(n/128), ceil(k/128)], op(b)[j][p] scaled by b_scale[j/128][p/128].
  *     rows: this rank's rows of a (ag-gemm's shard, m for gemm-rs/ar); k: this rank's k (gemm-rs/ar: its slice).
  * Other dtypes take out_dtype 0 (or dtype), scaling 0 and no scales. Both backends run FP8 inputs on one node and
- * across nodes (there gemm-rs/ar in nt on the cuda backend's GPUs, the rest on its host reference path). The cuda
+ * across nodes (there in nt on the cuda backend's GPUs, other layouts on its host reference path). The cuda
  * backend runs them on one node on its FP8 GEMM core in
  * TANDEM_GEMM_NT only (fp8 tensor cores read K-major operands: NN and TN are refused, transpose when quantizing), with
  * k (gemm-rs/ar: this rank's slice) a multiple of 16 and, for block scales read in place (gemm-rs/ar, ag-gemm on one
