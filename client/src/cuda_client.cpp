@@ -541,12 +541,23 @@ bool CommGpu::check(const OpDescriptor& d, const DevicePointers& ptrs, void* str
   return captured;
 }
 
-void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
-  // The caller's stream is on the communicator's device nearly always: switch (and restore) only when it is not.
+namespace {
+// Whether an enqueue must make the communicator's device current (and restore the caller's after). The caller's stream
+// is on it nearly always, so the common case costs two lookups; but a thread that has made no CUDA runtime call yet
+// (PyTorch's autograd threads run the backward's ops, for instance) has no context current while cudaGetDevice answers
+// 0, and the stream memops (driver calls) would then fail with CUDA_ERROR_INVALID_CONTEXT on device 0.
+bool mustSwitchTo(int device) {
   int current = -1;
   checkCuda(cudaGetDevice(&current), "cudaGetDevice");
+  CUcontext ctx = nullptr;
+  checkCuda(k::driver().ctxGetCurrent(&ctx), "cuCtxGetCurrent");
+  return current != device || ctx == nullptr;
+}
+}  // namespace
+
+void CommGpu::enqueue(const OpDescriptor& d, const DevicePointers& ptrs, uint64_t e, void* stream) {
   std::optional<k::CudaDeviceGuard> guard;
-  if (current != device_) guard.emplace(device_);
+  if (mustSwitchTo(device_)) guard.emplace(device_);
   std::optional<std::array<uint64_t, k::kPageRanks>> rows;
   if (mode_ == Mode::kClient && d.nranks > 1 && k::gpuOp(d.kind).needsRankRows) rows = waitRankRows(d, e);
   const std::span<const uint64_t> rankRows = rows ? std::span<const uint64_t>(rows->data(), d.nranks)
@@ -573,10 +584,8 @@ std::optional<std::array<uint64_t, k::kPageRanks>> CommGpu::waitRankRows(const O
 }
 
 void CommGpu::enqueueCaptured(const OpDescriptor& d, const DevicePointers& ptrs, void* stream) {
-  int current = -1;
-  checkCuda(cudaGetDevice(&current), "cudaGetDevice");
   std::optional<k::CudaDeviceGuard> guard;
-  if (current != device_) guard.emplace(device_);
+  if (mustSwitchTo(device_)) guard.emplace(device_);
   page_.markDeviceEpochs();  // tandemd: a rank that leaves now aborts the others (their replays may wait for it)
   strategy_->enqueueCaptured(d, ptrs, epoch, static_cast<CUstream>(stream));
   if (k::isMoeOp(d.kind)) capturedMoe_[d.kind] = d;

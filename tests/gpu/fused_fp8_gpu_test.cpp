@@ -18,14 +18,6 @@ namespace {
 
 constexpr int kRepeats = 5;
 
-// The FP8 core's accuracy against the fp64 product of the dequantized inputs (tests/gpu/gemm_fp8_test.cpp's bounds):
-// bf16 c rounds at 2^-9; fp32 c carries the tensor cores' fp8 accumulator of about 14 mantissa bits, for one k-block
-// with block scaling (promoted to fp32 every 128 k), over the whole K per tensor. Not the reference's fp32 1e-5, which
-// the cpu backend's fp32 GEMM meets.
-double fp8CoreTolerance(const GemmCase& c) {
-  return c.outDtype == DType::kF32 && c.blockScale ? 2e-3 : 1e-2;
-}
-
 // Every op in both formats, both scalings and both output dtypes at a shape off every tile (k = 17 x 16 per rank: a
 // last k-block of 16; n = 264: a last column tile of 8; m = 300: 75 rows a rank at 4 ranks), then a shape of many
 // tiles, a row count that splits unevenly (ag-gemm at 2 and 4 ranks), and small m.
@@ -49,7 +41,7 @@ std::vector<GemmCase> fp8Cases(uint32_t nranks) {
     v.push_back({kind, GemmOperands::kNT, DType::kF8E4M3, 4, 1024, kUnit * 32, DType::kBF16, true});
     v.push_back({kind, GemmOperands::kNT, DType::kF8E4M3, 1, 520, kUnit * 8, DType::kF32, false});
   }
-  for (GemmCase& c : v) c.tolerance = fp8CoreTolerance(c);
+  for (GemmCase& c : v) c.tolerance = fp8CoreTolerance(c.outDtype, c.blockScale);
   return v;
 }
 

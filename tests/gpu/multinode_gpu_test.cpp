@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "gpu_harness.hpp"
+#include "rank_buffers.hpp"
 #include "submit_op.hpp"
 #include "tandem/common/gpu_uuid.hpp"
 #include "tandem/common/reference.hpp"
@@ -234,8 +235,11 @@ struct OpRun {
       }
       slots[i] = host[rank][i].empty() ? nullptr : host[rank][i].data();
     }
-    const ref::Comparison cmp = ref::compareRank(descs[rank], slots, want);
-    return cmp.ok ? std::string() : fmt::format("{} (relative error {:.3g})", cmp.detail, cmp.relError);
+    const OpDescriptor& d = descs[rank];
+    const double tolerance = tandem::isFp8(d.dtype) ? fp8CoreTolerance(tandem::gemmOutDtype(d.dtype, d.flags),
+                                                                       (d.flags & tandem::kFlagFp8BlockScale) != 0)
+                                                    : 0;
+    return compareWithin(d, slots, want, tolerance);
   }
 };
 

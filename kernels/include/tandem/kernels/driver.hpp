@@ -37,6 +37,7 @@ struct DriverApi {
   CUresult (*getErrorString)(CUresult, const char**);
   CUresult (*deviceGet)(CUdevice*, int);
   CUresult (*devicePrimaryCtxGetState)(CUdevice, unsigned int*, int*);
+  CUresult (*ctxGetCurrent)(CUcontext*);
   CUresult (*deviceGetAttribute)(int*, CUdevice_attribute, CUdevice);
   CUresult (*memGetHandleForAddressRange)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
   PFN_cuTensorMapEncodeTiled_v12000 tensorMapEncodeTiled;
@@ -80,6 +81,7 @@ inline const DriverApi& driver() {
     loadDriverEntryPoint(a.getErrorString, "cuGetErrorString");
     loadDriverEntryPoint(a.deviceGet, "cuDeviceGet");
     loadDriverEntryPoint(a.devicePrimaryCtxGetState, "cuDevicePrimaryCtxGetState");
+    loadDriverEntryPoint(a.ctxGetCurrent, "cuCtxGetCurrent");
     loadDriverEntryPoint(a.deviceGetAttribute, "cuDeviceGetAttribute");
     loadDriverEntryPoint(a.memGetHandleForAddressRange, "cuMemGetHandleForAddressRange");
     loadDriverEntryPoint(a.tensorMapEncodeTiled, "cuTensorMapEncodeTiled");
