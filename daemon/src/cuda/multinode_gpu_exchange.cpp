@@ -11,6 +11,8 @@
 #include "cuda/cuda_multinode.hpp"
 #include "cuda/multinode_common.hpp"
 #include "tandem/kernels/driver.hpp"
+#include "tandem/kernels/gemm_fp8.hpp"
+#include "tandem/kernels/gemm_layouts.hpp"
 #include "tandem/kernels/preload.hpp"
 #include "tandem/kernels/span_exchange.hpp"
 
@@ -33,6 +35,8 @@ GpuRegion& HostStaging::gpuRegion(Collective& c) {
   for (auto& [device, g] : gpus_) {
     k::preloadSpanExchangeKernels(device);
     k::preloadGemmKernels(device);
+    k::preloadGemmLayoutKernels(device);  // nn, tn
+    k::preloadGemmFp8Kernels(device);
   }
   Cluster& cluster = c.link->cluster();
   const DaemonConfig& config = cluster.config();
