@@ -87,9 +87,10 @@ inline std::string layoutSuffix(GemmOperands layout) {
   return layout == GemmOperands::kNT ? std::string() : fmt::format(" layout {}", gemmLayoutName(layout));
 }
 
-// One GEMM of the GEMM core: C[rows, cols] (row stride ldc) = op(A) · op(B) in `layout` (descriptor.hpp's operands,
-// row strides lda and ldb in elements), on `stream` (its device current). NT runs on the forward core (launchGemm),
-// NN and TN on the layouts core without a split-K workspace (so every result is bitwise repeatable). Its
+// One GEMM: C[rows, cols] (row stride ldc) = op(A) · op(B) in `layout` (descriptor.hpp's operands, row strides lda and
+// ldb in elements), on `stream` (its device current). 16-bit NT runs on the forward core (launchGemm), NN and TN on the
+// layouts core without a split-K workspace (so every result is bitwise repeatable); FP8 inputs (NT only) on the FP8
+// core with their scales (block scales: scaleA [ceil(k/128), ldsa]) and C in `out` (bf16 or fp32). A launch's
 // std::runtime_error becomes Error(kCuda): past the checks of fallbackReason only CUDA itself refuses a launch, and the
 // node must then leave the communicator.
 struct GemmCall {
@@ -99,23 +100,16 @@ struct GemmCall {
   const std::byte* b = nullptr;
   std::byte* c = nullptr;
   uint64_t rows = 0, cols = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  // FP8 inputs only.
+  DType out = DType::kBF16;
+  bool blockScale = false;
+  const float* scaleA = nullptr;
+  const float* scaleB = nullptr;
+  uint64_t ldsa = 0;
 };
 
-// Runs launch(), a GEMM core's launch, with its std::runtime_error as Error(kCuda) naming `core` and `what`.
-template <class Launch>
-void launchCore(const char* core, const char* what, Launch&& launch) {
-  try {
-    launch();
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    fail(ErrorCode::kCuda, "{} ({}): {}", core, what, e.what());
-  }
-}
-
 inline void gemm(const GemmCall& g, cudaStream_t stream, const char* what) {
-  auto fill = [&g](auto& p) {  // the fields GemmParams and GemmLayoutParams share
-    p.dtype = g.dtype == DType::kBF16 ? kernels::GemmDtype::kBf16 : kernels::GemmDtype::kFp16;
+  auto fill = [&g](auto& p) {  // the fields every core's params share
     p.a = g.a;
     p.b = g.b;
     p.c = g.c;
@@ -126,25 +120,37 @@ inline void gemm(const GemmCall& g, cudaStream_t stream, const char* what) {
     p.ldb = static_cast<int64_t>(g.ldb);
     p.ldc = static_cast<int64_t>(g.ldc);
   };
-  launchCore("GEMM core", what, [&] {
-    if (g.layout == GemmOperands::kNT) {
+  const auto dt = g.dtype == DType::kF16 ? kernels::GemmDtype::kFp16 : kernels::GemmDtype::kBf16;
+  try {
+    if (isFp8(g.dtype)) {
+      kernels::GemmFp8Params p{};
+      fill(p);
+      p.aFormat = p.bFormat = g.dtype == DType::kF8E5M2 ? kernels::Fp8Format::kE5M2 : kernels::Fp8Format::kE4M3;
+      p.scaling = g.blockScale ? kernels::Fp8Scaling::kBlock : kernels::Fp8Scaling::kPerTensor;
+      p.out = g.out == DType::kF32 ? kernels::Fp8Out::kFp32 : kernels::Fp8Out::kBf16;
+      p.scaleA = g.scaleA;
+      p.scaleB = g.scaleB;
+      p.ldsa = static_cast<int64_t>(g.ldsa);
+      kernels::launchGemmFp8(p, stream);
+    } else if (g.layout == GemmOperands::kNT) {
       kernels::GemmParams p{};
       fill(p);
+      p.dtype = dt;
       kernels::launchGemm(p, stream);
-      return;
+    } else {
+      kernels::GemmLayoutParams p{};
+      fill(p);
+      p.dtype = dt;
+      p.layout = g.layout == GemmOperands::kNN ? kernels::GemmLayout::kAB : kernels::GemmLayout::kAtB;
+      p.out = kernels::GemmOut::kInput;
+      const kernels::GemmLayoutPlan plan = kernels::gemmLayoutPlanWithin(p);  // no workspace: no K splits
+      kernels::launchGemmLayout(p, stream, &plan);
     }
-    kernels::GemmLayoutParams p{};
-    fill(p);
-    p.layout = g.layout == GemmOperands::kNN ? kernels::GemmLayout::kAB : kernels::GemmLayout::kAtB;
-    p.out = kernels::GemmOut::kInput;
-    const kernels::GemmLayoutPlan plan = kernels::gemmLayoutPlanWithin(p);  // no workspace: no K splits
-    kernels::launchGemmLayout(p, stream, &plan);
-  });
-}
-
-// The FP8 GEMM core (gemm_fp8.hpp) on `stream`, its failures as gemm()'s.
-inline void fp8Gemm(const kernels::GemmFp8Params& p, cudaStream_t stream, const char* what) {
-  launchCore("FP8 GEMM core", what, [&] { kernels::launchGemmFp8(p, stream); });
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(ErrorCode::kCuda, "{}GEMM core ({}): {}", isFp8(g.dtype) ? "FP8 " : "", what, e.what());
+  }
 }
 
 // ag-gemm with FP8 inputs: where each rank's A scales go in a local rank's scales region, n + 1 offsets (the last is

@@ -185,25 +185,6 @@ void HostStaging::gemmRows(const AgGemmTensors& t, const RowRuns& runs) {
     k::CudaDeviceGuard guard(dev);
     cudaStream_t cs = gpu(dev).compute.get();
     for (const Piece& pc : pieces) {
-      if (t.fp8) {  // layout NT (gemmCoreRefusal)
-        k::GemmFp8Params p{};
-        p.aFormat = p.bFormat = t.dtype == DType::kF8E5M2 ? k::Fp8Format::kE5M2 : k::Fp8Format::kE4M3;
-        p.scaling = t.block ? k::Fp8Scaling::kBlock : k::Fp8Scaling::kPerTensor;
-        p.out = t.ces == sizeof(float) ? k::Fp8Out::kFp32 : k::Fp8Out::kBf16;
-        p.a = t.gathered[r] + pc.first * t.rowBytes;
-        p.b = t.b[r];
-        p.c = t.c[r] + pc.first * t.cols * t.ces;
-        p.scaleA = reinterpret_cast<const float*>(t.scales[r] + t.scaleOff[pc.rank]);
-        p.scaleB = reinterpret_cast<const float*>(t.bScale[r]);
-        p.m = static_cast<int64_t>(pc.rows);
-        p.n = static_cast<int64_t>(t.cols);
-        p.k = static_cast<int64_t>(t.kk);
-        p.lda = p.ldb = p.k;
-        p.ldc = static_cast<int64_t>(t.cols);
-        p.ldsa = k::gemmFp8ScaleALd(p.m);
-        fp8Gemm(p, cs, "ag-gemm");
-        continue;
-      }
       GemmCall g;
       g.layout = t.layout;
       g.dtype = t.dtype;
@@ -216,6 +197,13 @@ void HostStaging::gemmRows(const AgGemmTensors& t, const RowRuns& runs) {
       g.lda = t.layout == GemmOperands::kTN ? pc.rows : t.kk;
       g.ldb = t.layout == GemmOperands::kNT ? t.kk : t.cols;
       g.ldc = t.cols;
+      if (t.fp8) {  // layout NT (gemmCoreRefusal); the shard's own scales
+        g.out = t.ces == sizeof(float) ? DType::kF32 : DType::kBF16;
+        g.blockScale = t.block;
+        g.scaleA = reinterpret_cast<const float*>(t.scales[r] + t.scaleOff[pc.rank]);
+        g.scaleB = reinterpret_cast<const float*>(t.bScale[r]);
+        g.ldsa = static_cast<uint64_t>(k::gemmFp8ScaleALd(static_cast<int64_t>(pc.rows)));
+      }
       gemm(g, cs, "ag-gemm");
     }
   }
@@ -299,28 +287,6 @@ void HostStaging::partialRows(const Collective& c, const ReduceTensors& t, uint3
     return;
   }
   const ReduceTensors::Inputs& in = t.inputs.at(r);
-  if (isFp8(t.dtype)) {  // layout NT (gemmCoreRefusal): A [m, k] and B [n, k] in fp8 bytes, an fp32 partial
-    const bool block = (c.ops[r].desc.flags & kFlagFp8BlockScale) != 0;
-    const auto format = t.dtype == DType::kF8E5M2 ? k::Fp8Format::kE5M2 : k::Fp8Format::kE4M3;
-    k::GemmFp8Params p{};
-    p.aFormat = p.bFormat = format;
-    p.scaling = block ? k::Fp8Scaling::kBlock : k::Fp8Scaling::kPerTensor;
-    p.out = k::Fp8Out::kFp32;
-    p.a = in.a + r0 * kr;
-    p.b = in.b;
-    p.c = partial;
-    // a_scale [ceil(k/128), m]: rows r0.. start r0 floats in (r0 a multiple of 8, m of 4: 16-byte aligned).
-    p.scaleA = block ? in.aScale + r0 : in.aScale;
-    p.scaleB = in.bScale;
-    p.m = static_cast<int64_t>(r1 - r0);
-    p.n = static_cast<int64_t>(t.cols);
-    p.k = static_cast<int64_t>(kr);
-    p.lda = p.ldb = p.k;
-    p.ldc = static_cast<int64_t>(t.ldp);
-    p.ldsa = static_cast<int64_t>(t.m);
-    fp8Gemm(p, cs, t.name);
-    return;
-  }
   // Rows r0.. of op(A): rows of the stored [m, k] in NT and NN, columns of the stored [k, m] in TN.
   const bool tn = t.layout == GemmOperands::kTN;
   GemmCall g;
@@ -335,6 +301,14 @@ void HostStaging::partialRows(const Collective& c, const ReduceTensors& t, uint3
   g.lda = tn ? t.m : kr;
   g.ldb = t.layout == GemmOperands::kNT ? kr : t.cols;
   g.ldc = t.ldp;
+  if (isFp8(t.dtype)) {  // layout NT (gemmCoreRefusal): an fp32 partial
+    g.out = DType::kF32;
+    g.blockScale = (c.ops[r].desc.flags & kFlagFp8BlockScale) != 0;
+    // a_scale [ceil(k/128), m]: rows r0.. start r0 floats in (r0 a multiple of 8, m of 4: 16-byte aligned).
+    g.scaleA = g.blockScale ? in.aScale + r0 : in.aScale;
+    g.scaleB = in.bScale;
+    g.ldsa = t.m;
+  }
   gemm(g, cs, t.name);
 }
 
